@@ -1,0 +1,348 @@
+"""The hook API: capture self-attention inputs of a model, and ``dump()`` from anywhere.
+
+Example::
+
+    import dumper
+    with dumper.capture(model, "dumps/a", layers="all"):
+        model(input_ids)                      # one forward pass
+        dumper.dump("my.tensor", x, layer=3)  # explicit record into the same capture
+
+Every top-level ``model(...)`` call is one forward pass; ``dumper.step()`` delimits passes by
+hand. Hooks are removed on exit, also when the body raises; the manifest is written only on
+a clean exit, so an interrupted run never looks complete.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime as _dt
+import json
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from .errors import DumpError, UsageError
+from .fingerprint import environment_fingerprint, model_identity
+from .format import (
+    FORMAT_VERSION,
+    MANIFEST_NAME,
+    Manifest,
+    TensorRecord,
+    encode_runs,
+    write_json_atomic,
+    write_manifest,
+)
+from .layers import find_targets
+from .settings import env_settings
+from .writer import ShardWriter
+
+__all__ = ["Capture", "capture", "dump", "step", "active_capture", "ATTN_INPUT"]
+
+ATTN_INPUT = "input"
+"""Capture point of a hooked module's input hidden states (name suffix ``.input``)."""
+
+_ACTIVE: Capture | None = None
+_ENV_DIR: str | None = env_settings().dump_dir
+_STORAGE = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+            torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+            torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+def _dist_rank_world() -> tuple[int, int]:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+def _as_runs(values: Any, rows: int, what: str) -> list[list[int]] | None:
+    if values is None:
+        return None
+    arr = values.detach().reshape(-1).cpu().numpy() if isinstance(values, torch.Tensor) else np.asarray(values).reshape(-1)
+    if arr.size != rows:
+        raise UsageError(f"{what} has {arr.size} entries but the tensor has {rows} rows")
+    return encode_runs(arr.tolist(), step=1 if what == "positions" else 0)
+
+
+class Capture:
+    """A scoped capture into one dump directory; use :func:`capture` to create it.
+
+    ``model`` may be ``None``: then only explicit :func:`dump` calls record.
+    """
+
+    def __init__(self, model: nn.Module | None, out_dir: str | Path, *, layers: str | Sequence[int] | None = None,
+                 modules: str | None = None, model_name: str | None = None,
+                 shard_bytes: int = 512 << 20, extra: dict[str, Any] | None = None) -> None:
+        self.model = model
+        self.out_dir = Path(out_dir)
+        self.rank, self.world_size = _dist_rank_world()
+        self.extra = dict(extra or {})
+        self._shard_bytes = shard_bytes
+        self._targets, self._num_layers = (find_targets(model, layers=layers, modules=modules)
+                                           if model is not None else ([], 0))
+        self._model_name = model_name
+        self._handles: list[Any] = []
+        self._records: list[TensorRecord] = []
+        self._writer: ShardWriter | None = None
+        self._pass_count = 0
+        self._cur_pass: int | None = None
+        self._calls: dict[str, int] = {}
+        self._depth = 0
+        self._rows_ctx: tuple[tuple[int, ...], np.ndarray | None, np.ndarray] | None = None
+        self._sequence_ids: list[int] | None = None
+        self._next_seq = 0
+        self._prev_active: Capture | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def __enter__(self) -> Capture:
+        global _ACTIVE
+        if (self.out_dir / MANIFEST_NAME).exists():
+            raise DumpError(f"{self.out_dir}: already holds a complete dump; choose another directory")
+        try:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise DumpError(f"{self.out_dir}: cannot create dump directory ({e.strerror})") from None
+        stale = [p.name for p in self.out_dir.glob(f"r{self.rank}-p*.safetensors")]
+        if stale:
+            raise DumpError(f"{self.out_dir}: holds data files of an unfinished dump ({stale[0]}, ...); "
+                            "delete them or choose another directory")
+        self._writer = ShardWriter(self.out_dir, self.rank, shard_bytes=self._shard_bytes)
+        try:
+            if self.model is not None:
+                self._handles.append(self.model.register_forward_pre_hook(self._on_model_start, with_kwargs=True))
+                self._handles.append(self.model.register_forward_hook(self._on_model_end, always_call=True))
+                for target in self._targets:
+                    self._handles.append(target.module.register_forward_pre_hook(
+                        self._make_input_hook(target.name, target.layer), with_kwargs=True))
+        except BaseException:
+            self._remove_hooks()
+            raise
+        self._prev_active, _ACTIVE = _ACTIVE, self
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        global _ACTIVE
+        try:
+            self._remove_hooks()
+        finally:
+            _ACTIVE = self._prev_active
+            self._finish(complete=exc_type is None)
+
+    def close(self) -> None:
+        """Finish an un-scoped capture (used for ``DRIFTSCOPE_DUMP_DIR``)."""
+        self.__exit__(None, None, None)
+
+    def _remove_hooks(self) -> None:
+        while self._handles:
+            self._handles.pop().remove()
+
+    def _finish(self, *, complete: bool) -> None:
+        if self._writer is None:
+            return
+        self.step()
+        writer, self._writer = self._writer, None
+        writer.close()
+        if not complete:
+            return
+        records = tuple(replace(r, file=writer.locations[(r.forward_pass, r.key)]) for r in self._records)
+        part = {"files": writer.files, "tensors": [r.to_json() for r in records]}
+        if self.world_size > 1:
+            write_json_atomic(self.out_dir / f"index-r{self.rank}.json", part)
+            torch.distributed.barrier()
+            if self.rank == 0:
+                self._write_merged_manifest()
+            torch.distributed.barrier()
+        else:
+            self._write_manifest(writer.files, records)
+
+    def _write_merged_manifest(self) -> None:
+        files: dict[str, int] = {}
+        records: list[TensorRecord] = []
+        for r in range(self.world_size):
+            part = json.loads((self.out_dir / f"index-r{r}.json").read_text())
+            files.update(part["files"])
+            records.extend(TensorRecord.from_json(t) for t in part["tensors"])
+        self._write_manifest(files, tuple(records))
+
+    def _write_manifest(self, files: dict[str, int], records: tuple[TensorRecord, ...]) -> None:
+        device = next((p.device for p in self.model.parameters()), None) if self.model is not None else None
+        dtype = next((str(p.dtype).replace("torch.", "") for p in self.model.parameters()), None) \
+            if self.model is not None else None
+        attn = getattr(getattr(self.model, "config", None), "_attn_implementation", None)
+        signature = {
+            "layers": sorted({t.layer for t in self._targets if t.layer is not None}),
+            "modules": [t.name for t in self._targets],
+            "points": [ATTN_INPUT] if self._targets else [],
+            "num_layers": self._num_layers,
+            "world_size": self.world_size,
+            "dtype": dtype,
+        }
+        manifest = Manifest(
+            format_version=FORMAT_VERSION,
+            created_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            model=model_identity(self.model, self._model_name),
+            capture_signature=signature,
+            environment=environment_fingerprint(device, attn),
+            files=dict(sorted(files.items())),
+            tensors=records,
+            extra=self.extra,
+        )
+        write_manifest(self.out_dir, manifest)
+
+    # -- forward passes --------------------------------------------------------------------
+    def step(self) -> None:
+        """End the current forward pass; the next record starts a new one."""
+        if self._cur_pass is not None and self._writer is not None:
+            self._writer.end_pass()
+        self._cur_pass = None
+        self._calls.clear()
+
+    def set_sequence_ids(self, ids: Sequence[int] | None) -> None:
+        """Sequence id of each batch row for the following passes (``None``: number them anew)."""
+        self._sequence_ids = None if ids is None else [int(i) for i in ids]
+
+    def _start_pass(self) -> int:
+        self.step()
+        self._cur_pass = self._pass_count
+        self._pass_count += 1
+        return self._cur_pass
+
+    def _on_model_start(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        self._depth += 1
+        if self._depth == 1:
+            self._start_pass()
+            self._rows_ctx = self._row_context(args, kwargs)
+
+    def _on_model_end(self, module: nn.Module, args: tuple, output: Any) -> None:
+        self._depth = max(0, self._depth - 1)
+        if self._depth == 0:
+            self._rows_ctx = None
+            self.step()
+
+    def _row_context(self, args: tuple, kwargs: dict) -> tuple[tuple[int, ...], np.ndarray | None, np.ndarray] | None:
+        """(batch, seq) shape, absolute positions [B, S] and sequence ids [B] of this pass."""
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        embeds = kwargs.get("inputs_embeds")
+        ref = ids if isinstance(ids, torch.Tensor) else embeds
+        if not isinstance(ref, torch.Tensor) or ref.dim() < 2:
+            return None
+        batch, seq = int(ref.shape[0]), int(ref.shape[1])
+        positions = None
+        for key in ("position_ids", "cache_position"):
+            value = kwargs.get(key)
+            if isinstance(value, torch.Tensor) and value.shape[-1] == seq:
+                positions = value.detach().reshape(-1, seq).expand(batch, seq).cpu().numpy()
+                break
+        if positions is None:
+            cache = kwargs.get("cache", kwargs.get("past_key_values"))
+            past = int(cache.get_seq_length()) if hasattr(cache, "get_seq_length") else 0
+            positions = np.broadcast_to(np.arange(past, past + seq, dtype=np.int64), (batch, seq))
+        if self._sequence_ids is not None and len(self._sequence_ids) == batch:
+            seq_ids = np.asarray(self._sequence_ids, dtype=np.int64)
+        else:
+            seq_ids = np.arange(self._next_seq, self._next_seq + batch, dtype=np.int64)
+            self._next_seq += batch
+        return (batch, seq), positions, seq_ids
+
+    def _make_input_hook(self, name: str, layer: int | None):
+        point_name = f"{name}.{ATTN_INPUT}"
+
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            hidden = kwargs.get("hidden_states", args[0] if args else None)
+            if not isinstance(hidden, torch.Tensor):
+                return
+            positions = sequence_ids = None
+            ctx = self._rows_ctx
+            if ctx is not None and tuple(hidden.shape[:2]) == ctx[0] and hidden.dim() == 3:
+                (batch, seq), pos, sids = ctx
+                pos_kw = kwargs.get("position_ids")
+                if isinstance(pos_kw, torch.Tensor) and pos_kw.shape[-1] == seq:
+                    pos = pos_kw.detach().reshape(-1, seq).expand(batch, seq).cpu().numpy()
+                positions = pos
+                sequence_ids = np.repeat(sids, seq)
+            self.record(point_name, hidden, layer=layer, point=ATTN_INPUT,
+                        positions=positions, sequence_ids=sequence_ids)
+
+        return hook
+
+    # -- recording -------------------------------------------------------------------------
+    def record(self, name: str, tensor: torch.Tensor, *, layer: int | None = None, point: str | None = None,
+               positions: Any = None, sequence_ids: Any = None, **meta: Any) -> None:
+        """Record one tensor into the current forward pass (starting one if needed)."""
+        if self._writer is None:
+            raise UsageError("capture is not active; use it as a context manager")
+        if not isinstance(tensor, torch.Tensor):
+            raise UsageError(f"dump({name!r}): expected a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.dtype not in _STORAGE:
+            raise UsageError(f"dump({name!r}): dtype {tensor.dtype} cannot be stored")
+        forward_pass = self._cur_pass if self._cur_pass is not None else self._start_pass()
+        call = self._calls.get(name, 0)
+        self._calls[name] = call + 1
+        key = name if call == 0 else f"{name}#{call}"
+        shape = tuple(int(s) for s in tensor.shape)
+        rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
+        self._writer.put(forward_pass, key, tensor)
+        self._records.append(TensorRecord(
+            name=name, file="", key=key, shape=shape, dtype=_STORAGE[tensor.dtype],
+            forward_pass=forward_pass, rank=self.rank, call=call, layer=layer, point=point,
+            positions=_as_runs(positions, rows, "positions"),
+            sequence_ids=_as_runs(sequence_ids, rows, "sequence_ids"),
+            meta={k: (v if isinstance(v, (str, int, float, bool, type(None))) else str(v)) for k, v in meta.items()},
+        ))
+
+
+def capture(model: nn.Module | None, out_dir: str | Path, *, layers: str | Sequence[int] | None = None,
+            modules: str | None = None, model_name: str | None = None, shard_bytes: int = 512 << 20,
+            extra: dict[str, Any] | None = None) -> Capture:
+    """Capture self-attention inputs of ``model`` into the dump directory ``out_dir``.
+
+    Args:
+        model: a HF causal LM (decoder layers are found automatically), any module with
+            ``modules=`` given, or ``None`` to record only explicit :func:`dump` calls.
+        out_dir: the dump directory; it must not already hold a dump.
+        layers: layer spec (default ``"first,last,every:8"``), see :func:`dumper.layers.parse_layer_spec`.
+        modules: fnmatch pattern(s) of module names to hook instead of the self-attention modules.
+        model_name: the model's name or path, recorded in the manifest.
+        shard_bytes: largest data file size before a forward pass is split into shards.
+        extra: free-form JSON metadata stored in the manifest (e.g. the prompts).
+    """
+    return Capture(model, out_dir, layers=layers, modules=modules, model_name=model_name,
+                   shard_bytes=shard_bytes, extra=extra)
+
+
+def active_capture() -> Capture | None:
+    """The capture that :func:`dump` records into now, if any."""
+    return _ACTIVE
+
+
+def _env_capture() -> Capture:
+    global _ENV_DIR
+    assert _ENV_DIR is not None
+    cap, _ENV_DIR = Capture(None, _ENV_DIR), None
+    cap.__enter__()
+    atexit.register(cap.close)
+    return cap
+
+
+def dump(name: str, tensor: torch.Tensor, **meta: Any) -> None:
+    """Record ``tensor`` under ``name`` into the active capture (or ``DRIFTSCOPE_DUMP_DIR``).
+
+    A no-op costing one function call when nothing is active. Keyword ``layer``, ``point``,
+    ``positions`` and ``sequence_ids`` are stored as row metadata; other keywords as free meta.
+    """
+    cap = _ACTIVE
+    if cap is None:
+        if _ENV_DIR is None:
+            return
+        cap = _env_capture()
+    cap.record(name, tensor, **meta)
+
+
+def step() -> None:
+    """End the active capture's current forward pass (for captures without a model)."""
+    if _ACTIVE is not None:
+        _ACTIVE.step()

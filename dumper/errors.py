@@ -1,0 +1,59 @@
+"""Exceptions shared by the dumper and the comparator.
+
+Two roots, as Polygraphy does it: :class:`DriftscopeError` is a *user* error (bad input,
+a broken dump, bad arguments) that the CLIs turn into one line on stderr and a distinct
+exit code; :class:`InternalError` is a bug in driftscope and is deliberately not its
+subclass, so it surfaces with a traceback.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "DriftscopeError",
+    "UsageError",
+    "DumpError",
+    "IncompleteDumpError",
+    "CorruptDumpError",
+    "NotComparableError",
+    "InternalError",
+    "EXIT_OK",
+    "EXIT_DIVERGED",
+    "EXIT_UNUSABLE",
+]
+
+EXIT_OK = 0
+"""Every matched tensor passed."""
+EXIT_DIVERGED = 1
+"""At least one matched tensor diverged."""
+EXIT_UNUSABLE = 2
+"""The input cannot be used: bad arguments, a broken dump, nothing to compare."""
+
+
+class DriftscopeError(Exception):
+    """An error the user can act on; the CLIs print ``str(err)`` and exit with ``exit_code``."""
+
+    exit_code: int = EXIT_UNUSABLE
+
+
+class UsageError(DriftscopeError):
+    """Bad arguments or options."""
+
+
+class DumpError(DriftscopeError):
+    """A dump directory cannot be read or written."""
+
+
+class IncompleteDumpError(DumpError):
+    """A dump directory without its manifest: the run never finished."""
+
+
+class CorruptDumpError(DumpError):
+    """A dump whose manifest or tensor files are unreadable, truncated or inconsistent."""
+
+
+class NotComparableError(DriftscopeError):
+    """Two dumps cannot be compared: nothing matched, or shapes cannot be aligned."""
+
+
+class InternalError(RuntimeError):
+    """A bug in driftscope (not a user error); never caught by the CLIs."""

@@ -1,0 +1,87 @@
+"""Who computed a dump: the environment fingerprint and the model identity.
+
+Logprobs and hidden states depend on the GPU model, kernels and torch version, so a dump
+records them; a baseline is only meaningful against a target from the same environment.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+from typing import Any
+
+import torch
+
+from . import __version__ as VERSION
+
+__all__ = ["environment_fingerprint", "model_identity", "config_hash", "weights_hash", "VERSION"]
+
+
+
+def environment_fingerprint(device: torch.device | str | None = None, attn_implementation: str | None = None) -> dict[str, Any]:
+    """Software and hardware facts that change numerics (torch, CUDA/cuDNN, device name, ...)."""
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    env: dict[str, Any] = {
+        "driftscope": VERSION,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "device_type": dev.type,
+        "attn_implementation": attn_implementation,
+    }
+    try:
+        import transformers
+
+        env["transformers"] = transformers.__version__
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        env["transformers"] = None
+    if dev.type == "cuda" and torch.cuda.is_available():
+        idx = dev.index if dev.index is not None else torch.cuda.current_device()
+        env["device_name"] = torch.cuda.get_device_name(idx)
+        env["cuda"] = torch.version.cuda
+        env["cudnn"] = torch.backends.cudnn.version()
+    else:
+        env["device_name"] = platform.processor() or platform.machine()
+        env["cuda"] = None
+        env["cudnn"] = None
+    return env
+
+
+def config_hash(config: Any) -> str | None:
+    """A stable hash of a HF config (``to_dict()``), ignoring fields that do not change numerics."""
+    if config is None:
+        return None
+    d = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    for k in ("_name_or_path", "transformers_version", "_attn_implementation", "attn_implementation",
+              "torch_dtype", "dtype", "_commit_hash", "architectures"):
+        d.pop(k, None)
+    blob = json.dumps(d, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def weights_hash(module: torch.nn.Module, *, max_bytes: int = 1 << 30) -> str | None:
+    """A hash of all parameters in float32, or ``None`` when the model is too big to hash cheaply."""
+    params = list(module.state_dict().items())
+    total = sum(p.numel() * 4 for _, p in params)
+    if total > max_bytes:
+        return None
+    h = hashlib.sha256()
+    for name, p in params:
+        h.update(name.encode())
+        h.update(p.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def model_identity(model: torch.nn.Module | None, name: str | None = None) -> dict[str, Any]:
+    """Model name/path plus config and weights hashes (weights only when cheap)."""
+    if model is None:
+        return {"name": name, "config_hash": None, "weights_hash": None}
+    config = getattr(model, "config", None)
+    return {
+        "name": name or getattr(config, "_name_or_path", None) or type(model).__name__,
+        "architecture": type(model).__name__,
+        "config_hash": config_hash(config),
+        "weights_hash": weights_hash(model),
+    }

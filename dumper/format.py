@@ -1,0 +1,354 @@
+"""The on-disk dump format: the one module the dumper writes with and the comparator reads with.
+
+A dump is a directory::
+
+    dump/
+      manifest.json                  # written last, atomically: its presence means "complete"
+      r0-p000000-000.safetensors     # rank 0, forward pass 0, shard 0
+      r0-p000001-000.safetensors
+      ...
+
+Tensors live in safetensors files (no pickle). Each data file is written under a temporary
+name, fsynced and renamed before the manifest that lists it is written, so a crash never
+leaves a manifest pointing at missing bytes. The manifest indexes every tensor with its
+canonical name, file, shape, dtype, layer index, forward-pass index, rank, and the absolute
+token position and sequence id of each row. Row metadata is run-length encoded
+(``[[start, count], ...]``) and decoded only here.
+
+Example::
+
+    from dumper.format import load_manifest, open_tensor
+    m = load_manifest("dumps/a")
+    for rec in m.tensors:
+        arr = open_tensor("dumps/a", rec)   # memory-mapped, raw storage dtype
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import tempfile
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .errors import CorruptDumpError, DumpError, IncompleteDumpError
+
+__all__ = [
+    "FORMAT_VERSION",
+    "MANIFEST_NAME",
+    "TensorRecord",
+    "Manifest",
+    "encode_runs",
+    "decode_runs",
+    "encode_positions",
+    "decode_positions",
+    "data_file_name",
+    "write_json_atomic",
+    "fsync_dir",
+    "load_manifest",
+    "write_manifest",
+    "open_tensor",
+    "STORAGE_DTYPES",
+    "to_float64",
+]
+
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+
+# safetensors dtype string -> numpy storage dtype (bfloat16 is stored as its raw uint16 bits)
+STORAGE_DTYPES: dict[str, np.dtype] = {
+    "F64": np.dtype("<f8"),
+    "F32": np.dtype("<f4"),
+    "F16": np.dtype("<f2"),
+    "BF16": np.dtype("<u2"),
+    "I64": np.dtype("<i8"),
+    "I32": np.dtype("<i4"),
+    "I16": np.dtype("<i2"),
+    "I8": np.dtype("i1"),
+    "U8": np.dtype("u1"),
+    "BOOL": np.dtype("?"),
+}
+
+
+def encode_runs(values: Iterable[int], *, step: int) -> list[list[int]]:
+    """Run-length encode integers as ``[start, count]`` runs of values growing by ``step``.
+
+    ``step=1`` suits token positions (0,1,2,... -> ``[[0, n]]``); ``step=0`` suits sequence
+    ids (7,7,7 -> ``[[7, 3]]``).
+    """
+    runs: list[list[int]] = []
+    for v in values:
+        v = int(v)
+        if runs and runs[-1][0] + runs[-1][1] * step == v:
+            runs[-1][1] += 1
+        else:
+            runs.append([v, 1])
+    return runs
+
+
+def decode_runs(runs: Sequence[Sequence[int]], *, step: int) -> np.ndarray:
+    """Inverse of :func:`encode_runs`: an int64 array with one value per row."""
+    parts = [start + step * np.arange(count, dtype=np.int64) for start, count in runs]
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+
+def encode_positions(values: Iterable[int]) -> list[list[int]]:
+    """Token positions per row, encoded as consecutive runs."""
+    return encode_runs(values, step=1)
+
+
+def decode_positions(runs: Sequence[Sequence[int]]) -> np.ndarray:
+    """Token positions per row, decoded."""
+    return decode_runs(runs, step=1)
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    """One captured tensor: where it is stored and what its rows mean.
+
+    ``positions`` / ``sequence_ids`` are run-length encoded over the rows of the tensor
+    viewed as ``[rows, shape[-1]]`` (``None`` when unknown). ``call`` numbers repeated
+    captures of the same name within one forward pass.
+    """
+
+    name: str
+    file: str
+    key: str
+    shape: tuple[int, ...]
+    dtype: str
+    forward_pass: int
+    rank: int = 0
+    call: int = 0
+    layer: int | None = None
+    point: str | None = None
+    positions: list[list[int]] | None = None
+    sequence_ids: list[list[int]] | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def rows(self) -> int:
+        """Number of rows when viewed as ``[rows, hidden]`` (1 for a 0-d or 1-d tensor)."""
+        return int(np.prod(self.shape[:-1], dtype=np.int64)) if len(self.shape) > 1 else 1
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * STORAGE_DTYPES[self.dtype].itemsize
+
+    def row_positions(self) -> np.ndarray | None:
+        return None if self.positions is None else decode_runs(self.positions, step=1)
+
+    def row_sequence_ids(self) -> np.ndarray | None:
+        return None if self.sequence_ids is None else decode_runs(self.sequence_ids, step=0)
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["shape"] = list(self.shape)
+        return d
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> TensorRecord:
+        d = dict(d)
+        d["shape"] = tuple(int(s) for s in d["shape"])
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """Everything a dump says about itself; ``capture_signature`` decides comparability."""
+
+    format_version: int
+    created_at: str
+    model: dict[str, Any]
+    capture_signature: dict[str, Any]
+    environment: dict[str, Any]
+    files: dict[str, int]
+    tensors: tuple[TensorRecord, ...]
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format_version": self.format_version,
+            "created_at": self.created_at,
+            "model": self.model,
+            "capture_signature": self.capture_signature,
+            "environment": self.environment,
+            "files": self.files,
+            "extra": self.extra,
+            "tensors": [t.to_json() for t in self.tensors],
+        }
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> Manifest:
+        return cls(
+            format_version=int(d["format_version"]),
+            created_at=str(d["created_at"]),
+            model=dict(d["model"]),
+            capture_signature=dict(d["capture_signature"]),
+            environment=dict(d["environment"]),
+            files={str(k): int(v) for k, v in d["files"].items()},
+            tensors=tuple(TensorRecord.from_json(t) for t in d["tensors"]),
+            extra=dict(d.get("extra", {})),
+        )
+
+
+def to_float64(a: np.ndarray, dtype: str) -> np.ndarray:
+    """Widen raw stored values (bfloat16 given as uint16 bits) to a contiguous float64 array."""
+    if dtype == "BF16":
+        a = (a.astype(np.uint32) << 16).view(np.float32)
+    return np.ascontiguousarray(a, dtype=np.float64)
+
+
+def data_file_name(rank: int, forward_pass: int, shard: int) -> str:
+    """Canonical data file name for one rank's shard of one forward pass."""
+    return f"r{rank}-p{forward_pass:06d}-{shard:03d}.safetensors"
+
+
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    """Flush a directory entry (a rename) to disk; a no-op where directories cannot be opened."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_json_atomic(path: str | os.PathLike[str], obj: Any) -> None:
+    """Write JSON to ``path`` via a fsynced temp file and an atomic rename."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(obj, f, indent=1, allow_nan=False)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def write_manifest(directory: str | os.PathLike[str], manifest: Manifest) -> None:
+    """Write the manifest last and atomically; the dump is complete once this returns."""
+    write_json_atomic(Path(directory) / MANIFEST_NAME, manifest.to_json())
+
+
+def load_manifest(directory: str | os.PathLike[str]) -> Manifest:
+    """Read and validate a dump's manifest.
+
+    Raises :class:`IncompleteDumpError` when the manifest is missing and
+    :class:`CorruptDumpError` when it is unreadable, of another format version, or lists a
+    data file that is missing or has the wrong size (a truncated write).
+    """
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise DumpError(f"{directory}: no such dump directory")
+    path = directory / MANIFEST_NAME
+    if not path.is_file():
+        raise IncompleteDumpError(
+            f"{directory}: incomplete dump (no {MANIFEST_NAME}; the run did not finish)"
+        )
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CorruptDumpError(f"{path}: unreadable manifest ({e})") from None
+    if not isinstance(raw, dict) or raw.get("format_version") != FORMAT_VERSION:
+        found = raw.get("format_version") if isinstance(raw, dict) else None
+        raise CorruptDumpError(
+            f"{path}: format version {found!r} is not supported (expected {FORMAT_VERSION})"
+        )
+    try:
+        manifest = Manifest.from_json(raw)
+    except (KeyError, TypeError, ValueError) as e:
+        raise CorruptDumpError(f"{path}: malformed manifest ({type(e).__name__}: {e})") from None
+    for rel, size in manifest.files.items():
+        fpath = directory / rel
+        if not fpath.is_file():
+            raise CorruptDumpError(f"{fpath}: data file listed in the manifest is missing")
+        actual = fpath.stat().st_size
+        if actual != size:
+            raise CorruptDumpError(
+                f"{fpath}: truncated or modified data file ({actual} bytes, manifest says {size})"
+            )
+    for rec in manifest.tensors:
+        if rec.file not in manifest.files:
+            raise CorruptDumpError(f"{path}: tensor {rec.name!r} points at unlisted file {rec.file}")
+        if rec.dtype not in STORAGE_DTYPES:
+            raise CorruptDumpError(f"{path}: tensor {rec.name!r} has unsupported dtype {rec.dtype}")
+    return manifest
+
+
+class _SafetensorsFile:
+    """A memory-mapped safetensors file with a validated header (tensor key -> byte range)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        try:
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if size < 8:
+                    raise CorruptDumpError(f"{path}: not a safetensors file ({size} bytes)")
+                n = int.from_bytes(f.read(8), "little")
+                if n > size - 8:
+                    raise CorruptDumpError(f"{path}: truncated safetensors header")
+                header = json.loads(f.read(n))
+                self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None
+        except (OSError, ValueError) as e:
+            raise CorruptDumpError(f"{path}: unreadable safetensors file ({e})") from None
+        self._data_start = 8 + n
+        self._size = size
+        header.pop("__metadata__", None)
+        self.header: dict[str, dict[str, Any]] = header
+        if self._mm is not None and hasattr(mmap, "MADV_SEQUENTIAL"):
+            self._mm.madvise(mmap.MADV_SEQUENTIAL)
+
+    def array(self, key: str, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
+        info = self.header.get(key)
+        if info is None:
+            raise CorruptDumpError(f"{self.path}: tensor {key!r} missing from the file")
+        if info.get("dtype") != dtype or tuple(info.get("shape", ())) != tuple(shape):
+            raise CorruptDumpError(
+                f"{self.path}: tensor {key!r} is {info.get('dtype')}{info.get('shape')} in the file "
+                f"but {dtype}{list(shape)} in the manifest"
+            )
+        begin, end = info["data_offsets"]
+        np_dtype = STORAGE_DTYPES[dtype]
+        count = int(np.prod(shape, dtype=np.int64))
+        if end - begin != count * np_dtype.itemsize or self._data_start + end > self._size:
+            raise CorruptDumpError(f"{self.path}: tensor {key!r} has a bad or truncated byte range")
+        if count == 0:
+            return np.zeros(shape, dtype=np_dtype)
+        return np.frombuffer(self._mm, dtype=np_dtype, count=count, offset=self._data_start + begin).reshape(shape)
+
+
+class DumpReader:
+    """Opens the tensors of one dump lazily, keeping at most a few files mapped at a time."""
+
+    def __init__(self, directory: str | os.PathLike[str], manifest: Manifest | None = None) -> None:
+        self.directory = Path(directory)
+        self.manifest = manifest if manifest is not None else load_manifest(self.directory)
+        self._open: dict[str, _SafetensorsFile] = {}
+
+    def array(self, rec: TensorRecord) -> np.ndarray:
+        """The raw stored values of ``rec`` (memory-mapped, read-only, storage dtype)."""
+        f = self._open.get(rec.file)
+        if f is None:
+            if len(self._open) >= 4:
+                self._open.pop(next(iter(self._open)))
+            f = self._open[rec.file] = _SafetensorsFile(self.directory / rec.file)
+        return f.array(rec.key, rec.dtype, rec.shape)
+
+
+def open_tensor(directory: str | os.PathLike[str], rec: TensorRecord) -> np.ndarray:
+    """Memory-map one tensor of a dump in its raw storage dtype (bfloat16 as uint16 bits)."""
+    return _SafetensorsFile(Path(directory) / rec.file).array(rec.key, rec.dtype, rec.shape)

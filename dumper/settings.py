@@ -1,0 +1,49 @@
+"""Environment variables: every ``DRIFTSCOPE_*`` variable is read here and nowhere else.
+
+| variable                      | meaning                                                   |
+|-------------------------------|-----------------------------------------------------------|
+| ``DRIFTSCOPE_DUMP_DIR``       | ``dumper.dump()`` records here when no capture is active  |
+| ``DRIFTSCOPE_DIFF_THRESHOLD`` | comparator rel_diff threshold (whole tensor)              |
+| ``DRIFTSCOPE_TOKEN_THRESHOLD``| comparator per-token rel_diff threshold                   |
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from .errors import UsageError
+
+__all__ = ["EnvSettings", "env_settings"]
+
+
+@dataclass(frozen=True)
+class EnvSettings:
+    dump_dir: str | None = None
+    diff_threshold: float | None = None
+    token_threshold: float | None = None
+
+
+def _threshold(env: Mapping[str, str], name: str) -> float | None:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        raise UsageError(f"{name}={raw!r} is not a number") from None
+    if not math.isfinite(value) or value < 0:
+        raise UsageError(f"{name}={raw!r} must be a finite number >= 0")
+    return value
+
+
+def env_settings(env: Mapping[str, str] | None = None) -> EnvSettings:
+    """Read all driftscope environment variables (from ``os.environ`` by default)."""
+    env = os.environ if env is None else env
+    return EnvSettings(
+        dump_dir=env.get("DRIFTSCOPE_DUMP_DIR") or None,
+        diff_threshold=_threshold(env, "DRIFTSCOPE_DIFF_THRESHOLD"),
+        token_threshold=_threshold(env, "DRIFTSCOPE_TOKEN_THRESHOLD"),
+    )

@@ -1,0 +1,46 @@
+"""Shared fixtures: real tiny HF models built from configs with a fixed seed, and CLI runners."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_cli(module: str, *args: str | os.PathLike[str], env: dict[str, str] | None = None,
+            cwd: str | os.PathLike[str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run ``python -m <module> args...`` in a real subprocess and capture its output."""
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    return subprocess.run([sys.executable, "-m", module, *map(str, args)], capture_output=True, text=True,
+                          env=full_env, cwd=cwd, timeout=600)
+
+
+@pytest.fixture
+def cli() -> Callable[..., subprocess.CompletedProcess[str]]:
+    return run_cli
+
+
+@pytest.fixture(autouse=True)
+def _few_threads() -> None:
+    torch.set_num_threads(2)
+
+
+def tiny_llama(attn: str = "eager", dtype: str = "float32"):
+    from dumper.presets import load_model
+
+    model, tok = load_model("tiny-llama", attn=attn, dtype=dtype)
+    return model, tok
+
+
+def prompt_ids(tok, n_tokens: int = 96) -> torch.Tensor:
+    """A [1, n] batch of real byte-tokenized text."""
+    text = ("Inference engines change daily; each change can shift numerics without an error. " * 8)
+    ids = tok.encode(text)[:n_tokens]
+    return torch.tensor([ids])
