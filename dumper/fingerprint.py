@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import platform
+import weakref
 from typing import Any
 
 import torch
@@ -61,17 +62,30 @@ def config_hash(config: Any) -> str | None:
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
-def weights_hash(module: torch.nn.Module, *, max_bytes: int = 1 << 30) -> str | None:
-    """A hash of all parameters in float32, or ``None`` when the model is too big to hash cheaply."""
-    params = list(module.state_dict().items())
-    total = sum(p.numel() * 4 for _, p in params)
-    if total > max_bytes:
-        return None
-    h = hashlib.sha256()
-    for name, p in params:
-        h.update(name.encode())
-        h.update(p.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
-    return h.hexdigest()[:16]
+_WEIGHTS_CACHE: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple, str | None]]" = weakref.WeakKeyDictionary()
+
+
+def weights_hash(module: torch.nn.Module, *, max_bytes: int = 256 << 20) -> str | None:
+    """A hash of all parameters and buffers, or ``None`` when the model is too big to hash cheaply.
+
+    Cached per module until a tensor is replaced or modified in place (``_version`` changes),
+    so repeated captures of the same model do not pay for it again.
+    """
+    state = list(module.state_dict(keep_vars=True).items())
+    key = tuple((name, t.data_ptr(), t._version) for name, t in state)
+    cached = _WEIGHTS_CACHE.get(module)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    total = sum(t.numel() * t.element_size() for _, t in state)
+    digest = None
+    if total <= max_bytes:
+        h = hashlib.sha256()
+        for name, t in state:
+            h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+            h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        digest = h.hexdigest()[:16]
+    _WEIGHTS_CACHE[module] = (key, digest)
+    return digest
 
 
 def model_identity(model: torch.nn.Module | None, name: str | None = None) -> dict[str, Any]:

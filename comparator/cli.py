@@ -1,0 +1,79 @@
+"""``python -m comparator BASELINE TARGET``: parse flags, call :func:`compare_dumps`, print, exit.
+
+Exit codes: 0 every matched tensor passed; 1 divergence; 2 unusable input (bad arguments,
+missing/incomplete/corrupt dump, zero matched tensors, shapes that cannot be aligned).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from rich.console import Console
+
+from dumper.errors import EXIT_DIVERGED, EXIT_OK, EXIT_UNUSABLE, DriftscopeError, UsageError
+
+from .compare import compare_dumps
+from .config import CompareConfig
+from .render import render_report
+
+__all__ = ["main", "build_parser"]
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2
+        raise UsageError(f"{self.prog}: {message}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m comparator", description="Compare two driftscope dumps layer by layer.")
+    p.add_argument("baseline", help="dump directory of the trusted run")
+    p.add_argument("target", help="dump directory of the run under test")
+    p.add_argument("--threshold", type=float, default=None,
+                   help="whole-tensor rel_diff threshold (default 1e-3, env DRIFTSCOPE_DIFF_THRESHOLD)")
+    p.add_argument("--token-threshold", type=float, default=None,
+                   help="per-token rel_diff threshold (default 1e-3, env DRIFTSCOPE_TOKEN_THRESHOLD)")
+    p.add_argument("--json", metavar="FILE", help="write the report as JSON")
+    p.add_argument("--csv", metavar="FILE", help="write the per-tensor table as CSV")
+    p.add_argument("--tensors", action="store_true", help="also print one row per tensor")
+    p.add_argument("--threads", type=int, default=None, help="metric worker threads (default 2)")
+    p.add_argument("--quiet", action="store_true", help="print only the verdict line")
+    return p
+
+
+def run(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    config = CompareConfig.resolve(threshold=args.threshold, token_threshold=args.token_threshold,
+                                   threads=args.threads)
+    report = compare_dumps(args.baseline, args.target, config)
+    console = Console(stderr=False, width=None if sys.stdout.isatty() else 160)
+    if args.quiet:
+        fd = report.first_divergent
+        console.print("PASS" if report.passed else f"DIVERGED at layer {fd.layer}, token {fd.token}"
+                      if fd else "DIVERGED")
+    else:
+        render_report(report, console, tensors=args.tensors)
+    if args.json:
+        report.write_json(args.json)
+    if args.csv:
+        try:
+            report.to_dataframe().to_csv(args.csv, index=False)
+        except OSError as e:
+            raise UsageError(f"{args.csv}: cannot write CSV ({e.strerror})") from None
+    return EXIT_OK if report.passed else EXIT_DIVERGED
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """CLI entry point: user errors become one line on stderr and exit code 2."""
+    try:
+        return run(argv)
+    except DriftscopeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+    except OSError as e:
+        print(f"error: {e.filename or ''}: {e.strerror}", file=sys.stderr)
+        return EXIT_UNUSABLE
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130

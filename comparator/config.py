@@ -1,0 +1,53 @@
+"""Comparison settings: one typed object, defaults overridable by env vars and then by flags."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from dumper.errors import UsageError
+from dumper.settings import env_settings
+
+__all__ = ["CompareConfig", "DEFAULT_THRESHOLD", "DEFAULT_TOKEN_THRESHOLD"]
+
+DEFAULT_THRESHOLD = 1e-3
+"""Whole-tensor rel_diff threshold (the seed's nightly default). See README, "Choosing thresholds"."""
+DEFAULT_TOKEN_THRESHOLD = 1e-3
+"""Per-token rel_diff threshold: the max-type signal that catches one broken position."""
+
+
+@dataclass(frozen=True)
+class CompareConfig:
+    """How two dumps are compared.
+
+    Attributes:
+        threshold: a tensor fails when its rel_diff exceeds this (default 1e-3).
+        token_threshold: ... or when any single token's rel_diff exceeds this (default 1e-3).
+        threads: worker threads for the metric kernels (default 2).
+    """
+
+    threshold: float = DEFAULT_THRESHOLD
+    token_threshold: float = DEFAULT_TOKEN_THRESHOLD
+    threads: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("threshold", "token_threshold"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise UsageError(f"{name} must be a finite number >= 0, got {v!r}")
+        if self.threads < 1:
+            raise UsageError(f"threads must be >= 1, got {self.threads}")
+
+    @classmethod
+    def resolve(cls, *, threshold: float | None = None, token_threshold: float | None = None,
+                threads: int | None = None, env: Mapping[str, str] | None = None) -> CompareConfig:
+        """Flags win over ``DRIFTSCOPE_DIFF_THRESHOLD`` / ``DRIFTSCOPE_TOKEN_THRESHOLD``, which win over defaults."""
+        s = env_settings(env)
+        return cls(
+            threshold=threshold if threshold is not None else (s.diff_threshold if s.diff_threshold is not None
+                                                               else DEFAULT_THRESHOLD),
+            token_threshold=token_threshold if token_threshold is not None else (
+                s.token_threshold if s.token_threshold is not None else DEFAULT_TOKEN_THRESHOLD),
+            threads=threads if threads is not None else 2,
+        )

@@ -1,0 +1,126 @@
+"""Tensor-pair metrics, streamed over row blocks with float64 accumulation.
+
+rel_diff = ||x - y||^2 / (||x||^2 + ||y||^2) is computed in the difference form, which stays
+exact for bit-level differences (``1 - 2<x,y>/(...)`` loses its last digits there); 0/0 for two
+all-zero tensors is 0. The per-token rel_diff is the same formula over each row (the hidden
+dim). A row where one side is NaN/Inf and the other differs gets an infinite rel_diff: a NaN
+never passes a threshold.
+
+Example::
+
+    import numpy as np
+    from comparator.metrics import rel_diff
+    rel_diff(np.ones(4, np.float32), np.ones(4, np.float32))   # 0.0
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from dumper.format import STORAGE_DTYPES, to_float64
+
+from .kernels import row_stats
+
+__all__ = ["PairStats", "pair_stats", "rel_diff", "BLOCK_BYTES"]
+
+BLOCK_BYTES = 32 << 20
+"""Bytes of one side handed to the kernels per call: big enough to amortize Python, small
+enough to keep the working set bounded."""
+
+_FLOAT = {"F64", "F32", "F16", "BF16"}
+
+
+@dataclass(frozen=True)
+class PairStats:
+    """Whole-tensor metrics plus the per-token (per-row) rel_diff."""
+
+    rel_diff: float
+    token_rel_diff: np.ndarray  # [rows] float64; inf where a row has a NaN/Inf mismatch
+    max_abs_diff: float
+    mean_abs_diff: float
+    cosine: float
+    nan_x: int
+    inf_x: int
+    nan_y: int
+    inf_y: int
+    nonfinite_mismatches: int
+
+
+def _as_2d(a: np.ndarray) -> np.ndarray:
+    """View as [rows, last dim]; a 0-d or 1-d tensor is one row."""
+    if a.ndim <= 1:
+        return a.reshape(1, -1)
+    return a.reshape(-1, a.shape[-1])
+
+
+def pair_stats(x: np.ndarray, y: np.ndarray, dtype: str, dtype_y: str | None = None, *, threads: int = 2,
+               block_bytes: int = BLOCK_BYTES) -> PairStats:
+    """Metrics of two same-shape arrays in raw storage dtype ``dtype`` (e.g. memory-mapped).
+
+    ``dtype_y`` (default: ``dtype``) lets a float32 reference meet a bfloat16 target; then
+    each block is widened to float64 on the fly. Streams over blocks of rows so that only
+    one block of each side is touched at a time.
+    """
+    if x.shape != y.shape:
+        raise ValueError(f"shape mismatch {x.shape} vs {y.shape}")
+    dtype_y = dtype_y or dtype
+    mixed = dtype != dtype_y or dtype not in _FLOAT
+    x2 = _as_2d(x)
+    y2 = _as_2d(y)
+    kdtype = "F64" if mixed else dtype
+    rows, cols = x2.shape
+    itemsize = STORAGE_DTYPES[kdtype].itemsize
+    block = max(1, block_bytes // max(1, cols * itemsize))
+    sums = np.zeros((rows, 5), dtype=np.float64)
+    max_abs = sum_abs = 0.0
+    nan_x = inf_x = nan_y = inf_y = 0
+    for start in range(0, rows, block):
+        stop = min(rows, start + block)
+        xb, yb = x2[start:stop], y2[start:stop]
+        if mixed:  # integers, bools and mixed float dtypes are compared in float64
+            xb, yb = to_float64(xb, dtype), to_float64(yb, dtype_y)
+        s = row_stats(xb, yb, kdtype, threads=threads)
+        sums[start:stop] = s.row
+        max_abs = max(max_abs, s.max_abs)
+        sum_abs += s.sum_abs
+        nan_x += s.nan_x
+        inf_x += s.inf_x
+        nan_y += s.nan_y
+        inf_y += s.inf_y
+    return _finish(sums, max_abs, sum_abs, (nan_x, inf_x, nan_y, inf_y), rows * cols)
+
+
+def _finish(sums: np.ndarray, max_abs: float, sum_abs: float, counts: tuple[int, int, int, int],
+            n: int) -> PairStats:
+    dd, xx, yy, xy, bad = (sums[:, i] for i in range(5))
+    denom = xx + yy
+    with np.errstate(divide="ignore", invalid="ignore"):
+        token = np.where(denom > 0, dd / np.where(denom > 0, denom, 1.0), 0.0)
+    token[bad > 0] = np.inf
+    mismatches = int(bad.sum())
+    tdd, txx, tyy, txy = float(dd.sum()), float(xx.sum()), float(yy.sum()), float(xy.sum())
+    if mismatches:
+        rel, max_abs = math.inf, math.inf
+    else:
+        rel = tdd / (txx + tyy) if txx + tyy > 0 else 0.0
+    if txx > 0 and tyy > 0:
+        cosine = txy / math.sqrt(txx * tyy)
+    else:
+        cosine = 1.0 if txx == tyy else 0.0
+    compared = max(1, n - mismatches)
+    return PairStats(rel_diff=rel, token_rel_diff=token, max_abs_diff=max_abs, mean_abs_diff=sum_abs / compared,
+                     cosine=cosine, nan_x=counts[0], inf_x=counts[1], nan_y=counts[2], inf_y=counts[3],
+                     nonfinite_mismatches=mismatches)
+
+
+def rel_diff(x: np.ndarray, y: np.ndarray) -> float:
+    """rel_diff of two float arrays of the same shape (any float dtype), in float64."""
+    x = np.asarray(x)
+    y = np.asarray(y)
+    dtype = {np.dtype(np.float64): "F64", np.dtype(np.float32): "F32", np.dtype(np.float16): "F16"}.get(x.dtype)
+    if dtype is None or y.dtype != x.dtype:
+        x, y, dtype = x.astype(np.float64), y.astype(np.float64), "F64"
+    return pair_stats(np.ascontiguousarray(x), np.ascontiguousarray(y), dtype).rel_diff

@@ -1,0 +1,204 @@
+"""Result types of a comparison: frozen dataclasses whose JSON keys are a public contract.
+
+Non-finite floats (a NaN/Inf mismatch makes rel_diff infinite) are written as ``null`` so the
+JSON stays standard; ``passed`` is always explicit.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from dumper.format import write_json_atomic
+
+__all__ = ["TensorComparison", "FirstDivergence", "LayerSummary", "Report"]
+
+
+def _num(v: float | None) -> float | None:
+    return None if v is None or not math.isfinite(v) else float(v)
+
+
+def _from_num(v: Any) -> float:
+    return math.inf if v is None else float(v)
+
+
+@dataclass(frozen=True)
+class TensorComparison:
+    """Metrics of one aligned pair of tensors (float64 accumulation).
+
+    ``first_failing_token`` / ``worst_token`` are absolute token positions (``None`` when the
+    tensor carries no positions); ``*_row`` are the same as row indices.
+    """
+
+    name: str
+    layer: int | None
+    forward_pass: int
+    rank: int
+    shape: tuple[int, ...]
+    rel_diff: float
+    max_token_rel_diff: float
+    max_abs_diff: float
+    mean_abs_diff: float
+    cosine: float
+    nan_baseline: int
+    inf_baseline: int
+    nan_target: int
+    inf_target: int
+    nonfinite_mismatches: int
+    failing_tokens: int
+    first_failing_token: int | None
+    first_failing_row: int | None
+    first_failing_sequence: int | None
+    worst_token: int | None
+    worst_row: int | None
+    passed: bool
+
+    def __bool__(self) -> bool:
+        return self.passed
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["shape"] = list(self.shape)
+        for k in ("rel_diff", "max_token_rel_diff", "max_abs_diff", "mean_abs_diff", "cosine"):
+            d[k] = _num(d[k])
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> TensorComparison:
+        d = dict(d)
+        d["shape"] = tuple(d["shape"])
+        for k in ("rel_diff", "max_token_rel_diff", "max_abs_diff", "mean_abs_diff"):
+            d[k] = _from_num(d[k])
+        d["cosine"] = math.nan if d["cosine"] is None else float(d["cosine"])
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class FirstDivergence:
+    """The lowest layer with a failing tensor, its first failing token and its worst token."""
+
+    name: str
+    layer: int | None
+    rel_diff: float
+    token: int | None
+    worst_token: int | None
+    sequence: int | None
+    forward_pass: int
+    rank: int
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["rel_diff"] = _num(self.rel_diff)
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> FirstDivergence:
+        return cls(**{**d, "rel_diff": _from_num(d["rel_diff"])})
+
+
+@dataclass(frozen=True)
+class LayerSummary:
+    """All tensors of one layer (or of no layer) folded into one table row."""
+
+    layer: int | None
+    tensors: int
+    failed: int
+    max_rel_diff: float
+    max_token_rel_diff: float
+    max_abs_diff: float
+    min_cosine: float
+    first_failing_token: int | None
+    worst_token: int | None
+
+    @property
+    def passed(self) -> bool:
+        return self.failed == 0
+
+
+@dataclass(frozen=True)
+class Report:
+    """The verdict of comparing two dumps; ``bool(report)`` is "passed"."""
+
+    baseline: str
+    target: str
+    threshold: float
+    token_threshold: float
+    tensors: tuple[TensorComparison, ...]
+    unmatched_baseline: tuple[str, ...] = ()
+    unmatched_target: tuple[str, ...] = ()
+    first_divergent: FirstDivergence | None = None
+    environment: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def matched(self) -> int:
+        return len(self.tensors)
+
+    @property
+    def passed(self) -> bool:
+        return self.matched > 0 and all(t.passed for t in self.tensors)
+
+    def __bool__(self) -> bool:
+        return self.passed
+
+    def layers(self) -> list[LayerSummary]:
+        """Per-layer summaries in layer order (tensors without a layer last)."""
+        groups: dict[int | None, list[TensorComparison]] = {}
+        for t in self.tensors:
+            groups.setdefault(t.layer, []).append(t)
+        out = []
+        for layer in sorted(groups, key=lambda x: (x is None, x if x is not None else 0)):
+            ts = groups[layer]
+            failing = [t for t in ts if t.first_failing_token is not None]
+            worst = max(ts, key=lambda t: t.max_token_rel_diff)
+            out.append(LayerSummary(
+                layer=layer, tensors=len(ts), failed=sum(not t.passed for t in ts),
+                max_rel_diff=max(t.rel_diff for t in ts),
+                max_token_rel_diff=worst.max_token_rel_diff,
+                max_abs_diff=max(t.max_abs_diff for t in ts),
+                min_cosine=min(t.cosine for t in ts),
+                first_failing_token=min((t.first_failing_token for t in failing), default=None),
+                worst_token=worst.worst_token if worst.max_token_rel_diff > 0 else None,
+            ))
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "passed": self.passed,
+            "threshold": self.threshold,
+            "token_threshold": self.token_threshold,
+            "matched": self.matched,
+            "unmatched_baseline": list(self.unmatched_baseline),
+            "unmatched_target": list(self.unmatched_target),
+            "first_divergent": self.first_divergent.to_json() if self.first_divergent else None,
+            "tensors": [t.to_json() for t in self.tensors],
+            "baseline": self.baseline,
+            "target": self.target,
+            "environment": self.environment,
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Report:
+        fd = d.get("first_divergent")
+        return cls(
+            baseline=d["baseline"], target=d["target"], threshold=float(d["threshold"]),
+            token_threshold=float(d["token_threshold"]),
+            tensors=tuple(TensorComparison.from_json(t) for t in d["tensors"]),
+            unmatched_baseline=tuple(d["unmatched_baseline"]), unmatched_target=tuple(d["unmatched_target"]),
+            first_divergent=FirstDivergence.from_json(fd) if fd else None,
+            environment=dict(d.get("environment", {})),
+        )
+
+    def write_json(self, path: str | os.PathLike[str]) -> None:
+        write_json_atomic(path, self.to_json())
+
+    def to_dataframe(self) -> Any:
+        """The per-tensor table as a pandas DataFrame (one row per tensor)."""
+        import pandas as pd
+
+        return pd.DataFrame([asdict(t) for t in self.tensors])
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), indent=1, allow_nan=False)
