@@ -12,7 +12,8 @@ from collections.abc import Sequence
 
 from rich.console import Console
 
-from dumper.errors import EXIT_DIVERGED, EXIT_OK, EXIT_UNUSABLE, DriftscopeError, UsageError
+from dumper.cliutil import Parser, guarded_main
+from dumper.errors import EXIT_DIVERGED, EXIT_OK, UsageError
 
 from .compare import compare_dumps
 from .config import CompareConfig
@@ -21,13 +22,9 @@ from .render import render_report
 __all__ = ["main", "build_parser"]
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, exit 2
-        raise UsageError(f"{self.prog}: {message}")
-
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m comparator", description="Compare two driftscope dumps layer by layer.")
+    p = Parser(prog="python -m comparator", description="Compare two driftscope dumps layer by layer.")
     p.add_argument("baseline", help="dump directory of the trusted run")
     p.add_argument("target", help="dump directory of the run under test")
     p.add_argument("--threshold", type=float, default=None,
@@ -65,15 +62,5 @@ def run(argv: Sequence[str] | None = None) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """CLI entry point: user errors become one line on stderr and exit code 2."""
-    try:
-        return run(argv)
-    except DriftscopeError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return e.exit_code
-    except OSError as e:
-        print(f"error: {e.filename or ''}: {e.strerror}", file=sys.stderr)
-        return EXIT_UNUSABLE
-    except KeyboardInterrupt:
-        print("error: interrupted", file=sys.stderr)
-        return 130
+    """CLI entry point: user errors become one line on stderr and a distinct exit code."""
+    return guarded_main(run, argv)

@@ -3,24 +3,20 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from collections import Counter
 from collections.abc import Sequence
 
-from .errors import EXIT_OK, EXIT_UNUSABLE, DriftscopeError, UsageError
+from .cliutil import Parser, guarded_main
+from .errors import EXIT_OK, UsageError
 from .format import Manifest, load_manifest
 
 __all__ = ["main", "build_parser"]
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, exit 2
-        raise UsageError(f"{self.prog}: {message}")
-
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m dumper", description="Capture hidden states of a model into a dump directory.")
-    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    p = Parser(prog="python -m dumper", description="Capture hidden states of a model into a dump directory.")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
     r = sub.add_parser("run", help="teacher-forced prefill of prompts with capture on")
     r.add_argument("--model", default="tiny-llama", help="local HF model directory or preset (tiny-llama, tiny-qwen2)")
     r.add_argument("--out", required=True, help="dump directory to create")
@@ -30,7 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--input-ids", action="append", default=None, help="comma-separated token ids (repeatable)")
     r.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     r.add_argument("--attn", default="eager", choices=["eager", "sdpa"], help="attention implementation")
-    r.add_argument("--layers", default=None, help="layer spec: all, first, last, every:N, 3, -1, 2..5 (default first,last,every:8)")
+    r.add_argument("--layers", default=None,
+                   help="layer spec: all, first, last, every:N, 3, -1, 2..5 (default first,last,every:8)")
     r.add_argument("--modules", default=None, help="fnmatch pattern of modules to hook instead of self-attention")
     r.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     r.add_argument("--seed", type=int, default=0, help="seed for preset weights (default 0)")
@@ -97,14 +94,4 @@ def run(argv: Sequence[str] | None = None) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry point: user errors become one line on stderr and a distinct exit code."""
-    try:
-        return run(argv)
-    except DriftscopeError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return e.exit_code
-    except OSError as e:
-        print(f"error: {e.filename or ''}: {e.strerror}", file=sys.stderr)
-        return EXIT_UNUSABLE
-    except KeyboardInterrupt:
-        print("error: interrupted", file=sys.stderr)
-        return 130
+    return guarded_main(run, argv)

@@ -62,7 +62,7 @@ def config_hash(config: Any) -> str | None:
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
-_WEIGHTS_CACHE: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple, str | None]]" = weakref.WeakKeyDictionary()
+_WEIGHTS_CACHE: weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple, str | None]] = weakref.WeakKeyDictionary()
 
 
 def weights_hash(module: torch.nn.Module, *, max_bytes: int = 256 << 20) -> str | None:
