@@ -51,13 +51,12 @@ def run(argv: Sequence[str] | None = None) -> int:
                       if fd else "DIVERGED")
     else:
         render_report(report, console, tensors=args.tensors)
-    if args.json:
-        report.write_json(args.json)
-    if args.csv:
-        try:
-            report.to_dataframe().to_csv(args.csv, index=False)
-        except OSError as e:
-            raise UsageError(f"{args.csv}: cannot write CSV ({e.strerror})") from None
+    for path, write in ((args.json, report.write_json), (args.csv, report.write_csv)):
+        if path:
+            try:
+                write(path)
+            except OSError as e:
+                raise UsageError(f"{path}: cannot write the report ({e.strerror})") from None
     return EXIT_OK if report.passed else EXIT_DIVERGED
 
 

@@ -12,7 +12,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from dumper.format import write_json_atomic
+from dumper.format import atomic_path, write_json_atomic
 
 __all__ = ["TensorComparison", "FirstDivergence", "LayerSummary", "Report"]
 
@@ -199,6 +199,11 @@ class Report:
         import pandas as pd
 
         return pd.DataFrame([asdict(t) for t in self.tensors])
+
+    def write_csv(self, path: str | os.PathLike[str]) -> None:
+        """The per-tensor table as CSV, written atomically."""
+        with atomic_path(path) as tmp:
+            self.to_dataframe().to_csv(tmp, index=False)
 
     def dumps(self) -> str:
         return json.dumps(self.to_json(), indent=1, allow_nan=False)

@@ -18,7 +18,7 @@ import atexit
 import datetime as _dt
 import json
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -60,12 +60,43 @@ def _dist_rank_world() -> tuple[int, int]:
 
 
 def _as_runs(values: Any, rows: int, what: str) -> list[list[int]] | None:
+    """Row metadata given per row (tensor, array, sequence) or as :class:`_Runs`, run-length encoded."""
     if values is None:
         return None
+    if isinstance(values, _Runs):
+        return values.runs
     arr = values.detach().reshape(-1).cpu().numpy() if isinstance(values, torch.Tensor) else np.asarray(values).reshape(-1)
     if arr.size != rows:
         raise UsageError(f"{what} has {arr.size} entries but the tensor has {rows} rows")
-    return encode_runs(arr.tolist(), step=1 if what == "positions" else 0)
+    return encode_runs(arr, step=1 if what == "positions" else 0)
+
+
+@dataclass(frozen=True)
+class _Runs:
+    """Row metadata already run-length encoded (shared by every layer of one pass)."""
+
+    runs: list[list[int]]
+
+
+@dataclass
+class _PassRows:
+    """Token positions and sequence ids of the rows of one forward pass's [batch, seq] input."""
+
+    batch: int
+    seq: int
+    positions: _Runs
+    sequence_ids: _Runs
+    seq_ids: np.ndarray  # [batch]
+    position_ids: Any = None  # the tensor the positions were last read from (one device sync per tensor)
+
+    def with_position_ids(self, value: Any) -> _PassRows:
+        """Positions from a ``position_ids`` kwarg seen by a hooked module (read once per tensor object)."""
+        if value is None or value is self.position_ids or not isinstance(value, torch.Tensor) \
+                or value.shape[-1] != self.seq:
+            return self
+        pos = value.detach().reshape(-1, self.seq).expand(self.batch, self.seq).cpu().numpy()
+        self.positions, self.position_ids = _Runs(encode_runs(pos, step=1)), value
+        return self
 
 
 class Capture:
@@ -92,7 +123,7 @@ class Capture:
         self._cur_pass: int | None = None
         self._calls: dict[str, int] = {}
         self._depth = 0
-        self._rows_ctx: tuple[tuple[int, ...], np.ndarray | None, np.ndarray] | None = None
+        self._rows: _PassRows | None = None
         self._sequence_ids: list[int] | None = None
         self._next_seq = 0
         self._prev_active: Capture | None = None
@@ -215,38 +246,35 @@ class Capture:
         self._depth += 1
         if self._depth == 1:
             self._start_pass()
-            self._rows_ctx = self._row_context(args, kwargs)
+            self._rows = self._pass_rows(args, kwargs)
 
     def _on_model_end(self, module: nn.Module, args: tuple, output: Any) -> None:
         self._depth = max(0, self._depth - 1)
         if self._depth == 0:
-            self._rows_ctx = None
+            self._rows = None
             self.step()
 
-    def _row_context(self, args: tuple, kwargs: dict) -> tuple[tuple[int, ...], np.ndarray | None, np.ndarray] | None:
-        """(batch, seq) shape, absolute positions [B, S] and sequence ids [B] of this pass."""
+    def _pass_rows(self, args: tuple, kwargs: dict) -> _PassRows | None:
+        """Row metadata of a pass from the top-level call's ``input_ids``/``inputs_embeds``."""
         ids = kwargs.get("input_ids", args[0] if args else None)
-        embeds = kwargs.get("inputs_embeds")
-        ref = ids if isinstance(ids, torch.Tensor) else embeds
+        ref = ids if isinstance(ids, torch.Tensor) else kwargs.get("inputs_embeds")
         if not isinstance(ref, torch.Tensor) or ref.dim() < 2:
             return None
         batch, seq = int(ref.shape[0]), int(ref.shape[1])
-        positions = None
-        for key in ("position_ids", "cache_position"):
-            value = kwargs.get(key)
-            if isinstance(value, torch.Tensor) and value.shape[-1] == seq:
-                positions = value.detach().reshape(-1, seq).expand(batch, seq).cpu().numpy()
-                break
-        if positions is None:
-            cache = kwargs.get("cache", kwargs.get("past_key_values"))
-            past = int(cache.get_seq_length()) if hasattr(cache, "get_seq_length") else 0
-            positions = np.broadcast_to(np.arange(past, past + seq, dtype=np.int64), (batch, seq))
         if self._sequence_ids is not None and len(self._sequence_ids) == batch:
             seq_ids = np.asarray(self._sequence_ids, dtype=np.int64)
         else:
             seq_ids = np.arange(self._next_seq, self._next_seq + batch, dtype=np.int64)
             self._next_seq += batch
-        return (batch, seq), positions, seq_ids
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        past = int(cache.get_seq_length()) if hasattr(cache, "get_seq_length") else 0
+        default = np.broadcast_to(np.arange(past, past + seq, dtype=np.int64), (batch, seq))
+        rows = _PassRows(batch, seq, _Runs(encode_runs(default, step=1)),
+                         _Runs(encode_runs(np.repeat(seq_ids, seq), step=0)), seq_ids)
+        for key in ("position_ids", "cache_position"):
+            if isinstance(kwargs.get(key), torch.Tensor):
+                return rows.with_position_ids(kwargs[key])
+        return rows
 
     def _make_input_hook(self, name: str, layer: int | None):
         point_name = f"{name}.{ATTN_INPUT}"
@@ -255,17 +283,13 @@ class Capture:
             hidden = kwargs.get("hidden_states", args[0] if args else None)
             if not isinstance(hidden, torch.Tensor):
                 return
-            positions = sequence_ids = None
-            ctx = self._rows_ctx
-            if ctx is not None and tuple(hidden.shape[:2]) == ctx[0] and hidden.dim() == 3:
-                (batch, seq), pos, sids = ctx
-                pos_kw = kwargs.get("position_ids")
-                if isinstance(pos_kw, torch.Tensor) and pos_kw.shape[-1] == seq:
-                    pos = pos_kw.detach().reshape(-1, seq).expand(batch, seq).cpu().numpy()
-                positions = pos
-                sequence_ids = np.repeat(sids, seq)
-            self.record(point_name, hidden, layer=layer, point=ATTN_INPUT,
-                        positions=positions, sequence_ids=sequence_ids)
+            rows = self._rows
+            if rows is not None and hidden.dim() == 3 and tuple(hidden.shape[:2]) == (rows.batch, rows.seq):
+                rows = rows.with_position_ids(kwargs.get("position_ids"))
+                self.record(point_name, hidden, layer=layer, point=ATTN_INPUT,
+                            positions=rows.positions, sequence_ids=rows.sequence_ids)
+            else:
+                self.record(point_name, hidden, layer=layer, point=ATTN_INPUT)
 
         return hook
 

@@ -25,11 +25,12 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import json
 import mmap
 import os
 import tempfile
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,7 @@ __all__ = [
     "encode_positions",
     "decode_positions",
     "data_file_name",
+    "atomic_path",
     "write_json_atomic",
     "fsync_dir",
     "load_manifest",
@@ -75,20 +77,19 @@ STORAGE_DTYPES: dict[str, np.dtype] = {
 }
 
 
-def encode_runs(values: Iterable[int], *, step: int) -> list[list[int]]:
+def encode_runs(values: Iterable[int] | np.ndarray, *, step: int) -> list[list[int]]:
     """Run-length encode integers as ``[start, count]`` runs of values growing by ``step``.
 
     ``step=1`` suits token positions (0,1,2,... -> ``[[0, n]]``); ``step=0`` suits sequence
-    ids (7,7,7 -> ``[[7, 3]]``).
+    ids (7,7,7 -> ``[[7, 3]]``). Vectorized: it runs inside forward passes.
     """
-    runs: list[list[int]] = []
-    for v in values:
-        v = int(v)
-        if runs and runs[-1][0] + runs[-1][1] * step == v:
-            runs[-1][1] += 1
-        else:
-            runs.append([v, 1])
-    return runs
+    a = np.asarray(values if isinstance(values, np.ndarray) else list(values), dtype=np.int64).reshape(-1)
+    if a.size == 0:
+        return []
+    breaks = np.flatnonzero(np.diff(a) != step) + 1
+    starts = np.concatenate(([0], breaks))
+    counts = np.diff(np.concatenate((starts, [a.size])))
+    return [[int(v), int(c)] for v, c in zip(a[starts].tolist(), counts.tolist())]
 
 
 def decode_runs(runs: Sequence[Sequence[int]], *, step: int) -> np.ndarray:
@@ -222,20 +223,30 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
-def write_json_atomic(path: str | os.PathLike[str], obj: Any) -> None:
-    """Write JSON to ``path`` via a fsynced temp file and an atomic rename."""
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
+    """Yield a temp path beside ``path``; on success fsync it and rename it over ``path``.
+
+    On an exception the temp file is removed and ``path`` is left as it was.
+    """
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(obj, f, indent=1, allow_nan=False)
-            f.flush()
+        yield Path(tmp)
+        with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+def write_json_atomic(path: str | os.PathLike[str], obj: Any) -> None:
+    """Write JSON to ``path`` via a fsynced temp file and an atomic rename."""
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(obj, indent=1, allow_nan=False), encoding="utf-8")
 
 
 def write_manifest(directory: str | os.PathLike[str], manifest: Manifest) -> None:
