@@ -10,18 +10,18 @@ Example::
     report.write_json("report.json")
 """
 
-from .compare import align, compare_dumps
+from .compare import compare_dumps
 from .config import CompareConfig
 from .metrics import PairStats, pair_stats, rel_diff
-from .report import FirstDivergence, LayerSummary, Report, TensorComparison
+from .report import FirstDivergence, LayerSummary, ReplicaMismatch, Report, TensorComparison
 
 __all__ = [
     "compare_dumps",
-    "align",
     "CompareConfig",
     "Report",
     "TensorComparison",
     "FirstDivergence",
+    "ReplicaMismatch",
     "LayerSummary",
     "PairStats",
     "pair_stats",

@@ -1,97 +1,177 @@
-"""Compare two dumps: align tensors, stream metrics pair by pair, find the first divergence.
+"""Compare two dumps: align rows, stream metrics piece by piece, find the first divergence.
 
 Example::
 
     from comparator import compare_dumps, CompareConfig
-    report = compare_dumps("dumps/eager", "dumps/sdpa", CompareConfig(threshold=1e-3))
+    report = compare_dumps("dumps/one-pass", "dumps/chunked", CompareConfig(threshold=1e-3))
     print(report.passed, report.first_divergent)
 
-Only one pair of tensors is mapped at a time, so memory stays bounded by the largest tensor
-whatever the dump size.
+Tensors whose rows carry positions are compared per (name, sequence) after reassembling
+chunks, batches and ranks (see :mod:`comparator.align`); others per (name, pass, rank).
+Only the rows being compared are touched (memory-mapped), so memory stays bounded whatever
+the dump size.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from pathlib import Path
 
 import numpy as np
 
 from dumper.errors import NotComparableError
-from dumper.format import DumpReader, Manifest, TensorRecord
+from dumper.format import DumpReader, TensorRecord
 
+from .align import (
+    LogicalTensor,
+    Segment,
+    column_pieces,
+    fallback_pairs,
+    logical_tensors,
+    match_rows,
+    positions_of,
+    split_by_mode,
+)
 from .config import CompareConfig
-from .metrics import PairStats, pair_stats
-from .report import FirstDivergence, Report, TensorComparison
+from .metrics import PairStats, StatsAccumulator, pair_stats
+from .report import FirstDivergence, ReplicaMismatch, Report, TensorComparison
 
-__all__ = ["compare_dumps", "align", "PairKey"]
-
-PairKey = tuple[str, int, int, int]
-"""(name, forward_pass, rank, call): how a tensor is matched across dumps."""
+__all__ = ["compare_dumps"]
 
 ProgressFn = Callable[[int, int], None]
+MAX_RANGES = 32
+"""How many failing position ranges a comparison lists."""
 
 
-def _key(rec: TensorRecord) -> PairKey:
-    return (rec.name, rec.forward_pass, rec.rank, rec.call)
+def _rows2d(reader: DumpReader, rec: TensorRecord) -> np.ndarray:
+    a = reader.array(rec)
+    return a.reshape(-1, a.shape[-1]) if a.ndim >= 2 else a.reshape(1, -1)
 
 
-def _label(key: PairKey) -> str:
-    name, fp, rank, call = key
-    suffix = f"#{call}" if call else ""
-    return f"{name}{suffix}[pass={fp},rank={rank}]"
+def _ranges(values: np.ndarray) -> list[list[int]]:
+    """Sorted integers as inclusive ``[first, last]`` ranges, at most :data:`MAX_RANGES`."""
+    if values.size == 0:
+        return []
+    breaks = np.flatnonzero(np.diff(values) != 1) + 1
+    starts = np.concatenate(([0], breaks))[:MAX_RANGES]
+    ends = np.concatenate((breaks, [values.size]))[:MAX_RANGES] - 1
+    return [[int(values[a]), int(values[b])] for a, b in zip(starts, ends, strict=True)]
 
 
-def align(baseline: Manifest, target: Manifest) -> tuple[list[tuple[TensorRecord, TensorRecord]], list[str], list[str]]:
-    """Match tensors by (name, forward pass, rank, call); return pairs and unmatched labels of each side."""
-    base = {_key(r): r for r in baseline.tensors}
-    targ = {_key(r): r for r in target.tensors}
-    pairs = [(base[k], targ[k]) for k in base if k in targ]
-    pairs.sort(key=lambda p: (p[0].file, p[0].key))  # read files in order
-    unmatched_b = sorted(_label(k) for k in base if k not in targ)
-    unmatched_t = sorted(_label(k) for k in targ if k not in base)
-    return pairs, unmatched_b, unmatched_t
+def _chunk_note(pos: int, segs: list[Segment], side: str) -> str | None:
+    """Where ``pos`` sits in a side's passes, when that side split the sequence over several."""
+    passes = sorted({s.rec.forward_pass for s in segs})
+    if len(passes) < 2:
+        return None
+    for s in segs:
+        if s.pos <= pos < s.pos + s.count:
+            k = passes.index(s.rec.forward_pass) + 1
+            where = "start" if pos == s.pos else f"inside (chunk starts at {s.pos})"
+            return f"token {pos} = {where} of chunk {k}/{len(passes)} of the {side} (pass {s.rec.forward_pass})"
+    return None
 
 
-def _check_pair(b: TensorRecord, t: TensorRecord, base_dir: Path, targ_dir: Path) -> None:
-    if b.shape != t.shape:
-        raise NotComparableError(
-            f"{targ_dir / t.file}: tensor {t.name!r} (pass {t.forward_pass}) has shape {list(t.shape)} "
-            f"but the baseline {base_dir / b.file} has {list(b.shape)}; these dumps cannot be aligned")
-
-
-def _compare_pair(b: TensorRecord, t: TensorRecord, stats: PairStats, config: CompareConfig) -> TensorComparison:
+def _verdict(stats: PairStats, config: CompareConfig, *, name: str, layer: int | None, forward_pass: int,
+             rank: int, shape: tuple[int, ...], positions: np.ndarray | None, sequences: np.ndarray | None,
+             sequence: int | None, notes: Callable[[int], str | None] | None = None) -> TensorComparison:
     token = stats.token_rel_diff
-    fails = ~(token <= config.token_threshold)  # NaN counts as failing
-    positions = b.row_positions()
-    sequences = b.row_sequence_ids()
-    failing_rows = np.flatnonzero(fails)
-    first_row = worst_row = None
-    first_tok = worst_tok = first_seq = None
-    if failing_rows.size:
-        if positions is not None:
-            first_row = int(failing_rows[np.argmin(positions[failing_rows])])
-        else:
-            first_row = int(failing_rows[0])
+    failing = np.flatnonzero(~(token <= config.token_threshold))  # NaN counts as failing
+    first_row = worst_row = first_tok = worst_tok = first_seq = None
+    note = None
+    ranges: list[list[int]] = []
+    if failing.size:
+        first_row = int(failing[np.argmin(positions[failing])]) if positions is not None else int(failing[0])
     if token.size:
         worst_row = int(np.argmax(np.where(np.isnan(token), np.inf, token)))
     if positions is not None:
         first_tok = None if first_row is None else int(positions[first_row])
         worst_tok = None if worst_row is None else int(positions[worst_row])
-    if sequences is not None and first_row is not None:
-        first_seq = int(sequences[first_row])
-    max_tok = float(np.max(token)) if token.size else 0.0
-    passed = bool(stats.rel_diff <= config.threshold) and not failing_rows.size
+        ranges = _ranges(np.unique(positions[failing]))
+    if first_row is not None:
+        first_seq = int(sequences[first_row]) if sequences is not None else sequence
+        if notes is not None and first_tok is not None:
+            note = notes(first_tok)
     return TensorComparison(
-        name=b.name, layer=b.layer, forward_pass=b.forward_pass, rank=b.rank, shape=b.shape,
-        rel_diff=stats.rel_diff, max_token_rel_diff=max_tok, max_abs_diff=stats.max_abs_diff,
-        mean_abs_diff=stats.mean_abs_diff, cosine=stats.cosine, nan_baseline=stats.nan_x,
-        inf_baseline=stats.inf_x, nan_target=stats.nan_y, inf_target=stats.inf_y,
-        nonfinite_mismatches=stats.nonfinite_mismatches, failing_tokens=int(failing_rows.size),
+        name=name, layer=layer, forward_pass=forward_pass, rank=rank, shape=shape, sequence=sequence,
+        rel_diff=stats.rel_diff, max_token_rel_diff=float(np.max(token)) if token.size else 0.0,
+        max_abs_diff=stats.max_abs_diff, mean_abs_diff=stats.mean_abs_diff, cosine=stats.cosine,
+        nan_baseline=stats.nan_x, inf_baseline=stats.inf_x, nan_target=stats.nan_y, inf_target=stats.inf_y,
+        nonfinite_mismatches=stats.nonfinite_mismatches, failing_tokens=int(failing.size),
         first_failing_token=first_tok, first_failing_row=first_row, first_failing_sequence=first_seq,
-        worst_token=worst_tok, worst_row=worst_row, passed=passed,
+        failing_ranges=ranges, worst_token=worst_tok, worst_row=worst_row, note=note,
+        passed=bool(stats.rel_diff <= config.threshold) and not failing.size,
     )
+
+
+def _compare_logical(base: LogicalTensor, target: LogicalTensor, br: DumpReader, tr: DumpReader,
+                     config: CompareConfig) -> TensorComparison:
+    """Reassemble one (name, sequence) on both sides and compare it row by row, piece by piece."""
+    what = f"{tr.directory}: {target.describe()}"
+    pieces = column_pieces(base, target)
+    positions = positions_of(base.segments(pieces[0].base_rank))
+    acc = StatsAccumulator(positions.size, threads=config.threads)
+    per_rank: dict[int, list[float]] = {}
+    for p in pieces:
+        for run in match_rows(base.segments(p.base_rank), target.segments(p.target_rank), what):
+            idx = int(np.searchsorted(positions, run.pos))
+            if idx + run.count > positions.size or positions[idx] != run.pos:
+                raise NotComparableError(f"{what}: shards hold different token positions; cannot align")
+            x = _rows2d(br, run.base.rec)[run.base_row:run.base_row + run.count, p.base_col:p.base_col + p.width]
+            y = _rows2d(tr, run.target.rec)[run.target_row:run.target_row + run.count,
+                                            p.target_col:p.target_col + p.width]
+            dd, norm = acc.add(idx, x, y, run.base.rec.dtype, run.target.rec.dtype)
+            err = per_rank.setdefault(p.target_rank, [0.0, 0.0])
+            err[0] += dd
+            err[1] += norm
+    # name the target rank whose shard differs most (all ranks are one piece when unsharded)
+    rank = max(per_rank, key=lambda r: per_rank[r][0] / per_rank[r][1] if per_rank[r][1] else 0.0)
+    if rank < 0:
+        rank = target.rows[0].rec.rank
+    first = base.segments(pieces[0].base_rank)[0].rec
+    width = sum(p.width for p in pieces)
+
+    def notes(pos: int) -> str | None:
+        return _chunk_note(pos, target.segments(pieces[0].target_rank), "target") or \
+            _chunk_note(pos, base.segments(pieces[0].base_rank), "baseline")
+
+    return _verdict(acc.finish(), config, name=base.name, layer=base.layer, forward_pass=first.forward_pass,
+                    rank=rank, shape=(int(positions.size), width), positions=positions, sequences=None,
+                    sequence=base.sequence, notes=notes)
+
+
+def _compare_records(b: TensorRecord, t: TensorRecord, br: DumpReader, tr: DumpReader,
+                     config: CompareConfig) -> TensorComparison:
+    """Compare one pair of tensors matched by (name, pass, rank, call)."""
+    if b.shape != t.shape:
+        raise NotComparableError(
+            f"{tr.directory / t.file}: tensor {t.name!r} (pass {t.forward_pass}) has shape {list(t.shape)} "
+            f"but the baseline {br.directory / b.file} has {list(b.shape)}; these dumps cannot be aligned")
+    stats = pair_stats(br.array(b), tr.array(t), b.dtype, t.dtype, threads=config.threads)
+    sequences = b.row_sequence_ids()
+    return _verdict(stats, config, name=b.name, layer=b.layer, forward_pass=b.forward_pass, rank=b.rank,
+                    shape=b.shape, positions=b.row_positions(), sequences=sequences, sequence=None)
+
+
+def _check_replicas(side: str, reader: DumpReader, lts: dict, config: CompareConfig) -> list[ReplicaMismatch]:
+    """Rows that several ranks hold (tensor-parallel replicas) must be bit-identical."""
+    found: list[ReplicaMismatch] = []
+    for lt in lts.values():
+        worst: dict[int, tuple[int, float]] = {}  # rank -> (first differing position, worst row rel_diff)
+        for ref, other in lt.replicas:
+            x = _rows2d(reader, ref.rec)[ref.row:ref.row + ref.count]
+            y = _rows2d(reader, other.rec)[other.row:other.row + other.count]
+            stats = pair_stats(x, y, ref.rec.dtype, other.rec.dtype, threads=config.threads)
+            bad = np.flatnonzero(~(stats.token_rel_diff == 0))
+            if bad.size:
+                pos, rd = ref.pos + int(bad[0]), float(np.max(stats.token_rel_diff))
+                prev = worst.get(other.rec.rank)
+                worst[other.rec.rank] = (min(pos, prev[0]), max(rd, prev[1])) if prev else (pos, rd)
+        for rank, (pos, rd) in sorted(worst.items()):
+            found.append(ReplicaMismatch(side=side, name=lt.name, layer=lt.layer, sequence=lt.sequence,
+                                         rank=rank, reference_rank=lt.rows[0].rec.rank if lt.rows else 0,
+                                         first_token=pos, max_token_rel_diff=rd))
+    found.sort(key=lambda m: (m.layer is None, m.layer or 0, m.rank, m.first_token))
+    return found
 
 
 def _first_divergence(tensors: list[TensorComparison]) -> FirstDivergence | None:
@@ -105,14 +185,16 @@ def _first_divergence(tensors: list[TensorComparison]) -> FirstDivergence | None
 
     def order(t: TensorComparison) -> tuple:
         tok = t.first_failing_token
-        return (tok is None, tok if tok is not None else 0, t.forward_pass, t.rank, t.name)
+        return (tok is None, tok if tok is not None else 0, t.sequence if t.sequence is not None else -1,
+                t.forward_pass, t.rank, t.name)
 
     first = min(in_layer, key=order)
     worst = max(in_layer, key=lambda t: t.max_token_rel_diff)
+    sequences = sorted({t.first_failing_sequence for t in in_layer if t.first_failing_sequence is not None})
     return FirstDivergence(
         name=first.name, layer=low, rel_diff=max(t.rel_diff for t in in_layer), token=first.first_failing_token,
-        worst_token=worst.worst_token, sequence=first.first_failing_sequence,
-        forward_pass=first.forward_pass, rank=first.rank)
+        worst_token=worst.worst_token, sequence=first.first_failing_sequence, forward_pass=first.forward_pass,
+        rank=first.rank, failing_sequences=sequences, failing_ranges=first.failing_ranges, note=first.note)
 
 
 def compare_dumps(baseline: str | os.PathLike[str], target: str | os.PathLike[str],
@@ -120,37 +202,52 @@ def compare_dumps(baseline: str | os.PathLike[str], target: str | os.PathLike[st
     """Compare the dump ``target`` against the dump ``baseline``.
 
     Raises :class:`~dumper.errors.DumpError` for a missing, incomplete or corrupt dump and
-    :class:`~dumper.errors.NotComparableError` when nothing matches or shapes differ; a
-    divergence is not an exception but ``report.passed == False``.
+    :class:`~dumper.errors.NotComparableError` when nothing matches or rows cannot be
+    aligned; a divergence is not an exception but ``report.passed == False``.
     """
     config = config or CompareConfig()
-    base_dir, targ_dir = Path(baseline), Path(target)
-    base_reader, targ_reader = DumpReader(base_dir), DumpReader(targ_dir)
-    bm, tm = base_reader.manifest, targ_reader.manifest
-    for d, m in ((base_dir, bm), (targ_dir, tm)):
-        if not m.tensors:
-            raise NotComparableError(f"{d}: the dump captured no tensors")
-    pairs, unmatched_b, unmatched_t = align(bm, tm)
-    if not pairs:
+    br, tr = DumpReader(baseline), DumpReader(target)
+    bm, tm = br.manifest, tr.manifest
+    for reader in (br, tr):
+        if not reader.manifest.tensors:
+            raise NotComparableError(f"{reader.directory}: the dump captured no tensors")
+    by_rows, by_pass = split_by_mode(bm, tm)
+    base_lts = logical_tensors(bm, by_rows, str(br.directory))
+    targ_lts = logical_tensors(tm, by_rows, str(tr.directory))
+    logical = sorted(base_lts.keys() & targ_lts.keys(),
+                     key=lambda k: (base_lts[k].rows[0].rec.file, base_lts[k].rows[0].rec.key, k))
+    pairs, only_b, only_t = fallback_pairs(bm, tm, by_pass)
+    unmatched_b = sorted([f"{n}#{c}[sequence={s}]" if c else f"{n}[sequence={s}]"
+                          for n, c, s in base_lts.keys() - targ_lts.keys()] + [_label(k) for k in only_b])
+    unmatched_t = sorted([f"{n}#{c}[sequence={s}]" if c else f"{n}[sequence={s}]"
+                          for n, c, s in targ_lts.keys() - base_lts.keys()] + [_label(k) for k in only_t])
+    total = len(logical) + len(pairs)
+    if not total:
         raise NotComparableError(
-            f"{targ_dir}: zero tensors match the baseline {base_dir} "
-            f"({len(unmatched_b)} baseline-only, {len(unmatched_t)} target-only names, "
-            f"e.g. {unmatched_b[0]!r} vs {unmatched_t[0]!r})")
-    for b, t in pairs:
-        _check_pair(b, t, base_dir, targ_dir)
+            f"{tr.directory}: zero tensors match the baseline {br.directory} "
+            f"({len(unmatched_b)} baseline-only, {len(unmatched_t)} target-only, "
+            f"e.g. {unmatched_b[:1]} vs {unmatched_t[:1]})")
+    replicas = _check_replicas("baseline", br, base_lts, config) + _check_replicas("target", tr, targ_lts, config)
     results: list[TensorComparison] = []
-    for i, (b, t) in enumerate(pairs):
-        stats = pair_stats(base_reader.array(b), targ_reader.array(t), b.dtype, t.dtype, threads=config.threads)
-        results.append(_compare_pair(b, t, stats, config))
+    for key in logical:
+        results.append(_compare_logical(base_lts[key], targ_lts[key], br, tr, config))
         if progress is not None:
-            progress(i + 1, len(pairs))
-    results.sort(key=lambda r: (r.layer is None, r.layer if r.layer is not None else 0,
-                                r.forward_pass, r.rank, r.name))
+            progress(len(results), total)
+    for b, t in sorted(pairs, key=lambda p: (p[0].file, p[0].key)):
+        results.append(_compare_records(b, t, br, tr, config))
+        if progress is not None:
+            progress(len(results), total)
+    results.sort(key=lambda r: (r.layer is None, r.layer if r.layer is not None else 0, r.name,
+                                r.sequence if r.sequence is not None else -1, r.forward_pass, r.rank))
     return Report(
-        baseline=str(base_dir), target=str(targ_dir), threshold=config.threshold,
+        baseline=str(br.directory), target=str(tr.directory), threshold=config.threshold,
         token_threshold=config.token_threshold, tensors=tuple(results),
         unmatched_baseline=tuple(unmatched_b), unmatched_target=tuple(unmatched_t),
-        first_divergent=_first_divergence(results),
+        first_divergent=_first_divergence(results), replica_mismatches=tuple(replicas),
         environment={"baseline": bm.environment, "target": tm.environment},
     )
 
+
+def _label(key: tuple[str, int, int, int]) -> str:
+    name, fp, rank, call = key
+    return f"{name}{f'#{call}' if call else ''}[pass={fp},rank={rank}]"

@@ -24,7 +24,7 @@ from dumper.format import STORAGE_DTYPES, to_float64
 
 from .kernels import row_stats
 
-__all__ = ["PairStats", "pair_stats", "rel_diff", "BLOCK_BYTES"]
+__all__ = ["PairStats", "StatsAccumulator", "pair_stats", "rel_diff", "BLOCK_BYTES"]
 
 BLOCK_BYTES = 32 << 20
 """Bytes of one side handed to the kernels per call: big enough to amortize Python, small
@@ -56,41 +56,70 @@ def _as_2d(a: np.ndarray) -> np.ndarray:
     return a.reshape(-1, a.shape[-1])
 
 
+class StatsAccumulator:
+    """Accumulates per-row sums over pieces of a logical tensor, then finishes the metrics.
+
+    Rows may arrive in any order and in column pieces (tensor-parallel shards): the row sums
+    of ||x-y||^2, ||x||^2, ||y||^2 and <x,y> simply add up.
+    """
+
+    def __init__(self, rows: int, *, threads: int = 2, block_bytes: int = BLOCK_BYTES) -> None:
+        self.sums = np.zeros((rows, 5), dtype=np.float64)
+        self.threads = threads
+        self.block_bytes = block_bytes
+        self.max_abs = 0.0
+        self.sum_abs = 0.0
+        self.counts = [0, 0, 0, 0]  # nan_x, inf_x, nan_y, inf_y
+        self.elements = 0
+
+    def add(self, row: int, x: np.ndarray, y: np.ndarray, dtype: str, dtype_y: str | None = None) -> tuple[float, float]:
+        """Add two same-shape 2-D blocks (raw storage dtypes) whose rows start at ``row``.
+
+        ``dtype_y`` (default: ``dtype``) lets a float32 reference meet a bfloat16 target; then
+        each block is widened to float64 on the fly. Returns this piece's (sum d^2, sum x^2 + y^2).
+        """
+        if x.shape != y.shape:
+            raise ValueError(f"shape mismatch {x.shape} vs {y.shape}")
+        dtype_y = dtype_y or dtype
+        mixed = dtype != dtype_y or dtype not in _FLOAT
+        kdtype = "F64" if mixed else dtype
+        rows, cols = x.shape
+        block = max(1, self.block_bytes // max(1, cols * STORAGE_DTYPES[kdtype].itemsize))
+        dd = norm = 0.0
+        for start in range(0, rows, block):
+            stop = min(rows, start + block)
+            xb, yb = x[start:stop], y[start:stop]
+            if mixed:  # integers, bools and mixed float dtypes are compared in float64
+                xb, yb = to_float64(xb, dtype), to_float64(yb, dtype_y)
+            s = row_stats(xb, yb, kdtype, threads=self.threads)
+            self.sums[row + start:row + stop] += s.row
+            dd += float(s.row[:, 0].sum())
+            norm += float(s.row[:, 1].sum() + s.row[:, 2].sum())
+            self.max_abs = max(self.max_abs, s.max_abs)
+            self.sum_abs += s.sum_abs
+            for i, v in enumerate((s.nan_x, s.inf_x, s.nan_y, s.inf_y)):
+                self.counts[i] += v
+        self.elements += rows * cols
+        return dd, norm
+
+    def finish(self) -> PairStats:
+        c = self.counts
+        return _finish(self.sums, self.max_abs, self.sum_abs, (c[0], c[1], c[2], c[3]), self.elements)
+
+
 def pair_stats(x: np.ndarray, y: np.ndarray, dtype: str, dtype_y: str | None = None, *, threads: int = 2,
                block_bytes: int = BLOCK_BYTES) -> PairStats:
     """Metrics of two same-shape arrays in raw storage dtype ``dtype`` (e.g. memory-mapped).
 
-    ``dtype_y`` (default: ``dtype``) lets a float32 reference meet a bfloat16 target; then
-    each block is widened to float64 on the fly. Streams over blocks of rows so that only
-    one block of each side is touched at a time.
+    Viewed as ``[rows, last dim]``; streams over blocks of rows so that only one block of each
+    side is touched at a time.
     """
     if x.shape != y.shape:
         raise ValueError(f"shape mismatch {x.shape} vs {y.shape}")
-    dtype_y = dtype_y or dtype
-    mixed = dtype != dtype_y or dtype not in _FLOAT
-    x2 = _as_2d(x)
-    y2 = _as_2d(y)
-    kdtype = "F64" if mixed else dtype
-    rows, cols = x2.shape
-    itemsize = STORAGE_DTYPES[kdtype].itemsize
-    block = max(1, block_bytes // max(1, cols * itemsize))
-    sums = np.zeros((rows, 5), dtype=np.float64)
-    max_abs = sum_abs = 0.0
-    nan_x = inf_x = nan_y = inf_y = 0
-    for start in range(0, rows, block):
-        stop = min(rows, start + block)
-        xb, yb = x2[start:stop], y2[start:stop]
-        if mixed:  # integers, bools and mixed float dtypes are compared in float64
-            xb, yb = to_float64(xb, dtype), to_float64(yb, dtype_y)
-        s = row_stats(xb, yb, kdtype, threads=threads)
-        sums[start:stop] = s.row
-        max_abs = max(max_abs, s.max_abs)
-        sum_abs += s.sum_abs
-        nan_x += s.nan_x
-        inf_x += s.inf_x
-        nan_y += s.nan_y
-        inf_y += s.inf_y
-    return _finish(sums, max_abs, sum_abs, (nan_x, inf_x, nan_y, inf_y), rows * cols)
+    x2, y2 = _as_2d(x), _as_2d(y)
+    acc = StatsAccumulator(x2.shape[0], threads=threads, block_bytes=block_bytes)
+    acc.add(0, x2, y2, dtype, dtype_y)
+    return acc.finish()
 
 
 def _finish(sums: np.ndarray, max_abs: float, sum_abs: float, counts: tuple[int, int, int, int],

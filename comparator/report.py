@@ -14,7 +14,7 @@ from typing import Any
 
 from dumper.format import atomic_path, write_json_atomic
 
-__all__ = ["TensorComparison", "FirstDivergence", "LayerSummary", "Report"]
+__all__ = ["TensorComparison", "FirstDivergence", "ReplicaMismatch", "LayerSummary", "Report"]
 
 
 def _num(v: float | None) -> float | None:
@@ -30,7 +30,10 @@ class TensorComparison:
     """Metrics of one aligned pair of tensors (float64 accumulation).
 
     ``first_failing_token`` / ``worst_token`` are absolute token positions (``None`` when the
-    tensor carries no positions); ``*_row`` are the same as row indices.
+    tensor carries no positions); ``*_row`` are the same as row indices. Aligned by rows, one
+    comparison covers one ``sequence`` of one name, reassembled across passes and ranks;
+    ``failing_ranges`` lists failing positions as inclusive ranges and ``note`` says where the
+    first one sits in a chunked layout.
     """
 
     name: str
@@ -55,6 +58,9 @@ class TensorComparison:
     worst_token: int | None
     worst_row: int | None
     passed: bool
+    sequence: int | None = None
+    failing_ranges: list[list[int]] = field(default_factory=list)
+    note: str | None = None
 
     def __bool__(self) -> bool:
         return self.passed
@@ -88,6 +94,9 @@ class FirstDivergence:
     sequence: int | None
     forward_pass: int
     rank: int
+    failing_sequences: list[int] = field(default_factory=list)
+    failing_ranges: list[list[int]] = field(default_factory=list)
+    note: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -97,6 +106,27 @@ class FirstDivergence:
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> FirstDivergence:
         return cls(**{**d, "rel_diff": _from_num(d["rel_diff"])})
+
+
+@dataclass(frozen=True)
+class ReplicaMismatch:
+    """Rows that two ranks of one side should hold identically (replicated under TP) but do not."""
+
+    side: str
+    name: str
+    layer: int | None
+    sequence: int
+    rank: int
+    reference_rank: int
+    first_token: int
+    max_token_rel_diff: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "max_token_rel_diff": _num(self.max_token_rel_diff)}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> ReplicaMismatch:
+        return cls(**{**d, "max_token_rel_diff": _from_num(d["max_token_rel_diff"])})
 
 
 @dataclass(frozen=True)
@@ -130,6 +160,7 @@ class Report:
     unmatched_baseline: tuple[str, ...] = ()
     unmatched_target: tuple[str, ...] = ()
     first_divergent: FirstDivergence | None = None
+    replica_mismatches: tuple[ReplicaMismatch, ...] = ()
     environment: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -138,7 +169,7 @@ class Report:
 
     @property
     def passed(self) -> bool:
-        return self.matched > 0 and all(t.passed for t in self.tensors)
+        return self.matched > 0 and all(t.passed for t in self.tensors) and not self.replica_mismatches
 
     def __bool__(self) -> bool:
         return self.passed
@@ -174,6 +205,7 @@ class Report:
             "unmatched_target": list(self.unmatched_target),
             "first_divergent": self.first_divergent.to_json() if self.first_divergent else None,
             "tensors": [t.to_json() for t in self.tensors],
+            "replica_mismatches": [m.to_json() for m in self.replica_mismatches],
             "baseline": self.baseline,
             "target": self.target,
             "environment": self.environment,
@@ -188,6 +220,7 @@ class Report:
             tensors=tuple(TensorComparison.from_json(t) for t in d["tensors"]),
             unmatched_baseline=tuple(d["unmatched_baseline"]), unmatched_target=tuple(d["unmatched_target"]),
             first_divergent=FirstDivergence.from_json(fd) if fd else None,
+            replica_mismatches=tuple(ReplicaMismatch.from_json(m) for m in d.get("replica_mismatches", [])),
             environment=dict(d.get("environment", {})),
         )
 

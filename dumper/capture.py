@@ -31,6 +31,7 @@ from .fingerprint import environment_fingerprint, model_identity
 from .format import (
     FORMAT_VERSION,
     MANIFEST_NAME,
+    PAD_SEQUENCE,
     Manifest,
     TensorRecord,
     encode_runs,
@@ -80,22 +81,31 @@ class _Runs:
 
 @dataclass
 class _PassRows:
-    """Token positions and sequence ids of the rows of one forward pass's [batch, seq] input."""
+    """Token positions and sequence ids of the rows of one forward pass's [batch, seq] input.
+
+    Padding rows keep their column index as position, so that they cost one run in the
+    encoding; their sequence id :data:`PAD_SEQUENCE` keeps them out of every comparison.
+    """
 
     batch: int
     seq: int
     positions: _Runs
     sequence_ids: _Runs
-    seq_ids: np.ndarray  # [batch]
+    pad: np.ndarray | None = None  # [batch, seq] bool, True for padding rows
     position_ids: Any = None  # the tensor the positions were last read from (one device sync per tensor)
+
+    def set_positions(self, pos: np.ndarray) -> None:
+        if self.pad is not None:
+            pos = np.where(self.pad, np.arange(self.seq)[None, :], pos)
+        self.positions = _Runs(encode_runs(pos, step=1))
 
     def with_position_ids(self, value: Any) -> _PassRows:
         """Positions from a ``position_ids`` kwarg seen by a hooked module (read once per tensor object)."""
         if value is None or value is self.position_ids or not isinstance(value, torch.Tensor) \
                 or value.shape[-1] != self.seq:
             return self
-        pos = value.detach().reshape(-1, self.seq).expand(self.batch, self.seq).cpu().numpy()
-        self.positions, self.position_ids = _Runs(encode_runs(pos, step=1)), value
+        self.set_positions(value.detach().reshape(-1, self.seq).expand(self.batch, self.seq).cpu().numpy())
+        self.position_ids = value
         return self
 
 
@@ -255,7 +265,12 @@ class Capture:
             self.step()
 
     def _pass_rows(self, args: tuple, kwargs: dict) -> _PassRows | None:
-        """Row metadata of a pass from the top-level call's ``input_ids``/``inputs_embeds``."""
+        """Row metadata of a pass from the top-level call's inputs.
+
+        Positions come from ``position_ids`` / ``cache_position``, else from a 2-D
+        ``attention_mask`` (``cumsum - 1``, which is right for left padding too), else from the
+        KV cache length. Rows whose mask is 0 are padding: sequence id :data:`PAD_SEQUENCE`.
+        """
         ids = kwargs.get("input_ids", args[0] if args else None)
         ref = ids if isinstance(ids, torch.Tensor) else kwargs.get("inputs_embeds")
         if not isinstance(ref, torch.Tensor) or ref.dim() < 2:
@@ -266,11 +281,20 @@ class Capture:
         else:
             seq_ids = np.arange(self._next_seq, self._next_seq + batch, dtype=np.int64)
             self._next_seq += batch
-        cache = kwargs.get("cache", kwargs.get("past_key_values"))
-        past = int(cache.get_seq_length()) if hasattr(cache, "get_seq_length") else 0
-        default = np.broadcast_to(np.arange(past, past + seq, dtype=np.int64), (batch, seq))
-        rows = _PassRows(batch, seq, _Runs(encode_runs(default, step=1)),
-                         _Runs(encode_runs(np.repeat(seq_ids, seq), step=0)), seq_ids)
+        row_seq = np.repeat(seq_ids, seq).reshape(batch, seq)
+        mask = kwargs.get("attention_mask")
+        positions = pad = None
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[0] == batch and mask.shape[1] >= seq:
+            m = mask.detach().to("cpu", torch.int64).numpy()
+            pad = m[:, -seq:] == 0
+            row_seq = np.where(pad, PAD_SEQUENCE, row_seq)
+            positions = (np.cumsum(m, axis=1) - 1)[:, -seq:]
+        if positions is None:
+            cache = kwargs.get("cache", kwargs.get("past_key_values"))
+            past = int(cache.get_seq_length()) if hasattr(cache, "get_seq_length") else 0
+            positions = np.broadcast_to(np.arange(past, past + seq, dtype=np.int64), (batch, seq))
+        rows = _PassRows(batch, seq, _Runs([]), _Runs(encode_runs(row_seq, step=0)), pad)
+        rows.set_positions(positions)
         for key in ("position_ids", "cache_position"):
             if isinstance(kwargs.get(key), torch.Tensor):
                 return rows.with_position_ids(kwargs[key])
@@ -283,38 +307,46 @@ class Capture:
             hidden = kwargs.get("hidden_states", args[0] if args else None)
             if not isinstance(hidden, torch.Tensor):
                 return
-            rows = self._rows
-            if rows is not None and hidden.dim() == 3 and tuple(hidden.shape[:2]) == (rows.batch, rows.seq):
-                rows = rows.with_position_ids(kwargs.get("position_ids"))
-                self.record(point_name, hidden, layer=layer, point=ATTN_INPUT,
-                            positions=rows.positions, sequence_ids=rows.sequence_ids)
-            else:
-                self.record(point_name, hidden, layer=layer, point=ATTN_INPUT)
+            if self._rows is not None:
+                self._rows = self._rows.with_position_ids(kwargs.get("position_ids"))
+            self.record(point_name, hidden, layer=layer, point=ATTN_INPUT)
 
         return hook
 
     # -- recording -------------------------------------------------------------------------
     def record(self, name: str, tensor: torch.Tensor, *, layer: int | None = None, point: str | None = None,
-               positions: Any = None, sequence_ids: Any = None, **meta: Any) -> None:
-        """Record one tensor into the current forward pass (starting one if needed)."""
+               positions: Any = None, sequence_ids: Any = None, shard_dim: int | None = None, **meta: Any) -> None:
+        """Record one tensor into the current forward pass (starting one if needed).
+
+        Without explicit ``positions`` / ``sequence_ids``, a tensor whose leading dims are the
+        pass's ``[batch, seq]`` inherits the pass's row metadata.
+        """
         if self._writer is None:
             raise UsageError("capture is not active; use it as a context manager")
         if not isinstance(tensor, torch.Tensor):
             raise UsageError(f"dump({name!r}): expected a torch.Tensor, got {type(tensor).__name__}")
         if tensor.dtype not in _STORAGE:
             raise UsageError(f"dump({name!r}): dtype {tensor.dtype} cannot be stored")
+        shape = tuple(int(s) for s in tensor.shape)
+        if shard_dim is not None:
+            if not -len(shape) <= shard_dim < len(shape):
+                raise UsageError(f"dump({name!r}): shard_dim {shard_dim} is out of range for shape {list(shape)}")
+            shard_dim %= len(shape)
+        rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
+        ctx = self._rows
+        if positions is None and sequence_ids is None and ctx is not None and len(shape) == 3 \
+                and shape[:2] == (ctx.batch, ctx.seq):
+            positions, sequence_ids = ctx.positions, ctx.sequence_ids
         forward_pass = self._cur_pass if self._cur_pass is not None else self._start_pass()
         call = self._calls.get(name, 0)
         self._calls[name] = call + 1
         key = name if call == 0 else f"{name}#{call}"
-        shape = tuple(int(s) for s in tensor.shape)
-        rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
         self._writer.put(forward_pass, key, tensor)
         self._records.append(TensorRecord(
             name=name, file="", key=key, shape=shape, dtype=_STORAGE[tensor.dtype],
             forward_pass=forward_pass, rank=self.rank, call=call, layer=layer, point=point,
             positions=_as_runs(positions, rows, "positions"),
-            sequence_ids=_as_runs(sequence_ids, rows, "sequence_ids"),
+            sequence_ids=_as_runs(sequence_ids, rows, "sequence_ids"), shard_dim=shard_dim,
             meta={k: (v if isinstance(v, (str, int, float, bool, type(None))) else str(v)) for k, v in meta.items()},
         ))
 
@@ -355,8 +387,11 @@ def _env_capture() -> Capture:
 def dump(name: str, tensor: torch.Tensor, **meta: Any) -> None:
     """Record ``tensor`` under ``name`` into the active capture (or ``DRIFTSCOPE_DUMP_DIR``).
 
-    A no-op costing one function call when nothing is active. Keyword ``layer``, ``point``,
-    ``positions`` and ``sequence_ids`` are stored as row metadata; other keywords as free meta.
+    A no-op costing one function call when nothing is active. Keywords ``layer``, ``point``,
+    ``positions``, ``sequence_ids`` (one per row of ``tensor`` viewed as ``[rows, last dim]``)
+    and ``shard_dim`` (the dim this rank holds a slice of) are stored as metadata; other
+    keywords as free meta. A ``[batch, seq, ...]`` tensor recorded during a hooked forward
+    pass inherits that pass's positions and sequence ids.
     """
     cap = _ACTIVE
     if cap is None:

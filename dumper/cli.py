@@ -31,6 +31,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--modules", default=None, help="fnmatch pattern of modules to hook instead of self-attention")
     r.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     r.add_argument("--seed", type=int, default=0, help="seed for preset weights (default 0)")
+    r.add_argument("--chunk-size", type=int, default=None,
+                   help="prefill in chunks of N tokens through the KV cache (one forward pass per chunk)")
+    r.add_argument("--batch-size", type=int, default=1, help="prompts per forward pass, padded (default 1)")
+    r.add_argument("--padding-side", default="right", choices=["right", "left"], help="where batches are padded")
     ls = sub.add_parser("ls", help="show what a dump holds")
     ls.add_argument("dir", help="dump directory")
     ls.add_argument("--tensors", action="store_true", help="list every tensor")
@@ -51,7 +55,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         if not torch.cuda.is_available():
             raise UsageError(f"--device {args.device}: CUDA is not available on this machine")
     cfg = RunConfig(out=args.out, model=args.model, prompts=prompts, input_ids=ids, dtype=args.dtype,
-                    attn=args.attn, layers=args.layers, modules=args.modules, device=args.device, seed=args.seed)
+                    attn=args.attn, layers=args.layers, modules=args.modules, device=args.device, seed=args.seed,
+                    chunk_size=args.chunk_size, batch_size=args.batch_size, padding_side=args.padding_side)
     manifest = run_dump(cfg)
     layers = manifest.capture_signature.get("layers", [])
     print(f"wrote {args.out}: {len(manifest.tensors)} tensors, layers {layers}, "

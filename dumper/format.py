@@ -56,11 +56,14 @@ __all__ = [
     "write_manifest",
     "open_tensor",
     "STORAGE_DTYPES",
+    "PAD_SEQUENCE",
     "to_float64",
 ]
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
+PAD_SEQUENCE = -1
+"""Sequence id of padding rows: recorded so shapes stay whole, never compared."""
 
 # safetensors dtype string -> numpy storage dtype (bfloat16 is stored as its raw uint16 bits)
 STORAGE_DTYPES: dict[str, np.dtype] = {
@@ -113,8 +116,10 @@ class TensorRecord:
     """One captured tensor: where it is stored and what its rows mean.
 
     ``positions`` / ``sequence_ids`` are run-length encoded over the rows of the tensor
-    viewed as ``[rows, shape[-1]]`` (``None`` when unknown). ``call`` numbers repeated
-    captures of the same name within one forward pass.
+    viewed as ``[rows, shape[-1]]`` (``None`` when unknown; padding rows have sequence id
+    :data:`PAD_SEQUENCE`). ``call`` numbers repeated captures of the same name within one
+    forward pass. ``shard_dim`` is set when each rank holds a slice of the tensor along that
+    dim (tensor parallelism); ``None`` means every rank holds the whole tensor.
     """
 
     name: str
@@ -129,6 +134,7 @@ class TensorRecord:
     point: str | None = None
     positions: list[list[int]] | None = None
     sequence_ids: list[list[int]] | None = None
+    shard_dim: int | None = None
     meta: dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -114,7 +114,7 @@ def test_missing_manifest_exit_2(cli, tmp_path, eager_dump):
 def test_shape_mismatch_and_empty_dump_exit_2(cli, tmp_path, eager_dump):
     r = cli("dumper", "run", "--out", tmp_path / "short", "--layers", "all", "--prompt", "short", "--prompt", "x")
     assert r.returncode == 0, r.stderr
-    _single_line_error(cli("comparator", eager_dump, tmp_path / "short"), "cannot be aligned")
+    _single_line_error(cli("comparator", eager_dump, tmp_path / "short"), "short", "cannot align")
     empty = tmp_path / "empty"
     shutil.copytree(eager_dump, empty)
     m = json.loads((empty / MANIFEST_NAME).read_text())

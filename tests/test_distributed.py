@@ -34,7 +34,8 @@ def _worker(rank: int, port: int, out: str, bad_rank: int) -> None:
                 w = model.model.layers[2].mlp.down_proj.weight
                 w.add_(0.05 * torch.randn(w.shape, generator=torch.Generator().manual_seed(0)))
         ids = prompt_ids(tok, 32 + 8 * rank)  # ranks see different data, as data-parallel ranks do
-        with torch.inference_mode(), dumper.capture(model, out, layers="1,3,5"):
+        with torch.inference_mode(), dumper.capture(model, out, layers="1,3,5") as cap:
+            cap.set_sequence_ids([rank])  # request ids are global: the engine names them
             model(input_ids=ids)
     finally:
         dist.destroy_process_group()
@@ -70,5 +71,5 @@ def test_comparator_names_the_rank_that_diverged(rank_dumps):
     report = compare_dumps(base, bad)
     assert report.matched == 6 and not report.passed
     fd = report.first_divergent
-    assert fd.layer == 3 and fd.rank == 1
+    assert fd.layer == 3 and fd.rank == 1 and fd.sequence == 1
     assert all(t.passed for t in report.tensors if t.rank == 0)
