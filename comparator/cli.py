@@ -17,7 +17,7 @@ from dumper.errors import EXIT_DIVERGED, EXIT_OK, UsageError
 
 from .compare import compare_dumps
 from .config import CompareConfig
-from .render import render_report
+from .render import describe_divergence, render_report
 
 __all__ = ["main", "build_parser"]
 
@@ -47,8 +47,8 @@ def run(argv: Sequence[str] | None = None) -> int:
     console = Console(stderr=False, width=None if sys.stdout.isatty() else 160)
     if args.quiet:
         fd = report.first_divergent
-        console.print("PASS" if report.passed else f"DIVERGED at layer {fd.layer}, token {fd.token}"
-                      if fd else "DIVERGED")
+        console.print("PASS" if report.passed else f"DIVERGED {describe_divergence(fd)}" if fd else
+                      "DIVERGED (replicas differ)")
     else:
         render_report(report, console, tensors=args.tensors)
     for path, write in ((args.json, report.write_json), (args.csv, report.write_csv)):

@@ -21,11 +21,11 @@ from typing import Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "Capture": "capture",
-    "capture": "capture",
-    "dump": "capture",
-    "step": "capture",
-    "active_capture": "capture",
+    "Capture": "hooks",
+    "capture": "hooks",
+    "dump": "hooks",
+    "step": "hooks",
+    "active_capture": "hooks",
     "DriftscopeError": "errors",
     "DEFAULT_LAYERS": "layers",
     "parse_layer_spec": "layers",

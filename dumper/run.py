@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from .capture import capture
+from .hooks import capture
 from .errors import InternalError, UsageError
 from .format import Manifest, load_manifest
 from .presets import load_model
