@@ -1,12 +1,14 @@
 """Comparator throughput and memory against ``cat`` of the same files, in the same run.
 
-Writes two dumps of ``--gib`` GiB each (float32 [tokens, hidden] tensors; the target is the
-baseline plus small noise), warms the page cache, times ``cat FILES > /dev/null`` (best of 3)
-and ``compare_dumps`` (best of 3, each in a fresh process that samples its own anonymous RSS
-every 2 ms), and prints throughput, the ratio to ``cat``, and peak anonymous memory against
-the bound 2 x largest tensor + 300 MB.
+Writes a baseline dump of ``--gib`` GiB (float32 [tokens, hidden] tensors, one sequence per
+tensor, 32 layers per forward pass) and two targets holding the baseline plus small noise:
+one in the same layout and one prefilled in ``--chunks`` chunks (each chunk its own forward
+pass, as chunked prefill dumps). It warms the page cache, times ``cat FILES > /dev/null``
+(best of 3) and ``compare_dumps`` of each target (best of 3, each in a fresh process that
+samples its own anonymous RSS every 2 ms), and prints throughput, the ratios to ``cat`` and
+of chunked to same-layout, and peak anonymous memory against 2 x largest tensor + 300 MB.
 
-    python bench/bench_comparator.py [--gib 2] [--dir /tmp/driftscope-bench] [--keep]
+    python bench/bench_comparator.py [--gib 2] [--chunks 8] [--dir /tmp/driftscope-bench] [--keep]
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ def compare_only(base: str, target: str) -> None:
                       "matched": report.matched, "passed": report.passed}))
 
 
-def make_dumps(root: Path, gib: float, tokens: int, hidden: int) -> tuple[Path, Path, int]:
+def make_dumps(root: Path, gib: float, tokens: int, hidden: int, chunks: int) -> tuple[Path, Path, Path, int]:
     import torch
 
     import dumper
@@ -67,20 +69,31 @@ def make_dumps(root: Path, gib: float, tokens: int, hidden: int) -> tuple[Path, 
     tensor_bytes = tokens * hidden * 4
     count = max(1, int(round(gib * 2**30 / tensor_bytes)))
     gen = torch.Generator().manual_seed(0)
-    base, target = root / "baseline", root / "target"
-    for path in (base, target):
+    base, same, chunked = root / "baseline", root / "target", root / "target-chunked"
+    for path in (base, same, chunked):
         shutil.rmtree(path, ignore_errors=True)
-    with dumper.capture(None, base) as cb, dumper.capture(None, target) as ct:
-        for i in range(count):
-            x = torch.randn(tokens, hidden, generator=gen)
-            y = x + 1e-4 * torch.randn(tokens, hidden, generator=gen)
-            for cap, t in ((cb, x), (ct, y)):
-                cap.record(f"model.layers.{i % 32}.self_attn.input", t, layer=i % 32, point="input",
-                           positions=range(tokens), sequence_ids=[i // 32] * tokens)
-            if i % 32 == 31:
-                cb.step()
-                ct.step()
-    return base, target, tensor_bytes
+    step = -(-tokens // chunks)
+    layers = 32
+    with dumper.capture(None, base) as cb, dumper.capture(None, same) as cs, dumper.capture(None, chunked) as cc:
+        for group in range(0, count, layers):  # one group = one sequence through `layers` layers
+            pending = []
+            for i in range(group, min(count, group + layers)):
+                x = torch.randn(tokens, hidden, generator=gen)
+                y = x + 1e-4 * torch.randn(tokens, hidden, generator=gen)
+                name, seq = f"model.layers.{i % layers}.self_attn.input", group // layers
+                for cap, t in ((cb, x), (cs, y)):
+                    cap.record(name, t, layer=i % layers, point="input", positions=range(tokens),
+                               sequence_ids=[seq] * tokens)
+                pending.append((name, i % layers, seq, y))
+            for start in range(0, tokens, step):  # chunk k of every layer is forward pass k
+                for name, layer, seq, y in pending:
+                    stop = min(tokens, start + step)
+                    cc.record(name, y[start:stop], layer=layer, point="input", positions=range(start, stop),
+                              sequence_ids=[seq] * (stop - start))
+                cc.step()
+            cb.step()
+            cs.step()
+    return base, same, chunked, tensor_bytes
 
 
 def data_files(d: Path) -> list[str]:
@@ -102,6 +115,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--dir", default="/tmp/driftscope-bench")
+    ap.add_argument("--chunks", type=int, default=8, help="chunks of the chunked target (default 8)")
     ap.add_argument("--keep", action="store_true", help="keep the dumps afterwards")
     ap.add_argument("--reuse", action="store_true", help="reuse dumps already in --dir")
     ap.add_argument("--compare-only", nargs=2, metavar=("BASE", "TARGET"), help=argparse.SUPPRESS)
@@ -111,32 +125,40 @@ def main() -> None:
         return
     root = Path(args.dir)
     root.mkdir(parents=True, exist_ok=True)
-    if args.reuse and (root / "baseline" / "manifest.json").exists():
-        base, target, tensor_bytes = root / "baseline", root / "target", args.tokens * args.hidden * 4
-    else:
+    base, same, chunked = root / "baseline", root / "target", root / "target-chunked"
+    tensor_bytes = args.tokens * args.hidden * 4
+    if not (args.reuse and (chunked / "manifest.json").exists()):
         t = time.perf_counter()
-        base, target, tensor_bytes = make_dumps(root, args.gib, args.tokens, args.hidden)
-        print(f"wrote two dumps in {time.perf_counter() - t:.1f}s")
-    files = data_files(base) + data_files(target)
+        make_dumps(root, args.gib, args.tokens, args.hidden, args.chunks)
+        print(f"wrote three dumps in {time.perf_counter() - t:.1f}s")
+    files = data_files(base) + data_files(same)
     total = sum(os.path.getsize(f) for f in files)
-    time_cat(files)  # warm the page cache
+    time_cat(files + data_files(chunked))  # warm the page cache
     cat_s = time_cat(files)
-    runs = []
-    for _ in range(3):
-        out = subprocess.run([sys.executable, __file__, "--compare-only", str(base), str(target)],
-                             capture_output=True, text=True, check=True)
-        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
-    best = min(runs, key=lambda r: r["seconds"])
-    peak_mb = max(r["peak_anon_kib"] for r in runs) / 1024
+    results = {}
+    for label, target in (("same layout", same), (f"{args.chunks} chunks", chunked)):
+        runs = []
+        for _ in range(3):
+            out = subprocess.run([sys.executable, __file__, "--compare-only", str(base), str(target)],
+                                 capture_output=True, text=True, check=True)
+            runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+        results[label] = runs
     bound_mb = 2 * tensor_bytes / 2**20 + 300
-    print(f"data: {total / 2**30:.2f} GiB in {len(files)} files ({best['matched']} tensor pairs of "
-          f"{tensor_bytes / 2**20:.0f} MiB), verdict passed={best['passed']}")
+    print(f"data: {total / 2**30:.2f} GiB in {len(files)} files (baseline + same-layout target), "
+          f"tensors of {tensor_bytes / 2**20:.0f} MiB")
     print(f"cat FILES > /dev/null (warm): {cat_s:.3f}s = {total / cat_s / 1e9:.2f} GB/s")
-    print(f"compare_dumps: best {best['seconds']:.3f}s of {[round(r['seconds'], 3) for r in runs]} "
-          f"= {total / best['seconds'] / 1e9:.2f} GB/s")
-    print(f"ratio to cat: {cat_s / best['seconds']:.2f}x (target >= 0.5x)")
-    print(f"peak anonymous RSS: {peak_mb:.0f} MiB (process start {runs[0]['start_anon_kib'] / 1024:.0f} MiB); "
-          f"bound 2 x largest tensor + 300 MB = {bound_mb:.0f} MiB")
+    best = {}
+    for label, runs in results.items():
+        b = best[label] = min(runs, key=lambda r: r["seconds"])
+        peak_mb = max(r["peak_anon_kib"] for r in runs) / 1024
+        print(f"compare_dumps, {label}: best {b['seconds']:.3f}s of {[round(r['seconds'], 3) for r in runs]} "
+              f"= {total / b['seconds'] / 1e9:.2f} GB/s, {cat_s / b['seconds']:.2f}x of cat; "
+              f"{b['matched']} comparisons, passed={b['passed']}; peak anonymous RSS {peak_mb:.0f} MiB")
+    labels = list(best)
+    print(f"chunked / same-layout speed: {best[labels[0]]['seconds'] / best[labels[1]]['seconds']:.2f}x "
+          "(target >= 0.8x)")
+    print(f"memory bound 2 x largest tensor + 300 MB = {bound_mb:.0f} MiB "
+          f"(process start {results[labels[0]][0]['start_anon_kib'] / 1024:.0f} MiB)")
     if not args.keep:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dumper.errors import NotComparableError
+from dumper.errors import CorruptDumpError, NotComparableError
 from dumper.format import PAD_SEQUENCE, Manifest, TensorRecord
 
 __all__ = ["Segment", "LogicalTensor", "RowRun", "Piece", "logical_tensors", "match_rows", "column_pieces",
@@ -138,17 +138,28 @@ def _has_rows(rec: TensorRecord) -> bool:
 
 
 def _segments(rec: TensorRecord) -> list[tuple[int, Segment]]:
-    """Split a record's rows into (sequence, Segment) runs, dropping padding rows."""
-    pos = rec.row_positions()
-    seq = rec.row_sequence_ids()
-    assert pos is not None and seq is not None
-    if pos.size == 0:
-        return []
-    breaks = np.flatnonzero((np.diff(pos) != 1) | (np.diff(seq) != 0)) + 1
-    starts = np.concatenate(([0], breaks)).tolist()
-    ends = np.concatenate((breaks, [pos.size])).tolist()
-    return [(int(seq[a]), Segment(rec, a, int(pos[a]), b - a)) for a, b in zip(starts, ends, strict=True)
-            if int(seq[a]) != PAD_SEQUENCE]
+    """Split a record's rows into (sequence, Segment) runs, dropping padding rows.
+
+    Works on the run-length encoded metadata directly (two sorted run lists are merged), so
+    its cost grows with the number of runs, not of rows.
+    """
+    pos_runs, seq_runs = rec.positions or [], rec.sequence_ids or []
+    if sum(c for _, c in pos_runs) != rec.rows or sum(c for _, c in seq_runs) != rec.rows:
+        raise CorruptDumpError(f"{rec.file}: tensor {rec.name!r} has row metadata for another number of rows "
+                               f"than its {rec.rows} rows")
+    out: list[tuple[int, Segment]] = []
+    i = j = used_p = used_s = row = 0
+    while i < len(pos_runs) and j < len(seq_runs):
+        (p0, pc), (s0, sc) = pos_runs[i], seq_runs[j]
+        n = min(pc - used_p, sc - used_s)
+        if s0 != PAD_SEQUENCE:
+            out.append((s0, Segment(rec, row, p0 + used_p, n)))
+        row, used_p, used_s = row + n, used_p + n, used_s + n
+        if used_p == pc:
+            i, used_p = i + 1, 0
+        if used_s == sc:
+            j, used_s = j + 1, 0
+    return out
 
 
 def split_by_mode(baseline: Manifest, target: Manifest) -> tuple[set[str], set[str]]:
@@ -175,7 +186,7 @@ def logical_tensors(manifest: Manifest, names: set[str], where: str) -> dict[Log
     for lt in out.values():
         for rank, segs in lt.by_rank.items():
             segs.sort(key=lambda s: s.pos)
-            for a, b in zip(segs, segs[1:]):
+            for a, b in zip(segs, segs[1:], strict=False):
                 if b.pos < a.pos + a.count:
                     raise NotComparableError(
                         f"{where}: {lt.describe()} holds token position {b.pos} twice on rank {rank} "
@@ -186,7 +197,7 @@ def logical_tensors(manifest: Manifest, names: set[str], where: str) -> dict[Log
         if lt.sharded:
             ref = lt.by_rank[lt.ranks[0]]
             for rank in lt.ranks[1:]:
-                if not np.array_equal(positions_of(ref), positions_of(lt.by_rank[rank])):
+                if _coverage(ref) != _coverage(lt.by_rank[rank]):
                     raise NotComparableError(f"{where}: shards of {lt.describe()} hold different token positions "
                                              f"on ranks {lt.ranks[0]} and {rank}; cannot join them")
             lt.rows = ref
@@ -196,19 +207,32 @@ def logical_tensors(manifest: Manifest, names: set[str], where: str) -> dict[Log
 
 
 def positions_of(segs: list[Segment]) -> np.ndarray:
+    """All positions of position-sorted segments, in order."""
     return np.concatenate([np.arange(s.pos, s.pos + s.count) for s in segs]) if segs else np.zeros(0, np.int64)
 
 
-def _span(pos: np.ndarray) -> str:
-    return f"{pos.min()}..{pos.max()} ({pos.size} tokens)" if pos.size else "no tokens"
+def _coverage(segs: list[Segment]) -> list[tuple[int, int]]:
+    """The position intervals ``[start, end)`` that position-sorted segments cover, merged."""
+    out: list[tuple[int, int]] = []
+    for s in segs:
+        if out and out[-1][1] == s.pos:
+            out[-1] = (out[-1][0], s.pos + s.count)
+        else:
+            out.append((s.pos, s.pos + s.count))
+    return out
+
+
+def _describe(cov: list[tuple[int, int]]) -> str:
+    n = sum(b - a for a, b in cov)
+    return f"{cov[0][0]}..{cov[-1][1] - 1} ({n} tokens)" if cov else "no tokens"
 
 
 def match_rows(base: list[Segment], target: list[Segment], what: str) -> list[RowRun]:
     """Pair two position-sorted segment lists row by row; their position sets must be equal."""
-    pb, pt = positions_of(base), positions_of(target)
-    if pb.size != pt.size or not np.array_equal(pb, pt):
-        raise NotComparableError(f"{what}: positions {_span(pb)} in the baseline but {_span(pt)} in the target; "
-                                 "cannot align")
+    cb, ct = _coverage(base), _coverage(target)
+    if cb != ct:
+        raise NotComparableError(f"{what}: positions {_describe(cb)} in the baseline but {_describe(ct)} in the "
+                                 "target; cannot align")
     runs: list[RowRun] = []
     i = j = 0
     ob = ot = 0  # rows of base[i] / target[j] already consumed

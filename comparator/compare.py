@@ -43,11 +43,6 @@ MAX_RANGES = 32
 """How many failing position ranges a comparison lists."""
 
 
-def _rows2d(reader: DumpReader, rec: TensorRecord) -> np.ndarray:
-    a = reader.array(rec)
-    return a.reshape(-1, a.shape[-1]) if a.ndim >= 2 else a.reshape(1, -1)
-
-
 def _ranges(values: np.ndarray) -> list[list[int]]:
     """Sorted integers as inclusive ``[first, last]`` ranges, at most :data:`MAX_RANGES`."""
     if values.size == 0:
@@ -110,19 +105,22 @@ def _compare_logical(base: LogicalTensor, target: LogicalTensor, br: DumpReader,
     pieces = column_pieces(base, target)
     positions = positions_of(base.segments(pieces[0].base_rank))
     acc = StatsAccumulator(positions.size, threads=config.threads)
-    per_rank: dict[int, list[float]] = {}
+    items, owners = [], []
     for p in pieces:
         for run in match_rows(base.segments(p.base_rank), target.segments(p.target_rank), what):
             idx = int(np.searchsorted(positions, run.pos))
             if idx + run.count > positions.size or positions[idx] != run.pos:
                 raise NotComparableError(f"{what}: shards hold different token positions; cannot align")
-            x = _rows2d(br, run.base.rec)[run.base_row:run.base_row + run.count, p.base_col:p.base_col + p.width]
-            y = _rows2d(tr, run.target.rec)[run.target_row:run.target_row + run.count,
+            x = br.rows(run.base.rec)[run.base_row:run.base_row + run.count, p.base_col:p.base_col + p.width]
+            y = tr.rows(run.target.rec)[run.target_row:run.target_row + run.count,
                                             p.target_col:p.target_col + p.width]
-            dd, norm = acc.add(idx, x, y, run.base.rec.dtype, run.target.rec.dtype)
-            err = per_rank.setdefault(p.target_rank, [0.0, 0.0])
-            err[0] += dd
-            err[1] += norm
+            items.append((idx, x, y, run.base.rec.dtype, run.target.rec.dtype))
+            owners.append(p.target_rank)
+    per_rank: dict[int, list[float]] = {}
+    for rank, (dd, norm) in zip(owners, acc.add_many(items), strict=True):
+        err = per_rank.setdefault(rank, [0.0, 0.0])
+        err[0] += dd
+        err[1] += norm
     # name the target rank whose shard differs most (all ranks are one piece when unsharded)
     rank = max(per_rank, key=lambda r: per_rank[r][0] / per_rank[r][1] if per_rank[r][1] else 0.0)
     if rank < 0:
@@ -158,8 +156,8 @@ def _check_replicas(side: str, reader: DumpReader, lts: dict, config: CompareCon
     for lt in lts.values():
         worst: dict[int, tuple[int, float]] = {}  # rank -> (first differing position, worst row rel_diff)
         for ref, other in lt.replicas:
-            x = _rows2d(reader, ref.rec)[ref.row:ref.row + ref.count]
-            y = _rows2d(reader, other.rec)[other.row:other.row + other.count]
+            x = reader.rows(ref.rec)[ref.row:ref.row + ref.count]
+            y = reader.rows(other.rec)[other.row:other.row + other.count]
             stats = pair_stats(x, y, ref.rec.dtype, other.rec.dtype, threads=config.threads)
             bad = np.flatnonzero(~(stats.token_rel_diff == 0))
             if bad.size:

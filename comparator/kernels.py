@@ -21,7 +21,9 @@ Example::
 
 from __future__ import annotations
 
+import itertools
 import threading
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -34,7 +36,7 @@ try:
 except ImportError:  # optional extension not built: numpy fallback
     _kernels = None
 
-__all__ = ["BlockStats", "HAVE_EXTENSION", "row_stats", "row_stats_reference"]
+__all__ = ["BlockStats", "HAVE_EXTENSION", "UNIT_BYTES", "row_stats", "row_stats_many", "row_stats_reference"]
 
 HAVE_EXTENSION: bool = _kernels is not None
 """Whether the C extension is importable (else :func:`row_stats` uses the numpy fallback)."""
@@ -47,8 +49,9 @@ _STORAGE: dict[str, np.dtype] = {
 }
 """Native-order numpy storage dtype the kernel reads for each safetensors dtype."""
 
-_MIN_ELEMS_PER_THREAD = 1 << 16
-"""Smaller blocks are not split: a thread hand-off costs more than the work."""
+UNIT_BYTES = 1 << 20
+"""Bytes of one side per unit of work handed to a thread: small enough to balance two cores
+over a few blocks, big enough that the per-unit cost is noise."""
 
 _pool: ThreadPoolExecutor | None = None
 _pool_size = 0
@@ -94,39 +97,58 @@ def _checked(a: np.ndarray, name: str, dtype: str) -> np.ndarray:
 def row_stats(x: np.ndarray, y: np.ndarray, dtype: str, *, threads: int = 2) -> BlockStats:
     """Per-row and block statistics of two same-shape 2-D blocks of raw dtype ``dtype``.
 
-    Uses the C kernel on up to ``threads`` row ranges in parallel, or the numpy reference
+    Uses the C kernel on row ranges in parallel (up to ``threads``), or the numpy reference
     when the extension is not built.
     """
-    if dtype not in _STORAGE:
-        raise ValueError(f"unsupported dtype {dtype!r} (want one of {sorted(_STORAGE)})")
-    if x.shape != y.shape:
-        raise ValueError(f"shape mismatch {x.shape} vs {y.shape}")
-    x, y = _checked(x, "x", dtype), _checked(y, "y", dtype)
+    return row_stats_many([(x, y, dtype)], threads=threads)[0]
+
+
+def row_stats_many(blocks: Sequence[tuple[np.ndarray, np.ndarray, str]], *, threads: int = 2) -> list[BlockStats]:
+    """:func:`row_stats` of several block pairs at once, spread over ``threads`` together.
+
+    Blocks are cut into row ranges of about :data:`UNIT_BYTES` that the caller and
+    ``threads - 1`` pool workers pull from one shared counter, so many small blocks (the
+    chunks of a chunked prefill) keep both cores busy with one hand-off per call, not one
+    per block.
+    """
+    checked = []
+    for x, y, dtype in blocks:
+        if dtype not in _STORAGE:
+            raise ValueError(f"unsupported dtype {dtype!r} (want one of {sorted(_STORAGE)})")
+        if x.shape != y.shape:
+            raise ValueError(f"shape mismatch {x.shape} vs {y.shape}")
+        checked.append((_checked(x, "x", dtype), _checked(y, "y", dtype), dtype))
     if _kernels is None:
-        return row_stats_reference(x, y, dtype)
-    rows, cols = x.shape
-    out = np.empty((rows, 5), dtype=np.float64)
-    parts = max(1, min(threads, rows, rows * cols // _MIN_ELEMS_PER_THREAD))
-    bounds = [rows * i // parts for i in range(parts + 1)]
+        return [row_stats_reference(x, y, dtype) for x, y, dtype in checked]
+    outs = [np.empty((x.shape[0], 5), dtype=np.float64) for x, _, _ in checked]
+    units: list[tuple[int, int, int]] = []  # (block, first row, end row)
+    for b, (x, _, _) in enumerate(checked):
+        rows = x.shape[0]
+        parts = max(1, min(rows, -(-x.nbytes // UNIT_BYTES)))
+        units.extend((b, rows * i // parts, rows * (i + 1) // parts) for i in range(parts))
+    results: list[tuple[float, float, int, int, int, int] | None] = [None] * len(units)
+    counter = itertools.count()
 
-    def run(i: int) -> tuple[float, float, int, int, int, int]:
-        lo, hi = bounds[i], bounds[i + 1]
-        return _kernels.row_stats(x[lo:hi], y[lo:hi], dtype, hi - lo, cols, out[lo:hi])
+    def work() -> None:
+        while (i := next(counter)) < len(units):  # next() on a count is atomic under the GIL
+            b, lo, hi = units[i]
+            x, y, dtype = checked[b]
+            results[i] = _kernels.row_stats(x[lo:hi], y[lo:hi], dtype, hi - lo, x.shape[1], outs[b][lo:hi])
 
-    if parts == 1:
-        results = [run(0)]
-    else:  # the caller runs part 0 itself while the pool runs the rest
-        futures = [_executor(parts - 1).submit(run, i) for i in range(1, parts)]
-        results = [run(0)] + [f.result() for f in futures]
-    return BlockStats(
-        row=out,
-        max_abs=max(r[0] for r in results),
-        sum_abs=float(sum(r[1] for r in results)),
-        nan_x=sum(r[2] for r in results),
-        inf_x=sum(r[3] for r in results),
-        nan_y=sum(r[4] for r in results),
-        inf_y=sum(r[5] for r in results),
-    )
+    helpers = min(threads, len(units)) - 1
+    futures = [_executor(helpers).submit(work) for _ in range(helpers)] if helpers > 0 else []
+    work()
+    for f in futures:
+        f.result()
+    merged: list[list] = [[] for _ in checked]
+    for (b, _, _), r in zip(units, results, strict=True):
+        merged[b].append(r)
+    return [
+        BlockStats(row=out, max_abs=max(r[0] for r in rs), sum_abs=float(sum(r[1] for r in rs)),
+                   nan_x=sum(r[2] for r in rs), inf_x=sum(r[3] for r in rs),
+                   nan_y=sum(r[4] for r in rs), inf_y=sum(r[5] for r in rs))
+        for out, rs in zip(outs, merged, strict=True)
+    ]
 
 
 def row_stats_reference(x: np.ndarray, y: np.ndarray, dtype: str) -> BlockStats:

@@ -22,7 +22,7 @@ import numpy as np
 
 from dumper.format import STORAGE_DTYPES, to_float64
 
-from .kernels import row_stats
+from .kernels import row_stats_many
 
 __all__ = ["PairStats", "StatsAccumulator", "pair_stats", "rel_diff", "BLOCK_BYTES"]
 
@@ -78,29 +78,52 @@ class StatsAccumulator:
         ``dtype_y`` (default: ``dtype``) lets a float32 reference meet a bfloat16 target; then
         each block is widened to float64 on the fly. Returns this piece's (sum d^2, sum x^2 + y^2).
         """
-        if x.shape != y.shape:
-            raise ValueError(f"shape mismatch {x.shape} vs {y.shape}")
-        dtype_y = dtype_y or dtype
-        mixed = dtype != dtype_y or dtype not in _FLOAT
-        kdtype = "F64" if mixed else dtype
-        rows, cols = x.shape
-        block = max(1, self.block_bytes // max(1, cols * STORAGE_DTYPES[kdtype].itemsize))
-        dd = norm = 0.0
-        for start in range(0, rows, block):
-            stop = min(rows, start + block)
-            xb, yb = x[start:stop], y[start:stop]
-            if mixed:  # integers, bools and mixed float dtypes are compared in float64
-                xb, yb = to_float64(xb, dtype), to_float64(yb, dtype_y)
-            s = row_stats(xb, yb, kdtype, threads=self.threads)
-            self.sums[row + start:row + stop] += s.row
-            dd += float(s.row[:, 0].sum())
-            norm += float(s.row[:, 1].sum() + s.row[:, 2].sum())
+        return self.add_many([(row, x, y, dtype, dtype_y or dtype)])[0]
+
+    def add_many(self, items: list[tuple[int, np.ndarray, np.ndarray, str, str]]) -> list[tuple[float, float]]:
+        """:meth:`add` for several pieces ``(row, x, y, dtype, dtype_y)``, run on the threads together.
+
+        Pieces are cut into blocks of at most ``block_bytes`` and handed to the kernels in
+        batches of about ``block_bytes``, which bounds the float64 copies of mixed dtypes.
+        """
+        per_item = [[0.0, 0.0] for _ in items]
+        batch: list[tuple[int, int, np.ndarray, np.ndarray, str, str]] = []
+        batch_bytes = 0
+        for k, (row, x, y, dtype, dtype_y) in enumerate(items):
+            if x.shape != y.shape:
+                raise ValueError(f"shape mismatch {x.shape} vs {y.shape}")
+            kdtype = "F64" if dtype != dtype_y or dtype not in _FLOAT else dtype
+            rows, cols = x.shape
+            row_bytes = max(1, cols * STORAGE_DTYPES[kdtype].itemsize)
+            block = max(1, self.block_bytes // row_bytes)
+            for start in range(0, rows, block):
+                stop = min(rows, start + block)
+                batch.append((k, row + start, x[start:stop], y[start:stop], dtype, dtype_y))
+                batch_bytes += (stop - start) * row_bytes
+                if batch_bytes >= self.block_bytes:
+                    self._run(batch, per_item)
+                    batch, batch_bytes = [], 0
+            self.elements += rows * cols
+        if batch:
+            self._run(batch, per_item)
+        return [(dd, norm) for dd, norm in per_item]
+
+    def _run(self, batch: list[tuple[int, int, np.ndarray, np.ndarray, str, str]], per_item: list[list[float]]) -> None:
+        blocks = []
+        for _, _, xb, yb, dtype, dtype_y in batch:
+            if dtype != dtype_y or dtype not in _FLOAT:  # integers, bools, mixed floats: compare in float64
+                blocks.append((to_float64(xb, dtype), to_float64(yb, dtype_y), "F64"))
+            else:
+                blocks.append((xb, yb, dtype))
+        for (k, row, xb, _, _, _), s in zip(batch, row_stats_many(blocks, threads=self.threads), strict=True):
+            self.sums[row:row + xb.shape[0]] += s.row
+            dd, xx, yy = s.row[:, :3].sum(axis=0).tolist()
+            per_item[k][0] += dd
+            per_item[k][1] += xx + yy
             self.max_abs = max(self.max_abs, s.max_abs)
             self.sum_abs += s.sum_abs
             for i, v in enumerate((s.nan_x, s.inf_x, s.nan_y, s.inf_y)):
                 self.counts[i] += v
-        self.elements += rows * cols
-        return dd, norm
 
     def finish(self) -> PairStats:
         c = self.counts

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import mmap
 import os
 import tempfile
@@ -92,7 +93,7 @@ def encode_runs(values: Iterable[int] | np.ndarray, *, step: int) -> list[list[i
     breaks = np.flatnonzero(np.diff(a) != step) + 1
     starts = np.concatenate(([0], breaks))
     counts = np.diff(np.concatenate((starts, [a.size])))
-    return [[int(v), int(c)] for v, c in zip(a[starts].tolist(), counts.tolist())]
+    return [[int(v), int(c)] for v, c in zip(a[starts].tolist(), counts.tolist(), strict=True)]
 
 
 def decode_runs(runs: Sequence[Sequence[int]], *, step: int) -> np.ndarray:
@@ -140,11 +141,11 @@ class TensorRecord:
     @property
     def rows(self) -> int:
         """Number of rows when viewed as ``[rows, hidden]`` (1 for a 0-d or 1-d tensor)."""
-        return int(np.prod(self.shape[:-1], dtype=np.int64)) if len(self.shape) > 1 else 1
+        return math.prod(self.shape[:-1]) if len(self.shape) > 1 else 1
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * STORAGE_DTYPES[self.dtype].itemsize
+        return math.prod(self.shape) * STORAGE_DTYPES[self.dtype].itemsize
 
     def row_positions(self) -> np.ndarray | None:
         return None if self.positions is None else decode_runs(self.positions, step=1)
@@ -340,7 +341,7 @@ class _SafetensorsFile:
             )
         begin, end = info["data_offsets"]
         np_dtype = STORAGE_DTYPES[dtype]
-        count = int(np.prod(shape, dtype=np.int64))
+        count = math.prod(shape)
         if end - begin != count * np_dtype.itemsize or self._data_start + end > self._size:
             raise CorruptDumpError(f"{self.path}: tensor {key!r} has a bad or truncated byte range")
         if count == 0:
@@ -349,10 +350,17 @@ class _SafetensorsFile:
 
 
 class DumpReader:
-    """Opens the tensors of one dump lazily, keeping at most a few files mapped at a time."""
+    """Opens the tensors of one dump lazily, keeping up to ``max_open`` files mapped.
 
-    def __init__(self, directory: str | os.PathLike[str], manifest: Manifest | None = None) -> None:
+    A mapping costs address space, not memory (its pages are the page cache's), so many stay
+    mapped: a chunked layout reads each file many times, and re-mapping costs page faults.
+    """
+
+    def __init__(self, directory: str | os.PathLike[str], manifest: Manifest | None = None, *,
+                 max_open: int = 256) -> None:
         self.directory = Path(directory)
+        self.max_open = max_open
+        self._rows: dict[tuple[str, str], np.ndarray] = {}
         self.manifest = manifest if manifest is not None else load_manifest(self.directory)
         self._open: dict[str, _SafetensorsFile] = {}
 
@@ -360,10 +368,22 @@ class DumpReader:
         """The raw stored values of ``rec`` (memory-mapped, read-only, storage dtype)."""
         f = self._open.get(rec.file)
         if f is None:
-            if len(self._open) >= 4:
+            if len(self._open) >= self.max_open:
                 self._open.pop(next(iter(self._open)))
             f = self._open[rec.file] = _SafetensorsFile(self.directory / rec.file)
         return f.array(rec.key, rec.dtype, rec.shape)
+
+    def rows(self, rec: TensorRecord) -> np.ndarray:
+        """:meth:`array` viewed as ``[rows, last dim]`` (a 0-d or 1-d tensor is one row); cached per tensor."""
+        key = (rec.file, rec.key)
+        a = self._rows.get(key)
+        if a is None or rec.file not in self._open:
+            a = self.array(rec)
+            a = a.reshape(-1, a.shape[-1]) if a.ndim >= 2 else a.reshape(1, -1)
+            if len(self._rows) >= 4 * self.max_open:
+                self._rows.clear()
+            self._rows[key] = a
+        return a
 
 
 def open_tensor(directory: str | os.PathLike[str], rec: TensorRecord) -> np.ndarray:

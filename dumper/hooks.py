@@ -17,6 +17,7 @@ from __future__ import annotations
 import atexit
 import datetime as _dt
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -318,8 +319,8 @@ class Capture:
                positions: Any = None, sequence_ids: Any = None, shard_dim: int | None = None, **meta: Any) -> None:
         """Record one tensor into the current forward pass (starting one if needed).
 
-        Without explicit ``positions`` / ``sequence_ids``, a tensor whose leading dims are the
-        pass's ``[batch, seq]`` inherits the pass's row metadata.
+        Without explicit ``positions`` / ``sequence_ids``, a ``[batch, seq, hidden]`` tensor of
+        the current pass's ``batch`` and ``seq`` inherits the pass's row metadata.
         """
         if self._writer is None:
             raise UsageError("capture is not active; use it as a context manager")
@@ -332,7 +333,7 @@ class Capture:
             if not -len(shape) <= shard_dim < len(shape):
                 raise UsageError(f"dump({name!r}): shard_dim {shard_dim} is out of range for shape {list(shape)}")
             shard_dim %= len(shape)
-        rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
+        rows = math.prod(shape[:-1]) if len(shape) > 1 else 1
         ctx = self._rows
         if positions is None and sequence_ids is None and ctx is not None and len(shape) == 3 \
                 and shape[:2] == (ctx.batch, ctx.seq):
@@ -390,8 +391,9 @@ def dump(name: str, tensor: torch.Tensor, **meta: Any) -> None:
     A no-op costing one function call when nothing is active. Keywords ``layer``, ``point``,
     ``positions``, ``sequence_ids`` (one per row of ``tensor`` viewed as ``[rows, last dim]``)
     and ``shard_dim`` (the dim this rank holds a slice of) are stored as metadata; other
-    keywords as free meta. A ``[batch, seq, ...]`` tensor recorded during a hooked forward
-    pass inherits that pass's positions and sequence ids.
+    keywords as free meta. A ``[batch, seq, hidden]`` tensor recorded during a hooked forward
+    pass inherits that pass's positions and sequence ids (reshape per-head tensors to
+    ``[batch, seq, heads * head_dim]`` first; other shapes need explicit ``positions``).
     """
     cap = _ACTIVE
     if cap is None:

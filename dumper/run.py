@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
-from .hooks import capture
 from .errors import InternalError, UsageError
 from .format import Manifest, load_manifest
+from .hooks import capture
 from .presets import load_model
 
 __all__ = ["RunConfig", "run_dump", "prefill", "pad_batch", "cache_kwarg", "read_prompts_file", "BUILTIN_PROMPTS"]

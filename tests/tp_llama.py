@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["RowParallelLinear", "shard_llama", "record_q_proj", "q_proj_name"]
+__all__ = ["RowParallelLinear", "q_proj_name", "record_q_proj", "shard_llama"]
 
 
 class RowParallelLinear(nn.Linear):
