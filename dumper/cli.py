@@ -7,7 +7,7 @@ from collections import Counter
 from collections.abc import Sequence
 
 from .cliutil import Parser, guarded_main
-from .errors import EXIT_OK, UsageError
+from .errors import EXIT_DIVERGED, EXIT_OK, UsageError
 from .format import Manifest, load_manifest
 
 __all__ = ["main", "build_parser"]
@@ -35,6 +35,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prefill in chunks of N tokens through the KV cache (one forward pass per chunk)")
     r.add_argument("--batch-size", type=int, default=1, help="prompts per forward pass, padded (default 1)")
     r.add_argument("--padding-side", default="right", choices=["right", "left"], help="where batches are padded")
+    r.add_argument("--logprobs", action="store_true", help="also record input-token logprobs")
+    r.add_argument("--top-k", type=int, default=0, help="with --logprobs: record the top-K logprobs per position")
+    r.add_argument("--logprob-start-len", type=int, default=0,
+                   help="with --logprobs: first input position to return (SGLang's logprob_start_len)")
+    r.add_argument("--save-logits", action="store_true", help="with --logprobs: also dump the full logits rows")
+    sc = sub.add_parser("selfcheck", help="decode <-> prefill logprob self-consistency of a model")
+    sc.add_argument("--model", default="tiny-llama", help="local HF model directory or preset")
+    sc.add_argument("--prompt", action="append", default=None, help="prompt text (repeatable; default: built-in)")
+    sc.add_argument("--input-ids", action="append", default=None, help="comma-separated token ids (repeatable)")
+    sc.add_argument("--new-tokens", type=int, default=16, help="greedy tokens to generate (default 16)")
+    sc.add_argument("--mode", default="all", choices=["all", "no-cache", "prefill-hit", "decode-hit"],
+                    help="no-cache, the cache-hit variants, or all three (default)")
+    sc.add_argument("--threshold", type=float, default=None, help="max mean k3 (default 1e-3)")
+    sc.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    sc.add_argument("--attn", default="eager", choices=["eager", "sdpa"])
+    sc.add_argument("--device", default="cpu")
+    sc.add_argument("--seed", type=int, default=0)
+    sc.add_argument("--json", metavar="FILE", help="write the results as JSON")
     ls = sub.add_parser("ls", help="show what a dump holds")
     ls.add_argument("dir", help="dump directory")
     ls.add_argument("--tensors", action="store_true", help="list every tensor")
@@ -42,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from .run import RunConfig, parse_input_ids, read_prompts_file, run_dump
+    from .run import LogprobSpec, RunConfig, parse_input_ids, read_prompts_file, run_dump
 
     prompts: tuple[str, ...] = tuple(args.prompt or ())
     ids = parse_input_ids(args.input_ids or ())
@@ -54,14 +72,51 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
         if not torch.cuda.is_available():
             raise UsageError(f"--device {args.device}: CUDA is not available on this machine")
+    if (args.top_k or args.logprob_start_len or args.save_logits) and not args.logprobs:
+        raise UsageError("--top-k, --logprob-start-len and --save-logits need --logprobs")
+    if args.top_k < 0 or args.logprob_start_len < 0:
+        raise UsageError("--top-k and --logprob-start-len must be >= 0")
+    spec = LogprobSpec(top_k=args.top_k, start_len=args.logprob_start_len, save_logits=args.save_logits) \
+        if args.logprobs else None
     cfg = RunConfig(out=args.out, model=args.model, prompts=prompts, input_ids=ids, dtype=args.dtype,
                     attn=args.attn, layers=args.layers, modules=args.modules, device=args.device, seed=args.seed,
-                    chunk_size=args.chunk_size, batch_size=args.batch_size, padding_side=args.padding_side)
+                    chunk_size=args.chunk_size, batch_size=args.batch_size, padding_side=args.padding_side,
+                    logprobs=spec)
     manifest = run_dump(cfg)
     layers = manifest.capture_signature.get("layers", [])
     print(f"wrote {args.out}: {len(manifest.tensors)} tensors, layers {layers}, "
           f"{len({t.forward_pass for t in manifest.tensors})} forward passes")
     return EXIT_OK
+
+
+def _cmd_selfcheck(args: argparse.Namespace) -> int:
+    from .format import write_json_atomic
+    from .presets import load_model
+    from .run import BUILTIN_PROMPTS, parse_input_ids
+    from .selfcheck import DEFAULT_K3_THRESHOLD, MODES, selfcheck
+
+    threshold = DEFAULT_K3_THRESHOLD if args.threshold is None else args.threshold
+    if not threshold >= 0:
+        raise UsageError(f"--threshold must be >= 0, got {args.threshold}")
+    model, tok = load_model(args.model, dtype=args.dtype, attn=args.attn, device=args.device, seed=args.seed)
+    prompts = [list(p) for p in parse_input_ids(args.input_ids or ())]
+    if not prompts:
+        if tok is None:
+            raise UsageError(f"{args.model}: no tokenizer; pass --input-ids")
+        prompts = [tok.encode(t) for t in (args.prompt or BUILTIN_PROMPTS)]
+    modes = MODES if args.mode == "all" else (args.mode,)
+    results = [selfcheck(model, p, new_tokens=args.new_tokens, mode=m, threshold=threshold)
+               for p in prompts for m in modes]
+    for i, r in enumerate(results):
+        print(f"prompt {i // len(modes)} {r.mode:>11}: k3 mean {r.k3_mean:.3e} max {r.k3_max:.3e} "
+              f"(position {r.k3_max_position}), max |dlogprob| {r.max_abs_err:.3e}, "
+              f"cache hit {r.cache_hit_tokens} tokens: {'PASS' if r.passed else 'FAIL'}")
+    passed = all(r.passed for r in results)
+    print(f"{'PASS' if passed else 'FAIL'}: decode vs prefill over {len(results)} runs, mean k3 <= {threshold:g}")
+    if args.json:
+        write_json_atomic(args.json, {"passed": passed, "threshold": threshold,
+                                      "runs": [r.to_json() for r in results]})
+    return EXIT_OK if passed else EXIT_DIVERGED
 
 
 def describe(manifest: Manifest, *, tensors: bool = False) -> str:
@@ -93,6 +148,8 @@ def run(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "run":
         return _cmd_run(args)
+    if args.command == "selfcheck":
+        return _cmd_selfcheck(args)
     print(describe(load_manifest(args.dir), tensors=args.tensors))
     return EXIT_OK
 

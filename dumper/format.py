@@ -58,6 +58,13 @@ __all__ = [
     "open_tensor",
     "STORAGE_DTYPES",
     "PAD_SEQUENCE",
+    "LOGPROB_POINT",
+    "LOGITS_POINT",
+    "LOGPROB_TOKEN_ID",
+    "LOGPROB_VALUE",
+    "LOGPROB_TOP_ID",
+    "LOGPROB_TOP_VALUE",
+    "LOGITS",
     "to_float64",
 ]
 
@@ -65,6 +72,17 @@ FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 PAD_SEQUENCE = -1
 """Sequence id of padding rows: recorded so shapes stay whole, never compared."""
+
+# Logprob tensors: one row per scored token, at the position of the token they score, with
+# point LOGPROB_POINT (full logits rows: LOGITS_POINT). The comparator gives them a verdict
+# of their own instead of a rel_diff.
+LOGPROB_POINT = "logprobs"
+LOGITS_POINT = "logits"
+LOGPROB_TOKEN_ID = "logprobs.token_id"  # [n, 1] int64: the token scored at that position
+LOGPROB_VALUE = "logprobs.logprob"  # [n, 1] float32: log p(token | tokens before it)
+LOGPROB_TOP_ID = "logprobs.top_id"  # [n, k] int64: top-k ids of the distribution predicting it
+LOGPROB_TOP_VALUE = "logprobs.top_logprob"  # [n, k] float32
+LOGITS = "logits"  # [n, V]: the raw logits row that predicted the token at that position
 
 # safetensors dtype string -> numpy storage dtype (bfloat16 is stored as its raw uint16 bits)
 STORAGE_DTYPES: dict[str, np.dtype] = {

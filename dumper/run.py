@@ -8,20 +8,33 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from .errors import InternalError, UsageError
-from .format import Manifest, load_manifest
-from .hooks import capture
+from .format import (
+    LOGITS,
+    LOGITS_POINT,
+    LOGPROB_POINT,
+    LOGPROB_TOKEN_ID,
+    LOGPROB_TOP_ID,
+    LOGPROB_TOP_VALUE,
+    LOGPROB_VALUE,
+    Manifest,
+    load_manifest,
+)
+from .hooks import Capture, capture
+from .logprobs import LOGPROB_CHUNK_ROWS, row_logprobs
 from .presets import load_model
 
-__all__ = ["RunConfig", "run_dump", "prefill", "pad_batch", "cache_kwarg", "read_prompts_file", "BUILTIN_PROMPTS"]
+__all__ = ["RunConfig", "LogprobSpec", "run_dump", "prefill", "record_logprobs", "pad_batch", "cache_kwarg",
+           "read_prompts_file", "BUILTIN_PROMPTS"]
 
 BUILTIN_PROMPTS = (
     "The quick brown fox jumps over the lazy dog. Inference engines change daily: a new attention "
@@ -47,6 +60,7 @@ class RunConfig:
     chunk_size: int | None = None
     batch_size: int = 1
     padding_side: str = "right"
+    logprobs: LogprobSpec | None = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -127,16 +141,65 @@ def pad_batch(seqs: list[list[int]], *, side: str, pad_id: int = 0) -> tuple[tor
     return ids, mask
 
 
-def prefill(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, *, chunk_size: int | None) -> None:
+@dataclass(frozen=True)
+class LogprobSpec:
+    """What a run records besides hidden states: input-token logprobs, top-k, full logits rows."""
+
+    top_k: int = 0
+    start_len: int = 0
+    save_logits: bool = False
+    chunk_rows: int = LOGPROB_CHUNK_ROWS
+
+
+def record_logprobs(cap: Capture, logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor,
+                    positions: torch.Tensor, start: int, seq_ids: Sequence[int], spec: LogprobSpec) -> None:
+    """Record the logprobs of a pass whose logits [B, s, V] cover columns ``start .. start+s-1``.
+
+    Row (b, c) scores the token in column c+1 when that column is a real token past
+    ``spec.start_len``: across chunk boundaries too, since ``ids`` holds the whole batch.
+    """
+    batch, s, _ = logits.shape
+    length = ids.shape[1]
+    cols = torch.arange(start, start + s, device=ids.device)
+    nxt = (cols + 1).clamp(max=length - 1)
+    valid = (cols + 1 < length)[None, :] & (mask[:, cols] == 1) & (mask[:, nxt] == 1) \
+        & (positions[:, cols] + 1 > spec.start_len)
+    b_idx, t_idx = valid.nonzero(as_tuple=True)
+    if b_idx.numel() == 0:
+        return
+    rows = logits[b_idx, t_idx]  # [n, V]
+    targets = ids[b_idx, start + t_idx + 1]
+    meta = {"positions": positions[b_idx, start + t_idx] + 1,
+            "sequence_ids": torch.as_tensor(list(seq_ids), device=ids.device)[b_idx]}
+    r = row_logprobs(rows, targets, top_k=spec.top_k, chunk_rows=spec.chunk_rows)
+    cap.record(LOGPROB_TOKEN_ID, targets[:, None], point=LOGPROB_POINT, **meta)
+    cap.record(LOGPROB_VALUE, r.logprobs[:, None], point=LOGPROB_POINT, **meta)
+    if spec.top_k:
+        cap.record(LOGPROB_TOP_ID, r.top_ids, point=LOGPROB_POINT, **meta)
+        cap.record(LOGPROB_TOP_VALUE, r.top_logprobs, point=LOGPROB_POINT, **meta)
+    if spec.save_logits:
+        cap.record(LOGITS, rows, point=LOGITS_POINT, **meta)
+
+
+def _record_pass_logprobs(cap: Capture, ids: torch.Tensor, mask: torch.Tensor, seq_ids: Sequence[int],
+                          spec: LogprobSpec, logits: torch.Tensor, start: int, positions: torch.Tensor) -> None:
+    record_logprobs(cap, logits, ids, mask, positions, start, seq_ids, spec)
+
+
+def prefill(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, *, chunk_size: int | None,
+            on_logits: Callable[[torch.Tensor, int, torch.Tensor], None] | None = None) -> None:
     """Teacher-forced prefill of a padded batch: one forward pass, or one per chunk through the KV cache.
 
     Positions are ``cumsum(mask) - 1`` so that each real token has its absolute position in
     its own sequence whatever the padding; the mask is passed only when there is padding.
+    ``on_logits(logits, first_column, positions)`` sees each pass's logits.
     """
     positions = (mask.cumsum(1) - 1).clamp(min=0)
     padded = bool((mask == 0).any())
     if chunk_size is None:
-        model(input_ids=ids, attention_mask=mask if padded else None, position_ids=positions, use_cache=False)
+        out = model(input_ids=ids, attention_mask=mask if padded else None, position_ids=positions, use_cache=False)
+        if on_logits is not None:
+            on_logits(out.logits, 0, positions)
         return
     kw = cache_kwarg(model)
     cache = None
@@ -150,6 +213,8 @@ def prefill(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, *, ch
         if grown != end:
             raise InternalError(f"{type(model).__name__}: the KV cache holds {grown} tokens after a chunk "
                                 f"ending at {end}; the cache argument {kw!r} was not used")
+        if on_logits is not None:
+            on_logits(out.logits, start, positions)
 
 
 def run_dump(cfg: RunConfig) -> Manifest:
@@ -164,7 +229,7 @@ def run_dump(cfg: RunConfig) -> Manifest:
     seqs = _sequences(cfg, tokenizer, vocab)
     extra = {"job": "prefill", "input_ids": seqs, "dtype": cfg.dtype, "attn": cfg.attn, "seed": cfg.seed,
              "chunk_size": cfg.chunk_size, "batch_size": cfg.batch_size, "padding_side": cfg.padding_side,
-             **cfg.extra}
+             "logprobs": None if cfg.logprobs is None else vars(cfg.logprobs), **cfg.extra}
     device = next(model.parameters()).device
     pad_id = int(getattr(model.config, "pad_token_id", None) or 0)
     with torch.inference_mode(), capture(model, cfg.out, layers=cfg.layers, modules=cfg.modules,
@@ -173,7 +238,11 @@ def run_dump(cfg: RunConfig) -> Manifest:
             batch = seqs[first:first + cfg.batch_size]
             cap.set_sequence_ids(range(first, first + len(batch)))
             ids, mask = pad_batch(batch, side=cfg.padding_side, pad_id=pad_id)
-            prefill(model, ids.to(device), mask.to(device), chunk_size=cfg.chunk_size)
+            ids, mask = ids.to(device), mask.to(device)
+            seq_ids = list(range(first, first + len(batch)))
+            on_logits = None if cfg.logprobs is None else functools.partial(
+                _record_pass_logprobs, cap, ids, mask, seq_ids, cfg.logprobs)
+            prefill(model, ids, mask, chunk_size=cfg.chunk_size, on_logits=on_logits)
     return load_manifest(cfg.out)
 
 
