@@ -12,11 +12,18 @@ Example::
 
 from .compare import compare_dumps
 from .config import CompareConfig
+from .logprobs import LogprobThresholds, LogprobVerdict, SequenceLogprobs, compare_logprobs
 from .metrics import PairStats, pair_stats, rel_diff
 from .report import FirstDivergence, LayerSummary, ReplicaMismatch, Report, TensorComparison
+from .sources import compare_logprob_sources
 
 __all__ = [
     "compare_dumps",
+    "compare_logprobs",
+    "compare_logprob_sources",
+    "SequenceLogprobs",
+    "LogprobThresholds",
+    "LogprobVerdict",
     "CompareConfig",
     "Report",
     "TensorComparison",

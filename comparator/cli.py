@@ -8,23 +8,34 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from rich.console import Console
 
 from dumper.cliutil import Parser, guarded_main
 from dumper.errors import EXIT_DIVERGED, EXIT_OK, UsageError
+from dumper.format import write_json_atomic
 
 from .compare import compare_dumps
 from .config import CompareConfig
-from .render import describe_divergence, render_report
+from .render import describe_divergence, render_logprobs, render_report
+from .sources import compare_logprob_sources
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "build_logprobs_parser"]
 
+
+def _logprob_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--logprob-threshold", action="append", default=[], metavar="NAME=VALUE",
+                   help="logprob threshold (mse, max_abs_err, k3_mean, kl_mean, kl_max, topk_max_err; "
+                        "VALUE 'off' disables); repeatable; wins over DRIFTSCOPE_LOGPROB_* and the per-model table")
+    p.add_argument("--model", default=None,
+                   help="row of configs/logprob_thresholds.json to use (default: the baseline dump's model)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = Parser(prog="python -m comparator", description="Compare two driftscope dumps layer by layer.")
+    p = Parser(prog="python -m comparator", description="Compare two driftscope dumps layer by layer "
+               "(and their logprobs). `python -m comparator logprobs BASE TARGET` compares logprobs only, "
+               "of dumps or engine JSONL files.")
     p.add_argument("baseline", help="dump directory of the trusted run")
     p.add_argument("target", help="dump directory of the run under test")
     p.add_argument("--threshold", type=float, default=None,
@@ -36,27 +47,82 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tensors", action="store_true", help="also print one row per tensor")
     p.add_argument("--threads", type=int, default=None, help="metric worker threads (default 2)")
     p.add_argument("--quiet", action="store_true", help="print only the verdict line")
+    _logprob_flags(p)
     return p
 
 
+def build_logprobs_parser() -> argparse.ArgumentParser:
+    p = Parser(prog="python -m comparator logprobs",
+               description="Compare per-token logprobs of two sources: driftscope dumps recorded with --logprobs, "
+                           "or JSONL files of SGLang /generate, vLLM prompt_logprobs or OpenAI completions responses.")
+    p.add_argument("baseline", help="dump directory or JSONL file of the trusted run")
+    p.add_argument("target", help="dump directory or JSONL file of the run under test")
+    p.add_argument("--json", metavar="FILE", help="write the verdict as JSON")
+    p.add_argument("--quiet", action="store_true", help="print only the verdict line")
+    _logprob_flags(p)
+    return p
+
+
+def _thresholds(pairs: Sequence[str]) -> dict[str, float | None]:
+    out: dict[str, float | None] = {}
+    for item in pairs:
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise UsageError(f"--logprob-threshold {item!r}: expected NAME=VALUE")
+        if value.strip().lower() in ("off", "none", "null"):
+            out[name.strip()] = None
+            continue
+        try:
+            out[name.strip()] = float(value)
+        except ValueError:
+            raise UsageError(f"--logprob-threshold {item!r}: {value!r} is not a number (or 'off')") from None
+    return out
+
+
+def _write(path: str | None, write: Callable[[str], None]) -> None:
+    if path:
+        try:
+            write(path)
+        except OSError as e:
+            raise UsageError(f"{path}: cannot write the report ({e.strerror})") from None
+
+
+def _console() -> Console:
+    return Console(stderr=False, width=None if sys.stdout.isatty() else 160)
+
+
+def run_logprobs(argv: Sequence[str]) -> int:
+    args = build_logprobs_parser().parse_args(argv)
+    verdict = compare_logprob_sources(args.baseline, args.target, model=args.model,
+                                      explicit=_thresholds(args.logprob_threshold))
+    console = _console()
+    if args.quiet:
+        console.print("PASS" if verdict.passed else f"FAIL ({', '.join(verdict.failures())})")
+    else:
+        render_logprobs(verdict, console)
+    _write(args.json, lambda p: write_json_atomic(p, verdict.to_json()))
+    return EXIT_OK if verdict.passed else EXIT_DIVERGED
+
+
 def run(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["logprobs"]:
+        return run_logprobs(argv[1:])
     args = build_parser().parse_args(argv)
     config = CompareConfig.resolve(threshold=args.threshold, token_threshold=args.token_threshold,
-                                   threads=args.threads)
+                                   threads=args.threads, logprob_thresholds=_thresholds(args.logprob_threshold),
+                                   model=args.model)
     report = compare_dumps(args.baseline, args.target, config)
-    console = Console(stderr=False, width=None if sys.stdout.isatty() else 160)
+    console = _console()
     if args.quiet:
         fd = report.first_divergent
         console.print("PASS" if report.passed else f"DIVERGED {describe_divergence(fd)}" if fd else
-                      "DIVERGED (replicas differ)")
+                      "DIVERGED (replicas differ)" if report.replica_mismatches else
+                      f"DIVERGED (logprobs: {', '.join(report.logprobs.failures())})")
     else:
         render_report(report, console, tensors=args.tensors)
-    for path, write in ((args.json, report.write_json), (args.csv, report.write_csv)):
-        if path:
-            try:
-                write(path)
-            except OSError as e:
-                raise UsageError(f"{path}: cannot write the report ({e.strerror})") from None
+    _write(args.json, report.write_json)
+    _write(args.csv, report.write_csv)
     return EXIT_OK if report.passed else EXIT_DIVERGED
 
 

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from dataclasses import replace
 
 import numpy as np
 
 from dumper.errors import NotComparableError
-from dumper.format import DumpReader, TensorRecord
+from dumper.format import LOGITS_POINT, LOGPROB_POINT, DumpReader, Manifest, TensorRecord
 
 from .align import (
     LogicalTensor,
@@ -33,8 +34,10 @@ from .align import (
     split_by_mode,
 )
 from .config import CompareConfig
+from .logprobs import LogprobThresholds, LogprobVerdict, compare_logprobs
 from .metrics import PairStats, StatsAccumulator, pair_stats
 from .report import FirstDivergence, ReplicaMismatch, Report, TensorComparison
+from .sources import dump_logprobs
 
 __all__ = ["compare_dumps"]
 
@@ -205,10 +208,11 @@ def compare_dumps(baseline: str | os.PathLike[str], target: str | os.PathLike[st
     """
     config = config or CompareConfig()
     br, tr = DumpReader(baseline), DumpReader(target)
-    bm, tm = br.manifest, tr.manifest
     for reader in (br, tr):
         if not reader.manifest.tensors:
             raise NotComparableError(f"{reader.directory}: the dump captured no tensors")
+    verdict = _logprob_verdict(br, tr, config)
+    bm, tm = _hidden(br.manifest), _hidden(tr.manifest)
     by_rows, by_pass = split_by_mode(bm, tm)
     base_lts = logical_tensors(bm, by_rows, str(br.directory))
     targ_lts = logical_tensors(tm, by_rows, str(tr.directory))
@@ -220,7 +224,7 @@ def compare_dumps(baseline: str | os.PathLike[str], target: str | os.PathLike[st
     unmatched_t = sorted([f"{n}#{c}[sequence={s}]" if c else f"{n}[sequence={s}]"
                           for n, c, s in targ_lts.keys() - base_lts.keys()] + [_label(k) for k in only_t])
     total = len(logical) + len(pairs)
-    if not total:
+    if not total and verdict is None:
         raise NotComparableError(
             f"{tr.directory}: zero tensors match the baseline {br.directory} "
             f"({len(unmatched_b)} baseline-only, {len(unmatched_t)} target-only, "
@@ -241,9 +245,26 @@ def compare_dumps(baseline: str | os.PathLike[str], target: str | os.PathLike[st
         baseline=str(br.directory), target=str(tr.directory), threshold=config.threshold,
         token_threshold=config.token_threshold, tensors=tuple(results),
         unmatched_baseline=tuple(unmatched_b), unmatched_target=tuple(unmatched_t),
-        first_divergent=_first_divergence(results), replica_mismatches=tuple(replicas),
+        first_divergent=_first_divergence(results), replica_mismatches=tuple(replicas), logprobs=verdict,
         environment={"baseline": bm.environment, "target": tm.environment},
     )
+
+
+def _hidden(manifest: Manifest) -> Manifest:
+    """The manifest without its logprob and logits rows, which get a verdict of their own."""
+    keep = tuple(r for r in manifest.tensors if r.point not in (LOGPROB_POINT, LOGITS_POINT))
+    return manifest if len(keep) == len(manifest.tensors) else replace(manifest, tensors=keep)
+
+
+def _logprob_verdict(br: DumpReader, tr: DumpReader, config: CompareConfig) -> LogprobVerdict | None:
+    """The logprob verdict when both dumps recorded logprobs, else None."""
+    base, targ = dump_logprobs(br), dump_logprobs(tr)
+    if base is None or targ is None:
+        return None
+    thresholds = LogprobThresholds.resolve(config.model or base.model, explicit=dict(config.logprob_thresholds))
+    both = base.logits is not None and targ.logits is not None
+    return compare_logprobs(base.sequences, targ.sequences, thresholds,
+                            ref_logits=base.logits if both else None, tgt_logits=targ.logits if both else None)
 
 
 def _label(key: tuple[str, int, int, int]) -> str:

@@ -25,11 +25,16 @@ class CompareConfig:
         threshold: a tensor fails when its rel_diff exceeds this (default 1e-3).
         token_threshold: ... or when any single token's rel_diff exceeds this (default 1e-3).
         threads: worker threads for the metric kernels (default 2).
+        logprob_thresholds: explicit logprob thresholds as (name, value) pairs; they win over
+            ``DRIFTSCOPE_LOGPROB_*`` and over ``configs/logprob_thresholds.json``.
+        model: the row of that table to use (default: the baseline's model name).
     """
 
     threshold: float = DEFAULT_THRESHOLD
     token_threshold: float = DEFAULT_TOKEN_THRESHOLD
     threads: int = 2
+    logprob_thresholds: tuple[tuple[str, float | None], ...] = ()
+    model: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("threshold", "token_threshold"):
@@ -41,7 +46,9 @@ class CompareConfig:
 
     @classmethod
     def resolve(cls, *, threshold: float | None = None, token_threshold: float | None = None,
-                threads: int | None = None, env: Mapping[str, str] | None = None) -> CompareConfig:
+                threads: int | None = None, env: Mapping[str, str] | None = None,
+                logprob_thresholds: Mapping[str, float | None] | None = None, model: str | None = None,
+                ) -> CompareConfig:
         """Flags win over ``DRIFTSCOPE_DIFF_THRESHOLD`` / ``DRIFTSCOPE_TOKEN_THRESHOLD``, which win over defaults."""
         s = env_settings(env)
         return cls(
@@ -50,4 +57,6 @@ class CompareConfig:
             token_threshold=token_threshold if token_threshold is not None else (
                 s.token_threshold if s.token_threshold is not None else DEFAULT_TOKEN_THRESHOLD),
             threads=threads if threads is not None else 2,
+            logprob_thresholds=tuple((logprob_thresholds or {}).items()),
+            model=model,
         )

@@ -8,9 +8,10 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from .logprobs import Located, LogprobVerdict
 from .report import FirstDivergence, Report
 
-__all__ = ["render_report", "format_float", "describe_divergence"]
+__all__ = ["render_report", "render_logprobs", "reaches_output", "format_float", "describe_divergence"]
 
 
 def format_float(v: float) -> str:
@@ -25,9 +26,51 @@ def _token(v: int | None) -> str:
     return "-" if v is None else str(v)
 
 
+def _located(loc: Located) -> str:
+    if loc.value is None:
+        return "-"
+    return f"{format_float(loc.value)} (request {loc.request}, position {loc.position})"
+
+
+def render_logprobs(v: LogprobVerdict, console: Console) -> None:
+    """The logprob verdict: mean-type and max-type statistics with where the max sits."""
+    table = Table(title=f"logprobs: {v.compared_positions} positions in {v.requests} requests", title_justify="left")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    table.add_column("threshold", justify="right")
+    th = v.thresholds.to_json()
+    failing = set(v.failures())
+    rows = [("mse", format_float(v.mse), "mse"), ("rmse", format_float(v.rmse), None),
+            ("max |Δlogprob|", _located(v.max_abs_err), "max_abs_err"), ("k3 mean", format_float(v.k3_mean), "k3_mean"),
+            ("k3 max", _located(v.k3_max), None)]
+    if v.kl_mean is not None:
+        pct = v.kl_percentiles or {}
+        rows += [("KL mean", format_float(v.kl_mean), "kl_mean"), ("KL max", _located(v.kl_max), "kl_max"),
+                 ("KL p99.9 / p99 / p95 / p90 / median",
+                  " / ".join(format_float(pct[k]) for k in ("99.9", "99", "95", "90", "50")), None),
+                 ("top-1 agreement", f"{v.top1_agreement:.4%}", None)]
+    if v.topk_max_err is not None:
+        rows += [("top-k max |Δ| (per-sample max)", format_float(v.topk_max_err), "topk_max_err"),
+                 ("top-k mean |Δ| (per-sample mean)", format_float(v.topk_mean_err), None)]
+    for label, value, key in rows:
+        limit = "-" if key is None or th.get(key) is None else f"{th[key]:g}"
+        style = "bold red" if key in failing else None
+        table.add_row(label, value, limit, style=style)
+    console.print(table)
+    for side, names in (("baseline", v.unmatched_baseline), ("target", v.unmatched_target)):
+        if names:
+            console.print(f"[yellow]requests only in the {side} ({len(names)}):[/] {', '.join(names[:5])}")
+    verdict = "[bold green]PASS[/]" if v.passed else f"[bold red]FAIL[/] ({', '.join(v.failures())})"
+    console.print(f"logprobs: {verdict}")
+
+
 def render_report(report: Report, console: Console, *, tensors: bool = False) -> None:
     """Print the per-layer table (and the per-tensor table with ``tensors=True``)."""
     fd = report.first_divergent
+    if report.logprobs is not None:
+        render_logprobs(report.logprobs, console)
+    if not report.tensors:
+        return
     table = Table(title=f"{report.target}  vs  baseline {report.baseline}", title_justify="left")
     for col, justify in (("layer", "right"), ("tensors", "right"), ("rel_diff", "right"),
                          ("max token rel_diff", "right"), ("max |diff|", "right"), ("min cosine", "right"),
@@ -58,10 +101,27 @@ def render_report(report: Report, console: Console, *, tensors: bool = False) ->
                       f"{m.sequence}) differs between rank {m.reference_rank} and rank {m.rank} from token "
                       f"{m.first_token} (max per-token rel_diff {format_float(m.max_token_rel_diff)})")
     if fd is None:
-        verdict = "[bold green]PASS[/]" if report.passed else "[bold red]DIVERGED[/] (replicas differ)"
-        console.print(f"{verdict}: {summary}")
+        verdict = "[bold green]PASS[/]" if report.passed else "[bold red]DIVERGED[/]"
+        why = "" if report.passed else " (replicas differ)" if report.replica_mismatches else " (logprobs)"
+        console.print(f"{verdict}{why}: {summary}")
     else:
         console.print(f"[bold red]DIVERGED[/] {describe_divergence(fd)}. {summary}")
+    if report.logprobs is not None:
+        console.print(reaches_output(report))
+
+
+def reaches_output(report: Report) -> str:
+    """One line tying the hidden-state verdict to the logprob verdict."""
+    v, fd = report.logprobs, report.first_divergent
+    assert v is not None
+    worst = f"largest logprob error {_located(v.max_abs_err)}"
+    if v.kl_max.value is not None:
+        worst += f", largest KL {_located(v.kl_max)}"
+    if fd is None:
+        return f"hidden states match; logprobs {'pass' if v.passed else 'FAIL'}: {worst}"
+    if v.passed:
+        return f"the divergence from layer {fd.layer} does not reach the output beyond the logprob thresholds: {worst}"
+    return f"the divergence from layer {fd.layer} reaches the output: {worst}"
 
 
 def _ranges(ranges: list[list[int]]) -> str:

@@ -14,6 +14,8 @@ from typing import Any
 
 from dumper.format import atomic_path, write_json_atomic
 
+from .logprobs import LogprobVerdict
+
 __all__ = ["TensorComparison", "FirstDivergence", "ReplicaMismatch", "LayerSummary", "Report"]
 
 
@@ -161,6 +163,7 @@ class Report:
     unmatched_target: tuple[str, ...] = ()
     first_divergent: FirstDivergence | None = None
     replica_mismatches: tuple[ReplicaMismatch, ...] = ()
+    logprobs: LogprobVerdict | None = None
     environment: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -169,7 +172,9 @@ class Report:
 
     @property
     def passed(self) -> bool:
-        return self.matched > 0 and all(t.passed for t in self.tensors) and not self.replica_mismatches
+        """Something was compared, every tensor passed, replicas agree, and logprobs (if any) pass."""
+        return ((self.matched > 0 or self.logprobs is not None) and all(t.passed for t in self.tensors)
+                and not self.replica_mismatches and (self.logprobs is None or self.logprobs.passed))
 
     def __bool__(self) -> bool:
         return self.passed
@@ -206,6 +211,7 @@ class Report:
             "first_divergent": self.first_divergent.to_json() if self.first_divergent else None,
             "tensors": [t.to_json() for t in self.tensors],
             "replica_mismatches": [m.to_json() for m in self.replica_mismatches],
+            "logprobs": self.logprobs.to_json() if self.logprobs is not None else None,
             "baseline": self.baseline,
             "target": self.target,
             "environment": self.environment,
@@ -221,6 +227,7 @@ class Report:
             unmatched_baseline=tuple(d["unmatched_baseline"]), unmatched_target=tuple(d["unmatched_target"]),
             first_divergent=FirstDivergence.from_json(fd) if fd else None,
             replica_mismatches=tuple(ReplicaMismatch.from_json(m) for m in d.get("replica_mismatches", [])),
+            logprobs=LogprobVerdict.from_json(d["logprobs"]) if d.get("logprobs") else None,
             environment=dict(d.get("environment", {})),
         )
 

@@ -5,6 +5,8 @@
 | ``DRIFTSCOPE_DUMP_DIR``       | ``dumper.dump()`` records here when no capture is active  |
 | ``DRIFTSCOPE_DIFF_THRESHOLD`` | comparator rel_diff threshold (whole tensor)              |
 | ``DRIFTSCOPE_TOKEN_THRESHOLD``| comparator per-token rel_diff threshold                   |
+| ``DRIFTSCOPE_LOGPROB_<NAME>`` | logprob threshold ``<name>`` (MSE, MAX_ABS_ERR, K3_MEAN,   |
+|                               | KL_MEAN, KL_MAX, TOPK_MAX_ERR; ``off`` disables the check) |
 """
 
 from __future__ import annotations
@@ -12,11 +14,13 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .errors import UsageError
 
 __all__ = ["EnvSettings", "env_settings"]
+
+_LOGPROB = "DRIFTSCOPE_LOGPROB_"
 
 
 @dataclass(frozen=True)
@@ -24,6 +28,8 @@ class EnvSettings:
     dump_dir: str | None = None
     diff_threshold: float | None = None
     token_threshold: float | None = None
+    logprob_thresholds: dict[str, str] = field(default_factory=dict)
+    """Raw ``DRIFTSCOPE_LOGPROB_<NAME>`` values by lower-case name; parsed by comparator.logprobs."""
 
 
 def _threshold(env: Mapping[str, str], name: str) -> float | None:
@@ -46,4 +52,6 @@ def env_settings(env: Mapping[str, str] | None = None) -> EnvSettings:
         dump_dir=env.get("DRIFTSCOPE_DUMP_DIR") or None,
         diff_threshold=_threshold(env, "DRIFTSCOPE_DIFF_THRESHOLD"),
         token_threshold=_threshold(env, "DRIFTSCOPE_TOKEN_THRESHOLD"),
+        logprob_thresholds={k[len(_LOGPROB):].lower(): v.strip() for k, v in env.items()
+                            if k.startswith(_LOGPROB) and v.strip()},
     )
