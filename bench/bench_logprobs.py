@@ -73,7 +73,7 @@ def main() -> None:
     chunk_bytes = args.chunk_rows * args.vocab * 4
     compute_s = 0.0
     extra_peak = 0
-    for start, logits, targets in chunks(args.rows, args.vocab, args.chunk_rows):
+    for _start, logits, targets in chunks(args.rows, args.vocab, args.chunk_rows):
         base = AnonPeak.now()  # the chunk is allocated: count only what the computation adds
         with AnonPeak() as mem:
             t = time.perf_counter()
