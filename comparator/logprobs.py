@@ -179,14 +179,17 @@ class Alignment:
 
 @dataclass(frozen=True)
 class Located:
-    """A max-type value with where it occurs (request id, position); all None when not computed."""
+    """A max-type value with where it occurs (request id, position); all None when not computed.
+
+    In JSON the request id is ``sample`` (the issue's contract: "with sample and position").
+    """
 
     value: float | None = None
     request: str | None = None
     position: int | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"value": _num(self.value), "request": self.request, "position": self.position}
+        return {"value": _num(self.value), "sample": self.request, "position": self.position}
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any] | None, *, computed: bool) -> Located:
@@ -195,7 +198,7 @@ class Located:
         v = d.get("value")
         value = (math.inf if computed else None) if v is None else float(v)
         pos = d.get("position")
-        return cls(value, d.get("request"), None if pos is None else int(pos))
+        return cls(value, d.get("sample"), None if pos is None else int(pos))
 
 
 @dataclass(frozen=True)

@@ -300,7 +300,7 @@ def test_nan_never_passes_and_json_nulls():
     assert not v.passed and set(v.failures()) == {"mse", "max_abs_err", "k3_mean"}
     assert v.max_abs_err.position == 1
     d = v.to_json()
-    assert d["mse"] is None and d["max_abs_err"] == {"value": None, "request": "r", "position": 1}
+    assert d["mse"] is None and d["max_abs_err"] == {"value": None, "sample": "r", "position": 1}
     json.dumps(d, allow_nan=False)
     back = LogprobVerdict.from_json(json.loads(v.dumps()))
     assert back == v and back.mse == math.inf
@@ -323,7 +323,7 @@ def test_verdict_json_contract_and_round_trip():
     d = v.to_json()
     assert set(d) == VERDICT_KEYS
     assert set(d["thresholds"]) == set(THRESHOLD_NAMES) and d["thresholds"]["mse"] == 1e-3
-    assert set(d["max_abs_err"]) == set(d["k3_max"]) == set(d["kl_max"]) == {"value", "request", "position"}
+    assert set(d["max_abs_err"]) == set(d["k3_max"]) == set(d["kl_max"]) == {"value", "sample", "position"}
     assert d["passed"] is True and isinstance(d["compared_positions"], int) and d["unmatched_target"] == ["z"]
     assert LogprobVerdict.from_json(json.loads(json.dumps(d))) == v
     # without logits or top-k the optional parts are null and still round-trip
@@ -331,7 +331,7 @@ def test_verdict_json_contract_and_round_trip():
     dw = w.to_json()
     assert dw["kl_mean"] is None and dw["kl_percentiles"] is None and dw["top1_agreement"] is None
     assert dw["topk_max_err"] is None and dw["topk_mean_err"] is None
-    assert dw["kl_max"] == {"value": None, "request": None, "position": None}
+    assert dw["kl_max"] == {"value": None, "sample": None, "position": None}
     assert LogprobVerdict.from_json(dw) == w
     assert bool(w) is True
 
