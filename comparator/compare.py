@@ -120,7 +120,8 @@ def _compare_logical(base: LogicalTensor, target: LogicalTensor, br: DumpReader,
             items.append((idx, x, y, run.base.rec.dtype, run.target.rec.dtype))
             owners.append(p.target_rank)
     per_rank: dict[int, list[float]] = {}
-    for rank, (dd, norm) in zip(owners, acc.add_many(items), strict=True):
+    sharded = len(pieces) > 1
+    for rank, (dd, norm) in zip(owners, acc.add_many(items, exclusive=not sharded, piece_sums=sharded), strict=True):
         err = per_rank.setdefault(rank, [0.0, 0.0])
         err[0] += dd
         err[1] += norm

@@ -87,6 +87,8 @@ def _executor(workers: int) -> ThreadPoolExecutor:
 def _checked(a: np.ndarray, name: str, dtype: str) -> np.ndarray:
     """``a`` as the kernel's storage dtype, C-contiguous and aligned (copying only if not)."""
     want = _STORAGE[dtype]
+    if a.dtype == want and a.ndim == 2 and a.flags.c_contiguous and a.flags.aligned:
+        return a  # the common case, checked cheaply: it runs once per block
     if a.dtype.newbyteorder("=") != want:
         raise TypeError(f"{name} has dtype {a.dtype}, expected {want} for {dtype}")
     if a.ndim != 2:
@@ -103,13 +105,15 @@ def row_stats(x: np.ndarray, y: np.ndarray, dtype: str, *, threads: int = 2) -> 
     return row_stats_many([(x, y, dtype)], threads=threads)[0]
 
 
-def row_stats_many(blocks: Sequence[tuple[np.ndarray, np.ndarray, str]], *, threads: int = 2) -> list[BlockStats]:
+def row_stats_many(blocks: Sequence[tuple[np.ndarray, np.ndarray, str]], *, threads: int = 2,
+                   outs: Sequence[np.ndarray] | None = None) -> list[BlockStats]:
     """:func:`row_stats` of several block pairs at once, spread over ``threads`` together.
 
     Blocks are cut into row ranges of about :data:`UNIT_BYTES` that the caller and
     ``threads - 1`` pool workers pull from one shared counter, so many small blocks (the
     chunks of a chunked prefill) keep both cores busy with one hand-off per call, not one
-    per block.
+    per block. ``outs`` (C-contiguous float64 [rows, 5], one per block) receive the per-row
+    sums directly, saving a copy when the caller accumulates them anyway.
     """
     checked = []
     for x, y, dtype in blocks:
@@ -119,8 +123,15 @@ def row_stats_many(blocks: Sequence[tuple[np.ndarray, np.ndarray, str]], *, thre
             raise ValueError(f"shape mismatch {x.shape} vs {y.shape}")
         checked.append((_checked(x, "x", dtype), _checked(y, "y", dtype), dtype))
     if _kernels is None:
-        return [row_stats_reference(x, y, dtype) for x, y, dtype in checked]
-    outs = [np.empty((x.shape[0], 5), dtype=np.float64) for x, _, _ in checked]
+        ref = [row_stats_reference(x, y, dtype) for x, y, dtype in checked]
+        for o, r in zip(outs or (), ref, strict=False):
+            o[...] = r.row
+        return ref
+    if outs is None:
+        outs = [np.empty((x.shape[0], 5), dtype=np.float64) for x, _, _ in checked]
+    elif len(outs) != len(checked) or any(o.shape != (x.shape[0], 5) or o.dtype != np.float64
+                                          or not o.flags.c_contiguous for o, (x, _, _) in zip(outs, checked, strict=False)):
+        raise ValueError("outs must be one C-contiguous float64 [rows, 5] array per block")
     units: list[tuple[int, int, int]] = []  # (block, first row, end row)
     for b, (x, _, _) in enumerate(checked):
         rows = x.shape[0]
@@ -133,13 +144,18 @@ def row_stats_many(blocks: Sequence[tuple[np.ndarray, np.ndarray, str]], *, thre
         while (i := next(counter)) < len(units):  # next() on a count is atomic under the GIL
             b, lo, hi = units[i]
             x, y, dtype = checked[b]
-            results[i] = _kernels.row_stats(x[lo:hi], y[lo:hi], dtype, hi - lo, x.shape[1], outs[b][lo:hi])
+            if lo == 0 and hi == x.shape[0]:
+                results[i] = _kernels.row_stats(x, y, dtype, hi, x.shape[1], outs[b])
+            else:
+                results[i] = _kernels.row_stats(x[lo:hi], y[lo:hi], dtype, hi - lo, x.shape[1], outs[b][lo:hi])
 
     helpers = min(threads, len(units)) - 1
     futures = [_executor(helpers).submit(work) for _ in range(helpers)] if helpers > 0 else []
     work()
     for f in futures:
         f.result()
+    if len(units) == len(checked):  # one unit per block: nothing to merge
+        return [BlockStats(out, r[0], r[1], r[2], r[3], r[4], r[5]) for out, r in zip(outs, results, strict=True)]
     merged: list[list] = [[] for _ in checked]
     for (b, _, _), r in zip(units, results, strict=True):
         merged[b].append(r)

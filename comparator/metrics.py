@@ -78,13 +78,17 @@ class StatsAccumulator:
         ``dtype_y`` (default: ``dtype``) lets a float32 reference meet a bfloat16 target; then
         each block is widened to float64 on the fly. Returns this piece's (sum d^2, sum x^2 + y^2).
         """
-        return self.add_many([(row, x, y, dtype, dtype_y or dtype)])[0]
+        return self.add_many([(row, x, y, dtype, dtype_y or dtype)], piece_sums=True)[0]
 
-    def add_many(self, items: list[tuple[int, np.ndarray, np.ndarray, str, str]]) -> list[tuple[float, float]]:
+    def add_many(self, items: list[tuple[int, np.ndarray, np.ndarray, str, str]], *, exclusive: bool = False,
+                 piece_sums: bool = False) -> list[tuple[float, float]]:
         """:meth:`add` for several pieces ``(row, x, y, dtype, dtype_y)``, run on the threads together.
 
         Pieces are cut into blocks of at most ``block_bytes`` and handed to the kernels in
         batches of about ``block_bytes``, which bounds the float64 copies of mixed dtypes.
+        ``exclusive``: every row is covered once (no column pieces), so the kernels write the
+        row sums in place. ``piece_sums``: also return each piece's (sum d^2, sum x^2 + y^2);
+        otherwise zeros (it costs a reduction per block).
         """
         per_item = [[0.0, 0.0] for _ in items]
         batch: list[tuple[int, int, np.ndarray, np.ndarray, str, str]] = []
@@ -101,25 +105,30 @@ class StatsAccumulator:
                 batch.append((k, row + start, x[start:stop], y[start:stop], dtype, dtype_y))
                 batch_bytes += (stop - start) * row_bytes
                 if batch_bytes >= self.block_bytes:
-                    self._run(batch, per_item)
+                    self._run(batch, per_item, exclusive, piece_sums)
                     batch, batch_bytes = [], 0
             self.elements += rows * cols
         if batch:
-            self._run(batch, per_item)
+            self._run(batch, per_item, exclusive, piece_sums)
         return [(dd, norm) for dd, norm in per_item]
 
-    def _run(self, batch: list[tuple[int, int, np.ndarray, np.ndarray, str, str]], per_item: list[list[float]]) -> None:
+    def _run(self, batch: list[tuple[int, int, np.ndarray, np.ndarray, str, str]], per_item: list[list[float]],
+             exclusive: bool, piece_sums: bool) -> None:
         blocks = []
         for _, _, xb, yb, dtype, dtype_y in batch:
             if dtype != dtype_y or dtype not in _FLOAT:  # integers, bools, mixed floats: compare in float64
                 blocks.append((to_float64(xb, dtype), to_float64(yb, dtype_y), "F64"))
             else:
                 blocks.append((xb, yb, dtype))
-        for (k, row, xb, _, _, _), s in zip(batch, row_stats_many(blocks, threads=self.threads), strict=True):
-            self.sums[row:row + xb.shape[0]] += s.row
-            dd, xx, yy = s.row[:, :3].sum(axis=0).tolist()
-            per_item[k][0] += dd
-            per_item[k][1] += xx + yy
+        outs = [self.sums[row:row + xb.shape[0]] for _, row, xb, _, _, _ in batch] if exclusive else None
+        for (k, row, xb, _, _, _), s in zip(batch, row_stats_many(blocks, threads=self.threads, outs=outs),
+                                             strict=True):
+            if not exclusive:
+                self.sums[row:row + xb.shape[0]] += s.row
+            if piece_sums:
+                dd, xx, yy = s.row[:, :3].sum(axis=0).tolist()
+                per_item[k][0] += dd
+                per_item[k][1] += xx + yy
             self.max_abs = max(self.max_abs, s.max_abs)
             self.sum_abs += s.sum_abs
             for i, v in enumerate((s.nan_x, s.inf_x, s.nan_y, s.inf_y)):
