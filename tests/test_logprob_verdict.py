@@ -122,3 +122,25 @@ def test_logprob_threshold_flags_decide(cli, base, tmp_path):
     assert r.returncode == 1 and "FAIL (mse" in r.stdout
     r = cli(*args, "--quiet", env={"DRIFTSCOPE_LOGPROB_MSE": "0"})
     assert r.returncode == 1
+
+
+def test_zero_matched_hidden_tensors_fail_even_with_logprobs(base, tmp_path):
+    import shutil
+
+    from dumper.errors import NotComparableError
+
+    renamed = tmp_path / "renamed"
+    shutil.copytree(base, renamed)
+    m = json.loads((renamed / "manifest.json").read_text())
+    for t in m["tensors"]:
+        if t["point"] == "input":
+            t["name"] = t["name"].replace("self_attn", "attention")
+    (renamed / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(NotComparableError, match="zero tensors match"):
+        compare_dumps(base, renamed)
+    # dumps that hold logprobs only are compared on logprobs alone
+    m["tensors"] = [t for t in m["tensors"] if t["point"] != "input"]
+    (renamed / "manifest.json").write_text(json.dumps(m))
+    shutil.copytree(renamed, tmp_path / "again")
+    report = compare_dumps(renamed, tmp_path / "again")
+    assert report.passed and report.matched == 0 and report.logprobs.compared_positions > 0
