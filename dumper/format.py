@@ -341,6 +341,8 @@ class _SafetensorsFile:
                 self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None
         except (OSError, ValueError) as e:
             raise CorruptDumpError(f"{path}: unreadable safetensors file ({e})") from None
+        if not isinstance(header, dict):
+            raise CorruptDumpError(f"{path}: safetensors header is not a JSON object")
         self._data_start = 8 + n
         self._size = size
         header.pop("__metadata__", None)
@@ -350,14 +352,18 @@ class _SafetensorsFile:
 
     def array(self, key: str, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
         info = self.header.get(key)
-        if info is None:
+        if not isinstance(info, dict):
             raise CorruptDumpError(f"{self.path}: tensor {key!r} missing from the file")
-        if info.get("dtype") != dtype or tuple(info.get("shape", ())) != tuple(shape):
+        if info.get("dtype") != dtype or not isinstance(info.get("shape"), list) \
+                or tuple(info["shape"]) != tuple(shape):
             raise CorruptDumpError(
                 f"{self.path}: tensor {key!r} is {info.get('dtype')}{info.get('shape')} in the file "
                 f"but {dtype}{list(shape)} in the manifest"
             )
-        begin, end = info["data_offsets"]
+        offsets = info.get("data_offsets")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
+            raise CorruptDumpError(f"{self.path}: tensor {key!r} has malformed data offsets {offsets!r}")
+        begin, end = offsets
         np_dtype = STORAGE_DTYPES[dtype]
         count = math.prod(shape)
         if end - begin != count * np_dtype.itemsize or self._data_start + end > self._size:

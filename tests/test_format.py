@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import dumper
@@ -125,3 +125,34 @@ def test_garbage_header_of_right_size_is_corrupt(dump_copy):
     m = load_manifest(dump_copy)
     with pytest.raises(CorruptDumpError, match=f.name):
         open_tensor(dump_copy, m.tensors[0])
+
+
+@given(st.data())
+@settings(max_examples=300, deadline=None)
+def test_fuzzed_dumps_fail_cleanly(tmp_path_factory, data):
+    """Any byte-level damage to a dump is either harmless or a DriftscopeError, never a crash."""
+    from comparator import compare_dumps
+    from dumper.errors import DriftscopeError
+
+    out = tmp_path_factory.mktemp("fuzz") / "dump"
+    shutil.copytree(GOLDEN, out)
+    files = sorted(p for p in out.iterdir() if p.is_file())
+    victim = data.draw(st.sampled_from(files))
+    raw = bytearray(victim.read_bytes())
+    action = data.draw(st.sampled_from(["truncate", "flip", "append"]))
+    if action == "truncate":
+        raw = raw[: data.draw(st.integers(0, max(0, len(raw) - 1)))]
+    elif action == "flip":
+        for _ in range(data.draw(st.integers(1, 8))):
+            i = data.draw(st.integers(0, len(raw) - 1))
+            raw[i] = data.draw(st.integers(0, 255))
+    else:
+        raw += bytes(data.draw(st.binary(min_size=1, max_size=16)))
+    victim.write_bytes(bytes(raw))
+    try:
+        m = load_manifest(out)
+        for rec in m.tensors:
+            open_tensor(out, rec)
+        compare_dumps(GOLDEN, out)
+    except DriftscopeError:
+        pass
