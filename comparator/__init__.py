@@ -8,14 +8,22 @@ Example::
         fd = report.first_divergent
         print(f"diverged at layer {fd.layer}, token {fd.token}")
     report.write_json("report.json")
+
+Golden baselines for CI (a run store, see :mod:`comparator.store`)::
+
+    from comparator import regress
+    result = regress("dumps/nightly", "s3://bucket/driftscope", bootstrap=False)
+    raise SystemExit(result.exit_code)      # 0 passed, 1 divergence, 2 unusable
 """
 
 from .compare import compare_dumps
 from .config import CompareConfig
 from .logprobs import LogprobThresholds, LogprobVerdict, SequenceLogprobs, compare_logprobs
 from .metrics import PairStats, pair_stats, rel_diff
+from .regress import RegressResult, regress
 from .report import FirstDivergence, LayerSummary, ReplicaMismatch, Report, TensorComparison
 from .sources import compare_logprob_sources
+from .store import RunStore, select_baseline
 
 __all__ = [
     "compare_dumps",
@@ -33,4 +41,8 @@ __all__ = [
     "PairStats",
     "pair_stats",
     "rel_diff",
+    "regress",
+    "RegressResult",
+    "RunStore",
+    "select_baseline",
 ]

@@ -1,5 +1,8 @@
 """``python -m comparator BASELINE TARGET``: parse flags, call :func:`compare_dumps`, print, exit.
 
+Subcommands (dispatched on the first argument): ``logprobs`` (here), ``regress`` and ``store``
+(golden baselines in a run store, :mod:`comparator.store_cli`).
+
 Exit codes: 0 every matched tensor passed; 1 divergence; 2 unusable input (bad arguments,
 missing/incomplete/corrupt dump, zero matched tensors, shapes that cannot be aligned).
 """
@@ -8,18 +11,20 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable, Sequence
-
-from rich.console import Console
+from collections.abc import Sequence
 
 from dumper.cliutil import Parser, guarded_main
-from dumper.errors import EXIT_DIVERGED, EXIT_OK, UsageError
+from dumper.errors import EXIT_DIVERGED, EXIT_OK
 from dumper.format import write_json_atomic
 
+from ._cliargs import logprob_thresholds as _thresholds
+from ._cliargs import stdout_console as _console
+from ._cliargs import write_output as _write
 from .compare import compare_dumps
 from .config import CompareConfig
 from .render import describe_divergence, render_logprobs, render_report
 from .sources import compare_logprob_sources
+from .store_cli import run_regress, run_store
 
 __all__ = ["main", "build_parser", "build_logprobs_parser"]
 
@@ -63,34 +68,6 @@ def build_logprobs_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _thresholds(pairs: Sequence[str]) -> dict[str, float | None]:
-    out: dict[str, float | None] = {}
-    for item in pairs:
-        name, sep, value = item.partition("=")
-        if not sep:
-            raise UsageError(f"--logprob-threshold {item!r}: expected NAME=VALUE")
-        if value.strip().lower() in ("off", "none", "null"):
-            out[name.strip()] = None
-            continue
-        try:
-            out[name.strip()] = float(value)
-        except ValueError:
-            raise UsageError(f"--logprob-threshold {item!r}: {value!r} is not a number (or 'off')") from None
-    return out
-
-
-def _write(path: str | None, write: Callable[[str], None]) -> None:
-    if path:
-        try:
-            write(path)
-        except OSError as e:
-            raise UsageError(f"{path}: cannot write the report ({e.strerror})") from None
-
-
-def _console() -> Console:
-    return Console(stderr=False, width=None if sys.stdout.isatty() else 160)
-
-
 def run_logprobs(argv: Sequence[str]) -> int:
     args = build_logprobs_parser().parse_args(argv)
     verdict = compare_logprob_sources(args.baseline, args.target, model=args.model,
@@ -108,6 +85,10 @@ def run(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["logprobs"]:
         return run_logprobs(argv[1:])
+    if argv[:1] == ["regress"]:
+        return run_regress(argv[1:])
+    if argv[:1] == ["store"]:
+        return run_store(argv[1:])
     args = build_parser().parse_args(argv)
     config = CompareConfig.resolve(threshold=args.threshold, token_threshold=args.token_threshold,
                                    threads=args.threads, logprob_thresholds=_thresholds(args.logprob_threshold),

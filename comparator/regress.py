@@ -1,0 +1,165 @@
+"""Regress a run against its golden baseline: select it, compare, store the run labelled.
+
+Example::
+
+    from comparator import regress
+    result = regress("dumps/nightly", "s3://bucket/driftscope")
+    print(result.message)            # e.g. "PASS: stored run 2026...-a1b2c3 as passed (baseline 2026...-0f9e8d)"
+    raise SystemExit(result.exit_code)
+
+Every compared run is stored whole, failed runs included (labelled ``failed``, as diagnostic
+evidence); a failed run is never selected as a baseline, so an unchanged buggy run keeps
+failing against the last good one instead of passing against its own predecessor.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from typing import Any
+
+from dumper.errors import EXIT_DIVERGED, EXIT_OK, EXIT_UNUSABLE, NotComparableError, UsageError
+from dumper.format import Manifest, load_manifest
+
+from .compare import compare_dumps
+from .config import CompareConfig
+from .report import Report
+from .store import EnvDifference, EnvMismatchError, NoBaselineError, RunEntry, RunRecord, RunStore, env_differences
+from .store.environment import describe_differences
+from .store.record import signature_key, summarize_report
+from .store.select import select_baseline
+
+__all__ = ["regress", "RegressResult"]
+
+
+@dataclass(frozen=True)
+class RegressResult:
+    """What :func:`regress` did; ``bool(result)`` is "exit code 0".
+
+    ``label`` is how the run was stored (``baseline`` when bootstrapped, else ``passed`` or
+    ``failed``); ``report`` is ``None`` when nothing was compared; ``exit_code`` is 0 (passed
+    or bootstrapped), 1 (divergence) or 2 (the dumps could not be compared).
+    """
+
+    store: str
+    run_id: str
+    label: str
+    baseline_run: str | None
+    exit_code: int
+    message: str
+    report: Report | None = None
+    env_differences: tuple[EnvDifference, ...] = ()
+    warnings: tuple[str, ...] = ()
+
+    def __bool__(self) -> bool:
+        return self.exit_code == EXIT_OK
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "store": self.store, "run_id": self.run_id, "label": self.label, "baseline_run": self.baseline_run,
+            "exit_code": self.exit_code, "message": self.message,
+            "env_differences": [d.to_json() for d in self.env_differences], "warnings": list(self.warnings),
+            "report": self.report.to_json() if self.report is not None else None,
+        }
+
+
+def regress(run_dir: str | os.PathLike[str], store: str | os.PathLike[str] | RunStore, *, model: str | None = None,
+            bootstrap: bool = False, allow_env_mismatch: bool = False, config: CompareConfig | None = None,
+            cache_dir: str | os.PathLike[str] | None = None) -> RegressResult:
+    """Compare the dump ``run_dir`` against its baseline in ``store`` and store it, labelled.
+
+    Args:
+        run_dir: the new run's dump directory (complete: manifest written).
+        store: a :class:`~comparator.store.RunStore` or its location (local path, ``file://``,
+            ``s3://``, ``gcs://``, ``hf://``, ``memory://``, ...).
+        model: the model name runs are grouped by (default: the dump's ``model["name"]``).
+        bootstrap: when no comparable baseline exists, store this run as the first baseline
+            (exit 0) instead of raising :class:`~comparator.store.NoBaselineError`.
+        allow_env_mismatch: compare against a baseline from another environment (torch,
+            CUDA, GPU, ...) when none from this one exists, instead of raising
+            :class:`~comparator.store.EnvMismatchError`.
+        config: thresholds (default: :meth:`CompareConfig.resolve`, i.e. env vars, then defaults).
+        cache_dir: where a remote baseline's dump is kept between calls (default: a temporary
+            directory, removed afterwards).
+
+    Raises :class:`~dumper.errors.DriftscopeError` subclasses (exit 2) for a broken run dump, a
+    missing model name, no comparable baseline, or an environment mismatch.
+    """
+    manifest = load_manifest(run_dir)
+    model = model or manifest.model.get("name")
+    if not model:
+        raise UsageError(f"{run_dir}: the dump records no model name; pass --model NAME")
+    st = store if isinstance(store, RunStore) else RunStore(store)
+    entries = st.runs()
+    warnings = tuple(e.problem for e in entries if e.status in ("incomplete", "corrupt") and e.problem)
+    try:
+        base = select_baseline(entries, model, manifest.capture_signature, manifest.environment,
+                               allow_env_mismatch=allow_env_mismatch)
+    except EnvMismatchError as e:
+        if not bootstrap:
+            raise
+        return _bootstrap(st, run_dir, manifest, model, warnings, why="no baseline from this environment: "
+                          + describe_differences(e.differences), diffs=e.differences)
+    if base is None:
+        if not bootstrap:
+            raise NoBaselineError(_no_baseline(st, entries, model, manifest))
+        return _bootstrap(st, run_dir, manifest, model, warnings, why="no comparable baseline")
+    diffs = tuple(env_differences(base.environment, manifest.environment))
+    return _compare_and_store(st, run_dir, manifest, model, base, config or CompareConfig.resolve(),
+                              cache_dir, warnings, diffs)
+
+
+def _compare_and_store(st: RunStore, run_dir: str | os.PathLike[str], manifest: Manifest, model: str,
+                       base: RunRecord, config: CompareConfig, cache_dir: str | os.PathLike[str] | None,
+                       warnings: tuple[str, ...], diffs: tuple[EnvDifference, ...]) -> RegressResult:
+    with st.local_dump(base.run_id, cache_dir) as base_dir:
+        try:
+            report = compare_dumps(base_dir, run_dir, config)
+        except NotComparableError as e:
+            # zero compared tensors is a failure, never a pass: keep the run as evidence, never as a baseline
+            rec = st.put(run_dir, model=model, label="failed", baseline_run=base.run_id, manifest=manifest,
+                         summary={"passed": False, "matched": 0, "first_divergent": None, "logprobs_passed": None,
+                                  "error": str(e)})
+            return RegressResult(store=st.url, run_id=rec.run_id, label="failed", baseline_run=base.run_id,
+                                 exit_code=EXIT_UNUSABLE, env_differences=diffs, warnings=warnings,
+                                 message=f"UNUSABLE: {e}; stored run {rec.run_id} as failed (evidence); "
+                                         f"the baseline stays {base.run_id}")
+    report = replace(report, baseline=st.where(base.run_id, "dump"))
+    rj = report.to_json()
+    label = "passed" if report.passed else "failed"
+    rec = st.put(run_dir, model=model, label=label, baseline_run=base.run_id, summary=summarize_report(rj),
+                 report=rj, manifest=manifest)
+    if report.passed:
+        msg = f"PASS: stored run {rec.run_id} as passed (baseline {base.run_id})"
+    else:
+        msg = (f"FAIL: stored run {rec.run_id} as failed (evidence; it never becomes a baseline); "
+               f"the baseline stays {base.run_id}")
+    if diffs:
+        msg += f"; compared across environments: {describe_differences(diffs)}"
+    return RegressResult(store=st.url, run_id=rec.run_id, label=label, baseline_run=base.run_id,
+                         exit_code=EXIT_OK if report.passed else EXIT_DIVERGED, message=msg, report=report,
+                         env_differences=diffs, warnings=warnings)
+
+
+def _bootstrap(st: RunStore, run_dir: str | os.PathLike[str], manifest: Manifest, model: str,
+               warnings: tuple[str, ...], *, why: str, diffs: tuple[EnvDifference, ...] = ()) -> RegressResult:
+    rec = st.put(run_dir, model=model, label="baseline", manifest=manifest)
+    return RegressResult(store=st.url, run_id=rec.run_id, label="baseline", baseline_run=None, exit_code=EXIT_OK,
+                         message=f"BOOTSTRAP: {why} for model {model!r}; stored run {rec.run_id} as the baseline "
+                                 "(nothing compared)", env_differences=diffs, warnings=warnings)
+
+
+def _no_baseline(st: RunStore, entries: list[RunEntry], model: str, manifest: Manifest) -> str:
+    recs = [e.record for e in entries if e.complete and e.record is not None and e.record.model == model]
+    sig = signature_key(manifest.capture_signature)
+    same_sig = [r for r in recs if signature_key(r.capture_signature) == sig]
+    why = []
+    if same_sig:
+        why.append(f"{len(same_sig)} runs with this signature are all labelled failed and never become baselines")
+    if len(recs) > len(same_sig):
+        why.append(f"{len(recs) - len(same_sig)} runs of this model have another capture signature")
+    detail = f" ({'; '.join(why)})" if why else " (no runs of this model)"
+    fix = "record this run as the first baseline with --bootstrap"
+    if same_sig:
+        fix += f", or bless a failed run with python -m comparator store promote {st.url} RUN_ID"
+    return f"{st.url}: no comparable baseline for model {model!r} with this capture signature{detail}; {fix}"

@@ -1,0 +1,299 @@
+"""A store of runs: one folder per run holding its whole dump and its ``run.json`` record.
+
+Layout (no shared index file that concurrent writers could corrupt: the listing is the index)::
+
+    <store>/runs/<run_id>/dump/...        the run's dump, manifest.json last
+    <store>/runs/<run_id>/report.json     the full comparison report (compared runs only)
+    <store>/runs/<run_id>/run.json        the run record
+    <store>/runs/<run_id>/COMPLETE        written last: the run is whole
+
+See :mod:`.backend` for how a run is published atomically on each kind of filesystem.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, replace
+from datetime import datetime, timezone
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from dumper.errors import DumpError
+from dumper.format import MANIFEST_NAME, Manifest, load_manifest
+
+from .backend import Backend, open_backend
+from .errors import StoreError
+from .record import LABELS, RunEntry, RunRecord, is_run_id, new_run_id, signature_key
+from .select import current_baselines
+
+__all__ = ["RunStore", "PruneResult", "STAGING_GRACE_S"]
+
+RUNS = "runs"
+RUN_JSON = "run.json"
+COMPLETE = "COMPLETE"
+REPORT_JSON = "report.json"
+DUMP = "dump"
+STAGING_GRACE_S = 3600.0
+"""Unfinished uploads younger than this are left alone by :meth:`RunStore.prune` (they may be running)."""
+
+
+def _safe_rel(name: str, where: str) -> str:
+    p = PurePosixPath(name)
+    if p.is_absolute() or ".." in p.parts or not p.parts:
+        raise StoreError(f"{where}: refusing file name {name!r} (absolute or outside the dump)")
+    return p.as_posix()
+
+
+def _loads(dump: Path) -> bool:
+    try:
+        load_manifest(dump)
+    except DumpError:
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class PruneResult:
+    """What :meth:`RunStore.prune` deleted (or would delete with ``dry_run``) and why it kept the rest."""
+
+    deleted: tuple[str, ...]
+    kept: tuple[str, ...]
+    protected: tuple[str, ...]
+    """Runs kept although older than the newest N: the current baseline of their group."""
+    skipped: tuple[str, ...]
+    """Entries left alone, with the reason (corrupt runs, young unfinished uploads)."""
+
+
+class RunStore:
+    """A run store at a local path (the default) or any fsspec URL.
+
+    Example::
+
+        store = RunStore("s3://bucket/driftscope")        # or "ci-store", "file:///srv/store"
+        for entry in store.runs():
+            print(entry.name, entry.status, entry.record and entry.record.pass_label)
+    """
+
+    def __init__(self, url: str | os.PathLike[str]) -> None:
+        self.backend: Backend = open_backend(url)
+        self.url = self.backend.url
+
+    def __repr__(self) -> str:
+        return f"RunStore({self.url!r})"
+
+    def where(self, run_id: str, *parts: str) -> str:
+        return "/".join((self.url.rstrip("/"), RUNS, run_id, *parts))
+
+    def exists(self) -> bool:
+        return self.backend.exists(RUNS)
+
+    def runs(self) -> list[RunEntry]:
+        """Every entry under ``runs/``, sorted by name (run ids sort by creation time)."""
+        names = self.backend.list_dir(RUNS)
+        ids = [n for n in names if is_run_id(n)]
+        blobs = self.backend.read_many([f"{RUNS}/{n}/{f}" for n in ids for f in (COMPLETE, RUN_JSON)])
+        out = []
+        for name in names:
+            if name.startswith((".tmp-", ".trash-")):
+                out.append(RunEntry(name, "staging", problem=f"{self.where(name)}: unfinished upload or deletion "
+                                                            "(in progress, or its writer died)"))
+            elif not is_run_id(name):
+                out.append(RunEntry(name, "corrupt", problem=f"{self.where(name)}: not a run folder (not a run id)"))
+            else:
+                out.append(self._entry(name, blobs[f"{RUNS}/{name}/{COMPLETE}"], blobs[f"{RUNS}/{name}/{RUN_JSON}"]))
+        return out
+
+    def _entry(self, name: str, marker: bytes | None, raw: bytes | None) -> RunEntry:
+        if marker is None:
+            return RunEntry(name, "incomplete", problem=f"{self.where(name)}: incomplete run (no {COMPLETE} marker: "
+                                                         "the upload did not finish, or is still running)")
+        if raw is None:
+            return RunEntry(name, "corrupt", problem=f"{self.where(name, RUN_JSON)}: missing")
+        try:
+            rec = RunRecord.from_json(json.loads(raw.decode("utf-8")))
+        except (UnicodeDecodeError, json.JSONDecodeError, ValueError) as e:
+            return RunEntry(name, "corrupt", problem=f"{self.where(name, RUN_JSON)}: corrupt run record ({e})")
+        if rec.run_id != name:
+            return RunEntry(name, "corrupt", problem=f"{self.where(name, RUN_JSON)}: says run id {rec.run_id!r}, "
+                                                     f"but the folder is {name!r}")
+        return RunEntry(name, "complete", record=rec)
+
+    def get(self, run_id: str) -> RunRecord:
+        """The record of one complete run; :class:`StoreError` for anything else."""
+        if not is_run_id(run_id):
+            raise StoreError(f"{run_id!r} is not a run id (like 20261130T094716.302031123Z-a1b2c3); "
+                             f"see python -m comparator store ls {self.url}")
+        marker_rel, record_rel = f"{RUNS}/{run_id}/{COMPLETE}", f"{RUNS}/{run_id}/{RUN_JSON}"
+        blobs = self.backend.read_many([marker_rel, record_rel])
+        if blobs[marker_rel] is None and blobs[record_rel] is None:
+            raise StoreError(f"{self.where(run_id)}: no such run")
+        entry = self._entry(run_id, blobs[marker_rel], blobs[record_rel])
+        if entry.record is None:
+            raise StoreError(entry.problem or f"{self.where(run_id)}: unusable run")
+        return entry.record
+
+    def put(self, dump_dir: str | os.PathLike[str], *, model: str, label: str, baseline_run: str | None = None,
+            summary: Mapping[str, Any] | None = None, report: Mapping[str, Any] | None = None,
+            manifest: Manifest | None = None) -> RunRecord:
+        """Store the dump at ``dump_dir`` whole, as a new run labelled ``label``; return its record.
+
+        Data files go first, the dump's manifest after them, then ``report.json`` (if given),
+        ``run.json`` and the ``COMPLETE`` marker; a local store then renames the staging folder
+        into place. A writer that dies on the way leaves nothing that lists as complete.
+        """
+        if label not in LABELS:
+            raise StoreError(f"label {label!r} is not one of {', '.join(LABELS)}")
+        src = Path(dump_dir)
+        manifest = manifest if manifest is not None else load_manifest(src)
+        run_id, created = new_run_id()
+        record = RunRecord(
+            run_id=run_id, created_at=created, model=model, capture_signature=manifest.capture_signature,
+            environment=manifest.environment, pass_label=label, baseline_run=baseline_run,
+            summary=dict(summary) if summary is not None else None, model_identity=manifest.model,
+            dump_format_version=manifest.format_version, dump_created_at=manifest.created_at)
+        staging = self.backend.staging(run_id)
+        try:
+            for name in sorted(manifest.files):
+                self.backend.upload(src / name, f"{staging}/{DUMP}/{_safe_rel(name, str(src))}")
+            self.backend.upload(src / MANIFEST_NAME, f"{staging}/{DUMP}/{MANIFEST_NAME}")
+            if report is not None:
+                self.backend.write_bytes(f"{staging}/{REPORT_JSON}",
+                                         json.dumps(report, indent=1, allow_nan=False).encode())
+            self.backend.write_bytes(f"{staging}/{RUN_JSON}", record.dumps())
+            self.backend.write_bytes(f"{staging}/{COMPLETE}", f"{run_id}\n".encode())
+            self.backend.publish(staging, f"{RUNS}/{run_id}")
+        except BaseException:
+            with contextlib.suppress(OSError, StoreError):
+                self.backend.remove_tree(staging)
+            raise
+        return record
+
+    def promote(self, run_id: str) -> RunRecord:
+        """Relabel a run ``baseline`` (a human blesses it), rewriting its ``run.json`` atomically."""
+        rec = self.get(run_id)
+        if rec.pass_label == "baseline":
+            return rec
+        now = datetime.now(timezone.utc).isoformat()
+        new = replace(rec, pass_label="baseline", promoted={"at": now, "from": rec.pass_label})
+        self.backend.write_bytes(f"{RUNS}/{run_id}/{RUN_JSON}", new.dumps())
+        return new
+
+    def manifest_json(self, run_id: str) -> dict[str, Any]:
+        """The stored dump's raw manifest (for summaries; not validated against the data files)."""
+        return self._manifest(run_id)[1]
+
+    def _manifest(self, run_id: str) -> tuple[bytes, dict[str, Any]]:
+        where = self.where(run_id, DUMP, MANIFEST_NAME)
+        raw = self.backend.read_bytes(f"{RUNS}/{run_id}/{DUMP}/{MANIFEST_NAME}")
+        if raw is None:
+            raise StoreError(f"{where}: missing")
+        try:
+            d = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise StoreError(f"{where}: unreadable ({e})") from None
+        if not isinstance(d, dict) or not isinstance(d.get("files"), dict):
+            raise StoreError(f"{where}: not a dump manifest")
+        return raw, d
+
+    def report_json(self, run_id: str) -> dict[str, Any] | None:
+        raw = self.backend.read_bytes(f"{RUNS}/{run_id}/{REPORT_JSON}")
+        return None if raw is None else json.loads(raw.decode("utf-8"))
+
+    @contextlib.contextmanager
+    def local_dump(self, run_id: str, cache_dir: str | os.PathLike[str] | None = None) -> Iterator[Path]:
+        """A local directory holding the run's dump, validated.
+
+        A local store is read in place. A remote one is downloaded file by file (streamed) into
+        ``cache_dir/<run_id>`` and kept there for the next call (stored runs never change), or,
+        without ``cache_dir``, into a temporary directory removed on exit.
+        """
+        rel = f"{RUNS}/{run_id}/{DUMP}"
+        local = self.backend.local_path(rel)
+        if local is not None:
+            yield self._validated(local, run_id)
+            return
+        if cache_dir is not None:
+            target = Path(cache_dir) / run_id
+            if not _loads(target):  # absent, or a cache entry damaged since: fetch it again
+                shutil.rmtree(target, ignore_errors=True)
+                self._download(run_id, target)
+            yield self._validated(target, run_id)
+            return
+        with tempfile.TemporaryDirectory(prefix="driftscope-baseline-") as tmp:
+            target = Path(tmp) / run_id
+            self._download(run_id, target)
+            yield self._validated(target, run_id)
+
+    def _download(self, run_id: str, target: Path) -> None:
+        """Download into a sibling temp folder, manifest last, then rename into place."""
+        raw, manifest = self._manifest(run_id)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{run_id}-", dir=target.parent))
+        try:
+            for name in sorted(manifest["files"]):
+                self.backend.download(f"{RUNS}/{run_id}/{DUMP}/{_safe_rel(name, self.where(run_id))}", tmp / name)
+            (tmp / MANIFEST_NAME).write_bytes(raw)
+            if target.exists():  # another process filled the cache meanwhile
+                shutil.rmtree(tmp)
+            else:
+                os.rename(tmp, target)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+    def _validated(self, path: Path, run_id: str) -> Path:
+        try:
+            load_manifest(path)
+        except DumpError as e:
+            raise StoreError(f"stored run {run_id} of {self.url} has a broken dump ({e}); promote another run "
+                             "or remove it") from None
+        return path
+
+    def prune(self, keep: int, *, dry_run: bool = False, grace_s: float = STAGING_GRACE_S,
+              now: float | None = None) -> PruneResult:
+        """Delete all but the newest ``keep`` runs of each (model, signature).
+
+        Never deletes the current baseline (the run :func:`select_baseline` picks) of any model,
+        signature and environment, nor corrupt runs (a human should look), nor unfinished
+        uploads younger than ``grace_s`` seconds (they may still be running; older ones are
+        abandoned and deleted).
+        """
+        if keep < 0:
+            raise StoreError(f"--keep must be >= 0, got {keep}")
+        now = time.time() if now is None else now
+        entries = self.runs()
+        protected = current_baselines(entries)
+        groups: dict[tuple[str, str], list[RunRecord]] = {}
+        for e in entries:
+            if e.record is not None:
+                groups.setdefault((e.record.model, signature_key(e.record.capture_signature)), []).append(e.record)
+        deleted, kept, saved, skipped = [], [], [], []
+        for recs in groups.values():
+            for i, r in enumerate(sorted(recs, key=lambda r: r.run_id, reverse=True)):
+                if i < keep:
+                    kept.append(r.run_id)
+                elif r.run_id in protected:
+                    saved.append(r.run_id)
+                else:
+                    deleted.append(r.run_id)
+        for e in entries:
+            if e.status == "corrupt":
+                skipped.append(f"{e.name}: {e.problem}")
+            elif e.status in ("incomplete", "staging"):
+                times = [t for t in (e.started, self.backend.newest_mtime(f"{RUNS}/{e.name}")) if t is not None]
+                if not times:
+                    skipped.append(f"{e.name}: unfinished upload of unknown age")
+                elif now - max(times) < grace_s:
+                    skipped.append(f"{e.name}: unfinished upload younger than {grace_s:g} s (may be running)")
+                else:
+                    deleted.append(e.name)
+        if not dry_run:
+            for name in deleted:
+                self.backend.remove_tree(f"{RUNS}/{name}")
+        return PruneResult(tuple(sorted(deleted)), tuple(sorted(kept)), tuple(sorted(saved)), tuple(skipped))

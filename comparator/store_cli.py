@@ -1,0 +1,184 @@
+"""``python -m comparator regress`` and ``python -m comparator store``: golden baselines from the command line.
+
+Thin: each command parses flags, calls :func:`comparator.regress` or a :class:`RunStore` method,
+prints, and maps the result to an exit code (0 passed, 1 divergence, 2 unusable).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from datetime import datetime, timezone
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from dumper.cliutil import Parser
+from dumper.format import write_json_atomic
+
+from ._cliargs import logprob_thresholds, stdout_console, write_output
+from .config import CompareConfig
+from .regress import RegressResult, regress
+from .render import render_report
+from .store import LABELS, RunEntry, RunStore, StoreError
+from .store.select import current_baselines
+
+__all__ = ["run_regress", "run_store", "build_regress_parser", "build_store_parser"]
+
+
+def build_regress_parser() -> argparse.ArgumentParser:
+    p = Parser(prog="python -m comparator regress",
+               description="Compare a run's dump against its golden baseline in a run store (the latest run of the "
+                           "same model, capture signature and environment that did not fail), then store the run, "
+                           "labelled passed or failed. Exit 0 passed (or bootstrapped), 1 divergence, 2 unusable.")
+    p.add_argument("run_dir", help="dump directory of the run under test")
+    p.add_argument("--store", required=True, metavar="URL",
+                   help="run store: a local directory, or an fsspec URL (file://, s3://, gcs://, hf://, memory://)")
+    p.add_argument("--model", default=None, help="model name runs are grouped by (default: the dump's model name)")
+    p.add_argument("--bootstrap", action="store_true",
+                   help="when no comparable baseline exists, store this run as the first baseline (exit 0)")
+    p.add_argument("--allow-env-mismatch", action="store_true",
+                   help="compare against a baseline from another environment (torch, CUDA, GPU...) if none matches")
+    p.add_argument("--cache-dir", metavar="DIR", default=None,
+                   help="keep downloaded baselines of a remote store here (default: a temporary directory)")
+    p.add_argument("--json", metavar="FILE", help="write the result (run id, label, baseline, report) as JSON")
+    p.add_argument("--threshold", type=float, default=None,
+                   help="whole-tensor rel_diff threshold (default 1e-3, env DRIFTSCOPE_DIFF_THRESHOLD)")
+    p.add_argument("--token-threshold", type=float, default=None,
+                   help="per-token rel_diff threshold (default 1e-3, env DRIFTSCOPE_TOKEN_THRESHOLD)")
+    p.add_argument("--logprob-threshold", action="append", default=[], metavar="NAME=VALUE",
+                   help="logprob threshold, repeatable (as for python -m comparator)")
+    p.add_argument("--threads", type=int, default=None, help="metric worker threads (default 2)")
+    p.add_argument("--tensors", action="store_true", help="also print one row per tensor")
+    p.add_argument("--quiet", action="store_true", help="print only the verdict line")
+    return p
+
+
+def build_store_parser() -> argparse.ArgumentParser:
+    p = Parser(prog="python -m comparator store", description="Inspect and curate a driftscope run store.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{ls,show,promote,prune}")
+    ls = sub.add_parser("ls", help="list runs (incomplete and corrupt ones flagged)")
+    ls.add_argument("url", help="run store location")
+    ls.add_argument("--model", default=None, help="only runs of this model")
+    ls.add_argument("--label", choices=LABELS, default=None, help="only runs with this label")
+    show = sub.add_parser("show", help="print a run's record and a summary of its dump")
+    show.add_argument("url", help="run store location")
+    show.add_argument("run_id")
+    promote = sub.add_parser("promote", help="relabel a run as a baseline (a human blesses it)")
+    promote.add_argument("url", help="run store location")
+    promote.add_argument("run_id")
+    prune = sub.add_parser("prune", help="delete all but the newest N runs per model and signature "
+                                         "(current baselines are always kept)")
+    prune.add_argument("url", help="run store location")
+    prune.add_argument("--keep", type=int, required=True, metavar="N", help="runs to keep per (model, signature)")
+    prune.add_argument("--dry-run", action="store_true", help="only print what would be deleted")
+    return p
+
+
+def _warn(lines: Sequence[str]) -> None:
+    for line in lines:
+        print(f"warning: {line}", file=sys.stderr)
+
+
+def run_regress(argv: Sequence[str]) -> int:
+    args = build_regress_parser().parse_args(argv)
+    config = CompareConfig.resolve(threshold=args.threshold, token_threshold=args.token_threshold,
+                                   threads=args.threads, logprob_thresholds=logprob_thresholds(args.logprob_threshold))
+    result = regress(args.run_dir, args.store, model=args.model, bootstrap=args.bootstrap,
+                     allow_env_mismatch=args.allow_env_mismatch, config=config, cache_dir=args.cache_dir)
+    _warn(result.warnings)
+    _print_result(result, stdout_console(), quiet=args.quiet, tensors=args.tensors)
+    write_output(args.json, lambda p: write_json_atomic(p, result.to_json()))
+    return result.exit_code
+
+
+def _print_result(result: RegressResult, console: Console, *, quiet: bool, tensors: bool) -> None:
+    if result.report is not None and not quiet:
+        render_report(result.report, console, tensors=tensors)
+    style = "bold green" if result.exit_code == 0 else "bold red"
+    console.print(Text(result.message, style=style))
+
+
+def _open(url: str) -> RunStore:
+    store = RunStore(url)
+    if not store.exists():
+        raise StoreError(f"{url}: no run store here (no runs/ folder); python -m comparator regress RUN_DIR "
+                         f"--store {url} --bootstrap creates one")
+    return store
+
+
+def run_store(argv: Sequence[str]) -> int:
+    args = build_store_parser().parse_args(argv)
+    store = _open(args.url)
+    console = stdout_console()
+    if args.command == "ls":
+        _ls(store, console, model=args.model, label=args.label)
+    elif args.command == "show":
+        _show(store, args.run_id, console)
+    elif args.command == "promote":
+        before = store.get(args.run_id).pass_label
+        rec = store.promote(args.run_id)
+        console.print(f"run {rec.run_id} of model {rec.model!r} is a baseline now (was {before})")
+    else:
+        res = store.prune(args.keep, dry_run=args.dry_run)
+        verb = "would delete" if args.dry_run else "deleted"
+        for name in res.deleted:
+            console.print(f"{verb} {name}")
+        for name in res.protected:
+            console.print(f"kept {name} (current baseline)")
+        _warn([f"left alone: {s}" for s in res.skipped])
+        console.print(f"{verb} {len(res.deleted)} entries; kept {len(res.kept) + len(res.protected)} runs")
+    return 0
+
+
+def _created(rec_created: str) -> str:
+    try:
+        t = datetime.fromisoformat(rec_created).astimezone(timezone.utc)
+    except ValueError:
+        return rec_created
+    return f"{t:%Y-%m-%d %H:%M:%S}"
+
+
+def _ls(store: RunStore, console: Console, *, model: str | None, label: str | None) -> None:
+    entries = store.runs()
+    current = current_baselines(entries)
+    table = Table(title=f"runs in {store.url}", title_justify="left")
+    for col in ("run id", "created (UTC)", "model", "label", "baseline", "verdict"):
+        table.add_column(col, no_wrap=col in ("run id", "created (UTC)", "baseline"))
+    shown = 0
+    for e in entries:
+        r = e.record
+        if r is None or (model and r.model != model) or (label and r.pass_label != label):
+            continue
+        tag = r.pass_label + (" (current)" if r.run_id in current else "")
+        style = {"failed": "red", "baseline": "bold"}.get(r.pass_label)
+        table.add_row(r.run_id, _created(r.created_at), r.model, Text(tag, style=style or ""),
+                      r.baseline_run or "-", r.verdict())
+        shown += 1
+    broken: list[RunEntry] = [e for e in entries if not e.complete]
+    for e in broken:
+        table.add_row(e.name, "-", "-", Text(e.status.upper(), style="bold yellow"), "-", e.problem or "")
+    console.print(table)
+    console.print(f"{shown} runs shown; {len(broken)} incomplete, corrupt or staging entries")
+    _warn([e.problem for e in broken if e.status in ("incomplete", "corrupt") and e.problem])
+
+
+def _show(store: RunStore, run_id: str, console: Console) -> None:
+    rec = store.get(run_id)
+    console.print_json(json.dumps(rec.to_json()))
+    m = store.manifest_json(run_id)
+    tensors = m.get("tensors") or []
+    layers = sorted({t.get("layer") for t in tensors if t.get("layer") is not None})
+    passes = {t.get("forward_pass") for t in tensors}
+    ranks = {t.get("rank") for t in tensors}
+    size = sum(int(v) for v in m["files"].values())
+    console.print(f"dump: {len(tensors)} tensors in {len(m['files'])} files ({size / 2**20:.1f} MiB); "
+                  f"layers {layers}; {len(passes)} forward passes; ranks {sorted(ranks)}; "
+                  f"model {m.get('model', {}).get('name')!r}; created {m.get('created_at')}")
+    report = store.report_json(run_id)
+    if report is not None:
+        console.print(f"report: {report.get('matched')} tensors compared against baseline {rec.baseline_run}; "
+                      f"{'PASS' if report.get('passed') else 'FAIL'}")
