@@ -21,7 +21,7 @@ from .config import CompareConfig
 from .logprobs import LogprobThresholds, LogprobVerdict, SequenceLogprobs, compare_logprobs
 from .metrics import PairStats, pair_stats, rel_diff
 from .regress import RegressResult, regress
-from .report import FirstDivergence, LayerSummary, ReplicaMismatch, Report, TensorComparison
+from .report import FirstDivergence, Heatmap, LayerSummary, ReplicaMismatch, Report, TensorComparison
 from .sources import compare_logprob_sources
 from .store import RunStore, select_baseline
 
@@ -36,6 +36,7 @@ __all__ = [
     "Report",
     "TensorComparison",
     "FirstDivergence",
+    "Heatmap",
     "ReplicaMismatch",
     "LayerSummary",
     "PairStats",

@@ -22,6 +22,7 @@ from ._cliargs import stdout_console as _console
 from ._cliargs import write_output as _write
 from .compare import compare_dumps
 from .config import CompareConfig
+from .outputs import add_output_flags, check_output_flags, progress_callback, write_outputs
 from .render import describe_divergence, render_logprobs, render_report
 from .sources import compare_logprob_sources
 from .store_cli import run_regress, run_store
@@ -53,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="metric worker threads (default 2)")
     p.add_argument("--quiet", action="store_true", help="print only the verdict line")
     _logprob_flags(p)
+    add_output_flags(p)
     return p
 
 
@@ -90,20 +92,24 @@ def run(argv: Sequence[str] | None = None) -> int:
     if argv[:1] == ["store"]:
         return run_store(argv[1:])
     args = build_parser().parse_args(argv)
+    check_output_flags(args)
     config = CompareConfig.resolve(threshold=args.threshold, token_threshold=args.token_threshold,
                                    threads=args.threads, logprob_thresholds=_thresholds(args.logprob_threshold),
                                    model=args.model)
-    report = compare_dumps(args.baseline, args.target, config)
-    console = _console()
-    if args.quiet:
-        fd = report.first_divergent
-        console.print("PASS" if report.passed else f"DIVERGED {describe_divergence(fd)}" if fd else
-                      "DIVERGED (replicas differ)" if report.replica_mismatches else
-                      f"DIVERGED (logprobs: {', '.join(report.logprobs.failures())})")
-    else:
-        render_report(report, console, tensors=args.tensors)
+    with progress_callback(not args.quiet) as progress:
+        report = compare_dumps(args.baseline, args.target, config, progress=progress)
+    if args.format == "table":  # with --format json, stdout carries the JSON report alone
+        console = _console()
+        if args.quiet:
+            fd = report.first_divergent
+            console.print("PASS" if report.passed else f"DIVERGED {describe_divergence(fd)}" if fd else
+                          "DIVERGED (replicas differ)" if report.replica_mismatches else
+                          f"DIVERGED (logprobs: {', '.join(report.logprobs.failures())})")
+        else:
+            render_report(report, console, tensors=args.tensors)
     _write(args.json, report.write_json)
     _write(args.csv, report.write_csv)
+    write_outputs(report, args, args.baseline, args.target)
     return EXIT_OK if report.passed else EXIT_DIVERGED
 
 

@@ -34,6 +34,7 @@ from .align import (
     split_by_mode,
 )
 from .config import CompareConfig
+from .heatmap import token_heatmap
 from .logprobs import LogprobThresholds, LogprobVerdict, compare_logprobs
 from .metrics import PairStats, StatsAccumulator, pair_stats
 from .report import FirstDivergence, ReplicaMismatch, Report, TensorComparison
@@ -101,9 +102,12 @@ def _verdict(stats: PairStats, config: CompareConfig, *, name: str, layer: int |
     )
 
 
-def _compare_logical(base: LogicalTensor, target: LogicalTensor, br: DumpReader, tr: DumpReader,
-                     config: CompareConfig) -> TensorComparison:
-    """Reassemble one (name, sequence) on both sides and compare it row by row, piece by piece."""
+def _logical_stats(base: LogicalTensor, target: LogicalTensor, br: DumpReader, tr: DumpReader,
+                   config: CompareConfig) -> tuple[PairStats, np.ndarray, int]:
+    """Reassemble one (name, sequence) on both sides and stream its metrics row by row, piece by piece.
+
+    Returns the metrics, the aligned positions and the target rank whose shard differs most.
+    """
     what = f"{tr.directory}: {target.describe()}"
     pieces = column_pieces(base, target)
     positions = positions_of(base.segments(pieces[0].base_rank))
@@ -129,6 +133,14 @@ def _compare_logical(base: LogicalTensor, target: LogicalTensor, br: DumpReader,
     rank = max(per_rank, key=lambda r: per_rank[r][0] / per_rank[r][1] if per_rank[r][1] else 0.0)
     if rank < 0:
         rank = target.rows[0].rec.rank
+    return acc.finish(), positions, rank
+
+
+def _compare_logical(base: LogicalTensor, target: LogicalTensor, br: DumpReader, tr: DumpReader,
+                     config: CompareConfig) -> TensorComparison:
+    """Compare one (name, sequence) reassembled on both sides."""
+    stats, positions, rank = _logical_stats(base, target, br, tr, config)
+    pieces = column_pieces(base, target)
     first = base.segments(pieces[0].base_rank)[0].rec
     width = sum(p.width for p in pieces)
 
@@ -136,7 +148,7 @@ def _compare_logical(base: LogicalTensor, target: LogicalTensor, br: DumpReader,
         return _chunk_note(pos, target.segments(pieces[0].target_rank), "target") or \
             _chunk_note(pos, base.segments(pieces[0].base_rank), "baseline")
 
-    return _verdict(acc.finish(), config, name=base.name, layer=base.layer, forward_pass=first.forward_pass,
+    return _verdict(stats, config, name=base.name, layer=base.layer, forward_pass=first.forward_pass,
                     rank=rank, shape=(int(positions.size), width), positions=positions, sequences=None,
                     sequence=base.sequence, notes=notes)
 
@@ -242,12 +254,15 @@ def compare_dumps(baseline: str | os.PathLike[str], target: str | os.PathLike[st
             progress(len(results), total)
     results.sort(key=lambda r: (r.layer is None, r.layer if r.layer is not None else 0, r.name,
                                 r.sequence if r.sequence is not None else -1, r.forward_pass, r.rank))
+    first_divergent = _first_divergence(results)
+    heatmap = token_heatmap(first_divergent, base_lts, targ_lts,
+                            lambda b, t: _logical_stats(b, t, br, tr, config)[:2])
     return Report(
         baseline=str(br.directory), target=str(tr.directory), threshold=config.threshold,
         token_threshold=config.token_threshold, tensors=tuple(results),
         unmatched_baseline=tuple(unmatched_b), unmatched_target=tuple(unmatched_t),
-        first_divergent=_first_divergence(results), replica_mismatches=tuple(replicas), logprobs=verdict,
-        environment={"baseline": bm.environment, "target": tm.environment},
+        first_divergent=first_divergent, replica_mismatches=tuple(replicas), logprobs=verdict,
+        environment={"baseline": bm.environment, "target": tm.environment}, heatmap=heatmap,
     )
 
 

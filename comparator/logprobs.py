@@ -62,6 +62,7 @@ __all__ = [
     "TopKStats",
     "LogprobThresholds",
     "LogprobVerdict",
+    "PositionSeries",
     "THRESHOLD_NAMES",
     "THRESHOLD_TABLE",
     "k3",
@@ -621,6 +622,28 @@ class LogprobThresholds:
 # --------------------------------------------------------------------------- verdict
 
 
+@dataclass(frozen=True, eq=False)
+class PositionSeries:
+    """One request's per-position values, for plots and "worst positions" lists (not part of the JSON).
+
+    ``ref`` / ``tgt`` are the two sides' logprobs at ``positions``; ``kl`` is the full-distribution
+    KL at ``kl_positions`` (None without logits). The arrays are the ones the verdict was computed
+    from, so keeping them costs no extra memory.
+    """
+
+    request: str
+    positions: np.ndarray  # [n] int64
+    ref: np.ndarray  # [n] float64
+    tgt: np.ndarray  # [n] float64
+    kl_positions: np.ndarray | None = None  # [m] int64
+    kl: np.ndarray | None = None  # [m] float64
+
+    @property
+    def delta(self) -> np.ndarray:
+        """``tgt - ref`` per position (see :attr:`AlignedSample.delta`)."""
+        return _delta(self.ref, self.tgt)
+
+
 @dataclass(frozen=True)
 class LogprobVerdict:
     """The logprob-level verdict; ``bool(verdict)`` is ``passed``; JSON keys are a public contract.
@@ -648,6 +671,8 @@ class LogprobVerdict:
     topk_mean_err: float | None = None
     unmatched_baseline: tuple[str, ...] = ()
     unmatched_target: tuple[str, ...] = ()
+    series: tuple[PositionSeries, ...] = field(default=(), compare=False, repr=False)
+    """Per-request per-position values (in memory only; empty after :meth:`from_json`)."""
 
     def __bool__(self) -> bool:
         return self.passed
@@ -754,6 +779,7 @@ def compare_logprobs(base: Sequence[SequenceLogprobs], target: Sequence[Sequence
     kl_max = Located()
     pct: dict[str, float] | None = None
     top1: float | None = None
+    kl_at: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     if (ref_logits is None) != (tgt_logits is None):
         raise UsageError("logits given for one side only: KL needs both")
     if ref_logits is not None and tgt_logits is not None:
@@ -776,6 +802,7 @@ def compare_logprobs(base: Sequence[SequenceLogprobs], target: Sequence[Sequence
         kl_mean = pct["mean"]
         kl_max = _argmax_located(where, kls)
         top1 = agree / total
+        kl_at = {w.request: (w.positions, v) for w, v in zip(where, kls, strict=True)}
 
     metrics = {"mse": err.mse, "max_abs_err": err.max_abs_err.value, "k3_mean": k.mean,
                "kl_mean": kl_mean, "kl_max": kl_max.value, "topk_max_err": tk.max_err if tk else None}
@@ -786,4 +813,6 @@ def compare_logprobs(base: Sequence[SequenceLogprobs], target: Sequence[Sequence
         kl_mean=kl_mean, kl_max=kl_max, kl_percentiles=pct, top1_agreement=top1,
         topk_max_err=tk.max_err if tk else None, topk_mean_err=tk.mean_err if tk else None,
         unmatched_baseline=al.unmatched_baseline, unmatched_target=al.unmatched_target,
+        series=tuple(PositionSeries(s.request, s.positions, s.ref, s.tgt, *kl_at.get(s.request, (None, None)))
+                     for s in samples),
     )

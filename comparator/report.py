@@ -16,7 +16,7 @@ from dumper.format import atomic_path, write_json_atomic
 
 from .logprobs import LogprobVerdict
 
-__all__ = ["TensorComparison", "FirstDivergence", "ReplicaMismatch", "LayerSummary", "Report"]
+__all__ = ["TensorComparison", "FirstDivergence", "ReplicaMismatch", "LayerSummary", "Heatmap", "Report"]
 
 
 def _num(v: float | None) -> float | None:
@@ -151,6 +151,34 @@ class LayerSummary:
 
 
 @dataclass(frozen=True)
+class Heatmap:
+    """Per-token rel_diff of one sequence, tensors x token positions, around the first divergence.
+
+    ``values[i][j]`` is the rel_diff of tensor ``names[i]`` (layer ``layers[i]``) at position
+    ``positions[j]``; inf where a NaN/Inf mismatch makes it infinite (``null`` in JSON, read
+    back as inf). Rows are the tensors of that sequence that hold every one of the positions,
+    in layer order, so a bug that starts at a token and spreads through the layers shows as a
+    vertical edge.
+    """
+
+    sequence: int
+    positions: tuple[int, ...]
+    layers: tuple[int | None, ...]
+    names: tuple[str, ...]
+    values: tuple[tuple[float, ...], ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"sequence": self.sequence, "positions": list(self.positions), "layers": list(self.layers),
+                "names": list(self.names), "values": [[_num(v) for v in row] for row in self.values]}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Heatmap:
+        return cls(sequence=int(d["sequence"]), positions=tuple(int(p) for p in d["positions"]),
+                   layers=tuple(None if v is None else int(v) for v in d["layers"]), names=tuple(d["names"]),
+                   values=tuple(tuple(_from_num(v) for v in row) for row in d["values"]))
+
+
+@dataclass(frozen=True)
 class Report:
     """The verdict of comparing two dumps; ``bool(report)`` is "passed"."""
 
@@ -165,6 +193,8 @@ class Report:
     replica_mismatches: tuple[ReplicaMismatch, ...] = ()
     logprobs: LogprobVerdict | None = None
     environment: dict[str, Any] = field(default_factory=dict)
+    heatmap: Heatmap | None = None
+    """Per-token rel_diff around the first divergence (None when nothing diverged)."""
 
     @property
     def matched(self) -> int:
@@ -215,6 +245,7 @@ class Report:
             "baseline": self.baseline,
             "target": self.target,
             "environment": self.environment,
+            "heatmap": self.heatmap.to_json() if self.heatmap is not None else None,
         }
 
     @classmethod
@@ -229,6 +260,7 @@ class Report:
             replica_mismatches=tuple(ReplicaMismatch.from_json(m) for m in d.get("replica_mismatches", [])),
             logprobs=LogprobVerdict.from_json(d["logprobs"]) if d.get("logprobs") else None,
             environment=dict(d.get("environment", {})),
+            heatmap=Heatmap.from_json(d["heatmap"]) if d.get("heatmap") else None,
         )
 
     def write_json(self, path: str | os.PathLike[str]) -> None:

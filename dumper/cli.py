@@ -60,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    from .progress import progress_bar
     from .run import LogprobSpec, RunConfig, parse_input_ids, read_prompts_file, run_dump
 
     prompts: tuple[str, ...] = tuple(args.prompt or ())
@@ -82,7 +83,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
                     attn=args.attn, layers=args.layers, modules=args.modules, device=args.device, seed=args.seed,
                     chunk_size=args.chunk_size, batch_size=args.batch_size, padding_side=args.padding_side,
                     logprobs=spec)
-    manifest = run_dump(cfg)
+    with progress_bar(True, "dumping", unit="tokens") as progress:
+        manifest = run_dump(cfg, progress=progress)
     layers = manifest.capture_signature.get("layers", [])
     print(f"wrote {args.out}: {len(manifest.tensors)} tensors, layers {layers}, "
           f"{len({t.forward_pass for t in manifest.tensors})} forward passes")

@@ -32,6 +32,7 @@ from .format import (
 from .hooks import Capture, capture
 from .logprobs import LOGPROB_CHUNK_ROWS, row_logprobs
 from .presets import load_model
+from .progress import ProgressFn
 
 __all__ = ["RunConfig", "LogprobSpec", "run_dump", "prefill", "record_logprobs", "pad_batch", "cache_kwarg",
            "read_prompts_file", "BUILTIN_PROMPTS"]
@@ -217,12 +218,13 @@ def prefill(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, *, ch
             on_logits(out.logits, start, positions)
 
 
-def run_dump(cfg: RunConfig) -> Manifest:
+def run_dump(cfg: RunConfig, *, progress: ProgressFn | None = None) -> Manifest:
     """Load the model and prefill every prompt under capture; return the manifest.
 
     Prompts go ``batch_size`` at a time (padded on ``padding_side``), each batch in one forward
     pass or in chunks of ``chunk_size`` tokens through the KV cache. Sequence ids are the
     prompts' indices, so dumps of different layouts align by (sequence, position).
+    ``progress(done_tokens, total_tokens)`` is called after each batch.
     """
     model, tokenizer = load_model(cfg.model, dtype=cfg.dtype, attn=cfg.attn, device=cfg.device, seed=cfg.seed)
     vocab = int(model.get_input_embeddings().num_embeddings)
@@ -232,6 +234,7 @@ def run_dump(cfg: RunConfig) -> Manifest:
              "logprobs": None if cfg.logprobs is None else vars(cfg.logprobs), **cfg.extra}
     device = next(model.parameters()).device
     pad_id = int(getattr(model.config, "pad_token_id", None) or 0)
+    done, total = 0, sum(map(len, seqs))
     with torch.inference_mode(), capture(model, cfg.out, layers=cfg.layers, modules=cfg.modules,
                                          model_name=cfg.model, extra=extra) as cap:
         for first in range(0, len(seqs), cfg.batch_size):
@@ -243,6 +246,9 @@ def run_dump(cfg: RunConfig) -> Manifest:
             on_logits = None if cfg.logprobs is None else functools.partial(
                 _record_pass_logprobs, cap, ids, mask, seq_ids, cfg.logprobs)
             prefill(model, ids, mask, chunk_size=cfg.chunk_size, on_logits=on_logits)
+            done += sum(map(len, batch))
+            if progress is not None:
+                progress(done, total)
     return load_manifest(cfg.out)
 
 

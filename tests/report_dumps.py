@@ -1,0 +1,52 @@
+"""Dumps for the report tests: a clean run of the tiny preset and the same run with a one-token bug.
+
+The bug adds noise to the hidden state of one token after one decoder layer (both prompts), so
+the first divergent layer is ``layer + 1`` and its first failing token is ``token``.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+import dumper
+from dumper.run import BUILTIN_PROMPTS, LogprobSpec, RunConfig, pad_batch, prefill, record_logprobs, run_dump
+from tests.conftest import tiny_llama
+
+SPEC = LogprobSpec(top_k=5, save_logits=True)
+N_LAYERS = 8
+
+
+def clean_dump(out: Path) -> Path:
+    """The built-in prompts through tiny-llama, every layer, with logprobs and logits."""
+    run_dump(RunConfig(out=str(out), layers="all", logprobs=SPEC))
+    return out
+
+
+def one_token_bug_dump(out: Path, *, layer: int, token: int) -> Path:
+    """:func:`clean_dump` with noise added to ``token``'s hidden state after decoder layer ``layer``."""
+    model, tok = tiny_llama()
+    gen = torch.Generator().manual_seed(1)
+
+    def hook(module, args, output):
+        hidden = output[0] if isinstance(output, tuple) else output  # [1, seq, hidden]
+        row = hidden[0, token]
+        row.add_(0.2 * row.norm() / math.sqrt(row.numel()) * torch.randn(row.shape, generator=gen))
+        return output
+
+    handle = model.model.layers[layer].register_forward_hook(hook)
+    seqs = [tok.encode(p) for p in BUILTIN_PROMPTS]
+    try:
+        with torch.inference_mode(), dumper.capture(model, out, layers="all", model_name="tiny-llama",
+                                                    extra={"input_ids": seqs}) as cap:
+            for i, s in enumerate(seqs):
+                cap.set_sequence_ids([i])
+                ids, mask = pad_batch([s], side="right")
+                prefill(model, ids, mask, chunk_size=None,
+                        on_logits=lambda logits, start, pos, i=i, ids=ids, mask=mask:
+                        record_logprobs(cap, logits, ids, mask, pos, start, [i], SPEC))
+    finally:
+        handle.remove()
+    return out
