@@ -17,10 +17,9 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Sequence
-from typing import Any
 
 from dumper.format import Manifest
-from dumper.presets import PRESETS, ByteTokenizer, Tokenizer
+from dumper.presets import PRESETS, ByteTokenizer, Tokenizer, load_tokenizer
 
 __all__ = ["TokenLookup", "tokenizer_for", "show_text"]
 
@@ -32,24 +31,10 @@ def tokenizer_for(manifest: Manifest) -> Tokenizer | None:
         return ByteTokenizer(256 + ByteTokenizer.offset)
     if name and os.path.isfile(os.path.join(name, "tokenizer_config.json")):
         try:
-            from transformers import AutoTokenizer
-
-            tok: Any = AutoTokenizer.from_pretrained(name, local_files_only=True)
-        except (OSError, ValueError, TypeError, ImportError):
+            return load_tokenizer(name)
+        except ImportError:
             return None
-        return _Decoder(tok)
     return None
-
-
-class _Decoder:
-    def __init__(self, tok: Any) -> None:
-        self._tok = tok
-
-    def encode(self, text: str) -> list[int]:
-        return list(self._tok(text)["input_ids"])
-
-    def decode(self, ids: list[int]) -> str:
-        return str(self._tok.decode(ids))
 
 
 def show_text(text: str | None) -> str:

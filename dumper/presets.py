@@ -17,7 +17,7 @@ from torch import nn
 
 from .errors import UsageError
 
-__all__ = ["PRESETS", "CONFIG_DIR", "ByteTokenizer", "Tokenizer", "load_model", "DTYPES"]
+__all__ = ["PRESETS", "CONFIG_DIR", "ByteTokenizer", "Tokenizer", "load_model", "load_tokenizer", "DTYPES"]
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 PRESETS = ("tiny-llama", "tiny-qwen2")
@@ -96,7 +96,7 @@ def load_model(name_or_dir: str, *, dtype: str = "float32", attn: str = "eager",
                 name_or_dir, dtype=torch_dtype, attn_implementation=attn, local_files_only=True)
         except (OSError, ValueError) as e:
             raise UsageError(f"{name_or_dir}: cannot load model ({str(e).splitlines()[0]})") from None
-        tokenizer = _load_hf_tokenizer(name_or_dir)
+        tokenizer = load_tokenizer(name_or_dir)
     else:
         raise UsageError(f"model {name_or_dir!r} is neither a preset ({', '.join(PRESETS)}) nor a directory")
     try:
@@ -107,7 +107,8 @@ def load_model(name_or_dir: str, *, dtype: str = "float32", attn: str = "eager",
     return model, tokenizer
 
 
-def _load_hf_tokenizer(path: str) -> Tokenizer | None:
+def load_tokenizer(path: str) -> Tokenizer | None:
+    """The tokenizer of a local HF model directory (offline), or None when it has none."""
     from transformers import AutoTokenizer
 
     try:

@@ -34,7 +34,7 @@ from .logprobs import LOGPROB_CHUNK_ROWS, row_logprobs
 from .presets import load_model
 from .progress import ProgressFn
 
-__all__ = ["RunConfig", "LogprobSpec", "run_dump", "prefill", "record_logprobs", "pad_batch", "cache_kwarg",
+__all__ = ["RunConfig", "LogprobSpec", "run_dump", "dump_sequences", "prefill", "record_logprobs", "pad_batch", "cache_kwarg",
            "read_prompts_file", "BUILTIN_PROMPTS"]
 
 BUILTIN_PROMPTS = (
@@ -228,7 +228,16 @@ def run_dump(cfg: RunConfig, *, progress: ProgressFn | None = None) -> Manifest:
     """
     model, tokenizer = load_model(cfg.model, dtype=cfg.dtype, attn=cfg.attn, device=cfg.device, seed=cfg.seed)
     vocab = int(model.get_input_embeddings().num_embeddings)
-    seqs = _sequences(cfg, tokenizer, vocab)
+    return dump_sequences(model, _sequences(cfg, tokenizer, vocab), cfg, progress=progress)
+
+
+def dump_sequences(model: torch.nn.Module, seqs: list[list[int]], cfg: RunConfig, *,
+                   progress: ProgressFn | None = None) -> Manifest:
+    """:func:`run_dump` with a model already in hand (say, one with a bug injected) and token ids.
+
+    ``cfg`` gives the output, layout, layers and logprob settings; ``cfg.model`` only names the
+    model in the manifest.
+    """
     extra = {"job": "prefill", "input_ids": seqs, "dtype": cfg.dtype, "attn": cfg.attn, "seed": cfg.seed,
              "chunk_size": cfg.chunk_size, "batch_size": cfg.batch_size, "padding_side": cfg.padding_side,
              "logprobs": None if cfg.logprobs is None else vars(cfg.logprobs), **cfg.extra}

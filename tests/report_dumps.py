@@ -11,8 +11,7 @@ from pathlib import Path
 
 import torch
 
-import dumper
-from dumper.run import BUILTIN_PROMPTS, LogprobSpec, RunConfig, pad_batch, prefill, record_logprobs, run_dump
+from dumper.run import BUILTIN_PROMPTS, LogprobSpec, RunConfig, dump_sequences, run_dump
 from tests.conftest import tiny_llama
 
 SPEC = LogprobSpec(top_k=5, save_logits=True)
@@ -37,16 +36,9 @@ def one_token_bug_dump(out: Path, *, layer: int, token: int) -> Path:
         return output
 
     handle = model.model.layers[layer].register_forward_hook(hook)
-    seqs = [tok.encode(p) for p in BUILTIN_PROMPTS]
     try:
-        with torch.inference_mode(), dumper.capture(model, out, layers="all", model_name="tiny-llama",
-                                                    extra={"input_ids": seqs}) as cap:
-            for i, s in enumerate(seqs):
-                cap.set_sequence_ids([i])
-                ids, mask = pad_batch([s], side="right")
-                prefill(model, ids, mask, chunk_size=None,
-                        on_logits=lambda logits, start, pos, i=i, ids=ids, mask=mask:
-                        record_logprobs(cap, logits, ids, mask, pos, start, [i], SPEC))
+        dump_sequences(model, [tok.encode(p) for p in BUILTIN_PROMPTS],
+                       RunConfig(out=str(out), layers="all", logprobs=SPEC))
     finally:
         handle.remove()
     return out

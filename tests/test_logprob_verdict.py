@@ -7,10 +7,9 @@ import json
 import pytest
 import torch
 
-import dumper
 from comparator import compare_dumps
 from comparator.sources import read_logprob_source
-from dumper.run import LogprobSpec, RunConfig, pad_batch, prefill, record_logprobs, run_dump
+from dumper.run import LogprobSpec, RunConfig, dump_sequences, run_dump
 from tests.conftest import tiny_llama
 
 LOGPROB_KEYS = {"mse", "rmse", "max_abs_err", "k3_mean", "k3_max", "kl_mean", "kl_max", "kl_percentiles",
@@ -42,19 +41,12 @@ def test_benign_change_passes_both_verdicts(cli, tmp_path, dtype):
 
 
 def _bad_run(out, layer: int):
-    """Prompts one at a time with a perturbed MLP in ``layer``, logprobs recorded like run_dump does."""
+    """The prompts through tiny-llama with a perturbed MLP in ``layer``, logprobs recorded."""
     model, tok = tiny_llama()
     with torch.no_grad():
         w = model.model.layers[layer].mlp.down_proj.weight
         w.add_(0.05 * torch.randn(w.shape, generator=torch.Generator().manual_seed(0)))
-    seqs = [tok.encode(p) for p in PROMPTS]
-    with torch.inference_mode(), dumper.capture(model, out, layers="all", extra={"input_ids": seqs}) as cap:
-        for i, s in enumerate(seqs):
-            cap.set_sequence_ids([i])
-            ids, mask = pad_batch([s], side="right")
-            prefill(model, ids, mask, chunk_size=None,
-                    on_logits=lambda logits, start, pos, i=i, ids=ids, mask=mask:
-                    record_logprobs(cap, logits, ids, mask, pos, start, [i], SPEC))
+    dump_sequences(model, [tok.encode(p) for p in PROMPTS], RunConfig(out=str(out), layers="all", logprobs=SPEC))
 
 
 def test_divergence_that_reaches_the_output(base, tmp_path):
