@@ -163,3 +163,16 @@ def test_prompts_file_and_input_ids(cli, tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\nnot json\n')
     _single_line_error(cli("dumper", "run", "--out", tmp_path / "c", "--prompts", tmp_path / "bad.jsonl"),
                        "bad.jsonl:2")
+
+
+def test_report_outputs_through_the_cli(cli, tmp_path, eager_dump):
+    r = cli("comparator", eager_dump, eager_dump, "--format", "json", "--html", tmp_path / "r.html",
+            "--markdown", tmp_path / "r.md")
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)  # stdout carries the JSON report alone
+    assert report["passed"] and report["matched"] == 16 and report["heatmap"] is None
+    html = (tmp_path / "r.html").read_text()
+    assert "<svg" in html and "http://" not in html.replace("http://www.w3.org", "")
+    assert "PASS" in (tmp_path / "r.md").read_text()
+    r = cli("comparator", eager_dump, eager_dump, "--format", "json", "--markdown")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
