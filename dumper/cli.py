@@ -40,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--logprob-start-len", type=int, default=0,
                    help="with --logprobs: first input position to return (SGLang's logprob_start_len)")
     r.add_argument("--save-logits", action="store_true", help="with --logprobs: also dump the full logits rows")
+    r.add_argument("--quiet", action="store_true", help="no progress bar and no summary line")
     sc = sub.add_parser("selfcheck", help="decode <-> prefill logprob self-consistency of a model")
     sc.add_argument("--model", default="tiny-llama", help="local HF model directory or preset")
     sc.add_argument("--prompt", action="append", default=None, help="prompt text (repeatable; default: built-in)")
@@ -83,11 +84,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
                     attn=args.attn, layers=args.layers, modules=args.modules, device=args.device, seed=args.seed,
                     chunk_size=args.chunk_size, batch_size=args.batch_size, padding_side=args.padding_side,
                     logprobs=spec)
-    with progress_bar(True, "dumping", unit="tokens") as progress:
+    with progress_bar(not args.quiet, "dumping", unit="tokens") as progress:
         manifest = run_dump(cfg, progress=progress)
     layers = manifest.capture_signature.get("layers", [])
-    print(f"wrote {args.out}: {len(manifest.tensors)} tensors, layers {layers}, "
-          f"{len({t.forward_pass for t in manifest.tensors})} forward passes")
+    if not args.quiet:
+        print(f"wrote {args.out}: {len(manifest.tensors)} tensors, layers {layers}, "
+              f"{len({t.forward_pass for t in manifest.tensors})} forward passes")
     return EXIT_OK
 
 

@@ -176,3 +176,9 @@ def test_report_outputs_through_the_cli(cli, tmp_path, eager_dump):
     assert "PASS" in (tmp_path / "r.md").read_text()
     r = cli("comparator", eager_dump, eager_dump, "--format", "json", "--markdown")
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_dumper_quiet(cli, tmp_path):
+    r = cli("dumper", "run", "--out", tmp_path / "q", "--quiet", "--layers", "last")
+    assert r.returncode == 0 and r.stdout == "" and r.stderr == ""
+    assert (tmp_path / "q" / MANIFEST_NAME).exists()
