@@ -21,7 +21,7 @@ from dataclasses import replace
 import numpy as np
 
 from dumper.errors import NotComparableError
-from dumper.format import LOGITS_POINT, LOGPROB_POINT, DumpReader, Manifest, TensorRecord
+from dumper.format import LOGITS_POINT, LOGPROB_POINT, DumpReader, Manifest, TensorRecord, encode_runs
 
 from .align import (
     LogicalTensor,
@@ -49,12 +49,7 @@ MAX_RANGES = 32
 
 def _ranges(values: np.ndarray) -> list[list[int]]:
     """Sorted integers as inclusive ``[first, last]`` ranges, at most :data:`MAX_RANGES`."""
-    if values.size == 0:
-        return []
-    breaks = np.flatnonzero(np.diff(values) != 1) + 1
-    starts = np.concatenate(([0], breaks))[:MAX_RANGES]
-    ends = np.concatenate((breaks, [values.size]))[:MAX_RANGES] - 1
-    return [[int(values[a]), int(values[b])] for a, b in zip(starts, ends, strict=True)]
+    return [[start, start + count - 1] for start, count in encode_runs(values, step=1)[:MAX_RANGES]]
 
 
 def _chunk_note(pos: int, segs: list[Segment], side: str) -> str | None:

@@ -50,6 +50,8 @@ import numpy as np
 from dumper.errors import NotComparableError, UsageError
 from dumper.settings import env_settings
 
+from .jsonfloat import from_json_float, to_json_float
+
 __all__ = [
     "UNKNOWN_TOKEN",
     "TopK",
@@ -190,14 +192,14 @@ class Located:
     position: int | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"value": _num(self.value), "sample": self.request, "position": self.position}
+        return {"value": to_json_float(self.value), "sample": self.request, "position": self.position}
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any] | None, *, computed: bool) -> Located:
         if not d:
             return cls()
         v = d.get("value")
-        value = (math.inf if computed else None) if v is None else float(v)
+        value = from_json_float(v) if computed else (None if v is None else float(v))
         pos = d.get("position")
         return cls(value, d.get("sample"), None if pos is None else int(pos))
 
@@ -262,10 +264,6 @@ def _delta(ref: np.ndarray, tgt: np.ndarray) -> np.ndarray:
     d[same] = 0.0
     d[np.isnan(d)] = np.inf
     return d
-
-
-def _num(v: float | None) -> float | None:
-    return None if v is None or not math.isfinite(v) else float(v)
 
 
 # --------------------------------------------------------------------------- alignment
@@ -688,18 +686,18 @@ class LogprobVerdict:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "mse": _num(self.mse),
-            "rmse": _num(self.rmse),
+            "mse": to_json_float(self.mse),
+            "rmse": to_json_float(self.rmse),
             "max_abs_err": self.max_abs_err.to_json(),
-            "k3_mean": _num(self.k3_mean),
+            "k3_mean": to_json_float(self.k3_mean),
             "k3_max": self.k3_max.to_json(),
-            "kl_mean": _num(self.kl_mean),
+            "kl_mean": to_json_float(self.kl_mean),
             "kl_max": self.kl_max.to_json(),
             "kl_percentiles": None if self.kl_percentiles is None
-            else {k: _num(v) for k, v in self.kl_percentiles.items()},
-            "top1_agreement": _num(self.top1_agreement),
-            "topk_max_err": _num(self.topk_max_err),
-            "topk_mean_err": _num(self.topk_mean_err),
+            else {k: to_json_float(v) for k, v in self.kl_percentiles.items()},
+            "top1_agreement": to_json_float(self.top1_agreement),
+            "topk_max_err": to_json_float(self.topk_max_err),
+            "topk_mean_err": to_json_float(self.topk_mean_err),
             "compared_positions": self.compared_positions,
             "requests": self.requests,
             "unmatched_baseline": list(self.unmatched_baseline),
@@ -710,22 +708,19 @@ class LogprobVerdict:
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> LogprobVerdict:
-        def always(v: Any) -> float:
-            return math.inf if v is None else float(v)
-
         def optional(v: Any) -> float | None:
             return None if v is None else float(v)
 
         has_kl = d.get("kl_percentiles") is not None
         return cls(
-            mse=always(d["mse"]), rmse=always(d["rmse"]),
+            mse=from_json_float(d["mse"]), rmse=from_json_float(d["rmse"]),
             max_abs_err=Located.from_json(d["max_abs_err"], computed=True),
-            k3_mean=always(d["k3_mean"]), k3_max=Located.from_json(d["k3_max"], computed=True),
+            k3_mean=from_json_float(d["k3_mean"]), k3_max=Located.from_json(d["k3_max"], computed=True),
             compared_positions=int(d["compared_positions"]), requests=int(d["requests"]),
             thresholds=LogprobThresholds.from_json(d["thresholds"]), passed=bool(d["passed"]),
-            kl_mean=always(d["kl_mean"]) if has_kl else None,
+            kl_mean=from_json_float(d["kl_mean"]) if has_kl else None,
             kl_max=Located.from_json(d.get("kl_max"), computed=has_kl),
-            kl_percentiles={k: always(v) for k, v in d["kl_percentiles"].items()} if has_kl else None,
+            kl_percentiles={k: from_json_float(v) for k, v in d["kl_percentiles"].items()} if has_kl else None,
             top1_agreement=optional(d.get("top1_agreement")),
             topk_max_err=optional(d.get("topk_max_err")), topk_mean_err=optional(d.get("topk_mean_err")),
             unmatched_baseline=tuple(d.get("unmatched_baseline", ())),

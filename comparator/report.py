@@ -14,17 +14,10 @@ from typing import Any
 
 from dumper.format import atomic_path, write_json_atomic
 
+from .jsonfloat import from_json_float, to_json_float
 from .logprobs import LogprobVerdict
 
 __all__ = ["TensorComparison", "FirstDivergence", "ReplicaMismatch", "LayerSummary", "Heatmap", "Report"]
-
-
-def _num(v: float | None) -> float | None:
-    return None if v is None or not math.isfinite(v) else float(v)
-
-
-def _from_num(v: Any) -> float:
-    return math.inf if v is None else float(v)
 
 
 @dataclass(frozen=True)
@@ -71,7 +64,7 @@ class TensorComparison:
         d = asdict(self)
         d["shape"] = list(self.shape)
         for k in ("rel_diff", "max_token_rel_diff", "max_abs_diff", "mean_abs_diff", "cosine"):
-            d[k] = _num(d[k])
+            d[k] = to_json_float(d[k])
         return d
 
     @classmethod
@@ -79,7 +72,7 @@ class TensorComparison:
         d = dict(d)
         d["shape"] = tuple(d["shape"])
         for k in ("rel_diff", "max_token_rel_diff", "max_abs_diff", "mean_abs_diff"):
-            d[k] = _from_num(d[k])
+            d[k] = from_json_float(d[k])
         d["cosine"] = math.nan if d["cosine"] is None else float(d["cosine"])
         return cls(**d)
 
@@ -102,12 +95,12 @@ class FirstDivergence:
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
-        d["rel_diff"] = _num(self.rel_diff)
+        d["rel_diff"] = to_json_float(self.rel_diff)
         return d
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> FirstDivergence:
-        return cls(**{**d, "rel_diff": _from_num(d["rel_diff"])})
+        return cls(**{**d, "rel_diff": from_json_float(d["rel_diff"])})
 
 
 @dataclass(frozen=True)
@@ -124,11 +117,11 @@ class ReplicaMismatch:
     max_token_rel_diff: float
 
     def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "max_token_rel_diff": _num(self.max_token_rel_diff)}
+        return {**asdict(self), "max_token_rel_diff": to_json_float(self.max_token_rel_diff)}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> ReplicaMismatch:
-        return cls(**{**d, "max_token_rel_diff": _from_num(d["max_token_rel_diff"])})
+        return cls(**{**d, "max_token_rel_diff": from_json_float(d["max_token_rel_diff"])})
 
 
 @dataclass(frozen=True)
@@ -169,13 +162,13 @@ class Heatmap:
 
     def to_json(self) -> dict[str, Any]:
         return {"sequence": self.sequence, "positions": list(self.positions), "layers": list(self.layers),
-                "names": list(self.names), "values": [[_num(v) for v in row] for row in self.values]}
+                "names": list(self.names), "values": [[to_json_float(v) for v in row] for row in self.values]}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Heatmap:
         return cls(sequence=int(d["sequence"]), positions=tuple(int(p) for p in d["positions"]),
                    layers=tuple(None if v is None else int(v) for v in d["layers"]), names=tuple(d["names"]),
-                   values=tuple(tuple(_from_num(v) for v in row) for row in d["values"]))
+                   values=tuple(tuple(from_json_float(v) for v in row) for row in d["values"]))
 
 
 @dataclass(frozen=True)
