@@ -19,44 +19,25 @@ import os
 import shutil
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _rss_anon_kib() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1])
-    return 0
-
-
 def compare_only(base: str, target: str) -> None:
     """Child process: one timed comparison with anonymous-RSS sampling; prints JSON."""
     sys.path.insert(0, str(ROOT))
+    from anonpeak import AnonPeak  # bench/ is on sys.path when run as a script
+
     from comparator import compare_dumps
 
-    peak = [_rss_anon_kib()]
-    start_rss = peak[0]
-    stop = threading.Event()
-
-    def sample() -> None:
-        while not stop.is_set():
-            peak[0] = max(peak[0], _rss_anon_kib())
-            time.sleep(0.002)
-
-    th = threading.Thread(target=sample, daemon=True)
-    th.start()
-    t = time.perf_counter()
-    report = compare_dumps(base, target)
-    elapsed = time.perf_counter() - t
-    stop.set()
-    th.join()
-    peak[0] = max(peak[0], _rss_anon_kib())
-    print(json.dumps({"seconds": elapsed, "peak_anon_kib": peak[0], "start_anon_kib": start_rss,
+    with AnonPeak() as mem:
+        start_rss = mem.peak
+        t = time.perf_counter()
+        report = compare_dumps(base, target)
+        elapsed = time.perf_counter() - t
+    print(json.dumps({"seconds": elapsed, "peak_anon_kib": mem.peak // 1024, "start_anon_kib": start_rss // 1024,
                       "matched": report.matched, "passed": report.passed}))
 
 

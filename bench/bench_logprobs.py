@@ -14,44 +14,12 @@ materializes [rows, V] float32 and cannot run at 32k x 150k here; it is measured
 from __future__ import annotations
 
 import argparse
-import threading
 import time
 
 import torch
+from anonpeak import AnonPeak  # bench/ is on sys.path when run as a script
 
 from dumper.logprobs import row_logprobs
-
-
-class AnonPeak:
-    """Samples the process's anonymous RSS (RssAnon) in a thread; ``peak`` in bytes."""
-
-    def __init__(self) -> None:
-        self.peak = self.now()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    @staticmethod
-    def now() -> int:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("RssAnon:"):
-                    return int(line.split()[1]) * 1024
-        return 0
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, self.now())
-            time.sleep(0.002)
-
-    def __enter__(self) -> AnonPeak:
-        self.peak = self.now()
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, self.now())
 
 
 def chunks(rows: int, vocab: int, chunk_rows: int, seed: int = 0):
