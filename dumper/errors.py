@@ -3,7 +3,9 @@
 Two roots, as Polygraphy does it: :class:`DriftscopeError` is a *user* error (bad input,
 a broken dump, bad arguments) that the CLIs turn into one line on stderr and a distinct
 exit code; :class:`InternalError` is a bug in driftscope and is deliberately not its
-subclass, so it surfaces with a traceback.
+subclass. The CLIs report it, and any other unexpected exception, as one line asking for a
+bug report and exit :data:`EXIT_INTERNAL` (the traceback only with ``--debug`` or
+``DRIFTSCOPE_DEBUG=1``), so a crash never reads as a divergence.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ __all__ = [
     "EXIT_OK",
     "EXIT_DIVERGED",
     "EXIT_UNUSABLE",
+    "EXIT_INTERNAL",
 ]
 
 EXIT_OK = 0
@@ -27,6 +30,8 @@ EXIT_DIVERGED = 1
 """At least one matched tensor diverged."""
 EXIT_UNUSABLE = 2
 """The input cannot be used: bad arguments, a broken dump, nothing to compare."""
+EXIT_INTERNAL = 3
+"""A bug in driftscope: an exception that is not a :class:`DriftscopeError`."""
 
 
 class DriftscopeError(Exception):
@@ -56,4 +61,4 @@ class NotComparableError(DriftscopeError):
 
 
 class InternalError(RuntimeError):
-    """A bug in driftscope (not a user error); never caught by the CLIs."""
+    """A bug in driftscope (not a user error): the CLIs exit :data:`EXIT_INTERNAL` on it."""

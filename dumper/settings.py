@@ -3,6 +3,7 @@
 | variable                      | meaning                                                   |
 |-------------------------------|-----------------------------------------------------------|
 | ``DRIFTSCOPE_DUMP_DIR``       | ``dumper.dump()`` records here when no capture is active  |
+| ``DRIFTSCOPE_DEBUG``          | ``1``: the CLIs print the traceback of an internal error  |
 | ``DRIFTSCOPE_DIFF_THRESHOLD`` | comparator rel_diff threshold (whole tensor)              |
 | ``DRIFTSCOPE_TOKEN_THRESHOLD``| comparator per-token rel_diff threshold                   |
 | ``DRIFTSCOPE_LOGPROB_<NAME>`` | logprob threshold ``<name>`` (MSE, MAX_ABS_ERR, K3_MEAN,   |
@@ -26,6 +27,7 @@ _LOGPROB = "DRIFTSCOPE_LOGPROB_"
 @dataclass(frozen=True)
 class EnvSettings:
     dump_dir: str | None = None
+    debug: bool = False
     diff_threshold: float | None = None
     token_threshold: float | None = None
     logprob_thresholds: dict[str, str] = field(default_factory=dict)
@@ -50,6 +52,7 @@ def env_settings(env: Mapping[str, str] | None = None) -> EnvSettings:
     env = os.environ if env is None else env
     return EnvSettings(
         dump_dir=env.get("DRIFTSCOPE_DUMP_DIR") or None,
+        debug=env.get("DRIFTSCOPE_DEBUG", "").strip().lower() in ("1", "true", "yes", "on"),
         diff_threshold=_threshold(env, "DRIFTSCOPE_DIFF_THRESHOLD"),
         token_threshold=_threshold(env, "DRIFTSCOPE_TOKEN_THRESHOLD"),
         logprob_thresholds={k[len(_LOGPROB):].lower(): v.strip() for k, v in env.items()
