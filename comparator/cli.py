@@ -23,7 +23,7 @@ from ._cliargs import write_output as _write
 from .compare import compare_dumps
 from .config import CompareConfig
 from .outputs import add_output_flags, check_output_flags, progress_callback, write_outputs
-from .render import describe_divergence, render_logprobs, render_report
+from .render import describe_divergence, render_logprobs, render_report, verdict_notes
 from .sources import compare_logprob_sources
 from .store_cli import run_regress, run_store
 
@@ -53,6 +53,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tensors", action="store_true", help="also print one row per tensor")
     p.add_argument("--threads", type=int, default=None, help="metric worker threads (default 2)")
     p.add_argument("--quiet", action="store_true", help="print only the verdict line")
+    p.add_argument("--require-all", action="store_true",
+                   help="exit 2 when either dump holds tensors the other lacks (default: compare the common "
+                        "ones and say so in the verdict)")
+    p.add_argument("--allow-model-mismatch", action="store_true",
+                   help="compare dumps of different models (architecture, layer count, hidden size, config "
+                        "hash), e.g. cross-engine or quantized runs; the differences are reported")
     _logprob_flags(p)
     add_output_flags(p)
     return p
@@ -95,16 +101,19 @@ def run(argv: Sequence[str] | None = None) -> int:
     check_output_flags(args)
     config = CompareConfig.resolve(threshold=args.threshold, token_threshold=args.token_threshold,
                                    threads=args.threads, logprob_thresholds=_thresholds(args.logprob_threshold),
-                                   model=args.model)
+                                   model=args.model, require_all=args.require_all,
+                                   allow_model_mismatch=args.allow_model_mismatch)
     with progress_callback(not args.quiet) as progress:
         report = compare_dumps(args.baseline, args.target, config, progress=progress)
     if args.format == "table":  # with --format json, stdout carries the JSON report alone
         console = _console()
         if args.quiet:
             fd = report.first_divergent
-            console.print("PASS" if report.passed else f"DIVERGED {describe_divergence(fd)}" if fd else
-                          "DIVERGED (replicas differ)" if report.replica_mismatches else
-                          f"DIVERGED (logprobs: {', '.join(report.logprobs.failures())})")
+            line = ("PASS" if report.passed else f"DIVERGED {describe_divergence(fd)}" if fd else
+                    "DIVERGED (replicas differ)" if report.replica_mismatches else
+                    f"DIVERGED (logprobs: {', '.join(report.logprobs.failures())})")
+            notes = verdict_notes(report)
+            console.print(line + (f" ({'; '.join(notes)})" if notes else ""), markup=False, highlight=False)
         else:
             render_report(report, console, tensors=args.tensors)
     _write(args.json, report.write_json)

@@ -35,6 +35,7 @@ from .align import (
 )
 from .config import CompareConfig
 from .heatmap import token_heatmap
+from .identity import check_distinct, check_identity
 from .logprobs import LogprobThresholds, LogprobVerdict, compare_logprobs
 from .metrics import PairStats, StatsAccumulator, pair_stats
 from .report import FirstDivergence, ReplicaMismatch, Report, TensorComparison
@@ -215,10 +216,13 @@ def compare_dumps(baseline: str | os.PathLike[str], target: str | os.PathLike[st
     aligned; a divergence is not an exception but ``report.passed == False``.
     """
     config = config or CompareConfig()
+    check_distinct(baseline, target)
     br, tr = DumpReader(baseline), DumpReader(target)
     for reader in (br, tr):
         if not reader.manifest.tensors:
             raise NotComparableError(f"{reader.directory}: the dump captured no tensors")
+    notes = check_identity(br.manifest, tr.manifest, allow_mismatch=config.allow_model_mismatch,
+                           where=f"{tr.directory} vs baseline {br.directory}")
     verdict = _logprob_verdict(br, tr, config)
     bm, tm = _hidden(br.manifest), _hidden(tr.manifest)
     by_rows, by_pass = split_by_mode(bm, tm)
@@ -231,12 +235,20 @@ def compare_dumps(baseline: str | os.PathLike[str], target: str | os.PathLike[st
                           for n, c, s in base_lts.keys() - targ_lts.keys()] + [_label(k) for k in only_b])
     unmatched_t = sorted([f"{n}#{c}[sequence={s}]" if c else f"{n}[sequence={s}]"
                           for n, c, s in targ_lts.keys() - base_lts.keys()] + [_label(k) for k in only_t])
+    if verdict is None:  # logprobs recorded on one side only were not compared either
+        unmatched_b += [LOGPROB_POINT] if _has_logprobs(br.manifest) else []
+        unmatched_t += [LOGPROB_POINT] if _has_logprobs(tr.manifest) else []
     total = len(logical) + len(pairs)
     if not total and (verdict is None or bm.tensors or tm.tensors):  # logprob-only dumps have no hidden tensors
         raise NotComparableError(
             f"{tr.directory}: zero tensors match the baseline {br.directory} "
             f"({len(unmatched_b)} baseline-only, {len(unmatched_t)} target-only, "
             f"e.g. {unmatched_b[:1]} vs {unmatched_t[:1]})")
+    if config.require_all and (unmatched_b or unmatched_t):
+        raise NotComparableError(
+            f"{tr.directory}: {len(unmatched_b)} tensors only in the baseline {br.directory} "
+            f"(e.g. {', '.join(unmatched_b[:3]) or '-'}), {len(unmatched_t)} only in the target "
+            f"(e.g. {', '.join(unmatched_t[:3]) or '-'}); --require-all needs every tensor on both sides")
     replicas = _check_replicas("baseline", br, base_lts, config) + _check_replicas("target", tr, targ_lts, config)
     results: list[TensorComparison] = []
     for key in logical:
@@ -257,8 +269,12 @@ def compare_dumps(baseline: str | os.PathLike[str], target: str | os.PathLike[st
         token_threshold=config.token_threshold, tensors=tuple(results),
         unmatched_baseline=tuple(unmatched_b), unmatched_target=tuple(unmatched_t),
         first_divergent=first_divergent, replica_mismatches=tuple(replicas), logprobs=verdict,
-        environment={"baseline": bm.environment, "target": tm.environment}, heatmap=heatmap,
+        environment={"baseline": bm.environment, "target": tm.environment}, heatmap=heatmap, notes=notes,
     )
+
+
+def _has_logprobs(manifest: Manifest) -> bool:
+    return any(r.point == LOGPROB_POINT for r in manifest.tensors)
 
 
 def _hidden(manifest: Manifest) -> Manifest:

@@ -28,6 +28,10 @@ class CompareConfig:
         logprob_thresholds: explicit logprob thresholds as (name, value) pairs; they win over
             ``DRIFTSCOPE_LOGPROB_*`` and over ``configs/logprob_thresholds.json``.
         model: the row of that table to use (default: the baseline's model name).
+        require_all: refuse (exit 2) a comparison in which either side holds tensors the other
+            lacks, instead of comparing the common ones and saying so in the verdict.
+        allow_model_mismatch: compare dumps of different models (architecture, sizes, config
+            hash), for cross-engine or quantized runs; the differences become verdict notes.
     """
 
     threshold: float = DEFAULT_THRESHOLD
@@ -35,6 +39,8 @@ class CompareConfig:
     threads: int = 2
     logprob_thresholds: tuple[tuple[str, float | None], ...] = ()
     model: str | None = None
+    require_all: bool = False
+    allow_model_mismatch: bool = False
 
     def __post_init__(self) -> None:
         for name in ("threshold", "token_threshold"):
@@ -48,7 +54,7 @@ class CompareConfig:
     def resolve(cls, *, threshold: float | None = None, token_threshold: float | None = None,
                 threads: int | None = None, env: Mapping[str, str] | None = None,
                 logprob_thresholds: Mapping[str, float | None] | None = None, model: str | None = None,
-                ) -> CompareConfig:
+                require_all: bool = False, allow_model_mismatch: bool = False) -> CompareConfig:
         """Flags win over ``DRIFTSCOPE_DIFF_THRESHOLD`` / ``DRIFTSCOPE_TOKEN_THRESHOLD``, which win over defaults."""
         s = env_settings(env)
         return cls(
@@ -59,4 +65,6 @@ class CompareConfig:
             threads=threads if threads is not None else 2,
             logprob_thresholds=tuple((logprob_thresholds or {}).items()),
             model=model,
+            require_all=require_all,
+            allow_model_mismatch=allow_model_mismatch,
         )

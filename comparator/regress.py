@@ -65,7 +65,7 @@ class RegressResult:
 
 def regress(run_dir: str | os.PathLike[str], store: str | os.PathLike[str] | RunStore, *, model: str | None = None,
             bootstrap: bool = False, allow_env_mismatch: bool = False, config: CompareConfig | None = None,
-            cache_dir: str | os.PathLike[str] | None = None) -> RegressResult:
+            cache_dir: str | os.PathLike[str] | None = None, require_all: bool = True) -> RegressResult:
     """Compare the dump ``run_dir`` against its baseline in ``store`` and store it, labelled.
 
     Args:
@@ -81,6 +81,9 @@ def regress(run_dir: str | os.PathLike[str], store: str | os.PathLike[str] | Run
         config: thresholds (default: :meth:`CompareConfig.resolve`, i.e. env vars, then defaults).
         cache_dir: where a remote baseline's dump is kept between calls (default: a temporary
             directory, removed afterwards).
+        require_all: a run that lacks tensors of its baseline, or holds tensors it lacks, is
+            unusable (exit 2, stored as failed evidence) rather than compared on the common ones.
+            On by default: a CI gate must not pass a run that stopped capturing some layers.
 
     Raises :class:`~dumper.errors.DriftscopeError` subclasses (exit 2) for a broken run dump, a
     missing model name, no comparable baseline, or an environment mismatch.
@@ -105,8 +108,8 @@ def regress(run_dir: str | os.PathLike[str], store: str | os.PathLike[str] | Run
             raise NoBaselineError(_no_baseline(st, entries, model, manifest))
         return _bootstrap(st, run_dir, manifest, model, warnings, why="no comparable baseline")
     diffs = tuple(env_differences(base.environment, manifest.environment))
-    return _compare_and_store(st, run_dir, manifest, model, base, config or CompareConfig.resolve(),
-                              cache_dir, warnings, diffs)
+    config = replace(config or CompareConfig.resolve(), require_all=require_all)
+    return _compare_and_store(st, run_dir, manifest, model, base, config, cache_dir, warnings, diffs)
 
 
 def _compare_and_store(st: RunStore, run_dir: str | os.PathLike[str], manifest: Manifest, model: str,
@@ -136,6 +139,7 @@ def _compare_and_store(st: RunStore, run_dir: str | os.PathLike[str], manifest: 
                f"the baseline stays {base.run_id}")
     if diffs:
         msg += f"; compared across environments: {describe_differences(diffs)}"
+    msg += "".join(f"; {n}" for n in report.notes)
     return RegressResult(store=st.url, run_id=rec.run_id, label=label, baseline_run=base.run_id,
                          exit_code=EXIT_OK if report.passed else EXIT_DIVERGED, message=msg, report=report,
                          env_differences=diffs, warnings=warnings)

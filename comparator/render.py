@@ -96,6 +96,7 @@ def render_report(report: Report, console: Console, *, tensors: bool = False) ->
             console.print(f"[yellow]unmatched in {side} ({len(names)}):[/] {shown}")
     summary = (f"matched {report.matched} tensors; thresholds rel_diff <= {report.threshold:g}, "
                f"per-token rel_diff <= {report.token_threshold:g}")
+    summary += "".join(f"; {n}" for n in verdict_notes(report))
     for m in report.replica_mismatches[:10]:
         console.print(f"[bold red]replica mismatch[/] in the {m.side}: {m.name} (layer {m.layer}, sequence "
                       f"{m.sequence}) differs between rank {m.reference_rank} and rank {m.rank} from token "
@@ -108,6 +109,12 @@ def render_report(report: Report, console: Console, *, tensors: bool = False) ->
         console.print(f"[bold red]DIVERGED[/] {describe_divergence(fd)}. {summary}")
     if report.logprobs is not None:
         console.print(reaches_output(report))
+
+
+def verdict_notes(report: Report) -> list[str]:
+    """What every verdict line adds, ``--quiet`` included: tensors not compared, model notes."""
+    unmatched = report.unmatched_note()
+    return ([unmatched] if unmatched else []) + list(report.notes)
 
 
 def reaches_output(report: Report) -> str:

@@ -188,6 +188,8 @@ class Report:
     environment: dict[str, Any] = field(default_factory=dict)
     heatmap: Heatmap | None = None
     """Per-token rel_diff around the first divergence (None when nothing diverged)."""
+    notes: tuple[str, ...] = ()
+    """What the verdict must say besides the numbers: different weights, an allowed model mismatch."""
 
     @property
     def matched(self) -> int:
@@ -201,6 +203,13 @@ class Report:
 
     def __bool__(self) -> bool:
         return self.passed
+
+    def unmatched_note(self) -> str | None:
+        """``"3 tensors only in the baseline, 1 only in the target: not compared"``, or None when all matched."""
+        nb, nt = len(self.unmatched_baseline), len(self.unmatched_target)
+        if not nb and not nt:
+            return None
+        return f"{nb} tensors only in the baseline, {nt} only in the target: not compared"
 
     def layers(self) -> list[LayerSummary]:
         """Per-layer summaries in layer order (tensors without a layer last)."""
@@ -239,6 +248,7 @@ class Report:
             "target": self.target,
             "environment": self.environment,
             "heatmap": self.heatmap.to_json() if self.heatmap is not None else None,
+            "notes": list(self.notes),
         }
 
     @classmethod
@@ -254,6 +264,7 @@ class Report:
             logprobs=LogprobVerdict.from_json(d["logprobs"]) if d.get("logprobs") else None,
             environment=dict(d.get("environment", {})),
             heatmap=Heatmap.from_json(d["heatmap"]) if d.get("heatmap") else None,
+            notes=tuple(d.get("notes", ())),
         )
 
     def write_json(self, path: str | os.PathLike[str]) -> None:

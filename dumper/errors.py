@@ -17,6 +17,7 @@ __all__ = [
     "IncompleteDumpError",
     "CorruptDumpError",
     "NotComparableError",
+    "ModelMismatchError",
     "InternalError",
     "EXIT_OK",
     "EXIT_DIVERGED",
@@ -58,6 +59,10 @@ class CorruptDumpError(DumpError):
 
 class NotComparableError(DriftscopeError):
     """Two dumps cannot be compared: nothing matched, or shapes cannot be aligned."""
+
+
+class ModelMismatchError(NotComparableError):
+    """The two dumps come from different models (architecture, sizes or config differ)."""
 
 
 class InternalError(RuntimeError):

@@ -88,14 +88,31 @@ def weights_hash(module: torch.nn.Module, *, max_bytes: int = 256 << 20) -> str 
     return digest
 
 
+def _config_int(config: Any, *names: str) -> int | None:
+    """The first of ``names`` that the config holds as an int (HF spells sizes per family)."""
+    for n in names:
+        v = getattr(config, n, None)
+        if isinstance(v, int) and not isinstance(v, bool):
+            return v
+    return None
+
+
 def model_identity(model: torch.nn.Module | None, name: str | None = None) -> dict[str, Any]:
-    """Model name/path plus config and weights hashes (weights only when cheap)."""
+    """Model name/path, architecture, sizes, and config and weights hashes (weights only when cheap).
+
+    ``architecture``, ``num_layers``, ``hidden_size`` and ``config_hash`` say *which model* this
+    is: the comparator refuses to compare dumps that differ in them (see
+    :mod:`comparator.identity`). Run settings (dtype, attention implementation, device) are
+    not identity and are left out of the hash.
+    """
     if model is None:
         return {"name": name, "config_hash": None, "weights_hash": None}
     config = getattr(model, "config", None)
     return {
         "name": name or getattr(config, "_name_or_path", None) or type(model).__name__,
         "architecture": type(model).__name__,
+        "num_layers": _config_int(config, "num_hidden_layers", "n_layer", "num_layers"),
+        "hidden_size": _config_int(config, "hidden_size", "n_embd", "d_model"),
         "config_hash": config_hash(config),
         "weights_hash": weights_hash(model),
     }

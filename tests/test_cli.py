@@ -166,7 +166,9 @@ def test_prompts_file_and_input_ids(cli, tmp_path):
 
 
 def test_report_outputs_through_the_cli(cli, tmp_path, eager_dump):
-    r = cli("comparator", eager_dump, eager_dump, "--format", "json", "--html", tmp_path / "r.html",
+    copy = tmp_path / "copy"  # a dump is never compared with itself (exit 2): compare it with a copy
+    shutil.copytree(eager_dump, copy)
+    r = cli("comparator", eager_dump, copy, "--format", "json", "--html", tmp_path / "r.html",
             "--markdown", tmp_path / "r.md")
     assert r.returncode == 0, r.stderr
     report = json.loads(r.stdout)  # stdout carries the JSON report alone
@@ -174,7 +176,7 @@ def test_report_outputs_through_the_cli(cli, tmp_path, eager_dump):
     html = (tmp_path / "r.html").read_text()
     assert "<svg" in html and "http://" not in html.replace("http://www.w3.org", "")
     assert "PASS" in (tmp_path / "r.md").read_text()
-    r = cli("comparator", eager_dump, eager_dump, "--format", "json", "--markdown")
+    r = cli("comparator", eager_dump, copy, "--format", "json", "--markdown")
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
 
 
