@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import re
+import sys
 from collections import Counter
 from collections.abc import Sequence
 
@@ -12,6 +14,30 @@ from .format import Manifest, load_manifest
 
 __all__ = ["main", "build_parser"]
 
+_DASH_VALUE_OPTIONS = ("--layers", "--input-ids")
+"""Options whose value may start with a minus: ``--layers -3..-1``, ``--layers -1,-2``."""
+_DASH_VALUE = re.compile(r"-[0-9]")
+
+
+def join_dash_values(argv: Sequence[str]) -> list[str]:
+    """``--layers -3..-1`` -> ``--layers=-3..-1``, so argparse does not read the value as an option.
+
+    argparse takes a word starting with ``-`` for a value only when it is a plain negative
+    number (``-1``), not for ``-3..-1`` or ``-1,-2``; joined with ``=`` it always is a value.
+    """
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--":
+            return out + list(argv[i:])
+        if a in _DASH_VALUE_OPTIONS and i + 1 < len(argv) and _DASH_VALUE.match(argv[i + 1]):
+            out.append(f"{a}={argv[i + 1]}")
+            i += 2
+            continue
+        out.append(a)
+        i += 1
+    return out
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     r.add_argument("--attn", default="eager", choices=["eager", "sdpa"], help="attention implementation")
     r.add_argument("--layers", default=None,
-                   help="layer spec: all, first, last, every:N, 3, -1, 2..5 (default first,last,every:8)")
+                   help="layer spec: all, first, last, every:N, 3, -1, 2..5, -3..-1 (default first,last,every:8)")
     r.add_argument("--modules", default=None, help="fnmatch pattern of modules to hook instead of self-attention")
     r.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     r.add_argument("--seed", type=int, default=0, help="seed for preset weights (default 0)")
@@ -97,11 +123,13 @@ def _cmd_selfcheck(args: argparse.Namespace) -> int:
     from .format import write_json_atomic
     from .presets import load_model
     from .run import BUILTIN_PROMPTS, parse_input_ids
-    from .selfcheck import DEFAULT_K3_THRESHOLD, MODES, selfcheck
+    from .selfcheck import DEFAULT_K3_THRESHOLD, MODES, check_inputs, selfcheck, vocab_size_of
 
     threshold = DEFAULT_K3_THRESHOLD if args.threshold is None else args.threshold
     if not threshold >= 0:
         raise UsageError(f"--threshold must be >= 0, got {args.threshold}")
+    if args.new_tokens < 1:
+        raise UsageError(f"--new-tokens must be >= 1, got {args.new_tokens}")
     model, tok = load_model(args.model, dtype=args.dtype, attn=args.attn, device=args.device, seed=args.seed)
     prompts = [list(p) for p in parse_input_ids(args.input_ids or ())]
     if not prompts:
@@ -109,6 +137,12 @@ def _cmd_selfcheck(args: argparse.Namespace) -> int:
             raise UsageError(f"{args.model}: no tokenizer; pass --input-ids")
         prompts = [tok.encode(t) for t in (args.prompt or BUILTIN_PROMPTS)]
     modes = MODES if args.mode == "all" else (args.mode,)
+    for i, p in enumerate(prompts):  # every prompt and mode before the first one runs
+        for m in modes:
+            try:
+                check_inputs(p, vocab_size=vocab_size_of(model), new_tokens=args.new_tokens, mode=m)
+            except UsageError as e:
+                raise UsageError(f"{args.model}: prompt {i}: {e}") from None
     results = [selfcheck(model, p, new_tokens=args.new_tokens, mode=m, threshold=threshold)
                for p in prompts for m in modes]
     for i, r in enumerate(results):
@@ -149,7 +183,7 @@ def describe(manifest: Manifest, *, tensors: bool = False) -> str:
 
 
 def run(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(join_dash_values(sys.argv[1:] if argv is None else argv))
     if args.command == "run":
         return _cmd_run(args)
     if args.command == "selfcheck":

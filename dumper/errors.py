@@ -18,6 +18,7 @@ __all__ = [
     "CorruptDumpError",
     "NotComparableError",
     "ModelMismatchError",
+    "ModelError",
     "InternalError",
     "EXIT_OK",
     "EXIT_DIVERGED",
@@ -55,6 +56,10 @@ class IncompleteDumpError(DumpError):
 
 class CorruptDumpError(DumpError):
     """A dump whose manifest or tensor files are unreadable, truncated or inconsistent."""
+
+
+class ModelError(DriftscopeError):
+    """A model cannot be loaded or run: a broken config, an unsupported architecture, a failing forward."""
 
 
 class NotComparableError(DriftscopeError):

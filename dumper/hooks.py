@@ -9,25 +9,30 @@ Example::
 
 Every top-level ``model(...)`` call is one forward pass; ``dumper.step()`` delimits passes by
 hand. Hooks are removed on exit, also when the body raises; the manifest is written only on
-a clean exit, so an interrupted run never looks complete.
+a clean exit that recorded at least one tensor, so an interrupted or empty run never looks
+complete. A failure inside a hook is raised as :class:`InternalError` (a driftscope bug), so
+that callers can tell it from an error of the model's own code running around it.
 """
 
 from __future__ import annotations
 
 import atexit
 import datetime as _dt
+import functools
+import itertools
 import json
 import math
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
 from torch import nn
 
-from .errors import DumpError, UsageError
+from .errors import DriftscopeError, DumpError, InternalError, UsageError
 from .fingerprint import environment_fingerprint, model_identity
 from .format import (
     FORMAT_VERSION,
@@ -53,6 +58,33 @@ _ENV_DIR: str | None = env_settings().dump_dir
 _STORAGE = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
             torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
             torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+def _hook_guard(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Run a hook; anything it raises that is not a :class:`DriftscopeError` is a driftscope bug (InternalError).
+
+    Hooks run inside the model's forward pass, where the run's boundary turns other exceptions
+    into "the model's forward failed"; this keeps driftscope's own failures exit 3.
+    """
+    @functools.wraps(fn)
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except (DriftscopeError, InternalError):
+            raise
+        except Exception as e:
+            raise InternalError(f"driftscope hook {fn.__name__} failed ({type(e).__name__}: {e})") from e
+
+    return guarded
+
+
+def _cache_length(cache: Any) -> int:
+    """Tokens a model's KV cache holds; 0 without one or when it cannot say (a state-space model's cache)."""
+    get = getattr(cache, "get_seq_length", None)
+    try:
+        return int(get()) if callable(get) else 0
+    except Exception:  # noqa: BLE001 - the model's own cache object
+        return 0
 
 
 def _dist_rank_world() -> tuple[int, int]:
@@ -138,6 +170,7 @@ class Capture:
         self._sequence_ids: list[int] | None = None
         self._next_seq = 0
         self._prev_active: Capture | None = None
+        self._made_dir = False
 
     # -- lifecycle -------------------------------------------------------------------------
     def __enter__(self) -> Capture:
@@ -145,6 +178,7 @@ class Capture:
         if (self.out_dir / MANIFEST_NAME).exists():
             raise DumpError(f"{self.out_dir}: already holds a complete dump; choose another directory")
         try:
+            self._made_dir = not self.out_dir.exists()
             self.out_dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise DumpError(f"{self.out_dir}: cannot create dump directory ({e.strerror})") from None
@@ -193,22 +227,41 @@ class Capture:
         records = tuple(replace(r, file=writer.locations[(r.forward_pass, r.key)]) for r in self._records)
         part = {"files": writer.files, "tensors": [r.to_json() for r in records]}
         if self.world_size > 1:
-            write_json_atomic(self.out_dir / f"index-r{self.rank}.json", part)
+            index = self.out_dir / f"index-r{self.rank}.json"
+            write_json_atomic(index, part)
             torch.distributed.barrier()
-            if self.rank == 0:
-                self._write_merged_manifest()
+            files, merged = self._read_parts()  # every rank reads them, so every rank sees an empty run
+            if self.rank == 0 and merged:
+                self._write_manifest(files, merged)
             torch.distributed.barrier()
+            if not merged:
+                index.unlink(missing_ok=True)
+                self._refuse_empty()
+        elif not records:
+            self._refuse_empty()
         else:
             self._write_manifest(writer.files, records)
 
-    def _write_merged_manifest(self) -> None:
+    def _refuse_empty(self) -> NoReturn:
+        """An exit that recorded nothing writes no manifest: leave no dump (and no directory we made)."""
+        if self._made_dir and self.rank == 0:
+            try:
+                self.out_dir.rmdir()  # only if empty: never delete what someone else put there
+            except OSError:
+                pass
+        hooked = ", ".join(t.name for t in self._targets[:4]) + (" ..." if len(self._targets) > 4 else "")
+        raise DumpError(f"{self.out_dir}: the capture recorded no tensors "
+                        f"({'hooked ' + hooked + ' never ran' if hooked else 'no module hooked'} "
+                        "and nothing called dumper.dump()); no dump was written")
+
+    def _read_parts(self) -> tuple[dict[str, int], tuple[TensorRecord, ...]]:
         files: dict[str, int] = {}
         records: list[TensorRecord] = []
         for r in range(self.world_size):
             part = json.loads((self.out_dir / f"index-r{r}.json").read_text())
             files.update(part["files"])
             records.extend(TensorRecord.from_json(t) for t in part["tensors"])
-        self._write_manifest(files, tuple(records))
+        return files, tuple(records)
 
     def _write_manifest(self, files: dict[str, int], records: tuple[TensorRecord, ...]) -> None:
         device = next((p.device for p in self.model.parameters()), None) if self.model is not None else None
@@ -253,12 +306,14 @@ class Capture:
         self._pass_count += 1
         return self._cur_pass
 
+    @_hook_guard
     def _on_model_start(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         self._depth += 1
         if self._depth == 1:
             self._start_pass()
             self._rows = self._pass_rows(args, kwargs)
 
+    @_hook_guard
     def _on_model_end(self, module: nn.Module, args: tuple, output: Any) -> None:
         self._depth = max(0, self._depth - 1)
         if self._depth == 0:
@@ -291,8 +346,7 @@ class Capture:
             row_seq = np.where(pad, PAD_SEQUENCE, row_seq)
             positions = (np.cumsum(m, axis=1) - 1)[:, -seq:]
         if positions is None:
-            cache = kwargs.get("cache", kwargs.get("past_key_values"))
-            past = int(cache.get_seq_length()) if hasattr(cache, "get_seq_length") else 0
+            past = _cache_length(kwargs.get("cache", kwargs.get("past_key_values")))
             positions = np.broadcast_to(np.arange(past, past + seq, dtype=np.int64), (batch, seq))
         rows = _PassRows(batch, seq, _Runs([]), _Runs(encode_runs(row_seq, step=0)), pad)
         rows.set_positions(positions)
@@ -304,6 +358,7 @@ class Capture:
     def _make_input_hook(self, name: str, layer: int | None):
         point_name = f"{name}.{ATTN_INPUT}"
 
+        @_hook_guard
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             hidden = kwargs.get("hidden_states", args[0] if args else None)
             if not isinstance(hidden, torch.Tensor):
@@ -376,13 +431,50 @@ def active_capture() -> Capture | None:
     return _ACTIVE
 
 
-def _env_capture() -> Capture:
+def _env_capture() -> Capture | None:
+    """Start the capture that ``DRIFTSCOPE_DUMP_DIR`` asks for, once; ``None`` when it cannot start.
+
+    It runs inside model code (the first :func:`dump` call), so it never raises there: a
+    directory that already holds a dump gets a numbered sibling (``DIR.1``, ``DIR.2``, ... the
+    first free one), and a directory that cannot be created turns recording off. Either is
+    said once on stderr.
+    """
     global _ENV_DIR
     assert _ENV_DIR is not None
-    cap, _ENV_DIR = Capture(None, _ENV_DIR), None
-    cap.__enter__()
-    atexit.register(cap.close)
+    base, _ENV_DIR = Path(_ENV_DIR), None
+    directory = _free_dump_dir(base, _dist_rank_world()[0])
+    if directory != base:
+        print(f"driftscope: DRIFTSCOPE_DUMP_DIR={base} already holds a dump; recording to {directory}",
+              file=sys.stderr)
+    cap = Capture(None, directory)
+    try:
+        cap.__enter__()
+    except DumpError as e:
+        print(f"driftscope: DRIFTSCOPE_DUMP_DIR: {e}; dumper.dump() records nothing", file=sys.stderr)
+        return None
+    atexit.register(_close_env_capture, cap)
     return cap
+
+
+def _free_dump_dir(base: Path, rank: int) -> Path:
+    """``base``, or the first of ``base.1``, ``base.2``, ... that holds neither a manifest nor this rank's data."""
+    if base.name in ("", ".", ".."):
+        base = base.resolve()
+
+    def taken(d: Path) -> bool:
+        return (d / MANIFEST_NAME).exists() or next(d.glob(f"r{rank}-p*.safetensors"), None) is not None
+
+    if not taken(base):
+        return base
+    return next(d for n in itertools.count(1) if not taken(d := base.with_name(f"{base.name}.{n}")))
+
+
+def _close_env_capture(cap: Capture) -> None:
+    """Write the ``DRIFTSCOPE_DUMP_DIR`` dump at interpreter exit; a failure is one line, not a traceback."""
+    try:
+        cap.close()
+    except DriftscopeError as e:
+        print(f"driftscope: DRIFTSCOPE_DUMP_DIR: {e}", file=sys.stderr)
 
 
 def dump(name: str, tensor: torch.Tensor, **meta: Any) -> None:
@@ -400,6 +492,8 @@ def dump(name: str, tensor: torch.Tensor, **meta: Any) -> None:
         if _ENV_DIR is None:
             return
         cap = _env_capture()
+        if cap is None:
+            return
     cap.record(name, tensor, **meta)
 
 

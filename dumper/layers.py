@@ -7,6 +7,7 @@ as metadata; they are never parsed back out of module names.
 from __future__ import annotations
 
 import fnmatch
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -20,6 +21,8 @@ DEFAULT_LAYERS = "first,last,every:8"
 """The seed's choice: first and last layer plus every 8th."""
 
 _ATTN_NAMES = ("self_attn", "attn", "attention", "self_attention")
+_INT = re.compile(r"-?[0-9]+")
+"""A layer index as written in a spec: ASCII digits, an optional minus (not ``+3``, ``1_0`` or ``３``)."""
 
 
 @dataclass(frozen=True)
@@ -35,8 +38,10 @@ def parse_layer_spec(spec: str | Sequence[int] | None, num_layers: int) -> list[
     """Resolve a layer spec to sorted unique indices in ``[0, num_layers)``.
 
     Accepts ``all``, ``first``, ``last``, ``every:N`` (0, N, 2N, ...), integers (negative
-    counts from the end), ranges ``A..B`` (inclusive), comma-separated combinations, or a
-    sequence of integers. ``None`` means :data:`DEFAULT_LAYERS`.
+    counts from the end), ranges ``A..B`` (inclusive, ``A`` at or before ``B`` once negatives
+    are resolved: ``-3..-1`` is the last three layers), comma-separated combinations, or a
+    sequence of integers. ``None`` means :data:`DEFAULT_LAYERS`. Anything else, an index
+    outside the model, or a spec that selects nothing raises :class:`UsageError` naming it.
     """
     if num_layers <= 0:
         raise UsageError("the model has no decoder layers to select from")
@@ -46,47 +51,43 @@ def parse_layer_spec(spec: str | Sequence[int] | None, num_layers: int) -> list[
         [t.strip() for t in spec.split(",") if t.strip()] if isinstance(spec, str) else list(spec)
     )
     if not tokens:
-        raise UsageError("empty layer spec")
+        raise UsageError(f"empty layer spec {spec!r}")
     out: set[int] = set()
+    for tok in tokens:
+        out.update(_spec_token(tok, num_layers, spec))
+    return sorted(out)
 
-    def index(v: int, token: object) -> int:
-        i = v + num_layers if v < 0 else v
+
+def _spec_token(tok: str | int, num_layers: int, spec: object) -> range | list[int]:
+    """The layers one comma-separated part of a spec selects (never none)."""
+    where = f"layer spec {spec!r}"
+
+    def index(v: str | int) -> int:
+        if isinstance(v, bool) or not isinstance(v, int) and not _INT.fullmatch(v):
+            raise UsageError(f"{where}: {tok!r} is not all, first, last, every:N, an integer or A..B")
+        i = int(v) + num_layers if int(v) < 0 else int(v)
         if not 0 <= i < num_layers:
-            raise UsageError(f"layer {token} is out of range for a model with {num_layers} layers")
+            raise UsageError(f"{where}: layer {v} is out of range for a model with {num_layers} layers "
+                             f"(0..{num_layers - 1}, or -{num_layers}..-1 from the end)")
         return i
 
-    for tok in tokens:
-        if isinstance(tok, int):
-            out.add(index(tok, tok))
-        elif tok == "all":
-            out.update(range(num_layers))
-        elif tok == "first":
-            out.add(0)
-        elif tok == "last":
-            out.add(num_layers - 1)
-        elif tok.startswith("every:"):
-            try:
-                n = int(tok[len("every:"):])
-            except ValueError:
-                n = 0
-            if n <= 0:
-                raise UsageError(f"bad layer spec {tok!r}: every:N needs a positive integer N")
-            out.update(range(0, num_layers, n))
-        elif ".." in tok:
-            a, _, b = tok.partition("..")
-            try:
-                lo, hi = index(int(a), tok), index(int(b), tok)
-            except ValueError:
-                raise UsageError(f"bad layer range {tok!r}: expected A..B with integers") from None
-            out.update(range(lo, hi + 1))
-        else:
-            try:
-                out.add(index(int(tok), tok))
-            except ValueError:
-                raise UsageError(
-                    f"bad layer spec {tok!r}: use all, first, last, every:N, an integer or A..B"
-                ) from None
-    return sorted(out)
+    if isinstance(tok, int) or _INT.fullmatch(tok):
+        return [index(tok)]
+    if tok in ("all", "first", "last"):
+        return {"all": range(num_layers), "first": [0], "last": [num_layers - 1]}[tok]
+    if tok.startswith("every:"):
+        n = tok[len("every:"):]
+        if not _INT.fullmatch(n) or int(n) <= 0:
+            raise UsageError(f"{where}: every:N needs a positive integer N, got {tok!r}")
+        return range(0, num_layers, int(n))
+    if ".." in tok:
+        a, _, b = tok.partition("..")
+        lo, hi = index(a), index(b)
+        if lo > hi:
+            raise UsageError(f"{where}: range {tok!r} is empty (layer {lo} comes after layer {hi}); "
+                             f"write it as {b}..{a}")
+        return range(lo, hi + 1)
+    return [index(tok)]  # raises: not a spec
 
 
 def _attention_child(layer: nn.Module) -> tuple[str, nn.Module] | None:
@@ -127,6 +128,14 @@ def _layer_of(model: nn.Module, name: str) -> int | None:
     return None
 
 
+def _decoder_layer_count(model: nn.Module) -> int:
+    """How many decoder layers the model has (0 when it has no recognizable decoder layer list)."""
+    try:
+        return len(find_decoder_layers(model)[1])
+    except UsageError:
+        return 0
+
+
 def find_targets(model: nn.Module, *, layers: str | Sequence[int] | None = None,
                  modules: str | None = None) -> tuple[list[HookTarget], int]:
     """The self-attention modules to hook and the model's number of decoder layers.
@@ -141,11 +150,15 @@ def find_targets(model: nn.Module, *, layers: str | Sequence[int] | None = None,
             raise UsageError(f"module pattern {modules!r} matches no module of {type(model).__name__}")
         found = [HookTarget(n, m, _layer_of(model, n)) for n, m in matched]
         layer_ids = [t.layer for t in found if t.layer is not None]
-        num_layers = max(layer_ids) + 1 if layer_ids else 0
-        if layers is None or num_layers == 0:
+        num_layers = max(_decoder_layer_count(model), max(layer_ids) + 1 if layer_ids else 0)
+        if layers is None or not layer_ids:
             return found, num_layers
         keep = set(parse_layer_spec(layers, num_layers))
-        return [t for t in found if t.layer is None or t.layer in keep], num_layers
+        kept = [t for t in found if t.layer is None or t.layer in keep]
+        if not kept:
+            raise UsageError(f"module pattern {modules!r} matches modules only in layers "
+                             f"{sorted({t.layer for t in found})}, none of layer spec {layers!r} {sorted(keep)}")
+        return kept, num_layers
     list_name, layer_list = find_decoder_layers(model)
     keep = parse_layer_spec(layers, len(layer_list))
     targets = []

@@ -14,10 +14,11 @@ import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from .errors import InternalError, UsageError
+from .errors import DriftscopeError, InternalError, ModelError, UsageError
 from .format import (
     LOGITS,
     LOGITS_POINT,
@@ -31,11 +32,11 @@ from .format import (
 )
 from .hooks import Capture, capture
 from .logprobs import LOGPROB_CHUNK_ROWS, row_logprobs
-from .presets import load_model
+from .presets import error_reason, load_model, model_label
 from .progress import ProgressFn
 
 __all__ = ["RunConfig", "LogprobSpec", "run_dump", "dump_sequences", "prefill", "record_logprobs", "pad_batch", "cache_kwarg",
-           "read_prompts_file", "BUILTIN_PROMPTS"]
+           "call_model", "cache_length", "read_prompts_file", "BUILTIN_PROMPTS"]
 
 BUILTIN_PROMPTS = (
     "The quick brown fox jumps over the lazy dog. Inference engines change daily: a new attention "
@@ -81,6 +82,8 @@ def read_prompts_file(path: str | Path) -> tuple[list[str], list[list[int]]]:
         lines = Path(path).read_text(encoding="utf-8").splitlines()
     except OSError as e:
         raise UsageError(f"{path}: cannot read prompts file ({e.strerror})") from None
+    except UnicodeDecodeError as e:
+        raise UsageError(f"{path}: not UTF-8 text (byte {e.start})") from None
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -88,8 +91,13 @@ def read_prompts_file(path: str | Path) -> tuple[list[str], list[list[int]]]:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
             raise UsageError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+        except RecursionError:
+            raise UsageError(f"{path}:{n}: JSON nested too deeply") from None
         if isinstance(obj, dict) and isinstance(obj.get("input_ids"), list):
-            ids.append([int(i) for i in obj["input_ids"]])
+            bad = [i for i in obj["input_ids"] if not isinstance(i, int) or isinstance(i, bool)]
+            if bad:
+                raise UsageError(f"{path}:{n}: input_ids must be integers, got {json.dumps(bad[0])[:40]}")
+            ids.append(list(obj["input_ids"]))
         elif isinstance(obj, dict) and isinstance(obj.get("text", obj.get("prompt")), str):
             texts.append(obj.get("text", obj.get("prompt")))
         else:
@@ -127,7 +135,38 @@ def cache_kwarg(model: torch.nn.Module) -> str:
     for name in ("cache", "past_key_values"):
         if name in params:
             return name
-    raise UsageError(f"{type(model).__name__}.forward takes no KV cache argument; --chunk-size needs one")
+    raise ModelError(f"{model_label(model)}: {type(model).__name__}.forward takes no KV cache argument "
+                     "(cache= or past_key_values=); --chunk-size and selfcheck need one")
+
+
+def call_model(model: torch.nn.Module, **inputs: Any) -> Any:
+    """``model(**inputs)``; an exception from the model's own code becomes a :class:`ModelError` naming the model.
+
+    The forward pass is a trust boundary: input ids the model cannot embed or a config that
+    builds but cannot run are the model's problem (exit 2), not driftscope's. driftscope's own
+    hooks run inside the call too, but they raise only :class:`DriftscopeError` or
+    :class:`InternalError` (see :mod:`dumper.hooks`), which pass through, so a bug still exits 3.
+    """
+    try:
+        return model(**inputs)
+    except (DriftscopeError, InternalError):
+        raise
+    except Exception as e:  # noqa: BLE001 - the forward boundary
+        raise ModelError(f"{model_label(model)}: the forward pass failed ({error_reason(e)})") from e
+
+
+def cache_length(out: Any) -> tuple[Any, int | None]:
+    """The KV cache a forward pass returned (``cache`` on transformers 5.x, ``past_key_values`` on 4.x) and its length.
+
+    The length is ``None`` when there is no cache or it cannot say how many tokens it holds
+    (a state-space model's cache raises on ``get_seq_length``).
+    """
+    cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+    get = getattr(cache, "get_seq_length", None)
+    try:
+        return cache, (int(get()) if callable(get) else None)
+    except Exception:  # noqa: BLE001 - the model's cache object: any failure means "cannot say"
+        return cache, None
 
 
 def pad_batch(seqs: list[list[int]], *, side: str, pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -198,7 +237,8 @@ def prefill(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, *, ch
     positions = (mask.cumsum(1) - 1).clamp(min=0)
     padded = bool((mask == 0).any())
     if chunk_size is None:
-        out = model(input_ids=ids, attention_mask=mask if padded else None, position_ids=positions, use_cache=False)
+        out = call_model(model, input_ids=ids, attention_mask=mask if padded else None, position_ids=positions,
+                         use_cache=False)
         if on_logits is not None:
             on_logits(out.logits, 0, positions)
         return
@@ -207,13 +247,15 @@ def prefill(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, *, ch
     length = ids.shape[1]
     for start in range(0, length, chunk_size):
         end = min(length, start + chunk_size)
-        out = model(input_ids=ids[:, start:end], attention_mask=mask[:, :end] if padded else None,
-                    position_ids=positions[:, start:end], use_cache=True, **{kw: cache})
-        cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
-        grown = int(cache.get_seq_length()) if hasattr(cache, "get_seq_length") else -1
-        if grown != end:
-            raise InternalError(f"{type(model).__name__}: the KV cache holds {grown} tokens after a chunk "
-                                f"ending at {end}; the cache argument {kw!r} was not used")
+        out = call_model(model, input_ids=ids[:, start:end], attention_mask=mask[:, :end] if padded else None,
+                         position_ids=positions[:, start:end], use_cache=True, **{kw: cache})
+        cache, grown = cache_length(out)
+        if grown != end:  # the model's cache, not driftscope: a sliding window, a cache it ignores, none at all
+            held = "no KV cache" if cache is None else \
+                f"a {type(cache).__name__} holding {'an unknown number of' if grown is None else grown} tokens"
+            raise ModelError(f"{model_label(model)}: --chunk-size needs a KV cache that grows by each chunk; "
+                             f"after the chunk ending at token {end} the model returned {held} "
+                             f"(cache argument {kw!r})")
         if on_logits is not None:
             on_logits(out.logits, start, positions)
 

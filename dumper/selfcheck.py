@@ -25,11 +25,13 @@ from typing import Any
 
 import torch
 
-from .errors import InternalError, UsageError
+from .errors import InternalError, ModelError, UsageError
 from .logprobs import input_token_logprobs
-from .run import cache_kwarg
+from .presets import model_label
+from .run import cache_kwarg, cache_length, call_model
 
-__all__ = ["MODES", "SelfCheckResult", "greedy_decode", "selfcheck", "DEFAULT_K3_THRESHOLD"]
+__all__ = ["MODES", "SelfCheckResult", "check_inputs", "greedy_decode", "selfcheck", "vocab_size_of",
+           "DEFAULT_K3_THRESHOLD"]
 
 MODES = ("no-cache", "prefill-hit", "decode-hit")
 DEFAULT_K3_THRESHOLD = 1e-3
@@ -63,10 +65,12 @@ class SelfCheckResult:
 def _step(model: torch.nn.Module, ids: torch.Tensor, cache: Any, kw: str, past: int) -> tuple[torch.Tensor, Any]:
     """One forward of ``ids`` [1, s] on top of ``past`` cached tokens; returns the last logits row and the cache."""
     positions = torch.arange(past, past + ids.shape[1], device=ids.device)[None]
-    out = model(input_ids=ids, position_ids=positions, use_cache=True, **{kw: cache})
-    cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
-    if cache is None or int(cache.get_seq_length()) != past + ids.shape[1]:
-        raise InternalError(f"{type(model).__name__}: the KV cache did not grow to {past + ids.shape[1]} tokens")
+    out = call_model(model, input_ids=ids, position_ids=positions, use_cache=True, **{kw: cache})
+    cache, length = cache_length(out)
+    if length != past + ids.shape[1]:  # the model's cache does not keep every token: nothing to check against
+        raise ModelError(f"{model_label(model)}: selfcheck needs a KV cache that keeps every token; after "
+                         f"{past + ids.shape[1]} tokens the model's cache holds "
+                         f"{'none' if cache is None else 'an unknown number' if length is None else length}")
     return out.logits[0, -1], cache
 
 
@@ -101,40 +105,71 @@ def _generate(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int, mode: 
         out, lps, _ = greedy_decode(model, ids, new_tokens)
         return out, lps, 0
     if mode == "prefill-hit":
-        hit = max(1, (3 * n) // 4)
-        if hit >= n:
-            raise UsageError(f"prefill-hit needs a prompt of at least 2 tokens, got {n}")
+        hit = max(1, (3 * n) // 4)  # < n for every prompt check_inputs admits (n >= 2)
         _, cache = _step(model, ids[:, :hit], None, kw, 0)  # write the prefix into the cache first
         out, lps, _ = greedy_decode(model, ids, new_tokens, cache=cache, cached=hit)
         return out, lps, hit
     if mode == "decode-hit":
-        first = new_tokens // 2
-        if first < 1:
-            raise UsageError("decode-hit needs --new-tokens >= 2")
+        first = new_tokens // 2  # >= 1: check_inputs admits new_tokens >= 2
         out1, lps1, cache = greedy_decode(model, ids, first)  # writes prompt + outputs into the cache
         hit = n + first - 1  # all but the last token, which is fed again (as a radix cache does)
         extra = int(cache.get_seq_length()) - hit
         if extra > 0:  # keep prompt + first outputs: the continuation must hit them
+            if not callable(getattr(cache, "crop", None)):
+                raise ModelError(f"{model_label(model)}: decode-hit needs a KV cache that can be cropped; "
+                                 f"{type(cache).__name__} cannot")
             cache.crop(-extra)
         cont = torch.cat([ids, torch.tensor([out1[:first]], device=ids.device)], dim=1)
         out2, lps2, _ = greedy_decode(model, cont, new_tokens - first, cache=cache, cached=hit)
         return out1[:first] + out2, lps1[:first] + lps2, hit
-    raise UsageError(f"unknown selfcheck mode {mode!r}; choose from {', '.join(MODES)}")
+    raise InternalError(f"unknown selfcheck mode {mode!r} passed check_inputs")
+
+
+def check_inputs(prompt_ids: Sequence[int], *, vocab_size: int | None, new_tokens: int, mode: str) -> None:
+    """Raise :class:`UsageError` when ``selfcheck`` cannot run ``mode`` on this prompt (say why and what works).
+
+    Every prompt needs a token and ids inside the vocabulary; ``prefill-hit`` caches 3/4 of
+    the prompt and decodes the rest, so it needs 2 tokens; ``decode-hit`` continues from half
+    of the output, so it needs ``new_tokens >= 2``.
+    """
+    if mode not in MODES:
+        raise UsageError(f"unknown selfcheck mode {mode!r}; choose from {', '.join(MODES)}")
+    if new_tokens < 1:
+        raise UsageError(f"--new-tokens must be >= 1, got {new_tokens}")
+    if not prompt_ids:
+        raise UsageError("the prompt is empty")
+    bad = [t for t in prompt_ids if vocab_size is not None and not 0 <= t < vocab_size]
+    if bad:
+        raise UsageError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    if mode == "prefill-hit" and len(prompt_ids) < 2:
+        raise UsageError(f"prefill-hit needs a prompt of at least 2 tokens, got {len(prompt_ids)} "
+                         "(--mode no-cache and decode-hit run on one token)")
+    if mode == "decode-hit" and new_tokens < 2:
+        raise UsageError(f"decode-hit needs --new-tokens >= 2, got {new_tokens}")
+
+
+def vocab_size_of(model: torch.nn.Module) -> int | None:
+    """Rows of the model's input embedding (``None`` when it has no ``get_input_embeddings``)."""
+    emb = model.get_input_embeddings() if callable(getattr(model, "get_input_embeddings", None)) else None
+    return int(emb.num_embeddings) if isinstance(emb, torch.nn.Embedding) else None
 
 
 def selfcheck(model: torch.nn.Module, prompt_ids: Sequence[int], *, new_tokens: int = 16, mode: str = "no-cache",
               threshold: float = DEFAULT_K3_THRESHOLD) -> SelfCheckResult:
-    """Compare decode-path and prefill-path logprobs of ``new_tokens`` greedy tokens (see module doc)."""
-    if new_tokens < 1:
-        raise UsageError(f"new_tokens must be >= 1, got {new_tokens}")
+    """Compare decode-path and prefill-path logprobs of ``new_tokens`` greedy tokens (see module doc).
+
+    Inputs are checked by :func:`check_inputs`; a model whose forward fails or whose cache does
+    not keep every token raises :class:`UsageError` naming it.
+    """
+    check_inputs(prompt_ids, vocab_size=vocab_size_of(model), new_tokens=new_tokens, mode=mode)
     device = next(model.parameters()).device
     ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
     with torch.inference_mode():
         out_ids, decode_lps, hit = _generate(model, ids, new_tokens, mode)
-        if mode != "no-cache" and hit <= ids.shape[1] // 2:
+        if mode != "no-cache" and 2 * hit < ids.shape[1]:  # check_inputs makes this impossible: a bug
             raise InternalError(f"{mode}: only {hit} of {ids.shape[1]} prompt tokens came from the cache")
         full = torch.cat([ids, torch.tensor([out_ids], device=device)], dim=1)
-        logits = model(input_ids=full, use_cache=False).logits[0]  # fresh prefill, nothing reused
+        logits = call_model(model, input_ids=full, use_cache=False).logits[0]  # fresh prefill, nothing reused
         prefill_lps = input_token_logprobs(logits, full[0]).logprobs[-new_tokens:]
     p = torch.tensor(prefill_lps, dtype=torch.float64)
     q = torch.tensor(decode_lps, dtype=torch.float64)
