@@ -15,6 +15,12 @@ canonical name, file, shape, dtype, layer index, forward-pass index, rank, and t
 token position and sequence id of each row. Row metadata is run-length encoded
 (``[[start, count], ...]``) and decoded only here.
 
+A dump is untrusted input when it is read: :func:`load_manifest` and :class:`DumpReader` run
+every manifest, safetensors header and file they name through :mod:`dumper.validate` first,
+so a broken or hostile dump is a one-line :class:`~dumper.errors.CorruptDumpError`. Files are
+created with the user's umask (``0o666 & ~umask``), so a dump is as readable as any file the
+user writes.
+
 Example::
 
     from dumper.format import load_manifest, open_tensor
@@ -30,15 +36,26 @@ import json
 import math
 import mmap
 import os
-import tempfile
+import secrets
+import stat
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from .errors import CorruptDumpError, DumpError, IncompleteDumpError
+from .validate import (
+    MAX_HEADER_BYTES,
+    MAX_MANIFEST_BYTES,
+    HeaderEntry,
+    check_header,
+    check_manifest,
+    parse_json,
+    read_regular_file,
+    regular_file_in,
+)
 
 __all__ = [
     "FORMAT_VERSION",
@@ -53,6 +70,7 @@ __all__ = [
     "atomic_path",
     "write_json_atomic",
     "fsync_dir",
+    "file_mode",
     "load_manifest",
     "write_manifest",
     "open_tensor",
@@ -97,6 +115,7 @@ STORAGE_DTYPES: dict[str, np.dtype] = {
     "U8": np.dtype("u1"),
     "BOOL": np.dtype("?"),
 }
+_ITEMSIZE = {k: v.itemsize for k, v in STORAGE_DTYPES.items()}
 
 
 def encode_runs(values: Iterable[int] | np.ndarray, *, step: int) -> list[list[int]]:
@@ -178,9 +197,31 @@ class TensorRecord:
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> TensorRecord:
-        d = dict(d)
-        d["shape"] = tuple(int(s) for s in d["shape"])
-        return cls(**d)
+        """The record a JSON object describes (check untrusted input first: :mod:`dumper.validate`).
+
+        Raises ``TypeError`` on missing or unknown keys, as ``__init__`` would. Sets the fields
+        in declaration order without the generated ``__init__`` (twice as fast, for manifests of
+        100k records); the order keeps the instance dicts sharing their keys, as ``__init__`` does.
+        """
+        keys = d.keys()
+        if not _RECORD_REQUIRED <= keys <= _RECORD_FIELDS:
+            raise TypeError(f"tensor record: missing keys {sorted(_RECORD_REQUIRED - keys)}, "
+                            f"unknown keys {sorted(keys - _RECORD_FIELDS)}")
+        rec = object.__new__(cls)
+        put, get = object.__setattr__, d.get
+        for name, default in _RECORD_DEFAULTS:
+            put(rec, name, get(name, default))
+        put(rec, "shape", tuple(d["shape"]))
+        if "meta" not in keys:
+            put(rec, "meta", {})
+        return rec
+
+
+_RECORD_FIELDS = frozenset(f.name for f in fields(TensorRecord))
+_RECORD_REQUIRED = frozenset(f.name for f in fields(TensorRecord) if f.default is MISSING
+                             and f.default_factory is MISSING)
+_RECORD_DEFAULTS = tuple((f.name, None if f.default is MISSING else f.default) for f in fields(TensorRecord))
+"""(field, default) of every field in declaration order (required fields are always present)."""
 
 
 @dataclass(frozen=True)
@@ -248,15 +289,49 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
+def file_mode() -> int:
+    """The mode a new file gets from the user's umask (``0o666 & ~umask``), e.g. 0o644 under umask 022.
+
+    Read from ``/proc/self/status`` where Linux provides it: ``os.umask`` can only be read by
+    setting it, which would race with other threads creating files.
+    """
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+def _create_temp(path: Path) -> str:
+    """Create an empty, uniquely named temp file beside ``path`` with mode ``0o666 & ~umask``.
+
+    Unlike :func:`tempfile.mkstemp` (always 0600), the user's umask decides who may read the
+    file, so a shared baseline store or a CI artifact is readable as the user intends.
+    """
+    for _ in range(100):
+        tmp = str(path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp")
+        try:
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666))
+            return tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"{path.parent}: cannot create a unique temporary file")
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
     """Yield a temp path beside ``path``; on success fsync it and rename it over ``path``.
 
-    On an exception the temp file is removed and ``path`` is left as it was.
+    On an exception the temp file is removed and ``path`` is left as it was. The file gets the
+    user's umask (``0o666 & ~umask``), as a plain ``open`` would give it.
     """
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
+    tmp = _create_temp(path)
     try:
         yield Path(tmp)
         with open(tmp, "rb") as f:
@@ -280,94 +355,89 @@ def write_manifest(directory: str | os.PathLike[str], manifest: Manifest) -> Non
 
 
 def load_manifest(directory: str | os.PathLike[str]) -> Manifest:
-    """Read and validate a dump's manifest.
+    """Read and validate a dump's manifest (see :mod:`dumper.validate` for every rule).
 
     Raises :class:`IncompleteDumpError` when the manifest is missing and
-    :class:`CorruptDumpError` when it is unreadable, of another format version, or lists a
-    data file that is missing or has the wrong size (a truncated write).
+    :class:`CorruptDumpError` when it is unreadable, too large, of another format version,
+    malformed in any field, or lists a data file that is missing, outside the dump, not a
+    regular file, or of another size than it says (a truncated write). Data files are checked
+    with ``stat`` only; their headers are validated when :class:`DumpReader` opens them.
     """
     directory = Path(directory)
     if not directory.is_dir():
         raise DumpError(f"{directory}: no such dump directory")
     path = directory / MANIFEST_NAME
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise IncompleteDumpError(
             f"{directory}: incomplete dump (no {MANIFEST_NAME}; the run did not finish)"
         )
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CorruptDumpError(f"{path}: unreadable manifest ({e})") from None
-    if not isinstance(raw, dict) or raw.get("format_version") != FORMAT_VERSION:
-        found = raw.get("format_version") if isinstance(raw, dict) else None
+    regular_file_in(directory, MANIFEST_NAME, missing="manifest is a dangling symlink")
+    raw = parse_json(read_regular_file(path, MAX_MANIFEST_BYTES, "manifest"), str(path), "manifest")
+    found = raw.get("format_version") if isinstance(raw, dict) else None
+    if type(found) is not int or found != FORMAT_VERSION:
         raise CorruptDumpError(
             f"{path}: format version {found!r} is not supported (expected {FORMAT_VERSION})"
         )
-    try:
-        manifest = Manifest.from_json(raw)
-    except (KeyError, TypeError, ValueError) as e:
-        raise CorruptDumpError(f"{path}: malformed manifest ({type(e).__name__}: {e})") from None
-    for rel, size in manifest.files.items():
-        fpath = directory / rel
-        if not fpath.is_file():
-            raise CorruptDumpError(f"{fpath}: data file listed in the manifest is missing")
-        actual = fpath.stat().st_size
+    check_manifest(raw, str(path), _ITEMSIZE)
+    for rel, size in raw["files"].items():
+        actual = regular_file_in(directory, rel, missing="data file listed in the manifest is missing").st_size
         if actual != size:
             raise CorruptDumpError(
-                f"{fpath}: truncated or modified data file ({actual} bytes, manifest says {size})"
+                f"{directory / rel}: truncated or modified data file ({actual} bytes, manifest says {size})"
             )
-    for rec in manifest.tensors:
-        if rec.file not in manifest.files:
-            raise CorruptDumpError(f"{path}: tensor {rec.name!r} points at unlisted file {rec.file}")
-        if rec.dtype not in STORAGE_DTYPES:
-            raise CorruptDumpError(f"{path}: tensor {rec.name!r} has unsupported dtype {rec.dtype}")
-    return manifest
+    return Manifest.from_json(raw)
 
 
 class _SafetensorsFile:
-    """A memory-mapped safetensors file with a validated header (tensor key -> byte range)."""
+    """A memory-mapped safetensors file inside a dump, its whole header validated on opening.
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
+    The file must be a regular file whose real path is inside ``root`` (checked before it is
+    opened, and opened non-blocking, so a FIFO can never hang the reader). The header length
+    is bounded by :data:`~dumper.validate.MAX_HEADER_BYTES` before anything is read.
+    """
+
+    def __init__(self, root: Path, name: str) -> None:
+        self.path = path = root / name
+        regular_file_in(root, name, missing="data file listed in the manifest is missing")
         try:
-            with open(path, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+            with os.fdopen(fd, "rb") as f:
+                st = os.fstat(f.fileno())
+                if not stat.S_ISREG(st.st_mode):
+                    raise CorruptDumpError(f"{path}: not a regular file; refusing to read it")
+                size = st.st_size
                 if size < 8:
                     raise CorruptDumpError(f"{path}: not a safetensors file ({size} bytes)")
                 n = int.from_bytes(f.read(8), "little")
+                if n > MAX_HEADER_BYTES:
+                    raise CorruptDumpError(f"{path}: safetensors header of {n} bytes exceeds the "
+                                           f"{MAX_HEADER_BYTES}-byte limit")
                 if n > size - 8:
-                    raise CorruptDumpError(f"{path}: truncated safetensors header")
-                header = json.loads(f.read(n))
-                self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None
-        except (OSError, ValueError) as e:
-            raise CorruptDumpError(f"{path}: unreadable safetensors file ({e})") from None
-        if not isinstance(header, dict):
-            raise CorruptDumpError(f"{path}: safetensors header is not a JSON object")
+                    raise CorruptDumpError(f"{path}: truncated safetensors header ({n} bytes declared, "
+                                           f"{size - 8} in the file)")
+                data = f.read(n)
+                header = parse_json(data, str(path), "safetensors header")
+                self.entries: dict[str, HeaderEntry] = check_header(header, str(path), size - 8 - n, _ITEMSIZE)
+                mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except OSError as e:
+            raise CorruptDumpError(f"{path}: unreadable safetensors file ({e.strerror or e})") from None
+        if hasattr(mmap, "MADV_SEQUENTIAL"):
+            mm.madvise(mmap.MADV_SEQUENTIAL)
+        self._mm = mm
         self._data_start = 8 + n
-        self._size = size
-        header.pop("__metadata__", None)
-        self.header: dict[str, dict[str, Any]] = header
-        if self._mm is not None and hasattr(mmap, "MADV_SEQUENTIAL"):
-            self._mm.madvise(mmap.MADV_SEQUENTIAL)
 
     def array(self, key: str, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
-        info = self.header.get(key)
-        if not isinstance(info, dict):
+        entry = self.entries.get(key)
+        if entry is None:
             raise CorruptDumpError(f"{self.path}: tensor {key!r} missing from the file")
-        if info.get("dtype") != dtype or not isinstance(info.get("shape"), list) \
-                or tuple(info["shape"]) != tuple(shape):
+        file_dtype, file_shape, begin, _ = entry
+        if file_dtype != dtype or file_shape != tuple(shape):
             raise CorruptDumpError(
-                f"{self.path}: tensor {key!r} is {info.get('dtype')}{info.get('shape')} in the file "
+                f"{self.path}: tensor {key!r} is {file_dtype}{list(file_shape)} in the file "
                 f"but {dtype}{list(shape)} in the manifest"
             )
-        offsets = info.get("data_offsets")
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
-            raise CorruptDumpError(f"{self.path}: tensor {key!r} has malformed data offsets {offsets!r}")
-        begin, end = offsets
         np_dtype = STORAGE_DTYPES[dtype]
         count = math.prod(shape)
-        if end - begin != count * np_dtype.itemsize or self._data_start + end > self._size:
-            raise CorruptDumpError(f"{self.path}: tensor {key!r} has a bad or truncated byte range")
         if count == 0:
             return np.zeros(shape, dtype=np_dtype)
         return np.frombuffer(self._mm, dtype=np_dtype, count=count, offset=self._data_start + begin).reshape(shape)
@@ -394,7 +464,7 @@ class DumpReader:
         if f is None:
             if len(self._open) >= self.max_open:
                 self._open.pop(next(iter(self._open)))
-            f = self._open[rec.file] = _SafetensorsFile(self.directory / rec.file)
+            f = self._open[rec.file] = _SafetensorsFile(self.directory, rec.file)
         return f.array(rec.key, rec.dtype, rec.shape)
 
     def rows(self, rec: TensorRecord) -> np.ndarray:
@@ -412,4 +482,4 @@ class DumpReader:
 
 def open_tensor(directory: str | os.PathLike[str], rec: TensorRecord) -> np.ndarray:
     """Memory-map one tensor of a dump in its raw storage dtype (bfloat16 as uint16 bits)."""
-    return _SafetensorsFile(Path(directory) / rec.file).array(rec.key, rec.dtype, rec.shape)
+    return _SafetensorsFile(Path(directory), rec.file).array(rec.key, rec.dtype, rec.shape)

@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import save_file
 
 from .errors import DumpError
-from .format import data_file_name, fsync_dir
+from .format import data_file_name, file_mode, fsync_dir
 
 __all__ = ["ShardWriter", "snapshot"]
 
@@ -63,6 +63,7 @@ class ShardWriter:
         self.rank = rank
         self.shard_bytes = shard_bytes
         self.max_queued_bytes = max_queued_bytes
+        self.file_mode = file_mode()  # safetensors creates its files 0600; give them the user's umask
         self.files: dict[str, int] = {}
         self.locations: dict[tuple[int, str], str] = {}  # (pass, key) -> file
         self._queue: queue.Queue[Any] = queue.Queue()
@@ -150,6 +151,7 @@ class ShardWriter:
         final = self.directory / name
         tmp = self.directory / f".{name}.tmp"
         save_file(tensors, str(tmp))
+        os.chmod(tmp, self.file_mode)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, final)
