@@ -1,21 +1,34 @@
 /*
  * comparator._kernels -- fast per-row difference statistics of two dumps.
  *
- * row_stats(x, y, dtype, rows, cols, out) reads two raw row-major blocks of
- * safetensors dtype F64/F32/F16/BF16, widens a, b to double, d = a - b, and
- * writes out[r] = (sum d^2, sum a^2, sum b^2, sum a*b, mismatches) per row;
- * it returns (max |d|, sum |d|, nan_x, inf_x, nan_y, inf_y) for the block.
- * Pairs with a NaN/Inf stay out of the sums: NaN/NaN and equal infinities
- * are "equal", any other such pair is a mismatch.
+ * row_stats(x, y, dtype, rows, cols, out[, exps]) reads two raw row-major
+ * blocks of safetensors dtype F64/F32/F16/BF16, widens a, b to double,
+ * d = a - b, and writes out[r] = (sum d^2, sum a^2, sum b^2, sum a*b,
+ * mismatches) per row; it returns (max |d|, sum |d|, nan_x, inf_x, nan_y,
+ * inf_y) for the block.  Pairs with a NaN/Inf stay out of the sums: NaN/NaN
+ * and equal infinities are "equal", any other such pair is a mismatch.
+ *
+ * Range: squares of finite F64 values can overflow or underflow double, so
+ * an F64 row whose sums leave a safe range is redone scaled, as in a scaled
+ * sum of squares (LAPACK dnrm2): a by 2^-kx, b by 2^-ky (their largest
+ * finite |value| then lies in [0.5, 1)) and d by 2^-max(kx, ky).  Powers of
+ * two are exact, so no ratio changes.  With exps (int32 rows x 2) the row
+ * keeps that scale: exps[r] = (kx, ky), and the true sums are out[r][0] *
+ * 4^max(kx,ky), out[r][1] * 4^kx, out[r][2] * 4^ky, out[r][3] * 2^(kx+ky)
+ * (rows not redone get (0, 0)); the return then has two more items: e,
+ * with the true sum |d| = (2nd item) * 2^e, and the number of rows redone
+ * (0: every exps[r] is (0, 0)).  Without exps the true sums are written,
+ * rounded to double (inf where they exceed its range).  F32/F16/BF16 squares
+ * always fit in double, so those rows never need it and pay nothing.
  *
  * Speed: hidden states are almost always finite, so each row is reduced
  * branch-free with SIMD lanes as independent accumulators, and NaN/Inf
  * simply propagate into sum a^2 / sum b^2.  Only a row whose sums come out
- * non-finite is redone by the exact per-element path.  (A finite f32/f16/
- * bf16 squared in double cannot overflow, so a non-finite sum proves a
- * non-finite element; for F64, huge finite values also take the slow path,
- * with the same result.)  GCC does not vectorise strict-IEEE reductions
- * (that needs reassociation), so the lanes are written with intrinsics:
+ * non-finite (or, for F64, outside the safe range) is redone by the exact
+ * per-element path.  (A finite f32/f16/bf16 squared in double cannot
+ * overflow, so a non-finite sum proves a non-finite element.)  GCC does not
+ * vectorise strict-IEEE reductions (that needs reassociation), so the lanes
+ * are written with intrinsics:
  * SSE2 (x86-64 baseline) or AVX2+F16C, chosen at run time; other targets
  * get plain C.  The GIL is released so callers can run blocks in threads.
  */
@@ -59,11 +72,58 @@ static inline double ld1_bf16(const uint16_t *p)
     return (double)f;
 }
 
-/* Per-call (per-thread) accumulators for the block-wide results. */
+/* Per-call (per-thread) accumulators for the block-wide results.  sum_abs
+ * holds the rows summed unscaled; the rescaled F64 rows add into
+ * sc_sum * 2^sc_exp instead (see add_scaled). */
 typedef struct {
     double max_abs, sum_abs;
     Py_ssize_t nan_x, inf_x, nan_y, inf_y;
+    double sc_sum;
+    int sc_exp;
+    Py_ssize_t scaled;      /* rows redone scaled (their exps may be nonzero) */
 } Totals;
+
+/* (*s, *e) += v * 2^ev, keeping the larger exponent: s * 2^e stays a sum
+ * that no overflow can reach (the smaller term may lose only what double
+ * could not hold anyway). */
+static void add_scaled(double *s, int *e, double v, int ev)
+{
+    if (v == 0.0)
+        return;
+    if (*s == 0.0) {
+        *s = v;
+        *e = ev;
+    } else if (ev > *e) {
+        *s = ldexp(*s, *e - ev) + v;
+        *e = ev;
+    } else {
+        *s += ldexp(v, ev - *e);
+    }
+}
+
+/*
+ * range_ok_NAME(s, n): whether the unscaled sums s (sum d^2, a^2, b^2, a*b,
+ * |d|) of a finite n-element row are exact to double rounding.  Always for
+ * F32/F16/BF16.  For F64 each square or product that underflows is off by
+ * at most 2^-1075, so sums >= n * 2^-1015 are off by at most 2^-60 of
+ * themselves (sum a*b: of sqrt(sum a^2 * sum b^2)); sums <= 2^960 leave room
+ * to add up many rows.  sum d^2 may also be exactly 0 (sum |d| == 0).
+ */
+#define SAFE_LO 0x1p-1015
+#define SAFE_HI 0x1p960
+static inline int range_ok_f64(const double *s, Py_ssize_t n)
+{
+    double lo = (double)n * SAFE_LO;
+    return s[1] >= lo && s[1] <= SAFE_HI && s[2] >= lo && s[2] <= SAFE_HI &&
+           (s[0] >= lo || s[4] == 0.0);
+}
+static inline int range_ok_f32(const double *s, Py_ssize_t n)
+{
+    (void)s; (void)n;
+    return 1;
+}
+#define range_ok_f16 range_ok_f32
+#define range_ok_bf16 range_ok_f32
 
 /*
  * "Vector" ops of the portable fallback: one double per lane, spelled like
@@ -129,7 +189,7 @@ ATTR static int fast_##ISA##_##NAME(const T *restrict x, const T *restrict y,  \
         s[0] += d * d; s[1] += a * a; s[2] += b * b; s[3] += a * b;            \
         s[4] += e; m = e > m ? e : m;                                          \
     }                                                                          \
-    if (!isfinite(s[1]) || !isfinite(s[2]))                                    \
+    if (!isfinite(s[1]) || !isfinite(s[2]) || !range_ok_##NAME(s, n))          \
         return 0;                                                              \
     o[0] = s[0]; o[1] = s[1]; o[2] = s[2]; o[3] = s[3]; o[4] = 0.0;            \
     t->sum_abs += s[4];                                                        \
@@ -139,21 +199,33 @@ ATTR static int fast_##ISA##_##NAME(const T *restrict x, const T *restrict y,  \
                                                                                \
 ATTR static void block_##ISA##_##NAME(const void *xv, const void *yv,         \
                                       Py_ssize_t rows, Py_ssize_t cols,        \
-                                      double *out, Totals *t)                  \
+                                      double *out, int32_t *exps, Totals *t)   \
 {                                                                              \
     const T *x = (const T *)xv, *y = (const T *)yv;                            \
     for (Py_ssize_t r = 0; r < rows; r++)                                      \
         if (!fast_##ISA##_##NAME(x + r * cols, y + r * cols, cols,             \
                                  out + 5 * r, t))                              \
-            slow_##NAME(x + r * cols, y + r * cols, cols, out + 5 * r, t);     \
+            slow_##NAME(x + r * cols, y + r * cols, cols, out + 5 * r,         \
+                        exps ? exps + 2 * r : NULL, t);                        \
 }
 
-/* slow_NAME: exact per-element semantics; also counts NaN/Inf. */
+/* Count one non-finite pair; returns whether it is a mismatch. */
+static inline int count_nonfinite(double a, double b, int fa, int fb, Totals *t)
+{
+    int na = isnan(a) != 0, nb = isnan(b) != 0;
+    t->nan_x += na; t->inf_x += !fa && !na;
+    t->nan_y += nb; t->inf_y += !fb && !nb;
+    return !((na && nb) || a == b);        /* NaN/NaN, +inf/+inf: equal */
+}
+
+/* slow_NAME: exact per-element semantics; also counts NaN/Inf.  The scale
+ * exponents ex are not used: these dtypes never need scaling. */
 #define DEFINE_SLOW(NAME, T)                                                   \
 static void slow_##NAME(const T *x, const T *y, Py_ssize_t n, double *o,       \
-                        Totals *t)                                             \
+                        int32_t *ex, Totals *t)                                \
 {                                                                              \
     double s[4] = {0}, mism = 0.0;                                             \
+    (void)ex;                                                                  \
     for (Py_ssize_t i = 0; i < n; i++) {                                       \
         double a = ld1_##NAME(x + i), b = ld1_##NAME(y + i);                   \
         int fa = isfinite(a), fb = isfinite(b);                                \
@@ -164,16 +236,81 @@ static void slow_##NAME(const T *x, const T *y, Py_ssize_t n, double *o,       \
             if (e > t->max_abs) t->max_abs = e;                                \
             continue;                                                          \
         }                                                                      \
-        int na = isnan(a) != 0, nb = isnan(b) != 0;                            \
-        t->nan_x += na; t->inf_x += !fa && !na;                                \
-        t->nan_y += nb; t->inf_y += !fb && !nb;                                \
-        if (!((na && nb) || a == b))        /* NaN/NaN, +inf/+inf: equal */    \
-            mism += 1.0;                                                       \
+        mism += count_nonfinite(a, b, fa, fb, t);                              \
     }                                                                          \
     o[0] = s[0]; o[1] = s[1]; o[2] = s[2]; o[3] = s[3]; o[4] = mism;           \
 }
 
-DEFINE_SLOW(f64, double)
+/* The power of two that brings m (> 0) into [0.5, 1), clamped so that
+ * 2^-k is a double: subnormal m then lands in [2^-53, 0.5), still exact.
+ * m == 0 gets the smallest, so that max(kx, ky) follows the other side. */
+#define MIN_SCALE_EXP (-1021)
+static int scale_exp(double m)
+{
+    int k = MIN_SCALE_EXP;
+    if (m > 0.0)
+        frexp(m, &k);
+    return k < MIN_SCALE_EXP ? MIN_SCALE_EXP : k > 1023 ? 1023 : k;
+}
+
+/*
+ * slow_f64: the exact semantics for an F64 row, scaled: pass 1 finds the
+ * largest finite |a| and |b| over pairs that enter the sums, pass 2 sums
+ * a*2^-kx, b*2^-ky and d*2^-k (k = max(kx, ky)), where no square can
+ * overflow and an underflowing one is below 2^-1022 of the row's norm.
+ * |d| itself is exact unscaled (it is inf only past double's range), so max
+ * |d| and the row's sum |d| are taken unscaled; only a sum |d| that
+ * overflows is taken from the scaled |d| instead.  ex: where (kx, ky) go,
+ * or NULL: write the sums unscaled (rounded, maybe inf).
+ */
+static void slow_f64(const double *x, const double *y, Py_ssize_t n, double *o,
+                     int32_t *ex, Totals *t)
+{
+    double mx = 0.0, my = 0.0, s[4] = {0}, sa = 0.0, ss = 0.0, ma = 0.0;
+    double mism = 0.0;
+    int bad = 0;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (isfinite(x[i]) && isfinite(y[i])) {
+            double a = fabs(x[i]), b = fabs(y[i]);
+            mx = a > mx ? a : mx;
+            my = b > my ? b : my;
+        } else {
+            bad = 1;
+        }
+    int kx = scale_exp(mx), ky = scale_exp(my), k = kx > ky ? kx : ky;
+    if (!bad && mx == 0.0 && my == 0.0)   /* an all-zero row: no pass 2 */
+        n = 0;
+    double fx = ldexp(1.0, -kx), fy = ldexp(1.0, -ky), f = ldexp(1.0, -k);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        double a = x[i], b = y[i];
+        int fa = isfinite(a), fb = isfinite(b);
+        if (fa && fb) {
+            double as = a * fx, bs = b * fy, d = a * f - b * f, e = fabs(a - b);
+            s[0] += d * d; s[1] += as * as; s[2] += bs * bs; s[3] += as * bs;
+            sa += e; ss += fabs(d); ma = e > ma ? e : ma;
+        } else {
+            mism += count_nonfinite(a, b, fa, fb, t);
+        }
+    }
+    if (ex) {
+        o[0] = s[0]; o[1] = s[1]; o[2] = s[2]; o[3] = s[3];
+        ex[0] = kx; ex[1] = ky;
+    } else {
+        o[0] = ldexp(s[0], 2 * k); o[1] = ldexp(s[1], 2 * kx);
+        o[2] = ldexp(s[2], 2 * ky); o[3] = ldexp(s[3], kx + ky);
+    }
+    o[4] = mism;
+    t->scaled++;
+    if (isfinite(sa)) {            /* as m * 2^e, m < 1: rows add up safely */
+        int e;
+        double m = frexp(sa, &e);
+        add_scaled(&t->sc_sum, &t->sc_exp, m, e);
+    } else {
+        add_scaled(&t->sc_sum, &t->sc_exp, ss, k);
+    }
+    if (ma > t->max_abs) t->max_abs = ma;
+}
+
 DEFINE_SLOW(f32, float)
 DEFINE_SLOW(f16, uint16_t)
 DEFINE_SLOW(bf16, uint16_t)
@@ -208,7 +345,7 @@ DEFINE_ISA(avx2, 4, __m256d, _mm256_, ld4_, AVX2_ATTR)
 #endif
 
 typedef void (*block_fn)(const void *, const void *, Py_ssize_t, Py_ssize_t,
-                         double *, Totals *);
+                         double *, int32_t *, Totals *);
 
 /* Kernels per ISA (rows) and dtype (columns: F64, F32, F16, BF16). */
 static const char *const isa_names[] = {"scalar", "sse2", "avx2"};
@@ -241,23 +378,28 @@ static int check_buf(const char *name, const Py_buffer *b, Py_ssize_t rows,
 }
 
 PyDoc_STRVAR(row_stats_doc,
-"row_stats(x, y, dtype, rows, cols, out) -> "
-"(max_abs_diff, sum_abs_diff, nan_x, inf_x, nan_y, inf_y)\n\n"
+"row_stats(x, y, dtype, rows, cols, out, exps=None) -> "
+"(max_abs_diff, sum_abs_diff, nan_x, inf_x, nan_y, inf_y"
+"[, sum_abs_exp, scaled_rows])\n\n"
 "Per-row (sum d^2, sum a^2, sum b^2, sum a*b, mismatched non-finite) of two\n"
 "raw C-contiguous rows x cols blocks of safetensors dtype F64/F32/F16/BF16,\n"
-"written into the float64 buffer out (rows*5).  Releases the GIL.");
+"written into the float64 buffer out (rows*5).  With exps (a writable int32\n"
+"buffer, rows*2) F64 rows out of double's safe range stay scaled: exps[r] =\n"
+"(kx, ky), true sums = out[r] * (4^max(kx,ky), 4^kx, 4^ky, 2^(kx+ky)), and\n"
+"the true sum |d| is sum_abs_diff * 2^sum_abs_exp; scaled_rows counts\n"
+"the rows that may have nonzero exps.  Releases the GIL.");
 
 static PyObject *row_stats(PyObject *self, PyObject *args)
 {
     static const char *const dtypes[] = {"F64", "F32", "F16", "BF16"};
     static const size_t items[] = {8, 4, 2, 2};
-    PyObject *obj[3];  /* x, y, out */
+    PyObject *obj[4] = {NULL, NULL, NULL, Py_None};  /* x, y, out, exps */
     const char *dtype;
     Py_ssize_t rows, cols;
     int k = 0, got = 0;
     (void)self;
-    if (!PyArg_ParseTuple(args, "OOsnnO:row_stats", &obj[0], &obj[1], &dtype,
-                          &rows, &cols, &obj[2]))
+    if (!PyArg_ParseTuple(args, "OOsnnO|O:row_stats", &obj[0], &obj[1], &dtype,
+                          &rows, &cols, &obj[2], &obj[3]))
         return NULL;
     while (k < 4 && strcmp(dtype, dtypes[k]))
         k++;
@@ -269,21 +411,33 @@ static PyObject *row_stats(PyObject *self, PyObject *args)
     if (rows > PY_SSIZE_T_MAX / 40 || (cols && rows > PY_SSIZE_T_MAX / 8 / cols))
         return PyErr_Format(PyExc_OverflowError, "rows*cols is too large");
 
-    Py_buffer b[3];
+    Py_buffer b[4];
     PyObject *res = NULL;
-    while (got < 3 && PyObject_GetBuffer(obj[got], &b[got],
-                                         got == 2 ? PyBUF_WRITABLE : PyBUF_SIMPLE) == 0)
+    int nbuf = obj[3] == Py_None ? 3 : 4;
+    while (got < nbuf && PyObject_GetBuffer(obj[got], &b[got], got >= 2 ?
+                                            PyBUF_WRITABLE : PyBUF_SIMPLE) == 0)
         got++;
-    if (got == 3 && check_buf("x", &b[0], rows, cols, items[k], dtype) == 0 &&
+    if (got == nbuf &&
+        check_buf("x", &b[0], rows, cols, items[k], dtype) == 0 &&
         check_buf("y", &b[1], rows, cols, items[k], dtype) == 0 &&
-        check_buf("out", &b[2], rows, 5, 8, "float64") == 0) {
-        Totals t = {0.0, 0.0, 0, 0, 0, 0};
+        check_buf("out", &b[2], rows, 5, 8, "float64") == 0 &&
+        (nbuf == 3 || check_buf("exps", &b[3], rows, 2, 4, "int32") == 0)) {
+        Totals t = {0.0, 0.0, 0, 0, 0, 0, 0.0, 0, 0};
+        int32_t *exps = nbuf == 4 ? (int32_t *)b[3].buf : NULL;
         block_fn fn = kernels[isa][k];
         Py_BEGIN_ALLOW_THREADS
-        fn(b[0].buf, b[1].buf, rows, cols, (double *)b[2].buf, &t);
+        if (exps)
+            memset(exps, 0, (size_t)rows * 2 * sizeof *exps);
+        fn(b[0].buf, b[1].buf, rows, cols, (double *)b[2].buf, exps, &t);
+        add_scaled(&t.sc_sum, &t.sc_exp, t.sum_abs, 0);
         Py_END_ALLOW_THREADS
-        res = Py_BuildValue("(ddnnnn)", t.max_abs, t.sum_abs, t.nan_x,
-                            t.inf_x, t.nan_y, t.inf_y);
+        if (exps)
+            res = Py_BuildValue("(ddnnnnin)", t.max_abs, t.sc_sum, t.nan_x,
+                                t.inf_x, t.nan_y, t.inf_y, t.sc_exp, t.scaled);
+        else
+            res = Py_BuildValue("(ddnnnn)", t.max_abs,
+                                ldexp(t.sc_sum, t.sc_exp), t.nan_x, t.inf_x,
+                                t.nan_y, t.inf_y);
     }
     while (got--)
         PyBuffer_Release(&b[got]);
