@@ -48,6 +48,7 @@ from typing import Any, Final
 import numpy as np
 
 from dumper.errors import NotComparableError, UsageError
+from dumper.resources import config_path
 from dumper.settings import env_settings
 
 from .jsonfloat import from_json_float, to_json_float
@@ -69,6 +70,7 @@ __all__ = [
     "THRESHOLD_TABLE",
     "k3",
     "align_samples",
+    "check_lengths",
     "logprob_errors",
     "k3_stats",
     "topk_errors",
@@ -90,7 +92,7 @@ TopK = tuple[tuple[int, float], ...]
 THRESHOLD_NAMES: Final = ("mse", "max_abs_err", "k3_mean", "kl_mean", "kl_max", "topk_max_err")
 """Checked metrics, in report order; env var of each: ``DRIFTSCOPE_LOGPROB_<NAME upper>``."""
 
-THRESHOLD_TABLE: Final = Path(__file__).resolve().parent.parent / "configs" / "logprob_thresholds.json"
+THRESHOLD_TABLE: Final = config_path("logprob_thresholds.json")
 """Per-model threshold table: ``{"default": {...}, "<model>": {...}}``; a model entry overrides
 only the keys it names (``null`` = not checked)."""
 
@@ -333,6 +335,21 @@ def align_samples(base: Sequence[SequenceLogprobs], target: Sequence[SequenceLog
         raise NotComparableError(
             f"{len(samples)} matched requests but no position where both sides have a logprob")
     return out
+
+
+def check_lengths(base: Sequence[SequenceLogprobs], target: Sequence[SequenceLogprobs]) -> None:
+    """Raise NotComparableError for a request whose two sides cover different numbers of positions.
+
+    A shorter side is missing data (a truncated response, a prompt without its output): comparing
+    only the common prefix would pass positions that were never compared.
+    """
+    lengths = {s.request: len(s) for s in target}
+    for a in base:
+        n = lengths.get(a.request)
+        if n is not None and n != len(a):
+            raise NotComparableError(
+                f"request {a.request!r}: the baseline covers {len(a)} positions, the target {n}; both sides must "
+                "score the same tokens (the same prompt, and the same output if any)")
 
 
 # --------------------------------------------------------------------------- metrics
@@ -760,11 +777,13 @@ def compare_logprobs(base: Sequence[SequenceLogprobs], target: Sequence[Sequence
                      tgt_logits: LogitsByRequest | None = None, chunk_rows: int = 2048) -> LogprobVerdict:
     """Align, compute every metric, decide.
 
+    Matched requests must cover the same positions on both sides (:func:`check_lengths`).
     With logits for both sides, KL(P_ref || P_target) is computed over the positions both sides
     have logits for, in matched requests: ``kl_mean`` is the mean over all those positions
     (pooled, as llama.cpp), ``kl_max`` the largest with its location.
     """
     al = align_samples(base, target)
+    check_lengths(base, target)
     samples = al.samples
     err = logprob_errors(samples)
     k = k3_stats(samples)

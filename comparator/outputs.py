@@ -19,8 +19,10 @@ Example::
 from __future__ import annotations
 
 import argparse
+import html
 import importlib.util
 import os
+import re
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -40,9 +42,26 @@ STDOUT = "-"
 """``--markdown`` without a file: write to stdout."""
 
 
+_MD_PUNCT = re.compile(r"([\\`*_\[\]|~$])")
+_NEWLINES = re.compile(r"[\r\n]+")
+
+
 def _md(text: str) -> str:
-    """A Markdown table cell: pipes escaped, newlines folded."""
-    return text.replace("|", "\\|").replace("\n", " ")
+    """Text from a dump (names, paths, request ids) as inline Markdown that shows it as it is.
+
+    HTML characters become entities (``<b>`` cannot open a tag), the Markdown punctuation that
+    could start emphasis, code, a link or a table cell is backslash-escaped, newlines folded.
+    """
+    return html.escape(_MD_PUNCT.sub(r"\\\1", _NEWLINES.sub(" ", text)), quote=False)
+
+
+def _code(text: str) -> str:
+    """``text`` as a Markdown code span (literal inside: no HTML, no emphasis); the fence is one
+    backtick longer than any run of backticks in it, padded when it starts or ends with one."""
+    text = _NEWLINES.sub(" ", text)
+    fence = "`" * (max((len(r) for r in re.findall(r"`+", text)), default=0) + 1)
+    pad = " " if text[:1] in ("`", " ") or text[-1:] in ("`", " ") else ""
+    return f"{fence}{pad}{text}{pad}{fence}"
 
 
 def _verdict_line(report: Report) -> str:
@@ -75,7 +94,7 @@ def to_markdown(report: Report) -> str:
                      "-" if s.worst_token is None else str(s.worst_token), verdict]
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
-    summary = (f"target `{_md(report.target)}` vs baseline `{_md(report.baseline)}`; matched {report.matched} "
+    summary = (f"target {_code(report.target)} vs baseline {_code(report.baseline)}; matched {report.matched} "
                f"tensors; thresholds rel_diff <= {report.threshold:g}, per-token rel_diff <= {report.token_threshold:g}")
     if report.unmatched_baseline or report.unmatched_target:
         summary += (f"; {len(report.unmatched_baseline)} tensors only in the baseline, "

@@ -111,12 +111,18 @@ def layer_figure(report: Report) -> Figure:
     return fig
 
 
+def _literal(text: str) -> str:
+    """Text from a dump as matplotlib shows it literally: a ``$`` would start mathtext (and an
+    unbalanced formula in a tensor name would fail the whole chart)."""
+    return text.replace("$", r"\$")
+
+
 def _row_labels(hm: Heatmap) -> list[str]:
     per_layer: dict[int | None, int] = {}
     for layer in hm.layers:
         per_layer[layer] = per_layer.get(layer, 0) + 1
-    return [("-" if layer is None else str(layer)) if per_layer[layer] == 1 else
-            f"{'-' if layer is None else layer} {name.rsplit('.', 2)[-2] if name.count('.') >= 2 else name}"
+    return [_literal(("-" if layer is None else str(layer)) if per_layer[layer] == 1 else
+                     f"{'-' if layer is None else layer} {name.rsplit('.', 2)[-2] if name.count('.') >= 2 else name}")
             for layer, name in zip(hm.layers, hm.names, strict=True)]
 
 
@@ -222,10 +228,10 @@ def logprob_figure(v: LogprobVerdict) -> Figure | None:
         axes[-1].set_xlabel("position, requests laid end to end (grey lines: request starts)")
         if len(segs) <= 12:
             for x, _, rid in segs:
-                axes[0].annotate(f"request {rid}", (x[0], 1), xycoords=("data", "axes fraction"), fontsize=7,
-                                 va="top", color="0.35")
+                axes[0].annotate(_literal(f"request {rid}"), (x[0], 1), xycoords=("data", "axes fraction"),
+                                 fontsize=7, va="top", color="0.35")
     else:
-        axes[-1].set_xlabel(f"position (request {segs[0][2]})" if segs else "position")
+        axes[-1].set_xlabel(_literal(f"position (request {segs[0][2]})") if segs else "position")
     return fig
 
 

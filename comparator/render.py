@@ -55,13 +55,15 @@ def render_logprobs(v: LogprobVerdict, console: Console) -> None:
     for label, value, key in rows:
         limit = "-" if key is None or th.get(key) is None else f"{th[key]:g}"
         style = "bold red" if key in failing else None
-        table.add_row(label, value, limit, style=style)
+        table.add_row(Text(label), Text(value), Text(limit), style=style)  # Text: request ids are data, not markup
     console.print(table)
     for side, names in (("baseline", v.unmatched_baseline), ("target", v.unmatched_target)):
         if names:
-            console.print(f"[yellow]requests only in the {side} ({len(names)}):[/] {', '.join(names[:5])}")
-    verdict = "[bold green]PASS[/]" if v.passed else f"[bold red]FAIL[/] ({', '.join(v.failures())})"
-    console.print(f"logprobs: {verdict}")
+            console.print(Text.assemble((f"requests only in the {side} ({len(names)}):", "yellow"),
+                                        f" {', '.join(names[:5])}"))
+    verdict = (Text("PASS", "bold green") if v.passed
+               else Text.assemble(("FAIL", "bold red"), f" ({', '.join(v.failures())})"))
+    console.print(Text.assemble("logprobs: ", verdict))
 
 
 def render_report(report: Report, console: Console, *, tensors: bool = False) -> None:
@@ -71,7 +73,7 @@ def render_report(report: Report, console: Console, *, tensors: bool = False) ->
         render_logprobs(report.logprobs, console)
     if not report.tensors:
         return
-    table = Table(title=f"{report.target}  vs  baseline {report.baseline}", title_justify="left")
+    table = Table(title=Text(f"{report.target}  vs  baseline {report.baseline}"), title_justify="left")
     for col, justify in (("layer", "right"), ("tensors", "right"), ("rel_diff", "right"),
                          ("max token rel_diff", "right"), ("max |diff|", "right"), ("min cosine", "right"),
                          ("first failing token", "right"), ("worst token", "right"), ("verdict", "left")):
@@ -93,22 +95,23 @@ def render_report(report: Report, console: Console, *, tensors: bool = False) ->
     for side, names in (("baseline", report.unmatched_baseline), ("target", report.unmatched_target)):
         if names:
             shown = ", ".join(names[:5]) + (f", ... ({len(names) - 5} more)" if len(names) > 5 else "")
-            console.print(f"[yellow]unmatched in {side} ({len(names)}):[/] {shown}")
+            console.print(Text.assemble((f"unmatched in {side} ({len(names)}):", "yellow"), f" {shown}"))
     summary = (f"matched {report.matched} tensors; thresholds rel_diff <= {report.threshold:g}, "
                f"per-token rel_diff <= {report.token_threshold:g}")
     summary += "".join(f"; {n}" for n in verdict_notes(report))
     for m in report.replica_mismatches[:10]:
-        console.print(f"[bold red]replica mismatch[/] in the {m.side}: {m.name} (layer {m.layer}, sequence "
-                      f"{m.sequence}) differs between rank {m.reference_rank} and rank {m.rank} from token "
-                      f"{m.first_token} (max per-token rel_diff {format_float(m.max_token_rel_diff)})")
+        console.print(Text.assemble(
+            ("replica mismatch", "bold red"), f" in the {m.side}: {m.name} (layer {m.layer}, sequence {m.sequence}) "
+            f"differs between rank {m.reference_rank} and rank {m.rank} from token {m.first_token} "
+            f"(max per-token rel_diff {format_float(m.max_token_rel_diff)})"))
     if fd is None:
-        verdict = "[bold green]PASS[/]" if report.passed else "[bold red]DIVERGED[/]"
+        verdict = Text("PASS", "bold green") if report.passed else Text("DIVERGED", "bold red")
         why = "" if report.passed else " (replicas differ)" if report.replica_mismatches else " (logprobs)"
-        console.print(f"{verdict}{why}: {summary}")
+        console.print(Text.assemble(verdict, f"{why}: {summary}"))
     else:
-        console.print(f"[bold red]DIVERGED[/] {describe_divergence(fd)}. {summary}")
+        console.print(Text.assemble(("DIVERGED", "bold red"), f" {describe_divergence(fd)}. {summary}"))
     if report.logprobs is not None:
-        console.print(reaches_output(report))
+        console.print(Text(reaches_output(report)))
 
 
 def verdict_notes(report: Report) -> list[str]:
@@ -161,7 +164,7 @@ def _render_tensors(report: Report, console: Console) -> None:
         table.add_column(col)
     for t in report.tensors:
         table.add_row(
-            t.name, "-" if t.layer is None else str(t.layer), "-" if t.sequence is None else str(t.sequence),
+            Text(t.name), "-" if t.layer is None else str(t.layer), "-" if t.sequence is None else str(t.sequence),
             str(t.forward_pass), str(t.rank),
             format_float(t.rel_diff), format_float(t.max_token_rel_diff), format_float(t.max_abs_diff),
             f"{t.cosine:.6f}", f"{t.nan_baseline}/{t.inf_baseline}", f"{t.nan_target}/{t.inf_target}",

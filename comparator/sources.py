@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dumper.errors import NotComparableError, UsageError
+from dumper.errors import CorruptDumpError, NotComparableError, UsageError
 from dumper.format import (
     LOGITS,
     LOGPROB_TOKEN_ID,
@@ -30,24 +30,39 @@ from dumper.format import (
     LOGPROB_TOP_VALUE,
     LOGPROB_VALUE,
     DumpReader,
+    Manifest,
     TensorRecord,
     to_float64,
 )
 
-from .engines import read_logprobs_jsonl
-from .logprobs import UNKNOWN_TOKEN, LogprobThresholds, LogprobVerdict, SequenceLogprobs, compare_logprobs
+from .engines import MAX_POSITIONS, TOKEN_ID_LIMIT, read_logprobs_jsonl
+from .identity import check_distinct, check_identity
+from .logprobs import UNKNOWN_TOKEN, LogprobThresholds, LogprobVerdict, SequenceLogprobs, TopK, compare_logprobs
 
-__all__ = ["LogprobSource", "dump_logprobs", "read_logprob_source", "compare_logprob_sources"]
+__all__ = ["LogprobSource", "dump_logprobs", "read_logprob_source", "check_vocabulary", "compare_logprob_sources"]
 
 
 @dataclass(frozen=True)
 class LogprobSource:
-    """Logprobs of one side: per-request sequences and, when recorded, logits rows per request."""
+    """Logprobs of one side: per-request sequences and, when recorded, logits rows per request.
+
+    ``vocab_size`` is known for a dump that recorded logits rows (their width) or names it in
+    its model identity; every token id of both sides is checked against it.
+    """
 
     path: str
     model: str | None
     sequences: tuple[SequenceLogprobs, ...]
     logits: Mapping[str, tuple[np.ndarray, np.ndarray]] | None = None
+    vocab_size: int | None = None
+    manifest: Manifest | None = None
+    """The dump's manifest (None for an engine file): its model identity is checked before comparing."""
+
+
+_INT_DTYPES = frozenset({"I64", "I32", "I16", "I8", "U8"})
+_FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16"})
+Row = tuple[int, float, TopK | None]
+"""(token id, logprob, top-k) of one dumped position."""
 
 
 def _rows(reader: DumpReader, names: set[str]) -> dict[str, dict[tuple[int, int, int], TensorRecord]]:
@@ -59,44 +74,110 @@ def _rows(reader: DumpReader, names: set[str]) -> dict[str, dict[tuple[int, int,
     return out
 
 
+def _where(reader: DumpReader, rec: TensorRecord) -> str:
+    return f"{reader.directory / rec.file}: {rec.name} (pass {rec.forward_pass}, rank {rec.rank})"
+
+
+def _checked(reader: DumpReader, rec: TensorRecord, n: int, width: int | None, *, ids: bool) -> np.ndarray:
+    """``rec``'s rows as int64 (token ids, each in range) or float64, after checking dtype and shape."""
+    if rec.dtype not in (_INT_DTYPES if ids else _FLOAT_DTYPES):
+        kind = "an integer" if ids else "a float"
+        raise CorruptDumpError(f"{_where(reader, rec)}: dtype {rec.dtype} is not {kind} type")
+    rows = reader.rows(rec)
+    if rows.shape[0] != n or (width is not None and rows.shape[1] != width):
+        raise CorruptDumpError(f"{_where(reader, rec)}: shape {list(rec.shape)} does not hold {n} rows"
+                               + (f" of {width}" if width is not None else ""))
+    if not ids:
+        return to_float64(rows, rec.dtype)
+    out = rows.astype(np.int64)
+    bad = np.flatnonzero((out < 0) | (out >= TOKEN_ID_LIMIT))
+    if bad.size:
+        raise CorruptDumpError(f"{_where(reader, rec)}: row {bad[0] // max(1, out.shape[1])}: token id "
+                               f"{int(out.flat[bad[0]])} is out of range [0, 2^31)")
+    return out
+
+
+def _pass_rows(reader: DumpReader, recs: Mapping[str, Mapping[tuple[int, int, int], TensorRecord]],
+               key: tuple[int, int, int]) -> tuple[np.ndarray, np.ndarray, list[Row]]:
+    """(positions, sequence ids, rows) of one pass's logprob records, all checked against each other."""
+    rec = recs[LOGPROB_VALUE][key]
+    ids_rec = recs[LOGPROB_TOKEN_ID].get(key)
+    if ids_rec is None or rec.positions is None or rec.sequence_ids is None:
+        raise NotComparableError(f"{reader.directory / rec.file}: logprobs of pass {key[0]} lack token ids or positions")
+    pos, seq = rec.row_positions(), rec.row_sequence_ids()
+    n = int(pos.size)
+    values = _checked(reader, rec, n, 1, ids=False)[:, 0]
+    ids = _checked(reader, ids_rec, n, 1, ids=True)[:, 0]
+    top_ids, top_vals = recs.get(LOGPROB_TOP_ID, {}).get(key), recs.get(LOGPROB_TOP_VALUE, {}).get(key)
+    if (top_ids is None) != (top_vals is None):
+        raise CorruptDumpError(f"{_where(reader, top_ids or top_vals)}: top-k ids and values are not both recorded")
+    ti = tv = None
+    if top_ids is not None and top_vals is not None:
+        ti = _checked(reader, top_ids, n, None, ids=True)
+        tv = _checked(reader, top_vals, n, ti.shape[1], ids=False)
+    if n and (int(pos.min()) < 0 or int(seq.min()) < 0):
+        raise CorruptDumpError(f"{_where(reader, rec)}: negative position or sequence id in a logprob row")
+    rows = [(int(ids[r]), float(values[r]),
+             None if ti is None or tv is None else tuple(zip(ti[r].tolist(), tv[r].tolist(), strict=True)))
+            for r in range(n)]
+    return pos, seq, rows
+
+
+def _sequence(reader: DumpReader, seq: int, rows: Mapping[int, Row], known: list[int]) -> SequenceLogprobs:
+    """Sequence ``seq`` from its dumped positions: contiguous, ending at the prompt's last token
+    when the run recorded the prompt (a gap would be a position silently left uncompared)."""
+    lo, hi = min(rows), max(rows)
+    end = len(known) - 1 if known else hi
+    if len(rows) != hi - lo + 1 or hi != end:
+        raise CorruptDumpError(f"{reader.directory}: sequence {seq}: logprob rows cover {len(rows)} positions in "
+                               f"{lo}..{hi}, expected every position from {lo} to {end}")
+    n = hi + 1
+    token_ids = [known[p] if p < len(known) else UNKNOWN_TOKEN for p in range(n)]
+    logprobs: list[float | None] = [None] * n
+    top: list[TopK | None] = [None] * n
+    for p, (tid, lp, tk) in rows.items():
+        if token_ids[p] not in (UNKNOWN_TOKEN, tid):
+            raise NotComparableError(f"{reader.directory}: sequence {seq} position {p}: logprob rows score "
+                                     f"token {tid} but the run's input has {token_ids[p]}")
+        token_ids[p], logprobs[p], top[p] = tid, lp, tk
+    has_top = any(t is not None for t in top)
+    return SequenceLogprobs(str(seq), token_ids, logprobs, top if has_top else None)
+
+
 def dump_logprobs(reader: DumpReader) -> LogprobSource | None:
-    """The logprobs a dump recorded (``python -m dumper run --logprobs``), or None if it has none."""
+    """The logprobs a dump recorded (``python -m dumper run --logprobs``), or None if it has none.
+
+    Records that disagree with each other (row counts, dtypes, token ids out of range, gaps in a
+    sequence's positions) raise CorruptDumpError naming the file and tensor.
+    """
     recs = _rows(reader, {LOGPROB_TOKEN_ID, LOGPROB_VALUE, LOGPROB_TOP_ID, LOGPROB_TOP_VALUE, LOGITS})
     if not recs.get(LOGPROB_VALUE):
         return None
-    per_seq: dict[int, dict[int, tuple[int, float, tuple | None]]] = defaultdict(dict)
-    for key, rec in recs[LOGPROB_VALUE].items():
-        ids_rec = recs[LOGPROB_TOKEN_ID].get(key)
-        if ids_rec is None or rec.positions is None or rec.sequence_ids is None:
-            raise NotComparableError(f"{reader.directory / rec.file}: logprobs of pass {key[0]} lack token ids or positions")
-        values = reader.rows(rec)[:, 0]
-        ids = reader.rows(ids_rec)[:, 0]
-        top_ids = recs.get(LOGPROB_TOP_ID, {}).get(key)
-        top_vals = recs.get(LOGPROB_TOP_VALUE, {}).get(key)
-        ti = reader.rows(top_ids) if top_ids is not None else None
-        tv = reader.rows(top_vals) if top_vals is not None else None
-        for r, (pos, seq) in enumerate(zip(rec.row_positions(), rec.row_sequence_ids(), strict=True)):
-            top = tuple(zip(ti[r].tolist(), tv[r].tolist(), strict=True)) if ti is not None and tv is not None else None
-            if int(pos) in per_seq[int(seq)]:
+    per_seq: dict[int, dict[int, Row]] = defaultdict(dict)
+    for key in recs[LOGPROB_VALUE]:
+        positions, seq_ids, rows = _pass_rows(reader, recs, key)
+        for pos, seq, row in zip(positions.tolist(), seq_ids.tolist(), rows, strict=True):
+            if pos >= MAX_POSITIONS:
+                raise CorruptDumpError(f"{reader.directory}: sequence {seq}: logprob position {pos} is over "
+                                       f"{MAX_POSITIONS}")
+            if pos in per_seq[seq]:
                 raise NotComparableError(f"{reader.directory}: sequence {seq} has two logprobs for position {pos}")
-            per_seq[int(seq)][int(pos)] = (int(ids[r]), float(values[r]), top)
+            per_seq[seq][pos] = row
     inputs = reader.manifest.extra.get("input_ids") or []
-    sequences = []
-    for seq, rows in sorted(per_seq.items()):
-        known = list(inputs[seq]) if 0 <= seq < len(inputs) else []
-        n = max(len(known), max(rows) + 1)
-        token_ids = [known[p] if p < len(known) else UNKNOWN_TOKEN for p in range(n)]
-        logprobs: list[float | None] = [None] * n
-        top: list[tuple | None] = [None] * n
-        for p, (tid, lp, tk) in rows.items():
-            if token_ids[p] not in (UNKNOWN_TOKEN, tid):
-                raise NotComparableError(f"{reader.directory}: sequence {seq} position {p}: logprob rows score "
-                                         f"token {tid} but the run's input has {token_ids[p]}")
-            token_ids[p], logprobs[p], top[p] = tid, lp, tk
-        has_top = any(t is not None for t in top)
-        sequences.append(SequenceLogprobs(str(seq), token_ids, logprobs, top if has_top else None))
+    sequences = [_sequence(reader, seq, rows, list(inputs[seq]) if seq < len(inputs) else [])
+                 for seq, rows in sorted(per_seq.items())]
+    logit_recs = recs.get(LOGITS, {})
     return LogprobSource(str(reader.directory), reader.manifest.model.get("name"), tuple(sequences),
-                         _dump_logits(reader, recs.get(LOGITS, {})))
+                         _dump_logits(reader, logit_recs), _vocab_size(reader, logit_recs), reader.manifest)
+
+
+def _vocab_size(reader: DumpReader, logit_recs: Mapping[tuple[int, int, int], TensorRecord]) -> int | None:
+    """The model's vocabulary size, from its identity (``vocab_size``) or else the logits rows' width."""
+    v = reader.manifest.model.get("vocab_size")
+    if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+        return v
+    widths = {rec.shape[-1] for rec in logit_recs.values() if rec.shape}
+    return widths.pop() if len(widths) == 1 else None
 
 
 def _dump_logits(reader: DumpReader, recs: Mapping[tuple[int, int, int], TensorRecord],
@@ -134,12 +215,48 @@ def read_logprob_source(path: str | os.PathLike[str]) -> LogprobSource:
     return LogprobSource(str(p), None, tuple(read_logprobs_jsonl(p)))
 
 
+def check_vocabulary(*sources: LogprobSource) -> None:
+    """Every token id of every source lies in the vocabulary of each source that knows its size.
+
+    Raises UsageError naming the source, request, position and id (an id no model can emit means
+    a corrupt or mismatched file, whatever its logprob says).
+    """
+    for known in sources:
+        if known.vocab_size is not None:
+            for src in sources:
+                _check_vocab(src, known.vocab_size, f"the model of {known.path}")
+
+
+def _check_vocab(src: LogprobSource, vocab: int, why: str) -> None:
+    """Every token id of ``src`` (sequence and top-k) lies in ``[0, vocab)``."""
+    for seq in src.sequences:
+        bad = next(((p, t) for p, t in enumerate(seq.token_ids) if t >= vocab), None)
+        if bad is None and seq.top is not None:
+            bad = next(((p, t) for p, tk in enumerate(seq.top) if tk for t, _ in tk if t >= vocab), None)
+        if bad is not None:
+            raise UsageError(f"{src.path}: request {seq.request!r} position {bad[0]}: token id {bad[1]} is outside "
+                             f"the vocabulary [0, {vocab}) of {why}")
+
+
 def compare_logprob_sources(baseline: str | os.PathLike[str], target: str | os.PathLike[str], *,
                             model: str | None = None, explicit: Mapping[str, float | None] | None = None,
-                            ) -> LogprobVerdict:
-    """Compare the logprobs of two sources; thresholds resolve for ``model`` (default: the baseline's)."""
+                            allow_model_mismatch: bool = False) -> LogprobVerdict:
+    """Compare the logprobs of two sources; thresholds resolve for ``model`` (default: the baseline's).
+
+    Token ids are checked against the vocabulary when a side knows it (a dump with logits);
+    sources that cannot be compared (no request in common, a request covering fewer positions
+    on one side, different tokens) raise NotComparableError naming both paths.
+    """
+    check_distinct(baseline, target)
     base, targ = read_logprob_source(baseline), read_logprob_source(target)
+    if base.manifest is not None and targ.manifest is not None:
+        check_identity(base.manifest, targ.manifest, allow_mismatch=allow_model_mismatch,
+                       where=f"{targ.path} vs baseline {base.path}")
+    check_vocabulary(base, targ)
     thresholds = LogprobThresholds.resolve(model or base.model, explicit=explicit)
     both = base.logits is not None and targ.logits is not None
-    return compare_logprobs(base.sequences, targ.sequences, thresholds,
-                            ref_logits=base.logits if both else None, tgt_logits=targ.logits if both else None)
+    try:
+        return compare_logprobs(base.sequences, targ.sequences, thresholds,
+                                ref_logits=base.logits if both else None, tgt_logits=targ.logits if both else None)
+    except NotComparableError as e:
+        raise NotComparableError(f"{base.path} vs {targ.path}: {e}") from None
