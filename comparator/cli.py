@@ -72,6 +72,8 @@ def build_logprobs_parser() -> argparse.ArgumentParser:
     p.add_argument("target", help="dump directory or JSONL file of the run under test")
     p.add_argument("--json", metavar="FILE", help="write the verdict as JSON")
     p.add_argument("--quiet", action="store_true", help="print only the verdict line")
+    p.add_argument("--allow-model-mismatch", action="store_true",
+                   help="compare dumps of different models (architecture, layer count, hidden size, config hash)")
     _logprob_flags(p)
     return p
 
@@ -79,10 +81,14 @@ def build_logprobs_parser() -> argparse.ArgumentParser:
 def run_logprobs(argv: Sequence[str]) -> int:
     args = build_logprobs_parser().parse_args(argv)
     verdict = compare_logprob_sources(args.baseline, args.target, model=args.model,
-                                      explicit=_thresholds(args.logprob_threshold))
+                                      explicit=_thresholds(args.logprob_threshold),
+                                      allow_model_mismatch=args.allow_model_mismatch)
     console = _console()
     if args.quiet:
-        console.print("PASS" if verdict.passed else f"FAIL ({', '.join(verdict.failures())})")
+        nb, nt = len(verdict.unmatched_baseline), len(verdict.unmatched_target)
+        note = f" ({nb} requests only in the baseline, {nt} only in the target: not compared)" if nb or nt else ""
+        console.print(("PASS" if verdict.passed else f"FAIL ({', '.join(verdict.failures())})") + note,
+                      markup=False, emoji=False, highlight=False)
     else:
         render_logprobs(verdict, console)
     _write(args.json, lambda p: write_json_atomic(p, verdict.to_json()))
@@ -113,7 +119,8 @@ def run(argv: Sequence[str] | None = None) -> int:
                     "DIVERGED (replicas differ)" if report.replica_mismatches else
                     f"DIVERGED (logprobs: {', '.join(report.logprobs.failures())})")
             notes = verdict_notes(report)
-            console.print(line + (f" ({'; '.join(notes)})" if notes else ""), markup=False, highlight=False)
+            console.print(line + (f" ({'; '.join(notes)})" if notes else ""), markup=False, emoji=False,
+                          highlight=False)
         else:
             render_report(report, console, tensors=args.tensors)
     _write(args.json, report.write_json)

@@ -39,7 +39,7 @@ from .identity import check_distinct, check_identity
 from .logprobs import LogprobThresholds, LogprobVerdict, compare_logprobs
 from .metrics import PairStats, StatsAccumulator, pair_stats
 from .report import FirstDivergence, ReplicaMismatch, Report, TensorComparison
-from .sources import dump_logprobs
+from .sources import check_vocabulary, dump_logprobs
 
 __all__ = ["compare_dumps"]
 
@@ -288,6 +288,7 @@ def _logprob_verdict(br: DumpReader, tr: DumpReader, config: CompareConfig) -> L
     base, targ = dump_logprobs(br), dump_logprobs(tr)
     if base is None or targ is None:
         return None
+    check_vocabulary(base, targ)
     thresholds = LogprobThresholds.resolve(config.model or base.model, explicit=dict(config.logprob_thresholds))
     both = base.logits is not None and targ.logits is not None
     return compare_logprobs(base.sequences, targ.sequences, thresholds,

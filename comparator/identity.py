@@ -91,4 +91,5 @@ def check_distinct(baseline: str | os.PathLike[str], target: str | os.PathLike[s
     except OSError:
         same = False
     if same:
-        raise UsageError(f"{target}: baseline and target are the same directory; nothing would be compared")
+        kind = "directory" if b.is_dir() else "file"
+        raise UsageError(f"{target}: baseline and target are the same {kind}; nothing would be compared")

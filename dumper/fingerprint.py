@@ -113,6 +113,7 @@ def model_identity(model: torch.nn.Module | None, name: str | None = None) -> di
         "architecture": type(model).__name__,
         "num_layers": _config_int(config, "num_hidden_layers", "n_layer", "num_layers"),
         "hidden_size": _config_int(config, "hidden_size", "n_embd", "d_model"),
+        "vocab_size": _config_int(config, "vocab_size"),
         "config_hash": config_hash(config),
         "weights_hash": weights_hash(model),
     }

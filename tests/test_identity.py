@@ -26,7 +26,8 @@ def dumps(tmp_path_factory) -> dict[str, Path]:
     specs = {
         "llama": dict(), "llama2": dict(), "seed1": dict(seed=1), "qwen": dict(model="tiny-qwen2"),
         "one_prompt": dict(prompts=PROMPTS[:1]), "logprobs": dict(logprobs=LogprobSpec()),
-        "bf16": dict(dtype="bfloat16"),
+        "bf16": dict(dtype="bfloat16"), "qwen_logprobs": dict(model="tiny-qwen2", logprobs=LogprobSpec()),
+        "one_prompt_logprobs": dict(prompts=PROMPTS[:1], logprobs=LogprobSpec()),
     }
     out = {}
     for name, kw in specs.items():
@@ -143,3 +144,18 @@ def test_regress_notes_different_weights(dumps, tmp_path):
     regress(dumps["llama"], store, bootstrap=True)
     res = regress(dumps["seed1"], store)
     assert res.exit_code == EXIT_DIVERGED and "different weights: weights_hash" in res.message
+
+
+def test_logprob_comparisons_check_identity_and_distinct_sources(dumps, capsys):
+    code, out, err = _run(capsys, "logprobs", dumps["logprobs"], dumps["qwen_logprobs"])
+    assert code == EXIT_UNUSABLE and out == "" and "architecture 'LlamaForCausalLM'" in err
+    code, _, _ = _run(capsys, "logprobs", dumps["logprobs"], dumps["qwen_logprobs"], "--allow-model-mismatch")
+    assert code == EXIT_DIVERGED
+    code, _, err = _run(capsys, "logprobs", dumps["logprobs"], dumps["logprobs"])
+    assert code == EXIT_UNUSABLE and "same directory" in err
+
+
+def test_logprob_quiet_line_names_requests_on_one_side(dumps, capsys):
+    code, out, _ = _run(capsys, "logprobs", dumps["logprobs"], dumps["one_prompt_logprobs"], "--quiet")
+    assert code == EXIT_OK
+    assert out.strip() == "PASS (1 requests only in the baseline, 0 only in the target: not compared)"
