@@ -29,7 +29,7 @@ number, finite or -inf (not a string, bool, NaN or +inf), and null only where an
 to give (the prompt's first token; SGLang's first position at ``logprob_start_len``); a token id is a JSON integer in ``[0, 2^31)``; lists have the lengths their
 neighbours imply (one top-k list per token, all of one length in SGLang); ids are unique. The file
 is read one line at a time, and a line is parsed only when its JSON objects fit in
-:data:`dumper.validate.JSON_MEMORY_BUDGET`. An empty file, a line that is not an object (or an
+:func:`dumper.validate.json_memory_budget`. An empty file, a line that is not an object (or an
 array of them), invalid UTF-8 and JSON nested too deeply are errors too.
 
 Example::
@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Any, Final, Literal
 
 from dumper.errors import UsageError
-from dumper.validate import JSON_MEMORY_BUDGET, json_memory_bound
+from dumper.validate import check_json_memory
 
 from .logprobs import UNKNOWN_TOKEN, SequenceLogprobs, TopK
 
@@ -72,7 +72,7 @@ MAX_POSITIONS: Final = 1 << 22
 MAX_LINE_BYTES: Final = 128 << 20
 """Longest JSONL line (one response) read; a longer one is refused before it is parsed (and a
 shorter one too when building its JSON objects would take over
-:data:`dumper.validate.JSON_MEMORY_BUDGET`)."""
+:func:`dumper.validate.json_memory_budget`)."""
 
 
 def _show(v: Any) -> str:
@@ -454,10 +454,7 @@ def _lines(p: Path) -> Iterator[tuple[int, str]]:
         for lineno, raw in enumerate(iter(lambda: f.readline(MAX_LINE_BYTES + 1), b""), 1):
             if len(raw) > MAX_LINE_BYTES:
                 raise UsageError(f"{p}:{lineno}: line longer than {MAX_LINE_BYTES >> 20} MiB: not one engine response")
-            need = json_memory_bound(raw)
-            if need > JSON_MEMORY_BUDGET:
-                raise UsageError(f"{p}:{lineno}: a line of {len(raw)} bytes holds too many JSON values to parse "
-                                 f"safely (~{need >> 20} MiB to build, limit {JSON_MEMORY_BUDGET >> 20} MiB)")
+            check_json_memory(raw, f"{p}:{lineno}", "a line")
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError as e:

@@ -125,7 +125,7 @@ def check_json_memory(data: bytes, where: str, what: str) -> None:
     need, budget = json_memory_bound(data), json_memory_budget()
     if need > budget:
         raise CorruptDumpError(f"{where}: {what} of {len(data)} bytes holds too many JSON values to parse safely "
-                               f"(~{need >> 20} MiB to build, limit {budget >> 20} MiB; a real dump this large "
+                               f"(~{need >> 20} MiB to build, limit {budget >> 20} MiB; real input this large "
                                "can raise it with DRIFTSCOPE_JSON_MEMORY_MIB)")
 
 

@@ -591,7 +591,7 @@ def test_the_json_memory_budget_can_be_raised_for_a_huge_real_dump(tmp_path, mon
     need_mib = json_memory_bound((src / MANIFEST_NAME).read_bytes()) / 2**20
     assert 1 < need_mib < 4
     monkeypatch.setenv("DRIFTSCOPE_JSON_MEMORY_MIB", "1")
-    with pytest.raises(CorruptDumpError, match="limit 1 MiB; a real dump this large can raise it with DRIFTSCOPE_JSON"):
+    with pytest.raises(CorruptDumpError, match="limit 1 MiB; real input this large can raise it with DRIFTSCOPE_JSON"):
         load_manifest(src)
     monkeypatch.setenv("DRIFTSCOPE_JSON_MEMORY_MIB", "4")
     assert len(load_manifest(src).tensors) == 400
