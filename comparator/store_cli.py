@@ -2,6 +2,9 @@
 
 Thin: each command parses flags, calls :func:`comparator.regress` or a :class:`RunStore` method,
 prints, and maps the result to an exit code (0 passed, 1 divergence, 2 unusable).
+
+Text from the store (run ids, folder names, models, problems) is printed as plain text, never
+as rich markup: a folder named ``m[/]`` is shown, not interpreted.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import json
 import sys
 from collections.abc import Sequence
 from datetime import datetime, timezone
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -24,6 +28,7 @@ from .config import CompareConfig
 from .regress import RegressResult, regress
 from .render import render_report
 from .store import LABELS, RunEntry, RunStore, StoreError
+from .store.record import printable
 from .store.select import current_baselines
 
 __all__ = ["run_regress", "run_store", "build_regress_parser", "build_store_parser"]
@@ -42,6 +47,11 @@ def build_regress_parser() -> argparse.ArgumentParser:
                    help="when no comparable baseline exists, store this run as the first baseline (exit 0)")
     p.add_argument("--allow-env-mismatch", action="store_true",
                    help="compare against a baseline from another environment (torch, CUDA, GPU...) if none matches")
+    p.add_argument("--allow-missing", action="store_true",
+                   help="compare a run that lacks tensors of its baseline (or holds extra ones) on the common ones "
+                        "instead of exit 2; the verdict says what was not compared")
+    p.add_argument("--allow-model-mismatch", action="store_true",
+                   help="compare against a baseline of another model (architecture, sizes, config hash)")
     p.add_argument("--cache-dir", metavar="DIR", default=None,
                    help="keep downloaded baselines of a remote store here (default: a temporary directory)")
     p.add_argument("--json", metavar="FILE", help="write the result (run id, label, baseline, report) as JSON")
@@ -86,9 +96,11 @@ def _warn(lines: Sequence[str]) -> None:
 def run_regress(argv: Sequence[str]) -> int:
     args = build_regress_parser().parse_args(argv)
     config = CompareConfig.resolve(threshold=args.threshold, token_threshold=args.token_threshold,
-                                   threads=args.threads, logprob_thresholds=logprob_thresholds(args.logprob_threshold))
+                                   threads=args.threads, logprob_thresholds=logprob_thresholds(args.logprob_threshold),
+                                   allow_model_mismatch=args.allow_model_mismatch)
     result = regress(args.run_dir, args.store, model=args.model, bootstrap=args.bootstrap,
-                     allow_env_mismatch=args.allow_env_mismatch, config=config, cache_dir=args.cache_dir)
+                     allow_env_mismatch=args.allow_env_mismatch, config=config, cache_dir=args.cache_dir,
+                     require_all=not args.allow_missing)
     _warn(result.warnings)
     _print_result(result, stdout_console(), quiet=args.quiet, tensors=args.tensors)
     write_output(args.json, lambda p: write_json_atomic(p, result.to_json()))
@@ -121,15 +133,15 @@ def run_store(argv: Sequence[str]) -> int:
     elif args.command == "promote":
         before = store.get(args.run_id).pass_label
         rec = store.promote(args.run_id)
-        console.print(f"run {rec.run_id} of model {rec.model!r} is a baseline now (was {before})")
+        console.print(Text(f"run {rec.run_id} of model {printable(repr(rec.model))} is a baseline now (was {before})"))
     else:
         res = store.prune(args.keep, dry_run=args.dry_run)
         verb = "would delete" if args.dry_run else "deleted"
         for name in res.deleted:
-            console.print(f"{verb} {name}")
+            console.print(Text(f"{verb} {printable(name)}"))
         for name in res.protected:
-            console.print(f"kept {name} (current baseline)")
-        _warn([f"left alone: {s}" for s in res.skipped])
+            console.print(Text(f"kept {name} (current baseline)"))
+        _warn([f"left alone: {printable(s)}" for s in res.skipped])
         console.print(f"{verb} {len(res.deleted)} entries; kept {len(res.kept) + len(res.protected)} runs")
     return 0
 
@@ -137,7 +149,7 @@ def run_store(argv: Sequence[str]) -> int:
 def _created(rec_created: str) -> str:
     try:
         t = datetime.fromisoformat(rec_created).astimezone(timezone.utc)
-    except ValueError:
+    except (ValueError, OverflowError):
         return rec_created
     return f"{t:%Y-%m-%d %H:%M:%S}"
 
@@ -145,7 +157,7 @@ def _created(rec_created: str) -> str:
 def _ls(store: RunStore, console: Console, *, model: str | None, label: str | None) -> None:
     entries = store.runs()
     current = current_baselines(entries)
-    table = Table(title=f"runs in {store.url}", title_justify="left")
+    table = Table(title=Text(f"runs in {store.url}"), title_justify="left")
     for col in ("run id", "created (UTC)", "model", "label", "baseline", "verdict"):
         table.add_column(col, no_wrap=col in ("run id", "created (UTC)", "baseline"))
     shown = 0
@@ -155,12 +167,13 @@ def _ls(store: RunStore, console: Console, *, model: str | None, label: str | No
             continue
         tag = r.pass_label + (" (current)" if r.run_id in current else "")
         style = {"failed": "red", "baseline": "bold"}.get(r.pass_label)
-        table.add_row(r.run_id, _created(r.created_at), r.model, Text(tag, style=style or ""),
-                      r.baseline_run or "-", r.verdict())
+        table.add_row(r.run_id, Text(printable(_created(r.created_at))), Text(printable(r.model)),
+                      Text(tag, style=style or ""), r.baseline_run or "-", Text(printable(r.verdict())))
         shown += 1
     broken: list[RunEntry] = [e for e in entries if not e.complete]
     for e in broken:
-        table.add_row(e.name, "-", "-", Text(e.status.upper(), style="bold yellow"), "-", e.problem or "")
+        table.add_row(Text(printable(e.name)), "-", "-", Text(e.status.upper(), style="bold yellow"), "-",
+                      Text(e.problem or ""))
     console.print(table)
     console.print(f"{shown} runs shown; {len(broken)} incomplete, corrupt or staging entries")
     _warn([e.problem for e in broken if e.status in ("incomplete", "corrupt") and e.problem])
@@ -169,16 +182,26 @@ def _ls(store: RunStore, console: Console, *, model: str | None, label: str | No
 def _show(store: RunStore, run_id: str, console: Console) -> None:
     rec = store.get(run_id)
     console.print_json(json.dumps(rec.to_json()))
-    m = store.manifest_json(run_id)
-    tensors = m.get("tensors") or []
-    layers = sorted({t.get("layer") for t in tensors if t.get("layer") is not None})
-    passes = {t.get("forward_pass") for t in tensors}
-    ranks = {t.get("rank") for t in tensors}
-    size = sum(int(v) for v in m["files"].values())
-    console.print(f"dump: {len(tensors)} tensors in {len(m['files'])} files ({size / 2**20:.1f} MiB); "
-                  f"layers {layers}; {len(passes)} forward passes; ranks {sorted(ranks)}; "
-                  f"model {m.get('model', {}).get('name')!r}; created {m.get('created_at')}")
+    console.print(Text(_dump_summary(store.manifest_json(run_id))))
     report = store.report_json(run_id)
     if report is not None:
-        console.print(f"report: {report.get('matched')} tensors compared against baseline {rec.baseline_run}; "
-                      f"{'PASS' if report.get('passed') else 'FAIL'}")
+        matched = report.get("matched")
+        console.print(Text(f"report: {matched if type(matched) is int else '?'} tensors compared against baseline "
+                           f"{rec.baseline_run}; {'PASS' if report.get('passed') is True else 'FAIL'}"))
+
+
+def _ints(tensors: list[dict[str, Any]], key: str) -> list[int]:
+    return sorted({t[key] for t in tensors if type(t.get(key)) is int})
+
+
+def _dump_summary(m: dict[str, Any]) -> str:
+    """One line about a stored dump from its raw manifest (``files`` checked; the rest taken as it comes)."""
+    listed = m.get("tensors")
+    tensors = [t for t in listed if isinstance(t, dict)] if isinstance(listed, list) else []
+    size = sum(m["files"].values())
+    model = m.get("model")
+    name = model.get("name") if isinstance(model, dict) else None
+    return (f"dump: {len(tensors)} tensors in {len(m['files'])} files ({size / 2**20:.1f} MiB); "
+            f"layers {_ints(tensors, 'layer')}; {len(_ints(tensors, 'forward_pass'))} forward passes; "
+            f"ranks {_ints(tensors, 'rank')}; model {printable(repr(name))}; "
+            f"created {printable(str(m.get('created_at')))}")

@@ -11,6 +11,11 @@ Two ways to publish a run whole, chosen by what the filesystem can do:
 
 Both write the marker last, so one rule decides completeness everywhere: a run folder without
 ``COMPLETE`` is incomplete and never selected.
+
+Containment: every relative path is checked by :func:`check_rel` (no absolute path, no ``..``),
+and a local store also resolves symlinks and refuses any path whose real path leaves the store
+root. Local files are ``stat``-ed before they are opened and opened non-blocking, so a FIFO, a
+device or a directory where a file belongs is reported, never opened (a FIFO would block).
 """
 
 from __future__ import annotations
@@ -19,17 +24,68 @@ import abc
 import os
 import secrets
 import shutil
+import stat
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, Literal, Union
 
 from dumper.format import atomic_path, fsync_dir
 
-from .errors import StoreError
+from .errors import StoreError, UnsafePathError
 
-__all__ = ["Backend", "LocalBackend", "FsspecBackend", "open_backend"]
+__all__ = ["Backend", "LocalBackend", "FsspecBackend", "open_backend", "check_rel", "plain_name", "EntryKind",
+           "ReadResult", "MAX_SMALL_FILE"]
 
 CHUNK = 8 << 20
 """Bytes per read/write when streaming a file to or from the store."""
+MAX_SMALL_FILE = 4 << 20
+"""Most bytes read by default from one small store file (``run.json``, ``COMPLETE``): a few KiB when sound."""
+
+EntryKind = Literal["file", "dir", "symlink", "other"]
+"""What a listed entry is, as the listing itself says (symlinks are not followed)."""
+ReadResult = Union[bytes, None, StoreError]
+"""One file of :meth:`Backend.read_many`: its bytes, ``None`` when missing, or why it cannot be read safely."""
+_OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+def check_rel(rel: str, where: str) -> str:
+    """``rel`` if it is a relative store path of plain ``/``-separated names, else :class:`UnsafePathError`.
+
+    Refused: an absolute or empty path, ``.``/``..``/empty parts, backslashes and NUL bytes, any
+    of which could leave the store root (or mean another file on another filesystem).
+    """
+    parts = rel.split("/") if isinstance(rel, str) else [""]
+    if not rel or rel.startswith("/") or "\\" in rel or "\0" in rel or any(p in ("", ".", "..") for p in parts):
+        raise UnsafePathError(f"{where}: refusing path {rel!r} (absolute, empty, or leaving the store)")
+    return rel
+
+
+def plain_name(name: Any, where: str) -> str:
+    """``name`` if it is one plain file name (what a dump manifest may list), else :class:`UnsafePathError`."""
+    if not isinstance(name, str) or name in ("", ".", "..") or any(c in name for c in "/\\\0"):
+        raise UnsafePathError(f"{where}: refusing file name {name!r} (not one plain name inside the dump)")
+    return name
+
+
+def _kind(mode: int) -> str:
+    return ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else
+            "a socket" if stat.S_ISSOCK(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+            else "a symlink" if stat.S_ISLNK(mode) else "not a regular file")
+
+
+def _too_big(where: str, size: int | None, limit: int) -> StoreError:
+    """``size`` is ``None`` when only "more than ``limit``" is known (a stream cut short)."""
+    what = f"more than {limit}" if size is None else f"{size}"
+    return StoreError(f"{where}: {what} bytes, over the {limit} bytes this store reads for it; refusing it")
+
+
+def _copy(src: IO[bytes], dst: IO[bytes], limit: int | None, where: str) -> None:
+    """Stream ``src`` into ``dst``; more than ``limit`` bytes is an error (the file is not what it claims)."""
+    done = 0
+    while chunk := src.read(CHUNK if limit is None else min(CHUNK, limit + 1 - done)):
+        done += len(chunk)
+        if limit is not None and done > limit:
+            raise _too_big(where, None, limit)
+        dst.write(chunk)
 
 
 class Backend(abc.ABC):
@@ -51,12 +107,28 @@ class Backend(abc.ABC):
     def exists(self, rel: str) -> bool: ...
 
     @abc.abstractmethod
+    def list_entries(self, rel: str) -> list[tuple[str, EntryKind]]:
+        """``(name, kind)`` of each entry of a folder, sorted by name; ``[]`` when it does not exist.
+
+        Raises :class:`StoreError` when ``rel`` is not a folder, or leaves the store.
+        """
+
     def list_dir(self, rel: str) -> list[str]:
         """Names of the entries of a folder; ``[]`` when it does not exist."""
+        return [name for name, _ in self.list_entries(rel)]
+
+    def entry_kind(self, rel: str) -> EntryKind | None:
+        """What ``rel`` is, as its folder's listing says (symlinks not followed); ``None`` when missing."""
+        parent, _, name = rel.rpartition("/")
+        return dict(self.list_entries(parent)).get(name) if parent else None
 
     @abc.abstractmethod
-    def read_many(self, rels: list[str]) -> dict[str, bytes | None]:
-        """The bytes of each file, ``None`` for a missing one (one batched request where possible)."""
+    def read_many(self, rels: list[str], *, max_bytes: int = MAX_SMALL_FILE) -> dict[str, ReadResult]:
+        """Each file's bytes, ``None`` for a missing one, or a :class:`StoreError` saying why it is not read.
+
+        One batched request where possible. Never raises for one bad entry (a directory, a FIFO,
+        a symlink out of the store, more than ``max_bytes`` bytes), so a listing always completes.
+        """
 
     @abc.abstractmethod
     def write_bytes(self, rel: str, data: bytes) -> None:
@@ -67,8 +139,8 @@ class Backend(abc.ABC):
         """Stream a local file into the store."""
 
     @abc.abstractmethod
-    def download(self, rel: str, local: Path) -> None:
-        """Stream a file of the store into a local file."""
+    def download(self, rel: str, local: Path, *, max_bytes: int | None = None) -> None:
+        """Stream a file of the store into a local file; more than ``max_bytes`` bytes is a :class:`StoreError`."""
 
     @abc.abstractmethod
     def remove_tree(self, rel: str) -> None:
@@ -79,11 +151,20 @@ class Backend(abc.ABC):
         """Latest modification time (epoch seconds) of anything in a folder, if the backend knows it."""
 
     def local_path(self, rel: str) -> Path | None:
-        """A local path to read ``rel`` in place, or ``None`` when it must be downloaded."""
+        """A local path to read ``rel`` in place (checked to stay inside the store), or ``None`` when it
+        must be downloaded."""
         return None
 
-    def read_bytes(self, rel: str) -> bytes | None:
-        return self.read_many([rel])[rel]
+    def check_in_place(self, rel: str, within: str) -> None:
+        """Refuse (:class:`UnsafePathError`) to read ``rel`` in place unless it is a regular file whose
+        real path stays inside the folder ``within``; a no-op where files are downloaded, not read in place."""
+
+    def read_bytes(self, rel: str, *, max_bytes: int = MAX_SMALL_FILE) -> bytes | None:
+        """One file's bytes, ``None`` when missing; :class:`StoreError` when it cannot be read safely."""
+        got = self.read_many([rel], max_bytes=max_bytes)[rel]
+        if isinstance(got, StoreError):
+            raise got
+        return got
 
 
 class LocalBackend(Backend):
@@ -96,7 +177,44 @@ class LocalBackend(Backend):
         self.url = url
 
     def _p(self, rel: str) -> Path:
-        return self.root / rel
+        return self.root / check_rel(rel, self.url)
+
+    def _resolve(self, rel: str) -> tuple[Path, str]:
+        """``root/rel`` and its real path, refusing (:class:`UnsafePathError`) one that leaves the root."""
+        path = self._p(rel)
+        real, root = os.path.realpath(path), os.path.realpath(self.root)
+        if real != root and not real.startswith(root.rstrip(os.sep) + os.sep):
+            raise UnsafePathError(f"{path}: resolves to {real}, outside the store {root}; refusing to follow it")
+        return path, real
+
+    def _open_regular(self, rel: str, what: str = "a file") -> IO[bytes]:
+        """Open ``rel`` for reading after checking (``stat``, not ``open``) that it is a regular file in the store."""
+        path, real = self._resolve(rel)
+        st = os.stat(real)
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafePathError(f"{path}: {_kind(st.st_mode)} where {what} belongs; not opened")
+        f = os.fdopen(os.open(real, _OPEN_FLAGS), "rb")
+        mode = os.fstat(f.fileno()).st_mode
+        if not stat.S_ISREG(mode):  # swapped since the stat: still never read
+            f.close()
+            raise UnsafePathError(f"{path}: {_kind(mode)} where {what} belongs; not read")
+        return f
+
+    def _read(self, rel: str, max_bytes: int) -> ReadResult:
+        path = self.root / rel
+        try:
+            with self._open_regular(rel) as f:
+                size = os.fstat(f.fileno()).st_size
+                data = f.read(max_bytes + 1) if size <= max_bytes else b""
+        except StoreError as e:
+            return e
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except OSError as e:
+            return StoreError(f"{path}: cannot read ({e.strerror or e})")
+        if size > max_bytes or len(data) > max_bytes:  # (a file that grew while read)
+            return _too_big(str(path), size if size > max_bytes else None, max_bytes)
+        return data
 
     def staging(self, run_id: str) -> str:
         return f"runs/.tmp-{run_id}-{secrets.token_hex(4)}"
@@ -113,59 +231,109 @@ class LocalBackend(Backend):
     def exists(self, rel: str) -> bool:
         return self._p(rel).exists()
 
-    def list_dir(self, rel: str) -> list[str]:
+    def entry_kind(self, rel: str) -> EntryKind | None:
+        path = self._p(rel)
+        if "/" in rel:
+            self._resolve(rel.rsplit("/", 1)[0])
         try:
-            return sorted(os.listdir(self._p(rel)))
+            mode = os.lstat(path).st_mode
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except OSError as e:
+            raise StoreError(f"{path}: cannot stat ({e.strerror or e})") from None
+        return ("symlink" if stat.S_ISLNK(mode) else "dir" if stat.S_ISDIR(mode)
+                else "file" if stat.S_ISREG(mode) else "other")
+
+    def list_entries(self, rel: str) -> list[tuple[str, EntryKind]]:
+        path, real = self._resolve(rel)
+        try:
+            with os.scandir(real) as it:
+                return sorted((e.name, _entry_kind(e)) for e in it)
         except FileNotFoundError:
             return []
+        except NotADirectoryError:
+            raise StoreError(f"{path}: not a folder") from None
+        except OSError as e:
+            raise StoreError(f"{path}: cannot list ({e.strerror or e})") from None
 
-    def read_many(self, rels: list[str]) -> dict[str, bytes | None]:
-        out: dict[str, bytes | None] = {}
-        for rel in rels:
-            try:
-                out[rel] = self._p(rel).read_bytes()
-            except (FileNotFoundError, NotADirectoryError):
-                out[rel] = None
-        return out
+    def read_many(self, rels: list[str], *, max_bytes: int = MAX_SMALL_FILE) -> dict[str, ReadResult]:
+        return {rel: self._read(rel, max_bytes) for rel in rels}
 
     def write_bytes(self, rel: str, data: bytes) -> None:
-        path = self._p(rel)
+        path, _ = self._resolve(rel)  # before mkdir: a symlinked folder must not make it create outside
         path.parent.mkdir(parents=True, exist_ok=True)
-        with atomic_path(path) as tmp:
+        with atomic_path(path) as tmp:  # replaces a symlink at ``path`` itself, never writes through it
             tmp.write_bytes(data)
 
     def upload(self, local: Path, rel: str) -> None:
-        path = self._p(rel)
+        path, _ = self._resolve(rel)
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(local, "rb") as src, open(path, "wb") as dst:
+        with _open_source(local) as src, open(path, "xb") as dst:
             shutil.copyfileobj(src, dst, CHUNK)
             dst.flush()
             os.fsync(dst.fileno())
 
-    def download(self, rel: str, local: Path) -> None:
+    def download(self, rel: str, local: Path, *, max_bytes: int | None = None) -> None:
         local.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(self._p(rel), local)
+        try:
+            with self._open_regular(rel) as src, open(local, "wb") as dst:
+                _copy(src, dst, max_bytes, str(self.root / rel))
+        except FileNotFoundError:
+            raise StoreError(f"{self.root / rel}: missing") from None
 
     def remove_tree(self, rel: str) -> None:
-        # rename out of the listing first (atomic), then delete at leisure
+        # rename out of the listing first (atomic), then delete at leisure; never through a symlink
         path = self._p(rel)
+        if "/" in rel:
+            self._resolve(rel.rsplit("/", 1)[0])  # the folder holding it stays inside the store
+        mode = os.lstat(path).st_mode
+        if not stat.S_ISDIR(mode):
+            raise UnsafePathError(f"{path}: {_kind(mode)}, not a run folder; not deleting it")
         trash = path.with_name(f".trash-{path.name}-{secrets.token_hex(4)}")
         os.rename(path, trash)
-        shutil.rmtree(trash)
+        shutil.rmtree(trash)  # unlinks symlinks inside, never follows them
 
     def newest_mtime(self, rel: str) -> float | None:
         newest = None
-        for folder, _, files in os.walk(self._p(rel)):
+        for folder, _, files in os.walk(self._resolve(rel)[1]):
             for p in (folder, *(os.path.join(folder, f) for f in files)):
                 try:
-                    t = os.stat(p).st_mtime
+                    t = os.lstat(p).st_mtime
                 except FileNotFoundError:
                     continue
                 newest = t if newest is None else max(newest, t)
         return newest
 
     def local_path(self, rel: str) -> Path | None:
-        return self._p(rel)
+        return self._resolve(rel)[0]
+
+    def check_in_place(self, rel: str, within: str) -> None:
+        path, real = self._resolve(rel)
+        _, top = self._resolve(within)
+        if not real.startswith(top.rstrip(os.sep) + os.sep):
+            raise UnsafePathError(f"{path}: resolves to {real}, outside {self.root / within}; refusing to read it")
+        try:
+            mode = os.stat(real).st_mode
+        except FileNotFoundError:
+            raise StoreError(f"{path}: listed in the dump's manifest but missing") from None
+        if not stat.S_ISREG(mode):
+            raise UnsafePathError(f"{path}: {_kind(mode)} where a dump file belongs; not opened")
+
+
+def _entry_kind(e: os.DirEntry[str]) -> EntryKind:
+    if e.is_symlink():
+        return "symlink"
+    if e.is_dir(follow_symlinks=False):
+        return "dir"
+    return "file" if e.is_file(follow_symlinks=False) else "other"
+
+
+def _open_source(local: Path) -> IO[bytes]:
+    """Open a file of the dump being stored; a FIFO or a directory is refused, never opened."""
+    mode = os.stat(local).st_mode
+    if not stat.S_ISREG(mode):
+        raise UnsafePathError(f"{local}: {_kind(mode)}, not a regular dump file; not storing it")
+    return open(local, "rb")
 
 
 class FsspecBackend(Backend):
@@ -179,7 +347,7 @@ class FsspecBackend(Backend):
         self.url = url
 
     def _p(self, rel: str) -> str:
-        return f"{self.root}/{rel}"
+        return f"{self.root}/{check_rel(rel, self.url)}"
 
     def staging(self, run_id: str) -> str:
         return f"runs/{run_id}"
@@ -191,29 +359,41 @@ class FsspecBackend(Backend):
     def exists(self, rel: str) -> bool:
         return bool(self.fs.exists(self._p(rel)))
 
-    def list_dir(self, rel: str) -> list[str]:
+    def list_entries(self, rel: str) -> list[tuple[str, EntryKind]]:
         path = self._p(rel)
         self.fs.invalidate_cache(path)  # listings are cached per instance (s3fs, gcsfs)
         try:
-            names = self.fs.ls(path, detail=False)
+            infos = self.fs.ls(path, detail=True)
         except FileNotFoundError:
             return []
-        return sorted(str(n).rstrip("/").rsplit("/", 1)[-1] for n in names)
+        except OSError as e:
+            raise StoreError(f"{self.url}/{rel}: cannot list ({type(e).__name__}: {e})") from None
+        itself = str(self.fs._strip_protocol(path)).rstrip("/")
+        out: list[tuple[str, EntryKind]] = []
+        for info in infos:
+            name = str(info.get("name", "")).rstrip("/")
+            if name == itself:  # some filesystems list a file as itself
+                raise StoreError(f"{self.url}/{rel}: not a folder")
+            kind = {"directory": "dir", "file": "file", "link": "symlink"}.get(str(info.get("type")), "other")
+            if name.rsplit("/", 1)[-1]:
+                out.append((name.rsplit("/", 1)[-1], kind))  # type: ignore[arg-type]
+        return sorted(out)
 
-    def read_many(self, rels: list[str]) -> dict[str, bytes | None]:
+    def read_many(self, rels: list[str], *, max_bytes: int = MAX_SMALL_FILE) -> dict[str, ReadResult]:
         if not rels:
             return {}
-        paths = {self._p(rel): rel for rel in rels}
-        got = self.fs.cat(list(paths), on_error="return")
-        out: dict[str, bytes | None] = {}
-        for path, rel in paths.items():
-            value = got.get(path, got.get(self.fs._strip_protocol(path)))
+        got = self.fs.cat_ranges([self._p(rel) for rel in rels], 0, max_bytes + 1, on_error="return")
+        out: dict[str, ReadResult] = {}
+        for rel, value in zip(rels, got):
+            where = f"{self.url}/{rel}"
             if isinstance(value, FileNotFoundError) or value is None:
                 out[rel] = None
+            elif isinstance(value, IsADirectoryError):
+                out[rel] = UnsafePathError(f"{where}: a directory where a file belongs")
             elif isinstance(value, BaseException):
-                raise StoreError(f"{self.url}/{rel}: cannot read ({type(value).__name__}: {value})")
+                out[rel] = StoreError(f"{where}: cannot read ({type(value).__name__}: {value})")
             else:
-                out[rel] = bytes(value)
+                out[rel] = _too_big(where, None, max_bytes) if len(value) > max_bytes else bytes(value)
         return out
 
     def write_bytes(self, rel: str, data: bytes) -> None:
@@ -223,10 +403,16 @@ class FsspecBackend(Backend):
         with open(local, "rb") as src, self.fs.open(self._p(rel), "wb") as dst:
             shutil.copyfileobj(src, dst, CHUNK)
 
-    def download(self, rel: str, local: Path) -> None:
+    def download(self, rel: str, local: Path, *, max_bytes: int | None = None) -> None:
         local.parent.mkdir(parents=True, exist_ok=True)
-        with self.fs.open(self._p(rel), "rb") as src, open(local, "wb") as dst:
-            shutil.copyfileobj(src, dst, CHUNK)
+        where = f"{self.url}/{rel}"
+        try:
+            with self.fs.open(self._p(rel), "rb") as src, open(local, "xb") as dst:
+                _copy(src, dst, max_bytes, where)
+        except FileNotFoundError:
+            raise StoreError(f"{where}: listed in the dump's manifest but missing") from None
+        except (OSError, ValueError) as e:
+            raise StoreError(f"{where}: cannot download ({type(e).__name__}: {e})") from None
 
     def remove_tree(self, rel: str) -> None:
         # the marker goes first: a half-deleted run lists as incomplete, never as complete

@@ -6,11 +6,21 @@ from dumper.errors import DriftscopeError
 
 from .environment import EnvDifference
 
-__all__ = ["StoreError", "NoBaselineError", "EnvMismatchError"]
+__all__ = ["StoreError", "UnsafePathError", "CorruptRunError", "NoBaselineError", "EnvMismatchError"]
 
 
 class StoreError(DriftscopeError):
     """A run store, or a run in it, cannot be read or written."""
+
+
+class UnsafePathError(StoreError):
+    """A path from a run record, a store listing or a manifest leaves the store (``..``, an
+    absolute path, a symlink out), or names something that must not be opened (a directory
+    where a file belongs, a FIFO, a device): refused, never followed."""
+
+
+class CorruptRunError(StoreError):
+    """A run whose folder, ``run.json`` or ``COMPLETE`` marker is unreadable or inconsistent."""
 
 
 class NoBaselineError(StoreError):

@@ -8,6 +8,7 @@ writers starting in the same nanosecond still get different ids.
 from __future__ import annotations
 
 import json
+import math
 import re
 import secrets
 import time
@@ -26,13 +27,25 @@ __all__ = [
     "run_id_time",
     "signature_key",
     "summarize_report",
+    "printable",
 ]
 
 RUN_FORMAT_VERSION = 1
 LABELS = ("baseline", "passed", "failed")
 """``baseline``: bootstrapped or promoted by a human; ``passed`` / ``failed``: the verdict against its baseline."""
 
-_RUN_ID = re.compile(r"^(\d{8}T\d{6})\.(\d{9})Z-[0-9a-f]{6}$")
+_RUN_ID = re.compile(r"(\d{8}T\d{6})\.(\d{9})Z-[0-9a-f]{6}", re.ASCII)
+_KEYS = ("format_version", "run_id", "created_at", "model", "pass_label", "baseline_run", "summary",
+         "capture_signature", "environment", "model_identity", "dump_format_version", "dump_created_at", "promoted")
+_REQUIRED = ("run_id", "created_at", "model", "pass_label", "capture_signature", "environment")
+_MAX_DEPTH = 64
+"""Deepest JSON nesting a run record may hold (a sound one nests 3 deep)."""
+_SCALAR = (str, int, float, bool, type(None))
+
+
+def printable(text: str) -> str:
+    """``text`` fit for one line of output: control characters and undecodable bytes escaped."""
+    return text if text.isprintable() else text.encode("unicode_escape", "backslashreplace").decode("ascii")
 
 
 def new_run_id(now_ns: int | None = None) -> tuple[str, str]:
@@ -44,13 +57,13 @@ def new_run_id(now_ns: int | None = None) -> tuple[str, str]:
     return run_id, created
 
 
-def is_run_id(name: str) -> bool:
-    return _RUN_ID.match(name) is not None
+def is_run_id(name: object) -> bool:
+    return isinstance(name, str) and _RUN_ID.fullmatch(name) is not None
 
 
 def run_id_time(run_id: str) -> float | None:
     """Creation time (epoch seconds) encoded in a run id, or ``None`` for something else."""
-    m = _RUN_ID.match(run_id)
+    m = _RUN_ID.fullmatch(run_id)
     if m is None:
         return None
     t = datetime.strptime(m.group(1), "%Y%m%dT%H%M%S").replace(tzinfo=timezone.utc)
@@ -119,31 +132,37 @@ class RunRecord:
         return (json.dumps(self.to_json(), indent=1, allow_nan=False) + "\n").encode()
 
     @classmethod
-    def from_json(cls, d: Any) -> RunRecord:
-        """Parse and validate; raises ``ValueError`` naming the problem."""
+    def from_json(cls, d: Any, *, folder: str | None = None) -> RunRecord:
+        """Parse and validate a decoded ``run.json``; ``folder`` is the run folder's name, if known.
+
+        Strict: no unknown keys, exact types (``true`` is not an integer, ``"3"`` not a number),
+        a known ``pass_label``, run ids where run ids belong, a ``summary`` of the shape
+        :func:`summarize_report` writes, finite numbers only, bounded nesting, and a ``run_id``
+        equal to ``folder``. Raises ``ValueError`` naming the field and what is wrong with it.
+        """
         if not isinstance(d, dict):
-            raise ValueError("not a JSON object")
-        if d.get("format_version") != RUN_FORMAT_VERSION:
-            raise ValueError(f"run format version {d.get('format_version')!r} is not supported "
+            raise ValueError(f"expected a JSON object, got {_show(d)}")
+        if type(d.get("format_version")) is not int or d["format_version"] != RUN_FORMAT_VERSION:
+            raise ValueError(f"run format version {_show(d.get('format_version'))} is not supported "
                              f"(expected {RUN_FORMAT_VERSION})")
-        try:
-            rec = cls(
-                run_id=str(d["run_id"]), created_at=str(d["created_at"]), model=str(d["model"]),
-                capture_signature=dict(d["capture_signature"]), environment=dict(d["environment"]),
-                pass_label=str(d["pass_label"]), baseline_run=d.get("baseline_run"), summary=d.get("summary"),
-                model_identity=dict(d.get("model_identity") or {}),
-                dump_format_version=int(d.get("dump_format_version", 1)),
-                dump_created_at=d.get("dump_created_at"), promoted=d.get("promoted"),
-            )
-        except KeyError as e:
-            raise ValueError(f"missing key {e}") from None
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"malformed ({e})") from None
-        if rec.pass_label not in LABELS:
-            raise ValueError(f"pass_label {rec.pass_label!r} is not one of {', '.join(LABELS)}")
-        if rec.summary is not None and not isinstance(rec.summary, dict):
-            raise ValueError("summary is not an object")
-        return rec
+        unknown = sorted(set(d) - set(_KEYS))
+        if unknown:
+            more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
+            raise ValueError(f"unexpected keys {', '.join(_show(k) for k in unknown[:5])}{more}")
+        missing = [k for k in _REQUIRED if k not in d]
+        if missing:
+            raise ValueError(f"missing key {missing[0]!r}")
+        _check_tree(d)
+        _check_fields(d)
+        if folder is not None and d["run_id"] != folder:
+            raise ValueError(f"field 'run_id': says run id {d['run_id']!r}, but the folder is {printable(folder)!r}")
+        return cls(
+            run_id=d["run_id"], created_at=d["created_at"], model=d["model"],
+            capture_signature=d["capture_signature"], environment=d["environment"], pass_label=d["pass_label"],
+            baseline_run=d.get("baseline_run"), summary=d.get("summary"), model_identity=d.get("model_identity", {}),
+            dump_format_version=d.get("dump_format_version", 1), dump_created_at=d.get("dump_created_at"),
+            promoted=d.get("promoted"),
+        )
 
     def verdict(self) -> str:
         """A short verdict for listings: ``PASS``, ``FAIL at layer L, token T``, ``UNUSABLE ...`` or ``-``."""
@@ -159,6 +178,106 @@ class RunRecord:
             tok = "" if fd.get("token") is None else f", token {fd['token']}"
             return f"FAIL at layer {fd.get('layer')}{tok}"
         return "FAIL (logprobs)" if s.get("logprobs_passed") is False else "FAIL"
+
+
+def _show(v: Any) -> str:
+    try:
+        text = json.dumps(v, allow_nan=True)
+    except (TypeError, ValueError, RecursionError):
+        text = repr(v)
+    return printable(text if len(text) <= 60 else text[:57] + "...")
+
+
+def _bad(field: str, expected: str, got: Any) -> ValueError:
+    return ValueError(f"field {field!r}: expected {expected}, got {_show(got)}")
+
+
+def _check_tree(d: dict[str, Any]) -> None:
+    """Bounded nesting, finite numbers and encodable text anywhere: a record must print and re-serialize."""
+    stack: list[tuple[str, Any, int]] = [(k, v, 1) for k, v in d.items()]
+    while stack:
+        path, v, depth = stack.pop()
+        if depth > _MAX_DEPTH:
+            raise ValueError(f"field {path.split('.')[0]!r}: nested more than {_MAX_DEPTH} deep")
+        if isinstance(v, float) and not math.isfinite(v):
+            raise _bad(path, "a finite number", v)
+        for text in (path, v) if isinstance(v, str) else (path,):
+            if not _encodable(text):
+                raise ValueError(f"field {printable(path)!r}: holds a lone surrogate (\\u escape of no character)")
+        if isinstance(v, dict):
+            stack.extend((f"{path}.{k}", x, depth + 1) for k, x in v.items())
+        elif isinstance(v, list):
+            stack.extend((f"{path}[{i}]", x, depth + 1) for i, x in enumerate(v))
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _is_int(v: Any) -> bool:
+    return type(v) is int
+
+
+def _is_num(v: Any) -> bool:
+    return type(v) in (int, float)
+
+
+def _check(d: dict[str, Any], field: str, ok: Any, expected: str, *, prefix: str = "") -> None:
+    if field in d and not ok(d[field]):
+        raise _bad(prefix + field, expected, d[field])
+
+
+def _check_fields(d: dict[str, Any]) -> None:
+    """Type checks of every key of a run record (presence of the required ones is checked before)."""
+    _check(d, "run_id", is_run_id, "a run id like 20261130T094716.302031123Z-a1b2c3")
+    _check(d, "created_at", lambda v: isinstance(v, str), "a string (ISO time)")
+    _check(d, "model", lambda v: isinstance(v, str) and v != "", "a non-empty string")
+    _check(d, "pass_label", lambda v: v in LABELS and isinstance(v, str), f"one of {', '.join(LABELS)}")
+    _check(d, "baseline_run", lambda v: v is None or is_run_id(v), "a run id or null")
+    for key in ("capture_signature", "model_identity"):
+        _check(d, key, lambda v: isinstance(v, dict), "an object")
+    _check(d, "environment", lambda v: isinstance(v, dict), "an object")
+    for k, v in d["environment"].items():
+        if not isinstance(v, _SCALAR):
+            raise _bad(f"environment.{k}", "a string, number, boolean or null", v)
+    _check(d, "dump_format_version", lambda v: _is_int(v) and v >= 0, "a non-negative integer")
+    _check(d, "dump_created_at", lambda v: v is None or isinstance(v, str), "a string or null")
+    _check(d, "promoted", lambda v: v is None or isinstance(v, dict), "an object or null")
+    if isinstance(d.get("promoted"), dict):
+        p = d["promoted"]
+        if set(p) != {"at", "from"}:
+            raise _bad("promoted", 'an object with exactly the keys "at" and "from"', p)
+        _check(p, "at", lambda v: isinstance(v, str), "a string (ISO time)", prefix="promoted.")
+        _check(p, "from", lambda v: v in LABELS and isinstance(v, str), f"one of {', '.join(LABELS)}",
+               prefix="promoted.")
+    _check(d, "summary", lambda v: v is None or isinstance(v, dict), "an object or null")
+    if isinstance(d.get("summary"), dict):
+        _check_summary(d["summary"])
+
+
+def _check_summary(s: dict[str, Any]) -> None:
+    """The verdict summary: the keys :func:`summarize_report` (or regress, for an unusable run) writes.
+
+    Keys this version does not know are kept: the summary is descriptive, and newer writers may add to it.
+    """
+    for key in ("passed", "matched"):
+        if key not in s:
+            raise ValueError(f"field 'summary': missing key {key!r}")
+    _check(s, "passed", lambda v: type(v) is bool, "true or false", prefix="summary.")
+    _check(s, "matched", lambda v: _is_int(v) and v >= 0, "a non-negative integer", prefix="summary.")
+    _check(s, "logprobs_passed", lambda v: v is None or type(v) is bool, "true, false or null", prefix="summary.")
+    for key in ("threshold", "token_threshold"):
+        _check(s, key, lambda v: v is None or _is_num(v), "a number or null", prefix="summary.")
+    _check(s, "error", lambda v: v is None or isinstance(v, str), "a string or null", prefix="summary.")
+    _check(s, "first_divergent", lambda v: v is None or isinstance(v, dict), "an object or null", prefix="summary.")
+    fd = s.get("first_divergent")
+    if isinstance(fd, dict):
+        for key in ("layer", "token"):
+            _check(fd, key, lambda v: v is None or _is_int(v), "an integer or null", prefix="summary.first_divergent.")
 
 
 @dataclass(frozen=True)

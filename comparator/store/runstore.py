@@ -8,6 +8,11 @@ Layout (no shared index file that concurrent writers could corrupt: the listing 
     <store>/runs/<run_id>/COMPLETE        written last: the run is whole
 
 See :mod:`.backend` for how a run is published atomically on each kind of filesystem.
+
+Everything read back is untrusted: a listing entry that is not a real run folder, a marker or
+record that is not a regular file, a record that does not validate, or a dump folder that leaves
+the store lists as ``corrupt`` (never selected, never deleted by :meth:`RunStore.prune`); paths
+named by a stored manifest are single plain names that stay inside the run's dump folder.
 """
 
 from __future__ import annotations
@@ -21,15 +26,16 @@ import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 from dumper.errors import DumpError
-from dumper.format import MANIFEST_NAME, Manifest, load_manifest
+from dumper.format import MANIFEST_NAME, Manifest, dir_mode, load_manifest
+from dumper.validate import MAX_MANIFEST_BYTES, parse_json
 
-from .backend import Backend, open_backend
-from .errors import StoreError
-from .record import LABELS, RunEntry, RunRecord, is_run_id, new_run_id, signature_key
+from .backend import Backend, EntryKind, ReadResult, open_backend, plain_name
+from .errors import CorruptRunError, StoreError
+from .record import LABELS, RunEntry, RunRecord, is_run_id, new_run_id, printable, signature_key
 from .select import current_baselines
 
 __all__ = ["RunStore", "PruneResult", "STAGING_GRACE_S"]
@@ -39,15 +45,18 @@ RUN_JSON = "run.json"
 COMPLETE = "COMPLETE"
 REPORT_JSON = "report.json"
 DUMP = "dump"
+STAGING_PREFIXES = (".tmp-", ".trash-")
 STAGING_GRACE_S = 3600.0
 """Unfinished uploads younger than this are left alone by :meth:`RunStore.prune` (they may be running)."""
+MAX_RECORD_BYTES = 1 << 20
+"""Largest ``run.json`` read (a sound one is a few KiB)."""
+_KIND_WORDS = {"file": "a file", "symlink": "a symlink (not followed)", "other": "a FIFO, socket or device"}
 
 
-def _safe_rel(name: str, where: str) -> str:
-    p = PurePosixPath(name)
-    if p.is_absolute() or ".." in p.parts or not p.parts:
-        raise StoreError(f"{where}: refusing file name {name!r} (absolute or outside the dump)")
-    return p.as_posix()
+def _detail(e: Exception, where: str) -> str:
+    """An error's message without the leading ``where: `` it repeats."""
+    text = str(e)
+    return text[len(where) + 2:] if text.startswith(f"{where}: ") else text
 
 
 def _loads(dump: Path) -> bool:
@@ -88,54 +97,89 @@ class RunStore:
         return f"RunStore({self.url!r})"
 
     def where(self, run_id: str, *parts: str) -> str:
-        return "/".join((self.url.rstrip("/"), RUNS, run_id, *parts))
+        """Where an entry of the store is, for messages (undecodable or control characters escaped)."""
+        return "/".join((self.url.rstrip("/"), RUNS, printable(run_id), *parts))
 
     def exists(self) -> bool:
         return self.backend.exists(RUNS)
 
     def runs(self) -> list[RunEntry]:
-        """Every entry under ``runs/``, sorted by name (run ids sort by creation time)."""
-        names = self.backend.list_dir(RUNS)
-        ids = [n for n in names if is_run_id(n)]
-        blobs = self.backend.read_many([f"{RUNS}/{n}/{f}" for n in ids for f in (COMPLETE, RUN_JSON)])
+        """Every entry under ``runs/``, sorted by name (run ids sort by creation time).
+
+        Never raises for one bad entry: a file, FIFO or symlink where a run folder belongs, a
+        marker or ``run.json`` that is a directory, a FIFO, a symlink out of the store or garbage,
+        a record of the wrong types, or a dump folder outside the store lists as ``corrupt``, with
+        a problem naming the entry. Nothing that is not a regular file is opened.
+        """
+        listed = self.backend.list_entries(RUNS)
+        ids = [n for n, kind in listed if kind == "dir" and is_run_id(n)]
+        blobs = self.backend.read_many([f"{RUNS}/{n}/{f}" for n in ids for f in (COMPLETE, RUN_JSON)],
+                                       max_bytes=MAX_RECORD_BYTES)
         out = []
-        for name in names:
-            if name.startswith((".tmp-", ".trash-")):
+        for name, kind in listed:
+            if kind != "dir" or not (is_run_id(name) or name.startswith(STAGING_PREFIXES)):
+                out.append(RunEntry(name, "corrupt", problem=self._not_a_run(name, kind)))
+            elif name.startswith(STAGING_PREFIXES):
                 out.append(RunEntry(name, "staging", problem=f"{self.where(name)}: unfinished upload or deletion "
                                                             "(in progress, or its writer died)"))
-            elif not is_run_id(name):
-                out.append(RunEntry(name, "corrupt", problem=f"{self.where(name)}: not a run folder (not a run id)"))
             else:
-                out.append(self._entry(name, blobs[f"{RUNS}/{name}/{COMPLETE}"], blobs[f"{RUNS}/{name}/{RUN_JSON}"]))
+                entry = self._entry(name, blobs[f"{RUNS}/{name}/{COMPLETE}"], blobs[f"{RUNS}/{name}/{RUN_JSON}"])
+                out.append(self._with_dump_checked(entry))
         return out
 
-    def _entry(self, name: str, marker: bytes | None, raw: bytes | None) -> RunEntry:
+    def _not_a_run(self, name: str, kind: EntryKind) -> str:
+        if kind != "dir":
+            return f"{self.where(name)}: {_KIND_WORDS[kind]} where a run folder belongs; skipped"
+        return f"{self.where(name)}: not a run folder (not a run id)"
+
+    def _entry(self, name: str, marker: ReadResult, raw: ReadResult) -> RunEntry:
+        """The entry of the run folder ``name`` from the bytes of its marker and record (or why they are unreadable)."""
+        if isinstance(marker, StoreError):
+            return RunEntry(name, "corrupt", problem=f"{self.where(name, COMPLETE)}: unusable marker "
+                                                     f"({_detail(marker, self.where(name, COMPLETE))})")
         if marker is None:
             return RunEntry(name, "incomplete", problem=f"{self.where(name)}: incomplete run (no {COMPLETE} marker: "
                                                          "the upload did not finish, or is still running)")
+        where = self.where(name, RUN_JSON)
         if raw is None:
-            return RunEntry(name, "corrupt", problem=f"{self.where(name, RUN_JSON)}: missing")
+            return RunEntry(name, "corrupt", problem=f"{where}: missing")
         try:
-            rec = RunRecord.from_json(json.loads(raw.decode("utf-8")))
-        except (UnicodeDecodeError, json.JSONDecodeError, ValueError) as e:
-            return RunEntry(name, "corrupt", problem=f"{self.where(name, RUN_JSON)}: corrupt run record ({e})")
-        if rec.run_id != name:
-            return RunEntry(name, "corrupt", problem=f"{self.where(name, RUN_JSON)}: says run id {rec.run_id!r}, "
-                                                     f"but the folder is {name!r}")
+            if isinstance(raw, StoreError):
+                raise raw
+            rec = RunRecord.from_json(parse_json(raw, where, "JSON"), folder=name)
+        except (StoreError, DumpError, ValueError) as e:
+            return RunEntry(name, "corrupt", problem=f"{where}: corrupt run record ({_detail(e, where)})")
         return RunEntry(name, "complete", record=rec)
 
+    def _with_dump_checked(self, entry: RunEntry) -> RunEntry:
+        """A complete entry of a store read in place whose dump folder is missing or leaves the store is corrupt."""
+        if not entry.complete:
+            return entry
+        rel = f"{RUNS}/{entry.name}/{DUMP}"
+        try:
+            local = self.backend.local_path(rel)
+        except StoreError as e:
+            return RunEntry(entry.name, "corrupt", problem=str(e))
+        if local is not None and not local.is_dir():
+            return RunEntry(entry.name, "corrupt", problem=f"{self.where(entry.name, DUMP)}: missing or not a folder")
+        return entry
+
     def get(self, run_id: str) -> RunRecord:
-        """The record of one complete run; :class:`StoreError` for anything else."""
+        """The record of one complete run; :class:`StoreError` (:class:`CorruptRunError`) for anything else."""
         if not is_run_id(run_id):
-            raise StoreError(f"{run_id!r} is not a run id (like 20261130T094716.302031123Z-a1b2c3); "
+            raise StoreError(f"{printable(repr(run_id))} is not a run id (like 20261130T094716.302031123Z-a1b2c3); "
                              f"see python -m comparator store ls {self.url}")
-        marker_rel, record_rel = f"{RUNS}/{run_id}/{COMPLETE}", f"{RUNS}/{run_id}/{RUN_JSON}"
-        blobs = self.backend.read_many([marker_rel, record_rel])
-        if blobs[marker_rel] is None and blobs[record_rel] is None:
+        kind = self.backend.entry_kind(f"{RUNS}/{run_id}")
+        if kind is None:
             raise StoreError(f"{self.where(run_id)}: no such run")
-        entry = self._entry(run_id, blobs[marker_rel], blobs[record_rel])
+        if kind != "dir":
+            raise CorruptRunError(self._not_a_run(run_id, kind))
+        marker_rel, record_rel = f"{RUNS}/{run_id}/{COMPLETE}", f"{RUNS}/{run_id}/{RUN_JSON}"
+        blobs = self.backend.read_many([marker_rel, record_rel], max_bytes=MAX_RECORD_BYTES)
+        entry = self._with_dump_checked(self._entry(run_id, blobs[marker_rel], blobs[record_rel]))
         if entry.record is None:
-            raise StoreError(entry.problem or f"{self.where(run_id)}: unusable run")
+            error = CorruptRunError if entry.status == "corrupt" else StoreError
+            raise error(entry.problem or f"{self.where(run_id)}: unusable run")
         return entry.record
 
     def put(self, dump_dir: str | os.PathLike[str], *, model: str, label: str, baseline_run: str | None = None,
@@ -157,10 +201,15 @@ class RunStore:
             environment=manifest.environment, pass_label=label, baseline_run=baseline_run,
             summary=dict(summary) if summary is not None else None, model_identity=manifest.model,
             dump_format_version=manifest.format_version, dump_created_at=manifest.created_at)
+        try:  # what is written must read back: a record that would list as corrupt is never stored
+            RunRecord.from_json(json.loads(record.dumps()), folder=run_id)
+        except ValueError as e:
+            raise StoreError(f"{src}: cannot store this run: its run record would not validate ({e})") from None
+        names = [plain_name(name, f"{src}/{MANIFEST_NAME}") for name in sorted(manifest.files)]
         staging = self.backend.staging(run_id)
         try:
-            for name in sorted(manifest.files):
-                self.backend.upload(src / name, f"{staging}/{DUMP}/{_safe_rel(name, str(src))}")
+            for name in names:
+                self.backend.upload(src / name, f"{staging}/{DUMP}/{name}")
             self.backend.upload(src / MANIFEST_NAME, f"{staging}/{DUMP}/{MANIFEST_NAME}")
             if report is not None:
                 self.backend.write_bytes(f"{staging}/{REPORT_JSON}",
@@ -189,21 +238,36 @@ class RunStore:
         return self._manifest(run_id)[1]
 
     def _manifest(self, run_id: str) -> tuple[bytes, dict[str, Any]]:
+        """The stored manifest's bytes and JSON, its ``files`` checked: plain names, byte counts."""
         where = self.where(run_id, DUMP, MANIFEST_NAME)
-        raw = self.backend.read_bytes(f"{RUNS}/{run_id}/{DUMP}/{MANIFEST_NAME}")
+        raw = self.backend.read_bytes(f"{RUNS}/{run_id}/{DUMP}/{MANIFEST_NAME}", max_bytes=MAX_MANIFEST_BYTES)
         if raw is None:
             raise StoreError(f"{where}: missing")
         try:
-            d = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise StoreError(f"{where}: unreadable ({e})") from None
+            d = parse_json(raw, where, "dump manifest")
+        except DumpError as e:
+            raise StoreError(str(e)) from None
         if not isinstance(d, dict) or not isinstance(d.get("files"), dict):
-            raise StoreError(f"{where}: not a dump manifest")
+            raise StoreError(f"{where}: not a dump manifest (no \"files\" object)")
+        for name, size in d["files"].items():
+            plain_name(name, f"{where}: files")
+            if type(size) is not int or size < 0:
+                raise StoreError(f"{where}: files[{printable(repr(name))}]: expected a byte count, got {size!r:.40}")
         return raw, d
 
     def report_json(self, run_id: str) -> dict[str, Any] | None:
-        raw = self.backend.read_bytes(f"{RUNS}/{run_id}/{REPORT_JSON}")
-        return None if raw is None else json.loads(raw.decode("utf-8"))
+        """The stored comparison report (``None`` for a run that was not compared)."""
+        where = self.where(run_id, REPORT_JSON)
+        raw = self.backend.read_bytes(f"{RUNS}/{run_id}/{REPORT_JSON}", max_bytes=MAX_MANIFEST_BYTES)
+        if raw is None:
+            return None
+        try:
+            d = parse_json(raw, where, "comparison report")
+        except DumpError as e:
+            raise StoreError(str(e)) from None
+        if not isinstance(d, dict):
+            raise StoreError(f"{where}: not a comparison report (not a JSON object)")
+        return d
 
     @contextlib.contextmanager
     def local_dump(self, run_id: str, cache_dir: str | os.PathLike[str] | None = None) -> Iterator[Path]:
@@ -214,8 +278,11 @@ class RunStore:
         without ``cache_dir``, into a temporary directory removed on exit.
         """
         rel = f"{RUNS}/{run_id}/{DUMP}"
-        local = self.backend.local_path(rel)
+        local = self.backend.local_path(rel)  # refuses a dump folder that leaves the store
         if local is not None:
+            _, manifest = self._manifest(run_id)
+            for name in (MANIFEST_NAME, *manifest["files"]):
+                self.backend.check_in_place(f"{rel}/{name}", within=rel)
             yield self._validated(local, run_id)
             return
         if cache_dir is not None:
@@ -236,8 +303,9 @@ class RunStore:
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{run_id}-", dir=target.parent))
         try:
-            for name in sorted(manifest["files"]):
-                self.backend.download(f"{RUNS}/{run_id}/{DUMP}/{_safe_rel(name, self.where(run_id))}", tmp / name)
+            os.chmod(tmp, dir_mode())  # mkdtemp makes it 0700: a shared cache follows the umask
+            for name, size in sorted(manifest["files"].items()):  # plain names (checked by _manifest)
+                self.backend.download(f"{RUNS}/{run_id}/{DUMP}/{name}", tmp / name, max_bytes=size)
             (tmp / MANIFEST_NAME).write_bytes(raw)
             if target.exists():  # another process filled the cache meanwhile
                 shutil.rmtree(tmp)
@@ -284,13 +352,14 @@ class RunStore:
                     deleted.append(r.run_id)
         for e in entries:
             if e.status == "corrupt":
-                skipped.append(f"{e.name}: {e.problem}")
+                skipped.append(f"{printable(e.name)}: {e.problem}")
             elif e.status in ("incomplete", "staging"):
                 times = [t for t in (e.started, self.backend.newest_mtime(f"{RUNS}/{e.name}")) if t is not None]
                 if not times:
-                    skipped.append(f"{e.name}: unfinished upload of unknown age")
+                    skipped.append(f"{printable(e.name)}: unfinished upload of unknown age")
                 elif now - max(times) < grace_s:
-                    skipped.append(f"{e.name}: unfinished upload younger than {grace_s:g} s (may be running)")
+                    skipped.append(f"{printable(e.name)}: unfinished upload younger than {grace_s:g} s "
+                                   "(may be running)")
                 else:
                     deleted.append(e.name)
         if not dry_run:
