@@ -71,6 +71,7 @@ __all__ = [
     "write_json_atomic",
     "fsync_dir",
     "file_mode",
+    "dir_mode",
     "load_manifest",
     "write_manifest",
     "open_tensor",
@@ -289,22 +290,31 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
-def file_mode() -> int:
-    """The mode a new file gets from the user's umask (``0o666 & ~umask``), e.g. 0o644 under umask 022.
+def _umask() -> int:
+    """The process umask, read from ``/proc/self/status`` where Linux provides it.
 
-    Read from ``/proc/self/status`` where Linux provides it: ``os.umask`` can only be read by
-    setting it, which would race with other threads creating files.
+    ``os.umask`` can only be read by setting it, which would race with other threads creating files.
     """
     try:
         with open("/proc/self/status", encoding="ascii") as f:
             for line in f:
                 if line.startswith("Umask:"):
-                    return 0o666 & ~int(line.split()[1], 8)
+                    return int(line.split()[1], 8)
     except (OSError, ValueError):
         pass
     mask = os.umask(0o022)
     os.umask(mask)
-    return 0o666 & ~mask
+    return mask
+
+
+def file_mode() -> int:
+    """The mode a new file gets from the user's umask (``0o666 & ~umask``), e.g. 0o644 under umask 022."""
+    return 0o666 & ~_umask()
+
+
+def dir_mode() -> int:
+    """The mode a new directory gets from the user's umask (``0o777 & ~umask``), e.g. 0o755 under umask 022."""
+    return 0o777 & ~_umask()
 
 
 def _create_temp(path: Path) -> str:

@@ -159,3 +159,14 @@ def test_logprob_quiet_line_names_requests_on_one_side(dumps, capsys):
     code, out, _ = _run(capsys, "logprobs", dumps["logprobs"], dumps["one_prompt_logprobs"], "--quiet")
     assert code == EXIT_OK
     assert out.strip() == "PASS (1 requests only in the baseline, 0 only in the target: not compared)"
+
+
+def test_regress_cli_allow_missing(dumps, tmp_path):
+    from tests.conftest import run_cli
+
+    store = tmp_path / "store"
+    assert regress(dumps["llama"], RunStore(store), bootstrap=True).exit_code == EXIT_OK
+    r = run_cli("comparator", "regress", dumps["one_prompt"], "--store", store, "--quiet")
+    assert r.returncode == EXIT_UNUSABLE and "--require-all" in r.stdout + r.stderr
+    r = run_cli("comparator", "regress", dumps["one_prompt"], "--store", store, "--quiet", "--allow-missing")
+    assert r.returncode == EXIT_OK, r.stderr
