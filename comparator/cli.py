@@ -22,6 +22,7 @@ from ._cliargs import stdout_console as _console
 from ._cliargs import write_output as _write
 from .compare import compare_dumps
 from .config import CompareConfig
+from .logprobs import LogprobThresholds
 from .outputs import add_output_flags, check_output_flags, progress_callback, write_outputs
 from .render import describe_divergence, render_logprobs, render_report, verdict_notes
 from .sources import compare_logprob_sources
@@ -78,8 +79,14 @@ def build_logprobs_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _check_model_row(args: argparse.Namespace) -> None:
+    if args.model is not None:
+        LogprobThresholds.check_row(args.model)
+
+
 def run_logprobs(argv: Sequence[str]) -> int:
     args = build_logprobs_parser().parse_args(argv)
+    _check_model_row(args)
     verdict = compare_logprob_sources(args.baseline, args.target, model=args.model,
                                       explicit=_thresholds(args.logprob_threshold),
                                       allow_model_mismatch=args.allow_model_mismatch)
@@ -105,6 +112,7 @@ def run(argv: Sequence[str] | None = None) -> int:
         return run_store(argv[1:])
     args = build_parser().parse_args(argv)
     check_output_flags(args)
+    _check_model_row(args)
     config = CompareConfig.resolve(threshold=args.threshold, token_threshold=args.token_threshold,
                                    threads=args.threads, logprob_thresholds=_thresholds(args.logprob_threshold),
                                    model=args.model, require_all=args.require_all,

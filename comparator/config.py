@@ -15,6 +15,8 @@ DEFAULT_THRESHOLD = 1e-3
 """Whole-tensor rel_diff threshold (the seed's nightly default). See README, "Choosing thresholds"."""
 DEFAULT_TOKEN_THRESHOLD = 1e-3
 """Per-token rel_diff threshold: the max-type signal that catches one broken position."""
+MAX_THREADS = 256
+"""Most metric worker threads (each holds a block of both dumps' rows in flight)."""
 
 
 @dataclass(frozen=True)
@@ -47,8 +49,8 @@ class CompareConfig:
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
                 raise UsageError(f"{name} must be a finite number >= 0, got {v!r}")
-        if self.threads < 1:
-            raise UsageError(f"threads must be >= 1, got {self.threads}")
+        if not 1 <= self.threads <= MAX_THREADS:
+            raise UsageError(f"threads must be between 1 and {MAX_THREADS}, got {self.threads}")
 
     @classmethod
     def resolve(cls, *, threshold: float | None = None, token_threshold: float | None = None,

@@ -615,6 +615,18 @@ class LogprobThresholds:
             values[k] = v
         return cls(**{k: values.get(k) for k in THRESHOLD_NAMES})
 
+    @staticmethod
+    def check_row(model: str, table: str | os.PathLike[str] | None = None) -> None:
+        """Raise :class:`UsageError` when ``model`` (as given with ``--model``) names no row of the table.
+
+        The baseline's own model name may be missing from the table (it then uses ``default``); a
+        name the user typed must not silently fall back, since a typo would loosen the thresholds.
+        """
+        tab = load_threshold_table(table)
+        if model not in tab and Path(model.rstrip("/")).name not in tab:
+            raise UsageError(f"--model {model!r}: no such row in {table or THRESHOLD_TABLE}; "
+                             f"known: {', '.join(sorted(tab))}")
+
     def failures(self, metrics: Mapping[str, float | None]) -> list[str]:
         """Names of set thresholds whose computed metric exceeds them (NaN exceeds everything)."""
         out = []

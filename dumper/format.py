@@ -338,9 +338,14 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
     """Yield a temp path beside ``path``; on success fsync it and rename it over ``path``.
 
     On an exception the temp file is removed and ``path`` is left as it was. The file gets the
-    user's umask (``0o666 & ~umask``), as a plain ``open`` would give it.
+    user's umask (``0o666 & ~umask``), as a plain ``open`` would give it. A symlink is written
+    through; a directory, device or FIFO at ``path`` is refused (a rename would replace it).
     """
     path = Path(path)
+    if path.is_symlink():  # write through the link, as a plain open would, instead of replacing it
+        path = Path(os.path.realpath(path))
+    if path.exists() and not path.is_file():
+        raise DumpError(f"{path}: exists and is not a regular file; refusing to replace it")
     tmp = _create_temp(path)
     try:
         yield Path(tmp)

@@ -1,0 +1,97 @@
+"""Odd comparator arguments: exit 2 with one line, never a silent fallback or a replaced special file."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+from pathlib import Path
+
+import pytest
+
+import dumper
+from comparator.cli import main as comparator_main
+from dumper.cliutil import guarded_main
+from dumper.errors import EXIT_INTERNAL, EXIT_OK, EXIT_UNUSABLE, InternalError
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("clib")
+    a = root / "a"
+    with dumper.capture(None, a, model_name="odd"):
+        for layer in range(2):
+            dumper.dump(f"model.layers.{layer}.self_attn.input", dumper_tensor(layer), layer=layer, point="input",
+                        positions=range(4), sequence_ids=[0] * 4)
+    b = root / "b"
+    shutil.copytree(a, b)
+    return a, b
+
+
+def dumper_tensor(seed: int):
+    import torch
+
+    return torch.randn(4, 8, generator=torch.Generator().manual_seed(seed))
+
+
+def _run(capsys, *argv) -> tuple[int, str]:
+    code = comparator_main([str(a) for a in argv])
+    err = capsys.readouterr().err
+    return code, err
+
+
+@pytest.mark.parametrize("threads", ["0", "-1", "100000"])
+def test_thread_counts_out_of_range(pair, capsys, threads):
+    code, err = _run(capsys, *pair, "--threads", threads, "--quiet")
+    assert code == EXIT_UNUSABLE and "threads must be between 1 and 256" in err and err.count("\n") == 1
+
+
+def test_an_explicit_threshold_row_must_exist(pair, capsys):
+    """A typo in --model must not fall back to the loose default thresholds."""
+    code, err = _run(capsys, *pair, "--model", "tiny-lama", "--quiet")
+    assert code == EXIT_UNUSABLE and "'tiny-lama': no such row" in err and "tiny-llama" in err
+    assert _run(capsys, *pair, "--model", "tiny-llama", "--quiet")[0] == EXIT_OK
+
+
+@pytest.mark.parametrize("flag", ["--json", "--csv", "--html", "--markdown"])
+def test_a_report_never_replaces_a_special_file(pair, capsys, tmp_path, flag):
+    target = tmp_path / "fifo"
+    os.mkfifo(target)
+    code, err = _run(capsys, *pair, "--quiet", flag, target)
+    assert code == EXIT_UNUSABLE and "not a regular file; refusing to replace it" in err
+    assert stat.S_ISFIFO(os.lstat(target).st_mode)
+
+
+def test_a_report_is_written_through_a_symlink(pair, capsys, tmp_path):
+    real = tmp_path / "real.json"
+    real.write_text("{}")
+    link = tmp_path / "link.json"
+    link.symlink_to(real)
+    assert _run(capsys, *pair, "--quiet", "--json", link)[0] == EXIT_OK
+    assert link.is_symlink() and '"passed": true' in real.read_text()
+
+
+def test_internal_errors_exit_3_with_one_line(capsys, monkeypatch):
+    def boom(argv):
+        raise InternalError("an invariant broke")
+
+    assert guarded_main(boom, []) == EXIT_INTERNAL
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "bug in driftscope" in err and "--debug" in err and "Traceback" not in err
+    assert guarded_main(boom, ["--debug"]) == EXIT_INTERNAL
+    assert "Traceback" in capsys.readouterr().err
+    monkeypatch.setenv("DRIFTSCOPE_DEBUG", "1")
+    assert guarded_main(lambda argv: (_ for _ in ()).throw(KeyError("k")), []) == EXIT_INTERNAL
+    assert "Traceback" in capsys.readouterr().err
+
+
+def test_an_oserror_without_a_file_is_a_bug_not_bad_input(capsys):
+    def boom(argv):
+        raise OSError("socket went away")
+
+    assert guarded_main(boom, []) == EXIT_INTERNAL
+    def missing(argv):
+        open("/nonexistent/driftscope-input")  # noqa: SIM115 - the OSError is the point
+
+    assert guarded_main(missing, []) == EXIT_UNUSABLE
+    assert "/nonexistent/driftscope-input" in capsys.readouterr().err
