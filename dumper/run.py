@@ -280,6 +280,10 @@ def dump_sequences(model: torch.nn.Module, seqs: list[list[int]], cfg: RunConfig
     ``cfg`` gives the output, layout, layers and logprob settings; ``cfg.model`` only names the
     model in the manifest.
     """
+    if cfg.logprobs is not None and all(len(s) - 1 <= cfg.logprobs.start_len for s in seqs):
+        raise UsageError(f"--logprobs: no prompt has a position to score (the longest has {max(map(len, seqs))} "
+                         f"tokens; --logprob-start-len {cfg.logprobs.start_len} leaves none, scored positions are "
+                         "start_len+1 .. len-1)")
     extra = {"job": "prefill", "input_ids": seqs, "dtype": cfg.dtype, "attn": cfg.attn, "seed": cfg.seed,
              "chunk_size": cfg.chunk_size, "batch_size": cfg.batch_size, "padding_side": cfg.padding_side,
              "logprobs": None if cfg.logprobs is None else vars(cfg.logprobs), **cfg.extra}
@@ -308,7 +312,7 @@ def parse_input_ids(spec: Sequence[str]) -> tuple[tuple[int, ...], ...]:
     out = []
     for s in spec:
         try:
-            out.append(tuple(int(t) for t in s.split(",") if t.strip()))
+            out.append(tuple(int(t) for t in s.split(",")))  # "1,,2" is a typo, not two tokens
         except ValueError:
             raise UsageError(f"--input-ids {s!r}: expected comma-separated integers") from None
     return tuple(out)

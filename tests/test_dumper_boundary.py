@@ -203,7 +203,7 @@ def test_selfcheck_two_token_prompt_runs_every_mode_through_the_cli(tmp_path):
     (["--new-tokens", "0"], "--new-tokens must be >= 1, got 0"),
     (["--input-ids", "5,6", "--input-ids", "999"], "prompt 1: token id 999 is outside the vocabulary [0, 384)"),
     (["--input-ids", "-1,2"], "token id -1 is outside the vocabulary"),
-    (["--input-ids", ""], "prompt 0: the prompt is empty"),
+    (["--input-ids", ""], "--input-ids '': expected comma-separated integers"),
 ])
 def test_selfcheck_inputs_that_cannot_run_exit_2(capsys, args, needle):
     _one_line(capsys, main(["selfcheck", *args]), 2, needle)
@@ -348,3 +348,16 @@ def test_multi_rank_capture_is_empty_only_when_every_rank_is(tmp_path, recording
     else:  # every rank says so (none waits forever at a barrier) and nothing complete-looking is left
         assert all(o.startswith("DumpError: ") and "recorded no tensors" in o for o in outcomes), outcomes
         assert not (out / MANIFEST_NAME).exists() and not list(out.glob("index-r*.json"))
+
+
+@pytest.mark.parametrize("spec", ["1,,2", "1,2,", ","])
+def test_input_ids_with_an_empty_item_are_a_typo(spec, capsys):
+    assert main(["run", "--out", "unused", "--input-ids", spec, "--quiet"]) == 2
+    assert "expected comma-separated integers" in capsys.readouterr().err
+
+
+def test_logprobs_with_nothing_to_score_are_refused_and_leave_no_dump(tmp_path, capsys):
+    out = tmp_path / "o"
+    code = main(["run", "--out", str(out), "--logprobs", "--logprob-start-len", "100000", "--quiet"])
+    assert code == 2 and "no prompt has a position to score" in capsys.readouterr().err
+    assert not out.exists()
