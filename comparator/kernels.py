@@ -315,7 +315,8 @@ def row_stats_reference(x: np.ndarray, y: np.ndarray, dtype: str, *, scaled: boo
         row_abs = e.sum(1)
     ok = np.isfinite(row_abs)
     scaled_abs = np.abs(d).sum(1)
-    sum_abs, sum_exp = sum_scaled(zip(np.where(ok, row_abs, scaled_abs).tolist(), np.where(ok, 0, k[:, 0]).tolist()))
+    sum_abs, sum_exp = sum_scaled(zip(np.where(ok, row_abs, scaled_abs).tolist(),
+                                      np.where(ok, 0, k[:, 0]).tolist(), strict=True))
     max_abs = float(e.max(initial=0.0))
     stats = BlockStats(
         row=np.ascontiguousarray(row, dtype=np.float64).reshape(rows, 5),

@@ -384,7 +384,7 @@ class FsspecBackend(Backend):
             return {}
         got = self.fs.cat_ranges([self._p(rel) for rel in rels], 0, max_bytes + 1, on_error="return")
         out: dict[str, ReadResult] = {}
-        for rel, value in zip(rels, got):
+        for rel, value in zip(rels, got, strict=True):
             where = f"{self.url}/{rel}"
             if isinstance(value, FileNotFoundError) or value is None:
                 out[rel] = None
