@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 
 from rich.console import Console
 
+from dumper.cliutil import silence_stdout
 from dumper.errors import UsageError
 
 __all__ = ["logprob_thresholds", "write_output", "stdout_console"]
@@ -38,6 +39,18 @@ def write_output(path: str | None, write: Callable[[str], None]) -> None:
             raise UsageError(f"{path}: cannot write the report ({e.strerror})") from None
 
 
+class _PipeConsole(Console):
+    """A console whose reader may go away (``comparator A B | head -1``) without changing the exit code.
+
+    rich's default exits 1 on a broken pipe, which CI would read as a divergence; this one sends
+    the rest of the output to /dev/null and lets the command finish, so it exits with its verdict.
+    """
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        silence_stdout()
+
+
 def stdout_console() -> Console:
     """A console on stdout, 160 columns wide when stdout is not a terminal."""
-    return Console(stderr=False, width=None if sys.stdout.isatty() else 160)
+    return _PipeConsole(stderr=False, width=None if sys.stdout.isatty() else 160)

@@ -14,6 +14,7 @@ the dump size.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 from dataclasses import replace
@@ -224,7 +225,7 @@ def compare_dumps(baseline: str | os.PathLike[str], target: str | os.PathLike[st
     notes = check_identity(br.manifest, tr.manifest, allow_mismatch=config.allow_model_mismatch,
                            where=f"{tr.directory} vs baseline {br.directory}")
     verdict = _logprob_verdict(br, tr, config)
-    bm, tm = _hidden(br.manifest), _hidden(tr.manifest)
+    (bm, empty_b), (tm, empty_t) = _hidden(br.manifest), _hidden(tr.manifest)
     by_rows, by_pass = split_by_mode(bm, tm)
     base_lts = logical_tensors(bm, by_rows, str(br.directory))
     targ_lts = logical_tensors(tm, by_rows, str(tr.directory))
@@ -235,6 +236,7 @@ def compare_dumps(baseline: str | os.PathLike[str], target: str | os.PathLike[st
                           for n, c, s in base_lts.keys() - targ_lts.keys()] + [_label(k) for k in only_b])
     unmatched_t = sorted([f"{n}#{c}[sequence={s}]" if c else f"{n}[sequence={s}]"
                           for n, c, s in targ_lts.keys() - base_lts.keys()] + [_label(k) for k in only_t])
+    empty = sorted(set(empty_b) | set(empty_t))  # no elements, nothing to compare: said, never counted as matched
     if verdict is None:  # logprobs recorded on one side only were not compared either
         unmatched_b += [LOGPROB_POINT] if _has_logprobs(br.manifest) else []
         unmatched_t += [LOGPROB_POINT] if _has_logprobs(tr.manifest) else []
@@ -242,8 +244,8 @@ def compare_dumps(baseline: str | os.PathLike[str], target: str | os.PathLike[st
     if not total and (verdict is None or bm.tensors or tm.tensors):  # logprob-only dumps have no hidden tensors
         raise NotComparableError(
             f"{tr.directory}: zero tensors match the baseline {br.directory} "
-            f"({len(unmatched_b)} baseline-only, {len(unmatched_t)} target-only, "
-            f"e.g. {unmatched_b[:1]} vs {unmatched_t[:1]})")
+            f"({len(unmatched_b)} baseline-only, {len(unmatched_t)} target-only, {len(empty)} empty"
+            f"{f', e.g. {unmatched_b[:1]} vs {unmatched_t[:1]}' if unmatched_b or unmatched_t else ''})")
     if config.require_all and (unmatched_b or unmatched_t):
         raise NotComparableError(
             f"{tr.directory}: {len(unmatched_b)} tensors only in the baseline {br.directory} "
@@ -270,6 +272,7 @@ def compare_dumps(baseline: str | os.PathLike[str], target: str | os.PathLike[st
         unmatched_baseline=tuple(unmatched_b), unmatched_target=tuple(unmatched_t),
         first_divergent=first_divergent, replica_mismatches=tuple(replicas), logprobs=verdict,
         environment={"baseline": bm.environment, "target": tm.environment}, heatmap=heatmap, notes=notes,
+        empty_tensors=tuple(empty),
     )
 
 
@@ -277,10 +280,18 @@ def _has_logprobs(manifest: Manifest) -> bool:
     return any(r.point == LOGPROB_POINT for r in manifest.tensors)
 
 
-def _hidden(manifest: Manifest) -> Manifest:
-    """The manifest without its logprob and logits rows, which get a verdict of their own."""
-    keep = tuple(r for r in manifest.tensors if r.point not in (LOGPROB_POINT, LOGITS_POINT))
-    return manifest if len(keep) == len(manifest.tensors) else replace(manifest, tensors=keep)
+def _hidden(manifest: Manifest) -> tuple[Manifest, list[str]]:
+    """The manifest without its logprob and logits rows (they get a verdict of their own) and without
+    tensors of no elements, which are returned as labels (``name[pass=P,rank=R]``)."""
+    keep, empty = [], []
+    for r in manifest.tensors:
+        if r.point in (LOGPROB_POINT, LOGITS_POINT):
+            continue
+        if math.prod(r.shape) == 0:
+            empty.append(_label((r.name, r.forward_pass, r.rank, r.call)))
+        else:
+            keep.append(r)
+    return (manifest if len(keep) == len(manifest.tensors) else replace(manifest, tensors=tuple(keep))), empty
 
 
 def _logprob_verdict(br: DumpReader, tr: DumpReader, config: CompareConfig) -> LogprobVerdict | None:

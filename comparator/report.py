@@ -190,6 +190,8 @@ class Report:
     """Per-token rel_diff around the first divergence (None when nothing diverged)."""
     notes: tuple[str, ...] = ()
     """What the verdict must say besides the numbers: different weights, an allowed model mismatch."""
+    empty_tensors: tuple[str, ...] = ()
+    """Tensors with no elements (on either side): nothing to compare, so never counted as matched."""
 
     @property
     def matched(self) -> int:
@@ -205,11 +207,11 @@ class Report:
         return self.passed
 
     def unmatched_note(self) -> str | None:
-        """``"3 tensors only in the baseline, 1 only in the target: not compared"``, or None when all matched."""
-        nb, nt = len(self.unmatched_baseline), len(self.unmatched_target)
-        if not nb and not nt:
-            return None
-        return f"{nb} tensors only in the baseline, {nt} only in the target: not compared"
+        """``"3 tensors only in the baseline, 1 only in the target, 2 empty tensors: not compared"``, or None."""
+        nb, nt, ne = len(self.unmatched_baseline), len(self.unmatched_target), len(self.empty_tensors)
+        parts = [f"{nb} tensors only in the baseline, {nt} only in the target"] if nb or nt else []
+        parts += [f"{ne} empty tensors"] if ne else []
+        return f"{', '.join(parts)}: not compared" if parts else None
 
     def layers(self) -> list[LayerSummary]:
         """Per-layer summaries in layer order (tensors without a layer last)."""
@@ -249,6 +251,7 @@ class Report:
             "environment": self.environment,
             "heatmap": self.heatmap.to_json() if self.heatmap is not None else None,
             "notes": list(self.notes),
+            "empty_tensors": list(self.empty_tensors),
         }
 
     @classmethod
@@ -265,6 +268,7 @@ class Report:
             environment=dict(d.get("environment", {})),
             heatmap=Heatmap.from_json(d["heatmap"]) if d.get("heatmap") else None,
             notes=tuple(d.get("notes", ())),
+            empty_tensors=tuple(d.get("empty_tensors", ())),
         )
 
     def write_json(self, path: str | os.PathLike[str]) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import traceback
 from collections.abc import Callable, Sequence
@@ -10,8 +11,10 @@ from collections.abc import Callable, Sequence
 from .errors import EXIT_INTERNAL, EXIT_UNUSABLE, DriftscopeError, UsageError
 from .settings import env_settings
 
-__all__ = ["Parser", "guarded_main", "DEBUG_FLAG"]
+__all__ = ["Parser", "guarded_main", "DEBUG_FLAG", "silence_stdout", "EXIT_BROKEN_PIPE"]
 
+EXIT_BROKEN_PIPE = 141
+"""What a shell reports for a process killed by SIGPIPE (128 + 13): the reader of stdout went away."""
 DEBUG_FLAG = "--debug"
 """Accepted anywhere on either CLI's command line: print the traceback of an internal error."""
 
@@ -60,6 +63,9 @@ def guarded_main(run: Callable[[Sequence[str] | None], int], argv: Sequence[str]
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `python -m dumper ls D | head`: not a bug, not a divergence
+        silence_stdout()
+        return EXIT_BROKEN_PIPE
     except OSError as e:
         if e.filename is None:  # not about a file the user named: a bug, not bad input
             return _internal(e, debug)
@@ -80,3 +86,13 @@ def _internal(e: BaseException, debug: bool) -> int:
     print(f"internal error: {type(e).__name__}{': ' + detail if detail else ''} -- this is a bug in driftscope; "
           f"please report it{'' if debug else ' (rerun with --debug for the traceback)'}", file=sys.stderr)
     return EXIT_INTERNAL
+
+
+def silence_stdout() -> None:
+    """Point stdout at /dev/null once its reader went away, so later writes and the exit flush cannot fail."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass

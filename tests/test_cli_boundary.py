@@ -95,3 +95,66 @@ def test_an_oserror_without_a_file_is_a_bug_not_bad_input(capsys):
 
     assert guarded_main(missing, []) == EXIT_UNUSABLE
     assert "/nonexistent/driftscope-input" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def wide_pair(tmp_path_factory) -> tuple[Path, Path]:
+    """Dumps of 1,500 small tensors: ``--tensors`` and ``ls --tensors`` print far more than a pipe holds."""
+    import torch
+
+    root = tmp_path_factory.mktemp("wide")
+    a = root / "a"
+    with dumper.capture(None, a, model_name="wide"):
+        for i in range(1500):
+            dumper.dump(f"model.layers.{i}.self_attn.input", torch.ones(2, 4), layer=i, point="input",
+                        positions=[0, 1], sequence_ids=[0, 0])
+    b = root / "b"
+    shutil.copytree(a, b)
+    return a, b
+
+
+def _first_line_then_close(*args: str | os.PathLike[str]) -> int:
+    """Run a CLI, read one line of its stdout, close the pipe (as ``| head -1`` does), return its exit code."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    p = subprocess.Popen([sys.executable, "-m", *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         env=env)
+    assert p.stdout is not None and p.stdout.readline()
+    p.stdout.close()
+    _, err = p.communicate(timeout=120)
+    assert b"Traceback" not in err and b"internal error" not in err, err
+    return p.returncode
+
+
+def test_a_reader_that_goes_away_does_not_change_the_verdict(wide_pair):
+    """``comparator A B --tensors | head -1`` under pipefail: the exit code is still the verdict (rich would exit 1)."""
+    assert _first_line_then_close("comparator", *wide_pair, "--tensors") == EXIT_OK
+
+
+def test_a_reader_that_goes_away_is_sigpipe_not_a_bug(wide_pair):
+    from dumper.cliutil import EXIT_BROKEN_PIPE
+
+    assert _first_line_then_close("dumper", "ls", wide_pair[0], "--tensors") == EXIT_BROKEN_PIPE
+
+
+def test_empty_tensors_are_said_and_never_counted_as_matched(tmp_path, capsys):
+    import torch
+
+    a = tmp_path / "a"
+    with dumper.capture(None, a, model_name="empty"):
+        dumper.dump("x", torch.ones(2, 4), layer=0, point="input", positions=[0, 1], sequence_ids=[0, 0])
+        dumper.dump("e", torch.ones(0, 4), layer=1, point="input")
+    b = tmp_path / "b"
+    shutil.copytree(a, b)
+    code = comparator_main([str(a), str(b), "--quiet"])
+    assert code == EXIT_OK and capsys.readouterr().out.strip() == "PASS (1 empty tensors: not compared)"
+    only = tmp_path / "only"
+    with dumper.capture(None, only, model_name="empty"):
+        dumper.dump("e", torch.ones(0, 4), layer=1, point="input")
+    shutil.copytree(only, tmp_path / "only2")
+    code, err = _run(capsys, only, tmp_path / "only2")
+    assert code == EXIT_UNUSABLE and "zero tensors match" in err and "1 empty" in err
