@@ -55,10 +55,10 @@ class PairStats:
 
 
 def _as_2d(a: np.ndarray) -> np.ndarray:
-    """View as [rows, last dim]; a 0-d or 1-d tensor is one row."""
+    """View as [rows, last dim]; a 0-d or 1-d tensor is one row (rows spelled out: -1 fails for a 0 last dim)."""
     if a.ndim <= 1:
         return a.reshape(1, -1)
-    return a.reshape(-1, a.shape[-1])
+    return a.reshape(math.prod(a.shape[:-1]), a.shape[-1])
 
 
 class StatsAccumulator:

@@ -40,6 +40,19 @@ def join_dash_values(argv: Sequence[str]) -> list[str]:
     return out
 
 
+def _seed(text: str) -> int:
+    """``--seed`` value: an integer in 0..2^63-1 (what ``torch.manual_seed`` and the manifest's int64 hold)."""
+    from .run import MAX_SEED
+
+    try:
+        seed = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if not 0 <= seed <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"must be in 0..{MAX_SEED}, got {text}")
+    return seed
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="python -m dumper", description="Capture hidden states of a model into a dump directory.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
@@ -56,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="layer spec: all, first, last, every:N, 3, -1, 2..5, -3..-1 (default first,last,every:8)")
     r.add_argument("--modules", default=None, help="fnmatch pattern of modules to hook instead of self-attention")
     r.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
-    r.add_argument("--seed", type=int, default=0, help="seed for preset weights (default 0)")
+    r.add_argument("--seed", type=_seed, default=0, help="seed for preset weights (default 0)")
     r.add_argument("--chunk-size", type=int, default=None,
                    help="prefill in chunks of N tokens through the KV cache (one forward pass per chunk)")
     r.add_argument("--batch-size", type=int, default=1, help="prompts per forward pass, padded (default 1)")
@@ -78,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     sc.add_argument("--attn", default="eager", choices=["eager", "sdpa"])
     sc.add_argument("--device", default="cpu")
-    sc.add_argument("--seed", type=int, default=0)
+    sc.add_argument("--seed", type=_seed, default=0)
     sc.add_argument("--json", metavar="FILE", help="write the results as JSON")
     ls = sub.add_parser("ls", help="show what a dump holds")
     ls.add_argument("dir", help="dump directory")

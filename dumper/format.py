@@ -488,7 +488,8 @@ class DumpReader:
         a = self._rows.get(key)
         if a is None or rec.file not in self._open:
             a = self.array(rec)
-            a = a.reshape(-1, a.shape[-1]) if a.ndim >= 2 else a.reshape(1, -1)
+            # [rows, last dim]; rows spelled out, as -1 cannot be inferred when the last dim is 0
+            a = a.reshape(math.prod(a.shape[:-1]), a.shape[-1]) if a.ndim >= 2 else a.reshape(1, -1)
             if len(self._rows) >= 4 * self.max_open:
                 self._rows.clear()
             self._rows[key] = a

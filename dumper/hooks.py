@@ -22,6 +22,7 @@ import functools
 import itertools
 import json
 import math
+import operator
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -32,7 +33,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .errors import DriftscopeError, DumpError, InternalError, UsageError
+from .errors import CorruptDumpError, DriftscopeError, DumpError, InternalError, UsageError
 from .fingerprint import environment_fingerprint, model_identity
 from .format import (
     FORMAT_VERSION,
@@ -46,6 +47,7 @@ from .format import (
 )
 from .layers import find_targets
 from .settings import env_settings
+from .validate import check_extra, first_bad_text
 from .writer import ShardWriter
 
 __all__ = ["Capture", "capture", "dump", "step", "active_capture", "ATTN_INPUT"]
@@ -142,6 +144,66 @@ class _PassRows:
         return self
 
 
+def _checked_extra(extra: dict[str, Any] | None) -> dict[str, Any]:
+    """``extra`` as the JSON the manifest will hold, refused now (not at exit) where the reader would refuse it."""
+    try:
+        out = json.loads(json.dumps(dict(extra or {}), allow_nan=False))
+        check_extra(out, "capture(extra=...)")
+    except (TypeError, ValueError) as e:
+        raise UsageError(f"capture(extra=...): not storable as JSON ({e})") from None
+    except CorruptDumpError as e:
+        raise UsageError(str(e)) from None
+    return out
+
+
+def _checked_args(name: Any, shape: tuple[int, ...], layer: Any, point: Any, shard_dim: Any,
+                  meta: dict[str, Any]) -> tuple[int | None, int | None, dict[str, Any]]:
+    """Validate what :meth:`Capture.record` stores beside the data; return (layer, shard_dim, meta) as stored.
+
+    Refused here, in the caller's frame, is everything the reader would refuse in the manifest
+    (:mod:`dumper.validate`): a name that is not non-empty text, a non-integer layer (numpy and
+    torch integer scalars are integers, ``True`` is not), a non-text point, and a tensor of
+    rows but no columns, which the reader cannot tell from one declaring 2^31 rows to make the
+    aligner allocate (it asks a byte of file per row).
+    """
+    if type(name) is not str or not name or not name.isprintable() or first_bad_text(name, "name") is not None:
+        raise UsageError(f"dump({name!r}): the name must be a non-empty string of printable, valid Unicode")
+    if len(shape) > 1 and shape[-1] == 0 and math.prod(shape[:-1]) > 0:
+        raise UsageError(f"dump({name!r}): shape {list(shape)} has rows but a last dim of 0; a dump cannot "
+                         "hold such a zero-width tensor (skip it: it holds no values)")
+    layer, shard_dim = _index(name, "layer", layer), _index(name, "shard_dim", shard_dim)
+    if point is not None and (type(point) is not str or first_bad_text(point, "point") is not None):
+        raise UsageError(f"dump({name!r}): point must be a string or None, got {point!r}")
+    if shard_dim is not None:
+        if not -len(shape) <= shard_dim < len(shape):
+            raise UsageError(f"dump({name!r}): shard_dim {shard_dim} is out of range for shape {list(shape)}")
+        shard_dim %= len(shape)
+    stored: dict[str, Any] = {}
+    for k, v in meta.items():
+        v = v if isinstance(v, (str, int, float, bool, type(None))) else str(v)
+        if isinstance(v, float) and not math.isfinite(v) or isinstance(v, str) and first_bad_text(v, k) is not None \
+                or first_bad_text(k, k) is not None:
+            raise UsageError(f"dump({name!r}): meta {k!r}={v!r} cannot be stored (JSON needs finite numbers "
+                             "and valid Unicode text)")
+        stored[k] = v
+    return layer, shard_dim, stored
+
+
+def _index(name: str, what: str, v: Any) -> int | None:
+    """``v`` as a Python int (any integer scalar, via ``operator.index``), or None; a bool or non-integer raises."""
+    if v is None:
+        return None
+    try:
+        if isinstance(v, (bool, np.bool_)) or isinstance(v, torch.Tensor) and v.dtype == torch.bool:
+            raise TypeError
+        i = operator.index(v)
+    except TypeError:
+        raise UsageError(f"dump({name!r}): {what} must be an integer or None, got {v!r}") from None
+    if not -(1 << 63) <= i < 1 << 63:
+        raise UsageError(f"dump({name!r}): {what} {i} is out of the int64 range")
+    return i
+
+
 class Capture:
     """A scoped capture into one dump directory; use :func:`capture` to create it.
 
@@ -154,7 +216,9 @@ class Capture:
         self.model = model
         self.out_dir = Path(out_dir)
         self.rank, self.world_size = _dist_rank_world()
-        self.extra = dict(extra or {})
+        self.extra = _checked_extra(extra)
+        if model_name is not None and first_bad_text(model_name, "model_name") is not None:
+            raise UsageError(f"capture(model_name={model_name!r}): expected valid Unicode text")
         self._shard_bytes = shard_bytes
         self._targets, self._num_layers = (find_targets(model, layers=layers, modules=modules)
                                            if model is not None else ([], 0))
@@ -384,10 +448,7 @@ class Capture:
         if tensor.dtype not in _STORAGE:
             raise UsageError(f"dump({name!r}): dtype {tensor.dtype} cannot be stored")
         shape = tuple(int(s) for s in tensor.shape)
-        if shard_dim is not None:
-            if not -len(shape) <= shard_dim < len(shape):
-                raise UsageError(f"dump({name!r}): shard_dim {shard_dim} is out of range for shape {list(shape)}")
-            shard_dim %= len(shape)
+        layer, shard_dim, meta = _checked_args(name, shape, layer, point, shard_dim, meta)
         rows = math.prod(shape[:-1]) if len(shape) > 1 else 1
         ctx = self._rows
         if positions is None and sequence_ids is None and ctx is not None and len(shape) == 3 \
@@ -403,7 +464,7 @@ class Capture:
             forward_pass=forward_pass, rank=self.rank, call=call, layer=layer, point=point,
             positions=_as_runs(positions, rows, "positions"),
             sequence_ids=_as_runs(sequence_ids, rows, "sequence_ids"), shard_dim=shard_dim,
-            meta={k: (v if isinstance(v, (str, int, float, bool, type(None))) else str(v)) for k, v in meta.items()},
+            meta=meta,
         ))
 
 

@@ -45,6 +45,10 @@ BUILTIN_PROMPTS = (
 )
 
 
+MAX_SEED = (1 << 63) - 1
+"""Largest ``--seed``: :func:`torch.manual_seed` takes 64 bits, and the manifest keeps integers within int64."""
+
+
 @dataclass(frozen=True)
 class RunConfig:
     """What ``python -m dumper run`` does; defaults give the no-network tiny-preset job."""
@@ -70,6 +74,8 @@ class RunConfig:
             raise UsageError(f"--chunk-size must be >= 1, got {self.chunk_size}")
         if self.batch_size < 1:
             raise UsageError(f"--batch-size must be >= 1, got {self.batch_size}")
+        if not 0 <= self.seed <= MAX_SEED:
+            raise UsageError(f"--seed must be in 0..{MAX_SEED} (a torch.manual_seed int64), got {self.seed}")
         if self.padding_side not in ("left", "right"):
             raise UsageError(f"--padding-side must be left or right, got {self.padding_side!r}")
 

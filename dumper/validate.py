@@ -17,7 +17,9 @@ comparison of the wrong bytes (which would read as a regression). The rules:
   format defines (the top level and each tensor record) admit no unknown keys, since a reader
   that skipped one could misread the dump: free-form data belongs in ``extra`` or a record's
   ``meta``. The descriptive objects (``model``, ``capture_signature``, ``environment``) keep
-  keys this version does not know, and the fields it reads are type-checked.
+  keys this version does not know, and the fields it reads are type-checked. Every string and
+  key anywhere in them, in ``extra`` and in a record's ``meta`` must be valid Unicode (a JSON
+  escape can give a lone surrogate, which no report could print).
 * **Sizes before allocation.** A record's bytes (``prod(shape) * itemsize``, and at least one byte
   per row, so a zero-width tensor cannot declare 2^31 rows) must fit in its data file together
   with the other records of that file, checked against the declared file size before anything
@@ -62,6 +64,8 @@ __all__ = [
     "regular_file_in",
     "check_manifest",
     "check_header",
+    "check_extra",
+    "first_bad_text",
     "HeaderEntry",
 ]
 
@@ -153,6 +157,45 @@ def _is_text(v: Any) -> bool:
     except UnicodeEncodeError:
         return False
     return True
+
+
+def first_bad_text(value: Any, field: str) -> str | None:
+    """The path (``field.key[3]``) of the first key or string inside ``value`` that is not :func:`_is_text`.
+
+    Walks parsed JSON (dicts, lists, scalars) with an explicit stack, so nesting that
+    :func:`json.loads` accepted cannot overflow it; only strings cost a check, so a long list
+    of token ids stays cheap. ``None`` when every string can be printed and written as UTF-8.
+    """
+    stack: list[tuple[Any, str]] = [(value, field)]
+    while stack:
+        v, path = stack.pop()
+        if type(v) is dict:
+            for k, x in v.items():
+                if not _is_text(k):
+                    return f"{path} key {_show(k)}"
+                if type(x) is str:
+                    if not x.isascii() and not _is_text(x):
+                        return f"{path}.{k}"
+                elif type(x) is dict or type(x) is list:
+                    stack.append((x, f"{path}.{k}"))
+        elif type(v) is list:
+            for j, x in enumerate(v):
+                if type(x) is str:
+                    if not x.isascii() and not _is_text(x):
+                        return f"{path}[{j}]"
+                elif type(x) is dict or type(x) is list:
+                    stack.append((x, f"{path}[{j}]"))
+        elif type(v) is str and not _is_text(v):
+            return path
+    return None
+
+
+def _check_text(value: Any, where: str, field: str) -> None:
+    """Raise naming the first string or key inside ``value`` that cannot be printed (see :func:`first_bad_text`)."""
+    bad = first_bad_text(value, field)
+    if bad is not None:
+        raise CorruptDumpError(f"{where}: {bad}: expected text, got a string that is not valid Unicode "
+                               "(a lone surrogate escape such as \\ud800)")
 
 
 # -- paths -------------------------------------------------------------------------------------
@@ -270,6 +313,21 @@ def _fields(d: dict, where: str, field: str, ints: tuple[str, ...] = (), strs: t
                 raise _bad(where, f"{field}.{k}[{j}]", "an integer" if k in int_lists else "a string", x)
 
 
+def check_extra(extra: Any, where: str) -> None:
+    """Validate a manifest's ``extra``: an object of valid-Unicode text whose ``input_ids``, if any, are token id lists.
+
+    The dumper runs it on what it is given, so that it never writes an ``extra`` the reader refuses.
+    """
+    _check_text(_object(extra, where, "extra"), where, "extra")
+    ids = extra.get("input_ids")
+    if ids is not None:
+        if type(ids) is not list:
+            raise _bad(where, "extra.input_ids", "a list of token id lists", ids)
+        for s, seq in enumerate(ids):
+            if type(seq) is not list or not all(type(t) is int and t >= 0 for t in seq):
+                raise _bad(where, f"extra.input_ids[{s}]", "a list of integers >= 0", seq)
+
+
 def _check_top(raw: dict, where: str) -> None:
     _keys(where, "top level", raw, _TOP_REQUIRED, _TOP_ALLOWED)
     _str(raw["created_at"], where, "created_at")
@@ -282,14 +340,9 @@ def _check_top(raw: dict, where: str) -> None:
     for k, v in _object(raw["environment"], where, "environment").items():
         if not isinstance(v, _SCALARS) or type(v) is str and not _is_text(v):
             raise _bad(where, f"environment.{k}", "a string, number, boolean or null", v)
-    extra = _object(raw.get("extra", {}), where, "extra")
-    ids = extra.get("input_ids")
-    if ids is not None:
-        if type(ids) is not list:
-            raise _bad(where, "extra.input_ids", "a list of token id lists", ids)
-        for s, seq in enumerate(ids):
-            if type(seq) is not list or not all(type(t) is int and t >= 0 for t in seq):
-                raise _bad(where, f"extra.input_ids[{s}]", "a list of integers >= 0", seq)
+    for field in ("model", "capture_signature", "environment"):
+        _check_text(raw[field], where, field)
+    check_extra(raw.get("extra", {}), where)
     files = _object(raw["files"], where, "files")
     for name, size in files.items():
         check_plain_name(name, where, f"files[{_show(name)}]")
@@ -334,10 +387,11 @@ def _check_record(d: Any, i: int, where: str, files: Mapping[str, int], itemsize
     name, key, file, dtype, shape, fp = d["name"], d["key"], d["file"], d["dtype"], d["shape"], d["forward_pass"]
     rank, call, layer, point, sd, meta = get("rank", 0), get("call", 0), get("layer"), get("point"), \
         get("shard_dim"), get("meta", {})
-    if type(name) is not str or not name or not name.isascii() and not _is_text(name):
-        raise _bad(where, f"tensors[{i}].name", "a non-empty string", name)
-    if type(key) is not str or not key or not key.isascii() and not _is_text(key):
-        raise _bad(where, f"tensors[{i}].key", "a non-empty string", key)
+    # names are printed in terminals: no control characters (an ESC sequence would drive the terminal)
+    if type(name) is not str or not name or not name.isprintable() or not name.isascii() and not _is_text(name):
+        raise _bad(where, f"tensors[{i}].name", "a non-empty string of printable characters", name)
+    if type(key) is not str or not key or not key.isprintable() or not key.isascii() and not _is_text(key):
+        raise _bad(where, f"tensors[{i}].key", "a non-empty string of printable characters", key)
     if type(file) is not str or file not in files:
         raise _bad(where, f"tensors[{i}].file", "a file listed in files", file)
     if type(dtype) is not str or dtype not in itemsize:
@@ -361,6 +415,8 @@ def _check_record(d: Any, i: int, where: str, files: Mapping[str, int], itemsize
         raise _bad(where, f"tensors[{i}].shard_dim", f"null or a dim index below {len(shape)}", sd)
     if type(meta) is not dict or meta and not all(isinstance(v, _SCALARS) for v in meta.values()):
         raise _bad(where, f"tensors[{i}].meta", "an object of strings, numbers, booleans or nulls", meta)
+    if meta:
+        _check_text(meta, where, f"tensors[{i}].meta")
     rows = math.prod(shape[:-1]) if len(shape) > 1 else 1
     for k in ("positions", "sequence_ids"):
         runs = get(k)

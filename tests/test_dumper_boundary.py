@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -361,3 +362,68 @@ def test_logprobs_with_nothing_to_score_are_refused_and_leave_no_dump(tmp_path, 
     code = main(["run", "--out", str(out), "--logprobs", "--logprob-start-len", "100000", "--quiet"])
     assert code == 2 and "no prompt has a position to score" in capsys.readouterr().err
     assert not out.exists()
+
+
+# -- what the writer writes, the reader reads ---------------------------------------------------
+@pytest.mark.parametrize("name, tensor, kw, match", [
+    ("t", torch.zeros(5000, 0), {}, "shape [5000, 0] has rows but a last dim of 0"),
+    ("t", torch.zeros(2, 3, 0), {}, "shape [2, 3, 0] has rows"),
+    ("", torch.zeros(2, 2), {}, "non-empty string"),
+    ("\ud800", torch.zeros(2, 2), {}, "valid Unicode"),
+    ("a\x1b[31mb", torch.zeros(2, 2), {}, "printable"),
+    ("t", torch.zeros(2, 2), {"layer": "3"}, "layer must be an integer"),
+    ("t", torch.zeros(2, 2), {"layer": True}, "layer must be an integer"),
+    ("t", torch.zeros(2, 2), {"layer": 2.0}, "layer must be an integer"),
+    ("t", torch.zeros(2, 2), {"point": 5}, "point must be a string"),
+    ("t", torch.zeros(2, 2), {"shard_dim": "1"}, "shard_dim must be an integer"),
+    ("t", torch.zeros(2, 2), {"scale": float("nan")}, "meta 'scale'"),
+    ("t", torch.zeros(2, 2), {"tag": "\ud800"}, "meta 'tag'"),
+])
+def test_dump_refuses_what_the_reader_would_refuse(tmp_path, name, tensor, kw, match):
+    out = tmp_path / "d"
+    with pytest.raises(UsageError, match=re.escape(match)):
+        with dumper.capture(None, out):
+            dumper.dump("ok", torch.ones(2, 2))
+            dumper.dump(name, tensor, **kw)
+    assert not (out / MANIFEST_NAME).exists()
+
+
+def test_dump_stores_integer_scalars_and_empty_tensors_readably(tmp_path):
+    import numpy as np
+
+    from dumper.format import DumpReader
+
+    out = tmp_path / "d"
+    with dumper.capture(None, out):
+        dumper.dump("a", torch.ones(2, 4), layer=np.int64(3), shard_dim=np.int32(-1))
+        dumper.dump("b", torch.ones(2, 4), layer=torch.tensor(5), point="input")
+        dumper.dump("rows0", torch.zeros(0, 8))
+        dumper.dump("empty1d", torch.zeros(0))
+    m = load_manifest(out)
+    by = {t.name: t for t in m.tensors}
+    assert (by["a"].layer, by["a"].shard_dim, by["b"].layer) == (3, 1, 5)
+    assert type(by["a"].layer) is int and type(by["b"].layer) is int
+    reader = DumpReader(out, m)
+    assert reader.rows(by["rows0"]).shape == (0, 8) and reader.rows(by["empty1d"]).shape == (1, 0)
+
+
+def test_capture_refuses_an_extra_the_reader_would_refuse(tmp_path):
+    for extra, match in [({"input_ids": [1, 2]}, "extra.input_ids[0]"), ({"p": "\ud800"}, "extra.p"),
+                         ({"x": float("inf")}, "not storable as JSON"), ({"x": object()}, "not storable")]:
+        with pytest.raises(UsageError, match=re.escape(match)):
+            dumper.capture(None, tmp_path / "d", extra=extra)
+    with dumper.capture(None, tmp_path / "ok", extra={"input_ids": [(1, 2)]}):
+        dumper.dump("t", torch.ones(1, 2))
+    assert load_manifest(tmp_path / "ok").extra["input_ids"] == [[1, 2]]
+
+
+@pytest.mark.parametrize("cmd", ["run", "selfcheck"])
+@pytest.mark.parametrize("seed", ["99999999999999999999999", "-1", str(1 << 63)])
+def test_out_of_range_seed_is_a_usage_error(tmp_path, capsys, cmd, seed):
+    args = [cmd, f"--seed={seed}"] + (["--out", str(tmp_path / "d")] if cmd == "run" else [])
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "--seed" in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "d").exists()
+    with pytest.raises(UsageError, match="--seed"):
+        RunConfig(out=str(tmp_path / "d"), seed=int(seed))

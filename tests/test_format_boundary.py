@@ -157,6 +157,8 @@ L1 = "model.layers.1.self_attn.input"
                  id="dtype"),
     pytest.param(lambda m: tensor(m, L0).update(name=7), "tensors[0].name: expected a non-empty string", "7",
                  id="name-int"),
+    pytest.param(lambda m: tensor(m, L0).update(name="x\x1b[2Jy"), "tensors[0].name: expected a non-empty string of "
+                 "printable characters", '"x\\u001b[2Jy"', id="name-terminal-escape"),
     pytest.param(lambda m: tensor(m, L0).update(name="\ud800"), "tensors[0].name: expected a non-empty string",
                  '"\\ud800"', id="name-lone-surrogate"),
     pytest.param(lambda m: tensor(m, L0).update(meta=[1]), "tensors[0].meta: expected an object", "[1]",
@@ -598,3 +600,59 @@ def test_the_json_memory_budget_can_be_raised_for_a_huge_real_dump(tmp_path, mon
     monkeypatch.setenv("DRIFTSCOPE_JSON_MEMORY_MIB", "0")
     with pytest.raises(UsageError, match="DRIFTSCOPE_JSON_MEMORY_MIB"):
         load_manifest(src)
+
+
+# -- zero-width tensors, lone surrogates --------------------------------------------------------
+def _zero_width_dump(src: Path, dst: Path, rows: int) -> Path:
+    """A copy of ``src`` whose logits tensor became a complete, consistent F32 ``[rows, 0]`` (a hand edit)."""
+    shutil.copytree(src, dst)
+    m = json.loads((dst / MANIFEST_NAME).read_text())
+    rec = tensor(m, "logits", forward_pass=2)
+    header, data = header_of(dst / rec["file"])
+    begin, end = header[rec["key"]]["data_offsets"]
+    for info in header.values():
+        if isinstance(info, dict) and "data_offsets" in info and info["data_offsets"][0] >= end:
+            info["data_offsets"] = [o - (end - begin) for o in info["data_offsets"]]
+    header[rec["key"]] = {"dtype": "F32", "shape": [rows, 0], "data_offsets": [begin, begin]}
+    rewrite_header(dst, rec["file"], header, data[:begin] + data[end:])
+    m2 = json.loads((dst / MANIFEST_NAME).read_text())
+    tensor(m2, "logits", forward_pass=2).update(shape=[rows, 0], dtype="F32")
+    (dst / MANIFEST_NAME).write_text(json.dumps(m2))
+    return dst
+
+
+def test_zero_width_tensors_read_as_rows_of_nothing(tmp_path, small):
+    from comparator.metrics import pair_stats
+
+    dump = _zero_width_dump(small, tmp_path / "zw", rows=3)
+    m = load_manifest(dump)
+    rec = next(t for t in m.tensors if t.name == "logits")
+    rows = DumpReader(dump, m).rows(rec)
+    assert rows.shape == (3, 0)
+    stats = pair_stats(rows, rows, "F32")
+    assert stats.token_rel_diff.shape == (3,) and stats.max_abs_diff == 0.0
+    read_everything(dump)
+
+
+def test_lone_surrogates_in_descriptive_objects_are_corrupt(tmp_path, capsys, small):
+    def setter(path: str) -> Callable[[dict], None]:
+        def edit(m: dict) -> None:
+            *parents, last = path.split(".")
+            d = m
+            for p in parents:
+                d = d.setdefault(p, {})
+            d[last] = "\ud800"
+        return edit
+
+    cases = {"model.foo": setter("model.foo"), "capture_signature.x": setter("capture_signature.x"),
+             "extra.prompts.a": setter("extra.prompts.a"),
+             "environment key": lambda m: m["environment"].update({"\udfff": 1}),
+             "extra.p[1]": lambda m: m["extra"].update(p=["ok", "\ud800"]),
+             "tensors[0].meta.k": lambda m: m["tensors"][0].update(meta={"k": "\ud800"})}
+    for field, edit in cases.items():
+        bad = copy_dump(small, tmp_path / f"d{len(os.listdir(tmp_path))}", edit)
+        with pytest.raises(CorruptDumpError, match=re.escape(field)):
+            load_manifest(bad)
+        rc = compare_main([str(small), str(bad), "--quiet", "--html", str(tmp_path / "r.html")])
+        assert rc == 2, field
+        assert_one_line(capsys.readouterr().err, str(bad / MANIFEST_NAME), field)
