@@ -92,8 +92,11 @@ def run_logprobs(argv: Sequence[str]) -> int:
                                       allow_model_mismatch=args.allow_model_mismatch)
     console = _console()
     if args.quiet:
-        nb, nt = len(verdict.unmatched_baseline), len(verdict.unmatched_target)
-        note = f" ({nb} requests only in the baseline, {nt} only in the target: not compared)" if nb or nt else ""
+        sides = [f"only in the {side}: {', '.join(map(repr, names[:3]))}"
+                 f"{f' and {len(names) - 3} more' if len(names) > 3 else ''}"
+                 for side, names in (("baseline", verdict.unmatched_baseline), ("target", verdict.unmatched_target))
+                 if names]
+        note = f" (not compared, {'; '.join(sides)})" if sides else ""
         console.print(("PASS" if verdict.passed else f"FAIL ({', '.join(verdict.failures())})") + note,
                       markup=False, emoji=False, highlight=False)
     else:

@@ -40,7 +40,7 @@ from .identity import check_distinct, check_identity
 from .logprobs import LogprobThresholds, LogprobVerdict, compare_logprobs
 from .metrics import PairStats, StatsAccumulator, pair_stats
 from .report import FirstDivergence, ReplicaMismatch, Report, TensorComparison
-from .sources import check_vocabulary, dump_logprobs
+from .sources import check_vocabulary, dump_logprobs, one_sided_parts
 
 __all__ = ["compare_dumps"]
 
@@ -224,7 +224,7 @@ def compare_dumps(baseline: str | os.PathLike[str], target: str | os.PathLike[st
             raise NotComparableError(f"{reader.directory}: the dump captured no tensors")
     notes = check_identity(br.manifest, tr.manifest, allow_mismatch=config.allow_model_mismatch,
                            where=f"{tr.directory} vs baseline {br.directory}")
-    verdict = _logprob_verdict(br, tr, config)
+    verdict, parts_b, parts_t = _logprob_verdict(br, tr, config)
     (bm, empty_b), (tm, empty_t) = _hidden(br.manifest), _hidden(tr.manifest)
     by_rows, by_pass = split_by_mode(bm, tm)
     base_lts = logical_tensors(bm, by_rows, str(br.directory))
@@ -237,6 +237,8 @@ def compare_dumps(baseline: str | os.PathLike[str], target: str | os.PathLike[st
     unmatched_t = sorted([f"{n}#{c}[sequence={s}]" if c else f"{n}[sequence={s}]"
                           for n, c, s in targ_lts.keys() - base_lts.keys()] + [_label(k) for k in only_t])
     empty = sorted(set(empty_b) | set(empty_t))  # no elements, nothing to compare: said, never counted as matched
+    unmatched_b += parts_b  # logits rows or top-k lists on one side only: their metrics were not computed
+    unmatched_t += parts_t
     if verdict is None:  # logprobs recorded on one side only were not compared either
         unmatched_b += [LOGPROB_POINT] if _has_logprobs(br.manifest) else []
         unmatched_t += [LOGPROB_POINT] if _has_logprobs(tr.manifest) else []
@@ -294,16 +296,19 @@ def _hidden(manifest: Manifest) -> tuple[Manifest, list[str]]:
     return (manifest if len(keep) == len(manifest.tensors) else replace(manifest, tensors=tuple(keep))), empty
 
 
-def _logprob_verdict(br: DumpReader, tr: DumpReader, config: CompareConfig) -> LogprobVerdict | None:
-    """The logprob verdict when both dumps recorded logprobs, else None."""
+def _logprob_verdict(br: DumpReader, tr: DumpReader, config: CompareConfig) -> tuple[
+        LogprobVerdict | None, list[str], list[str]]:
+    """The logprob verdict when both dumps recorded logprobs (else None), and the logprob parts
+    (logits rows, top-k lists) that only one side recorded, so were not compared."""
     base, targ = dump_logprobs(br), dump_logprobs(tr)
     if base is None or targ is None:
-        return None
+        return None, [], []
     check_vocabulary(base, targ)
     thresholds = LogprobThresholds.resolve(config.model or base.model, explicit=dict(config.logprob_thresholds))
     both = base.logits is not None and targ.logits is not None
-    return compare_logprobs(base.sequences, targ.sequences, thresholds,
-                            ref_logits=base.logits if both else None, tgt_logits=targ.logits if both else None)
+    verdict = compare_logprobs(base.sequences, targ.sequences, thresholds,
+                               ref_logits=base.logits if both else None, tgt_logits=targ.logits if both else None)
+    return (verdict, *one_sided_parts(base, targ))
 
 
 def _label(key: tuple[str, int, int, int]) -> str:

@@ -29,8 +29,10 @@ number, finite or -inf (not a string, bool, NaN or +inf), and null only where an
 to give (the prompt's first token; SGLang's first position at ``logprob_start_len``); a token id is a JSON integer in ``[0, 2^31)``; lists have the lengths their
 neighbours imply (one top-k list per token, all of one length in SGLang); ids are unique. The file
 is read one line at a time, and a line is parsed only when its JSON objects fit in
-:func:`dumper.validate.json_memory_budget`. An empty file, a line that is not an object (or an
-array of them), invalid UTF-8 and JSON nested too deeply are errors too.
+:func:`dumper.validate.json_memory_budget`; a response holds at most :data:`MAX_POSITIONS`
+positions and a file :data:`MAX_TOTAL_POSITIONS` (SGLang's unscored prefix included). An empty
+file, a line that is not an object (or an array of them), invalid UTF-8 and JSON nested too
+deeply are errors too.
 
 Example::
 
@@ -48,6 +50,7 @@ import os
 import re
 import stat
 from collections.abc import Iterator, Mapping
+from functools import partial
 from pathlib import Path
 from typing import Any, Final, Literal
 
@@ -57,7 +60,7 @@ from dumper.validate import check_json_memory
 from .logprobs import UNKNOWN_TOKEN, SequenceLogprobs, TopK
 
 __all__ = ["EngineFormat", "detect_format", "parse_record", "read_logprobs_jsonl", "TOKEN_ID_LIMIT", "MAX_POSITIONS",
-           "MAX_LINE_BYTES"]
+           "MAX_TOTAL_POSITIONS", "MAX_LINE_BYTES"]
 
 EngineFormat = Literal["sglang", "vllm", "openai", "openai-chat"]
 
@@ -69,6 +72,11 @@ TOKEN_ID_LIMIT: Final = 1 << 31
 (negative, or absurdly large) is a corrupt line, never a token."""
 MAX_POSITIONS: Final = 1 << 22
 """Most positions one response may claim (SGLang's ``prompt_tokens``), checked before allocating."""
+MAX_TOTAL_POSITIONS: Final = 1 << 22
+"""Most positions all the sequences of one source (a JSONL file, a dump) may hold together, the
+unscored prefix slots included, checked before allocating them: one longest response fits. An
+unscored slot costs ~16 bytes kept (token id and logprob tuple slots) and ~40 while its sequence
+is built; measured, comparing two sources at this limit peaks at 340 MiB RSS (2x the limit: 470)."""
 MAX_LINE_BYTES: Final = 128 << 20
 """Longest JSONL line (one response) read; a longer one is refused before it is parsed (and a
 shorter one too when building its JSON objects would take over
@@ -225,16 +233,19 @@ def _sglang_top(v: Any, n: int, what: str, *, first_may_be_null: bool) -> list[T
     return out
 
 
-def _sglang_prompt(obj: Mapping[str, Any], meta: Mapping[str, Any], in_ids: list[int]) -> tuple[int, list[int]]:
+def _sglang_prompt(obj: Mapping[str, Any], meta: Mapping[str, Any], in_ids: list[int], n_out: int,
+                   limit: int) -> tuple[int, list[int]]:
     """(start, token ids of positions 0..start-1) for ``logprob_start_len = start``: SGLang returns
-    positions ``start..`` only; the start comes from ``input_ids`` or ``meta_info.prompt_tokens``."""
+    positions ``start..`` only; the start comes from ``input_ids`` or ``meta_info.prompt_tokens``.
+    A prompt and ``n_out`` output tokens over ``limit`` positions are refused before the unscored
+    prefix is allocated."""
     prompt = _ids(obj["input_ids"], "input_ids") if obj.get("input_ids") is not None else None
     n_prompt: Any = len(prompt) if prompt is not None else meta.get("prompt_tokens", len(in_ids))
     if isinstance(n_prompt, bool) or not isinstance(n_prompt, int) or n_prompt < len(in_ids):
         raise UsageError(f"prompt length {_show(n_prompt)} is not an integer or shorter than the "
                          f"{len(in_ids)} input_token_logprobs")
-    if n_prompt > MAX_POSITIONS:
-        raise UsageError(f"prompt length {n_prompt} is over {MAX_POSITIONS} tokens")
+    if n_prompt + n_out > limit:
+        raise UsageError(f"prompt length {n_prompt} and {n_out} output tokens are over {_limit_text(limit)}")
     start = n_prompt - len(in_ids)
     if prompt is None:
         return start, [UNKNOWN_TOKEN] * start
@@ -243,13 +254,18 @@ def _sglang_prompt(obj: Mapping[str, Any], meta: Mapping[str, Any], in_ids: list
     return start, prompt[:start]
 
 
-def _parse_sglang(obj: Mapping[str, Any], rid: str) -> Parsed:
+def _limit_text(limit: int) -> str:
+    return (f"the limit: {limit} positions left for this response (at most {MAX_POSITIONS} per response "
+            f"and {MAX_TOTAL_POSITIONS} in all of a file's responses)")
+
+
+def _parse_sglang(obj: Mapping[str, Any], rid: str, limit: int = MAX_POSITIONS) -> Parsed:
     meta = _obj(obj["meta_info"], "meta_info")
     if "input_token_logprobs" not in meta:  # SGLang always sends it with return_logprob (maybe empty)
         raise UsageError("meta_info has no input_token_logprobs (request with return_logprob=true)")
     in_lps, in_ids = _sglang_triples(meta["input_token_logprobs"], "meta_info.input_token_logprobs")
     out_lps, out_ids = _sglang_triples(meta.get("output_token_logprobs", []), "meta_info.output_token_logprobs")
-    start, prefix = _sglang_prompt(obj, meta, in_ids)
+    start, prefix = _sglang_prompt(obj, meta, in_ids, len(out_ids), limit)
 
     ids = prefix + in_ids + out_ids
     lps = [None] * start + in_lps + out_lps
@@ -419,10 +435,12 @@ def _check_nulls(seq: SequenceLogprobs, required_from: int) -> None:
                              "may have none (the prompt's first token)")
 
 
-def parse_record(obj: Any, *, default_id: str = "record") -> SequenceLogprobs:
+def parse_record(obj: Any, *, default_id: str = "record", max_positions: int = MAX_POSITIONS) -> SequenceLogprobs:
     """One engine response object -> SequenceLogprobs; UsageError (without a path) if malformed.
 
-    The message names the request (when it has an id) and the field or position at fault.
+    The message names the request (when it has an id) and the field or position at fault. A
+    response over ``max_positions`` positions is refused (SGLang's, before its unscored prefix is
+    allocated; the other formats' lists hold one JSON entry per position).
     """
     if not isinstance(obj, dict):
         got = "a JSON list" if isinstance(obj, list) else type(obj).__name__
@@ -430,7 +448,10 @@ def parse_record(obj: Any, *, default_id: str = "record") -> SequenceLogprobs:
     rid = _request_id(obj, default_id)
     try:
         fmt = detect_format(obj)
-        seq, required_from = _PARSERS[fmt](obj, rid)
+        parse = partial(_parse_sglang, limit=max_positions) if fmt == "sglang" else _PARSERS[fmt]
+        seq, required_from = parse(obj, rid)
+        if len(seq.logprobs) > max_positions:
+            raise UsageError(f"{len(seq.logprobs)} positions are over {_limit_text(max_positions)}")
         _check_nulls(seq, required_from)
         return seq
     except UsageError as e:
@@ -465,18 +486,20 @@ def _lines(p: Path) -> Iterator[tuple[int, str]]:
                 yield lineno, text
 
 
-def _records(obj: Any, lineno: int) -> list[SequenceLogprobs]:
-    """The responses of one line: an object, or a non-empty array of them (SGLang's batch /generate)."""
+def _records(obj: Any, lineno: int, left: int) -> list[SequenceLogprobs]:
+    """The responses of one line: an object, or a non-empty array of them (SGLang's batch /generate),
+    holding at most ``left`` positions in all."""
     if not isinstance(obj, list):
-        return [parse_record(obj, default_id=f"line-{lineno}")]
+        return [parse_record(obj, default_id=f"line-{lineno}", max_positions=min(left, MAX_POSITIONS))]
     if not obj:
         raise UsageError("an empty JSON array holds no responses")
     out = []
     for k, o in enumerate(obj):
         try:
-            out.append(parse_record(o, default_id=f"line-{lineno}.{k}"))
+            out.append(parse_record(o, default_id=f"line-{lineno}.{k}", max_positions=min(left, MAX_POSITIONS)))
         except UsageError as e:
             raise UsageError(f"array element {k}: {e}") from None
+        left -= len(out[-1].logprobs)
     return out
 
 
@@ -490,6 +513,7 @@ def read_logprobs_jsonl(path: str | os.PathLike[str]) -> list[SequenceLogprobs]:
     p = Path(path)
     out: list[SequenceLogprobs] = []
     first_line: dict[str, int] = {}
+    left = MAX_TOTAL_POSITIONS
     for lineno, line in _lines(p):
         try:
             obj = json.loads(line)
@@ -497,7 +521,7 @@ def read_logprobs_jsonl(path: str | os.PathLike[str]) -> list[SequenceLogprobs]:
             why = "nested too deeply" if isinstance(e, RecursionError) else str(e)
             raise UsageError(f"{p}:{lineno}: not valid JSON: {why}") from None
         try:
-            seqs = _records(obj, lineno)
+            seqs = _records(obj, lineno, left)
         except UsageError as e:
             raise UsageError(f"{p}:{lineno}: {e}") from None
         for seq in seqs:
@@ -505,6 +529,7 @@ def read_logprobs_jsonl(path: str | os.PathLike[str]) -> list[SequenceLogprobs]:
                 raise UsageError(f"{p}:{lineno}: duplicate request id {seq.request!r} "
                                  f"(first on line {first_line[seq.request]})")
             first_line[seq.request] = lineno
+            left -= len(seq.logprobs)
             out.append(seq)
     if not out:
         raise UsageError(f"{p}: holds no engine responses (the file is empty or blank)")

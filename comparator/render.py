@@ -59,7 +59,7 @@ def render_logprobs(v: LogprobVerdict, console: Console) -> None:
     console.print(table)
     for side, names in (("baseline", v.unmatched_baseline), ("target", v.unmatched_target)):
         if names:
-            console.print(Text.assemble((f"requests only in the {side} ({len(names)}):", "yellow"),
+            console.print(Text.assemble((f"only in the {side}, not compared ({len(names)}):", "yellow"),
                                         f" {', '.join(names[:5])}"))
     verdict = (Text("PASS", "bold green") if v.passed
                else Text.assemble(("FAIL", "bold red"), f" ({', '.join(v.failures())})"))

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from collections import defaultdict
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -35,11 +35,12 @@ from dumper.format import (
     to_float64,
 )
 
-from .engines import MAX_POSITIONS, TOKEN_ID_LIMIT, read_logprobs_jsonl
+from .engines import MAX_POSITIONS, MAX_TOTAL_POSITIONS, TOKEN_ID_LIMIT, read_logprobs_jsonl
 from .identity import check_distinct, check_identity
 from .logprobs import UNKNOWN_TOKEN, LogprobThresholds, LogprobVerdict, SequenceLogprobs, TopK, compare_logprobs
 
-__all__ = ["LogprobSource", "dump_logprobs", "read_logprob_source", "check_vocabulary", "compare_logprob_sources"]
+__all__ = ["LogprobSource", "dump_logprobs", "read_logprob_source", "check_vocabulary", "one_sided_parts",
+           "compare_logprob_sources"]
 
 
 @dataclass(frozen=True)
@@ -115,12 +116,37 @@ def _pass_rows(reader: DumpReader, recs: Mapping[str, Mapping[tuple[int, int, in
     if top_ids is not None and top_vals is not None:
         ti = _checked(reader, top_ids, n, None, ids=True)
         tv = _checked(reader, top_vals, n, ti.shape[1], ids=False)
-    if n and (int(pos.min()) < 0 or int(seq.min()) < 0):
-        raise CorruptDumpError(f"{_where(reader, rec)}: negative position or sequence id in a logprob row")
     rows = [(int(ids[r]), float(values[r]),
              None if ti is None or tv is None else tuple(zip(ti[r].tolist(), tv[r].tolist(), strict=True)))
             for r in range(n)]
     return pos, seq, rows
+
+
+def _check_extent(reader: DumpReader, recs: Mapping[tuple[int, int, int], TensorRecord],
+                  inputs: list[list[int]]) -> None:
+    """From the records' positions alone, before any row is read: each sequence's last position
+    lies within its recorded prompt (``extra.input_ids``) and under MAX_POSITIONS, and the
+    sequences built (every slot from 0 to the last position) hold MAX_TOTAL_POSITIONS at most."""
+    ends: dict[int, int] = {}
+    for rec in recs.values():
+        pos, seq = rec.row_positions(), rec.row_sequence_ids()
+        if pos is None or seq is None or not pos.size:
+            continue  # _pass_rows names what is missing
+        if int(pos.min()) < 0 or int(seq.min()) < 0:
+            raise CorruptDumpError(f"{_where(reader, rec)}: negative position or sequence id in a logprob row")
+        ids, inverse = np.unique(seq, return_inverse=True)
+        last = np.full(ids.size, -1, dtype=np.int64)
+        np.maximum.at(last, inverse, pos)
+        for s, hi in zip(ids.tolist(), last.tolist(), strict=True):
+            limit = len(inputs[s]) if s < len(inputs) else MAX_POSITIONS
+            if hi >= limit:
+                why = f"its prompt's {limit} tokens (extra.input_ids)" if s < len(inputs) else f"{MAX_POSITIONS}"
+                raise CorruptDumpError(f"{_where(reader, rec)}: sequence {s}: logprob position {hi} is beyond {why}")
+            ends[s] = max(ends.get(s, 0), hi + 1)
+    total = sum(ends.values())
+    if total > MAX_TOTAL_POSITIONS:
+        raise UsageError(f"{reader.directory}: the logprob rows of {len(ends)} sequences span {total} positions "
+                         f"(from 0), over the limit of {MAX_TOTAL_POSITIONS} one source may hold")
 
 
 def _sequence(reader: DumpReader, seq: int, rows: Mapping[int, Row], known: list[int]) -> SequenceLogprobs:
@@ -153,31 +179,50 @@ def dump_logprobs(reader: DumpReader) -> LogprobSource | None:
     recs = _rows(reader, {LOGPROB_TOKEN_ID, LOGPROB_VALUE, LOGPROB_TOP_ID, LOGPROB_TOP_VALUE, LOGITS})
     if not recs.get(LOGPROB_VALUE):
         return None
+    inputs = reader.manifest.extra.get("input_ids") or []
+    _check_extent(reader, recs[LOGPROB_VALUE], inputs)
     per_seq: dict[int, dict[int, Row]] = defaultdict(dict)
     for key in recs[LOGPROB_VALUE]:
         positions, seq_ids, rows = _pass_rows(reader, recs, key)
         for pos, seq, row in zip(positions.tolist(), seq_ids.tolist(), rows, strict=True):
-            if pos >= MAX_POSITIONS:
-                raise CorruptDumpError(f"{reader.directory}: sequence {seq}: logprob position {pos} is over "
-                                       f"{MAX_POSITIONS}")
             if pos in per_seq[seq]:
                 raise NotComparableError(f"{reader.directory}: sequence {seq} has two logprobs for position {pos}")
             per_seq[seq][pos] = row
-    inputs = reader.manifest.extra.get("input_ids") or []
     sequences = [_sequence(reader, seq, rows, list(inputs[seq]) if seq < len(inputs) else [])
                  for seq, rows in sorted(per_seq.items())]
     logit_recs = recs.get(LOGITS, {})
+    for key, rec in logit_recs.items():
+        _check_logits(reader, rec, recs[LOGPROB_VALUE].get(key))
     return LogprobSource(str(reader.directory), reader.manifest.model.get("name"), tuple(sequences),
                          _dump_logits(reader, logit_recs), _vocab_size(reader, logit_recs), reader.manifest)
 
 
+def _check_logits(reader: DumpReader, rec: TensorRecord, lp: TensorRecord | None) -> None:
+    """A logits record is float ``[rows, V > 0]`` with the positions and sequence ids of the
+    logprob rows of its pass (the dumper records both from the same rows)."""
+    where = _where(reader, rec)
+    if rec.dtype not in _FLOAT_DTYPES:
+        raise CorruptDumpError(f"{where}: dtype {rec.dtype} is not a float type")
+    if len(rec.shape) != 2 or rec.shape[1] < 1:
+        raise CorruptDumpError(f"{where}: shape {list(rec.shape)} is not [rows, vocab] with vocab >= 1")
+    if rec.positions is None or rec.sequence_ids is None:
+        raise CorruptDumpError(f"{where}: logits rows lack positions or sequence ids")
+    if lp is None:
+        raise CorruptDumpError(f"{where}: logits rows without logprob rows in the same pass")
+    if not (np.array_equal(rec.row_positions(), lp.row_positions())
+            and np.array_equal(rec.row_sequence_ids(), lp.row_sequence_ids())):
+        raise CorruptDumpError(f"{where}: positions or sequence ids differ from those of {lp.name}")
+
+
 def _vocab_size(reader: DumpReader, logit_recs: Mapping[tuple[int, int, int], TensorRecord]) -> int | None:
     """The model's vocabulary size, from its identity (``vocab_size``) or else the logits rows' width."""
+    widths = {rec.shape[-1] for rec in logit_recs.values()}
+    if len(widths) > 1:
+        raise CorruptDumpError(f"{reader.directory}: logits rows of different widths {sorted(widths)}")
     v = reader.manifest.model.get("vocab_size")
     if isinstance(v, int) and not isinstance(v, bool) and v > 0:
         return v
-    widths = {rec.shape[-1] for rec in logit_recs.values() if rec.shape}
-    return widths.pop() if len(widths) == 1 else None
+    return widths.pop() if widths else None
 
 
 def _dump_logits(reader: DumpReader, recs: Mapping[tuple[int, int, int], TensorRecord],
@@ -200,6 +245,21 @@ def _dump_logits(reader: DumpReader, recs: Mapping[tuple[int, int, int], TensorR
         out[str(s)] = ps[0] if len(ps) == 1 else (np.concatenate([p for p, _ in ps]),
                                                  np.concatenate([r for _, r in ps]))
     return out
+
+
+def _has_top(src: LogprobSource) -> bool:
+    return any(seq.top is not None and any(t is not None for t in seq.top) for seq in src.sequences)
+
+
+def one_sided_parts(base: LogprobSource, targ: LogprobSource) -> tuple[list[str], list[str]]:
+    """The parts recorded on one side only, as (baseline-only, target-only) names: ``"logits"``
+    (full rows, ``--save-logits``) and ``"logprobs.top_logprob"`` (top-k lists of any request,
+    ``--top-k``). Their metrics (KL, top-1 agreement; top-k errors) need both sides, so a verdict
+    without them must say what went uncompared rather than pass silently."""
+    parts = ((LOGITS, lambda s: s.logits is not None), (LOGPROB_TOP_VALUE, _has_top))
+    b = [name for name, has in parts if has(base) and not has(targ)]
+    t = [name for name, has in parts if has(targ) and not has(base)]
+    return b, t
 
 
 def read_logprob_source(path: str | os.PathLike[str]) -> LogprobSource:
@@ -243,6 +303,8 @@ def compare_logprob_sources(baseline: str | os.PathLike[str], target: str | os.P
                             allow_model_mismatch: bool = False) -> LogprobVerdict:
     """Compare the logprobs of two sources; thresholds resolve for ``model`` (default: the baseline's).
 
+    Parts recorded on one side only (:func:`one_sided_parts`) are appended to the verdict's
+    ``unmatched_baseline`` / ``unmatched_target``, after the unmatched request ids.
     Token ids are checked against the vocabulary when a side knows it (a dump with logits);
     sources that cannot be compared (no request in common, a request covering fewer positions
     on one side, different tokens) raise NotComparableError naming both paths.
@@ -256,7 +318,10 @@ def compare_logprob_sources(baseline: str | os.PathLike[str], target: str | os.P
     thresholds = LogprobThresholds.resolve(model or base.model, explicit=explicit)
     both = base.logits is not None and targ.logits is not None
     try:
-        return compare_logprobs(base.sequences, targ.sequences, thresholds,
-                                ref_logits=base.logits if both else None, tgt_logits=targ.logits if both else None)
+        verdict = compare_logprobs(base.sequences, targ.sequences, thresholds,
+                                   ref_logits=base.logits if both else None, tgt_logits=targ.logits if both else None)
     except NotComparableError as e:
         raise NotComparableError(f"{base.path} vs {targ.path}: {e}") from None
+    only_b, only_t = one_sided_parts(base, targ)
+    return replace(verdict, unmatched_baseline=verdict.unmatched_baseline + tuple(only_b),
+                   unmatched_target=verdict.unmatched_target + tuple(only_t))

@@ -8,7 +8,9 @@ of ``tests/test_engines.py``; one test runs it in a subprocess.
 from __future__ import annotations
 
 import copy
+import json
 import os
+import tracemalloc
 from pathlib import Path
 
 import pytest
@@ -17,9 +19,10 @@ import torch
 import dumper
 from bench.anonpeak import AnonPeak
 from comparator.cli import main
-from comparator.engines import MAX_LINE_BYTES, read_logprobs_jsonl
+from comparator.engines import MAX_LINE_BYTES, MAX_POSITIONS, MAX_TOTAL_POSITIONS, read_logprobs_jsonl
+from comparator.sources import compare_logprob_sources, one_sided_parts, read_logprob_source
 from dumper.errors import UsageError
-from dumper.format import LOGPROB_TOKEN_ID, LOGPROB_VALUE
+from dumper.format import LOGITS, LOGPROB_TOKEN_ID, LOGPROB_TOP_VALUE, LOGPROB_VALUE
 from dumper.presets import load_model
 from dumper.run import LogprobSpec, RunConfig, run_dump
 from tests.conftest import run_cli
@@ -321,3 +324,97 @@ def test_subprocess_exit_code_and_one_line(tmp_path):
     r = run_cli("comparator", "logprobs", a, b)
     assert r.returncode == 2 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert "b.jsonl:1: request 'req-0': null logprob at position 2" in r.stderr
+
+
+# --------------------------------------------------------------------------- memory and one-sided parts
+
+
+def _traced_peak(fn) -> int:
+    """Peak bytes Python allocated while ``fn()`` ran."""
+    tracemalloc.start()
+    try:
+        fn()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def _far_rows_dump(out: Path, seqs: int, pos: int, *, input_ids: list[list[int]] | None = None) -> Path:
+    """A dump whose ``seqs`` sequences each hold one logprob row, at position ``pos`` (a 2 KB manifest
+    that claims ``seqs * (pos + 1)`` positions)."""
+    with dumper.capture(None, out, extra={"input_ids": input_ids} if input_ids else None):
+        meta = {"positions": [pos] * seqs, "sequence_ids": list(range(seqs)), "point": "logprobs"}
+        dumper.dump(LOGPROB_VALUE, torch.full((seqs, 1), -1.0), **meta)
+        dumper.dump(LOGPROB_TOKEN_ID, torch.zeros((seqs, 1), dtype=torch.int64), **meta)
+    return out
+
+
+def test_a_dump_claiming_far_positions_is_refused_before_allocating(capsys, tmp_path):
+    """(a) Positions far past the rows are refused from the manifest: by their sum over sequences
+    (each sequence alone is under MAX_POSITIONS), or past the prompt the run recorded."""
+    ok = _logprob_dump(tmp_path / "ok", [1, 2, 3, 4])
+    far = _far_rows_dump(tmp_path / "far", 20, MAX_POSITIONS - 1)
+    peak = _traced_peak(lambda: refused(capsys, ok, far, str(far), "20 sequences", f"limit of {MAX_TOTAL_POSITIONS}"))
+    assert peak < 256 << 20, f"{peak >> 20} MiB"
+    two = _far_rows_dump(tmp_path / "two", 2, MAX_TOTAL_POSITIONS // 2)
+    refused(capsys, ok, two, str(two), f"span {MAX_TOTAL_POSITIONS + 2} positions")
+    past = _far_rows_dump(tmp_path / "past", 1, 4000, input_ids=[[1, 2, 3, 4]])
+    refused(capsys, ok, past, str(past), "sequence 0", "position 4000", "prompt's 4 tokens")
+
+
+def test_sglang_prompt_lengths_count_against_one_budget_per_file(capsys, tmp_path, good):
+    """(b) ``prompt_tokens`` claims an unscored prefix; MAX_TOTAL_POSITIONS bounds the whole file's."""
+    half = MAX_TOTAL_POSITIONS // 2 + 1  # each line alone is under MAX_POSITIONS
+    big = tmp_path / "sg.jsonl"
+    big.write_text("".join(json.dumps({"meta_info": {"id": f"r{i}", "input_token_logprobs": [[-1.0, 5, None]],
+                                                     "prompt_tokens": half}}) + "\n" for i in range(10)))
+    peak = _traced_peak(lambda: refused(capsys, good["sglang"], big, "sg.jsonl:2", "'r1'", f"prompt length {half}",
+                                        f"{MAX_TOTAL_POSITIONS} in all"))
+    assert peak < 256 << 20, f"{peak >> 20} MiB"
+
+
+def _logits_dump(out: Path, variant: str) -> Path:
+    """Three logprob rows of sequence 0 and a logits record, well formed or broken as ``variant`` says."""
+    meta = {"positions": [1, 2, 3], "sequence_ids": [0, 0, 0], "point": "logprobs"}
+    logits = {"ok": (torch.zeros(3, 8), meta), "nopos": (torch.zeros(3, 8), {"point": "logits"}),
+              "1d": (torch.zeros(24), {"point": "logits"}), "3d": (torch.zeros(1, 3, 8), meta),
+              "int": (torch.zeros(3, 8, dtype=torch.int32), meta),
+              "moved": (torch.zeros(3, 8), {**meta, "positions": [2, 3, 4]})}[variant]
+    with dumper.capture(None, out):
+        dumper.dump(LOGPROB_VALUE, torch.full((3, 1), -1.0), **meta)
+        dumper.dump(LOGPROB_TOKEN_ID, torch.tensor([[1], [2], [3]]), **meta)
+        dumper.dump(LOGITS, logits[0], **logits[1])
+    return out
+
+
+@pytest.mark.parametrize("variant, needle", [
+    ("nopos", "lack positions or sequence ids"), ("1d", "shape [24] is not [rows, vocab]"),
+    ("3d", "shape [1, 3, 8] is not [rows, vocab]"), ("int", "dtype I32 is not a float type"),
+    ("moved", f"positions or sequence ids differ from those of {LOGPROB_VALUE}")])
+def test_malformed_logits_records_are_refused(capsys, tmp_path, variant, needle):
+    """(c) A logits record that is not float [rows, V] on the logprob rows' positions is corrupt (exit 2)."""
+    ok = _logits_dump(tmp_path / "ok", "ok")
+    assert logprobs_cli(capsys, ok, _logits_dump(tmp_path / "same", "ok"))[0] == 0
+    bad = _logits_dump(tmp_path / variant, variant)
+    refused(capsys, ok, bad, str(bad), LOGITS, needle)
+    refused(capsys, bad, ok, str(bad), needle)
+
+
+def test_parts_recorded_on_one_side_only_are_named(capsys, tmp_path, logits_dump):
+    """(d) KL and top-k metrics need both sides: a dump without logits rows and top-k still passes
+    against one with them, but the verdict, the --quiet line and the full render name what was skipped."""
+    plain = tmp_path / "plain"
+    run_dump(RunConfig(out=str(plain), prompts=("vocab check",), layers="0", logprobs=LogprobSpec()))
+    full_src, plain_src = read_logprob_source(logits_dump), read_logprob_source(plain)
+    assert one_sided_parts(full_src, plain_src) == ([LOGITS, LOGPROB_TOP_VALUE], [])
+    assert one_sided_parts(plain_src, full_src) == ([], [LOGITS, LOGPROB_TOP_VALUE])
+    assert one_sided_parts(full_src, full_src) == ([], [])
+    v = compare_logprob_sources(logits_dump, plain)
+    assert v.passed and v.kl_mean is None and v.topk_max_err is None
+    assert (v.unmatched_baseline, v.unmatched_target) == ((LOGITS, LOGPROB_TOP_VALUE), ())
+    code = main(["logprobs", str(logits_dump), str(plain), "--quiet"])
+    out = capsys.readouterr().out
+    assert code == 0 and out.startswith("PASS (") and "only in the baseline" in out, out
+    code = main(["logprobs", str(plain), str(logits_dump)])
+    out = capsys.readouterr().out
+    assert code == 0 and f"{LOGITS}, {LOGPROB_TOP_VALUE}" in out, out

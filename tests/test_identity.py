@@ -158,7 +158,7 @@ def test_logprob_comparisons_check_identity_and_distinct_sources(dumps, capsys):
 def test_logprob_quiet_line_names_requests_on_one_side(dumps, capsys):
     code, out, _ = _run(capsys, "logprobs", dumps["logprobs"], dumps["one_prompt_logprobs"], "--quiet")
     assert code == EXIT_OK
-    assert out.strip() == "PASS (1 requests only in the baseline, 0 only in the target: not compared)"
+    assert out.strip() == "PASS (not compared, only in the baseline: '1')"
 
 
 def test_regress_cli_allow_missing(dumps, tmp_path):
@@ -170,3 +170,17 @@ def test_regress_cli_allow_missing(dumps, tmp_path):
     assert r.returncode == EXIT_UNUSABLE and "--require-all" in r.stdout + r.stderr
     r = run_cli("comparator", "regress", dumps["one_prompt"], "--store", store, "--quiet", "--allow-missing")
     assert r.returncode == EXIT_OK, r.stderr
+
+
+def test_logits_and_top_k_on_one_side_are_not_compared_and_said(tmp_path, capsys):
+    """KL needs logits rows on both sides, top-k errors top-k lists: one side only is said, and --require-all refuses it."""
+    full, plain = tmp_path / "full", tmp_path / "plain"
+    run_dump(RunConfig(out=str(full), prompts=PROMPTS, layers="first", logprobs=LogprobSpec(top_k=5, save_logits=True)))
+    run_dump(RunConfig(out=str(plain), prompts=PROMPTS, layers="first", logprobs=LogprobSpec()))
+    code, out, _ = _run(capsys, full, plain, "--quiet")
+    assert code == EXIT_OK and "2 tensors only in the baseline, 0 only in the target: not compared" in out
+    assert set(compare_dumps(full, plain).unmatched_baseline) == {"logits", "logprobs.top_logprob"}
+    code, _, err = _run(capsys, full, plain, "--require-all")
+    assert code == EXIT_UNUSABLE and "logits" in err
+    code, out, _ = _run(capsys, "logprobs", full, plain, "--quiet")
+    assert code == EXIT_OK and "not compared, only in the baseline: 'logits', 'logprobs.top_logprob'" in out

@@ -175,5 +175,5 @@ def test_logprob_request_ids_are_shown_verbatim(tmp_path):
     _ok(r)
     assert r.returncode == 1
     assert f"(request {rid}, position 2)" in r.stdout
-    assert "requests only in the baseline (1): [bold]only" in r.stdout
+    assert "only in the baseline, not compared (1): [bold]only" in r.stdout
     assert "logprobs: FAIL (" in r.stdout
