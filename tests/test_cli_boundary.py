@@ -15,23 +15,23 @@ from dumper.cliutil import guarded_main
 from dumper.errors import EXIT_INTERNAL, EXIT_OK, EXIT_UNUSABLE, InternalError
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("clib")
-    a = root / "a"
-    with dumper.capture(None, a, model_name="odd"):
-        for layer in range(2):
-            dumper.dump(f"model.layers.{layer}.self_attn.input", dumper_tensor(layer), layer=layer, point="input",
-                        positions=range(4), sequence_ids=[0] * 4)
-    b = root / "b"
-    shutil.copytree(a, b)
-    return a, b
-
-
-def dumper_tensor(seed: int):
+def _layer_pair(root: Path, layers: int) -> tuple[Path, Path]:
+    """A dump of ``layers`` seeded [4, 8] self-attention inputs, and a byte-identical copy of it."""
     import torch
 
-    return torch.randn(4, 8, generator=torch.Generator().manual_seed(seed))
+    a = root / "a"
+    with dumper.capture(None, a, model_name="odd"):
+        for layer in range(layers):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(layer))  # [tokens, hidden]
+            dumper.dump(f"model.layers.{layer}.self_attn.input", x, layer=layer, point="input",
+                        positions=range(4), sequence_ids=[0] * 4)
+    shutil.copytree(a, root / "b")
+    return a, root / "b"
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory) -> tuple[Path, Path]:
+    return _layer_pair(tmp_path_factory.mktemp("clib"), 2)
 
 
 def _run(capsys, *argv) -> tuple[int, str]:
@@ -100,17 +100,7 @@ def test_an_oserror_without_a_file_is_a_bug_not_bad_input(capsys):
 @pytest.fixture(scope="module")
 def wide_pair(tmp_path_factory) -> tuple[Path, Path]:
     """Dumps of 1,500 small tensors: ``--tensors`` and ``ls --tensors`` print far more than a pipe holds."""
-    import torch
-
-    root = tmp_path_factory.mktemp("wide")
-    a = root / "a"
-    with dumper.capture(None, a, model_name="wide"):
-        for i in range(1500):
-            dumper.dump(f"model.layers.{i}.self_attn.input", torch.ones(2, 4), layer=i, point="input",
-                        positions=[0, 1], sequence_ids=[0, 0])
-    b = root / "b"
-    shutil.copytree(a, b)
-    return a, b
+    return _layer_pair(tmp_path_factory.mktemp("wide"), 1500)
 
 
 def _first_line_then_close(*args: str | os.PathLike[str]) -> int:
