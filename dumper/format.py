@@ -49,6 +49,7 @@ from .errors import CorruptDumpError, DumpError, IncompleteDumpError
 from .validate import (
     MAX_HEADER_BYTES,
     MAX_MANIFEST_BYTES,
+    READ_FLAGS,
     HeaderEntry,
     check_header,
     check_manifest,
@@ -415,7 +416,7 @@ class _SafetensorsFile:
         self.path = path = root / name
         regular_file_in(root, name, missing="data file listed in the manifest is missing")
         try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+            fd = os.open(path, READ_FLAGS)
             with os.fdopen(fd, "rb") as f:
                 st = os.fstat(f.fileno())
                 if not stat.S_ISREG(st.st_mode):

@@ -61,6 +61,9 @@ __all__ = [
     "parse_json",
     "read_regular_file",
     "check_plain_name",
+    "is_plain_name",
+    "file_kind",
+    "READ_FLAGS",
     "regular_file_in",
     "check_manifest",
     "check_header",
@@ -199,17 +202,28 @@ def _check_text(value: Any, where: str, field: str) -> None:
 
 
 # -- paths -------------------------------------------------------------------------------------
+READ_FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+"""How untrusted files are opened: non-blocking, so a FIFO that slipped past a stat cannot hang the reader."""
+
+
+def is_plain_name(name: Any) -> bool:
+    """One plain file name: text, no separator, not ``.``/``..``, no NUL (so never absolute or outside its folder)."""
+    return _is_text(name) and name not in ("", ".", "..") and not any(c in name for c in "/\\\0")
+
+
 def check_plain_name(name: Any, where: str, field: str) -> str:
-    """``name`` if it is one plain file name (no separator, not ``.``/``..``, no NUL), else raise."""
-    if not _is_text(name) or not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
+    """``name`` if :func:`is_plain_name`, else raise :class:`CorruptDumpError`."""
+    if not is_plain_name(name):
         raise CorruptDumpError(f"{where}: {field}: expected a plain file name inside the dump directory, "
                                f"got {_show(name)}")
     return name
 
 
-def _kind(mode: int) -> str:
+def file_kind(mode: int) -> str:
+    """What an ``os.stat`` mode is, for messages: ``"a FIFO"``, ``"a directory"``, ``"a symlink"``, ..."""
     return ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else
             "a socket" if stat.S_ISSOCK(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+            else "a symlink" if stat.S_ISLNK(mode) else "a regular file" if stat.S_ISREG(mode)
             else "a special file")
 
 
@@ -233,20 +247,20 @@ def regular_file_in(root: Path, name: str, *, missing: str) -> os.stat_result:
     except OSError as e:
         raise CorruptDumpError(f"{path}: cannot stat ({e.strerror})") from None
     if not stat.S_ISREG(st.st_mode):
-        raise CorruptDumpError(f"{path}: {_kind(st.st_mode)}, not a regular file; refusing to open it")
+        raise CorruptDumpError(f"{path}: {file_kind(st.st_mode)}, not a regular file; refusing to open it")
     return st
 
 
 def read_regular_file(path: Path, limit: int, what: str) -> bytes:
     """The bytes of the regular file ``path``, refusing one of more than ``limit`` bytes before reading."""
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+        fd = os.open(path, READ_FLAGS)
     except OSError as e:
         raise CorruptDumpError(f"{path}: cannot open {what} ({e.strerror})") from None
     with os.fdopen(fd, "rb") as f:
         st = os.fstat(f.fileno())
         if not stat.S_ISREG(st.st_mode):
-            raise CorruptDumpError(f"{path}: {_kind(st.st_mode)}, not a regular file; refusing to read it")
+            raise CorruptDumpError(f"{path}: {file_kind(st.st_mode)}, not a regular file; refusing to read it")
         if st.st_size > limit:
             raise CorruptDumpError(f"{path}: {what} of {st.st_size} bytes exceeds the {limit >> 20} MiB limit")
         data = f.read(st.st_size)  # read(n) allocates n bytes up front: ask only for what is there

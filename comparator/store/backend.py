@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import IO, Any, Literal, Union
 
 from dumper.format import atomic_path, fsync_dir
+from dumper.validate import file_kind, is_plain_name
 
 from .errors import StoreError, UnsafePathError
 
@@ -60,16 +61,11 @@ def check_rel(rel: str, where: str) -> str:
 
 
 def plain_name(name: Any, where: str) -> str:
-    """``name`` if it is one plain file name (what a dump manifest may list), else :class:`UnsafePathError`."""
-    if not isinstance(name, str) or name in ("", ".", "..") or any(c in name for c in "/\\\0"):
+    """``name`` if it is one plain file name (the dump format's rule, :func:`dumper.validate.is_plain_name`),
+    else :class:`UnsafePathError`."""
+    if not is_plain_name(name):
         raise UnsafePathError(f"{where}: refusing file name {name!r} (not one plain name inside the dump)")
     return name
-
-
-def _kind(mode: int) -> str:
-    return ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else
-            "a socket" if stat.S_ISSOCK(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
-            else "a symlink" if stat.S_ISLNK(mode) else "not a regular file")
 
 
 def _too_big(where: str, size: int | None, limit: int) -> StoreError:
@@ -192,12 +188,12 @@ class LocalBackend(Backend):
         path, real = self._resolve(rel)
         st = os.stat(real)
         if not stat.S_ISREG(st.st_mode):
-            raise UnsafePathError(f"{path}: {_kind(st.st_mode)} where {what} belongs; not opened")
+            raise UnsafePathError(f"{path}: {file_kind(st.st_mode)} where {what} belongs; not opened")
         f = os.fdopen(os.open(real, _OPEN_FLAGS), "rb")
         mode = os.fstat(f.fileno()).st_mode
         if not stat.S_ISREG(mode):  # swapped since the stat: still never read
             f.close()
-            raise UnsafePathError(f"{path}: {_kind(mode)} where {what} belongs; not read")
+            raise UnsafePathError(f"{path}: {file_kind(mode)} where {what} belongs; not read")
         return f
 
     def _read(self, rel: str, max_bytes: int) -> ReadResult:
@@ -288,7 +284,7 @@ class LocalBackend(Backend):
             self._resolve(rel.rsplit("/", 1)[0])  # the folder holding it stays inside the store
         mode = os.lstat(path).st_mode
         if not stat.S_ISDIR(mode):
-            raise UnsafePathError(f"{path}: {_kind(mode)}, not a run folder; not deleting it")
+            raise UnsafePathError(f"{path}: {file_kind(mode)}, not a run folder; not deleting it")
         trash = path.with_name(f".trash-{path.name}-{secrets.token_hex(4)}")
         os.rename(path, trash)
         shutil.rmtree(trash)  # unlinks symlinks inside, never follows them
@@ -317,7 +313,7 @@ class LocalBackend(Backend):
         except FileNotFoundError:
             raise StoreError(f"{path}: listed in the dump's manifest but missing") from None
         if not stat.S_ISREG(mode):
-            raise UnsafePathError(f"{path}: {_kind(mode)} where a dump file belongs; not opened")
+            raise UnsafePathError(f"{path}: {file_kind(mode)} where a dump file belongs; not opened")
 
 
 def _entry_kind(e: os.DirEntry[str]) -> EntryKind:
@@ -332,7 +328,7 @@ def _open_source(local: Path) -> IO[bytes]:
     """Open a file of the dump being stored; a FIFO or a directory is refused, never opened."""
     mode = os.stat(local).st_mode
     if not stat.S_ISREG(mode):
-        raise UnsafePathError(f"{local}: {_kind(mode)}, not a regular dump file; not storing it")
+        raise UnsafePathError(f"{local}: {file_kind(mode)}, not a regular dump file; not storing it")
     return open(local, "rb")
 
 
