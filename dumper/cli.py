@@ -9,6 +9,7 @@ from collections import Counter
 from collections.abc import Sequence
 
 from .cliutil import Parser, guarded_main
+from .engines import ENGINES
 from .errors import EXIT_DIVERGED, EXIT_OK, UsageError
 from .format import Manifest, load_manifest
 
@@ -57,7 +58,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="python -m dumper", description="Capture hidden states of a model into a dump directory.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
     r = sub.add_parser("run", help="teacher-forced prefill of prompts with capture on")
-    r.add_argument("--model", default="tiny-llama", help="local HF model directory or preset (tiny-llama, tiny-qwen2)")
+    r.add_argument("--model", default="tiny-llama",
+                   help="local HF model directory or preset (tiny-llama, tiny-qwen2); a .gguf file for llama.cpp, "
+                        "an ONNX Runtime GenAI model directory for onnxruntime-genai")
+    r.add_argument("--engine", default="transformers", choices=list(ENGINES),
+                   help="inference engine that runs the job (default transformers, in this process)")
+    r.add_argument("--engine-arg", action="append", default=None, metavar="KEY=VALUE",
+                   help="engine-specific setting (repeatable); see the README's section on each engine")
     r.add_argument("--out", required=True, help="dump directory to create")
     src = r.add_mutually_exclusive_group()
     src.add_argument("--prompt", action="append", default=None, help="prompt text (repeatable)")
@@ -100,8 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    from .engines import run_engine
     from .progress import progress_bar
-    from .run import LogprobSpec, RunConfig, parse_input_ids, read_prompts_file, run_dump
+    from .run import LogprobSpec, RunConfig, parse_input_ids, read_prompts_file
 
     prompts: tuple[str, ...] = tuple(args.prompt or ())
     ids = parse_input_ids(args.input_ids or ())
@@ -122,14 +130,25 @@ def _cmd_run(args: argparse.Namespace) -> int:
     cfg = RunConfig(out=args.out, model=args.model, prompts=prompts, input_ids=ids, dtype=args.dtype,
                     attn=args.attn, layers=args.layers, modules=args.modules, device=args.device, seed=args.seed,
                     chunk_size=args.chunk_size, batch_size=args.batch_size, padding_side=args.padding_side,
-                    logprobs=spec)
+                    logprobs=spec, engine=args.engine, engine_args=_engine_args(args.engine_arg or ()))
     with progress_bar(not args.quiet, "dumping", unit="tokens") as progress:
-        manifest = run_dump(cfg, progress=progress)
+        manifest = run_engine(cfg, engine=args.engine, progress=progress)
     layers = manifest.capture_signature.get("layers", [])
     if not args.quiet:
         print(f"wrote {args.out}: {len(manifest.tensors)} tensors, layers {layers}, "
               f"{len({t.forward_pass for t in manifest.tensors})} forward passes")
     return EXIT_OK
+
+
+def _engine_args(items: Sequence[str]) -> tuple[tuple[str, str], ...]:
+    """``["kv=f16", "hf_dir=ck"]`` -> (("kv", "f16"), ("hf_dir", "ck")); a word without ``=`` is a usage error."""
+    out = []
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise UsageError(f"--engine-arg {item!r}: expected KEY=VALUE")
+        out.append((key.strip(), value))
+    return tuple(out)
 
 
 def _cmd_selfcheck(args: argparse.Namespace) -> int:

@@ -212,8 +212,13 @@ class Capture:
 
     def __init__(self, model: nn.Module | None, out_dir: str | Path, *, layers: str | Sequence[int] | None = None,
                  modules: str | None = None, model_name: str | None = None,
-                 shard_bytes: int = 512 << 20, extra: dict[str, Any] | None = None) -> None:
+                 shard_bytes: int = 512 << 20, extra: dict[str, Any] | None = None,
+                 identity: dict[str, Any] | None = None, signature: dict[str, Any] | None = None,
+                 environment: dict[str, Any] | None = None) -> None:
         self.model = model
+        # what the manifest says about the model, the capture and the environment when no
+        # nn.Module is hooked (an engine adapter fills them in; see dumper.engines.base)
+        self._identity, self._signature, self._environment = identity, signature, dict(environment or {})
         self.out_dir = Path(out_dir)
         self.rank, self.world_size = _dist_rank_world()
         self.extra = _checked_extra(extra)
@@ -339,13 +344,14 @@ class Capture:
             "num_layers": self._num_layers,
             "world_size": self.world_size,
             "dtype": dtype,
+            **(self._signature or {}),
         }
         manifest = Manifest(
             format_version=FORMAT_VERSION,
             created_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            model=model_identity(self.model, self._model_name),
+            model=self._identity if self._identity is not None else model_identity(self.model, self._model_name),
             capture_signature=signature,
-            environment=environment_fingerprint(device, attn),
+            environment={**environment_fingerprint(device, attn), **self._environment},
             files=dict(sorted(files.items())),
             tensors=records,
             extra=self.extra,

@@ -68,6 +68,13 @@ class RunConfig:
     padding_side: str = "right"
     logprobs: LogprobSpec | None = None
     extra: dict = field(default_factory=dict)
+    engine: str = "transformers"
+    engine_args: tuple[tuple[str, str], ...] = ()
+    """Engine-specific settings (``--engine-arg KEY=VALUE``); each adapter in :mod:`dumper.engines` names its keys."""
+
+    def engine_arg(self, key: str, default: str | None = None) -> str | None:
+        """The ``--engine-arg`` value of ``key`` (the last one given), else ``default``."""
+        return next((v for k, v in reversed(self.engine_args) if k == key), default)
 
     def __post_init__(self) -> None:
         if self.chunk_size is not None and self.chunk_size < 1:

@@ -1,0 +1,233 @@
+"""What every engine adapter shares: the job's token ids, the engine's identity, and a dump writer.
+
+An adapter module has one entry point, ``run_dump(cfg: RunConfig, *, progress=None) -> Manifest``.
+It runs ``cfg``'s job (the same token ids, layers and logprob settings as the HF job) through
+its engine and writes through :class:`EngineDump`, which names tensors as the HF capture does
+(``model.layers.{i}.self_attn.input``, capture point ``input``), keeps absolute positions and
+per-prompt sequence ids taken from the engine's batch, and records the logprobs in the form
+the comparator reads (:mod:`dumper.format`'s ``LOGPROB_*`` names). So an engine dump and an HF
+dump of the same checkpoint compare with ``python -m comparator HF_DUMP ENGINE_DUMP``.
+
+Example (inside an adapter)::
+
+    with EngineDump(cfg, info, identity, num_layers=4, seqs=seqs) as out:
+        out.hidden(layer, x, positions, sequence_ids)   # x [tokens, hidden], flattened batch
+        out.step()                                       # one engine forward pass done
+        out.logits(seq_id, seqs[seq_id], logits)         # [len, V]: row i predicts token i+1
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import ModelError, UsageError
+from ..fingerprint import config_hash
+from ..format import (
+    LOGITS,
+    LOGITS_POINT,
+    LOGPROB_POINT,
+    LOGPROB_TOKEN_ID,
+    LOGPROB_TOP_ID,
+    LOGPROB_TOP_VALUE,
+    LOGPROB_VALUE,
+    Manifest,
+    load_manifest,
+)
+from ..hooks import ATTN_INPUT, Capture
+from ..layers import parse_layer_spec
+from ..logprobs import row_logprobs
+from ..run import BUILTIN_PROMPTS, RunConfig
+
+__all__ = ["EngineInfo", "EngineDump", "attn_input_name", "hf_identity", "job_sequences", "check_checkpoint_dir",
+           "check_engine_args"]
+
+
+def check_engine_args(cfg: RunConfig, allowed: dict[str, str]) -> None:
+    """Refuse ``--engine-arg`` keys that ``cfg.engine`` does not take; ``allowed`` maps each key to its help."""
+    for key, _ in cfg.engine_args:
+        if key not in allowed:
+            takes = "; ".join(f"{k} ({h})" for k, h in allowed.items()) or "none"
+            raise UsageError(f"--engine-arg {key}: --engine {cfg.engine} does not take it (it takes: {takes})")
+
+
+def attn_input_name(layer: int) -> str:
+    """The HF capture's name for layer ``layer``'s self-attention input (Llama-family module path)."""
+    return f"model.layers.{layer}.self_attn.{ATTN_INPUT}"
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """Which engine computed a dump and how: recorded in the manifest's ``environment`` and ``extra``.
+
+    ``settings`` holds what changes numerics besides the weights (dtype, KV-cache dtype,
+    attention backend, thread count, ...); scalars only, so the store can match environments.
+    """
+
+    name: str
+    version: str | None
+    checkpoint: str
+    settings: dict[str, str | int | float | bool | None] = field(default_factory=dict)
+
+    def environment(self) -> dict[str, Any]:
+        return {"engine": self.name, "engine_version": self.version,
+                **{f"engine_{k}": v for k, v in self.settings.items()}}
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "version": self.version, "checkpoint": self.checkpoint,
+                "settings": dict(self.settings)}
+
+
+def check_checkpoint_dir(path: str, engine: str) -> Path:
+    """``path`` as an HF checkpoint directory (``config.json`` inside); a :class:`UsageError` otherwise."""
+    p = Path(path)
+    if not (p / "config.json").is_file():
+        raise UsageError(f"{path}: --engine {engine} needs a local HF checkpoint directory (with config.json)")
+    return p
+
+
+def hf_identity(checkpoint: str | os.PathLike[str], name: str | None = None, **extra: Any) -> dict[str, Any]:
+    """The model identity an HF dump of ``checkpoint`` records, read from its config alone (no weights).
+
+    ``architecture`` is the config's first ``architectures`` entry (the class HF builds),
+    ``config_hash`` hashes the same ``to_dict()`` as :func:`dumper.fingerprint.model_identity`,
+    so the comparator's identity check agrees with the HF dump. ``weights_hash`` is None:
+    the engine holds its own copy of the weights.
+    """
+    from transformers import AutoConfig
+
+    from ..presets import check_config_file, error_reason
+
+    check_config_file(os.path.join(checkpoint, "config.json"))
+    try:
+        config = AutoConfig.from_pretrained(str(checkpoint), local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - the load boundary
+        raise ModelError(f"{checkpoint}: cannot read its config ({error_reason(e)})") from None
+    arch = (getattr(config, "architectures", None) or [None])[0]
+    return {"name": name or str(checkpoint), "architecture": arch,
+            "num_layers": getattr(config, "num_hidden_layers", None), "hidden_size": getattr(config, "hidden_size", None),
+            "vocab_size": getattr(config, "vocab_size", None), "config_hash": config_hash(config),
+            "weights_hash": None, **extra}
+
+
+def job_sequences(cfg: RunConfig, checkpoint: str | os.PathLike[str] | None, vocab_size: int) -> list[list[int]]:
+    """The token ids of ``cfg``'s prompts: ``--input-ids`` as given, text through the checkpoint's HF tokenizer.
+
+    Every engine is fed these ids (never its own tokenizer's split of the text), so that
+    positions line up with the HF dump of the same prompts.
+    """
+    from ..presets import load_tokenizer
+
+    seqs: list[list[int]] = [list(s) for s in cfg.input_ids]
+    texts = list(cfg.prompts) or ([] if seqs else list(BUILTIN_PROMPTS))
+    if texts:
+        tok = load_tokenizer(str(checkpoint)) if checkpoint is not None else None
+        if tok is None:
+            raise UsageError(f"{cfg.model}: no HF tokenizer to encode text prompts; pass --input-ids")
+        seqs = [tok.encode(t) for t in texts] + seqs
+    for i, s in enumerate(seqs):
+        if not s:
+            raise UsageError(f"prompt {i} is empty")
+        bad = [t for t in s if not 0 <= t < vocab_size]
+        if bad:
+            raise UsageError(f"prompt {i}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    if cfg.logprobs is not None and all(len(s) - 1 <= cfg.logprobs.start_len for s in seqs):
+        raise UsageError("--logprobs: no prompt has a position to score past --logprob-start-len")
+    return seqs
+
+
+class EngineDump:
+    """A model-less :class:`Capture` that records engine tensors under the HF capture's names.
+
+    Only layers in ``cfg.layers`` (default ``first,last,every:8``) are kept by :meth:`hidden`,
+    so adapters may offer every layer. Logprobs follow ``cfg.logprobs``: none when it is None.
+    """
+
+    def __init__(self, cfg: RunConfig, info: EngineInfo, identity: dict[str, Any], *, num_layers: int,
+                 seqs: Sequence[Sequence[int]], extra: dict[str, Any] | None = None) -> None:
+        self.cfg = cfg
+        self.layers = parse_layer_spec(cfg.layers, num_layers)
+        self._keep = set(self.layers)
+        self.spec = cfg.logprobs
+        job = {"job": "prefill", "input_ids": [list(s) for s in seqs], "dtype": cfg.dtype,
+               "chunk_size": cfg.chunk_size, "batch_size": cfg.batch_size,
+               "logprobs": None if cfg.logprobs is None else vars(cfg.logprobs), "engine": info.to_json(),
+               **(extra or {}), **cfg.extra}
+        signature = {"layers": self.layers, "modules": [attn_input_name(i)[:-len(ATTN_INPUT) - 1] for i in self.layers],
+                     "points": [ATTN_INPUT], "num_layers": num_layers, "world_size": 1, "dtype": cfg.dtype}
+        self._cap = Capture(None, cfg.out, model_name=identity.get("name"), extra=json.loads(json.dumps(job)),
+                            identity=identity, signature=signature, environment=info.environment())
+        self._cap.world_size, self._cap.rank = 1, 0
+
+    def __enter__(self) -> EngineDump:
+        self._cap.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._cap.__exit__(*exc)
+
+    def manifest(self) -> Manifest:
+        return load_manifest(self.cfg.out)
+
+    def wants(self, layer: int) -> bool:
+        """Whether :meth:`hidden` keeps ``layer`` (adapters skip copying the others off the engine)."""
+        return layer in self._keep
+
+    def step(self) -> None:
+        """End one engine forward pass; the next record starts another."""
+        self._cap.step()
+
+    def hidden(self, layer: int, x: torch.Tensor, positions: Any, sequence_ids: Any) -> None:
+        """Record layer ``layer``'s self-attention input ``x`` [tokens, hidden] of the current pass.
+
+        ``positions`` and ``sequence_ids`` give each row's absolute position and prompt index.
+        """
+        if layer in self._keep:
+            self._cap.record(attn_input_name(layer), x.detach().reshape(-1, x.shape[-1]), layer=layer,
+                             point=ATTN_INPUT, positions=positions, sequence_ids=sequence_ids)
+
+    def logits(self, seq_id: int, ids: Sequence[int], logits: torch.Tensor, first: int = 0) -> None:
+        """Record the logprobs of prompt ``seq_id`` from logits rows for positions ``first .. first+n-1``.
+
+        Row ``r`` (position ``p = first + r``) is the distribution of token ``p + 1``; rows past
+        the prompt's end or at/below ``--logprob-start-len`` are dropped, as in the HF job.
+        """
+        if self.spec is None:
+            return
+        n = len(ids)
+        pos = torch.arange(first, first + logits.shape[0])
+        keep = (pos + 1 < n) & (pos + 1 > self.spec.start_len)
+        if not bool(keep.any()):
+            return
+        rows = logits[keep.to(logits.device)]
+        targets = torch.as_tensor(list(ids), dtype=torch.int64)[pos[keep] + 1]
+        r = row_logprobs(rows, targets.to(rows.device), top_k=self.spec.top_k, chunk_rows=self.spec.chunk_rows)
+        self.token_logprobs(seq_id, pos[keep] + 1, targets, r.logprobs,
+                            r.top_ids if self.spec.top_k else None, r.top_logprobs if self.spec.top_k else None)
+        if self.spec.save_logits:
+            meta = {"positions": pos[keep] + 1, "sequence_ids": torch.full((rows.shape[0],), seq_id)}
+            self._cap.record(LOGITS, rows, point=LOGITS_POINT, **meta)
+
+    def token_logprobs(self, seq_id: int, positions: Any, token_ids: Any, logprobs: Any,
+                       top_ids: Any = None, top_logprobs: Any = None) -> None:
+        """Record logprobs the engine computed itself: ``logprobs[r]`` of ``token_ids[r]`` at ``positions[r]``.
+
+        ``top_ids`` / ``top_logprobs`` [rows, k] are the top-k of the distribution that
+        predicted that position's token (k = ``--top-k``).
+        """
+        positions = torch.as_tensor(positions, dtype=torch.int64).reshape(-1)
+        meta = {"positions": positions, "sequence_ids": torch.full((positions.numel(),), seq_id, dtype=torch.int64)}
+        self._cap.record(LOGPROB_TOKEN_ID, torch.as_tensor(token_ids, dtype=torch.int64).reshape(-1, 1),
+                         point=LOGPROB_POINT, **meta)
+        self._cap.record(LOGPROB_VALUE, torch.as_tensor(logprobs, dtype=torch.float32).reshape(-1, 1),
+                         point=LOGPROB_POINT, **meta)
+        if top_ids is not None and top_logprobs is not None:
+            self._cap.record(LOGPROB_TOP_ID, torch.as_tensor(top_ids, dtype=torch.int64), point=LOGPROB_POINT, **meta)
+            self._cap.record(LOGPROB_TOP_VALUE, torch.as_tensor(top_logprobs, dtype=torch.float32),
+                             point=LOGPROB_POINT, **meta)
