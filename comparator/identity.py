@@ -34,6 +34,7 @@ REPORTED_FIELDS = ("weights_hash",)
 """Model fields whose difference is reported in the verdict but does not stop the comparison."""
 
 
+
 @dataclass(frozen=True)
 class IdentityDifference:
     """One model field that differs between the baseline and the target."""
@@ -80,6 +81,14 @@ def check_identity(baseline: Manifest, target: Manifest, *, allow_mismatch: bool
     # the weights hash covers the stored bytes, so it differs whenever the dtype does: compare like with like
     if baseline.capture_signature.get("dtype") == target.capture_signature.get("dtype"):
         notes += [f"different weights: {d}" for d in identity_differences(baseline, target, REPORTED_FIELDS)]
+    # how the weights are stored (gguf:Q8_0, onnx:int8; absent for HF safetensors): reported whatever the dtype
+    formats = [baseline.model.get("weights_format") or "hf", target.model.get("weights_format") or "hf"]
+    if formats[0] != formats[1]:
+        notes.append(f"different weights format: {formats[0]!r} (baseline) vs {formats[1]!r} (target)")
+    for side, m in (("baseline", baseline), ("target", target)):
+        engine = m.environment.get("engine")
+        if engine and engine != "transformers":
+            notes.append(f"{side} computed by {engine} {m.environment.get('engine_version') or ''}".rstrip())
     return tuple(notes)
 
 

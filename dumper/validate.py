@@ -347,7 +347,7 @@ def _check_top(raw: dict, where: str) -> None:
     _str(raw["created_at"], where, "created_at")
     model = _object(raw["model"], where, "model")
     _fields(model, where, "model", ints=("num_layers", "hidden_size"),
-            strs=("name", "architecture", "config_hash", "weights_hash"))
+            strs=("name", "architecture", "config_hash", "weights_hash", "weights_format"))
     sig = _object(raw["capture_signature"], where, "capture_signature")
     _fields(sig, where, "capture_signature", ints=("num_layers", "world_size"), strs=("dtype",),
             int_lists=("layers",), str_lists=("modules", "points"))
