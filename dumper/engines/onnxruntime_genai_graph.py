@@ -223,7 +223,7 @@ class HiddenRunner:
             ) -> tuple[dict[int, np.ndarray], np.ndarray, dict[str, np.ndarray]]:
         """One pass over ``ids`` at positions ``start..``: (layer -> [n, hidden], logits [n, V], KV for the next)."""
         try:
-            values = dict(zip(self.output_names, self.session.run(None, self._feeds(ids, start, past))))
+            values = dict(zip(self.output_names, self.session.run(None, self._feeds(ids, start, past)), strict=True))
         except (ModelError, UsageError):
             raise
         except Exception as e:  # noqa: BLE001 - the forward boundary, as for HF models
