@@ -35,6 +35,8 @@ if [ ! -x "$BUILD/bin/llama-perplexity" ]; then
     cmake -S "$SRC" -B "$BUILD" -DLLAMA_BUILD_TOOLS=ON > /dev/null
     cmake --build "$BUILD" --target llama-perplexity -j "$(nproc)"
 fi
+# llama-cpp-python's OpenAI-compatible server (the live-server tests) also needs starlette-context.
+pip install -c "$CONSTRAINTS" starlette-context==0.5.1
 # convert_hf_to_gguf.py needs the gguf package of the same llama.cpp revision.
 pip install -c "$CONSTRAINTS" "$SRC/vendor/llama.cpp/gguf-py"
 ln -sfn "$SRC/vendor/llama.cpp" "$ENGINES/llama.cpp"

@@ -1,7 +1,8 @@
 """``python -m comparator BASELINE TARGET``: parse flags, call :func:`compare_dumps`, print, exit.
 
-Subcommands (dispatched on the first argument): ``logprobs`` (here), ``regress`` and ``store``
-(golden baselines in a run store, :mod:`comparator.store_cli`).
+Subcommands (dispatched on the first argument): ``logprobs`` and ``collect`` (prompt logprobs
+from a live server, :mod:`comparator.collect`) here, ``regress`` and ``store`` (golden baselines
+in a run store, :mod:`comparator.store_cli`).
 
 Exit codes: 0 every matched tensor passed; 1 divergence; 2 unusable input (bad arguments,
 missing/incomplete/corrupt dump, zero matched tensors, shapes that cannot be aligned).
@@ -28,7 +29,7 @@ from .render import describe_divergence, render_logprobs, render_report, verdict
 from .sources import compare_logprob_sources
 from .store_cli import run_regress, run_store
 
-__all__ = ["main", "build_parser", "build_logprobs_parser"]
+__all__ = ["main", "build_parser", "build_logprobs_parser", "build_collect_parser"]
 
 
 def _logprob_flags(p: argparse.ArgumentParser) -> None:
@@ -79,6 +80,48 @@ def build_logprobs_parser() -> argparse.ArgumentParser:
     return p
 
 
+def build_collect_parser() -> argparse.ArgumentParser:
+    from .collect import API_NAMES
+
+    p = Parser(prog="python -m comparator collect",
+               description="Score fixed prompts on a live server (vLLM, SGLang, OpenAI-compatible) and write the "
+                           "prompt logprobs as JSONL for `python -m comparator logprobs`.")
+    p.add_argument("--server", required=True, metavar="URL", help="server base URL, e.g. http://127.0.0.1:8000")
+    p.add_argument("--api", required=True, choices=API_NAMES,
+                   help="vllm (/v1/completions with prompt_logprobs), sglang (/generate), openai (echo + logprobs)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompt", action="append", default=None, help="prompt text (repeatable)")
+    src.add_argument("--prompts", metavar="FILE.jsonl", help='JSONL: {"text": ...} or {"input_ids": [...]} per line')
+    src.add_argument("--input-ids", action="append", default=None, help="comma-separated token ids (repeatable)")
+    p.add_argument("--top-k", type=int, default=0, help="top-K logprobs per position besides the actual token")
+    p.add_argument("--model", default=None, help="served model name (default: the first one /v1/models lists)")
+    p.add_argument("--out", required=True, metavar="FILE.jsonl", help="JSONL file to write (one line per prompt)")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds per request (default 60)")
+    p.add_argument("--retries", type=int, default=3,
+                   help="retries on connection errors, timeouts and HTTP 429/5xx, with backoff (default 3)")
+    p.add_argument("--quiet", action="store_true", help="no summary line")
+    return p
+
+
+def run_collect(argv: Sequence[str]) -> int:
+    from dumper.run import BUILTIN_PROMPTS, parse_input_ids, read_prompts_file
+
+    from .collect import collect, prompts_from
+    from .server_http import ServerClient
+
+    args = build_collect_parser().parse_args(argv)
+    texts, ids = list(args.prompt or ()), [list(s) for s in parse_input_ids(args.input_ids or ())]
+    if args.prompts:
+        texts, ids = read_prompts_file(args.prompts)
+    client = ServerClient(args.server, timeout=args.timeout, retries=args.retries)
+    results = collect(client, args.api, prompts_from(texts or ([] if ids else list(BUILTIN_PROMPTS)), ids),
+                      args.out, top_k=args.top_k, model=args.model)
+    if not args.quiet:
+        print(f"wrote {args.out}: {len(results)} requests, {sum(len(r.sequence) for r in results)} prompt positions "
+              f"scored, top-k {args.top_k} ({args.api} at {client.base_url})")
+    return EXIT_OK
+
+
 def _check_model_row(args: argparse.Namespace) -> None:
     if args.model is not None:
         LogprobThresholds.check_row(args.model)
@@ -109,6 +152,8 @@ def run(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["logprobs"]:
         return run_logprobs(argv[1:])
+    if argv[:1] == ["collect"]:
+        return run_collect(argv[1:])
     if argv[:1] == ["regress"]:
         return run_regress(argv[1:])
     if argv[:1] == ["store"]:

@@ -100,6 +100,14 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--device", default="cpu")
     sc.add_argument("--seed", type=_seed, default=0)
     sc.add_argument("--json", metavar="FILE", help="write the results as JSON")
+    sc.add_argument("--server", metavar="URL", default=None,
+                    help="check a live server instead of a local model (http://HOST:PORT); needs --api")
+    sc.add_argument("--api", default=None, choices=["vllm", "sglang", "openai"],
+                    help="with --server: vllm (/v1/completions), sglang (/generate), openai (text prompts only)")
+    sc.add_argument("--served-model", default=None, help="with --server: model name to request "
+                    "(default: the first one /v1/models lists)")
+    sc.add_argument("--timeout", type=float, default=120.0, help="with --server: seconds per request (default 120)")
+    sc.add_argument("--retries", type=int, default=3, help="with --server: retries on connection errors and 5xx")
     ls = sub.add_parser("ls", help="show what a dump holds")
     ls.add_argument("dir", help="dump directory")
     ls.add_argument("--tensors", action="store_true", help="list every tensor")
@@ -162,6 +170,8 @@ def _cmd_selfcheck(args: argparse.Namespace) -> int:
         raise UsageError(f"--threshold must be >= 0, got {args.threshold}")
     if args.new_tokens < 1:
         raise UsageError(f"--new-tokens must be >= 1, got {args.new_tokens}")
+    if args.server is not None or args.api is not None:
+        return _cmd_server_selfcheck(args, threshold)
     model, tok = load_model(args.model, dtype=args.dtype, attn=args.attn, device=args.device, seed=args.seed)
     prompts = [list(p) for p in parse_input_ids(args.input_ids or ())]
     if not prompts:
@@ -186,6 +196,40 @@ def _cmd_selfcheck(args: argparse.Namespace) -> int:
     if args.json:
         write_json_atomic(args.json, {"passed": passed, "threshold": threshold,
                                       "runs": [r.to_json() for r in results]})
+    return EXIT_OK if passed else EXIT_DIVERGED
+
+
+def _cmd_server_selfcheck(args: argparse.Namespace, threshold: float) -> int:
+    """``selfcheck --server URL --api API``: :func:`dumper.server_selfcheck.server_selfcheck` per prompt."""
+    from comparator.collect import prompts_from, served_model
+    from comparator.server_http import ServerClient
+
+    from .format import write_json_atomic
+    from .run import BUILTIN_PROMPTS, parse_input_ids
+    from .server_selfcheck import server_selfcheck
+
+    if args.server is None or args.api is None:
+        raise UsageError("--server and --api go together: --server URL --api vllm|sglang|openai")
+    if args.mode != "all":
+        raise UsageError("--mode is for a local model; a server's own caches decide what it reuses")
+    ids = [list(p) for p in parse_input_ids(args.input_ids or ())]
+    prompts = prompts_from(args.prompt or ([] if ids else list(BUILTIN_PROMPTS)), ids)
+    client = ServerClient(args.server, timeout=args.timeout, retries=args.retries)
+    model = args.served_model or (served_model(client) if args.api != "sglang" else None)
+    results = [server_selfcheck(client, args.api, p, new_tokens=args.new_tokens, threshold=threshold, model=model)
+               for p in prompts]
+    for r in results:
+        print(f"prompt {r.request}: {len(r.k3)} tokens from position {r.positions[0]}: k3 mean {r.k3_mean:.3e} "
+              f"max {r.k3_max:.3e} (position {r.k3_max_position}), max |dlogprob| {r.max_abs_err:.3e}: "
+              f"{'PASS' if r.passed else 'FAIL'}")
+        for pos, q, p, k in zip(r.positions, r.decode_logprobs, r.prefill_logprobs, r.k3, strict=True):
+            print(f"  position {pos:>5}  decode {q:+.6f}  prefill {p:+.6f}  k3 {k:.3e}")
+    passed = all(r.passed for r in results)
+    print(f"{'PASS' if passed else 'FAIL'}: decode vs prefill on {client.base_url} ({args.api}) over "
+          f"{len(results)} prompts, mean k3 <= {threshold:g}")
+    if args.json:
+        write_json_atomic(args.json, {"passed": passed, "threshold": threshold, "server": client.base_url,
+                                      "api": args.api, "runs": [r.to_json() for r in results]})
     return EXIT_OK if passed else EXIT_DIVERGED
 
 

@@ -40,7 +40,7 @@ def vllm_version() -> str | None:
     """The installed vLLM distribution's version, or None when none of :data:`VLLM_DISTRIBUTIONS` is."""
     for name in VLLM_DISTRIBUTIONS:
         try:
-            return importlib.metadata.version(name)
+            return importlib.metadata.distribution(name).version  # not the patched version()
         except importlib.metadata.PackageNotFoundError:
             continue
     return None
