@@ -11,18 +11,22 @@ missing/incomplete/corrupt dump, zero matched tensors, shapes that cannot be ali
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
+import os
 import sys
 from collections.abc import Sequence
 
 from dumper.cliutil import Parser, guarded_main
 from dumper.errors import EXIT_DIVERGED, EXIT_OK
-from dumper.format import write_json_atomic
+from dumper.format import MANIFEST_NAME, write_json_atomic
 
 from ._cliargs import logprob_thresholds as _thresholds
 from ._cliargs import stdout_console as _console
 from ._cliargs import write_output as _write
 from .compare import compare_dumps
 from .config import CompareConfig
+from .identity import check_distinct
 from .logprobs import LogprobThresholds
 from .outputs import add_output_flags, check_output_flags, progress_callback, write_outputs
 from .render import describe_divergence, render_logprobs, render_report, verdict_notes
@@ -44,8 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="python -m comparator", description="Compare two driftscope dumps layer by layer "
                "(and their logprobs). `python -m comparator logprobs BASE TARGET` compares logprobs only, "
                "of dumps or engine JSONL files.")
-    p.add_argument("baseline", help="dump directory of the trusted run")
-    p.add_argument("target", help="dump directory of the run under test")
+    p.add_argument("baseline", help="dump directory (or SGLang dumper directory) of the trusted run")
+    p.add_argument("target", help="dump directory (or SGLang dumper directory) of the run under test")
     p.add_argument("--threshold", type=float, default=None,
                    help="whole-tensor rel_diff threshold (default 1e-3, env DRIFTSCOPE_DIFF_THRESHOLD)")
     p.add_argument("--token-threshold", type=float, default=None,
@@ -154,6 +158,10 @@ def run(argv: Sequence[str] | None = None) -> int:
         return run_logprobs(argv[1:])
     if argv[:1] == ["collect"]:
         return run_collect(argv[1:])
+    if argv[:1] == ["import-sglang"]:
+        from .sglang_dump import main_import
+
+        return main_import(argv[1:])
     if argv[:1] == ["regress"]:
         return run_regress(argv[1:])
     if argv[:1] == ["store"]:
@@ -165,24 +173,42 @@ def run(argv: Sequence[str] | None = None) -> int:
                                    threads=args.threads, logprob_thresholds=_thresholds(args.logprob_threshold),
                                    model=args.model, require_all=args.require_all,
                                    allow_model_mismatch=args.allow_model_mismatch)
-    with progress_callback(not args.quiet) as progress:
-        report = compare_dumps(args.baseline, args.target, config, progress=progress)
-    if args.format == "table":  # with --format json, stdout carries the JSON report alone
-        console = _console()
-        if args.quiet:
-            fd = report.first_divergent
-            line = ("PASS" if report.passed else f"DIVERGED {describe_divergence(fd)}" if fd else
-                    "DIVERGED (replicas differ)" if report.replica_mismatches else
-                    f"DIVERGED (logprobs: {', '.join(report.logprobs.failures())})")
-            notes = verdict_notes(report)
-            console.print(line + (f" ({'; '.join(notes)})" if notes else ""), markup=False, emoji=False,
-                          highlight=False)
-        else:
-            render_report(report, console, tensors=args.tensors)
-    _write(args.json, report.write_json)
-    _write(args.csv, report.write_csv)
-    write_outputs(report, args, args.baseline, args.target)
+    check_distinct(args.baseline, args.target)  # before an SGLang side is converted into a temporary dump
+    # either side may be an SGLang dumper directory: read as a temporary driftscope dump (comparator.sglang_dump)
+    with _dump_side(args.baseline) as base, _dump_side(args.target) as target:
+        with progress_callback(not args.quiet) as progress:
+            report = compare_dumps(base, target, config, progress=progress)
+        report = dataclasses.replace(report, baseline=args.baseline, target=args.target)  # the user's paths
+        if args.format == "table":  # with --format json, stdout carries the JSON report alone
+            console = _console()
+            if args.quiet:
+                fd = report.first_divergent
+                line = ("PASS" if report.passed else f"DIVERGED {describe_divergence(fd)}" if fd else
+                        "DIVERGED (replicas differ)" if report.replica_mismatches else
+                        f"DIVERGED (logprobs: {', '.join(report.logprobs.failures())})")
+                notes = verdict_notes(report)
+                console.print(line + (f" ({'; '.join(notes)})" if notes else ""), markup=False, emoji=False,
+                              highlight=False)
+            else:
+                render_report(report, console, tensors=args.tensors)
+        _write(args.json, report.write_json)
+        _write(args.csv, report.write_csv)
+        write_outputs(report, args, base, target)
     return EXIT_OK if report.passed else EXIT_DIVERGED
+
+
+def _dump_side(path: str) -> contextlib.AbstractContextManager[str]:
+    """``path`` itself, or for an SGLang dumper directory a temporary driftscope dump of it.
+
+    :mod:`comparator.sglang_dump` (and torch with it) is imported only for a directory without
+    a driftscope manifest, so comparing two driftscope dumps stays torch-free.
+    """
+    if os.path.isdir(path) and not os.path.exists(os.path.join(path, MANIFEST_NAME)):
+        from .sglang_dump import is_sglang_dump, open_dump_side
+
+        if is_sglang_dump(path):
+            return open_dump_side(path)
+    return contextlib.nullcontext(path)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
