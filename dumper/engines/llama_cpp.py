@@ -1,0 +1,161 @@
+"""llama.cpp (llama-cpp-python's low-level API): dump a GGUF model's layer inputs and logprobs.
+
+``python -m dumper run --engine llama.cpp --model M.gguf --input-ids ... --layers all --logprobs``
+feeds the job's token ids (never llama.cpp's own split of a text) to ``llama_decode``, copies
+each layer's ``attn_norm-i`` (HF's ``self_attn`` input) out of the graph, and scores every
+position from its logits row. Prompts go ``--batch-size`` at a time as separate sequences of one
+batch, each batch in one decode or in ``--chunk-size`` token chunks through the KV cache.
+
+``--engine-arg`` keys: ``kv=f32|f16|bf16`` (KV-cache dtype, default f32 so that a clean run is
+clean), ``threads=N`` (default torch's thread count), ``flash_attn=off|on|auto`` (default off),
+``hf_dir=DIR`` (the HF checkpoint the GGUF came from: its tokenizer encodes text prompts and
+its config gives the identity, so the comparator checks it against the HF dump),
+``verbose=true`` (show llama.cpp's log).
+
+Example::
+
+    python -m dumper run --engine llama.cpp --model m-q8_0.gguf --engine-arg hf_dir=ckpt \
+        --layers all --logprobs --out llama_dump
+    python -m comparator hf_dump llama_dump
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ..errors import UsageError
+from ..format import Manifest
+from ..progress import ProgressFn
+from ..run import RunConfig
+from .base import EngineDump, EngineInfo, check_checkpoint_dir, check_engine_args, hf_identity, job_sequences
+from .llama_cpp_ggml import FLASH_ATTN, GGML_TYPE, GgufSession, check_gguf_file, file_type_name
+
+__all__ = ["ENGINE_ARGS", "HF_ARCHITECTURES", "run_dump"]
+
+ENGINE_ARGS = {
+    "kv": f"KV-cache dtype, one of {'|'.join(GGML_TYPE)} (default f32)",
+    "threads": "CPU threads (default: torch.get_num_threads())",
+    "flash_attn": f"{'|'.join(FLASH_ATTN)} (default off)",
+    "hf_dir": "the HF checkpoint directory the GGUF was converted from (tokenizer and identity)",
+    "verbose": "true to show llama.cpp's log on stderr",
+}
+
+HF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM", "mistral3": "Mistral3ForConditionalGeneration",
+    "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM", "granite": "GraniteForCausalLM", "olmo": "OlmoForCausalLM", "olmo2": "Olmo2ForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM", "deepseek2": "DeepseekV3ForCausalLM",
+}
+"""GGUF ``general.architecture`` -> the HF class it was converted from (where one name is known)."""
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def _choice(cfg: RunConfig, key: str, choices: dict[str, int], default: str) -> tuple[str, int]:
+    value = (cfg.engine_arg(key, default) or default).lower()
+    if value not in choices:
+        raise UsageError(f"--engine-arg {key}={value}: expected one of {', '.join(choices)}")
+    return value, choices[value]
+
+
+def _settings(cfg: RunConfig) -> dict[str, Any]:
+    """The parsed ``--engine-arg`` values (each checked, one-line errors)."""
+    check_engine_args(cfg, ENGINE_ARGS)
+    kv, kv_type = _choice(cfg, "kv", GGML_TYPE, "f32")
+    fa, fa_type = _choice(cfg, "flash_attn", FLASH_ATTN, "off")
+    threads = cfg.engine_arg("threads")
+    if threads is not None and not (threads.isdigit() and int(threads) >= 1):
+        raise UsageError(f"--engine-arg threads={threads}: expected a positive integer")
+    verbose = (cfg.engine_arg("verbose", "false") or "").lower()
+    if verbose not in _TRUE + _FALSE:
+        raise UsageError(f"--engine-arg verbose={verbose}: expected true or false")
+    if cfg.dtype not in ("float32", "fp32"):
+        raise UsageError(f"--dtype {cfg.dtype}: llama.cpp computes with the GGUF file's types; pick the precision "
+                         "when converting (convert_hf_to_gguf.py --outtype f32|f16|q8_0)")
+    if cfg.modules:
+        raise UsageError("--modules: --engine llama.cpp captures the layers' self_attn inputs only (use --layers)")
+    hf_dir = cfg.engine_arg("hf_dir")
+    return {"kv": kv, "kv_type": kv_type, "flash_attn": fa, "flash_attn_type": fa_type,
+            "threads": int(threads) if threads else torch.get_num_threads(), "verbose": verbose in _TRUE,
+            "hf_dir": str(check_checkpoint_dir(hf_dir, "llama.cpp")) if hf_dir else None}
+
+
+def _identity(s: GgufSession, hf_dir: str | None) -> dict[str, Any]:
+    """The model identity: the HF config's (same config_hash as the HF dump) when ``hf_dir`` is given."""
+    ftype, arch = file_type_name(s.ftype), s.meta("general.architecture") or "unknown"
+    facts = {"weights_format": f"gguf:{ftype}", "gguf_architecture": arch, "gguf_file_type": ftype}
+    if hf_dir is None:
+        return {"name": str(s.path), "architecture": HF_ARCHITECTURES.get(arch, f"gguf:{arch}"),
+                "num_layers": s.n_layer, "hidden_size": s.n_embd, "vocab_size": s.n_vocab, "config_hash": None,
+                "weights_hash": None, **facts}
+    ident = hf_identity(hf_dir, name=str(s.path), **facts)
+    for key, gguf in (("num_layers", s.n_layer), ("hidden_size", s.n_embd), ("vocab_size", s.n_vocab)):
+        if ident.get(key) is not None and ident[key] != gguf:
+            raise UsageError(f"--engine-arg hf_dir={hf_dir}: not the checkpoint of {s.path} "
+                             f"({key} {ident[key]} in its config.json, {gguf} in the GGUF)")
+    return ident
+
+
+def _sequences(cfg: RunConfig, s: GgufSession, hf_dir: str | None) -> list[list[int]]:
+    if hf_dir is None and (cfg.prompts or not cfg.input_ids):
+        raise UsageError(f"{cfg.model}: text prompts need --engine-arg hf_dir=DIR (the HF tokenizer; llama.cpp's "
+                         "own splits text differently), or pass --input-ids")
+    return job_sequences(cfg, hf_dir, s.n_vocab)
+
+
+def _decodes(batch: Sequence[Sequence[int]], chunk: int | None) -> list[list[tuple[int, int, int]]]:
+    """The decodes of one prompt batch: lists of (batch row, start, end) token ranges, chunk by chunk."""
+    longest = max(map(len, batch))
+    step = chunk or longest
+    return [[(row, start, min(start + step, len(ids))) for row, ids in enumerate(batch) if start < len(ids)]
+            for start in range(0, longest, step)]
+
+
+def _run_batch(s: GgufSession, out: EngineDump, batch: list[list[int]], first: int, chunk: int | None) -> None:
+    """Prefill prompts ``first ..`` as KV sequences 0.. of one batch; record hidden states and logprobs."""
+    want = {layer for layer in range(s.n_layer) if out.wants(layer)}
+    s.clear()
+    for ranges in _decodes(batch, chunk):
+        tokens = [t for row, a, b in ranges for t in batch[row][a:b]]
+        positions = [p for _, a, b in ranges for p in range(a, b)]
+        rows = [row for row, a, b in ranges for _ in range(a, b)]
+        hidden, logits = s.decode(tokens, positions, rows, want=want)
+        seq_ids = torch.tensor(rows, dtype=torch.int64) + first
+        for layer in sorted(hidden):
+            out.hidden(layer, hidden[layer], torch.tensor(positions, dtype=torch.int64), seq_ids)
+        offset = 0
+        for row, a, b in ranges:
+            out.logits(first + row, batch[row], logits[offset:offset + b - a], first=a)
+            offset += b - a
+        out.step()
+
+
+def run_dump(cfg: RunConfig, *, progress: ProgressFn | None = None) -> Manifest:
+    """Prefill ``cfg``'s prompts through llama.cpp and write the dump; return its manifest."""
+    import llama_cpp
+
+    opts = _settings(cfg)
+    check_gguf_file(cfg.model)
+    with GgufSession.open(cfg.model, verbose=opts["verbose"]) as s:
+        ident = _identity(s, opts["hf_dir"])
+        seqs = _sequences(cfg, s, opts["hf_dir"])
+        batches = [seqs[i:i + cfg.batch_size] for i in range(0, len(seqs), cfg.batch_size)]
+        n_ctx = max(sum(map(len, b)) for b in batches)
+        n_batch = max(sum(b - a for _, a, b in r) for bt in batches for r in _decodes(bt, cfg.chunk_size))
+        s.new_context(n_ctx=n_ctx, n_batch=n_batch, n_seqs=min(cfg.batch_size, len(seqs)), threads=opts["threads"],
+                      kv_type=opts["kv_type"], flash_attn=opts["flash_attn_type"])
+        settings = {"file_type": file_type_name(s.ftype), "kv_cache_dtype": opts["kv"], "threads": opts["threads"],
+                    "flash_attn": opts["flash_attn"], "n_ctx": n_ctx, "n_batch": n_batch, "extra_bufts": False}
+        info = EngineInfo("llama.cpp", getattr(llama_cpp, "__version__", None), str(s.path), settings)
+        done, total = 0, sum(map(len, seqs))
+        with EngineDump(cfg, info, ident, num_layers=s.n_layer, seqs=seqs, extra={"hf_dir": opts["hf_dir"]}) as out:
+            for i, batch in enumerate(batches):
+                _run_batch(s, out, batch, i * cfg.batch_size, cfg.chunk_size)
+                done += sum(map(len, batch))
+                if progress is not None:
+                    progress(done, total)
+        return out.manifest()

@@ -1,0 +1,240 @@
+"""A llama.cpp model and context through llama-cpp-python's low-level ctypes API, with hidden-state capture.
+
+llama.cpp names the tensors of its compute graph (``attn_norm-3`` is layer 3's RMSNorm output,
+the input of its attention, i.e. HF's ``self_attn`` input). The context's ``cb_eval`` callback
+is asked about every graph node before it runs (``ask=True``: do you want this tensor?) and,
+for the ones we want, called again once it is computed (``ask=False``), when we copy it off
+the backend with ``ggml_backend_tensor_get``. :class:`GgufSession` wraps that: one decode of a
+token batch returns the captured tensors and every position's logits.
+
+Example::
+
+    with GgufSession.open("m.gguf", verbose=False) as s:
+        s.new_context(n_ctx=64, n_batch=64, n_seqs=1, threads=2, kv_type=GGML_TYPE["f32"])
+        hidden, logits = s.decode(tokens, positions, seqs, want={0, 3})  # {layer: [n, hidden]}, [n, vocab]
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import ModelError, UsageError
+
+__all__ = ["FLASH_ATTN", "GGML_TYPE", "GgufSession", "check_gguf_file", "file_type_name"]
+
+GGML_TYPE = {"f32": 0, "f16": 1, "bf16": 30}
+"""KV-cache dtypes this adapter offers (``--engine-arg kv=``) -> ggml type id."""
+FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}
+"""``--engine-arg flash_attn=`` -> llama_flash_attn_type."""
+_NUMPY = {0: np.float32, 1: np.float16}
+"""ggml types of captured tensors we can read -> numpy dtype."""
+_CAPTURE_PREFIX = "attn_norm-"
+
+
+class _TensorHead(ctypes.Structure):
+    """The leading fields of ``struct ggml_tensor`` (ggml.h): type, buffer, ne[4], nb[4]."""
+
+    _fields_ = [("type", ctypes.c_int), ("buffer", ctypes.c_void_p), ("ne", ctypes.c_int64 * 4),
+                ("nb", ctypes.c_size_t * 4)]
+
+
+def check_gguf_file(path: str) -> Path:
+    """``path`` as a readable GGUF file (magic ``GGUF``); a one-line :class:`UsageError` otherwise."""
+    p = Path(path)
+    if p.is_dir():
+        raise UsageError(f"{path}: a directory; --engine llama.cpp loads one .gguf file (convert an HF checkpoint "
+                         "with llama.cpp's convert_hf_to_gguf.py)")
+    try:
+        with p.open("rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise UsageError(f"{path}: cannot read the model file ({e.strerror or e})") from None
+    if magic != b"GGUF":
+        raise UsageError(f"{path}: not a GGUF file (--engine llama.cpp loads a .gguf; convert an HF checkpoint "
+                         "with llama.cpp's convert_hf_to_gguf.py)")
+    return p
+
+
+def file_type_name(ftype: int) -> str:
+    """llama.cpp's file type id as its short name (``7`` -> ``Q8_0``, ``0`` -> ``F32``)."""
+    import llama_cpp
+
+    for key, value in vars(llama_cpp).items():
+        if key.startswith("LLAMA_FTYPE_") and value == ftype and key != "LLAMA_FTYPE_GUESSED":
+            return key.removeprefix("LLAMA_FTYPE_").removeprefix("MOSTLY_").removeprefix("ALL_")
+    return f"ftype{ftype}"
+
+
+def _ggml_lib() -> ctypes.CDLL:
+    """libggml with the argument types of the three ggml calls the capture makes."""
+    from llama_cpp._ggml import libggml as lib
+
+    lib.ggml_get_name.argtypes, lib.ggml_get_name.restype = [ctypes.c_void_p], ctypes.c_char_p
+    lib.ggml_is_contiguous.argtypes, lib.ggml_is_contiguous.restype = [ctypes.c_void_p], ctypes.c_bool
+    lib.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
+    lib.ggml_backend_tensor_get.restype = None
+    return lib
+
+
+_SILENT: list[Any] = []
+"""The no-op log callback, made once and kept alive for the process (llama.cpp holds a raw pointer to it)."""
+
+
+def _set_log(verbose: bool) -> None:
+    """Route llama.cpp's and ggml's log to llama-cpp-python's stderr printer (verbose) or nowhere."""
+    import llama_cpp
+    from llama_cpp import _logger
+
+    if verbose:
+        _logger.set_verbose(True)
+        llama_cpp.llama_log_set(_logger.llama_log_callback, ctypes.c_void_p(0))
+        return
+    if not _SILENT:
+        _SILENT.append(llama_cpp.llama_log_callback(lambda level, text, user: None))
+    llama_cpp.llama_log_set(_SILENT[0], ctypes.c_void_p(0))
+
+
+class _Capture:
+    """The ``cb_eval`` state: which layers to copy in this decode, what was copied, the first error."""
+
+    def __init__(self) -> None:
+        self.lib = _ggml_lib()
+        self.want: set[int] = set()
+        self.got: dict[int, np.ndarray] = {}
+        self.error: str | None = None
+
+    def _layer(self, t: int) -> int | None:
+        name = (self.lib.ggml_get_name(t) or b"").decode(errors="replace")
+        if not name.startswith(_CAPTURE_PREFIX) or not name[len(_CAPTURE_PREFIX):].isdigit():
+            return None
+        layer = int(name[len(_CAPTURE_PREFIX):])
+        return layer if layer in self.want else None
+
+    def __call__(self, t: int, ask: bool, _user: Any) -> bool:
+        try:
+            layer = self._layer(t)
+            if ask or layer is None:
+                return layer is not None
+            head = _TensorHead.from_address(t)
+            dtype = _NUMPY.get(head.type)
+            if dtype is None or not self.lib.ggml_is_contiguous(t) or any(head.ne[d] != 1 for d in (2, 3)):
+                self.error = (f"{_CAPTURE_PREFIX}{layer}: ggml type {head.type}, shape {list(head.ne)} "
+                              "is not a contiguous f32/f16 [tokens, hidden] tensor")
+                return False
+            buf = np.empty((head.ne[1], head.ne[0]), dtype=dtype)  # ggml ne[0] is the fastest (hidden) axis
+            self.lib.ggml_backend_tensor_get(t, buf.ctypes.data, 0, buf.nbytes)
+            self.got[layer] = buf
+            return True
+        except Exception as e:  # noqa: BLE001 - an exception must not cross the C callback
+            self.error = f"capture callback failed: {type(e).__name__}: {e}"
+            return False
+
+
+class GgufSession:
+    """A loaded GGUF model (extra buffer types off: no weight repacking) and, once made, one context."""
+
+    def __init__(self, path: Path, model: Any) -> None:
+        import llama_cpp
+
+        self._ll = llama_cpp
+        self.path, self.model = path, model
+        self.ctx: Any = None
+        self._cap = _Capture()
+        self._cb = llama_cpp.ggml_backend_sched_eval_callback(self._cap)  # kept alive as long as the context
+        vocab = llama_cpp.llama_model_get_vocab(model)
+        self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(vocab))
+        self.n_layer = int(llama_cpp.llama_model_n_layer(model))
+        self.n_embd = int(llama_cpp.llama_model_n_embd(model))
+        self.ftype = int(llama_cpp.llama_model_ftype(model))
+
+    @classmethod
+    def open(cls, path: str, *, verbose: bool = False) -> GgufSession:
+        """Load ``path``: a :class:`UsageError` if it is no GGUF file, a :class:`ModelError` if llama.cpp refuses it."""
+        import llama_cpp
+
+        p = check_gguf_file(path)
+        _set_log(verbose)
+        llama_cpp.llama_backend_init()
+        params = llama_cpp.llama_model_default_params()
+        params.use_extra_bufts = False  # ggml's repacked (AMX) q8_0 path dies with SIGILL on some CPUs
+        model = llama_cpp.llama_model_load_from_file(os.fsencode(p), params)
+        if not model:
+            raise ModelError(f"{path}: llama.cpp cannot load this GGUF model (run with --engine-arg verbose=true "
+                             "to see its log)")
+        return cls(p, model)
+
+    def meta(self, key: str) -> str | None:
+        """A GGUF metadata value as text (``general.architecture``), or None when the file lacks it."""
+        buf = ctypes.create_string_buffer(512)
+        n = self._ll.llama_model_meta_val_str(self.model, key.encode(), buf, len(buf))
+        return None if n < 0 else buf.value.decode(errors="replace")
+
+    def new_context(self, *, n_ctx: int, n_batch: int, n_seqs: int, threads: int, kv_type: int,
+                    flash_attn: int) -> None:
+        """Make the context: every decode of up to ``n_batch`` tokens is one graph (``n_ubatch = n_batch``)."""
+        ll = self._ll
+        p = ll.llama_context_default_params()
+        p.n_ctx, p.n_batch, p.n_ubatch, p.n_seq_max = n_ctx, n_batch, n_batch, n_seqs
+        p.n_threads = p.n_threads_batch = threads
+        p.type_k = p.type_v = kv_type
+        p.flash_attn_type = flash_attn
+        p.kv_unified = True  # one KV stream: the batch is not reordered into per-sequence ubatches
+        p.cb_eval, p.cb_eval_user_data = self._cb, None
+        self.ctx = ll.llama_init_from_model(self.model, p)
+        if not self.ctx:
+            raise ModelError(f"{self.path}: llama.cpp cannot make a context (n_ctx {n_ctx}, n_batch {n_batch}, "
+                             f"KV type {kv_type}, flash_attn {flash_attn})")
+
+    def clear(self) -> None:
+        """Empty the KV cache (between prompt batches)."""
+        self._ll.llama_memory_clear(self._ll.llama_get_memory(self.ctx), True)
+
+    def decode(self, tokens: Sequence[int], positions: Sequence[int], seqs: Sequence[int], *,
+               want: set[int]) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
+        """Decode one batch (token ``i`` at ``positions[i]`` of KV sequence ``seqs[i]``), logits for all.
+
+        Returns ``{layer: attn_norm [n, hidden]}`` for the layers in ``want`` and logits [n, vocab].
+        """
+        ll, n = self._ll, len(tokens)
+        batch = ll.llama_batch_init(n, 0, 1)
+        try:
+            for i, (tok, pos, seq) in enumerate(zip(tokens, positions, seqs, strict=True)):
+                batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = tok, pos, 1, 1
+                batch.seq_id[i][0] = seq
+            batch.n_tokens = n
+            self._cap.want, self._cap.got, self._cap.error = set(want), {}, None
+            rc = ll.llama_decode(self.ctx, batch)
+            if self._cap.error is not None:
+                raise ModelError(f"{self.path}: {self._cap.error}")
+            if rc != 0:
+                raise ModelError(f"{self.path}: llama_decode of {n} tokens failed (return code {rc})")
+            logits = np.ctypeslib.as_array(ll.llama_get_logits(self.ctx), shape=(n, self.n_vocab)).copy()
+        finally:
+            ll.llama_batch_free(batch)
+        missing = sorted(set(want) - set(self._cap.got))
+        if missing:
+            raise ModelError(f"{self.path}: llama.cpp's graph has no tensor {_CAPTURE_PREFIX}{missing[0]} "
+                             "(this architecture names its layer inputs differently)")
+        got = {k: torch.from_numpy(v).to(torch.float32) for k, v in self._cap.got.items()}
+        return got, torch.from_numpy(logits)
+
+    def close(self) -> None:
+        if self.ctx:
+            self._ll.llama_free(self.ctx)
+            self.ctx = None
+        if self.model:
+            self._ll.llama_model_free(self.model)
+            self.model = None
+
+    def __enter__(self) -> GgufSession:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
