@@ -74,8 +74,10 @@ def build_logprobs_parser() -> argparse.ArgumentParser:
     p = Parser(prog="python -m comparator logprobs",
                description="Compare per-token logprobs of two sources: driftscope dumps recorded with --logprobs, "
                            "or JSONL files of SGLang /generate, vLLM prompt_logprobs or OpenAI completions responses.")
-    p.add_argument("baseline", help="dump directory or JSONL file of the trusted run")
-    p.add_argument("target", help="dump directory or JSONL file of the run under test")
+    p.add_argument("baseline", help="dump directory, engine JSONL file or llama.cpp KL-divergence base file "
+                                    "of the trusted run")
+    p.add_argument("target", help="dump directory, engine JSONL file or llama.cpp KL-divergence base file "
+                                  "of the run under test")
     p.add_argument("--json", metavar="FILE", help="write the verdict as JSON")
     p.add_argument("--quiet", action="store_true", help="print only the verdict line")
     p.add_argument("--allow-model-mismatch", action="store_true",

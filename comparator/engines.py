@@ -331,6 +331,8 @@ def _vllm_server_outputs(ch: Mapping[str, Any], n_prompt: int) -> list[tuple[int
         return []
     oids = _ids(oids_raw, "choices[0].token_ids")
     tl = _list(olp["token_logprobs"], "choices[0].logprobs.token_logprobs")
+    if len(tl) == n_prompt:  # echo=True with max_tokens=0: vLLM lists an internal token it never scored
+        return []
     skip = n_prompt if len(tl) == n_prompt + len(oids) else 0  # echo=True: prompt then output
     if len(tl) - skip != len(oids):
         raise UsageError(f"choices[0].logprobs.token_logprobs has {len(tl)} entries for {len(oids)} token_ids")

@@ -40,7 +40,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Final
@@ -52,6 +52,7 @@ from dumper.resources import config_path
 from dumper.settings import env_settings
 
 from .jsonfloat import from_json_float, to_json_float
+from .llama_stats import LlamaStats, llama_stats
 
 __all__ = [
     "UNKNOWN_TOKEN",
@@ -80,6 +81,9 @@ __all__ = [
     "logprob_env_thresholds",
     "load_threshold_table",
     "compare_logprobs",
+    "KlResult",
+    "KlPass",
+    "logits_kl",
 ]
 
 UNKNOWN_TOKEN: Final = -1
@@ -497,6 +501,8 @@ def top1_agreement(ref_logits: np.ndarray, tgt_logits: np.ndarray, *, chunk_rows
 def kl_percentiles(values: np.ndarray) -> dict[str, float]:
     """llama.cpp-style KL summary: ``mean``, ``max`` and percentiles 99.9, 99, 95, 90, 50 (median).
 
+    The verdict's ``kl_quantiles`` (:mod:`comparator.llama_stats`) adds the lower ones llama-perplexity prints.
+
     np.percentile with linear interpolation; a percentile that interpolates between two
     infinite values (NaN) is reported as inf.
     """
@@ -696,6 +702,8 @@ class LogprobVerdict:
     top1_agreement: float | None = None
     topk_max_err: float | None = None
     topk_mean_err: float | None = None
+    llama: LlamaStats | None = None
+    """llama-perplexity's statistics (Δp, PPL ratio, KL and same-top uncertainties); flat keys in JSON."""
     unmatched_baseline: tuple[str, ...] = ()
     unmatched_target: tuple[str, ...] = ()
     series: tuple[PositionSeries, ...] = field(default=(), compare=False, repr=False)
@@ -727,6 +735,7 @@ class LogprobVerdict:
             "top1_agreement": to_json_float(self.top1_agreement),
             "topk_max_err": to_json_float(self.topk_max_err),
             "topk_mean_err": to_json_float(self.topk_mean_err),
+            **(self.llama.to_json() if self.llama is not None else LlamaStats.empty_json()),
             "compared_positions": self.compared_positions,
             "requests": self.requests,
             "unmatched_baseline": list(self.unmatched_baseline),
@@ -752,6 +761,7 @@ class LogprobVerdict:
             kl_percentiles={k: from_json_float(v) for k, v in d["kl_percentiles"].items()} if has_kl else None,
             top1_agreement=optional(d.get("top1_agreement")),
             topk_max_err=optional(d.get("topk_max_err")), topk_mean_err=optional(d.get("topk_mean_err")),
+            llama=LlamaStats.from_json(d),
             unmatched_baseline=tuple(d.get("unmatched_baseline", ())),
             unmatched_target=tuple(d.get("unmatched_target", ())),
         )
@@ -784,52 +794,91 @@ def _common_rows(rid: str, ref: tuple[np.ndarray, np.ndarray], tgt: tuple[np.nda
     return common, ra[ia], rb[ib]
 
 
+@dataclass(frozen=True, eq=False)
+class KlResult:
+    """Full-distribution results of one comparison: per request, the positions both sides have a
+    distribution for and KL(P_ref || P_target) there [n] float64; top tokens agreeing, of ``total`` rows."""
+
+    per_request: tuple[tuple[str, np.ndarray, np.ndarray], ...]
+    agree: int
+    total: int
+
+
+KlPass = Callable[[Sequence[AlignedSample]], KlResult]
+"""Computes the :class:`KlResult` of the matched samples (dump logits, or llama.cpp KLD files streamed)."""
+
+
+def logits_kl(samples: Sequence[AlignedSample], ref_logits: LogitsByRequest, tgt_logits: LogitsByRequest, *,
+              chunk_rows: int = 2048) -> KlResult:
+    """Exact KL (:func:`kl_rows`) and top-1 agreement over the positions of matched requests that
+    have logits rows on both sides."""
+    per: list[tuple[str, np.ndarray, np.ndarray]] = []
+    agree = total = 0
+    for s in samples:
+        if s.request not in ref_logits or s.request not in tgt_logits:
+            continue
+        pos, ra, rb = _common_rows(s.request, ref_logits[s.request], tgt_logits[s.request])
+        if pos.size == 0:
+            continue
+        per.append((s.request, pos, kl_rows(ra, rb, chunk_rows=chunk_rows)))
+        a, n = top1_agreement(ra, rb, chunk_rows=chunk_rows)
+        agree, total = agree + a, total + n
+    if not per:
+        raise NotComparableError("logits given, but no position of a matched request has logits on both sides")
+    return KlResult(tuple(per), agree, total)
+
+
 def compare_logprobs(base: Sequence[SequenceLogprobs], target: Sequence[SequenceLogprobs],
                      thresholds: LogprobThresholds, *, ref_logits: LogitsByRequest | None = None,
-                     tgt_logits: LogitsByRequest | None = None, chunk_rows: int = 2048) -> LogprobVerdict:
+                     tgt_logits: LogitsByRequest | None = None, chunk_rows: int = 2048,
+                     kl_pass: KlPass | None = None) -> LogprobVerdict:
     """Align, compute every metric, decide.
 
     Matched requests must cover the same positions on both sides (:func:`check_lengths`).
-    With logits for both sides, KL(P_ref || P_target) is computed over the positions both sides
-    have logits for, in matched requests: ``kl_mean`` is the mean over all those positions
-    (pooled, as llama.cpp), ``kl_max`` the largest with its location.
+    With logits for both sides (or a ``kl_pass`` that reads full distributions some other way,
+    e.g. :func:`comparator.kl_stream.stream_kl`), KL(P_ref || P_target) is computed over the
+    positions both sides have a distribution for, in matched requests: ``kl_mean`` is the mean
+    over all those positions (pooled, as llama.cpp), ``kl_max`` the largest with its location.
+    llama-perplexity's statistics (:mod:`comparator.llama_stats`) come with every verdict; its
+    KL and same-top uncertainties only with full distributions.
     """
     al = align_samples(base, target)
     check_lengths(base, target)
+    if (ref_logits is None) != (tgt_logits is None):
+        raise UsageError("logits given for one side only: KL needs both")
+    if ref_logits is not None and tgt_logits is not None:
+        if kl_pass is not None:
+            raise UsageError("give logits or a kl_pass, not both")
+        kl = logits_kl(al.samples, ref_logits, tgt_logits, chunk_rows=chunk_rows)
+    else:
+        kl = kl_pass(al.samples) if kl_pass is not None else None
+    if kl is not None and not kl.per_request:
+        raise NotComparableError("no position of a matched request has a full distribution on both sides")
+    return _verdict(al, thresholds, kl)
+
+
+def _verdict(al: Alignment, thresholds: LogprobThresholds, kl: KlResult | None) -> LogprobVerdict:
+    """Every metric of aligned samples (and their KL, if computed), and the decision."""
     samples = al.samples
     err = logprob_errors(samples)
     k = k3_stats(samples)
     tk = topk_errors(samples)
-
     kl_mean: float | None = None
     kl_max = Located()
     pct: dict[str, float] | None = None
     top1: float | None = None
     kl_at: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-    if (ref_logits is None) != (tgt_logits is None):
-        raise UsageError("logits given for one side only: KL needs both")
-    if ref_logits is not None and tgt_logits is not None:
-        kls: list[np.ndarray] = []
-        where: list[AlignedSample] = []
-        agree = total = 0
-        for s in samples:
-            if s.request not in ref_logits or s.request not in tgt_logits:
-                continue
-            pos, ra, rb = _common_rows(s.request, ref_logits[s.request], tgt_logits[s.request])
-            if pos.size == 0:
-                continue
-            kls.append(kl_rows(ra, rb, chunk_rows=chunk_rows))
-            where.append(AlignedSample(s.request, pos, np.empty(0), np.empty(0)))
-            a, n = top1_agreement(ra, rb, chunk_rows=chunk_rows)
-            agree, total = agree + a, total + n
-        if not kls:
-            raise NotComparableError("logits given, but no position of a matched request has logits on both sides")
-        pct = kl_percentiles(np.concatenate(kls))
+    kl_all: np.ndarray | None = None
+    if kl is not None:
+        kl_all = np.concatenate([v for _, _, v in kl.per_request])
+        pct = kl_percentiles(kl_all)
         kl_mean = pct["mean"]
-        kl_max = _argmax_located(where, kls)
-        top1 = agree / total
-        kl_at = {w.request: (w.positions, v) for w, v in zip(where, kls, strict=True)}
-
+        kl_max = _argmax_located([AlignedSample(r, pos, np.empty(0), np.empty(0)) for r, pos, _ in kl.per_request],
+                                 [v for _, _, v in kl.per_request])
+        top1 = kl.agree / kl.total if kl.total else None
+        kl_at = {r: (pos, v) for r, pos, v in kl.per_request}
+    llama = llama_stats(np.concatenate([s.ref for s in samples]), np.concatenate([s.tgt for s in samples]),
+                        kl=kl_all, same_top=None if kl is None else (kl.agree, kl.total))
     metrics = {"mse": err.mse, "max_abs_err": err.max_abs_err.value, "k3_mean": k.mean,
                "kl_mean": kl_mean, "kl_max": kl_max.value, "topk_max_err": tk.max_err if tk else None}
     return LogprobVerdict(
@@ -837,7 +886,7 @@ def compare_logprobs(base: Sequence[SequenceLogprobs], target: Sequence[Sequence
         compared_positions=al.compared_positions, requests=len(samples), thresholds=thresholds,
         passed=not thresholds.failures(metrics),
         kl_mean=kl_mean, kl_max=kl_max, kl_percentiles=pct, top1_agreement=top1,
-        topk_max_err=tk.max_err if tk else None, topk_mean_err=tk.mean_err if tk else None,
+        topk_max_err=tk.max_err if tk else None, topk_mean_err=tk.mean_err if tk else None, llama=llama,
         unmatched_baseline=al.unmatched_baseline, unmatched_target=al.unmatched_target,
         series=tuple(PositionSeries(s.request, s.positions, s.ref, s.tgt, *kl_at.get(s.request, (None, None)))
                      for s in samples),

@@ -52,6 +52,10 @@ def render_logprobs(v: LogprobVerdict, console: Console) -> None:
     if v.topk_max_err is not None:
         rows += [("top-k max |Δ| (per-sample max)", format_float(v.topk_max_err), "topk_max_err"),
                  ("top-k mean |Δ| (per-sample mean)", format_float(v.topk_mean_err), None)]
+    if v.llama is not None:  # llama-perplexity's statistics, in its wording
+        from .llama_stats import stats_rows
+
+        rows += [(label, value, None) for label, value in stats_rows(v.llama, v.kl_mean)]
     for label, value, key in rows:
         limit = "-" if key is None or th.get(key) is None else f"{th[key]:g}"
         style = "bold red" if key in failing else None

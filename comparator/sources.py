@@ -1,10 +1,13 @@
-"""Where logprobs come from: a driftscope dump, or an engine's JSONL output (SGLang, vLLM, OpenAI).
+"""Where logprobs come from: a driftscope dump, an engine's JSONL output (SGLang, vLLM, OpenAI),
+or a llama.cpp KL-divergence base file (``llama-perplexity --kl-divergence-base``, told by its magic).
 
 A dump's sequence ``s`` becomes request ``"s"`` (the dumper's runner numbers prompts from 0),
 with its token ids taken from the run's recorded ``input_ids`` where the rows do not cover them.
 Logits rows (``--save-logits``) come with their positions for full-distribution KL; a request
 whose logits lie in one record is handed on as a memory-mapped view, several records (chunked
-prefill) are joined.
+prefill) are joined. A base file's chunks are requests ``"0"``, ``"1"``, ... and its full
+distributions are streamed from disk (:mod:`comparator.llama_kld`), against another base file or
+a dump's logits rows.
 
 Example::
 
@@ -37,7 +40,9 @@ from dumper.format import (
 
 from .engines import MAX_POSITIONS, MAX_TOTAL_POSITIONS, TOKEN_ID_LIMIT, read_logprobs_jsonl
 from .identity import check_distinct, check_identity
-from .logprobs import UNKNOWN_TOKEN, LogprobThresholds, LogprobVerdict, SequenceLogprobs, TopK, compare_logprobs
+from .kl_stream import Distributions, LogitsDistributions, stream_kl
+from .llama_kld import KldFile, is_kld_file
+from .logprobs import UNKNOWN_TOKEN, KlPass, LogprobThresholds, LogprobVerdict, SequenceLogprobs, TopK, compare_logprobs
 
 __all__ = ["LogprobSource", "dump_logprobs", "read_logprob_source", "check_vocabulary", "one_sided_parts",
            "compare_logprob_sources"]
@@ -58,6 +63,8 @@ class LogprobSource:
     vocab_size: int | None = None
     manifest: Manifest | None = None
     """The dump's manifest (None for an engine file): its model identity is checked before comparing."""
+    distributions: Distributions | None = None
+    """Full distributions read on demand (a llama.cpp base file), instead of in-memory ``logits``."""
 
 
 _INT_DTYPES = frozenset({"I64", "I32", "I16", "I8", "U8"})
@@ -256,14 +263,14 @@ def one_sided_parts(base: LogprobSource, targ: LogprobSource) -> tuple[list[str]
     (full rows, ``--save-logits``) and ``"logprobs.top_logprob"`` (top-k lists of any request,
     ``--top-k``). Their metrics (KL, top-1 agreement; top-k errors) need both sides, so a verdict
     without them must say what went uncompared rather than pass silently."""
-    parts = ((LOGITS, lambda s: s.logits is not None), (LOGPROB_TOP_VALUE, _has_top))
+    parts = ((LOGITS, lambda s: s.logits is not None or s.distributions is not None), (LOGPROB_TOP_VALUE, _has_top))
     b = [name for name, has in parts if has(base) and not has(targ)]
     t = [name for name, has in parts if has(targ) and not has(base)]
     return b, t
 
 
 def read_logprob_source(path: str | os.PathLike[str]) -> LogprobSource:
-    """A dump directory (with logprobs) or an engine JSONL file."""
+    """A dump directory (with logprobs), a llama.cpp KL-divergence base file or an engine JSONL file."""
     p = Path(path)
     if p.is_dir():
         src = dump_logprobs(DumpReader(p))
@@ -272,6 +279,9 @@ def read_logprob_source(path: str | os.PathLike[str]) -> LogprobSource:
         return src
     if not p.is_file():
         raise UsageError(f"{p}: no such dump directory or JSONL file")
+    if is_kld_file(p):
+        kld = KldFile(p)
+        return LogprobSource(str(p), None, kld.sequences(), vocab_size=kld.vocab_size, distributions=kld)
     return LogprobSource(str(p), None, tuple(read_logprobs_jsonl(p)))
 
 
@@ -298,6 +308,19 @@ def _check_vocab(src: LogprobSource, vocab: int, why: str) -> None:
                              f"the vocabulary [0, {vocab}) of {why}")
 
 
+def _streamed_kl(base: LogprobSource, targ: LogprobSource) -> KlPass | None:
+    """KL streamed from disk when a side is a llama.cpp base file and the other has distributions too."""
+    def dist(src: LogprobSource) -> Distributions | None:
+        if src.distributions is not None:
+            return src.distributions
+        return None if src.logits is None else LogitsDistributions(src.logits, src.path)
+
+    ref, tgt = dist(base), dist(targ)
+    if ref is None or tgt is None:
+        return None
+    return lambda samples: stream_kl(ref, tgt, samples)
+
+
 def compare_logprob_sources(baseline: str | os.PathLike[str], target: str | os.PathLike[str], *,
                             model: str | None = None, explicit: Mapping[str, float | None] | None = None,
                             allow_model_mismatch: bool = False) -> LogprobVerdict:
@@ -319,7 +342,8 @@ def compare_logprob_sources(baseline: str | os.PathLike[str], target: str | os.P
     both = base.logits is not None and targ.logits is not None
     try:
         verdict = compare_logprobs(base.sequences, targ.sequences, thresholds,
-                                   ref_logits=base.logits if both else None, tgt_logits=targ.logits if both else None)
+                                   ref_logits=base.logits if both else None, tgt_logits=targ.logits if both else None,
+                                   kl_pass=None if both else _streamed_kl(base, targ))
     except NotComparableError as e:
         raise NotComparableError(f"{base.path} vs {targ.path}: {e}") from None
     only_b, only_t = one_sided_parts(base, targ)

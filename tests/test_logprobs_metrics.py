@@ -33,7 +33,11 @@ from dumper.errors import NotComparableError, UsageError
 NO_CHECKS = LogprobThresholds()
 VERDICT_KEYS = {"mse", "rmse", "max_abs_err", "k3_mean", "k3_max", "kl_mean", "kl_max", "kl_percentiles",
                 "top1_agreement", "topk_max_err", "topk_mean_err", "compared_positions", "requests",
-                "unmatched_baseline", "unmatched_target", "thresholds", "passed"}
+                "unmatched_baseline", "unmatched_target", "thresholds", "passed",
+                # llama-perplexity's statistics (comparator/llama_stats.py)
+                "ppl_base", "ppl_base_se", "ppl_target", "ppl_target_se", "ln_ppl_ratio", "ln_ppl_ratio_se",
+                "ppl_ratio", "ppl_ratio_se", "ppl_correlation", "delta_p", "kl_mean_se", "kl_quantiles",
+                "same_top_rate", "same_top_se"}
 
 
 def seq(request: str, logprobs, ids=None, top=None, texts=None) -> SequenceLogprobs:
