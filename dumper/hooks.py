@@ -8,7 +8,9 @@ Example::
         dumper.dump("my.tensor", x, layer=3)  # explicit record into the same capture
 
 Every top-level ``model(...)`` call is one forward pass; ``dumper.step()`` delimits passes by
-hand. Hooks are removed on exit, also when the body raises; the manifest is written only on
+hand. What a pass's rows are (positions, sequences) and which argument holds the hidden states
+comes from the model's family adapter (:mod:`dumper.families`: HF by default, vLLM for vLLM's
+models). Hooks are removed on exit, also when the body raises; the manifest is written only on
 a clean exit that recorded at least one tensor, so an interrupted or empty run never looks
 complete. A failure inside a hook is raised as :class:`InternalError` (a driftscope bug), so
 that callers can tell it from an error of the model's own code running around it.
@@ -25,7 +27,7 @@ import math
 import operator
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -34,17 +36,16 @@ import torch
 from torch import nn
 
 from .errors import CorruptDumpError, DriftscopeError, DumpError, InternalError, UsageError
-from .fingerprint import environment_fingerprint, model_identity
+from .fingerprint import environment_fingerprint
 from .format import (
     FORMAT_VERSION,
     MANIFEST_NAME,
-    PAD_SEQUENCE,
     Manifest,
     TensorRecord,
-    encode_runs,
     write_json_atomic,
     write_manifest,
 )
+from .families import FamilyAdapter, PassRows, SharedRows, as_runs, resolve_model, shared_row_tensors
 from .layers import find_targets
 from .settings import env_settings
 from .validate import check_extra, first_bad_text
@@ -80,68 +81,10 @@ def _hook_guard(fn: Callable[..., Any]) -> Callable[..., Any]:
     return guarded
 
 
-def _cache_length(cache: Any) -> int:
-    """Tokens a model's KV cache holds; 0 without one or when it cannot say (a state-space model's cache)."""
-    get = getattr(cache, "get_seq_length", None)
-    try:
-        return int(get()) if callable(get) else 0
-    except Exception:  # noqa: BLE001 - the model's own cache object
-        return 0
-
-
 def _dist_rank_world() -> tuple[int, int]:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank(), torch.distributed.get_world_size()
     return 0, 1
-
-
-def _as_runs(values: Any, rows: int, what: str) -> list[list[int]] | None:
-    """Row metadata given per row (tensor, array, sequence) or as :class:`_Runs`, run-length encoded."""
-    if values is None:
-        return None
-    if isinstance(values, _Runs):
-        return values.runs
-    arr = values.detach().reshape(-1).cpu().numpy() if isinstance(values, torch.Tensor) else np.asarray(values).reshape(-1)
-    if arr.size != rows:
-        raise UsageError(f"{what} has {arr.size} entries but the tensor has {rows} rows")
-    return encode_runs(arr, step=1 if what == "positions" else 0)
-
-
-@dataclass(frozen=True)
-class _Runs:
-    """Row metadata already run-length encoded (shared by every layer of one pass)."""
-
-    runs: list[list[int]]
-
-
-@dataclass
-class _PassRows:
-    """Token positions and sequence ids of the rows of one forward pass's [batch, seq] input.
-
-    Padding rows keep their column index as position, so that they cost one run in the
-    encoding; their sequence id :data:`PAD_SEQUENCE` keeps them out of every comparison.
-    """
-
-    batch: int
-    seq: int
-    positions: _Runs
-    sequence_ids: _Runs
-    pad: np.ndarray | None = None  # [batch, seq] bool, True for padding rows
-    position_ids: Any = None  # the tensor the positions were last read from (one device sync per tensor)
-
-    def set_positions(self, pos: np.ndarray) -> None:
-        if self.pad is not None:
-            pos = np.where(self.pad, np.arange(self.seq)[None, :], pos)
-        self.positions = _Runs(encode_runs(pos, step=1))
-
-    def with_position_ids(self, value: Any) -> _PassRows:
-        """Positions from a ``position_ids`` kwarg seen by a hooked module (read once per tensor object)."""
-        if value is None or value is self.position_ids or not isinstance(value, torch.Tensor) \
-                or value.shape[-1] != self.seq:
-            return self
-        self.set_positions(value.detach().reshape(-1, self.seq).expand(self.batch, self.seq).cpu().numpy())
-        self.position_ids = value
-        return self
 
 
 def _checked_extra(extra: dict[str, Any] | None) -> dict[str, Any]:
@@ -207,15 +150,18 @@ def _index(name: str, what: str, v: Any) -> int | None:
 class Capture:
     """A scoped capture into one dump directory; use :func:`capture` to create it.
 
-    ``model`` may be ``None``: then only explicit :func:`dump` calls record.
+    ``model`` may be ``None``: then only explicit :func:`dump` calls record. What is read from
+    the model's calls (hidden-state argument, positions, sequences) comes from its family
+    adapter (:mod:`dumper.families`).
     """
 
-    def __init__(self, model: nn.Module | None, out_dir: str | Path, *, layers: str | Sequence[int] | None = None,
+    def __init__(self, model: nn.Module | Any | None, out_dir: str | Path, *, layers: str | Sequence[int] | None = None,
                  modules: str | None = None, model_name: str | None = None,
                  shard_bytes: int = 512 << 20, extra: dict[str, Any] | None = None,
                  identity: dict[str, Any] | None = None, signature: dict[str, Any] | None = None,
                  environment: dict[str, Any] | None = None) -> None:
-        self.model = model
+        self.model, self._family = resolve_model(model)
+        model = self.model
         # what the manifest says about the model, the capture and the environment when no
         # nn.Module is hooked (an engine adapter fills them in; see dumper.engines.base)
         self._identity, self._signature, self._environment = identity, signature, dict(environment or {})
@@ -225,7 +171,8 @@ class Capture:
         if model_name is not None and first_bad_text(model_name, "model_name") is not None:
             raise UsageError(f"capture(model_name={model_name!r}): expected valid Unicode text")
         self._shard_bytes = shard_bytes
-        self._targets, self._num_layers = (find_targets(model, layers=layers, modules=modules)
+        self._targets, self._num_layers = (find_targets(model, layers=layers, modules=modules,
+                                                        attention_names=self._family.attention_names)
                                            if model is not None else ([], 0))
         self._model_name = model_name
         self._handles: list[Any] = []
@@ -235,11 +182,14 @@ class Capture:
         self._cur_pass: int | None = None
         self._calls: dict[str, int] = {}
         self._depth = 0
-        self._rows: _PassRows | None = None
-        self._sequence_ids: list[int] | None = None
-        self._next_seq = 0
+        self._rows: PassRows | None = None
         self._prev_active: Capture | None = None
         self._made_dir = False
+
+    @property
+    def family(self) -> FamilyAdapter:
+        """This capture's model-family adapter (:mod:`dumper.families`): what it reads from the model's calls."""
+        return self._family
 
     # -- lifecycle -------------------------------------------------------------------------
     def __enter__(self) -> Capture:
@@ -294,7 +244,11 @@ class Capture:
         if not complete:
             return
         records = tuple(replace(r, file=writer.locations[(r.forward_pass, r.key)]) for r in self._records)
-        part = {"files": writer.files, "tensors": [r.to_json() for r in records]}
+        files = dict(writer.files)
+        shared = self._family.shared_rows()
+        if shared and records:
+            records += self._write_shared(records, files, shared)
+        part = {"files": files, "tensors": [r.to_json() for r in records]}
         if self.world_size > 1:
             index = self.out_dir / f"index-r{self.rank}.json"
             write_json_atomic(index, part)
@@ -309,7 +263,28 @@ class Capture:
         elif not records:
             self._refuse_empty()
         else:
-            self._write_manifest(writer.files, records)
+            self._write_manifest(files, records)
+
+    def _write_shared(self, records: tuple[TensorRecord, ...], files: dict[str, int],
+                      shared: list[SharedRows]) -> tuple[TensorRecord, ...]:
+        """Write the rows prefix-cache hits reused (:meth:`FamilyAdapter.shared_rows`) as the hit sequences'
+        own, in one extra pass, so that a hit's positions are complete; ``meta`` says ``shared_prefix``."""
+        found = shared_row_tensors(self.out_dir, records, shared)
+        if not found:
+            return ()
+        writer = ShardWriter(self.out_dir, self.rank, shard_bytes=self._shard_bytes)
+        forward_pass, self._pass_count = self._pass_count, self._pass_count + 1
+        out = []
+        for rec, rows, pos, seq in found:
+            key = rec.name if rec.call == 0 else f"{rec.name}#{rec.call}"
+            writer.put(forward_pass, key, rows)
+            out.append(replace(rec, key=key, shape=tuple(int(s) for s in rows.shape), forward_pass=forward_pass,
+                               positions=as_runs(pos, len(pos), "positions"),
+                               sequence_ids=as_runs(seq, len(seq), "sequence_ids"),
+                               meta={**rec.meta, "shared_prefix": True}))
+        writer.close()
+        files.update(writer.files)
+        return tuple(replace(r, file=writer.locations[(forward_pass, r.key)]) for r in out)
 
     def _refuse_empty(self) -> NoReturn:
         """An exit that recorded nothing writes no manifest: leave no dump (and no directory we made)."""
@@ -349,9 +324,9 @@ class Capture:
         manifest = Manifest(
             format_version=FORMAT_VERSION,
             created_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            model=self._identity if self._identity is not None else model_identity(self.model, self._model_name),
+            model=self._identity if self._identity is not None else self._family.identity(self._model_name),
             capture_signature=signature,
-            environment={**environment_fingerprint(device, attn), **self._environment},
+            environment={**environment_fingerprint(device, attn), **self._family.environment(), **self._environment},
             files=dict(sorted(files.items())),
             tensors=records,
             extra=self.extra,
@@ -367,8 +342,12 @@ class Capture:
         self._calls.clear()
 
     def set_sequence_ids(self, ids: Sequence[int] | None) -> None:
-        """Sequence id of each batch row for the following passes (``None``: number them anew)."""
-        self._sequence_ids = None if ids is None else [int(i) for i in ids]
+        """Sequence id of each batch row for the following passes (``None``: number them anew).
+
+        Not needed for chunked prefill or decoding over one KV cache: a pass whose rows continue
+        the previous pass's rows continues their sequences (see :class:`dumper.families.HFFamily`).
+        """
+        self._family.set_sequence_ids(ids)
 
     def _start_pass(self) -> int:
         self.step()
@@ -387,54 +366,23 @@ class Capture:
     def _on_model_end(self, module: nn.Module, args: tuple, output: Any) -> None:
         self._depth = max(0, self._depth - 1)
         if self._depth == 0:
-            self._rows = None
+            rows, self._rows = self._rows, None
+            self._family.end_pass(rows)
             self.step()
 
-    def _pass_rows(self, args: tuple, kwargs: dict) -> _PassRows | None:
-        """Row metadata of a pass from the top-level call's inputs.
-
-        Positions come from ``position_ids`` / ``cache_position``, else from a 2-D
-        ``attention_mask`` (``cumsum - 1``, which is right for left padding too), else from the
-        KV cache length. Rows whose mask is 0 are padding: sequence id :data:`PAD_SEQUENCE`.
-        """
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        ref = ids if isinstance(ids, torch.Tensor) else kwargs.get("inputs_embeds")
-        if not isinstance(ref, torch.Tensor) or ref.dim() < 2:
-            return None
-        batch, seq = int(ref.shape[0]), int(ref.shape[1])
-        if self._sequence_ids is not None and len(self._sequence_ids) == batch:
-            seq_ids = np.asarray(self._sequence_ids, dtype=np.int64)
-        else:
-            seq_ids = np.arange(self._next_seq, self._next_seq + batch, dtype=np.int64)
-            self._next_seq += batch
-        row_seq = np.repeat(seq_ids, seq).reshape(batch, seq)
-        mask = kwargs.get("attention_mask")
-        positions = pad = None
-        if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[0] == batch and mask.shape[1] >= seq:
-            m = mask.detach().to("cpu", torch.int64).numpy()
-            pad = m[:, -seq:] == 0
-            row_seq = np.where(pad, PAD_SEQUENCE, row_seq)
-            positions = (np.cumsum(m, axis=1) - 1)[:, -seq:]
-        if positions is None:
-            past = _cache_length(kwargs.get("cache", kwargs.get("past_key_values")))
-            positions = np.broadcast_to(np.arange(past, past + seq, dtype=np.int64), (batch, seq))
-        rows = _PassRows(batch, seq, _Runs([]), _Runs(encode_runs(row_seq, step=0)), pad)
-        rows.set_positions(positions)
-        for key in ("position_ids", "cache_position"):
-            if isinstance(kwargs.get(key), torch.Tensor):
-                return rows.with_position_ids(kwargs[key])
-        return rows
+    def _pass_rows(self, args: tuple, kwargs: dict) -> PassRows | None:
+        """Row metadata of a pass from the top-level call's inputs, as the model's family reads them."""
+        return self._family.pass_rows(args, kwargs)
 
     def _make_input_hook(self, name: str, layer: int | None):
         point_name = f"{name}.{ATTN_INPUT}"
 
         @_hook_guard
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            hidden = kwargs.get("hidden_states", args[0] if args else None)
+            hidden = self._family.hidden_input(args, kwargs)
             if not isinstance(hidden, torch.Tensor):
                 return
-            if self._rows is not None:
-                self._rows = self._rows.with_position_ids(kwargs.get("position_ids"))
+            self._rows = self._family.module_rows(self._rows, kwargs)
             self.record(point_name, hidden, layer=layer, point=ATTN_INPUT)
 
         return hook
@@ -444,8 +392,9 @@ class Capture:
                positions: Any = None, sequence_ids: Any = None, shard_dim: int | None = None, **meta: Any) -> None:
         """Record one tensor into the current forward pass (starting one if needed).
 
-        Without explicit ``positions`` / ``sequence_ids``, a ``[batch, seq, hidden]`` tensor of
-        the current pass's ``batch`` and ``seq`` inherits the pass's row metadata.
+        Without explicit ``positions`` / ``sequence_ids``, a tensor shaped ``[*rows, hidden]`` by
+        the current pass's rows (``[batch, seq]`` for HF, ``[tokens]`` for vLLM) inherits the
+        pass's row metadata, and only the rows its family keeps are recorded (none: no record).
         """
         if self._writer is None:
             raise UsageError("capture is not active; use it as a context manager")
@@ -455,11 +404,13 @@ class Capture:
             raise UsageError(f"dump({name!r}): dtype {tensor.dtype} cannot be stored")
         shape = tuple(int(s) for s in tensor.shape)
         layer, shard_dim, meta = _checked_args(name, shape, layer, point, shard_dim, meta)
-        rows = math.prod(shape[:-1]) if len(shape) > 1 else 1
         ctx = self._rows
-        if positions is None and sequence_ids is None and ctx is not None and len(shape) == 3 \
-                and shape[:2] == (ctx.batch, ctx.seq):
-            positions, sequence_ids = ctx.positions, ctx.sequence_ids
+        if positions is None and sequence_ids is None and ctx is not None and shape[:-1] == ctx.shape:
+            if ctx.empty:
+                return
+            positions, sequence_ids, tensor = ctx.positions, ctx.sequence_ids, ctx.select(tensor)
+            shape = tuple(int(s) for s in tensor.shape)
+        rows = math.prod(shape[:-1]) if len(shape) > 1 else 1
         forward_pass = self._cur_pass if self._cur_pass is not None else self._start_pass()
         call = self._calls.get(name, 0)
         self._calls[name] = call + 1
@@ -468,20 +419,22 @@ class Capture:
         self._records.append(TensorRecord(
             name=name, file="", key=key, shape=shape, dtype=_STORAGE[tensor.dtype],
             forward_pass=forward_pass, rank=self.rank, call=call, layer=layer, point=point,
-            positions=_as_runs(positions, rows, "positions"),
-            sequence_ids=_as_runs(sequence_ids, rows, "sequence_ids"), shard_dim=shard_dim,
+            positions=as_runs(positions, rows, "positions"),
+            sequence_ids=as_runs(sequence_ids, rows, "sequence_ids"), shard_dim=shard_dim,
             meta=meta,
         ))
 
 
-def capture(model: nn.Module | None, out_dir: str | Path, *, layers: str | Sequence[int] | None = None,
+def capture(model: nn.Module | Any | None, out_dir: str | Path, *, layers: str | Sequence[int] | None = None,
             modules: str | None = None, model_name: str | None = None, shard_bytes: int = 512 << 20,
             extra: dict[str, Any] | None = None) -> Capture:
     """Capture self-attention inputs of ``model`` into the dump directory ``out_dir``.
 
     Args:
-        model: a HF causal LM (decoder layers are found automatically), any module with
-            ``modules=`` given, or ``None`` to record only explicit :func:`dump` calls.
+        model: a HF causal LM (decoder layers are found automatically), a vLLM model or
+            ``vllm.LLM`` running in this process (see :mod:`dumper.engines.vllm_hooks`), a model
+            of a family registered in :mod:`dumper.families`, any module with ``modules=`` given,
+            or ``None`` to record only explicit :func:`dump` calls.
         out_dir: the dump directory; it must not already hold a dump.
         layers: layer spec (default ``"first,last,every:8"``), see :func:`dumper.layers.parse_layer_spec`.
         modules: fnmatch pattern(s) of module names to hook instead of the self-attention modules.

@@ -21,6 +21,7 @@ DEFAULT_LAYERS = "first,last,every:8"
 """The seed's choice: first and last layer plus every 8th."""
 
 _ATTN_NAMES = ("self_attn", "attn", "attention", "self_attention")
+"""Attention child names tried by default; a model family may name others (:mod:`dumper.families`)."""
 _INT = re.compile(r"-?[0-9]+")
 """A layer index as written in a spec: ASCII digits, an optional minus (not ``+3``, ``1_0`` or ``３``)."""
 
@@ -90,20 +91,23 @@ def _spec_token(tok: str | int, num_layers: int, spec: object) -> range | list[i
     return [index(tok)]  # raises: not a spec
 
 
-def _attention_child(layer: nn.Module) -> tuple[str, nn.Module] | None:
-    for attr in _ATTN_NAMES:
+def _attention_child(layer: nn.Module, names: Sequence[str] = _ATTN_NAMES) -> tuple[str, nn.Module] | None:
+    for attr in names:
         child = getattr(layer, attr, None)
         if isinstance(child, nn.Module):
             return attr, child
     return None
 
 
-def find_decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
-    """The ``nn.ModuleList`` of decoder layers: the longest list whose items have an attention child."""
+def find_decoder_layers(model: nn.Module, attention_names: Sequence[str] = _ATTN_NAMES) -> tuple[str, nn.ModuleList]:
+    """The ``nn.ModuleList`` of decoder layers: the longest list whose items have an attention child.
+
+    ``attention_names`` are the child attribute names that count as attention, tried in order.
+    """
     best: tuple[str, nn.ModuleList] | None = None
     for name, mod in model.named_modules():
         if isinstance(mod, nn.ModuleList) and len(mod) > 0:
-            if all(_attention_child(layer) is not None for layer in mod):
+            if all(_attention_child(layer, attention_names) is not None for layer in mod):
                 if best is None or len(mod) > len(best[1]):
                     best = (name, mod)
     if best is None:
@@ -128,20 +132,21 @@ def _layer_of(model: nn.Module, name: str) -> int | None:
     return None
 
 
-def _decoder_layer_count(model: nn.Module) -> int:
+def _decoder_layer_count(model: nn.Module, attention_names: Sequence[str] = _ATTN_NAMES) -> int:
     """How many decoder layers the model has (0 when it has no recognizable decoder layer list)."""
     try:
-        return len(find_decoder_layers(model)[1])
+        return len(find_decoder_layers(model, attention_names)[1])
     except UsageError:
         return 0
 
 
-def find_targets(model: nn.Module, *, layers: str | Sequence[int] | None = None,
-                 modules: str | None = None) -> tuple[list[HookTarget], int]:
+def find_targets(model: nn.Module, *, layers: str | Sequence[int] | None = None, modules: str | None = None,
+                 attention_names: Sequence[str] = _ATTN_NAMES) -> tuple[list[HookTarget], int]:
     """The self-attention modules to hook and the model's number of decoder layers.
 
     With ``modules`` (an fnmatch pattern over ``named_modules()`` names, comma-separated for
     several) every matching module is hooked, filtered by ``layers`` when it lies in a layer.
+    ``attention_names`` (the model family's, see :mod:`dumper.families`) find the attention child.
     """
     if modules:
         patterns = [p.strip() for p in modules.split(",") if p.strip()]
@@ -150,7 +155,7 @@ def find_targets(model: nn.Module, *, layers: str | Sequence[int] | None = None,
             raise UsageError(f"module pattern {modules!r} matches no module of {type(model).__name__}")
         found = [HookTarget(n, m, _layer_of(model, n)) for n, m in matched]
         layer_ids = [t.layer for t in found if t.layer is not None]
-        num_layers = max(_decoder_layer_count(model), max(layer_ids) + 1 if layer_ids else 0)
+        num_layers = max(_decoder_layer_count(model, attention_names), max(layer_ids) + 1 if layer_ids else 0)
         if layers is None or not layer_ids:
             return found, num_layers
         keep = set(parse_layer_spec(layers, num_layers))
@@ -159,11 +164,11 @@ def find_targets(model: nn.Module, *, layers: str | Sequence[int] | None = None,
             raise UsageError(f"module pattern {modules!r} matches modules only in layers "
                              f"{sorted({t.layer for t in found})}, none of layer spec {layers!r} {sorted(keep)}")
         return kept, num_layers
-    list_name, layer_list = find_decoder_layers(model)
+    list_name, layer_list = find_decoder_layers(model, attention_names)
     keep = parse_layer_spec(layers, len(layer_list))
     targets = []
     for i in keep:
-        attr, child = _attention_child(layer_list[i])  # type: ignore[misc]
+        attr, child = _attention_child(layer_list[i], attention_names)  # type: ignore[misc]
         prefix = f"{list_name}.{i}" if list_name else str(i)
         targets.append(HookTarget(f"{prefix}.{attr}", child, i))
     return targets, len(layer_list)

@@ -1,0 +1,224 @@
+"""vLLM in this process: ``python -m dumper run --engine vllm --model HF_DIR ...``.
+
+Every prompt of the job goes into one ``LLM.generate`` call (vLLM batches them itself), fed as
+token ids (``TokensPrompt``), with ``max_tokens=1``: a prefill of each prompt. The hook API
+captures inside vLLM's own model code through its vLLM family
+(:mod:`dumper.engines.vllm_hooks`), so the dump holds ``model.layers.{i}.self_attn.input``
+rows at absolute positions, sequence ids in prompt order, as the HF dump of the same
+checkpoint does. ``--logprobs`` asks vLLM for ``prompt_logprobs`` (top ``--top-k``);
+``--save-logits`` runs vLLM with ``logprobs_mode="raw_logits"`` and every vocabulary entry.
+``--chunk-size N`` is vLLM's chunked prefill with a budget of ``N`` tokens per engine step.
+
+Example::
+
+    python -m dumper run --model ckpt --layers all --logprobs --out dumps/hf
+    python -m dumper run --engine vllm --model ckpt --layers all --logprobs --out dumps/vllm
+    python -m comparator dumps/hf dumps/vllm
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import DriftscopeError, InternalError, ModelError, UsageError
+from ..format import LOGPROB_POINT, LOGPROB_TOKEN_ID, LOGPROB_TOP_ID, LOGPROB_TOP_VALUE, LOGPROB_VALUE, Manifest, \
+    load_manifest
+from ..hooks import Capture
+from ..presets import check_config_file, error_reason
+from ..progress import ProgressFn
+from ..run import RunConfig, record_logprobs
+from .base import EngineInfo, check_checkpoint_dir, check_engine_args, hf_identity, job_sequences
+from .vllm_serve import CPU_DEFAULTS
+
+__all__ = ["run_dump", "dump_llm", "load_llm", "engine_kwargs", "env_defaults", "ENGINE_ARGS"]
+
+ENGINE_ARGS = {
+    "enable_prefix_caching": "true|false, reuse KV blocks of shared prompt prefixes (default: vLLM's, true)",
+    "kv_cache_dtype": "auto|fp8|fp8_e4m3|fp8_e5m2|bfloat16|float16 (default auto: the model dtype)",
+    "max_num_seqs": "N, requests per engine step (default: vLLM's; at most --chunk-size)",
+    "max_model_len": "N, the context vLLM reserves (default: max(512, longest prompt + 1))",
+}
+"""``--engine-arg`` keys ``--engine vllm`` takes."""
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+"""A checkpoint with none of these has no tokenizer: vLLM is told not to load one (ids go in anyway)."""
+
+_LLM: tuple[str, Any] | None = None
+"""The engine of the last :func:`load_llm` call and its settings, kept for the next call with the same ones."""
+
+
+def env_defaults(device: str) -> None:
+    """Keep vLLM's model in this process; on a CPU, vLLM's CPU settings (each only where unset)."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    if device == "cpu":
+        for key, value in CPU_DEFAULTS.items():
+            os.environ.setdefault(key, value)
+
+
+def _flag(key: str, value: str) -> bool:
+    if value.lower() not in ("true", "false"):
+        raise UsageError(f"--engine-arg {key}={value}: expected true or false")
+    return value.lower() == "true"
+
+
+def _count(key: str, value: str) -> int:
+    if not value.isdigit() or int(value) < 1:
+        raise UsageError(f"--engine-arg {key}={value}: expected a positive integer")
+    return int(value)
+
+
+def engine_kwargs(cfg: RunConfig, checkpoint: Path, seqs: list[list[int]]) -> dict[str, Any]:
+    """The ``vllm.LLM(**kwargs)`` that runs ``cfg``'s job: eager, token ids in, the job's dtype and settings."""
+    check_engine_args(cfg, ENGINE_ARGS)
+    if cfg.batch_size != 1:
+        raise UsageError("--batch-size: --engine vllm batches every prompt itself; "
+                         "--engine-arg max_num_seqs=N bounds the requests of one engine step")
+    if cfg.attn != "eager":
+        raise UsageError(f"--attn {cfg.attn}: HF's attention setting; vLLM picks its own attention backend "
+                         "(recorded in the manifest as engine_attention_backend)")
+    config = check_config_file(str(checkpoint / "config.json"))
+    longest = max(map(len, seqs))
+    max_len = cfg.engine_arg("max_model_len")
+    kw: dict[str, Any] = {
+        "model": str(checkpoint), "dtype": cfg.dtype, "enforce_eager": True,
+        "skip_tokenizer_init": not any((checkpoint / f).is_file() for f in _TOKENIZER_FILES),
+        "seed": cfg.seed, "max_model_len": _count("max_model_len", max_len) if max_len else
+        min(max(512, longest + 1), int(config.get("max_position_embeddings") or longest + 1)),
+    }
+    if (v := cfg.engine_arg("enable_prefix_caching")) is not None:
+        kw["enable_prefix_caching"] = _flag("enable_prefix_caching", v)
+    if (v := cfg.engine_arg("kv_cache_dtype")) is not None:
+        kw["kv_cache_dtype"] = v
+    seqs_arg = cfg.engine_arg("max_num_seqs")
+    if seqs_arg is not None:
+        kw["max_num_seqs"] = _count("max_num_seqs", seqs_arg)
+    if cfg.chunk_size is not None:
+        if kw.get("max_num_seqs", 0) > cfg.chunk_size:
+            raise UsageError(f"--engine-arg max_num_seqs={kw['max_num_seqs']} is more than --chunk-size "
+                             f"{cfg.chunk_size}; vLLM needs a step budget of at least one token per request")
+        kw.update(enable_chunked_prefill=True, max_num_batched_tokens=cfg.chunk_size,
+                  max_num_seqs=kw.get("max_num_seqs", min(cfg.chunk_size, 256)))
+    spec = cfg.logprobs
+    if spec is not None and spec.save_logits:
+        kw.update(logprobs_mode="raw_logits", max_logprobs=-1)
+    elif spec is not None and spec.top_k > 20:
+        kw["max_logprobs"] = spec.top_k
+    return kw
+
+
+def load_llm(kwargs: dict[str, Any], *, device: str = "cpu") -> Any:
+    """A ``vllm.LLM(**kwargs)``; the previous one when its settings are the same (one engine is kept)."""
+    global _LLM
+    key = json.dumps(kwargs, sort_keys=True)
+    if _LLM is not None and _LLM[0] == key:
+        return _LLM[1]
+    _LLM = None
+    env_defaults(device)
+    from vllm import LLM
+
+    try:
+        llm = LLM(**kwargs)
+    except (DriftscopeError, InternalError):
+        raise
+    except Exception as e:  # noqa: BLE001 - the engine's load boundary: a checkpoint or setting it refuses
+        raise ModelError(f"{kwargs['model']}: vLLM cannot load it ({error_reason(e)})") from None
+    _LLM = (key, llm)
+    return llm
+
+
+def _engine_info(llm: Any, checkpoint: Path, dtype: str) -> EngineInfo:
+    import vllm
+
+    from .vllm_hooks import model_of
+
+    config = llm.llm_engine.vllm_config
+    backend = next((m.attn_backend.get_name() for m in model_of(llm).modules() if hasattr(m, "attn_backend")), None)
+    sched, cache = config.scheduler_config, config.cache_config
+    return EngineInfo("vllm", vllm.__version__, str(checkpoint), {
+        "dtype": dtype, "kv_cache_dtype": str(cache.cache_dtype), "attention_backend": backend,
+        "chunked_prefill": bool(sched.enable_chunked_prefill),
+        "max_num_batched_tokens": int(sched.max_num_batched_tokens), "max_num_seqs": int(sched.max_num_seqs),
+        "prefix_caching": bool(cache.enable_prefix_caching)})
+
+
+def _record_prompt_logprobs(cap: Capture, seq_id: int, ids: list[int], entries: list[Any], cfg: RunConfig,
+                            vocab: int) -> None:
+    """Record vLLM's ``prompt_logprobs`` of one prompt: entry ``j`` (``j >= 1``) scores token ``ids[j]``."""
+    spec = cfg.logprobs
+    assert spec is not None
+    keep = [j for j in range(1, len(ids)) if j > spec.start_len and entries[j] is not None]
+    if not keep:
+        return
+    if spec.save_logits:  # raw_logits mode: each entry holds every vocabulary id's logit
+        if any(len(entries[j]) != vocab for j in range(1, len(ids))):
+            raise InternalError(f"vLLM returned prompt logits of another width than the vocabulary ({vocab})")
+        rows = torch.tensor([[e.logprob for _, e in sorted(entries[j].items())] for j in range(1, len(ids))])
+        ids_t = torch.tensor([ids])
+        record_logprobs(cap, rows[None], ids_t, torch.ones_like(ids_t), torch.arange(len(ids))[None], 0, [seq_id], spec)
+        return
+    meta = {"positions": torch.tensor(keep), "sequence_ids": torch.full((len(keep),), seq_id)}
+    cap.record(LOGPROB_TOKEN_ID, torch.tensor([[ids[j]] for j in keep]), point=LOGPROB_POINT, **meta)
+    cap.record(LOGPROB_VALUE, torch.tensor([[entries[j][ids[j]].logprob] for j in keep]), point=LOGPROB_POINT, **meta)
+    if spec.top_k:
+        top = [sorted(entries[j].items(), key=lambda kv: kv[1].rank)[:spec.top_k] for j in keep]
+        cap.record(LOGPROB_TOP_ID, torch.tensor([[t for t, _ in row] for row in top]), point=LOGPROB_POINT, **meta)
+        cap.record(LOGPROB_TOP_VALUE, torch.tensor([[e.logprob for _, e in row] for row in top]),
+                   point=LOGPROB_POINT, **meta)
+
+
+def dump_llm(llm: Any, cfg: RunConfig, seqs: list[list[int]], checkpoint: Path, *,
+             identity: dict[str, Any] | None = None, progress: ProgressFn | None = None) -> Manifest:
+    """Prefill ``seqs`` in one ``llm.generate`` call under capture and write ``cfg.out`` (an engine in hand).
+
+    The prefix cache is emptied first, so that hits come from this job's own prompts.
+    ``identity`` defaults to :func:`~dumper.engines.base.hf_identity` of ``checkpoint``.
+    """
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    spec = cfg.logprobs
+    params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
+                            prompt_logprobs=None if spec is None else -1 if spec.save_logits else spec.top_k)
+    info = _engine_info(llm, checkpoint, cfg.dtype)
+    job = {"job": "prefill", "input_ids": seqs, "dtype": cfg.dtype, "chunk_size": cfg.chunk_size,
+           "batch_size": cfg.batch_size, "logprobs": None if spec is None else vars(spec), "engine": info.to_json(),
+           **cfg.extra}
+    llm.reset_prefix_cache()
+    identity = identity or hf_identity(checkpoint, cfg.model)
+    vocab = int(identity.get("vocab_size") or 0)
+    cap = Capture(llm, cfg.out, layers=cfg.layers, modules=cfg.modules, model_name=cfg.model, extra=job,
+                  identity=identity, environment=info.environment())
+    with torch.inference_mode(), cap:
+        try:
+            outs = llm.generate([TokensPrompt(prompt_token_ids=s) for s in seqs], params, use_tqdm=False)
+        except (DriftscopeError, InternalError):
+            raise
+        except Exception as e:  # noqa: BLE001 - the engine's boundary: a prompt or setting it refuses mid-run
+            raise ModelError(f"{cfg.model}: vLLM's generate failed ({error_reason(e)})") from None
+        order = [cap.family.sequence_of(o.request_id) for o in outs]
+        if order != list(range(len(seqs))):
+            raise InternalError(f"vLLM ran the prompts in another order than given ({order}); sequence ids "
+                                "would not be prompt indices")
+        cap.extra["prefix_cache_hits"] = [int(o.num_cached_tokens or 0) for o in outs]
+        if spec is not None:
+            for i, o in enumerate(outs):
+                _record_prompt_logprobs(cap, i, seqs[i], o.prompt_logprobs or [], cfg, vocab)
+    if progress is not None:
+        total = sum(map(len, seqs))
+        progress(total, total)
+    return load_manifest(cfg.out)
+
+
+def run_dump(cfg: RunConfig, *, progress: ProgressFn | None = None) -> Manifest:
+    """Load ``cfg.model`` (a local HF checkpoint directory) into vLLM and dump the job through it."""
+    checkpoint = check_checkpoint_dir(cfg.model, "vllm")
+    identity = hf_identity(checkpoint, cfg.model)
+    seqs = job_sequences(cfg, checkpoint, int(identity.get("vocab_size") or 0))
+    llm = load_llm(engine_kwargs(cfg, checkpoint, seqs), device=cfg.device)
+    return dump_llm(llm, cfg, seqs, checkpoint, identity=identity, progress=progress)

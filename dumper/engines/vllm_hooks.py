@@ -1,0 +1,189 @@
+"""The hook API's vLLM family: capture inside vLLM's own model code, named as the HF capture names it.
+
+vLLM runs every scheduled token of every request in one flattened ``[tokens]`` batch: the
+attention modules of its Llama-family models are called as ``self_attn(positions=[tokens],
+hidden_states=[tokens, hidden])`` (the hidden states already normalized, as HF's self_attn
+input is). Which rows belong to which request comes from vLLM's batch metadata: the forward
+context's attention metadata (``query_start_loc``) and the model runner's input batch (request
+ids, prompts). Sequence ids are given in the order requests first appear, which for one
+``LLM.generate`` call is prompt order. Only prompt positions are kept: a decode step's row
+has no counterpart in a prefill dump of the prompts, and padding rows are dropped.
+
+A prefix-cache hit computes only the tokens past the cached prefix; the rows of the cached
+positions are those of the earlier request whose blocks were reused, and are written under
+the hit's sequence at the end (``meta`` ``shared_prefix``), so every prompt's positions are
+complete when that request ran inside the capture.
+
+Example (a script of your own; ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` keeps the model in process)::
+
+    llm = LLM(model=DIR, enforce_eager=True)
+    with dumper.capture(llm, "dumps/vllm", layers="all"):   # or the model module itself
+        llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompts], SamplingParams(max_tokens=1))
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..errors import UsageError
+from ..fingerprint import config_hash
+from ..families import FamilyAdapter, PassRows, Runs, SharedRows, register
+from ..format import encode_runs
+
+__all__ = ["VllmFamily", "model_runner_of", "model_of"]
+
+_RUNNER_PATH = "llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner"
+
+
+def model_runner_of(llm: Any) -> Any:
+    """The in-process model runner of a vLLM ``LLM``; a :class:`UsageError` when the engine runs elsewhere."""
+    obj = llm
+    for attr in _RUNNER_PATH.split("."):
+        obj = getattr(obj, attr, None)
+        if obj is None:
+            raise UsageError("vLLM's model runs in another process; set VLLM_ENABLE_V1_MULTIPROCESSING=0 "
+                             "(and use one GPU / no tensor parallelism) to capture inside it")
+    return obj
+
+
+def model_of(llm: Any) -> nn.Module:
+    """The ``nn.Module`` a vLLM ``LLM`` runs in this process."""
+    return model_runner_of(llm).model
+
+
+def _is_llm(obj: Any) -> bool:
+    return type(obj).__module__.startswith("vllm.entrypoints") and hasattr(obj, "llm_engine")
+
+
+def _runner_on_stack(model: nn.Module) -> Any:
+    """The model runner whose forward is calling ``model`` now (the caller frame's ``self``), or None."""
+    frame = sys._getframe(1)
+    for _ in range(32):
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self")
+        if owner is not None and getattr(owner, "model", None) is model and hasattr(owner, "input_batch"):
+            return owner
+        frame = frame.f_back
+    return None
+
+
+@register
+class VllmFamily(FamilyAdapter):
+    """vLLM models (classes under ``vllm.``) and ``vllm.LLM`` handles, in process."""
+
+    name = "vllm"
+
+    def __init__(self, model: nn.Module | None, handle: Any = None) -> None:
+        super().__init__(model, handle)
+        self._runner = model_runner_of(handle) if handle is not None else None
+        self._seq_of: dict[str, int] = {}  # request id -> sequence id
+        self._prompt: list[tuple[int, ...]] = []  # per sequence: its prompt tokens
+        self._start: list[int] = []  # per sequence: first position it computed (> 0: a prefix-cache hit)
+        self._done: list[int] = []  # per sequence: positions below this are recorded
+        self._shared: list[SharedRows] = []
+
+    @classmethod
+    def matches(cls, model: Any) -> bool:
+        return type(model).__module__.startswith("vllm.")
+
+    @classmethod
+    def resolve(cls, obj: Any) -> Any:
+        return model_of(obj) if _is_llm(obj) else obj
+
+    def hidden_input(self, args: tuple, kwargs: dict) -> Any:
+        return kwargs.get("hidden_states", args[1] if len(args) > 1 else None)  # forward(positions, hidden_states)
+
+    def pass_rows(self, args: tuple, kwargs: dict) -> PassRows | None:
+        from vllm.forward_context import get_forward_context, is_forward_context_available
+
+        positions = kwargs.get("positions", args[1] if len(args) > 1 else None)
+        if not isinstance(positions, torch.Tensor) or positions.dim() != 1 or not is_forward_context_available():
+            return None  # M-RoPE ([3, tokens]) positions or a call outside vLLM's runner: rows stay unlabelled
+        meta = get_forward_context().attn_metadata
+        if isinstance(meta, list):
+            raise UsageError("vLLM micro-batching (dual-batch overlap) is on; turn it off to capture")
+        first = next(iter(meta.values()), None) if isinstance(meta, dict) else meta
+        if first is None:  # a dummy or profiling run: nothing to record
+            return PassRows((int(positions.shape[0]),), Runs([]), Runs([]), keep=torch.zeros(0, dtype=torch.int64))
+        runner = self._runner = self._runner or _runner_on_stack(self.model)
+        if runner is None:
+            raise UsageError("cannot find vLLM's model runner for this model; pass the vllm.LLM to dumper.capture")
+        if not getattr(runner.model_config, "enforce_eager", True):
+            raise UsageError("vLLM compiles this model (torch.compile / CUDA graphs), where module hooks do not run; "
+                             "start it with enforce_eager=True to capture")
+        starts = first.query_start_loc.detach().cpu().numpy()
+        return self._rows(positions.detach().cpu().numpy(), starts, runner)
+
+    def _rows(self, pos: np.ndarray, starts: np.ndarray, runner: Any) -> PassRows:
+        """Request ``i`` holds rows ``starts[i]:starts[i+1]`` of the flat batch; keep its unrecorded prompt rows."""
+        seq = np.zeros(pos.shape[0], dtype=np.int64)
+        keep = np.zeros(pos.shape[0], dtype=bool)
+        for i, rid in enumerate(runner.input_batch.req_ids[:len(starts) - 1]):
+            a, b = int(starts[i]), int(starts[i + 1])
+            if b <= a:
+                continue
+            prompt = runner.requests[rid].prompt_token_ids or ()
+            s = self._sequence(rid, int(pos[a]), prompt)
+            keep[a:b] = (pos[a:b] >= self._done[s]) & (pos[a:b] < len(prompt))
+            seq[a:b] = s
+            if keep[a:b].any():
+                self._done[s] = max(self._done[s], int(pos[a:b][keep[a:b]].max()) + 1)
+        rows = np.flatnonzero(keep)
+        return PassRows((int(pos.shape[0]),), Runs(encode_runs(pos[rows], step=1)),
+                        Runs(encode_runs(seq[rows], step=0)),
+                        keep=None if rows.size == pos.shape[0] else torch.from_numpy(rows))
+
+    def _sequence(self, rid: str, first: int, prompt: Any) -> int:
+        """The sequence id of request ``rid``, numbered on first sight; a first position past 0 is a cache hit."""
+        s = self._seq_of.get(rid)
+        if s is not None:
+            return s
+        s = self._seq_of[rid] = len(self._prompt)
+        self._prompt.append(tuple(int(t) for t in prompt))
+        self._start.append(first)
+        self._done.append(first)
+        if first > 0:
+            head = self._prompt[s][:first]
+            src = next((k for k in range(s) if self._start[k] == 0 and self._prompt[k][:first] == head), None)
+            if src is not None:
+                self._shared.append(SharedRows(s, src, first))
+        return s
+
+    def shared_rows(self) -> list[SharedRows]:
+        return list(self._shared)
+
+    def sequence_of(self, request_id: str) -> int | None:
+        """The sequence id a request's rows were recorded under (None if it never ran in the capture).
+
+        ``request_id`` is the engine's own id or the caller's (``RequestOutput.request_id``), to which
+        vLLM appends ``-`` and 8 random characters inside the engine.
+        """
+        if request_id in self._seq_of:
+            return self._seq_of[request_id]
+        found = [s for rid, s in self._seq_of.items() if rid.rsplit("-", 1)[0] == request_id]
+        return found[0] if len(found) == 1 else None
+
+    def cached_prefix(self, sequence: int) -> int:
+        """How many leading positions of ``sequence`` came from the prefix cache (0: computed from scratch)."""
+        return self._start[sequence]
+
+    def identity(self, name: str | None) -> dict[str, Any]:
+        """The HF config vLLM loaded names the model; no weights hash (vLLM fuses and renames weights: qkv_proj)."""
+        config = getattr(self.model, "config", None)
+        return {"name": name or getattr(config, "_name_or_path", None) or type(self.model).__name__,
+                "architecture": type(self.model).__name__, "num_layers": getattr(config, "num_hidden_layers", None),
+                "hidden_size": getattr(config, "hidden_size", None), "vocab_size": getattr(config, "vocab_size", None),
+                "config_hash": config_hash(config), "weights_hash": None}
+
+    def environment(self) -> dict[str, Any]:
+        import vllm
+
+        backend = next((m.attn_backend.get_name() for m in self.model.modules() if hasattr(m, "attn_backend")), None) \
+            if self.model is not None else None
+        return {"engine": "vllm", "engine_version": vllm.__version__, "engine_attention_backend": backend}
