@@ -78,7 +78,7 @@ def judge(ref: Path, target: Path) -> dict:
         layers.setdefault(t["layer"], []).append(t["rel_diff"])
     return {"layers": {k: (min(v), max(v)) for k, v in sorted(layers.items())},
             "token_max": max(t["max_token_rel_diff"] for t in d["tensors"]),
-            "max_dlogprob": (d.get("logprobs") or {}).get("max_abs_err"), "passed": d["passed"],
+            "max_dlogprob": ((d.get("logprobs") or {}).get("max_abs_err") or {}).get("value"), "passed": d["passed"],
             "first": d.get("first_divergent")}
 
 
