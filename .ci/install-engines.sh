@@ -32,7 +32,8 @@ if ! python -c "import llama_cpp" 2>/dev/null; then
         pip install -c "$CONSTRAINTS" --config-settings=build-dir="$BUILD" "$SRC"
 fi
 if [ ! -x "$BUILD/bin/llama-perplexity" ]; then
-    cmake -S "$SRC" -B "$BUILD" -DLLAMA_BUILD_TOOLS=ON > /dev/null
+    # the same options as the wheel's build (a fresh tree when the binding was installed before)
+    cmake -S "$SRC" -B "$BUILD" -DGGML_NATIVE=ON -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TOOLS=ON > /dev/null
     cmake --build "$BUILD" --target llama-perplexity -j "$(nproc)"
 fi
 # llama-cpp-python's OpenAI-compatible server (the live-server tests) also needs starlette-context.
