@@ -28,7 +28,12 @@ from .compare import compare_dumps
 from .config import CompareConfig
 from .identity import check_distinct
 from .logprobs import LogprobThresholds
-from .outputs import add_output_flags, check_output_flags, progress_callback, write_outputs
+from .outputs import (
+    add_output_flags,
+    check_output_flags,
+    progress_callback,
+    write_outputs,
+)
 from .render import describe_divergence, render_logprobs, render_report, verdict_notes
 from .sources import compare_logprob_sources
 from .store_cli import run_regress, run_store
@@ -110,7 +115,7 @@ def build_collect_parser() -> argparse.ArgumentParser:
 
 
 def run_collect(argv: Sequence[str]) -> int:
-    from dumper.run import BUILTIN_PROMPTS, parse_input_ids, read_prompts_file
+    from dumper.prompts import BUILTIN_PROMPTS, parse_input_ids, read_prompts_file
 
     from .collect import collect, prompts_from
     from .server_http import ServerClient

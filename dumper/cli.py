@@ -162,8 +162,14 @@ def _engine_args(items: Sequence[str]) -> tuple[tuple[str, str], ...]:
 def _cmd_selfcheck(args: argparse.Namespace) -> int:
     from .format import write_json_atomic
     from .presets import load_model
-    from .run import BUILTIN_PROMPTS, parse_input_ids
-    from .selfcheck import DEFAULT_K3_THRESHOLD, MODES, check_inputs, selfcheck, vocab_size_of
+    from .prompts import BUILTIN_PROMPTS, parse_input_ids
+    from .selfcheck import (
+        DEFAULT_K3_THRESHOLD,
+        MODES,
+        check_inputs,
+        selfcheck,
+        vocab_size_of,
+    )
 
     threshold = DEFAULT_K3_THRESHOLD if args.threshold is None else args.threshold
     if not threshold >= 0:
@@ -205,7 +211,7 @@ def _cmd_server_selfcheck(args: argparse.Namespace, threshold: float) -> int:
     from comparator.server_http import ServerClient
 
     from .format import write_json_atomic
-    from .run import BUILTIN_PROMPTS, parse_input_ids
+    from .prompts import BUILTIN_PROMPTS, parse_input_ids
     from .server_selfcheck import server_selfcheck
 
     if args.server is None or args.api is None:

@@ -43,10 +43,11 @@ from ..format import (
 from ..hooks import ATTN_INPUT, Capture
 from ..layers import parse_layer_spec
 from ..logprobs import row_logprobs
-from ..run import BUILTIN_PROMPTS, RunConfig
+from ..prompts import BUILTIN_PROMPTS
+from ..run import RunConfig
 
 __all__ = ["EngineInfo", "EngineDump", "attn_input_name", "hf_identity", "job_sequences", "check_checkpoint_dir",
-           "check_engine_args"]
+           "check_engine_args", "record_token_logprobs"]
 
 
 def check_engine_args(cfg: RunConfig, allowed: dict[str, str]) -> None:
@@ -216,18 +217,22 @@ class EngineDump:
 
     def token_logprobs(self, seq_id: int, positions: Any, token_ids: Any, logprobs: Any,
                        top_ids: Any = None, top_logprobs: Any = None) -> None:
-        """Record logprobs the engine computed itself: ``logprobs[r]`` of ``token_ids[r]`` at ``positions[r]``.
+        """Record logprobs the engine computed itself (see :func:`record_token_logprobs`)."""
+        record_token_logprobs(self._cap, seq_id, positions, token_ids, logprobs, top_ids, top_logprobs)
 
-        ``top_ids`` / ``top_logprobs`` [rows, k] are the top-k of the distribution that
-        predicted that position's token (k = ``--top-k``).
-        """
-        positions = torch.as_tensor(positions, dtype=torch.int64).reshape(-1)
-        meta = {"positions": positions, "sequence_ids": torch.full((positions.numel(),), seq_id, dtype=torch.int64)}
-        self._cap.record(LOGPROB_TOKEN_ID, torch.as_tensor(token_ids, dtype=torch.int64).reshape(-1, 1),
-                         point=LOGPROB_POINT, **meta)
-        self._cap.record(LOGPROB_VALUE, torch.as_tensor(logprobs, dtype=torch.float32).reshape(-1, 1),
-                         point=LOGPROB_POINT, **meta)
-        if top_ids is not None and top_logprobs is not None:
-            self._cap.record(LOGPROB_TOP_ID, torch.as_tensor(top_ids, dtype=torch.int64), point=LOGPROB_POINT, **meta)
-            self._cap.record(LOGPROB_TOP_VALUE, torch.as_tensor(top_logprobs, dtype=torch.float32),
-                             point=LOGPROB_POINT, **meta)
+
+def record_token_logprobs(cap: Capture, seq_id: int, positions: Any, token_ids: Any, logprobs: Any,
+                          top_ids: Any = None, top_logprobs: Any = None) -> None:
+    """Record ``logprobs[r]`` of ``token_ids[r]`` at ``positions[r]`` of prompt ``seq_id`` into ``cap``.
+
+    ``top_ids`` / ``top_logprobs`` [rows, k] are the top-k of the distribution that predicted
+    that position's token (k = ``--top-k``). The names are those the HF job writes.
+    """
+    positions = torch.as_tensor(positions, dtype=torch.int64).reshape(-1)
+    meta = {"positions": positions, "sequence_ids": torch.full((positions.numel(),), seq_id, dtype=torch.int64)}
+    cap.record(LOGPROB_TOKEN_ID, torch.as_tensor(token_ids, dtype=torch.int64).reshape(-1, 1),
+               point=LOGPROB_POINT, **meta)
+    cap.record(LOGPROB_VALUE, torch.as_tensor(logprobs, dtype=torch.float32).reshape(-1, 1), point=LOGPROB_POINT, **meta)
+    if top_ids is not None and top_logprobs is not None:
+        cap.record(LOGPROB_TOP_ID, torch.as_tensor(top_ids, dtype=torch.int64), point=LOGPROB_POINT, **meta)
+        cap.record(LOGPROB_TOP_VALUE, torch.as_tensor(top_logprobs, dtype=torch.float32), point=LOGPROB_POINT, **meta)

@@ -26,13 +26,12 @@ from typing import Any
 import torch
 
 from ..errors import DriftscopeError, InternalError, ModelError, UsageError
-from ..format import LOGPROB_POINT, LOGPROB_TOKEN_ID, LOGPROB_TOP_ID, LOGPROB_TOP_VALUE, LOGPROB_VALUE, Manifest, \
-    load_manifest
+from ..format import Manifest, load_manifest
 from ..hooks import Capture
 from ..presets import check_config_file, error_reason
 from ..progress import ProgressFn
 from ..run import RunConfig, record_logprobs
-from .base import EngineInfo, check_checkpoint_dir, check_engine_args, hf_identity, job_sequences
+from .base import EngineInfo, check_checkpoint_dir, check_engine_args, hf_identity, job_sequences, record_token_logprobs
 from .vllm_serve import CPU_DEFAULTS
 
 __all__ = ["run_dump", "dump_llm", "load_llm", "engine_kwargs", "env_defaults", "ENGINE_ARGS"]
@@ -162,14 +161,10 @@ def _record_prompt_logprobs(cap: Capture, seq_id: int, ids: list[int], entries: 
         ids_t = torch.tensor([ids])
         record_logprobs(cap, rows[None], ids_t, torch.ones_like(ids_t), torch.arange(len(ids))[None], 0, [seq_id], spec)
         return
-    meta = {"positions": torch.tensor(keep), "sequence_ids": torch.full((len(keep),), seq_id)}
-    cap.record(LOGPROB_TOKEN_ID, torch.tensor([[ids[j]] for j in keep]), point=LOGPROB_POINT, **meta)
-    cap.record(LOGPROB_VALUE, torch.tensor([[entries[j][ids[j]].logprob] for j in keep]), point=LOGPROB_POINT, **meta)
-    if spec.top_k:
-        top = [sorted(entries[j].items(), key=lambda kv: kv[1].rank)[:spec.top_k] for j in keep]
-        cap.record(LOGPROB_TOP_ID, torch.tensor([[t for t, _ in row] for row in top]), point=LOGPROB_POINT, **meta)
-        cap.record(LOGPROB_TOP_VALUE, torch.tensor([[e.logprob for _, e in row] for row in top]),
-                   point=LOGPROB_POINT, **meta)
+    top = [sorted(entries[j].items(), key=lambda kv: kv[1].rank)[:spec.top_k] for j in keep] if spec.top_k else None
+    record_token_logprobs(cap, seq_id, keep, [ids[j] for j in keep], [entries[j][ids[j]].logprob for j in keep],
+                          None if top is None else [[t for t, _ in row] for row in top],
+                          None if top is None else [[e.logprob for _, e in row] for row in top])
 
 
 def dump_llm(llm: Any, cfg: RunConfig, seqs: list[list[int]], checkpoint: Path, *,
