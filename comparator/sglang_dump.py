@@ -72,6 +72,7 @@ from dumper.format import (
     fsync_dir,
     write_manifest,
 )
+from dumper.hooks import TORCH_STORAGE
 from dumper.validate import regular_file_in
 from dumper.writer import ShardWriter
 
@@ -81,9 +82,6 @@ AUX_NAMES = frozenset({"input_ids", "positions", "seq_lens", "req_pool_indices",
 """Names SGLang's core mode dumps from each forward's batch: row metadata, not compared."""
 _ATTN_INPUT = re.compile(r"non_intrusive__(?P<prefix>(?:.+\.)?layers\.)(?P<layer>[0-9]+)"
                          r"\.self_attn\.inputs\.hidden_states")
-_STORAGE = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-            torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-            torch.bool: "BOOL"}
 _INT = re.compile(r"[0-9]{1,18}")
 _Rows = tuple[np.ndarray, np.ndarray]
 """(positions, sequence ids) of one forward's rows."""
@@ -330,7 +328,7 @@ def _put(writer: ShardWriter, f: _File, name: str, t: torch.Tensor, layer: int |
          rows: _Rows | None, calls: dict[str, int]) -> TensorRecord:
     """Queue ``t`` into the writer and return its record; exotic float dtypes (float8) widen to float32."""
     meta: dict[str, Any] = {"sglang_dump_index": f.index}
-    if t.dtype not in _STORAGE:
+    if t.dtype not in TORCH_STORAGE:
         if not t.is_floating_point():
             raise DumpError(f"{f.path}: dtype {t.dtype} cannot be stored in a driftscope dump")
         meta["sglang_dtype"], t = str(t.dtype).replace("torch.", ""), t.float()
@@ -343,7 +341,7 @@ def _put(writer: ShardWriter, f: _File, name: str, t: torch.Tensor, layer: int |
     writer.put(f.step, key, t)
     runs = (encode_runs(rows[0], step=1), encode_runs(rows[1], step=0)) \
         if rows is not None and len(shape) > 1 and n == rows[0].size else (None, None)
-    return TensorRecord(name=name, file="", key=key, shape=shape, dtype=_STORAGE[t.dtype], forward_pass=f.step,
+    return TensorRecord(name=name, file="", key=key, shape=shape, dtype=TORCH_STORAGE[t.dtype], forward_pass=f.step,
                         rank=f.rank, call=call, layer=layer, point=point, positions=runs[0], sequence_ids=runs[1],
                         meta=meta)
 
@@ -359,7 +357,7 @@ def _manifest(src: Path, records: list[TensorRecord], files: dict[str, int], seq
     elif width is not None and model.get("hidden_size") not in (None, width):
         raise UsageError(f"--checkpoint {model['name']}: hidden_size {model['hidden_size']}, but the dumped "
                          f"self_attn inputs are {width} wide; it is not the checkpoint of this run")
-    dtypes = {v: str(k).replace("torch.", "") for k, v in _STORAGE.items()}
+    dtypes = {v: str(k).replace("torch.", "") for k, v in TORCH_STORAGE.items()}
     signature = {"layers": sorted({r.layer for r in attn if r.layer is not None}),
                  "modules": sorted({r.name[:-len(".input")] for r in attn}), "points": ["input"] if attn else [],
                  "num_layers": model.get("num_layers"), "world_size": max(r.rank for r in records) + 1,
@@ -378,7 +376,9 @@ def _convert(src: Path, out: Path, names: Mapping[str, str], checkpoint: str | N
     files, writers, records, seqs = _index(src), dict[int, ShardWriter](), list[TensorRecord](), _Sequences()
     model = None
     if checkpoint is not None:  # read first: a bad checkpoint fails before any tensor is copied
-        from dumper.engines.base import hf_identity  # imports transformers: only when asked
+        from dumper.engines.base import (
+            hf_identity,  # imports transformers: only when asked
+        )
 
         model = hf_identity(checkpoint)
     try:

@@ -58,9 +58,10 @@ ATTN_INPUT = "input"
 
 _ACTIVE: Capture | None = None
 _ENV_DIR: str | None = env_settings().dump_dir
-_STORAGE = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-            torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-            torch.uint8: "U8", torch.bool: "BOOL"}
+TORCH_STORAGE = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+                 torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+                 torch.uint8: "U8", torch.bool: "BOOL"}
+"""torch dtype -> the dump format's dtype name, for every dtype a dump can store."""
 
 
 def _hook_guard(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -400,7 +401,7 @@ class Capture:
             raise UsageError("capture is not active; use it as a context manager")
         if not isinstance(tensor, torch.Tensor):
             raise UsageError(f"dump({name!r}): expected a torch.Tensor, got {type(tensor).__name__}")
-        if tensor.dtype not in _STORAGE:
+        if tensor.dtype not in TORCH_STORAGE:
             raise UsageError(f"dump({name!r}): dtype {tensor.dtype} cannot be stored")
         shape = tuple(int(s) for s in tensor.shape)
         layer, shard_dim, meta = _checked_args(name, shape, layer, point, shard_dim, meta)
@@ -417,7 +418,7 @@ class Capture:
         key = name if call == 0 else f"{name}#{call}"
         self._writer.put(forward_pass, key, tensor)
         self._records.append(TensorRecord(
-            name=name, file="", key=key, shape=shape, dtype=_STORAGE[tensor.dtype],
+            name=name, file="", key=key, shape=shape, dtype=TORCH_STORAGE[tensor.dtype],
             forward_pass=forward_pass, rank=self.rank, call=call, layer=layer, point=point,
             positions=as_runs(positions, rows, "positions"),
             sequence_ids=as_runs(sequence_ids, rows, "sequence_ids"), shard_dim=shard_dim,
