@@ -163,13 +163,7 @@ def _cmd_selfcheck(args: argparse.Namespace) -> int:
     from .format import write_json_atomic
     from .presets import load_model
     from .prompts import BUILTIN_PROMPTS, parse_input_ids
-    from .selfcheck import (
-        DEFAULT_K3_THRESHOLD,
-        MODES,
-        check_inputs,
-        selfcheck,
-        vocab_size_of,
-    )
+    from .selfcheck import DEFAULT_K3_THRESHOLD, MODES, check_inputs, selfcheck, vocab_size_of
 
     threshold = DEFAULT_K3_THRESHOLD if args.threshold is None else args.threshold
     if not threshold >= 0:
