@@ -34,7 +34,8 @@ from .presets import error_reason, load_model, model_label
 from .progress import ProgressFn
 from .prompts import BUILTIN_PROMPTS, parse_input_ids, read_prompts_file  # noqa: F401 - re-exported
 
-__all__ = ["RunConfig", "LogprobSpec", "run_dump", "dump_sequences", "prefill", "record_logprobs", "pad_batch", "cache_kwarg",
+__all__ = ["RunConfig", "LogprobSpec", "run_dump", "dump_sequences", "prefill", "record_logprobs", "record_token_logprobs",
+           "pad_batch", "cache_kwarg",
            "call_model", "cache_length", "read_prompts_file", "parse_input_ids", "BUILTIN_PROMPTS"]
 
 
@@ -186,13 +187,28 @@ def record_logprobs(cap: Capture, logits: torch.Tensor, ids: torch.Tensor, mask:
     meta = {"positions": positions[b_idx, start + t_idx] + 1,
             "sequence_ids": torch.as_tensor(list(seq_ids), device=ids.device)[b_idx]}
     r = row_logprobs(rows, targets, top_k=spec.top_k, chunk_rows=spec.chunk_rows)
-    cap.record(LOGPROB_TOKEN_ID, targets[:, None], point=LOGPROB_POINT, **meta)
-    cap.record(LOGPROB_VALUE, r.logprobs[:, None], point=LOGPROB_POINT, **meta)
-    if spec.top_k:
-        cap.record(LOGPROB_TOP_ID, r.top_ids, point=LOGPROB_POINT, **meta)
-        cap.record(LOGPROB_TOP_VALUE, r.top_logprobs, point=LOGPROB_POINT, **meta)
+    record_token_logprobs(cap, meta["positions"], meta["sequence_ids"], targets, r.logprobs,
+                          r.top_ids if spec.top_k else None, r.top_logprobs if spec.top_k else None)
     if spec.save_logits:
         cap.record(LOGITS, rows, point=LOGITS_POINT, **meta)
+
+
+def record_token_logprobs(cap: Capture, positions: Any, sequence_ids: Any, token_ids: Any, logprobs: Any,
+                          top_ids: Any = None, top_logprobs: Any = None) -> None:
+    """Record ``logprobs[r]`` of ``token_ids[r]`` at ``positions[r]`` of sequence ``sequence_ids[r]`` into ``cap``.
+
+    ``top_ids`` / ``top_logprobs`` [rows, k] are the top-k of the distribution that predicted
+    that position's token. The one writer of the ``LOGPROB_*`` records, for the HF job and for
+    engines that compute logprobs themselves (vLLM's ``prompt_logprobs``).
+    """
+    meta = {"positions": torch.as_tensor(positions, dtype=torch.int64).reshape(-1),
+            "sequence_ids": torch.as_tensor(sequence_ids, dtype=torch.int64).reshape(-1)}
+    cap.record(LOGPROB_TOKEN_ID, torch.as_tensor(token_ids, dtype=torch.int64).reshape(-1, 1),
+               point=LOGPROB_POINT, **meta)
+    cap.record(LOGPROB_VALUE, torch.as_tensor(logprobs, dtype=torch.float32).reshape(-1, 1), point=LOGPROB_POINT, **meta)
+    if top_ids is not None and top_logprobs is not None:
+        cap.record(LOGPROB_TOP_ID, torch.as_tensor(top_ids, dtype=torch.int64), point=LOGPROB_POINT, **meta)
+        cap.record(LOGPROB_TOP_VALUE, torch.as_tensor(top_logprobs, dtype=torch.float32), point=LOGPROB_POINT, **meta)
 
 
 def _record_pass_logprobs(cap: Capture, ids: torch.Tensor, mask: torch.Tensor, seq_ids: Sequence[int],

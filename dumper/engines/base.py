@@ -29,25 +29,14 @@ import torch
 
 from ..errors import ModelError, UsageError
 from ..fingerprint import config_hash
-from ..format import (
-    LOGITS,
-    LOGITS_POINT,
-    LOGPROB_POINT,
-    LOGPROB_TOKEN_ID,
-    LOGPROB_TOP_ID,
-    LOGPROB_TOP_VALUE,
-    LOGPROB_VALUE,
-    Manifest,
-    load_manifest,
-)
+from ..format import Manifest, load_manifest
 from ..hooks import ATTN_INPUT, Capture
 from ..layers import parse_layer_spec
-from ..logprobs import row_logprobs
 from ..prompts import BUILTIN_PROMPTS
-from ..run import RunConfig
+from ..run import RunConfig, record_logprobs, record_token_logprobs
 
 __all__ = ["EngineInfo", "EngineDump", "attn_input_name", "hf_identity", "job_sequences", "check_checkpoint_dir",
-           "check_engine_args", "record_token_logprobs"]
+           "check_engine_args"]
 
 
 def check_engine_args(cfg: RunConfig, allowed: dict[str, str]) -> None:
@@ -197,42 +186,19 @@ class EngineDump:
         """Record the logprobs of prompt ``seq_id`` from logits rows for positions ``first .. first+n-1``.
 
         Row ``r`` (position ``p = first + r``) is the distribution of token ``p + 1``; rows past
-        the prompt's end or at/below ``--logprob-start-len`` are dropped, as in the HF job.
+        the prompt's end or at/below ``--logprob-start-len`` are dropped, as in the HF job
+        (:func:`dumper.run.record_logprobs` does the work for both).
         """
         if self.spec is None:
             return
-        n = len(ids)
-        pos = torch.arange(first, first + logits.shape[0])
-        keep = (pos + 1 < n) & (pos + 1 > self.spec.start_len)
-        if not bool(keep.any()):
-            return
-        rows = logits[keep.to(logits.device)]
-        targets = torch.as_tensor(list(ids), dtype=torch.int64)[pos[keep] + 1]
-        r = row_logprobs(rows, targets.to(rows.device), top_k=self.spec.top_k, chunk_rows=self.spec.chunk_rows)
-        self.token_logprobs(seq_id, pos[keep] + 1, targets, r.logprobs,
-                            r.top_ids if self.spec.top_k else None, r.top_logprobs if self.spec.top_k else None)
-        if self.spec.save_logits:
-            meta = {"positions": pos[keep] + 1, "sequence_ids": torch.full((rows.shape[0],), seq_id)}
-            self._cap.record(LOGITS, rows, point=LOGITS_POINT, **meta)
+        rows = logits[:max(0, len(ids) - first)]  # no row at or past the prompt's end
+        ids_t = torch.as_tensor([list(ids)], dtype=torch.int64, device=logits.device)
+        record_logprobs(self._cap, rows[None], ids_t, torch.ones_like(ids_t),
+                        torch.arange(len(ids), device=logits.device)[None], first, [seq_id], self.spec)
 
     def token_logprobs(self, seq_id: int, positions: Any, token_ids: Any, logprobs: Any,
                        top_ids: Any = None, top_logprobs: Any = None) -> None:
-        """Record logprobs the engine computed itself (see :func:`record_token_logprobs`)."""
-        record_token_logprobs(self._cap, seq_id, positions, token_ids, logprobs, top_ids, top_logprobs)
-
-
-def record_token_logprobs(cap: Capture, seq_id: int, positions: Any, token_ids: Any, logprobs: Any,
-                          top_ids: Any = None, top_logprobs: Any = None) -> None:
-    """Record ``logprobs[r]`` of ``token_ids[r]`` at ``positions[r]`` of prompt ``seq_id`` into ``cap``.
-
-    ``top_ids`` / ``top_logprobs`` [rows, k] are the top-k of the distribution that predicted
-    that position's token (k = ``--top-k``). The names are those the HF job writes.
-    """
-    positions = torch.as_tensor(positions, dtype=torch.int64).reshape(-1)
-    meta = {"positions": positions, "sequence_ids": torch.full((positions.numel(),), seq_id, dtype=torch.int64)}
-    cap.record(LOGPROB_TOKEN_ID, torch.as_tensor(token_ids, dtype=torch.int64).reshape(-1, 1),
-               point=LOGPROB_POINT, **meta)
-    cap.record(LOGPROB_VALUE, torch.as_tensor(logprobs, dtype=torch.float32).reshape(-1, 1), point=LOGPROB_POINT, **meta)
-    if top_ids is not None and top_logprobs is not None:
-        cap.record(LOGPROB_TOP_ID, torch.as_tensor(top_ids, dtype=torch.int64), point=LOGPROB_POINT, **meta)
-        cap.record(LOGPROB_TOP_VALUE, torch.as_tensor(top_logprobs, dtype=torch.float32), point=LOGPROB_POINT, **meta)
+        """Record logprobs the engine computed itself (see :func:`dumper.run.record_token_logprobs`)."""
+        positions = torch.as_tensor(positions, dtype=torch.int64).reshape(-1)
+        record_token_logprobs(self._cap, positions, torch.full_like(positions, seq_id), token_ids, logprobs,
+                              top_ids, top_logprobs)

@@ -30,8 +30,8 @@ from ..format import Manifest, load_manifest
 from ..hooks import Capture
 from ..presets import check_config_file, error_reason
 from ..progress import ProgressFn
-from ..run import RunConfig, record_logprobs
-from .base import EngineInfo, check_checkpoint_dir, check_engine_args, hf_identity, job_sequences, record_token_logprobs
+from ..run import RunConfig, record_logprobs, record_token_logprobs
+from .base import EngineInfo, check_checkpoint_dir, check_engine_args, hf_identity, job_sequences
 from .vllm_serve import CPU_DEFAULTS
 
 __all__ = ["run_dump", "dump_llm", "load_llm", "engine_kwargs", "env_defaults", "ENGINE_ARGS"]
@@ -162,7 +162,8 @@ def _record_prompt_logprobs(cap: Capture, seq_id: int, ids: list[int], entries: 
         record_logprobs(cap, rows[None], ids_t, torch.ones_like(ids_t), torch.arange(len(ids))[None], 0, [seq_id], spec)
         return
     top = [sorted(entries[j].items(), key=lambda kv: kv[1].rank)[:spec.top_k] for j in keep] if spec.top_k else None
-    record_token_logprobs(cap, seq_id, keep, [ids[j] for j in keep], [entries[j][ids[j]].logprob for j in keep],
+    record_token_logprobs(cap, keep, [seq_id] * len(keep), [ids[j] for j in keep],
+                          [entries[j][ids[j]].logprob for j in keep],
                           None if top is None else [[t for t, _ in row] for row in top],
                           None if top is None else [[e.logprob for _, e in row] for row in top])
 
