@@ -25,7 +25,6 @@ Example::
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -33,6 +32,7 @@ import numpy as np
 
 from comparator.collect import Prompt, first_choice, score
 from comparator.engines import parse_record
+from comparator.jsonfloat import to_json_float
 from comparator.logprobs import k3
 from comparator.server_http import ServerClient, ServerError
 
@@ -78,8 +78,8 @@ class ServerSelfCheck:
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         for key in ("k3_mean", "k3_max", "max_abs_err"):
-            d[key] = d[key] if math.isfinite(d[key]) else None
-        d["k3"] = [v if math.isfinite(v) else None for v in self.k3]
+            d[key] = to_json_float(d[key])
+        d["k3"] = [to_json_float(v) for v in self.k3]
         return d
 
 
