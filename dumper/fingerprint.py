@@ -16,7 +16,7 @@ import torch
 
 from . import __version__ as VERSION
 
-__all__ = ["environment_fingerprint", "model_identity", "config_hash", "weights_hash", "VERSION"]
+__all__ = ["environment_fingerprint", "model_identity", "config_identity", "config_hash", "weights_hash", "VERSION"]
 
 
 
@@ -108,12 +108,22 @@ def model_identity(model: torch.nn.Module | None, name: str | None = None) -> di
     if model is None:
         return {"name": name, "config_hash": None, "weights_hash": None}
     config = getattr(model, "config", None)
+    return {**config_identity(config, name or getattr(config, "_name_or_path", None) or type(model).__name__,
+                              type(model).__name__),
+            "weights_hash": weights_hash(model)}
+
+
+def config_identity(config: Any, name: str | None, architecture: str | None) -> dict[str, Any]:
+    """The identity fields a HF config gives (all of :func:`model_identity` but the weights hash).
+
+    Engine adapters that load a checkpoint themselves build the same identity from its config
+    (``dumper.engines.base.hf_identity``), so the comparator's identity check agrees with the HF dump.
+    """
     return {
-        "name": name or getattr(config, "_name_or_path", None) or type(model).__name__,
-        "architecture": type(model).__name__,
+        "name": name,
+        "architecture": architecture,
         "num_layers": _config_int(config, "num_hidden_layers", "n_layer", "num_layers"),
         "hidden_size": _config_int(config, "hidden_size", "n_embd", "d_model"),
         "vocab_size": _config_int(config, "vocab_size"),
         "config_hash": config_hash(config),
-        "weights_hash": weights_hash(model),
     }

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from ..errors import ModelError, UsageError
-from ..fingerprint import config_hash
+from ..fingerprint import config_identity
 from ..format import Manifest, load_manifest
 from ..hooks import ATTN_INPUT, Capture
 from ..layers import parse_layer_spec
@@ -100,10 +100,7 @@ def hf_identity(checkpoint: str | os.PathLike[str], name: str | None = None, **e
     except Exception as e:  # noqa: BLE001 - the load boundary
         raise ModelError(f"{checkpoint}: cannot read its config ({error_reason(e)})") from None
     arch = (getattr(config, "architectures", None) or [None])[0]
-    return {"name": name or str(checkpoint), "architecture": arch,
-            "num_layers": getattr(config, "num_hidden_layers", None), "hidden_size": getattr(config, "hidden_size", None),
-            "vocab_size": getattr(config, "vocab_size", None), "config_hash": config_hash(config),
-            "weights_hash": None, **extra}
+    return {**config_identity(config, name or str(checkpoint), arch), "weights_hash": None, **extra}
 
 
 def job_sequences(cfg: RunConfig, checkpoint: str | os.PathLike[str] | None, vocab_size: int) -> list[list[int]]:
