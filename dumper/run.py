@@ -34,9 +34,10 @@ from .presets import error_reason, load_model, model_label
 from .progress import ProgressFn
 from .prompts import BUILTIN_PROMPTS, parse_input_ids, read_prompts_file  # noqa: F401 - re-exported
 
-__all__ = ["RunConfig", "LogprobSpec", "run_dump", "dump_sequences", "prefill", "record_logprobs", "record_token_logprobs",
-           "pad_batch", "cache_kwarg",
-           "call_model", "cache_length", "read_prompts_file", "parse_input_ids", "BUILTIN_PROMPTS"]
+__all__ = ["RunConfig", "LogprobSpec", "run_dump", "dump_sequences", "prefill", "record_logprobs",
+           "record_token_logprobs", "pad_batch", "cache_kwarg", "call_model", "cache_length", "prompt_token_ids",
+           "check_scored_positions", "read_prompts_file",
+           "parse_input_ids", "BUILTIN_PROMPTS"]
 
 
 
@@ -82,7 +83,11 @@ class RunConfig:
             raise UsageError(f"--padding-side must be left or right, got {self.padding_side!r}")
 
 
-def _sequences(cfg: RunConfig, tokenizer, vocab_size: int) -> list[list[int]]:
+def prompt_token_ids(cfg: RunConfig, tokenizer: Any, vocab_size: int) -> list[list[int]]:
+    """``cfg``'s prompts as token ids: texts (default: the built-in ones) by ``tokenizer``, then ``--input-ids``.
+
+    Every id must lie in ``[0, vocab_size)``; a text prompt needs a tokenizer (``None``: pass ids).
+    """
     seqs: list[list[int]] = [list(s) for s in cfg.input_ids]
     texts = list(cfg.prompts)
     if not seqs and not texts:
@@ -205,7 +210,8 @@ def record_token_logprobs(cap: Capture, positions: Any, sequence_ids: Any, token
             "sequence_ids": torch.as_tensor(sequence_ids, dtype=torch.int64).reshape(-1)}
     cap.record(LOGPROB_TOKEN_ID, torch.as_tensor(token_ids, dtype=torch.int64).reshape(-1, 1),
                point=LOGPROB_POINT, **meta)
-    cap.record(LOGPROB_VALUE, torch.as_tensor(logprobs, dtype=torch.float32).reshape(-1, 1), point=LOGPROB_POINT, **meta)
+    cap.record(LOGPROB_VALUE, torch.as_tensor(logprobs, dtype=torch.float32).reshape(-1, 1),
+               point=LOGPROB_POINT, **meta)
     if top_ids is not None and top_logprobs is not None:
         cap.record(LOGPROB_TOP_ID, torch.as_tensor(top_ids, dtype=torch.int64), point=LOGPROB_POINT, **meta)
         cap.record(LOGPROB_TOP_VALUE, torch.as_tensor(top_logprobs, dtype=torch.float32), point=LOGPROB_POINT, **meta)
@@ -260,7 +266,15 @@ def run_dump(cfg: RunConfig, *, progress: ProgressFn | None = None) -> Manifest:
     """
     model, tokenizer = load_model(cfg.model, dtype=cfg.dtype, attn=cfg.attn, device=cfg.device, seed=cfg.seed)
     vocab = int(model.get_input_embeddings().num_embeddings)
-    return dump_sequences(model, _sequences(cfg, tokenizer, vocab), cfg, progress=progress)
+    return dump_sequences(model, prompt_token_ids(cfg, tokenizer, vocab), cfg, progress=progress)
+
+
+def check_scored_positions(cfg: RunConfig, seqs: Sequence[Sequence[int]]) -> None:
+    """With ``--logprobs``, refuse prompts of which none has a position past ``--logprob-start-len`` to score."""
+    if cfg.logprobs is not None and all(len(s) - 1 <= cfg.logprobs.start_len for s in seqs):
+        raise UsageError(f"--logprobs: no prompt has a position to score (the longest has {max(map(len, seqs))} "
+                         f"tokens; --logprob-start-len {cfg.logprobs.start_len} leaves none, scored positions are "
+                         "start_len+1 .. len-1)")
 
 
 def dump_sequences(model: torch.nn.Module, seqs: list[list[int]], cfg: RunConfig, *,
@@ -270,10 +284,7 @@ def dump_sequences(model: torch.nn.Module, seqs: list[list[int]], cfg: RunConfig
     ``cfg`` gives the output, layout, layers and logprob settings; ``cfg.model`` only names the
     model in the manifest.
     """
-    if cfg.logprobs is not None and all(len(s) - 1 <= cfg.logprobs.start_len for s in seqs):
-        raise UsageError(f"--logprobs: no prompt has a position to score (the longest has {max(map(len, seqs))} "
-                         f"tokens; --logprob-start-len {cfg.logprobs.start_len} leaves none, scored positions are "
-                         "start_len+1 .. len-1)")
+    check_scored_positions(cfg, seqs)
     extra = {"job": "prefill", "input_ids": seqs, "dtype": cfg.dtype, "attn": cfg.attn, "seed": cfg.seed,
              "chunk_size": cfg.chunk_size, "batch_size": cfg.batch_size, "padding_side": cfg.padding_side,
              "logprobs": None if cfg.logprobs is None else vars(cfg.logprobs), **cfg.extra}

@@ -32,8 +32,7 @@ from ..fingerprint import config_identity
 from ..format import Manifest, load_manifest
 from ..hooks import ATTN_INPUT, Capture
 from ..layers import parse_layer_spec
-from ..prompts import BUILTIN_PROMPTS
-from ..run import RunConfig, record_logprobs, record_token_logprobs
+from ..run import RunConfig, check_scored_positions, prompt_token_ids, record_logprobs, record_token_logprobs
 
 __all__ = ["EngineInfo", "EngineDump", "attn_input_name", "hf_identity", "job_sequences", "check_checkpoint_dir",
            "check_engine_args"]
@@ -111,21 +110,10 @@ def job_sequences(cfg: RunConfig, checkpoint: str | os.PathLike[str] | None, voc
     """
     from ..presets import load_tokenizer
 
-    seqs: list[list[int]] = [list(s) for s in cfg.input_ids]
-    texts = list(cfg.prompts) or ([] if seqs else list(BUILTIN_PROMPTS))
-    if texts:
-        tok = load_tokenizer(str(checkpoint)) if checkpoint is not None else None
-        if tok is None:
-            raise UsageError(f"{cfg.model}: no HF tokenizer to encode text prompts; pass --input-ids")
-        seqs = [tok.encode(t) for t in texts] + seqs
-    for i, s in enumerate(seqs):
-        if not s:
-            raise UsageError(f"prompt {i} is empty")
-        bad = [t for t in s if not 0 <= t < vocab_size]
-        if bad:
-            raise UsageError(f"prompt {i}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
-    if cfg.logprobs is not None and all(len(s) - 1 <= cfg.logprobs.start_len for s in seqs):
-        raise UsageError("--logprobs: no prompt has a position to score past --logprob-start-len")
+    texts = bool(cfg.prompts) or not cfg.input_ids  # the built-in prompts are text too
+    tok = load_tokenizer(str(checkpoint)) if texts and checkpoint is not None else None
+    seqs = prompt_token_ids(cfg, tok, vocab_size)
+    check_scored_positions(cfg, seqs)
     return seqs
 
 
