@@ -18,7 +18,7 @@ import sys
 from collections.abc import Sequence
 
 from dumper.cliutil import Parser, guarded_main
-from dumper.errors import EXIT_DIVERGED, EXIT_OK
+from dumper.errors import EXIT_DIVERGED, EXIT_OK, UsageError
 from dumper.format import MANIFEST_NAME, write_json_atomic
 
 from ._cliargs import logprob_thresholds as _thresholds
@@ -28,12 +28,13 @@ from .compare import compare_dumps
 from .config import CompareConfig
 from .identity import check_distinct
 from .logprobs import LogprobThresholds
+from .noise import DEFAULT_FACTOR, DEFAULT_FLOOR, NoiseModel, check_noise_factor, parse_noise_floor
 from .outputs import add_output_flags, check_output_flags, progress_callback, write_outputs
 from .render import describe_divergence, render_logprobs, render_report, verdict_notes
 from .sources import compare_logprob_sources
 from .store_cli import run_regress, run_store
 
-__all__ = ["main", "build_parser", "build_logprobs_parser", "build_collect_parser"]
+__all__ = ["main", "build_parser", "build_logprobs_parser", "build_collect_parser", "build_calibrate_parser"]
 
 
 def _logprob_flags(p: argparse.ArgumentParser) -> None:
@@ -42,6 +43,62 @@ def _logprob_flags(p: argparse.ArgumentParser) -> None:
                         "VALUE 'off' disables); repeatable; wins over DRIFTSCOPE_LOGPROB_* and the per-model table")
     p.add_argument("--model", default=None,
                    help="row of configs/logprob_thresholds.json to use (default: the baseline dump's model)")
+
+
+def _noise_flags(p: argparse.ArgumentParser) -> None:
+    """``--noise``, ``--noise-factor``, ``--noise-floor``: thresholds from a calibrated noise file."""
+    p.add_argument("--noise", metavar="NOISE.json", default=None,
+                   help="judge each tensor (and the logprobs) against its measured noise, from "
+                        "`python -m comparator calibrate`; explicit --threshold/--token-threshold still apply on top")
+    p.add_argument("--noise-factor", type=float, default=None, metavar="F",
+                   help=f"with --noise: fail above F x noise (default {DEFAULT_FACTOR:g})")
+    p.add_argument("--noise-floor", action="append", default=[], metavar="[NAME=]VALUE",
+                   help=f"with --noise: absolute floor of a derived threshold; VALUE alone is rel_diff's "
+                        f"(default {DEFAULT_FLOOR:g}), NAME=VALUE a logprob metric's; repeatable")
+
+
+def _noise_args(args: argparse.Namespace) -> dict:
+    """The noise file, factor and floors of parsed ``_noise_flags``, for :meth:`CompareConfig.resolve`."""
+    if args.noise is None and (args.noise_factor is not None or args.noise_floor):
+        raise UsageError("--noise-factor and --noise-floor need --noise NOISE.json")
+    return {"noise": NoiseModel.load(args.noise) if args.noise else None,
+            "noise_factor": None if args.noise_factor is None else check_noise_factor(args.noise_factor),
+            "noise_floors": parse_noise_floor(args.noise_floor)}
+
+
+def build_calibrate_parser() -> argparse.ArgumentParser:
+    p = Parser(prog="python -m comparator calibrate",
+               description="Measure the noise of a baseline from benign variants (re-runs of its inputs with another "
+                           "attention backend, chunk size, batch layout or thread count) and write it as NOISE.json "
+                           "for `python -m comparator BASELINE TARGET --noise NOISE.json`.")
+    p.add_argument("baseline", help="dump directory, engine JSONL file or llama.cpp KL-divergence base file")
+    p.add_argument("variants", nargs="+", metavar="VARIANT", help="benign re-runs of the baseline's inputs")
+    p.add_argument("--out", required=True, metavar="NOISE.json", help="noise file to write (atomically)")
+    p.add_argument("--threads", type=int, default=2, help="metric worker threads (default 2)")
+    p.add_argument("--allow-model-mismatch", action="store_true",
+                   help="calibrate from variants of another model spelling (cross-engine runs)")
+    p.add_argument("--quiet", action="store_true", help="print only the summary line")
+    return p
+
+
+def run_calibrate(argv: Sequence[str]) -> int:
+    from .calibrate import calibrate
+    from .render import render_noise
+
+    args = build_calibrate_parser().parse_args(argv)
+    CompareConfig(threads=args.threads)  # checks the thread count before any work
+    with progress_callback(not args.quiet) as progress:
+        noise = calibrate(args.baseline, args.variants, threads=args.threads,
+                          allow_model_mismatch=args.allow_model_mismatch, progress=progress)
+    noise.save(args.out)
+    console = _console()
+    if not args.quiet:
+        render_noise(noise, console)
+    positions = max((t.positions for t in noise.tensors.values()), default=0)
+    lp = f", logprobs over {noise.logprobs.positions} positions" if noise.logprobs is not None else ""
+    console.print(f"wrote {args.out}: noise of {len(noise.tensors)} tensors from {len(noise.variants)} variants "
+                  f"({positions} per-token values per tensor{lp})", markup=False, highlight=False)
+    return EXIT_OK
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,6 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compare dumps of different models (architecture, layer count, hidden size, config "
                         "hash), e.g. cross-engine or quantized runs; the differences are reported")
     _logprob_flags(p)
+    _noise_flags(p)
     add_output_flags(p)
     return p
 
@@ -160,6 +218,8 @@ def run(argv: Sequence[str] | None = None) -> int:
         return run_logprobs(argv[1:])
     if argv[:1] == ["collect"]:
         return run_collect(argv[1:])
+    if argv[:1] == ["calibrate"]:
+        return run_calibrate(argv[1:])
     if argv[:1] == ["import-sglang"]:
         from .sglang_dump import main_import
 
@@ -174,7 +234,7 @@ def run(argv: Sequence[str] | None = None) -> int:
     config = CompareConfig.resolve(threshold=args.threshold, token_threshold=args.token_threshold,
                                    threads=args.threads, logprob_thresholds=_thresholds(args.logprob_threshold),
                                    model=args.model, require_all=args.require_all,
-                                   allow_model_mismatch=args.allow_model_mismatch)
+                                   allow_model_mismatch=args.allow_model_mismatch, **_noise_args(args))
     check_distinct(args.baseline, args.target)  # before an SGLang side is converted into a temporary dump
     # either side may be an SGLang dumper directory: read as a temporary driftscope dump (comparator.sglang_dump)
     with _dump_side(args.baseline) as base, _dump_side(args.target) as target:

@@ -37,6 +37,7 @@ from .align import (
 from .config import CompareConfig
 from .heatmap import token_heatmap
 from .identity import check_distinct, check_identity
+from .localize import FailingTokens, layer_amplification, locate_onset
 from .logprobs import LogprobThresholds, LogprobVerdict, compare_logprobs
 from .metrics import PairStats, StatsAccumulator, pair_stats
 from .report import FirstDivergence, ReplicaMismatch, Report, TensorComparison
@@ -45,6 +46,10 @@ from .sources import check_vocabulary, dump_logprobs, one_sided_parts
 __all__ = ["compare_dumps"]
 
 ProgressFn = Callable[[int, int], None]
+Tokens = tuple[np.ndarray, np.ndarray | None, np.ndarray | None]
+"""One comparison's per-token rel_diff, with the rows' positions and sequence ids (None: not recorded)."""
+TokenSink = Callable[[TensorComparison, np.ndarray], None]
+"""Receives every comparison with its per-token rel_diff (calibration collects them)."""
 MAX_RANGES = 32
 """How many failing position ranges a comparison lists."""
 
@@ -71,7 +76,8 @@ def _verdict(stats: PairStats, config: CompareConfig, *, name: str, layer: int |
              rank: int, shape: tuple[int, ...], positions: np.ndarray | None, sequences: np.ndarray | None,
              sequence: int | None, notes: Callable[[int], str | None] | None = None) -> TensorComparison:
     token = stats.token_rel_diff
-    failing = np.flatnonzero(~(token <= config.token_threshold))  # NaN counts as failing
+    limits = config.limits(name)
+    failing = np.flatnonzero(~(token <= limits.token_threshold))  # NaN counts as failing
     first_row = worst_row = first_tok = worst_tok = first_seq = None
     note = None
     ranges: list[list[int]] = []
@@ -87,15 +93,19 @@ def _verdict(stats: PairStats, config: CompareConfig, *, name: str, layer: int |
         first_seq = int(sequences[first_row]) if sequences is not None else sequence
         if notes is not None and first_tok is not None:
             note = notes(first_tok)
+    max_token = float(np.max(token)) if token.size else 0.0
+    noise_ratio, token_noise_ratio = limits.ratios(stats.rel_diff, max_token)
     return TensorComparison(
         name=name, layer=layer, forward_pass=forward_pass, rank=rank, shape=shape, sequence=sequence,
-        rel_diff=stats.rel_diff, max_token_rel_diff=float(np.max(token)) if token.size else 0.0,
+        rel_diff=stats.rel_diff, max_token_rel_diff=max_token,
         max_abs_diff=stats.max_abs_diff, mean_abs_diff=stats.mean_abs_diff, cosine=stats.cosine,
         nan_baseline=stats.nan_x, inf_baseline=stats.inf_x, nan_target=stats.nan_y, inf_target=stats.inf_y,
         nonfinite_mismatches=stats.nonfinite_mismatches, failing_tokens=int(failing.size),
         first_failing_token=first_tok, first_failing_row=first_row, first_failing_sequence=first_seq,
         failing_ranges=ranges, worst_token=worst_tok, worst_row=worst_row, note=note,
-        passed=bool(stats.rel_diff <= config.threshold) and not failing.size,
+        passed=bool(stats.rel_diff <= limits.threshold) and not failing.size,
+        threshold=limits.threshold, token_threshold=limits.token_threshold,
+        noise_ratio=noise_ratio, token_noise_ratio=token_noise_ratio,
     )
 
 
@@ -134,8 +144,8 @@ def _logical_stats(base: LogicalTensor, target: LogicalTensor, br: DumpReader, t
 
 
 def _compare_logical(base: LogicalTensor, target: LogicalTensor, br: DumpReader, tr: DumpReader,
-                     config: CompareConfig) -> TensorComparison:
-    """Compare one (name, sequence) reassembled on both sides."""
+                     config: CompareConfig) -> tuple[TensorComparison, Tokens]:
+    """Compare one (name, sequence) reassembled on both sides; also its per-token rel_diff and positions."""
     stats, positions, rank = _logical_stats(base, target, br, tr, config)
     pieces = column_pieces(base, target)
     first = base.segments(pieces[0].base_rank)[0].rec
@@ -147,20 +157,21 @@ def _compare_logical(base: LogicalTensor, target: LogicalTensor, br: DumpReader,
 
     return _verdict(stats, config, name=base.name, layer=base.layer, forward_pass=first.forward_pass,
                     rank=rank, shape=(int(positions.size), width), positions=positions, sequences=None,
-                    sequence=base.sequence, notes=notes)
+                    sequence=base.sequence, notes=notes), (stats.token_rel_diff, positions, None)
 
 
 def _compare_records(b: TensorRecord, t: TensorRecord, br: DumpReader, tr: DumpReader,
-                     config: CompareConfig) -> TensorComparison:
-    """Compare one pair of tensors matched by (name, pass, rank, call)."""
+                     config: CompareConfig) -> tuple[TensorComparison, Tokens]:
+    """Compare one pair of tensors matched by (name, pass, rank, call); also its per-token values."""
     if b.shape != t.shape:
         raise NotComparableError(
             f"{tr.directory / t.file}: tensor {t.name!r} (pass {t.forward_pass}) has shape {list(t.shape)} "
             f"but the baseline {br.directory / b.file} has {list(b.shape)}; these dumps cannot be aligned")
     stats = pair_stats(br.array(b), tr.array(t), b.dtype, t.dtype, threads=config.threads)
-    sequences = b.row_sequence_ids()
+    sequences, positions = b.row_sequence_ids(), b.row_positions()
     return _verdict(stats, config, name=b.name, layer=b.layer, forward_pass=b.forward_pass, rank=b.rank,
-                    shape=b.shape, positions=b.row_positions(), sequences=sequences, sequence=None)
+                    shape=b.shape, positions=positions, sequences=sequences, sequence=None), \
+        (stats.token_rel_diff, positions, sequences)
 
 
 def _check_replicas(side: str, reader: DumpReader, lts: dict, config: CompareConfig) -> list[ReplicaMismatch]:
@@ -209,7 +220,8 @@ def _first_divergence(tensors: list[TensorComparison]) -> FirstDivergence | None
 
 
 def compare_dumps(baseline: str | os.PathLike[str], target: str | os.PathLike[str],
-                  config: CompareConfig | None = None, *, progress: ProgressFn | None = None) -> Report:
+                  config: CompareConfig | None = None, *, progress: ProgressFn | None = None,
+                  token_sink: TokenSink | None = None) -> Report:
     """Compare the dump ``target`` against the dump ``baseline``.
 
     Raises :class:`~dumper.errors.DumpError` for a missing, incomplete or corrupt dump and
@@ -224,6 +236,9 @@ def compare_dumps(baseline: str | os.PathLike[str], target: str | os.PathLike[st
             raise NotComparableError(f"{reader.directory}: the dump captured no tensors")
     notes = check_identity(br.manifest, tr.manifest, allow_mismatch=config.allow_model_mismatch,
                            where=f"{tr.directory} vs baseline {br.directory}")
+    if config.noise is not None:
+        config.noise.check_baseline(br.manifest, f"the baseline {br.directory}")
+    notes += _replay_notes(tr.manifest)
     verdict, parts_b, parts_t = _logprob_verdict(br, tr, config)
     (bm, empty_b), (tm, empty_t) = _hidden(br.manifest), _hidden(tr.manifest)
     by_rows, by_pass = split_by_mode(bm, tm)
@@ -255,17 +270,21 @@ def compare_dumps(baseline: str | os.PathLike[str], target: str | os.PathLike[st
             f"(e.g. {', '.join(unmatched_t[:3]) or '-'}); --require-all needs every tensor on both sides")
     replicas = _check_replicas("baseline", br, base_lts, config) + _check_replicas("target", tr, targ_lts, config)
     results: list[TensorComparison] = []
-    for key in logical:
-        results.append(_compare_logical(base_lts[key], targ_lts[key], br, tr, config))
-        if progress is not None:
-            progress(len(results), total)
-    for b, t in sorted(pairs, key=lambda p: (p[0].file, p[0].key)):
-        results.append(_compare_records(b, t, br, tr, config))
+    kept = FailingTokens()
+    jobs = [lambda key=key: _compare_logical(base_lts[key], targ_lts[key], br, tr, config) for key in logical]
+    jobs += [lambda b=b, t=t: _compare_records(b, t, br, tr, config)
+             for b, t in sorted(pairs, key=lambda p: (p[0].file, p[0].key))]
+    for job in jobs:
+        comparison, tokens = job()
+        results.append(comparison)
+        kept.add(comparison, tokens)
+        if token_sink is not None:
+            token_sink(comparison, tokens[0])
         if progress is not None:
             progress(len(results), total)
     results.sort(key=lambda r: (r.layer is None, r.layer if r.layer is not None else 0, r.name,
                                 r.sequence if r.sequence is not None else -1, r.forward_pass, r.rank))
-    first_divergent = _first_divergence(results)
+    first_divergent = locate_onset(_first_divergence(results), results, kept.get, config)
     heatmap = token_heatmap(first_divergent, base_lts, targ_lts,
                             lambda b, t: _logical_stats(b, t, br, tr, config)[:2])
     return Report(
@@ -273,9 +292,32 @@ def compare_dumps(baseline: str | os.PathLike[str], target: str | os.PathLike[st
         token_threshold=config.token_threshold, tensors=tuple(results),
         unmatched_baseline=tuple(unmatched_b), unmatched_target=tuple(unmatched_t),
         first_divergent=first_divergent, replica_mismatches=tuple(replicas), logprobs=verdict,
-        environment={"baseline": bm.environment, "target": tm.environment}, heatmap=heatmap, notes=notes,
-        empty_tensors=tuple(empty),
+        environment={"baseline": bm.environment, "target": tm.environment}, heatmap=heatmap,
+        notes=tuple(notes) + _noise_notes(config, results), empty_tensors=tuple(empty),
+        noise=config.noise.source if config.noise is not None else None,
+        noise_factor=config.noise_factor if config.noise is not None else None,
+        noise_floor=config.noise_floor if config.noise is not None else None,
+        amplification=tuple(layer_amplification(results)),
     )
+
+
+def _noise_notes(config: CompareConfig, results: list[TensorComparison]) -> tuple[str, ...]:
+    """Say which tensors a noise file did not cover (they were judged by the fixed thresholds)."""
+    if config.noise is None:
+        return ()
+    missing = [t.name for t in results if t.noise_ratio is None]
+    if not missing:
+        return ()
+    return (f"{len(missing)} of {len(results)} tensors have no calibrated noise (e.g. {missing[0]}): "
+            f"fixed thresholds rel_diff <= {config.threshold:g}, per-token <= {config.token_threshold:g}",)
+
+
+def _replay_notes(manifest: Manifest) -> tuple[str, ...]:
+    """A replay dump (``python -m dumper replay``) holds each layer's own error one layer up: say so."""
+    if not isinstance(manifest.extra.get("replay"), dict):
+        return ()
+    return ("replay dump: the residual of layer k+1 is layer k run on the baseline's own input, so its "
+            "rel_diff is the error layer k introduces by itself, nothing inherited",)
 
 
 def _has_logprobs(manifest: Manifest) -> bool:

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from dumper.errors import UsageError
 from dumper.settings import env_settings
 
+from .noise import DEFAULT_FACTOR, DEFAULT_FLOOR, Limits, NoiseModel, check_noise_factor, noise_limits
+
 __all__ = ["CompareConfig", "DEFAULT_THRESHOLD", "DEFAULT_TOKEN_THRESHOLD"]
 
 DEFAULT_THRESHOLD = 1e-3
@@ -34,6 +36,12 @@ class CompareConfig:
             lacks, instead of comparing the common ones and saying so in the verdict.
         allow_model_mismatch: compare dumps of different models (architecture, sizes, config
             hash), for cross-engine or quantized runs; the differences become verdict notes.
+        noise: measured noise of the baseline (:mod:`comparator.noise`); each tensor it covers is
+            judged by thresholds derived from its own noise instead of the fixed ones.
+        noise_factor, noise_floor: the safety factor and absolute rel_diff floor of those thresholds.
+        noise_floors: absolute floors of logprob thresholds derived from noise, by metric name.
+        fixed_explicit: ``threshold`` / ``token_threshold`` were given (flag or env), so with
+            ``noise`` they still apply on top; otherwise the defaults apply only where no noise is known.
     """
 
     threshold: float = DEFAULT_THRESHOLD
@@ -43,12 +51,28 @@ class CompareConfig:
     model: str | None = None
     require_all: bool = False
     allow_model_mismatch: bool = False
+    noise: NoiseModel | None = None
+    noise_factor: float = DEFAULT_FACTOR
+    noise_floor: float = DEFAULT_FLOOR
+    noise_floors: tuple[tuple[str, float], ...] = ()
+    fixed_explicit: bool = False
+
+    def limits(self, name: str) -> Limits:
+        """The thresholds the tensor ``name`` is judged by: from its noise when calibrated, else the fixed ones."""
+        entry = self.noise.tensor(name) if self.noise is not None else None
+        if entry is None:
+            return Limits(self.threshold, self.token_threshold, None, self.noise_floor)
+        fixed = (self.threshold, self.token_threshold) if self.fixed_explicit else None
+        return noise_limits(entry, self.noise_factor, self.noise_floor, fixed)
 
     def __post_init__(self) -> None:
         for name in ("threshold", "token_threshold"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
                 raise UsageError(f"{name} must be a finite number >= 0, got {v!r}")
+        check_noise_factor(self.noise_factor)
+        if not (math.isfinite(self.noise_floor) and self.noise_floor >= 0):
+            raise UsageError(f"noise_floor must be a finite number >= 0, got {self.noise_floor!r}")
         if not 1 <= self.threads <= MAX_THREADS:
             raise UsageError(f"threads must be between 1 and {MAX_THREADS}, got {self.threads}")
 
@@ -56,9 +80,17 @@ class CompareConfig:
     def resolve(cls, *, threshold: float | None = None, token_threshold: float | None = None,
                 threads: int | None = None, env: Mapping[str, str] | None = None,
                 logprob_thresholds: Mapping[str, float | None] | None = None, model: str | None = None,
-                require_all: bool = False, allow_model_mismatch: bool = False) -> CompareConfig:
-        """Flags win over ``DRIFTSCOPE_DIFF_THRESHOLD`` / ``DRIFTSCOPE_TOKEN_THRESHOLD``, which win over defaults."""
+                require_all: bool = False, allow_model_mismatch: bool = False, noise: NoiseModel | None = None,
+                noise_factor: float | None = None, noise_floors: Mapping[str, float] | None = None,
+                ) -> CompareConfig:
+        """Flags win over ``DRIFTSCOPE_DIFF_THRESHOLD`` / ``DRIFTSCOPE_TOKEN_THRESHOLD``, which win over defaults.
+
+        ``noise_floors``: as parsed by :func:`comparator.noise.parse_noise_floor` (``rel_diff`` and
+        logprob metric names).
+        """
         s = env_settings(env)
+        floors = dict(noise_floors or {})
+        explicit = any(v is not None for v in (threshold, token_threshold, s.diff_threshold, s.token_threshold))
         return cls(
             threshold=threshold if threshold is not None else (s.diff_threshold if s.diff_threshold is not None
                                                                else DEFAULT_THRESHOLD),
@@ -69,4 +101,9 @@ class CompareConfig:
             model=model,
             require_all=require_all,
             allow_model_mismatch=allow_model_mismatch,
+            noise=noise,
+            noise_factor=noise_factor if noise_factor is not None else DEFAULT_FACTOR,
+            noise_floor=floors.pop("rel_diff", DEFAULT_FLOOR),
+            noise_floors=tuple(sorted(floors.items())),
+            fixed_explicit=explicit,
         )

@@ -9,6 +9,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .logprobs import Located, LogprobVerdict
+from .noise import NoiseModel
 from .report import FirstDivergence, Report
 
 __all__ = ["render_report", "render_logprobs", "reaches_output", "format_float", "describe_divergence"]
@@ -78,18 +79,26 @@ def render_report(report: Report, console: Console, *, tensors: bool = False) ->
     if not report.tensors:
         return
     table = Table(title=Text(f"{report.target}  vs  baseline {report.baseline}"), title_justify="left")
-    for col, justify in (("layer", "right"), ("tensors", "right"), ("rel_diff", "right"),
-                         ("max token rel_diff", "right"), ("max |diff|", "right"), ("min cosine", "right"),
-                         ("first failing token", "right"), ("worst token", "right"), ("verdict", "left")):
+    calibrated = report.noise is not None
+    cols = [("layer", "right"), ("tensors", "right"), ("rel_diff", "right")]
+    cols += [("x noise", "right")] if calibrated else []
+    cols += [("max token rel_diff", "right"), ("max |diff|", "right"), ("min cosine", "right"),
+             ("amplification", "right"), ("first failing token", "right"), ("worst token", "right"),
+             ("verdict", "left")]
+    for col, justify in cols:
         table.add_column(col, justify=justify)
     for s in report.layers():
         first = fd is not None and s.layer == fd.layer
         verdict = Text("PASS", style="green") if s.passed else Text(f"FAIL ({s.failed})", style="bold red")
         if first:
             verdict = Text("FIRST DIVERGENCE", style="bold white on red")
+        elif fd is not None and s.layer is not None and s.layer == fd.onset_layer:
+            verdict = Text.assemble(verdict, (" ONSET", "bold yellow"))
+        ratio = [format_ratio(s.noise_ratio)] if calibrated else []
+        amp = Text(format_ratio(s.amplification), style="bold yellow" if s.introduced else "")
         table.add_row(
-            "-" if s.layer is None else str(s.layer), str(s.tensors), format_float(s.max_rel_diff),
-            format_float(s.max_token_rel_diff), format_float(s.max_abs_diff), f"{s.min_cosine:.6f}",
+            "-" if s.layer is None else str(s.layer), str(s.tensors), format_float(s.max_rel_diff), *ratio,
+            format_float(s.max_token_rel_diff), format_float(s.max_abs_diff), f"{s.min_cosine:.6f}", amp,
             _token(s.first_failing_token), _token(s.worst_token), verdict,
             style="bold" if first else None,
         )
@@ -100,8 +109,7 @@ def render_report(report: Report, console: Console, *, tensors: bool = False) ->
         if names:
             shown = ", ".join(names[:5]) + (f", ... ({len(names) - 5} more)" if len(names) > 5 else "")
             console.print(Text.assemble((f"unmatched in {side} ({len(names)}):", "yellow"), f" {shown}"))
-    summary = (f"matched {report.matched} tensors; thresholds rel_diff <= {report.threshold:g}, "
-               f"per-token rel_diff <= {report.token_threshold:g}")
+    summary = f"matched {report.matched} tensors; " + threshold_summary(report)
     summary += "".join(f"; {n}" for n in verdict_notes(report))
     for m in report.replica_mismatches[:10]:
         console.print(Text.assemble(
@@ -116,6 +124,42 @@ def render_report(report: Report, console: Console, *, tensors: bool = False) ->
         console.print(Text.assemble(("DIVERGED", "bold red"), f" {describe_divergence(fd)}. {summary}"))
     if report.logprobs is not None:
         console.print(Text(reaches_output(report)))
+
+
+def format_ratio(v: float | None) -> str:
+    """A multiple (of noise, or a growth factor): ``2.1e+06x``, ``-`` when unknown."""
+    if v is None:
+        return "-"
+    if math.isinf(v) or math.isnan(v):
+        return "inf"
+    return f"{v:.3g}x"
+
+
+def threshold_summary(report: Report) -> str:
+    """What the tensors were judged by: fixed thresholds, or the noise file with its factor and floor."""
+    if report.noise is None:
+        return (f"thresholds rel_diff <= {report.threshold:g}, "
+                f"per-token rel_diff <= {report.token_threshold:g}")
+    return (f"thresholds {report.noise_factor:g} x the noise in {report.noise} "
+            f"(floor {report.noise_floor:g})")
+
+
+def render_noise(noise: NoiseModel, console: Console) -> None:
+    """The measured noise per tensor (and of the logprobs): what a comparison will be judged against."""
+    table = Table(title=Text(f"noise of {noise.baseline} from {len(noise.variants)} variants"), title_justify="left")
+    for col in ("layer", "tensor", "rel_diff", "token max", "token p99.9", "token p99", "positions",
+                "token max by variant"):
+        table.add_column(col, justify="left" if col == "tensor" else "right")
+    for t in noise.tensors.values():
+        table.add_row("-" if t.layer is None else str(t.layer), Text(t.name), format_float(t.rel_diff),
+                      format_float(t.token_max), format_float(t.token_p999), format_float(t.token_p99),
+                      str(t.positions), " ".join(format_float(v) for v in t.by_variant))
+    if noise.tensors:
+        console.print(table)
+    if noise.logprobs is not None:
+        lp = noise.logprobs
+        values = ", ".join(f"{k} {format_float(v)}" for k, v in lp.metrics.items() if v is not None)
+        console.print(Text(f"logprob noise ({lp.variants} variants, {lp.positions} positions): {values}"))
 
 
 def verdict_notes(report: Report) -> list[str]:
@@ -142,10 +186,16 @@ def _ranges(ranges: list[list[int]]) -> str:
     return ", ".join(f"{a}" if a == b else f"{a}..{b}" for a, b in ranges)
 
 
+_METHOD = {"calibrated": "over its calibrated noise", "change-point": "estimated from the run: change point",
+           "threshold": "first over the threshold"}
+
+
 def describe_divergence(fd: FirstDivergence) -> str:
     """One sentence: where the first divergence is, which sequence and tokens fail, and why it may be."""
     where = f"layer {fd.layer}" if fd.layer is not None else "a tensor without layer"
     text = f"at {where} ({fd.name}, pass {fd.forward_pass}, rank {fd.rank})"
+    if fd.onset is not None and fd.onset != fd.token:
+        text += f", divergence starts at token {fd.onset} ({_METHOD[fd.onset_method or 'threshold']})"
     if fd.token is not None:
         text += f", first failing token {fd.token}"
     if fd.sequence is not None:
@@ -158,6 +208,9 @@ def describe_divergence(fd: FirstDivergence) -> str:
         text += f"; failing tokens {_ranges(fd.failing_ranges)}"
     if len(fd.failing_sequences) > 1:
         text += f"; failing sequences {fd.failing_sequences}"
+    if fd.onset_layer is not None and fd.onset_layer != fd.layer:
+        text += (f"; first departs from noise at layer {fd.onset_layer} "
+                 f"({_METHOD[fd.onset_layer_method or 'threshold']})")
     return text + f"; rel_diff {format_float(fd.rel_diff)}"
 
 

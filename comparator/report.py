@@ -16,8 +16,13 @@ from dumper.format import atomic_path, write_json_atomic
 
 from .jsonfloat import from_json_float, to_json_float
 from .logprobs import LogprobVerdict
+from .onset import Amplification
 
 __all__ = ["TensorComparison", "FirstDivergence", "ReplicaMismatch", "LayerSummary", "Heatmap", "Report"]
+
+
+_FLOATS = ("rel_diff", "max_token_rel_diff", "max_abs_diff", "mean_abs_diff", "cosine")
+_OPTIONAL_FLOATS = ("threshold", "token_threshold", "noise_ratio", "token_noise_ratio")
 
 
 @dataclass(frozen=True)
@@ -56,6 +61,13 @@ class TensorComparison:
     sequence: int | None = None
     failing_ranges: list[list[int]] = field(default_factory=list)
     note: str | None = None
+    threshold: float | None = None
+    """The whole-tensor threshold this tensor was judged by (from its noise when calibrated)."""
+    token_threshold: float | None = None
+    noise_ratio: float | None = None
+    """rel_diff as a multiple of its calibrated noise, ``max(noise, floor)`` (None: no noise file)."""
+    token_noise_ratio: float | None = None
+    """Largest per-token rel_diff as a multiple of the calibrated per-token noise."""
 
     def __bool__(self) -> bool:
         return self.passed
@@ -63,7 +75,7 @@ class TensorComparison:
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d["shape"] = list(self.shape)
-        for k in ("rel_diff", "max_token_rel_diff", "max_abs_diff", "mean_abs_diff", "cosine"):
+        for k in _FLOATS + _OPTIONAL_FLOATS:
             d[k] = to_json_float(d[k])
         return d
 
@@ -73,13 +85,22 @@ class TensorComparison:
         d["shape"] = tuple(d["shape"])
         for k in ("rel_diff", "max_token_rel_diff", "max_abs_diff", "mean_abs_diff"):
             d[k] = from_json_float(d[k])
+        for k in _OPTIONAL_FLOATS:
+            d[k] = None if k not in d or (d[k] is None and k in ("threshold", "token_threshold")) \
+                else from_json_float(d[k])
         d["cosine"] = math.nan if d["cosine"] is None else float(d["cosine"])
         return cls(**d)
 
 
 @dataclass(frozen=True)
 class FirstDivergence:
-    """The lowest layer with a failing tensor, its first failing token and its worst token."""
+    """The lowest layer with a failing tensor, its first failing token and its worst token.
+
+    ``onset`` is where the divergence starts within that tensor (``token`` is where it first
+    crosses the threshold), ``onset_layer`` the first layer whose value departs from its noise;
+    ``*_method`` says how each was found: ``calibrated`` (noise file), ``change-point`` (estimated
+    from the run, see :mod:`comparator.onset`) or ``threshold`` (no earlier onset stood out).
+    """
 
     name: str
     layer: int | None
@@ -92,6 +113,10 @@ class FirstDivergence:
     failing_sequences: list[int] = field(default_factory=list)
     failing_ranges: list[list[int]] = field(default_factory=list)
     note: str | None = None
+    onset: int | None = None
+    onset_method: str | None = None
+    onset_layer: int | None = None
+    onset_layer_method: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -137,6 +162,12 @@ class LayerSummary:
     min_cosine: float
     first_failing_token: int | None
     worst_token: int | None
+    noise_ratio: float | None = None
+    """Largest rel_diff of the layer as a multiple of its noise (None: no noise file)."""
+    amplification: float | None = None
+    """rel_diff(input of the next layer) / rel_diff(input of this one), at the layer's first capture point."""
+    introduced: bool = False
+    """Its amplification stands far above the others: this layer introduces error."""
 
     @property
     def passed(self) -> bool:
@@ -192,6 +223,12 @@ class Report:
     """What the verdict must say besides the numbers: different weights, an allowed model mismatch."""
     empty_tensors: tuple[str, ...] = ()
     """Tensors with no elements (on either side): nothing to compare, so never counted as matched."""
+    noise: str | None = None
+    """The noise file the thresholds were derived from (None: fixed thresholds)."""
+    noise_factor: float | None = None
+    noise_floor: float | None = None
+    amplification: tuple[Amplification, ...] = ()
+    """Per layer and capture point, the growth of the error across the layer (:mod:`comparator.onset`)."""
 
     @property
     def matched(self) -> int:
@@ -218,6 +255,9 @@ class Report:
         groups: dict[int | None, list[TensorComparison]] = {}
         for t in self.tensors:
             groups.setdefault(t.layer, []).append(t)
+        amp: dict[int, Amplification] = {}
+        for a in self.amplification:  # the layer's first capture point (sorted by point name)
+            amp.setdefault(a.layer, a)
         out = []
         for layer in sorted(groups, key=lambda x: (x is None, x if x is not None else 0)):
             ts = groups[layer]
@@ -231,6 +271,9 @@ class Report:
                 min_cosine=min(t.cosine for t in ts),
                 first_failing_token=min((t.first_failing_token for t in failing), default=None),
                 worst_token=worst.worst_token if worst.max_token_rel_diff > 0 else None,
+                noise_ratio=max((t.noise_ratio for t in ts if t.noise_ratio is not None), default=None),
+                amplification=amp[layer].ratio if layer in amp else None,
+                introduced=layer in amp and amp[layer].introduced,
             ))
         return out
 
@@ -252,6 +295,10 @@ class Report:
             "heatmap": self.heatmap.to_json() if self.heatmap is not None else None,
             "notes": list(self.notes),
             "empty_tensors": list(self.empty_tensors),
+            "noise": self.noise,
+            "noise_factor": self.noise_factor,
+            "noise_floor": self.noise_floor,
+            "amplification": [a.to_json() for a in self.amplification],
         }
 
     @classmethod
@@ -269,6 +316,8 @@ class Report:
             heatmap=Heatmap.from_json(d["heatmap"]) if d.get("heatmap") else None,
             notes=tuple(d.get("notes", ())),
             empty_tensors=tuple(d.get("empty_tensors", ())),
+            noise=d.get("noise"), noise_factor=d.get("noise_factor"), noise_floor=d.get("noise_floor"),
+            amplification=tuple(Amplification.from_json(a) for a in d.get("amplification", ())),
         )
 
     def write_json(self, path: str | os.PathLike[str]) -> None:

@@ -1,0 +1,108 @@
+"""From the first failing tensor to where its divergence starts: onset token and onset layer.
+
+:mod:`comparator.onset` holds the estimators; this module feeds them a comparison's results
+(see README, "Calibrated verdicts"). Per-token values are kept only for failing tensors of the
+lowest failing layer seen so far, so memory stays bounded by one layer's positions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+
+import numpy as np
+
+from .config import CompareConfig
+from .noise import noise_limits
+from .onset import Amplification, amplification, layer_onset, point_of, token_onset
+from .report import FirstDivergence, TensorComparison
+
+__all__ = ["FailingTokens", "locate_onset", "layer_amplification"]
+
+Tokens = tuple[np.ndarray, np.ndarray | None, np.ndarray | None]
+
+
+class FailingTokens:
+    """Per-token rel_diff of the failing comparisons in the lowest failing layer so far."""
+
+    def __init__(self) -> None:
+        self._kept: dict[int, tuple[TensorComparison, Tokens]] = {}
+        self._low: int | None = None
+
+    def add(self, t: TensorComparison, tokens: Tokens) -> None:
+        if t.passed:
+            return
+        if t.layer is not None:
+            if self._low is not None and t.layer > self._low:
+                return
+            if self._low is None or t.layer < self._low:
+                self._low = t.layer
+                self._kept = {k: v for k, v in self._kept.items() if v[0].layer is None}
+        self._kept[id(t)] = (t, tokens)
+
+    def get(self, t: TensorComparison) -> Tokens | None:
+        hit = self._kept.get(id(t))
+        return hit[1] if hit is not None else None
+
+
+def _noise_only(config: CompareConfig, name: str) -> tuple[float, float] | None:
+    """The tensor's thresholds from its noise alone (no fixed ones on top), or None without noise."""
+    entry = config.noise.tensor(name) if config.noise is not None else None
+    if entry is None:
+        return None
+    lim = noise_limits(entry, config.noise_factor, config.noise_floor, None)
+    return lim.threshold, lim.token_threshold
+
+
+def _first_tensor(fd: FirstDivergence, results: Sequence[TensorComparison]) -> TensorComparison | None:
+    return next((t for t in results if not t.passed and t.name == fd.name and t.layer == fd.layer
+                 and t.first_failing_token == fd.token and t.first_failing_sequence == fd.sequence
+                 and t.forward_pass == fd.forward_pass and t.rank == fd.rank), None)
+
+
+def _onset_token(t: TensorComparison, tokens: Tokens, config: CompareConfig) -> tuple[int | None, str]:
+    token, positions, sequences = tokens
+    rows = np.arange(token.size)
+    if sequences is not None and t.first_failing_sequence is not None:  # rows of several sequences: the first's
+        rows = np.flatnonzero(sequences == t.first_failing_sequence)
+    assert t.first_failing_row is not None
+    local_first = int(np.flatnonzero(rows == t.first_failing_row)[0])
+    pos = positions[rows] if positions is not None else None
+    noise = _noise_only(config, t.name)
+    row, method = token_onset(token[rows], pos, local_first, noise[1] if noise is not None else None)
+    return (int(pos[row]) if pos is not None else None), method
+
+
+def _onset_layer(fd: FirstDivergence, results: Sequence[TensorComparison], config: CompareConfig) -> tuple[int, str]:
+    assert fd.layer is not None
+    layers: dict[int, tuple[float, bool | None]] = {}
+    for t in results:
+        if t.layer is None or t.layer > fd.layer:
+            continue
+        value, departs = layers.get(t.layer, (0.0, None))
+        noise = _noise_only(config, t.name)
+        if noise is not None:
+            out = not (t.rel_diff <= noise[0] and t.max_token_rel_diff <= noise[1])
+            departs = bool(departs) or out
+        layers[t.layer] = (max(value, t.rel_diff) if t.rel_diff == t.rel_diff else float("inf"), departs)
+    return layer_onset([(k, v, d) for k, (v, d) in layers.items()], fd.layer)
+
+
+def locate_onset(fd: FirstDivergence | None, results: Sequence[TensorComparison],
+                 tokens_of: Callable[[TensorComparison], Tokens | None], config: CompareConfig,
+                 ) -> FirstDivergence | None:
+    """``fd`` with its onset token and onset layer (see :mod:`comparator.onset`)."""
+    if fd is None:
+        return None
+    onset, method = fd.token, "threshold"
+    first = _first_tensor(fd, results)
+    tokens = tokens_of(first) if first is not None else None
+    if first is not None and tokens is not None and first.first_failing_row is not None and fd.token is not None:
+        onset, method = _onset_token(first, tokens, config)
+    onset_layer, layer_method = (fd.layer, "threshold") if fd.layer is None else _onset_layer(fd, results, config)
+    return replace(fd, onset=onset, onset_method=method, onset_layer=onset_layer, onset_layer_method=layer_method)
+
+
+def layer_amplification(results: Sequence[TensorComparison]) -> list[Amplification]:
+    """Per-layer amplification at each capture point (see :func:`comparator.onset.amplification`)."""
+    return amplification([(t.layer, point_of(t.name), t.rel_diff) for t in results if t.layer is not None])
