@@ -39,10 +39,12 @@ __all__ = ["main", "build_parser", "build_logprobs_parser", "build_collect_parse
 
 def _logprob_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--logprob-threshold", action="append", default=[], metavar="NAME=VALUE",
-                   help="logprob threshold (mse, max_abs_err, k3_mean, kl_mean, kl_max, topk_max_err; "
-                        "VALUE 'off' disables); repeatable; wins over DRIFTSCOPE_LOGPROB_* and the per-model table")
-    p.add_argument("--model", default=None,
-                   help="row of configs/logprob_thresholds.json to use (default: the baseline dump's model)")
+                   help="logprob threshold (mse, mean_abs_err, max_abs_err, k3_mean, kl_mean, kl_max, topk_max_err; "
+                        "VALUE 'off' disables); repeatable; wins over DRIFTSCOPE_LOGPROB_* and the per-model table, "
+                        "and with --noise applies on top of the noise-derived one (the smaller wins)")
+    p.add_argument("--model", default=None, metavar="NAME[@DTYPE]",
+                   help="row of configs/logprob_thresholds.json to use (default: the baseline dump's model, judged "
+                        "at the coarser dtype of the two dumps); NAME@DTYPE judges as DTYPE, e.g. default@bfloat16")
 
 
 def _noise_flags(p: argparse.ArgumentParser) -> None:
@@ -141,6 +143,14 @@ def build_logprobs_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-model-mismatch", action="store_true",
                    help="compare dumps of different models (architecture, layer count, hidden size, config hash)")
     _logprob_flags(p)
+    p.add_argument("--noise", metavar="NOISE.json", default=None,
+                   help="derive the thresholds from the baseline's measured logprob noise (`python -m comparator "
+                        "calibrate`): max(floor, F x noise) per metric")
+    p.add_argument("--noise-factor", type=float, default=None, metavar="F",
+                   help=f"with --noise: the safety factor F (default {DEFAULT_FACTOR:g})")
+    p.add_argument("--noise-floor", action="append", default=[], metavar="NAME=VALUE",
+                   help="with --noise: the absolute floor of metric NAME's derived threshold (defaults in "
+                        "comparator.logprob_noise.DEFAULT_LOGPROB_FLOORS); repeatable")
     return p
 
 
@@ -194,9 +204,13 @@ def _check_model_row(args: argparse.Namespace) -> None:
 def run_logprobs(argv: Sequence[str]) -> int:
     args = build_logprobs_parser().parse_args(argv)
     _check_model_row(args)
+    noise = _noise_args(args)
+    if "rel_diff" in noise["noise_floors"]:
+        raise UsageError("--noise-floor: comparator logprobs takes NAME=VALUE with NAME a logprob metric "
+                         "(mse, mean_abs_err, max_abs_err, k3_mean, kl_mean, kl_max, topk_max_err)")
     verdict = compare_logprob_sources(args.baseline, args.target, model=args.model,
                                       explicit=_thresholds(args.logprob_threshold),
-                                      allow_model_mismatch=args.allow_model_mismatch)
+                                      allow_model_mismatch=args.allow_model_mismatch, **noise)
     console = _console()
     if args.quiet:
         sides = [f"only in the {side}: {', '.join(map(repr, names[:3]))}"
@@ -250,7 +264,7 @@ def run(argv: Sequence[str] | None = None) -> int:
                         f"DIVERGED (logprobs: {', '.join(report.logprobs.failures())})")
                 notes = verdict_notes(report)
                 console.print(line + (f" ({'; '.join(notes)})" if notes else ""), markup=False, emoji=False,
-                              highlight=False)
+                              highlight=False, soft_wrap=True)  # one line, whatever its length
             else:
                 render_report(report, console, tensors=args.tensors)
         _write(args.json, report.write_json)

@@ -111,15 +111,15 @@ class NoiseModel:
     def check_baseline(self, manifest: Manifest, where: str) -> None:
         """Refuse to judge ``manifest``'s dump with noise measured on another model, weights or dtype."""
         label = self.source or "the noise file"
+        dtype = manifest.capture_signature.get("dtype")
+        if self.dtype is not None and dtype is not None and dtype != self.dtype:
+            raise UsageError(f"{label}: calibrated on {self.dtype} dumps, but {where} is {dtype}; "
+                             "noise does not carry across dtypes: recalibrate")
         for key in _MATCH_FIELDS:
             a, b = self.model.get(key), manifest.model.get(key)
             if a is not None and b is not None and a != b:
                 raise UsageError(f"{label}: calibrated on a baseline with {key} {a!r}, but {where} has {b!r}; "
                                  "recalibrate against this baseline (python -m comparator calibrate)")
-        dtype = manifest.capture_signature.get("dtype")
-        if self.dtype is not None and dtype is not None and dtype != self.dtype:
-            raise UsageError(f"{label}: calibrated on {self.dtype} dumps, but {where} is {dtype}; "
-                             "noise does not carry across dtypes: recalibrate")
 
     def to_json(self) -> dict[str, Any]:
         return {"format": NOISE_FORMAT, "baseline": self.baseline, "variants": list(self.variants),

@@ -1,0 +1,96 @@
+"""Noise of the tiny presets, how many benign variants calibration needs, and what it costs.
+
+For each preset and dtype it dumps a baseline (eager, one pass per prompt) and benign variants
+(SDPA, chunked prefill, padded batches, one thread), all with ``--layers all --logprobs``, then:
+
+1. the noise table: ``calibrate`` with every variant (per layer: rel_diff and per-token max);
+2. variants needed: calibrate with the first n variants and judge each variant NOT used
+   (default factor) -- how many of them still fail, per n;
+3. cost: calibrating with k variants against k plain comparisons, measured in the same run.
+
+    python bench/bench_calibrate.py [--models tiny-llama,tiny-qwen2] [--dtypes float32,bfloat16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from comparator import CompareConfig, compare_dumps  # noqa: E402
+from comparator.calibrate import calibrate  # noqa: E402
+
+VARIANTS = [
+    ("sdpa", ["--attn", "sdpa"], {}),
+    ("chunk64", ["--chunk-size", "64"], {}),
+    ("batch2", ["--batch-size", "2"], {}),
+    ("chunk37-sdpa", ["--chunk-size", "37", "--attn", "sdpa"], {}),
+    ("threads1", [], {"OMP_NUM_THREADS": "1"}),
+    ("batch3-left", ["--batch-size", "3", "--padding-side", "left"], {}),
+    ("chunk16", ["--chunk-size", "16"], {}),
+]
+
+
+def dump(out: Path, model: str, dtype: str, args: list[str], env: dict[str, str]) -> Path:
+    cmd = [sys.executable, "-m", "dumper", "run", "--model", model, "--dtype", dtype, "--layers", "all",
+           "--logprobs", "--top-k", "5", "--save-logits", "--quiet", "--out", str(out), *args]
+    subprocess.run(cmd, check=True, env={**os.environ, **env})
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default="tiny-llama,tiny-qwen2")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        for model in args.models.split(","):
+            for dtype in args.dtypes.split(","):
+                root = Path(tmp) / f"{model}-{dtype}"
+                base = dump(root / "base", model, dtype, [], {})
+                variants = [(name, dump(root / name, model, dtype, a, e)) for name, a, e in VARIANTS]
+                report(model, dtype, base, variants)
+
+
+def report(model: str, dtype: str, base: Path, variants: list[tuple[str, Path]]) -> None:
+    paths = [p for _, p in variants]
+    t0 = time.perf_counter()
+    noise = calibrate(base, paths)
+    t_cal = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for p in paths:
+        compare_dumps(base, p)
+    t_cmp = time.perf_counter() - t0
+    print(f"\n## {model} {dtype}: noise from {len(paths)} variants ({', '.join(n for n, _ in variants)})")
+    print("| layer | rel_diff | per-token max | per-token p99 |")
+    print("|---|---|---|---|")
+    for t in noise.tensors.values():
+        print(f"| {t.layer} | {t.rel_diff:.2e} | {t.token_max:.2e} | {t.token_p99:.2e} |")
+    if noise.logprobs is not None:
+        print("logprob noise: " + ", ".join(f"{k} {v:.2e}" for k, v in noise.logprobs.metrics.items()
+                                           if v is not None))
+    print(f"calibrate: {t_cal:.2f} s for {len(paths)} variants; {len(paths)} plain comparisons: {t_cmp:.2f} s "
+          f"(ratio {t_cal / t_cmp:.2f}x per variant)")
+    print("| variants used | held-out variants failing (hidden) | failing (logprobs) | worst held-out x noise |")
+    print("|---|---|---|---|")
+    for n in range(1, len(paths)):
+        cal = calibrate(base, paths[:n])
+        fails_h = fails_l = 0
+        worst = 0.0
+        for name, p in variants[n:]:
+            r = compare_dumps(base, p, CompareConfig(noise=cal))
+            hidden = all(t.passed for t in r.tensors)
+            fails_h += not hidden
+            fails_l += r.logprobs is not None and not r.logprobs.passed
+            worst = max([worst] + [t.token_noise_ratio or 0.0 for t in r.tensors])
+        print(f"| {n} | {fails_h}/{len(paths) - n} | {fails_l}/{len(paths) - n} | {worst:.3g}x |")
+
+
+if __name__ == "__main__":
+    main()
