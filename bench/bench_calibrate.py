@@ -77,19 +77,29 @@ def report(model: str, dtype: str, base: Path, variants: list[tuple[str, Path]])
                                            if v is not None))
     print(f"calibrate: {t_cal:.2f} s for {len(paths)} variants; {len(paths)} plain comparisons: {t_cmp:.2f} s "
           f"(ratio {t_cal / t_cmp:.2f}x per variant)")
-    print("| variants used | held-out variants failing (hidden) | failing (logprobs) | worst held-out x noise |")
+    for order, vs in (("listed order", variants), ("reversed order", variants[::-1])):
+        held_out(base, vs, order)
+
+
+def held_out(base: Path, variants: list[tuple[str, Path]], order: str) -> None:
+    """Calibrate with the first n variants, judge the rest (default factor): how many still fail."""
+    print(f"\nvariants in {order} ({', '.join(n for n, _ in variants)})")
+    print("| variants used | held-out failing (hidden) | failing (logprobs) | worst held-out per-token / noise max |")
     print("|---|---|---|---|")
-    for n in range(1, len(paths)):
-        cal = calibrate(base, paths[:n])
+    for n in range(1, len(variants)):
+        cal = calibrate(base, [p for _, p in variants[:n]])
         fails_h = fails_l = 0
         worst = 0.0
-        for name, p in variants[n:]:
+        for _, p in variants[n:]:
             r = compare_dumps(base, p, CompareConfig(noise=cal))
-            hidden = all(t.passed for t in r.tensors)
-            fails_h += not hidden
+            fails_h += not all(t.passed for t in r.tensors)
             fails_l += r.logprobs is not None and not r.logprobs.passed
-            worst = max([worst] + [t.token_noise_ratio or 0.0 for t in r.tensors])
-        print(f"| {n} | {fails_h}/{len(paths) - n} | {fails_l}/{len(paths) - n} | {worst:.3g}x |")
+            for t in r.tensors:  # the held-out value over the calibrated max, floor aside
+                noise = cal.tensor(t.name)
+                if noise is not None and t.max_token_rel_diff > 0:
+                    worst = max(worst, t.max_token_rel_diff / noise.token_max if noise.token_max else float("inf"))
+        rest = len(variants) - n
+        print(f"| {n} | {fails_h}/{rest} | {fails_l}/{rest} | {worst:.3g}x |")
 
 
 if __name__ == "__main__":

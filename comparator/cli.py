@@ -22,13 +22,15 @@ from dumper.errors import EXIT_DIVERGED, EXIT_OK, UsageError
 from dumper.format import MANIFEST_NAME, write_json_atomic
 
 from ._cliargs import logprob_thresholds as _thresholds
+from ._cliargs import noise_args as _noise_args
+from ._cliargs import noise_flags as _noise_flags
 from ._cliargs import stdout_console as _console
 from ._cliargs import write_output as _write
 from .compare import compare_dumps
 from .config import CompareConfig
 from .identity import check_distinct
 from .logprobs import LogprobThresholds
-from .noise import DEFAULT_FACTOR, DEFAULT_FLOOR, NoiseModel, check_noise_factor, parse_noise_floor
+from .noise import DEFAULT_FACTOR
 from .outputs import add_output_flags, check_output_flags, progress_callback, write_outputs
 from .render import describe_divergence, render_logprobs, render_report, verdict_notes
 from .sources import compare_logprob_sources
@@ -45,27 +47,6 @@ def _logprob_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, metavar="NAME[@DTYPE]",
                    help="row of configs/logprob_thresholds.json to use (default: the baseline dump's model, judged "
                         "at the coarser dtype of the two dumps); NAME@DTYPE judges as DTYPE, e.g. default@bfloat16")
-
-
-def _noise_flags(p: argparse.ArgumentParser) -> None:
-    """``--noise``, ``--noise-factor``, ``--noise-floor``: thresholds from a calibrated noise file."""
-    p.add_argument("--noise", metavar="NOISE.json", default=None,
-                   help="judge each tensor (and the logprobs) against its measured noise, from "
-                        "`python -m comparator calibrate`; explicit --threshold/--token-threshold still apply on top")
-    p.add_argument("--noise-factor", type=float, default=None, metavar="F",
-                   help=f"with --noise: fail above F x noise (default {DEFAULT_FACTOR:g})")
-    p.add_argument("--noise-floor", action="append", default=[], metavar="[NAME=]VALUE",
-                   help=f"with --noise: absolute floor of a derived threshold; VALUE alone is rel_diff's "
-                        f"(default {DEFAULT_FLOOR:g}), NAME=VALUE a logprob metric's; repeatable")
-
-
-def _noise_args(args: argparse.Namespace) -> dict:
-    """The noise file, factor and floors of parsed ``_noise_flags``, for :meth:`CompareConfig.resolve`."""
-    if args.noise is None and (args.noise_factor is not None or args.noise_floor):
-        raise UsageError("--noise-factor and --noise-floor need --noise NOISE.json")
-    return {"noise": NoiseModel.load(args.noise) if args.noise else None,
-            "noise_factor": None if args.noise_factor is None else check_noise_factor(args.noise_factor),
-            "noise_floors": parse_noise_floor(args.noise_floor)}
 
 
 def build_calibrate_parser() -> argparse.ArgumentParser:

@@ -13,6 +13,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from datetime import datetime, timezone
 from typing import Any
 
@@ -23,12 +24,13 @@ from rich.text import Text
 from dumper.cliutil import Parser
 from dumper.format import write_json_atomic
 
-from ._cliargs import logprob_thresholds, stdout_console, write_output
+from ._cliargs import logprob_thresholds, noise_args, noise_flags, stdout_console, write_output
+from .calibrate import calibrate
 from .config import CompareConfig
 from .regress import RegressResult, regress
 from .render import render_report
 from .store import LABELS, RunEntry, RunStore, StoreError
-from .store.record import printable
+from .store.record import RunRecord, printable
 from .store.select import current_baselines
 
 __all__ = ["run_regress", "run_store", "build_regress_parser", "build_store_parser"]
@@ -62,6 +64,11 @@ def build_regress_parser() -> argparse.ArgumentParser:
     p.add_argument("--logprob-threshold", action="append", default=[], metavar="NAME=VALUE",
                    help="logprob threshold, repeatable (as for python -m comparator)")
     p.add_argument("--threads", type=int, default=None, help="metric worker threads (default 2)")
+    p.add_argument("--calibrate", nargs="+", default=[], metavar="VARIANT",
+                   help="dumps of benign re-runs of this run's inputs (another --attn, --chunk-size, --batch-size, "
+                        "thread count): measure the run's noise from them first and store it with the run, so runs "
+                        "judged against it are judged by its noise (use it when bootstrapping a baseline)")
+    noise_flags(p, noise_file=False)
     p.add_argument("--tensors", action="store_true", help="also print one row per tensor")
     p.add_argument("--quiet", action="store_true", help="print only the verdict line")
     return p
@@ -77,9 +84,16 @@ def build_store_parser() -> argparse.ArgumentParser:
     show = sub.add_parser("show", help="print a run's record and a summary of its dump")
     show.add_argument("url", help="run store location")
     show.add_argument("run_id")
-    promote = sub.add_parser("promote", help="relabel a run as a baseline (a human blesses it)")
+    promote = sub.add_parser("promote", help="relabel a run as a baseline (a human blesses it), optionally "
+                                             "measuring its noise")
     promote.add_argument("url", help="run store location")
     promote.add_argument("run_id")
+    promote.add_argument("--calibrate", nargs="+", default=[], metavar="VARIANT",
+                         help="dumps of benign re-runs of the run's inputs: compare each with the stored dump and "
+                              "store the measured noise with the run (replacing any earlier calibration)")
+    promote.add_argument("--threads", type=int, default=2, help="with --calibrate: metric worker threads (default 2)")
+    promote.add_argument("--allow-model-mismatch", action="store_true",
+                         help="with --calibrate: accept variants of another model spelling (cross-engine runs)")
     prune = sub.add_parser("prune", help="delete all but the newest N runs per model and signature "
                                          "(current baselines are always kept)")
     prune.add_argument("url", help="run store location")
@@ -97,10 +111,10 @@ def run_regress(argv: Sequence[str]) -> int:
     args = build_regress_parser().parse_args(argv)
     config = CompareConfig.resolve(threshold=args.threshold, token_threshold=args.token_threshold,
                                    threads=args.threads, logprob_thresholds=logprob_thresholds(args.logprob_threshold),
-                                   allow_model_mismatch=args.allow_model_mismatch)
+                                   allow_model_mismatch=args.allow_model_mismatch, **noise_args(args))
     result = regress(args.run_dir, args.store, model=args.model, bootstrap=args.bootstrap,
                      allow_env_mismatch=args.allow_env_mismatch, config=config, cache_dir=args.cache_dir,
-                     require_all=not args.allow_missing)
+                     require_all=not args.allow_missing, calibrate_from=args.calibrate)
     _warn(result.warnings)
     _print_result(result, stdout_console(), quiet=args.quiet, tensors=args.tensors)
     write_output(args.json, lambda p: write_json_atomic(p, result.to_json()))
@@ -131,9 +145,7 @@ def run_store(argv: Sequence[str]) -> int:
     elif args.command == "show":
         _show(store, args.run_id, console)
     elif args.command == "promote":
-        before = store.get(args.run_id).pass_label
-        rec = store.promote(args.run_id)
-        console.print(Text(f"run {rec.run_id} of model {printable(repr(rec.model))} is a baseline now (was {before})"))
+        _promote(store, args, console)
     else:
         res = store.prune(args.keep, dry_run=args.dry_run)
         verb = "would delete" if args.dry_run else "deleted"
@@ -144,6 +156,45 @@ def run_store(argv: Sequence[str]) -> int:
         _warn([f"left alone: {printable(s)}" for s in res.skipped])
         console.print(f"{verb} {len(res.deleted)} entries; kept {len(res.kept) + len(res.protected)} runs")
     return 0
+
+
+def _promote(store: RunStore, args: argparse.Namespace, console: Console) -> None:
+    """Relabel a run ``baseline``; with ``--calibrate``, first measure its noise against its stored dump."""
+    rec = store.get(args.run_id)
+    noise = None
+    if args.calibrate:
+        CompareConfig(threads=args.threads)  # checks the thread count before any work
+        with store.local_dump(rec.run_id) as dump:
+            noise = calibrate(dump, args.calibrate, threads=args.threads,
+                              allow_model_mismatch=args.allow_model_mismatch)
+        noise = replace(noise, baseline=store.where(rec.run_id, "dump"))  # not the temporary copy of a remote dump
+    new = store.promote(rec.run_id, noise)
+    line = f"run {new.run_id} of model {printable(repr(new.model))} is a baseline now (was {rec.pass_label})"
+    if noise is not None:
+        line += f"; calibrated from {len(noise.variants)} variants ({store.where(new.run_id, 'noise.json')})"
+    elif new.calibration is None:
+        line += ("; not calibrated: runs are judged against it by the fixed thresholds (--calibrate VARIANT ... "
+                 "measures its noise)")
+    else:
+        line += f"; it keeps its noise from {new.calibration['variants']} variants"
+    console.print(Text(line))
+
+
+def _calibration(store: RunStore, rec: RunRecord) -> str:
+    """One line on a run's calibration, its ``noise.json`` read and checked (a problem is warned about)."""
+    if rec.calibration is None:
+        return "calibration: none (runs judged against this one use the fixed thresholds)"
+    try:
+        stored = store.noise(rec)
+    except StoreError as e:
+        _warn([str(e)])
+        return f"calibration: UNUSABLE ({e})"
+    assert stored is not None
+    cal = stored.calibration
+    on = "this run" if cal["measured_on"] == rec.run_id else f"run {cal['measured_on']} (inherited)"
+    lp = f", logprobs over {stored.noise.logprobs.positions} positions" if stored.noise.logprobs is not None else ""
+    return (f"calibration: noise of {len(stored.noise.tensors)} tensors{lp} from {cal['variants']} variants, "
+            f"measured on {on} at {printable(_created(cal['created_at']))} ({store.where(rec.run_id, 'noise.json')})")
 
 
 def _created(rec_created: str) -> str:
@@ -183,6 +234,7 @@ def _show(store: RunStore, run_id: str, console: Console) -> None:
     rec = store.get(run_id)
     console.print_json(json.dumps(rec.to_json()))
     console.print(Text(_dump_summary(store.manifest_json(run_id))))
+    console.print(Text(_calibration(store, rec)))
     report = store.report_json(run_id)
     if report is not None:
         matched = report.get("matched")

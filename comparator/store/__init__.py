@@ -15,7 +15,7 @@ Example::
 
 from .environment import COMPARED_ENV_FIELDS, EnvDifference, env_differences
 from .errors import EnvMismatchError, NoBaselineError, StoreError
-from .record import LABELS, RunEntry, RunRecord
+from .record import LABELS, RunEntry, RunRecord, StoredNoise
 from .runstore import STAGING_GRACE_S, PruneResult, RunStore
 from .select import candidates, current_baselines, select_baseline
 
@@ -24,6 +24,7 @@ __all__ = [
     "RunRecord",
     "RunEntry",
     "PruneResult",
+    "StoredNoise",
     "select_baseline",
     "candidates",
     "current_baselines",

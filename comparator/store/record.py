@@ -7,6 +7,7 @@ writers starting in the same nanosecond still get different ids.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -17,9 +18,18 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
+from dumper.errors import DriftscopeError
+from dumper.validate import parse_json
+
+from ..noise import NoiseModel
+from .errors import StoreError
+
 __all__ = [
     "RUN_FORMAT_VERSION",
     "LABELS",
+    "CALIBRATION_KEYS",
+    "StoredNoise",
+    "noise_bytes",
     "RunRecord",
     "RunEntry",
     "new_run_id",
@@ -36,11 +46,18 @@ LABELS = ("baseline", "passed", "failed")
 
 _RUN_ID = re.compile(r"(\d{8}T\d{6})\.(\d{9})Z-[0-9a-f]{6}", re.ASCII)
 _KEYS = ("format_version", "run_id", "created_at", "model", "pass_label", "baseline_run", "summary",
-         "capture_signature", "environment", "model_identity", "dump_format_version", "dump_created_at", "promoted")
+         "capture_signature", "environment", "model_identity", "dump_format_version", "dump_created_at", "promoted",
+         "calibration")
 _REQUIRED = ("run_id", "created_at", "model", "pass_label", "capture_signature", "environment")
 _MAX_DEPTH = 64
 """Deepest JSON nesting a run record may hold (a sound one nests 3 deep)."""
 _SCALAR = (str, int, float, bool, type(None))
+_SHA256 = re.compile(r"[0-9a-f]{64}", re.ASCII)
+CALIBRATION_KEYS = ("variants", "created_at", "sha256", "measured_on")
+"""Keys of ``run.json``'s ``calibration``: how many benign variants, when, the ``sha256`` of the
+stored ``noise.json`` (the pair must agree, so a half-finished recalibration is detected), and
+the run whose dump the variants were compared with (the run itself, or the calibrated baseline
+a passed run inherited its noise from)."""
 
 
 def printable(text: str) -> str:
@@ -109,6 +126,8 @@ class RunRecord:
     dump_created_at: str | None = None
     promoted: dict[str, Any] | None = None
     """``{"at": ISO time, "from": previous label}`` once a human promoted the run."""
+    calibration: dict[str, Any] | None = None
+    """:data:`CALIBRATION_KEYS` when ``noise.json`` holds the run's measured noise; ``None``: uncalibrated."""
     format_version: int = RUN_FORMAT_VERSION
 
     def to_json(self) -> dict[str, Any]:
@@ -126,6 +145,8 @@ class RunRecord:
             "dump_format_version": self.dump_format_version,
             "dump_created_at": self.dump_created_at,
             "promoted": self.promoted,
+            # only when set: an uncalibrated record stays readable by versions that predate calibration
+            **({"calibration": self.calibration} if self.calibration is not None else {}),
         }
 
     def dumps(self) -> bytes:
@@ -161,7 +182,7 @@ class RunRecord:
             capture_signature=d["capture_signature"], environment=d["environment"], pass_label=d["pass_label"],
             baseline_run=d.get("baseline_run"), summary=d.get("summary"), model_identity=d.get("model_identity", {}),
             dump_format_version=d.get("dump_format_version", 1), dump_created_at=d.get("dump_created_at"),
-            promoted=d.get("promoted"),
+            promoted=d.get("promoted"), calibration=d.get("calibration"),
         )
 
     def verdict(self) -> str:
@@ -257,6 +278,20 @@ def _check_fields(d: dict[str, Any]) -> None:
     _check(d, "summary", lambda v: v is None or isinstance(v, dict), "an object or null")
     if isinstance(d.get("summary"), dict):
         _check_summary(d["summary"])
+    _check(d, "calibration", lambda v: v is None or isinstance(v, dict), "an object or null")
+    if isinstance(d.get("calibration"), dict):
+        _check_calibration(d["calibration"])
+
+
+def _check_calibration(c: dict[str, Any]) -> None:
+    """``calibration``: exactly :data:`CALIBRATION_KEYS`, of the types :meth:`RunStore.put` writes."""
+    if set(c) != set(CALIBRATION_KEYS):
+        raise _bad("calibration", f"an object with exactly the keys {', '.join(CALIBRATION_KEYS)}", c)
+    _check(c, "variants", lambda v: _is_int(v) and v >= 1, "a positive integer", prefix="calibration.")
+    _check(c, "created_at", lambda v: isinstance(v, str), "a string (ISO time)", prefix="calibration.")
+    _check(c, "sha256", lambda v: isinstance(v, str) and _SHA256.fullmatch(v) is not None,
+           "64 lowercase hex digits", prefix="calibration.")
+    _check(c, "measured_on", is_run_id, "a run id", prefix="calibration.")
 
 
 def _check_summary(s: dict[str, Any]) -> None:
@@ -278,6 +313,50 @@ def _check_summary(s: dict[str, Any]) -> None:
     if isinstance(fd, dict):
         for key in ("layer", "token"):
             _check(fd, key, lambda v: v is None or _is_int(v), "an integer or null", prefix="summary.first_divergent.")
+
+
+def noise_bytes(noise: NoiseModel) -> bytes:
+    """``noise`` as ``noise.json`` bytes: exactly what ``python -m comparator calibrate --out`` writes."""
+    return json.dumps(noise.to_json(), indent=1, allow_nan=False).encode()
+
+
+@dataclass(frozen=True)
+class StoredNoise:
+    """A run's noise: ``noise.json``'s bytes, parsed, and the ``calibration`` of ``run.json`` vouching for them."""
+
+    noise: NoiseModel
+    data: bytes
+    calibration: dict[str, Any]
+
+    @classmethod
+    def measured(cls, noise: NoiseModel, measured_on: str) -> StoredNoise:
+        """Fresh noise of the run ``measured_on``: bytes and ``calibration`` (created now) to store."""
+        data = noise_bytes(noise)
+        return cls(noise, data, {"variants": len(noise.variants), "created_at": datetime.now(timezone.utc).isoformat(),
+                                 "sha256": hashlib.sha256(data).hexdigest(), "measured_on": measured_on})
+
+    @classmethod
+    def parse(cls, raw: bytes | None, calibration: Mapping[str, Any], where: str) -> StoredNoise:
+        """Validate stored ``noise.json`` bytes (``None``: missing) against their record; one-line :class:`StoreError`.
+
+        The bytes must hash to ``calibration["sha256"]``: a ``noise.json`` replaced by an interrupted
+        recalibration, or edited by hand, is refused instead of judging a run by thresholds nobody measured.
+        """
+        if raw is None:
+            raise StoreError(f"{where}: missing, but its run.json records a calibration")
+        if hashlib.sha256(raw).hexdigest() != calibration["sha256"]:
+            raise StoreError(f"{where}: does not match the calibration its run.json records (sha256 differs: "
+                             "changed since, or a recalibration was interrupted)")
+        try:
+            noise = NoiseModel.from_json(parse_json(raw, where, "noise file"), where)
+        except DriftscopeError as e:
+            raise StoreError(str(e)) from None
+        except (TypeError, ValueError, KeyError, AttributeError, RecursionError) as e:
+            raise StoreError(f"{where}: malformed noise file ({type(e).__name__}: {printable(str(e))[:80]})") from None
+        if len(noise.variants) != calibration["variants"]:
+            raise StoreError(f"{where}: holds {len(noise.variants)} variants, but its run.json records "
+                             f"{calibration['variants']}")
+        return cls(noise, raw, dict(calibration))
 
 
 @dataclass(frozen=True)

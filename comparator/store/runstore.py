@@ -4,6 +4,7 @@ Layout (no shared index file that concurrent writers could corrupt: the listing 
 
     <store>/runs/<run_id>/dump/...        the run's dump, manifest.json last
     <store>/runs/<run_id>/report.json     the full comparison report (compared runs only)
+    <store>/runs/<run_id>/noise.json      the run's measured noise (calibrated runs only)
     <store>/runs/<run_id>/run.json        the run record
     <store>/runs/<run_id>/COMPLETE        written last: the run is whole
 
@@ -12,7 +13,8 @@ See :mod:`.backend` for how a run is published atomically on each kind of filesy
 Everything read back is untrusted: a listing entry that is not a real run folder, a marker or
 record that is not a regular file, a record that does not validate, or a dump folder that leaves
 the store lists as ``corrupt`` (never selected, never deleted by :meth:`RunStore.prune`); paths
-named by a stored manifest are single plain names that stay inside the run's dump folder.
+named by a stored manifest are single plain names that stay inside the run's dump folder. A
+``noise.json`` that its record does not vouch for is refused when the run is used (:meth:`RunStore.noise`).
 """
 
 from __future__ import annotations
@@ -33,9 +35,10 @@ from dumper.errors import DumpError
 from dumper.format import MANIFEST_NAME, Manifest, dir_mode, load_manifest
 from dumper.validate import MAX_MANIFEST_BYTES, parse_json
 
+from ..noise import NoiseModel
 from .backend import Backend, EntryKind, ReadResult, open_backend, plain_name
 from .errors import CorruptRunError, StoreError
-from .record import LABELS, RunEntry, RunRecord, is_run_id, new_run_id, printable, signature_key
+from .record import LABELS, RunEntry, RunRecord, StoredNoise, is_run_id, new_run_id, printable, signature_key
 from .select import current_baselines
 
 __all__ = ["RunStore", "PruneResult", "STAGING_GRACE_S"]
@@ -45,11 +48,14 @@ RUN_JSON = "run.json"
 COMPLETE = "COMPLETE"
 REPORT_JSON = "report.json"
 DUMP = "dump"
+NOISE_JSON = "noise.json"
 STAGING_PREFIXES = (".tmp-", ".trash-")
 STAGING_GRACE_S = 3600.0
 """Unfinished uploads younger than this are left alone by :meth:`RunStore.prune` (they may be running)."""
 MAX_RECORD_BYTES = 1 << 20
 """Largest ``run.json`` read (a sound one is a few KiB)."""
+MAX_NOISE_BYTES = 64 << 20
+"""Largest ``noise.json`` read (a few KiB per captured tensor when sound)."""
 _KIND_WORDS = {"file": "a file", "symlink": "a symlink (not followed)", "other": "a FIFO, socket or device"}
 
 
@@ -184,23 +190,26 @@ class RunStore:
 
     def put(self, dump_dir: str | os.PathLike[str], *, model: str, label: str, baseline_run: str | None = None,
             summary: Mapping[str, Any] | None = None, report: Mapping[str, Any] | None = None,
-            manifest: Manifest | None = None) -> RunRecord:
+            manifest: Manifest | None = None, noise: NoiseModel | StoredNoise | None = None) -> RunRecord:
         """Store the dump at ``dump_dir`` whole, as a new run labelled ``label``; return its record.
 
         Data files go first, the dump's manifest after them, then ``report.json`` (if given),
-        ``run.json`` and the ``COMPLETE`` marker; a local store then renames the staging folder
-        into place. A writer that dies on the way leaves nothing that lists as complete.
+        ``noise.json`` (if given), ``run.json`` and the ``COMPLETE`` marker; a local store then
+        renames the staging folder into place. A writer that dies on the way leaves nothing that
+        lists as complete. ``noise``: measured on this dump, or a baseline's (inherited byte for byte).
         """
         if label not in LABELS:
             raise StoreError(f"label {label!r} is not one of {', '.join(LABELS)}")
         src = Path(dump_dir)
         manifest = manifest if manifest is not None else load_manifest(src)
         run_id, created = new_run_id()
+        stored = StoredNoise.measured(noise, run_id) if isinstance(noise, NoiseModel) else noise
         record = RunRecord(
             run_id=run_id, created_at=created, model=model, capture_signature=manifest.capture_signature,
             environment=manifest.environment, pass_label=label, baseline_run=baseline_run,
             summary=dict(summary) if summary is not None else None, model_identity=manifest.model,
-            dump_format_version=manifest.format_version, dump_created_at=manifest.created_at)
+            dump_format_version=manifest.format_version, dump_created_at=manifest.created_at,
+            calibration=stored.calibration if stored is not None else None)
         try:  # what is written must read back: a record that would list as corrupt is never stored
             RunRecord.from_json(json.loads(record.dumps()), folder=run_id)
         except ValueError as e:
@@ -214,6 +223,8 @@ class RunStore:
             if report is not None:
                 self.backend.write_bytes(f"{staging}/{REPORT_JSON}",
                                          json.dumps(report, indent=1, allow_nan=False).encode())
+            if stored is not None:
+                self.backend.write_bytes(f"{staging}/{NOISE_JSON}", stored.data)
             self.backend.write_bytes(f"{staging}/{RUN_JSON}", record.dumps())
             self.backend.write_bytes(f"{staging}/{COMPLETE}", f"{run_id}\n".encode())
             self.backend.publish(staging, f"{RUNS}/{run_id}")
@@ -223,15 +234,35 @@ class RunStore:
             raise
         return record
 
-    def promote(self, run_id: str) -> RunRecord:
-        """Relabel a run ``baseline`` (a human blesses it), rewriting its ``run.json`` atomically."""
+    def promote(self, run_id: str, noise: NoiseModel | None = None) -> RunRecord:
+        """Relabel a run ``baseline`` (a human blesses it), rewriting its ``run.json`` atomically; ``noise``
+        (measured on its dump; a baseline is calibrated anew) is written first, replacing any earlier one."""
         rec = self.get(run_id)
-        if rec.pass_label == "baseline":
+        if rec.pass_label == "baseline" and noise is None:
             return rec
         now = datetime.now(timezone.utc).isoformat()
-        new = replace(rec, pass_label="baseline", promoted={"at": now, "from": rec.pass_label})
-        self.backend.write_bytes(f"{RUNS}/{run_id}/{RUN_JSON}", new.dumps())
+        new = rec if rec.pass_label == "baseline" else replace(rec, pass_label="baseline",
+                                                               promoted={"at": now, "from": rec.pass_label})
+        if noise is not None:
+            stored = StoredNoise.measured(noise, new.run_id)
+            new = replace(new, calibration=stored.calibration)
+            self.backend.write_bytes(f"{RUNS}/{new.run_id}/{NOISE_JSON}", stored.data)
+        self.backend.write_bytes(f"{RUNS}/{new.run_id}/{RUN_JSON}", new.dumps())  # a crash before: old record holds
         return new
+
+    def noise(self, record: RunRecord) -> StoredNoise | None:
+        """A run's stored noise (``None``: not calibrated); :class:`StoreError` naming ``noise.json`` if unusable.
+
+        Such a run still lists as complete (its dump and record are sound), but using it as a baseline
+        fails (exit 2), as for a broken dump, instead of judging by thresholds nobody measured."""
+        if record.calibration is None:
+            return None
+        try:
+            raw = self.backend.read_bytes(f"{RUNS}/{record.run_id}/{NOISE_JSON}", max_bytes=MAX_NOISE_BYTES)
+            return StoredNoise.parse(raw, record.calibration, self.where(record.run_id, NOISE_JSON))
+        except StoreError as e:
+            raise StoreError(f"{e}; recalibrate it: python -m comparator store promote {self.url} "
+                             f"{record.run_id} --calibrate VARIANT [VARIANT ...]") from None
 
     def manifest_json(self, run_id: str) -> dict[str, Any]:
         """The stored dump's raw manifest (for summaries; not validated against the data files)."""
