@@ -1,11 +1,13 @@
 """One self-contained HTML file per comparison, for a person to open in a browser.
 
-The page holds the verdict, both runs' model, capture and environment side by side (what
-differs is highlighted), the per-layer rel_diff chart, the token x layer heatmap around the
-first divergence, the logprob plots with the worst positions and their tokens, and every
-tensor in a table sortable by clicking its headers. Charts are inline SVG (matplotlib), style
-and the sorting script inline: the file fetches nothing, so it works offline, as a CI
-artifact, or attached to a bug report.
+The page holds the verdict (where the divergence starts, then where it first fails), both runs'
+model, capture and environment side by side (what differs is highlighted), the per-layer rel_diff
+chart and table (multiples of the calibrated noise, each layer's amplification, the layer that
+introduces error highlighted), the amplification chart, the token x layer heatmap from the onset
+to the first failing token, the logprob plots with the worst positions and their tokens, and every
+tensor in a table sortable by clicking its headers. Charts are inline SVG (matplotlib), style and
+the sorting script inline: the file fetches nothing, so it works offline, as a CI artifact, or
+attached to a bug report.
 
 Example::
 
@@ -20,24 +22,27 @@ Example::
 from __future__ import annotations
 
 import html
+import itertools
 import json
 import math
 import os
 from collections.abc import Iterable, Sequence
 from datetime import datetime, timezone
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from dumper import __version__
 from dumper.format import Manifest, atomic_path
-from dumper.presets import Tokenizer
 
 from .logprobs import Located, LogprobVerdict, PositionSeries
-from .plots import figure_svg, heatmap_figure, layer_figure, logprob_figure
-from .render import describe_divergence, format_float, reaches_output
-from .report import Report
+from .plots import amplification_figure, figure_svg, heatmap_figure, layer_figure, logprob_figure
+from .render import describe_divergence, format_float, format_ratio, reaches_output, threshold_summary, verdict_notes
+from .report import FirstDivergence, Report
 from .tokens import TokenLookup, show_text
+
+if TYPE_CHECKING:
+    from dumper.presets import Tokenizer
 
 __all__ = ["render_html", "write_html", "MAX_ROWS", "WORST_POSITIONS"]
 
@@ -57,7 +62,8 @@ td.n{text-align:right;font-variant-numeric:tabular-nums}tr.bad td{background:#fd
 th{background:#f5f5f5;position:sticky;top:0}table.sortable th{cursor:pointer;user-select:none}
 th[aria-sort=ascending]::after{content:" \\25B2"}th[aria-sort=descending]::after{content:" \\25BC"}
 code{background:#f3f3f3;padding:0 3px;border-radius:3px}.tok{display:inline-block;white-space:pre;margin:0 2px 2px 0}
-.hit{background:#f9d2cd;outline:1px solid #c0392b}
+.hit{background:#f9d2cd;outline:1px solid #c0392b}.onset{background:#fde3c8;outline:2px solid #e67e22}
+tr.introduced td{background:#fff0dc;font-weight:600}tr.first td{font-weight:700}
 .scroll{max-height:640px;overflow:auto;border:1px solid #eee}
 """
 
@@ -111,24 +117,76 @@ def _table(head: Sequence[tuple[str, str]], rows: Iterable[str], *, sortable: bo
     return f"<table{attrs}><thead><tr>{ths}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
 
 
+_METHODS = {"calibrated": "over its calibrated noise", "change-point": "change point estimated from the run",
+            "threshold": "no earlier departure stood out: the first over the threshold"}
+
+
+def _onset(fd: FirstDivergence) -> str:
+    """Where the divergence starts: onset token and onset layer with their methods (see :mod:`comparator.onset`)."""
+    seq = f" of sequence {fd.sequence}" if fd.sequence is not None else ""
+    parts = [f"{what} <strong>{_e(at)}</strong>{_e(where)} ({_e(_METHODS.get(how or '', how))})"
+             for what, at, how, where in (("token", fd.onset, fd.onset_method, seq),
+                                          ("layer", fd.onset_layer, fd.onset_layer_method, "")) if at is not None]
+    if not parts:
+        return ""
+    first = [f"token {fd.token}"] * (fd.token is not None) + [f"layer {fd.layer}"] * (fd.layer is not None)
+    return (f'<p id="onset">Divergence starts at {" in ".join(parts)}; first over the threshold at '
+            f"{_e(', '.join(first) or '-')}.</p>")
+
+
 def _verdict(report: Report) -> str:
     fd = report.first_divergent
-    summary = (f"matched {report.matched} tensors; thresholds rel_diff &le; {_e(f'{report.threshold:g}')}, "
-               f"per-token rel_diff &le; {_e(f'{report.token_threshold:g}')}")
+    summary = "; ".join(_e(x) for x in [f"matched {report.matched} tensors", threshold_summary(report),
+                                        *verdict_notes(report)])
     if report.passed:
         head, line = "PASS", "every matched tensor passed"
     elif fd is not None:
         head, line = "DIVERGED", describe_divergence(fd)
     else:
-        head = "DIVERGED"
-        line = "replicas differ" if report.replica_mismatches else "the logprobs fail their thresholds"
+        head, line = "DIVERGED", ("replicas differ" if report.replica_mismatches
+                                  else "the logprobs fail their thresholds")
     out = [f'<section class="verdict {"pass" if report.passed else "fail"}" id="verdict"><h1>{head}</h1>',
-           f"<p>{_e(line)}</p>"]
+           _onset(fd) if fd is not None and not report.passed else "", f"<p>{_e(line)}</p>"]
     if report.logprobs is not None:
         out.append(f"<p>{_e(reaches_output(report))}</p>")
     out.append(f'<p class="muted">target <code>{_e(report.target)}</code> vs baseline '
                f"<code>{_e(report.baseline)}</code>; {summary}</p></section>")
     return "".join(out)
+
+
+def _layer_table(report: Report) -> str:
+    """A row per layer with its multiple of noise and amplification; first divergent, onset, introducing ones marked."""
+    fd, calibrated = report.first_divergent, report.noise is not None
+    head = [("layer", "num"), ("tensors", "num"), ("rel_diff", "num")] + ([("x noise", "num")] if calibrated else [])
+    head += [("max token rel_diff", "num"), ("max |diff|", "num"), ("min cosine", "num"), ("amplification", "num"),
+             ("first failing token", "num"), ("worst token", "num"), ("verdict", "str")]
+    rows = []
+    for s in report.layers():
+        verdict = "PASS" if s.passed else f"FAIL ({s.failed})"
+        first = fd is not None and s.layer is not None and s.layer == fd.layer
+        onset = fd is not None and not first and s.layer is not None and s.layer == fd.onset_layer
+        marks = [(m, c) for m, c, on in (("FIRST DIVERGENCE", "first", first), ("ONSET", "onset", onset),
+                                         ("INTRODUCES ERROR", "introduced", s.introduced)) if on]
+        cls = " ".join(["bad"] * (not s.passed) + [c for _, c in marks])
+        cells = [_num(s.layer), _num(s.tensors), _num(s.max_rel_diff)]
+        cells += [_num(s.noise_ratio, format_ratio(s.noise_ratio))] if calibrated else []
+        cells += [_num(s.max_token_rel_diff), _num(s.max_abs_diff), _num(s.min_cosine, f"{s.min_cosine:.6f}"),
+                  _num(s.amplification, format_ratio(s.amplification)), _num(s.first_failing_token),
+                  _num(s.worst_token), f"<td>{_e(' '.join([verdict] + [m for m, _ in marks]))}</td>"]
+        rows.append(f'<tr class="{cls}">' + "".join(cells) + "</tr>")
+    return _table(head, rows, table_id="layer-table")
+
+
+def _layers(report: Report) -> str:
+    """The per-layer chart, table and amplification chart."""
+    out = ['<section id="layers"><h2>rel_diff per layer</h2>',
+           f'<figure class="chart" id="layer-chart">{figure_svg(layer_figure(report))}</figure>', _layer_table(report)]
+    fig = amplification_figure(report)
+    if fig is not None:
+        out.append('<h3>Amplification</h3><p class="muted">the growth of the error across each layer; far above the '
+                   "others: that layer introduces error, near the usual growth: it passes inherited error on.</p>"
+                   f'<figure class="chart" id="amplification-chart">{figure_svg(fig)}</figure>')
+    return "".join(out) + "</section>"
 
 
 def _facts(manifest: Manifest | None, env: dict[str, Any]) -> dict[str, str]:
@@ -173,22 +231,29 @@ def _heatmap(report: Report, tokens: TokenLookup) -> str:
         out.append('<p class="muted">no heatmap: nothing diverged, or the divergent tensor has no token positions.'
                    "</p></section>")
         return "".join(out)
-    first = fd.token if fd is not None else None
-    out.append('<p class="muted">per-token rel_diff of sequence '
-               f"{hm.sequence}, positions {hm.positions[0]}..{hm.positions[-1]}. A bug that starts at one token "
-               "shows as a column; a chunk-boundary bug as a vertical edge.</p>")
-    out.append(f'<figure class="chart" id="heatmap-chart">'
-               f"{figure_svg(heatmap_figure(hm, token_threshold=report.token_threshold, first_token=first))}</figure>")
+    first, onset, layer = (fd.token, fd.onset, fd.onset_layer) if fd is not None else (None, None, None)
+    pos = hm.positions
+    cuts = [0, *(j for j in range(1, len(pos)) if pos[j] - pos[j - 1] > 1), len(pos)]
+    shown = ", ".join(f"{pos[a]}..{pos[b - 1]}" for a, b in itertools.pairwise(cuts))
+    out.append(f'<p class="muted">per-token rel_diff of sequence {_e(hm.sequence)}, positions {_e(shown)}'
+               + (f" (onset {_e(onset)}, first failing token {_e(first)}; the positions between are left out)"
+                  if len(cuts) > 2 else "")
+               + ". A bug that starts at one token shows as a column; a chunk-boundary bug as a vertical edge.</p>")
+    fig = heatmap_figure(hm, token_threshold=report.token_threshold, first_token=first, onset=onset, onset_layer=layer)
+    out.append(f'<figure class="chart" id="heatmap-chart">{figure_svg(fig)}</figure>')
     spans = []
-    for p in hm.positions:
+    for i, p in enumerate(hm.positions):
         tid, text = tokens.token(hm.sequence, p)
         if tid is None:
             break
+        if i and p - hm.positions[i - 1] > 1:
+            spans.append(f'<span class="muted" title="positions {hm.positions[i - 1] + 1}..{p - 1}"> &hellip; </span>')
         label = show_text(text)[1:-1] if text is not None else f"#{tid}"
-        cls = "tok hit" if p == first else "tok"
+        cls = "tok hit" if p == first else "tok onset" if p == onset else "tok"
         spans.append(f'<code class="{cls}" title="position {p}, token id {tid}">{_e(label)}</code>')
     if spans:
-        out.append(f'<p class="muted">tokens of the window (first failing token marked):</p><p>{"".join(spans)}</p>')
+        out.append('<p class="muted">tokens of the window (onset and first failing token marked):</p>'
+                   f'<p>{"".join(spans)}</p>')
     return "".join(out) + "</section>"
 
 
@@ -270,6 +335,9 @@ def _tensors(report: Report, max_rows: int) -> str:
             ("rel_diff", "num"), ("max token rel_diff", "num"), ("max |diff|", "num"), ("mean |diff|", "num"),
             ("cosine", "num"), ("NaN/Inf baseline", "num"), ("NaN/Inf target", "num"), ("failing tokens", "num"),
             ("first failing token", "num"), ("worst token", "num"), ("verdict", "str"), ("note", "str")]
+    calibrated = any(t.noise_ratio is not None or t.token_noise_ratio is not None for t in report.tensors)
+    if calibrated:
+        head[6:6] = [("x noise", "num"), ("token x noise", "num")]
     rows = []
     for t in report.tensors[:max_rows]:
         cells = [f"<td>{_e(t.name)}</td>", _num(t.layer), _num(t.sequence), _num(t.forward_pass), _num(t.rank),
@@ -279,6 +347,9 @@ def _tensors(report: Report, max_rows: int) -> str:
                  _num(t.nan_target + t.inf_target, f"{t.nan_target}/{t.inf_target}"), _num(t.failing_tokens),
                  _num(t.first_failing_token), _num(t.worst_token),
                  f"<td>{'PASS' if t.passed else 'FAIL'}</td>", f"<td>{_e(t.note or '')}</td>"]
+        if calibrated:
+            cells[6:6] = [_num(t.noise_ratio, format_ratio(t.noise_ratio)),
+                          _num(t.token_noise_ratio, format_ratio(t.token_noise_ratio))]
         rows.append(("<tr>" if t.passed else '<tr class="bad">') + "".join(cells) + "</tr>")
     left = len(report.tensors) - len(rows)
     more = f'<p class="muted">{left} more tensors not shown; write them all with --csv.</p>' if left > 0 else ""
@@ -309,11 +380,7 @@ def render_html(report: Report, *, baseline_manifest: Manifest | None = None, ta
         max_rows: most tensor-table rows (default :data:`MAX_ROWS`).
     """
     tokens = TokenLookup.from_manifest(baseline_manifest or target_manifest, tokenizer)
-    layer_chart = ""
-    if report.tensors:
-        layer_chart = (f'<section id="layers"><h2>rel_diff per layer</h2><figure class="chart" id="layer-chart">'
-                       f"{figure_svg(layer_figure(report))}</figure></section>")
-    body = [_verdict(report), layer_chart, _heatmap(report, tokens) if report.tensors else "",
+    body = [_verdict(report), *((_layers(report), _heatmap(report, tokens)) if report.tensors else ()),
             _logprobs(report, tokens), _runs(report, baseline_manifest, target_manifest),
             _tensors(report, max_rows) if report.tensors else "", _problems(report)]
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")

@@ -1,6 +1,7 @@
 """Machine- and human-readable outputs of a :class:`~comparator.report.Report`, and the CLI flags for them.
 
-- :func:`to_markdown`: the verdict line and a compact per-layer table, for pasting into a PR;
+- :func:`to_markdown`: the verdict line and a compact per-layer table (multiples of the noise with
+  a noise file, each layer's amplification), for pasting into a PR;
 - :func:`write_parquet`: the per-tensor table (one row per tensor, as ``--csv``) as Parquet;
 - :func:`add_output_flags` / :func:`check_output_flags` / :func:`write_outputs`: ``--html``,
   ``--plot``, ``--parquet``, ``--markdown [FILE]`` and ``--format {table,json}`` for
@@ -32,8 +33,8 @@ from dumper.errors import UsageError
 from dumper.format import atomic_path, load_manifest
 from dumper.progress import ProgressFn, progress_bar
 
-from .render import describe_divergence, format_float, reaches_output
-from .report import Report
+from .render import describe_divergence, format_float, format_ratio, reaches_output
+from .report import LayerSummary, Report
 
 __all__ = ["to_markdown", "write_markdown", "write_parquet", "add_output_flags", "check_output_flags",
            "write_outputs", "progress_callback", "STDOUT"]
@@ -76,26 +77,42 @@ def _verdict_line(report: Report) -> str:
     return f"**driftscope: DIVERGED** (logprobs: {failures})"
 
 
+def _layer_cells(report: Report, s: LayerSummary) -> list[str]:
+    """One Markdown table row's cells: the first divergent layer in bold, the onset layer named in
+    the verdict cell (as in the terminal), the amplification of a layer that introduces error in bold."""
+    fd = report.first_divergent
+    first = fd is not None and s.layer == fd.layer
+    verdict = "**FIRST DIVERGENCE**" if first else "PASS" if s.passed else f"FAIL ({s.failed})"
+    if fd is not None and s.layer is not None and s.layer == fd.onset_layer and not first:
+        verdict += " ONSET"
+    layer = "-" if s.layer is None else str(s.layer)
+    amp = format_ratio(s.amplification)
+    cells = [f"**{layer}**" if first else layer, str(s.tensors), format_float(s.max_rel_diff)]
+    cells += [format_ratio(s.noise_ratio)] if report.noise is not None else []
+    return cells + [format_float(s.max_token_rel_diff), format_float(s.max_abs_diff), f"{s.min_cosine:.6f}",
+                    f"**{amp}**" if s.introduced else amp,
+                    "-" if s.first_failing_token is None else str(s.first_failing_token),
+                    "-" if s.worst_token is None else str(s.worst_token), verdict]
+
+
+def _thresholds(report: Report) -> str:
+    if report.noise is None:
+        return f"thresholds rel_diff <= {report.threshold:g}, per-token rel_diff <= {report.token_threshold:g}"
+    return f"thresholds {report.noise_factor:g} x the noise in {_code(report.noise)} (floor {report.noise_floor:g})"
+
+
 def to_markdown(report: Report) -> str:
     """The verdict line, a per-layer table (first divergent layer in bold) and the thresholds, as Markdown."""
-    fd = report.first_divergent
     lines = [_verdict_line(report), ""]
     if report.tensors:
-        lines += ["| layer | tensors | rel_diff | max token rel_diff | max \\|diff\\| | min cosine "
-                  "| first failing token | worst token | verdict |",
-                  "|---:|---:|---:|---:|---:|---:|---:|---:|:---|"]
-        for s in report.layers():
-            first = fd is not None and s.layer == fd.layer
-            verdict = "**FIRST DIVERGENCE**" if first else "PASS" if s.passed else f"FAIL ({s.failed})"
-            layer = "-" if s.layer is None else str(s.layer)
-            cells = [f"**{layer}**" if first else layer, str(s.tensors), format_float(s.max_rel_diff),
-                     format_float(s.max_token_rel_diff), format_float(s.max_abs_diff), f"{s.min_cosine:.6f}",
-                     "-" if s.first_failing_token is None else str(s.first_failing_token),
-                     "-" if s.worst_token is None else str(s.worst_token), verdict]
-            lines.append("| " + " | ".join(cells) + " |")
+        noise = " x noise |" if report.noise is not None else ""
+        lines += [f"| layer | tensors | rel_diff |{noise} max token rel_diff | max \\|diff\\| | min cosine "
+                  "| amplification | first failing token | worst token | verdict |",
+                  "|---:" * (9 + bool(noise)) + "|:---|"]
+        lines += ["| " + " | ".join(_layer_cells(report, s)) + " |" for s in report.layers()]
         lines.append("")
     summary = (f"target {_code(report.target)} vs baseline {_code(report.baseline)}; matched {report.matched} "
-               f"tensors; thresholds rel_diff <= {report.threshold:g}, per-token rel_diff <= {report.token_threshold:g}")
+               f"tensors; {_thresholds(report)}")
     if report.unmatched_baseline or report.unmatched_target:
         summary += (f"; {len(report.unmatched_baseline)} tensors only in the baseline, "
                     f"{len(report.unmatched_target)} only in the target")

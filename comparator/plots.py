@@ -1,9 +1,12 @@
-"""Matplotlib figures of a :class:`~comparator.report.Report`: per-layer chart, token heatmap, logprob plots.
+"""Matplotlib figures of a :class:`~comparator.report.Report`: per-layer chart, amplification, token heatmap, logprobs.
 
 Built with the object-oriented :class:`matplotlib.figure.Figure` API, never pyplot: no global
 state, no GUI backend, safe in threads and on headless machines. Every chart is on a log
 scale; zeros (bit-identical values) and infinities (NaN/Inf mismatches) cannot sit on one, so
-they are drawn at a floor / ceiling and the chart says so.
+they are drawn at a floor / ceiling and the chart says so. The marks a test or a script may look
+for carry SVG ids (``set_gid``): ``heatmap-onset``, ``heatmap-first-failing``,
+``heatmap-onset-layer``, ``heatmap-gap-N``, ``layer-onset``, ``layer-noise-threshold``,
+``amplification-introduced``.
 
 Example::
 
@@ -29,15 +32,17 @@ from dumper.errors import UsageError
 from dumper.format import atomic_path
 
 from .logprobs import LogprobVerdict, PositionSeries, k3
-from .report import Heatmap, Report
+from .report import Heatmap, LayerSummary, Report
 
-__all__ = ["layer_figure", "heatmap_figure", "logprob_figure", "figure_svg", "figure_bytes", "save_layer_plot",
-           "log_range"]
+__all__ = ["layer_figure", "amplification_figure", "heatmap_figure", "logprob_figure", "figure_svg", "figure_bytes",
+           "save_layer_plot", "log_range", "MAX_AMPLIFICATION_POINTS"]
 
 MAX_POINTS = 3000
 """Points per logprob line; longer series are max-pooled so that spikes stay visible."""
 _SVG_RC = {"svg.fonttype": "none", "svg.hashsalt": "driftscope", "font.size": 9}
-_FAIL, _OK, _MARK = "#c0392b", "#2e86c1", "#7d3c98"
+MAX_AMPLIFICATION_POINTS = 8
+"""Capture points drawn in the amplification chart (the first ones by name); the chart says how many were left out."""
+_FAIL, _OK, _MARK, _ONSET = "#c0392b", "#2e86c1", "#7d3c98", "#e67e22"
 
 
 def log_range(values: Sequence[np.ndarray], lines: Sequence[float | None] = ()) -> tuple[float, float]:
@@ -72,12 +77,63 @@ def _tick_every(n: int, most: int = 32) -> int:
     return max(1, math.ceil(n / most))
 
 
+def _noise_thresholds(report: Report, layers: Sequence[LayerSummary]) -> tuple[np.ndarray, np.ndarray] | None:
+    """Per layer, the smallest calibrated rel_diff / per-token threshold of its tensors (NaN: none), or None."""
+    if report.noise is None:
+        return None
+    rel = {s.layer: math.nan for s in layers}
+    tok = dict(rel)
+    for t in report.tensors:
+        if t.noise_ratio is None and t.token_noise_ratio is None:
+            continue  # judged by the fixed thresholds
+        if t.threshold is not None:
+            rel[t.layer] = np.nanmin([rel[t.layer], t.threshold])
+        if t.token_threshold is not None:
+            tok[t.layer] = np.nanmin([tok[t.layer], t.token_threshold])
+    out = (np.asarray([rel[s.layer] for s in layers]), np.asarray([tok[s.layer] for s in layers]))
+    return None if np.isnan(out[0]).all() and np.isnan(out[1]).all() else out
+
+
+def _threshold_lines(ax, report: Report, x: np.ndarray, noise: tuple[np.ndarray, np.ndarray] | None) -> None:
+    fixed = "fixed " if noise is not None else ""
+    if report.threshold == report.token_threshold:
+        ax.axhline(report.threshold, color="0.3", ls="--", lw=1, label=f"{fixed}thresholds = {report.threshold:g}")
+    else:
+        ax.axhline(report.threshold, color="0.3", ls="--", lw=1,
+                   label=f"{fixed}rel_diff threshold {report.threshold:g}")
+        ax.axhline(report.token_threshold, color="0.3", ls=":", lw=1,
+                   label=f"{fixed}per-token threshold {report.token_threshold:g}")
+    if noise is not None:
+        rel, tok = noise
+        (line,) = ax.step(x, rel, where="mid", color=_OK, lw=1.2, alpha=0.6,
+                          label=f"noise threshold ({report.noise_factor:g} x noise)")
+        line.set_gid("layer-noise-threshold")
+        ax.step(x, tok, where="mid", color=_MARK, lw=1.2, alpha=0.6, ls=(0, (1, 1)), label="per-token noise threshold")
+
+
+def _divergence_lines(ax, report: Report, layers: Sequence[LayerSummary]) -> None:
+    fd = report.first_divergent
+    if fd is None:
+        return
+    index = {s.layer: i for i, s in enumerate(layers)}
+    if fd.layer in index:
+        ax.axvline(index[fd.layer], color=_FAIL, lw=1.5, alpha=0.7,
+                   label=f"first divergence: layer {'-' if fd.layer is None else fd.layer}")
+    if fd.onset_layer is not None and fd.onset_layer != fd.layer and fd.onset_layer in index:
+        line = ax.axvline(index[fd.onset_layer], color=_ONSET, lw=1.5, ls="-.",
+                          label=f"onset: layer {fd.onset_layer} ({fd.onset_layer_method})")
+        line.set_gid("layer-onset")
+
+
 def layer_figure(report: Report) -> Figure:
-    """rel_diff and max per-token rel_diff per layer, log scale, threshold lines, first divergence marked."""
+    """rel_diff and max per-token rel_diff per layer, log scale, fixed threshold lines (and each layer's
+    calibrated noise threshold with a noise file), first divergence and its onset layer marked."""
     layers = report.layers()
     rel = np.asarray([s.max_rel_diff for s in layers], dtype=np.float64)
     tok = np.asarray([s.max_token_rel_diff for s in layers], dtype=np.float64)
-    floor, ceiling = log_range([rel, tok], [report.threshold, report.token_threshold])
+    noise = _noise_thresholds(report, layers)
+    extra = [float(v) for arr in noise or () for v in arr if math.isfinite(v)]
+    floor, ceiling = log_range([rel, tok], [report.threshold, report.token_threshold, *extra])
     fig = Figure(figsize=(9, 3.0), layout="constrained")
     ax = fig.add_subplot()
     x = np.arange(len(layers))
@@ -86,18 +142,8 @@ def layer_figure(report: Report) -> Figure:
     failed = np.asarray([not s.passed for s in layers], dtype=bool)
     if failed.any():
         ax.plot(x[failed], _clip(tok, floor, ceiling)[failed], "o", color=_FAIL, ms=7, mfc="none", label="failing layer")
-    if report.threshold == report.token_threshold:
-        ax.axhline(report.threshold, color="0.3", ls="--", lw=1, label=f"thresholds = {report.threshold:g}")
-    else:
-        ax.axhline(report.threshold, color="0.3", ls="--", lw=1, label=f"rel_diff threshold {report.threshold:g}")
-        ax.axhline(report.token_threshold, color="0.3", ls=":", lw=1,
-                   label=f"per-token threshold {report.token_threshold:g}")
-    fd = report.first_divergent
-    if fd is not None:
-        where = [i for i, s in enumerate(layers) if s.layer == fd.layer]
-        if where:
-            ax.axvline(where[0], color=_FAIL, lw=1.5, alpha=0.7,
-                       label=f"first divergence: layer {'-' if fd.layer is None else fd.layer}")
+    _threshold_lines(ax, report, x, noise)
+    _divergence_lines(ax, report, layers)
     ax.set_yscale("log")
     ax.set_ylim(floor / 2, ceiling * 2)
     step = _tick_every(len(layers))
@@ -108,6 +154,50 @@ def layer_figure(report: Report) -> Figure:
     ax.legend(loc="upper left", fontsize=8, framealpha=0.85)
     note = _clip_note([rel, tok], floor, ceiling)
     ax.set_title("rel_diff per layer" + (f"  ({note})" if note else ""), fontsize=9, loc="left")
+    return fig
+
+
+def amplification_figure(report: Report) -> Figure | None:
+    """Per layer, rel_diff(input of layer k+1) / rel_diff(input of layer k) at each capture point, log
+    scale, the layers that introduce error marked; None when no layer has a next one captured."""
+    amps = report.amplification
+    if not amps:
+        return None
+    points = sorted({a.point or "" for a in amps})
+    shown, left = points[:MAX_AMPLIFICATION_POINTS], len(points) - MAX_AMPLIFICATION_POINTS
+    layers = sorted({a.layer for a in amps})
+    index = {layer: i for i, layer in enumerate(layers)}
+    ratios = [np.asarray([a.ratio for a in amps if a.ratio is not None], dtype=np.float64)]
+    floor, ceiling = log_range(ratios, [1.0])
+    fig = Figure(figsize=(9, 2.8), layout="constrained")
+    ax = fig.add_subplot()
+    for point in shown:
+        ys = np.full(len(layers), np.nan)
+        for a in amps:
+            if (a.point or "") == point and a.ratio is not None:
+                ys[index[a.layer]] = a.ratio
+        ax.plot(np.arange(len(layers)), np.clip(ys, floor, ceiling), "o-", ms=4, lw=1, label=_literal(point or "-"))
+    hot = [a for a in amps if a.introduced and (a.point or "") in shown]
+    if hot:
+        (mark,) = ax.plot([index[a.layer] for a in hot], [min(max(a.ratio or ceiling, floor), ceiling) for a in hot],
+                          "o", color=_FAIL, ms=11, mfc="none", mew=2,
+                          label="introduces error: layer " + ", ".join(sorted({str(a.layer) for a in hot}, key=int)))
+        mark.set_gid("amplification-introduced")
+    ax.axhline(1.0, color="0.4", ls=":", lw=1, label="1 (no growth)")
+    ax.set_yscale("log")
+    ax.set_ylim(floor / 2, ceiling * 2)
+    step = _tick_every(len(layers))
+    ax.set_xticks(range(0, len(layers), step), [str(v) for v in layers][::step])
+    ax.set_xlabel("layer k")
+    ax.set_ylabel("amplification")
+    ax.grid(True, which="major", alpha=0.3)
+    ax.legend(loc="best", fontsize=7, framealpha=0.85)
+    infs = sum(1 for a in amps if a.ratio is not None and not math.isfinite(a.ratio))
+    notes = [f"{infs} infinite (error from exact zero) drawn at {ceiling:.0e}"] if infs else []
+    notes += ["blank: exact on both sides"] if any(a.ratio is None for a in amps) else []
+    notes += [f"{left} more capture points not drawn"] if left > 0 else []
+    ax.set_title("amplification: rel_diff(input of layer k+1) / rel_diff(input of layer k)"
+                 + (f"\n{'; '.join(notes)}" if notes else ""), fontsize=9, loc="left")
     return fig
 
 
@@ -126,13 +216,43 @@ def _row_labels(hm: Heatmap) -> list[str]:
             for layer, name in zip(hm.layers, hm.names, strict=True)]
 
 
-def heatmap_figure(hm: Heatmap, *, token_threshold: float, first_token: int | None = None) -> Figure:
-    """Tensors (by layer, bottom to top) x token positions of per-token rel_diff, log colour scale."""
+def _column(positions: Sequence[int], position: int | None) -> int | None:
+    return positions.index(position) if position is not None and position in positions else None
+
+
+def _heatmap_marks(ax, hm: Heatmap, first_token: int | None, onset: int | None, onset_layer: int | None) -> list[str]:
+    """Lines at the onset (solid) and the first failing token (dashed), white bars at gaps between
+    runs of positions, triangles on the onset layer's rows; returns the title's words for them."""
+    positions, words = list(hm.positions), []
+    for j, gap in enumerate(k for k in range(1, len(positions)) if positions[k] - positions[k - 1] > 1):
+        ax.axvline(gap - 0.5, color="white", lw=4).set_gid(f"heatmap-gap-{j + 1}")
+        words.append(f"white bar: positions {positions[gap - 1] + 1}..{positions[gap] - 1} left out")
+    first, start = _column(positions, first_token), _column(positions, onset)
+    if start is not None and onset != first_token:
+        ax.axvline(start - 0.5, color="white", lw=1.6).set_gid("heatmap-onset")
+        words.insert(0, f"solid: onset, token {onset}")
+    if first is not None:
+        ax.axvline(first - 0.5, color="white", lw=1.2, ls="--").set_gid("heatmap-first-failing")
+        words.insert(1 if start is not None and onset != first_token else 0,
+                     f"dashed: first failing token {first_token}"
+                     + (" = onset" if onset == first_token and onset is not None else ""))
+    rows = [i for i, layer in enumerate(hm.layers) if onset_layer is not None and layer == onset_layer]
+    if rows:
+        (mark,) = ax.plot([-0.5] * len(rows), rows, ">", color=_ONSET, ms=8, mec="black", clip_on=False, ls="none")
+        mark.set_gid("heatmap-onset-layer")
+        words.append(f"triangle: onset layer {onset_layer}")
+    return words
+
+
+def heatmap_figure(hm: Heatmap, *, token_threshold: float, first_token: int | None = None,
+                   onset: int | None = None, onset_layer: int | None = None) -> Figure:
+    """Tensors (by layer, bottom to top) x token positions of per-token rel_diff, log colour scale;
+    the onset and the first failing token are vertical lines, the onset layer's rows marked."""
     values = np.asarray(hm.values, dtype=np.float64)  # [tensors, positions]
     floor, ceiling = log_range([values], [token_threshold])
     cmap = colormaps["viridis"].with_extremes(over="#ff00ff", under="#e8e8e8")
     rows, cols = values.shape
-    fig = Figure(figsize=(9, max(2.4, min(9.0, 1.2 + 0.16 * rows))), layout="constrained")
+    fig = Figure(figsize=(9, max(2.7, min(9.0, 1.5 + 0.16 * rows))), layout="constrained")
     ax = fig.add_subplot()
     shown = np.where(np.isfinite(values), np.where(values > 0, np.maximum(values, floor), floor / 10), ceiling * 10)
     vmax = max(float(np.max(values[np.isfinite(values)], initial=floor * 10)), token_threshold * 10)
@@ -147,17 +267,13 @@ def heatmap_figure(hm: Heatmap, *, token_threshold: float, first_token: int | No
     ax.set_xticks(range(0, cols, step), [str(p) for p in positions[::step]])
     ystep = _tick_every(rows, 24)
     ax.set_yticks(range(0, rows, ystep), _row_labels(hm)[::ystep])
-    if first_token is not None and first_token in positions:
-        ax.axvline(positions.index(first_token) - 0.5, color="white", lw=1.2, ls="--")
+    words = _heatmap_marks(ax, hm, first_token, onset, onset_layer)
     ax.set_xlabel(f"token position (sequence {hm.sequence})")
     ax.set_ylabel("layer")
-    title = "per-token rel_diff around the first divergence"
-    if first_token is not None:
-        title += f" (dashed: first failing token {first_token})"
-    legend = "grey: exactly 0" if (values == 0).any() else ""
-    if (~np.isfinite(values)).any():
-        legend += ("; " if legend else "") + "magenta: infinite (NaN/Inf mismatch)"
-    ax.set_title(title + (f"\n{legend}" if legend else ""), fontsize=9, loc="left")
+    words += ["grey: exactly 0"] if (values == 0).any() else []
+    words += ["magenta: infinite (NaN/Inf mismatch)"] if (~np.isfinite(values)).any() else []
+    lines = ["; ".join(words[i:i + 3]) for i in range(0, len(words), 3)]  # three marks a line
+    ax.set_title("\n".join(["per-token rel_diff from the onset of the divergence", *lines]), fontsize=9, loc="left")
     return fig
 
 

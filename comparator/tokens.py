@@ -5,6 +5,9 @@ prompt ``s``). Texts need the tokenizer: the built-in presets use the byte-level
 :class:`~dumper.presets.ByteTokenizer`; a local HF model directory's own tokenizer is loaded
 offline when it is still there. Otherwise texts are unknown and reports show ids only.
 
+Nothing here imports torch at import time; :mod:`dumper.presets` (which does) is imported only
+when a manifest's model has to be matched to its tokenizer.
+
 Example::
 
     from dumper.format import load_manifest
@@ -17,10 +20,13 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from dumper.errors import DriftscopeError
 from dumper.format import Manifest
-from dumper.presets import PRESETS, ByteTokenizer, Tokenizer, load_tokenizer
+
+if TYPE_CHECKING:
+    from dumper.presets import Tokenizer
 
 __all__ = ["TokenLookup", "tokenizer_for", "show_text"]
 
@@ -28,9 +34,15 @@ __all__ = ["TokenLookup", "tokenizer_for", "show_text"]
 def tokenizer_for(manifest: Manifest) -> Tokenizer | None:
     """The tokenizer of the dump's model: the byte tokenizer for presets, a local HF dir's own, else None."""
     name = str(manifest.model.get("name") or "")
+    if not name:
+        return None
+    try:
+        from dumper.presets import PRESETS, ByteTokenizer, load_tokenizer
+    except ImportError:  # no torch here: texts are a nicety, ids are shown
+        return None
     if name in PRESETS:
         return ByteTokenizer(256 + ByteTokenizer.offset)
-    if name and os.path.isfile(os.path.join(name, "tokenizer_config.json")):
+    if os.path.isfile(os.path.join(name, "tokenizer_config.json")):
         try:
             return load_tokenizer(name)
         except (ImportError, DriftscopeError):  # token text is a nicety: never fail a comparison over it

@@ -65,7 +65,7 @@ def test_page_loads_without_errors_or_fetches(page):
 
 def test_charts_render(page):
     _, seen, _ = page
-    for chart in ("layer-chart", "heatmap-chart", "logprob-chart"):
+    for chart in ("layer-chart", "heatmap-chart", "logprob-chart", "amplification-chart"):
         box = seen["charts"][chart]
         assert box is not None, chart
         assert box["width"] > 100 and box["height"] > 100 and box["shapes"] > 5, (chart, box)

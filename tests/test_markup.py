@@ -112,7 +112,7 @@ def test_markdown_shows_names_as_text(tensor_dumps):
     assert "<script>" not in md and "</td>" not in md.split("\n\n")[0]  # the verdict line: entities only
     page = _Page(MarkdownIt("commonmark").enable("table").render(md))
     assert set(page.tags) <= {"p", "strong", "code", "table", "thead", "tbody", "tr", "th", "td"}, page.tags
-    assert page.tags["tr"] == 3 and page.tags["td"] == 2 * 9 and page.tags["th"] == 9  # the table is intact
+    assert page.tags["tr"] == 3 and page.tags["td"] == 2 * 10 and page.tags["th"] == 10  # the table is intact
     assert f"at layer 1 ({N2}, pass 0" in page.text
     assert f"target {TARGET} vs baseline {BASE}" in page.text
 
@@ -122,7 +122,7 @@ def test_html_report_shows_names_as_text(tensor_dumps):
     _ok(r)
     page = _Page((tensor_dumps / "r.html").read_text())
     assert page.tags["script"] == 1 and "b" not in page.tags  # only the report's own sorting script
-    assert page.tags["h1"] == 1 and page.tags["table"] == 2
+    assert page.tags["h1"] == 1 and page.tags["table"] == 3
     text = page.text
     assert f"at layer 1 ({N2}, pass 0" in text and f"target {TARGET} vs baseline {BASE}" in text
     assert f"1 {N2}#1" in text  # a heatmap row label: "$\frac$" drawn as text, not as a formula

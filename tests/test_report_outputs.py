@@ -103,7 +103,7 @@ def test_markdown_has_a_row_per_layer_and_the_verdict(report):
     assert rows[LAYER + 1].startswith(f"| **{LAYER + 1}** |") and "**FIRST DIVERGENCE**" in rows[LAYER + 1]
     assert all(row.endswith("| PASS |") for row in rows[: LAYER + 1])
     assert any(line.startswith("logprobs: FAIL") for line in lines)
-    assert all(line.count("|") in (0, 10) for line in lines if "\\|" not in line)  # 9 cells per table row
+    assert all(line.count("|") in (0, 11) for line in lines if "\\|" not in line)  # 10 cells per table row
 
 
 def test_parquet_holds_the_tensor_table(report, tmp_path):

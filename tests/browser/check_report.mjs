@@ -36,7 +36,7 @@ try {
 
   result.title = await page.title();
   result.charts = {};
-  for (const id of ["layer-chart", "heatmap-chart", "logprob-chart"]) {
+  for (const id of ["layer-chart", "amplification-chart", "heatmap-chart", "logprob-chart"]) {
     result.charts[id] = await page.evaluate((id) => {
       const svg = document.querySelector(`#${id} svg`);
       if (!svg) return null;
