@@ -1,4 +1,5 @@
-"""``python -m dumper run|ls``: thin CLI over :func:`dumper.run.run_dump` and :mod:`dumper.format`."""
+"""``python -m dumper run|replay|selfcheck|ls``: thin CLI over :func:`dumper.run.run_dump`, :func:`dumper.replay.replay`
+and :mod:`dumper.format`."""
 
 from __future__ import annotations
 
@@ -75,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--layers", default=None,
                    help="layer spec: all, first, last, every:N, 3, -1, 2..5, -3..-1 (default first,last,every:8)")
     r.add_argument("--modules", default=None, help="fnmatch pattern of modules to hook instead of self-attention")
+    r.add_argument("--points", default="input",
+                   help="capture points, comma-separated: input (self-attention input, after the layer's norm; "
+                        "default), residual (decoder layer input, before its norm, and the final norm's input)")
     r.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     r.add_argument("--seed", type=_seed, default=0, help="seed for preset weights (default 0)")
     r.add_argument("--chunk-size", type=int, default=None,
@@ -108,6 +112,15 @@ def build_parser() -> argparse.ArgumentParser:
                     "(default: the first one /v1/models lists)")
     sc.add_argument("--timeout", type=float, default=120.0, help="with --server: seconds per request (default 120)")
     sc.add_argument("--retries", type=int, default=3, help="with --server: retries on connection errors and 5xx")
+    rp = sub.add_parser("replay", help="run each decoder layer on the baseline's residual input: per-layer local error")
+    rp.add_argument("--model", default="tiny-llama", help="the model under test: local HF model directory or preset")
+    rp.add_argument("--baseline", required=True, help="dump holding the residual point (dumper run --points residual)")
+    rp.add_argument("--out", required=True, help="dump directory to create")
+    rp.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    rp.add_argument("--attn", default="eager", choices=["eager", "sdpa"], help="attention implementation")
+    rp.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    rp.add_argument("--seed", type=_seed, default=0, help="seed for preset weights (default 0)")
+    rp.add_argument("--quiet", action="store_true", help="no progress bar and no summary line")
     ls = sub.add_parser("ls", help="show what a dump holds")
     ls.add_argument("dir", help="dump directory")
     ls.add_argument("--tensors", action="store_true", help="list every tensor")
@@ -116,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from .engines import run_engine
+    from .layers import parse_points
     from .progress import progress_bar
     from .run import LogprobSpec, RunConfig, parse_input_ids, read_prompts_file
 
@@ -124,11 +138,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if args.prompts:
         texts, file_ids = read_prompts_file(args.prompts)
         prompts, ids = tuple(texts), tuple(tuple(s) for s in file_ids)
-    if args.device.startswith("cuda"):
-        import torch
-
-        if not torch.cuda.is_available():
-            raise UsageError(f"--device {args.device}: CUDA is not available on this machine")
+    _check_device(args.device)
     if (args.top_k or args.logprob_start_len or args.save_logits) and not args.logprobs:
         raise UsageError("--top-k, --logprob-start-len and --save-logits need --logprobs")
     if args.top_k < 0 or args.logprob_start_len < 0:
@@ -136,7 +146,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     spec = LogprobSpec(top_k=args.top_k, start_len=args.logprob_start_len, save_logits=args.save_logits) \
         if args.logprobs else None
     cfg = RunConfig(out=args.out, model=args.model, prompts=prompts, input_ids=ids, dtype=args.dtype,
-                    attn=args.attn, layers=args.layers, modules=args.modules, device=args.device, seed=args.seed,
+                    attn=args.attn, layers=args.layers, modules=args.modules, points=parse_points(args.points),
+                    device=args.device, seed=args.seed,
                     chunk_size=args.chunk_size, batch_size=args.batch_size, padding_side=args.padding_side,
                     logprobs=spec, engine=args.engine, engine_args=_engine_args(args.engine_arg or ()))
     with progress_bar(not args.quiet, "dumping", unit="tokens") as progress:
@@ -146,6 +157,30 @@ def _cmd_run(args: argparse.Namespace) -> int:
         print(f"wrote {args.out}: {len(manifest.tensors)} tensors, layers {layers}, "
               f"{len({t.forward_pass for t in manifest.tensors})} forward passes")
     return EXIT_OK
+
+
+def _cmd_replay(args: argparse.Namespace) -> int:
+    from .progress import progress_bar
+    from .replay import ReplayConfig, replay
+
+    _check_device(args.device)
+    cfg = ReplayConfig(model=args.model, baseline=args.baseline, out=args.out, dtype=args.dtype, attn=args.attn,
+                       device=args.device, seed=args.seed)
+    with progress_bar(not args.quiet, "replaying", unit="layers") as progress:
+        manifest = replay(cfg, progress=progress)
+    if not args.quiet:
+        print(f"wrote {args.out}: decoder layers {manifest.extra['replay']['layers']} of {args.model} replayed on "
+              f"the residuals of {args.baseline}; compare with: python -m comparator {args.baseline} {args.out}")
+    return EXIT_OK
+
+
+def _check_device(device: str) -> None:
+    """Refuse a CUDA device on a machine without CUDA, in one line."""
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UsageError(f"--device {device}: CUDA is not available on this machine")
 
 
 def _engine_args(items: Sequence[str]) -> tuple[tuple[str, str], ...]:
@@ -264,6 +299,8 @@ def run(argv: Sequence[str] | None = None) -> int:
         return _cmd_run(args)
     if args.command == "selfcheck":
         return _cmd_selfcheck(args)
+    if args.command == "replay":
+        return _cmd_replay(args)
     print(describe(load_manifest(args.dir), tensors=args.tensors))
     return EXIT_OK
 

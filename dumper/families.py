@@ -3,8 +3,11 @@
 :class:`dumper.hooks.Capture` hooks the top-level model and one attention module per decoder
 layer. What it reads there differs between codebases, so it asks a *family adapter*: which
 child of a decoder layer is its attention module, which argument of that module holds the
-hidden states, and the token position and sequence id of every row of a forward pass.
-:class:`HFFamily` (transformers, the default) reads ``position_ids`` / ``cache_position`` /
+hidden states, and the token position and sequence id of every row of a forward pass. For
+the ``residual`` point it also hooks the decoder layers and the final norm, and asks where
+their residual-stream input is (:meth:`FamilyAdapter.residual_input`, where
+:attr:`FamilyAdapter.residual` is set: HF yes, vLLM no, as its layers take the stream split
+in two). :class:`HFFamily` (transformers, the default) reads ``position_ids`` / ``cache_position`` /
 the attention mask / the KV-cache length of a ``[batch, seq]`` call; the vLLM family
 (:mod:`dumper.engines.vllm_hooks`, loaded only for a model whose class lives in ``vllm.``)
 reads vLLM's flattened ``[tokens]`` batch and its request metadata.
@@ -40,13 +43,15 @@ from torch import nn
 from .errors import UsageError
 from .fingerprint import model_identity
 from .format import PAD_SEQUENCE, TensorRecord, decode_runs, encode_runs
-from .layers import _ATTN_NAMES
+from .layers import _ATTN_NAMES, _NORM_NAMES
 
 __all__ = ["Runs", "PassRows", "SharedRows", "FamilyAdapter", "HFFamily", "register", "family_for",
-           "resolve_model", "as_runs", "shared_row_tensors", "ATTENTION_NAMES", "HFRows"]
+           "resolve_model", "as_runs", "shared_row_tensors", "ATTENTION_NAMES", "NORM_NAMES", "HFRows"]
 
 ATTENTION_NAMES = _ATTN_NAMES
 """Attribute names of the attention child of a decoder layer, tried in order (HF and vLLM agree)."""
+NORM_NAMES = _NORM_NAMES
+"""Attribute names of the final norm beside the decoder layer list, tried in order (for the ``residual`` point)."""
 
 
 @dataclass(frozen=True)
@@ -116,6 +121,9 @@ class FamilyAdapter:
 
     name: ClassVar[str] = "base"
     attention_names: ClassVar[tuple[str, ...]] = ATTENTION_NAMES
+    norm_names: ClassVar[tuple[str, ...]] = NORM_NAMES
+    residual: ClassVar[bool] = False
+    """Whether :meth:`residual_input` says where a decoder layer's residual stream is (the ``residual`` point)."""
 
     def __init__(self, model: nn.Module | None, handle: Any = None) -> None:
         self.model, self.handle = model, handle
@@ -132,6 +140,14 @@ class FamilyAdapter:
 
     def hidden_input(self, args: tuple, kwargs: dict) -> Any:
         """The hidden-state input of a hooked attention module call."""
+        return kwargs.get("hidden_states", args[0] if args else None)
+
+    def residual_input(self, args: tuple, kwargs: dict) -> Any:
+        """The residual stream entering a hooked decoder layer (or the final norm), before its norm.
+
+        Only called when :attr:`residual` is true; the default reads ``hidden_states`` or the first
+        positional argument, as transformers' decoder layers take it.
+        """
         return kwargs.get("hidden_states", args[0] if args else None)
 
     def pass_rows(self, args: tuple, kwargs: dict) -> PassRows | None:
@@ -262,6 +278,7 @@ class HFFamily(FamilyAdapter):
     """
 
     name = "hf"
+    residual = True
 
     def __init__(self, model: nn.Module | None, handle: Any = None) -> None:
         super().__init__(model, handle)

@@ -1,9 +1,9 @@
-"""The hook API: capture self-attention inputs of a model, and ``dump()`` from anywhere.
+"""The hook API: capture self-attention inputs (and residual streams) of a model, and ``dump()`` from anywhere.
 
 Example::
 
     import dumper
-    with dumper.capture(model, "dumps/a", layers="all"):
+    with dumper.capture(model, "dumps/a", layers="all", points=("input", "residual")):
         model(input_ids)                      # one forward pass
         dumper.dump("my.tensor", x, layer=3)  # explicit record into the same capture
 
@@ -46,15 +46,12 @@ from .format import (
     write_manifest,
 )
 from .families import FamilyAdapter, PassRows, SharedRows, as_runs, resolve_model, shared_row_tensors
-from .layers import find_targets
+from .layers import ATTN_INPUT, RESIDUAL, HookTarget, hook_targets
 from .settings import env_settings
 from .validate import check_extra, first_bad_text
 from .writer import ShardWriter
 
-__all__ = ["Capture", "capture", "dump", "step", "active_capture", "ATTN_INPUT"]
-
-ATTN_INPUT = "input"
-"""Capture point of a hooked module's input hidden states (name suffix ``.input``)."""
+__all__ = ["Capture", "capture", "dump", "step", "active_capture", "ATTN_INPUT", "RESIDUAL"]
 
 _ACTIVE: Capture | None = None
 _ENV_DIR: str | None = env_settings().dump_dir
@@ -157,8 +154,8 @@ class Capture:
     """
 
     def __init__(self, model: nn.Module | Any | None, out_dir: str | Path, *, layers: str | Sequence[int] | None = None,
-                 modules: str | None = None, model_name: str | None = None,
-                 shard_bytes: int = 512 << 20, extra: dict[str, Any] | None = None,
+                 modules: str | None = None, points: str | Sequence[str] | None = None,
+                 model_name: str | None = None, shard_bytes: int = 512 << 20, extra: dict[str, Any] | None = None,
                  identity: dict[str, Any] | None = None, signature: dict[str, Any] | None = None,
                  environment: dict[str, Any] | None = None) -> None:
         self.model, self._family = resolve_model(model)
@@ -172,9 +169,8 @@ class Capture:
         if model_name is not None and first_bad_text(model_name, "model_name") is not None:
             raise UsageError(f"capture(model_name={model_name!r}): expected valid Unicode text")
         self._shard_bytes = shard_bytes
-        self._targets, self._num_layers = (find_targets(model, layers=layers, modules=modules,
-                                                        attention_names=self._family.attention_names)
-                                           if model is not None else ([], 0))
+        self._targets, self._num_layers = (hook_targets(model, self._family, layers=layers, modules=modules,
+                                                        points=points) if model is not None else ([], 0))
         self._model_name = model_name
         self._handles: list[Any] = []
         self._records: list[TensorRecord] = []
@@ -213,7 +209,7 @@ class Capture:
                 self._handles.append(self.model.register_forward_hook(self._on_model_end, always_call=True))
                 for target in self._targets:
                     self._handles.append(target.module.register_forward_pre_hook(
-                        self._make_input_hook(target.name, target.layer), with_kwargs=True))
+                        self._make_input_hook(target), with_kwargs=True))
         except BaseException:
             self._remove_hooks()
             raise
@@ -313,10 +309,10 @@ class Capture:
         dtype = next((str(p.dtype).replace("torch.", "") for p in self.model.parameters()), None) \
             if self.model is not None else None
         attn = getattr(getattr(self.model, "config", None), "_attn_implementation", None)
-        signature = {
-            "layers": sorted({t.layer for t in self._targets if t.layer is not None}),
+        signature = {  # layers: decoder layers (the final norm's residual, at layer num_layers, is not one)
+            "layers": sorted({t.layer for t in self._targets if t.layer is not None and t.layer < self._num_layers}),
             "modules": [t.name for t in self._targets],
-            "points": [ATTN_INPUT] if self._targets else [],
+            "points": [p for p in (ATTN_INPUT, RESIDUAL) if any(t.point == p for t in self._targets)],
             "num_layers": self._num_layers,
             "world_size": self.world_size,
             "dtype": dtype,
@@ -375,16 +371,18 @@ class Capture:
         """Row metadata of a pass from the top-level call's inputs, as the model's family reads them."""
         return self._family.pass_rows(args, kwargs)
 
-    def _make_input_hook(self, name: str, layer: int | None):
-        point_name = f"{name}.{ATTN_INPUT}"
+    def _make_input_hook(self, target: HookTarget):
+        """A pre-hook recording ``target``'s input as ``{name}.{point}``: the attention input, or the residual."""
+        point_name, layer, point = f"{target.name}.{target.point}", target.layer, target.point
+        read = self._family.residual_input if point == RESIDUAL else self._family.hidden_input
 
         @_hook_guard
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            hidden = self._family.hidden_input(args, kwargs)
+            hidden = read(args, kwargs)
             if not isinstance(hidden, torch.Tensor):
                 return
             self._rows = self._family.module_rows(self._rows, kwargs)
-            self.record(point_name, hidden, layer=layer, point=ATTN_INPUT)
+            self.record(point_name, hidden, layer=layer, point=point)
 
         return hook
 
@@ -427,9 +425,9 @@ class Capture:
 
 
 def capture(model: nn.Module | Any | None, out_dir: str | Path, *, layers: str | Sequence[int] | None = None,
-            modules: str | None = None, model_name: str | None = None, shard_bytes: int = 512 << 20,
-            extra: dict[str, Any] | None = None) -> Capture:
-    """Capture self-attention inputs of ``model`` into the dump directory ``out_dir``.
+            modules: str | None = None, points: str | Sequence[str] | None = None, model_name: str | None = None,
+            shard_bytes: int = 512 << 20, extra: dict[str, Any] | None = None) -> Capture:
+    """Capture self-attention inputs (and, with ``points``, residual streams) of ``model`` into ``out_dir``.
 
     Args:
         model: a HF causal LM (decoder layers are found automatically), a vLLM model or
@@ -439,11 +437,15 @@ def capture(model: nn.Module | Any | None, out_dir: str | Path, *, layers: str |
         out_dir: the dump directory; it must not already hold a dump.
         layers: layer spec (default ``"first,last,every:8"``), see :func:`dumper.layers.parse_layer_spec`.
         modules: fnmatch pattern(s) of module names to hook instead of the self-attention modules.
+        points: capture points, default ``("input",)``: ``"input"`` records ``{attention}.input``
+            (after the layer's input norm), ``"residual"`` records ``model.layers.{i}.residual``
+            (the decoder layer's input, before its norm; layer ``i``) and, with the last layer
+            selected, ``model.norm.residual`` (the final norm's input; layer ``num_layers``).
         model_name: the model's name or path, recorded in the manifest.
         shard_bytes: largest data file size before a forward pass is split into shards.
         extra: free-form JSON metadata stored in the manifest (e.g. the prompts).
     """
-    return Capture(model, out_dir, layers=layers, modules=modules, model_name=model_name,
+    return Capture(model, out_dir, layers=layers, modules=modules, points=points, model_name=model_name,
                    shard_bytes=shard_bytes, extra=extra)
 
 

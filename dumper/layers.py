@@ -1,4 +1,4 @@
-"""Which modules to hook: layer specs and decoder-layer discovery in HF causal LMs.
+"""Which modules to hook: layer specs, capture points and decoder-layer discovery in HF causal LMs.
 
 Layer indices are taken from the position of a module in its ``nn.ModuleList`` and stored
 as metadata; they are never parsed back out of module names.
@@ -10,29 +10,40 @@ import fnmatch
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from torch import nn
 
 from .errors import UsageError
 
-__all__ = ["DEFAULT_LAYERS", "HookTarget", "parse_layer_spec", "find_decoder_layers", "find_targets"]
+__all__ = ["DEFAULT_LAYERS", "HookTarget", "parse_layer_spec", "find_decoder_layers", "find_targets",
+           "ATTN_INPUT", "RESIDUAL", "POINTS", "parse_points", "find_residual_targets", "hook_targets"]
 
 DEFAULT_LAYERS = "first,last,every:8"
 """The seed's choice: first and last layer plus every 8th."""
 
 _ATTN_NAMES = ("self_attn", "attn", "attention", "self_attention")
 """Attention child names tried by default; a model family may name others (:mod:`dumper.families`)."""
+_NORM_NAMES = ("norm", "final_layernorm", "ln_f", "final_norm")
+"""Names of the final norm, a sibling of the decoder layer list, tried by default (a family may name others)."""
+ATTN_INPUT = "input"
+"""Capture point of a hooked module's input hidden states (name suffix ``.input``)."""
+RESIDUAL = "residual"
+"""Capture point of the residual stream entering a decoder layer, before its norm (name suffix ``.residual``)."""
+POINTS = (ATTN_INPUT, RESIDUAL)
+"""Every capture point the hook API knows, in the order the manifest lists them."""
 _INT = re.compile(r"-?[0-9]+")
 """A layer index as written in a spec: ASCII digits, an optional minus (not ``+3``, ``1_0`` or ``３``)."""
 
 
 @dataclass(frozen=True)
 class HookTarget:
-    """One module to hook, its canonical name and the layer it belongs to (or ``None``)."""
+    """One module to hook, its canonical name, the layer it belongs to (or ``None``) and the point it records."""
 
     name: str
     module: nn.Module
     layer: int | None
+    point: str = ATTN_INPUT
 
 
 def parse_layer_spec(spec: str | Sequence[int] | None, num_layers: int) -> list[int]:
@@ -172,3 +183,79 @@ def find_targets(model: nn.Module, *, layers: str | Sequence[int] | None = None,
         prefix = f"{list_name}.{i}" if list_name else str(i)
         targets.append(HookTarget(f"{prefix}.{attr}", child, i))
     return targets, len(layer_list)
+
+
+def parse_points(points: str | Sequence[str] | None) -> tuple[str, ...]:
+    """Capture points as a tuple in :data:`POINTS` order: ``"input,residual"``, a sequence, or ``None`` (input only).
+
+    An unknown or empty selection raises :class:`UsageError` naming it and the known points.
+    """
+    if points is None:
+        return (ATTN_INPUT,)
+    names = [p.strip() for p in points.split(",")] if isinstance(points, str) else list(points)
+    bad = [p for p in names if p not in POINTS]
+    if bad or not names:
+        raise UsageError(f"capture points {points!r}: {'unknown ' + repr(bad[0]) if bad else 'none given'}; "
+                         f"choose from {', '.join(POINTS)} (comma-separated)")
+    return tuple(p for p in POINTS if p in names)
+
+
+def find_residual_targets(model: nn.Module, *, layers: str | Sequence[int] | None = None,
+                          attention_names: Sequence[str] = _ATTN_NAMES,
+                          norm_names: Sequence[str] = _NORM_NAMES) -> tuple[list[HookTarget], int]:
+    """The decoder layers whose residual input to record, and the model's number of decoder layers.
+
+    One target per selected layer (``model.layers.{i}``, layer ``i``), plus, when the last
+    layer is selected, the final norm (the list's sibling named one of ``norm_names``, layer
+    ``num_layers``): its input is the residual stream after the last layer, the counterpart
+    of that layer's output. A model without such a norm gets no final target.
+    """
+    list_name, layer_list = find_decoder_layers(model, attention_names)
+    keep = parse_layer_spec(layers, len(layer_list))
+    prefix = f"{list_name}." if list_name else ""
+    targets = [HookTarget(f"{prefix}{i}", layer_list[i], i, RESIDUAL) for i in keep]
+    if keep[-1] == len(layer_list) - 1:
+        parent_name = list_name.rpartition(".")[0]
+        parent = model.get_submodule(parent_name)
+        for attr in norm_names:
+            norm = getattr(parent, attr, None)
+            if isinstance(norm, nn.Module):
+                name = f"{parent_name}.{attr}" if parent_name else attr
+                targets.append(HookTarget(name, norm, len(layer_list), RESIDUAL))
+                break
+    return targets, len(layer_list)
+
+
+class _Family(Protocol):
+    """What :func:`hook_targets` reads of a family adapter (:class:`dumper.families.FamilyAdapter`)."""
+
+    name: str
+    attention_names: tuple[str, ...]
+    norm_names: tuple[str, ...]
+    residual: bool
+
+
+def hook_targets(model: nn.Module, family: _Family, *, layers: str | Sequence[int] | None = None,
+                 modules: str | None = None, points: str | Sequence[str] | None = None
+                 ) -> tuple[list[HookTarget], int]:
+    """Every module :class:`dumper.hooks.Capture` hooks for ``points`` (:func:`parse_points`), and the layer count.
+
+    ``input`` hooks :func:`find_targets` (``modules`` chooses them); ``residual`` hooks
+    :func:`find_residual_targets`, for a family that says where the residual stream is.
+    """
+    chosen = parse_points(points)
+    targets: list[HookTarget] = []
+    num_layers = 0
+    if ATTN_INPUT in chosen:
+        targets, num_layers = find_targets(model, layers=layers, modules=modules, attention_names=family.attention_names)
+    elif modules:
+        raise UsageError(f"modules {modules!r} choose what the {ATTN_INPUT!r} point hooks; add {ATTN_INPUT!r} "
+                         "to the capture points or drop modules")
+    if RESIDUAL in chosen:
+        if not family.residual:
+            raise UsageError(f"capture point {RESIDUAL!r}: the {family.name} model family does not say where a "
+                             f"decoder layer's residual stream is; capture the {ATTN_INPUT!r} point instead")
+        found, num_layers = find_residual_targets(model, layers=layers, attention_names=family.attention_names,
+                                                  norm_names=family.norm_names)
+        targets += found
+    return targets, num_layers

@@ -29,6 +29,7 @@ from .format import (
     load_manifest,
 )
 from .hooks import Capture, capture
+from .layers import ATTN_INPUT, parse_points
 from .logprobs import LOGPROB_CHUNK_ROWS, row_logprobs
 from .presets import error_reason, load_model, model_label
 from .progress import ProgressFn
@@ -57,6 +58,8 @@ class RunConfig:
     attn: str = "eager"
     layers: str | None = None
     modules: str | None = None
+    points: tuple[str, ...] = (ATTN_INPUT,)
+    """Capture points (:data:`dumper.layers.POINTS`): ``input`` (default), ``residual``, or both."""
     device: str = "cpu"
     seed: int = 0
     chunk_size: int | None = None
@@ -81,6 +84,10 @@ class RunConfig:
             raise UsageError(f"--seed must be in 0..{MAX_SEED} (a torch.manual_seed int64), got {self.seed}")
         if self.padding_side not in ("left", "right"):
             raise UsageError(f"--padding-side must be left or right, got {self.padding_side!r}")
+        object.__setattr__(self, "points", parse_points(self.points))
+        if self.points != (ATTN_INPUT,) and self.engine != "transformers":
+            raise UsageError(f"--points {','.join(self.points)}: engine {self.engine} records the {ATTN_INPUT!r} "
+                             "point only; the others need --engine transformers")
 
 
 def prompt_token_ids(cfg: RunConfig, tokenizer: Any, vocab_size: int) -> list[list[int]]:
@@ -291,7 +298,7 @@ def dump_sequences(model: torch.nn.Module, seqs: list[list[int]], cfg: RunConfig
     device = next(model.parameters()).device
     pad_id = int(getattr(model.config, "pad_token_id", None) or 0)
     done, total = 0, sum(map(len, seqs))
-    with torch.inference_mode(), capture(model, cfg.out, layers=cfg.layers, modules=cfg.modules,
+    with torch.inference_mode(), capture(model, cfg.out, layers=cfg.layers, modules=cfg.modules, points=cfg.points,
                                          model_name=cfg.model, extra=extra) as cap:
         for first in range(0, len(seqs), cfg.batch_size):
             batch = seqs[first:first + cfg.batch_size]
