@@ -9,6 +9,7 @@ For each preset and dtype it dumps a baseline (eager, one pass per prompt) and b
 3. cost: calibrating with k variants against k plain comparisons, measured in the same run.
 
     python bench/bench_calibrate.py [--models tiny-llama,tiny-qwen2] [--dtypes float32,bfloat16]
+    python bench/bench_calibrate.py --timing-gib 1     # cost only, on bench_comparator's synthetic dumps
 """
 
 from __future__ import annotations
@@ -48,7 +49,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="tiny-llama,tiny-qwen2")
     ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--timing-gib", type=float, default=None,
+                    help="only time calibrate against plain comparisons on synthetic dumps of this size")
     args = ap.parse_args()
+    if args.timing_gib:
+        return timing(args.timing_gib)
     with tempfile.TemporaryDirectory() as tmp:
         for model in args.models.split(","):
             for dtype in args.dtypes.split(","):
@@ -100,6 +105,25 @@ def held_out(base: Path, variants: list[tuple[str, Path]], order: str) -> None:
                     worst = max(worst, t.max_token_rel_diff / noise.token_max if noise.token_max else float("inf"))
         rest = len(variants) - n
         print(f"| {n} | {fails_h}/{rest} | {fails_l}/{rest} | {worst:.3g}x |")
+
+
+def timing(gib: float) -> None:
+    """calibrate with two variants (same layout, chunked) against the two plain comparisons, best of 3."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_comparator import make_dumps
+
+    with tempfile.TemporaryDirectory() as tmp:
+        base, same, chunked, _ = make_dumps(Path(tmp), gib, 4096, 1024, 8)
+        plain = min(_timed(lambda: [compare_dumps(base, t) for t in (same, chunked)]) for _ in range(3))
+        cal = min(_timed(lambda: calibrate(base, [same, chunked])) for _ in range(3))
+        print(f"{gib:g} GiB baseline, 2 variants: calibrate {cal:.2f} s, 2 plain comparisons {plain:.2f} s "
+              f"(ratio {cal / plain:.2f}x per variant)")
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
 
 
 if __name__ == "__main__":

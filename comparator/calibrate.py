@@ -91,6 +91,9 @@ def calibrate(baseline: str | os.PathLike[str], variants: Sequence[str | os.Path
     """
     if not variants:
         raise UsageError("calibrate needs at least one benign variant of the baseline")
+    for path in (baseline, *variants):
+        if not os.path.exists(path):
+            raise UsageError(f"{path}: no such dump or logprob file")
     config = CompareConfig(threads=threads, allow_model_mismatch=allow_model_mismatch)
     pool = _Pool()
     verdicts: list[LogprobVerdict] = []

@@ -297,7 +297,7 @@ def compare_dumps(baseline: str | os.PathLike[str], target: str | os.PathLike[st
         noise=config.noise.source if config.noise is not None else None,
         noise_factor=config.noise_factor if config.noise is not None else None,
         noise_floor=config.noise_floor if config.noise is not None else None,
-        amplification=tuple(layer_amplification(results)),
+        amplification=() if _replay_notes(tm) else tuple(layer_amplification(results)),  # replay: no growth
     )
 
 
@@ -317,7 +317,8 @@ def _replay_notes(manifest: Manifest) -> tuple[str, ...]:
     if not isinstance(manifest.extra.get("replay"), dict):
         return ()
     return ("replay dump: the residual of layer k+1 is layer k run on the baseline's own input, so its "
-            "rel_diff is the error layer k introduces by itself, nothing inherited",)
+            "rel_diff is the error layer k introduces by itself, nothing inherited (tensors only in the "
+            "baseline, such as layer 0's residual and the input point, are expected)",)
 
 
 def _has_logprobs(manifest: Manifest) -> bool:
