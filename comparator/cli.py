@@ -124,14 +124,7 @@ def build_logprobs_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-model-mismatch", action="store_true",
                    help="compare dumps of different models (architecture, layer count, hidden size, config hash)")
     _logprob_flags(p)
-    p.add_argument("--noise", metavar="NOISE.json", default=None,
-                   help="derive the thresholds from the baseline's measured logprob noise (`python -m comparator "
-                        "calibrate`): max(floor, F x noise) per metric")
-    p.add_argument("--noise-factor", type=float, default=None, metavar="F",
-                   help=f"with --noise: the safety factor F (default {DEFAULT_FACTOR:g})")
-    p.add_argument("--noise-floor", action="append", default=[], metavar="NAME=VALUE",
-                   help="with --noise: the absolute floor of metric NAME's derived threshold (defaults in "
-                        "comparator.logprob_noise.DEFAULT_LOGPROB_FLOORS); repeatable")
+    _noise_flags(p)
     return p
 
 

@@ -38,7 +38,8 @@ from .config import CompareConfig
 from .heatmap import token_heatmap
 from .identity import check_distinct, check_identity
 from .localize import FailingTokens, layer_amplification, locate_onset
-from .logprobs import LogprobThresholds, LogprobVerdict, compare_logprobs
+from .logprob_noise import resolve_logprob_thresholds, threshold_dtype
+from .logprobs import LogprobVerdict, compare_logprobs
 from .metrics import PairStats, StatsAccumulator, pair_stats
 from .report import FirstDivergence, ReplicaMismatch, Report, TensorComparison
 from .sources import check_vocabulary, dump_logprobs, one_sided_parts
@@ -347,7 +348,10 @@ def _logprob_verdict(br: DumpReader, tr: DumpReader, config: CompareConfig) -> t
     if base is None or targ is None:
         return None, [], []
     check_vocabulary(base, targ)
-    thresholds = LogprobThresholds.resolve(config.model or base.model, explicit=dict(config.logprob_thresholds))
+    thresholds = resolve_logprob_thresholds(config.model or base.model, explicit=dict(config.logprob_thresholds),
+                                            noise=config.noise.logprobs if config.noise is not None else None,
+                                            factor=config.noise_factor, floors=dict(config.noise_floors),
+                                            dtype=threshold_dtype(base.dtype, targ.dtype))
     both = base.logits is not None and targ.logits is not None
     verdict = compare_logprobs(base.sequences, targ.sequences, thresholds,
                                ref_logits=base.logits if both else None, tgt_logits=targ.logits if both else None)

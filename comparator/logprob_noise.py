@@ -35,11 +35,28 @@ from dumper.errors import UsageError
 from dumper.format import Manifest
 
 from .jsonfloat import from_json_float, to_json_float
-from .logprobs import THRESHOLD_NAMES, LogprobThresholds, LogprobVerdict, explicit_thresholds
+from .logprobs import (
+    THRESHOLD_NAMES,
+    LogprobThresholds,
+    LogprobVerdict,
+    explicit_thresholds,
+)
 
-__all__ = ["MEAN_METRICS", "DEFAULT_LOGPROB_FLOORS", "Z_SIGNIFICANT", "MeanNoise", "LogprobNoise", "NoiseBasis",
-           "MetricNoise", "MeanTest", "NoiseCheck", "logprob_noise", "resolve_logprob_thresholds", "noise_check",
-           "threshold_dtype"]
+__all__ = [
+    "DEFAULT_LOGPROB_FLOORS",
+    "MEAN_METRICS",
+    "Z_SIGNIFICANT",
+    "LogprobNoise",
+    "MeanNoise",
+    "MeanTest",
+    "MetricNoise",
+    "NoiseBasis",
+    "NoiseCheck",
+    "logprob_noise",
+    "noise_check",
+    "resolve_logprob_thresholds",
+    "threshold_dtype",
+]
 
 MEAN_METRICS: Final = ("mean_abs_err", "k3_mean", "kl_mean")
 """Mean-type metrics with a standard error: calibrated as mean ± SE and tested for significance."""
@@ -53,7 +70,7 @@ DEFAULT_LOGPROB_FLOORS: Final[Mapping[str, float]] = {
 the presets with peaked weights (std 0.2: max |Δlogprob| 1.4e-5, mse 1e-11, k3 and KL means
 5e-12, KL max 5e-11 for eager vs SDPA) and on the engines (max |Δlogprob| up to 2.8e-5), with a
 margin of 3 to 100, so that a calibration from bit-identical re-runs (noise 0) still passes a
-float32 target that rounds differently. README, "Calibrated logprob verdicts"."""
+float32 target that rounds differently. README, "Logprobs against noise"."""
 _PRECISION: Final = {"float64": 53, "float32": 24, "float16": 11, "bfloat16": 8}
 """Mantissa bits: the coarser dtype of a comparison picks its threshold rows."""
 
@@ -210,15 +227,17 @@ def resolve_logprob_thresholds(model: str | None, *, explicit: Mapping[str, floa
         values[name] = own
         derived.add(name)
     source = f"noise {noise.source or '(calibration)'} x{factor:g}"
-    if derived != {n for n in THRESHOLD_NAMES if noise.metrics.get(n) is not None}:
-        source += f"; fixed for {', '.join(n for n in THRESHOLD_NAMES if n not in derived)} ({fixed.source})"
+    uncalibrated = [n for n in THRESHOLD_NAMES if noise.metrics.get(n) is None]
+    stricter = [n for n in THRESHOLD_NAMES if n not in derived and n not in uncalibrated]
+    source += f"; set: {', '.join(stricter)}" if stricter else ""
+    source += f"; not calibrated, by {fixed.source}: {', '.join(uncalibrated)}" if uncalibrated else ""
     return LogprobThresholds(**values, basis=NoiseBasis(noise, float(factor), lim, frozenset(derived)), source=source)
 
 
-def threshold_dtype(*manifests: Manifest | None) -> str | None:
-    """The dtype whose threshold rows judge a comparison: the coarsest of the dumps' dtypes
-    (float32 baseline vs bfloat16 target: ``bfloat16``); None when no side is a dump that says."""
-    dtypes = [m.capture_signature.get("dtype") for m in manifests if m is not None]
+def threshold_dtype(*sides: Manifest | str | None) -> str | None:
+    """The dtype whose threshold rows judge a comparison: the coarsest of the sides' dtypes (a
+    dump's manifest says it; float32 baseline vs bfloat16 target: ``bfloat16``); None when no side says."""
+    dtypes = [s.capture_signature.get("dtype") if isinstance(s, Manifest) else s for s in sides]
     known = [d for d in dtypes if isinstance(d, str) and d]
     if not known:
         return None

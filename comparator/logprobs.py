@@ -23,8 +23,14 @@ error, so no threshold passes it.
 
 Thresholds resolve as: explicit values > ``DRIFTSCOPE_LOGPROB_<NAME>`` environment variables (read
 by :func:`logprob_env_thresholds` only; ``dumper/settings.py`` holds every other
-``DRIFTSCOPE_*`` variable) > the per-model table ``configs/logprob_thresholds.json`` > its
-``"default"`` entry.
+``DRIFTSCOPE_*`` variable) > the per-model table ``configs/logprob_thresholds.json``, whose rows
+merge ``default`` < ``default@DTYPE`` < ``MODEL`` < ``MODEL@DTYPE`` (DTYPE: the coarsest dtype of
+the two dumps, :func:`comparator.logprob_noise.threshold_dtype`). With a calibrated noise file,
+:func:`comparator.logprob_noise.resolve_logprob_thresholds` derives them from the noise instead.
+
+Mean-type values carry a standard error (llama.cpp's ``mean_and_uncertainty``,
+:func:`comparator.llama_stats.mean_se`): ``mean_abs_err_se``, ``k3_mean_se`` and the llama
+statistics' ``kl_mean_se``.
 
 Example::
 
@@ -41,9 +47,9 @@ import json
 import math
 import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
 
@@ -52,10 +58,14 @@ from dumper.resources import config_path
 from dumper.settings import env_settings
 
 from .jsonfloat import from_json_float, to_json_float
-from .llama_stats import LlamaStats, llama_stats
+from .llama_stats import LlamaStats, llama_stats, mean_se
+
+if TYPE_CHECKING:
+    from .logprob_noise import NoiseBasis, NoiseCheck
 
 __all__ = [
     "UNKNOWN_TOKEN",
+    "GREEDY_K3_NOTE",
     "TopK",
     "SequenceLogprobs",
     "AlignedSample",
@@ -79,6 +89,8 @@ __all__ = [
     "top1_agreement",
     "kl_percentiles",
     "logprob_env_thresholds",
+    "explicit_thresholds",
+    "judged_failures",
     "load_threshold_table",
     "compare_logprobs",
     "KlResult",
@@ -93,14 +105,17 @@ UNKNOWN_TOKEN: Final = -1
 TopK = tuple[tuple[int, float], ...]
 """Top-k ``(token_id, logprob)`` pairs of one distribution, most likely first."""
 
-THRESHOLD_NAMES: Final = ("mse", "max_abs_err", "k3_mean", "kl_mean", "kl_max", "topk_max_err")
+THRESHOLD_NAMES: Final = ("mse", "mean_abs_err", "max_abs_err", "k3_mean", "kl_mean", "kl_max", "topk_max_err")
 """Checked metrics, in report order; env var of each: ``DRIFTSCOPE_LOGPROB_<NAME upper>``."""
 
 THRESHOLD_TABLE: Final = config_path("logprob_thresholds.json")
-"""Per-model threshold table: ``{"default": {...}, "<model>": {...}}``; a model entry overrides
-only the keys it names (``null`` = not checked)."""
+"""Per-model threshold table: ``{"default": {...}, "default@float32": {...}, "<model>": {...},
+"<model>@<dtype>": {...}}``; each row overrides only the keys it names (``null`` = not checked)."""
 
 _KL_PERCENTILES: Final = ("99.9", "99", "95", "90", "50")
+GREEDY_K3_NOTE: Final = ("k3 over greedy tokens: they are not samples of the distribution, so mean k3 is a biased "
+                         "estimate of KL (a decode-vs-prefill consistency measure)")
+"""Said wherever k3 is computed from greedy tokens (``selfcheck`` results' ``k3_note``, the printed summary)."""
 
 
 # --------------------------------------------------------------------------- data types
@@ -212,19 +227,22 @@ class Located:
 
 @dataclass(frozen=True)
 class ErrorStats:
-    """Actual-token logprob errors: MSE, RMSE and the largest |delta| with its location."""
+    """Actual-token logprob errors: MSE, RMSE, mean |delta| ± its SE, and the largest |delta| with its location."""
 
     mse: float
     rmse: float
     max_abs_err: Located
+    mean_abs_err: float = 0.0
+    mean_abs_err_se: float = 0.0
 
 
 @dataclass(frozen=True)
 class K3Stats:
-    """k3 mean (per-sample mean, then mean over samples, as SGLang) and the largest k3."""
+    """k3 mean (per-sample mean, then mean over samples, as SGLang) ± its SE, and the largest k3."""
 
     mean: float
     max: Located
+    se: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -372,24 +390,38 @@ def _argmax_located(samples: Sequence[AlignedSample], values: Sequence[np.ndarra
 
 
 def logprob_errors(samples: Sequence[AlignedSample]) -> ErrorStats:
-    """MSE = mean of (log q - log p)^2 over all compared positions (pooled), RMSE, max |delta|."""
+    """MSE = mean of (log q - log p)^2 over all compared positions (pooled), RMSE, mean |delta|
+    (pooled) ± its SE (:func:`comparator.llama_stats.mean_se`), max |delta|."""
     deltas = [s.delta for s in samples]
     allv = np.concatenate(deltas) if deltas else np.empty(0)
     if allv.size == 0:
         raise NotComparableError("no compared positions")
     with np.errstate(over="ignore"):
         mse = float(np.mean(allv * allv))
-    return ErrorStats(mse=mse, rmse=math.sqrt(mse), max_abs_err=_argmax_located(samples, [np.abs(d) for d in deltas]))
+    mean_abs, mean_abs_se = mean_se(np.abs(allv))
+    return ErrorStats(mse=mse, rmse=math.sqrt(mse), max_abs_err=_argmax_located(samples, [np.abs(d) for d in deltas]),
+                      mean_abs_err=mean_abs, mean_abs_err_se=mean_abs_se)
+
+
+def _mean_of_means_se(values: Sequence[np.ndarray]) -> float:
+    """SE of the mean of per-sample means: ``sqrt(sum_s var_s / n_s) / S`` (sample variances);
+    0 with 10 positions or fewer in all, as llama.cpp's ``mean_and_uncertainty``; inf if not finite."""
+    vals = [v for v in values if v.size]
+    if sum(v.size for v in vals) <= 10:
+        return 0.0
+    with np.errstate(over="ignore", invalid="ignore"):
+        total = sum(float(np.var(v, ddof=1)) / v.size for v in vals if v.size >= 2)
+    return math.sqrt(total) / len(vals) if math.isfinite(total) else math.inf
 
 
 def k3_stats(samples: Sequence[AlignedSample]) -> K3Stats:
     """k3 per position; mean per sample, then mean over samples (SGLang's compare_kl_divergence),
-    so long requests do not outweigh short ones; plus the largest k3 and where it is."""
+    so long requests do not outweigh short ones, ± its SE; plus the largest k3 and where it is."""
     vals = [k3(s.delta) for s in samples]
     means = [float(np.mean(v)) for v in vals if v.size]
     if not means:
         raise NotComparableError("no compared positions")
-    return K3Stats(mean=float(np.mean(means)), max=_argmax_located(samples, vals))
+    return K3Stats(mean=float(np.mean(means)), max=_argmax_located(samples, vals), se=_mean_of_means_se(vals))
 
 
 def topk_errors(samples: Sequence[AlignedSample]) -> TopKStats | None:
@@ -555,6 +587,27 @@ def logprob_env_thresholds(env: Mapping[str, str] | None = None) -> dict[str, fl
     return out
 
 
+def explicit_thresholds(explicit: Mapping[str, float | None] | None = None,
+                        env: Mapping[str, str] | None = None) -> dict[str, float | None]:
+    """The thresholds a user set: ``DRIFTSCOPE_LOGPROB_*``, overridden by ``explicit`` (names checked)."""
+    values = logprob_env_thresholds(env)
+    for k, v in (explicit or {}).items():
+        if k not in THRESHOLD_NAMES:
+            raise UsageError(f"unknown logprob threshold {k!r}; known: {list(THRESHOLD_NAMES)}")
+        values[k] = v
+    return values
+
+
+_ROW_DTYPES: Final = ("float64", "float32", "float16", "bfloat16")
+
+
+def _split_row(model: str) -> tuple[str, str | None]:
+    """``"tiny-llama@bfloat16"`` -> ``("tiny-llama", "bfloat16")``; without a known dtype after ``@``
+    (``/tmp/user@host/ckpt``) the whole string is the name."""
+    name, sep, dtype = model.rpartition("@")
+    return (name, dtype) if sep and name and dtype in _ROW_DTYPES else (model, None)
+
+
 def load_threshold_table(path: str | os.PathLike[str] | None = None) -> dict[str, dict[str, float | None]]:
     """Read the per-model table (default :data:`THRESHOLD_TABLE`); keys validated, ``default`` required."""
     p = Path(path) if path is not None else THRESHOLD_TABLE
@@ -586,40 +639,53 @@ class LogprobThresholds:
     """
 
     mse: float | None = None
+    mean_abs_err: float | None = None
     max_abs_err: float | None = None
     k3_mean: float | None = None
     kl_mean: float | None = None
     kl_max: float | None = None
     topk_max_err: float | None = None
+    basis: NoiseBasis | None = field(default=None, repr=False)
+    """The calibrated noise these thresholds derive from (:mod:`comparator.logprob_noise`); None: fixed."""
+    source: str | None = field(default=None, compare=False)
+    """Where they come from, for the verdict (table rows, noise file); not part of :meth:`to_json`."""
 
     def __post_init__(self) -> None:
-        for f in fields(self):
-            _parse_threshold(f.name, getattr(self, f.name), "thresholds")
+        for name in THRESHOLD_NAMES:
+            _parse_threshold(name, getattr(self, name), "thresholds")
 
     @classmethod
     def resolve(cls, model: str | None = None, *, explicit: Mapping[str, float | None] | None = None,
                 env: Mapping[str, str] | None = None,
                 table: str | os.PathLike[str] | Mapping[str, Mapping[str, float | None]] | None = None,
-                ) -> LogprobThresholds:
-        """Explicit values > ``DRIFTSCOPE_LOGPROB_*`` env vars > table entry of ``model`` > table ``default``.
+                dtype: str | None = None) -> LogprobThresholds:
+        """Explicit values > ``DRIFTSCOPE_LOGPROB_*`` env vars > the table rows of ``model`` and ``dtype``.
 
         ``explicit`` maps threshold names to values; a name mapped to None turns that check off.
-        ``model`` is looked up as given, then by its last path component (``/models/tiny-llama``),
-        then falls back to ``default``. ``table`` is a path or an already loaded table.
+        The rows merge ``default`` < ``default@DTYPE`` < ``MODEL`` < ``MODEL@DTYPE``, each naming
+        only the keys it sets; ``model`` is looked up as given, then by its last path component
+        (``/models/tiny-llama``). ``model`` may carry a dtype itself (``default@bfloat16``), which
+        then wins over ``dtype``. ``table`` is a path or an already loaded table.
         """
         tab = load_threshold_table(table) if table is None or isinstance(table, (str, os.PathLike)) else table
         if "default" not in tab:
             raise UsageError("logprob threshold table has no 'default' entry")
-        values: dict[str, float | None] = dict(tab["default"])
-        if model:
-            key = model if model in tab else Path(model.rstrip("/")).name
-            values.update(tab.get(key, {}))
-        values.update(logprob_env_thresholds(env))
-        for k, v in (explicit or {}).items():
-            if k not in THRESHOLD_NAMES:
-                raise UsageError(f"unknown logprob threshold {k!r}; known: {list(THRESHOLD_NAMES)}")
-            values[k] = v
-        return cls(**{k: values.get(k) for k in THRESHOLD_NAMES})
+        name, own = _split_row(model) if model else (None, None)
+        dtype = own or dtype
+        if name:
+            name = name if name in tab or f"{name}@{dtype}" in tab else Path(name.rstrip("/")).name
+        rows = ["default"] + ([f"default@{dtype}"] if dtype else [])
+        if name and name != "default":
+            rows += [name] + ([f"{name}@{dtype}"] if dtype else [])
+        values: dict[str, float | None] = {}
+        used = [r for r in rows if r in tab]
+        for r in used:
+            values.update(tab[r])
+        chosen = explicit_thresholds(explicit, env)
+        values.update(chosen)
+        source = f"{Path(table).name if isinstance(table, (str, os.PathLike)) else THRESHOLD_TABLE.name} " \
+                 f"{' < '.join(used)}" + (f"; set: {', '.join(chosen)}" if chosen else "")
+        return cls(**{k: values.get(k) for k in THRESHOLD_NAMES}, source=source)
 
     @staticmethod
     def check_row(model: str, table: str | os.PathLike[str] | None = None) -> None:
@@ -627,9 +693,12 @@ class LogprobThresholds:
 
         The baseline's own model name may be missing from the table (it then uses ``default``); a
         name the user typed must not silently fall back, since a typo would loosen the thresholds.
+        ``NAME@DTYPE`` names row ``NAME`` judged as ``DTYPE`` (a ``NAME@DTYPE`` row alone also counts).
         """
         tab = load_threshold_table(table)
-        if model not in tab and Path(model.rstrip("/")).name not in tab:
+        names = {_split_row(k)[0] for k in tab}
+        name, _ = _split_row(model)
+        if model not in tab and name not in names and Path(name.rstrip("/")).name not in names:
             raise UsageError(f"--model {model!r}: no such row in {table or THRESHOLD_TABLE}; "
                              f"known: {', '.join(sorted(tab))}")
 
@@ -653,6 +722,13 @@ class LogprobThresholds:
 
 
 # --------------------------------------------------------------------------- verdict
+
+
+def judged_failures(thresholds: LogprobThresholds, metrics: Mapping[str, float | None],
+                    noise: NoiseCheck | None) -> list[str]:
+    """The thresholds failed: every exceeded one, except a noise-derived mean-type threshold whose
+    mean is not significantly above the calibrated noise (:meth:`NoiseCheck.excused`)."""
+    return [n for n in thresholds.failures(metrics) if noise is None or not noise.excused(n)]
 
 
 @dataclass(frozen=True, eq=False)
@@ -682,9 +758,10 @@ class LogprobVerdict:
     """The logprob-level verdict; ``bool(verdict)`` is ``passed``; JSON keys are a public contract.
 
     ``kl_*`` / ``top1_agreement`` are None without logits, ``topk_*`` None without common top-k
-    tokens. ``passed`` is stored (decided once, by :func:`compare_logprobs`). In JSON,
-    non-finite floats are null; they read back as inf for metrics that were computed, and None
-    where the metric was optional (``topk_*``, ``top1_agreement``).
+    tokens; ``mean_abs_err``, ``mean_abs_err_se`` and ``k3_mean_se`` are None only in JSON written
+    before they existed. ``passed`` is stored (decided once, by :func:`compare_logprobs`). In
+    JSON, non-finite floats are null; they read back as inf for metrics that were computed, and
+    None where the metric was optional (``topk_*``, ``top1_agreement``).
     """
 
     mse: float
@@ -706,6 +783,12 @@ class LogprobVerdict:
     """llama-perplexity's statistics (Δp, PPL ratio, KL and same-top uncertainties); flat keys in JSON."""
     unmatched_baseline: tuple[str, ...] = ()
     unmatched_target: tuple[str, ...] = ()
+    mean_abs_err: float | None = None
+    """Mean |Δlogprob| over all compared positions (pooled)."""
+    mean_abs_err_se: float | None = None
+    k3_mean_se: float | None = None
+    noise: NoiseCheck | None = None
+    """Each metric against the calibrated noise (None: fixed thresholds); :mod:`comparator.logprob_noise`."""
     series: tuple[PositionSeries, ...] = field(default=(), compare=False, repr=False)
     """Per-request per-position values (in memory only; empty after :meth:`from_json`)."""
 
@@ -714,12 +797,13 @@ class LogprobVerdict:
 
     def metrics(self) -> dict[str, float | None]:
         """The values the thresholds check, by threshold name."""
-        return {"mse": self.mse, "max_abs_err": self.max_abs_err.value, "k3_mean": self.k3_mean,
-                "kl_mean": self.kl_mean, "kl_max": self.kl_max.value, "topk_max_err": self.topk_max_err}
+        return {"mse": self.mse, "mean_abs_err": self.mean_abs_err, "max_abs_err": self.max_abs_err.value,
+                "k3_mean": self.k3_mean, "kl_mean": self.kl_mean, "kl_max": self.kl_max.value,
+                "topk_max_err": self.topk_max_err}
 
     def failures(self) -> list[str]:
-        """Names of the thresholds this verdict fails."""
-        return self.thresholds.failures(self.metrics())
+        """Names of the thresholds this verdict fails (see :func:`judged_failures`)."""
+        return judged_failures(self.thresholds, self.metrics(), self.noise)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -741,6 +825,11 @@ class LogprobVerdict:
             "unmatched_baseline": list(self.unmatched_baseline),
             "unmatched_target": list(self.unmatched_target),
             "thresholds": self.thresholds.to_json(),
+            "threshold_source": self.thresholds.source,
+            "mean_abs_err": to_json_float(self.mean_abs_err),
+            "mean_abs_err_se": to_json_float(self.mean_abs_err_se),
+            "k3_mean_se": to_json_float(self.k3_mean_se),
+            "noise": None if self.noise is None else self.noise.to_json(),
             "passed": self.passed,
         }
 
@@ -750,12 +839,18 @@ class LogprobVerdict:
             return None if v is None else float(v)
 
         has_kl = d.get("kl_percentiles") is not None
+        noise = None
+        if d.get("noise"):
+            from .logprob_noise import NoiseCheck  # logprob_noise builds on this module
+
+            noise = NoiseCheck.from_json(d["noise"])
+        thresholds = LogprobThresholds.from_json(d["thresholds"])
         return cls(
             mse=from_json_float(d["mse"]), rmse=from_json_float(d["rmse"]),
             max_abs_err=Located.from_json(d["max_abs_err"], computed=True),
             k3_mean=from_json_float(d["k3_mean"]), k3_max=Located.from_json(d["k3_max"], computed=True),
             compared_positions=int(d["compared_positions"]), requests=int(d["requests"]),
-            thresholds=LogprobThresholds.from_json(d["thresholds"]), passed=bool(d["passed"]),
+            thresholds=replace(thresholds, source=d.get("threshold_source")), passed=bool(d["passed"]),
             kl_mean=from_json_float(d["kl_mean"]) if has_kl else None,
             kl_max=Located.from_json(d.get("kl_max"), computed=has_kl),
             kl_percentiles={k: from_json_float(v) for k, v in d["kl_percentiles"].items()} if has_kl else None,
@@ -764,6 +859,10 @@ class LogprobVerdict:
             llama=LlamaStats.from_json(d),
             unmatched_baseline=tuple(d.get("unmatched_baseline", ())),
             unmatched_target=tuple(d.get("unmatched_target", ())),
+            mean_abs_err=None if "mean_abs_err" not in d else from_json_float(d["mean_abs_err"]),
+            mean_abs_err_se=None if "mean_abs_err_se" not in d else from_json_float(d["mean_abs_err_se"]),
+            k3_mean_se=None if "k3_mean_se" not in d else from_json_float(d["k3_mean_se"]),
+            noise=noise,
         )
 
     def dumps(self) -> str:
@@ -879,15 +978,22 @@ def _verdict(al: Alignment, thresholds: LogprobThresholds, kl: KlResult | None) 
         kl_at = {r: (pos, v) for r, pos, v in kl.per_request}
     llama = llama_stats(np.concatenate([s.ref for s in samples]), np.concatenate([s.tgt for s in samples]),
                         kl=kl_all, same_top=None if kl is None else (kl.agree, kl.total))
-    metrics = {"mse": err.mse, "max_abs_err": err.max_abs_err.value, "k3_mean": k.mean,
-               "kl_mean": kl_mean, "kl_max": kl_max.value, "topk_max_err": tk.max_err if tk else None}
+    metrics = {"mse": err.mse, "mean_abs_err": err.mean_abs_err, "max_abs_err": err.max_abs_err.value,
+               "k3_mean": k.mean, "kl_mean": kl_mean, "kl_max": kl_max.value, "topk_max_err": tk.max_err if tk else None}
+    check = None
+    if thresholds.basis is not None:
+        from .logprob_noise import noise_check  # logprob_noise builds on this module
+
+        check = noise_check(thresholds, metrics, {"mean_abs_err": (err.mean_abs_err, err.mean_abs_err_se),
+                                                  "k3_mean": (k.mean, k.se), "kl_mean": (kl_mean, llama.kl_mean_se)})
     return LogprobVerdict(
         mse=err.mse, rmse=err.rmse, max_abs_err=err.max_abs_err, k3_mean=k.mean, k3_max=k.max,
         compared_positions=al.compared_positions, requests=len(samples), thresholds=thresholds,
-        passed=not thresholds.failures(metrics),
+        passed=not judged_failures(thresholds, metrics, check),
         kl_mean=kl_mean, kl_max=kl_max, kl_percentiles=pct, top1_agreement=top1,
         topk_max_err=tk.max_err if tk else None, topk_mean_err=tk.mean_err if tk else None, llama=llama,
         unmatched_baseline=al.unmatched_baseline, unmatched_target=al.unmatched_target,
+        mean_abs_err=err.mean_abs_err, mean_abs_err_se=err.mean_abs_err_se, k3_mean_se=k.se, noise=check,
         series=tuple(PositionSeries(s.request, s.positions, s.ref, s.tgt, *kl_at.get(s.request, (None, None)))
                      for s in samples),
     )

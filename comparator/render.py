@@ -33,20 +33,35 @@ def _located(loc: Located) -> str:
     return f"{format_float(loc.value)} (request {loc.request}, position {loc.position})"
 
 
-def render_logprobs(v: LogprobVerdict, console: Console) -> None:
-    """The logprob verdict: mean-type and max-type statistics with where the max sits."""
-    table = Table(title=f"logprobs: {v.compared_positions} positions in {v.requests} requests", title_justify="left")
-    table.add_column("metric")
-    table.add_column("value", justify="right")
-    table.add_column("threshold", justify="right")
-    th = v.thresholds.to_json()
-    failing = set(v.failures())
+_LOGPROB_LABELS = {"mse": "mse", "mean_abs_err": "mean |Δlogprob|", "max_abs_err": "max |Δlogprob|",
+                   "k3_mean": "k3 mean", "kl_mean": "KL mean", "kl_max": "KL max", "topk_max_err": "top-k max |Δ|"}
+
+
+def _mean(value: float | None, se: float | None) -> str:
+    return format_float(value) + ("" if se is None else f" ± {format_float(se)}")
+
+
+def _noise_cell(v: LogprobVerdict, key: str | None) -> str:
+    """``= 40x noise`` for a calibrated metric, or ``= 19x floor (noise 4.768e-07)`` where the noise
+    is below the floor (the ratio is to ``max(noise, floor)``, what the threshold scales)."""
+    entry = None if v.noise is None or key is None else v.noise.metrics.get(key)
+    if entry is None:
+        return "-"
+    if entry.noise >= entry.floor:
+        return f"= {format_ratio(entry.ratio)} noise"
+    return f"= {format_ratio(entry.ratio)} floor (noise {format_float(entry.noise)})"
+
+
+def _logprob_rows(v: LogprobVerdict) -> list[tuple[str, str, str | None]]:
+    """(label, value, threshold name) rows of the logprob table."""
     rows = [("mse", format_float(v.mse), "mse"), ("rmse", format_float(v.rmse), None),
-            ("max |Δlogprob|", _located(v.max_abs_err), "max_abs_err"), ("k3 mean", format_float(v.k3_mean), "k3_mean"),
-            ("k3 max", _located(v.k3_max), None)]
+            ("mean |Δlogprob| ± SE", _mean(v.mean_abs_err, v.mean_abs_err_se), "mean_abs_err"),
+            ("max |Δlogprob|", _located(v.max_abs_err), "max_abs_err"),
+            ("k3 mean ± SE", _mean(v.k3_mean, v.k3_mean_se), "k3_mean"), ("k3 max", _located(v.k3_max), None)]
     if v.kl_mean is not None:
         pct = v.kl_percentiles or {}
-        rows += [("KL mean", format_float(v.kl_mean), "kl_mean"), ("KL max", _located(v.kl_max), "kl_max"),
+        rows += [("KL mean ± SE", _mean(v.kl_mean, v.llama.kl_mean_se if v.llama else None), "kl_mean"),
+                 ("KL max", _located(v.kl_max), "kl_max"),
                  ("KL p99.9 / p99 / p95 / p90 / median",
                   " / ".join(format_float(pct[k]) for k in ("99.9", "99", "95", "90", "50")), None),
                  ("top-1 agreement", f"{v.top1_agreement:.4%}", None)]
@@ -57,18 +72,61 @@ def render_logprobs(v: LogprobVerdict, console: Console) -> None:
         from .llama_stats import stats_rows
 
         rows += [(label, value, None) for label, value in stats_rows(v.llama, v.kl_mean)]
-    for label, value, key in rows:
+    return rows
+
+
+def _noise_lines(v: LogprobVerdict) -> list[str]:
+    """What the thresholds rest on, and each mean against the calibrated one (z-score)."""
+    out = [f"thresholds: {v.thresholds.source}"] if v.thresholds.source else []
+    if v.noise is None:
+        return out
+    n = v.noise
+    out.append(f"logprob noise of {n.source or 'the calibration'}: {n.variants} variants, {n.positions} positions "
+               f"each; thresholds max(floor, {n.factor:g} x noise)")
+    if n.metrics and all(m.noise == 0 for m in n.metrics.values()):
+        out.append("the calibration's variants were bit-identical to the baseline, so the thresholds are the floors: "
+                   "calibrate with a variant that computes differently (another attention backend)")
+    exceeded = set(v.thresholds.failures(v.metrics()))
+    for key, t in n.means.items():
+        verdict = "significantly above the noise" if t.significant else "not significantly above the noise"
+        if key in exceeded and n.excused(key):
+            verdict += ": over its threshold, but not failed"
+        out.append(f"{_LOGPROB_LABELS[key]} {format_float(t.mean)} ± {format_float(t.se)} vs noise "
+                    f"{format_float(t.noise_mean)} ± {format_float(t.noise_se)}: z = {t.z:.3g}, {verdict}")
+    return out
+
+
+def render_logprobs(v: LogprobVerdict, console: Console) -> None:
+    """The logprob verdict: mean-type (± SE) and max-type statistics with where the max sits; with a
+    noise file, each checked value as a multiple of its noise and each mean's z-score against it."""
+    table = Table(title=f"logprobs: {v.compared_positions} positions in {v.requests} requests", title_justify="left")
+    for col, justify in (("metric", "left"), ("value", "right"), ("threshold", "right")) + (
+            (("vs noise", "right"),) if v.noise is not None else ()):
+        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+    th = v.thresholds.to_json()
+    failing = set(v.failures())
+    for label, value, key in _logprob_rows(v):
         limit = "-" if key is None or th.get(key) is None else f"{th[key]:g}"
         style = "bold red" if key in failing else None
-        table.add_row(Text(label), Text(value), Text(limit), style=style)  # Text: request ids are data, not markup
+        cells = [Text(label), Text(value), Text(limit)] + ([Text(_noise_cell(v, key))] if v.noise is not None else [])
+        table.add_row(*cells, style=style)  # Text: request ids are data, not markup
     console.print(table)
+    for line in _noise_lines(v):
+        console.print(Text(line))
     for side, names in (("baseline", v.unmatched_baseline), ("target", v.unmatched_target)):
         if names:
             console.print(Text.assemble((f"only in the {side}, not compared ({len(names)}):", "yellow"),
                                         f" {', '.join(names[:5])}"))
     verdict = (Text("PASS", "bold green") if v.passed
-               else Text.assemble(("FAIL", "bold red"), f" ({', '.join(v.failures())})"))
+               else Text.assemble(("FAIL", "bold red"), f" ({', '.join(_failure(v, k) for k in v.failures())})"))
     console.print(Text.assemble("logprobs: ", verdict))
+
+
+def _failure(v: LogprobVerdict, key: str) -> str:
+    """``max_abs_err`` or, against noise, ``max_abs_err: max |Δlogprob| 1.900e-03 = 4e+03x noise``."""
+    if v.noise is None or key not in v.noise.metrics:
+        return key
+    return f"{key}: {_LOGPROB_LABELS[key]} {format_float(v.metrics()[key])} {_noise_cell(v, key)}"
 
 
 def render_report(report: Report, console: Console, *, tensors: bool = False) -> None:

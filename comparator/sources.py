@@ -42,7 +42,9 @@ from .engines import MAX_POSITIONS, MAX_TOTAL_POSITIONS, TOKEN_ID_LIMIT, read_lo
 from .identity import check_distinct, check_identity
 from .kl_stream import Distributions, LogitsDistributions, stream_kl
 from .llama_kld import KldFile, is_kld_file
-from .logprobs import UNKNOWN_TOKEN, KlPass, LogprobThresholds, LogprobVerdict, SequenceLogprobs, TopK, compare_logprobs
+from .logprob_noise import resolve_logprob_thresholds, threshold_dtype
+from .logprobs import UNKNOWN_TOKEN, KlPass, LogprobVerdict, SequenceLogprobs, TopK, compare_logprobs
+from .noise import NoiseModel
 
 __all__ = ["LogprobSource", "dump_logprobs", "read_logprob_source", "check_vocabulary", "one_sided_parts",
            "compare_logprob_sources"]
@@ -65,6 +67,9 @@ class LogprobSource:
     """The dump's manifest (None for an engine file): its model identity is checked before comparing."""
     distributions: Distributions | None = None
     """Full distributions read on demand (a llama.cpp base file), instead of in-memory ``logits``."""
+    dtype: str | None = None
+    """The precision the logprobs carry, for the threshold rows: a dump's dtype; ``float16`` for a
+    llama.cpp base file (16-bit log-probs, each within about 1.2e-4 of the exact one); None for JSONL."""
 
 
 _INT_DTYPES = frozenset({"I64", "I32", "I16", "I8", "U8"})
@@ -201,7 +206,8 @@ def dump_logprobs(reader: DumpReader) -> LogprobSource | None:
     for key, rec in logit_recs.items():
         _check_logits(reader, rec, recs[LOGPROB_VALUE].get(key))
     return LogprobSource(str(reader.directory), reader.manifest.model.get("name"), tuple(sequences),
-                         _dump_logits(reader, logit_recs), _vocab_size(reader, logit_recs), reader.manifest)
+                         _dump_logits(reader, logit_recs), _vocab_size(reader, logit_recs), reader.manifest,
+                         dtype=reader.manifest.capture_signature.get("dtype"))
 
 
 def _check_logits(reader: DumpReader, rec: TensorRecord, lp: TensorRecord | None) -> None:
@@ -281,7 +287,8 @@ def read_logprob_source(path: str | os.PathLike[str]) -> LogprobSource:
         raise UsageError(f"{p}: no such dump directory or JSONL file")
     if is_kld_file(p):
         kld = KldFile(p)
-        return LogprobSource(str(p), None, kld.sequences(), vocab_size=kld.vocab_size, distributions=kld)
+        return LogprobSource(str(p), None, kld.sequences(), vocab_size=kld.vocab_size, distributions=kld,
+                             dtype="float16")
     return LogprobSource(str(p), None, tuple(read_logprobs_jsonl(p)))
 
 
@@ -323,8 +330,13 @@ def _streamed_kl(base: LogprobSource, targ: LogprobSource) -> KlPass | None:
 
 def compare_logprob_sources(baseline: str | os.PathLike[str], target: str | os.PathLike[str], *,
                             model: str | None = None, explicit: Mapping[str, float | None] | None = None,
-                            allow_model_mismatch: bool = False) -> LogprobVerdict:
-    """Compare the logprobs of two sources; thresholds resolve for ``model`` (default: the baseline's).
+                            allow_model_mismatch: bool = False, noise: NoiseModel | None = None,
+                            noise_factor: float | None = None,
+                            noise_floors: Mapping[str, float] | None = None) -> LogprobVerdict:
+    """Compare the logprobs of two sources; thresholds resolve for ``model`` (default: the baseline's)
+    and the coarsest dtype of the dumps, or from ``noise`` (a calibration of this baseline, which
+    must hold logprob noise) with ``noise_factor`` and ``noise_floors``
+    (:func:`comparator.logprob_noise.resolve_logprob_thresholds`).
 
     Parts recorded on one side only (:func:`one_sided_parts`) are appended to the verdict's
     ``unmatched_baseline`` / ``unmatched_target``, after the unmatched request ids.
@@ -333,12 +345,19 @@ def compare_logprob_sources(baseline: str | os.PathLike[str], target: str | os.P
     on one side, different tokens) raise NotComparableError naming both paths.
     """
     check_distinct(baseline, target)
+    if noise is not None and noise.logprobs is None:
+        raise UsageError(f"{noise.source or 'the noise file'}: holds no logprob noise (its variants recorded no "
+                         "logprobs); calibrate from sources that record them")
     base, targ = read_logprob_source(baseline), read_logprob_source(target)
     if base.manifest is not None and targ.manifest is not None:
         check_identity(base.manifest, targ.manifest, allow_mismatch=allow_model_mismatch,
                        where=f"{targ.path} vs baseline {base.path}")
     check_vocabulary(base, targ)
-    thresholds = LogprobThresholds.resolve(model or base.model, explicit=explicit)
+    if noise is not None and base.manifest is not None:
+        noise.check_baseline(base.manifest, f"the baseline {base.path}")
+    thresholds = resolve_logprob_thresholds(model or base.model, explicit=explicit,
+                                            noise=None if noise is None else noise.logprobs, factor=noise_factor,
+                                            floors=noise_floors, dtype=threshold_dtype(base.dtype, targ.dtype))
     both = base.logits is not None and targ.logits is not None
     try:
         verdict = compare_logprobs(base.sequences, targ.sequences, thresholds,

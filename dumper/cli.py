@@ -198,7 +198,7 @@ def _cmd_selfcheck(args: argparse.Namespace) -> int:
     from .format import write_json_atomic
     from .presets import load_model
     from .prompts import BUILTIN_PROMPTS, parse_input_ids
-    from .selfcheck import DEFAULT_K3_THRESHOLD, MODES, check_inputs, selfcheck, vocab_size_of
+    from .selfcheck import DEFAULT_K3_THRESHOLD, GREEDY_K3_NOTE, MODES, check_inputs, selfcheck, vocab_size_of
 
     threshold = DEFAULT_K3_THRESHOLD if args.threshold is None else args.threshold
     if not threshold >= 0:
@@ -227,7 +227,8 @@ def _cmd_selfcheck(args: argparse.Namespace) -> int:
               f"(position {r.k3_max_position}), max |dlogprob| {r.max_abs_err:.3e}, "
               f"cache hit {r.cache_hit_tokens} tokens: {'PASS' if r.passed else 'FAIL'}")
     passed = all(r.passed for r in results)
-    print(f"{'PASS' if passed else 'FAIL'}: decode vs prefill over {len(results)} runs, mean k3 <= {threshold:g}")
+    print(f"{'PASS' if passed else 'FAIL'}: decode vs prefill over {len(results)} runs, mean k3 <= {threshold:g} "
+          f"({GREEDY_K3_NOTE})")
     if args.json:
         write_json_atomic(args.json, {"passed": passed, "threshold": threshold,
                                       "runs": [r.to_json() for r in results]})
@@ -241,6 +242,8 @@ def _cmd_server_selfcheck(args: argparse.Namespace, threshold: float) -> int:
 
     from .format import write_json_atomic
     from .prompts import BUILTIN_PROMPTS, parse_input_ids
+    from comparator.logprobs import GREEDY_K3_NOTE
+
     from .server_selfcheck import server_selfcheck
 
     if args.server is None or args.api is None:
@@ -261,7 +264,7 @@ def _cmd_server_selfcheck(args: argparse.Namespace, threshold: float) -> int:
             print(f"  position {pos:>5}  decode {q:+.6f}  prefill {p:+.6f}  k3 {k:.3e}")
     passed = all(r.passed for r in results)
     print(f"{'PASS' if passed else 'FAIL'}: decode vs prefill on {client.base_url} ({args.api}) over "
-          f"{len(results)} prompts, mean k3 <= {threshold:g}")
+          f"{len(results)} prompts, mean k3 <= {threshold:g} ({GREEDY_K3_NOTE})")
     if args.json:
         write_json_atomic(args.json, {"passed": passed, "threshold": threshold, "server": client.base_url,
                                       "api": args.api, "runs": [r.to_json() for r in results]})

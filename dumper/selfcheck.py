@@ -3,7 +3,9 @@
 The decode path (greedy, temperature 0, KV cache, one token a step) and a fresh prefill of
 prompt + output with no cache reuse compute the logprob of the same output tokens; they must
 agree up to numerical noise. k3 = (e^d - 1) - d with d = log q_decode - log p_prefill is averaged
-over the output positions (SGLang's kl_test_utils). Cache-hit variants first write a prefix
+over the output positions (SGLang's kl_test_utils). The tokens are greedy, not samples of the
+distribution, so that mean is a consistency measure and a biased estimate of KL (k3's mean is
+KL only over sampled tokens); results say so (``k3_tokens``, :data:`GREEDY_K3_NOTE`). Cache-hit variants first write a prefix
 into the KV cache and generate on top of it, so they check that reused KV equals recomputed
 KV; they assert the cache was really hit, so an empty run cannot pass.
 
@@ -25,13 +27,15 @@ from typing import Any
 
 import torch
 
+from comparator.logprobs import GREEDY_K3_NOTE
+
 from .errors import InternalError, ModelError, UsageError
 from .logprobs import input_token_logprobs
 from .presets import model_label
 from .run import cache_kwarg, cache_length, call_model
 
 __all__ = ["MODES", "SelfCheckResult", "check_inputs", "greedy_decode", "selfcheck", "vocab_size_of",
-           "DEFAULT_K3_THRESHOLD"]
+           "DEFAULT_K3_THRESHOLD", "GREEDY_K3_NOTE"]
 
 MODES = ("no-cache", "prefill-hit", "decode-hit")
 DEFAULT_K3_THRESHOLD = 1e-3
@@ -54,11 +58,14 @@ class SelfCheckResult:
     max_abs_err: float
     threshold: float
     passed: bool
+    k3_tokens: str = "greedy"
+    """How the scored tokens were chosen: greedy (argmax), so mean k3 is not an unbiased KL estimate."""
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         for k in ("k3_mean", "k3_max", "max_abs_err"):
             d[k] = d[k] if math.isfinite(d[k]) else None
+        d["k3_note"] = GREEDY_K3_NOTE
         return d
 
 

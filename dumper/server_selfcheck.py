@@ -4,6 +4,8 @@ For each prompt the server generates ``new_tokens`` tokens greedily (temperature
 ignored where the API allows) and reports the logprob of each as it decodes it; then it
 re-scores prompt + output in one pure prefill, and the two logprobs of every output token are
 compared by k3 = (e^d - 1) - d, d = log q_decode - log p_prefill (:func:`comparator.logprobs.k3`).
+The tokens are greedy, not samples, so mean k3 is a biased estimate of KL (the result's
+``k3_tokens`` and ``k3_note`` say so, as for :mod:`dumper.selfcheck`).
 What "pure" means per API:
 
 - **vllm**: the re-score asks for ``prompt_logprobs``, and vLLM never reads its prefix cache for
@@ -33,7 +35,7 @@ import numpy as np
 from comparator.collect import Prompt, first_choice, score
 from comparator.engines import parse_record
 from comparator.jsonfloat import to_json_float
-from comparator.logprobs import k3
+from comparator.logprobs import GREEDY_K3_NOTE, k3
 from comparator.server_http import ServerClient, ServerError
 
 from .errors import UsageError
@@ -74,12 +76,15 @@ class ServerSelfCheck:
     max_abs_err: float
     threshold: float
     passed: bool
+    k3_tokens: str = "greedy"
+    """How the scored tokens were chosen: greedy (temperature 0), so mean k3 is not an unbiased KL estimate."""
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         for key in ("k3_mean", "k3_max", "max_abs_err"):
             d[key] = to_json_float(d[key])
         d["k3"] = [to_json_float(v) for v in self.k3]
+        d["k3_note"] = GREEDY_K3_NOTE
         return d
 
 

@@ -7,8 +7,8 @@
 | ``DRIFTSCOPE_JSON_MEMORY_MIB``| memory one JSON text may take to parse (default 432)      |
 | ``DRIFTSCOPE_DIFF_THRESHOLD`` | comparator rel_diff threshold (whole tensor)              |
 | ``DRIFTSCOPE_TOKEN_THRESHOLD``| comparator per-token rel_diff threshold                   |
-| ``DRIFTSCOPE_LOGPROB_<NAME>`` | logprob threshold ``<name>`` (MSE, MAX_ABS_ERR, K3_MEAN,   |
-|                               | KL_MEAN, KL_MAX, TOPK_MAX_ERR; ``off`` disables the check) |
+| ``DRIFTSCOPE_LOGPROB_<NAME>`` | logprob threshold ``<name>`` (MSE, MEAN_ABS_ERR, MAX_ABS_ERR, |
+|                               | K3_MEAN, KL_MEAN, KL_MAX, TOPK_MAX_ERR; ``off`` disables) |
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from comparator import compare_dumps
+from comparator import CompareConfig, compare_dumps
 from dumper.engines import run_engine
 from dumper.errors import ModelError, UsageError
 from dumper.run import LogprobSpec, RunConfig, run_dump
@@ -121,9 +121,10 @@ def test_q8_0_diverges_at_the_first_layer_past_threshold(work: dict[str, Path]) 
 
 def test_f16_kv_cache_is_measurably_noisier_than_f32(work: dict[str, Path]) -> None:
     f16 = llama_dump_here(work, "kv-f16", engine_args=(("kv", "f16"),))
-    noisy = compare_dumps(work["hf"], f16)
+    # an f16 KV cache is a float16 step: judged by the float16 rows (the float32 ones fail its 2.3e-2)
+    noisy = compare_dumps(work["hf"], f16, CompareConfig.resolve(model="default@float16"))
     clean = compare_dumps(work["hf"], llama_dump(work, "f32"))
-    assert noisy.passed  # f16 K/V rounding stays within the default thresholds (measured rel_diff <= 1.7e-6)
+    assert noisy.passed  # f16 K/V rounding stays within the float16 thresholds (measured rel_diff <= 1.7e-6)
     assert max(t.rel_diff for t in noisy.tensors if t.layer) > 100 * max(t.rel_diff for t in clean.tensors)
     lp16, lp32 = noisy.to_json()["logprobs"], clean.to_json()["logprobs"]
     assert max_logprob_err(lp16) > 10 * max_logprob_err(lp32)  # measured 2.3e-2 vs 2.8e-5

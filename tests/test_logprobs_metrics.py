@@ -37,7 +37,9 @@ VERDICT_KEYS = {"mse", "rmse", "max_abs_err", "k3_mean", "k3_max", "kl_mean", "k
                 # llama-perplexity's statistics (comparator/llama_stats.py)
                 "ppl_base", "ppl_base_se", "ppl_target", "ppl_target_se", "ln_ppl_ratio", "ln_ppl_ratio_se",
                 "ppl_ratio", "ppl_ratio_se", "ppl_correlation", "delta_p", "kl_mean_se", "kl_quantiles",
-                "same_top_rate", "same_top_se"}
+                "same_top_rate", "same_top_se",
+                # issue 11: mean |Δlogprob| and standard errors, noise multiples, which table rows applied
+                "mean_abs_err", "mean_abs_err_se", "k3_mean_se", "noise", "threshold_source"}
 
 
 def seq(request: str, logprobs, ids=None, top=None, texts=None) -> SequenceLogprobs:
