@@ -30,7 +30,6 @@ from .compare import compare_dumps
 from .config import CompareConfig
 from .identity import check_distinct
 from .logprobs import LogprobThresholds
-from .noise import DEFAULT_FACTOR
 from .outputs import add_output_flags, check_output_flags, progress_callback, write_outputs
 from .render import describe_divergence, render_logprobs, render_report, verdict_notes
 from .sources import compare_logprob_sources
