@@ -9,7 +9,7 @@ against it fails a tensor when
     rel_diff           > max(floor, factor * noise rel_diff)        or
     per-token rel_diff > max(floor, factor * noise per-token max)
 
-with ``factor`` :data:`DEFAULT_FACTOR` and ``floor`` :data:`DEFAULT_FLOOR` (``--noise-factor``,
+with ``factor`` :data:`DEFAULT_FACTOR` (3) and ``floor`` :data:`DEFAULT_FLOOR` (``--noise-factor``,
 ``--noise-floor``); fixed thresholds given explicitly still apply on top. Values are also
 reported as multiples of the noise, ``value / max(noise, floor)``.
 
@@ -40,10 +40,10 @@ __all__ = ["NOISE_FORMAT", "DEFAULT_FACTOR", "DEFAULT_FLOOR", "TensorNoise", "No
            "parse_noise_floor", "check_noise_factor"]
 
 NOISE_FORMAT = "driftscope-noise/1"
-DEFAULT_FACTOR = 10.0
-"""Safety factor over the calibrated noise. A benign layout not used for calibration reaches up
-to about 3x the calibrated maximum on the presets (README, "Calibrated verdicts"); 10x leaves room
-for that and still fails a change one decade above noise."""
+DEFAULT_FACTOR = 3.0
+"""Safety factor over the calibrated noise. A benign layout not used for calibration reached at
+most 1.14x the calibrated maximum on the presets (README, "Calibrated verdicts"); 3x leaves 2.6x
+room for that and still fails a change at 4x the noise."""
 DEFAULT_FLOOR = 1e-12
 """Absolute rel_diff floor: a threshold never drops below it, so a calibration of bit-identical
 re-runs (noise 0) still passes float32 rounding of the same computation (about 1e-14)."""
