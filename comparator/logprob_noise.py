@@ -21,7 +21,7 @@ Example::
 
     from comparator.logprob_noise import logprob_noise, resolve_logprob_thresholds
     noise = logprob_noise([verdict_of_rerun_1, verdict_of_rerun_2])
-    thresholds = resolve_logprob_thresholds("tiny-llama", noise=noise, factor=10.0)
+    thresholds = resolve_logprob_thresholds("tiny-llama", noise=noise, factor=3.0)
 """
 
 from __future__ import annotations
