@@ -76,10 +76,14 @@ def run_calibrate(argv: Sequence[str]) -> int:
     console = _console()
     if not args.quiet:
         render_noise(noise, console)
-    positions = max((t.positions for t in noise.tensors.values()), default=0)
-    lp = f", logprobs over {noise.logprobs.positions} positions" if noise.logprobs is not None else ""
-    console.print(f"wrote {args.out}: noise of {len(noise.tensors)} tensors from {len(noise.variants)} variants "
-                  f"({positions} per-token values per tensor{lp})", markup=False, highlight=False)
+    parts = []
+    if noise.tensors:
+        positions = max(t.positions for t in noise.tensors.values())
+        parts.append(f"{len(noise.tensors)} tensors ({positions} per-token values each)")
+    if noise.logprobs is not None:
+        parts.append(f"logprobs ({noise.logprobs.positions} positions per variant)")
+    console.print(f"wrote {args.out}: noise of {' and '.join(parts)} from {len(noise.variants)} variants",
+                  markup=False, highlight=False)
     return EXIT_OK
 
 

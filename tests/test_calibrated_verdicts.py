@@ -191,3 +191,31 @@ def test_explicit_fixed_thresholds_still_apply_on_top(bf16):
     assert rc == 1 and all(t["token_threshold"] <= 1e-9 for t in report["tensors"]), out
     lenient = compare_dumps(dumps["base"], dumps["chunked-sdpa"], CompareConfig(noise=NoiseModel.load(noise)))
     assert lenient.passed
+
+
+def test_calibrate_from_engine_jsonl_judges_logprobs(tmp_path):
+    """Engine JSONL sources give logprob noise only; a shift 1e4x that noise then fails."""
+    import copy
+
+    from tests.test_engines import sglang_response, write_jsonl
+
+    def shifted(eps):
+        d = copy.deepcopy(sglang_response())
+        for triple in d["meta_info"]["input_token_logprobs"]:
+            if triple[0] is not None:
+                triple[0] += eps
+        return d
+
+    base = write_jsonl(tmp_path / "base.jsonl", sglang_response())
+    v1, v2 = write_jsonl(tmp_path / "v1.jsonl", shifted(1e-6)), write_jsonl(tmp_path / "v2.jsonl", shifted(-2e-6))
+    r = run_cli("comparator", "calibrate", base, v1, v2, "--out", tmp_path / "n.json", "--quiet")
+    assert r.returncode == 0 and "noise of logprobs" in r.stdout, r.stderr
+    noise = NoiseModel.load(tmp_path / "n.json")
+    assert not noise.tensors and noise.logprobs.variants == 2 and noise.logprobs.metrics["max_abs_err"] == \
+        pytest.approx(2e-6, rel=1e-3)
+    bad = write_jsonl(tmp_path / "bad.jsonl", shifted(1e-2))
+    r = run_cli("comparator", "logprobs", base, bad, "--noise", tmp_path / "n.json", "--quiet")
+    assert r.returncode == 1 and "max_abs_err" in r.stdout, r.stdout
+    assert run_cli("comparator", "logprobs", base, v1, "--noise", tmp_path / "n.json", "--quiet").returncode == 0
+    missing = run_cli("comparator", "calibrate", base, tmp_path / "nope.jsonl", "--out", tmp_path / "m.json")
+    assert missing.returncode == 2 and "nope.jsonl: no such dump or logprob file" in missing.stderr
