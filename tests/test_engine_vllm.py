@@ -251,6 +251,28 @@ def test_bf16_is_measured_against_hf_fp32(runs, record_property):
     assert rc == (0 if report["passed"] else 1)
 
 
+def test_bf16_passes_against_the_noise_of_hf_bf16_layouts(runs):
+    """Calibrated from HF bf16 eager and SDPA against the HF fp32 reference, vLLM bf16 is within that noise."""
+    _, root, results = runs
+    prompts = root / "prompts.jsonl"
+    for name, extra in (("hf-bf16", ()), ("hf-bf16-sdpa", ("--attn", "sdpa"))):
+        r = run_cli("dumper", "run", "--model", root / "ckpt", "--prompts", prompts, "--out", root / name,
+                    *JOB[:2], *LOGPROBS, "--dtype", "bfloat16", *extra, "--quiet")
+        assert r.returncode == 0, r.stderr
+    r = run_cli("comparator", "calibrate", root / "hf", root / "hf-bf16", root / "hf-bf16-sdpa",
+                "--out", root / "bf16-noise.json", "--quiet")
+    assert r.returncode == 0, r.stderr
+    assert results["bf16"]["rc"] == 0, results["bf16"]["stderr"]
+    path = root / "bf16-noise.report.json"
+    r = run_cli("comparator", root / "hf", root / "bf16", "--noise", root / "bf16-noise.json", "--json", path,
+                "--quiet")
+    report = json.loads(path.read_text())
+    ratios = [t["token_noise_ratio"] for t in report["tensors"]]
+    assert r.returncode == 0 and report["passed"], r.stdout
+    assert all(ratio is not None for ratio in ratios) and 0.05 < max(ratios) < 3, ratios  # bf16 noise, not zero
+    assert report["logprobs"]["noise"] is not None and report["logprobs"]["passed"]
+
+
 def test_full_logits_rows_match_hf(runs):
     """--save-logits: vLLM's raw logits of every vocabulary id, compared row by row (KL needs whole rows)."""
     rc, report = _compare(runs, "logits", baseline="hf-logits")
