@@ -298,7 +298,7 @@ def compare_dumps(baseline: str | os.PathLike[str], target: str | os.PathLike[st
         noise=config.noise.source if config.noise is not None else None,
         noise_factor=config.noise_factor if config.noise is not None else None,
         noise_floor=config.noise_floor if config.noise is not None else None,
-        amplification=() if _replay_notes(tm) else tuple(layer_amplification(results)),  # replay: no growth
+        amplification=() if _replay_notes(tm) else tuple(layer_amplification(results, config)),  # replay: none
     )
 
 

@@ -103,6 +103,20 @@ def locate_onset(fd: FirstDivergence | None, results: Sequence[TensorComparison]
     return replace(fd, onset=onset, onset_method=method, onset_layer=onset_layer, onset_layer_method=layer_method)
 
 
-def layer_amplification(results: Sequence[TensorComparison]) -> list[Amplification]:
-    """Per-layer amplification at each capture point (see :func:`comparator.onset.amplification`)."""
-    return amplification([(t.layer, point_of(t.name), t.rel_diff) for t in results if t.layer is not None])
+def layer_amplification(results: Sequence[TensorComparison], config: CompareConfig | None = None,
+                        ) -> list[Amplification]:
+    """Per-layer amplification at each capture point (see :func:`comparator.onset.amplification`).
+
+    With calibrated noise, a layer introduces error only when what it hands on (the next layer's
+    value) departs from that layer's noise: benign bf16 rounding that turns layer 0's exact
+    embedding into noise is growth, not a bug.
+    """
+    layered = [t for t in results if t.layer is not None]
+    departs: dict[tuple[int, str], bool] = {}
+    for t in layered:
+        noise = _noise_only(config, t.name) if config is not None else None
+        if noise is not None:
+            key = (t.layer, point_of(t.name))
+            out = not (t.rel_diff <= noise[0] and t.max_token_rel_diff <= noise[1])
+            departs[key] = departs.get(key, False) or out
+    return amplification([(t.layer, point_of(t.name), t.rel_diff) for t in layered], departs=departs)

@@ -28,7 +28,7 @@ Example::
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -149,12 +149,15 @@ def _ratio(before: float, after: float) -> float | None:
     return after / before
 
 
-def amplification(values: Sequence[tuple[int, str | None, float]]) -> list[Amplification]:
+def amplification(values: Sequence[tuple[int, str | None, float]],
+                  departs: Mapping[tuple[int, str | None], bool] | None = None) -> list[Amplification]:
     """Per-layer amplification from ``(layer, point, rel_diff)`` of consecutive captured layers.
 
     Only layers k whose next layer k+1 is captured at the same point get a value; a ratio is
     ``introduced`` when it exceeds :data:`INTRODUCED_FACTOR` times the median finite ratio of
-    its point (with at least three ratios to take a median of), or is infinite.
+    its point (with at least three ratios to take a median of), or is infinite. ``departs``
+    (calibrated noise): whether ``(layer, point)``'s value departs from its noise; where known
+    for layer k+1, layer k introduces error only if it does.
     """
     by_point: dict[str | None, dict[int, float]] = {}
     for layer, point, rel in values:
@@ -168,6 +171,7 @@ def amplification(values: Sequence[tuple[int, str | None, float]]) -> list[Ampli
         median = float(np.median(finite)) if len(finite) >= 3 else None
         for (k, b, a), r in zip(pairs, ratios, strict=True):
             introduced = r is not None and (math.isinf(r) or (median is not None and r > INTRODUCED_FACTOR * median))
+            introduced = introduced and (departs or {}).get((k + 1, point), True)
             out.append(Amplification(layer=k, point=point, before=b, after=a, ratio=r, introduced=introduced))
     out.sort(key=lambda a: (a.layer, a.point or ""))
     return out

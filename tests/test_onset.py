@@ -84,6 +84,14 @@ def test_amplification_of_exact_zeros_and_gaps():
     assert 2 not in by  # layer 3 was not captured: no ratio across the gap
 
 
+def test_calibrated_noise_keeps_benign_growth_from_reading_as_introduced():
+    values = [(0, "p", 0.0), (1, "p", 1e-5), (2, "p", 2e-5), (3, "p", 4e-5)]
+    assert [a.layer for a in amplification(values) if a.introduced] == [0]  # 0 -> noise: inf
+    within = {(k, "p"): False for k in range(4)}
+    assert not any(a.introduced for a in amplification(values, departs=within))
+    assert [a.layer for a in amplification(values, departs={**within, (1, "p"): True}) if a.introduced] == [0]
+
+
 def test_amplification_round_trips_through_json():
     amp = amplification([(0, "p", 0.0), (1, "p", 0.0), (2, "p", 1e-6), (3, "p", 2e-6)])
     from comparator.onset import Amplification
