@@ -42,7 +42,7 @@ from .report import FirstDivergence, Report
 from .tokens import TokenLookup, show_text
 
 if TYPE_CHECKING:
-    from dumper.presets import Tokenizer
+    from dumper.tokenizers import Tokenizer
 
 __all__ = ["render_html", "write_html", "MAX_ROWS", "WORST_POSITIONS"]
 

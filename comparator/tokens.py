@@ -2,11 +2,11 @@
 
 A dump's manifest records each prompt's token ids (``extra["input_ids"]``, sequence ``s`` =
 prompt ``s``). Texts need the tokenizer: the built-in presets use the byte-level
-:class:`~dumper.presets.ByteTokenizer`; a local HF model directory's own tokenizer is loaded
-offline when it is still there. Otherwise texts are unknown and reports show ids only.
+:class:`~dumper.tokenizers.ByteTokenizer` (no torch); a local HF model directory's own tokenizer
+is loaded offline when it is still there. Otherwise texts are unknown and reports show ids only.
 
-Nothing here imports torch at import time; :mod:`dumper.presets` (which does) is imported only
-when a manifest's model has to be matched to its tokenizer.
+Nothing here imports torch: :mod:`dumper.presets` (which does) is imported only for a local HF
+directory's tokenizer, never for a preset.
 
 Example::
 
@@ -20,13 +20,10 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from dumper.errors import DriftscopeError
 from dumper.format import Manifest
-
-if TYPE_CHECKING:
-    from dumper.presets import Tokenizer
+from dumper.tokenizers import PRESETS, ByteTokenizer, Tokenizer
 
 __all__ = ["TokenLookup", "tokenizer_for", "show_text"]
 
@@ -36,14 +33,12 @@ def tokenizer_for(manifest: Manifest) -> Tokenizer | None:
     name = str(manifest.model.get("name") or "")
     if not name:
         return None
-    try:
-        from dumper.presets import PRESETS, ByteTokenizer, load_tokenizer
-    except ImportError:  # no torch here: texts are a nicety, ids are shown
-        return None
     if name in PRESETS:
         return ByteTokenizer(256 + ByteTokenizer.offset)
     if os.path.isfile(os.path.join(name, "tokenizer_config.json")):
         try:
+            from dumper.presets import load_tokenizer
+
             return load_tokenizer(name)
         except (ImportError, DriftscopeError):  # token text is a nicety: never fail a comparison over it
             return None

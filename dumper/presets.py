@@ -17,42 +17,19 @@ import logging
 import os
 import re
 from collections.abc import Iterator
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
 
 from .errors import ModelError, UsageError
 from .resources import config_path
+from .tokenizers import PRESETS, ByteTokenizer, Tokenizer
 
 __all__ = ["PRESETS", "ByteTokenizer", "Tokenizer", "load_model", "load_tokenizer", "model_label", "error_reason",
            "DTYPES"]
 
-PRESETS = ("tiny-llama", "tiny-qwen2")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class Tokenizer(Protocol):
-    def encode(self, text: str) -> list[int]: ...
-
-    def decode(self, ids: list[int]) -> str: ...
-
-
-class ByteTokenizer:
-    """UTF-8 bytes shifted past the special ids (0 pad, 1 bos, 2 eos), with a leading bos."""
-
-    offset = 3
-
-    def __init__(self, vocab_size: int) -> None:
-        if vocab_size < 256 + self.offset:
-            raise UsageError(f"a byte tokenizer needs vocab_size >= {256 + self.offset}, got {vocab_size}")
-        self.vocab_size = vocab_size
-
-    def encode(self, text: str) -> list[int]:
-        return [1] + [b + self.offset for b in text.encode("utf-8")]
-
-    def decode(self, ids: list[int]) -> str:
-        return bytes(i - self.offset for i in ids if self.offset <= i < 256 + self.offset).decode("utf-8", "replace")
 
 
 class _HFTokenizer:

@@ -275,6 +275,20 @@ def test_renderers_never_import_torch(growing, tmp_path):
     assert r.stdout.strip() == "[]"
 
 
+def test_comparing_preset_dumps_with_every_report_never_imports_torch(dumps, tmp_path):
+    """``python -m comparator A B --html --markdown`` on preset dumps (token texts included): no torch."""
+    code = ("import sys\n"
+            "from comparator.cli import main\n"
+            f"rc = main([{str(dumps['base'])!r}, {str(dumps['far'])!r}, '--quiet', '--html', "
+            f"{str(tmp_path / 'r.html')!r}, '--markdown', {str(tmp_path / 'r.md')!r}])\n"
+            "print(rc, sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120, check=False)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().endswith("1 []"), r.stdout
+    page = (tmp_path / "r.html").read_text()
+    assert "heatmap-onset" in page and "tokens of the window" in page  # the byte tokenizer's texts are there
+
+
 def test_passing_report_has_no_onset(dumps, tmp_path):
     report = compare_dumps(dumps["base"], dumps["chunked"])
     assert report.passed and report.first_divergent is None
