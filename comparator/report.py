@@ -80,14 +80,18 @@ class TensorComparison:
         return d
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> TensorComparison:
+    def from_json(cls, d: dict[str, Any], *, calibrated: bool = True) -> TensorComparison:
+        """``calibrated``: the report was judged against a noise file (else no ratio exists)."""
         d = dict(d)
         d["shape"] = tuple(d["shape"])
         for k in ("rel_diff", "max_token_rel_diff", "max_abs_diff", "mean_abs_diff"):
             d[k] = from_json_float(d[k])
-        for k in _OPTIONAL_FLOATS:
-            d[k] = None if k not in d or (d[k] is None and k in ("threshold", "token_threshold")) \
-                else from_json_float(d[k])
+        for k in ("threshold", "token_threshold"):  # finite whenever set (absent in older reports)
+            d[k] = None if d.get(k) is None else float(d[k])
+        # a ratio is null without noise, and null for an infinite one: infinite only when its value is
+        for k, of in (("noise_ratio", "rel_diff"), ("token_noise_ratio", "max_token_rel_diff")):
+            d[k] = float(d[k]) if d.get(k) is not None else (
+                math.inf if calibrated and k in d and math.isinf(d[of]) else None)
         d["cosine"] = math.nan if d["cosine"] is None else float(d["cosine"])
         return cls(**d)
 
@@ -307,7 +311,7 @@ class Report:
         return cls(
             baseline=d["baseline"], target=d["target"], threshold=float(d["threshold"]),
             token_threshold=float(d["token_threshold"]),
-            tensors=tuple(TensorComparison.from_json(t) for t in d["tensors"]),
+            tensors=tuple(TensorComparison.from_json(t, calibrated=d.get("noise") is not None) for t in d["tensors"]),
             unmatched_baseline=tuple(d["unmatched_baseline"]), unmatched_target=tuple(d["unmatched_target"]),
             first_divergent=FirstDivergence.from_json(fd) if fd else None,
             replica_mismatches=tuple(ReplicaMismatch.from_json(m) for m in d.get("replica_mismatches", [])),

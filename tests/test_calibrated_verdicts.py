@@ -222,3 +222,26 @@ def test_calibrate_from_engine_jsonl_judges_logprobs(tmp_path):
     assert run_cli("comparator", "logprobs", base, v1, "--noise", tmp_path / "n.json", "--quiet").returncode == 0
     missing = run_cli("comparator", "calibrate", base, tmp_path / "nope.jsonl", "--out", tmp_path / "m.json")
     assert missing.returncode == 2 and "nope.jsonl: no such dump or logprob file" in missing.stderr
+
+
+def test_reports_with_and_without_noise_round_trip_through_json(fp32, tmp_path):
+    """Ratios read back as written: None without a noise file, inf for a NaN mismatch judged against noise."""
+    from comparator.report import Report
+
+    dumps, noise, ids = fp32
+    model, _ = tiny_llama()
+    handle = model.model.layers[4].register_forward_hook(
+        lambda mod, args, out: out[0].__setitem__((0, 33, 7), float("nan")) if isinstance(out, tuple)
+        else out.__setitem__((0, 33, 7), float("nan")))
+    bad = _dump(model, ids, tmp_path / "nan")
+    handle.remove()
+    for config in (CompareConfig(), CompareConfig(noise=NoiseModel.load(noise))):
+        report = compare_dumps(dumps["base"], bad, config)
+        back = Report.from_json(json.loads(report.dumps()))
+        assert back.tensors == report.tensors and back.first_divergent == report.first_divergent
+        nan_layer = [t for t in back.tensors if t.layer == 5]
+        if config.noise is None:
+            assert all(t.noise_ratio is None and t.token_noise_ratio is None for t in back.tensors)
+        else:
+            assert all(math.isinf(t.token_noise_ratio) for t in nan_layer)
+            assert all(t.noise_ratio == 0 for t in back.tensors if t.layer < 5)
