@@ -206,12 +206,9 @@ def resolve_logprob_thresholds(model: str | None, *, explicit: Mapping[str, floa
     fixed = LogprobThresholds.resolve(model, explicit=explicit, env=env, dtype=dtype)
     if noise is None:
         return fixed
-    if factor is None:
-        from .noise import DEFAULT_FACTOR
+    from .noise import DEFAULT_FACTOR, check_noise_factor  # here: comparator.noise imports this module
 
-        factor = DEFAULT_FACTOR
-    if not (math.isfinite(factor) and factor >= 1):
-        raise UsageError(f"--noise-factor must be a finite number >= 1, got {factor!r}")
+    factor = DEFAULT_FACTOR if factor is None else check_noise_factor(factor)
     lim = _floors(floors)
     chosen = explicit_thresholds(explicit, env)
     values: dict[str, float | None] = {}

@@ -135,8 +135,9 @@ class NoiseModel:
         variants, tensors = d.get("variants"), d.get("tensors")
         if not isinstance(variants, list) or not variants or not isinstance(tensors, list):
             raise UsageError(f"{where}: a noise file needs a non-empty \"variants\" list and a \"tensors\" list")
-        parsed = [TensorNoise.from_json(t, where) if isinstance(t, dict) else
-                  _raise(UsageError(f"{where}: tensor entries must be objects")) for t in tensors]
+        if not all(isinstance(t, dict) for t in tensors):
+            raise UsageError(f"{where}: tensor entries must be objects")
+        parsed = [TensorNoise.from_json(t, where) for t in tensors]
         lp = d.get("logprobs")
         return cls(baseline=str(d.get("baseline", "")), variants=tuple(str(v) for v in variants),
                    tensors={t.name: t for t in parsed},
@@ -167,10 +168,6 @@ class NoiseModel:
         return cls.from_json(d, str(p))
 
 
-def _raise(e: Exception) -> Any:
-    raise e
-
-
 @dataclass(frozen=True)
 class Limits:
     """The thresholds one tensor is judged by, and the noise they came from (None: fixed thresholds)."""
@@ -186,11 +183,6 @@ class Limits:
             return None, None
         return (_ratio(rel_diff, max(self.noise.rel_diff, self.floor)),
                 _ratio(token_max, max(self.noise.token_max, self.floor)))
-
-    def departs(self, token_rel_diff: float) -> bool:
-        """Whether one per-token value departs from the calibrated noise (NaN departs)."""
-        assert self.noise is not None
-        return not token_rel_diff <= self.token_threshold
 
 
 def _ratio(value: float, noise: float) -> float:
