@@ -197,7 +197,8 @@ def _check_replicas(side: str, reader: DumpReader, lts: dict, config: CompareCon
     return found
 
 
-def _first_divergence(tensors: list[TensorComparison]) -> FirstDivergence | None:
+def _first_divergence(tensors: list[TensorComparison]) -> tuple[FirstDivergence, TensorComparison] | None:
+    """The first divergence, and the tensor whose first failing token it names (None: nothing failed)."""
     failed = [t for t in tensors if not t.passed]
     if not failed:
         return None
@@ -217,7 +218,7 @@ def _first_divergence(tensors: list[TensorComparison]) -> FirstDivergence | None
     return FirstDivergence(
         name=first.name, layer=low, rel_diff=max(t.rel_diff for t in in_layer), token=first.first_failing_token,
         worst_token=worst.worst_token, sequence=first.first_failing_sequence, forward_pass=first.forward_pass,
-        rank=first.rank, failing_sequences=sequences, failing_ranges=first.failing_ranges, note=first.note)
+        rank=first.rank, failing_sequences=sequences, failing_ranges=first.failing_ranges, note=first.note), first
 
 
 def compare_dumps(baseline: str | os.PathLike[str], target: str | os.PathLike[str],
@@ -239,7 +240,8 @@ def compare_dumps(baseline: str | os.PathLike[str], target: str | os.PathLike[st
                            where=f"{tr.directory} vs baseline {br.directory}")
     if config.noise is not None:
         config.noise.check_baseline(br.manifest, f"the baseline {br.directory}")
-    notes += _replay_notes(tr.manifest)
+    replay = _replay_notes(tr.manifest)
+    notes += replay
     verdict, parts_b, parts_t = _logprob_verdict(br, tr, config)
     (bm, empty_b), (tm, empty_t) = _hidden(br.manifest), _hidden(tr.manifest)
     by_rows, by_pass = split_by_mode(bm, tm)
@@ -298,7 +300,7 @@ def compare_dumps(baseline: str | os.PathLike[str], target: str | os.PathLike[st
         noise=config.noise.source if config.noise is not None else None,
         noise_factor=config.noise_factor if config.noise is not None else None,
         noise_floor=config.noise_floor if config.noise is not None else None,
-        amplification=() if _replay_notes(tm) else tuple(layer_amplification(results, config)),  # replay: none
+        amplification=() if replay else tuple(layer_amplification(results, config)),  # a replay has no growth
     )
 
 

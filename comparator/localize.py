@@ -54,10 +54,12 @@ def _noise_only(config: CompareConfig, name: str) -> tuple[float, float] | None:
     return lim.threshold, lim.token_threshold
 
 
-def _first_tensor(fd: FirstDivergence, results: Sequence[TensorComparison]) -> TensorComparison | None:
-    return next((t for t in results if not t.passed and t.name == fd.name and t.layer == fd.layer
-                 and t.first_failing_token == fd.token and t.first_failing_sequence == fd.sequence
-                 and t.forward_pass == fd.forward_pass and t.rank == fd.rank), None)
+def _departs(t: TensorComparison, config: CompareConfig) -> bool | None:
+    """Whether ``t`` departs from its calibrated noise (None: no noise for it)."""
+    noise = _noise_only(config, t.name)
+    if noise is None:
+        return None
+    return not (t.rel_diff <= noise[0] and t.max_token_rel_diff <= noise[1])
 
 
 def _onset_token(t: TensorComparison, tokens: Tokens, config: CompareConfig) -> tuple[int | None, str]:
@@ -80,24 +82,24 @@ def _onset_layer(fd: FirstDivergence, results: Sequence[TensorComparison], confi
         if t.layer is None or t.layer > fd.layer:
             continue
         value, departs = layers.get(t.layer, (0.0, None))
-        noise = _noise_only(config, t.name)
-        if noise is not None:
-            out = not (t.rel_diff <= noise[0] and t.max_token_rel_diff <= noise[1])
+        out = _departs(t, config)
+        if out is not None:
             departs = bool(departs) or out
         layers[t.layer] = (max(value, t.rel_diff) if t.rel_diff == t.rel_diff else float("inf"), departs)
     return layer_onset([(k, v, d) for k, (v, d) in layers.items()], fd.layer)
 
 
-def locate_onset(fd: FirstDivergence | None, results: Sequence[TensorComparison],
+def locate_onset(found: tuple[FirstDivergence, TensorComparison] | None, results: Sequence[TensorComparison],
                  tokens_of: Callable[[TensorComparison], Tokens | None], config: CompareConfig,
                  ) -> FirstDivergence | None:
-    """``fd`` with its onset token and onset layer (see :mod:`comparator.onset`)."""
-    if fd is None:
+    """The first divergence (of ``found``: it and its first failing tensor) with its onset token and
+    onset layer (see :mod:`comparator.onset`)."""
+    if found is None:
         return None
+    fd, first = found
     onset, method = fd.token, "threshold"
-    first = _first_tensor(fd, results)
-    tokens = tokens_of(first) if first is not None else None
-    if first is not None and tokens is not None and first.first_failing_row is not None and fd.token is not None:
+    tokens = tokens_of(first)
+    if tokens is not None and first.first_failing_row is not None and fd.token is not None:
         onset, method = _onset_token(first, tokens, config)
     onset_layer, layer_method = (fd.layer, "threshold") if fd.layer is None else _onset_layer(fd, results, config)
     return replace(fd, onset=onset, onset_method=method, onset_layer=onset_layer, onset_layer_method=layer_method)
@@ -114,9 +116,8 @@ def layer_amplification(results: Sequence[TensorComparison], config: CompareConf
     layered = [t for t in results if t.layer is not None]
     departs: dict[tuple[int, str], bool] = {}
     for t in layered:
-        noise = _noise_only(config, t.name) if config is not None else None
-        if noise is not None:
+        out = _departs(t, config) if config is not None else None
+        if out is not None:
             key = (t.layer, point_of(t.name))
-            out = not (t.rel_diff <= noise[0] and t.max_token_rel_diff <= noise[1])
             departs[key] = departs.get(key, False) or out
     return amplification([(t.layer, point_of(t.name), t.rel_diff) for t in layered], departs=departs)
