@@ -49,7 +49,7 @@ class _Pool:
         self.tokens: dict[str, list[np.ndarray]] = {}
         self.rel: dict[str, float] = {}
         self.meta: dict[str, tuple[int | None, str | None]] = {}
-        self.by_variant: dict[str, list[float]] = {}
+        self.by_variant: dict[str, dict[int, float]] = {}
         self.variant = 0
 
     def add(self, t: TensorComparison, token: np.ndarray, point: str | None) -> None:
@@ -59,20 +59,18 @@ class _Pool:
         self.tokens.setdefault(t.name, []).append(token.astype(np.float32))
         self.rel[t.name] = max(self.rel.get(t.name, 0.0), t.rel_diff)
         self.meta[t.name] = (t.layer, point)
-        per = self.by_variant.setdefault(t.name, [])
-        per.extend([0.0] * (self.variant + 1 - len(per)))
-        per[self.variant] = max(per[self.variant], t.max_token_rel_diff)
+        per = self.by_variant.setdefault(t.name, {})
+        per[self.variant] = max(per.get(self.variant, 0.0), t.max_token_rel_diff)
 
     def tensors(self, variants: int) -> dict[str, TensorNoise]:
         out = {}
         for name, parts in self.tokens.items():
             v = np.concatenate(parts).astype(np.float64)
             q999, q99 = np.quantile(v, [0.999, 0.99]) if v.size else (0.0, 0.0)
-            per = self.by_variant[name] + [0.0] * (variants - len(self.by_variant[name]))
             out[name] = TensorNoise(name=name, layer=self.meta[name][0], point=self.meta[name][1],
                                     rel_diff=self.rel[name], token_max=float(v.max()) if v.size else 0.0,
                                     token_p999=float(q999), token_p99=float(q99), positions=int(v.size),
-                                    by_variant=tuple(per))
+                                    by_variant=tuple(self.by_variant[name].get(i, 0.0) for i in range(variants)))
         return dict(sorted(out.items(), key=lambda kv: (kv[1].layer is None, kv[1].layer or 0, kv[0])))
 
 

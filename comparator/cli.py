@@ -68,7 +68,6 @@ def run_calibrate(argv: Sequence[str]) -> int:
     from .render import render_noise
 
     args = build_calibrate_parser().parse_args(argv)
-    CompareConfig(threads=args.threads)  # checks the thread count before any work
     with progress_callback(not args.quiet) as progress:
         noise = calibrate(args.baseline, args.variants, threads=args.threads,
                           allow_model_mismatch=args.allow_model_mismatch, progress=progress)
