@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install what tests/test_html_browser.py needs, idempotently: Debian's chromium (and node/npm if
+# Install what tests/comparator/reports/test_html_browser.py needs, idempotently: Debian's chromium (and node/npm if
 # missing) from apt, and playwright-core from tests/browser/package-lock.json. Without them that
 # test is skipped; CI calls this so it runs.
 set -euo pipefail

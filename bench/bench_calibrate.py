@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from comparator import CompareConfig, compare_dumps  # noqa: E402
-from comparator.calibrate import calibrate  # noqa: E402
+from comparator.noise.calibrate import calibrate  # noqa: E402
 
 VARIANTS = [
     ("sdpa", ["--attn", "sdpa"], {}),

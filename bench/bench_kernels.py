@@ -1,11 +1,11 @@
-"""Throughput of comparator.kernels.row_stats and metrics.pair_stats, per storage dtype.
+"""Throughput of comparator.hidden.kernels.row_stats and metrics.pair_stats, per storage dtype.
 
 GB/s counts the input bytes of both sides divided by wall time, with warm (already touched)
 memory. The torch baseline (float32 only) widens to float64 and masks non-finite pairs with
 the same semantics, using the same number of intra-op threads.
 
 ``--baseline DIR`` times an older build in the same process, interleaved run by run with the
-current one: DIR holds copies of an older ``comparator/kernels.py``, ``metrics.py`` and the
+current one: DIR holds copies of an older ``comparator/hidden/kernels.py``, ``metrics.py`` and the
 ``_kernels*.so`` built from its ``_kernels.c``; the ``vs base`` column is current throughput
 over baseline throughput (1.00 = same speed). ``row_stats`` is the kernel with its thread
 split; ``row_stats/scaled`` the same returning scaled sums (what the metrics use);
@@ -15,7 +15,7 @@ Usage::
 
     python bench/bench_kernels.py                      # 8192x1024 blocks, ~1 GB per dtype
     python bench/bench_kernels.py --rows 4096 --total-gb 2 --threads 1 2
-    mkdir /tmp/old && cp comparator/kernels.py comparator/metrics.py comparator/_kernels*.so /tmp/old
+    mkdir /tmp/old && cp comparator/hidden/kernels.py comparator/hidden/metrics.py comparator/_kernels*.so /tmp/old
     # ... change and rebuild the kernel, then:
     python bench/bench_kernels.py --baseline /tmp/old --no-torch --dtypes F32 BF16 F64
 """

@@ -1,6 +1,6 @@
 """llama.cpp KL-divergence base files: streamed comparison throughput and peak memory against file size.
 
-Writes two synthetic base files in llama-perplexity's format (``comparator.llama_kld.write_kld``):
+Writes two synthetic base files in llama-perplexity's format (``comparator.logprobs.sources.llama_kld.write_kld``):
 ``--vocab`` entries per row, ``--chunks`` chunks of ``--n-ctx`` tokens, so ``chunks x (n_ctx/2 - 1)``
 scored rows (default 65536 x 16 x 512: 4080 rows, 0.53 GB per file) from random logits, the
 target with noise added. It times ``cat`` of both files (page cache warm, best of 3) and
@@ -39,7 +39,7 @@ def compare_only(base: str, target: str) -> None:
     sys.path.insert(0, str(ROOT / "bench"))
     from anonpeak import AnonPeak
 
-    from comparator.sources import compare_logprob_sources
+    from comparator.logprobs.sources import compare_logprob_sources
 
     before_hwm, before_anon = _status("VmHWM"), AnonPeak.now()
     with AnonPeak() as mem:
@@ -67,7 +67,7 @@ def write_files(d: Path, vocab: int, n_ctx: int, chunks: int) -> tuple[Path, Pat
     import numpy as np
 
     sys.path.insert(0, str(ROOT))
-    from comparator.llama_kld import write_kld
+    from comparator.logprobs.sources.llama_kld import write_kld
 
     tokens = np.random.default_rng(7).integers(0, vocab, size=(chunks, n_ctx))
     rows = chunks * (n_ctx - 1 - n_ctx // 2)

@@ -4,7 +4,7 @@ Builds a synthetic dump of ``--records`` tensor records (one real safetensors da
 records look like the dumper's: 32 layers per forward pass, positions and sequence ids), then
 times, best of ``--repeat`` and interleaved, ``json.loads(manifest.json)`` (the floor any
 reader pays) and ``dumper.format.load_manifest`` (parse + every check of
-:mod:`dumper.validate` + the record objects), and prints the ratio and the traced peak of each.
+:mod:`dumper.format.validate` + the record objects), and prints the ratio and the traced peak of each.
 
     python bench/bench_manifest.py [--records 100000] [--repeat 7] [--dir /tmp/driftscope-manifest-bench]
 """

@@ -23,7 +23,7 @@ from bench_dumper import build
 
 import dumper
 from dumper.format import DumpReader
-from dumper.replay import replay_model
+from dumper.jobs.replay import replay_model
 
 
 def max_difference(base: Path, replay: Path) -> float:

@@ -16,14 +16,14 @@ Golden baselines for CI (a run store, see :mod:`comparator.store`)::
     raise SystemExit(result.exit_code)      # 0 passed, 1 divergence, 2 unusable
 """
 
-from .compare import compare_dumps
-from .config import CompareConfig
-from .logprobs import LogprobThresholds, LogprobVerdict, SequenceLogprobs, compare_logprobs
-from .metrics import PairStats, pair_stats, rel_diff
-from .regress import RegressResult, regress
-from .report import FirstDivergence, Heatmap, LayerSummary, ReplicaMismatch, Report, TensorComparison
-from .sources import compare_logprob_sources
-from .store import RunStore, select_baseline
+from comparator.hidden.compare import compare_dumps
+from comparator.config import CompareConfig
+from comparator.logprobs import LogprobThresholds, LogprobVerdict, SequenceLogprobs, compare_logprobs
+from comparator.hidden.metrics import PairStats, pair_stats, rel_diff
+from comparator.store.regress import RegressResult, regress
+from comparator.results import FirstDivergence, Heatmap, LayerSummary, ReplicaMismatch, Report, TensorComparison
+from comparator.logprobs.sources import compare_logprob_sources
+from comparator.store import RunStore, select_baseline
 
 __all__ = [
     "compare_dumps",

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from dumper.errors import UsageError
 from dumper.settings import env_settings
 
-from .noise import DEFAULT_FACTOR, DEFAULT_FLOOR, Limits, NoiseModel, check_noise_factor, noise_limits
+from comparator.noise.model import DEFAULT_FACTOR, DEFAULT_FLOOR, Limits, NoiseModel, check_noise_factor, noise_limits
 
 __all__ = ["CompareConfig", "DEFAULT_THRESHOLD", "DEFAULT_TOKEN_THRESHOLD"]
 
@@ -36,7 +36,7 @@ class CompareConfig:
             lacks, instead of comparing the common ones and saying so in the verdict.
         allow_model_mismatch: compare dumps of different models (architecture, sizes, config
             hash), for cross-engine or quantized runs; the differences become verdict notes.
-        noise: measured noise of the baseline (:mod:`comparator.noise`); each tensor it covers is
+        noise: measured noise of the baseline (:mod:`comparator.noise.model`); each tensor it covers is
             judged by thresholds derived from its own noise instead of the fixed ones.
         noise_factor, noise_floor: the safety factor and absolute rel_diff floor of those thresholds.
         noise_floors: absolute floors of logprob thresholds derived from noise, by metric name.
@@ -85,7 +85,7 @@ class CompareConfig:
                 ) -> CompareConfig:
         """Flags win over ``DRIFTSCOPE_DIFF_THRESHOLD`` / ``DRIFTSCOPE_TOKEN_THRESHOLD``, which win over defaults.
 
-        ``noise_floors``: as parsed by :func:`comparator.noise.parse_noise_floor` (``rel_diff`` and
+        ``noise_floors``: as parsed by :func:`comparator.noise.model.parse_noise_floor` (``rel_diff`` and
         logprob metric names).
         """
         s = env_settings(env)

@@ -21,11 +21,11 @@ from typing import Any
 
 from rich.console import Console
 
-from .compare import compare_dumps
-from .config import CompareConfig
-from .regress import RegressResult, regress
-from .render import describe_divergence, render_report
-from .report import Report
+from comparator.hidden.compare import compare_dumps
+from comparator.config import CompareConfig
+from comparator.store.regress import RegressResult, regress
+from comparator.reports.text import describe_divergence, render_report
+from comparator.results import Report
 
 __all__ = ["assert_dumps_match", "regress", "RegressResult", "render_to_string"]
 

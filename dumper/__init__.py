@@ -3,7 +3,7 @@
 Example::
 
     import dumper
-    from dumper.presets import load_model
+    from dumper.jobs.presets import load_model
 
     model, tokenizer = load_model("tiny-llama")
     with dumper.capture(model, "dumps/a", layers="all"):
@@ -21,14 +21,14 @@ from typing import Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "Capture": "hooks",
-    "capture": "hooks",
-    "dump": "hooks",
-    "step": "hooks",
-    "active_capture": "hooks",
+    "Capture": "hooks.capture",
+    "capture": "hooks.capture",
+    "dump": "hooks.capture",
+    "step": "hooks.capture",
+    "active_capture": "hooks.capture",
     "DriftscopeError": "errors",
-    "DEFAULT_LAYERS": "layers",
-    "parse_layer_spec": "layers",
+    "DEFAULT_LAYERS": "hooks.layers",
+    "parse_layer_spec": "hooks.layers",
 }
 
 __all__ = [*_EXPORTS, "__version__"]

@@ -1,6 +1,6 @@
 """The job's inputs without torch: the built-in prompts, ``--prompts`` JSONL files and ``--input-ids``.
 
-Kept apart from :mod:`dumper.run` so that clients that only send prompts (``python -m
+Kept apart from :mod:`dumper.jobs.run` so that clients that only send prompts (``python -m
 comparator collect``, ``selfcheck --server``) start without importing torch.
 """
 
@@ -10,7 +10,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from .errors import UsageError
+from dumper.errors import UsageError
 
 __all__ = ["BUILTIN_PROMPTS", "read_prompts_file", "parse_input_ids"]
 

@@ -18,7 +18,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from .errors import UsageError
+from dumper.errors import UsageError
 
 __all__ = ["EnvSettings", "env_settings"]
 

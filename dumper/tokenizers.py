@@ -1,5 +1,5 @@
 """Tokenizers without torch: the presets' names and their byte-level tokenizer, and the protocol
-every tokenizer driftscope uses follows (a local HF directory's own one: :func:`dumper.presets.load_tokenizer`).
+every tokenizer driftscope uses follows (a local HF directory's own one: :func:`dumper.jobs.presets.load_tokenizer`).
 
 The comparator's reports read token texts through this module, so rendering a report of a
 preset dump never imports torch.
@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from .errors import UsageError
+from dumper.errors import UsageError
 
 __all__ = ["PRESETS", "Tokenizer", "ByteTokenizer"]
 
 PRESETS = ("tiny-llama", "tiny-qwen2")
-"""The built-in models (``configs/<name>.json``), built by :func:`dumper.presets.load_model`."""
+"""The built-in models (``configs/<name>.json``), built by :func:`dumper.jobs.presets.load_model`."""
 
 
 class Tokenizer(Protocol):

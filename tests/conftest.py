@@ -33,7 +33,7 @@ def _few_threads() -> None:
 
 
 def tiny_llama(attn: str = "eager", dtype: str = "float32"):
-    from dumper.presets import load_model
+    from dumper.jobs.presets import load_model
 
     model, tok = load_model("tiny-llama", attn=attn, dtype=dtype)
     return model, tok

@@ -10,14 +10,14 @@ Example::
     base = select_baseline(store, m.model["name"], m.capture_signature, m.environment)
     print(base.run_id if base else "no baseline yet")
 
-:func:`comparator.regress` does the whole job: select, compare, store the run labelled.
+:func:`comparator.store.regress` does the whole job: select, compare, store the run labelled.
 """
 
-from .environment import COMPARED_ENV_FIELDS, EnvDifference, env_differences
-from .errors import EnvMismatchError, NoBaselineError, StoreError
-from .record import LABELS, RunEntry, RunRecord, StoredNoise
-from .runstore import STAGING_GRACE_S, PruneResult, RunStore
-from .select import candidates, current_baselines, select_baseline
+from comparator.store.environment import COMPARED_ENV_FIELDS, EnvDifference, env_differences
+from comparator.store.errors import EnvMismatchError, NoBaselineError, StoreError
+from comparator.store.record import LABELS, RunEntry, RunRecord, StoredNoise
+from comparator.store.runstore import STAGING_GRACE_S, PruneResult, RunStore
+from comparator.store.select import candidates, current_baselines, select_baseline
 
 __all__ = [
     "RunStore",

@@ -29,9 +29,9 @@ from pathlib import Path
 from typing import IO, Any, Literal, Union
 
 from dumper.format import atomic_path, fsync_dir
-from dumper.validate import file_kind, is_plain_name
+from dumper.format.validate import file_kind, is_plain_name
 
-from .errors import StoreError, UnsafePathError
+from comparator.store.errors import StoreError, UnsafePathError
 
 __all__ = ["Backend", "LocalBackend", "FsspecBackend", "open_backend", "check_rel", "plain_name", "EntryKind",
            "ReadResult", "MAX_SMALL_FILE"]
@@ -61,7 +61,7 @@ def check_rel(rel: str, where: str) -> str:
 
 
 def plain_name(name: Any, where: str) -> str:
-    """``name`` if it is one plain file name (the dump format's rule, :func:`dumper.validate.is_plain_name`),
+    """``name`` if it is one plain file name (the dump format's rule, :func:`dumper.format.validate.is_plain_name`),
     else :class:`UnsafePathError`."""
     if not is_plain_name(name):
         raise UnsafePathError(f"{where}: refusing file name {name!r} (not one plain name inside the dump)")

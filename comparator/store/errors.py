@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dumper.errors import DriftscopeError
 
-from .environment import EnvDifference
+from comparator.store.environment import EnvDifference
 
 __all__ = ["StoreError", "UnsafePathError", "CorruptRunError", "NoBaselineError", "EnvMismatchError"]
 

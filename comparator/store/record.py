@@ -19,10 +19,10 @@ from datetime import datetime, timezone
 from typing import Any
 
 from dumper.errors import DriftscopeError
-from dumper.validate import parse_json
+from dumper.format.validate import parse_json
 
-from ..noise import NoiseModel
-from .errors import StoreError
+from comparator.noise.model import NoiseModel
+from comparator.store.errors import StoreError
 
 __all__ = [
     "RUN_FORMAT_VERSION",

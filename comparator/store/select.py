@@ -16,9 +16,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any, Protocol, runtime_checkable
 
-from .environment import describe_differences, env_differences, env_key
-from .errors import EnvMismatchError
-from .record import RunEntry, RunRecord, signature_key
+from comparator.store.environment import describe_differences, env_differences, env_key
+from comparator.store.errors import EnvMismatchError
+from comparator.store.record import RunEntry, RunRecord, signature_key
 
 __all__ = ["select_baseline", "candidates", "current_baselines", "Listable"]
 

@@ -13,12 +13,12 @@ import importlib.util
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from ..errors import UsageError
+from dumper.errors import UsageError
 
 if TYPE_CHECKING:
-    from ..format import Manifest
-    from ..progress import ProgressFn
-    from ..run import RunConfig
+    from dumper.format import Manifest
+    from dumper.progress import ProgressFn
+    from dumper.jobs.run import RunConfig
 
 __all__ = ["ENGINES", "engine_runner", "engine_available"]
 

@@ -27,12 +27,12 @@ from typing import Any
 
 import torch
 
-from ..errors import ModelError, UsageError
-from ..fingerprint import config_identity
-from ..format import Manifest, load_manifest
-from ..hooks import ATTN_INPUT, Capture
-from ..layers import parse_layer_spec
-from ..run import RunConfig, check_scored_positions, prompt_token_ids, record_logprobs, record_token_logprobs
+from dumper.errors import ModelError, UsageError
+from dumper.hooks.fingerprint import config_identity
+from dumper.format import Manifest, load_manifest
+from dumper.hooks.capture import ATTN_INPUT, Capture
+from dumper.hooks.layers import parse_layer_spec
+from dumper.jobs.run import RunConfig, check_scored_positions, prompt_token_ids, record_logprobs, record_token_logprobs
 
 __all__ = ["EngineInfo", "EngineDump", "attn_input_name", "hf_identity", "job_sequences", "check_checkpoint_dir",
            "check_engine_args"]
@@ -85,13 +85,13 @@ def hf_identity(checkpoint: str | os.PathLike[str], name: str | None = None, **e
     """The model identity an HF dump of ``checkpoint`` records, read from its config alone (no weights).
 
     ``architecture`` is the config's first ``architectures`` entry (the class HF builds),
-    ``config_hash`` hashes the same ``to_dict()`` as :func:`dumper.fingerprint.model_identity`,
+    ``config_hash`` hashes the same ``to_dict()`` as :func:`dumper.hooks.fingerprint.model_identity`,
     so the comparator's identity check agrees with the HF dump. ``weights_hash`` is None:
     the engine holds its own copy of the weights.
     """
     from transformers import AutoConfig
 
-    from ..presets import check_config_file, error_reason
+    from dumper.jobs.presets import check_config_file, error_reason
 
     check_config_file(os.path.join(checkpoint, "config.json"))
     try:
@@ -108,7 +108,7 @@ def job_sequences(cfg: RunConfig, checkpoint: str | os.PathLike[str] | None, voc
     Every engine is fed these ids (never its own tokenizer's split of the text), so that
     positions line up with the HF dump of the same prompts.
     """
-    from ..presets import load_tokenizer
+    from dumper.jobs.presets import load_tokenizer
 
     texts = bool(cfg.prompts) or not cfg.input_ids  # the built-in prompts are text too
     tok = load_tokenizer(str(checkpoint)) if texts and checkpoint is not None else None
@@ -172,7 +172,7 @@ class EngineDump:
 
         Row ``r`` (position ``p = first + r``) is the distribution of token ``p + 1``; rows past
         the prompt's end or at/below ``--logprob-start-len`` are dropped, as in the HF job
-        (:func:`dumper.run.record_logprobs` does the work for both).
+        (:func:`dumper.jobs.run.record_logprobs` does the work for both).
         """
         if self.spec is None:
             return
@@ -183,7 +183,7 @@ class EngineDump:
 
     def token_logprobs(self, seq_id: int, positions: Any, token_ids: Any, logprobs: Any,
                        top_ids: Any = None, top_logprobs: Any = None) -> None:
-        """Record logprobs the engine computed itself (see :func:`dumper.run.record_token_logprobs`)."""
+        """Record logprobs the engine computed itself (see :func:`dumper.jobs.run.record_token_logprobs`)."""
         positions = torch.as_tensor(positions, dtype=torch.int64).reshape(-1)
         record_token_logprobs(self._cap, positions, torch.full_like(positions, seq_id), token_ids, logprobs,
                               top_ids, top_logprobs)

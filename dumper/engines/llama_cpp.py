@@ -26,12 +26,12 @@ from typing import Any
 
 import torch
 
-from ..errors import UsageError
-from ..format import Manifest
-from ..progress import ProgressFn
-from ..run import RunConfig
-from .base import EngineDump, EngineInfo, check_checkpoint_dir, check_engine_args, hf_identity, job_sequences
-from .llama_cpp_ggml import FLASH_ATTN, GGML_TYPE, GgufSession, check_gguf_file, file_type_name
+from dumper.errors import UsageError
+from dumper.format import Manifest
+from dumper.progress import ProgressFn
+from dumper.jobs.run import RunConfig
+from dumper.engines.base import EngineDump, EngineInfo, check_checkpoint_dir, check_engine_args, hf_identity, job_sequences
+from dumper.engines.llama_cpp_ggml import FLASH_ATTN, GGML_TYPE, GgufSession, check_gguf_file, file_type_name
 
 __all__ = ["ENGINE_ARGS", "HF_ARCHITECTURES", "run_dump"]
 

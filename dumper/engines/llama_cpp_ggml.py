@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import ModelError, UsageError
+from dumper.errors import ModelError, UsageError
 
 __all__ = ["FLASH_ATTN", "GGML_TYPE", "GgufSession", "check_gguf_file", "file_type_name"]
 

@@ -21,13 +21,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import ModelError, UsageError
-from ..format import Manifest
-from ..layers import parse_layer_spec
-from ..presets import error_reason
-from ..progress import ProgressFn
-from ..run import RunConfig
-from .base import (
+from dumper.errors import ModelError, UsageError
+from dumper.format import Manifest
+from dumper.hooks.layers import parse_layer_spec
+from dumper.jobs.presets import error_reason
+from dumper.progress import ProgressFn
+from dumper.jobs.run import RunConfig
+from dumper.engines.base import (
     EngineDump,
     EngineInfo,
     check_checkpoint_dir,
@@ -35,7 +35,7 @@ from .base import (
     hf_identity,
     job_sequences,
 )
-from .onnxruntime_genai_graph import HiddenRunner, OrtModel, read_ort_model
+from dumper.engines.onnxruntime_genai_graph import HiddenRunner, OrtModel, read_ort_model
 
 __all__ = ["ENGINE_ARGS", "run_dump"]
 

@@ -25,14 +25,14 @@ from typing import Any
 
 import torch
 
-from ..errors import DriftscopeError, InternalError, ModelError, UsageError
-from ..format import Manifest, load_manifest
-from ..hooks import Capture
-from ..presets import check_config_file, error_reason
-from ..progress import ProgressFn
-from ..run import RunConfig, record_logprobs, record_token_logprobs
-from .base import EngineInfo, check_checkpoint_dir, check_engine_args, hf_identity, job_sequences
-from .vllm_serve import CPU_DEFAULTS
+from dumper.errors import DriftscopeError, InternalError, ModelError, UsageError
+from dumper.format import Manifest, load_manifest
+from dumper.hooks.capture import Capture
+from dumper.jobs.presets import check_config_file, error_reason
+from dumper.progress import ProgressFn
+from dumper.jobs.run import RunConfig, record_logprobs, record_token_logprobs
+from dumper.engines.base import EngineInfo, check_checkpoint_dir, check_engine_args, hf_identity, job_sequences
+from dumper.engines.vllm_serve import CPU_DEFAULTS
 
 __all__ = ["run_dump", "dump_llm", "load_llm", "engine_kwargs", "env_defaults", "ENGINE_ARGS"]
 
@@ -134,7 +134,7 @@ def load_llm(kwargs: dict[str, Any], *, device: str = "cpu") -> Any:
 def _engine_info(llm: Any, checkpoint: Path, dtype: str) -> EngineInfo:
     import vllm
 
-    from .vllm_hooks import model_of
+    from dumper.engines.vllm_hooks import model_of
 
     config = llm.llm_engine.vllm_config
     backend = next((m.attn_backend.get_name() for m in model_of(llm).modules() if hasattr(m, "attn_backend")), None)

@@ -30,10 +30,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..errors import UsageError
-from ..fingerprint import config_hash
-from ..families import FamilyAdapter, PassRows, Runs, SharedRows, register
-from ..format import encode_runs
+from dumper.errors import UsageError
+from dumper.hooks.fingerprint import config_hash
+from dumper.hooks.families import FamilyAdapter, PassRows, Runs, SharedRows, register
+from dumper.format import encode_runs
 
 __all__ = ["VllmFamily", "model_runner_of", "model_of"]
 

@@ -2,7 +2,7 @@
 //
 //   node check_report.mjs REPORT.html SCREENSHOT.png [PROFILE_DIR]
 //
-// Used by tests/test_html_browser.py, which asserts on the JSON. Every request that is not file: or data:
+// Used by tests/comparator/reports/test_html_browser.py, which asserts on the JSON. Every request that is not file: or data:
 // is blocked and recorded: the report must fetch nothing.
 import { mkdtempSync } from "node:fs";
 import { tmpdir } from "node:os";

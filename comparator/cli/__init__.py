@@ -1,0 +1,1 @@
+"""``python -m comparator``: thin subcommands over the library, with the shared flag groups."""

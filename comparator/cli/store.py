@@ -1,0 +1,259 @@
+"""``python -m comparator regress`` and ``python -m comparator store``: golden baselines from the command line.
+
+Thin: each command parses flags, calls :func:`comparator.store.regress` or a :class:`RunStore` method,
+prints, and maps the result to an exit code (0 passed, 1 divergence, 2 unusable).
+
+Text from the store (run ids, folder names, models, problems) is printed as plain text, never
+as rich markup: a folder named ``m[/]`` is shown, not interpreted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import replace
+from datetime import datetime, timezone
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from dumper.cli.common import Parser
+from dumper.format import write_json_atomic
+
+from comparator.cli.args import logprob_thresholds, noise_args, noise_flags, stdout_console, write_output
+from comparator.noise.calibrate import calibrate
+from comparator.config import CompareConfig
+from comparator.store.regress import RegressResult, regress
+from comparator.reports.text import render_report
+from comparator.store import LABELS, RunEntry, RunStore, StoreError
+from comparator.store.record import RunRecord, printable
+from comparator.store.select import current_baselines
+
+__all__ = ["run_regress", "run_store", "build_regress_parser", "build_store_parser"]
+
+
+def build_regress_parser() -> argparse.ArgumentParser:
+    p = Parser(prog="python -m comparator regress",
+               description="Compare a run's dump against its golden baseline in a run store (the latest run of the "
+                           "same model, capture signature and environment that did not fail), then store the run, "
+                           "labelled passed or failed. Exit 0 passed (or bootstrapped), 1 divergence, 2 unusable.")
+    p.add_argument("run_dir", help="dump directory of the run under test")
+    p.add_argument("--store", required=True, metavar="URL",
+                   help="run store: a local directory, or an fsspec URL (file://, s3://, gcs://, hf://, memory://)")
+    p.add_argument("--model", default=None, help="model name runs are grouped by (default: the dump's model name)")
+    p.add_argument("--bootstrap", action="store_true",
+                   help="when no comparable baseline exists, store this run as the first baseline (exit 0)")
+    p.add_argument("--allow-env-mismatch", action="store_true",
+                   help="compare against a baseline from another environment (torch, CUDA, GPU...) if none matches")
+    p.add_argument("--allow-missing", action="store_true",
+                   help="compare a run that lacks tensors of its baseline (or holds extra ones) on the common ones "
+                        "instead of exit 2; the verdict says what was not compared")
+    p.add_argument("--allow-model-mismatch", action="store_true",
+                   help="compare against a baseline of another model (architecture, sizes, config hash)")
+    p.add_argument("--cache-dir", metavar="DIR", default=None,
+                   help="keep downloaded baselines of a remote store here (default: a temporary directory)")
+    p.add_argument("--json", metavar="FILE", help="write the result (run id, label, baseline, report) as JSON")
+    p.add_argument("--threshold", type=float, default=None,
+                   help="whole-tensor rel_diff threshold (default 1e-3, env DRIFTSCOPE_DIFF_THRESHOLD)")
+    p.add_argument("--token-threshold", type=float, default=None,
+                   help="per-token rel_diff threshold (default 1e-3, env DRIFTSCOPE_TOKEN_THRESHOLD)")
+    p.add_argument("--logprob-threshold", action="append", default=[], metavar="NAME=VALUE",
+                   help="logprob threshold, repeatable (as for python -m comparator)")
+    p.add_argument("--threads", type=int, default=None, help="metric worker threads (default 2)")
+    p.add_argument("--calibrate", nargs="+", default=[], metavar="VARIANT",
+                   help="dumps of benign re-runs of this run's inputs (another --attn, --chunk-size, --batch-size, "
+                        "thread count): measure the run's noise from them first and store it with the run, so runs "
+                        "judged against it are judged by its noise (use it when bootstrapping a baseline)")
+    noise_flags(p, noise_file=False)
+    p.add_argument("--tensors", action="store_true", help="also print one row per tensor")
+    p.add_argument("--quiet", action="store_true", help="print only the verdict line")
+    return p
+
+
+def build_store_parser() -> argparse.ArgumentParser:
+    p = Parser(prog="python -m comparator store", description="Inspect and curate a driftscope run store.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{ls,show,promote,prune}")
+    ls = sub.add_parser("ls", help="list runs (incomplete and corrupt ones flagged)")
+    ls.add_argument("url", help="run store location")
+    ls.add_argument("--model", default=None, help="only runs of this model")
+    ls.add_argument("--label", choices=LABELS, default=None, help="only runs with this label")
+    show = sub.add_parser("show", help="print a run's record and a summary of its dump")
+    show.add_argument("url", help="run store location")
+    show.add_argument("run_id")
+    promote = sub.add_parser("promote", help="relabel a run as a baseline (a human blesses it), optionally "
+                                             "measuring its noise")
+    promote.add_argument("url", help="run store location")
+    promote.add_argument("run_id")
+    promote.add_argument("--calibrate", nargs="+", default=[], metavar="VARIANT",
+                         help="dumps of benign re-runs of the run's inputs: compare each with the stored dump and "
+                              "store the measured noise with the run (replacing any earlier calibration)")
+    promote.add_argument("--threads", type=int, default=2, help="with --calibrate: metric worker threads (default 2)")
+    promote.add_argument("--allow-model-mismatch", action="store_true",
+                         help="with --calibrate: accept variants of another model spelling (cross-engine runs)")
+    prune = sub.add_parser("prune", help="delete all but the newest N runs per model and signature "
+                                         "(current baselines are always kept)")
+    prune.add_argument("url", help="run store location")
+    prune.add_argument("--keep", type=int, required=True, metavar="N", help="runs to keep per (model, signature)")
+    prune.add_argument("--dry-run", action="store_true", help="only print what would be deleted")
+    return p
+
+
+def _warn(lines: Sequence[str]) -> None:
+    for line in lines:
+        print(f"warning: {line}", file=sys.stderr)
+
+
+def run_regress(argv: Sequence[str]) -> int:
+    args = build_regress_parser().parse_args(argv)
+    config = CompareConfig.resolve(threshold=args.threshold, token_threshold=args.token_threshold,
+                                   threads=args.threads, logprob_thresholds=logprob_thresholds(args.logprob_threshold),
+                                   allow_model_mismatch=args.allow_model_mismatch, **noise_args(args))
+    result = regress(args.run_dir, args.store, model=args.model, bootstrap=args.bootstrap,
+                     allow_env_mismatch=args.allow_env_mismatch, config=config, cache_dir=args.cache_dir,
+                     require_all=not args.allow_missing, calibrate_from=args.calibrate)
+    _warn(result.warnings)
+    _print_result(result, stdout_console(), quiet=args.quiet, tensors=args.tensors)
+    write_output(args.json, lambda p: write_json_atomic(p, result.to_json()))
+    return result.exit_code
+
+
+def _print_result(result: RegressResult, console: Console, *, quiet: bool, tensors: bool) -> None:
+    if result.report is not None and not quiet:
+        render_report(result.report, console, tensors=tensors)
+    style = "bold green" if result.exit_code == 0 else "bold red"
+    console.print(Text(result.message, style=style))
+
+
+def _open(url: str) -> RunStore:
+    store = RunStore(url)
+    if not store.exists():
+        raise StoreError(f"{url}: no run store here (no runs/ folder); python -m comparator regress RUN_DIR "
+                         f"--store {url} --bootstrap creates one")
+    return store
+
+
+def run_store(argv: Sequence[str]) -> int:
+    args = build_store_parser().parse_args(argv)
+    store = _open(args.url)
+    console = stdout_console()
+    if args.command == "ls":
+        _ls(store, console, model=args.model, label=args.label)
+    elif args.command == "show":
+        _show(store, args.run_id, console)
+    elif args.command == "promote":
+        _promote(store, args, console)
+    else:
+        res = store.prune(args.keep, dry_run=args.dry_run)
+        verb = "would delete" if args.dry_run else "deleted"
+        for name in res.deleted:
+            console.print(Text(f"{verb} {printable(name)}"))
+        for name in res.protected:
+            console.print(Text(f"kept {name} (current baseline)"))
+        _warn([f"left alone: {printable(s)}" for s in res.skipped])
+        console.print(f"{verb} {len(res.deleted)} entries; kept {len(res.kept) + len(res.protected)} runs")
+    return 0
+
+
+def _promote(store: RunStore, args: argparse.Namespace, console: Console) -> None:
+    """Relabel a run ``baseline``; with ``--calibrate``, first measure its noise against its stored dump."""
+    rec = store.get(args.run_id)
+    noise = None
+    if args.calibrate:
+        CompareConfig(threads=args.threads)  # checks the thread count before any work
+        with store.local_dump(rec.run_id) as dump:
+            noise = calibrate(dump, args.calibrate, threads=args.threads,
+                              allow_model_mismatch=args.allow_model_mismatch)
+        noise = replace(noise, baseline=store.where(rec.run_id, "dump"))  # not the temporary copy of a remote dump
+    new = store.promote(rec.run_id, noise)
+    line = f"run {new.run_id} of model {printable(repr(new.model))} is a baseline now (was {rec.pass_label})"
+    if noise is not None:
+        line += f"; calibrated from {len(noise.variants)} variants ({store.where(new.run_id, 'noise.json')})"
+    elif new.calibration is None:
+        line += ("; not calibrated: runs are judged against it by the fixed thresholds (--calibrate VARIANT ... "
+                 "measures its noise)")
+    else:
+        line += f"; it keeps its noise from {new.calibration['variants']} variants"
+    console.print(Text(line))
+
+
+def _calibration(store: RunStore, rec: RunRecord) -> str:
+    """One line on a run's calibration, its ``noise.json`` read and checked (a problem is warned about)."""
+    if rec.calibration is None:
+        return "calibration: none (runs judged against this one use the fixed thresholds)"
+    try:
+        stored = store.noise(rec)
+    except StoreError as e:
+        _warn([str(e)])
+        return f"calibration: UNUSABLE ({e})"
+    assert stored is not None
+    cal = stored.calibration
+    on = "this run" if cal["measured_on"] == rec.run_id else f"run {cal['measured_on']} (inherited)"
+    lp = f", logprobs over {stored.noise.logprobs.positions} positions" if stored.noise.logprobs is not None else ""
+    return (f"calibration: noise of {len(stored.noise.tensors)} tensors{lp} from {cal['variants']} variants, "
+            f"measured on {on} at {printable(_created(cal['created_at']))} ({store.where(rec.run_id, 'noise.json')})")
+
+
+def _created(rec_created: str) -> str:
+    try:
+        t = datetime.fromisoformat(rec_created).astimezone(timezone.utc)
+    except (ValueError, OverflowError):
+        return rec_created
+    return f"{t:%Y-%m-%d %H:%M:%S}"
+
+
+def _ls(store: RunStore, console: Console, *, model: str | None, label: str | None) -> None:
+    entries = store.runs()
+    current = current_baselines(entries)
+    table = Table(title=Text(f"runs in {store.url}"), title_justify="left")
+    for col in ("run id", "created (UTC)", "model", "label", "baseline", "verdict"):
+        table.add_column(col, no_wrap=col in ("run id", "created (UTC)", "baseline"))
+    shown = 0
+    for e in entries:
+        r = e.record
+        if r is None or (model and r.model != model) or (label and r.pass_label != label):
+            continue
+        tag = r.pass_label + (" (current)" if r.run_id in current else "")
+        style = {"failed": "red", "baseline": "bold"}.get(r.pass_label)
+        table.add_row(r.run_id, Text(printable(_created(r.created_at))), Text(printable(r.model)),
+                      Text(tag, style=style or ""), r.baseline_run or "-", Text(printable(r.verdict())))
+        shown += 1
+    broken: list[RunEntry] = [e for e in entries if not e.complete]
+    for e in broken:
+        table.add_row(Text(printable(e.name)), "-", "-", Text(e.status.upper(), style="bold yellow"), "-",
+                      Text(e.problem or ""))
+    console.print(table)
+    console.print(f"{shown} runs shown; {len(broken)} incomplete, corrupt or staging entries")
+    _warn([e.problem for e in broken if e.status in ("incomplete", "corrupt") and e.problem])
+
+
+def _show(store: RunStore, run_id: str, console: Console) -> None:
+    rec = store.get(run_id)
+    console.print_json(json.dumps(rec.to_json()))
+    console.print(Text(_dump_summary(store.manifest_json(run_id))))
+    console.print(Text(_calibration(store, rec)))
+    report = store.report_json(run_id)
+    if report is not None:
+        matched = report.get("matched")
+        console.print(Text(f"report: {matched if type(matched) is int else '?'} tensors compared against baseline "
+                           f"{rec.baseline_run}; {'PASS' if report.get('passed') is True else 'FAIL'}"))
+
+
+def _ints(tensors: list[dict[str, Any]], key: str) -> list[int]:
+    return sorted({t[key] for t in tensors if type(t.get(key)) is int})
+
+
+def _dump_summary(m: dict[str, Any]) -> str:
+    """One line about a stored dump from its raw manifest (``files`` checked; the rest taken as it comes)."""
+    listed = m.get("tensors")
+    tensors = [t for t in listed if isinstance(t, dict)] if isinstance(listed, list) else []
+    size = sum(m["files"].values())
+    model = m.get("model")
+    name = model.get("name") if isinstance(model, dict) else None
+    return (f"dump: {len(tensors)} tensors in {len(m['files'])} files ({size / 2**20:.1f} MiB); "
+            f"layers {_ints(tensors, 'layer')}; {len(_ints(tensors, 'forward_pass'))} forward passes; "
+            f"ranks {_ints(tensors, 'rank')}; model {printable(repr(name))}; "
+            f"created {printable(str(m.get('created_at')))}")

@@ -1,0 +1,365 @@
+"""Compare two dumps: align rows, stream metrics piece by piece, find the first divergence.
+
+Example::
+
+    from comparator import compare_dumps, CompareConfig
+    report = compare_dumps("dumps/one-pass", "dumps/chunked", CompareConfig(threshold=1e-3))
+    print(report.passed, report.first_divergent)
+
+Tensors whose rows carry positions are compared per (name, sequence) after reassembling
+chunks, batches and ranks (see :mod:`comparator.hidden.align`); others per (name, pass, rank).
+Only the rows being compared are touched (memory-mapped), so memory stays bounded whatever
+the dump size.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+from dataclasses import replace
+
+import numpy as np
+
+from dumper.errors import NotComparableError
+from dumper.format import LOGITS_POINT, LOGPROB_POINT, DumpReader, Manifest, TensorRecord, encode_runs
+
+from comparator.hidden.align import (
+    LogicalTensor,
+    Segment,
+    column_pieces,
+    fallback_pairs,
+    logical_tensors,
+    match_rows,
+    positions_of,
+    split_by_mode,
+)
+from comparator.config import CompareConfig
+from comparator.hidden.heatmap import token_heatmap
+from comparator.hidden.identity import check_distinct, check_identity
+from comparator.hidden.localize import FailingTokens, layer_amplification, locate_onset
+from comparator.noise.logprobs import resolve_logprob_thresholds, threshold_dtype
+from comparator.logprobs import LogprobVerdict, compare_logprobs
+from comparator.hidden.metrics import PairStats, StatsAccumulator, pair_stats
+from comparator.results import FirstDivergence, ReplicaMismatch, Report, TensorComparison
+from comparator.logprobs.sources import check_vocabulary, dump_logprobs, one_sided_parts
+
+__all__ = ["compare_dumps"]
+
+ProgressFn = Callable[[int, int], None]
+Tokens = tuple[np.ndarray, np.ndarray | None, np.ndarray | None]
+"""One comparison's per-token rel_diff, with the rows' positions and sequence ids (None: not recorded)."""
+TokenSink = Callable[[TensorComparison, np.ndarray], None]
+"""Receives every comparison with its per-token rel_diff (calibration collects them)."""
+MAX_RANGES = 32
+"""How many failing position ranges a comparison lists."""
+
+
+def _ranges(values: np.ndarray) -> list[list[int]]:
+    """Sorted integers as inclusive ``[first, last]`` ranges, at most :data:`MAX_RANGES`."""
+    return [[start, start + count - 1] for start, count in encode_runs(values, step=1)[:MAX_RANGES]]
+
+
+def _chunk_note(pos: int, segs: list[Segment], side: str) -> str | None:
+    """Where ``pos`` sits in a side's passes, when that side split the sequence over several."""
+    passes = sorted({s.rec.forward_pass for s in segs})
+    if len(passes) < 2:
+        return None
+    for s in segs:
+        if s.pos <= pos < s.pos + s.count:
+            k = passes.index(s.rec.forward_pass) + 1
+            where = "start" if pos == s.pos else f"inside (chunk starts at {s.pos})"
+            return f"token {pos} = {where} of chunk {k}/{len(passes)} of the {side} (pass {s.rec.forward_pass})"
+    return None
+
+
+def _verdict(stats: PairStats, config: CompareConfig, *, name: str, layer: int | None, forward_pass: int,
+             rank: int, shape: tuple[int, ...], positions: np.ndarray | None, sequences: np.ndarray | None,
+             sequence: int | None, notes: Callable[[int], str | None] | None = None) -> TensorComparison:
+    token = stats.token_rel_diff
+    limits = config.limits(name)
+    failing = np.flatnonzero(~(token <= limits.token_threshold))  # NaN counts as failing
+    first_row = worst_row = first_tok = worst_tok = first_seq = None
+    note = None
+    ranges: list[list[int]] = []
+    if failing.size:
+        first_row = int(failing[np.argmin(positions[failing])]) if positions is not None else int(failing[0])
+    if token.size:
+        worst_row = int(np.argmax(np.where(np.isnan(token), np.inf, token)))
+    if positions is not None:
+        first_tok = None if first_row is None else int(positions[first_row])
+        worst_tok = None if worst_row is None else int(positions[worst_row])
+        ranges = _ranges(np.unique(positions[failing]))
+    if first_row is not None:
+        first_seq = int(sequences[first_row]) if sequences is not None else sequence
+        if notes is not None and first_tok is not None:
+            note = notes(first_tok)
+    max_token = float(np.max(token)) if token.size else 0.0
+    noise_ratio, token_noise_ratio = limits.ratios(stats.rel_diff, max_token)
+    return TensorComparison(
+        name=name, layer=layer, forward_pass=forward_pass, rank=rank, shape=shape, sequence=sequence,
+        rel_diff=stats.rel_diff, max_token_rel_diff=max_token,
+        max_abs_diff=stats.max_abs_diff, mean_abs_diff=stats.mean_abs_diff, cosine=stats.cosine,
+        nan_baseline=stats.nan_x, inf_baseline=stats.inf_x, nan_target=stats.nan_y, inf_target=stats.inf_y,
+        nonfinite_mismatches=stats.nonfinite_mismatches, failing_tokens=int(failing.size),
+        first_failing_token=first_tok, first_failing_row=first_row, first_failing_sequence=first_seq,
+        failing_ranges=ranges, worst_token=worst_tok, worst_row=worst_row, note=note,
+        passed=bool(stats.rel_diff <= limits.threshold) and not failing.size,
+        threshold=limits.threshold, token_threshold=limits.token_threshold,
+        noise_ratio=noise_ratio, token_noise_ratio=token_noise_ratio,
+    )
+
+
+def _logical_stats(base: LogicalTensor, target: LogicalTensor, br: DumpReader, tr: DumpReader,
+                   config: CompareConfig) -> tuple[PairStats, np.ndarray, int]:
+    """Reassemble one (name, sequence) on both sides and stream its metrics row by row, piece by piece.
+
+    Returns the metrics, the aligned positions and the target rank whose shard differs most.
+    """
+    what = f"{tr.directory}: {target.describe()}"
+    pieces = column_pieces(base, target)
+    positions = positions_of(base.segments(pieces[0].base_rank))
+    acc = StatsAccumulator(positions.size, threads=config.threads)
+    items, owners = [], []
+    for p in pieces:
+        for run in match_rows(base.segments(p.base_rank), target.segments(p.target_rank), what):
+            idx = int(np.searchsorted(positions, run.pos))
+            if idx + run.count > positions.size or positions[idx] != run.pos:
+                raise NotComparableError(f"{what}: shards hold different token positions; cannot align")
+            x = br.rows(run.base.rec)[run.base_row:run.base_row + run.count, p.base_col:p.base_col + p.width]
+            y = tr.rows(run.target.rec)[run.target_row:run.target_row + run.count,
+                                            p.target_col:p.target_col + p.width]
+            items.append((idx, x, y, run.base.rec.dtype, run.target.rec.dtype))
+            owners.append(p.target_rank)
+    per_rank: dict[int, list[float]] = {}
+    sharded = len(pieces) > 1
+    for rank, (dd, norm) in zip(owners, acc.add_many(items, exclusive=not sharded, piece_sums=sharded), strict=True):
+        err = per_rank.setdefault(rank, [0.0, 0.0])
+        err[0] += dd
+        err[1] += norm
+    # name the target rank whose shard differs most (all ranks are one piece when unsharded)
+    rank = max(per_rank, key=lambda r: per_rank[r][0] / per_rank[r][1] if per_rank[r][1] else 0.0)
+    if rank < 0:
+        rank = target.rows[0].rec.rank
+    return acc.finish(), positions, rank
+
+
+def _compare_logical(base: LogicalTensor, target: LogicalTensor, br: DumpReader, tr: DumpReader,
+                     config: CompareConfig) -> tuple[TensorComparison, Tokens]:
+    """Compare one (name, sequence) reassembled on both sides; also its per-token rel_diff and positions."""
+    stats, positions, rank = _logical_stats(base, target, br, tr, config)
+    pieces = column_pieces(base, target)
+    first = base.segments(pieces[0].base_rank)[0].rec
+    width = sum(p.width for p in pieces)
+
+    def notes(pos: int) -> str | None:
+        return _chunk_note(pos, target.segments(pieces[0].target_rank), "target") or \
+            _chunk_note(pos, base.segments(pieces[0].base_rank), "baseline")
+
+    return _verdict(stats, config, name=base.name, layer=base.layer, forward_pass=first.forward_pass,
+                    rank=rank, shape=(int(positions.size), width), positions=positions, sequences=None,
+                    sequence=base.sequence, notes=notes), (stats.token_rel_diff, positions, None)
+
+
+def _compare_records(b: TensorRecord, t: TensorRecord, br: DumpReader, tr: DumpReader,
+                     config: CompareConfig) -> tuple[TensorComparison, Tokens]:
+    """Compare one pair of tensors matched by (name, pass, rank, call); also its per-token values."""
+    if b.shape != t.shape:
+        raise NotComparableError(
+            f"{tr.directory / t.file}: tensor {t.name!r} (pass {t.forward_pass}) has shape {list(t.shape)} "
+            f"but the baseline {br.directory / b.file} has {list(b.shape)}; these dumps cannot be aligned")
+    stats = pair_stats(br.array(b), tr.array(t), b.dtype, t.dtype, threads=config.threads)
+    sequences, positions = b.row_sequence_ids(), b.row_positions()
+    return _verdict(stats, config, name=b.name, layer=b.layer, forward_pass=b.forward_pass, rank=b.rank,
+                    shape=b.shape, positions=positions, sequences=sequences, sequence=None), \
+        (stats.token_rel_diff, positions, sequences)
+
+
+def _check_replicas(side: str, reader: DumpReader, lts: dict, config: CompareConfig) -> list[ReplicaMismatch]:
+    """Rows that several ranks hold (tensor-parallel replicas) must be bit-identical."""
+    found: list[ReplicaMismatch] = []
+    for lt in lts.values():
+        worst: dict[int, tuple[int, float]] = {}  # rank -> (first differing position, worst row rel_diff)
+        for ref, other in lt.replicas:
+            x = reader.rows(ref.rec)[ref.row:ref.row + ref.count]
+            y = reader.rows(other.rec)[other.row:other.row + other.count]
+            stats = pair_stats(x, y, ref.rec.dtype, other.rec.dtype, threads=config.threads)
+            bad = np.flatnonzero(~(stats.token_rel_diff == 0))
+            if bad.size:
+                pos, rd = ref.pos + int(bad[0]), float(np.max(stats.token_rel_diff))
+                prev = worst.get(other.rec.rank)
+                worst[other.rec.rank] = (min(pos, prev[0]), max(rd, prev[1])) if prev else (pos, rd)
+        for rank, (pos, rd) in sorted(worst.items()):
+            found.append(ReplicaMismatch(side=side, name=lt.name, layer=lt.layer, sequence=lt.sequence,
+                                         rank=rank, reference_rank=lt.rows[0].rec.rank if lt.rows else 0,
+                                         first_token=pos, max_token_rel_diff=rd))
+    found.sort(key=lambda m: (m.layer is None, m.layer or 0, m.rank, m.first_token))
+    return found
+
+
+def _first_divergence(tensors: list[TensorComparison]) -> tuple[FirstDivergence, TensorComparison] | None:
+    """The first divergence, and the tensor whose first failing token it names (None: nothing failed)."""
+    failed = [t for t in tensors if not t.passed]
+    if not failed:
+        return None
+    layered = [t for t in failed if t.layer is not None]
+    pool = layered if layered else failed
+    low = min(t.layer for t in pool) if layered else None
+    in_layer = [t for t in pool if t.layer == low]
+
+    def order(t: TensorComparison) -> tuple:
+        tok = t.first_failing_token
+        return (tok is None, tok if tok is not None else 0, t.sequence if t.sequence is not None else -1,
+                t.forward_pass, t.rank, t.name)
+
+    first = min(in_layer, key=order)
+    worst = max(in_layer, key=lambda t: t.max_token_rel_diff)
+    sequences = sorted({t.first_failing_sequence for t in in_layer if t.first_failing_sequence is not None})
+    return FirstDivergence(
+        name=first.name, layer=low, rel_diff=max(t.rel_diff for t in in_layer), token=first.first_failing_token,
+        worst_token=worst.worst_token, sequence=first.first_failing_sequence, forward_pass=first.forward_pass,
+        rank=first.rank, failing_sequences=sequences, failing_ranges=first.failing_ranges, note=first.note), first
+
+
+def compare_dumps(baseline: str | os.PathLike[str], target: str | os.PathLike[str],
+                  config: CompareConfig | None = None, *, progress: ProgressFn | None = None,
+                  token_sink: TokenSink | None = None) -> Report:
+    """Compare the dump ``target`` against the dump ``baseline``.
+
+    Raises :class:`~dumper.errors.DumpError` for a missing, incomplete or corrupt dump and
+    :class:`~dumper.errors.NotComparableError` when nothing matches or rows cannot be
+    aligned; a divergence is not an exception but ``report.passed == False``.
+    """
+    config = config or CompareConfig()
+    check_distinct(baseline, target)
+    br, tr = DumpReader(baseline), DumpReader(target)
+    for reader in (br, tr):
+        if not reader.manifest.tensors:
+            raise NotComparableError(f"{reader.directory}: the dump captured no tensors")
+    notes = check_identity(br.manifest, tr.manifest, allow_mismatch=config.allow_model_mismatch,
+                           where=f"{tr.directory} vs baseline {br.directory}")
+    if config.noise is not None:
+        config.noise.check_baseline(br.manifest, f"the baseline {br.directory}")
+    replay = _replay_notes(tr.manifest)
+    notes += replay
+    verdict, parts_b, parts_t = _logprob_verdict(br, tr, config)
+    (bm, empty_b), (tm, empty_t) = _hidden(br.manifest), _hidden(tr.manifest)
+    by_rows, by_pass = split_by_mode(bm, tm)
+    base_lts = logical_tensors(bm, by_rows, str(br.directory))
+    targ_lts = logical_tensors(tm, by_rows, str(tr.directory))
+    logical = sorted(base_lts.keys() & targ_lts.keys(),
+                     key=lambda k: (base_lts[k].rows[0].rec.file, base_lts[k].rows[0].rec.key, k))
+    pairs, only_b, only_t = fallback_pairs(bm, tm, by_pass)
+    unmatched_b = sorted([f"{n}#{c}[sequence={s}]" if c else f"{n}[sequence={s}]"
+                          for n, c, s in base_lts.keys() - targ_lts.keys()] + [_label(k) for k in only_b])
+    unmatched_t = sorted([f"{n}#{c}[sequence={s}]" if c else f"{n}[sequence={s}]"
+                          for n, c, s in targ_lts.keys() - base_lts.keys()] + [_label(k) for k in only_t])
+    empty = sorted(set(empty_b) | set(empty_t))  # no elements, nothing to compare: said, never counted as matched
+    unmatched_b += parts_b  # logits rows or top-k lists on one side only: their metrics were not computed
+    unmatched_t += parts_t
+    if verdict is None:  # logprobs recorded on one side only were not compared either
+        unmatched_b += [LOGPROB_POINT] if _has_logprobs(br.manifest) else []
+        unmatched_t += [LOGPROB_POINT] if _has_logprobs(tr.manifest) else []
+    total = len(logical) + len(pairs)
+    if not total and (verdict is None or bm.tensors or tm.tensors):  # logprob-only dumps have no hidden tensors
+        raise NotComparableError(
+            f"{tr.directory}: zero tensors match the baseline {br.directory} "
+            f"({len(unmatched_b)} baseline-only, {len(unmatched_t)} target-only, {len(empty)} empty"
+            f"{f', e.g. {unmatched_b[:1]} vs {unmatched_t[:1]}' if unmatched_b or unmatched_t else ''})")
+    if config.require_all and (unmatched_b or unmatched_t):
+        raise NotComparableError(
+            f"{tr.directory}: {len(unmatched_b)} tensors only in the baseline {br.directory} "
+            f"(e.g. {', '.join(unmatched_b[:3]) or '-'}), {len(unmatched_t)} only in the target "
+            f"(e.g. {', '.join(unmatched_t[:3]) or '-'}); --require-all needs every tensor on both sides")
+    replicas = _check_replicas("baseline", br, base_lts, config) + _check_replicas("target", tr, targ_lts, config)
+    results: list[TensorComparison] = []
+    kept = FailingTokens()
+    jobs = [lambda key=key: _compare_logical(base_lts[key], targ_lts[key], br, tr, config) for key in logical]
+    jobs += [lambda b=b, t=t: _compare_records(b, t, br, tr, config)
+             for b, t in sorted(pairs, key=lambda p: (p[0].file, p[0].key))]
+    for job in jobs:
+        comparison, tokens = job()
+        results.append(comparison)
+        kept.add(comparison, tokens)
+        if token_sink is not None:
+            token_sink(comparison, tokens[0])
+        if progress is not None:
+            progress(len(results), total)
+    results.sort(key=lambda r: (r.layer is None, r.layer if r.layer is not None else 0, r.name,
+                                r.sequence if r.sequence is not None else -1, r.forward_pass, r.rank))
+    first_divergent = locate_onset(_first_divergence(results), results, kept.get, config)
+    heatmap = token_heatmap(first_divergent, base_lts, targ_lts,
+                            lambda b, t: _logical_stats(b, t, br, tr, config)[:2])
+    return Report(
+        baseline=str(br.directory), target=str(tr.directory), threshold=config.threshold,
+        token_threshold=config.token_threshold, tensors=tuple(results),
+        unmatched_baseline=tuple(unmatched_b), unmatched_target=tuple(unmatched_t),
+        first_divergent=first_divergent, replica_mismatches=tuple(replicas), logprobs=verdict,
+        environment={"baseline": bm.environment, "target": tm.environment}, heatmap=heatmap,
+        notes=tuple(notes) + _noise_notes(config, results), empty_tensors=tuple(empty),
+        noise=config.noise.source if config.noise is not None else None,
+        noise_factor=config.noise_factor if config.noise is not None else None,
+        noise_floor=config.noise_floor if config.noise is not None else None,
+        amplification=() if replay else tuple(layer_amplification(results, config)),  # a replay has no growth
+    )
+
+
+def _noise_notes(config: CompareConfig, results: list[TensorComparison]) -> tuple[str, ...]:
+    """Say which tensors a noise file did not cover (they were judged by the fixed thresholds)."""
+    if config.noise is None:
+        return ()
+    missing = [t.name for t in results if t.noise_ratio is None]
+    if not missing:
+        return ()
+    return (f"{len(missing)} of {len(results)} tensors have no calibrated noise (e.g. {missing[0]}): "
+            f"fixed thresholds rel_diff <= {config.threshold:g}, per-token <= {config.token_threshold:g}",)
+
+
+def _replay_notes(manifest: Manifest) -> tuple[str, ...]:
+    """A replay dump (``python -m dumper replay``) holds each layer's own error one layer up: say so."""
+    if not isinstance(manifest.extra.get("replay"), dict):
+        return ()
+    return ("replay dump: the residual of layer k+1 is layer k run on the baseline's own input, so its "
+            "rel_diff is the error layer k introduces by itself, nothing inherited (tensors only in the "
+            "baseline, such as layer 0's residual and the input point, are expected)",)
+
+
+def _has_logprobs(manifest: Manifest) -> bool:
+    return any(r.point == LOGPROB_POINT for r in manifest.tensors)
+
+
+def _hidden(manifest: Manifest) -> tuple[Manifest, list[str]]:
+    """The manifest without its logprob and logits rows (they get a verdict of their own) and without
+    tensors of no elements, which are returned as labels (``name[pass=P,rank=R]``)."""
+    keep, empty = [], []
+    for r in manifest.tensors:
+        if r.point in (LOGPROB_POINT, LOGITS_POINT):
+            continue
+        if math.prod(r.shape) == 0:
+            empty.append(_label((r.name, r.forward_pass, r.rank, r.call)))
+        else:
+            keep.append(r)
+    return (manifest if len(keep) == len(manifest.tensors) else replace(manifest, tensors=tuple(keep))), empty
+
+
+def _logprob_verdict(br: DumpReader, tr: DumpReader, config: CompareConfig) -> tuple[
+        LogprobVerdict | None, list[str], list[str]]:
+    """The logprob verdict when both dumps recorded logprobs (else None), and the logprob parts
+    (logits rows, top-k lists) that only one side recorded, so were not compared."""
+    base, targ = dump_logprobs(br), dump_logprobs(tr)
+    if base is None or targ is None:
+        return None, [], []
+    check_vocabulary(base, targ)
+    thresholds = resolve_logprob_thresholds(config.model or base.model, explicit=dict(config.logprob_thresholds),
+                                            noise=config.noise.logprobs if config.noise is not None else None,
+                                            factor=config.noise_factor, floors=dict(config.noise_floors),
+                                            dtype=threshold_dtype(base.dtype, targ.dtype))
+    both = base.logits is not None and targ.logits is not None
+    verdict = compare_logprobs(base.sequences, targ.sequences, thresholds,
+                               ref_logits=base.logits if both else None, tgt_logits=targ.logits if both else None)
+    return (verdict, *one_sided_parts(base, targ))
+
+
+def _label(key: tuple[str, int, int, int]) -> str:
+    name, fp, rank, call = key
+    return f"{name}{f'#{call}' if call else ''}[pass={fp},rank={rank}]"

@@ -1,0 +1,123 @@
+"""From the first failing tensor to where its divergence starts: onset token and onset layer.
+
+:mod:`comparator.hidden.onset` holds the estimators; this module feeds them a comparison's results
+(see README, "Calibrated verdicts"). Per-token values are kept only for failing tensors of the
+lowest failing layer seen so far, so memory stays bounded by one layer's positions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+
+import numpy as np
+
+from comparator.config import CompareConfig
+from comparator.noise.model import noise_limits
+from comparator.hidden.onset import Amplification, amplification, layer_onset, point_of, token_onset
+from comparator.results import FirstDivergence, TensorComparison
+
+__all__ = ["FailingTokens", "locate_onset", "layer_amplification"]
+
+Tokens = tuple[np.ndarray, np.ndarray | None, np.ndarray | None]
+
+
+class FailingTokens:
+    """Per-token rel_diff of the failing comparisons in the lowest failing layer so far."""
+
+    def __init__(self) -> None:
+        self._kept: dict[int, tuple[TensorComparison, Tokens]] = {}
+        self._low: int | None = None
+
+    def add(self, t: TensorComparison, tokens: Tokens) -> None:
+        if t.passed:
+            return
+        if t.layer is not None:
+            if self._low is not None and t.layer > self._low:
+                return
+            if self._low is None or t.layer < self._low:
+                self._low = t.layer
+                self._kept = {k: v for k, v in self._kept.items() if v[0].layer is None}
+        self._kept[id(t)] = (t, tokens)
+
+    def get(self, t: TensorComparison) -> Tokens | None:
+        hit = self._kept.get(id(t))
+        return hit[1] if hit is not None else None
+
+
+def _noise_only(config: CompareConfig, name: str) -> tuple[float, float] | None:
+    """The tensor's thresholds from its noise alone (no fixed ones on top), or None without noise."""
+    entry = config.noise.tensor(name) if config.noise is not None else None
+    if entry is None:
+        return None
+    lim = noise_limits(entry, config.noise_factor, config.noise_floor, None)
+    return lim.threshold, lim.token_threshold
+
+
+def _departs(t: TensorComparison, config: CompareConfig) -> bool | None:
+    """Whether ``t`` departs from its calibrated noise (None: no noise for it)."""
+    noise = _noise_only(config, t.name)
+    if noise is None:
+        return None
+    return not (t.rel_diff <= noise[0] and t.max_token_rel_diff <= noise[1])
+
+
+def _onset_token(t: TensorComparison, tokens: Tokens, config: CompareConfig) -> tuple[int | None, str]:
+    token, positions, sequences = tokens
+    rows = np.arange(token.size)
+    if sequences is not None and t.first_failing_sequence is not None:  # rows of several sequences: the first's
+        rows = np.flatnonzero(sequences == t.first_failing_sequence)
+    assert t.first_failing_row is not None
+    local_first = int(np.flatnonzero(rows == t.first_failing_row)[0])
+    pos = positions[rows] if positions is not None else None
+    noise = _noise_only(config, t.name)
+    row, method = token_onset(token[rows], pos, local_first, noise[1] if noise is not None else None)
+    return (int(pos[row]) if pos is not None else None), method
+
+
+def _onset_layer(fd: FirstDivergence, results: Sequence[TensorComparison], config: CompareConfig) -> tuple[int, str]:
+    assert fd.layer is not None
+    layers: dict[int, tuple[float, bool | None]] = {}
+    for t in results:
+        if t.layer is None or t.layer > fd.layer:
+            continue
+        value, departs = layers.get(t.layer, (0.0, None))
+        out = _departs(t, config)
+        if out is not None:
+            departs = bool(departs) or out
+        layers[t.layer] = (max(value, t.rel_diff) if t.rel_diff == t.rel_diff else float("inf"), departs)
+    return layer_onset([(k, v, d) for k, (v, d) in layers.items()], fd.layer)
+
+
+def locate_onset(found: tuple[FirstDivergence, TensorComparison] | None, results: Sequence[TensorComparison],
+                 tokens_of: Callable[[TensorComparison], Tokens | None], config: CompareConfig,
+                 ) -> FirstDivergence | None:
+    """The first divergence (of ``found``: it and its first failing tensor) with its onset token and
+    onset layer (see :mod:`comparator.hidden.onset`)."""
+    if found is None:
+        return None
+    fd, first = found
+    onset, method = fd.token, "threshold"
+    tokens = tokens_of(first)
+    if tokens is not None and first.first_failing_row is not None and fd.token is not None:
+        onset, method = _onset_token(first, tokens, config)
+    onset_layer, layer_method = (fd.layer, "threshold") if fd.layer is None else _onset_layer(fd, results, config)
+    return replace(fd, onset=onset, onset_method=method, onset_layer=onset_layer, onset_layer_method=layer_method)
+
+
+def layer_amplification(results: Sequence[TensorComparison], config: CompareConfig | None = None,
+                        ) -> list[Amplification]:
+    """Per-layer amplification at each capture point (see :func:`comparator.hidden.onset.amplification`).
+
+    With calibrated noise, a layer introduces error only when what it hands on (the next layer's
+    value) departs from that layer's noise: benign bf16 rounding that turns layer 0's exact
+    embedding into noise is growth, not a bug.
+    """
+    layered = [t for t in results if t.layer is not None]
+    departs: dict[tuple[int, str], bool] = {}
+    for t in layered:
+        out = _departs(t, config) if config is not None else None
+        if out is not None:
+            key = (t.layer, point_of(t.name))
+            departs[key] = departs.get(key, False) or out
+    return amplification([(t.layer, point_of(t.name), t.rel_diff) for t in layered], departs=departs)

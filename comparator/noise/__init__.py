@@ -1,0 +1,1 @@
+"""Measured noise: calibration files, noise-relative thresholds for hidden states and logprobs."""

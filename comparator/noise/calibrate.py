@@ -1,0 +1,120 @@
+"""``calibrate``: measure what benign variation looks like for one baseline.
+
+Each variant is a benign re-run of the baseline's inputs (another attention backend, chunk size,
+batch layout or thread count, or a plain re-run). Every variant is compared with the baseline
+exactly as ``python -m comparator`` would; per captured tensor name the largest whole-tensor
+rel_diff and the pooled per-token rel_diff (max, p99.9, p99) become its noise, and the logprob
+verdicts become the logprob noise (:mod:`comparator.noise.logprobs`). The sources are those of
+``python -m comparator logprobs``: dumps (hidden states and, when recorded, logprobs), engine
+JSONL files and llama.cpp KL-divergence base files (logprobs only).
+
+Example::
+
+    from comparator.noise.calibrate import calibrate
+    noise = calibrate("dumps/base", ["dumps/sdpa", "dumps/chunk64"])
+    noise.save("NOISE.json")
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from dumper.errors import NotComparableError, UsageError
+from dumper.format import MANIFEST_NAME, load_manifest
+
+from comparator.hidden.compare import compare_dumps
+from comparator.config import CompareConfig
+from comparator.hidden.identity import IDENTITY_FIELDS
+from comparator.noise.logprobs import logprob_noise
+from comparator.logprobs import LogprobVerdict
+from comparator.noise.model import NoiseModel, TensorNoise
+from comparator.hidden.onset import point_of
+from comparator.results import TensorComparison
+from comparator.logprobs.sources import compare_logprob_sources
+
+__all__ = ["calibrate"]
+
+ProgressFn = Callable[[int, int], None]
+
+
+class _Pool:
+    """Per tensor name: per-token values of every variant, largest rel_diff, largest per variant."""
+
+    def __init__(self) -> None:
+        self.tokens: dict[str, list[np.ndarray]] = {}
+        self.rel: dict[str, float] = {}
+        self.meta: dict[str, tuple[int | None, str | None]] = {}
+        self.by_variant: dict[str, dict[int, float]] = {}
+        self.variant = 0
+
+    def add(self, t: TensorComparison, token: np.ndarray, point: str | None) -> None:
+        if t.nonfinite_mismatches or not math.isfinite(t.rel_diff):
+            raise NotComparableError(f"variant {self.variant + 1}: {t.name} has NaN/Inf where the baseline does "
+                                     "not; that is not benign noise, so it cannot calibrate")
+        self.tokens.setdefault(t.name, []).append(token.astype(np.float32))
+        self.rel[t.name] = max(self.rel.get(t.name, 0.0), t.rel_diff)
+        self.meta[t.name] = (t.layer, point)
+        per = self.by_variant.setdefault(t.name, {})
+        per[self.variant] = max(per.get(self.variant, 0.0), t.max_token_rel_diff)
+
+    def tensors(self, variants: int) -> dict[str, TensorNoise]:
+        out = {}
+        for name, parts in self.tokens.items():
+            v = np.concatenate(parts).astype(np.float64)
+            q999, q99 = np.quantile(v, [0.999, 0.99]) if v.size else (0.0, 0.0)
+            out[name] = TensorNoise(name=name, layer=self.meta[name][0], point=self.meta[name][1],
+                                    rel_diff=self.rel[name], token_max=float(v.max()) if v.size else 0.0,
+                                    token_p999=float(q999), token_p99=float(q99), positions=int(v.size),
+                                    by_variant=tuple(self.by_variant[name].get(i, 0.0) for i in range(variants)))
+        return dict(sorted(out.items(), key=lambda kv: (kv[1].layer is None, kv[1].layer or 0, kv[0])))
+
+
+def _is_dump(path: str | os.PathLike[str]) -> bool:
+    return Path(path).is_dir() and (Path(path) / MANIFEST_NAME).is_file()
+
+
+def calibrate(baseline: str | os.PathLike[str], variants: Sequence[str | os.PathLike[str]], *,
+              threads: int = 2, allow_model_mismatch: bool = False, progress: ProgressFn | None = None) -> NoiseModel:
+    """The noise of ``baseline`` measured against each benign ``variant``.
+
+    Dumps contribute hidden-state noise (every tensor both sides hold) and, when both recorded
+    logprobs, logprob noise; other sources logprob noise only. A variant that does not match
+    the baseline (no common tensor, other positions) raises the comparison's error; one with a
+    NaN/Inf mismatch is refused, since it is not benign.
+    """
+    if not variants:
+        raise UsageError("calibrate needs at least one benign variant of the baseline")
+    for path in (baseline, *variants):
+        if not os.path.exists(path):
+            raise UsageError(f"{path}: no such dump or logprob file")
+    config = CompareConfig(threads=threads, allow_model_mismatch=allow_model_mismatch)
+    pool = _Pool()
+    verdicts: list[LogprobVerdict] = []
+    dump = _is_dump(baseline)
+    for i, variant in enumerate(variants):
+        pool.variant = i
+        if dump and _is_dump(variant):
+            report = compare_dumps(baseline, variant, config,
+                                   token_sink=lambda t, tok: pool.add(t, tok, point_of(t.name)))
+            if report.logprobs is not None:
+                verdicts.append(report.logprobs)
+        else:
+            verdicts.append(compare_logprob_sources(baseline, variant, allow_model_mismatch=allow_model_mismatch))
+        if progress is not None:
+            progress(i + 1, len(variants))
+    model, dtype = {}, None
+    if dump:
+        manifest = load_manifest(baseline)
+        model = {k: manifest.model[k] for k in (*IDENTITY_FIELDS, "weights_hash", "name") if k in manifest.model}
+        dtype = manifest.capture_signature.get("dtype")
+    if len(verdicts) not in (0, len(variants)):
+        raise UsageError(f"{baseline}: only {len(verdicts)} of {len(variants)} variants recorded logprobs; "
+                         "calibrate logprobs from variants that all record them")
+    return NoiseModel(baseline=str(baseline), variants=tuple(str(v) for v in variants),
+                      tensors=pool.tensors(len(variants)), logprobs=logprob_noise(verdicts) if verdicts else None,
+                      model=model, dtype=dtype)

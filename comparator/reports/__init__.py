@@ -1,0 +1,1 @@
+"""Renderers of results: terminal text, Markdown, CSV/Parquet, HTML and plots (never torch)."""

@@ -1,0 +1,399 @@
+"""One self-contained HTML file per comparison, for a person to open in a browser.
+
+The page holds the verdict (where the divergence starts, then where it first fails), both runs'
+model, capture and environment side by side (what differs is highlighted), the per-layer rel_diff
+chart and table (multiples of the calibrated noise, each layer's amplification, the layer that
+introduces error highlighted), the amplification chart, the token x layer heatmap from the onset
+to the first failing token, the logprob plots with the worst positions and their tokens, and every
+tensor in a table sortable by clicking its headers. Charts are inline SVG (matplotlib), style and
+the sorting script inline: the file fetches nothing, so it works offline, as a CI artifact, or
+attached to a bug report.
+
+Example::
+
+    from comparator import compare_dumps
+    from comparator.reports.html import write_html
+    from dumper.format import load_manifest
+    report = compare_dumps("dumps/one", "dumps/chunked")
+    write_html(report, "report.html", baseline_manifest=load_manifest("dumps/one"),
+               target_manifest=load_manifest("dumps/chunked"))
+"""
+
+from __future__ import annotations
+
+import html
+import itertools
+import json
+import math
+import os
+from collections.abc import Iterable, Sequence
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from dumper import __version__
+from dumper.format import Manifest, atomic_path
+
+from comparator.logprobs import Located, LogprobVerdict, PositionSeries
+from comparator.reports.plots import amplification_figure, figure_svg, heatmap_figure, layer_figure, logprob_figure
+from comparator.reports.text import describe_divergence, format_float, format_ratio, reaches_output, threshold_summary, verdict_notes
+from comparator.results import FirstDivergence, Report
+from comparator.reports.tokens import TokenLookup, show_text
+
+if TYPE_CHECKING:
+    from dumper.tokenizers import Tokenizer
+
+__all__ = ["render_html", "write_html", "MAX_ROWS", "WORST_POSITIONS"]
+
+MAX_ROWS = 20_000
+"""Tensor table rows shown; a larger report says how many were left out (the CSV has them all)."""
+WORST_POSITIONS = 10
+"""Positions listed per logprob ranking."""
+
+_CSS = """
+body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",sans-serif;margin:0 auto;max-width:1180px;padding:0 16px 40px;color:#222}
+h1{margin:0;font-size:24px}h2{margin:22px 0 6px;font-size:18px;border-bottom:1px solid #ddd;padding-bottom:4px}
+.verdict{padding:10px 18px;margin-top:12px;border-radius:6px}.verdict p{margin:6px 0}
+.pass{background:#e8f6ec;border-left:6px solid #27ae60}
+.fail{background:#fdecea;border-left:6px solid #c0392b}.muted{color:#666}.chart{margin:0}.chart svg{max-width:100%;height:auto}
+table{border-collapse:collapse;font-size:12.5px;width:100%}th,td{padding:3px 7px;border-bottom:1px solid #eee;text-align:left}
+td.n{text-align:right;font-variant-numeric:tabular-nums}tr.bad td{background:#fdf1f0}tr.diff td{background:#fff7e0}
+th{background:#f5f5f5;position:sticky;top:0}table.sortable th{cursor:pointer;user-select:none}
+th[aria-sort=ascending]::after{content:" \\25B2"}th[aria-sort=descending]::after{content:" \\25BC"}
+code{background:#f3f3f3;padding:0 3px;border-radius:3px}.tok{display:inline-block;white-space:pre;margin:0 2px 2px 0}
+.hit{background:#f9d2cd;outline:1px solid #c0392b}.onset{background:#fde3c8;outline:2px solid #e67e22}
+tr.introduced td{background:#fff0dc;font-weight:600}tr.first td{font-weight:700}
+.scroll{max-height:640px;overflow:auto;border:1px solid #eee}
+"""
+
+_JS = """
+document.querySelectorAll("table.sortable").forEach(function (t) {
+  t.querySelectorAll("th").forEach(function (th, i) {
+    th.addEventListener("click", function () {
+      var asc = th.getAttribute("aria-sort") !== "ascending", num = th.dataset.type === "num";
+      t.querySelectorAll("th").forEach(function (h) { h.removeAttribute("aria-sort"); });
+      th.setAttribute("aria-sort", asc ? "ascending" : "descending");
+      var key = function (r) { var c = r.cells[i], v = c.dataset.v !== undefined ? c.dataset.v : c.textContent;
+        return num ? (v === "" ? NaN : Number(v)) : v; };
+      var rows = Array.prototype.slice.call(t.tBodies[0].rows).map(function (r) { return [key(r), r]; });
+      rows.sort(function (a, b) {
+        if (num) { var an = isNaN(a[0]), bn = isNaN(b[0]); if (an || bn) return an - bn;
+          return asc ? a[0] - b[0] : b[0] - a[0]; }
+        return asc ? String(a[0]).localeCompare(b[0]) : String(b[0]).localeCompare(a[0]); });
+      var frag = document.createDocumentFragment();
+      rows.forEach(function (p) { frag.appendChild(p[1]); });
+      t.tBodies[0].appendChild(frag);
+    });
+  });
+});
+"""
+
+
+def _e(v: Any) -> str:
+    return html.escape(str(v), quote=True)
+
+
+def _v(x: float | int | None) -> str:
+    """A sort key for ``data-v``: what JavaScript's ``Number()`` reads back."""
+    if x is None:
+        return ""
+    if isinstance(x, float) and math.isnan(x):
+        return "NaN"
+    if isinstance(x, float) and math.isinf(x):
+        return "Infinity" if x > 0 else "-Infinity"
+    return repr(x)
+
+
+def _num(x: float | int | None, text: str | None = None) -> str:
+    shown = text if text is not None else "-" if x is None else format_float(x) if isinstance(x, float) else str(x)
+    return f'<td class="n" data-v="{_e(_v(x))}">{_e(shown)}</td>'
+
+
+def _table(head: Sequence[tuple[str, str]], rows: Iterable[str], *, sortable: bool = False, table_id: str = "") -> str:
+    """A table; ``head`` holds (label, "num"|"str") pairs, ``rows`` finished ``<tr>`` elements."""
+    ths = "".join(f'<th data-type="{t}">{_e(label)}</th>' for label, t in head)
+    attrs = (f' id="{_e(table_id)}"' if table_id else "") + (' class="sortable"' if sortable else "")
+    return f"<table{attrs}><thead><tr>{ths}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
+
+
+_METHODS = {"calibrated": "over its calibrated noise", "change-point": "change point estimated from the run",
+            "threshold": "no earlier departure stood out: the first over the threshold"}
+
+
+def _onset(fd: FirstDivergence) -> str:
+    """Where the divergence starts: onset token and onset layer with their methods (see :mod:`comparator.hidden.onset`)."""
+    seq = f" of sequence {fd.sequence}" if fd.sequence is not None else ""
+    parts = [f"{what} <strong>{_e(at)}</strong>{_e(where)} ({_e(_METHODS.get(how or '', how))})"
+             for what, at, how, where in (("token", fd.onset, fd.onset_method, seq),
+                                          ("layer", fd.onset_layer, fd.onset_layer_method, "")) if at is not None]
+    if not parts:
+        return ""
+    first = [f"token {fd.token}"] * (fd.token is not None) + [f"layer {fd.layer}"] * (fd.layer is not None)
+    return (f'<p id="onset">Divergence starts at {" in ".join(parts)}; first over the threshold at '
+            f"{_e(', '.join(first) or '-')}.</p>")
+
+
+def _verdict(report: Report) -> str:
+    fd = report.first_divergent
+    summary = "; ".join(_e(x) for x in [f"matched {report.matched} tensors", threshold_summary(report),
+                                        *verdict_notes(report)])
+    if report.passed:
+        head, line = "PASS", "every matched tensor passed"
+    elif fd is not None:
+        head, line = "DIVERGED", describe_divergence(fd)
+    else:
+        head, line = "DIVERGED", ("replicas differ" if report.replica_mismatches
+                                  else "the logprobs fail their thresholds")
+    out = [f'<section class="verdict {"pass" if report.passed else "fail"}" id="verdict"><h1>{head}</h1>',
+           _onset(fd) if fd is not None and not report.passed else "", f"<p>{_e(line)}</p>"]
+    if report.logprobs is not None:
+        out.append(f"<p>{_e(reaches_output(report))}</p>")
+    out.append(f'<p class="muted">target <code>{_e(report.target)}</code> vs baseline '
+               f"<code>{_e(report.baseline)}</code>; {summary}</p></section>")
+    return "".join(out)
+
+
+def _layer_table(report: Report) -> str:
+    """A row per layer with its multiple of noise and amplification; first divergent, onset, introducing ones marked."""
+    fd, calibrated = report.first_divergent, report.noise is not None
+    head = [("layer", "num"), ("tensors", "num"), ("rel_diff", "num")] + ([("x noise", "num")] if calibrated else [])
+    head += [("max token rel_diff", "num"), ("max |diff|", "num"), ("min cosine", "num"), ("amplification", "num"),
+             ("first failing token", "num"), ("worst token", "num"), ("verdict", "str")]
+    rows = []
+    for s in report.layers():
+        verdict = "PASS" if s.passed else f"FAIL ({s.failed})"
+        first = fd is not None and s.layer is not None and s.layer == fd.layer
+        onset = fd is not None and not first and s.layer is not None and s.layer == fd.onset_layer
+        marks = [(m, c) for m, c, on in (("FIRST DIVERGENCE", "first", first), ("ONSET", "onset", onset),
+                                         ("INTRODUCES ERROR", "introduced", s.introduced)) if on]
+        cls = " ".join(["bad"] * (not s.passed) + [c for _, c in marks])
+        cells = [_num(s.layer), _num(s.tensors), _num(s.max_rel_diff)]
+        cells += [_num(s.noise_ratio, format_ratio(s.noise_ratio))] if calibrated else []
+        cells += [_num(s.max_token_rel_diff), _num(s.max_abs_diff), _num(s.min_cosine, f"{s.min_cosine:.6f}"),
+                  _num(s.amplification, format_ratio(s.amplification)), _num(s.first_failing_token),
+                  _num(s.worst_token), f"<td>{_e(' '.join([verdict] + [m for m, _ in marks]))}</td>"]
+        rows.append(f'<tr class="{cls}">' + "".join(cells) + "</tr>")
+    return _table(head, rows, table_id="layer-table")
+
+
+def _layers(report: Report) -> str:
+    """The per-layer chart, table and amplification chart."""
+    out = ['<section id="layers"><h2>rel_diff per layer</h2>',
+           f'<figure class="chart" id="layer-chart">{figure_svg(layer_figure(report))}</figure>', _layer_table(report)]
+    fig = amplification_figure(report)
+    if fig is not None:
+        out.append('<h3>Amplification</h3><p class="muted">the growth of the error across each layer; far above the '
+                   "others: that layer introduces error, near the usual growth: it passes inherited error on.</p>"
+                   f'<figure class="chart" id="amplification-chart">{figure_svg(fig)}</figure>')
+    return "".join(out) + "</section>"
+
+
+def _facts(manifest: Manifest | None, env: dict[str, Any]) -> dict[str, str]:
+    """What one run was: model, capture, job settings and environment, flattened to text."""
+    facts: dict[str, Any] = {}
+    if manifest is not None:
+        facts.update({f"model.{k}": v for k, v in manifest.model.items()})
+        sig = manifest.capture_signature
+        facts.update({f"capture.{k}": sig[k] for k in ("dtype", "num_layers", "world_size", "points") if k in sig})
+        if "layers" in sig:
+            facts["hooks.layers"] = f"{len(sig['layers'])} layers"
+        extra = dict(manifest.extra)
+        prompts = extra.pop("input_ids", None) or []
+        facts["run.prompts"] = f"{len(prompts)} prompts, {sum(len(p) for p in prompts)} tokens"
+        facts.update({f"run.{k}": v for k, v in extra.items()})
+        facts["dump.created_at"] = manifest.created_at
+        facts["dump.tensors"] = len(manifest.tensors)
+    facts.update({f"env.{k}": v for k, v in env.items()})
+    return {k: v if isinstance(v, str) else json.dumps(v) for k, v in facts.items()}
+
+
+def _runs(report: Report, base: Manifest | None, target: Manifest | None) -> str:
+    env = report.environment
+    a = _facts(base, env.get("baseline") or (base.environment if base else {}))
+    b = _facts(target, env.get("target") or (target.environment if target else {}))
+    keys = list(dict.fromkeys([*a, *b]))
+    if not keys:
+        return ""
+    rows = []
+    for k in keys:
+        x, y = a.get(k, "-"), b.get(k, "-")
+        cls = ' class="diff"' if x != y else ""
+        rows.append(f"<tr{cls}><td>{_e(k)}</td><td>{_e(x[:300])}</td><td>{_e(y[:300])}</td></tr>")
+    return ('<section id="runs"><h2>The two runs</h2><p class="muted">highlighted: what differs</p>'
+            + _table([("", "str"), ("baseline", "str"), ("target", "str")], rows) + "</section>")
+
+
+def _heatmap(report: Report, tokens: TokenLookup) -> str:
+    hm, fd = report.heatmap, report.first_divergent
+    out = ['<section id="heatmap"><h2>Token &times; layer heatmap</h2>']
+    if hm is None:
+        out.append('<p class="muted">no heatmap: nothing diverged, or the divergent tensor has no token positions.'
+                   "</p></section>")
+        return "".join(out)
+    first, onset, layer = (fd.token, fd.onset, fd.onset_layer) if fd is not None else (None, None, None)
+    pos = hm.positions
+    cuts = [0, *(j for j in range(1, len(pos)) if pos[j] - pos[j - 1] > 1), len(pos)]
+    shown = ", ".join(f"{pos[a]}..{pos[b - 1]}" for a, b in itertools.pairwise(cuts))
+    out.append(f'<p class="muted">per-token rel_diff of sequence {_e(hm.sequence)}, positions {_e(shown)}'
+               + (f" (onset {_e(onset)}, first failing token {_e(first)}; the positions between are left out)"
+                  if len(cuts) > 2 else "")
+               + ". A bug that starts at one token shows as a column; a chunk-boundary bug as a vertical edge.</p>")
+    fig = heatmap_figure(hm, token_threshold=report.token_threshold, first_token=first, onset=onset, onset_layer=layer)
+    out.append(f'<figure class="chart" id="heatmap-chart">{figure_svg(fig)}</figure>')
+    spans = []
+    for i, p in enumerate(hm.positions):
+        tid, text = tokens.token(hm.sequence, p)
+        if tid is None:
+            break
+        if i and p - hm.positions[i - 1] > 1:
+            spans.append(f'<span class="muted" title="positions {hm.positions[i - 1] + 1}..{p - 1}"> &hellip; </span>')
+        label = show_text(text)[1:-1] if text is not None else f"#{tid}"
+        cls = "tok hit" if p == first else "tok onset" if p == onset else "tok"
+        spans.append(f'<code class="{cls}" title="position {p}, token id {tid}">{_e(label)}</code>')
+    if spans:
+        out.append('<p class="muted">tokens of the window (onset and first failing token marked):</p>'
+                   f'<p>{"".join(spans)}</p>')
+    return "".join(out) + "</section>"
+
+
+def _located(loc: Located) -> str:
+    return "-" if loc.value is None else f"{format_float(loc.value)} (request {loc.request}, position {loc.position})"
+
+
+def _logprob_metrics(v: LogprobVerdict) -> str:
+    th, failing = v.thresholds.to_json(), set(v.failures())
+    rows = [("mse", format_float(v.mse), "mse"), ("rmse", format_float(v.rmse), None),
+            ("max |Δ logprob|", _located(v.max_abs_err), "max_abs_err"), ("k3 mean", format_float(v.k3_mean), "k3_mean"),
+            ("k3 max", _located(v.k3_max), None)]
+    if v.kl_mean is not None:
+        rows += [("KL mean", format_float(v.kl_mean), "kl_mean"), ("KL max", _located(v.kl_max), "kl_max")]
+    if v.top1_agreement is not None:
+        rows.append(("top-1 agreement", f"{v.top1_agreement:.4%}", None))
+    if v.topk_max_err is not None:
+        rows.append(("top-k max |Δ|", format_float(v.topk_max_err), "topk_max_err"))
+    out = []
+    for label, value, key in rows:
+        limit = "-" if key is None or th.get(key) is None else f"{th[key]:g}"
+        cls = ' class="bad"' if key in failing else ""
+        out.append(f"<tr{cls}><td>{_e(label)}</td><td>{_e(value)}</td><td>{_e(limit)}</td></tr>")
+    return _table([("metric", "str"), ("value", "str"), ("threshold", "str")], out)
+
+
+def _at(positions: np.ndarray | None, values: np.ndarray | None, pos: int) -> float | None:
+    if positions is None or values is None:
+        return None
+    i = int(np.searchsorted(positions, pos))
+    return float(values[i]) if i < positions.size and positions[i] == pos else None
+
+
+def _worst(series: Sequence[PositionSeries], by: str, tokens: TokenLookup, n: int) -> str:
+    """The ``n`` positions with the largest |Δ logprob| (``by="delta"``) or KL (``by="kl"``), with tokens."""
+    cands: list[tuple[float, PositionSeries, int]] = []
+    for s in series:
+        pos, val = (s.kl_positions, s.kl) if by == "kl" else (s.positions, np.abs(s.delta))
+        if pos is None or val is None or val.size == 0:
+            continue
+        val = np.where(np.isnan(val), np.inf, val)
+        cands += [(float(val[i]), s, int(pos[i])) for i in np.argsort(-val, kind="stable")[:n]]
+    cands.sort(key=lambda c: -c[0])
+    rows = []
+    for _, s, p in cands[:n]:
+        tid, text = tokens.token(s.request, p)
+        ref, tgt = _at(s.positions, s.ref, p), _at(s.positions, s.tgt, p)
+        ctx = tokens.context(s.request, p)
+        rows.append("<tr>" + f"<td>{_e(s.request)}</td>" + _num(p) + _num(tid)
+                    + f"<td><code>{_e(show_text(text) if text is not None else '?')}</code></td>"
+                    + f"<td class=\"muted\">{_e(show_text(ctx)) if ctx is not None else '-'}</td>"
+                    + _num(ref) + _num(tgt) + _num(None if ref is None or tgt is None else tgt - ref)
+                    + _num(_at(s.kl_positions, s.kl, p)) + "</tr>")
+    head = [("request", "str"), ("position", "num"), ("token id", "num"), ("token", "str"), ("text before", "str"),
+            ("baseline logprob", "num"), ("target logprob", "num"), ("Δ", "num"), ("KL", "num")]
+    return _table(head, rows, sortable=True)
+
+
+def _logprobs(report: Report, tokens: TokenLookup) -> str:
+    v = report.logprobs
+    if v is None:
+        return ""
+    out = [f'<section id="logprobs"><h2>Logprobs: {"PASS" if v.passed else "FAIL"}</h2>'
+           f'<p class="muted">{v.compared_positions} positions in {v.requests} requests</p>', _logprob_metrics(v)]
+    fig = logprob_figure(v)
+    if fig is None:
+        out.append('<p class="muted">per-position series are kept in memory only (not in the JSON report); '
+                   "render the HTML from a fresh comparison to see them.</p>")
+    else:
+        out.append(f'<figure class="chart" id="logprob-chart">{figure_svg(fig)}</figure>')
+        out.append(f"<h3>Worst positions by |Δ logprob|</h3>{_worst(v.series, 'delta', tokens, WORST_POSITIONS)}")
+        if any(s.kl is not None for s in v.series):
+            out.append(f"<h3>Worst positions by KL</h3>{_worst(v.series, 'kl', tokens, WORST_POSITIONS)}")
+    return "".join(out) + "</section>"
+
+
+def _tensors(report: Report, max_rows: int) -> str:
+    head = [("name", "str"), ("layer", "num"), ("sequence", "num"), ("pass", "num"), ("rank", "num"),
+            ("rel_diff", "num"), ("max token rel_diff", "num"), ("max |diff|", "num"), ("mean |diff|", "num"),
+            ("cosine", "num"), ("NaN/Inf baseline", "num"), ("NaN/Inf target", "num"), ("failing tokens", "num"),
+            ("first failing token", "num"), ("worst token", "num"), ("verdict", "str"), ("note", "str")]
+    calibrated = any(t.noise_ratio is not None or t.token_noise_ratio is not None for t in report.tensors)
+    if calibrated:
+        head[6:6] = [("x noise", "num"), ("token x noise", "num")]
+    rows = []
+    for t in report.tensors[:max_rows]:
+        cells = [f"<td>{_e(t.name)}</td>", _num(t.layer), _num(t.sequence), _num(t.forward_pass), _num(t.rank),
+                 _num(t.rel_diff), _num(t.max_token_rel_diff), _num(t.max_abs_diff), _num(t.mean_abs_diff),
+                 _num(t.cosine, f"{t.cosine:.6f}"),
+                 _num(t.nan_baseline + t.inf_baseline, f"{t.nan_baseline}/{t.inf_baseline}"),
+                 _num(t.nan_target + t.inf_target, f"{t.nan_target}/{t.inf_target}"), _num(t.failing_tokens),
+                 _num(t.first_failing_token), _num(t.worst_token),
+                 f"<td>{'PASS' if t.passed else 'FAIL'}</td>", f"<td>{_e(t.note or '')}</td>"]
+        if calibrated:
+            cells[6:6] = [_num(t.noise_ratio, format_ratio(t.noise_ratio)),
+                          _num(t.token_noise_ratio, format_ratio(t.token_noise_ratio))]
+        rows.append(("<tr>" if t.passed else '<tr class="bad">') + "".join(cells) + "</tr>")
+    left = len(report.tensors) - len(rows)
+    more = f'<p class="muted">{left} more tensors not shown; write them all with --csv.</p>' if left > 0 else ""
+    return (f'<section id="tensors"><h2>Tensors ({len(report.tensors)})</h2><p class="muted">click a header to sort</p>'
+            f'<div class="scroll">{_table(head, rows, sortable=True, table_id="tensor-table")}</div>{more}</section>')
+
+
+def _problems(report: Report) -> str:
+    items = [f"<li>only in the {side}: {len(names)} tensors, e.g. <code>{_e(', '.join(names[:5]))}</code></li>"
+             for side, names in (("baseline", report.unmatched_baseline), ("target", report.unmatched_target)) if names]
+    items += [f"<li>replica mismatch in the {_e(m.side)}: <code>{_e(m.name)}</code> (sequence {m.sequence}) differs "
+              f"between rank {m.reference_rank} and rank {m.rank} from token {m.first_token}</li>"
+              for m in report.replica_mismatches[:50]]
+    return f'<section id="problems"><h2>Also found</h2><ul>{"".join(items)}</ul></section>' if items else ""
+
+
+def render_html(report: Report, *, baseline_manifest: Manifest | None = None, target_manifest: Manifest | None = None,
+                tokenizer: Tokenizer | None = None, max_rows: int = MAX_ROWS) -> str:
+    """The whole report as one self-contained HTML document.
+
+    Args:
+        report: what :func:`~comparator.hidden.compare.compare_dumps` returned (or ``Report.from_json``;
+            then the logprob plots are missing, as per-position series are not in the JSON).
+        baseline_manifest, target_manifest: the dumps' manifests, for the model, capture and
+            job settings of each run and the prompts' token ids (default: environment only).
+        tokenizer: decodes token ids to text (default: chosen from the baseline manifest's model,
+            see :func:`comparator.reports.tokens.tokenizer_for`; ids only when none is found).
+        max_rows: most tensor-table rows (default :data:`MAX_ROWS`).
+    """
+    tokens = TokenLookup.from_manifest(baseline_manifest or target_manifest, tokenizer)
+    body = [_verdict(report), *((_layers(report), _heatmap(report, tokens)) if report.tensors else ()),
+            _logprobs(report, tokens), _runs(report, baseline_manifest, target_manifest),
+            _tensors(report, max_rows) if report.tensors else "", _problems(report)]
+    stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    title = f"driftscope: {'PASS' if report.passed else 'DIVERGED'}: {report.target} vs {report.baseline}"
+    return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+            '<meta name="viewport" content="width=device-width, initial-scale=1">'
+            f"<title>{_e(title)}</title><style>{_CSS}</style></head><body>{''.join(body)}"
+            f'<footer class="muted"><p>driftscope {_e(__version__)}, {stamp}</p></footer>'
+            f"<script>{_JS}</script></body></html>\n")
+
+
+def write_html(report: Report, path: str | os.PathLike[str], **kwargs: Any) -> None:
+    """:func:`render_html` written to ``path`` atomically (temp file, fsync, rename)."""
+    text = render_html(report, **kwargs)
+    with atomic_path(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")

@@ -1,0 +1,289 @@
+"""Terminal rendering of a :class:`Report` with rich: a per-layer table and the verdict."""
+
+from __future__ import annotations
+
+import math
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from comparator.logprobs import Located, LogprobVerdict
+from comparator.noise.model import NoiseModel
+from comparator.results import FirstDivergence, Report
+
+__all__ = ["render_report", "render_logprobs", "reaches_output", "format_float", "describe_divergence"]
+
+
+def format_float(v: float) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "nan"
+    if math.isinf(v):
+        return "inf"
+    return "0" if v == 0 else f"{v:.3e}"
+
+
+def _token(v: int | None) -> str:
+    return "-" if v is None else str(v)
+
+
+def _located(loc: Located) -> str:
+    if loc.value is None:
+        return "-"
+    return f"{format_float(loc.value)} (request {loc.request}, position {loc.position})"
+
+
+_LOGPROB_LABELS = {"mse": "mse", "mean_abs_err": "mean |Δlogprob|", "max_abs_err": "max |Δlogprob|",
+                   "k3_mean": "k3 mean", "kl_mean": "KL mean", "kl_max": "KL max", "topk_max_err": "top-k max |Δ|"}
+
+
+def _mean(value: float | None, se: float | None) -> str:
+    return format_float(value) + ("" if se is None else f" ± {format_float(se)}")
+
+
+def _noise_cell(v: LogprobVerdict, key: str | None) -> str:
+    """``= 40x noise`` for a calibrated metric, or ``= 19x floor (noise 4.768e-07)`` where the noise
+    is below the floor (the ratio is to ``max(noise, floor)``, what the threshold scales)."""
+    entry = None if v.noise is None or key is None else v.noise.metrics.get(key)
+    if entry is None:
+        return "-"
+    if entry.noise >= entry.floor:
+        return f"= {format_ratio(entry.ratio)} noise"
+    return f"= {format_ratio(entry.ratio)} floor (noise {format_float(entry.noise)})"
+
+
+def _logprob_rows(v: LogprobVerdict) -> list[tuple[str, str, str | None]]:
+    """(label, value, threshold name) rows of the logprob table."""
+    rows = [("mse", format_float(v.mse), "mse"), ("rmse", format_float(v.rmse), None),
+            ("mean |Δlogprob| ± SE", _mean(v.mean_abs_err, v.mean_abs_err_se), "mean_abs_err"),
+            ("max |Δlogprob|", _located(v.max_abs_err), "max_abs_err"),
+            ("k3 mean ± SE", _mean(v.k3_mean, v.k3_mean_se), "k3_mean"), ("k3 max", _located(v.k3_max), None)]
+    if v.kl_mean is not None:
+        pct = v.kl_percentiles or {}
+        rows += [("KL mean ± SE", _mean(v.kl_mean, v.llama.kl_mean_se if v.llama else None), "kl_mean"),
+                 ("KL max", _located(v.kl_max), "kl_max"),
+                 ("KL p99.9 / p99 / p95 / p90 / median",
+                  " / ".join(format_float(pct[k]) for k in ("99.9", "99", "95", "90", "50")), None),
+                 ("top-1 agreement", f"{v.top1_agreement:.4%}", None)]
+    if v.topk_max_err is not None:
+        rows += [("top-k max |Δ| (per-sample max)", format_float(v.topk_max_err), "topk_max_err"),
+                 ("top-k mean |Δ| (per-sample mean)", format_float(v.topk_mean_err), None)]
+    if v.llama is not None:  # llama-perplexity's statistics, in its wording
+        from comparator.logprobs.llama_stats import stats_rows
+
+        rows += [(label, value, None) for label, value in stats_rows(v.llama, v.kl_mean)]
+    return rows
+
+
+def _noise_lines(v: LogprobVerdict) -> list[str]:
+    """What the thresholds rest on, and each mean against the calibrated one (z-score)."""
+    out = [f"thresholds: {v.thresholds.source}"] if v.thresholds.source else []
+    if v.noise is None:
+        return out
+    n = v.noise
+    out.append(f"logprob noise of {n.source or 'the calibration'}: {n.variants} variants, {n.positions} positions "
+               f"each; thresholds max(floor, {n.factor:g} x noise)")
+    if n.metrics and all(m.noise == 0 for m in n.metrics.values()):
+        out.append("the calibration's variants were bit-identical to the baseline, so the thresholds are the floors: "
+                   "calibrate with a variant that computes differently (another attention backend)")
+    exceeded = set(v.thresholds.failures(v.metrics()))
+    for key, t in n.means.items():
+        verdict = "significantly above the noise" if t.significant else "not significantly above the noise"
+        if key in exceeded and n.excused(key):
+            verdict += ": over its threshold, but not failed"
+        out.append(f"{_LOGPROB_LABELS[key]} {format_float(t.mean)} ± {format_float(t.se)} vs noise "
+                    f"{format_float(t.noise_mean)} ± {format_float(t.noise_se)}: z = {t.z:.3g}, {verdict}")
+    return out
+
+
+def render_logprobs(v: LogprobVerdict, console: Console) -> None:
+    """The logprob verdict: mean-type (± SE) and max-type statistics with where the max sits; with a
+    noise file, each checked value as a multiple of its noise and each mean's z-score against it."""
+    table = Table(title=f"logprobs: {v.compared_positions} positions in {v.requests} requests", title_justify="left")
+    for col, justify in (("metric", "left"), ("value", "right"), ("threshold", "right")) + (
+            (("vs noise", "right"),) if v.noise is not None else ()):
+        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+    th = v.thresholds.to_json()
+    failing = set(v.failures())
+    for label, value, key in _logprob_rows(v):
+        limit = "-" if key is None or th.get(key) is None else f"{th[key]:g}"
+        style = "bold red" if key in failing else None
+        cells = [Text(label), Text(value), Text(limit)] + ([Text(_noise_cell(v, key))] if v.noise is not None else [])
+        table.add_row(*cells, style=style)  # Text: request ids are data, not markup
+    console.print(table)
+    for line in _noise_lines(v):
+        console.print(Text(line))
+    for side, names in (("baseline", v.unmatched_baseline), ("target", v.unmatched_target)):
+        if names:
+            console.print(Text.assemble((f"only in the {side}, not compared ({len(names)}):", "yellow"),
+                                        f" {', '.join(names[:5])}"))
+    verdict = (Text("PASS", "bold green") if v.passed
+               else Text.assemble(("FAIL", "bold red"), f" ({', '.join(_failure(v, k) for k in v.failures())})"))
+    console.print(Text.assemble("logprobs: ", verdict))
+
+
+def _failure(v: LogprobVerdict, key: str) -> str:
+    """``max_abs_err`` or, against noise, ``max_abs_err: max |Δlogprob| 1.900e-03 = 4e+03x noise``."""
+    if v.noise is None or key not in v.noise.metrics:
+        return key
+    return f"{key}: {_LOGPROB_LABELS[key]} {format_float(v.metrics()[key])} {_noise_cell(v, key)}"
+
+
+def render_report(report: Report, console: Console, *, tensors: bool = False) -> None:
+    """Print the per-layer table (and the per-tensor table with ``tensors=True``)."""
+    fd = report.first_divergent
+    if report.logprobs is not None:
+        render_logprobs(report.logprobs, console)
+    if not report.tensors:
+        return
+    table = Table(title=Text(f"{report.target}  vs  baseline {report.baseline}"), title_justify="left")
+    calibrated = report.noise is not None
+    cols = [("layer", "right"), ("tensors", "right"), ("rel_diff", "right")]
+    cols += [("x noise", "right")] if calibrated else []
+    cols += [("max token rel_diff", "right"), ("max |diff|", "right"), ("min cosine", "right"),
+             ("amplification", "right"), ("first failing token", "right"), ("worst token", "right"),
+             ("verdict", "left")]
+    for col, justify in cols:
+        table.add_column(col, justify=justify)
+    for s in report.layers():
+        first = fd is not None and s.layer == fd.layer
+        verdict = Text("PASS", style="green") if s.passed else Text(f"FAIL ({s.failed})", style="bold red")
+        if first:
+            verdict = Text("FIRST DIVERGENCE", style="bold white on red")
+        elif fd is not None and s.layer is not None and s.layer == fd.onset_layer:
+            verdict = Text.assemble(verdict, (" ONSET", "bold yellow"))
+        ratio = [format_ratio(s.noise_ratio)] if calibrated else []
+        amp = Text(format_ratio(s.amplification), style="bold yellow" if s.introduced else "")
+        table.add_row(
+            "-" if s.layer is None else str(s.layer), str(s.tensors), format_float(s.max_rel_diff), *ratio,
+            format_float(s.max_token_rel_diff), format_float(s.max_abs_diff), f"{s.min_cosine:.6f}", amp,
+            _token(s.first_failing_token), _token(s.worst_token), verdict,
+            style="bold" if first else None,
+        )
+    console.print(table)
+    if tensors:
+        _render_tensors(report, console)
+    for side, names in (("baseline", report.unmatched_baseline), ("target", report.unmatched_target)):
+        if names:
+            shown = ", ".join(names[:5]) + (f", ... ({len(names) - 5} more)" if len(names) > 5 else "")
+            console.print(Text.assemble((f"unmatched in {side} ({len(names)}):", "yellow"), f" {shown}"))
+    summary = f"matched {report.matched} tensors; " + threshold_summary(report)
+    summary += "".join(f"; {n}" for n in verdict_notes(report))
+    for m in report.replica_mismatches[:10]:
+        console.print(Text.assemble(
+            ("replica mismatch", "bold red"), f" in the {m.side}: {m.name} (layer {m.layer}, sequence {m.sequence}) "
+            f"differs between rank {m.reference_rank} and rank {m.rank} from token {m.first_token} "
+            f"(max per-token rel_diff {format_float(m.max_token_rel_diff)})"))
+    if fd is None:
+        verdict = Text("PASS", "bold green") if report.passed else Text("DIVERGED", "bold red")
+        why = "" if report.passed else " (replicas differ)" if report.replica_mismatches else " (logprobs)"
+        console.print(Text.assemble(verdict, f"{why}: {summary}"))
+    else:
+        console.print(Text.assemble(("DIVERGED", "bold red"), f" {describe_divergence(fd)}. {summary}"))
+    if report.logprobs is not None:
+        console.print(Text(reaches_output(report)))
+
+
+def format_ratio(v: float | None) -> str:
+    """A multiple (of noise, or a growth factor): ``2.1e+06x``, ``-`` when unknown."""
+    if v is None:
+        return "-"
+    if math.isinf(v) or math.isnan(v):
+        return "inf"
+    return f"{v:.3g}x"
+
+
+def threshold_summary(report: Report) -> str:
+    """What the tensors were judged by: fixed thresholds, or the noise file with its factor and floor."""
+    if report.noise is None:
+        return (f"thresholds rel_diff <= {report.threshold:g}, "
+                f"per-token rel_diff <= {report.token_threshold:g}")
+    return (f"thresholds {report.noise_factor:g} x the noise in {report.noise} "
+            f"(floor {report.noise_floor:g})")
+
+
+def render_noise(noise: NoiseModel, console: Console) -> None:
+    """The measured noise per tensor (and of the logprobs): what a comparison will be judged against."""
+    table = Table(title=Text(f"noise of {noise.baseline} from {len(noise.variants)} variants"), title_justify="left")
+    for col in ("layer", "tensor", "rel_diff", "token max", "token p99.9", "token p99", "positions",
+                "token max by variant"):
+        table.add_column(col, justify="left" if col == "tensor" else "right")
+    for t in noise.tensors.values():
+        table.add_row("-" if t.layer is None else str(t.layer), Text(t.name), format_float(t.rel_diff),
+                      format_float(t.token_max), format_float(t.token_p999), format_float(t.token_p99),
+                      str(t.positions), " ".join(format_float(v) for v in t.by_variant))
+    if noise.tensors:
+        console.print(table)
+    if noise.logprobs is not None:
+        lp = noise.logprobs
+        values = ", ".join(f"{k} {format_float(v)}" for k, v in lp.metrics.items() if v is not None)
+        console.print(Text(f"logprob noise ({lp.variants} variants, {lp.positions} positions): {values}"))
+
+
+def verdict_notes(report: Report) -> list[str]:
+    """What every verdict line adds, ``--quiet`` included: tensors not compared, model notes."""
+    unmatched = report.unmatched_note()
+    return ([unmatched] if unmatched else []) + list(report.notes)
+
+
+def reaches_output(report: Report) -> str:
+    """One line tying the hidden-state verdict to the logprob verdict."""
+    v, fd = report.logprobs, report.first_divergent
+    assert v is not None
+    worst = f"largest logprob error {_located(v.max_abs_err)}"
+    if v.kl_max.value is not None:
+        worst += f", largest KL {_located(v.kl_max)}"
+    if fd is None:
+        return f"hidden states match; logprobs {'pass' if v.passed else 'FAIL'}: {worst}"
+    if v.passed:
+        return f"the divergence from layer {fd.layer} does not reach the output beyond the logprob thresholds: {worst}"
+    return f"the divergence from layer {fd.layer} reaches the output: {worst}"
+
+
+def _ranges(ranges: list[list[int]]) -> str:
+    return ", ".join(f"{a}" if a == b else f"{a}..{b}" for a, b in ranges)
+
+
+_METHOD = {"calibrated": "over its calibrated noise", "change-point": "estimated from the run: change point",
+           "threshold": "first over the threshold"}
+
+
+def describe_divergence(fd: FirstDivergence) -> str:
+    """One sentence: where the first divergence is, which sequence and tokens fail, and why it may be."""
+    where = f"layer {fd.layer}" if fd.layer is not None else "a tensor without layer"
+    text = f"at {where} ({fd.name}, pass {fd.forward_pass}, rank {fd.rank})"
+    if fd.onset is not None and fd.onset != fd.token:
+        text += f", divergence starts at token {fd.onset} ({_METHOD[fd.onset_method or 'threshold']})"
+    if fd.token is not None:
+        text += f", first failing token {fd.token}"
+    if fd.sequence is not None:
+        text += f" of sequence {fd.sequence}"
+    if fd.note:
+        text += f" ({fd.note})"
+    if fd.worst_token is not None:
+        text += f", worst token {fd.worst_token}"
+    if fd.failing_ranges:
+        text += f"; failing tokens {_ranges(fd.failing_ranges)}"
+    if len(fd.failing_sequences) > 1:
+        text += f"; failing sequences {fd.failing_sequences}"
+    if fd.onset_layer is not None and fd.onset_layer != fd.layer:
+        text += (f"; first departs from noise at layer {fd.onset_layer} "
+                 f"({_METHOD[fd.onset_layer_method or 'threshold']})")
+    return text + f"; rel_diff {format_float(fd.rel_diff)}"
+
+
+def _render_tensors(report: Report, console: Console) -> None:
+    table = Table(title="tensors", title_justify="left")
+    for col in ("name", "layer", "seq", "pass", "rank", "rel_diff", "max token", "max |diff|", "cosine",
+                "nan/inf b", "nan/inf t", "failing tokens", "first token", "verdict"):
+        table.add_column(col)
+    for t in report.tensors:
+        table.add_row(
+            Text(t.name), "-" if t.layer is None else str(t.layer), "-" if t.sequence is None else str(t.sequence),
+            str(t.forward_pass), str(t.rank),
+            format_float(t.rel_diff), format_float(t.max_token_rel_diff), format_float(t.max_abs_diff),
+            f"{t.cosine:.6f}", f"{t.nan_baseline}/{t.inf_baseline}", f"{t.nan_target}/{t.inf_target}",
+            str(t.failing_tokens), _token(t.first_failing_token),
+            Text("PASS", style="green") if t.passed else Text("FAIL", style="bold red"),
+        )
+    console.print(table)

@@ -1,0 +1,267 @@
+"""Regress a run against its golden baseline: select it, compare, store the run labelled.
+
+Example::
+
+    from comparator import regress
+    result = regress("dumps/nightly", "s3://bucket/driftscope")
+    print(result.message)            # e.g. "PASS: stored run 2026...-a1b2c3 as passed (baseline 2026...-0f9e8d)"
+    raise SystemExit(result.exit_code)
+
+Every compared run is stored whole, failed runs included (labelled ``failed``, as diagnostic
+evidence); a failed run is never selected as a baseline, so an unchanged buggy run keeps
+failing against the last good one instead of passing against its own predecessor.
+
+Calibrated baselines: a run stored with its measured noise (``calibrate_from``: benign re-runs
+of its inputs, see :mod:`comparator.noise.calibrate`) judges every later run by thresholds derived
+from that noise; a run that passes against it inherits it, since it becomes the next baseline.
+A baseline without noise falls back to the fixed thresholds, with a warning::
+
+    result = regress("dumps/base", "ci-store", bootstrap=True, calibrate_from=["dumps/sdpa", "dumps/chunk64"])
+    result = regress("dumps/nightly", "ci-store")   # "... judged against the noise of baseline ... (2 variants)"
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from dumper.errors import EXIT_DIVERGED, EXIT_OK, EXIT_UNUSABLE, NotComparableError, UsageError
+from dumper.format import Manifest, load_manifest
+
+from comparator.noise.calibrate import calibrate
+from comparator.hidden.compare import compare_dumps
+from comparator.config import CompareConfig
+from comparator.noise.model import NoiseModel
+from comparator.results import Report
+from comparator.store import (
+    EnvDifference,
+    EnvMismatchError,
+    NoBaselineError,
+    RunEntry,
+    RunRecord,
+    RunStore,
+    StoredNoise,
+    env_differences,
+)
+from comparator.store.environment import describe_differences
+from comparator.store.record import signature_key, summarize_report
+from comparator.store.select import select_baseline
+
+__all__ = ["regress", "RegressResult"]
+
+
+@dataclass(frozen=True)
+class RegressResult:
+    """What :func:`regress` did; ``bool(result)`` is "exit code 0".
+
+    ``label`` is how the run was stored (``baseline`` when bootstrapped, else ``passed`` or
+    ``failed``); ``report`` is ``None`` when nothing was compared; ``exit_code`` is 0 (passed
+    or bootstrapped), 1 (divergence) or 2 (the dumps could not be compared). ``noise`` is the
+    store path of the baseline's ``noise.json`` the run was judged against (``None``: fixed
+    thresholds); ``calibration`` is the stored run's own (``run.json``), ``None`` when it has none.
+    """
+
+    store: str
+    run_id: str
+    label: str
+    baseline_run: str | None
+    exit_code: int
+    message: str
+    report: Report | None = None
+    env_differences: tuple[EnvDifference, ...] = ()
+    warnings: tuple[str, ...] = ()
+    noise: str | None = None
+    calibration: dict[str, Any] | None = None
+
+    def __bool__(self) -> bool:
+        return self.exit_code == EXIT_OK
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "store": self.store, "run_id": self.run_id, "label": self.label, "baseline_run": self.baseline_run,
+            "exit_code": self.exit_code, "message": self.message,
+            "env_differences": [d.to_json() for d in self.env_differences], "warnings": list(self.warnings),
+            "noise": self.noise, "calibration": self.calibration,
+            "report": self.report.to_json() if self.report is not None else None,
+        }
+
+
+def regress(run_dir: str | os.PathLike[str], store: str | os.PathLike[str] | RunStore, *, model: str | None = None,
+            bootstrap: bool = False, allow_env_mismatch: bool = False, config: CompareConfig | None = None,
+            cache_dir: str | os.PathLike[str] | None = None, require_all: bool = True,
+            calibrate_from: Sequence[str | os.PathLike[str]] = ()) -> RegressResult:
+    """Compare the dump ``run_dir`` against its baseline in ``store`` and store it, labelled.
+
+    Args:
+        run_dir: the new run's dump directory (complete: manifest written).
+        store: a :class:`~comparator.store.RunStore` or its location (local path, ``file://``,
+            ``s3://``, ``gcs://``, ``hf://``, ``memory://``, ...).
+        model: the model name runs are grouped by (default: the dump's ``model["name"]``).
+        bootstrap: when no comparable baseline exists, store this run as the first baseline
+            (exit 0) instead of raising :class:`~comparator.store.NoBaselineError`.
+        allow_env_mismatch: compare against a baseline from another environment (torch,
+            CUDA, GPU, ...) when none from this one exists, instead of raising
+            :class:`~comparator.store.EnvMismatchError`.
+        config: thresholds (default: :meth:`CompareConfig.resolve`, i.e. env vars, then defaults).
+            Its ``noise_factor`` and ``noise_floor(s)`` apply to a calibrated baseline's noise;
+            its ``noise`` must be ``None`` (the noise comes from the baseline in the store).
+        cache_dir: where a remote baseline's dump is kept between calls (default: a temporary
+            directory, removed afterwards).
+        require_all: a run that lacks tensors of its baseline, or holds tensors it lacks, is
+            unusable (exit 2, stored as failed evidence) rather than compared on the common ones.
+            On by default: a CI gate must not pass a run that stopped capturing some layers.
+        calibrate_from: dumps of benign re-runs of this run's inputs (another attention backend,
+            chunk size, batch layout, thread count): the run's noise is measured from them before
+            anything is stored, and stored with it (``noise.json``), so that the runs judged
+            against it later are judged by that noise. Without it a passing run keeps its
+            baseline's noise.
+
+    Raises :class:`~dumper.errors.DriftscopeError` subclasses (exit 2) for a broken run dump, a
+    missing model name, no comparable baseline, an environment mismatch, a variant that cannot
+    be compared with the run, or a baseline whose stored noise is unusable; nothing is stored then.
+    """
+    config = config or CompareConfig.resolve()
+    if config.noise is not None:
+        raise UsageError("regress judges against the noise stored with the baseline; pass a config without noise")
+    manifest = load_manifest(run_dir)
+    model = model or manifest.model.get("name")
+    if not model:
+        raise UsageError(f"{run_dir}: the dump records no model name; pass --model NAME")
+    st = store if isinstance(store, RunStore) else RunStore(store)
+    entries = st.runs()
+    warnings = tuple(e.problem for e in entries if e.status in ("incomplete", "corrupt") and e.problem)
+    why = "no comparable baseline"
+    diffs: tuple[EnvDifference, ...] = ()
+    try:
+        base = select_baseline(entries, model, manifest.capture_signature, manifest.environment,
+                               allow_env_mismatch=allow_env_mismatch)
+    except EnvMismatchError as e:
+        if not bootstrap:
+            raise
+        base, diffs = None, e.differences
+        why = "no baseline from this environment: " + describe_differences(e.differences)
+    if base is None:
+        if not bootstrap:
+            raise NoBaselineError(_no_baseline(st, entries, model, manifest))
+        own = _measure(run_dir, calibrate_from, config)
+        return _bootstrap(st, run_dir, manifest, model, warnings, why=why, diffs=diffs, noise=own)
+    base_noise = st.noise(base)  # before calibrating: a baseline with broken noise fails fast
+    own = _measure(run_dir, calibrate_from, config)
+    diffs = tuple(env_differences(base.environment, manifest.environment))
+    config = replace(config, require_all=require_all, noise=base_noise.noise if base_noise else None)
+    if base_noise is None:
+        warnings += (_uncalibrated(st, base, config),)
+    return _compare_and_store(st, run_dir, manifest, model, base, config, cache_dir, warnings, diffs,
+                              base_noise=base_noise, own=own)
+
+
+def _uncalibrated(st: RunStore, base: RunRecord, config: CompareConfig) -> str:
+    """The notice for a baseline without noise: what the run is judged by instead, and how to calibrate it."""
+    return (f"baseline {base.run_id} is not calibrated: judged by the fixed thresholds (rel_diff {config.threshold:g}, "
+            f"per-token {config.token_threshold:g}); measure its noise with python -m comparator store promote "
+            f"{st.url} {base.run_id} --calibrate VARIANT [VARIANT ...]")
+
+
+def _measure(run_dir: str | os.PathLike[str], variants: Sequence[str | os.PathLike[str]],
+             config: CompareConfig) -> NoiseModel | None:
+    """The run's noise from benign variants (``None`` without any); a variant that cannot be compared raises."""
+    if not variants:
+        return None
+    return calibrate(run_dir, list(variants), threads=config.threads, allow_model_mismatch=config.allow_model_mismatch)
+
+
+def _judged(base: RunRecord, base_noise: StoredNoise | None) -> str:
+    """What the verdict rests on, for the message."""
+    if base_noise is None:
+        return f"judged by the fixed thresholds (baseline {base.run_id} is not calibrated)"
+    cal = base_noise.calibration
+    measured = "" if cal["measured_on"] == base.run_id else f", measured on run {cal['measured_on']}"
+    return f"judged against the noise of baseline {base.run_id} ({cal['variants']} variants{measured})"
+
+
+def _kept_noise(own: NoiseModel | None, base_noise: StoredNoise | None, passed: bool,
+                manifest: Manifest) -> NoiseModel | StoredNoise | None:
+    """The noise stored with the run: its own, else (when it passed) its baseline's, if it fits the run."""
+    if own is not None or base_noise is None or not passed:
+        return own
+    try:
+        base_noise.noise.check_baseline(manifest, "this run")
+    except UsageError:  # other weights, say: that noise does not describe this run
+        return None
+    return base_noise
+
+
+def _compare_and_store(st: RunStore, run_dir: str | os.PathLike[str], manifest: Manifest, model: str,
+                       base: RunRecord, config: CompareConfig, cache_dir: str | os.PathLike[str] | None,
+                       warnings: tuple[str, ...], diffs: tuple[EnvDifference, ...], *,
+                       base_noise: StoredNoise | None, own: NoiseModel | None) -> RegressResult:
+    noise_at = st.where(base.run_id, "noise.json") if base_noise is not None else None
+    with st.local_dump(base.run_id, cache_dir) as base_dir:
+        try:
+            report = compare_dumps(base_dir, run_dir, config)
+        except NotComparableError as e:
+            # zero compared tensors is a failure, never a pass: keep the run as evidence, never as a baseline
+            rec = st.put(run_dir, model=model, label="failed", baseline_run=base.run_id, manifest=manifest,
+                         summary={"passed": False, "matched": 0, "first_divergent": None, "logprobs_passed": None,
+                                  "error": str(e)}, noise=own)
+            return RegressResult(store=st.url, run_id=rec.run_id, label="failed", baseline_run=base.run_id,
+                                 exit_code=EXIT_UNUSABLE, env_differences=diffs, warnings=warnings,
+                                 noise=noise_at, calibration=rec.calibration,
+                                 message=f"UNUSABLE: {e}; stored run {rec.run_id} as failed (evidence); "
+                                         f"the baseline stays {base.run_id}")
+    report = replace(report, baseline=st.where(base.run_id, "dump"))
+    rj = report.to_json()
+    label = "passed" if report.passed else "failed"
+    rec = st.put(run_dir, model=model, label=label, baseline_run=base.run_id, summary=summarize_report(rj),
+                 report=rj, manifest=manifest, noise=_kept_noise(own, base_noise, report.passed, manifest))
+    if report.passed:
+        msg = f"PASS: stored run {rec.run_id} as passed (baseline {base.run_id})"
+    else:
+        msg = (f"FAIL: stored run {rec.run_id} as failed (evidence; it never becomes a baseline); "
+               f"the baseline stays {base.run_id}")
+    msg += f"; {_judged(base, base_noise)}" + _stored_noise(rec, own)
+    if diffs:
+        msg += f"; compared across environments: {describe_differences(diffs)}"
+    msg += "".join(f"; {n}" for n in report.notes)
+    return RegressResult(store=st.url, run_id=rec.run_id, label=label, baseline_run=base.run_id,
+                         exit_code=EXIT_OK if report.passed else EXIT_DIVERGED, message=msg, report=report,
+                         env_differences=diffs, warnings=warnings, noise=noise_at, calibration=rec.calibration)
+
+
+def _stored_noise(rec: RunRecord, own: NoiseModel | None) -> str:
+    if own is not None:
+        return f"; stored its noise from {len(own.variants)} variants"
+    if rec.calibration is not None:
+        return f"; it keeps the noise of run {rec.calibration['measured_on']}"
+    return ""
+
+
+def _bootstrap(st: RunStore, run_dir: str | os.PathLike[str], manifest: Manifest, model: str,
+               warnings: tuple[str, ...], *, why: str, diffs: tuple[EnvDifference, ...] = (),
+               noise: NoiseModel | None = None) -> RegressResult:
+    rec = st.put(run_dir, model=model, label="baseline", manifest=manifest, noise=noise)
+    calibrated = (f"calibrated from {len(noise.variants)} variants" if noise is not None else
+                  f"not calibrated: runs are judged against it by the fixed thresholds until python -m comparator "
+                  f"store promote {st.url} {rec.run_id} --calibrate VARIANT [VARIANT ...] measures its noise")
+    return RegressResult(store=st.url, run_id=rec.run_id, label="baseline", baseline_run=None, exit_code=EXIT_OK,
+                         message=f"BOOTSTRAP: {why} for model {model!r}; stored run {rec.run_id} as the baseline "
+                                 f"(nothing compared); {calibrated}", env_differences=diffs, warnings=warnings,
+                         calibration=rec.calibration)
+
+
+def _no_baseline(st: RunStore, entries: list[RunEntry], model: str, manifest: Manifest) -> str:
+    recs = [e.record for e in entries if e.complete and e.record is not None and e.record.model == model]
+    sig = signature_key(manifest.capture_signature)
+    same_sig = [r for r in recs if signature_key(r.capture_signature) == sig]
+    why = []
+    if same_sig:
+        why.append(f"{len(same_sig)} runs with this signature are all labelled failed and never become baselines")
+    if len(recs) > len(same_sig):
+        why.append(f"{len(recs) - len(same_sig)} runs of this model have another capture signature")
+    detail = f" ({'; '.join(why)})" if why else " (no runs of this model)"
+    fix = "record this run as the first baseline with --bootstrap"
+    if same_sig:
+        fix += f", or bless a failed run with python -m comparator store promote {st.url} RUN_ID"
+    return f"{st.url}: no comparable baseline for model {model!r} with this capture signature{detail}; {fix}"

@@ -1,0 +1,98 @@
+"""What both CLIs share: an argument parser whose errors are one line, and the error-to-exit mapping."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+from collections.abc import Callable, Sequence
+
+from dumper.errors import EXIT_INTERNAL, EXIT_UNUSABLE, DriftscopeError, UsageError
+from dumper.settings import env_settings
+
+__all__ = ["Parser", "guarded_main", "DEBUG_FLAG", "silence_stdout", "EXIT_BROKEN_PIPE"]
+
+EXIT_BROKEN_PIPE = 141
+"""What a shell reports for a process killed by SIGPIPE (128 + 13): the reader of stdout went away."""
+DEBUG_FLAG = "--debug"
+"""Accepted anywhere on either CLI's command line: print the traceback of an internal error."""
+
+
+class Parser(argparse.ArgumentParser):
+    """``argparse`` that raises :class:`UsageError` (one line, exit 2) instead of printing usage."""
+
+    def error(self, message: str) -> None:
+        raise UsageError(f"{self.prog}: {message}")
+
+    def format_help(self) -> str:
+        return super().format_help() + (f"\n{DEBUG_FLAG} (anywhere): print the traceback of an internal error "
+                                        "(also DRIFTSCOPE_DEBUG=1)\n")
+
+
+def _split_debug(argv: Sequence[str]) -> tuple[list[str], bool]:
+    """Remove ``--debug`` from the options (not after ``--``, where it would be a positional)."""
+    out, debug = [], False
+    for i, a in enumerate(argv):
+        if a == "--":
+            out.extend(argv[i:])
+            break
+        if a == DEBUG_FLAG:
+            debug = True
+        else:
+            out.append(a)
+    return out, debug
+
+
+def guarded_main(run: Callable[[Sequence[str] | None], int], argv: Sequence[str] | None = None) -> int:
+    """Call ``run(argv)`` and map what it raises to an exit code and one line on stderr.
+
+    User errors (:class:`DriftscopeError`, an ``OSError`` on a named file) exit 2 or their own
+    code; anything else is a bug in driftscope and exits 3 with a line asking for a report. The
+    traceback is printed only with ``--debug`` or ``DRIFTSCOPE_DEBUG=1``.
+    """
+    args, debug = _split_debug(list(sys.argv[1:] if argv is None else argv))
+    try:
+        debug = debug or env_settings().debug
+        return run(args)
+    except DriftscopeError as e:
+        if debug:
+            traceback.print_exc()
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `python -m dumper ls D | head`: not a bug, not a divergence
+        silence_stdout()
+        return EXIT_BROKEN_PIPE
+    except OSError as e:
+        if e.filename is None:  # not about a file the user named: a bug, not bad input
+            return _internal(e, debug)
+        if debug:
+            traceback.print_exc()
+        print(f"error: {e.filename}: {e.strerror or e}", file=sys.stderr)
+        return EXIT_UNUSABLE
+    except BaseException as e:  # noqa: BLE001 - the last line of defence: never exit 1 for a crash
+        if isinstance(e, SystemExit):
+            raise
+        return _internal(e, debug)
+
+
+def _internal(e: BaseException, debug: bool) -> int:
+    if debug:
+        traceback.print_exc()
+    detail = " ".join(str(e).split())[:300]
+    print(f"internal error: {type(e).__name__}{': ' + detail if detail else ''} -- this is a bug in driftscope; "
+          f"please report it{'' if debug else ' (rerun with --debug for the traceback)'}", file=sys.stderr)
+    return EXIT_INTERNAL
+
+
+def silence_stdout() -> None:
+    """Point stdout at /dev/null once its reader went away, so later writes and the exit flush cannot fail."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass

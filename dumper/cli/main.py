@@ -1,0 +1,313 @@
+"""``python -m dumper run|replay|selfcheck|ls``: thin CLI over :func:`dumper.jobs.run.run_dump`, :func:`dumper.jobs.replay.replay`
+and :mod:`dumper.format`."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from collections import Counter
+from collections.abc import Sequence
+
+from dumper.cli.common import Parser, guarded_main
+from dumper.engines import ENGINES
+from dumper.errors import EXIT_DIVERGED, EXIT_OK, UsageError
+from dumper.format import Manifest, load_manifest
+
+__all__ = ["main", "build_parser"]
+
+_DASH_VALUE_OPTIONS = ("--layers", "--input-ids")
+"""Options whose value may start with a minus: ``--layers -3..-1``, ``--layers -1,-2``."""
+_DASH_VALUE = re.compile(r"-[0-9]")
+
+
+def join_dash_values(argv: Sequence[str]) -> list[str]:
+    """``--layers -3..-1`` -> ``--layers=-3..-1``, so argparse does not read the value as an option.
+
+    argparse takes a word starting with ``-`` for a value only when it is a plain negative
+    number (``-1``), not for ``-3..-1`` or ``-1,-2``; joined with ``=`` it always is a value.
+    """
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--":
+            return out + list(argv[i:])
+        if a in _DASH_VALUE_OPTIONS and i + 1 < len(argv) and _DASH_VALUE.match(argv[i + 1]):
+            out.append(f"{a}={argv[i + 1]}")
+            i += 2
+            continue
+        out.append(a)
+        i += 1
+    return out
+
+
+def _seed(text: str) -> int:
+    """``--seed`` value: an integer in 0..2^63-1 (what ``torch.manual_seed`` and the manifest's int64 hold)."""
+    from dumper.jobs.run import MAX_SEED
+
+    try:
+        seed = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if not 0 <= seed <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"must be in 0..{MAX_SEED}, got {text}")
+    return seed
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = Parser(prog="python -m dumper", description="Capture hidden states of a model into a dump directory.")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
+    r = sub.add_parser("run", help="teacher-forced prefill of prompts with capture on")
+    r.add_argument("--model", default="tiny-llama",
+                   help="local HF model directory or preset (tiny-llama, tiny-qwen2); a .gguf file for llama.cpp, "
+                        "an ONNX Runtime GenAI model directory for onnxruntime-genai")
+    r.add_argument("--engine", default="transformers", choices=list(ENGINES),
+                   help="inference engine that runs the job (default transformers, in this process)")
+    r.add_argument("--engine-arg", action="append", default=None, metavar="KEY=VALUE",
+                   help="engine-specific setting (repeatable); see the README's section on each engine")
+    r.add_argument("--out", required=True, help="dump directory to create")
+    src = r.add_mutually_exclusive_group()
+    src.add_argument("--prompt", action="append", default=None, help="prompt text (repeatable)")
+    src.add_argument("--prompts", metavar="FILE.jsonl", help='JSONL: {"text": ...} or {"input_ids": [...]} per line')
+    src.add_argument("--input-ids", action="append", default=None, help="comma-separated token ids (repeatable)")
+    r.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    r.add_argument("--attn", default="eager", choices=["eager", "sdpa"], help="attention implementation")
+    r.add_argument("--layers", default=None,
+                   help="layer spec: all, first, last, every:N, 3, -1, 2..5, -3..-1 (default first,last,every:8)")
+    r.add_argument("--modules", default=None, help="fnmatch pattern of modules to hook instead of self-attention")
+    r.add_argument("--points", default="input",
+                   help="capture points, comma-separated: input (self-attention input, after the layer's norm; "
+                        "default), residual (decoder layer input, before its norm, and the final norm's input)")
+    r.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    r.add_argument("--seed", type=_seed, default=0, help="seed for preset weights (default 0)")
+    r.add_argument("--chunk-size", type=int, default=None,
+                   help="prefill in chunks of N tokens through the KV cache (one forward pass per chunk)")
+    r.add_argument("--batch-size", type=int, default=1, help="prompts per forward pass, padded (default 1)")
+    r.add_argument("--padding-side", default="right", choices=["right", "left"], help="where batches are padded")
+    r.add_argument("--logprobs", action="store_true", help="also record input-token logprobs")
+    r.add_argument("--top-k", type=int, default=0, help="with --logprobs: record the top-K logprobs per position")
+    r.add_argument("--logprob-start-len", type=int, default=0,
+                   help="with --logprobs: first input position to return (SGLang's logprob_start_len)")
+    r.add_argument("--save-logits", action="store_true", help="with --logprobs: also dump the full logits rows")
+    r.add_argument("--quiet", action="store_true", help="no progress bar and no summary line")
+    sc = sub.add_parser("selfcheck", help="decode <-> prefill logprob self-consistency of a model")
+    sc.add_argument("--model", default="tiny-llama", help="local HF model directory or preset")
+    sc.add_argument("--prompt", action="append", default=None, help="prompt text (repeatable; default: built-in)")
+    sc.add_argument("--input-ids", action="append", default=None, help="comma-separated token ids (repeatable)")
+    sc.add_argument("--new-tokens", type=int, default=16, help="greedy tokens to generate (default 16)")
+    sc.add_argument("--mode", default="all", choices=["all", "no-cache", "prefill-hit", "decode-hit"],
+                    help="no-cache, the cache-hit variants, or all three (default)")
+    sc.add_argument("--threshold", type=float, default=None, help="max mean k3 (default 1e-3)")
+    sc.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    sc.add_argument("--attn", default="eager", choices=["eager", "sdpa"])
+    sc.add_argument("--device", default="cpu")
+    sc.add_argument("--seed", type=_seed, default=0)
+    sc.add_argument("--json", metavar="FILE", help="write the results as JSON")
+    sc.add_argument("--server", metavar="URL", default=None,
+                    help="check a live server instead of a local model (http://HOST:PORT); needs --api")
+    sc.add_argument("--api", default=None, choices=["vllm", "sglang", "openai"],
+                    help="with --server: vllm (/v1/completions), sglang (/generate), openai (text prompts only)")
+    sc.add_argument("--served-model", default=None, help="with --server: model name to request "
+                    "(default: the first one /v1/models lists)")
+    sc.add_argument("--timeout", type=float, default=120.0, help="with --server: seconds per request (default 120)")
+    sc.add_argument("--retries", type=int, default=3, help="with --server: retries on connection errors and 5xx")
+    rp = sub.add_parser("replay", help="run each decoder layer on the baseline's residual input: per-layer local error")
+    rp.add_argument("--model", default="tiny-llama", help="the model under test: local HF model directory or preset")
+    rp.add_argument("--baseline", required=True, help="dump holding the residual point (dumper run --points residual)")
+    rp.add_argument("--out", required=True, help="dump directory to create")
+    rp.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    rp.add_argument("--attn", default="eager", choices=["eager", "sdpa"], help="attention implementation")
+    rp.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    rp.add_argument("--seed", type=_seed, default=0, help="seed for preset weights (default 0)")
+    rp.add_argument("--quiet", action="store_true", help="no progress bar and no summary line")
+    ls = sub.add_parser("ls", help="show what a dump holds")
+    ls.add_argument("dir", help="dump directory")
+    ls.add_argument("--tensors", action="store_true", help="list every tensor")
+    return p
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from dumper.engines import run_engine
+    from dumper.hooks.layers import parse_points
+    from dumper.progress import progress_bar
+    from dumper.jobs.run import LogprobSpec, RunConfig, parse_input_ids, read_prompts_file
+
+    prompts: tuple[str, ...] = tuple(args.prompt or ())
+    ids = parse_input_ids(args.input_ids or ())
+    if args.prompts:
+        texts, file_ids = read_prompts_file(args.prompts)
+        prompts, ids = tuple(texts), tuple(tuple(s) for s in file_ids)
+    _check_device(args.device)
+    if (args.top_k or args.logprob_start_len or args.save_logits) and not args.logprobs:
+        raise UsageError("--top-k, --logprob-start-len and --save-logits need --logprobs")
+    if args.top_k < 0 or args.logprob_start_len < 0:
+        raise UsageError("--top-k and --logprob-start-len must be >= 0")
+    spec = LogprobSpec(top_k=args.top_k, start_len=args.logprob_start_len, save_logits=args.save_logits) \
+        if args.logprobs else None
+    cfg = RunConfig(out=args.out, model=args.model, prompts=prompts, input_ids=ids, dtype=args.dtype,
+                    attn=args.attn, layers=args.layers, modules=args.modules, points=parse_points(args.points),
+                    device=args.device, seed=args.seed,
+                    chunk_size=args.chunk_size, batch_size=args.batch_size, padding_side=args.padding_side,
+                    logprobs=spec, engine=args.engine, engine_args=_engine_args(args.engine_arg or ()))
+    with progress_bar(not args.quiet, "dumping", unit="tokens") as progress:
+        manifest = run_engine(cfg, engine=args.engine, progress=progress)
+    layers = manifest.capture_signature.get("layers", [])
+    if not args.quiet:
+        print(f"wrote {args.out}: {len(manifest.tensors)} tensors, layers {layers}, "
+              f"{len({t.forward_pass for t in manifest.tensors})} forward passes")
+    return EXIT_OK
+
+
+def _cmd_replay(args: argparse.Namespace) -> int:
+    from dumper.progress import progress_bar
+    from dumper.jobs.replay import ReplayConfig, replay
+
+    _check_device(args.device)
+    cfg = ReplayConfig(model=args.model, baseline=args.baseline, out=args.out, dtype=args.dtype, attn=args.attn,
+                       device=args.device, seed=args.seed)
+    with progress_bar(not args.quiet, "replaying", unit="layers") as progress:
+        manifest = replay(cfg, progress=progress)
+    if not args.quiet:
+        print(f"wrote {args.out}: decoder layers {manifest.extra['replay']['layers']} of {args.model} replayed on "
+              f"the residuals of {args.baseline}; compare with: python -m comparator {args.baseline} {args.out}")
+    return EXIT_OK
+
+
+def _check_device(device: str) -> None:
+    """Refuse a CUDA device on a machine without CUDA, in one line."""
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UsageError(f"--device {device}: CUDA is not available on this machine")
+
+
+def _engine_args(items: Sequence[str]) -> tuple[tuple[str, str], ...]:
+    """``["kv=f16", "hf_dir=ck"]`` -> (("kv", "f16"), ("hf_dir", "ck")); a word without ``=`` is a usage error."""
+    out = []
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise UsageError(f"--engine-arg {item!r}: expected KEY=VALUE")
+        out.append((key.strip(), value))
+    return tuple(out)
+
+
+def _cmd_selfcheck(args: argparse.Namespace) -> int:
+    from dumper.format import write_json_atomic
+    from dumper.jobs.presets import load_model
+    from dumper.prompts import BUILTIN_PROMPTS, parse_input_ids
+    from dumper.jobs.selfcheck import DEFAULT_K3_THRESHOLD, GREEDY_K3_NOTE, MODES, check_inputs, selfcheck, vocab_size_of
+
+    threshold = DEFAULT_K3_THRESHOLD if args.threshold is None else args.threshold
+    if not threshold >= 0:
+        raise UsageError(f"--threshold must be >= 0, got {args.threshold}")
+    if args.new_tokens < 1:
+        raise UsageError(f"--new-tokens must be >= 1, got {args.new_tokens}")
+    if args.server is not None or args.api is not None:
+        return _cmd_server_selfcheck(args, threshold)
+    model, tok = load_model(args.model, dtype=args.dtype, attn=args.attn, device=args.device, seed=args.seed)
+    prompts = [list(p) for p in parse_input_ids(args.input_ids or ())]
+    if not prompts:
+        if tok is None:
+            raise UsageError(f"{args.model}: no tokenizer; pass --input-ids")
+        prompts = [tok.encode(t) for t in (args.prompt or BUILTIN_PROMPTS)]
+    modes = MODES if args.mode == "all" else (args.mode,)
+    for i, p in enumerate(prompts):  # every prompt and mode before the first one runs
+        for m in modes:
+            try:
+                check_inputs(p, vocab_size=vocab_size_of(model), new_tokens=args.new_tokens, mode=m)
+            except UsageError as e:
+                raise UsageError(f"{args.model}: prompt {i}: {e}") from None
+    results = [selfcheck(model, p, new_tokens=args.new_tokens, mode=m, threshold=threshold)
+               for p in prompts for m in modes]
+    for i, r in enumerate(results):
+        print(f"prompt {i // len(modes)} {r.mode:>11}: k3 mean {r.k3_mean:.3e} max {r.k3_max:.3e} "
+              f"(position {r.k3_max_position}), max |dlogprob| {r.max_abs_err:.3e}, "
+              f"cache hit {r.cache_hit_tokens} tokens: {'PASS' if r.passed else 'FAIL'}")
+    passed = all(r.passed for r in results)
+    print(f"{'PASS' if passed else 'FAIL'}: decode vs prefill over {len(results)} runs, mean k3 <= {threshold:g} "
+          f"({GREEDY_K3_NOTE})")
+    if args.json:
+        write_json_atomic(args.json, {"passed": passed, "threshold": threshold,
+                                      "runs": [r.to_json() for r in results]})
+    return EXIT_OK if passed else EXIT_DIVERGED
+
+
+def _cmd_server_selfcheck(args: argparse.Namespace, threshold: float) -> int:
+    """``selfcheck --server URL --api API``: :func:`dumper.jobs.server_selfcheck.server_selfcheck` per prompt."""
+    from comparator.logprobs.sources.collect import prompts_from, served_model
+    from comparator.logprobs.sources.server_http import ServerClient
+
+    from dumper.format import write_json_atomic
+    from dumper.prompts import BUILTIN_PROMPTS, parse_input_ids
+    from comparator.logprobs import GREEDY_K3_NOTE
+
+    from dumper.jobs.server_selfcheck import server_selfcheck
+
+    if args.server is None or args.api is None:
+        raise UsageError("--server and --api go together: --server URL --api vllm|sglang|openai")
+    if args.mode != "all":
+        raise UsageError("--mode is for a local model; a server's own caches decide what it reuses")
+    ids = [list(p) for p in parse_input_ids(args.input_ids or ())]
+    prompts = prompts_from(args.prompt or ([] if ids else list(BUILTIN_PROMPTS)), ids)
+    client = ServerClient(args.server, timeout=args.timeout, retries=args.retries)
+    model = args.served_model or (served_model(client) if args.api != "sglang" else None)
+    results = [server_selfcheck(client, args.api, p, new_tokens=args.new_tokens, threshold=threshold, model=model)
+               for p in prompts]
+    for r in results:
+        print(f"prompt {r.request}: {len(r.k3)} tokens from position {r.positions[0]}: k3 mean {r.k3_mean:.3e} "
+              f"max {r.k3_max:.3e} (position {r.k3_max_position}), max |dlogprob| {r.max_abs_err:.3e}: "
+              f"{'PASS' if r.passed else 'FAIL'}")
+        for pos, q, p, k in zip(r.positions, r.decode_logprobs, r.prefill_logprobs, r.k3, strict=True):
+            print(f"  position {pos:>5}  decode {q:+.6f}  prefill {p:+.6f}  k3 {k:.3e}")
+    passed = all(r.passed for r in results)
+    print(f"{'PASS' if passed else 'FAIL'}: decode vs prefill on {client.base_url} ({args.api}) over "
+          f"{len(results)} prompts, mean k3 <= {threshold:g} ({GREEDY_K3_NOTE})")
+    if args.json:
+        write_json_atomic(args.json, {"passed": passed, "threshold": threshold, "server": client.base_url,
+                                      "api": args.api, "runs": [r.to_json() for r in results]})
+    return EXIT_OK if passed else EXIT_DIVERGED
+
+
+def describe(manifest: Manifest, *, tensors: bool = False) -> str:
+    """A human summary of a dump (what ``python -m dumper ls`` prints)."""
+    ts = manifest.tensors
+    lines = [
+        f"format {manifest.format_version}, created {manifest.created_at}",
+        f"model: {manifest.model}",
+        f"capture_signature: {manifest.capture_signature}",
+        f"environment: {manifest.environment}",
+        f"tensors: {len(ts)} in {len(manifest.files)} files, "
+        f"{sum(t.nbytes for t in ts) / 2**20:.1f} MiB",
+        f"layers: {sorted({t.layer for t in ts if t.layer is not None})}",
+        f"forward passes: {len({t.forward_pass for t in ts})}, ranks: {sorted({t.rank for t in ts})}",
+    ]
+    names = Counter(t.name for t in ts)
+    lines.append("names: " + ", ".join(f"{n} (x{c})" for n, c in sorted(names.items())[:12])
+                 + (" ..." if len(names) > 12 else ""))
+    if tensors:
+        for t in ts:
+            pos = t.row_positions()
+            span = f"tokens {pos.min()}..{pos.max()}" if pos is not None and pos.size else "no positions"
+            lines.append(f"  {t.name}  pass={t.forward_pass} rank={t.rank} layer={t.layer} "
+                         f"{t.dtype}{list(t.shape)} {span}  [{t.file}]")
+    return "\n".join(lines)
+
+
+def run(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(join_dash_values(sys.argv[1:] if argv is None else argv))
+    if args.command == "run":
+        return _cmd_run(args)
+    if args.command == "selfcheck":
+        return _cmd_selfcheck(args)
+    if args.command == "replay":
+        return _cmd_replay(args)
+    print(describe(load_manifest(args.dir), tensors=args.tensors))
+    return EXIT_OK
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """CLI entry point: user errors become one line on stderr and a distinct exit code."""
+    return guarded_main(run, argv)

@@ -1,0 +1,161 @@
+"""Background writer: turns captured tensors into fsynced safetensors shards off the forward path.
+
+The hook thread only snapshots a tensor (a CPU clone, or a non-blocking device-to-pinned copy
+plus a CUDA event on GPU) and enqueues it; this thread waits for the copy, groups a forward
+pass's tensors into shards of at most ``shard_bytes`` and writes each shard under a temporary
+name, fsyncs it and renames it. Queued bytes are bounded so a slow disk applies back-pressure
+instead of exhausting host memory.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from dumper.errors import DumpError
+from dumper.format import data_file_name, file_mode, fsync_dir
+
+__all__ = ["ShardWriter", "snapshot"]
+
+_END_PASS = object()
+_STOP = object()
+
+
+@dataclass
+class _Item:
+    key: str
+    tensor: torch.Tensor
+    event: Any  # torch.cuda.Event | None
+    forward_pass: int
+
+
+def snapshot(t: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """A private, contiguous CPU copy of ``t`` that later in-place ops cannot change.
+
+    On CUDA the copy goes into pinned memory with ``non_blocking=True`` and an event is
+    returned; the writer waits on the event, so the forward pass never waits on the copy.
+    """
+    t = t.detach()
+    if t.device.type == "cuda":
+        buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
+        buf.copy_(t, non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(t.device))
+        return buf, ev
+    if t.device.type != "cpu":
+        return t.to("cpu").contiguous(), None
+    return t.clone(memory_format=torch.contiguous_format), None
+
+
+class ShardWriter:
+    """Writes one rank's tensors to ``directory``; ``files`` maps written file -> byte size."""
+
+    def __init__(self, directory: Path, rank: int, *, shard_bytes: int = 512 << 20,
+                 max_queued_bytes: int = 2 << 30) -> None:
+        self.directory = directory
+        self.rank = rank
+        self.shard_bytes = shard_bytes
+        self.max_queued_bytes = max_queued_bytes
+        self.file_mode = file_mode()  # safetensors creates its files 0600; give them the user's umask
+        self.files: dict[str, int] = {}
+        self.locations: dict[tuple[int, str], str] = {}  # (pass, key) -> file
+        self._queue: queue.Queue[Any] = queue.Queue()
+        self._queued = 0
+        self._cond = threading.Condition()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="driftscope-writer", daemon=True)
+        self._thread.start()
+
+    def put(self, forward_pass: int, key: str, tensor: torch.Tensor) -> None:
+        """Snapshot ``tensor`` and queue it; blocks while too many bytes are queued."""
+        self._raise_if_failed()
+        nbytes = tensor.numel() * tensor.element_size()
+        with self._cond:
+            while self._queued > 0 and self._queued + nbytes > self.max_queued_bytes and self._error is None:
+                self._cond.wait()
+            self._queued += nbytes
+        buf, ev = snapshot(tensor)
+        self._queue.put(_Item(key, buf, ev, forward_pass))
+
+    def end_pass(self) -> None:
+        """Flush the current forward pass's tensors to their own shard(s)."""
+        self._queue.put(_END_PASS)
+
+    def close(self) -> None:
+        """Write everything queued and stop; raises if any write failed."""
+        self._queue.put(_STOP)
+        self._thread.join()
+        self._raise_if_failed()
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            err = self._error
+            if isinstance(err, DumpError):
+                raise err
+            raise DumpError(f"{self.directory}: writing the dump failed ({type(err).__name__}: {err})") from err
+
+    def _run(self) -> None:
+        pending: dict[str, torch.Tensor] = {}
+        pending_bytes = 0
+        pending_pass: int | None = None
+        next_shard: dict[int, int] = {}
+
+        def flush() -> None:
+            nonlocal pending, pending_bytes
+            if pending and pending_pass is not None:
+                shard = next_shard.get(pending_pass, 0)
+                next_shard[pending_pass] = shard + 1
+                self._write(pending_pass, shard, pending)
+                self._release(pending_bytes)
+                pending, pending_bytes = {}, 0
+
+        while True:
+            item = self._queue.get()
+            try:
+                if item is _STOP:
+                    flush()
+                    return
+                if item is _END_PASS:
+                    flush()
+                    continue
+                if item.forward_pass != pending_pass:
+                    flush()
+                    pending_pass = item.forward_pass
+                if item.event is not None:
+                    item.event.synchronize()
+                pending[item.key] = item.tensor
+                pending_bytes += item.tensor.numel() * item.tensor.element_size()
+                if pending_bytes >= self.shard_bytes:
+                    flush()
+            except BaseException as e:  # surfaced to the producer on its next call
+                with self._cond:
+                    self._error = e
+                    self._cond.notify_all()
+                if item is _STOP:
+                    return
+
+    def _release(self, nbytes: int) -> None:
+        with self._cond:
+            self._queued -= nbytes
+            self._cond.notify_all()
+
+    def _write(self, forward_pass: int, shard: int, tensors: dict[str, torch.Tensor]) -> None:
+        name = data_file_name(self.rank, forward_pass, shard)
+        final = self.directory / name
+        tmp = self.directory / f".{name}.tmp"
+        save_file(tensors, str(tmp))
+        os.chmod(tmp, self.file_mode)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+        fsync_dir(self.directory)
+        self.files[name] = final.stat().st_size
+        for key in tensors:
+            self.locations[(forward_pass, key)] = name

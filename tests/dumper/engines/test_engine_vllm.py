@@ -1,0 +1,323 @@
+"""vLLM as an engine: real vLLM (CPU build) on a tiny checkpoint the tests write, judged against HF fp32.
+
+Every vLLM job of this module runs in one worker subprocess (:func:`_worker`), so that vLLM's
+process-wide state (torch.distributed, thread settings, a frozen gc) never reaches the pytest
+process, and vLLM is imported once. The worker runs ``python -m dumper run --engine vllm`` through
+the CLI's own entry point for the dump jobs, and the library and hook API for the seeded bug and
+the user-script capture. The HF reference is ``python -m dumper run`` in a subprocess; verdicts
+come from ``python -m comparator`` subprocesses and their JSON reports.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from comparator import compare_dumps
+from dumper.errors import UsageError
+from dumper.format import load_manifest
+from dumper.jobs.run import LogprobSpec, RunConfig
+from tests.conftest import ROOT, run_cli
+from tests.engine_models import build_checkpoint, engine_missing
+
+_rng = np.random.default_rng(7)
+PREFIX = [1] + _rng.integers(3, 300, 139).tolist()  # 140 tokens: one full 128-token KV block is shared
+PROMPTS = [PREFIX + [7, 8, 9, 10, 11, 12], PREFIX + [20, 21, 22, 23, 24, 25, 26, 27, 28],
+           [1] + _rng.integers(3, 300, 39).tolist()]
+BUG_LAYER, BUG_PROMPT, BUG_TOKEN = 1, 2, 17
+assert PROMPTS[BUG_PROMPT][BUG_TOKEN] not in (p[BUG_TOKEN] for p in PROMPTS[:BUG_PROMPT])
+N_LAYERS = 4
+JOB = ("--layers", "all", "--engine-arg", "enable_prefix_caching=true", "--quiet")
+LOGPROBS = ("--logprobs", "--top-k", "5")
+CLI_JOBS = {  # name -> extra `python -m dumper run --engine vllm` args, in the order they run (engines reused)
+    "fp32": LOGPROBS,
+    "prefix": (),  # no --logprobs: vLLM never reads the prefix cache for a request asking prompt_logprobs
+    "chunk": ("--chunk-size", "16", *LOGPROBS),
+    "bf16": ("--dtype", "bfloat16", *LOGPROBS),
+    "logits": ("--logprobs", "--top-k", "3", "--save-logits"),
+}
+
+
+def need(name: str) -> None:
+    why = engine_missing(name)
+    if why:
+        pytest.fail(why) if os.environ.get("CI") == "true" else pytest.skip(why)
+
+
+def _cfg(ckpt: Path, out: Path) -> RunConfig:
+    """The fp32 CLI job as a RunConfig (the same engine settings, so the worker reuses its engine)."""
+    return RunConfig(out=str(out), model=str(ckpt), input_ids=tuple(map(tuple, PROMPTS)), layers="all",
+                     logprobs=LogprobSpec(top_k=5), engine="vllm", engine_args=(("enable_prefix_caching", "true"),))
+
+
+def _seed_bug(model) -> list:
+    """Add 0.5 to decoder layer BUG_LAYER's output at token BUG_TOKEN of prompt BUG_PROMPT only.
+
+    The prompt is told apart by its token at that position (unique among the prompts), read from
+    the model's own ``input_ids``, so the bug needs no driftscope code.
+    """
+    seen = {}
+
+    def remember(mod, args, kwargs):
+        seen["ids"], seen["pos"] = kwargs["input_ids"], kwargs["positions"]
+
+    def perturb(mod, args, output):
+        hidden, residual = output
+        rows = (seen["pos"] == BUG_TOKEN) & (seen["ids"] == PROMPTS[BUG_PROMPT][BUG_TOKEN])
+        return hidden + 0.5 * rows[:, None].to(hidden.dtype), residual
+
+    return [model.register_forward_pre_hook(remember, with_kwargs=True),
+            model.model.layers[BUG_LAYER].register_forward_hook(perturb)]
+
+
+def _worker(ckpt: str, prompts: str, out: str) -> None:
+    """All vLLM jobs in one process; writes ``out/results.json`` (exit code, seconds, stderr per job)."""
+    import torch
+
+    import dumper
+    from dumper.cli.main import main
+    from dumper.engines.vllm import dump_llm, engine_kwargs, load_llm
+    from dumper.engines.vllm_hooks import model_of
+
+    base, results = Path(out), {}
+
+    def timed(name, fn):
+        err, start = io.StringIO(), time.perf_counter()
+        with contextlib.redirect_stderr(err):
+            rc = fn()
+        results[name] = {"rc": rc, "seconds": time.perf_counter() - start, "stderr": err.getvalue()[-3000:]}
+
+    run = ["run", "--engine", "vllm", "--model", ckpt, "--prompts", prompts, *JOB]
+    for name in ("fp32", "prefix"):
+        timed(name, lambda name=name: main([*run, *CLI_JOBS[name], "--out", str(base / name)]))
+    cfg = _cfg(Path(ckpt), base / "bug")
+    llm = load_llm(engine_kwargs(cfg, Path(ckpt), PROMPTS))  # the fp32 job's engine, reused
+
+    def seeded_bug() -> int:
+        handles = _seed_bug(model_of(llm))
+        try:
+            dump_llm(llm, cfg, PROMPTS, Path(ckpt))
+        finally:
+            for h in handles:
+                h.remove()
+        return 0
+
+    timed("bug", seeded_bug)
+
+    def user_script() -> int:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        llm.reset_prefix_cache()
+        params = SamplingParams(max_tokens=3, temperature=0.0)
+        with torch.inference_mode(), dumper.capture(model_of(llm), base / "user", layers="all"):
+            llm.generate([TokensPrompt(prompt_token_ids=PROMPTS[0])], params, use_tqdm=False)
+            llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS[1:]], params, use_tqdm=False)
+        return 0
+
+    timed("user", user_script)
+    for name in ("chunk", "bf16", "logits"):
+        timed(name, lambda name=name: main([*run, *CLI_JOBS[name], "--out", str(base / name)]))
+    bad = base / "bad-ckpt"  # last: a failed engine start may leave vLLM's process state behind
+    bad.mkdir()
+    for f in Path(ckpt).iterdir():
+        (bad / f.name).write_bytes(f.read_bytes()[:4096] if f.name == "model.safetensors" else f.read_bytes())
+    timed("bad", lambda: main(["run", "--engine", "vllm", "--model", str(bad), "--input-ids", "1,5,9",
+                               "--out", str(base / "bad"), "--quiet"]))
+    (base / "results.json").write_text(json.dumps(results))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """(HF dump, vLLM job dirs, worker results): the HF reference and the worker run side by side."""
+    need("vllm")
+    root = tmp_path_factory.mktemp("vllm")
+    ckpt = build_checkpoint(root / "ckpt")
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in PROMPTS))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    worker = subprocess.Popen([sys.executable, "-c", f"from tests.dumper.engines.test_engine_vllm import _worker; "
+                               f"_worker({str(ckpt)!r}, {str(prompts)!r}, {str(root)!r})"],
+                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    hf = run_cli("dumper", "run", "--model", ckpt, "--prompts", prompts, "--out", root / "hf", *JOB[:2],
+                 *LOGPROBS, "--quiet")
+    hf_logits = run_cli("dumper", "run", "--model", ckpt, "--prompts", prompts, "--out", root / "hf-logits",
+                        *JOB[:2], *CLI_JOBS["logits"], "--quiet")
+    log, _ = worker.communicate(timeout=900)
+    assert hf.returncode == 0 and hf_logits.returncode == 0, hf.stderr + hf_logits.stderr
+    assert worker.returncode == 0, log[-4000:]
+    return root / "hf", root, json.loads((root / "results.json").read_text())
+
+
+def _compare(runs, job: str, *, cli: bool = False, baseline: str = "hf") -> tuple[int, dict]:
+    """(exit code, JSON report) of comparing the HF dump with ``job``'s: ``python -m comparator HF JOB --json``
+    in a subprocess with ``cli``, else :func:`comparator.compare_dumps` here (the CLI's exit code rule)."""
+    _, root, results = runs
+    hf = root / baseline
+    assert results[job]["rc"] == 0, results[job]["stderr"]
+    if not cli:
+        report = compare_dumps(hf, root / job)
+        return int(not report.passed), json.loads(json.dumps(report.to_json()))
+    path = root / f"{job}.report.json"
+    r = run_cli("comparator", hf, root / job, "--json", path, "--quiet")
+    assert r.returncode in (0, 1), r.stdout + r.stderr
+    return r.returncode, json.loads(path.read_text())
+
+
+def _max_rel(report: dict) -> float:
+    return max(t["rel_diff"] for t in report["tensors"])
+
+
+def test_fp32_batch_matches_hf_hidden_states_and_logprobs(runs):
+    rc, report = _compare(runs, "fp32", cli=True)
+    assert rc == 0 and report["passed"], report
+    assert report["matched"] == N_LAYERS * len(PROMPTS) and not report["unmatched_baseline"]
+    assert _max_rel(report) < 1e-6
+    lp = report["logprobs"]
+    assert lp["passed"] and lp["compared_positions"] == sum(len(p) - 1 for p in PROMPTS), lp
+    m = load_manifest(runs[1] / "fp32")
+    hidden = [t for t in m.tensors if t.point == "input"]
+    assert {t.forward_pass for t in hidden} == {0}  # all prompts in one engine step: a batch of three
+    assert set(hidden[0].row_sequence_ids().tolist()) == {0, 1, 2} and hidden[0].shape[0] == sum(map(len, PROMPTS))
+    env = m.environment
+    assert env["engine"] == "vllm" and env["engine_dtype"] == "float32" and env["engine_attention_backend"]
+    assert env["engine_prefix_caching"] is True and m.model["config_hash"]
+
+
+def test_a_bug_at_one_layer_and_token_is_localized_to_the_next_layer(runs):
+    rc, report = _compare(runs, "bug")
+    assert rc == 1 and not report["passed"]
+    fd = report["first_divergent"]
+    assert fd["layer"] == BUG_LAYER + 1 and fd["name"] == f"model.layers.{BUG_LAYER + 1}.self_attn.input"
+    assert fd["sequence"] == BUG_PROMPT and fd["token"] == BUG_TOKEN and fd["failing_sequences"] == [BUG_PROMPT]
+    assert all(t["passed"] for t in report["tensors"] if t["layer"] <= BUG_LAYER)
+
+
+def test_chunked_prefill_matches_hf(runs):
+    rc, report = _compare(runs, "chunk")
+    assert rc == 0 and report["passed"] and report["logprobs"]["passed"], report
+    m = load_manifest(runs[1] / "chunk")
+    assert m.environment["engine_chunked_prefill"] is True and m.environment["engine_max_num_batched_tokens"] == 16
+    passes = {t.forward_pass for t in m.tensors if t.point == "input"}
+    assert len(passes) >= sum(map(len, PROMPTS)) // 16  # 16 tokens per engine step
+    assert max(t.shape[0] for t in m.tensors if t.point == "input") <= 16
+
+
+def test_a_prefix_cache_hit_matches_hf(runs):
+    m = load_manifest(runs[1] / "prefix")
+    assert m.extra["prefix_cache_hits"] == [0, 128, 0]  # vLLM's own count: prompt 1 reused one 128-token block
+    shared = [t for t in m.tensors if t.meta.get("shared_prefix")]
+    assert len(shared) == N_LAYERS and all(set(t.row_sequence_ids().tolist()) == {1} for t in shared)
+    assert all(t.row_positions().tolist() == list(range(128)) for t in shared)
+    computed = [t for t in m.tensors if not t.meta.get("shared_prefix")]
+    assert min(p for t in computed for p, s in zip(t.row_positions(), t.row_sequence_ids(), strict=True) if s == 1) == 128
+    rc, report = _compare(runs, "prefix")
+    assert rc == 0 and report["passed"] and report["matched"] == N_LAYERS * len(PROMPTS), report
+
+
+def test_the_hook_api_in_a_users_vllm_script_matches_hf(runs):
+    """capture(vllm_model) around two generate calls with decoding: prompt rows only, prompt order, and the
+    second call's prefix-cache hit on the first call's blocks filled in."""
+    _, root, results = runs
+    assert results["user"]["rc"] == 0, results["user"]["stderr"]
+    m = load_manifest(root / "user")
+    hidden = [t for t in m.tensors if t.point == "input"]
+    assert [t.name for t in hidden[:N_LAYERS]] == [f"model.layers.{i}.self_attn.input" for i in range(N_LAYERS)]
+    assert any(t.meta.get("shared_prefix") for t in hidden)
+    for s, p in enumerate(PROMPTS):  # decode steps are not kept: each prompt's positions exactly
+        pos = sorted(q for t in hidden[:: N_LAYERS] for q, i in zip(t.row_positions(), t.row_sequence_ids(), strict=True) if i == s)
+        assert pos == list(range(len(p))), s
+    rc, report = _compare(runs, "user")
+    assert rc == 0 and report["passed"] and report["matched"] == N_LAYERS * len(PROMPTS), report
+
+
+def test_bf16_is_measured_against_hf_fp32(runs, record_property):
+    rc, report = _compare(runs, "bf16", cli=True)
+    rel = sorted(t["rel_diff"] for t in report["tensors"])
+    dlp = report["logprobs"]["max_abs_err"]["value"]
+    record_property("bf16_rel_diff", [rel[0], rel[-1]])
+    record_property("bf16_max_abs_dlogprob", dlp)
+    print(f"vLLM bf16 vs HF fp32: rel_diff {rel[0]:.2e}..{rel[-1]:.2e}, max |dlogprob| {dlp:.3g}, exit {rc}")
+    assert 1e-6 < rel[-1] < 5e-2 and 1e-4 < dlp < 2.0  # bf16 really ran (not fp32) and is not garbage
+    assert rc == (0 if report["passed"] else 1)
+
+
+def test_bf16_passes_against_the_noise_of_hf_bf16_layouts(runs):
+    """Calibrated from HF bf16 eager and SDPA against the HF fp32 reference, vLLM bf16 is within that noise."""
+    _, root, results = runs
+    prompts = root / "prompts.jsonl"
+    for name, extra in (("hf-bf16", ()), ("hf-bf16-sdpa", ("--attn", "sdpa"))):
+        r = run_cli("dumper", "run", "--model", root / "ckpt", "--prompts", prompts, "--out", root / name,
+                    *JOB[:2], *LOGPROBS, "--dtype", "bfloat16", *extra, "--quiet")
+        assert r.returncode == 0, r.stderr
+    r = run_cli("comparator", "calibrate", root / "hf", root / "hf-bf16", root / "hf-bf16-sdpa",
+                "--out", root / "bf16-noise.json", "--quiet")
+    assert r.returncode == 0, r.stderr
+    assert results["bf16"]["rc"] == 0, results["bf16"]["stderr"]
+    path = root / "bf16-noise.report.json"
+    r = run_cli("comparator", root / "hf", root / "bf16", "--noise", root / "bf16-noise.json", "--json", path,
+                "--quiet")
+    report = json.loads(path.read_text())
+    ratios = [t["token_noise_ratio"] for t in report["tensors"]]
+    assert r.returncode == 0 and report["passed"], r.stdout
+    assert all(ratio is not None for ratio in ratios) and 0.05 < max(ratios) < 3, ratios  # bf16 noise, not zero
+    assert report["logprobs"]["noise"] is not None and report["logprobs"]["passed"]
+
+
+def test_full_logits_rows_match_hf(runs):
+    """--save-logits: vLLM's raw logits of every vocabulary id, compared row by row (KL needs whole rows)."""
+    rc, report = _compare(runs, "logits", baseline="hf-logits")
+    lp = report["logprobs"]
+    assert rc == 0 and report["passed"] and not report["unmatched_baseline"] and not report["unmatched_target"], report
+    assert lp["kl_max"]["value"] < 1e-9 and lp["compared_positions"] == sum(len(p) - 1 for p in PROMPTS), lp
+    m = load_manifest(runs[1] / "logits")
+    assert [t.shape for t in m.tensors if t.name == "logits"] == [(len(p) - 1, 512) for p in PROMPTS]
+
+
+def test_a_checkpoint_vllm_cannot_load_is_one_error_line(runs):
+    _, root, results = runs
+    bad = results["bad"]
+    lines = [ln for ln in bad["stderr"].splitlines() if ln.startswith("error:")]
+    assert bad["rc"] == 2 and len(lines) == 1, bad["stderr"]
+    assert lines[0].startswith(f"error: {root / 'bad-ckpt'}: vLLM cannot load it (") and "Traceback" not in lines[0]
+    assert not (root / "bad" / "manifest.json").exists()
+
+
+def test_engine_args_are_checked_before_vllm_starts(tmp_path):
+    """``--engine-arg`` parsing needs no engine: unknown keys and bad values are one-line usage errors."""
+    from dumper.engines.vllm import engine_kwargs
+
+    ckpt = tmp_path / "c"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps({"model_type": "llama", "max_position_embeddings": 2048}))
+
+    def kwargs(*args: tuple[str, str], **cfg):
+        return engine_kwargs(RunConfig(out="x", model=str(ckpt), engine="vllm", engine_args=args, **cfg), ckpt,
+                             [[1, 2, 3]])
+
+    kw = kwargs(("kv_cache_dtype", "fp8"), ("enable_prefix_caching", "false"), chunk_size=32)
+    assert kw["kv_cache_dtype"] == "fp8" and kw["enable_prefix_caching"] is False and kw["enforce_eager"] is True
+    assert kw["enable_chunked_prefill"] is True and kw["max_num_batched_tokens"] == 32 and kw["max_num_seqs"] == 32
+    assert kw["skip_tokenizer_init"] is True and kw["max_model_len"] == 512
+    with pytest.raises(UsageError, match="--engine-arg attn: --engine vllm does not take it"):
+        kwargs(("attn", "x"))
+    with pytest.raises(UsageError, match="enable_prefix_caching=yes: expected true or false"):
+        kwargs(("enable_prefix_caching", "yes"))
+    with pytest.raises(UsageError, match="max_num_seqs=64 is more than --chunk-size 16"):
+        kwargs(("max_num_seqs", "64"), chunk_size=16)
+    with pytest.raises(UsageError, match="max_num_seqs=0: expected a positive integer"):
+        kwargs(("max_num_seqs", "0"))
+    with pytest.raises(UsageError, match="--batch-size: --engine vllm batches every prompt itself"):
+        kwargs(batch_size=4)
+    with pytest.raises(UsageError, match="--attn sdpa: HF's attention setting"):
+        kwargs(attn="sdpa")
+    assert kwargs(("max_model_len", "1024"), ("max_num_seqs", "3"))["max_model_len"] == 1024
