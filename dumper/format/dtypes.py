@@ -1,0 +1,83 @@
+"""The dtype table: every dtype a dump stores, under each name it goes by (no torch).
+
+A tensor's dtype crosses four vocabularies: the safetensors code in the manifest (``BF16``),
+the numpy dtype its raw bytes are read as (bfloat16 as its ``uint16`` bits), torch's name
+(``bfloat16``), and whether the comparator's float kernels take it. This module is the one
+place they are written down; every other module looks them up here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Final
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["DType", "DTYPES", "STORAGE_DTYPES", "FLOAT_CODES", "INT_CODES", "MODEL_DTYPES", "FLOAT_NAMES",
+           "torch_codes", "torch_dtype"]
+
+
+@dataclass(frozen=True)
+class DType:
+    """One dtype a dump can store."""
+
+    code: str
+    """The safetensors code written in the manifest (``F32``, ``BF16``, ``I64``...)."""
+    storage: np.dtype
+    """Little-endian numpy dtype of the raw bytes (bfloat16: its ``uint16`` bit pattern)."""
+    torch_name: str
+    """The attribute of ``torch`` with this dtype (``float32``, ``bfloat16``...)."""
+
+    @property
+    def is_float(self) -> bool:
+        """A floating-point dtype: the comparator's row kernels read it natively."""
+        return self.torch_name.startswith(("float", "bfloat"))
+
+
+DTYPES: Final[dict[str, DType]] = {d.code: d for d in (
+    DType("F64", np.dtype("<f8"), "float64"),
+    DType("F32", np.dtype("<f4"), "float32"),
+    DType("F16", np.dtype("<f2"), "float16"),
+    DType("BF16", np.dtype("<u2"), "bfloat16"),
+    DType("I64", np.dtype("<i8"), "int64"),
+    DType("I32", np.dtype("<i4"), "int32"),
+    DType("I16", np.dtype("<i2"), "int16"),
+    DType("I8", np.dtype("i1"), "int8"),
+    DType("U8", np.dtype("u1"), "uint8"),
+    DType("BOOL", np.dtype("?"), "bool"),
+)}
+"""Every dtype a dump can store, by safetensors code."""
+
+STORAGE_DTYPES: Final[dict[str, np.dtype]] = {code: d.storage for code, d in DTYPES.items()}
+"""safetensors code -> numpy storage dtype (bfloat16 is stored as its raw uint16 bits)."""
+
+FLOAT_CODES: Final = frozenset(code for code, d in DTYPES.items() if d.is_float)
+"""Codes of the floating-point dtypes (``F64``, ``F32``, ``F16``, ``BF16``)."""
+
+INT_CODES: Final = frozenset(code for code, d in DTYPES.items() if not d.is_float and code != "BOOL")
+"""Codes of the integer dtypes (token ids are stored as one of these)."""
+
+FLOAT_NAMES: Final = tuple(d.torch_name for d in DTYPES.values() if d.is_float)
+"""torch names of the floating-point dtypes, widest first (``float64`` ... ``bfloat16``)."""
+
+MODEL_DTYPES: Final = ("float32", "bfloat16", "float16")
+"""The dtypes a model may be run in (``--dtype`` of ``python -m dumper``)."""
+
+
+def torch_codes() -> dict[torch.dtype, str]:
+    """torch dtype -> safetensors code, for every dtype a dump can store (imports torch)."""
+    import torch
+
+    return {getattr(torch, d.torch_name): code for code, d in DTYPES.items()}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a :data:`MODEL_DTYPES` name (imports torch); KeyError for another name."""
+    import torch
+
+    if name not in MODEL_DTYPES:
+        raise KeyError(name)
+    return getattr(torch, name)
