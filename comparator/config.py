@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from dumper.errors import UsageError
-from dumper.settings import env_settings
+from comparator.settings import comparator_settings
 
 from comparator.noise.model import DEFAULT_FACTOR, DEFAULT_FLOOR, Limits, NoiseModel, check_noise_factor, noise_limits
 
@@ -88,7 +88,7 @@ class CompareConfig:
         ``noise_floors``: as parsed by :func:`comparator.noise.model.parse_noise_floor` (``rel_diff`` and
         logprob metric names).
         """
-        s = env_settings(env)
+        s = comparator_settings(env)
         floors = dict(noise_floors or {})
         explicit = any(v is not None for v in (threshold, token_threshold, s.diff_threshold, s.token_threshold))
         return cls(

@@ -55,7 +55,7 @@ import numpy as np
 
 from dumper.errors import NotComparableError, UsageError
 from dumper.resources import config_path
-from dumper.settings import env_settings
+from comparator.settings import comparator_settings
 
 from comparator.jsonfloat import from_json_float, to_json_float
 from comparator.logprobs.llama_stats import LlamaStats, llama_stats, mean_se
@@ -575,10 +575,10 @@ def logprob_env_thresholds(env: Mapping[str, str] | None = None) -> dict[str, fl
     """Thresholds set by ``DRIFTSCOPE_LOGPROB_<NAME>`` (e.g. ``DRIFTSCOPE_LOGPROB_K3_MEAN=1e-3``).
 
     Only variables that are set (non-empty) appear; ``off`` maps to None (not checked). The
-    variables are read by :func:`dumper.settings.env_settings`, like every ``DRIFTSCOPE_*``.
+    variables are read by :func:`comparator.settings.comparator_settings`.
     """
     out: dict[str, float | None] = {}
-    for name, raw in env_settings(env).logprob_thresholds.items():
+    for name, raw in comparator_settings(env).logprob_thresholds.items():
         var = f"DRIFTSCOPE_LOGPROB_{name.upper()}"
         if name not in THRESHOLD_NAMES:
             raise UsageError(f"{var} is not a logprob threshold; known: "
