@@ -16,7 +16,7 @@ import numpy as np
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DType", "DTYPES", "STORAGE_DTYPES", "FLOAT_CODES", "INT_CODES", "MODEL_DTYPES", "FLOAT_NAMES",
+__all__ = ["DType", "DTYPES", "STORAGE_DTYPES", "ITEMSIZES", "FLOAT_CODES", "INT_CODES", "MODEL_DTYPES", "FLOAT_NAMES",
            "torch_codes", "torch_dtype"]
 
 
@@ -53,6 +53,9 @@ DTYPES: Final[dict[str, DType]] = {d.code: d for d in (
 
 STORAGE_DTYPES: Final[dict[str, np.dtype]] = {code: d.storage for code, d in DTYPES.items()}
 """safetensors code -> numpy storage dtype (bfloat16 is stored as its raw uint16 bits)."""
+
+ITEMSIZES: Final[dict[str, int]] = {code: d.storage.itemsize for code, d in DTYPES.items()}
+"""safetensors code -> bytes per element (what the validator checks sizes and offsets with)."""
 
 FLOAT_CODES: Final = frozenset(code for code, d in DTYPES.items() if d.is_float)
 """Codes of the floating-point dtypes (``F64``, ``F32``, ``F16``, ``BF16``)."""

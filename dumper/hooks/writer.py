@@ -2,9 +2,13 @@
 
 The hook thread only snapshots a tensor (a CPU clone, or a non-blocking device-to-pinned copy
 plus a CUDA event on GPU) and enqueues it; this thread waits for the copy, groups a forward
-pass's tensors into shards of at most ``shard_bytes`` and writes each shard under a temporary
-name, fsyncs it and renames it. Queued bytes are bounded so a slow disk applies back-pressure
-instead of exhausting host memory.
+pass's tensors into shards (a shard is closed once it holds ``shard_bytes``, or early when the
+producer waits on a full queue) and writes each shard with
+:func:`dumper.format.atomic.atomic_path` (a temporary name, fsync, rename, fsync of the folder),
+so a shard exists under its final name only when it is whole. The writer never writes the
+manifest: :class:`~dumper.hooks.capture.Capture` does, after :meth:`ShardWriter.close` returned,
+so a failed write leaves a dump that never looks complete. Queued bytes are bounded so a slow
+disk applies back-pressure instead of exhausting host memory.
 """
 
 from __future__ import annotations
@@ -20,11 +24,13 @@ import torch
 from safetensors.torch import save_file
 
 from dumper.errors import DumpError
-from dumper.format import data_file_name, file_mode, fsync_dir
+from dumper.format.atomic import atomic_path, file_mode
+from dumper.format.manifest import data_file_name
 
 __all__ = ["ShardWriter", "snapshot"]
 
 _END_PASS = object()
+_FLUSH = object()  # write what is pending now: a producer waits for the bytes it holds
 _STOP = object()
 
 
@@ -68,17 +74,25 @@ class ShardWriter:
         self.locations: dict[tuple[int, str], str] = {}  # (pass, key) -> file
         self._queue: queue.Queue[Any] = queue.Queue()
         self._queued = 0
+        self._flush_asked = False
         self._cond = threading.Condition()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="driftscope-writer", daemon=True)
         self._thread.start()
 
     def put(self, forward_pass: int, key: str, tensor: torch.Tensor) -> None:
-        """Snapshot ``tensor`` and queue it; blocks while too many bytes are queued."""
+        """Snapshot ``tensor`` and queue it; blocks while too many bytes are queued.
+
+        While it waits, the shard being gathered is written early (it would otherwise wait for
+        bytes this call holds back: a shard bigger than the queue, or one huge tensor).
+        """
         self._raise_if_failed()
         nbytes = tensor.numel() * tensor.element_size()
         with self._cond:
             while self._queued > 0 and self._queued + nbytes > self.max_queued_bytes and self._error is None:
+                if not self._flush_asked:
+                    self._flush_asked = True
+                    self._queue.put(_FLUSH)
                 self._cond.wait()
             self._queued += nbytes
         buf, ev = snapshot(tensor)
@@ -122,7 +136,7 @@ class ShardWriter:
                 if item is _STOP:
                     flush()
                     return
-                if item is _END_PASS:
+                if item is _END_PASS or item is _FLUSH:
                     flush()
                     continue
                 if item.forward_pass != pending_pass:
@@ -144,18 +158,15 @@ class ShardWriter:
     def _release(self, nbytes: int) -> None:
         with self._cond:
             self._queued -= nbytes
+            self._flush_asked = False
             self._cond.notify_all()
 
     def _write(self, forward_pass: int, shard: int, tensors: dict[str, torch.Tensor]) -> None:
         name = data_file_name(self.rank, forward_pass, shard)
         final = self.directory / name
-        tmp = self.directory / f".{name}.tmp"
-        save_file(tensors, str(tmp))
-        os.chmod(tmp, self.file_mode)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-        fsync_dir(self.directory)
+        with atomic_path(final) as tmp:  # fsynced and renamed into place; removed if anything fails
+            save_file(tensors, str(tmp))
+            os.chmod(tmp, self.file_mode)  # safetensors replaces the file with one of its own, mode 0600
         self.files[name] = final.stat().st_size
         for key in tensors:
             self.locations[(forward_pass, key)] = name

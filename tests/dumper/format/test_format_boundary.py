@@ -39,13 +39,8 @@ from dumper.format import (
     load_manifest,
     write_json_atomic,
 )
-from dumper.format.validate import (
-    JSON_MEMORY_BUDGET,
-    MANIFEST_KEYS,
-    MAX_HEADER_BYTES,
-    RECORD_KEYS,
-    json_memory_bound,
-)
+from dumper.format.files import JSON_MEMORY_BUDGET, json_memory_bound
+from dumper.format.validate import MANIFEST_KEYS, MAX_HEADER_BYTES, RECORD_KEYS
 from tests.conftest import ROOT, run_cli
 
 DATA0 = "r0-p000000-000.safetensors"
@@ -584,7 +579,7 @@ def test_checker_knows_every_field_of_the_format(small):
 def test_the_json_memory_budget_can_be_raised_for_a_huge_real_dump(tmp_path, monkeypatch):
     """The budget refuses a manifest before parsing it; DRIFTSCOPE_JSON_MEMORY_MIB lets a user with the memory read it."""
     from dumper.errors import UsageError
-    from dumper.format.validate import json_memory_bound
+    from dumper.format.files import json_memory_bound
 
     src = tmp_path / "d"
     with dumper.capture(None, src, model_name="budget"):

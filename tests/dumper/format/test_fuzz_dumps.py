@@ -39,7 +39,7 @@ from hypothesis import strategies as st
 from comparator.cli.main import main as compare_main
 from dumper.cli.main import main as dumper_main
 from dumper.format import MANIFEST_NAME
-from dumper.format.validate import JSON_MEMORY_BUDGET, json_memory_bound
+from dumper.format.files import JSON_MEMORY_BUDGET, json_memory_bound
 from tests.conftest import ROOT
 from tests.dumper.format.test_format_boundary import header_of, write_small_dump
 
