@@ -23,9 +23,9 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "Capture": "hooks.capture",
     "capture": "hooks.capture",
-    "dump": "hooks.capture",
-    "step": "hooks.capture",
-    "active_capture": "hooks.capture",
+    "dump": "hooks.active",
+    "step": "hooks.active",
+    "active_capture": "hooks.active",
     "DriftscopeError": "errors",
     "DEFAULT_LAYERS": "hooks.layers",
     "parse_layer_spec": "hooks.layers",

@@ -24,6 +24,7 @@ __all__ = [
     "EXIT_DIVERGED",
     "EXIT_UNUSABLE",
     "EXIT_INTERNAL",
+    "error_reason",
 ]
 
 EXIT_OK = 0
@@ -72,3 +73,9 @@ class ModelMismatchError(NotComparableError):
 
 class InternalError(RuntimeError):
     """A bug in driftscope (not a user error): the CLIs exit :data:`EXIT_INTERNAL` on it."""
+
+
+def error_reason(e: BaseException) -> str:
+    """One line for an exception raised by model code: its type and its message, joined and cut to 300 characters."""
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text[:300]}" if text else type(e).__name__

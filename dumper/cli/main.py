@@ -6,13 +6,14 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-from collections import Counter
 from collections.abc import Sequence
 
 from dumper.cli.common import Parser, guarded_main
 from dumper.engines import ENGINES
 from dumper.errors import EXIT_DIVERGED, EXIT_OK, UsageError
-from dumper.format import Manifest, load_manifest
+from dumper.format import load_manifest
+from dumper.format.describe import describe_lines
+from dumper.format.dtypes import MODEL_DTYPES
 
 __all__ = ["main", "build_parser"]
 
@@ -56,8 +57,16 @@ def _seed(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The parser of ``python -m dumper``: one subcommand per job, each with its flags."""
     p = Parser(prog="python -m dumper", description="Capture hidden states of a model into a dump directory.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
+    for add in (_add_run, _add_selfcheck, _add_replay, _add_ls):
+        add(sub)
+    return p
+
+
+def _add_run(sub: argparse._SubParsersAction) -> None:
+    """``run``: the flags of :class:`dumper.jobs.run.RunConfig`."""
     r = sub.add_parser("run", help="teacher-forced prefill of prompts with capture on")
     r.add_argument("--model", default="tiny-llama",
                    help="local HF model directory or preset (tiny-llama, tiny-qwen2); a .gguf file for llama.cpp, "
@@ -71,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt", action="append", default=None, help="prompt text (repeatable)")
     src.add_argument("--prompts", metavar="FILE.jsonl", help='JSONL: {"text": ...} or {"input_ids": [...]} per line')
     src.add_argument("--input-ids", action="append", default=None, help="comma-separated token ids (repeatable)")
-    r.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    r.add_argument("--dtype", default="float32", choices=list(MODEL_DTYPES))
     r.add_argument("--attn", default="eager", choices=["eager", "sdpa"], help="attention implementation")
     r.add_argument("--layers", default=None,
                    help="layer spec: all, first, last, every:N, 3, -1, 2..5, -3..-1 (default first,last,every:8)")
@@ -91,6 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --logprobs: first input position to return (SGLang's logprob_start_len)")
     r.add_argument("--save-logits", action="store_true", help="with --logprobs: also dump the full logits rows")
     r.add_argument("--quiet", action="store_true", help="no progress bar and no summary line")
+
+
+def _add_selfcheck(sub: argparse._SubParsersAction) -> None:
+    """``selfcheck``: a local model, or a live server with ``--server``."""
     sc = sub.add_parser("selfcheck", help="decode <-> prefill logprob self-consistency of a model")
     sc.add_argument("--model", default="tiny-llama", help="local HF model directory or preset")
     sc.add_argument("--prompt", action="append", default=None, help="prompt text (repeatable; default: built-in)")
@@ -99,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--mode", default="all", choices=["all", "no-cache", "prefill-hit", "decode-hit"],
                     help="no-cache, the cache-hit variants, or all three (default)")
     sc.add_argument("--threshold", type=float, default=None, help="max mean k3 (default 1e-3)")
-    sc.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    sc.add_argument("--dtype", default="float32", choices=list(MODEL_DTYPES))
     sc.add_argument("--attn", default="eager", choices=["eager", "sdpa"])
     sc.add_argument("--device", default="cpu")
     sc.add_argument("--seed", type=_seed, default=0)
@@ -112,19 +125,26 @@ def build_parser() -> argparse.ArgumentParser:
                     "(default: the first one /v1/models lists)")
     sc.add_argument("--timeout", type=float, default=120.0, help="with --server: seconds per request (default 120)")
     sc.add_argument("--retries", type=int, default=3, help="with --server: retries on connection errors and 5xx")
+
+
+def _add_replay(sub: argparse._SubParsersAction) -> None:
+    """``replay``: the flags of :class:`dumper.jobs.replay.ReplayConfig`."""
     rp = sub.add_parser("replay", help="run each decoder layer on the baseline's residual input: per-layer local error")
     rp.add_argument("--model", default="tiny-llama", help="the model under test: local HF model directory or preset")
     rp.add_argument("--baseline", required=True, help="dump holding the residual point (dumper run --points residual)")
     rp.add_argument("--out", required=True, help="dump directory to create")
-    rp.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    rp.add_argument("--dtype", default="float32", choices=list(MODEL_DTYPES))
     rp.add_argument("--attn", default="eager", choices=["eager", "sdpa"], help="attention implementation")
     rp.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     rp.add_argument("--seed", type=_seed, default=0, help="seed for preset weights (default 0)")
     rp.add_argument("--quiet", action="store_true", help="no progress bar and no summary line")
+
+
+def _add_ls(sub: argparse._SubParsersAction) -> None:
+    """``ls``: what a dump holds."""
     ls = sub.add_parser("ls", help="show what a dump holds")
     ls.add_argument("dir", help="dump directory")
     ls.add_argument("--tensors", action="store_true", help="list every tensor")
-    return p
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -200,6 +220,8 @@ def _cmd_selfcheck(args: argparse.Namespace) -> int:
     from dumper.prompts import BUILTIN_PROMPTS, parse_input_ids
     from dumper.jobs.selfcheck import DEFAULT_K3_THRESHOLD, GREEDY_K3_NOTE, MODES, check_inputs, selfcheck, vocab_size_of
 
+    from comparator.outcome import status  # the words every verdict uses (the CLI may import the comparator)
+
     threshold = DEFAULT_K3_THRESHOLD if args.threshold is None else args.threshold
     if not threshold >= 0:
         raise UsageError(f"--threshold must be >= 0, got {args.threshold}")
@@ -225,9 +247,9 @@ def _cmd_selfcheck(args: argparse.Namespace) -> int:
     for i, r in enumerate(results):
         print(f"prompt {i // len(modes)} {r.mode:>11}: k3 mean {r.k3_mean:.3e} max {r.k3_max:.3e} "
               f"(position {r.k3_max_position}), max |dlogprob| {r.max_abs_err:.3e}, "
-              f"cache hit {r.cache_hit_tokens} tokens: {'PASS' if r.passed else 'FAIL'}")
+              f"cache hit {r.cache_hit_tokens} tokens: {status(r.passed)}")
     passed = all(r.passed for r in results)
-    print(f"{'PASS' if passed else 'FAIL'}: decode vs prefill over {len(results)} runs, mean k3 <= {threshold:g} "
+    print(f"{status(passed)}: decode vs prefill over {len(results)} runs, mean k3 <= {threshold:g} "
           f"({GREEDY_K3_NOTE})")
     if args.json:
         write_json_atomic(args.json, {"passed": passed, "threshold": threshold,
@@ -243,6 +265,7 @@ def _cmd_server_selfcheck(args: argparse.Namespace, threshold: float) -> int:
     from dumper.format import write_json_atomic
     from dumper.prompts import BUILTIN_PROMPTS, parse_input_ids
     from comparator.logprobs import GREEDY_K3_NOTE
+    from comparator.outcome import status
 
     from dumper.jobs.server_selfcheck import server_selfcheck
 
@@ -259,11 +282,11 @@ def _cmd_server_selfcheck(args: argparse.Namespace, threshold: float) -> int:
     for r in results:
         print(f"prompt {r.request}: {len(r.k3)} tokens from position {r.positions[0]}: k3 mean {r.k3_mean:.3e} "
               f"max {r.k3_max:.3e} (position {r.k3_max_position}), max |dlogprob| {r.max_abs_err:.3e}: "
-              f"{'PASS' if r.passed else 'FAIL'}")
+              f"{status(r.passed)}")
         for pos, q, p, k in zip(r.positions, r.decode_logprobs, r.prefill_logprobs, r.k3, strict=True):
             print(f"  position {pos:>5}  decode {q:+.6f}  prefill {p:+.6f}  k3 {k:.3e}")
     passed = all(r.passed for r in results)
-    print(f"{'PASS' if passed else 'FAIL'}: decode vs prefill on {client.base_url} ({args.api}) over "
+    print(f"{status(passed)}: decode vs prefill on {client.base_url} ({args.api}) over "
           f"{len(results)} prompts, mean k3 <= {threshold:g} ({GREEDY_K3_NOTE})")
     if args.json:
         write_json_atomic(args.json, {"passed": passed, "threshold": threshold, "server": client.base_url,
@@ -271,29 +294,10 @@ def _cmd_server_selfcheck(args: argparse.Namespace, threshold: float) -> int:
     return EXIT_OK if passed else EXIT_DIVERGED
 
 
-def describe(manifest: Manifest, *, tensors: bool = False) -> str:
-    """A human summary of a dump (what ``python -m dumper ls`` prints)."""
-    ts = manifest.tensors
-    lines = [
-        f"format {manifest.format_version}, created {manifest.created_at}",
-        f"model: {manifest.model}",
-        f"capture_signature: {manifest.capture_signature}",
-        f"environment: {manifest.environment}",
-        f"tensors: {len(ts)} in {len(manifest.files)} files, "
-        f"{sum(t.nbytes for t in ts) / 2**20:.1f} MiB",
-        f"layers: {sorted({t.layer for t in ts if t.layer is not None})}",
-        f"forward passes: {len({t.forward_pass for t in ts})}, ranks: {sorted({t.rank for t in ts})}",
-    ]
-    names = Counter(t.name for t in ts)
-    lines.append("names: " + ", ".join(f"{n} (x{c})" for n, c in sorted(names.items())[:12])
-                 + (" ..." if len(names) > 12 else ""))
-    if tensors:
-        for t in ts:
-            pos = t.row_positions()
-            span = f"tokens {pos.min()}..{pos.max()}" if pos is not None and pos.size else "no positions"
-            lines.append(f"  {t.name}  pass={t.forward_pass} rank={t.rank} layer={t.layer} "
-                         f"{t.dtype}{list(t.shape)} {span}  [{t.file}]")
-    return "\n".join(lines)
+def _cmd_ls(args: argparse.Namespace) -> int:
+    """``ls DIR [--tensors]``: the summary :mod:`dumper.format.describe` gives (``store show`` prints it too)."""
+    print("\n".join(describe_lines(load_manifest(args.dir), tensors=args.tensors)))
+    return EXIT_OK
 
 
 def run(argv: Sequence[str] | None = None) -> int:
@@ -304,8 +308,7 @@ def run(argv: Sequence[str] | None = None) -> int:
         return _cmd_selfcheck(args)
     if args.command == "replay":
         return _cmd_replay(args)
-    print(describe(load_manifest(args.dir), tensors=args.tensors))
-    return EXIT_OK
+    return _cmd_ls(args)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

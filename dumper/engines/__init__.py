@@ -1,17 +1,36 @@
 """Engine adapters: run one fixed input through an inference engine and write a driftscope dump.
 
-One module per engine, each with ``run_dump(cfg, progress=None) -> Manifest`` (see
-:mod:`dumper.engines.base`). ``python -m dumper run --engine NAME`` picks one; the dump's
-tensor names, layer indices, capture point, positions and sequence ids are those of the HF
-capture, so ``python -m comparator HF_DUMP ENGINE_DUMP`` compares them directly.
+One interface, :class:`RunDump`: every adapter module (``transformers``, ``vllm``, ``llama_cpp``,
+``onnxruntime_genai``) has ``run_dump(cfg: RunConfig, *, progress=None) -> Manifest``, which
+refuses ``--engine-arg`` keys it does not take (:func:`dumper.engines.base.check_engine_args`),
+feeds the engine the job's token ids (:func:`dumper.engines.base.job_sequences`), and writes
+``cfg.out`` one of two ways:
+
+- an engine that hands back tensors records them through :class:`dumper.engines.base.EngineDump`
+  (llama.cpp, ONNX Runtime GenAI), which gives them the HF capture's names and row metadata;
+- an engine whose model code runs in this process is hooked by :func:`dumper.capture` through a
+  model-family adapter (:mod:`dumper.hooks.families`; vLLM's is :mod:`dumper.engines.vllm_hooks`),
+  which says where a call's hidden states, positions and sequence ids come from.
+
+Either way the dump's tensor names, layer indices, capture point, positions and sequence ids
+are those of the HF capture, so ``python -m comparator HF_DUMP ENGINE_DUMP`` compares them
+directly. ``python -m dumper run --engine NAME`` picks one from :data:`ENGINES`. To add an
+engine: one module here with ``run_dump``, and one row in :data:`ENGINES`. Beside the adapters,
+:mod:`dumper.engines.sglang` converts SGLang's own dumper files into a dump (no engine runs).
+
+Example::
+
+    from dumper.engines import run_engine
+    from dumper.jobs.run import RunConfig
+
+    manifest = run_engine(RunConfig(out="dumps/a", model="tiny-llama"), engine="transformers")
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from dumper.errors import UsageError
 
@@ -20,7 +39,18 @@ if TYPE_CHECKING:
     from dumper.progress import ProgressFn
     from dumper.jobs.run import RunConfig
 
-__all__ = ["ENGINES", "engine_runner", "engine_available"]
+__all__ = ["ENGINES", "RunDump", "engine_runner", "engine_available", "run_engine"]
+
+
+class RunDump(Protocol):
+    """The one entry point of an engine adapter module: dump ``cfg``'s job, return the dump's manifest.
+
+    ``progress(done, total)`` is called as tokens are processed (``None``: no progress). User
+    errors (an engine argument it does not take, a job it cannot run) raise
+    :class:`dumper.errors.UsageError`; a failure of the engine itself :class:`dumper.errors.ModelError`.
+    """
+
+    def __call__(self, cfg: RunConfig, *, progress: ProgressFn | None = None) -> Manifest: ...
 
 ENGINES: dict[str, tuple[str, str | None, str]] = {
     "transformers": ("transformers", None, "pip install transformers"),
@@ -37,7 +67,7 @@ def engine_available(name: str) -> bool:
     return needs is None or importlib.util.find_spec(needs) is not None
 
 
-def engine_runner(name: str) -> Callable[..., Manifest]:
+def engine_runner(name: str) -> RunDump:
     """The ``run_dump(cfg, progress=None)`` of engine ``name``; a :class:`UsageError` when unknown or absent."""
     if name not in ENGINES:
         raise UsageError(f"--engine {name!r}: unknown engine; choose one of {', '.join(ENGINES)}")

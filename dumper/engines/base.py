@@ -28,11 +28,17 @@ from typing import Any
 import torch
 
 from dumper.errors import ModelError, UsageError
-from dumper.hooks.fingerprint import config_identity
 from dumper.format import Manifest, load_manifest
-from dumper.hooks.capture import ATTN_INPUT, Capture
-from dumper.hooks.layers import parse_layer_spec
-from dumper.jobs.run import RunConfig, check_scored_positions, prompt_token_ids, record_logprobs, record_token_logprobs
+from dumper.hooks.capture import Capture
+from dumper.hooks.fingerprint import config_identity
+from dumper.hooks.layers import ATTN_INPUT, parse_layer_spec
+from dumper.jobs.run import (
+    RunConfig,
+    check_scored_positions,
+    prompt_token_ids,
+    record_logprobs,
+    record_token_logprobs,
+)
 
 __all__ = ["EngineInfo", "EngineDump", "attn_input_name", "hf_identity", "job_sequences", "check_checkpoint_dir",
            "check_engine_args"]
@@ -91,7 +97,8 @@ def hf_identity(checkpoint: str | os.PathLike[str], name: str | None = None, **e
     """
     from transformers import AutoConfig
 
-    from dumper.jobs.presets import check_config_file, error_reason
+    from dumper.errors import error_reason
+    from dumper.jobs.presets import check_config_file
 
     check_config_file(os.path.join(checkpoint, "config.json"))
     try:
@@ -108,7 +115,7 @@ def job_sequences(cfg: RunConfig, checkpoint: str | os.PathLike[str] | None, voc
     Every engine is fed these ids (never its own tokenizer's split of the text), so that
     positions line up with the HF dump of the same prompts.
     """
-    from dumper.jobs.presets import load_tokenizer
+    from dumper.tokenizers import load_tokenizer
 
     texts = bool(cfg.prompts) or not cfg.input_ids  # the built-in prompts are text too
     tok = load_tokenizer(str(checkpoint)) if texts and checkpoint is not None else None

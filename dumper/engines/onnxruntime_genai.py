@@ -21,12 +21,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from dumper.errors import ModelError, UsageError
-from dumper.format import Manifest
-from dumper.hooks.layers import parse_layer_spec
-from dumper.jobs.presets import error_reason
-from dumper.progress import ProgressFn
-from dumper.jobs.run import RunConfig
 from dumper.engines.base import (
     EngineDump,
     EngineInfo,
@@ -35,7 +29,16 @@ from dumper.engines.base import (
     hf_identity,
     job_sequences,
 )
-from dumper.engines.onnxruntime_genai_graph import HiddenRunner, OrtModel, read_ort_model
+from dumper.engines.onnxruntime_genai_graph import (
+    HiddenRunner,
+    OrtModel,
+    read_ort_model,
+)
+from dumper.errors import ModelError, UsageError, error_reason
+from dumper.format import Manifest
+from dumper.hooks.layers import parse_layer_spec
+from dumper.jobs.run import RunConfig
+from dumper.progress import ProgressFn
 
 __all__ = ["ENGINE_ARGS", "run_dump"]
 

@@ -28,8 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from dumper.errors import ModelError, UsageError
-from dumper.jobs.presets import error_reason
+from dumper.errors import ModelError, UsageError, error_reason
 
 __all__ = ["GENAI_CONFIG", "HiddenRunner", "OrtModel", "attn_input_tensors", "read_ort_model"]
 

@@ -6,7 +6,8 @@ SGLang's dumper (``sglang.srt.debug_utils.dumper``, on with ``DUMPER_ENABLE=1``)
 ``{"value": ..., "meta": {...}}``. :func:`convert_sglang_dump` turns such a directory into a
 driftscope dump, so ``python -m comparator`` compares it with an HF dump or another SGLang run.
 Every file is read with ``torch.load(weights_only=True, mmap=True)``, one at a time: no pickled
-object is ever built, and a file holding anything but tensors is refused in one line.
+object is ever built, and a file holding anything but tensors is refused in one line (reading
+is :mod:`dumper.engines.sglang_files`; this module converts what it reads).
 
 What becomes what:
 
@@ -48,7 +49,6 @@ import re
 import shutil
 import sys
 import tempfile
-import zipfile
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import groupby
@@ -61,9 +61,18 @@ import torch
 from dumper.cli.common import Parser, guarded_main
 from dumper.errors import EXIT_OK, CorruptDumpError, DumpError, UsageError
 from dumper.hooks.fingerprint import VERSION
+from dumper.engines.sglang_files import (
+    AUX_NAMES,
+    SglangFile,
+    aux_field,
+    index_files,
+    is_sglang_dump,
+    load_value,
+    same_field,
+    tensors_of,
+)
 from dumper.format import (
     FORMAT_VERSION,
-    MANIFEST_NAME,
     PAD_SEQUENCE,
     Manifest,
     TensorRecord,
@@ -72,136 +81,17 @@ from dumper.format import (
     fsync_dir,
     write_manifest,
 )
-from dumper.hooks.capture import TORCH_STORAGE
-from dumper.format.validate import regular_file_in
+from dumper.format.dtypes import DTYPES, torch_codes
 from dumper.hooks.writer import ShardWriter
 
 __all__ = ["AUX_NAMES", "is_sglang_dump", "convert_sglang_dump", "open_dump_side", "main_import"]
 
-AUX_NAMES = frozenset({"input_ids", "positions", "seq_lens", "req_pool_indices", "rids"})
-"""Names SGLang's core mode dumps from each forward's batch: row metadata, not compared."""
 _ATTN_INPUT = re.compile(r"non_intrusive__(?P<prefix>(?:.+\.)?layers\.)(?P<layer>[0-9]+)"
                          r"\.self_attn\.inputs\.hidden_states")
-_INT = re.compile(r"[0-9]{1,18}")
+_STORAGE_CODES = torch_codes()
+"""torch dtype -> the dump format's dtype code (:mod:`dumper.format.dtypes`)."""
 _Rows = tuple[np.ndarray, np.ndarray]
 """(positions, sequence ids) of one forward's rows."""
-
-
-@dataclass(frozen=True)
-class _File:
-    """One SGLang dumper file, indexed by the tags in its name (nothing read yet)."""
-
-    path: Path
-    step: int
-    rank: int
-    index: int
-    name: str
-    layer: int | None
-
-
-def _tags(file_name: str) -> dict[str, str] | None:
-    """The tags of an SGLang dumper file name, or None when it is not one."""
-    if not file_name.endswith(".pt"):
-        return None
-    tags = dict(part.partition("=")[::2] for part in file_name[:-3].split("___"))
-    ok = all(_INT.fullmatch(tags.get(k, "")) for k in ("step", "rank", "dump_index")) and tags.get("name")
-    return tags if ok else None
-
-
-def is_sglang_dump(path: str | os.PathLike[str], *, depth: int = 1) -> bool:
-    """Whether ``path`` holds SGLang dumper files (or, one level down, runs of them) and no manifest."""
-    p = Path(path)
-    if not p.is_dir() or os.path.lexists(p / MANIFEST_NAME):
-        return False
-    with os.scandir(p) as entries:
-        subdirs = []
-        for e in entries:
-            if _tags(e.name) is not None:
-                return True
-            if depth and e.is_dir(follow_symlinks=False):
-                subdirs.append(e.path)
-    return any(is_sglang_dump(d, depth=0) for d in subdirs)
-
-
-def _index(src: Path) -> list[_File]:
-    """Every dumper file of ``src`` sorted by (step, rank, dump_index); other ``.pt`` names are refused."""
-    if not src.is_dir():
-        raise DumpError(f"{src}: no such SGLang dump directory")
-    out = []
-    with os.scandir(src) as entries:
-        names = sorted(e.name for e in entries if e.name.endswith(".pt"))
-    for name in names:
-        tags = _tags(name)
-        if tags is None or not tags["name"].isprintable():
-            raise CorruptDumpError(f"{src / name}: not an SGLang dumper file name (step=S___rank=R___dump_index=I"
-                                   "___name=NAME...pt)")
-        layer = tags.get("layer_id", "")
-        out.append(_File(src / name, int(tags["step"]), int(tags["rank"]), int(tags["dump_index"]), tags["name"],
-                         int(layer) if _INT.fullmatch(layer) else None))
-    if not out:
-        runs = sorted(d.name for d in src.iterdir() if d.is_dir() and is_sglang_dump(d, depth=0))
-        hint = f"; it holds SGLang runs, pass one of: {', '.join(runs[:5])}" if runs else ""
-        raise DumpError(f"{src}: no SGLang dumper files (*.pt){hint}")
-    return sorted(out, key=lambda f: (f.step, f.rank, f.index))
-
-
-def _load(f: _File) -> Any:
-    """The value stored in ``f``, loaded with ``weights_only=True``; its meta must agree with its name."""
-    regular_file_in(f.path.parent, f.path.name, missing="file vanished while it was read")
-    if not zipfile.is_zipfile(f.path):  # torch.save writes a zip; checked first, as mmap fails obscurely
-        with open(f.path, "rb") as fh:
-            pickled = fh.read(1) == b"\x80"
-        what = "a plain pickle or legacy torch.save file" if pickled else "truncated, or not a torch.save zip archive"
-        raise CorruptDumpError(f"{f.path}: not a file torch.load(weights_only=True) accepts ({what})")
-    try:
-        obj = torch.load(f.path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as e:  # noqa: BLE001 - the trust boundary: any failure to load is a refused file
-        raise CorruptDumpError(f"{f.path}: not a file torch.load(weights_only=True) accepts ({_reason(e)})") from None
-    if not (isinstance(obj, dict) and "value" in obj and set(obj) <= {"value", "meta"}):
-        return obj  # older dumpers saved the bare value
-    meta = obj.get("meta", {})
-    if not isinstance(meta, dict):
-        raise CorruptDumpError(f"{f.path}: its meta is a {type(meta).__name__}, not a dict")
-    for key, want in (("step", f.step), ("rank", f.rank), ("dump_index", f.index), ("name", f.name)):
-        if key in meta and meta[key] != want:
-            raise CorruptDumpError(f"{f.path}: its name says {key}={want!r} but its meta says {meta[key]!r}")
-    return obj["value"]
-
-
-def _reason(e: Exception) -> str:
-    """The line of a ``torch.load`` error that says what is wrong, without its advice to unpickle anyway."""
-    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip() and not ln.startswith(
-        ("Weights only load failed", "Check the documentation"))]
-    text = lines[0] if lines else type(e).__name__
-    return text.split(". ")[0].rstrip(".")[:200]
-
-
-def _tensors(value: Any, f: _File) -> list[tuple[str, torch.Tensor]]:
-    """(name, tensor) pairs of a value: a tensor, or a dict or list of tensors; anything else is refused."""
-    items = list(value.items()) if isinstance(value, dict) else list(enumerate(value)) \
-        if isinstance(value, (list, tuple)) and value else [(None, value)]
-    for key, t in items:
-        if key is not None and not str(key).isprintable():
-            raise CorruptDumpError(f"{f.path}: holds a dict key {str(key)!r} that cannot name a tensor")
-        if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.is_quantized:
-            what = t.layout if isinstance(t, torch.Tensor) else type(t).__name__
-            raise CorruptDumpError(f"{f.path}: holds {what}{'' if key is None else f' at {key!r}'}, "
-                                   "not a tensor or a dict of tensors")
-    return [(f.name if key is None else f"{f.name}.{key}", t) for key, t in items]
-
-
-def _aux(value: Any, f: _File) -> Any:
-    """A root-forward field: a 1-D integer tensor as int64 numpy, or ``rids`` as a list of strings."""
-    if f.name == "rids" and isinstance(value, (list, tuple)) and all(isinstance(r, (str, int)) for r in value):
-        return [str(r) for r in value]
-    if not isinstance(value, torch.Tensor) or value.dim() != 1 or value.is_floating_point() or value.is_complex():
-        what = list(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-        raise CorruptDumpError(f"{f.path}: {f.name} must be a 1-D integer tensor, got {what}")
-    return value.to(torch.int64).numpy()
-
-
-def _same(a: Any, b: Any) -> bool:
-    return bool(np.array_equal(a, b)) if isinstance(a, np.ndarray) and isinstance(b, np.ndarray) else a == b
 
 
 def _segments(pos: np.ndarray, seq_lens: np.ndarray | None, where: str) -> list[tuple[int, int]]:
@@ -290,7 +180,7 @@ def _canonical(name: str, layer: int | None, names: Mapping[str, str]) -> tuple[
     return f"{m['prefix']}{layer}.self_attn.input", layer, "input"
 
 
-def _convert_pass(group: list[_File], writer: ShardWriter, seqs: _Sequences,
+def _convert_pass(group: list[SglangFile], writer: ShardWriter, seqs: _Sequences,
                   names: Mapping[str, str]) -> list[TensorRecord]:
     """Write one (step, rank)'s tensors; return their records (file names filled in later)."""
     aux: dict[str, Any] = {}
@@ -300,13 +190,13 @@ def _convert_pass(group: list[_File], writer: ShardWriter, seqs: _Sequences,
     step, rank = group[0].step, group[0].rank
     where = f"{group[0].path.parent} step {step} rank {rank}"
     for f in group:
-        value = _load(f)
+        value = load_value(f)
         if f.name in AUX_NAMES:
             if f.layer is not None:  # SGLang's attention modules get positions= too: copies
                 seqs.layer_aux += 1
                 continue
-            new = _aux(value, f)
-            if f.name in aux and _same(aux[f.name], new):
+            new = aux_field(value, f)
+            if f.name in aux and same_field(aux[f.name], new):
                 continue  # the same batch, seen again by a nested module
             if f.name in aux or rows is not None:  # the fields of another forward in this step
                 if rows is None and "positions" in aux:
@@ -316,7 +206,7 @@ def _convert_pass(group: list[_File], writer: ShardWriter, seqs: _Sequences,
             continue
         if rows is None and "positions" in aux:
             rows = seqs.rows(rank, aux, where)
-        for raw, t in _tensors(value, f):
+        for raw, t in tensors_of(value, f):
             name, layer, point = _canonical(raw, f.layer, names)
             out.append(_put(writer, f, name, t, layer, point, rows, calls))
     if rows is None and "positions" in aux:
@@ -324,11 +214,11 @@ def _convert_pass(group: list[_File], writer: ShardWriter, seqs: _Sequences,
     return out
 
 
-def _put(writer: ShardWriter, f: _File, name: str, t: torch.Tensor, layer: int | None, point: str | None,
+def _put(writer: ShardWriter, f: SglangFile, name: str, t: torch.Tensor, layer: int | None, point: str | None,
          rows: _Rows | None, calls: dict[str, int]) -> TensorRecord:
     """Queue ``t`` into the writer and return its record; exotic float dtypes (float8) widen to float32."""
     meta: dict[str, Any] = {"sglang_dump_index": f.index}
-    if t.dtype not in TORCH_STORAGE:
+    if t.dtype not in _STORAGE_CODES:
         if not t.is_floating_point():
             raise DumpError(f"{f.path}: dtype {t.dtype} cannot be stored in a driftscope dump")
         meta["sglang_dtype"], t = str(t.dtype).replace("torch.", ""), t.float()
@@ -341,7 +231,7 @@ def _put(writer: ShardWriter, f: _File, name: str, t: torch.Tensor, layer: int |
     writer.put(f.step, key, t)
     runs = (encode_runs(rows[0], step=1), encode_runs(rows[1], step=0)) \
         if rows is not None and len(shape) > 1 and n == rows[0].size else (None, None)
-    return TensorRecord(name=name, file="", key=key, shape=shape, dtype=TORCH_STORAGE[t.dtype], forward_pass=f.step,
+    return TensorRecord(name=name, file="", key=key, shape=shape, dtype=_STORAGE_CODES[t.dtype], forward_pass=f.step,
                         rank=f.rank, call=call, layer=layer, point=point, positions=runs[0], sequence_ids=runs[1],
                         meta=meta)
 
@@ -357,11 +247,10 @@ def _manifest(src: Path, records: list[TensorRecord], files: dict[str, int], seq
     elif width is not None and model.get("hidden_size") not in (None, width):
         raise UsageError(f"--checkpoint {model['name']}: hidden_size {model['hidden_size']}, but the dumped "
                          f"self_attn inputs are {width} wide; it is not the checkpoint of this run")
-    dtypes = {v: str(k).replace("torch.", "") for k, v in TORCH_STORAGE.items()}
     signature = {"layers": sorted({r.layer for r in attn if r.layer is not None}),
                  "modules": sorted({r.name[:-len(".input")] for r in attn}), "points": ["input"] if attn else [],
                  "num_layers": model.get("num_layers"), "world_size": max(r.rank for r in records) + 1,
-                 "dtype": dtypes[attn[0].dtype] if attn else None}
+                 "dtype": DTYPES[attn[0].dtype].torch_name if attn else None}
     extra: dict[str, Any] = {"job": "sglang-dump", "source": str(src), "sglang": {
         "files": n_files, "steps": len({r.forward_pass for r in records}), "per_layer_aux_skipped": seqs.layer_aux}}
     if (ids := seqs.input_ids()) is not None:
@@ -373,7 +262,7 @@ def _manifest(src: Path, records: list[TensorRecord], files: dict[str, int], seq
 
 def _convert(src: Path, out: Path, names: Mapping[str, str], checkpoint: str | None) -> Manifest:
     """Write every tensor of ``src`` into ``out`` (one shard writer per rank), then the manifest."""
-    files, writers, records, seqs = _index(src), dict[int, ShardWriter](), list[TensorRecord](), _Sequences()
+    files, writers, records, seqs = index_files(src), dict[int, ShardWriter](), list[TensorRecord](), _Sequences()
     model = None
     if checkpoint is not None:  # read first: a bad checkpoint fails before any tensor is copied
         from dumper.engines.base import (

@@ -25,14 +25,26 @@ from typing import Any
 
 import torch
 
-from dumper.errors import DriftscopeError, InternalError, ModelError, UsageError
+from dumper.engines.base import (
+    EngineInfo,
+    check_checkpoint_dir,
+    check_engine_args,
+    hf_identity,
+    job_sequences,
+)
+from dumper.engines.vllm_serve import CPU_DEFAULTS
+from dumper.errors import (
+    DriftscopeError,
+    InternalError,
+    ModelError,
+    UsageError,
+    error_reason,
+)
 from dumper.format import Manifest, load_manifest
 from dumper.hooks.capture import Capture
-from dumper.jobs.presets import check_config_file, error_reason
-from dumper.progress import ProgressFn
+from dumper.jobs.presets import check_config_file
 from dumper.jobs.run import RunConfig, record_logprobs, record_token_logprobs
-from dumper.engines.base import EngineInfo, check_checkpoint_dir, check_engine_args, hf_identity, job_sequences
-from dumper.engines.vllm_serve import CPU_DEFAULTS
+from dumper.progress import ProgressFn
 
 __all__ = ["run_dump", "dump_llm", "load_llm", "engine_kwargs", "env_defaults", "ENGINE_ARGS"]
 

@@ -24,7 +24,7 @@ Example (a script of your own; ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` keeps the mo
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -32,7 +32,8 @@ from torch import nn
 
 from dumper.errors import UsageError
 from dumper.hooks.fingerprint import config_hash
-from dumper.hooks.families import FamilyAdapter, PassRows, Runs, SharedRows, register
+from dumper.hooks.families import FamilyAdapter, register
+from dumper.hooks.rows import PassRows, Runs, SharedRows
 from dumper.format import encode_runs
 
 __all__ = ["VllmFamily", "model_runner_of", "model_of"]
@@ -78,6 +79,8 @@ class VllmFamily(FamilyAdapter):
     """vLLM models (classes under ``vllm.``) and ``vllm.LLM`` handles, in process."""
 
     name = "vllm"
+    positions_kwarg: ClassVar[str] = "positions"
+    """The model call's ``[tokens]`` positions (else its second positional argument): ``forward(input_ids, positions)``."""
 
     def __init__(self, model: nn.Module | None, handle: Any = None) -> None:
         super().__init__(model, handle)
@@ -97,12 +100,12 @@ class VllmFamily(FamilyAdapter):
         return model_of(obj) if _is_llm(obj) else obj
 
     def hidden_input(self, args: tuple, kwargs: dict) -> Any:
-        return kwargs.get("hidden_states", args[1] if len(args) > 1 else None)  # forward(positions, hidden_states)
+        return kwargs.get(self.hidden_kwarg, args[1] if len(args) > 1 else None)  # forward(positions, hidden_states)
 
     def pass_rows(self, args: tuple, kwargs: dict) -> PassRows | None:
         from vllm.forward_context import get_forward_context, is_forward_context_available
 
-        positions = kwargs.get("positions", args[1] if len(args) > 1 else None)
+        positions = kwargs.get(self.positions_kwarg, args[1] if len(args) > 1 else None)
         if not isinstance(positions, torch.Tensor) or positions.dim() != 1 or not is_forward_context_available():
             return None  # M-RoPE ([3, tokens]) positions or a call outside vLLM's runner: rows stay unlabelled
         meta = get_forward_context().attn_metadata

@@ -1,4 +1,4 @@
-"""The hook API: capture self-attention inputs (and residual streams) of a model, and ``dump()`` from anywhere.
+"""The hook API's capture: record self-attention inputs (and residual streams) of a model into a dump.
 
 Example::
 
@@ -8,7 +8,7 @@ Example::
         dumper.dump("my.tensor", x, layer=3)  # explicit record into the same capture
 
 Every top-level ``model(...)`` call is one forward pass; ``dumper.step()`` delimits passes by
-hand. What a pass's rows are (positions, sequences) and which argument holds the hidden states
+hand (``dumper.dump`` and ``dumper.step`` live in :mod:`dumper.hooks.active`). What a pass's rows are (positions, sequences) and which argument holds the hidden states
 comes from the model's family adapter (:mod:`dumper.hooks.families`: HF by default, vLLM for vLLM's
 models). Hooks are removed on exit, also when the body raises; the manifest is written only on
 a clean exit that recorded at least one tensor, so an interrupted or empty run never looks
@@ -18,47 +18,34 @@ that callers can tell it from an error of the model's own code running around it
 
 from __future__ import annotations
 
-import atexit
 import datetime as _dt
 import functools
-import itertools
 import json
 import math
-import operator
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, NoReturn
 
-import numpy as np
 import torch
 from torch import nn
 
-from dumper.errors import CorruptDumpError, DriftscopeError, DumpError, InternalError, UsageError
+from dumper.errors import DriftscopeError, DumpError, InternalError, UsageError
+from dumper.format import FORMAT_VERSION, MANIFEST_NAME, Manifest, TensorRecord, write_json_atomic, write_manifest
+from dumper.format.dtypes import torch_codes
+from dumper.format.validate import first_bad_text
+from dumper.hooks import active
+from dumper.hooks.checks import checked_extra, checked_record_args
+from dumper.hooks.families import FamilyAdapter, resolve_model
 from dumper.hooks.fingerprint import environment_fingerprint
-from dumper.format import (
-    FORMAT_VERSION,
-    MANIFEST_NAME,
-    Manifest,
-    TensorRecord,
-    write_json_atomic,
-    write_manifest,
-)
-from dumper.hooks.families import FamilyAdapter, PassRows, SharedRows, as_runs, resolve_model, shared_row_tensors
 from dumper.hooks.layers import ATTN_INPUT, RESIDUAL, HookTarget, hook_targets
-from dumper.settings import env_settings
-from dumper.format.validate import check_extra, first_bad_text
+from dumper.hooks.rows import PassRows, as_runs, write_shared_rows
 from dumper.hooks.writer import ShardWriter
 
-__all__ = ["Capture", "capture", "dump", "step", "active_capture", "ATTN_INPUT", "RESIDUAL"]
+__all__ = ["Capture", "capture", "dist_rank_world"]
 
-_ACTIVE: Capture | None = None
-_ENV_DIR: str | None = env_settings().dump_dir
-TORCH_STORAGE = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-                 torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-                 torch.uint8: "U8", torch.bool: "BOOL"}
-"""torch dtype -> the dump format's dtype name, for every dtype a dump can store."""
+_STORAGE_CODES = torch_codes()
+"""torch dtype -> the dump format's dtype code, for every dtype a dump can store."""
 
 
 def _hook_guard(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -79,76 +66,17 @@ def _hook_guard(fn: Callable[..., Any]) -> Callable[..., Any]:
     return guarded
 
 
-def _dist_rank_world() -> tuple[int, int]:
+def dist_rank_world() -> tuple[int, int]:
+    """(this process's rank, world size) under torch.distributed, else (0, 1)."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank(), torch.distributed.get_world_size()
     return 0, 1
 
 
-def _checked_extra(extra: dict[str, Any] | None) -> dict[str, Any]:
-    """``extra`` as the JSON the manifest will hold, refused now (not at exit) where the reader would refuse it."""
-    try:
-        out = json.loads(json.dumps(dict(extra or {}), allow_nan=False))
-        check_extra(out, "capture(extra=...)")
-    except (TypeError, ValueError) as e:
-        raise UsageError(f"capture(extra=...): not storable as JSON ({e})") from None
-    except CorruptDumpError as e:
-        raise UsageError(str(e)) from None
-    return out
-
-
-def _checked_args(name: Any, shape: tuple[int, ...], layer: Any, point: Any, shard_dim: Any,
-                  meta: dict[str, Any]) -> tuple[int | None, int | None, dict[str, Any]]:
-    """Validate what :meth:`Capture.record` stores beside the data; return (layer, shard_dim, meta) as stored.
-
-    Refused here, in the caller's frame, is everything the reader would refuse in the manifest
-    (:mod:`dumper.format.validate`): a name that is not non-empty text, a non-integer layer (numpy and
-    torch integer scalars are integers, ``True`` is not), a non-text point, and a tensor of
-    rows but no columns, which the reader cannot tell from one declaring 2^31 rows to make the
-    aligner allocate (it asks a byte of file per row).
-    """
-    if type(name) is not str or not name or not name.isprintable() or first_bad_text(name, "name") is not None:
-        raise UsageError(f"dump({name!r}): the name must be a non-empty string of printable, valid Unicode")
-    if len(shape) > 1 and shape[-1] == 0 and math.prod(shape[:-1]) > 0:
-        raise UsageError(f"dump({name!r}): shape {list(shape)} has rows but a last dim of 0; a dump cannot "
-                         "hold such a zero-width tensor (skip it: it holds no values)")
-    layer, shard_dim = _index(name, "layer", layer), _index(name, "shard_dim", shard_dim)
-    if point is not None and (type(point) is not str or first_bad_text(point, "point") is not None):
-        raise UsageError(f"dump({name!r}): point must be a string or None, got {point!r}")
-    if shard_dim is not None:
-        if not -len(shape) <= shard_dim < len(shape):
-            raise UsageError(f"dump({name!r}): shard_dim {shard_dim} is out of range for shape {list(shape)}")
-        shard_dim %= len(shape)
-    stored: dict[str, Any] = {}
-    for k, v in meta.items():
-        v = v if isinstance(v, (str, int, float, bool, type(None))) else str(v)
-        if isinstance(v, float) and not math.isfinite(v) or isinstance(v, str) and first_bad_text(v, k) is not None \
-                or first_bad_text(k, k) is not None:
-            raise UsageError(f"dump({name!r}): meta {k!r}={v!r} cannot be stored (JSON needs finite numbers "
-                             "and valid Unicode text)")
-        stored[k] = v
-    return layer, shard_dim, stored
-
-
-def _index(name: str, what: str, v: Any) -> int | None:
-    """``v`` as a Python int (any integer scalar, via ``operator.index``), or None; a bool or non-integer raises."""
-    if v is None:
-        return None
-    try:
-        if isinstance(v, (bool, np.bool_)) or isinstance(v, torch.Tensor) and v.dtype == torch.bool:
-            raise TypeError
-        i = operator.index(v)
-    except TypeError:
-        raise UsageError(f"dump({name!r}): {what} must be an integer or None, got {v!r}") from None
-    if not -(1 << 63) <= i < 1 << 63:
-        raise UsageError(f"dump({name!r}): {what} {i} is out of the int64 range")
-    return i
-
-
 class Capture:
     """A scoped capture into one dump directory; use :func:`capture` to create it.
 
-    ``model`` may be ``None``: then only explicit :func:`dump` calls record. What is read from
+    ``model`` may be ``None``: then only explicit :func:`dumper.dump` calls record. What is read from
     the model's calls (hidden-state argument, positions, sequences) comes from its family
     adapter (:mod:`dumper.hooks.families`).
     """
@@ -164,8 +92,8 @@ class Capture:
         # nn.Module is hooked (an engine adapter fills them in; see dumper.engines.base)
         self._identity, self._signature, self._environment = identity, signature, dict(environment or {})
         self.out_dir = Path(out_dir)
-        self.rank, self.world_size = _dist_rank_world()
-        self.extra = _checked_extra(extra)
+        self.rank, self.world_size = dist_rank_world()
+        self.extra = checked_extra(extra)
         if model_name is not None and first_bad_text(model_name, "model_name") is not None:
             raise UsageError(f"capture(model_name={model_name!r}): expected valid Unicode text")
         self._shard_bytes = shard_bytes
@@ -190,7 +118,6 @@ class Capture:
 
     # -- lifecycle -------------------------------------------------------------------------
     def __enter__(self) -> Capture:
-        global _ACTIVE
         if (self.out_dir / MANIFEST_NAME).exists():
             raise DumpError(f"{self.out_dir}: already holds a complete dump; choose another directory")
         try:
@@ -213,15 +140,14 @@ class Capture:
         except BaseException:
             self._remove_hooks()
             raise
-        self._prev_active, _ACTIVE = _ACTIVE, self
+        self._prev_active = active.activate(self)
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        global _ACTIVE
         try:
             self._remove_hooks()
         finally:
-            _ACTIVE = self._prev_active
+            active.activate(self._prev_active)
             self._finish(complete=exc_type is None)
 
     def close(self) -> None:
@@ -243,8 +169,12 @@ class Capture:
         records = tuple(replace(r, file=writer.locations[(r.forward_pass, r.key)]) for r in self._records)
         files = dict(writer.files)
         shared = self._family.shared_rows()
-        if shared and records:
-            records += self._write_shared(records, files, shared)
+        if shared and records:  # the rows prefix-cache hits reused, as one extra pass of the hits' own
+            found, found_files = write_shared_rows(self.out_dir, records, shared, rank=self.rank,
+                                                   forward_pass=self._pass_count, shard_bytes=self._shard_bytes)
+            self._pass_count += bool(found)
+            records += found
+            files.update(found_files)
         part = {"files": files, "tensors": [r.to_json() for r in records]}
         if self.world_size > 1:
             index = self.out_dir / f"index-r{self.rank}.json"
@@ -261,27 +191,6 @@ class Capture:
             self._refuse_empty()
         else:
             self._write_manifest(files, records)
-
-    def _write_shared(self, records: tuple[TensorRecord, ...], files: dict[str, int],
-                      shared: list[SharedRows]) -> tuple[TensorRecord, ...]:
-        """Write the rows prefix-cache hits reused (:meth:`FamilyAdapter.shared_rows`) as the hit sequences'
-        own, in one extra pass, so that a hit's positions are complete; ``meta`` says ``shared_prefix``."""
-        found = shared_row_tensors(self.out_dir, records, shared)
-        if not found:
-            return ()
-        writer = ShardWriter(self.out_dir, self.rank, shard_bytes=self._shard_bytes)
-        forward_pass, self._pass_count = self._pass_count, self._pass_count + 1
-        out = []
-        for rec, rows, pos, seq in found:
-            key = rec.name if rec.call == 0 else f"{rec.name}#{rec.call}"
-            writer.put(forward_pass, key, rows)
-            out.append(replace(rec, key=key, shape=tuple(int(s) for s in rows.shape), forward_pass=forward_pass,
-                               positions=as_runs(pos, len(pos), "positions"),
-                               sequence_ids=as_runs(seq, len(seq), "sequence_ids"),
-                               meta={**rec.meta, "shared_prefix": True}))
-        writer.close()
-        files.update(writer.files)
-        return tuple(replace(r, file=writer.locations[(forward_pass, r.key)]) for r in out)
 
     def _refuse_empty(self) -> NoReturn:
         """An exit that recorded nothing writes no manifest: leave no dump (and no directory we made)."""
@@ -399,10 +308,10 @@ class Capture:
             raise UsageError("capture is not active; use it as a context manager")
         if not isinstance(tensor, torch.Tensor):
             raise UsageError(f"dump({name!r}): expected a torch.Tensor, got {type(tensor).__name__}")
-        if tensor.dtype not in TORCH_STORAGE:
+        if tensor.dtype not in _STORAGE_CODES:
             raise UsageError(f"dump({name!r}): dtype {tensor.dtype} cannot be stored")
         shape = tuple(int(s) for s in tensor.shape)
-        layer, shard_dim, meta = _checked_args(name, shape, layer, point, shard_dim, meta)
+        layer, shard_dim, meta = checked_record_args(name, shape, layer, point, shard_dim, meta)
         ctx = self._rows
         if positions is None and sequence_ids is None and ctx is not None and shape[:-1] == ctx.shape:
             if ctx.empty:
@@ -416,7 +325,7 @@ class Capture:
         key = name if call == 0 else f"{name}#{call}"
         self._writer.put(forward_pass, key, tensor)
         self._records.append(TensorRecord(
-            name=name, file="", key=key, shape=shape, dtype=TORCH_STORAGE[tensor.dtype],
+            name=name, file="", key=key, shape=shape, dtype=_STORAGE_CODES[tensor.dtype],
             forward_pass=forward_pass, rank=self.rank, call=call, layer=layer, point=point,
             positions=as_runs(positions, rows, "positions"),
             sequence_ids=as_runs(sequence_ids, rows, "sequence_ids"), shard_dim=shard_dim,
@@ -433,7 +342,7 @@ def capture(model: nn.Module | Any | None, out_dir: str | Path, *, layers: str |
         model: a HF causal LM (decoder layers are found automatically), a vLLM model or
             ``vllm.LLM`` running in this process (see :mod:`dumper.engines.vllm_hooks`), a model
             of a family registered in :mod:`dumper.hooks.families`, any module with ``modules=`` given,
-            or ``None`` to record only explicit :func:`dump` calls.
+            or ``None`` to record only explicit :func:`dumper.dump` calls.
         out_dir: the dump directory; it must not already hold a dump.
         layers: layer spec (default ``"first,last,every:8"``), see :func:`dumper.hooks.layers.parse_layer_spec`.
         modules: fnmatch pattern(s) of module names to hook instead of the self-attention modules.
@@ -449,78 +358,3 @@ def capture(model: nn.Module | Any | None, out_dir: str | Path, *, layers: str |
                    shard_bytes=shard_bytes, extra=extra)
 
 
-def active_capture() -> Capture | None:
-    """The capture that :func:`dump` records into now, if any."""
-    return _ACTIVE
-
-
-def _env_capture() -> Capture | None:
-    """Start the capture that ``DRIFTSCOPE_DUMP_DIR`` asks for, once; ``None`` when it cannot start.
-
-    It runs inside model code (the first :func:`dump` call), so it never raises there: a
-    directory that already holds a dump gets a numbered sibling (``DIR.1``, ``DIR.2``, ... the
-    first free one), and a directory that cannot be created turns recording off. Either is
-    said once on stderr.
-    """
-    global _ENV_DIR
-    assert _ENV_DIR is not None
-    base, _ENV_DIR = Path(_ENV_DIR), None
-    directory = _free_dump_dir(base, _dist_rank_world()[0])
-    if directory != base:
-        print(f"driftscope: DRIFTSCOPE_DUMP_DIR={base} already holds a dump; recording to {directory}",
-              file=sys.stderr)
-    cap = Capture(None, directory)
-    try:
-        cap.__enter__()
-    except DumpError as e:
-        print(f"driftscope: DRIFTSCOPE_DUMP_DIR: {e}; dumper.dump() records nothing", file=sys.stderr)
-        return None
-    atexit.register(_close_env_capture, cap)
-    return cap
-
-
-def _free_dump_dir(base: Path, rank: int) -> Path:
-    """``base``, or the first of ``base.1``, ``base.2``, ... that holds neither a manifest nor this rank's data."""
-    if base.name in ("", ".", ".."):
-        base = base.resolve()
-
-    def taken(d: Path) -> bool:
-        return (d / MANIFEST_NAME).exists() or next(d.glob(f"r{rank}-p*.safetensors"), None) is not None
-
-    if not taken(base):
-        return base
-    return next(d for n in itertools.count(1) if not taken(d := base.with_name(f"{base.name}.{n}")))
-
-
-def _close_env_capture(cap: Capture) -> None:
-    """Write the ``DRIFTSCOPE_DUMP_DIR`` dump at interpreter exit; a failure is one line, not a traceback."""
-    try:
-        cap.close()
-    except DriftscopeError as e:
-        print(f"driftscope: DRIFTSCOPE_DUMP_DIR: {e}", file=sys.stderr)
-
-
-def dump(name: str, tensor: torch.Tensor, **meta: Any) -> None:
-    """Record ``tensor`` under ``name`` into the active capture (or ``DRIFTSCOPE_DUMP_DIR``).
-
-    A no-op costing one function call when nothing is active. Keywords ``layer``, ``point``,
-    ``positions``, ``sequence_ids`` (one per row of ``tensor`` viewed as ``[rows, last dim]``)
-    and ``shard_dim`` (the dim this rank holds a slice of) are stored as metadata; other
-    keywords as free meta. A ``[batch, seq, hidden]`` tensor recorded during a hooked forward
-    pass inherits that pass's positions and sequence ids (reshape per-head tensors to
-    ``[batch, seq, heads * head_dim]`` first; other shapes need explicit ``positions``).
-    """
-    cap = _ACTIVE
-    if cap is None:
-        if _ENV_DIR is None:
-            return
-        cap = _env_capture()
-        if cap is None:
-            return
-    cap.record(name, tensor, **meta)
-
-
-def step() -> None:
-    """End the active capture's current forward pass (for captures without a model)."""
-    if _ACTIVE is not None:
-        _ACTIVE.step()

@@ -12,13 +12,17 @@ the attention mask / the KV-cache length of a ``[batch, seq]`` call; the vLLM fa
 (:mod:`dumper.engines.vllm_hooks`, loaded only for a model whose class lives in ``vllm.``)
 reads vLLM's flattened ``[tokens]`` batch and its request metadata.
 
-Example: a family of your own, registered from your code (first match wins, newest first)::
+Every name the hooks read is an attribute of the adapter, so model code that spells them
+otherwise needs a subclass that changes attributes, not an edit of the library. Example: a
+family of your own, registered from your code (first match wins, newest first)::
 
     from dumper.hooks import families
 
     class MyFamily(families.HFFamily):
         name = "mine"
-        attention_names = ("mixer",)
+        attention_names = ("mixer",)        # layer.mixer is the attention module
+        hidden_kwarg = "x"                  # it is called as mixer(x=...)
+        position_kwargs = ("positions",)    # the model is called as model(ids, positions=...)
 
         @classmethod
         def matches(cls, model):
@@ -31,99 +35,47 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Sequence
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
 import torch
-from safetensors import safe_open
 from torch import nn
 
 from dumper.errors import UsageError
 from dumper.hooks.fingerprint import model_identity
-from dumper.format import PAD_SEQUENCE, TensorRecord, decode_runs, encode_runs
-from dumper.hooks.layers import _ATTN_NAMES, _NORM_NAMES
+from dumper.hooks.rows import HFRows, PassRows, Runs, SharedRows
 
-__all__ = ["Runs", "PassRows", "SharedRows", "FamilyAdapter", "HFFamily", "register", "family_for",
-           "resolve_model", "as_runs", "shared_row_tensors", "ATTENTION_NAMES", "NORM_NAMES", "HFRows"]
-
-ATTENTION_NAMES = _ATTN_NAMES
-"""Attribute names of the attention child of a decoder layer, tried in order (HF and vLLM agree)."""
-NORM_NAMES = _NORM_NAMES
-"""Attribute names of the final norm beside the decoder layer list, tried in order (for the ``residual`` point)."""
-
-
-@dataclass(frozen=True)
-class Runs:
-    """Row metadata already run-length encoded (shared by every layer of one pass)."""
-
-    runs: list[list[int]]
-
-
-def as_runs(values: Any, rows: int, what: str) -> list[list[int]] | None:
-    """Row metadata given per row (tensor, array, sequence) or as :class:`Runs`, run-length encoded."""
-    if values is None:
-        return None
-    if isinstance(values, Runs):
-        return values.runs
-    arr = values.detach().reshape(-1).cpu().numpy() if isinstance(values, torch.Tensor) \
-        else np.asarray(values).reshape(-1)
-    if arr.size != rows:
-        raise UsageError(f"{what} has {arr.size} entries but the tensor has {rows} rows")
-    return encode_runs(arr, step=1 if what == "positions" else 0)
-
-
-@dataclass
-class PassRows:
-    """Positions and sequence ids of the rows of one forward pass.
-
-    A hidden tensor whose leading dims equal ``shape`` (``[batch, seq]`` for HF, ``[tokens]``
-    for vLLM's flattened batch) inherits them. ``keep`` (flat row indices) selects the rows
-    to record when some are not worth it (vLLM's decode tokens and padding); ``None`` keeps all.
-    """
-
-    shape: tuple[int, ...]
-    positions: Runs
-    sequence_ids: Runs
-    keep: torch.Tensor | None = None
-
-    def select(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` [*shape, hidden] as the recorded rows [kept, hidden] (``x`` itself when all are kept)."""
-        if self.keep is None:
-            return x
-        return x.reshape(-1, x.shape[-1]).index_select(0, self.keep.to(x.device, non_blocking=True))
-
-    @property
-    def empty(self) -> bool:
-        return self.keep is not None and self.keep.numel() == 0
-
-
-@dataclass(frozen=True)
-class SharedRows:
-    """Positions ``0 .. count-1`` of ``sequence`` reuse rows computed for ``source`` (a prefix-cache hit).
-
-    The engine read those tokens' keys and values from ``source``'s cache blocks instead of
-    computing them, so ``source``'s recorded rows are the states this sequence attended to.
-    """
-
-    sequence: int
-    source: int
-    count: int
+__all__ = ["FamilyAdapter", "HFFamily", "register", "unregister", "family_for", "resolve_model"]
 
 
 class FamilyAdapter:
     """One capture's view of a model family; a subclass overrides what its codebase does differently.
+
+    The whole interface, in four parts (override only what differs):
+
+    - *which modules*: :attr:`attention_names`, :attr:`norm_names` and :attr:`residual`, read by
+      :func:`dumper.hooks.layers.hook_targets`;
+    - *where a hooked call's hidden states are*: :meth:`hidden_input` (the attention input) and
+      :meth:`residual_input` (a decoder layer's input), by default the :attr:`hidden_kwarg`
+      keyword or the first positional argument;
+    - *where its rows' positions and sequence ids come from*: :meth:`pass_rows` (the top-level
+      call), :meth:`module_rows` (a hooked module's call), :meth:`end_pass`,
+      :meth:`set_sequence_ids` and :meth:`shared_rows` (:mod:`dumper.hooks.rows`);
+    - *what the manifest says*: :meth:`identity` and :meth:`environment`.
 
     ``model`` is the module hooked; ``handle`` the object the user passed when it is not that
     module (an engine handle that :meth:`resolve` turned into its model), else ``None``.
     """
 
     name: ClassVar[str] = "base"
-    attention_names: ClassVar[tuple[str, ...]] = ATTENTION_NAMES
-    norm_names: ClassVar[tuple[str, ...]] = NORM_NAMES
+    attention_names: ClassVar[tuple[str, ...]] = ("self_attn", "attn", "attention", "self_attention")
+    """Attribute names of the attention child of a decoder layer, tried in order (HF and vLLM agree)."""
+    norm_names: ClassVar[tuple[str, ...]] = ("norm", "final_layernorm", "ln_f", "final_norm")
+    """Attribute names of the final norm beside the decoder layer list, tried in order (the ``residual`` point)."""
     residual: ClassVar[bool] = False
     """Whether :meth:`residual_input` says where a decoder layer's residual stream is (the ``residual`` point)."""
+    hidden_kwarg: ClassVar[str] = "hidden_states"
+    """The keyword a hooked module takes its hidden states by (else its first positional argument)."""
 
     def __init__(self, model: nn.Module | None, handle: Any = None) -> None:
         self.model, self.handle = model, handle
@@ -139,16 +91,16 @@ class FamilyAdapter:
         return obj
 
     def hidden_input(self, args: tuple, kwargs: dict) -> Any:
-        """The hidden-state input of a hooked attention module call."""
-        return kwargs.get("hidden_states", args[0] if args else None)
+        """The hidden-state input of a hooked attention module call (:attr:`hidden_kwarg`, else ``args[0]``)."""
+        return kwargs.get(self.hidden_kwarg, args[0] if args else None)
 
     def residual_input(self, args: tuple, kwargs: dict) -> Any:
         """The residual stream entering a hooked decoder layer (or the final norm), before its norm.
 
-        Only called when :attr:`residual` is true; the default reads ``hidden_states`` or the first
-        positional argument, as transformers' decoder layers take it.
+        Only called when :attr:`residual` is true; the default reads :attr:`hidden_kwarg` or the
+        first positional argument, as transformers' decoder layers take it.
         """
-        return kwargs.get("hidden_states", args[0] if args else None)
+        return kwargs.get(self.hidden_kwarg, args[0] if args else None)
 
     def pass_rows(self, args: tuple, kwargs: dict) -> PassRows | None:
         """Row metadata of a top-level forward pass from its inputs (``None``: rows stay unlabelled)."""
@@ -190,6 +142,12 @@ def register(family: type[FamilyAdapter]) -> type[FamilyAdapter]:
     return family
 
 
+def unregister(family: type[FamilyAdapter]) -> None:
+    """Remove ``family`` from the registry (no-op when it is not there)."""
+    if family in _REGISTRY:
+        _REGISTRY.remove(family)
+
+
 def family_for(model: Any) -> type[FamilyAdapter]:
     """The family class that handles ``model``: a registered one that matches, else :class:`HFFamily`."""
     module = type(model).__module__ or ""
@@ -222,63 +180,32 @@ def _cache_length(cache: Any) -> int:
         return 0
 
 
-@dataclass
-class HFRows(PassRows):
-    """Rows of a ``[batch, seq]`` pass. Padding rows keep their column index as position (one run in
-    the encoding) and get sequence id :data:`PAD_SEQUENCE`, which keeps them out of every comparison."""
-
-    pad: np.ndarray | None = None  # [batch, seq] bool, True for padding rows
-    pos: np.ndarray | None = None  # [batch, seq] positions as last set
-    row_ids: np.ndarray | None = None  # [batch] sequence id of each batch row
-    position_ids: Any = None  # the tensor the positions were last read from (one device sync per tensor)
-
-    def set_positions(self, pos: np.ndarray) -> None:
-        if self.pad is not None:
-            pos = np.where(self.pad, np.arange(self.shape[1])[None, :], pos)
-        self.pos = np.asarray(pos)
-        self.positions = Runs(encode_runs(self.pos, step=1))
-
-    def set_sequences(self, ids: np.ndarray) -> None:
-        self.row_ids = ids
-        row_seq = np.repeat(ids, self.shape[1]).reshape(self.shape)
-        self.sequence_ids = Runs(encode_runs(row_seq if self.pad is None else np.where(self.pad, PAD_SEQUENCE, row_seq),
-                                             step=0))
-
-    def with_position_ids(self, value: Any) -> HFRows:
-        """Positions from a ``position_ids`` kwarg seen by a hooked module (read once per tensor object)."""
-        batch, seq = self.shape
-        if value is None or value is self.position_ids or not isinstance(value, torch.Tensor) \
-                or value.shape[-1] != seq:
-            return self
-        self.set_positions(value.detach().reshape(-1, seq).expand(batch, seq).cpu().numpy())
-        self.position_ids = value
-        return self
-
-    def bounds(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Per batch row: (first real position, last real position, whether the row has a real token)."""
-        assert self.pos is not None
-        real = np.ones(self.shape, bool) if self.pad is None else ~self.pad
-        has = real.any(axis=1)
-        cols = np.arange(self.shape[1])
-        first = np.where(real, cols, self.shape[1]).min(axis=1).clip(max=self.shape[1] - 1)
-        last = np.where(real, cols, -1).max(axis=1).clip(min=0)
-        rows = np.arange(self.shape[0])
-        return self.pos[rows, first], self.pos[rows, last], has
-
-
 class HFFamily(FamilyAdapter):
     """transformers models (the default): one ``[batch, seq]`` call per pass, positions from its kwargs.
 
-    Positions come from ``position_ids`` / ``cache_position``, else from a 2-D
-    ``attention_mask`` (``cumsum - 1``, right for left padding too), else from the KV-cache
-    length; rows whose mask is 0 are padding. Sequence ids are those of
-    :meth:`set_sequence_ids`, else a pass whose every batch row starts right after that row's
-    last position in the previous pass (a prefill chunk, a decode step over one KV cache)
-    continues its sequences, else the pass gets new ids.
+    Positions come from the first of :attr:`position_kwargs` given (``position_ids`` /
+    ``cache_position``), else from a 2-D :attr:`mask_kwarg` (``cumsum - 1``, right for left
+    padding too), else from the length of the KV cache in :attr:`cache_kwargs`; rows whose mask
+    is 0 are padding. Sequence ids are those of :meth:`set_sequence_ids`, else a pass whose every
+    batch row starts right after that row's last position in the previous pass (a prefill chunk,
+    a decode step over one KV cache) continues its sequences, else the pass gets new ids. A
+    subclass for model code that names these arguments otherwise changes only the attributes.
     """
 
     name = "hf"
     residual = True
+    ids_kwarg: ClassVar[str] = "input_ids"
+    """The top-level call's token ids (``[batch, seq]``; else its first positional argument)."""
+    embeds_kwarg: ClassVar[str] = "inputs_embeds"
+    """The top-level call's input embeddings (``[batch, seq, hidden]``), read when it gets no token ids."""
+    mask_kwarg: ClassVar[str] = "attention_mask"
+    """The top-level call's 2-D padding mask (1: a token, 0: padding)."""
+    cache_kwargs: ClassVar[tuple[str, ...]] = ("cache", "past_key_values")
+    """The top-level call's KV cache, by the first of these keywords given (transformers 5.x, then 4.x)."""
+    position_kwargs: ClassVar[tuple[str, ...]] = ("position_ids", "cache_position")
+    """The top-level call's positions, from the first of these keywords that holds a tensor."""
+    module_position_kwarg: ClassVar[str] = "position_ids"
+    """A hooked module's positions keyword (a model may compute positions inside and pass them down)."""
 
     def __init__(self, model: nn.Module | None, handle: Any = None) -> None:
         super().__init__(model, handle)
@@ -291,26 +218,25 @@ class HFFamily(FamilyAdapter):
         self._explicit = None if ids is None else [int(i) for i in ids]
 
     def pass_rows(self, args: tuple, kwargs: dict) -> HFRows | None:
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        ref = ids if isinstance(ids, torch.Tensor) else kwargs.get("inputs_embeds")
+        ids = kwargs.get(self.ids_kwarg, args[0] if args else None)
+        ref = ids if isinstance(ids, torch.Tensor) else kwargs.get(self.embeds_kwarg)
         if not isinstance(ref, torch.Tensor) or ref.dim() < 2:
             return None
         batch, seq = int(ref.shape[0]), int(ref.shape[1])
-        mask = kwargs.get("attention_mask")
+        mask = kwargs.get(self.mask_kwarg)
         positions = pad = None
         if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[0] == batch and mask.shape[1] >= seq:
-            m = mask.detach().to("cpu", torch.int64).numpy()
+            m = mask.detach().to("cpu", torch.int64).numpy()  # [batch, past + seq]
             pad = m[:, -seq:] == 0
             positions = (np.cumsum(m, axis=1) - 1)[:, -seq:]
         if positions is None:
-            past = _cache_length(kwargs.get("cache", kwargs.get("past_key_values")))
+            past = _cache_length(next((kwargs[k] for k in self.cache_kwargs if k in kwargs), None))
             positions = np.broadcast_to(np.arange(past, past + seq, dtype=np.int64), (batch, seq))
         rows = HFRows((batch, seq), Runs([]), Runs([]), pad=pad)
         rows.set_positions(positions)
-        for key in ("position_ids", "cache_position"):
-            if isinstance(kwargs.get(key), torch.Tensor):
-                rows = rows.with_position_ids(kwargs[key])
-                break
+        given = next((kwargs[k] for k in self.position_kwargs if isinstance(kwargs.get(k), torch.Tensor)), None)
+        if given is not None:
+            rows = rows.with_position_ids(given)
         rows.set_sequences(self._sequence_ids(rows))
         return rows
 
@@ -328,7 +254,8 @@ class HFFamily(FamilyAdapter):
         return out
 
     def module_rows(self, rows: PassRows | None, kwargs: dict) -> PassRows | None:
-        return rows.with_position_ids(kwargs.get("position_ids")) if isinstance(rows, HFRows) else rows
+        return rows.with_position_ids(kwargs.get(self.module_position_kwarg)) if isinstance(rows, HFRows) \
+            else rows
 
     def end_pass(self, rows: PassRows | None) -> None:
         if not isinstance(rows, HFRows) or rows.row_ids is None:
@@ -337,40 +264,3 @@ class HFFamily(FamilyAdapter):
         before = self._prev_last if self._prev_ids is not None and np.array_equal(self._prev_ids, rows.row_ids) \
             else np.full(len(last), -1, dtype=np.int64)
         self._prev_ids, self._prev_last = rows.row_ids, np.where(has, last, before)
-
-
-def shared_row_tensors(out_dir: Path, records: Sequence[TensorRecord], shared: Sequence[SharedRows]
-                       ) -> list[tuple[TensorRecord, torch.Tensor, np.ndarray, np.ndarray]]:
-    """The rows each hit reused, read back from its source's records and labelled as the hit's own.
-
-    Returns one entry per recorded (name, call): (a source record of it, rows [n, hidden],
-    positions [n], sequence ids [n]). A hit whose source rows are incomplete gets none.
-    """
-    groups: dict[tuple[str, int], tuple[TensorRecord, list[torch.Tensor], list[np.ndarray], list[np.ndarray]]] = {}
-    for hit in shared:
-        found: dict[tuple[str, int], list[tuple[np.ndarray, TensorRecord, np.ndarray]]] = {}
-        for rec in records:
-            if rec.positions is None or rec.sequence_ids is None:
-                continue
-            pos, seq = decode_runs(rec.positions, step=1), decode_runs(rec.sequence_ids, step=0)
-            rows = np.flatnonzero((seq == hit.source) & (pos < hit.count))
-            if rows.size:
-                found.setdefault((rec.name, rec.call), []).append((pos[rows], rec, rows))
-        for key, parts in found.items():
-            pos = np.concatenate([p for p, _, _ in parts])
-            if not np.array_equal(np.sort(pos), np.arange(hit.count)):
-                continue
-            order = torch.from_numpy(np.argsort(pos, kind="stable"))
-            rows = torch.cat([_read_rows(out_dir, rec, r) for _, rec, r in parts]).index_select(0, order)
-            group = groups.setdefault(key, (parts[0][1], [], [], []))
-            group[1].append(rows)
-            group[2].append(np.arange(hit.count, dtype=np.int64))
-            group[3].append(np.full(hit.count, hit.sequence, dtype=np.int64))
-    return [(rec, torch.cat(t), np.concatenate(p), np.concatenate(q)) for rec, t, p, q in groups.values()]
-
-
-def _read_rows(out_dir: Path, rec: TensorRecord, rows: np.ndarray) -> torch.Tensor:
-    with safe_open(str(out_dir / rec.file), framework="pt") as f:
-        t = f.get_tensor(rec.key)
-    return t.reshape(-1, t.shape[-1]).index_select(0, torch.from_numpy(rows))
-

@@ -1,6 +1,7 @@
-"""Which modules to hook: layer specs, capture points and decoder-layer discovery in HF causal LMs.
+"""Which modules to hook: layer specs, capture points and decoder-layer discovery.
 
-Layer indices are taken from the position of a module in its ``nn.ModuleList`` and stored
+The names that mark a decoder layer's attention child and the final norm are the model
+family's (:class:`dumper.hooks.families.FamilyAdapter`), passed in by :func:`hook_targets`. Layer indices are taken from the position of a module in its ``nn.ModuleList`` and stored
 as metadata; they are never parsed back out of module names.
 """
 
@@ -22,10 +23,6 @@ __all__ = ["DEFAULT_LAYERS", "HookTarget", "parse_layer_spec", "find_decoder_lay
 DEFAULT_LAYERS = "first,last,every:8"
 """The seed's choice: first and last layer plus every 8th."""
 
-_ATTN_NAMES = ("self_attn", "attn", "attention", "self_attention")
-"""Attention child names tried by default; a model family may name others (:mod:`dumper.hooks.families`)."""
-_NORM_NAMES = ("norm", "final_layernorm", "ln_f", "final_norm")
-"""Names of the final norm, a sibling of the decoder layer list, tried by default (a family may name others)."""
 ATTN_INPUT = "input"
 """Capture point of a hooked module's input hidden states (name suffix ``.input``)."""
 RESIDUAL = "residual"
@@ -102,7 +99,7 @@ def _spec_token(tok: str | int, num_layers: int, spec: object) -> range | list[i
     return [index(tok)]  # raises: not a spec
 
 
-def _attention_child(layer: nn.Module, names: Sequence[str] = _ATTN_NAMES) -> tuple[str, nn.Module] | None:
+def _attention_child(layer: nn.Module, names: Sequence[str]) -> tuple[str, nn.Module] | None:
     for attr in names:
         child = getattr(layer, attr, None)
         if isinstance(child, nn.Module):
@@ -110,10 +107,11 @@ def _attention_child(layer: nn.Module, names: Sequence[str] = _ATTN_NAMES) -> tu
     return None
 
 
-def find_decoder_layers(model: nn.Module, attention_names: Sequence[str] = _ATTN_NAMES) -> tuple[str, nn.ModuleList]:
+def find_decoder_layers(model: nn.Module, attention_names: Sequence[str]) -> tuple[str, nn.ModuleList]:
     """The ``nn.ModuleList`` of decoder layers: the longest list whose items have an attention child.
 
-    ``attention_names`` are the child attribute names that count as attention, tried in order.
+    ``attention_names`` are the child attribute names that count as attention, tried in order
+    (the model family's :attr:`~dumper.hooks.families.FamilyAdapter.attention_names`).
     """
     best: tuple[str, nn.ModuleList] | None = None
     for name, mod in model.named_modules():
@@ -143,7 +141,7 @@ def _layer_of(model: nn.Module, name: str) -> int | None:
     return None
 
 
-def _decoder_layer_count(model: nn.Module, attention_names: Sequence[str] = _ATTN_NAMES) -> int:
+def _decoder_layer_count(model: nn.Module, attention_names: Sequence[str]) -> int:
     """How many decoder layers the model has (0 when it has no recognizable decoder layer list)."""
     try:
         return len(find_decoder_layers(model, attention_names)[1])
@@ -152,7 +150,7 @@ def _decoder_layer_count(model: nn.Module, attention_names: Sequence[str] = _ATT
 
 
 def find_targets(model: nn.Module, *, layers: str | Sequence[int] | None = None, modules: str | None = None,
-                 attention_names: Sequence[str] = _ATTN_NAMES) -> tuple[list[HookTarget], int]:
+                 attention_names: Sequence[str]) -> tuple[list[HookTarget], int]:
     """The self-attention modules to hook and the model's number of decoder layers.
 
     With ``modules`` (an fnmatch pattern over ``named_modules()`` names, comma-separated for
@@ -201,8 +199,8 @@ def parse_points(points: str | Sequence[str] | None) -> tuple[str, ...]:
 
 
 def find_residual_targets(model: nn.Module, *, layers: str | Sequence[int] | None = None,
-                          attention_names: Sequence[str] = _ATTN_NAMES,
-                          norm_names: Sequence[str] = _NORM_NAMES) -> tuple[list[HookTarget], int]:
+                          attention_names: Sequence[str], norm_names: Sequence[str]
+                          ) -> tuple[list[HookTarget], int]:
     """The decoder layers whose residual input to record, and the model's number of decoder layers.
 
     One target per selected layer (``model.layers.{i}``, layer ``i``), plus, when the last

@@ -11,36 +11,28 @@ with one line naming the directory and the reason, never a transformers tracebac
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
 import re
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
-from dumper.errors import ModelError, UsageError
+from dumper.errors import ModelError, UsageError, error_reason
+from dumper.format import dtypes
+from dumper.format.dtypes import MODEL_DTYPES
 from dumper.resources import config_path
-from dumper.tokenizers import PRESETS, ByteTokenizer, Tokenizer
+from dumper.tokenizers import (
+    PRESETS,
+    ByteTokenizer,
+    Tokenizer,
+    held_transformers_logs,
+    load_tokenizer,
+)
 
-__all__ = ["PRESETS", "ByteTokenizer", "Tokenizer", "load_model", "load_tokenizer", "model_label", "error_reason",
-           "DTYPES"]
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class _HFTokenizer:
-    def __init__(self, tok: Any) -> None:
-        self._tok = tok
-
-    def encode(self, text: str) -> list[int]:
-        return list(self._tok(text)["input_ids"])
-
-    def decode(self, ids: list[int]) -> str:
-        return str(self._tok.decode(ids))
+__all__ = ["PRESETS", "ByteTokenizer", "Tokenizer", "load_model", "model_label", "check_config_file"]
 
 
 def _preset_config(name: str, attn: str) -> Any:
@@ -65,9 +57,9 @@ def load_model(name_or_dir: str, *, dtype: str = "float32", attn: str = "eager",
     """
     from transformers import AutoModelForCausalLM
 
-    if dtype not in DTYPES:
-        raise UsageError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
-    torch_dtype = DTYPES[dtype]
+    if dtype not in MODEL_DTYPES:
+        raise UsageError(f"unknown dtype {dtype!r}; choose one of {', '.join(MODEL_DTYPES)}")
+    torch_dtype = dtypes.torch_dtype(dtype)
     if name_or_dir in PRESETS:
         config = _preset_config(name_or_dir, attn)
         config._name_or_path = name_or_dir  # names the model in errors and manifests; not hashed
@@ -79,7 +71,7 @@ def load_model(name_or_dir: str, *, dtype: str = "float32", attn: str = "eager",
         check_config_file(os.path.join(name_or_dir, "config.json"))
         held: list[logging.LogRecord] = []
         try:  # anything transformers raises while building this directory's model is about the model
-            with _held_transformers_logs(held):
+            with held_transformers_logs(held):
                 model = AutoModelForCausalLM.from_pretrained(
                     name_or_dir, dtype=torch_dtype, attn_implementation=attn, local_files_only=True)
         except Exception as e:  # noqa: BLE001 - the load boundary: no driftscope code runs inside
@@ -102,12 +94,6 @@ def load_model(name_or_dir: str, *, dtype: str = "float32", attn: str = "eager",
 def model_label(model: nn.Module) -> str:
     """How errors name a model: its HF name or path (a preset's name), else its class."""
     return getattr(getattr(model, "config", None), "_name_or_path", None) or type(model).__name__
-
-
-def error_reason(e: BaseException) -> str:
-    """One line for an exception raised by model code: its type and its message, joined and cut to 300 characters."""
-    text = " ".join(str(e).split())
-    return f"{type(e).__name__}: {text[:300]}" if text else type(e).__name__
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -158,53 +144,3 @@ def _check_sizes(path: str, obj: dict[str, Any], prefix: str) -> None:
             _check_sizes(path, value, f"{prefix}{key}.")
         elif isinstance(value, int) and not isinstance(value, bool) and value < 0 and _SIZE_KEY.search(key):
             raise ModelError(f"{path}: {prefix}{key} is {value}; a size or count must be >= 0")
-
-
-@contextlib.contextmanager
-def _held_transformers_logs(held: list[logging.LogRecord]) -> Iterator[None]:
-    """Hold transformers' log lines and progress bars while loading: replayed on success, dropped on failure.
-
-    A failed load is then one line (its reason is in the error), while a loaded model still
-    shows transformers' warnings (say, weights that were missing and got initialized).
-    """
-    from transformers.utils import logging as hf_logging
-
-    root = hf_logging.get_logger()
-    handler = logging.Handler()
-    handler.emit = held.append  # type: ignore[method-assign]
-    handlers, bars = root.handlers[:], hf_logging.is_progress_bar_enabled()
-    for h in handlers:
-        root.removeHandler(h)
-    root.addHandler(handler)
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        root.removeHandler(handler)
-        for h in handlers:
-            root.addHandler(h)
-        if bars:
-            hf_logging.enable_progress_bar()
-    for record in held:  # only after a successful load
-        root.handle(record)
-
-
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
-                    "merges.txt", "spiece.model", "special_tokens_map.json")
-
-
-def load_tokenizer(path: str) -> Tokenizer | None:
-    """The tokenizer of a local HF model directory (offline), or None when it has no tokenizer files.
-
-    Tokenizer files that transformers cannot load raise :class:`UsageError` naming the directory.
-    """
-    from transformers import AutoTokenizer
-
-    if not any(os.path.isfile(os.path.join(path, f)) for f in _TOKENIZER_FILES):
-        return None
-    try:
-        with _held_transformers_logs([]):
-            return _HFTokenizer(AutoTokenizer.from_pretrained(path, local_files_only=True))
-    except Exception as e:  # noqa: BLE001 - the load boundary, as for the model
-        raise ModelError(f"{path}: cannot load its tokenizer ({error_reason(e)}); "
-                         "fix or remove the tokenizer files") from None

@@ -30,9 +30,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from dumper.errors import ModelError, ModelMismatchError, NotComparableError, UsageError
-from dumper.hooks.families import family_for
-from dumper.hooks.fingerprint import environment_fingerprint, model_identity
+from dumper.errors import (
+    ModelError,
+    ModelMismatchError,
+    NotComparableError,
+    UsageError,
+    error_reason,
+)
 from dumper.format import (
     PAD_SEQUENCE,
     DumpReader,
@@ -41,16 +45,15 @@ from dumper.format import (
     encode_runs,
     load_manifest,
 )
+from dumper.format.dtypes import FLOAT_CODES
 from dumper.hooks.capture import Capture
+from dumper.hooks.families import family_for
+from dumper.hooks.fingerprint import environment_fingerprint, model_identity
 from dumper.hooks.layers import RESIDUAL, find_decoder_layers
-from dumper.jobs.presets import error_reason, load_model, model_label
+from dumper.jobs.presets import load_model, model_label
 from dumper.progress import ProgressFn
 
 __all__ = ["ReplayConfig", "replay", "replay_model", "residual_plan", "layer_kwargs"]
-
-_TORCH = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-"""Stored float dtype -> torch dtype (bfloat16 is stored as uint16 bits)."""
-
 
 @dataclass(frozen=True)
 class ReplayConfig:
@@ -91,7 +94,7 @@ def _sequences(reader: DumpReader, name: str, recs: list[TensorRecord]) -> dict[
     """sequence id -> its residual rows [n, hidden] in position order, reassembled from chunks and batches."""
     parts: dict[int, list[tuple[np.ndarray, np.ndarray]]] = defaultdict(list)
     for rec in recs:
-        if rec.dtype not in _TORCH:
+        if rec.dtype not in FLOAT_CODES:
             raise NotComparableError(f"{reader.directory}: {name} is stored as {rec.dtype}, not a float dtype")
         rows, pos, seq = reader.rows(rec), rec.row_positions(), rec.row_sequence_ids()
         assert pos is not None and seq is not None  # residual_plan checked

@@ -16,7 +16,13 @@ from typing import Any
 
 import torch
 
-from dumper.errors import DriftscopeError, InternalError, ModelError, UsageError
+from dumper.errors import (
+    DriftscopeError,
+    InternalError,
+    ModelError,
+    UsageError,
+    error_reason,
+)
 from dumper.format import (
     LOGITS,
     LOGITS_POINT,
@@ -29,9 +35,10 @@ from dumper.format import (
     load_manifest,
 )
 from dumper.hooks.capture import Capture, capture
+from dumper.hooks.families import HFFamily
 from dumper.hooks.layers import ATTN_INPUT, parse_points
 from dumper.jobs.logprobs import LOGPROB_CHUNK_ROWS, row_logprobs
-from dumper.jobs.presets import error_reason, load_model, model_label
+from dumper.jobs.presets import load_model, model_label
 from dumper.progress import ProgressFn
 from dumper.prompts import BUILTIN_PROMPTS, parse_input_ids, read_prompts_file  # noqa: F401 - re-exported
 
@@ -119,11 +126,12 @@ def cache_kwarg(model: torch.nn.Module) -> str:
     unknown ``cache=``, so the name must come from the signature, not from a guess.
     """
     params = inspect.signature(model.forward).parameters
-    for name in ("cache", "past_key_values"):
+    names = HFFamily.cache_kwargs  # the names the hooks read the cache by, too
+    for name in names:
         if name in params:
             return name
     raise ModelError(f"{model_label(model)}: {type(model).__name__}.forward takes no KV cache argument "
-                     "(cache= or past_key_values=); --chunk-size and selfcheck need one")
+                     f"({' or '.join(n + '=' for n in names)}); --chunk-size and selfcheck need one")
 
 
 def call_model(model: torch.nn.Module, **inputs: Any) -> Any:

@@ -2,8 +2,9 @@
 
 The decode path (greedy, temperature 0, KV cache, one token a step) and a fresh prefill of
 prompt + output with no cache reuse compute the logprob of the same output tokens; they must
-agree up to numerical noise. k3 = (e^d - 1) - d with d = log q_decode - log p_prefill is averaged
-over the output positions (SGLang's kl_test_utils). The tokens are greedy, not samples of the
+agree up to numerical noise. k3 = (e^d - 1) - d with d = log q_decode - log p_prefill
+(:func:`comparator.logprobs.metrics.k3`, stable for tiny d) is averaged over the output positions
+(SGLang's kl_test_utils). The tokens are greedy, not samples of the
 distribution, so that mean is a consistency measure and a biased estimate of KL (k3's mean is
 KL only over sampled tokens); results say so (``k3_tokens``, :data:`GREEDY_K3_NOTE`). Cache-hit variants first write a prefix
 into the KV cache and generate on top of it, so they check that reused KV equals recomputed
@@ -27,7 +28,7 @@ from typing import Any
 
 import torch
 
-from comparator.logprobs import GREEDY_K3_NOTE
+from comparator.logprobs.metrics import GREEDY_K3_NOTE, k3_summary
 
 from dumper.errors import InternalError, ModelError, UsageError
 from dumper.jobs.logprobs import input_token_logprobs
@@ -178,15 +179,10 @@ def selfcheck(model: torch.nn.Module, prompt_ids: Sequence[int], *, new_tokens: 
         full = torch.cat([ids, torch.tensor([out_ids], device=device)], dim=1)
         logits = call_model(model, input_ids=full, use_cache=False).logits[0]  # fresh prefill, nothing reused
         prefill_lps = input_token_logprobs(logits, full[0]).logprobs[-new_tokens:]
-    p = torch.tensor(prefill_lps, dtype=torch.float64)
-    q = torch.tensor(decode_lps, dtype=torch.float64)
-    delta = q - p
-    k3 = torch.expm1(delta) - delta
-    worst = int(torch.argmax(torch.nan_to_num(k3, nan=math.inf)))
-    k3_mean = float(k3.mean())
+    k3 = k3_summary(prefill_lps, decode_lps)
     return SelfCheckResult(
         mode=mode, prompt_tokens=ids.shape[1], output_ids=tuple(out_ids), decode_logprobs=tuple(decode_lps),
-        prefill_logprobs=tuple(float(v) for v in prefill_lps), cache_hit_tokens=hit, k3_mean=k3_mean,
-        k3_max=float(k3.max()), k3_max_position=ids.shape[1] + worst, max_abs_err=float(delta.abs().max()),
-        threshold=threshold, passed=bool(k3_mean <= threshold),
+        prefill_logprobs=tuple(float(v) for v in prefill_lps), cache_hit_tokens=hit, k3_mean=k3.mean,
+        k3_max=k3.max, k3_max_position=ids.shape[1] + k3.argmax, max_abs_err=k3.max_abs_err,
+        threshold=threshold, passed=bool(k3.mean <= threshold),
     )

@@ -3,7 +3,7 @@
 For each prompt the server generates ``new_tokens`` tokens greedily (temperature 0, EOS
 ignored where the API allows) and reports the logprob of each as it decodes it; then it
 re-scores prompt + output in one pure prefill, and the two logprobs of every output token are
-compared by k3 = (e^d - 1) - d, d = log q_decode - log p_prefill (:func:`comparator.logprobs.k3`).
+compared by k3 = (e^d - 1) - d, d = log q_decode - log p_prefill (:func:`comparator.logprobs.metrics.k3_summary`).
 The tokens are greedy, not samples, so mean k3 is a biased estimate of KL (the result's
 ``k3_tokens`` and ``k3_note`` say so, as for :mod:`dumper.jobs.selfcheck`).
 What "pure" means per API:
@@ -30,12 +30,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import numpy as np
-
 from comparator.logprobs.sources.collect import Prompt, first_choice, score
 from comparator.logprobs.sources.engine_json import parse_record
 from comparator.jsonfloat import to_json_float
-from comparator.logprobs import GREEDY_K3_NOTE, k3
+from comparator.logprobs.metrics import GREEDY_K3_NOTE, k3_summary
 from comparator.logprobs.sources.server_http import ServerClient, ServerError
 
 from dumper.errors import UsageError
@@ -197,13 +195,10 @@ def server_selfcheck(client: ServerClient, api: str, prompt: Prompt, *, new_toke
     prefill, start = _prefill(client, api, prompt, gen, model)
     if any(v is None for v in prefill):
         raise ServerError(f"{client.base_url}: prompt {prompt.request}: the prefill gave no logprob for an output token")
-    q, p = np.asarray(gen.logprobs, dtype=np.float64), np.asarray(prefill, dtype=np.float64)
-    delta = q - p
-    vals = k3(delta)
-    worst = int(np.argmax(np.nan_to_num(vals, nan=np.inf)))
-    k3_mean = float(vals.mean())
+    k3 = k3_summary(prefill, gen.logprobs)
     return ServerSelfCheck(
-        request=prompt.request, positions=tuple(range(start, start + len(q))), output_ids=gen.output_ids or (),
-        output_texts=gen.output_texts, decode_logprobs=gen.logprobs, prefill_logprobs=tuple(p.tolist()),
-        k3=tuple(vals.tolist()), k3_mean=k3_mean, k3_max=float(vals.max()), k3_max_position=start + worst,
-        max_abs_err=float(np.abs(delta).max()), threshold=threshold, passed=bool(k3_mean <= threshold))
+        request=prompt.request, positions=tuple(range(start, start + len(gen.logprobs))),
+        output_ids=gen.output_ids or (), output_texts=gen.output_texts, decode_logprobs=gen.logprobs,
+        prefill_logprobs=tuple(float(v) for v in prefill), k3=tuple(k3.values.tolist()), k3_mean=k3.mean,
+        k3_max=k3.max, k3_max_position=start + k3.argmax, max_abs_err=k3.max_abs_err, threshold=threshold,
+        passed=bool(k3.mean <= threshold))

@@ -14,7 +14,7 @@ from transformers import DynamicCache
 
 import dumper
 from comparator import compare_dumps
-from dumper.hooks import families
+from dumper.hooks import families, rows
 from dumper.format import load_manifest
 from dumper.jobs.presets import load_model
 from tests.conftest import ROOT, run_cli
@@ -162,8 +162,8 @@ class _FlatFamily(families.FamilyAdapter):
         n = tokens.shape[0]
         seq = np.searchsorted(starts.numpy(), np.arange(n), side="right") - 1
         pos = np.arange(n) - starts.numpy()[seq]
-        return families.PassRows((n,), families.Runs(families.as_runs(pos, n, "positions")),
-                                 families.Runs(families.as_runs(seq, n, "sequence_ids")))
+        return rows.PassRows((n,), rows.Runs(rows.as_runs(pos, n, "positions")),
+                             rows.Runs(rows.as_runs(seq, n, "sequence_ids")))
 
 
 def test_a_registered_family_hooks_its_own_modules_and_rows(tmp_path):

@@ -126,6 +126,34 @@ def test_selfcheck_fails_when_only_the_decode_path_is_broken(mode):
     assert np.all(np.isfinite(r.decode_logprobs))
 
 
+def test_selfcheck_k3_is_stable_for_tiny_differences():
+    """selfcheck scores with the comparator's k3 (``k3_summary``): d^2/2 to 1e-6 for |d| from 1e-9
+    down to 1e-17, where the cancelling ``expm1(d) - d`` is off by 5e-5 (1e-12), 1% (1e-14), 100% (1e-17)."""
+    from dumper.jobs import selfcheck as sc
+
+    prefill = [-2.0, -1e-3, -1e-3, -1e-3, -1e-15, -0.5]
+    decode = [-2.0 + 1e-9, -1e-3 + 1e-12, -1e-3 - 1e-14, -1e-3 + 3e-15, -1e-15 + 1e-17, -0.5]
+    d = np.asarray(decode) - np.asarray(prefill)  # exact differences of nearby floats
+    s = sc.k3_summary(prefill, decode)
+    np.testing.assert_array_equal(s.delta, d)
+    np.testing.assert_allclose(s.values[:5], d[:5] ** 2 / 2, rtol=1e-6)
+    assert s.values[5] == 0.0 and s.argmax == 0 and s.max_abs_err == pytest.approx(1e-9, rel=1e-6)
+    assert s.mean == pytest.approx(float(np.mean(d**2 / 2)), rel=1e-6)
+    naive = np.expm1(d[1:5]) - d[1:5]
+    assert np.all(np.abs(naive / (d[1:5] ** 2 / 2) - 1) > 1e-5)  # what the old form gave instead
+
+
+def test_selfcheck_k3_matches_its_logprobs(fp32_model):
+    """The k3 a real selfcheck reports is the comparator's k3 of its own decode and prefill logprobs."""
+    from comparator.logprobs import k3
+
+    model, tok = fp32_model
+    r = selfcheck(model, tok.encode("The quick brown fox jumps over the lazy dog."), new_tokens=8, mode="no-cache")
+    vals = k3(np.asarray(r.decode_logprobs) - np.asarray(r.prefill_logprobs))
+    assert r.k3_mean == pytest.approx(float(vals.mean()), rel=1e-12, abs=0.0)
+    assert r.k3_max == float(vals.max()) and r.k3_max_position == r.prompt_tokens + int(np.argmax(vals))
+
+
 def test_selfcheck_cli(cli, tmp_path):
     r = cli("dumper", "selfcheck", "--new-tokens", "6", "--prompt", "hello there, decode path", "--json",
             tmp_path / "s.json")
