@@ -39,6 +39,11 @@ def parse_threshold(raw: object, *, where: str, allow_off: bool = False) -> floa
             raw = float(text)
         except ValueError:
             raise UsageError(f"{where}: {text!r} is not a number{hint}") from None
+    if isinstance(raw, int) and not isinstance(raw, bool):
+        try:
+            raw = float(raw)
+        except OverflowError:  # a JSON integer beyond float range
+            raise UsageError(f"{where}: an integer beyond float range is not a finite number >= 0{hint}") from None
     if isinstance(raw, bool) or not isinstance(raw, (int, float)) or not math.isfinite(raw) or raw < 0:
         raise UsageError(f"{where}: {raw!r} must be a finite number >= 0{hint}")
     return float(raw)

@@ -23,7 +23,8 @@ import numpy as np
 
 from dumper.errors import CorruptDumpError, NotComparableError
 
-from comparator.logprobs import AlignedSample, KlResult, _log_softmax_inplace
+from comparator.logprobs.kl import log_softmax_inplace
+from comparator.logprobs.types import AlignedSample, KlResult
 
 __all__ = ["Distributions", "LogitsDistributions", "kl_from_logprobs", "stream_kl", "BLOCK_ELEMENTS"]
 
@@ -80,7 +81,7 @@ class LogitsDistributions(Distributions):
         if out is None:
             out = np.empty((index.size, self.vocab_size), dtype=np.float64)
         out[:] = block
-        return _log_softmax_inplace(out)
+        return log_softmax_inplace(out)
 
 
 def kl_from_logprobs(lp: np.ndarray, lq: np.ndarray, *, floor: float | None = None,

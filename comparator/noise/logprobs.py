@@ -35,12 +35,9 @@ from dumper.errors import UsageError
 from dumper.format import Manifest
 
 from comparator.jsonfloat import from_json_float, to_json_float
-from comparator.logprobs import (
-    THRESHOLD_NAMES,
-    LogprobThresholds,
-    LogprobVerdict,
-    explicit_thresholds,
-)
+from comparator.logprobs.thresholds import THRESHOLD_NAMES, LogprobThresholds, explicit_thresholds
+from comparator.logprobs.verdict import LogprobVerdict
+from comparator.thresholds import parse_threshold
 
 __all__ = [
     "DEFAULT_LOGPROB_FLOORS",
@@ -185,9 +182,9 @@ def _floors(floors: Mapping[str, float] | None) -> dict[str, float]:
     for k, v in (floors or {}).items():
         if k not in THRESHOLD_NAMES:
             raise UsageError(f"--noise-floor {k}={v:g}: {k!r} is not a logprob metric; known: {', '.join(THRESHOLD_NAMES)}")
-        if not (math.isfinite(v) and v >= 0):
-            raise UsageError(f"--noise-floor {k}={v!r}: must be a finite number >= 0")
-        out[k] = float(v)
+        floor = parse_threshold(v, where=f"--noise-floor {k}")
+        assert floor is not None  # parse_threshold gives None only with allow_off
+        out[k] = floor
     return out
 
 

@@ -31,10 +31,11 @@ from typing import Any
 
 from dumper.errors import UsageError
 from dumper.format import Manifest, write_json_atomic
-from dumper.format.validate import parse_json
+from dumper.format.files import parse_json
 
 from comparator.jsonfloat import from_json_float, to_json_float
 from comparator.noise.logprobs import LogprobNoise
+from comparator.thresholds import parse_assignments
 
 __all__ = ["NOISE_FORMAT", "DEFAULT_FACTOR", "DEFAULT_FLOOR", "TensorNoise", "NoiseModel", "Limits",
            "parse_noise_floor", "check_noise_factor"]
@@ -206,15 +207,5 @@ def check_noise_factor(factor: float) -> float:
 
 def parse_noise_floor(items: Sequence[str]) -> dict[str, float]:
     """``--noise-floor VALUE`` (rel_diff) or ``--noise-floor NAME=VALUE`` (a logprob metric) items."""
-    out: dict[str, float] = {}
-    for item in items:
-        name, sep, value = item.rpartition("=")
-        key = name.strip() if sep else "rel_diff"
-        try:
-            v = float(value)
-        except ValueError:
-            raise UsageError(f"--noise-floor {item!r}: {value!r} is not a number") from None
-        if not math.isfinite(v) or v < 0:
-            raise UsageError(f"--noise-floor {item!r}: must be a finite number >= 0")
-        out[key] = v
-    return out
+    floors = parse_assignments(items, flag="--noise-floor", default_name="rel_diff")
+    return {name: v for name, v in floors.items() if v is not None}  # None only comes with allow_off

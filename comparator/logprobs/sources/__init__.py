@@ -1,13 +1,14 @@
 """Where logprobs come from: a driftscope dump, an engine's JSONL output (SGLang, vLLM, OpenAI),
 or a llama.cpp KL-divergence base file (``llama-perplexity --kl-divergence-base``, told by its magic).
 
-A dump's sequence ``s`` becomes request ``"s"`` (the dumper's runner numbers prompts from 0),
-with its token ids taken from the run's recorded ``input_ids`` where the rows do not cover them.
-Logits rows (``--save-logits``) come with their positions for full-distribution KL; a request
-whose logits lie in one record is handed on as a memory-mapped view, several records (chunked
-prefill) are joined. A base file's chunks are requests ``"0"``, ``"1"``, ... and its full
-distributions are streamed from disk (:mod:`comparator.logprobs.sources.llama_kld`), against another base file or
-a dump's logits rows.
+:func:`read_logprob_source` tells them apart; :func:`judge_sources` is the one place a logprob
+verdict is made from two sources (``comparator logprobs`` through :func:`compare_logprob_sources`,
+``comparator A B`` through :func:`comparator.hidden.compare.compare_dumps`). One module per kind:
+:mod:`~comparator.logprobs.sources.dump` (a dump's logprob rows and logits),
+:mod:`~comparator.logprobs.sources.engine_json` (engine JSONL),
+:mod:`~comparator.logprobs.sources.llama_kld` (a base file's chunks are requests ``"0"``, ``"1"``,
+..., its full distributions streamed from disk, against another base file or a dump's logits
+rows); :mod:`~comparator.logprobs.sources.collect` writes engine JSONL from a live server.
 
 Example::
 
@@ -18,261 +19,30 @@ Example::
 from __future__ import annotations
 
 import os
-from collections import defaultdict
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import numpy as np
+from dumper.errors import NotComparableError, UsageError
+from dumper.format import DumpReader
 
-from dumper.errors import CorruptDumpError, NotComparableError, UsageError
-from dumper.format import (
-    LOGITS,
-    LOGPROB_TOKEN_ID,
-    LOGPROB_TOP_ID,
-    LOGPROB_TOP_VALUE,
-    LOGPROB_VALUE,
-    DumpReader,
-    Manifest,
-    TensorRecord,
-    to_float64,
-)
-
-from comparator.logprobs.sources.engine_json import MAX_POSITIONS, MAX_TOTAL_POSITIONS, TOKEN_ID_LIMIT, read_logprobs_jsonl
 from comparator.hidden.identity import check_distinct, check_identity
 from comparator.logprobs.kl_stream import Distributions, LogitsDistributions, stream_kl
+from comparator.logprobs.sources.dump import dump_logprobs
+from comparator.logprobs.sources.engine_json import read_logprobs_jsonl
 from comparator.logprobs.sources.llama_kld import KldFile, is_kld_file
+from comparator.logprobs.sources.source import LogprobSource, check_vocabulary, one_sided_parts
+from comparator.logprobs.types import KlPass
+from comparator.logprobs.verdict import LogprobVerdict, compare_logprobs
 from comparator.noise.logprobs import resolve_logprob_thresholds, threshold_dtype
-from comparator.logprobs import UNKNOWN_TOKEN, KlPass, LogprobVerdict, SequenceLogprobs, TopK, compare_logprobs
-from comparator.noise.model import NoiseModel
+
+if TYPE_CHECKING:
+    from comparator.noise.logprobs import LogprobNoise
+    from comparator.noise.model import NoiseModel
 
 __all__ = ["LogprobSource", "dump_logprobs", "read_logprob_source", "check_vocabulary", "one_sided_parts",
-           "compare_logprob_sources"]
-
-
-@dataclass(frozen=True)
-class LogprobSource:
-    """Logprobs of one side: per-request sequences and, when recorded, logits rows per request.
-
-    ``vocab_size`` is known for a dump that recorded logits rows (their width) or names it in
-    its model identity; every token id of both sides is checked against it.
-    """
-
-    path: str
-    model: str | None
-    sequences: tuple[SequenceLogprobs, ...]
-    logits: Mapping[str, tuple[np.ndarray, np.ndarray]] | None = None
-    vocab_size: int | None = None
-    manifest: Manifest | None = None
-    """The dump's manifest (None for an engine file): its model identity is checked before comparing."""
-    distributions: Distributions | None = None
-    """Full distributions read on demand (a llama.cpp base file), instead of in-memory ``logits``."""
-    dtype: str | None = None
-    """The precision the logprobs carry, for the threshold rows: a dump's dtype; ``float16`` for a
-    llama.cpp base file (16-bit log-probs, each within about 1.2e-4 of the exact one); None for JSONL."""
-
-
-_INT_DTYPES = frozenset({"I64", "I32", "I16", "I8", "U8"})
-_FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16"})
-Row = tuple[int, float, TopK | None]
-"""(token id, logprob, top-k) of one dumped position."""
-
-
-def _rows(reader: DumpReader, names: set[str]) -> dict[str, dict[tuple[int, int, int], TensorRecord]]:
-    """name -> (pass, rank, call) -> record, for the logprob records of a dump."""
-    out: dict[str, dict[tuple[int, int, int], TensorRecord]] = defaultdict(dict)
-    for rec in reader.manifest.tensors:
-        if rec.name in names:
-            out[rec.name][(rec.forward_pass, rec.rank, rec.call)] = rec
-    return out
-
-
-def _where(reader: DumpReader, rec: TensorRecord) -> str:
-    return f"{reader.directory / rec.file}: {rec.name} (pass {rec.forward_pass}, rank {rec.rank})"
-
-
-def _checked(reader: DumpReader, rec: TensorRecord, n: int, width: int | None, *, ids: bool) -> np.ndarray:
-    """``rec``'s rows as int64 (token ids, each in range) or float64, after checking dtype and shape."""
-    if rec.dtype not in (_INT_DTYPES if ids else _FLOAT_DTYPES):
-        kind = "an integer" if ids else "a float"
-        raise CorruptDumpError(f"{_where(reader, rec)}: dtype {rec.dtype} is not {kind} type")
-    rows = reader.rows(rec)
-    if rows.shape[0] != n or (width is not None and rows.shape[1] != width):
-        raise CorruptDumpError(f"{_where(reader, rec)}: shape {list(rec.shape)} does not hold {n} rows"
-                               + (f" of {width}" if width is not None else ""))
-    if not ids:
-        return to_float64(rows, rec.dtype)
-    out = rows.astype(np.int64)
-    bad = np.flatnonzero((out < 0) | (out >= TOKEN_ID_LIMIT))
-    if bad.size:
-        raise CorruptDumpError(f"{_where(reader, rec)}: row {bad[0] // max(1, out.shape[1])}: token id "
-                               f"{int(out.flat[bad[0]])} is out of range [0, 2^31)")
-    return out
-
-
-def _pass_rows(reader: DumpReader, recs: Mapping[str, Mapping[tuple[int, int, int], TensorRecord]],
-               key: tuple[int, int, int]) -> tuple[np.ndarray, np.ndarray, list[Row]]:
-    """(positions, sequence ids, rows) of one pass's logprob records, all checked against each other."""
-    rec = recs[LOGPROB_VALUE][key]
-    ids_rec = recs[LOGPROB_TOKEN_ID].get(key)
-    if ids_rec is None or rec.positions is None or rec.sequence_ids is None:
-        raise NotComparableError(f"{reader.directory / rec.file}: logprobs of pass {key[0]} lack token ids or positions")
-    pos, seq = rec.row_positions(), rec.row_sequence_ids()
-    n = int(pos.size)
-    values = _checked(reader, rec, n, 1, ids=False)[:, 0]
-    ids = _checked(reader, ids_rec, n, 1, ids=True)[:, 0]
-    top_ids, top_vals = recs.get(LOGPROB_TOP_ID, {}).get(key), recs.get(LOGPROB_TOP_VALUE, {}).get(key)
-    if (top_ids is None) != (top_vals is None):
-        raise CorruptDumpError(f"{_where(reader, top_ids or top_vals)}: top-k ids and values are not both recorded")
-    ti = tv = None
-    if top_ids is not None and top_vals is not None:
-        ti = _checked(reader, top_ids, n, None, ids=True)
-        tv = _checked(reader, top_vals, n, ti.shape[1], ids=False)
-    rows = [(int(ids[r]), float(values[r]),
-             None if ti is None or tv is None else tuple(zip(ti[r].tolist(), tv[r].tolist(), strict=True)))
-            for r in range(n)]
-    return pos, seq, rows
-
-
-def _check_extent(reader: DumpReader, recs: Mapping[tuple[int, int, int], TensorRecord],
-                  inputs: list[list[int]]) -> None:
-    """From the records' positions alone, before any row is read: each sequence's last position
-    lies within its recorded prompt (``extra.input_ids``) and under MAX_POSITIONS, and the
-    sequences built (every slot from 0 to the last position) hold MAX_TOTAL_POSITIONS at most."""
-    ends: dict[int, int] = {}
-    for rec in recs.values():
-        pos, seq = rec.row_positions(), rec.row_sequence_ids()
-        if pos is None or seq is None or not pos.size:
-            continue  # _pass_rows names what is missing
-        if int(pos.min()) < 0 or int(seq.min()) < 0:
-            raise CorruptDumpError(f"{_where(reader, rec)}: negative position or sequence id in a logprob row")
-        ids, inverse = np.unique(seq, return_inverse=True)
-        last = np.full(ids.size, -1, dtype=np.int64)
-        np.maximum.at(last, inverse, pos)
-        for s, hi in zip(ids.tolist(), last.tolist(), strict=True):
-            limit = len(inputs[s]) if s < len(inputs) else MAX_POSITIONS
-            if hi >= limit:
-                why = f"its prompt's {limit} tokens (extra.input_ids)" if s < len(inputs) else f"{MAX_POSITIONS}"
-                raise CorruptDumpError(f"{_where(reader, rec)}: sequence {s}: logprob position {hi} is beyond {why}")
-            ends[s] = max(ends.get(s, 0), hi + 1)
-    total = sum(ends.values())
-    if total > MAX_TOTAL_POSITIONS:
-        raise UsageError(f"{reader.directory}: the logprob rows of {len(ends)} sequences span {total} positions "
-                         f"(from 0), over the limit of {MAX_TOTAL_POSITIONS} one source may hold")
-
-
-def _sequence(reader: DumpReader, seq: int, rows: Mapping[int, Row], known: list[int]) -> SequenceLogprobs:
-    """Sequence ``seq`` from its dumped positions: contiguous, ending at the prompt's last token
-    when the run recorded the prompt (a gap would be a position silently left uncompared)."""
-    lo, hi = min(rows), max(rows)
-    end = len(known) - 1 if known else hi
-    if len(rows) != hi - lo + 1 or hi != end:
-        raise CorruptDumpError(f"{reader.directory}: sequence {seq}: logprob rows cover {len(rows)} positions in "
-                               f"{lo}..{hi}, expected every position from {lo} to {end}")
-    n = hi + 1
-    token_ids = [known[p] if p < len(known) else UNKNOWN_TOKEN for p in range(n)]
-    logprobs: list[float | None] = [None] * n
-    top: list[TopK | None] = [None] * n
-    for p, (tid, lp, tk) in rows.items():
-        if token_ids[p] not in (UNKNOWN_TOKEN, tid):
-            raise NotComparableError(f"{reader.directory}: sequence {seq} position {p}: logprob rows score "
-                                     f"token {tid} but the run's input has {token_ids[p]}")
-        token_ids[p], logprobs[p], top[p] = tid, lp, tk
-    has_top = any(t is not None for t in top)
-    return SequenceLogprobs(str(seq), token_ids, logprobs, top if has_top else None)
-
-
-def dump_logprobs(reader: DumpReader) -> LogprobSource | None:
-    """The logprobs a dump recorded (``python -m dumper run --logprobs``), or None if it has none.
-
-    Records that disagree with each other (row counts, dtypes, token ids out of range, gaps in a
-    sequence's positions) raise CorruptDumpError naming the file and tensor.
-    """
-    recs = _rows(reader, {LOGPROB_TOKEN_ID, LOGPROB_VALUE, LOGPROB_TOP_ID, LOGPROB_TOP_VALUE, LOGITS})
-    if not recs.get(LOGPROB_VALUE):
-        return None
-    inputs = reader.manifest.extra.get("input_ids") or []
-    _check_extent(reader, recs[LOGPROB_VALUE], inputs)
-    per_seq: dict[int, dict[int, Row]] = defaultdict(dict)
-    for key in recs[LOGPROB_VALUE]:
-        positions, seq_ids, rows = _pass_rows(reader, recs, key)
-        for pos, seq, row in zip(positions.tolist(), seq_ids.tolist(), rows, strict=True):
-            if pos in per_seq[seq]:
-                raise NotComparableError(f"{reader.directory}: sequence {seq} has two logprobs for position {pos}")
-            per_seq[seq][pos] = row
-    sequences = [_sequence(reader, seq, rows, list(inputs[seq]) if seq < len(inputs) else [])
-                 for seq, rows in sorted(per_seq.items())]
-    logit_recs = recs.get(LOGITS, {})
-    for key, rec in logit_recs.items():
-        _check_logits(reader, rec, recs[LOGPROB_VALUE].get(key))
-    return LogprobSource(str(reader.directory), reader.manifest.model.get("name"), tuple(sequences),
-                         _dump_logits(reader, logit_recs), _vocab_size(reader, logit_recs), reader.manifest,
-                         dtype=reader.manifest.capture_signature.get("dtype"))
-
-
-def _check_logits(reader: DumpReader, rec: TensorRecord, lp: TensorRecord | None) -> None:
-    """A logits record is float ``[rows, V > 0]`` with the positions and sequence ids of the
-    logprob rows of its pass (the dumper records both from the same rows)."""
-    where = _where(reader, rec)
-    if rec.dtype not in _FLOAT_DTYPES:
-        raise CorruptDumpError(f"{where}: dtype {rec.dtype} is not a float type")
-    if len(rec.shape) != 2 or rec.shape[1] < 1:
-        raise CorruptDumpError(f"{where}: shape {list(rec.shape)} is not [rows, vocab] with vocab >= 1")
-    if rec.positions is None or rec.sequence_ids is None:
-        raise CorruptDumpError(f"{where}: logits rows lack positions or sequence ids")
-    if lp is None:
-        raise CorruptDumpError(f"{where}: logits rows without logprob rows in the same pass")
-    if not (np.array_equal(rec.row_positions(), lp.row_positions())
-            and np.array_equal(rec.row_sequence_ids(), lp.row_sequence_ids())):
-        raise CorruptDumpError(f"{where}: positions or sequence ids differ from those of {lp.name}")
-
-
-def _vocab_size(reader: DumpReader, logit_recs: Mapping[tuple[int, int, int], TensorRecord]) -> int | None:
-    """The model's vocabulary size, from its identity (``vocab_size``) or else the logits rows' width."""
-    widths = {rec.shape[-1] for rec in logit_recs.values()}
-    if len(widths) > 1:
-        raise CorruptDumpError(f"{reader.directory}: logits rows of different widths {sorted(widths)}")
-    v = reader.manifest.model.get("vocab_size")
-    if isinstance(v, int) and not isinstance(v, bool) and v > 0:
-        return v
-    return widths.pop() if widths else None
-
-
-def _dump_logits(reader: DumpReader, recs: Mapping[tuple[int, int, int], TensorRecord],
-                 ) -> dict[str, tuple[np.ndarray, np.ndarray]] | None:
-    if not recs:
-        return None
-    pieces: dict[int, list[tuple[np.ndarray, np.ndarray]]] = defaultdict(list)
-    for rec in recs.values():
-        rows = reader.rows(rec)
-        if rec.dtype == "BF16":
-            rows = to_float64(rows, "BF16")
-        pos, seq = rec.row_positions(), rec.row_sequence_ids()
-        for s in np.unique(seq):
-            sel = np.flatnonzero(seq == s)
-            contiguous = sel.size and sel[-1] - sel[0] + 1 == sel.size
-            pieces[int(s)].append((pos[sel], rows[sel[0]:sel[-1] + 1] if contiguous else rows[sel]))
-    out = {}
-    for s, ps in pieces.items():
-        ps.sort(key=lambda p: int(p[0][0]))
-        out[str(s)] = ps[0] if len(ps) == 1 else (np.concatenate([p for p, _ in ps]),
-                                                 np.concatenate([r for _, r in ps]))
-    return out
-
-
-def _has_top(src: LogprobSource) -> bool:
-    return any(seq.top is not None and any(t is not None for t in seq.top) for seq in src.sequences)
-
-
-def one_sided_parts(base: LogprobSource, targ: LogprobSource) -> tuple[list[str], list[str]]:
-    """The parts recorded on one side only, as (baseline-only, target-only) names: ``"logits"``
-    (full rows, ``--save-logits``) and ``"logprobs.top_logprob"`` (top-k lists of any request,
-    ``--top-k``). Their metrics (KL, top-1 agreement; top-k errors) need both sides, so a verdict
-    without them must say what went uncompared rather than pass silently."""
-    parts = ((LOGITS, lambda s: s.logits is not None or s.distributions is not None), (LOGPROB_TOP_VALUE, _has_top))
-    b = [name for name, has in parts if has(base) and not has(targ)]
-    t = [name for name, has in parts if has(targ) and not has(base)]
-    return b, t
+           "judge_sources", "compare_logprob_sources"]
 
 
 def read_logprob_source(path: str | os.PathLike[str]) -> LogprobSource:
@@ -292,29 +62,6 @@ def read_logprob_source(path: str | os.PathLike[str]) -> LogprobSource:
     return LogprobSource(str(p), None, tuple(read_logprobs_jsonl(p)))
 
 
-def check_vocabulary(*sources: LogprobSource) -> None:
-    """Every token id of every source lies in the vocabulary of each source that knows its size.
-
-    Raises UsageError naming the source, request, position and id (an id no model can emit means
-    a corrupt or mismatched file, whatever its logprob says).
-    """
-    for known in sources:
-        if known.vocab_size is not None:
-            for src in sources:
-                _check_vocab(src, known.vocab_size, f"the model of {known.path}")
-
-
-def _check_vocab(src: LogprobSource, vocab: int, why: str) -> None:
-    """Every token id of ``src`` (sequence and top-k) lies in ``[0, vocab)``."""
-    for seq in src.sequences:
-        bad = next(((p, t) for p, t in enumerate(seq.token_ids) if t >= vocab), None)
-        if bad is None and seq.top is not None:
-            bad = next(((p, t) for p, tk in enumerate(seq.top) if tk for t, _ in tk if t >= vocab), None)
-        if bad is not None:
-            raise UsageError(f"{src.path}: request {seq.request!r} position {bad[0]}: token id {bad[1]} is outside "
-                             f"the vocabulary [0, {vocab}) of {why}")
-
-
 def _streamed_kl(base: LogprobSource, targ: LogprobSource) -> KlPass | None:
     """KL streamed from disk when a side is a llama.cpp base file and the other has distributions too."""
     def dist(src: LogprobSource) -> Distributions | None:
@@ -328,21 +75,41 @@ def _streamed_kl(base: LogprobSource, targ: LogprobSource) -> KlPass | None:
     return lambda samples: stream_kl(ref, tgt, samples)
 
 
+def judge_sources(base: LogprobSource, targ: LogprobSource, *, model: str | None = None,
+                  explicit: Mapping[str, float | None] | None = None, noise: LogprobNoise | None = None,
+                  noise_factor: float | None = None, noise_floors: Mapping[str, float] | None = None,
+                  ) -> tuple[LogprobVerdict, list[str], list[str]]:
+    """The logprob verdict of two sources, and the parts recorded on one side only (:func:`one_sided_parts`).
+
+    Token ids are checked against the vocabulary when a side knows it; thresholds resolve for
+    ``model`` (default: the baseline's) and the coarsest dtype of the sides, or from ``noise``
+    with ``noise_factor`` and ``noise_floors``
+    (:func:`comparator.noise.logprobs.resolve_logprob_thresholds`). KL is computed from logits
+    rows when both sides hold them in memory, else streamed when both have full distributions.
+    """
+    check_vocabulary(base, targ)
+    thresholds = resolve_logprob_thresholds(model or base.model, explicit=explicit, noise=noise,
+                                            factor=noise_factor, floors=noise_floors,
+                                            dtype=threshold_dtype(base.dtype, targ.dtype))
+    both = base.logits is not None and targ.logits is not None
+    verdict = compare_logprobs(base.sequences, targ.sequences, thresholds,
+                               ref_logits=base.logits if both else None, tgt_logits=targ.logits if both else None,
+                               kl_pass=None if both else _streamed_kl(base, targ))
+    return (verdict, *one_sided_parts(base, targ))
+
+
 def compare_logprob_sources(baseline: str | os.PathLike[str], target: str | os.PathLike[str], *,
                             model: str | None = None, explicit: Mapping[str, float | None] | None = None,
                             allow_model_mismatch: bool = False, noise: NoiseModel | None = None,
                             noise_factor: float | None = None,
                             noise_floors: Mapping[str, float] | None = None) -> LogprobVerdict:
-    """Compare the logprobs of two sources; thresholds resolve for ``model`` (default: the baseline's)
-    and the coarsest dtype of the dumps, or from ``noise`` (a calibration of this baseline, which
-    must hold logprob noise) with ``noise_factor`` and ``noise_floors``
-    (:func:`comparator.noise.logprobs.resolve_logprob_thresholds`).
+    """Compare the logprobs of two sources (paths) with :func:`judge_sources`; ``noise`` is a
+    calibration of this baseline, which must hold logprob noise.
 
-    Parts recorded on one side only (:func:`one_sided_parts`) are appended to the verdict's
-    ``unmatched_baseline`` / ``unmatched_target``, after the unmatched request ids.
-    Token ids are checked against the vocabulary when a side knows it (a dump with logits);
-    sources that cannot be compared (no request in common, a request covering fewer positions
-    on one side, different tokens) raise NotComparableError naming both paths.
+    Parts recorded on one side only are appended to the verdict's ``unmatched_baseline`` /
+    ``unmatched_target``, after the unmatched request ids. Two dumps' model identities are
+    checked first; sources that cannot be compared (no request in common, a request covering
+    fewer positions on one side, different tokens) raise NotComparableError naming both paths.
     """
     check_distinct(baseline, target)
     if noise is not None and noise.logprobs is None:
@@ -352,19 +119,13 @@ def compare_logprob_sources(baseline: str | os.PathLike[str], target: str | os.P
     if base.manifest is not None and targ.manifest is not None:
         check_identity(base.manifest, targ.manifest, allow_mismatch=allow_model_mismatch,
                        where=f"{targ.path} vs baseline {base.path}")
-    check_vocabulary(base, targ)
     if noise is not None and base.manifest is not None:
         noise.check_baseline(base.manifest, f"the baseline {base.path}")
-    thresholds = resolve_logprob_thresholds(model or base.model, explicit=explicit,
-                                            noise=None if noise is None else noise.logprobs, factor=noise_factor,
-                                            floors=noise_floors, dtype=threshold_dtype(base.dtype, targ.dtype))
-    both = base.logits is not None and targ.logits is not None
     try:
-        verdict = compare_logprobs(base.sequences, targ.sequences, thresholds,
-                                   ref_logits=base.logits if both else None, tgt_logits=targ.logits if both else None,
-                                   kl_pass=None if both else _streamed_kl(base, targ))
+        verdict, only_b, only_t = judge_sources(base, targ, model=model, explicit=explicit,
+                                                noise=None if noise is None else noise.logprobs,
+                                                noise_factor=noise_factor, noise_floors=noise_floors)
     except NotComparableError as e:
         raise NotComparableError(f"{base.path} vs {targ.path}: {e}") from None
-    only_b, only_t = one_sided_parts(base, targ)
     return replace(verdict, unmatched_baseline=verdict.unmatched_baseline + tuple(only_b),
                    unmatched_target=verdict.unmatched_target + tuple(only_t))

@@ -41,7 +41,7 @@ from dumper.errors import UsageError
 from dumper.format import atomic_path
 
 from comparator.logprobs.sources.engine_json import parse_record
-from comparator.logprobs import SequenceLogprobs
+from comparator.logprobs.types import SequenceLogprobs
 from comparator.logprobs.sources.server_http import ServerClient, ServerError
 
 __all__ = ["API_NAMES", "Prompt", "Scored", "prompts_from", "served_model", "first_choice", "score", "collect"]

@@ -49,11 +49,11 @@ from typing import Final
 import numpy as np
 
 from dumper.errors import CorruptDumpError, UsageError
-from dumper.format.validate import READ_FLAGS, file_kind
+from dumper.format.files import READ_FLAGS, file_kind
 
-from comparator.logprobs.sources.engine_json import MAX_POSITIONS, MAX_TOTAL_POSITIONS, TOKEN_ID_LIMIT
+from comparator.logprobs.sources.limits import MAX_POSITIONS, MAX_TOTAL_POSITIONS, TOKEN_ID_LIMIT
 from comparator.logprobs.kl_stream import Distributions
-from comparator.logprobs import UNKNOWN_TOKEN, SequenceLogprobs
+from comparator.logprobs.types import UNKNOWN_TOKEN, SequenceLogprobs
 
 __all__ = ["MAGIC", "KLD_FLOOR", "KldHeader", "KldFile", "is_kld_file", "read_header", "chunk_prompts", "write_kld"]
 

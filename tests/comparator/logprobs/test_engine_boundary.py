@@ -19,7 +19,8 @@ import torch
 import dumper
 from bench.anonpeak import AnonPeak
 from comparator.cli.main import main
-from comparator.logprobs.sources.engine_json import MAX_LINE_BYTES, MAX_POSITIONS, MAX_TOTAL_POSITIONS, read_logprobs_jsonl
+from comparator.logprobs.sources.engine_json import read_logprobs_jsonl
+from comparator.logprobs.sources.limits import MAX_LINE_BYTES, MAX_POSITIONS, MAX_TOTAL_POSITIONS
 from comparator.logprobs.sources import compare_logprob_sources, one_sided_parts, read_logprob_source
 from dumper.errors import UsageError
 from dumper.format import LOGITS, LOGPROB_TOKEN_ID, LOGPROB_TOP_VALUE, LOGPROB_VALUE

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from comparator.logprobs.sources.engine_json import detect_format, parse_record, read_logprobs_jsonl
+from comparator.logprobs.sources.engine_formats import detect_format
+from comparator.logprobs.sources.engine_json import parse_record, read_logprobs_jsonl
 from comparator.logprobs import UNKNOWN_TOKEN, LogprobThresholds, SequenceLogprobs, align_samples, compare_logprobs
 from dumper.errors import NotComparableError, UsageError
 
