@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -25,6 +25,7 @@ from dumper.errors import NotComparableError
 from dumper.format import LOGITS_POINT, LOGPROB_POINT, DumpReader, Manifest, TensorRecord, encode_runs
 
 from comparator.hidden.align import (
+    LogicalKey,
     LogicalTensor,
     Segment,
     column_pieces,
@@ -37,12 +38,11 @@ from comparator.hidden.align import (
 from comparator.config import CompareConfig
 from comparator.hidden.heatmap import token_heatmap
 from comparator.hidden.identity import check_distinct, check_identity
-from comparator.hidden.localize import FailingTokens, layer_amplification, locate_onset
-from comparator.noise.logprobs import resolve_logprob_thresholds, threshold_dtype
-from comparator.logprobs import LogprobVerdict, compare_logprobs
+from comparator.hidden.localize import FailingTokens, first_divergence, layer_amplification, locate_onset
+from comparator.logprobs import LogprobVerdict
 from comparator.hidden.metrics import PairStats, StatsAccumulator, pair_stats
-from comparator.results import FirstDivergence, ReplicaMismatch, Report, TensorComparison
-from comparator.logprobs.sources import check_vocabulary, dump_logprobs, one_sided_parts
+from comparator.results import ReplicaMismatch, Report, TensorComparison
+from comparator.logprobs.sources import dump_logprobs, judge_sources
 
 __all__ = ["compare_dumps"]
 
@@ -94,13 +94,11 @@ def _verdict(stats: PairStats, config: CompareConfig, *, name: str, layer: int |
         first_seq = int(sequences[first_row]) if sequences is not None else sequence
         if notes is not None and first_tok is not None:
             note = notes(first_tok)
-    max_token = float(np.max(token)) if token.size else 0.0
-    noise_ratio, token_noise_ratio = limits.ratios(stats.rel_diff, max_token)
+    noise_ratio, token_noise_ratio = limits.ratios(stats.rel_diff, stats.max_token_rel_diff)
     return TensorComparison(
         name=name, layer=layer, forward_pass=forward_pass, rank=rank, shape=shape, sequence=sequence,
-        rel_diff=stats.rel_diff, max_token_rel_diff=max_token,
-        max_abs_diff=stats.max_abs_diff, mean_abs_diff=stats.mean_abs_diff, cosine=stats.cosine,
-        nan_baseline=stats.nan_x, inf_baseline=stats.inf_x, nan_target=stats.nan_y, inf_target=stats.inf_y,
+        metrics=dict(stats.metrics), nan_baseline=stats.nan_x, inf_baseline=stats.inf_x, nan_target=stats.nan_y,
+        inf_target=stats.inf_y,
         nonfinite_mismatches=stats.nonfinite_mismatches, failing_tokens=int(failing.size),
         first_failing_token=first_tok, first_failing_row=first_row, first_failing_sequence=first_seq,
         failing_ranges=ranges, worst_token=worst_tok, worst_row=worst_row, note=note,
@@ -197,28 +195,23 @@ def _check_replicas(side: str, reader: DumpReader, lts: dict, config: CompareCon
     return found
 
 
-def _first_divergence(tensors: list[TensorComparison]) -> tuple[FirstDivergence, TensorComparison] | None:
-    """The first divergence, and the tensor whose first failing token it names (None: nothing failed)."""
-    failed = [t for t in tensors if not t.passed]
-    if not failed:
-        return None
-    layered = [t for t in failed if t.layer is not None]
-    pool = layered if layered else failed
-    low = min(t.layer for t in pool) if layered else None
-    in_layer = [t for t in pool if t.layer == low]
+@dataclass
+class _Plan:
+    """What meets what, from the manifests alone: logical tensors, fallback pairs, the rest (the
+    unmatched lists grow by the logprob parts one side lacks)."""
 
-    def order(t: TensorComparison) -> tuple:
-        tok = t.first_failing_token
-        return (tok is None, tok if tok is not None else 0, t.sequence if t.sequence is not None else -1,
-                t.forward_pass, t.rank, t.name)
+    base: dict[LogicalKey, LogicalTensor]
+    target: dict[LogicalKey, LogicalTensor]
+    logical: list[LogicalKey]
+    """Keys on both sides, in the baseline's file order."""
+    pairs: list[tuple[TensorRecord, TensorRecord]]
+    unmatched_baseline: list[str]
+    unmatched_target: list[str]
+    empty: list[str]
 
-    first = min(in_layer, key=order)
-    worst = max(in_layer, key=lambda t: t.max_token_rel_diff)
-    sequences = sorted({t.first_failing_sequence for t in in_layer if t.first_failing_sequence is not None})
-    return FirstDivergence(
-        name=first.name, layer=low, rel_diff=max(t.rel_diff for t in in_layer), token=first.first_failing_token,
-        worst_token=worst.worst_token, sequence=first.first_failing_sequence, forward_pass=first.forward_pass,
-        rank=first.rank, failing_sequences=sequences, failing_ranges=first.failing_ranges, note=first.note), first
+    @property
+    def total(self) -> int:
+        return len(self.logical) + len(self.pairs)
 
 
 def compare_dumps(baseline: str | os.PathLike[str], target: str | os.PathLike[str],
@@ -231,6 +224,39 @@ def compare_dumps(baseline: str | os.PathLike[str], target: str | os.PathLike[st
     aligned; a divergence is not an exception but ``report.passed == False``.
     """
     config = config or CompareConfig()
+    br, tr, notes = _open(baseline, target, config)
+    replay = _replay_notes(tr.manifest)
+    verdict, parts_b, parts_t = _logprob_verdict(br, tr, config)
+    (bm, empty_b), (tm, empty_t) = _hidden(br.manifest), _hidden(tr.manifest)
+    plan = _plan(bm, tm, br, tr, sorted(set(empty_b) | set(empty_t)))
+    plan.unmatched_baseline.extend(parts_b)  # logits rows or top-k lists on one side only: not computed
+    plan.unmatched_target.extend(parts_t)
+    if verdict is None:  # logprobs recorded on one side only were not compared either
+        plan.unmatched_baseline.extend([LOGPROB_POINT] if _has_logprobs(br.manifest) else [])
+        plan.unmatched_target.extend([LOGPROB_POINT] if _has_logprobs(tr.manifest) else [])
+    _check_plan(plan, br, tr, config, hidden=verdict is None or bool(bm.tensors or tm.tensors))
+    replicas = _check_replicas("baseline", br, plan.base, config) + _check_replicas("target", tr, plan.target, config)
+    results, kept = _compare_all(plan, br, tr, config, progress, token_sink)
+    first_divergent = locate_onset(first_divergence(results), results, kept.get, config)
+    heatmap = token_heatmap(first_divergent, plan.base, plan.target,
+                            lambda b, t: _logical_stats(b, t, br, tr, config)[:2])
+    return Report(
+        baseline=str(br.directory), target=str(tr.directory), threshold=config.threshold,
+        token_threshold=config.token_threshold, tensors=tuple(results),
+        unmatched_baseline=tuple(plan.unmatched_baseline), unmatched_target=tuple(plan.unmatched_target),
+        first_divergent=first_divergent, replica_mismatches=tuple(replicas), logprobs=verdict,
+        environment={"baseline": bm.environment, "target": tm.environment}, heatmap=heatmap,
+        notes=(*notes, *replay, *_noise_notes(config, results)), empty_tensors=tuple(plan.empty),
+        noise=config.noise.source if config.noise is not None else None,
+        noise_factor=config.noise_factor if config.noise is not None else None,
+        noise_floor=config.noise_floor if config.noise is not None else None,
+        amplification=() if replay else tuple(layer_amplification(results, config)),  # a replay has no growth
+    )
+
+
+def _open(baseline: str | os.PathLike[str], target: str | os.PathLike[str],
+          config: CompareConfig) -> tuple[DumpReader, DumpReader, list[str]]:
+    """Both dumps' readers, refused when they cannot be compared; the model-identity notes."""
     check_distinct(baseline, target)
     br, tr = DumpReader(baseline), DumpReader(target)
     for reader in (br, tr):
@@ -240,43 +266,50 @@ def compare_dumps(baseline: str | os.PathLike[str], target: str | os.PathLike[st
                            where=f"{tr.directory} vs baseline {br.directory}")
     if config.noise is not None:
         config.noise.check_baseline(br.manifest, f"the baseline {br.directory}")
-    replay = _replay_notes(tr.manifest)
-    notes += replay
-    verdict, parts_b, parts_t = _logprob_verdict(br, tr, config)
-    (bm, empty_b), (tm, empty_t) = _hidden(br.manifest), _hidden(tr.manifest)
+    return br, tr, list(notes)
+
+
+def _plan(bm: Manifest, tm: Manifest, br: DumpReader, tr: DumpReader, empty: list[str]) -> _Plan:
+    """Match the hidden tensors of two manifests (no data read): by rows where both record positions."""
     by_rows, by_pass = split_by_mode(bm, tm)
     base_lts = logical_tensors(bm, by_rows, str(br.directory))
     targ_lts = logical_tensors(tm, by_rows, str(tr.directory))
     logical = sorted(base_lts.keys() & targ_lts.keys(),
                      key=lambda k: (base_lts[k].rows[0].rec.file, base_lts[k].rows[0].rec.key, k))
     pairs, only_b, only_t = fallback_pairs(bm, tm, by_pass)
-    unmatched_b = sorted([f"{n}#{c}[sequence={s}]" if c else f"{n}[sequence={s}]"
-                          for n, c, s in base_lts.keys() - targ_lts.keys()] + [_label(k) for k in only_b])
-    unmatched_t = sorted([f"{n}#{c}[sequence={s}]" if c else f"{n}[sequence={s}]"
-                          for n, c, s in targ_lts.keys() - base_lts.keys()] + [_label(k) for k in only_t])
-    empty = sorted(set(empty_b) | set(empty_t))  # no elements, nothing to compare: said, never counted as matched
-    unmatched_b += parts_b  # logits rows or top-k lists on one side only: their metrics were not computed
-    unmatched_t += parts_t
-    if verdict is None:  # logprobs recorded on one side only were not compared either
-        unmatched_b += [LOGPROB_POINT] if _has_logprobs(br.manifest) else []
-        unmatched_t += [LOGPROB_POINT] if _has_logprobs(tr.manifest) else []
-    total = len(logical) + len(pairs)
-    if not total and (verdict is None or bm.tensors or tm.tensors):  # logprob-only dumps have no hidden tensors
+    return _Plan(base=base_lts, target=targ_lts, logical=logical,
+                 pairs=sorted(pairs, key=lambda p: (p[0].file, p[0].key)),
+                 unmatched_baseline=sorted([_logical_label(k) for k in base_lts.keys() - targ_lts.keys()]
+                                           + [_label(k) for k in only_b]),
+                 unmatched_target=sorted([_logical_label(k) for k in targ_lts.keys() - base_lts.keys()]
+                                         + [_label(k) for k in only_t]),
+                 empty=empty)  # no elements, nothing to compare: said, never counted as matched
+
+
+def _check_plan(plan: _Plan, br: DumpReader, tr: DumpReader, config: CompareConfig, *, hidden: bool) -> None:
+    """Refuse a plan that matches nothing (``hidden``: hidden tensors were expected, not only
+    logprobs), or that leaves tensors out under ``require_all``."""
+    ub, ut = plan.unmatched_baseline, plan.unmatched_target
+    if not plan.total and hidden:
         raise NotComparableError(
             f"{tr.directory}: zero tensors match the baseline {br.directory} "
-            f"({len(unmatched_b)} baseline-only, {len(unmatched_t)} target-only, {len(empty)} empty"
-            f"{f', e.g. {unmatched_b[:1]} vs {unmatched_t[:1]}' if unmatched_b or unmatched_t else ''})")
-    if config.require_all and (unmatched_b or unmatched_t):
+            f"({len(ub)} baseline-only, {len(ut)} target-only, {len(plan.empty)} empty"
+            f"{f', e.g. {ub[:1]} vs {ut[:1]}' if ub or ut else ''})")
+    if config.require_all and (ub or ut):
         raise NotComparableError(
-            f"{tr.directory}: {len(unmatched_b)} tensors only in the baseline {br.directory} "
-            f"(e.g. {', '.join(unmatched_b[:3]) or '-'}), {len(unmatched_t)} only in the target "
-            f"(e.g. {', '.join(unmatched_t[:3]) or '-'}); --require-all needs every tensor on both sides")
-    replicas = _check_replicas("baseline", br, base_lts, config) + _check_replicas("target", tr, targ_lts, config)
+            f"{tr.directory}: {len(ub)} tensors only in the baseline {br.directory} "
+            f"(e.g. {', '.join(ub[:3]) or '-'}), {len(ut)} only in the target "
+            f"(e.g. {', '.join(ut[:3]) or '-'}); --require-all needs every tensor on both sides")
+
+
+def _compare_all(plan: _Plan, br: DumpReader, tr: DumpReader, config: CompareConfig,
+                 progress: ProgressFn | None, token_sink: TokenSink | None) -> tuple[
+                     list[TensorComparison], FailingTokens]:
+    """Compare every planned pair, one at a time; the results in layer order and the failing tokens kept."""
     results: list[TensorComparison] = []
     kept = FailingTokens()
-    jobs = [lambda key=key: _compare_logical(base_lts[key], targ_lts[key], br, tr, config) for key in logical]
-    jobs += [lambda b=b, t=t: _compare_records(b, t, br, tr, config)
-             for b, t in sorted(pairs, key=lambda p: (p[0].file, p[0].key))]
+    jobs = [lambda key=key: _compare_logical(plan.base[key], plan.target[key], br, tr, config) for key in plan.logical]
+    jobs += [lambda b=b, t=t: _compare_records(b, t, br, tr, config) for b, t in plan.pairs]
     for job in jobs:
         comparison, tokens = job()
         results.append(comparison)
@@ -284,24 +317,10 @@ def compare_dumps(baseline: str | os.PathLike[str], target: str | os.PathLike[st
         if token_sink is not None:
             token_sink(comparison, tokens[0])
         if progress is not None:
-            progress(len(results), total)
+            progress(len(results), plan.total)
     results.sort(key=lambda r: (r.layer is None, r.layer if r.layer is not None else 0, r.name,
                                 r.sequence if r.sequence is not None else -1, r.forward_pass, r.rank))
-    first_divergent = locate_onset(_first_divergence(results), results, kept.get, config)
-    heatmap = token_heatmap(first_divergent, base_lts, targ_lts,
-                            lambda b, t: _logical_stats(b, t, br, tr, config)[:2])
-    return Report(
-        baseline=str(br.directory), target=str(tr.directory), threshold=config.threshold,
-        token_threshold=config.token_threshold, tensors=tuple(results),
-        unmatched_baseline=tuple(unmatched_b), unmatched_target=tuple(unmatched_t),
-        first_divergent=first_divergent, replica_mismatches=tuple(replicas), logprobs=verdict,
-        environment={"baseline": bm.environment, "target": tm.environment}, heatmap=heatmap,
-        notes=tuple(notes) + _noise_notes(config, results), empty_tensors=tuple(empty),
-        noise=config.noise.source if config.noise is not None else None,
-        noise_factor=config.noise_factor if config.noise is not None else None,
-        noise_floor=config.noise_floor if config.noise is not None else None,
-        amplification=() if replay else tuple(layer_amplification(results, config)),  # a replay has no growth
-    )
+    return results, kept
 
 
 def _noise_notes(config: CompareConfig, results: list[TensorComparison]) -> tuple[str, ...]:
@@ -349,15 +368,14 @@ def _logprob_verdict(br: DumpReader, tr: DumpReader, config: CompareConfig) -> t
     base, targ = dump_logprobs(br), dump_logprobs(tr)
     if base is None or targ is None:
         return None, [], []
-    check_vocabulary(base, targ)
-    thresholds = resolve_logprob_thresholds(config.model or base.model, explicit=dict(config.logprob_thresholds),
-                                            noise=config.noise.logprobs if config.noise is not None else None,
-                                            factor=config.noise_factor, floors=dict(config.noise_floors),
-                                            dtype=threshold_dtype(base.dtype, targ.dtype))
-    both = base.logits is not None and targ.logits is not None
-    verdict = compare_logprobs(base.sequences, targ.sequences, thresholds,
-                               ref_logits=base.logits if both else None, tgt_logits=targ.logits if both else None)
-    return (verdict, *one_sided_parts(base, targ))
+    return judge_sources(base, targ, model=config.model, explicit=dict(config.logprob_thresholds),
+                         noise=config.noise.logprobs if config.noise is not None else None,
+                         noise_factor=config.noise_factor, noise_floors=dict(config.noise_floors))
+
+
+def _logical_label(key: LogicalKey) -> str:
+    name, call, seq = key
+    return f"{name}#{call}[sequence={seq}]" if call else f"{name}[sequence={seq}]"
 
 
 def _label(key: tuple[str, int, int, int]) -> str:

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dumper.format import to_float64
+from dumper.format.dtypes import FLOAT_CODES, STORAGE_DTYPES
 
 try:
     from comparator import _kernels
@@ -50,13 +51,8 @@ __all__ = ["BlockStats", "HAVE_EXTENSION", "MIN_SCALE_EXP", "UNIT_BYTES", "col_e
 HAVE_EXTENSION: bool = _kernels is not None
 """Whether the C extension is importable (else :func:`row_stats` uses the numpy fallback)."""
 
-_STORAGE: dict[str, np.dtype] = {
-    "F64": np.dtype(np.float64),
-    "F32": np.dtype(np.float32),
-    "F16": np.dtype(np.float16),
-    "BF16": np.dtype(np.uint16),
-}
-"""Native-order numpy storage dtype the kernel reads for each safetensors dtype."""
+_STORAGE: dict[str, np.dtype] = {code: STORAGE_DTYPES[code].newbyteorder("=") for code in sorted(FLOAT_CODES)}
+"""Native-order numpy storage dtype the kernel reads for each float dtype (from the one dtype table)."""
 
 MIN_SCALE_EXP = -1021
 """Smallest row scale exponent (2**1021 is still a float64); the one of an all-zero side."""

@@ -17,7 +17,7 @@ from comparator.noise.model import noise_limits
 from comparator.hidden.onset import Amplification, amplification, layer_onset, point_of, token_onset
 from comparator.results import FirstDivergence, TensorComparison
 
-__all__ = ["FailingTokens", "locate_onset", "layer_amplification"]
+__all__ = ["FailingTokens", "first_divergence", "locate_onset", "layer_amplification"]
 
 Tokens = tuple[np.ndarray, np.ndarray | None, np.ndarray | None]
 
@@ -87,6 +87,35 @@ def _onset_layer(fd: FirstDivergence, results: Sequence[TensorComparison], confi
             departs = bool(departs) or out
         layers[t.layer] = (max(value, t.rel_diff) if t.rel_diff == t.rel_diff else float("inf"), departs)
     return layer_onset([(k, v, d) for k, (v, d) in layers.items()], fd.layer)
+
+
+def first_divergence(tensors: list[TensorComparison]) -> tuple[FirstDivergence, TensorComparison] | None:
+    """The first divergence, and the tensor whose first failing token it names (None: nothing failed).
+
+    It is in the lowest layer with a failing tensor (tensors without a layer only when no layered
+    one failed); within it, the tensor with the earliest first failing token names the token, ties
+    going to the lower sequence, pass, rank, then name; ``worst_token`` is that layer's worst.
+    """
+    failed = [t for t in tensors if not t.passed]
+    if not failed:
+        return None
+    layered = [t for t in failed if t.layer is not None]
+    pool = layered if layered else failed
+    low = min(t.layer for t in pool) if layered else None
+    in_layer = [t for t in pool if t.layer == low]
+
+    def order(t: TensorComparison) -> tuple:
+        tok = t.first_failing_token
+        return (tok is None, tok if tok is not None else 0, t.sequence if t.sequence is not None else -1,
+                t.forward_pass, t.rank, t.name)
+
+    first = min(in_layer, key=order)
+    worst = max(in_layer, key=lambda t: t.max_token_rel_diff)
+    sequences = sorted({t.first_failing_sequence for t in in_layer if t.first_failing_sequence is not None})
+    return FirstDivergence(
+        name=first.name, layer=low, rel_diff=max(t.rel_diff for t in in_layer), token=first.first_failing_token,
+        worst_token=worst.worst_token, sequence=first.first_failing_sequence, forward_pass=first.forward_pass,
+        rank=first.rank, failing_sequences=sequences, failing_ranges=first.failing_ranges, note=first.note), first
 
 
 def locate_onset(found: tuple[FirstDivergence, TensorComparison] | None, results: Sequence[TensorComparison],

@@ -6,6 +6,9 @@ all-zero tensors is 0. The per-token rel_diff is the same formula over each row 
 dim). A row where one side is NaN/Inf and the other differs gets an infinite rel_diff: a NaN
 never passes a threshold.
 
+The metrics themselves are small functions over those sums, registered by name in
+:mod:`comparator.hidden.registry`; this module streams the sums and evaluates them.
+
 Every metric is right for any finite inputs, float64 ones near its limits included (1e300
 or 1e-300, whose squares leave float64's range): the sums are kept as scaled sums of squares
 (see :mod:`comparator.hidden.kernels`) and combined at a common power of two, so a ratio is lost
@@ -21,13 +24,16 @@ Example::
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
-from dumper.format import STORAGE_DTYPES, to_float64
+from dumper.format import to_float64
+from dumper.format.dtypes import FLOAT_CODES, STORAGE_DTYPES
 
-from comparator.hidden.kernels import MIN_SCALE_EXP, col_exps, ldexp_or_inf, row_stats_many, sum_scaled
+from comparator.hidden.kernels import MIN_SCALE_EXP, col_exps, row_stats_many, sum_scaled
+from comparator.hidden.registry import BuiltinMetrics, RowSums, evaluate
 
 __all__ = ["PairStats", "StatsAccumulator", "pair_stats", "rel_diff", "BLOCK_BYTES"]
 
@@ -35,18 +41,14 @@ BLOCK_BYTES = 32 << 20
 """Bytes of one side handed to the kernels per call: big enough to amortize Python, small
 enough to keep the working set bounded."""
 
-_FLOAT = {"F64", "F32", "F16", "BF16"}
-
 
 @dataclass(frozen=True)
-class PairStats:
-    """Whole-tensor metrics plus the per-token (per-row) rel_diff."""
+class PairStats(BuiltinMetrics):
+    """Whole-tensor metrics, by name (:mod:`comparator.hidden.registry`), plus the per-token
+    (per-row) rel_diff and the NaN/Inf counts of each side."""
 
-    rel_diff: float
+    metrics: Mapping[str, float]
     token_rel_diff: np.ndarray  # [rows] float64; inf where a row has a NaN/Inf mismatch
-    max_abs_diff: float
-    mean_abs_diff: float
-    cosine: float
     nan_x: int
     inf_x: int
     nan_y: int
@@ -107,7 +109,7 @@ class StatsAccumulator:
         for k, (row, x, y, dtype, dtype_y) in enumerate(items):
             if x.shape != y.shape:
                 raise ValueError(f"shape mismatch {x.shape} vs {y.shape}")
-            kdtype = "F64" if dtype != dtype_y or dtype not in _FLOAT else dtype
+            kdtype = "F64" if dtype != dtype_y or dtype not in FLOAT_CODES else dtype
             rows, cols = x.shape
             row_bytes = max(1, cols * STORAGE_DTYPES[kdtype].itemsize)
             block = max(1, self.block_bytes // row_bytes)
@@ -127,7 +129,7 @@ class StatsAccumulator:
              per_item: list[list[tuple[float, int]]], exclusive: bool, piece_sums: bool) -> None:
         blocks = []
         for _, _, xb, yb, dtype, dtype_y in batch:
-            if dtype != dtype_y or dtype not in _FLOAT:  # integers, bools, mixed floats: compare in float64
+            if dtype != dtype_y or dtype not in FLOAT_CODES:  # integers, bools, mixed floats: compare in float64
                 blocks.append((to_float64(xb, dtype), to_float64(yb, dtype_y), "F64"))
             else:
                 blocks.append((xb, yb, dtype))
@@ -219,7 +221,13 @@ def pair_stats(x: np.ndarray, y: np.ndarray, dtype: str, dtype_y: str | None = N
 
 def _finish(sums: np.ndarray, exps: np.ndarray | None, max_abs: float, sum_abs: tuple[float, int],
             counts: tuple[int, int, int, int], n: int) -> PairStats:
-    """The metrics from row sums scaled by ``exps`` (None: not scaled)."""
+    """The registered metrics of row sums scaled by ``exps`` (None: not scaled) over ``n`` elements."""
+    return _stats(_row_sums(sums, exps, max_abs, sum_abs, n), counts)
+
+
+def _row_sums(sums: np.ndarray, exps: np.ndarray | None, max_abs: float, sum_abs: tuple[float, int],
+              n: int) -> RowSums:
+    """The accumulated sums as the metrics see them, with the per-token rel_diff derived."""
     dd, xx, yy, bad = sums[:, 0], sums[:, 1], sums[:, 2], sums[:, 4]
     if exps is not None:  # bring ||x||^2 and ||y||^2 to the scale of ||x-y||^2, per row
         ce = col_exps(exps)
@@ -228,43 +236,22 @@ def _finish(sums: np.ndarray, exps: np.ndarray | None, max_abs: float, sum_abs: 
     with np.errstate(divide="ignore", invalid="ignore"):
         token = np.where(denom > 0, dd / np.where(denom > 0, denom, 1.0), 0.0)
     token[bad > 0] = np.inf
-    mismatches = int(bad.sum())
-    (tdd, edd), (txx, exx), (tyy, eyy), (txy, exy) = _column_totals(sums, exps)
-    if mismatches:
-        rel, max_abs = math.inf, math.inf
-    else:
-        top = max(edd, exx, eyy)  # every term only shrinks: nothing can overflow
-        norm = math.ldexp(txx, exx - top) + math.ldexp(tyy, eyy - top)
-        rel = math.ldexp(tdd / norm, edd - top) if norm > 0 else 0.0
-    if txx > 0 and tyy > 0:
-        cosine = _cosine(txy, exy, txx, exx, tyy, eyy)
-    else:
-        cosine = 1.0 if txx == tyy else 0.0
-    compared = max(1, n - mismatches)
-    return PairStats(rel_diff=rel, token_rel_diff=token, max_abs_diff=max_abs,
-                     mean_abs_diff=ldexp_or_inf(sum_abs[0] / compared, sum_abs[1]), cosine=cosine,
-                     nan_x=counts[0], inf_x=counts[1], nan_y=counts[2], inf_y=counts[3],
-                     nonfinite_mismatches=mismatches)
+    tdd, txx, tyy, txy = _column_totals(sums, exps)
+    return RowSums(rows=sums, exps=exps, token=token, dd=tdd, xx=txx, yy=tyy, xy=txy, max_abs=max_abs,
+                   sum_abs=sum_abs, elements=n, mismatches=int(bad.sum()))
 
 
-def _cosine(xy: float, exy: int, xx: float, exx: int, yy: float, eyy: int) -> float:
-    """<x,y> / sqrt(||x||^2 ||y||^2) of sums ``v * 2**e`` (``exx``, ``eyy`` even).
-
-    Each norm is first brought near 1 by an even power of two, so the product cannot
-    overflow or underflow; powers of two are exact, so in range this equals the plain formula.
-    """
-    if exy == exx == eyy == 0 and 1e-300 < xx * yy < math.inf:  # the plain formula is safe
-        return xy / math.sqrt(xx * yy)
-    jx, jy = math.frexp(xx)[1] // 2, math.frexp(yy)[1] // 2
-    xx, yy = math.ldexp(xx, -2 * jx), math.ldexp(yy, -2 * jy)
-    return math.ldexp(xy, exy - (exx + eyy) // 2 - jx - jy) / math.sqrt(xx * yy)
+def _stats(s: RowSums, counts: tuple[int, int, int, int]) -> PairStats:
+    return PairStats(metrics=evaluate(s), token_rel_diff=s.token, nan_x=counts[0], inf_x=counts[1],
+                     nan_y=counts[2], inf_y=counts[3], nonfinite_mismatches=s.mismatches)
 
 
 def rel_diff(x: np.ndarray, y: np.ndarray) -> float:
     """rel_diff of two float arrays of the same shape (any float dtype), in float64."""
     x = np.asarray(x)
     y = np.asarray(y)
-    dtype = {np.dtype(np.float64): "F64", np.dtype(np.float32): "F32", np.dtype(np.float16): "F16"}.get(x.dtype)
+    # numpy's own float dtypes (bfloat16's storage is its uint16 bits, which this is not)
+    dtype = next((c for c in FLOAT_CODES if c != "BF16" and STORAGE_DTYPES[c] == x.dtype), None)
     if dtype is None or y.dtype != x.dtype:
         x, y, dtype = x.astype(np.float64), y.astype(np.float64), "F64"
     return pair_stats(np.ascontiguousarray(x), np.ascontiguousarray(y), dtype).rel_diff

@@ -135,10 +135,10 @@ class Amplification:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Amplification:
-        ratio = d.get("ratio")
-        return cls(layer=int(d["layer"]), point=d.get("point"), before=from_json_float(d["before"]),
-                   after=from_json_float(d["after"]), ratio=None if ratio is None and d["before"] == 0
-                   and d["after"] == 0 else from_json_float(ratio), introduced=bool(d["introduced"]))
+        before, after, ratio = from_json_float(d["before"]), from_json_float(d["after"]), d.get("ratio")
+        # a null ratio is "none" or non-finite: the ratio of what was read back tells which
+        return cls(layer=int(d["layer"]), point=d.get("point"), before=before, after=after,
+                   ratio=_ratio(before, after) if ratio is None else float(ratio), introduced=bool(d["introduced"]))
 
 
 def _ratio(before: float, after: float) -> float | None:
@@ -146,6 +146,8 @@ def _ratio(before: float, after: float) -> float | None:
         return math.inf
     if before == 0:
         return None if after == 0 else math.inf
+    if math.isinf(before):  # nothing left to grow: as 0 -> 0, no ratio (inf / inf would be NaN)
+        return None if math.isinf(after) else after / before
     return after / before
 
 
