@@ -1,32 +1,37 @@
 """Result types of a comparison: frozen dataclasses whose JSON keys are a public contract.
 
-Non-finite floats (a NaN/Inf mismatch makes rel_diff infinite) are written as ``null`` so the
-JSON stays standard; ``passed`` is always explicit.
+One JSON codec: every ``to_json`` has a ``from_json`` that reads it back equal (round trips in
+``tests/comparator/test_results.py``). Non-finite floats (a NaN/Inf mismatch makes rel_diff
+infinite) are written as ``null`` so the JSON stays standard, by the one rule of
+:mod:`comparator.jsonfloat`; ``passed`` is always explicit. Files are written by
+:mod:`comparator.reports.files` (``Report.write_json`` / ``write_csv`` delegate there), and the
+words for an outcome come from :mod:`comparator.outcome`.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
-from dataclasses import asdict, dataclass, field
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
-
-from dumper.format import atomic_path, write_json_atomic
 
 from comparator.jsonfloat import from_json_float, to_json_float
 from comparator.logprobs import LogprobVerdict
 from comparator.hidden.onset import Amplification
+from comparator.hidden.registry import BuiltinMetrics
+from comparator.hidden.registry import lookup as lookup_metric
 
 __all__ = ["TensorComparison", "FirstDivergence", "ReplicaMismatch", "LayerSummary", "Heatmap", "Report"]
 
 
-_FLOATS = ("rel_diff", "max_token_rel_diff", "max_abs_diff", "mean_abs_diff", "cosine")
 _OPTIONAL_FLOATS = ("threshold", "token_threshold", "noise_ratio", "token_noise_ratio")
 
 
 @dataclass(frozen=True)
-class TensorComparison:
+class TensorComparison(BuiltinMetrics):
     """Metrics of one aligned pair of tensors (float64 accumulation).
 
     ``first_failing_token`` / ``worst_token`` are absolute token positions (``None`` when the
@@ -34,6 +39,10 @@ class TensorComparison:
     comparison covers one ``sequence`` of one name, reassembled across passes and ranks;
     ``failing_ranges`` lists failing positions as inclusive ranges and ``note`` says where the
     first one sits in a chunked layout.
+
+    ``metrics`` holds the metrics by name (:mod:`comparator.hidden.registry`, in its order): in
+    JSON and CSV each is a key of its own where ``metrics`` sits; the built-in ones are also
+    attributes (``t.rel_diff``).
     """
 
     name: str
@@ -41,11 +50,7 @@ class TensorComparison:
     forward_pass: int
     rank: int
     shape: tuple[int, ...]
-    rel_diff: float
-    max_token_rel_diff: float
-    max_abs_diff: float
-    mean_abs_diff: float
-    cosine: float
+    metrics: Mapping[str, float]
     nan_baseline: int
     inf_baseline: int
     nan_target: int
@@ -69,30 +74,48 @@ class TensorComparison:
     token_noise_ratio: float | None = None
     """Largest per-token rel_diff as a multiple of the calibrated per-token noise."""
 
+    def __post_init__(self) -> None:
+        clash = sorted(self.metrics.keys() & {f.name for f in fields(self)})
+        if clash:  # they would overwrite each other in JSON and CSV
+            raise ValueError(f"metric names {clash} are fields of TensorComparison; register them under other names")
+
     def __bool__(self) -> bool:
         return self.passed
 
+    def to_row(self) -> dict[str, Any]:
+        """The fields as one flat table row (the CSV's), each metric a column where ``metrics`` sits."""
+        row: dict[str, Any] = {}
+        for f in fields(self):
+            if f.name == "metrics":
+                row.update(self.metrics)
+            else:
+                row[f.name] = copy.deepcopy(getattr(self, f.name))
+        return row
+
     def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
+        d = self.to_row()
         d["shape"] = list(self.shape)
-        for k in _FLOATS + _OPTIONAL_FLOATS:
+        for k in (*self.metrics, *_OPTIONAL_FLOATS):
             d[k] = to_json_float(d[k])
         return d
 
     @classmethod
     def from_json(cls, d: dict[str, Any], *, calibrated: bool = True) -> TensorComparison:
-        """``calibrated``: the report was judged against a noise file (else no ratio exists)."""
-        d = dict(d)
+        """``calibrated``: the report was judged against a noise file (else no ratio exists).
+
+        Every key that is not a field is a metric; a ``null`` one reads back as the registry says
+        (inf for a difference, NaN for a similarity such as cosine).
+        """
+        names = {f.name for f in fields(cls)}
+        d = {k: v for k, v in d.items() if k in names} | {
+            "metrics": {k: lookup_metric(k).null if v is None else float(v) for k, v in d.items() if k not in names}}
         d["shape"] = tuple(d["shape"])
-        for k in ("rel_diff", "max_token_rel_diff", "max_abs_diff", "mean_abs_diff"):
-            d[k] = from_json_float(d[k])
         for k in ("threshold", "token_threshold"):  # finite whenever set (absent in older reports)
             d[k] = None if d.get(k) is None else float(d[k])
         # a ratio is null without noise, and null for an infinite one: infinite only when its value is
         for k, of in (("noise_ratio", "rel_diff"), ("token_noise_ratio", "max_token_rel_diff")):
             d[k] = float(d[k]) if d.get(k) is not None else (
-                math.inf if calibrated and k in d and math.isinf(d[of]) else None)
-        d["cosine"] = math.nan if d["cosine"] is None else float(d["cosine"])
+                math.inf if calibrated and k in d and math.isinf(d["metrics"][of]) else None)
         return cls(**d)
 
 
@@ -308,10 +331,12 @@ class Report:
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Report:
         fd = d.get("first_divergent")
+        # judged against noise: a noise file, or an in-memory noise model (no file name, but its factor)
+        calibrated = d.get("noise") is not None or d.get("noise_factor") is not None
         return cls(
             baseline=d["baseline"], target=d["target"], threshold=float(d["threshold"]),
             token_threshold=float(d["token_threshold"]),
-            tensors=tuple(TensorComparison.from_json(t, calibrated=d.get("noise") is not None) for t in d["tensors"]),
+            tensors=tuple(TensorComparison.from_json(t, calibrated=calibrated) for t in d["tensors"]),
             unmatched_baseline=tuple(d["unmatched_baseline"]), unmatched_target=tuple(d["unmatched_target"]),
             first_divergent=FirstDivergence.from_json(fd) if fd else None,
             replica_mismatches=tuple(ReplicaMismatch.from_json(m) for m in d.get("replica_mismatches", [])),
@@ -325,18 +350,22 @@ class Report:
         )
 
     def write_json(self, path: str | os.PathLike[str]) -> None:
-        write_json_atomic(path, self.to_json())
+        """:func:`comparator.reports.files.write_json`: this report as JSON, written atomically."""
+        from comparator.reports import files  # the renderers import the result types, not the reverse
+
+        files.write_json(self, path)
 
     def to_dataframe(self) -> Any:
-        """The per-tensor table as a pandas DataFrame (one row per tensor)."""
-        import pandas as pd
+        """:func:`comparator.reports.files.tensor_frame`: the per-tensor table (one row per tensor)."""
+        from comparator.reports import files
 
-        return pd.DataFrame([asdict(t) for t in self.tensors])
+        return files.tensor_frame(self)
 
     def write_csv(self, path: str | os.PathLike[str]) -> None:
-        """The per-tensor table as CSV, written atomically."""
-        with atomic_path(path) as tmp:
-            self.to_dataframe().to_csv(tmp, index=False)
+        """:func:`comparator.reports.files.write_csv`: the per-tensor table as CSV, written atomically."""
+        from comparator.reports import files
+
+        files.write_csv(self, path)
 
     def dumps(self) -> str:
         return json.dumps(self.to_json(), indent=1, allow_nan=False)

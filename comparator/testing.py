@@ -24,7 +24,8 @@ from rich.console import Console
 from comparator.hidden.compare import compare_dumps
 from comparator.config import CompareConfig
 from comparator.store.regress import RegressResult, regress
-from comparator.reports.text import describe_divergence, render_report
+from comparator.outcome import assertion_head
+from comparator.reports.text import render_report
 from comparator.results import Report
 
 __all__ = ["assert_dumps_match", "regress", "RegressResult", "render_to_string"]
@@ -55,11 +56,4 @@ def assert_dumps_match(baseline: str | os.PathLike[str], target: str | os.PathLi
     report = compare_dumps(baseline, target, config)
     if report.passed:
         return report
-    fd = report.first_divergent
-    if fd is not None:
-        head = f"dumps diverge {describe_divergence(fd)}"
-    elif report.replica_mismatches:
-        head = "dumps diverge: ranks that should hold identical rows differ"
-    else:
-        head = "dumps diverge in their logprobs: " + ", ".join(report.logprobs.failures() if report.logprobs else [])
-    raise AssertionError(f"{head}\n{render_to_string(report)}")
+    raise AssertionError(f"{assertion_head(report)}\n{render_to_string(report)}")

@@ -35,9 +35,20 @@ import numpy as np
 from dumper import __version__
 from dumper.format import Manifest, atomic_path
 
-from comparator.logprobs import Located, LogprobVerdict, PositionSeries
+from comparator.hidden.registry import columns as metric_columns
+from comparator.logprobs import LogprobVerdict, PositionSeries
 from comparator.reports.plots import amplification_figure, figure_svg, heatmap_figure, layer_figure, logprob_figure
-from comparator.reports.text import describe_divergence, format_float, format_ratio, reaches_output, threshold_summary, verdict_notes
+from comparator.outcome import (
+    Outcome,
+    format_float,
+    format_located,
+    format_ratio,
+    reaches_output,
+    sentence,
+    status,
+    threshold_summary,
+    verdict_notes,
+)
 from comparator.results import FirstDivergence, Report
 from comparator.reports.tokens import TokenLookup, show_text
 
@@ -138,13 +149,7 @@ def _verdict(report: Report) -> str:
     fd = report.first_divergent
     summary = "; ".join(_e(x) for x in [f"matched {report.matched} tensors", threshold_summary(report),
                                         *verdict_notes(report)])
-    if report.passed:
-        head, line = "PASS", "every matched tensor passed"
-    elif fd is not None:
-        head, line = "DIVERGED", describe_divergence(fd)
-    else:
-        head, line = "DIVERGED", ("replicas differ" if report.replica_mismatches
-                                  else "the logprobs fail their thresholds")
+    head, line = Outcome.of(report).word, sentence(report)
     out = [f'<section class="verdict {"pass" if report.passed else "fail"}" id="verdict"><h1>{head}</h1>',
            _onset(fd) if fd is not None and not report.passed else "", f"<p>{_e(line)}</p>"]
     if report.logprobs is not None:
@@ -162,7 +167,7 @@ def _layer_table(report: Report) -> str:
              ("first failing token", "num"), ("worst token", "num"), ("verdict", "str")]
     rows = []
     for s in report.layers():
-        verdict = "PASS" if s.passed else f"FAIL ({s.failed})"
+        verdict = status(s.passed, s.failed)
         first = fd is not None and s.layer is not None and s.layer == fd.layer
         onset = fd is not None and not first and s.layer is not None and s.layer == fd.onset_layer
         marks = [(m, c) for m, c, on in (("FIRST DIVERGENCE", "first", first), ("ONSET", "onset", onset),
@@ -257,17 +262,13 @@ def _heatmap(report: Report, tokens: TokenLookup) -> str:
     return "".join(out) + "</section>"
 
 
-def _located(loc: Located) -> str:
-    return "-" if loc.value is None else f"{format_float(loc.value)} (request {loc.request}, position {loc.position})"
-
-
 def _logprob_metrics(v: LogprobVerdict) -> str:
     th, failing = v.thresholds.to_json(), set(v.failures())
     rows = [("mse", format_float(v.mse), "mse"), ("rmse", format_float(v.rmse), None),
-            ("max |Δ logprob|", _located(v.max_abs_err), "max_abs_err"), ("k3 mean", format_float(v.k3_mean), "k3_mean"),
-            ("k3 max", _located(v.k3_max), None)]
+            ("max |Δ logprob|", format_located(v.max_abs_err), "max_abs_err"), ("k3 mean", format_float(v.k3_mean), "k3_mean"),
+            ("k3 max", format_located(v.k3_max), None)]
     if v.kl_mean is not None:
-        rows += [("KL mean", format_float(v.kl_mean), "kl_mean"), ("KL max", _located(v.kl_max), "kl_max")]
+        rows += [("KL mean", format_float(v.kl_mean), "kl_mean"), ("KL max", format_located(v.kl_max), "kl_max")]
     if v.top1_agreement is not None:
         rows.append(("top-1 agreement", f"{v.top1_agreement:.4%}", None))
     if v.topk_max_err is not None:
@@ -316,7 +317,7 @@ def _logprobs(report: Report, tokens: TokenLookup) -> str:
     v = report.logprobs
     if v is None:
         return ""
-    out = [f'<section id="logprobs"><h2>Logprobs: {"PASS" if v.passed else "FAIL"}</h2>'
+    out = [f'<section id="logprobs"><h2>Logprobs: {status(v.passed)}</h2>'
            f'<p class="muted">{v.compared_positions} positions in {v.requests} requests</p>', _logprob_metrics(v)]
     fig = logprob_figure(v)
     if fig is None:
@@ -331,22 +332,22 @@ def _logprobs(report: Report, tokens: TokenLookup) -> str:
 
 
 def _tensors(report: Report, max_rows: int) -> str:
+    shown = metric_columns(t.metrics for t in report.tensors)  # the metrics the tensors carry
     head = [("name", "str"), ("layer", "num"), ("sequence", "num"), ("pass", "num"), ("rank", "num"),
-            ("rel_diff", "num"), ("max token rel_diff", "num"), ("max |diff|", "num"), ("mean |diff|", "num"),
-            ("cosine", "num"), ("NaN/Inf baseline", "num"), ("NaN/Inf target", "num"), ("failing tokens", "num"),
-            ("first failing token", "num"), ("worst token", "num"), ("verdict", "str"), ("note", "str")]
+            *((m.label, "num") for m in shown), ("NaN/Inf baseline", "num"), ("NaN/Inf target", "num"),
+            ("failing tokens", "num"), ("first failing token", "num"), ("worst token", "num"), ("verdict", "str"),
+            ("note", "str")]
     calibrated = any(t.noise_ratio is not None or t.token_noise_ratio is not None for t in report.tensors)
-    if calibrated:
+    if calibrated:  # right after the first metric (rel_diff)
         head[6:6] = [("x noise", "num"), ("token x noise", "num")]
     rows = []
     for t in report.tensors[:max_rows]:
         cells = [f"<td>{_e(t.name)}</td>", _num(t.layer), _num(t.sequence), _num(t.forward_pass), _num(t.rank),
-                 _num(t.rel_diff), _num(t.max_token_rel_diff), _num(t.max_abs_diff), _num(t.mean_abs_diff),
-                 _num(t.cosine, f"{t.cosine:.6f}"),
+                 *(_num(t.metrics.get(m.name), m.text(t.metrics.get(m.name), format_float)) for m in shown),
                  _num(t.nan_baseline + t.inf_baseline, f"{t.nan_baseline}/{t.inf_baseline}"),
                  _num(t.nan_target + t.inf_target, f"{t.nan_target}/{t.inf_target}"), _num(t.failing_tokens),
                  _num(t.first_failing_token), _num(t.worst_token),
-                 f"<td>{'PASS' if t.passed else 'FAIL'}</td>", f"<td>{_e(t.note or '')}</td>"]
+                 f"<td>{status(t.passed)}</td>", f"<td>{_e(t.note or '')}</td>"]
         if calibrated:
             cells[6:6] = [_num(t.noise_ratio, format_ratio(t.noise_ratio)),
                           _num(t.token_noise_ratio, format_ratio(t.token_noise_ratio))]
@@ -384,7 +385,7 @@ def render_html(report: Report, *, baseline_manifest: Manifest | None = None, ta
             _logprobs(report, tokens), _runs(report, baseline_manifest, target_manifest),
             _tensors(report, max_rows) if report.tensors else "", _problems(report)]
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    title = f"driftscope: {'PASS' if report.passed else 'DIVERGED'}: {report.target} vs {report.baseline}"
+    title = f"driftscope: {Outcome.of(report).word}: {report.target} vs {report.baseline}"
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
             '<meta name="viewport" content="width=device-width, initial-scale=1">'
             f"<title>{_e(title)}</title><style>{_CSS}</style></head><body>{''.join(body)}"

@@ -1,176 +1,118 @@
-"""Machine- and human-readable outputs of a :class:`~comparator.results.Report`, and the CLI flags for them.
+"""The report outputs of ``python -m comparator``: a registry of file formats, their flags, and the progress bar.
 
-- :func:`to_markdown`: the verdict line and a compact per-layer table (multiples of the noise with
-  a noise file, each layer's amplification), for pasting into a PR;
-- :func:`write_parquet`: the per-tensor table (one row per tensor, as ``--csv``) as Parquet;
-- :func:`add_output_flags` / :func:`check_output_flags` / :func:`write_outputs`: ``--html``,
-  ``--plot``, ``--parquet``, ``--markdown [FILE]`` and ``--format {table,json}`` for
-  ``python -m comparator``;
-- :func:`progress_callback`: the comparison's progress bar (stderr, TTY only, after 1 s).
+Each format is one :class:`OutputFormat` (flag name, help, writer function) registered with
+:func:`register_output`; :func:`add_output_flags` adds a ``--NAME FILE`` flag per registered
+format (in registration order) plus ``--format {table,json}``, and :func:`write_outputs` writes
+what the parsed flags ask for. The built-in formats: ``--html`` (:mod:`comparator.reports.html`),
+``--plot`` (:mod:`comparator.reports.plots`), ``--parquet`` (:mod:`comparator.reports.files`) and
+``--markdown [FILE]`` (:mod:`comparator.reports.markdown`; to stdout without FILE).
 
-Example::
+A new format is one module with a writer and one registration, before the parser is built::
 
-    from comparator import compare_dumps
-    from comparator.reports.outputs import to_markdown, write_parquet
-    report = compare_dumps("dumps/eager", "dumps/sdpa")
-    print(to_markdown(report))
-    write_parquet(report, "tensors.parquet")
+    from comparator.reports.outputs import OutputFormat, register_output
+
+    def write_summary(report, path, dumps):  # dumps: the two dump directories (manifests on demand)
+        Path(path).write_text(f"{report.matched} tensors, passed: {report.passed}\\n")
+
+    register_output(OutputFormat("summary", "summary", write_summary, metavar="FILE", help="write a one-line summary"))
+
+:func:`progress_callback` is the comparison's progress bar (stderr, TTY only, after 1 s).
 """
 
 from __future__ import annotations
 
 import argparse
-import html
-import importlib.util
 import os
-import re
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TextIO
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any, TextIO
 
 from dumper.errors import UsageError
-from dumper.format import atomic_path, load_manifest
+from dumper.format import Manifest, load_manifest
 from dumper.progress import ProgressFn, progress_bar
 
-from comparator.reports.text import describe_divergence, format_float, format_ratio, reaches_output
-from comparator.results import LayerSummary, Report
+from comparator.reports.files import need_pyarrow, write_parquet
+from comparator.reports.markdown import to_markdown, write_markdown
+from comparator.results import Report
 
-__all__ = ["to_markdown", "write_markdown", "write_parquet", "add_output_flags", "check_output_flags",
+__all__ = ["OutputFormat", "Dumps", "OUTPUT_FORMATS", "register_output", "add_output_flags", "check_output_flags",
            "write_outputs", "progress_callback", "STDOUT"]
 
 STDOUT = "-"
-"""``--markdown`` without a file: write to stdout."""
+"""A format's flag without a file (``--markdown``): write to stdout."""
 
 
-_MD_PUNCT = re.compile(r"([\\`*_\[\]|~$])")
-_NEWLINES = re.compile(r"[\r\n]+")
+class Dumps:
+    """The two dump directories a report came from; their manifests are read on first use."""
+
+    def __init__(self, baseline: str | os.PathLike[str], target: str | os.PathLike[str]) -> None:
+        self.baseline, self.target = baseline, target
+
+    @cached_property
+    def baseline_manifest(self) -> Manifest:
+        return load_manifest(self.baseline)
+
+    @cached_property
+    def target_manifest(self) -> Manifest:
+        return load_manifest(self.target)
 
 
-def _md(text: str) -> str:
-    """Text from a dump (names, paths, request ids) as inline Markdown that shows it as it is.
+@dataclass(frozen=True)
+class OutputFormat:
+    """One report file format behind a ``--NAME FILE`` flag.
 
-    HTML characters become entities (``<b>`` cannot open a tag), the Markdown punctuation that
-    could start emphasis, code, a link or a table cell is backslash-escaped, newlines folded.
+    ``write(report, path, dumps)`` writes the file (atomically); ``what`` names it in the error for
+    an unwritable path; ``check()`` refuses the flag before any work (a missing library);
+    ``to_stdout(report)``, when set, makes FILE optional: the flag alone prints that text.
     """
-    return html.escape(_MD_PUNCT.sub(r"\\\1", _NEWLINES.sub(" ", text)), quote=False)
+
+    name: str
+    what: str
+    write: Callable[[Report, str, Dumps], None]
+    metavar: str
+    help: str
+    check: Callable[[], None] | None = None
+    to_stdout: Callable[[Report], str] | None = None
+
+    @property
+    def dest(self) -> str:
+        return self.name.replace("-", "_")
 
 
-def _code(text: str) -> str:
-    """``text`` as a Markdown code span (literal inside: no HTML, no emphasis); the fence is one
-    backtick longer than any run of backticks in it, padded when it starts or ends with one."""
-    text = _NEWLINES.sub(" ", text)
-    fence = "`" * (max((len(r) for r in re.findall(r"`+", text)), default=0) + 1)
-    pad = " " if text[:1] in ("`", " ") or text[-1:] in ("`", " ") else ""
-    return f"{fence}{pad}{text}{pad}{fence}"
+OUTPUT_FORMATS: dict[str, OutputFormat] = {}
+"""The registered formats by name, in registration order (the order of the flags and of writing)."""
 
 
-def _verdict_line(report: Report) -> str:
-    fd = report.first_divergent
-    if report.passed:
-        return "**driftscope: PASS** (every matched tensor passed)"
-    if fd is not None:
-        return f"**driftscope: DIVERGED** {_md(describe_divergence(fd))}"
-    if report.replica_mismatches:
-        return "**driftscope: DIVERGED** (replicas differ)"
-    failures = ", ".join(report.logprobs.failures()) if report.logprobs is not None else ""
-    return f"**driftscope: DIVERGED** (logprobs: {failures})"
-
-
-def _layer_cells(report: Report, s: LayerSummary) -> list[str]:
-    """One Markdown table row's cells: the first divergent layer in bold, the onset layer named in
-    the verdict cell (as in the terminal), the amplification of a layer that introduces error in bold."""
-    fd = report.first_divergent
-    first = fd is not None and s.layer == fd.layer
-    verdict = "**FIRST DIVERGENCE**" if first else "PASS" if s.passed else f"FAIL ({s.failed})"
-    if fd is not None and s.layer is not None and s.layer == fd.onset_layer and not first:
-        verdict += " ONSET"
-    layer = "-" if s.layer is None else str(s.layer)
-    amp = format_ratio(s.amplification)
-    cells = [f"**{layer}**" if first else layer, str(s.tensors), format_float(s.max_rel_diff)]
-    cells += [format_ratio(s.noise_ratio)] if report.noise is not None else []
-    return cells + [format_float(s.max_token_rel_diff), format_float(s.max_abs_diff), f"{s.min_cosine:.6f}",
-                    f"**{amp}**" if s.introduced else amp,
-                    "-" if s.first_failing_token is None else str(s.first_failing_token),
-                    "-" if s.worst_token is None else str(s.worst_token), verdict]
-
-
-def _thresholds(report: Report) -> str:
-    if report.noise is None:
-        return f"thresholds rel_diff <= {report.threshold:g}, per-token rel_diff <= {report.token_threshold:g}"
-    return f"thresholds {report.noise_factor:g} x the noise in {_code(report.noise)} (floor {report.noise_floor:g})"
-
-
-def to_markdown(report: Report) -> str:
-    """The verdict line, a per-layer table (first divergent layer in bold) and the thresholds, as Markdown."""
-    lines = [_verdict_line(report), ""]
-    if report.tensors:
-        noise = " x noise |" if report.noise is not None else ""
-        lines += [f"| layer | tensors | rel_diff |{noise} max token rel_diff | max \\|diff\\| | min cosine "
-                  "| amplification | first failing token | worst token | verdict |",
-                  "|---:" * (9 + bool(noise)) + "|:---|"]
-        lines += ["| " + " | ".join(_layer_cells(report, s)) + " |" for s in report.layers()]
-        lines.append("")
-    summary = (f"target {_code(report.target)} vs baseline {_code(report.baseline)}; matched {report.matched} "
-               f"tensors; {_thresholds(report)}")
-    if report.unmatched_baseline or report.unmatched_target:
-        summary += (f"; {len(report.unmatched_baseline)} tensors only in the baseline, "
-                    f"{len(report.unmatched_target)} only in the target")
-    lines.append(summary)
-    if report.logprobs is not None:
-        v = report.logprobs
-        verdict = "PASS" if v.passed else f"FAIL ({', '.join(v.failures())})"
-        lines += ["", f"logprobs: {verdict}: {_md(reaches_output(report))}"]
-    return "\n".join(lines) + "\n"
-
-
-def write_markdown(report: Report, path: str | os.PathLike[str]) -> None:
-    """:func:`to_markdown` written to ``path`` atomically."""
-    text = to_markdown(report)
-    with atomic_path(path) as tmp:
-        tmp.write_text(text, encoding="utf-8")
-
-
-def _need_pyarrow() -> None:
-    if importlib.util.find_spec("pyarrow") is None:
-        raise UsageError("--parquet needs pyarrow: pip install pyarrow")
-
-
-def write_parquet(report: Report, path: str | os.PathLike[str]) -> None:
-    """The per-tensor table (the columns of ``--csv``) as Parquet via pandas + pyarrow, written atomically.
-
-    Raises UsageError when pyarrow is not installed.
-    """
-    _need_pyarrow()
-    df = report.to_dataframe()
-    if "shape" in df:
-        df["shape"] = df["shape"].map(list)
-    with atomic_path(path) as tmp:
-        df.to_parquet(tmp, index=False, engine="pyarrow")
-
-
-# --------------------------------------------------------------------------- CLI helpers
+def register_output(fmt: OutputFormat) -> OutputFormat:
+    """Add ``fmt`` to :data:`OUTPUT_FORMATS` (a name is registered once); returns it."""
+    if fmt.name in OUTPUT_FORMATS or fmt.name == "format":
+        raise ValueError(f"report output {fmt.name!r} is already registered")
+    OUTPUT_FORMATS[fmt.name] = fmt
+    return fmt
 
 
 def add_output_flags(parser: argparse.ArgumentParser) -> None:
-    """Add ``--html``, ``--plot``, ``--parquet``, ``--markdown [FILE]`` and ``--format`` to ``parser``."""
+    """Add a flag per registered format and ``--format`` to ``parser``, in a "report outputs" group."""
     g = parser.add_argument_group("report outputs")
-    g.add_argument("--html", metavar="FILE", help="write a self-contained HTML report: per-layer chart, token heatmap, "
-                   "logprob plots, sortable tensor table")
-    g.add_argument("--plot", metavar="FILE.png", help="write the per-layer rel_diff chart (.png, .svg or .pdf)")
-    g.add_argument("--parquet", metavar="FILE", help="write the per-tensor table as Parquet (needs pyarrow)")
-    g.add_argument("--markdown", metavar="FILE", nargs="?", const=STDOUT,
-                   help="write the verdict and a per-layer Markdown table for a PR; to stdout without FILE")
+    for fmt in OUTPUT_FORMATS.values():
+        optional: dict[str, Any] = {"nargs": "?", "const": STDOUT} if fmt.to_stdout is not None else {}
+        g.add_argument(f"--{fmt.name}", metavar=fmt.metavar, help=fmt.help, **optional)
     g.add_argument("--format", choices=("table", "json"), default="table",
                    help="what stdout gets: the table (default), or the JSON report for piping (then no table)")
 
 
 def check_output_flags(args: argparse.Namespace) -> None:
     """Refuse impossible output flags before any work: call it right after parsing."""
-    if getattr(args, "parquet", None):
-        _need_pyarrow()
-    if getattr(args, "format", "table") == "json" and getattr(args, "markdown", None) == STDOUT:
-        raise UsageError("--markdown without FILE writes to stdout, which --format json already uses; give a FILE")
+    for fmt in OUTPUT_FORMATS.values():
+        value = getattr(args, fmt.dest, None)
+        if value and fmt.check is not None:
+            fmt.check()
+        if value == STDOUT and fmt.to_stdout is not None and getattr(args, "format", "table") == "json":
+            raise UsageError(f"--{fmt.name} without FILE writes to stdout, which --format json already uses; "
+                             "give a FILE")
 
 
 def _write(path: str, what: str, write: Callable[[str], None]) -> None:
@@ -184,30 +126,21 @@ def write_outputs(report: Report, args: argparse.Namespace, baseline_dir: str | 
                   target_dir: str | os.PathLike[str], *, stdout: TextIO | None = None) -> None:
     """Write what the flags of :func:`add_output_flags` ask for.
 
-    ``--format json`` prints the JSON report to ``stdout`` (the caller then prints no table);
-    ``--markdown`` without a file prints the Markdown there. Manifests (for the HTML's run
-    details and token texts) are read from the two dump directories. An unwritable path is a
-    UsageError naming it.
+    ``--format json`` prints the JSON report to ``stdout`` (the caller then prints no table); a
+    format's flag without a file prints its text there. Manifests (for the HTML's run details and
+    token texts) are read from the two dump directories when a format asks. An unwritable path
+    is a UsageError naming it.
     """
     out = stdout or sys.stdout
     if getattr(args, "format", "table") == "json":
         out.write(report.dumps() + "\n")
-    if getattr(args, "html", None):
-        from comparator.reports.html import write_html  # matplotlib is imported only when a chart is wanted
-
-        manifests = {"baseline_manifest": load_manifest(baseline_dir), "target_manifest": load_manifest(target_dir)}
-        _write(args.html, "HTML report", lambda p: write_html(report, p, **manifests))
-    if getattr(args, "plot", None):
-        from comparator.reports.plots import save_layer_plot
-
-        _write(args.plot, "plot", lambda p: save_layer_plot(report, p))
-    if getattr(args, "parquet", None):
-        _write(args.parquet, "Parquet table", lambda p: write_parquet(report, p))
-    markdown = getattr(args, "markdown", None)
-    if markdown == STDOUT:
-        out.write(to_markdown(report))
-    elif markdown:
-        _write(markdown, "Markdown report", lambda p: write_markdown(report, p))
+    dumps = Dumps(baseline_dir, target_dir)
+    for fmt in OUTPUT_FORMATS.values():
+        path = getattr(args, fmt.dest, None)
+        if path == STDOUT and fmt.to_stdout is not None:
+            out.write(fmt.to_stdout(report))
+        elif path:
+            _write(path, fmt.what, lambda p, fmt=fmt: fmt.write(report, p, dumps))
     out.flush()
 
 
@@ -217,3 +150,31 @@ def progress_callback(enabled: bool) -> Iterator[ProgressFn]:
     stderr, drawn only on a terminal, when ``enabled`` (not ``--quiet``) and after 1 s of work."""
     with progress_bar(enabled, "comparing", unit="tensors") as progress:
         yield progress
+
+
+# --------------------------------------------------------------------------- the built-in formats
+
+
+def _html(report: Report, path: str, dumps: Dumps) -> None:
+    from comparator.reports.html import write_html  # matplotlib is imported only when a chart is wanted
+
+    write_html(report, path, baseline_manifest=dumps.baseline_manifest, target_manifest=dumps.target_manifest)
+
+
+def _plot(report: Report, path: str, dumps: Dumps) -> None:
+    from comparator.reports.plots import save_layer_plot
+
+    save_layer_plot(report, path)
+
+
+register_output(OutputFormat(
+    "html", "HTML report", _html, metavar="FILE",
+    help="write a self-contained HTML report: per-layer chart, token heatmap, logprob plots, sortable tensor table"))
+register_output(OutputFormat("plot", "plot", _plot, metavar="FILE.png",
+                             help="write the per-layer rel_diff chart (.png, .svg or .pdf)"))
+register_output(OutputFormat("parquet", "Parquet table", lambda report, path, dumps: write_parquet(report, path),
+                             metavar="FILE", help="write the per-tensor table as Parquet (needs pyarrow)",
+                             check=need_pyarrow))
+register_output(OutputFormat("markdown", "Markdown report", lambda report, path, dumps: write_markdown(report, path),
+                             metavar="FILE", to_stdout=to_markdown,
+                             help="write the verdict and a per-layer Markdown table for a PR; to stdout without FILE"))

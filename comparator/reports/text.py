@@ -2,35 +2,31 @@
 
 from __future__ import annotations
 
-import math
-
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from comparator.logprobs import Located, LogprobVerdict
+from comparator.hidden.registry import columns as metric_columns
+from comparator.logprobs import LogprobVerdict
 from comparator.noise.model import NoiseModel
-from comparator.results import FirstDivergence, Report
+from comparator.outcome import (
+    Outcome,
+    clause,
+    format_float,
+    format_located,
+    format_ratio,
+    reaches_output,
+    status,
+    threshold_summary,
+    verdict_notes,
+)
+from comparator.results import Report
 
-__all__ = ["render_report", "render_logprobs", "reaches_output", "format_float", "describe_divergence"]
-
-
-def format_float(v: float) -> str:
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return "nan"
-    if math.isinf(v):
-        return "inf"
-    return "0" if v == 0 else f"{v:.3e}"
+__all__ = ["render_report", "render_logprobs", "render_noise"]
 
 
 def _token(v: int | None) -> str:
     return "-" if v is None else str(v)
-
-
-def _located(loc: Located) -> str:
-    if loc.value is None:
-        return "-"
-    return f"{format_float(loc.value)} (request {loc.request}, position {loc.position})"
 
 
 _LOGPROB_LABELS = {"mse": "mse", "mean_abs_err": "mean |Δlogprob|", "max_abs_err": "max |Δlogprob|",
@@ -56,12 +52,12 @@ def _logprob_rows(v: LogprobVerdict) -> list[tuple[str, str, str | None]]:
     """(label, value, threshold name) rows of the logprob table."""
     rows = [("mse", format_float(v.mse), "mse"), ("rmse", format_float(v.rmse), None),
             ("mean |Δlogprob| ± SE", _mean(v.mean_abs_err, v.mean_abs_err_se), "mean_abs_err"),
-            ("max |Δlogprob|", _located(v.max_abs_err), "max_abs_err"),
-            ("k3 mean ± SE", _mean(v.k3_mean, v.k3_mean_se), "k3_mean"), ("k3 max", _located(v.k3_max), None)]
+            ("max |Δlogprob|", format_located(v.max_abs_err), "max_abs_err"),
+            ("k3 mean ± SE", _mean(v.k3_mean, v.k3_mean_se), "k3_mean"), ("k3 max", format_located(v.k3_max), None)]
     if v.kl_mean is not None:
         pct = v.kl_percentiles or {}
         rows += [("KL mean ± SE", _mean(v.kl_mean, v.llama.kl_mean_se if v.llama else None), "kl_mean"),
-                 ("KL max", _located(v.kl_max), "kl_max"),
+                 ("KL max", format_located(v.kl_max), "kl_max"),
                  ("KL p99.9 / p99 / p95 / p90 / median",
                   " / ".join(format_float(pct[k]) for k in ("99.9", "99", "95", "90", "50")), None),
                  ("top-1 agreement", f"{v.top1_agreement:.4%}", None)]
@@ -117,8 +113,8 @@ def render_logprobs(v: LogprobVerdict, console: Console) -> None:
         if names:
             console.print(Text.assemble((f"only in the {side}, not compared ({len(names)}):", "yellow"),
                                         f" {', '.join(names[:5])}"))
-    verdict = (Text("PASS", "bold green") if v.passed
-               else Text.assemble(("FAIL", "bold red"), f" ({', '.join(_failure(v, k) for k in v.failures())})"))
+    verdict = Text.assemble((status(v.passed), "bold green" if v.passed else "bold red"),
+                            "" if v.passed else f" ({', '.join(_failure(v, k) for k in v.failures())})")
     console.print(Text.assemble("logprobs: ", verdict))
 
 
@@ -147,7 +143,7 @@ def render_report(report: Report, console: Console, *, tensors: bool = False) ->
         table.add_column(col, justify=justify)
     for s in report.layers():
         first = fd is not None and s.layer == fd.layer
-        verdict = Text("PASS", style="green") if s.passed else Text(f"FAIL ({s.failed})", style="bold red")
+        verdict = Text(status(s.passed, s.failed), style="green" if s.passed else "bold red")
         if first:
             verdict = Text("FIRST DIVERGENCE", style="bold white on red")
         elif fd is not None and s.layer is not None and s.layer == fd.onset_layer:
@@ -174,32 +170,14 @@ def render_report(report: Report, console: Console, *, tensors: bool = False) ->
             ("replica mismatch", "bold red"), f" in the {m.side}: {m.name} (layer {m.layer}, sequence {m.sequence}) "
             f"differs between rank {m.reference_rank} and rank {m.rank} from token {m.first_token} "
             f"(max per-token rel_diff {format_float(m.max_token_rel_diff)})"))
-    if fd is None:
-        verdict = Text("PASS", "bold green") if report.passed else Text("DIVERGED", "bold red")
-        why = "" if report.passed else " (replicas differ)" if report.replica_mismatches else " (logprobs)"
-        console.print(Text.assemble(verdict, f"{why}: {summary}"))
+    outcome, why = Outcome.of(report), clause(report, detail=False)
+    word = (outcome.word, "bold green" if outcome.passed else "bold red")
+    if outcome is Outcome.TENSORS:  # a sentence of its own, then the summary
+        console.print(Text.assemble(word, f" {why}. {summary}"))
     else:
-        console.print(Text.assemble(("DIVERGED", "bold red"), f" {describe_divergence(fd)}. {summary}"))
+        console.print(Text.assemble(word, f"{' ' if why else ''}{why}: {summary}"))
     if report.logprobs is not None:
         console.print(Text(reaches_output(report)))
-
-
-def format_ratio(v: float | None) -> str:
-    """A multiple (of noise, or a growth factor): ``2.1e+06x``, ``-`` when unknown."""
-    if v is None:
-        return "-"
-    if math.isinf(v) or math.isnan(v):
-        return "inf"
-    return f"{v:.3g}x"
-
-
-def threshold_summary(report: Report) -> str:
-    """What the tensors were judged by: fixed thresholds, or the noise file with its factor and floor."""
-    if report.noise is None:
-        return (f"thresholds rel_diff <= {report.threshold:g}, "
-                f"per-token rel_diff <= {report.token_threshold:g}")
-    return (f"thresholds {report.noise_factor:g} x the noise in {report.noise} "
-            f"(floor {report.noise_floor:g})")
 
 
 def render_noise(noise: NoiseModel, console: Console) -> None:
@@ -220,70 +198,19 @@ def render_noise(noise: NoiseModel, console: Console) -> None:
         console.print(Text(f"logprob noise ({lp.variants} variants, {lp.positions} positions): {values}"))
 
 
-def verdict_notes(report: Report) -> list[str]:
-    """What every verdict line adds, ``--quiet`` included: tensors not compared, model notes."""
-    unmatched = report.unmatched_note()
-    return ([unmatched] if unmatched else []) + list(report.notes)
-
-
-def reaches_output(report: Report) -> str:
-    """One line tying the hidden-state verdict to the logprob verdict."""
-    v, fd = report.logprobs, report.first_divergent
-    assert v is not None
-    worst = f"largest logprob error {_located(v.max_abs_err)}"
-    if v.kl_max.value is not None:
-        worst += f", largest KL {_located(v.kl_max)}"
-    if fd is None:
-        return f"hidden states match; logprobs {'pass' if v.passed else 'FAIL'}: {worst}"
-    if v.passed:
-        return f"the divergence from layer {fd.layer} does not reach the output beyond the logprob thresholds: {worst}"
-    return f"the divergence from layer {fd.layer} reaches the output: {worst}"
-
-
-def _ranges(ranges: list[list[int]]) -> str:
-    return ", ".join(f"{a}" if a == b else f"{a}..{b}" for a, b in ranges)
-
-
-_METHOD = {"calibrated": "over its calibrated noise", "change-point": "estimated from the run: change point",
-           "threshold": "first over the threshold"}
-
-
-def describe_divergence(fd: FirstDivergence) -> str:
-    """One sentence: where the first divergence is, which sequence and tokens fail, and why it may be."""
-    where = f"layer {fd.layer}" if fd.layer is not None else "a tensor without layer"
-    text = f"at {where} ({fd.name}, pass {fd.forward_pass}, rank {fd.rank})"
-    if fd.onset is not None and fd.onset != fd.token:
-        text += f", divergence starts at token {fd.onset} ({_METHOD[fd.onset_method or 'threshold']})"
-    if fd.token is not None:
-        text += f", first failing token {fd.token}"
-    if fd.sequence is not None:
-        text += f" of sequence {fd.sequence}"
-    if fd.note:
-        text += f" ({fd.note})"
-    if fd.worst_token is not None:
-        text += f", worst token {fd.worst_token}"
-    if fd.failing_ranges:
-        text += f"; failing tokens {_ranges(fd.failing_ranges)}"
-    if len(fd.failing_sequences) > 1:
-        text += f"; failing sequences {fd.failing_sequences}"
-    if fd.onset_layer is not None and fd.onset_layer != fd.layer:
-        text += (f"; first departs from noise at layer {fd.onset_layer} "
-                 f"({_METHOD[fd.onset_layer_method or 'threshold']})")
-    return text + f"; rel_diff {format_float(fd.rel_diff)}"
-
-
 def _render_tensors(report: Report, console: Console) -> None:
+    """One row per tensor; its metric columns are the carried metrics with a terminal label."""
+    shown = [m for m in metric_columns(t.metrics for t in report.tensors) if m.short is not None]
     table = Table(title="tensors", title_justify="left")
-    for col in ("name", "layer", "seq", "pass", "rank", "rel_diff", "max token", "max |diff|", "cosine",
+    for col in ("name", "layer", "seq", "pass", "rank", *(m.short or m.name for m in shown),
                 "nan/inf b", "nan/inf t", "failing tokens", "first token", "verdict"):
         table.add_column(col)
     for t in report.tensors:
         table.add_row(
             Text(t.name), "-" if t.layer is None else str(t.layer), "-" if t.sequence is None else str(t.sequence),
-            str(t.forward_pass), str(t.rank),
-            format_float(t.rel_diff), format_float(t.max_token_rel_diff), format_float(t.max_abs_diff),
-            f"{t.cosine:.6f}", f"{t.nan_baseline}/{t.inf_baseline}", f"{t.nan_target}/{t.inf_target}",
+            str(t.forward_pass), str(t.rank), *(m.text(t.metrics.get(m.name), format_float) for m in shown),
+            f"{t.nan_baseline}/{t.inf_baseline}", f"{t.nan_target}/{t.inf_target}",
             str(t.failing_tokens), _token(t.first_failing_token),
-            Text("PASS", style="green") if t.passed else Text("FAIL", style="bold red"),
+            Text(status(t.passed), style="green" if t.passed else "bold red"),
         )
     console.print(table)

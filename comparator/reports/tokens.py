@@ -5,8 +5,8 @@ prompt ``s``). Texts need the tokenizer: the built-in presets use the byte-level
 :class:`~dumper.tokenizers.ByteTokenizer` (no torch); a local HF model directory's own tokenizer
 is loaded offline when it is still there. Otherwise texts are unknown and reports show ids only.
 
-Nothing here imports torch: :mod:`dumper.jobs.presets` (which does) is imported only for a local HF
-directory's tokenizer, never for a preset.
+Nothing here imports torch for a preset; a local HF directory's tokenizer imports transformers
+(:func:`dumper.tokenizers.load_tokenizer`), only when such a dump is shown.
 
 Example::
 
@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 from dumper.errors import DriftscopeError
 from dumper.format import Manifest
-from dumper.tokenizers import PRESETS, ByteTokenizer, Tokenizer
+from dumper.tokenizers import PRESETS, ByteTokenizer, Tokenizer, load_tokenizer
 
 __all__ = ["TokenLookup", "tokenizer_for", "show_text"]
 
@@ -37,8 +37,6 @@ def tokenizer_for(manifest: Manifest) -> Tokenizer | None:
         return ByteTokenizer(256 + ByteTokenizer.offset)
     if os.path.isfile(os.path.join(name, "tokenizer_config.json")):
         try:
-            from dumper.jobs.presets import load_tokenizer
-
             return load_tokenizer(name)
         except (ImportError, DriftscopeError):  # token text is a nicety: never fail a comparison over it
             return None

@@ -27,8 +27,8 @@ import torch
 from comparator import compare_dumps
 from comparator.hidden.heatmap import BEFORE, WINDOW, window_positions, window_runs
 from comparator.reports.html import render_html, write_html
-from comparator.reports.outputs import to_markdown
-from comparator.reports.text import describe_divergence, format_ratio
+from comparator.outcome import describe_divergence, format_ratio
+from comparator.reports.markdown import to_markdown
 from comparator.results import Report
 from dumper.format import load_manifest
 from dumper.jobs.run import BUILTIN_PROMPTS, RunConfig, dump_sequences
@@ -264,7 +264,7 @@ def test_renderers_never_import_torch(growing, tmp_path):
     code = ("import json, sys\n"
             "import comparator.cli.main, comparator.hidden.heatmap, comparator.reports.plots, comparator.reports.text\n"
             "from comparator.reports.html import render_html\n"
-            "from comparator.reports.outputs import to_markdown\n"
+            "from comparator.reports.markdown import to_markdown\n"
             "from comparator.results import Report\n"
             f"report = Report.from_json(json.load(open({str(tmp_path / 'r.json')!r})))\n"
             "page, md = render_html(report), to_markdown(report)\n"

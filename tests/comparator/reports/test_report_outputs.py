@@ -19,7 +19,9 @@ from rich.console import Console
 from comparator import compare_dumps
 from comparator.hidden.heatmap import BEFORE, WINDOW
 from comparator.reports.html import render_html, write_html
-from comparator.reports.outputs import add_output_flags, check_output_flags, to_markdown, write_outputs, write_parquet
+from comparator.reports.files import write_parquet
+from comparator.reports.markdown import to_markdown
+from comparator.reports.outputs import add_output_flags, check_output_flags, write_outputs
 from comparator.reports.plots import save_layer_plot
 from comparator.results import Report
 from dumper.errors import UsageError

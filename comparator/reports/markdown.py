@@ -1,0 +1,109 @@
+"""The verdict and a compact per-layer table as Markdown, for pasting into a PR (``--markdown``).
+
+The table shows the multiples of the noise with a noise file and each layer's amplification; the
+first divergent layer is in bold. Text from a dump (names, paths) is escaped so that it shows as
+it is and cannot open a tag, a link or a table cell.
+
+Example::
+
+    from comparator import compare_dumps
+    from comparator.reports.markdown import to_markdown
+    print(to_markdown(compare_dumps("dumps/eager", "dumps/sdpa")))
+"""
+
+from __future__ import annotations
+
+import html
+import os
+import re
+
+from dumper.format import atomic_path
+
+from comparator.outcome import (
+    Outcome,
+    clause,
+    format_float,
+    format_ratio,
+    reaches_output,
+    sentence,
+    status,
+    threshold_summary,
+)
+from comparator.results import LayerSummary, Report
+
+__all__ = ["to_markdown", "write_markdown"]
+
+
+_MD_PUNCT = re.compile(r"([\\`*_\[\]|~$])")
+_NEWLINES = re.compile(r"[\r\n]+")
+
+
+def _md(text: str) -> str:
+    """Text from a dump (names, paths, request ids) as inline Markdown that shows it as it is.
+
+    HTML characters become entities (``<b>`` cannot open a tag), the Markdown punctuation that
+    could start emphasis, code, a link or a table cell is backslash-escaped, newlines folded.
+    """
+    return html.escape(_MD_PUNCT.sub(r"\\\1", _NEWLINES.sub(" ", text)), quote=False)
+
+
+def _code(text: str) -> str:
+    """``text`` as a Markdown code span (literal inside: no HTML, no emphasis); the fence is one
+    backtick longer than any run of backticks in it, padded when it starts or ends with one."""
+    text = _NEWLINES.sub(" ", text)
+    fence = "`" * (max((len(r) for r in re.findall(r"`+", text)), default=0) + 1)
+    pad = " " if text[:1] in ("`", " ") or text[-1:] in ("`", " ") else ""
+    return f"{fence}{pad}{text}{pad}{fence}"
+
+
+def _verdict_line(report: Report) -> str:
+    """``**driftscope: DIVERGED** at layer ...``; a pass says why in words."""
+    return f"**driftscope: {Outcome.of(report).word}** {clause(report, escape=_md) or f'({sentence(report)})'}"
+
+
+def _layer_cells(report: Report, s: LayerSummary) -> list[str]:
+    """One Markdown table row's cells: the first divergent layer in bold, the onset layer named in
+    the verdict cell (as in the terminal), the amplification of a layer that introduces error in bold."""
+    fd = report.first_divergent
+    first = fd is not None and s.layer == fd.layer
+    verdict = "**FIRST DIVERGENCE**" if first else status(s.passed, s.failed)
+    if fd is not None and s.layer is not None and s.layer == fd.onset_layer and not first:
+        verdict += " ONSET"
+    layer = "-" if s.layer is None else str(s.layer)
+    amp = format_ratio(s.amplification)
+    cells = [f"**{layer}**" if first else layer, str(s.tensors), format_float(s.max_rel_diff)]
+    cells += [format_ratio(s.noise_ratio)] if report.noise is not None else []
+    return cells + [format_float(s.max_token_rel_diff), format_float(s.max_abs_diff), f"{s.min_cosine:.6f}",
+                    f"**{amp}**" if s.introduced else amp,
+                    "-" if s.first_failing_token is None else str(s.first_failing_token),
+                    "-" if s.worst_token is None else str(s.worst_token), verdict]
+
+
+def to_markdown(report: Report) -> str:
+    """The verdict line, a per-layer table (first divergent layer in bold) and the thresholds, as Markdown."""
+    lines = [_verdict_line(report), ""]
+    if report.tensors:
+        noise = " x noise |" if report.noise is not None else ""
+        lines += [f"| layer | tensors | rel_diff |{noise} max token rel_diff | max \\|diff\\| | min cosine "
+                  "| amplification | first failing token | worst token | verdict |",
+                  "|---:" * (9 + bool(noise)) + "|:---|"]
+        lines += ["| " + " | ".join(_layer_cells(report, s)) + " |" for s in report.layers()]
+        lines.append("")
+    summary = (f"target {_code(report.target)} vs baseline {_code(report.baseline)}; matched {report.matched} "
+               f"tensors; {threshold_summary(report, quote=_code)}")
+    if report.unmatched_baseline or report.unmatched_target:
+        summary += (f"; {len(report.unmatched_baseline)} tensors only in the baseline, "
+                    f"{len(report.unmatched_target)} only in the target")
+    lines.append(summary)
+    if report.logprobs is not None:
+        v = report.logprobs
+        verdict = status(v.passed, ", ".join(v.failures()))
+        lines += ["", f"logprobs: {verdict}: {_md(reaches_output(report))}"]
+    return "\n".join(lines) + "\n"
+
+
+def write_markdown(report: Report, path: str | os.PathLike[str]) -> None:
+    """:func:`to_markdown` written to ``path`` atomically."""
+    text = to_markdown(report)
+    with atomic_path(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
