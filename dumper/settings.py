@@ -3,11 +3,14 @@
 | variable                      | meaning                                                   |
 |-------------------------------|-----------------------------------------------------------|
 | ``DRIFTSCOPE_DUMP_DIR``       | ``dumper.dump()`` records here when no capture is active  |
-| ``DRIFTSCOPE_DEBUG``          | ``1``: the CLIs print the traceback of an internal error  |
-| ``DRIFTSCOPE_JSON_MEMORY_MIB``| memory one JSON text may take to parse (default 432)      |
+| ``DRIFTSCOPE_DEBUG``          | ``1``/``true``/``yes``/``on``: the CLIs print the         |
+|                               | traceback of an internal error (anything else: off)       |
+| ``DRIFTSCOPE_JSON_MEMORY_MIB``| memory one JSON text may take to parse, a whole number of |
+|                               | MiB >= 1 (default 432)                                    |
 
-The comparator's thresholds (``DRIFTSCOPE_DIFF_THRESHOLD``, ``DRIFTSCOPE_TOKEN_THRESHOLD``,
-``DRIFTSCOPE_LOGPROB_<NAME>``) are read by :mod:`comparator.settings`.
+An empty variable counts as unset; a bad value is a one-line :class:`~dumper.errors.UsageError`
+naming the variable. The comparator's thresholds (``DRIFTSCOPE_DIFF_THRESHOLD``,
+``DRIFTSCOPE_TOKEN_THRESHOLD``, ``DRIFTSCOPE_LOGPROB_<NAME>``) are read by :mod:`comparator.settings`.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ __all__ = ["EnvSettings", "env_settings"]
 
 @dataclass(frozen=True)
 class EnvSettings:
+    """The dumper's and the shared environment variables, parsed (the table above)."""
+
     dump_dir: str | None = None
     debug: bool = False
     json_memory_mib: int | None = None

@@ -1,4 +1,20 @@
-"""Argument helpers shared by the comparator's subcommands (``cli.py`` and ``store_cli.py``)."""
+"""The flag groups the comparator's subcommands share (:mod:`comparator.cli.main`, :mod:`comparator.cli.store`).
+
+Each flag is defined once, here, and added by every subcommand that takes it:
+
+* :func:`threshold_flags`: ``--threshold``, ``--token-threshold`` (``comparator A B``, ``regress``);
+* :func:`logprob_threshold_flags`: ``--logprob-threshold`` and, where thresholds come from the
+  table, ``--model`` as a *threshold row* (``comparator A B``, ``comparator logprobs``, ``regress``);
+* :func:`noise_flags`: ``--noise``, ``--noise-factor``, ``--noise-floor``;
+* :func:`output_flags`: ``--json``, ``--csv`` (the report files ``--html``, ``--plot``, ``--markdown``,
+  ``--format`` are :func:`comparator.reports.outputs.add_output_flags`);
+* :func:`run_group_flag`: ``--model`` as a *run group* of a store (``regress``, ``store ls``).
+
+``--model`` spells two concepts: a row of ``configs/logprob_thresholds.json`` in ``comparator``
+(``args.threshold_row``), and the model name a store files runs under in ``regress`` (``args.run_group``).
+:func:`parse_args` parses and refuses impossible flag combinations; :func:`compare_config` turns the
+threshold, logprob and noise groups into one :class:`~comparator.config.CompareConfig`.
+"""
 
 from __future__ import annotations
 
@@ -12,26 +28,91 @@ from rich.console import Console
 from dumper.cli.common import silence_stdout
 from dumper.errors import UsageError
 
+from comparator.config import CompareConfig
+from comparator.logprobs import LogprobThresholds
 from comparator.noise.model import DEFAULT_FACTOR, DEFAULT_FLOOR, NoiseModel, check_noise_factor, parse_noise_floor
+from comparator.reports.outputs import check_output_flags
+from comparator.thresholds import parse_assignments, parse_threshold
 
-__all__ = ["logprob_thresholds", "write_output", "stdout_console", "noise_flags", "noise_args"]
+__all__ = ["logprob_thresholds", "write_output", "stdout_console", "noise_flags", "noise_args", "threshold_flags",
+           "logprob_threshold_flags", "output_flags", "run_group_flag", "parse_args", "compare_config"]
+
+_LOGPROB_METRICS = "mse, mean_abs_err, max_abs_err, k3_mean, kl_mean, kl_max, topk_max_err"
+
+
+def _threshold_value(flag: str) -> Callable[[str], float]:
+    """An argparse ``type`` that checks a threshold as it is parsed: NaN or < 0 is one line naming ``flag``."""
+    def parse(raw: str) -> float:
+        float(raw)  # a non-number: argparse's own "invalid float value" line, as for type=float
+        value = parse_threshold(raw, where=flag)
+        assert value is not None  # off is not allowed here
+        return value
+    parse.__name__ = "float"
+    return parse
+
+
+def threshold_flags(p: argparse.ArgumentParser) -> None:
+    """``--threshold`` and ``--token-threshold``: the fixed rel_diff thresholds of the hidden-state comparison."""
+    p.add_argument("--threshold", type=_threshold_value("--threshold"), default=None,
+                   help="whole-tensor rel_diff threshold (default 1e-3, env DRIFTSCOPE_DIFF_THRESHOLD)")
+    p.add_argument("--token-threshold", type=_threshold_value("--token-threshold"), default=None,
+                   help="per-token rel_diff threshold (default 1e-3, env DRIFTSCOPE_TOKEN_THRESHOLD)")
+
+
+def logprob_threshold_flags(p: argparse.ArgumentParser, *, threshold_row: bool, noise_from: str) -> None:
+    """``--logprob-threshold NAME=VALUE`` (repeatable) and, with ``threshold_row``, ``--model NAME[@DTYPE]``.
+
+    ``noise_from`` says when a noise-derived threshold exists (``"with --noise"``, ``"against a
+    calibrated baseline"``). ``--model`` here is the threshold-table row (``args.threshold_row``).
+    """
+    p.add_argument("--logprob-threshold", action="append", default=[], metavar="NAME=VALUE",
+                   help=f"logprob threshold ({_LOGPROB_METRICS}; VALUE 'off' disables); repeatable; wins over "
+                        f"DRIFTSCOPE_LOGPROB_* and the per-model table, and {noise_from} applies on top of the "
+                        "noise-derived one (the smaller wins)")
+    if threshold_row:
+        p.add_argument("--model", dest="threshold_row", default=None, metavar="NAME[@DTYPE]",
+                       help="threshold row: the row of configs/logprob_thresholds.json whose logprob thresholds "
+                            "apply (default: the baseline dump's model, judged at the coarser dtype of the two "
+                            "dumps); NAME@DTYPE judges as DTYPE, e.g. default@bfloat16")
+
+
+def run_group_flag(p: argparse.ArgumentParser, help_text: str) -> None:
+    """``--model MODEL`` as a run group: the model name a run store files runs under (``args.run_group``)."""
+    p.add_argument("--model", dest="run_group", default=None, metavar="MODEL", help=help_text)
+
+
+def output_flags(p: argparse.ArgumentParser, *, json: str, csv: bool = False) -> None:
+    """``--json FILE`` (writes ``json``, e.g. "the report") and, with ``csv``, ``--csv FILE``."""
+    p.add_argument("--json", metavar="FILE", help=f"write {json} as JSON")
+    if csv:
+        p.add_argument("--csv", metavar="FILE", help="write the per-tensor table as CSV")
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace:
+    """``argv`` parsed, with impossible combinations of the groups' flags refused before any work.
+
+    Checked: the report outputs (:func:`comparator.reports.outputs.check_output_flags`) and that
+    a threshold row given with ``--model`` exists (a typo must not loosen the thresholds).
+    """
+    args = parser.parse_args(argv)
+    check_output_flags(args)
+    if getattr(args, "threshold_row", None) is not None:
+        LogprobThresholds.check_row(args.threshold_row)
+    return args
+
+
+def compare_config(args: argparse.Namespace) -> CompareConfig:
+    """The config of the parsed threshold, logprob-threshold and noise groups: flags > env vars > defaults."""
+    return CompareConfig.resolve(threshold=args.threshold, token_threshold=args.token_threshold,
+                                 threads=args.threads, logprob_thresholds=logprob_thresholds(args.logprob_threshold),
+                                 model=getattr(args, "threshold_row", None),
+                                 require_all=getattr(args, "require_all", False),
+                                 allow_model_mismatch=args.allow_model_mismatch, **noise_args(args))
 
 
 def logprob_thresholds(pairs: Sequence[str]) -> dict[str, float | None]:
-    """``--logprob-threshold NAME=VALUE`` items as ``{name: value}`` (``off`` gives ``None``)."""
-    out: dict[str, float | None] = {}
-    for item in pairs:
-        name, sep, value = item.partition("=")
-        if not sep:
-            raise UsageError(f"--logprob-threshold {item!r}: expected NAME=VALUE")
-        if value.strip().lower() in ("off", "none", "null"):
-            out[name.strip()] = None
-            continue
-        try:
-            out[name.strip()] = float(value)
-        except ValueError:
-            raise UsageError(f"--logprob-threshold {item!r}: {value!r} is not a number (or 'off')") from None
-    return out
+    """``--logprob-threshold NAME=VALUE`` items as ``{name: value}`` (``off`` gives ``None``; later items win)."""
+    return parse_assignments(pairs, flag="--logprob-threshold", allow_off=True)
 
 
 def noise_flags(p: argparse.ArgumentParser, *, noise_file: bool = True) -> None:

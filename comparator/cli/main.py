@@ -21,31 +21,19 @@ from dumper.cli.common import Parser, guarded_main
 from dumper.errors import EXIT_DIVERGED, EXIT_OK, UsageError
 from dumper.format import MANIFEST_NAME, write_json_atomic
 
-from comparator.cli.args import logprob_thresholds as _thresholds
-from comparator.cli.args import noise_args as _noise_args
-from comparator.cli.args import noise_flags as _noise_flags
+from comparator.cli.args import (compare_config, logprob_threshold_flags, logprob_thresholds, noise_args, noise_flags,
+                                 output_flags, parse_args, threshold_flags)
 from comparator.cli.args import stdout_console as _console
 from comparator.cli.args import write_output as _write
 from comparator.hidden.compare import compare_dumps
-from comparator.config import CompareConfig
 from comparator.hidden.identity import check_distinct
-from comparator.logprobs import LogprobThresholds
-from comparator.reports.outputs import add_output_flags, check_output_flags, progress_callback, write_outputs
-from comparator.reports.text import describe_divergence, render_logprobs, render_report, verdict_notes
+from comparator.reports.outputs import add_output_flags, progress_callback, write_outputs
+from comparator.outcome import headline, status, verdict_notes
+from comparator.reports.text import render_logprobs, render_report
 from comparator.logprobs.sources import compare_logprob_sources
 from comparator.cli.store import run_regress, run_store
 
 __all__ = ["main", "build_parser", "build_logprobs_parser", "build_collect_parser", "build_calibrate_parser"]
-
-
-def _logprob_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--logprob-threshold", action="append", default=[], metavar="NAME=VALUE",
-                   help="logprob threshold (mse, mean_abs_err, max_abs_err, k3_mean, kl_mean, kl_max, topk_max_err; "
-                        "VALUE 'off' disables); repeatable; wins over DRIFTSCOPE_LOGPROB_* and the per-model table, "
-                        "and with --noise applies on top of the noise-derived one (the smaller wins)")
-    p.add_argument("--model", default=None, metavar="NAME[@DTYPE]",
-                   help="row of configs/logprob_thresholds.json to use (default: the baseline dump's model, judged "
-                        "at the coarser dtype of the two dumps); NAME@DTYPE judges as DTYPE, e.g. default@bfloat16")
 
 
 def build_calibrate_parser() -> argparse.ArgumentParser:
@@ -92,12 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
                "of dumps or engine JSONL files.")
     p.add_argument("baseline", help="dump directory (or SGLang dumper directory) of the trusted run")
     p.add_argument("target", help="dump directory (or SGLang dumper directory) of the run under test")
-    p.add_argument("--threshold", type=float, default=None,
-                   help="whole-tensor rel_diff threshold (default 1e-3, env DRIFTSCOPE_DIFF_THRESHOLD)")
-    p.add_argument("--token-threshold", type=float, default=None,
-                   help="per-token rel_diff threshold (default 1e-3, env DRIFTSCOPE_TOKEN_THRESHOLD)")
-    p.add_argument("--json", metavar="FILE", help="write the report as JSON")
-    p.add_argument("--csv", metavar="FILE", help="write the per-tensor table as CSV")
+    threshold_flags(p)
+    output_flags(p, json="the report", csv=True)
     p.add_argument("--tensors", action="store_true", help="also print one row per tensor")
     p.add_argument("--threads", type=int, default=None, help="metric worker threads (default 2)")
     p.add_argument("--quiet", action="store_true", help="print only the verdict line")
@@ -107,8 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-model-mismatch", action="store_true",
                    help="compare dumps of different models (architecture, layer count, hidden size, config "
                         "hash), e.g. cross-engine or quantized runs; the differences are reported")
-    _logprob_flags(p)
-    _noise_flags(p)
+    logprob_threshold_flags(p, threshold_row=True, noise_from="with --noise")
+    noise_flags(p)
     add_output_flags(p)
     return p
 
@@ -121,12 +105,12 @@ def build_logprobs_parser() -> argparse.ArgumentParser:
                                     "of the trusted run")
     p.add_argument("target", help="dump directory, engine JSONL file or llama.cpp KL-divergence base file "
                                   "of the run under test")
-    p.add_argument("--json", metavar="FILE", help="write the verdict as JSON")
+    output_flags(p, json="the verdict")
     p.add_argument("--quiet", action="store_true", help="print only the verdict line")
     p.add_argument("--allow-model-mismatch", action="store_true",
                    help="compare dumps of different models (architecture, layer count, hidden size, config hash)")
-    _logprob_flags(p)
-    _noise_flags(p)
+    logprob_threshold_flags(p, threshold_row=True, noise_from="with --noise")
+    noise_flags(p)
     return p
 
 
@@ -172,20 +156,14 @@ def run_collect(argv: Sequence[str]) -> int:
     return EXIT_OK
 
 
-def _check_model_row(args: argparse.Namespace) -> None:
-    if args.model is not None:
-        LogprobThresholds.check_row(args.model)
-
-
 def run_logprobs(argv: Sequence[str]) -> int:
-    args = build_logprobs_parser().parse_args(argv)
-    _check_model_row(args)
-    noise = _noise_args(args)
+    args = parse_args(build_logprobs_parser(), argv)
+    noise = noise_args(args)
     if "rel_diff" in noise["noise_floors"]:
         raise UsageError("--noise-floor: comparator logprobs takes NAME=VALUE with NAME a logprob metric "
                          "(mse, mean_abs_err, max_abs_err, k3_mean, kl_mean, kl_max, topk_max_err)")
-    verdict = compare_logprob_sources(args.baseline, args.target, model=args.model,
-                                      explicit=_thresholds(args.logprob_threshold),
+    verdict = compare_logprob_sources(args.baseline, args.target, model=args.threshold_row,
+                                      explicit=logprob_thresholds(args.logprob_threshold),
                                       allow_model_mismatch=args.allow_model_mismatch, **noise)
     console = _console()
     if args.quiet:
@@ -194,7 +172,7 @@ def run_logprobs(argv: Sequence[str]) -> int:
                  for side, names in (("baseline", verdict.unmatched_baseline), ("target", verdict.unmatched_target))
                  if names]
         note = f" (not compared, {'; '.join(sides)})" if sides else ""
-        console.print(("PASS" if verdict.passed else f"FAIL ({', '.join(verdict.failures())})") + note,
+        console.print(status(verdict.passed, ", ".join(verdict.failures())) + note,
                       markup=False, emoji=False, highlight=False)
     else:
         render_logprobs(verdict, console)
@@ -218,13 +196,8 @@ def run(argv: Sequence[str] | None = None) -> int:
         return run_regress(argv[1:])
     if argv[:1] == ["store"]:
         return run_store(argv[1:])
-    args = build_parser().parse_args(argv)
-    check_output_flags(args)
-    _check_model_row(args)
-    config = CompareConfig.resolve(threshold=args.threshold, token_threshold=args.token_threshold,
-                                   threads=args.threads, logprob_thresholds=_thresholds(args.logprob_threshold),
-                                   model=args.model, require_all=args.require_all,
-                                   allow_model_mismatch=args.allow_model_mismatch, **_noise_args(args))
+    args = parse_args(build_parser(), argv)
+    config = compare_config(args)
     check_distinct(args.baseline, args.target)  # before an SGLang side is converted into a temporary dump
     # either side may be an SGLang dumper directory: read as a temporary driftscope dump (dumper.engines.sglang)
     with _dump_side(args.baseline) as base, _dump_side(args.target) as target:
@@ -234,12 +207,8 @@ def run(argv: Sequence[str] | None = None) -> int:
         if args.format == "table":  # with --format json, stdout carries the JSON report alone
             console = _console()
             if args.quiet:
-                fd = report.first_divergent
-                line = ("PASS" if report.passed else f"DIVERGED {describe_divergence(fd)}" if fd else
-                        "DIVERGED (replicas differ)" if report.replica_mismatches else
-                        f"DIVERGED (logprobs: {', '.join(report.logprobs.failures())})")
                 notes = verdict_notes(report)
-                console.print(line + (f" ({'; '.join(notes)})" if notes else ""), markup=False, emoji=False,
+                console.print(headline(report) + (f" ({'; '.join(notes)})" if notes else ""), markup=False, emoji=False,
                               highlight=False, soft_wrap=True)  # one line, whatever its length
             else:
                 render_report(report, console, tensors=args.tensors)

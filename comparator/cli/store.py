@@ -15,23 +15,36 @@ import sys
 from collections.abc import Sequence
 from dataclasses import replace
 from datetime import datetime, timezone
-from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from dumper.cli.common import Parser
-from dumper.format import write_json_atomic
-
-from comparator.cli.args import logprob_thresholds, noise_args, noise_flags, stdout_console, write_output
-from comparator.noise.calibrate import calibrate
+from comparator.cli.args import (
+    compare_config,
+    logprob_threshold_flags,
+    noise_flags,
+    output_flags,
+    parse_args,
+    run_group_flag,
+    stdout_console,
+    threshold_flags,
+    write_output,
+)
 from comparator.config import CompareConfig
-from comparator.store.regress import RegressResult, regress
+from comparator.noise.calibrate import calibrate
+from comparator.outcome import UNUSABLE, status
 from comparator.reports.text import render_report
 from comparator.store import LABELS, RunEntry, RunStore, StoreError
-from comparator.store.record import RunRecord, printable
+from comparator.store.record import RunRecord
+from comparator.store.regress import RegressResult, regress
 from comparator.store.select import current_baselines
+from dumper.cli.common import Parser
+from dumper.errors import CorruptDumpError
+from dumper.format import MANIFEST_NAME, write_json_atomic
+from dumper.format.describe import describe_lines
+from dumper.format.files import printable
+from dumper.format.manifest import parse_manifest
 
 __all__ = ["run_regress", "run_store", "build_regress_parser", "build_store_parser"]
 
@@ -44,7 +57,8 @@ def build_regress_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir", help="dump directory of the run under test")
     p.add_argument("--store", required=True, metavar="URL",
                    help="run store: a local directory, or an fsspec URL (file://, s3://, gcs://, hf://, memory://)")
-    p.add_argument("--model", default=None, help="model name runs are grouped by (default: the dump's model name)")
+    run_group_flag(p, "run group: the model name the store files this run under and picks its baseline from "
+                      "(default: the dump's model name); not a row of the logprob threshold table")
     p.add_argument("--bootstrap", action="store_true",
                    help="when no comparable baseline exists, store this run as the first baseline (exit 0)")
     p.add_argument("--allow-env-mismatch", action="store_true",
@@ -56,13 +70,9 @@ def build_regress_parser() -> argparse.ArgumentParser:
                    help="compare against a baseline of another model (architecture, sizes, config hash)")
     p.add_argument("--cache-dir", metavar="DIR", default=None,
                    help="keep downloaded baselines of a remote store here (default: a temporary directory)")
-    p.add_argument("--json", metavar="FILE", help="write the result (run id, label, baseline, report) as JSON")
-    p.add_argument("--threshold", type=float, default=None,
-                   help="whole-tensor rel_diff threshold (default 1e-3, env DRIFTSCOPE_DIFF_THRESHOLD)")
-    p.add_argument("--token-threshold", type=float, default=None,
-                   help="per-token rel_diff threshold (default 1e-3, env DRIFTSCOPE_TOKEN_THRESHOLD)")
-    p.add_argument("--logprob-threshold", action="append", default=[], metavar="NAME=VALUE",
-                   help="logprob threshold, repeatable (as for python -m comparator)")
+    output_flags(p, json="the result (run id, label, baseline, report)")
+    threshold_flags(p)
+    logprob_threshold_flags(p, threshold_row=False, noise_from="against a calibrated baseline")
     p.add_argument("--threads", type=int, default=None, help="metric worker threads (default 2)")
     p.add_argument("--calibrate", nargs="+", default=[], metavar="VARIANT",
                    help="dumps of benign re-runs of this run's inputs (another --attn, --chunk-size, --batch-size, "
@@ -79,7 +89,7 @@ def build_store_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, metavar="{ls,show,promote,prune}")
     ls = sub.add_parser("ls", help="list runs (incomplete and corrupt ones flagged)")
     ls.add_argument("url", help="run store location")
-    ls.add_argument("--model", default=None, help="only runs of this model")
+    run_group_flag(ls, "only runs of this run group (the model name runs are filed under)")
     ls.add_argument("--label", choices=LABELS, default=None, help="only runs with this label")
     show = sub.add_parser("show", help="print a run's record and a summary of its dump")
     show.add_argument("url", help="run store location")
@@ -108,11 +118,9 @@ def _warn(lines: Sequence[str]) -> None:
 
 
 def run_regress(argv: Sequence[str]) -> int:
-    args = build_regress_parser().parse_args(argv)
-    config = CompareConfig.resolve(threshold=args.threshold, token_threshold=args.token_threshold,
-                                   threads=args.threads, logprob_thresholds=logprob_thresholds(args.logprob_threshold),
-                                   allow_model_mismatch=args.allow_model_mismatch, **noise_args(args))
-    result = regress(args.run_dir, args.store, model=args.model, bootstrap=args.bootstrap,
+    args = parse_args(build_regress_parser(), argv)
+    config = compare_config(args)
+    result = regress(args.run_dir, args.store, model=args.run_group, bootstrap=args.bootstrap,
                      allow_env_mismatch=args.allow_env_mismatch, config=config, cache_dir=args.cache_dir,
                      require_all=not args.allow_missing, calibrate_from=args.calibrate)
     _warn(result.warnings)
@@ -137,11 +145,11 @@ def _open(url: str) -> RunStore:
 
 
 def run_store(argv: Sequence[str]) -> int:
-    args = build_store_parser().parse_args(argv)
+    args = parse_args(build_store_parser(), argv)
     store = _open(args.url)
     console = stdout_console()
     if args.command == "ls":
-        _ls(store, console, model=args.model, label=args.label)
+        _ls(store, console, run_group=args.run_group, label=args.label)
     elif args.command == "show":
         _show(store, args.run_id, console)
     elif args.command == "promote":
@@ -188,7 +196,7 @@ def _calibration(store: RunStore, rec: RunRecord) -> str:
         stored = store.noise(rec)
     except StoreError as e:
         _warn([str(e)])
-        return f"calibration: UNUSABLE ({e})"
+        return f"calibration: {UNUSABLE} ({e})"
     assert stored is not None
     cal = stored.calibration
     on = "this run" if cal["measured_on"] == rec.run_id else f"run {cal['measured_on']} (inherited)"
@@ -205,7 +213,7 @@ def _created(rec_created: str) -> str:
     return f"{t:%Y-%m-%d %H:%M:%S}"
 
 
-def _ls(store: RunStore, console: Console, *, model: str | None, label: str | None) -> None:
+def _ls(store: RunStore, console: Console, *, run_group: str | None, label: str | None) -> None:
     entries = store.runs()
     current = current_baselines(entries)
     table = Table(title=Text(f"runs in {store.url}"), title_justify="left")
@@ -213,13 +221,13 @@ def _ls(store: RunStore, console: Console, *, model: str | None, label: str | No
         table.add_column(col, no_wrap=col in ("run id", "created (UTC)", "baseline"))
     shown = 0
     for e in entries:
-        r = e.record
-        if r is None or (model and r.model != model) or (label and r.pass_label != label):
+        rec = e.record
+        if rec is None or (run_group and rec.model != run_group) or (label and rec.pass_label != label):
             continue
-        tag = r.pass_label + (" (current)" if r.run_id in current else "")
-        style = {"failed": "red", "baseline": "bold"}.get(r.pass_label)
-        table.add_row(r.run_id, Text(printable(_created(r.created_at))), Text(printable(r.model)),
-                      Text(tag, style=style or ""), r.baseline_run or "-", Text(printable(r.verdict())))
+        tag = rec.pass_label + (" (current)" if rec.run_id in current else "")
+        style = {"failed": "red", "baseline": "bold"}.get(rec.pass_label)
+        table.add_row(rec.run_id, Text(printable(_created(rec.created_at))), Text(printable(rec.model)),
+                      Text(tag, style=style or ""), rec.baseline_run or "-", Text(printable(rec.verdict())))
         shown += 1
     broken: list[RunEntry] = [e for e in entries if not e.complete]
     for e in broken:
@@ -233,27 +241,26 @@ def _ls(store: RunStore, console: Console, *, model: str | None, label: str | No
 def _show(store: RunStore, run_id: str, console: Console) -> None:
     rec = store.get(run_id)
     console.print_json(json.dumps(rec.to_json()))
-    console.print(Text(_dump_summary(store.manifest_json(run_id))))
+    for line in _dump_lines(store, run_id):
+        console.print(Text(line), soft_wrap=True)  # one line each, as python -m dumper ls prints them
     console.print(Text(_calibration(store, rec)))
     report = store.report_json(run_id)
     if report is not None:
         matched = report.get("matched")
         console.print(Text(f"report: {matched if type(matched) is int else '?'} tensors compared against baseline "
-                           f"{rec.baseline_run}; {'PASS' if report.get('passed') is True else 'FAIL'}"))
+                           f"{rec.baseline_run}; {status(report.get('passed') is True)}"))
 
 
-def _ints(tensors: list[dict[str, Any]], key: str) -> list[int]:
-    return sorted({t[key] for t in tensors if type(t.get(key)) is int})
+def _dump_lines(store: RunStore, run_id: str) -> list[str]:
+    """The stored dump described as ``python -m dumper ls`` describes a dump (:mod:`dumper.format.describe`).
 
-
-def _dump_summary(m: dict[str, Any]) -> str:
-    """One line about a stored dump from its raw manifest (``files`` checked; the rest taken as it comes)."""
-    listed = m.get("tensors")
-    tensors = [t for t in listed if isinstance(t, dict)] if isinstance(listed, list) else []
-    size = sum(m["files"].values())
-    model = m.get("model")
-    name = model.get("name") if isinstance(model, dict) else None
-    return (f"dump: {len(tensors)} tensors in {len(m['files'])} files ({size / 2**20:.1f} MiB); "
-            f"layers {_ints(tensors, 'layer')}; {len(_ints(tensors, 'forward_pass'))} forward passes; "
-            f"ranks {_ints(tensors, 'rank')}; model {printable(repr(name))}; "
-            f"created {printable(str(m.get('created_at')))}")
+    Its manifest passes every check of the dump format first; a broken one is one ``UNUSABLE`` line
+    and a warning, so the run's record and calibration are still shown.
+    """
+    where = store.where(run_id, "dump", MANIFEST_NAME)
+    try:
+        manifest = parse_manifest(store.manifest_json(run_id), where)
+    except CorruptDumpError as e:
+        _warn([str(e)])
+        return [f"dump: {UNUSABLE} ({e})"]
+    return list(describe_lines(manifest))

@@ -10,7 +10,31 @@ Example::
     base = select_baseline(store, m.model["name"], m.capture_signature, m.environment)
     print(base.run_id if base else "no baseline yet")
 
-:func:`comparator.store.regress` does the whole job: select, compare, store the run labelled.
+:func:`comparator.store.regress.regress` (also ``comparator.regress``) does the whole job: select,
+compare, store the run labelled; ``python -m comparator regress`` and ``store`` are its CLI
+(:mod:`comparator.cli.store`).
+
+Modules: :mod:`~comparator.store.runstore` (:class:`RunStore`: put, get, list, promote, prune),
+:mod:`~comparator.store.record` (what a stored run holds), :mod:`~comparator.store.select` (which
+run is the baseline), :mod:`~comparator.store.environment` (which environment fields must match),
+:mod:`~comparator.store.regress`, and the bytes: :mod:`~comparator.store.backend` (the
+:class:`~comparator.store.backend.Backend` interface and the local directory) and
+:mod:`~comparator.store.fsspec_backend` (any fsspec URL). A new storage backend is one
+:class:`~comparator.store.backend.Backend` subclass, picked in :func:`~comparator.store.backend.open_backend`.
+
+Names. In this package a **run** is one dump stored in a store, in its folder ``runs/<run_id>/``:
+
+* :class:`RunRecord` is its ``run.json`` (label, run group, baseline, verdict summary);
+* :class:`RunEntry` is one listed folder under ``runs/``, complete or not, with its record if readable;
+* a run's **model** (``RunRecord.model``, ``regress(model=...)``, ``--model`` of ``regress`` and
+  ``store ls``) is its *run group*: the name runs are filed under and baselines picked from. It is
+  not the *threshold row* that ``python -m comparator A B --model`` names in
+  ``configs/logprob_thresholds.json``.
+
+Not to be confused with: :class:`dumper.format.TensorRecord` (one tensor's entry in a dump's
+manifest), :func:`comparator.logprobs.sources.engine_json.parse_record` (one engine response
+line), ``Capture.record`` (the hooks storing one tensor), :func:`dumper.format.encode_runs`
+(run-length encoding of positions) and ``python -m dumper run`` (a prefill job that writes a dump).
 """
 
 from comparator.store.environment import COMPARED_ENV_FIELDS, EnvDifference, env_differences

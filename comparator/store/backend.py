@@ -7,7 +7,8 @@ Two ways to publish a run whole, chosen by what the filesystem can do:
   is atomic, so a reader never sees a half-written run folder;
 * **fsspec backends** (``s3://``, ``gcs://``, ``hf://``, ``memory://``, ...): object stores have
   no atomic rename (``mv`` is copy + delete, object by object), so the run is written straight
-  into ``runs/<run_id>/`` and its ``COMPLETE`` marker is written last.
+  into ``runs/<run_id>/`` and its ``COMPLETE`` marker is written last
+  (:class:`comparator.store.fsspec_backend.FsspecBackend`).
 
 Both write the marker last, so one rule decides completeness everywhere: a run folder without
 ``COMPLETE`` is incomplete and never selected.
@@ -29,11 +30,11 @@ from pathlib import Path
 from typing import IO, Any, Literal, Union
 
 from dumper.format import atomic_path, fsync_dir
-from dumper.format.validate import file_kind, is_plain_name
+from dumper.format.files import file_kind, is_plain_name
 
 from comparator.store.errors import StoreError, UnsafePathError
 
-__all__ = ["Backend", "LocalBackend", "FsspecBackend", "open_backend", "check_rel", "plain_name", "EntryKind",
+__all__ = ["Backend", "LocalBackend", "open_backend", "check_rel", "plain_name", "EntryKind",
            "ReadResult", "MAX_SMALL_FILE"]
 
 CHUNK = 8 << 20
@@ -61,26 +62,26 @@ def check_rel(rel: str, where: str) -> str:
 
 
 def plain_name(name: Any, where: str) -> str:
-    """``name`` if it is one plain file name (the dump format's rule, :func:`dumper.format.validate.is_plain_name`),
+    """``name`` if it is one plain file name (the dump format's rule, :func:`dumper.format.files.is_plain_name`),
     else :class:`UnsafePathError`."""
     if not is_plain_name(name):
         raise UnsafePathError(f"{where}: refusing file name {name!r} (not one plain name inside the dump)")
     return name
 
 
-def _too_big(where: str, size: int | None, limit: int) -> StoreError:
+def too_big(where: str, size: int | None, limit: int) -> StoreError:
     """``size`` is ``None`` when only "more than ``limit``" is known (a stream cut short)."""
     what = f"more than {limit}" if size is None else f"{size}"
     return StoreError(f"{where}: {what} bytes, over the {limit} bytes this store reads for it; refusing it")
 
 
-def _copy(src: IO[bytes], dst: IO[bytes], limit: int | None, where: str) -> None:
+def copy_limited(src: IO[bytes], dst: IO[bytes], limit: int | None, where: str) -> None:
     """Stream ``src`` into ``dst``; more than ``limit`` bytes is an error (the file is not what it claims)."""
     done = 0
     while chunk := src.read(CHUNK if limit is None else min(CHUNK, limit + 1 - done)):
         done += len(chunk)
         if limit is not None and done > limit:
-            raise _too_big(where, None, limit)
+            raise too_big(where, None, limit)
         dst.write(chunk)
 
 
@@ -154,6 +155,7 @@ class Backend(abc.ABC):
     def check_in_place(self, rel: str, within: str) -> None:
         """Refuse (:class:`UnsafePathError`) to read ``rel`` in place unless it is a regular file whose
         real path stays inside the folder ``within``; a no-op where files are downloaded, not read in place."""
+        return None
 
     def read_bytes(self, rel: str, *, max_bytes: int = MAX_SMALL_FILE) -> bytes | None:
         """One file's bytes, ``None`` when missing; :class:`StoreError` when it cannot be read safely."""
@@ -209,7 +211,7 @@ class LocalBackend(Backend):
         except OSError as e:
             return StoreError(f"{path}: cannot read ({e.strerror or e})")
         if size > max_bytes or len(data) > max_bytes:  # (a file that grew while read)
-            return _too_big(str(path), size if size > max_bytes else None, max_bytes)
+            return too_big(str(path), size if size > max_bytes else None, max_bytes)
         return data
 
     def staging(self, run_id: str) -> str:
@@ -273,7 +275,7 @@ class LocalBackend(Backend):
         local.parent.mkdir(parents=True, exist_ok=True)
         try:
             with self._open_regular(rel) as src, open(local, "wb") as dst:
-                _copy(src, dst, max_bytes, str(self.root / rel))
+                copy_limited(src, dst, max_bytes, str(self.root / rel))
         except FileNotFoundError:
             raise StoreError(f"{self.root / rel}: missing") from None
 
@@ -332,95 +334,6 @@ def _open_source(local: Path) -> IO[bytes]:
     return open(local, "rb")
 
 
-class FsspecBackend(Backend):
-    """A store on any fsspec filesystem; completeness rests on the ``COMPLETE`` marker written last."""
-
-    atomic_rename = False
-
-    def __init__(self, fs: Any, root: str, url: str) -> None:
-        self.fs = fs
-        self.root = root.rstrip("/")
-        self.url = url
-
-    def _p(self, rel: str) -> str:
-        return f"{self.root}/{check_rel(rel, self.url)}"
-
-    def staging(self, run_id: str) -> str:
-        return f"runs/{run_id}"
-
-    def publish(self, staging: str, final: str) -> None:
-        if staging != final:  # pragma: no cover - staging() never differs here
-            raise StoreError(f"{self.url}: cannot rename {staging} to {final} on this filesystem")
-
-    def exists(self, rel: str) -> bool:
-        return bool(self.fs.exists(self._p(rel)))
-
-    def list_entries(self, rel: str) -> list[tuple[str, EntryKind]]:
-        path = self._p(rel)
-        self.fs.invalidate_cache(path)  # listings are cached per instance (s3fs, gcsfs)
-        try:
-            infos = self.fs.ls(path, detail=True)
-        except FileNotFoundError:
-            return []
-        except OSError as e:
-            raise StoreError(f"{self.url}/{rel}: cannot list ({type(e).__name__}: {e})") from None
-        itself = str(self.fs._strip_protocol(path)).rstrip("/")
-        out: list[tuple[str, EntryKind]] = []
-        for info in infos:
-            name = str(info.get("name", "")).rstrip("/")
-            if name == itself:  # some filesystems list a file as itself
-                raise StoreError(f"{self.url}/{rel}: not a folder")
-            kind = {"directory": "dir", "file": "file", "link": "symlink"}.get(str(info.get("type")), "other")
-            if name.rsplit("/", 1)[-1]:
-                out.append((name.rsplit("/", 1)[-1], kind))  # type: ignore[arg-type]
-        return sorted(out)
-
-    def read_many(self, rels: list[str], *, max_bytes: int = MAX_SMALL_FILE) -> dict[str, ReadResult]:
-        if not rels:
-            return {}
-        got = self.fs.cat_ranges([self._p(rel) for rel in rels], 0, max_bytes + 1, on_error="return")
-        out: dict[str, ReadResult] = {}
-        for rel, value in zip(rels, got, strict=True):
-            where = f"{self.url}/{rel}"
-            if isinstance(value, FileNotFoundError) or value is None:
-                out[rel] = None
-            elif isinstance(value, IsADirectoryError):
-                out[rel] = UnsafePathError(f"{where}: a directory where a file belongs")
-            elif isinstance(value, BaseException):
-                out[rel] = StoreError(f"{where}: cannot read ({type(value).__name__}: {value})")
-            else:
-                out[rel] = _too_big(where, None, max_bytes) if len(value) > max_bytes else bytes(value)
-        return out
-
-    def write_bytes(self, rel: str, data: bytes) -> None:
-        self.fs.pipe_file(self._p(rel), data)
-
-    def upload(self, local: Path, rel: str) -> None:
-        with open(local, "rb") as src, self.fs.open(self._p(rel), "wb") as dst:
-            shutil.copyfileobj(src, dst, CHUNK)
-
-    def download(self, rel: str, local: Path, *, max_bytes: int | None = None) -> None:
-        local.parent.mkdir(parents=True, exist_ok=True)
-        where = f"{self.url}/{rel}"
-        try:
-            with self.fs.open(self._p(rel), "rb") as src, open(local, "xb") as dst:
-                _copy(src, dst, max_bytes, where)
-        except FileNotFoundError:
-            raise StoreError(f"{where}: listed in the dump's manifest but missing") from None
-        except (OSError, ValueError) as e:
-            raise StoreError(f"{where}: cannot download ({type(e).__name__}: {e})") from None
-
-    def remove_tree(self, rel: str) -> None:
-        # the marker goes first: a half-deleted run lists as incomplete, never as complete
-        marker = self._p(f"{rel}/COMPLETE")
-        if self.fs.exists(marker):
-            self.fs.rm_file(marker)
-        self.fs.rm(self._p(rel), recursive=True)
-
-    def newest_mtime(self, rel: str) -> float | None:
-        return None
-
-
 def open_backend(url: str | os.PathLike[str]) -> Backend:
     """A plain path or a ``file://`` URL gives a local store; any other URL goes through fsspec."""
     s = os.fspath(url)
@@ -428,6 +341,8 @@ def open_backend(url: str | os.PathLike[str]) -> Backend:
         return LocalBackend(Path(s), s)
     import fsspec
     from fsspec.implementations.local import LocalFileSystem
+
+    from comparator.store.fsspec_backend import FsspecBackend
 
     try:
         fs, root = fsspec.core.url_to_fs(s)

@@ -71,6 +71,11 @@ class EnvDifference:
     def to_json(self) -> dict[str, Any]:
         return {"field": self.field, "baseline": self.baseline, "run": self.run}
 
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> EnvDifference:
+        """Inverse of :meth:`to_json` (the values are the environments' own JSON values)."""
+        return cls(field=str(d["field"]), baseline=d["baseline"], run=d["run"])
+
 
 def env_key(env: Mapping[str, Any]) -> tuple[Any, ...]:
     """The normalized compared fields: two environments are comparable iff their keys are equal."""

@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from dumper.errors import DriftscopeError
-from dumper.format.validate import parse_json
-
 from comparator.noise.model import NoiseModel
+from comparator.outcome import FAIL, PASS, UNUSABLE, status
 from comparator.store.errors import StoreError
+from dumper.errors import DriftscopeError
+from dumper.format.files import parse_json, printable
 
 __all__ = [
     "RUN_FORMAT_VERSION",
@@ -37,7 +37,6 @@ __all__ = [
     "run_id_time",
     "signature_key",
     "summarize_report",
-    "printable",
 ]
 
 RUN_FORMAT_VERSION = 1
@@ -58,11 +57,6 @@ CALIBRATION_KEYS = ("variants", "created_at", "sha256", "measured_on")
 stored ``noise.json`` (the pair must agree, so a half-finished recalibration is detected), and
 the run whose dump the variants were compared with (the run itself, or the calibrated baseline
 a passed run inherited its noise from)."""
-
-
-def printable(text: str) -> str:
-    """``text`` fit for one line of output: control characters and undecodable bytes escaped."""
-    return text if text.isprintable() else text.encode("unicode_escape", "backslashreplace").decode("ascii")
 
 
 def new_run_id(now_ns: int | None = None) -> tuple[str, str]:
@@ -191,14 +185,14 @@ class RunRecord:
         if not s:
             return "-"
         if s.get("error"):
-            return f"UNUSABLE: {s['error']}"
+            return f"{UNUSABLE}: {s['error']}"
         if s.get("passed"):
-            return f"PASS ({s.get('matched')} tensors)"
+            return f"{PASS} ({s.get('matched')} tensors)"
         fd = s.get("first_divergent")
         if isinstance(fd, dict):
             tok = "" if fd.get("token") is None else f", token {fd['token']}"
-            return f"FAIL at layer {fd.get('layer')}{tok}"
-        return "FAIL (logprobs)" if s.get("logprobs_passed") is False else "FAIL"
+            return f"{FAIL} at layer {fd.get('layer')}{tok}"
+        return status(False, "logprobs" if s.get("logprobs_passed") is False else None)
 
 
 def _show(v: Any) -> str:

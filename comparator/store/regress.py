@@ -34,6 +34,7 @@ from comparator.noise.calibrate import calibrate
 from comparator.hidden.compare import compare_dumps
 from comparator.config import CompareConfig
 from comparator.noise.model import NoiseModel
+from comparator.outcome import BOOTSTRAP, FAIL, PASS, UNUSABLE
 from comparator.results import Report
 from comparator.store import (
     EnvDifference,
@@ -132,16 +133,7 @@ def regress(run_dir: str | os.PathLike[str], store: str | os.PathLike[str] | Run
     st = store if isinstance(store, RunStore) else RunStore(store)
     entries = st.runs()
     warnings = tuple(e.problem for e in entries if e.status in ("incomplete", "corrupt") and e.problem)
-    why = "no comparable baseline"
-    diffs: tuple[EnvDifference, ...] = ()
-    try:
-        base = select_baseline(entries, model, manifest.capture_signature, manifest.environment,
-                               allow_env_mismatch=allow_env_mismatch)
-    except EnvMismatchError as e:
-        if not bootstrap:
-            raise
-        base, diffs = None, e.differences
-        why = "no baseline from this environment: " + describe_differences(e.differences)
+    base, why, diffs = _select(entries, model, manifest, allow_env_mismatch=allow_env_mismatch, bootstrap=bootstrap)
     if base is None:
         if not bootstrap:
             raise NoBaselineError(_no_baseline(st, entries, model, manifest))
@@ -155,6 +147,22 @@ def regress(run_dir: str | os.PathLike[str], store: str | os.PathLike[str] | Run
         warnings += (_uncalibrated(st, base, config),)
     return _compare_and_store(st, run_dir, manifest, model, base, config, cache_dir, warnings, diffs,
                               base_noise=base_noise, own=own)
+
+
+def _select(entries: list[RunEntry], model: str, manifest: Manifest, *, allow_env_mismatch: bool,
+            bootstrap: bool) -> tuple[RunRecord | None, str, tuple[EnvDifference, ...]]:
+    """The run's baseline (``None``: none), why there is none, and the environment differences that left none.
+
+    An environment mismatch raises unless ``bootstrap``, which then stores the run as a new baseline.
+    """
+    try:
+        base = select_baseline(entries, model, manifest.capture_signature, manifest.environment,
+                               allow_env_mismatch=allow_env_mismatch)
+    except EnvMismatchError as e:
+        if not bootstrap:
+            raise
+        return None, "no baseline from this environment: " + describe_differences(e.differences), e.differences
+    return base, "no comparable baseline", ()
 
 
 def _uncalibrated(st: RunStore, base: RunRecord, config: CompareConfig) -> str:
@@ -209,7 +217,7 @@ def _compare_and_store(st: RunStore, run_dir: str | os.PathLike[str], manifest: 
             return RegressResult(store=st.url, run_id=rec.run_id, label="failed", baseline_run=base.run_id,
                                  exit_code=EXIT_UNUSABLE, env_differences=diffs, warnings=warnings,
                                  noise=noise_at, calibration=rec.calibration,
-                                 message=f"UNUSABLE: {e}; stored run {rec.run_id} as failed (evidence); "
+                                 message=f"{UNUSABLE}: {e}; stored run {rec.run_id} as failed (evidence); "
                                          f"the baseline stays {base.run_id}")
     report = replace(report, baseline=st.where(base.run_id, "dump"))
     rj = report.to_json()
@@ -217,9 +225,9 @@ def _compare_and_store(st: RunStore, run_dir: str | os.PathLike[str], manifest: 
     rec = st.put(run_dir, model=model, label=label, baseline_run=base.run_id, summary=summarize_report(rj),
                  report=rj, manifest=manifest, noise=_kept_noise(own, base_noise, report.passed, manifest))
     if report.passed:
-        msg = f"PASS: stored run {rec.run_id} as passed (baseline {base.run_id})"
+        msg = f"{PASS}: stored run {rec.run_id} as passed (baseline {base.run_id})"
     else:
-        msg = (f"FAIL: stored run {rec.run_id} as failed (evidence; it never becomes a baseline); "
+        msg = (f"{FAIL}: stored run {rec.run_id} as failed (evidence; it never becomes a baseline); "
                f"the baseline stays {base.run_id}")
     msg += f"; {_judged(base, base_noise)}" + _stored_noise(rec, own)
     if diffs:
@@ -246,7 +254,7 @@ def _bootstrap(st: RunStore, run_dir: str | os.PathLike[str], manifest: Manifest
                   f"not calibrated: runs are judged against it by the fixed thresholds until python -m comparator "
                   f"store promote {st.url} {rec.run_id} --calibrate VARIANT [VARIANT ...] measures its noise")
     return RegressResult(store=st.url, run_id=rec.run_id, label="baseline", baseline_run=None, exit_code=EXIT_OK,
-                         message=f"BOOTSTRAP: {why} for model {model!r}; stored run {rec.run_id} as the baseline "
+                         message=f"{BOOTSTRAP}: {why} for model {model!r}; stored run {rec.run_id} as the baseline "
                                  f"(nothing compared); {calibrated}", env_differences=diffs, warnings=warnings,
                          calibration=rec.calibration)
 

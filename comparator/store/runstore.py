@@ -33,12 +33,13 @@ from typing import Any
 
 from dumper.errors import DumpError
 from dumper.format import MANIFEST_NAME, Manifest, dir_mode, load_manifest
-from dumper.format.validate import MAX_MANIFEST_BYTES, parse_json
+from dumper.format.files import parse_json, printable
+from dumper.format.validate import MAX_MANIFEST_BYTES
 
 from comparator.noise.model import NoiseModel
 from comparator.store.backend import Backend, EntryKind, ReadResult, open_backend, plain_name
 from comparator.store.errors import CorruptRunError, StoreError
-from comparator.store.record import LABELS, RunEntry, RunRecord, StoredNoise, is_run_id, new_run_id, printable, signature_key
+from comparator.store.record import LABELS, RunEntry, RunRecord, StoredNoise, is_run_id, new_run_id, signature_key
 from comparator.store.select import current_baselines
 
 __all__ = ["RunStore", "PruneResult", "STAGING_GRACE_S"]

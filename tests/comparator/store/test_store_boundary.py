@@ -28,7 +28,8 @@ import pytest
 from comparator import regress
 from comparator.cli.main import main
 from comparator.store import RunStore, StoreError
-from comparator.store.backend import FsspecBackend, LocalBackend
+from comparator.store.backend import LocalBackend
+from comparator.store.fsspec_backend import FsspecBackend
 from comparator.store.errors import CorruptRunError, UnsafePathError
 from comparator.store.record import RunRecord, new_run_id
 from dumper.errors import EXIT_OK
