@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["DType", "DTYPES", "STORAGE_DTYPES", "ITEMSIZES", "FLOAT_CODES", "INT_CODES", "MODEL_DTYPES", "FLOAT_NAMES",
-           "torch_codes", "torch_dtype"]
+           "MANTISSA_BITS", "torch_codes", "torch_dtype"]
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,9 @@ class DType:
     """Little-endian numpy dtype of the raw bytes (bfloat16: its ``uint16`` bit pattern)."""
     torch_name: str
     """The attribute of ``torch`` with this dtype (``float32``, ``bfloat16``...)."""
+    mantissa_bits: int = 0
+    """Significand bits of a float dtype, the implicit one included (0 for the others): which of
+    two dtypes is the coarser."""
 
     @property
     def is_float(self) -> bool:
@@ -38,10 +41,10 @@ class DType:
 
 
 DTYPES: Final[dict[str, DType]] = {d.code: d for d in (
-    DType("F64", np.dtype("<f8"), "float64"),
-    DType("F32", np.dtype("<f4"), "float32"),
-    DType("F16", np.dtype("<f2"), "float16"),
-    DType("BF16", np.dtype("<u2"), "bfloat16"),
+    DType("F64", np.dtype("<f8"), "float64", 53),
+    DType("F32", np.dtype("<f4"), "float32", 24),
+    DType("F16", np.dtype("<f2"), "float16", 11),
+    DType("BF16", np.dtype("<u2"), "bfloat16", 8),
     DType("I64", np.dtype("<i8"), "int64"),
     DType("I32", np.dtype("<i4"), "int32"),
     DType("I16", np.dtype("<i2"), "int16"),
@@ -65,6 +68,9 @@ INT_CODES: Final = frozenset(code for code, d in DTYPES.items() if not d.is_floa
 
 FLOAT_NAMES: Final = tuple(d.torch_name for d in DTYPES.values() if d.is_float)
 """torch names of the floating-point dtypes, widest first (``float64`` ... ``bfloat16``)."""
+
+MANTISSA_BITS: Final[dict[str, int]] = {d.torch_name: d.mantissa_bits for d in DTYPES.values() if d.is_float}
+"""torch name of a float dtype -> its significand bits (``bfloat16``: 8, ``float32``: 24)."""
 
 MODEL_DTYPES: Final = ("float32", "bfloat16", "float16")
 """The dtypes a model may be run in (``--dtype`` of ``python -m dumper``)."""
