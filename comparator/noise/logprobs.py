@@ -33,6 +33,7 @@ from typing import Any, Final
 
 from dumper.errors import UsageError
 from dumper.format import Manifest
+from dumper.format.dtypes import MANTISSA_BITS
 
 from comparator.jsonfloat import from_json_float, to_json_float
 from comparator.logprobs.thresholds import THRESHOLD_NAMES, LogprobThresholds, explicit_thresholds
@@ -68,8 +69,6 @@ the presets with peaked weights (std 0.2: max |Δlogprob| 1.4e-5, mse 1e-11, k3 
 5e-12, KL max 5e-11 for eager vs SDPA) and on the engines (max |Δlogprob| up to 2.8e-5), with a
 margin of 3 to 100, so that a calibration from bit-identical re-runs (noise 0) still passes a
 float32 target that rounds differently. README, "Logprobs against noise"."""
-_PRECISION: Final = {"float64": 53, "float32": 24, "float16": 11, "bfloat16": 8}
-"""Mantissa bits: the coarser dtype of a comparison picks its threshold rows."""
 
 
 @dataclass(frozen=True)
@@ -235,7 +234,7 @@ def threshold_dtype(*sides: Manifest | str | None) -> str | None:
     known = [d for d in dtypes if isinstance(d, str) and d]
     if not known:
         return None
-    return min(known, key=lambda d: _PRECISION.get(d, 0))
+    return min(known, key=lambda d: MANTISSA_BITS.get(d, 0))
 
 
 @dataclass(frozen=True)
@@ -252,6 +251,14 @@ class MetricNoise:
         return {"noise": to_json_float(self.noise), "floor": self.floor, "ratio": to_json_float(self.ratio),
                 "from_noise": self.from_noise}
 
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> MetricNoise:
+        """Inverse of :meth:`to_json`; a null noise or ratio is infinite (:func:`noise_check` always sets the ratio)."""
+        return cls(from_json_float(d["noise"]), float(d["floor"]), from_json_float(d["ratio"]), bool(d["from_noise"]))
+
+
+_MEAN_TEST_FLOATS: Final = ("mean", "se", "noise_mean", "noise_se", "z")
+
 
 @dataclass(frozen=True)
 class MeanTest:
@@ -265,8 +272,12 @@ class MeanTest:
     significant: bool
 
     def to_json(self) -> dict[str, Any]:
-        return {k: to_json_float(getattr(self, k)) for k in ("mean", "se", "noise_mean", "noise_se", "z")} | {
-            "significant": self.significant}
+        return {k: to_json_float(getattr(self, k)) for k in _MEAN_TEST_FLOATS} | {"significant": self.significant}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> MeanTest:
+        """Inverse of :meth:`to_json`; a null value is infinite (a non-finite mean is infinitely far above)."""
+        return cls(*(from_json_float(d[k]) for k in _MEAN_TEST_FLOATS), significant=bool(d["significant"]))
 
 
 @dataclass(frozen=True)
@@ -292,10 +303,8 @@ class NoiseCheck:
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> NoiseCheck:
-        metrics = {k: MetricNoise(from_json_float(m["noise"]), float(m["floor"]), from_json_float(m["ratio"]),
-                                  bool(m["from_noise"])) for k, m in d["metrics"].items()}
-        means = {k: MeanTest(*(from_json_float(t[f]) for f in ("mean", "se", "noise_mean", "noise_se", "z")),
-                             significant=bool(t["significant"])) for k, t in d["means"].items()}
+        metrics = {k: MetricNoise.from_json(m) for k, m in d["metrics"].items()}
+        means = {k: MeanTest.from_json(t) for k, t in d["means"].items()}
         return cls(d.get("source"), float(d["factor"]), int(d["variants"]), int(d["positions"]), metrics, means)
 
 

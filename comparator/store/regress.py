@@ -23,7 +23,7 @@ A baseline without noise falls back to the fixed thresholds, with a warning::
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -87,6 +87,17 @@ class RegressResult:
             "noise": self.noise, "calibration": self.calibration,
             "report": self.report.to_json() if self.report is not None else None,
         }
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> RegressResult:
+        """Inverse of :meth:`to_json` (the report through :meth:`Report.from_json`)."""
+        report, cal = d.get("report"), d.get("calibration")
+        return cls(store=str(d["store"]), run_id=str(d["run_id"]), label=str(d["label"]),
+                   baseline_run=d.get("baseline_run"), exit_code=int(d["exit_code"]), message=str(d["message"]),
+                   report=None if report is None else Report.from_json(report),
+                   env_differences=tuple(EnvDifference.from_json(e) for e in d.get("env_differences") or ()),
+                   warnings=tuple(str(w) for w in d.get("warnings") or ()), noise=d.get("noise"),
+                   calibration=None if cal is None else dict(cal))
 
 
 def regress(run_dir: str | os.PathLike[str], store: str | os.PathLike[str] | RunStore, *, model: str | None = None,

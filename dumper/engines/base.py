@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -77,6 +77,13 @@ class EngineInfo:
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "version": self.version, "checkpoint": self.checkpoint,
                 "settings": dict(self.settings)}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> EngineInfo:
+        """Inverse of :meth:`to_json`: the ``engine`` entry of a dump manifest's ``extra``."""
+        version = d.get("version")
+        return cls(name=str(d["name"]), version=None if version is None else str(version),
+                   checkpoint=str(d["checkpoint"]), settings=dict(d.get("settings") or {}))
 
 
 def check_checkpoint_dir(path: str, engine: str) -> Path:

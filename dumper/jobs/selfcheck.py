@@ -21,8 +21,7 @@ Example::
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -32,6 +31,7 @@ from comparator.logprobs.metrics import GREEDY_K3_NOTE, k3_summary
 
 from dumper.errors import InternalError, ModelError, UsageError
 from dumper.jobs.logprobs import input_token_logprobs
+from dumper.jobs.k3_json import k3_from_json, k3_to_json
 from dumper.jobs.presets import model_label
 from dumper.jobs.run import cache_kwarg, cache_length, call_model
 
@@ -63,11 +63,16 @@ class SelfCheckResult:
     """How the scored tokens were chosen: greedy (argmax), so mean k3 is not an unbiased KL estimate."""
 
     def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
-        for k in ("k3_mean", "k3_max", "max_abs_err"):
-            d[k] = d[k] if math.isfinite(d[k]) else None
-        d["k3_note"] = GREEDY_K3_NOTE
-        return d
+        return k3_to_json(asdict(self))
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> SelfCheckResult:
+        """Inverse of :meth:`to_json`; a null k3 or error reads back infinite (a NaN one too: it never passes)."""
+        return cls(mode=str(d["mode"]), prompt_tokens=int(d["prompt_tokens"]),
+                   output_ids=tuple(int(t) for t in d["output_ids"]),
+                   decode_logprobs=tuple(float(v) for v in d["decode_logprobs"]),
+                   prefill_logprobs=tuple(float(v) for v in d["prefill_logprobs"]),
+                   cache_hit_tokens=int(d["cache_hit_tokens"]), **k3_from_json(d))
 
 
 def _step(model: torch.nn.Module, ids: torch.Tensor, cache: Any, kw: str, past: int) -> tuple[torch.Tensor, Any]:

@@ -27,16 +27,18 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from comparator.logprobs.sources.collect import Prompt, first_choice, score
 from comparator.logprobs.sources.engine_json import parse_record
-from comparator.jsonfloat import to_json_float
-from comparator.logprobs.metrics import GREEDY_K3_NOTE, k3_summary
+from comparator.jsonfloat import from_json_float, to_json_float
+from comparator.logprobs.metrics import k3_summary
 from comparator.logprobs.sources.server_http import ServerClient, ServerError
 
 from dumper.errors import UsageError
+from dumper.jobs.k3_json import k3_from_json, k3_to_json
 
 __all__ = ["ServerSelfCheck", "Generation", "generate", "server_selfcheck"]
 
@@ -79,11 +81,19 @@ class ServerSelfCheck:
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
-        for key in ("k3_mean", "k3_max", "max_abs_err"):
-            d[key] = to_json_float(d[key])
         d["k3"] = [to_json_float(v) for v in self.k3]
-        d["k3_note"] = GREEDY_K3_NOTE
-        return d
+        return k3_to_json(d)
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> ServerSelfCheck:
+        """Inverse of :meth:`to_json`; a null k3 or error reads back infinite (a NaN one too: it never passes)."""
+        texts = d.get("output_texts")
+        return cls(request=str(d["request"]), positions=tuple(int(p) for p in d["positions"]),
+                   output_ids=tuple(int(t) for t in d["output_ids"]),
+                   output_texts=None if texts is None else tuple(str(t) for t in texts),
+                   decode_logprobs=tuple(float(v) for v in d["decode_logprobs"]),
+                   prefill_logprobs=tuple(float(v) for v in d["prefill_logprobs"]),
+                   k3=tuple(from_json_float(v) for v in d["k3"]), **k3_from_json(d))
 
 
 def _numbers(url: str, values: Any, n: int, what: str) -> tuple[float, ...]:
