@@ -101,3 +101,12 @@ def test_every_package_directory_is_a_declared_package() -> None:
     declared = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     on_disk = {_dotted(p) for p in _modules() if p.name == "__init__.py"} - {"dumper.configs"}
     assert on_disk <= declared, f"not in pyproject.toml: {sorted(on_disk - declared)}"
+
+
+def test_every_to_json_has_a_from_json() -> None:
+    """One JSON codec: whatever a result writes, it reads back (round trips in tests/*/test_*codec*, test_results)."""
+    bad = [f"{_rel(p)}:{c.lineno}: {c.name}.to_json has no from_json" for p in _modules()
+           for c in ast.walk(ast.parse(p.read_text())) if isinstance(c, ast.ClassDef)
+           and "to_json" in (names := {n.name for n in c.body if isinstance(n, ast.FunctionDef)})
+           and "from_json" not in names]
+    assert not bad, "\n".join(bad)
