@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import http.server
 import os
 import subprocess
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -20,6 +23,19 @@ def run_cli(module: str, *args: str | os.PathLike[str], env: dict[str, str] | No
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
     return subprocess.run([sys.executable, "-m", module, *map(str, args)], capture_output=True, text=True,
                           env=full_env, cwd=cwd, timeout=600)
+
+
+@contextlib.contextmanager
+def serve_in_thread(handler: type[http.server.BaseHTTPRequestHandler]) -> Iterator[str]:
+    """A real HTTP server on 127.0.0.1 (a free port) answering with ``handler``; yields its base URL."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 @pytest.fixture

@@ -16,7 +16,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -25,7 +24,7 @@ from typing import ClassVar
 
 import pytest
 
-from tests.conftest import ROOT, run_cli
+from tests.conftest import ROOT, run_cli, serve_in_thread
 from tests.engine_models import build_checkpoint, engine_missing, to_gguf
 
 IDS = ("1,20,30,40,50,60,70,80", "1,5,9,13,17")
@@ -256,12 +255,8 @@ class _Stub(http.server.BaseHTTPRequestHandler):
 
 @pytest.fixture(scope="module")
 def stub_url() -> Iterator[str]:
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Stub)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
+    with serve_in_thread(_Stub) as url:
+        yield url
 
 
 def _collect(capsys: pytest.CaptureFixture[str], url: str, api: str, out: Path, *extra: str) -> tuple[int, str]:

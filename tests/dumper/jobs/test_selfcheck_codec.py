@@ -13,7 +13,6 @@ from __future__ import annotations
 import http.server
 import json
 import math
-import threading
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
@@ -25,7 +24,7 @@ from comparator.logprobs.sources.server_http import ServerClient
 from dumper.jobs.logprobs import input_token_logprobs
 from dumper.jobs.selfcheck import MODES, SelfCheckResult, greedy_decode, selfcheck
 from dumper.jobs.server_selfcheck import ServerSelfCheck, server_selfcheck
-from tests.conftest import run_cli, tiny_llama
+from tests.conftest import run_cli, serve_in_thread, tiny_llama
 
 PROMPT = "The quick brown fox jumps over the lazy dog."
 IDS = (1, 20, 30, 40, 50, 60, 70)
@@ -131,12 +130,8 @@ class _SGLang(http.server.BaseHTTPRequestHandler):
 @pytest.fixture(scope="module")
 def server(model_tok) -> Iterator[str]:
     _SGLang.model = model_tok[0]
-    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _SGLang)
-    thread = threading.Thread(target=srv.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{srv.server_address[1]}"
-    srv.shutdown()
-    srv.server_close()
+    with serve_in_thread(_SGLang) as url:
+        yield url
     _SGLang.broken = False
 
 
