@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from dumper.errors import UsageError
 from comparator.settings import comparator_settings
+from comparator.thresholds import is_threshold
 
 from comparator.noise.model import DEFAULT_FACTOR, DEFAULT_FLOOR, Limits, NoiseModel, check_noise_factor, noise_limits
 
@@ -68,10 +68,10 @@ class CompareConfig:
     def __post_init__(self) -> None:
         for name in ("threshold", "token_threshold"):
             v = getattr(self, name)
-            if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            if not is_threshold(v):
                 raise UsageError(f"{name} must be a finite number >= 0, got {v!r}")
         check_noise_factor(self.noise_factor)
-        if not (math.isfinite(self.noise_floor) and self.noise_floor >= 0):
+        if not is_threshold(self.noise_floor):
             raise UsageError(f"noise_floor must be a finite number >= 0, got {self.noise_floor!r}")
         if not 1 <= self.threads <= MAX_THREADS:
             raise UsageError(f"threads must be between 1 and {MAX_THREADS}, got {self.threads}")

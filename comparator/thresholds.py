@@ -14,10 +14,15 @@ from typing import Final
 
 from dumper.errors import UsageError
 
-__all__ = ["OFF_WORDS", "parse_threshold", "parse_assignments"]
+__all__ = ["OFF_WORDS", "is_threshold", "parse_threshold", "parse_assignments"]
 
 OFF_WORDS: Final = frozenset({"off", "none", "null"})
 """Words that switch a check off where that is allowed (a JSON ``null`` does too)."""
+
+
+def is_threshold(value: object) -> bool:
+    """A usable threshold: a finite int or float >= 0 (never a bool, NaN, inf or a negative number)."""
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value >= 0
 
 
 def parse_threshold(raw: object, *, where: str, allow_off: bool = False) -> float | None:
@@ -44,7 +49,7 @@ def parse_threshold(raw: object, *, where: str, allow_off: bool = False) -> floa
             raw = float(raw)
         except OverflowError:  # a JSON integer beyond float range
             raise UsageError(f"{where}: an integer beyond float range is not a finite number >= 0{hint}") from None
-    if isinstance(raw, bool) or not isinstance(raw, (int, float)) or not math.isfinite(raw) or raw < 0:
+    if not is_threshold(raw):
         raise UsageError(f"{where}: {raw!r} must be a finite number >= 0{hint}")
     return float(raw)
 

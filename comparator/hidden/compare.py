@@ -184,7 +184,7 @@ def _check_replicas(side: str, reader: DumpReader, lts: dict, config: CompareCon
             stats = pair_stats(x, y, ref.rec.dtype, other.rec.dtype, threads=config.threads)
             bad = np.flatnonzero(~(stats.token_rel_diff == 0))
             if bad.size:
-                pos, rd = ref.pos + int(bad[0]), float(np.max(stats.token_rel_diff))
+                pos, rd = ref.pos + int(bad[0]), stats.max_token_rel_diff
                 prev = worst.get(other.rec.rank)
                 worst[other.rec.rank] = (min(pos, prev[0]), max(rd, prev[1])) if prev else (pos, rd)
         for rank, (pos, rd) in sorted(worst.items()):

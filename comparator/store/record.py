@@ -22,7 +22,7 @@ from comparator.noise.model import NoiseModel
 from comparator.outcome import FAIL, PASS, UNUSABLE, status
 from comparator.store.errors import StoreError
 from dumper.errors import DriftscopeError
-from dumper.format.files import parse_json, printable
+from dumper.format.files import is_text, parse_json, printable
 
 __all__ = [
     "RUN_FORMAT_VERSION",
@@ -217,20 +217,12 @@ def _check_tree(d: dict[str, Any]) -> None:
         if isinstance(v, float) and not math.isfinite(v):
             raise _bad(path, "a finite number", v)
         for text in (path, v) if isinstance(v, str) else (path,):
-            if not _encodable(text):
+            if not is_text(text):
                 raise ValueError(f"field {printable(path)!r}: holds a lone surrogate (\\u escape of no character)")
         if isinstance(v, dict):
             stack.extend((f"{path}.{k}", x, depth + 1) for k, x in v.items())
         elif isinstance(v, list):
             stack.extend((f"{path}[{i}]", x, depth + 1) for i, x in enumerate(v))
-
-
-def _encodable(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _is_int(v: Any) -> bool:
