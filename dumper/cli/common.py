@@ -9,6 +9,7 @@ import traceback
 from collections.abc import Callable, Sequence
 
 from dumper.errors import EXIT_INTERNAL, EXIT_UNUSABLE, DriftscopeError, UsageError
+from dumper.format.files import printable
 from dumper.settings import env_settings
 
 __all__ = ["Parser", "guarded_main", "DEBUG_FLAG", "silence_stdout", "EXIT_BROKEN_PIPE"]
@@ -49,7 +50,9 @@ def guarded_main(run: Callable[[Sequence[str] | None], int], argv: Sequence[str]
 
     User errors (:class:`DriftscopeError`, an ``OSError`` on a named file) exit 2 or their own
     code; anything else is a bug in driftscope and exits 3 with a line asking for a report. The
-    traceback is printed only with ``--debug`` or ``DRIFTSCOPE_DEBUG=1``.
+    line has its control characters escaped (:func:`~dumper.format.files.printable`), so a name
+    taken from a hostile file cannot drive the terminal. The traceback is printed only with
+    ``--debug`` or ``DRIFTSCOPE_DEBUG=1``.
     """
     args, debug = _split_debug(list(sys.argv[1:] if argv is None else argv))
     try:
@@ -58,7 +61,7 @@ def guarded_main(run: Callable[[Sequence[str] | None], int], argv: Sequence[str]
     except DriftscopeError as e:
         if debug:
             traceback.print_exc()
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {printable(str(e))}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
@@ -71,7 +74,7 @@ def guarded_main(run: Callable[[Sequence[str] | None], int], argv: Sequence[str]
             return _internal(e, debug)
         if debug:
             traceback.print_exc()
-        print(f"error: {e.filename}: {e.strerror or e}", file=sys.stderr)
+        print(f"error: {printable(f'{e.filename}: {e.strerror or e}')}", file=sys.stderr)
         return EXIT_UNUSABLE
     except BaseException as e:  # noqa: BLE001 - the last line of defence: never exit 1 for a crash
         if isinstance(e, SystemExit):
@@ -82,7 +85,7 @@ def guarded_main(run: Callable[[Sequence[str] | None], int], argv: Sequence[str]
 def _internal(e: BaseException, debug: bool) -> int:
     if debug:
         traceback.print_exc()
-    detail = " ".join(str(e).split())[:300]
+    detail = printable(" ".join(str(e).split())[:300])
     print(f"internal error: {type(e).__name__}{': ' + detail if detail else ''} -- this is a bug in driftscope; "
           f"please report it{'' if debug else ' (rerun with --debug for the traceback)'}", file=sys.stderr)
     return EXIT_INTERNAL

@@ -24,55 +24,20 @@ import copy
 import io
 import itertools
 import json
-import os
 import shutil
-import subprocess
-import sys
-import tracemalloc
 from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from comparator.cli.main import main as compare_main
 from dumper.cli.main import main as dumper_main
 from dumper.format import MANIFEST_NAME
 from dumper.format.files import JSON_MEMORY_BUDGET, json_memory_bound
-from tests.conftest import ROOT
 from tests.dumper.format.test_format_boundary import header_of, write_small_dump
-
-LIMIT = 512 << 20
-FUZZ = settings(deadline=None, derandomize=True, database=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-
-_OPENED: list[str] | None = None
-
-
-def _audit(event: str, args: tuple) -> None:
-    if event == "open" and _OPENED is not None and isinstance(args[0], (str, bytes, os.PathLike)):
-        _OPENED.append(os.path.abspath(os.fsdecode(args[0])))
-
-
-sys.addaudithook(_audit)  # once for the module; a no-op unless a case is recording
-
-
-@contextlib.contextmanager
-def _watch() -> Any:
-    """Record opened paths and traced peak memory of the block: yields ``(opened, peak)`` holders."""
-    global _OPENED
-    opened: list[str] = []
-    peak = [0]
-    _OPENED = opened
-    tracemalloc.start()
-    try:
-        yield opened, peak
-    finally:
-        peak[0] = tracemalloc.get_traced_memory()[1]
-        tracemalloc.stop()
-        _OPENED = None
-
+from tests.fuzzing import FUZZ, LIMIT, run_child, watch
 
 class Sandbox:
     """A real base dump, a sentinel ``outside/`` beside it, and fresh copies to damage."""
@@ -100,16 +65,15 @@ class Sandbox:
                 (["ls", str(mutated)], dumper_main))
         for argv, main in runs:
             out, err = io.StringIO(), io.StringIO()
-            with _watch() as (opened, peak), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            with watch() as w, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
                 rc = main(argv)
             text = err.getvalue()
             assert rc in (0, 1, 2), (argv, rc, text)
             assert "Traceback" not in text and "internal error" not in text, text
             assert rc != 2 or len(text.strip().splitlines()) == 1, text
-            outside = os.path.realpath(self.outside)
-            leaked = [p for p in opened if os.path.realpath(p).startswith(outside + os.sep)]
+            leaked = w.opened_under(self.outside)
             assert not leaked, leaked
-            assert peak[0] < LIMIT, peak[0]
+            assert w.peak < LIMIT, w.peak
             codes.append(rc)
         shutil.rmtree(mutated)
         return codes[0], codes[1]
@@ -122,9 +86,9 @@ def box(tmp_path_factory) -> Sandbox:
 
 def test_audit_hook_sees_reads_outside(box):
     """The containment property can fail: an open under outside/ is recorded."""
-    with _watch() as (opened, _):
+    with watch() as w:
         (box.outside / MANIFEST_NAME).read_bytes()
-    assert str(box.outside / MANIFEST_NAME) in opened
+    assert str(box.outside / MANIFEST_NAME) in w.opened
 
 
 # -- manifests -----------------------------------------------------------------------------------
@@ -346,22 +310,6 @@ def test_mutated_safetensors_headers(box, data):
 
 
 # -- the largest hostile inputs, in real processes -----------------------------------------------
-_PEAK = ("import sys\nfrom comparator.cli.main import main\nrc = main(sys.argv[1:])\n"
-         "hwm = next(line for line in open('/proc/self/status') if line.startswith('VmHWM:'))\n"
-         "print(f'peak-rss-kib {hwm.split()[1]}', file=sys.stderr)\nsys.exit(rc)\n")
-"""``python -m comparator`` that reports its peak RSS (VmHWM: the high-water mark of this image,
-not of the forked copy of the parent that ``ru_maxrss`` would also count)."""
-
-
-def _peak_rss(*args: str | os.PathLike[str]) -> tuple[int, str, int]:
-    """(exit code, stderr without the report line, peak RSS in bytes) of the comparator in a child process."""
-    r = subprocess.run([sys.executable, "-c", _PEAK, *map(str, args)], capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "PYTHONPATH": str(ROOT)})
-    lines = r.stderr.strip().splitlines()
-    assert lines and lines[-1].startswith("peak-rss-kib "), r.stderr
-    return r.returncode, "\n".join(lines[:-1]), int(lines[-1].split()[1]) * 1024
-
-
 def test_largest_hostile_inputs_stay_under_512_mib(box, tmp_path):
     base, data0 = box.base, box.files[0]
     header = box.copy()  # a sparse data file declaring a 2^40-byte header, all of it present
@@ -393,7 +341,7 @@ def test_largest_hostile_inputs_stay_under_512_mib(box, tmp_path):
     for label, bad, needle in [("2^40-byte header", header, "exceeds the 100000000-byte limit"),
                                ("2^31 rows", rows, "needs 68719476736 bytes"),
                                (f"{len(good) >> 20} MiB of distinct keys", dense, "tensors[0].layer")]:
-        rc, err, rss = _peak_rss(base, bad, "--quiet")
+        rc, err, rss = run_child("comparator", base, bad, "--quiet")
         assert rc == 2 and needle in err, (label, err)
         assert rss < LIMIT, (label, rss)
         results[label] = rss >> 20
