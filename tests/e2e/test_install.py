@@ -1,9 +1,12 @@
 """Installs work as users install: a built wheel in a fresh venv runs the README quick start.
 
-The venv reuses this interpreter's packages (``--system-site-packages``: torch and friends),
-but driftscope itself must come from the wheel: the editable install of the checkout sits in
-those system packages too, so the test checks that the venv's copy shadows it, from a
-temporary working directory and without ``PYTHONPATH``. With ``CI=true`` nothing here skips,
+The venv reuses the packages of the interpreter running the suite (torch and friends), wherever
+they are installed: a venv of its own, a user site, the base interpreter. ``--system-site-packages``
+would see only the base interpreter's, so the running interpreter's site directories are
+listed in a ``.pth`` file of the new venv, after its own site-packages. driftscope itself must
+come from the wheel: the editable install of the checkout sits in those packages too, so the
+test checks that the venv's copy shadows it, from a temporary working directory and without
+``PYTHONPATH``. With ``CI=true`` nothing here skips,
 so a C kernel that did not build (the extension is optional for users without a compiler)
 fails CI instead of silently skipping every kernel test.
 """
@@ -14,6 +17,7 @@ import importlib.metadata
 import os
 import re
 import shutil
+import site
 import subprocess
 import sys
 from pathlib import Path
@@ -62,10 +66,27 @@ def venv(tmp_path_factory) -> Path:
     _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", *isolation, "-w", str(tmp / "wheels"), str(src)])
     wheel = next((tmp / "wheels").glob("driftscope-*.whl"))
     env_dir = tmp / "venv"
-    _run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(env_dir)])
+    _run([sys.executable, "-m", "venv", "--without-pip", str(env_dir)])
+    _see_running_packages(env_dir)
     _run([sys.executable, "-m", "pip", "--python", str(env_dir / "bin" / "python"), "install", "-q", "--no-deps",
           "--no-index", str(wheel)])
     return env_dir
+
+
+def running_site_dirs() -> list[str]:
+    """The site-packages folders the interpreter running the suite sees (a venv's own, the base's where the venv
+    has system site packages, the user site), in its own order."""
+    dirs = [p for p in sys.path if os.path.basename(p) in ("site-packages", "dist-packages")]
+    dirs += site.getsitepackages() + ([site.getusersitepackages()] if site.ENABLE_USER_SITE else [])
+    return [d for d in dict.fromkeys(dirs) if os.path.isdir(d)]
+
+
+def _see_running_packages(env_dir: Path) -> None:
+    """List :func:`running_site_dirs` in a ``.pth`` of the venv: plain paths, so their own ``.pth`` hooks
+    (the checkout's editable-install finder among them) do not run, and after the venv's site-packages."""
+    (own,) = _run([str(env_dir / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"]
+                  ).stdout.split()
+    (Path(own) / "zz_running_interpreter.pth").write_text("".join(f"{d}\n" for d in running_site_dirs()))
 
 
 def _venv_env(venv: Path) -> dict[str, str]:

@@ -20,6 +20,7 @@ import torch
 from comparator.noise.logprobs import DEFAULT_LOGPROB_FLOORS, Z_SIGNIFICANT, resolve_logprob_thresholds
 from comparator.logprobs import LogprobVerdict
 from comparator.noise.model import NoiseModel
+from comparator.outcome import format_float
 from comparator.logprobs.sources import compare_logprob_sources
 from dumper.errors import UsageError
 from dumper.jobs.presets import load_model
@@ -95,7 +96,9 @@ def test_final_norm_change_fails_against_noise_at_the_next_position(runs: Path) 
     entry = v["noise"]["metrics"]["max_abs_err"]
     assert entry["floor"] == DEFAULT_LOGPROB_FLOORS["max_abs_err"] and entry["ratio"] > v["noise"]["factor"]
     assert v["thresholds"]["max_abs_err"] == max(entry["floor"], v["noise"]["factor"] * entry["noise"])
-    assert "FAIL (" in stdout and "max_abs_err: max |Δlogprob|" in stdout and "x floor (noise 4.768e-07)" in stdout
+    assert entry["noise"] < entry["floor"]  # float32 noise is a few ulps, whatever the CPU's kernels give
+    shown = f"x floor (noise {format_float(entry['noise'])})"  # the measured noise, as this machine measured it
+    assert "FAIL (" in stdout and "max_abs_err: max |Δlogprob|" in stdout and shown in stdout, stdout
 
 
 def test_fixed_float32_rows_fail_it_too(runs: Path) -> None:
@@ -121,13 +124,15 @@ def test_benign_layouts_not_used_for_calibration_pass(runs: Path, dtype: str) ->
 
 
 def test_a_calibration_without_the_attention_change_misses_bf16_noise(runs: Path) -> None:
-    """bf16 chunked prefill is bit-identical to one pass on CPU: noise 0, and the held-out SDPA layout fails."""
+    """bf16 chunked prefill is (nearly) bit-identical to one pass on CPU: the held-out SDPA layout fails that noise."""
     out = runs / "chunk-only.noise.json"
     _ok(run_cli("comparator", "calibrate", runs / "bfloat16-base", runs / "bfloat16-chunk7", "--out", out, "--quiet"))
-    assert json.loads(out.read_text())["logprobs"]["metrics"]["max_abs_err"] == 0.0
+    chunk_noise = json.loads(out.read_text())["logprobs"]["metrics"]["max_abs_err"]
     rc, v, stdout = _logprobs(runs, "bfloat16-base", "bfloat16-heldout", "--noise", out)
     assert rc == 1 and "max_abs_err" in v["noise"]["metrics"] and v["max_abs_err"]["value"] > 1e-3
-    assert "variants were bit-identical to the baseline" in stdout
+    assert v["max_abs_err"]["value"] > v["noise"]["factor"] * chunk_noise  # the held-out layout is past that noise
+    if chunk_noise == 0.0:  # bit-identical on CPUs whose bf16 kernels do not depend on the chunk (most)
+        assert "variants were bit-identical to the baseline" in stdout
 
 
 def test_float32_against_bfloat16_is_judged_by_the_bfloat16_rows(runs: Path) -> None:
