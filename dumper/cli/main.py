@@ -102,6 +102,20 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--quiet", action="store_true", help="no progress bar and no summary line")
 
 
+def _timeout(text: str) -> float:
+    """``--timeout``: :func:`comparator.logprobs.sources.server_http.timeout_arg` (imported only when given)."""
+    from comparator.logprobs.sources.server_http import timeout_arg
+
+    return timeout_arg(text)
+
+
+def _retries(text: str) -> int:
+    """``--retries``: :func:`comparator.logprobs.sources.server_http.retries_arg` (imported only when given)."""
+    from comparator.logprobs.sources.server_http import retries_arg
+
+    return retries_arg(text)
+
+
 def _add_selfcheck(sub: argparse._SubParsersAction) -> None:
     """``selfcheck``: a local model, or a live server with ``--server``."""
     sc = sub.add_parser("selfcheck", help="decode <-> prefill logprob self-consistency of a model")
@@ -123,8 +137,10 @@ def _add_selfcheck(sub: argparse._SubParsersAction) -> None:
                     help="with --server: vllm (/v1/completions), sglang (/generate), openai (text prompts only)")
     sc.add_argument("--served-model", default=None, help="with --server: model name to request "
                     "(default: the first one /v1/models lists)")
-    sc.add_argument("--timeout", type=float, default=120.0, help="with --server: seconds per request (default 120)")
-    sc.add_argument("--retries", type=int, default=3, help="with --server: retries on connection errors and 5xx")
+    sc.add_argument("--timeout", type=_timeout, default=120.0, help="with --server: seconds per request: "
+                    "connect, send and the whole answer (default 120, at most 86400)")
+    sc.add_argument("--retries", type=_retries, default=3, help="with --server: retries on connection errors, "
+                    "timeouts, cut answers and HTTP 429/5xx (default 3, at most 100)")
 
 
 def _add_replay(sub: argparse._SubParsersAction) -> None:

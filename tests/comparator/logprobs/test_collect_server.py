@@ -283,7 +283,7 @@ def test_html_busy_and_slow_servers(stub_url: str, tmp_path: Path, capsys: pytes
     assert rc == 2 and "HTTP 503: overloaded (after 3 tries" in err, err
     assert _Stub.hits["busy"] - before == 3
     rc, err = _collect(capsys, f"{stub_url}/slow", "vllm", tmp_path / "x.jsonl", "--timeout", "0.3", "--retries", "0")
-    assert rc == 2 and "/slow/v1/models: no answer within 0.3 s (after 1 try" in err, err
+    assert rc == 2 and "/slow/v1/models: no complete answer within 0.3 s (after 1 try" in err, err
 
 
 # --------------------------------------------------------------------------- llama-cpp-python's server
