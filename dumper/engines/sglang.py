@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import json
 import math
 import os
 import re
@@ -59,7 +60,7 @@ import numpy as np
 import torch
 
 from dumper.cli.common import Parser, guarded_main
-from dumper.errors import EXIT_OK, CorruptDumpError, DumpError, UsageError
+from dumper.errors import EXIT_OK, CorruptDumpError, DriftscopeError, DumpError, UsageError
 from dumper.hooks.fingerprint import VERSION
 from dumper.engines.sglang_files import (
     AUX_NAMES,
@@ -82,6 +83,8 @@ from dumper.format import (
     write_manifest,
 )
 from dumper.format.dtypes import DTYPES, torch_codes
+from dumper.format.files import printable
+from dumper.format.manifest import parse_manifest
 from dumper.hooks.writer import ShardWriter
 
 __all__ = ["AUX_NAMES", "is_sglang_dump", "convert_sglang_dump", "open_dump_side", "main_import"]
@@ -188,7 +191,7 @@ def _convert_pass(group: list[SglangFile], writer: ShardWriter, seqs: _Sequences
     calls: dict[str, int] = {}
     out: list[TensorRecord] = []
     step, rank = group[0].step, group[0].rank
-    where = f"{group[0].path.parent} step {step} rank {rank}"
+    where = f"{printable(str(group[0].path.parent))} step {step} rank {rank}"
     for f in group:
         value = load_value(f)
         if f.name in AUX_NAMES:
@@ -220,12 +223,12 @@ def _put(writer: ShardWriter, f: SglangFile, name: str, t: torch.Tensor, layer: 
     meta: dict[str, Any] = {"sglang_dump_index": f.index}
     if t.dtype not in _STORAGE_CODES:
         if not t.is_floating_point():
-            raise DumpError(f"{f.path}: dtype {t.dtype} cannot be stored in a driftscope dump")
+            raise DumpError(f"{f.shown}: dtype {t.dtype} cannot be stored in a driftscope dump")
         meta["sglang_dtype"], t = str(t.dtype).replace("torch.", ""), t.float()
     shape = tuple(int(s) for s in t.shape)
     n = math.prod(shape[:-1]) if len(shape) > 1 else 1
     if len(shape) > 1 and shape[-1] == 0 and n > 0:
-        raise DumpError(f"{f.path}: a {list(shape)} tensor has rows but no columns; a driftscope dump cannot hold it")
+        raise DumpError(f"{f.shown}: a {list(shape)} tensor has rows but no columns; a driftscope dump cannot hold it")
     call = calls[name] = calls.get(name, -1) + 1
     key = name if call == 0 else f"{name}#{call}"
     writer.put(f.step, key, t)
@@ -290,6 +293,7 @@ def _convert(src: Path, out: Path, names: Mapping[str, str], checkpoint: str | N
     records = [replace(r, file=writers[r.rank].locations[(r.forward_pass, r.key)]) for r in records]
     files_out = {k: v for w in writers.values() for k, v in w.files.items()}
     manifest = _manifest(src, records, files_out, seqs, model, len(files))
+    parse_manifest(json.loads(json.dumps(manifest.to_json())), f"{printable(str(src))} (as converted)")  # as read back
     write_manifest(out, manifest)
     return manifest
 
@@ -315,8 +319,9 @@ def convert_sglang_dump(src: str | os.PathLike[str], dst: str | os.PathLike[str]
         manifest = _convert(src, tmp, names or {}, checkpoint)
         os.chmod(tmp, dir_mode())
         os.rename(tmp, dst)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        _point_at(e, tmp, dst)
         raise
     fsync_dir(dst.parent)
     return manifest
@@ -335,8 +340,26 @@ def open_dump_side(path: str | os.PathLike[str], *, names: Mapping[str, str] | N
         return
     with tempfile.TemporaryDirectory(prefix="driftscope-sglang-", dir=workdir) as tmp:
         out = Path(tmp) / Path(path).name
-        convert_sglang_dump(path, out, names=names)
-        yield out
+        try:
+            convert_sglang_dump(path, out, names=names)
+            yield out
+        except (DriftscopeError, OSError) as e:
+            _point_at(e, out, path)
+            raise
+
+
+def _point_at(e: BaseException, temp: Path, user: str | os.PathLike[str]) -> None:
+    """Make an error about the temporary dump ``temp`` (or a file in it) name the user's ``user`` instead.
+
+    The one boundary between a conversion and its user: the temporary folder is gone by the time
+    the error is printed, and the user never named it.
+    """
+    names = "|".join(re.escape(t) for t in {str(temp), printable(str(temp))})  # as is, or as a message shows it
+    where = re.compile(rf"(?:{names})(?:{re.escape(os.sep)}[\w.\-]+)*(?![\w.\-])")
+    if isinstance(e, OSError) and e.filename is not None and where.fullmatch(os.fsdecode(e.filename)):
+        e.filename = os.fspath(user)
+    elif isinstance(e, DriftscopeError) and e.args and isinstance(e.args[0], str):
+        e.args = (where.sub(lambda _: printable(os.fspath(user)), e.args[0]), *e.args[1:])
 
 
 def _name_map(pairs: Sequence[str]) -> dict[str, str]:

@@ -12,8 +12,10 @@ import json
 import os
 import pickle
 import shutil
+import zipfile
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -235,6 +237,25 @@ def _bad_name(d: Path) -> Path:
     return f
 
 
+def _rezip(f: Path, *, data0: Any = None, method: int = zipfile.ZIP_STORED) -> Path:
+    """Rewrite ``f`` with Python's zipfile (fresh CRCs and sizes), its ``data/0`` record replaced or compressed."""
+    z = zipfile.ZipFile(f)
+    items = [(i.filename, z.read(i)) for i in z.infolist()]
+    with zipfile.ZipFile(f, "w") as out:
+        for name, b in items:
+            last = name.endswith("/data/0")
+            out.writestr(name, data0(b) if last and data0 else b, compress_type=method if last else zipfile.ZIP_STORED)
+    return f
+
+
+def _deflated(d: Path) -> Path:
+    return _rezip(_hidden_files(d)[0], method=zipfile.ZIP_DEFLATED)
+
+
+def _short_record(d: Path) -> Path:
+    return _rezip(_hidden_files(d)[0], data0=lambda b: b[: len(b) // 2])
+
+
 def _seq_lens_lie(d: Path) -> Path:
     f = next(f for f in d.iterdir() if "step=0" in f.name and "name=seq_lens" in f.name)
     obj = torch.load(f, weights_only=True)
@@ -245,10 +266,12 @@ def _seq_lens_lie(d: Path) -> Path:
 
 @pytest.mark.parametrize("damage, why", [
     (_truncate, "not a file torch.load(weights_only=True) accepts (truncated, or not a torch.save zip archive)"),
-    (_non_tensor, "holds int at 'x', not a tensor or a dict of tensors"),
+    (_non_tensor, 'holds int at "x", not a tensor or a dict of tensors'),
     (_renamed, "its name says step=1 but its meta says 0"),
     (_bad_name, "not an SGLang dumper file name"),
     (_seq_lens_lie, "step 0 rank 0: positions and seq_lens disagree at request 0"),
+    (_deflated, "zip record data/0: compressed (method 8); torch.save writes plain stored records"),
+    (_short_record, 'storage "0" needs 4608 bytes but its record holds 2304; refusing to map it'),
 ])
 def test_damaged_files_are_refused_in_one_line(tmp_path: Path, damage: Any, why: str) -> None:
     d = _copy(tmp_path)
@@ -257,6 +280,28 @@ def test_damaged_files_are_refused_in_one_line(tmp_path: Path, damage: Any, why:
         convert_sglang_dump(d, tmp_path / "out")
     assert str(where) in str(err.value) and why in str(err.value) and "\n" not in str(err.value)
     assert not (tmp_path / "out").exists()
+
+
+def _zip64(f: Path) -> None:
+    with mock.patch.object(zipfile, "ZIP64_LIMIT", -1), mock.patch.object(zipfile, "ZIP_FILECOUNT_LIMIT", 0):
+        _rezip(f)  # every size and offset in zip64 extra fields, and a zip64 end record
+
+
+def _no_crc(f: Path) -> None:
+    obj = torch.load(f, weights_only=True)
+    with mock.patch.object(torch.utils.serialization.config.save, "compute_crc32", False):
+        torch.save(obj, f)
+    assert {i.CRC for i in zipfile.ZipFile(f).infolist()} == {0}
+
+
+@pytest.mark.parametrize("layout", [_rezip, _zip64, _no_crc], ids=["python-zipfile", "zip64", "no-crc32"])
+def test_other_layouts_torch_reads_are_read(tmp_path: Path, layout: Any) -> None:
+    """The archive checks refuse misframed records, not other writers' layouts of the same bytes."""
+    d = _copy(tmp_path)
+    for f in d.iterdir():
+        layout(f)
+    convert_sglang_dump(d, tmp_path / "out")
+    assert _compare(FIX / "hf", tmp_path / "out").passed
 
 
 def test_open_dump_side(converted: dict[str, Path]) -> None:
