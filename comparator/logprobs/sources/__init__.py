@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from dumper.errors import NotComparableError, UsageError
 from dumper.format import DumpReader
+from dumper.format.files import file_kind
 
 from comparator.hidden.identity import check_distinct, check_identity
 from comparator.logprobs.kl_stream import Distributions, LogitsDistributions, stream_kl
@@ -54,7 +55,11 @@ def read_logprob_source(path: str | os.PathLike[str]) -> LogprobSource:
             raise UsageError(f"{p}: the dump holds no logprobs (record them with `python -m dumper run --logprobs`)")
         return src
     if not p.is_file():
-        raise UsageError(f"{p}: no such dump directory or JSONL file")
+        try:
+            kind = file_kind(os.stat(p).st_mode)  # stat only: opening a FIFO could block
+        except OSError:
+            raise UsageError(f"{p}: no such dump directory or JSONL file") from None
+        raise UsageError(f"{p}: {kind}, not a dump directory or a regular file; refusing to read it")
     if is_kld_file(p):
         kld = KldFile(p)
         return LogprobSource(str(p), None, kld.sequences(), vocab_size=kld.vocab_size, distributions=kld,

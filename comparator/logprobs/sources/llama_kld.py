@@ -28,6 +28,14 @@ at position 0) as prompts in chunk order (:func:`chunk_prompts`).
 to compare a GGUF against. Only the header and the tokens are held; rows are read a block of a few MiB at a time and
 reduced at once (:func:`comparator.logprobs.kl_stream.stream_kl`), so memory does not grow with the file.
 
+The file is untrusted: :func:`read_header` bounds ``n_ctx``, ``n_vocab`` (:data:`MAX_VOCAB`) and the
+positions of all chunks (:data:`MAX_KLD_POSITIONS`) and checks the size they imply against the
+file's before anything is sized from them; every read then lies inside that layout and takes at
+most :data:`READ_BYTES` (rows are read with ``pread``, not memory-mapped, so a file cut short while
+it is read is an error line, not a SIGBUS). A row whose stored scale or offset is not finite (NaN
+logits in the model that wrote it, or damage) or whose scale is negative is refused, so it can never
+pass as "the same NaN on both sides"; so is a file whose size changes during a pass.
+
 Example::
 
     from comparator.logprobs.sources import compare_logprob_sources
@@ -43,6 +51,7 @@ import struct
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from operator import itemgetter
 from pathlib import Path
 from typing import Final
 
@@ -51,11 +60,12 @@ import numpy as np
 from dumper.errors import CorruptDumpError, UsageError
 from dumper.format.files import READ_FLAGS, file_kind
 
-from comparator.logprobs.sources.limits import MAX_POSITIONS, MAX_TOTAL_POSITIONS, TOKEN_ID_LIMIT
+from comparator.logprobs.sources.limits import MAX_KLD_POSITIONS, MAX_POSITIONS, MAX_VOCAB
 from comparator.logprobs.kl_stream import Distributions
 from comparator.logprobs.types import UNKNOWN_TOKEN, SequenceLogprobs
 
-__all__ = ["MAGIC", "KLD_FLOOR", "KldHeader", "KldFile", "is_kld_file", "read_header", "chunk_prompts", "write_kld"]
+__all__ = ["MAGIC", "KLD_FLOOR", "READ_BYTES", "KldHeader", "KldFile", "is_kld_file", "read_header", "chunk_prompts",
+           "write_kld"]
 
 MAGIC: Final = b"_logits_"
 _HEADER = struct.Struct("<8sIii")
@@ -63,6 +73,11 @@ KLD_FLOOR: Final = -16.0
 """llama.cpp leaves a baseline token out of KL when its stored log-prob is not above this."""
 RANGE: Final = 16.0
 """Nats below a row's top logit that a row stores; lower values are stored at the bottom."""
+READ_BYTES: Final = 2 * (MAX_VOCAB + 4)
+"""Most bytes one read of rows takes (4 MiB: one row of :data:`MAX_VOCAB`); the tokens, at most
+``4 * MAX_KLD_POSITIONS`` = 8 MiB, are read at once when the file is opened."""
+_PAGE: Final = 4096
+"""Rows up to this size are scanned whole, a piece of rows per read; longer ones 10 bytes a row."""
 
 
 @dataclass(frozen=True)
@@ -121,28 +136,37 @@ def is_kld_file(path: str | os.PathLike[str]) -> bool:
         fd = os.open(path, READ_FLAGS)
     except OSError:
         return False
-    try:
-        return os.pread(fd, len(MAGIC), 0) == MAGIC
+    try:  # checked again on the open file: the path may have been swapped for a FIFO
+        return stat.S_ISREG(os.fstat(fd).st_mode) and os.pread(fd, len(MAGIC), 0) == MAGIC
+    except OSError:
+        return False
     finally:
         os.close(fd)
 
 
 def _check_header(p: Path, n_ctx: int, n_vocab: int, n_chunk: int) -> None:
+    """The one place a header's sizes are bounded: before its layout is computed or anything sized from it."""
     if not 3 <= n_ctx <= MAX_POSITIONS:
         raise CorruptDumpError(f"{p}: n_ctx {n_ctx} is outside [3, {MAX_POSITIONS}] (llama-perplexity scores "
                                "the tokens after the first n_ctx/2 of each chunk)")
-    if not 1 <= n_vocab < TOKEN_ID_LIMIT or n_chunk < 1:
-        raise CorruptDumpError(f"{p}: n_vocab {n_vocab} or n_chunk {n_chunk} is not a positive size")
-    if n_ctx * n_chunk > MAX_TOTAL_POSITIONS:
+    if n_vocab < 1:
+        raise CorruptDumpError(f"{p}: n_vocab {n_vocab} is not a positive vocabulary size")
+    if n_vocab > MAX_VOCAB:
+        raise CorruptDumpError(f"{p}: declares a vocabulary of {n_vocab}, over the limit {MAX_VOCAB} "
+                               "(real vocabularies reach about 262k)")
+    if n_chunk < 1:
+        raise CorruptDumpError(f"{p}: n_chunk {n_chunk} is not a positive number of chunks")
+    if n_ctx * n_chunk > MAX_KLD_POSITIONS:
         raise UsageError(f"{p}: {n_chunk} chunks of {n_ctx} tokens are {n_ctx * n_chunk} positions, over the "
-                         f"limit of {MAX_TOTAL_POSITIONS} one source may hold")
+                         f"limit of {MAX_KLD_POSITIONS} a llama.cpp KL-divergence base file may hold")
 
 
 def read_header(path: str | os.PathLike[str]) -> KldHeader:
-    """The header of a base file, checked against the file's size before anything else is read.
+    """The header of a base file, bounded and checked against the file's size before anything else is read.
 
-    Raises CorruptDumpError (exit 2), naming the file, for a missing magic, a truncated file or
-    sizes that do not describe it.
+    Raises CorruptDumpError (exit 2), naming the file, for a missing magic, sizes out of bounds
+    (checked first, so an absurd vocabulary is named as such), a truncated file or sizes that
+    do not describe it; UsageError for more positions than one source may hold.
     """
     p = Path(path)
     fd = _open(p)
@@ -179,11 +203,27 @@ class KldFile(Distributions):
             self.tokens = self._read_tokens()  # [n_chunk, n_ctx] int64
 
     def _read(self, n: int, offset: int) -> bytes:
-        assert self._fd is not None
+        assert self._fd is not None and n <= max(READ_BYTES, 4 * MAX_KLD_POSITIONS)
         raw = os.pread(self._fd, n, offset)
         if len(raw) != n:
             raise CorruptDumpError(f"{self.path}: truncated while it was read (offset {offset})")
         return raw
+
+    def _words(self, row: int, n: int) -> np.ndarray:
+        """``n`` rows from file row ``row`` (``chunk * rows + r``) as uint16 words [n, row_bytes / 2]."""
+        h = self.header
+        raw = self._read(n * h.row_bytes, h.offset(0, row))
+        return np.frombuffer(raw, dtype="<u2").reshape(n, h.row_bytes // 2)
+
+    def _check_heads(self, heads: np.ndarray, row: int) -> None:
+        """Raise unless every (scale, min_log_prob) [n, 2] of the file rows from ``row`` on is finite, scale >= 0."""
+        bad = np.flatnonzero(~np.all(np.isfinite(heads), axis=1) | (heads[:, 0] < 0))
+        if bad.size:
+            chunk, r = divmod(row + int(bad[0]), self.header.rows)
+            scale, low = (float(x) for x in heads[bad[0]])
+            raise CorruptDumpError(f"{self.path}: chunk {chunk} row {r}: stored scale {scale} and min_log_prob "
+                                   f"{low} are not a log-probability row (NaN logits in the model that wrote it, or "
+                                   "a damaged file)")
 
     def _read_tokens(self) -> np.ndarray:
         h = self.header
@@ -195,23 +235,29 @@ class KldFile(Distributions):
                                    f"the vocabulary [0, {h.n_vocab})")
         return tok.reshape(h.n_chunk, h.n_ctx)
 
+    def _check_size(self, when: str) -> None:
+        assert self._fd is not None
+        if os.fstat(self._fd).st_size != self.header.size:
+            raise CorruptDumpError(f"{self.path}: changed size {when}")
+
     @contextmanager
     def open(self) -> Iterator[KldFile]:
-        """Open the file for a pass (re-entrant); it must still have the size its header implies."""
+        """Open the file for a pass (re-entrant); it must have the size its header implies before and after."""
         if self._fd is not None:
             yield self
             return
         self._fd = _open(self.path)
         try:
-            if os.fstat(self._fd).st_size != self.header.size:
-                raise CorruptDumpError(f"{self.path}: changed size since its header was read")
+            self._check_size("since its header was read")
             yield self
+            self._check_size("while it was read")
         finally:
             os.close(self._fd)
             self._fd = None
 
     def _chunk(self, request: str) -> int | None:
-        c = int(request) if request.isdigit() and request == str(int(request)) else -1
+        ok = request.isascii() and request.isdigit() and len(request) <= 10 and request == str(int(request))
+        c = int(request) if ok else -1
         return c if 0 <= c < self.header.n_chunk else None
 
     def positions(self, request: str) -> np.ndarray | None:
@@ -220,38 +266,53 @@ class KldFile(Distributions):
         return np.arange(self.header.first + 1, self.header.n_ctx, dtype=np.int64)
 
     def rows(self, request: str, index: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """Rows of ``request`` at ``index`` (in ``[0, rows)``), read a run of consecutive rows at a
+        time in pieces of at most :data:`READ_BYTES`; ``out`` (or a new array) is [len(index), V]."""
         c = self._chunk(request)
-        assert c is not None
         h = self.header
+        if c is None or (index.size and not (0 <= int(index.min()) and int(index.max()) < h.rows)):
+            raise IndexError(f"{self.path}: request {request!r} rows {index.tolist()[:4]}... are not among its "
+                             f"{h.n_chunk} chunks of {h.rows} rows")
         if out is None:
             out = np.empty((index.size, h.n_vocab), dtype=np.float64)
-        cuts = np.flatnonzero(np.diff(index) != 1) + 1  # one read per run of consecutive rows
+        step = max(1, READ_BYTES // h.row_bytes)
+        cuts = np.flatnonzero(np.diff(index) != 1) + 1  # one run of reads per run of consecutive rows
         for start, stop in zip([0, *cuts.tolist()], [*cuts.tolist(), index.size], strict=True):
-            lo = int(index[start])
-            words = np.frombuffer(self._read((stop - start) * h.row_bytes, h.offset(c, lo)), dtype="<u2")
-            words = words.reshape(stop - start, h.row_bytes // 2)
-            head = np.ascontiguousarray(words[:, :4]).view("<f4").astype(np.float64)  # [n, 2]: scale, min_log_prob
-            block = out[start:stop]
-            block[:] = words[:, 4:4 + h.n_vocab]
-            block *= head[:, :1]
-            block += head[:, 1:2]
+            for a in range(start, stop, step):
+                b, lo = min(a + step, stop), int(index[a])
+                words = self._words(c * h.rows + lo, b - a)
+                head = np.ascontiguousarray(words[:, :4]).view("<f4").astype(np.float64)  # [n, 2]: scale, min_log_prob
+                self._check_heads(head, c * h.rows + lo)
+                block = out[a:b]
+                block[:] = words[:, 4:4 + h.n_vocab]
+                block *= head[:, :1]
+                block += head[:, 1:2]
         return out
 
     def _scan(self, tokens: bool) -> tuple[np.ndarray, np.ndarray]:
-        """Every row's (scale, min_log_prob) [n_chunk, rows, 2] and, with ``tokens``, the stored
-        code of its scored token [n_chunk, rows]; 8 (or 10) bytes read per row."""
+        """Every row's (scale, min_log_prob) [n_chunk, rows, 2], checked, and, with ``tokens``, the
+        stored code of its scored token [n_chunk, rows]: rows up to a page are read whole, a piece
+        of :data:`READ_BYTES` at a time; longer ones 8 (or 10) bytes a row."""
         h = self.header
-        heads = np.empty((h.n_chunk, h.rows, 2), dtype=np.float64)
-        codes = np.zeros((h.n_chunk, h.rows), dtype=np.float64)
+        n = h.n_chunk * h.rows
+        heads = np.empty((n, 2), dtype=np.float64)
+        codes = np.zeros(n, dtype=np.float64)
+        scored = self.tokens[:, h.first + 1:].reshape(-1)  # the token each file row predicts
+        step = READ_BYTES // h.row_bytes if h.row_bytes <= _PAGE else 1
         with self.open():
-            for c in range(h.n_chunk):
-                for r in range(h.rows):
-                    at = h.offset(c, r)
-                    heads[c, r] = struct.unpack("<ff", self._read(8, at))
-                    if tokens:
-                        at += 8 + 2 * int(self.tokens[c, h.first + 1 + r])
-                        codes[c, r] = struct.unpack("<H", self._read(2, at))[0]
-        return heads, codes
+            for lo in range(0, n, step):
+                if step > 1:
+                    hi = min(lo + step, n)
+                    words = self._words(lo, hi - lo)
+                    heads[lo:hi] = np.ascontiguousarray(words[:, :4]).view("<f4")
+                    codes[lo:hi] = words[np.arange(hi - lo), 4 + scored[lo:hi]]
+                    continue
+                at = h.offset(0, lo)
+                heads[lo] = struct.unpack("<ff", self._read(8, at))
+                if tokens:
+                    codes[lo] = struct.unpack("<H", self._read(2, at + 8 + 2 * int(scored[lo])))[0]
+        self._check_heads(heads, 0)
+        return heads.reshape(h.n_chunk, h.rows, 2), codes.reshape(h.n_chunk, h.rows)
 
     def token_logprobs(self) -> np.ndarray:
         """Stored log-prob of each scored token [n_chunk, rows]."""
@@ -270,7 +331,11 @@ class KldFile(Distributions):
         h = self.header
         lp = self.token_logprobs()
         lead: list[float | None] = [None] * (h.first + 1)
-        return tuple(SequenceLogprobs(str(c), [UNKNOWN_TOKEN, *self.tokens[c, 1:].tolist()], lead + lp[c].tolist())
+        ids = np.unique(self.tokens[:, 1:])
+        objs = [UNKNOWN_TOKEN, *ids.tolist()]  # one int object per distinct id, shared by all its positions
+        where = np.searchsorted(ids, self.tokens) + 1
+        where[:, 0] = 0
+        return tuple(SequenceLogprobs(str(c), itemgetter(*where[c].tolist())(objs), lead + lp[c].tolist())
                      for c in range(h.n_chunk))
 
 

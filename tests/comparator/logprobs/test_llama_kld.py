@@ -11,6 +11,7 @@ import json
 import math
 import os
 import re
+import struct
 import subprocess
 from pathlib import Path
 from types import SimpleNamespace
@@ -142,8 +143,13 @@ def test_llama_statistics_by_hand():
     (lambda b: b[:-1], "truncated: .* bytes, but n_ctx 12"),
     (lambda b: b + b"\0", "trailing bytes"),
     (lambda b: b[:14], "no full header"),
-    (lambda b: b[:12] + (1 << 30).to_bytes(4, "little") + b[16:], "n_vocab 1073741824 .* make a llama.cpp"),
+    (lambda b: b[:12] + (1 << 20).to_bytes(4, "little") + b[16:], "n_vocab 1048576 .* make a llama.cpp"),
+    (lambda b: b[:12] + (1 << 30).to_bytes(4, "little") + b[16:], "declares a vocabulary of 1073741824, over the lim"),
+    (lambda b: b[:12] + (-5).to_bytes(4, "little", signed=True) + b[16:], "n_vocab -5 is not a positive"),
+    (lambda b: b[:16] + (0).to_bytes(4, "little") + b[20:], "n_chunk 0 is not a positive"),
     (lambda b: b[:8] + (2).to_bytes(4, "little") + b[12:], "n_ctx 2 is outside"),
+    (lambda b: b[:164 + 76] + struct.pack("<f", math.nan) + b[168 + 76:], "chunk 0 row 1: stored scale nan"),
+    (lambda b: b[:168] + struct.pack("<f", -math.inf) + b[172:], "chunk 0 row 0: stored scale .* min_log_prob -inf"),
     (lambda b: b[:20] + (999).to_bytes(4, "little") + b[24:], "chunk 0 position 0: token id 999"),
 ])
 def test_broken_files_are_named_before_anything_is_allocated(tmp_path, damage, message):
@@ -197,8 +203,8 @@ def small_file(tmp_path_factory) -> bytes:
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_fuzzed_files_read_or_fail_with_one_user_error(small_file, tmp_path, data):
-    """Any damage to a base file either reads (odd floats are values, a NaN one a divergence) or is a
-    DriftscopeError of one line: never a crash."""
+    """Any damage to a base file either reads (odd finite floats are values) or is a DriftscopeError of
+    one line (a NaN or infinite stored scale among them): never a crash."""
     raw = bytearray(small_file)
     for _ in range(data.draw(st.integers(1, 4))):
         at = data.draw(st.integers(0, len(raw) - 1))
