@@ -376,8 +376,8 @@ def render_html(report: Report, *, baseline_manifest: Manifest | None = None, ta
             then the logprob plots are missing, as per-position series are not in the JSON).
         baseline_manifest, target_manifest: the dumps' manifests, for the model, capture and
             job settings of each run and the prompts' token ids (default: environment only).
-        tokenizer: decodes token ids to text (default: chosen from the baseline manifest's model,
-            see :func:`comparator.reports.tokens.tokenizer_for`; ids only when none is found).
+        tokenizer: decodes token ids to text (default: the byte tokenizer for a preset's dump, see
+            :func:`comparator.reports.tokens.tokenizer_for`; ids only otherwise).
         max_rows: most tensor-table rows (default :data:`MAX_ROWS`).
     """
     tokens = TokenLookup.from_manifest(baseline_manifest or target_manifest, tokenizer)

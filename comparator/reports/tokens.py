@@ -2,11 +2,10 @@
 
 A dump's manifest records each prompt's token ids (``extra["input_ids"]``, sequence ``s`` =
 prompt ``s``). Texts need the tokenizer: the built-in presets use the byte-level
-:class:`~dumper.tokenizers.ByteTokenizer` (no torch); a local HF model directory's own tokenizer
-is loaded offline when it is still there. Otherwise texts are unknown and reports show ids only.
-
-Nothing here imports torch for a preset; a local HF directory's tokenizer imports transformers
-(:func:`dumper.tokenizers.load_tokenizer`), only when such a dump is shown.
+:class:`~dumper.tokenizers.ByteTokenizer` (no torch). A model directory's tokenizer is used only
+when the caller passes it (``tokenizer=load_tokenizer(DIR)``, :func:`dumper.tokenizers.load_tokenizer`):
+the directory a manifest names is not one the user named, so it is never read on the manifest's
+word (nothing outside the dumps given is opened). Otherwise reports show ids only.
 
 Example::
 
@@ -18,29 +17,18 @@ Example::
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Sequence
 
-from dumper.errors import DriftscopeError
 from dumper.format import Manifest
-from dumper.tokenizers import PRESETS, ByteTokenizer, Tokenizer, load_tokenizer
+from dumper.tokenizers import PRESETS, ByteTokenizer, Tokenizer
 
 __all__ = ["TokenLookup", "tokenizer_for", "show_text"]
 
 
 def tokenizer_for(manifest: Manifest) -> Tokenizer | None:
-    """The tokenizer of the dump's model: the byte tokenizer for presets, a local HF dir's own, else None."""
-    name = str(manifest.model.get("name") or "")
-    if not name:
-        return None
-    if name in PRESETS:
-        return ByteTokenizer(256 + ByteTokenizer.offset)
-    if os.path.isfile(os.path.join(name, "tokenizer_config.json")):
-        try:
-            return load_tokenizer(name)
-        except (ImportError, DriftscopeError):  # token text is a nicety: never fail a comparison over it
-            return None
-    return None
+    """The tokenizer a dump's manifest alone gives: the byte tokenizer for a preset, else None (no file read)."""
+    name = manifest.model.get("name")
+    return ByteTokenizer(256 + ByteTokenizer.offset) if type(name) is str and name in PRESETS else None
 
 
 def show_text(text: str | None) -> str:

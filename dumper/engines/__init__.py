@@ -1,10 +1,12 @@
 """Engine adapters: run one fixed input through an inference engine and write a driftscope dump.
 
 One interface, :class:`RunDump`: every adapter module (``transformers``, ``vllm``, ``llama_cpp``,
-``onnxruntime_genai``) has ``run_dump(cfg: RunConfig, *, progress=None) -> Manifest``, which
-refuses ``--engine-arg`` keys it does not take (:func:`dumper.engines.base.check_engine_args`),
-feeds the engine the job's token ids (:func:`dumper.engines.base.job_sequences`), and writes
-``cfg.out`` one of two ways:
+``onnxruntime_genai``) has ``run_dump(cfg: RunConfig, *, progress=None) -> Manifest`` and an
+``ENGINE_ARGS`` table (``--engine-arg`` key -> :class:`dumper.engines.base.EngineArg`, the values
+it takes). An adapter module never imports its engine at module level, so :func:`run_engine`
+checks every ``--engine-arg`` key and value against the table before the engine is looked for or
+imported (:func:`dumper.engines.base.check_engine_args`). ``run_dump`` then feeds the engine the
+job's token ids (:func:`dumper.engines.base.job_sequences`) and writes ``cfg.out`` one of two ways:
 
 - an engine that hands back tensors records them through :class:`dumper.engines.base.EngineDump`
   (llama.cpp, ONNX Runtime GenAI), which gives them the HF capture's names and row metadata;
@@ -15,8 +17,8 @@ feeds the engine the job's token ids (:func:`dumper.engines.base.job_sequences`)
 Either way the dump's tensor names, layer indices, capture point, positions and sequence ids
 are those of the HF capture, so ``python -m comparator HF_DUMP ENGINE_DUMP`` compares them
 directly. ``python -m dumper run --engine NAME`` picks one from :data:`ENGINES`. To add an
-engine: one module here with ``run_dump``, and one row in :data:`ENGINES`. Beside the adapters,
-:mod:`dumper.engines.sglang` converts SGLang's own dumper files into a dump (no engine runs).
+engine: one module here with ``run_dump`` and ``ENGINE_ARGS``, and one row in :data:`ENGINES`.
+Beside the adapters, :mod:`dumper.engines.sglang` converts SGLang's own dumper files into a dump (no engine runs).
 
 Example::
 
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+from types import ModuleType
 from typing import TYPE_CHECKING, Protocol
 
 from dumper.errors import UsageError
@@ -39,7 +42,7 @@ if TYPE_CHECKING:
     from dumper.progress import ProgressFn
     from dumper.jobs.run import RunConfig
 
-__all__ = ["ENGINES", "RunDump", "engine_runner", "engine_available", "run_engine"]
+__all__ = ["ENGINES", "RunDump", "engine_adapter", "engine_runner", "engine_available", "run_engine"]
 
 
 class RunDump(Protocol):
@@ -67,16 +70,24 @@ def engine_available(name: str) -> bool:
     return needs is None or importlib.util.find_spec(needs) is not None
 
 
-def engine_runner(name: str) -> RunDump:
-    """The ``run_dump(cfg, progress=None)`` of engine ``name``; a :class:`UsageError` when unknown or absent."""
+def engine_adapter(name: str) -> ModuleType:
+    """The adapter module of engine ``name`` (never imports the engine itself); a :class:`UsageError` when unknown."""
     if name not in ENGINES:
         raise UsageError(f"--engine {name!r}: unknown engine; choose one of {', '.join(ENGINES)}")
-    module, _, install = ENGINES[name]
+    return importlib.import_module(f"{__name__}.{ENGINES[name][0]}")
+
+
+def engine_runner(name: str) -> RunDump:
+    """The ``run_dump(cfg, progress=None)`` of engine ``name``; a :class:`UsageError` when unknown or absent."""
+    adapter = engine_adapter(name)
     if not engine_available(name):
-        raise UsageError(f"--engine {name}: the {ENGINES[name][1]} package is not installed ({install})")
-    return importlib.import_module(f".{module}", __name__).run_dump
+        raise UsageError(f"--engine {name}: the {ENGINES[name][1]} package is not installed ({ENGINES[name][2]})")
+    return adapter.run_dump
 
 
 def run_engine(cfg: RunConfig, *, engine: str = "transformers", progress: ProgressFn | None = None) -> Manifest:
-    """Dump ``cfg``'s job through ``engine``."""
+    """Dump ``cfg``'s job through ``engine``, its ``--engine-arg`` values checked before the engine is imported."""
+    from dumper.engines.base import check_engine_args
+
+    check_engine_args(cfg, engine_adapter(engine).ENGINE_ARGS)
     return engine_runner(engine)(cfg, progress=progress)

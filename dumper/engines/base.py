@@ -23,12 +23,13 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
-from dumper.errors import ModelError, UsageError
+from dumper.errors import UsageError
 from dumper.format import Manifest, load_manifest
+from dumper.format.files import printable
 from dumper.hooks.capture import Capture
 from dumper.hooks.fingerprint import config_identity
 from dumper.hooks.layers import ATTN_INPUT, parse_layer_spec
@@ -40,16 +41,66 @@ from dumper.jobs.run import (
     record_token_logprobs,
 )
 
-__all__ = ["EngineInfo", "EngineDump", "attn_input_name", "hf_identity", "job_sequences", "check_checkpoint_dir",
-           "check_engine_args"]
+__all__ = ["EngineInfo", "EngineDump", "EngineArg", "attn_input_name", "hf_identity", "job_sequences",
+           "check_checkpoint_dir", "check_engine_args"]
+
+EngineValue = str | int | bool
 
 
-def check_engine_args(cfg: RunConfig, allowed: dict[str, str]) -> None:
-    """Refuse ``--engine-arg`` keys that ``cfg.engine`` does not take; ``allowed`` maps each key to its help."""
-    for key, _ in cfg.engine_args:
-        if key not in allowed:
-            takes = "; ".join(f"{k} ({h})" for k, h in allowed.items()) or "none"
-            raise UsageError(f"--engine-arg {key}: --engine {cfg.engine} does not take it (it takes: {takes})")
+@dataclass(frozen=True)
+class EngineArg:
+    """One ``--engine-arg`` key of an engine's ``ENGINE_ARGS`` table: the values it takes, and its help.
+
+    ``kind``: ``"choice"`` (one of ``choices``, any case), ``"int"`` (``low`` .. ``high``),
+    ``"bool"`` (true or false, any case) or ``"path"`` (a non-empty path, checked where it is used).
+    """
+
+    help: str
+    kind: Literal["choice", "int", "bool", "path"] = "choice"
+    choices: tuple[str, ...] = ()
+    low: int = 1
+    high: int = (1 << 31) - 1
+
+    def allowed(self) -> str:
+        """The values it takes, for messages: ``one of f32, f16``, ``true or false``, ..."""
+        if self.kind == "choice":
+            return f"one of {', '.join(self.choices)}"
+        if self.kind == "bool":
+            return "true or false"
+        if self.kind == "int":
+            return f"a positive integer (at most {self.high})" if self.low == 1 else \
+                f"an integer from {self.low} to {self.high}"
+        return "a path"
+
+    def parse(self, key: str, value: str) -> EngineValue:
+        """``value`` as this key's type (a choice lowercased); a one-line :class:`UsageError` naming it otherwise."""
+        v = value.strip().lower()
+        if self.kind == "choice" and v in self.choices:
+            return v
+        if self.kind == "bool" and v in ("true", "false"):
+            return v == "true"
+        if self.kind == "int" and v.isascii() and v.isdigit() and len(v) <= 19 and self.low <= int(v) <= self.high:
+            return int(v)
+        if self.kind == "path" and value and "\0" not in value:
+            return value
+        shown = printable(value if len(value) <= 80 else value[:77] + "...")
+        raise UsageError(f"--engine-arg {printable(key)}={shown}: expected {self.allowed()} ({self.help})")
+
+
+def check_engine_args(cfg: RunConfig, table: dict[str, EngineArg]) -> dict[str, EngineValue]:
+    """Every ``--engine-arg`` of ``cfg`` checked against ``cfg.engine``'s ``table``: its key and its value.
+
+    Returns each given key's parsed value (the last one given wins). Needs no engine: it runs
+    before the engine is imported (:func:`dumper.engines.run_engine`), and again in the adapter.
+    """
+    values: dict[str, EngineValue] = {}
+    for key, value in cfg.engine_args:
+        if key not in table:
+            takes = "; ".join(f"{k}={a.allowed()} ({a.help})" for k, a in table.items()) or "none"
+            raise UsageError(f"--engine-arg {printable(key)}: --engine {cfg.engine} does not take it "
+                             f"(it takes: {takes})")
+        values[key] = table[key].parse(key, value)
+    return values
 
 
 def attn_input_name(layer: int) -> str:
@@ -87,10 +138,17 @@ class EngineInfo:
 
 
 def check_checkpoint_dir(path: str, engine: str) -> Path:
-    """``path`` as an HF checkpoint directory (``config.json`` inside); a :class:`UsageError` otherwise."""
+    """``path`` as an HF checkpoint directory that passes :func:`dumper.modeldir.check_model_dir`.
+
+    No directory or no ``config.json`` is a :class:`UsageError`; a directory that fails a check
+    (custom code, a FIFO, a config too large) a :class:`~dumper.errors.ModelError` naming the file.
+    """
+    from dumper.modeldir import check_model_dir
+
     p = Path(path)
-    if not (p / "config.json").is_file():
+    if not p.is_dir() or not os.path.lexists(p / "config.json"):
         raise UsageError(f"{path}: --engine {engine} needs a local HF checkpoint directory (with config.json)")
+    check_model_dir(p)
     return p
 
 
@@ -102,16 +160,9 @@ def hf_identity(checkpoint: str | os.PathLike[str], name: str | None = None, **e
     so the comparator's identity check agrees with the HF dump. ``weights_hash`` is None:
     the engine holds its own copy of the weights.
     """
-    from transformers import AutoConfig
+    from dumper.modeldir import load_config
 
-    from dumper.errors import error_reason
-    from dumper.jobs.presets import check_config_file
-
-    check_config_file(os.path.join(checkpoint, "config.json"))
-    try:
-        config = AutoConfig.from_pretrained(str(checkpoint), local_files_only=True)
-    except Exception as e:  # noqa: BLE001 - the load boundary
-        raise ModelError(f"{checkpoint}: cannot read its config ({error_reason(e)})") from None
+    config = load_config(checkpoint)
     arch = (getattr(config, "architectures", None) or [None])[0]
     return {**config_identity(config, name or str(checkpoint), arch), "weights_hash": None, **extra}
 

@@ -6,10 +6,10 @@ each layer's ``attn_norm-i`` (HF's ``self_attn`` input) out of the graph, and sc
 position from its logits row. Prompts go ``--batch-size`` at a time as separate sequences of one
 batch, each batch in one decode or in ``--chunk-size`` token chunks through the KV cache.
 
-``--engine-arg`` keys: ``kv=f32|f16|bf16`` (KV-cache dtype, default f32 so that a clean run is
-clean), ``threads=N`` (default torch's thread count), ``flash_attn=off|on|auto`` (default off),
-``hf_dir=DIR`` (the HF checkpoint the GGUF came from: its tokenizer encodes text prompts and
-its config gives the identity, so the comparator checks it against the HF dump),
+``--engine-arg`` keys (:data:`ENGINE_ARGS`): ``kv=f32|f16|bf16`` (KV-cache dtype, default f32 so
+that a clean run is clean), ``threads=N`` (default torch's thread count), ``flash_attn=off|on|auto``
+(default off), ``hf_dir=DIR`` (the HF checkpoint the GGUF came from: its tokenizer encodes text
+prompts and its config gives the identity, so the comparator checks it against the HF dump),
 ``verbose=true`` (show llama.cpp's log).
 
 Example::
@@ -30,18 +30,27 @@ from dumper.errors import UsageError
 from dumper.format import Manifest
 from dumper.progress import ProgressFn
 from dumper.jobs.run import RunConfig
-from dumper.engines.base import EngineDump, EngineInfo, check_checkpoint_dir, check_engine_args, hf_identity, job_sequences
+from dumper.engines.base import (
+    EngineArg,
+    EngineDump,
+    EngineInfo,
+    check_checkpoint_dir,
+    check_engine_args,
+    hf_identity,
+    job_sequences,
+)
 from dumper.engines.llama_cpp_ggml import FLASH_ATTN, GGML_TYPE, GgufSession, check_gguf_file, file_type_name
 
 __all__ = ["ENGINE_ARGS", "HF_ARCHITECTURES", "run_dump"]
 
 ENGINE_ARGS = {
-    "kv": f"KV-cache dtype, one of {'|'.join(GGML_TYPE)} (default f32)",
-    "threads": "CPU threads (default: torch.get_num_threads())",
-    "flash_attn": f"{'|'.join(FLASH_ATTN)} (default off)",
-    "hf_dir": "the HF checkpoint directory the GGUF was converted from (tokenizer and identity)",
-    "verbose": "true to show llama.cpp's log on stderr",
+    "kv": EngineArg("the KV-cache dtype; default f32", "choice", tuple(GGML_TYPE)),
+    "threads": EngineArg("CPU threads; default torch.get_num_threads()", "int", high=1024),
+    "flash_attn": EngineArg("flash attention; default off", "choice", tuple(FLASH_ATTN)),
+    "hf_dir": EngineArg("the HF checkpoint directory the GGUF was converted from (tokenizer and identity)", "path"),
+    "verbose": EngineArg("show llama.cpp's log on stderr; default false", "bool"),
 }
+"""``--engine-arg`` keys ``--engine llama.cpp`` takes, and their values."""
 
 HF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
@@ -52,36 +61,20 @@ HF_ARCHITECTURES = {
 }
 """GGUF ``general.architecture`` -> the HF class it was converted from (where one name is known)."""
 
-_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
-
-
-def _choice(cfg: RunConfig, key: str, choices: dict[str, int], default: str) -> tuple[str, int]:
-    value = (cfg.engine_arg(key, default) or default).lower()
-    if value not in choices:
-        raise UsageError(f"--engine-arg {key}={value}: expected one of {', '.join(choices)}")
-    return value, choices[value]
-
 
 def _settings(cfg: RunConfig) -> dict[str, Any]:
-    """The parsed ``--engine-arg`` values (each checked, one-line errors)."""
-    check_engine_args(cfg, ENGINE_ARGS)
-    kv, kv_type = _choice(cfg, "kv", GGML_TYPE, "f32")
-    fa, fa_type = _choice(cfg, "flash_attn", FLASH_ATTN, "off")
-    threads = cfg.engine_arg("threads")
-    if threads is not None and not (threads.isdigit() and int(threads) >= 1):
-        raise UsageError(f"--engine-arg threads={threads}: expected a positive integer")
-    verbose = (cfg.engine_arg("verbose", "false") or "").lower()
-    if verbose not in _TRUE + _FALSE:
-        raise UsageError(f"--engine-arg verbose={verbose}: expected true or false")
+    """The parsed ``--engine-arg`` values with their defaults (each checked, one-line errors)."""
+    opts = check_engine_args(cfg, ENGINE_ARGS)
+    kv, fa = str(opts.get("kv", "f32")), str(opts.get("flash_attn", "off"))
     if cfg.dtype not in ("float32", "fp32"):
         raise UsageError(f"--dtype {cfg.dtype}: llama.cpp computes with the GGUF file's types; pick the precision "
                          "when converting (convert_hf_to_gguf.py --outtype f32|f16|q8_0)")
     if cfg.modules:
         raise UsageError("--modules: --engine llama.cpp captures the layers' self_attn inputs only (use --layers)")
-    hf_dir = cfg.engine_arg("hf_dir")
-    return {"kv": kv, "kv_type": kv_type, "flash_attn": fa, "flash_attn_type": fa_type,
-            "threads": int(threads) if threads else torch.get_num_threads(), "verbose": verbose in _TRUE,
-            "hf_dir": str(check_checkpoint_dir(hf_dir, "llama.cpp")) if hf_dir else None}
+    hf_dir = opts.get("hf_dir")
+    return {"kv": kv, "kv_type": GGML_TYPE[kv], "flash_attn": fa, "flash_attn_type": FLASH_ATTN[fa],
+            "threads": int(opts.get("threads") or torch.get_num_threads()), "verbose": bool(opts.get("verbose")),
+            "hf_dir": str(check_checkpoint_dir(str(hf_dir), "llama.cpp")) if hf_dir else None}
 
 
 def _identity(s: GgufSession, hf_dir: str | None) -> dict[str, Any]:
@@ -136,10 +129,10 @@ def _run_batch(s: GgufSession, out: EngineDump, batch: list[list[int]], first: i
 
 def run_dump(cfg: RunConfig, *, progress: ProgressFn | None = None) -> Manifest:
     """Prefill ``cfg``'s prompts through llama.cpp and write the dump; return its manifest."""
-    import llama_cpp
-
     opts = _settings(cfg)
     check_gguf_file(cfg.model)
+    import llama_cpp  # only once the arguments and the file are known to be good
+
     with GgufSession.open(cfg.model, verbose=opts["verbose"]) as s:
         ident = _identity(s, opts["hf_dir"])
         seqs = _sequences(cfg, s, opts["hf_dir"])

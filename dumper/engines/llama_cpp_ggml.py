@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import stat
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ import numpy as np
 import torch
 
 from dumper.errors import ModelError, UsageError
+from dumper.format.files import READ_FLAGS, file_kind
 
 __all__ = ["FLASH_ATTN", "GGML_TYPE", "GgufSession", "check_gguf_file", "file_type_name"]
 
@@ -46,14 +48,24 @@ class _TensorHead(ctypes.Structure):
 
 
 def check_gguf_file(path: str) -> Path:
-    """``path`` as a readable GGUF file (magic ``GGUF``); a one-line :class:`UsageError` otherwise."""
+    """``path`` as a regular GGUF file (magic ``GGUF``); a one-line :class:`UsageError` otherwise.
+
+    Opened non-blocking and checked with ``fstat`` before a byte is read, so a FIFO is refused, never waited on.
+    """
     p = Path(path)
-    if p.is_dir():
-        raise UsageError(f"{path}: a directory; --engine llama.cpp loads one .gguf file (convert an HF checkpoint "
-                         "with llama.cpp's convert_hf_to_gguf.py)")
     try:
-        with p.open("rb") as f:
-            magic = f.read(4)
+        fd = os.open(p, READ_FLAGS)
+        try:
+            mode = os.fstat(fd).st_mode
+            if stat.S_ISDIR(mode):
+                raise UsageError(f"{path}: a directory; --engine llama.cpp loads one .gguf file (convert an HF "
+                                 "checkpoint with llama.cpp's convert_hf_to_gguf.py)")
+            if not stat.S_ISREG(mode):
+                raise UsageError(f"{path}: {file_kind(mode)}, not a regular file; --engine llama.cpp loads one "
+                                 ".gguf file")
+            magic = os.read(fd, 4)
+        finally:
+            os.close(fd)
     except OSError as e:
         raise UsageError(f"{path}: cannot read the model file ({e.strerror or e})") from None
     if magic != b"GGUF":

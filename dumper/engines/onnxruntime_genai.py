@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from dumper.engines.base import (
+    EngineArg,
     EngineDump,
     EngineInfo,
     check_checkpoint_dir,
@@ -43,8 +44,10 @@ from dumper.progress import ProgressFn
 __all__ = ["ENGINE_ARGS", "run_dump"]
 
 ENGINE = "onnxruntime-genai"
-ENGINE_ARGS = {"hf_dir": "the HF checkpoint the ONNX model was built from: its config is the dump's identity and "
-                         "its tokenizer encodes text prompts (default: the tokenizer the builder copied)"}
+ENGINE_ARGS = {"hf_dir": EngineArg("the HF checkpoint the ONNX model was built from: its config is the dump's identity "
+                                   "and its tokenizer encodes text prompts; default the tokenizer the builder copied",
+                                   "path")}
+"""``--engine-arg`` keys ``--engine onnxruntime-genai`` takes, and their values."""
 
 
 def _check_job(cfg: RunConfig, model: OrtModel) -> None:
@@ -140,8 +143,8 @@ def _attention_op(model: OrtModel) -> str | None:
 
 def run_dump(cfg: RunConfig, *, progress: ProgressFn | None = None) -> Manifest:
     """Prefill every prompt through ONNX Runtime GenAI (logprobs) and onnxruntime (hidden states); return the manifest."""
-    check_engine_args(cfg, ENGINE_ARGS)
-    hf_dir = cfg.engine_arg("hf_dir")
+    opts = check_engine_args(cfg, ENGINE_ARGS)
+    hf_dir = str(opts["hf_dir"]) if "hf_dir" in opts else None
     model = read_ort_model(cfg.model)
     _check_job(cfg, model)
     identity = _identity(cfg, model, hf_dir)

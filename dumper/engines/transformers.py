@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 from dumper.format import Manifest
-from dumper.engines.base import check_engine_args
+from dumper.engines.base import EngineArg, check_engine_args
 from dumper.progress import ProgressFn
 from dumper.jobs.run import RunConfig
 from dumper.jobs.run import run_dump as _run_dump
 
-__all__ = ["run_dump"]
+__all__ = ["ENGINE_ARGS", "run_dump"]
+
+ENGINE_ARGS: dict[str, EngineArg] = {}
+"""``--engine transformers`` takes no ``--engine-arg``: its settings are ``run``'s own options."""
 
 
 def run_dump(cfg: RunConfig, *, progress: ProgressFn | None = None) -> Manifest:
     """Teacher-forced prefill under the hook API (see :func:`dumper.jobs.run.run_dump`)."""
-    check_engine_args(cfg, {})
+    check_engine_args(cfg, ENGINE_ARGS)
     return _run_dump(cfg, progress=progress)

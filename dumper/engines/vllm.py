@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from dumper.engines.base import (
+    EngineArg,
     EngineInfo,
     check_checkpoint_dir,
     check_engine_args,
@@ -42,19 +43,20 @@ from dumper.errors import (
 )
 from dumper.format import Manifest, load_manifest
 from dumper.hooks.capture import Capture
-from dumper.jobs.presets import check_config_file
+from dumper.modeldir import check_model_dir
 from dumper.jobs.run import RunConfig, record_logprobs, record_token_logprobs
 from dumper.progress import ProgressFn
 
 __all__ = ["run_dump", "dump_llm", "load_llm", "engine_kwargs", "env_defaults", "ENGINE_ARGS"]
 
 ENGINE_ARGS = {
-    "enable_prefix_caching": "true|false, reuse KV blocks of shared prompt prefixes (default: vLLM's, true)",
-    "kv_cache_dtype": "auto|fp8|fp8_e4m3|fp8_e5m2|bfloat16|float16 (default auto: the model dtype)",
-    "max_num_seqs": "N, requests per engine step (default: vLLM's; at most --chunk-size)",
-    "max_model_len": "N, the context vLLM reserves (default: max(512, longest prompt + 1))",
+    "enable_prefix_caching": EngineArg("reuse KV blocks of shared prompt prefixes; default vLLM's, true", "bool"),
+    "kv_cache_dtype": EngineArg("the KV-cache dtype; default auto, the model dtype", "choice",
+                                ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "bfloat16", "float16")),
+    "max_num_seqs": EngineArg("requests per engine step; default vLLM's, at most --chunk-size", "int", high=1 << 16),
+    "max_model_len": EngineArg("the context vLLM reserves; default max(512, longest prompt + 1)", "int"),
 }
-"""``--engine-arg`` keys ``--engine vllm`` takes."""
+"""``--engine-arg`` keys ``--engine vllm`` takes, and their values."""
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 """A checkpoint with none of these has no tokenizer: vLLM is told not to load one (ids go in anyway)."""
@@ -72,43 +74,28 @@ def env_defaults(device: str) -> None:
             os.environ.setdefault(key, value)
 
 
-def _flag(key: str, value: str) -> bool:
-    if value.lower() not in ("true", "false"):
-        raise UsageError(f"--engine-arg {key}={value}: expected true or false")
-    return value.lower() == "true"
-
-
-def _count(key: str, value: str) -> int:
-    if not value.isdigit() or int(value) < 1:
-        raise UsageError(f"--engine-arg {key}={value}: expected a positive integer")
-    return int(value)
-
-
 def engine_kwargs(cfg: RunConfig, checkpoint: Path, seqs: list[list[int]]) -> dict[str, Any]:
-    """The ``vllm.LLM(**kwargs)`` that runs ``cfg``'s job: eager, token ids in, the job's dtype and settings."""
-    check_engine_args(cfg, ENGINE_ARGS)
+    """The ``vllm.LLM(**kwargs)`` that runs ``cfg``'s job: eager, token ids in, the job's dtype and settings.
+
+    The checkpoint's code never runs (``trust_remote_code=False``; :func:`check_model_dir` refuses it first).
+    """
+    opts = check_engine_args(cfg, ENGINE_ARGS)
     if cfg.batch_size != 1:
         raise UsageError("--batch-size: --engine vllm batches every prompt itself; "
                          "--engine-arg max_num_seqs=N bounds the requests of one engine step")
     if cfg.attn != "eager":
         raise UsageError(f"--attn {cfg.attn}: HF's attention setting; vLLM picks its own attention backend "
                          "(recorded in the manifest as engine_attention_backend)")
-    config = check_config_file(str(checkpoint / "config.json"))
+    config = check_model_dir(checkpoint) or {}
     longest = max(map(len, seqs))
-    max_len = cfg.engine_arg("max_model_len")
+    positions = config.get("max_position_embeddings")
     kw: dict[str, Any] = {
-        "model": str(checkpoint), "dtype": cfg.dtype, "enforce_eager": True,
+        "model": str(checkpoint), "dtype": cfg.dtype, "enforce_eager": True, "trust_remote_code": False,
         "skip_tokenizer_init": not any((checkpoint / f).is_file() for f in _TOKENIZER_FILES),
-        "seed": cfg.seed, "max_model_len": _count("max_model_len", max_len) if max_len else
-        min(max(512, longest + 1), int(config.get("max_position_embeddings") or longest + 1)),
+        "seed": cfg.seed, "max_model_len": opts.get("max_model_len") or
+        min(max(512, longest + 1), positions if type(positions) is int and positions > 0 else longest + 1),
     }
-    if (v := cfg.engine_arg("enable_prefix_caching")) is not None:
-        kw["enable_prefix_caching"] = _flag("enable_prefix_caching", v)
-    if (v := cfg.engine_arg("kv_cache_dtype")) is not None:
-        kw["kv_cache_dtype"] = v
-    seqs_arg = cfg.engine_arg("max_num_seqs")
-    if seqs_arg is not None:
-        kw["max_num_seqs"] = _count("max_num_seqs", seqs_arg)
+    kw.update((k, opts[k]) for k in ("enable_prefix_caching", "kv_cache_dtype", "max_num_seqs") if k in opts)
     if cfg.chunk_size is not None:
         if kw.get("max_num_seqs", 0) > cfg.chunk_size:
             raise UsageError(f"--engine-arg max_num_seqs={kw['max_num_seqs']} is more than --chunk-size "

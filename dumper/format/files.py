@@ -189,10 +189,11 @@ def read_regular_file(path: Path, limit: int, what: str) -> bytes:
         fd = os.open(path, READ_FLAGS)
     except OSError as e:
         raise CorruptDumpError(f"{path}: cannot open {what} ({e.strerror})") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):  # before fdopen, which raises on a directory
+        os.close(fd)
+        raise CorruptDumpError(f"{path}: {file_kind(st.st_mode)}, not a regular file; refusing to read it")
     with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            raise CorruptDumpError(f"{path}: {file_kind(st.st_mode)}, not a regular file; refusing to read it")
         if st.st_size > limit:
             raise CorruptDumpError(f"{path}: {what} of {st.st_size} bytes exceeds the {limit >> 20} MiB limit")
         data = f.read(st.st_size)  # read(n) allocates n bytes up front: ask only for what is there

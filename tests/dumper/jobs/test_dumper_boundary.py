@@ -91,7 +91,7 @@ def test_unsupported_architecture_exits_2_naming_the_model(llama_dir, tmp_path, 
 
 
 @pytest.mark.parametrize("edit,needle", [
-    (lambda c: "{not json", "not valid JSON (Expecting property name"),
+    (lambda c: "{not json", "config.json: unreadable model config (Expecting property name"),
     (lambda c: "[1, 2]", "expected a JSON object, got list"),
     (lambda c: {k: v for k, v in c.items() if k != "model_type"}, 'no "model_type"'),
     (lambda c: {**c, "hidden_size": -32}, "hidden_size is -32"),
