@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from dumper.errors import UsageError
 from comparator.settings import comparator_settings
 from comparator.thresholds import is_threshold
 
-from comparator.noise.model import DEFAULT_FACTOR, DEFAULT_FLOOR, Limits, NoiseModel, check_noise_factor, noise_limits
+from comparator.noise.model import (DEFAULT_FACTOR, DEFAULT_FLOOR, Limits, NoiseModel, check_noise_factor, noise_limits,
+                                    noise_warnings)
 
 __all__ = ["CompareConfig", "DEFAULT_THRESHOLD", "DEFAULT_TOKEN_THRESHOLD"]
 
@@ -64,6 +65,13 @@ class CompareConfig:
             return Limits(self.threshold, self.token_threshold, None, self.noise_floor)
         fixed = (self.threshold, self.token_threshold) if self.fixed_explicit else None
         return noise_limits(entry, self.noise_factor, self.noise_floor, fixed)
+
+    def noise_warnings(self, names: Iterable[str]) -> tuple[str, ...]:
+        """What a verdict judged by ``noise`` must warn about, for the tensors ``names`` it judged
+        (:func:`comparator.noise.model.noise_warnings`, against the fixed thresholds); ``()`` without noise."""
+        if self.noise is None:
+            return ()
+        return noise_warnings(self.noise, {n: self.limits(n) for n in names}, (self.threshold, self.token_threshold))
 
     def __post_init__(self) -> None:
         for name in ("threshold", "token_threshold"):

@@ -256,6 +256,9 @@ class Report:
     noise_floor: float | None = None
     amplification: tuple[Amplification, ...] = ()
     """Per layer and capture point, the growth of the error across the layer (:mod:`comparator.hidden.onset`)."""
+    warnings: tuple[str, ...] = ()
+    """What the verdict warns about: noise that lets pass what the fixed thresholds fail, a
+    calibration across models (:func:`comparator.noise.model.noise_warnings`, the logprob noise's)."""
 
     @property
     def matched(self) -> int:
@@ -326,6 +329,7 @@ class Report:
             "noise_factor": self.noise_factor,
             "noise_floor": self.noise_floor,
             "amplification": [a.to_json() for a in self.amplification],
+            "warnings": list(self.warnings),
         }
 
     @classmethod
@@ -347,6 +351,7 @@ class Report:
             empty_tensors=tuple(d.get("empty_tensors", ())),
             noise=d.get("noise"), noise_factor=d.get("noise_factor"), noise_floor=d.get("noise_floor"),
             amplification=tuple(Amplification.from_json(a) for a in d.get("amplification", ())),
+            warnings=tuple(d.get("warnings", ())),
         )
 
     def write_json(self, path: str | os.PathLike[str]) -> None:

@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from rich.console import Console
 
 from dumper.cli.common import silence_stdout
 from dumper.errors import UsageError
+from dumper.format.files import printable
 
 from comparator.config import CompareConfig
 from comparator.logprobs import LogprobThresholds
@@ -34,8 +35,9 @@ from comparator.noise.model import DEFAULT_FACTOR, DEFAULT_FLOOR, NoiseModel, ch
 from comparator.reports.outputs import check_output_flags
 from comparator.thresholds import parse_assignments, parse_threshold
 
-__all__ = ["logprob_thresholds", "write_output", "stdout_console", "noise_flags", "noise_args", "threshold_flags",
-           "logprob_threshold_flags", "output_flags", "run_group_flag", "parse_args", "compare_config"]
+__all__ = ["logprob_thresholds", "write_output", "warn", "stdout_console", "noise_flags", "noise_args",
+           "threshold_flags", "logprob_threshold_flags", "output_flags", "run_group_flag", "parse_args",
+           "compare_config"]
 
 _LOGPROB_METRICS = "mse, mean_abs_err, max_abs_err, k3_mean, kl_mean, kl_max, topk_max_err"
 
@@ -153,6 +155,13 @@ def write_output(path: str | None, write: Callable[[str], None]) -> None:
             write(path)
         except OSError as e:
             raise UsageError(f"{path}: cannot write the report ({e.strerror})") from None
+
+
+def warn(lines: Iterable[str]) -> None:
+    """Each line as ``warning: LINE`` on stderr (control characters escaped): seen whatever stdout carries
+    (``--quiet``, ``--format json``), never mistaken for the verdict."""
+    for line in lines:
+        print(f"warning: {printable(line)}", file=sys.stderr)
 
 
 class _PipeConsole(Console):

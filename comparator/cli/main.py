@@ -22,7 +22,7 @@ from dumper.errors import EXIT_DIVERGED, EXIT_OK, UsageError
 from dumper.format import MANIFEST_NAME, write_json_atomic
 
 from comparator.cli.args import (compare_config, logprob_threshold_flags, logprob_thresholds, noise_args, noise_flags,
-                                 output_flags, parse_args, threshold_flags)
+                                 output_flags, parse_args, threshold_flags, warn)
 from comparator.cli.args import stdout_console as _console
 from comparator.cli.args import write_output as _write
 from comparator.hidden.compare import compare_dumps
@@ -46,7 +46,9 @@ def build_calibrate_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, metavar="NOISE.json", help="noise file to write (atomically)")
     p.add_argument("--threads", type=int, default=2, help="metric worker threads (default 2)")
     p.add_argument("--allow-model-mismatch", action="store_true",
-                   help="calibrate from variants of another model spelling (cross-engine runs)")
+                   help="calibrate from variants that are not re-runs of the baseline's model (another model "
+                        "spelling in cross-engine runs, other weights); the differences are recorded in the noise "
+                        "file and every verdict judged by it warns about them")
     p.add_argument("--quiet", action="store_true", help="print only the summary line")
     return p
 
@@ -60,6 +62,7 @@ def run_calibrate(argv: Sequence[str]) -> int:
         noise = calibrate(args.baseline, args.variants, threads=args.threads,
                           allow_model_mismatch=args.allow_model_mismatch, progress=progress)
     noise.save(args.out)
+    warn(f"variant {v}: {d} (allowed, recorded in {args.out})" for v, d in noise.model_mismatch)
     console = _console()
     if not args.quiet:
         render_noise(noise, console)
@@ -116,6 +119,7 @@ def build_logprobs_parser() -> argparse.ArgumentParser:
 
 def build_collect_parser() -> argparse.ArgumentParser:
     from comparator.logprobs.sources.collect import API_NAMES
+    from comparator.logprobs.sources.server_http import retries_arg, timeout_arg
 
     p = Parser(prog="python -m comparator collect",
                description="Score fixed prompts on a live server (vLLM, SGLang, OpenAI-compatible) and write the "
@@ -130,9 +134,11 @@ def build_collect_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=0, help="top-K logprobs per position besides the actual token")
     p.add_argument("--model", default=None, help="served model name (default: the first one /v1/models lists)")
     p.add_argument("--out", required=True, metavar="FILE.jsonl", help="JSONL file to write (one line per prompt)")
-    p.add_argument("--timeout", type=float, default=60.0, help="seconds per request (default 60)")
-    p.add_argument("--retries", type=int, default=3,
-                   help="retries on connection errors, timeouts and HTTP 429/5xx, with backoff (default 3)")
+    p.add_argument("--timeout", type=timeout_arg, default=60.0,
+                   help="seconds per request: connect, send and the whole answer (default 60, at most 86400)")
+    p.add_argument("--retries", type=retries_arg, default=3,
+                   help="retries on connection errors, timeouts, cut answers and HTTP 429/5xx, with backoff "
+                        "(default 3, at most 100)")
     p.add_argument("--quiet", action="store_true", help="no summary line")
     return p
 
@@ -165,6 +171,7 @@ def run_logprobs(argv: Sequence[str]) -> int:
     verdict = compare_logprob_sources(args.baseline, args.target, model=args.threshold_row,
                                       explicit=logprob_thresholds(args.logprob_threshold),
                                       allow_model_mismatch=args.allow_model_mismatch, **noise)
+    warn(verdict.noise.warnings if verdict.noise is not None else ())
     console = _console()
     if args.quiet:
         sides = [f"only in the {side}: {', '.join(map(repr, names[:3]))}"
@@ -204,6 +211,7 @@ def run(argv: Sequence[str] | None = None) -> int:
         with progress_callback(not args.quiet) as progress:
             report = compare_dumps(base, target, config, progress=progress)
         report = dataclasses.replace(report, baseline=args.baseline, target=args.target)  # the user's paths
+        warn(report.warnings)
         if args.format == "table":  # with --format json, stdout carries the JSON report alone
             console = _console()
             if args.quiet:

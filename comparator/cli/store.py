@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections.abc import Sequence
 from dataclasses import replace
 from datetime import datetime, timezone
@@ -29,6 +28,7 @@ from comparator.cli.args import (
     run_group_flag,
     stdout_console,
     threshold_flags,
+    warn,
     write_output,
 )
 from comparator.config import CompareConfig
@@ -112,18 +112,13 @@ def build_store_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _warn(lines: Sequence[str]) -> None:
-    for line in lines:
-        print(f"warning: {line}", file=sys.stderr)
-
-
 def run_regress(argv: Sequence[str]) -> int:
     args = parse_args(build_regress_parser(), argv)
     config = compare_config(args)
     result = regress(args.run_dir, args.store, model=args.run_group, bootstrap=args.bootstrap,
                      allow_env_mismatch=args.allow_env_mismatch, config=config, cache_dir=args.cache_dir,
                      require_all=not args.allow_missing, calibrate_from=args.calibrate)
-    _warn(result.warnings)
+    warn(result.warnings)
     _print_result(result, stdout_console(), quiet=args.quiet, tensors=args.tensors)
     write_output(args.json, lambda p: write_json_atomic(p, result.to_json()))
     return result.exit_code
@@ -161,7 +156,7 @@ def run_store(argv: Sequence[str]) -> int:
             console.print(Text(f"{verb} {printable(name)}"))
         for name in res.protected:
             console.print(Text(f"kept {name} (current baseline)"))
-        _warn([f"left alone: {printable(s)}" for s in res.skipped])
+        warn([f"left alone: {printable(s)}" for s in res.skipped])
         console.print(f"{verb} {len(res.deleted)} entries; kept {len(res.kept) + len(res.protected)} runs")
     return 0
 
@@ -195,7 +190,7 @@ def _calibration(store: RunStore, rec: RunRecord) -> str:
     try:
         stored = store.noise(rec)
     except StoreError as e:
-        _warn([str(e)])
+        warn([str(e)])
         return f"calibration: {UNUSABLE} ({e})"
     assert stored is not None
     cal = stored.calibration
@@ -235,7 +230,7 @@ def _ls(store: RunStore, console: Console, *, run_group: str | None, label: str 
                       Text(e.problem or ""))
     console.print(table)
     console.print(f"{shown} runs shown; {len(broken)} incomplete, corrupt or staging entries")
-    _warn([e.problem for e in broken if e.status in ("incomplete", "corrupt") and e.problem])
+    warn([e.problem for e in broken if e.status in ("incomplete", "corrupt") and e.problem])
 
 
 def _show(store: RunStore, run_id: str, console: Console) -> None:
@@ -261,6 +256,6 @@ def _dump_lines(store: RunStore, run_id: str) -> list[str]:
     try:
         manifest = parse_manifest(store.manifest_json(run_id), where)
     except CorruptDumpError as e:
-        _warn([str(e)])
+        warn([str(e)])
         return [f"dump: {UNUSABLE} ({e})"]
     return list(describe_lines(manifest))

@@ -247,6 +247,8 @@ def compare_dumps(baseline: str | os.PathLike[str], target: str | os.PathLike[st
         first_divergent=first_divergent, replica_mismatches=tuple(replicas), logprobs=verdict,
         environment={"baseline": bm.environment, "target": tm.environment}, heatmap=heatmap,
         notes=(*notes, *replay, *_noise_notes(config, results)), empty_tensors=tuple(plan.empty),
+        warnings=(*config.noise_warnings(sorted({t.name for t in results})),
+                  *(verdict.noise.warnings if verdict is not None and verdict.noise is not None else ())),
         noise=config.noise.source if config.noise is not None else None,
         noise_factor=config.noise_factor if config.noise is not None else None,
         noise_floor=config.noise_floor if config.noise is not None else None,

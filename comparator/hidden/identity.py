@@ -10,6 +10,10 @@ exactly what this tool is for. Different weights (``weights_hash``, compared onl
 of the same dtype, since it hashes the stored bytes) are reported, not fatal: a fine-tune or a
 re-quantization of the same model is a legitimate thing to judge.
 
+Calibration (:func:`check_variant`) is stricter: its variants must be benign re-runs of the
+baseline's model, so different weights are refused there too. A variant with other weights
+differs by the weights, and that difference, measured as noise, would excuse real changes.
+
 Example::
 
     from comparator.hidden.identity import check_identity
@@ -26,7 +30,8 @@ from typing import Any
 from dumper.errors import ModelMismatchError, UsageError
 from dumper.format import Manifest
 
-__all__ = ["IDENTITY_FIELDS", "IdentityDifference", "identity_differences", "check_identity", "check_distinct"]
+__all__ = ["IDENTITY_FIELDS", "REPORTED_FIELDS", "IdentityDifference", "identity_differences", "weights_differences",
+           "check_identity", "check_variant", "check_distinct"]
 
 IDENTITY_FIELDS = ("architecture", "num_layers", "hidden_size", "config_hash")
 """Model fields that must agree (compared when both dumps record them)."""
@@ -65,6 +70,14 @@ def identity_differences(baseline: Manifest, target: Manifest,
     return out
 
 
+def weights_differences(baseline: Manifest, target: Manifest) -> list[IdentityDifference]:
+    """A different ``weights_hash``, compared only between dumps of the same dtype: it hashes the
+    stored bytes, so it differs whenever the dtype does (compare like with like)."""
+    if baseline.capture_signature.get("dtype") != target.capture_signature.get("dtype"):
+        return []
+    return identity_differences(baseline, target, REPORTED_FIELDS)
+
+
 def check_identity(baseline: Manifest, target: Manifest, *, allow_mismatch: bool = False,
                    where: str = "target") -> tuple[str, ...]:
     """Raise :class:`ModelMismatchError` naming the differing fields; return notes for the verdict.
@@ -78,9 +91,7 @@ def check_identity(baseline: Manifest, target: Manifest, *, allow_mismatch: bool
             f"{where}: the dumps come from different models ({'; '.join(map(str, diffs))}); "
             "pass --allow-model-mismatch to compare them anyway (cross-engine or quantized runs)")
     notes = [f"model differs (allowed): {d}" for d in diffs]
-    # the weights hash covers the stored bytes, so it differs whenever the dtype does: compare like with like
-    if baseline.capture_signature.get("dtype") == target.capture_signature.get("dtype"):
-        notes += [f"different weights: {d}" for d in identity_differences(baseline, target, REPORTED_FIELDS)]
+    notes += [f"different weights: {d}" for d in weights_differences(baseline, target)]
     # how the weights are stored (gguf:Q8_0, onnx:int8; absent for HF safetensors): reported whatever the dtype
     formats = [baseline.model.get("weights_format") or "hf", target.model.get("weights_format") or "hf"]
     if formats[0] != formats[1]:
@@ -90,6 +101,20 @@ def check_identity(baseline: Manifest, target: Manifest, *, allow_mismatch: bool
         if engine and engine != "transformers":
             notes.append(f"{side} computed by {engine} {m.environment.get('engine_version') or ''}".rstrip())
     return tuple(notes)
+
+
+def check_variant(baseline: Manifest, variant: Manifest, *, allow_mismatch: bool = False,
+                  where: str = "variant") -> list[IdentityDifference]:
+    """Refuse a calibration variant that is not a re-run of the baseline's model: an identity field
+    or (same dtype) the weights differ. :class:`ModelMismatchError` names the fields; with
+    ``allow_mismatch`` the differences are returned, for the noise file to record."""
+    diffs = identity_differences(baseline, variant) + weights_differences(baseline, variant)
+    if diffs and not allow_mismatch:
+        raise ModelMismatchError(
+            f"{where}: not a benign re-run of the baseline's model ({'; '.join(map(str, diffs))}): the difference "
+            "would be measured as noise and excuse real changes; calibrate from re-runs of the same model and "
+            "weights, or pass --allow-model-mismatch to record it in the noise file")
+    return diffs
 
 
 def check_distinct(baseline: str | os.PathLike[str], target: str | os.PathLike[str]) -> None:

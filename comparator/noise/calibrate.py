@@ -29,7 +29,7 @@ from dumper.format import MANIFEST_NAME, load_manifest
 
 from comparator.hidden.compare import compare_dumps
 from comparator.config import CompareConfig
-from comparator.hidden.identity import IDENTITY_FIELDS
+from comparator.hidden.identity import IDENTITY_FIELDS, IdentityDifference, check_variant
 from comparator.noise.logprobs import logprob_noise
 from comparator.logprobs import LogprobVerdict
 from comparator.noise.model import NoiseModel, TensorNoise
@@ -85,7 +85,9 @@ def calibrate(baseline: str | os.PathLike[str], variants: Sequence[str | os.Path
     Dumps contribute hidden-state noise (every tensor both sides hold) and, when both recorded
     logprobs, logprob noise; other sources logprob noise only. A variant that does not match
     the baseline (no common tensor, other positions) raises the comparison's error; one with a
-    NaN/Inf mismatch is refused, since it is not benign.
+    NaN/Inf mismatch is refused, since it is not benign, and so is a dump of another model or
+    other weights (:func:`~comparator.hidden.identity.check_variant`) unless ``allow_model_mismatch``,
+    which records the differences in the noise (``model_mismatch``).
     """
     if not variants:
         raise UsageError("calibrate needs at least one benign variant of the baseline")
@@ -95,10 +97,13 @@ def calibrate(baseline: str | os.PathLike[str], variants: Sequence[str | os.Path
     config = CompareConfig(threads=threads, allow_model_mismatch=allow_model_mismatch)
     pool = _Pool()
     verdicts: list[LogprobVerdict] = []
-    dump = _is_dump(baseline)
+    manifest = load_manifest(baseline) if _is_dump(baseline) else None
+    mismatch: list[tuple[str, IdentityDifference]] = []
     for i, variant in enumerate(variants):
         pool.variant = i
-        if dump and _is_dump(variant):
+        if manifest is not None and _is_dump(variant):
+            mismatch += [(str(variant), d) for d in check_variant(
+                manifest, load_manifest(variant), allow_mismatch=allow_model_mismatch, where=f"variant {variant}")]
             report = compare_dumps(baseline, variant, config,
                                    token_sink=lambda t, tok: pool.add(t, tok, point_of(t.name)))
             if report.logprobs is not None:
@@ -108,8 +113,7 @@ def calibrate(baseline: str | os.PathLike[str], variants: Sequence[str | os.Path
         if progress is not None:
             progress(i + 1, len(variants))
     model, dtype = {}, None
-    if dump:
-        manifest = load_manifest(baseline)
+    if manifest is not None:
         model = {k: manifest.model[k] for k in (*IDENTITY_FIELDS, "weights_hash", "name") if k in manifest.model}
         dtype = manifest.capture_signature.get("dtype")
     if len(verdicts) not in (0, len(variants)):
@@ -117,4 +121,4 @@ def calibrate(baseline: str | os.PathLike[str], variants: Sequence[str | os.Path
                          "calibrate logprobs from variants that all record them")
     return NoiseModel(baseline=str(baseline), variants=tuple(str(v) for v in variants),
                       tensors=pool.tensors(len(variants)), logprobs=logprob_noise(verdicts) if verdicts else None,
-                      model=model, dtype=dtype)
+                      model=model, dtype=dtype, model_mismatch=tuple(mismatch))

@@ -15,7 +15,9 @@ a multiple of its noise, ``value / max(noise, floor)``, and each mean-type metri
 against the calibrated one, ``z = (mean - noise_mean) / sqrt(se² + noise_se²)``: a mean-type
 threshold derived from noise fails only when it is exceeded **and** ``z > Z_SIGNIFICANT``, so a
 mean that chance alone could lift over it (few positions, one outlier) is left to the max-type
-checks, which judge single positions.
+checks, which judge single positions. A derived threshold over
+:data:`comparator.noise.model.EXCESSIVE` x the fixed one it replaces is a warning of the verdict
+(``NoiseCheck.warnings``): that noise lets pass what the fixed thresholds fail.
 
 Example::
 
@@ -38,6 +40,7 @@ from dumper.format.dtypes import MANTISSA_BITS
 from comparator.jsonfloat import from_json_float, to_json_float
 from comparator.logprobs.thresholds import THRESHOLD_NAMES, LogprobThresholds, explicit_thresholds
 from comparator.logprobs.verdict import LogprobVerdict
+from comparator.noise.fields import integer, items, number, record
 from comparator.thresholds import parse_threshold
 
 __all__ = [
@@ -83,8 +86,11 @@ class MeanNoise:
         return {"mean": to_json_float(self.mean), "se": to_json_float(self.se), "positions": self.positions}
 
     @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> MeanNoise:
-        return cls(from_json_float(d["mean"]), from_json_float(d["se"]), int(d["positions"]))
+    def from_json(cls, d: Any, where: str = "noise file", field: str = "mean") -> MeanNoise:
+        """Exact types (:mod:`comparator.noise.fields`): finite numbers >= 0 and an integer."""
+        d = record(d, where, field, ("mean", "se", "positions"))
+        return cls(number(d["mean"], where, f"{field}.mean"), number(d["se"], where, f"{field}.se"),
+                   integer(d["positions"], where, f"{field}.positions"))
 
 
 @dataclass(frozen=True)
@@ -109,24 +115,22 @@ class LogprobNoise:
                 "by_variant": {k: [to_json_float(x) for x in v] for k, v in self.by_variant.items()}}
 
     @classmethod
-    def from_json(cls, d: Any, where: str) -> LogprobNoise:
-        try:
-            metrics = {str(k): None if v is None else from_json_float(v) for k, v in d["metrics"].items()}
-            means = {str(k): MeanNoise.from_json(v) for k, v in (d.get("means") or {}).items()}
-            by_variant = {str(k): tuple(None if x is None else from_json_float(x) for x in v)
-                          for k, v in (d.get("by_variant") or {}).items()}
-            out = cls(variants=int(d["variants"]), positions=int(d["positions"]), metrics=metrics, means=means,
-                      by_variant=by_variant, source=where)
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise UsageError(f"{where}: malformed \"logprobs\" entry ({type(e).__name__}: {e})") from None
-        values = [(k, v) for k, v in out.metrics.items()] + [
-            (f"{k} mean", m.mean) for k, m in out.means.items()] + [(f"{k} se", m.se) for k, m in out.means.items()]
-        for k, v in values:
-            if v is not None and not (math.isfinite(v) and v >= 0):
-                raise UsageError(f"{where}: logprob noise {k!r} is non-finite or negative; recalibrate")
-        if out.variants < 1 or out.positions < 1:
-            raise UsageError(f"{where}: logprob noise needs at least one variant and one position; recalibrate")
-        return out
+    def from_json(cls, d: Any, where: str, *, variants: int | None = None) -> LogprobNoise:
+        """The ``logprobs`` object of a noise file, exact types (:mod:`comparator.noise.fields`): metric
+        names known, values finite numbers >= 0 or null; ``variants``: the count it must record."""
+        d = record(d, where, "logprobs", ("variants", "positions", "metrics", "means", "by_variant"))
+        count = integer(d["variants"], where, "logprobs.variants", low=1)
+        if variants is not None and count != variants:
+            raise UsageError(f"{where}: logprobs.variants: {count}, but the file lists {variants} variants")
+        metrics = {k: number(v, where, f"logprobs.metrics.{k}", null=True)
+                   for k, v in record(d["metrics"], where, "logprobs.metrics", (), THRESHOLD_NAMES).items()}
+        means = {k: MeanNoise.from_json(v, where, f"logprobs.means.{k}")
+                 for k, v in record(d["means"], where, "logprobs.means", (), MEAN_METRICS).items()}
+        by_variant = {k: tuple(number(x, where, f"logprobs.by_variant.{k}[{j}]", null=True)
+                               for j, x in enumerate(items(v, where, f"logprobs.by_variant.{k}", length=count)))
+                      for k, v in record(d["by_variant"], where, "logprobs.by_variant", (), THRESHOLD_NAMES).items()}
+        return cls(variants=count, positions=integer(d["positions"], where, "logprobs.positions", low=1),
+                   metrics=metrics, means=means, by_variant=by_variant, source=where)
 
 
 def _mean_se(v: LogprobVerdict, name: str) -> tuple[float | None, float | None]:
@@ -174,6 +178,8 @@ class NoiseBasis:
     floors: Mapping[str, float]
     from_noise: frozenset[str]
     """Metrics whose threshold is the noise-derived one (not an explicit smaller one, not a fixed fallback)."""
+    warnings: tuple[str, ...] = ()
+    """Noise-derived thresholds over :data:`comparator.noise.model.EXCESSIVE` x the fixed ones (:func:`_excessive`)."""
 
 
 def _floors(floors: Mapping[str, float] | None) -> dict[str, float]:
@@ -224,7 +230,22 @@ def resolve_logprob_thresholds(model: str | None, *, explicit: Mapping[str, floa
     stricter = [n for n in THRESHOLD_NAMES if n not in derived and n not in uncalibrated]
     source += f"; set: {', '.join(stricter)}" if stricter else ""
     source += f"; not calibrated, by {fixed.source}: {', '.join(uncalibrated)}" if uncalibrated else ""
-    return LogprobThresholds(**values, basis=NoiseBasis(noise, float(factor), lim, frozenset(derived)), source=source)
+    basis = NoiseBasis(noise, float(factor), lim, frozenset(derived), _excessive(noise, fixed, values, derived))
+    return LogprobThresholds(**values, basis=basis, source=source)
+
+
+def _excessive(noise: LogprobNoise, fixed: LogprobThresholds, values: Mapping[str, float | None],
+               derived: set[str]) -> tuple[str, ...]:
+    """The warning for noise-derived thresholds over EXCESSIVE x the fixed ones they replace (none: ``()``)."""
+    from comparator.noise.model import EXCESSIVE  # comparator.noise.model imports this module
+
+    over = [f"{n} <= {values[n]:.3g} (fixed {getattr(fixed, n):g})" for n in THRESHOLD_NAMES
+            if n in derived and getattr(fixed, n) is not None and values[n] > EXCESSIVE * getattr(fixed, n)]
+    if not over:
+        return ()
+    return (f"{noise.source or 'the logprob noise'}: noise-derived logprob thresholds over {EXCESSIVE:g}x the fixed "
+            f"ones they replace ({fixed.source or 'fixed thresholds'}): {', '.join(over)}; differences the fixed "
+            "thresholds fail pass; recalibrate from benign re-runs",)
 
 
 def threshold_dtype(*sides: Manifest | str | None) -> str | None:
@@ -290,6 +311,8 @@ class NoiseCheck:
     positions: int
     metrics: Mapping[str, MetricNoise]
     means: Mapping[str, MeanTest]
+    warnings: tuple[str, ...] = ()
+    """What the verdict warns about: noise that excuses what the fixed thresholds fail, a calibration across models."""
 
     def excused(self, name: str) -> bool:
         """A noise-derived mean-type threshold is exceeded, but not significantly: it does not fail."""
@@ -299,13 +322,14 @@ class NoiseCheck:
     def to_json(self) -> dict[str, Any]:
         return {"source": self.source, "factor": self.factor, "variants": self.variants, "positions": self.positions,
                 "z_significant": Z_SIGNIFICANT, "metrics": {k: m.to_json() for k, m in self.metrics.items()},
-                "means": {k: t.to_json() for k, t in self.means.items()}}
+                "means": {k: t.to_json() for k, t in self.means.items()}, "warnings": list(self.warnings)}
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> NoiseCheck:
         metrics = {k: MetricNoise.from_json(m) for k, m in d["metrics"].items()}
         means = {k: MeanTest.from_json(t) for k, t in d["means"].items()}
-        return cls(d.get("source"), float(d["factor"]), int(d["variants"]), int(d["positions"]), metrics, means)
+        return cls(d.get("source"), float(d["factor"]), int(d["variants"]), int(d["positions"]), metrics, means,
+                   tuple(d.get("warnings", ())))
 
 
 def _z(mean: float, se: float, noise: MeanNoise) -> float:
@@ -342,4 +366,4 @@ def noise_check(thresholds: LogprobThresholds, metrics: Mapping[str, float | Non
             continue
         z = _z(mean, se, ref_mean)
         tests[name] = MeanTest(mean, se, ref_mean.mean, ref_mean.se, z, not z <= Z_SIGNIFICANT)
-    return NoiseCheck(noise.source, basis.factor, noise.variants, noise.positions, out, tests)
+    return NoiseCheck(noise.source, basis.factor, noise.variants, noise.positions, out, tests, basis.warnings)

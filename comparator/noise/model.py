@@ -13,6 +13,12 @@ with ``factor`` :data:`DEFAULT_FACTOR` (3) and ``floor`` :data:`DEFAULT_FLOOR` (
 ``--noise-floor``); fixed thresholds given explicitly still apply on top. Values are also
 reported as multiples of the noise, ``value / max(noise, floor)``.
 
+The file is untrusted input, read by :meth:`NoiseModel.from_json` alone (``--noise`` and the run
+store): exact types (:mod:`comparator.noise.fields`), each tensor once, every tensor noise value a
+rel_diff and so at most 2. Noise that is possible but would excuse what the fixed thresholds
+fail (a derived threshold over :data:`EXCESSIVE` x the fixed one) is a warning in the verdict
+(:func:`noise_warnings`), as is a calibration from variants of another model (``model_mismatch``).
+
 Example::
 
     from comparator.noise.model import NoiseModel
@@ -29,16 +35,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dumper.errors import UsageError
+from dumper.errors import CorruptDumpError, DumpError, UsageError
 from dumper.format import Manifest, write_json_atomic
-from dumper.format.files import parse_json
+from dumper.format.files import parse_json, read_regular_file, show
+from dumper.format.validate import check_model
 
-from comparator.jsonfloat import from_json_float, to_json_float
+from comparator.hidden.identity import IDENTITY_FIELDS, REPORTED_FIELDS, IdentityDifference
+from comparator.jsonfloat import to_json_float
+from comparator.noise.fields import REL_DIFF_MAX, bad, integer, items, number, record, text
 from comparator.noise.logprobs import LogprobNoise
 from comparator.thresholds import parse_assignments
 
-__all__ = ["NOISE_FORMAT", "DEFAULT_FACTOR", "DEFAULT_FLOOR", "TensorNoise", "NoiseModel", "Limits",
-           "parse_noise_floor", "check_noise_factor"]
+__all__ = ["NOISE_FORMAT", "DEFAULT_FACTOR", "DEFAULT_FLOOR", "EXCESSIVE", "MAX_NOISE_BYTES", "TensorNoise",
+           "NoiseModel", "Limits", "noise_warnings", "parse_noise_floor", "check_noise_factor"]
 
 NOISE_FORMAT = "driftscope-noise/1"
 DEFAULT_FACTOR = 3.0
@@ -48,8 +57,21 @@ room for that and still fails a change at 4x the noise."""
 DEFAULT_FLOOR = 1e-12
 """Absolute rel_diff floor: a threshold never drops below it, so a calibration of bit-identical
 re-runs (noise 0) still passes float32 rounding of the same computation (about 1e-14)."""
+EXCESSIVE = 10.0
+"""A noise-derived threshold over this many times the fixed threshold it replaces gets a warning:
+such noise lets pass what the fixed thresholds fail. Benign calibrations stay well below it (the
+bfloat16 tiny-llama, eager vs SDPA and chunked: 3 x noise is at most 0.13x the fixed per-token
+1e-3 and 0.25x its logprob rows; the peaked presets' bfloat16 KL mean 5.4x the default row). Over
+the fixed 1e-3 it takes a rel_diff noise above 3.3e-3, a relative error norm of about 8%."""
+MAX_NOISE_BYTES = 64 << 20
+"""Largest noise file read (``--noise`` and the run store's ``noise.json``); a few KiB per tensor when sound."""
 _MATCH_FIELDS = ("architecture", "num_layers", "hidden_size", "config_hash", "weights_hash")
-_MAX_BYTES = 64 << 20
+_TOP_KEYS = ("format", "baseline", "variants", "model", "dtype", "tensors", "logprobs")
+_TENSOR_KEYS = ("name", "layer", "point", "rel_diff", "token_max", "token_p999", "token_p99", "positions",
+                "by_variant")
+_NOISE_VALUES = ("rel_diff", "token_max", "token_p999", "token_p99")
+_MISMATCH_KEYS = ("variant", "field", "baseline", "target")
+_MISMATCH_FIELDS = (*IDENTITY_FIELDS, *REPORTED_FIELDS)
 
 
 @dataclass(frozen=True)
@@ -76,20 +98,19 @@ class TensorNoise:
                 "positions": self.positions, "by_variant": [to_json_float(v) for v in self.by_variant]}
 
     @classmethod
-    def from_json(cls, d: Mapping[str, Any], where: str) -> TensorNoise:
-        try:
-            out = cls(name=str(d["name"]), layer=None if d.get("layer") is None else int(d["layer"]),
-                      point=d.get("point"), rel_diff=from_json_float(d["rel_diff"]),
-                      token_max=from_json_float(d["token_max"]), token_p999=from_json_float(d["token_p999"]),
-                      token_p99=from_json_float(d["token_p99"]), positions=int(d["positions"]),
-                      by_variant=tuple(from_json_float(v) for v in d.get("by_variant", ())))
-        except (KeyError, TypeError, ValueError) as e:
-            raise UsageError(f"{where}: malformed tensor entry ({type(e).__name__}: {e})") from None
-        for v in (out.rel_diff, out.token_max, out.token_p999, out.token_p99):
-            if not (math.isfinite(v) and v >= 0):
-                raise UsageError(f"{where}: tensor {out.name!r} has a non-finite or negative noise value; "
-                                 "recalibrate with benign variants")
-        return out
+    def from_json(cls, d: Any, where: str, field: str = "tensor", *, variants: int | None = None) -> TensorNoise:
+        """One tensor entry (``field``: where it sits), exact types; every noise value is a rel_diff, so in
+        ``[0, 2]``; ``variants``: how many ``by_variant`` must hold."""
+        d = record(d, where, field, _TENSOR_KEYS)
+        name = text(d["name"], where, f"{field}.name", name=True)
+        at = f"{field} {show(name)}"
+        values = {k: number(d[k], where, f"{at} {k}", high=REL_DIFF_MAX) for k in _NOISE_VALUES}
+        per = items(d["by_variant"], where, f"{at} by_variant", length=variants)
+        return cls(name=name, layer=integer(d["layer"], where, f"{at} layer", low=None, null=True),
+                   point=text(d["point"], where, f"{at} point", null=True), **values,
+                   positions=integer(d["positions"], where, f"{at} positions"),
+                   by_variant=tuple(number(v, where, f"{at} by_variant[{j}]", high=REL_DIFF_MAX)
+                                    for j, v in enumerate(per)))
 
 
 @dataclass(frozen=True)
@@ -103,6 +124,9 @@ class NoiseModel:
     model: Mapping[str, Any] = field(default_factory=dict)
     """The baseline's model identity (IDENTITY_FIELDS and weights_hash)."""
     dtype: str | None = None
+    model_mismatch: tuple[tuple[str, IdentityDifference], ...] = ()
+    """(variant, difference) of each variant calibrated with ``--allow-model-mismatch`` although it is
+    not a re-run of the baseline's model (:func:`comparator.hidden.identity.check_variant`)."""
     source: str | None = field(default=None, compare=False)
     """The file it was read from (not stored)."""
 
@@ -122,28 +146,52 @@ class NoiseModel:
                 raise UsageError(f"{label}: calibrated on a baseline with {key} {a!r}, but {where} has {b!r}; "
                                  "recalibrate against this baseline (python -m comparator calibrate)")
 
+    def mismatch_warning(self) -> str | None:
+        """What a verdict judged by this noise says when it was calibrated across models; None when it was not."""
+        if not self.model_mismatch:
+            return None
+        shown = "; ".join(f"variant {v}: {d}" for v, d in self.model_mismatch[:3])
+        more = f" and {len(self.model_mismatch) - 3} more" if len(self.model_mismatch) > 3 else ""
+        return (f"{self.source or 'the noise'}: calibrated with --allow-model-mismatch from variants that are not "
+                f"re-runs of the baseline's model ({shown}{more}): that difference was measured as noise and can "
+                "excuse a real change")
+
     def to_json(self) -> dict[str, Any]:
         return {"format": NOISE_FORMAT, "baseline": self.baseline, "variants": list(self.variants),
                 "model": dict(self.model), "dtype": self.dtype,
                 "tensors": [t.to_json() for t in self.tensors.values()],
-                "logprobs": self.logprobs.to_json() if self.logprobs is not None else None}
+                "logprobs": self.logprobs.to_json() if self.logprobs is not None else None,
+                "model_mismatch": [{"variant": v, "field": d.field, "baseline": d.baseline, "target": d.target}
+                                   for v, d in self.model_mismatch]}
 
     @classmethod
     def from_json(cls, d: Any, where: str) -> NoiseModel:
-        if not isinstance(d, dict) or d.get("format") != NOISE_FORMAT:
+        """The one reader of a noise file's JSON (:meth:`load`, the run store), with the rules of the module doc."""
+        if type(d) is not dict or d.get("format") != NOISE_FORMAT:
             raise UsageError(f"{where}: not a driftscope noise file (expected \"format\": {NOISE_FORMAT!r}); "
                              "write one with python -m comparator calibrate")
-        variants, tensors = d.get("variants"), d.get("tensors")
-        if not isinstance(variants, list) or not variants or not isinstance(tensors, list):
-            raise UsageError(f"{where}: a noise file needs a non-empty \"variants\" list and a \"tensors\" list")
-        if not all(isinstance(t, dict) for t in tensors):
-            raise UsageError(f"{where}: tensor entries must be objects")
-        parsed = [TensorNoise.from_json(t, where) for t in tensors]
-        lp = d.get("logprobs")
-        return cls(baseline=str(d.get("baseline", "")), variants=tuple(str(v) for v in variants),
-                   tensors={t.name: t for t in parsed},
-                   logprobs=LogprobNoise.from_json(lp, where) if lp is not None else None,
-                   model=dict(d.get("model") or {}), dtype=d.get("dtype"), source=where)
+        d = record(d, where, "top level", _TOP_KEYS, ("model_mismatch",))
+        variants = tuple(text(v, where, f"variants[{i}]")
+                         for i, v in enumerate(items(d["variants"], where, "variants")))
+        if not variants:
+            raise UsageError(f"{where}: variants: a noise file needs at least one variant")
+        tensors: dict[str, TensorNoise] = {}
+        seen: dict[str, int] = {}
+        for i, entry in enumerate(items(d["tensors"], where, "tensors")):
+            t = TensorNoise.from_json(entry, where, f"tensors[{i}]", variants=len(variants))
+            if t.name in seen:
+                raise UsageError(f"{where}: tensors[{i}]: tensor {show(t.name)} is listed twice (also tensors"
+                                 f"[{seen[t.name]}]); a noise file holds one entry per tensor")
+            tensors[t.name], seen[t.name] = t, i
+        lp = d["logprobs"]
+        try:
+            model = check_model(d["model"], where)
+        except CorruptDumpError as e:
+            raise UsageError(str(e)) from None
+        return cls(baseline=text(d["baseline"], where, "baseline"), variants=variants, tensors=tensors,
+                   logprobs=None if lp is None else LogprobNoise.from_json(lp, where, variants=len(variants)),
+                   model=model, dtype=text(d["dtype"], where, "dtype", null=True),
+                   model_mismatch=_mismatch_from_json(d.get("model_mismatch", []), set(variants), where), source=where)
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write atomically (temp file + rename)."""
@@ -154,19 +202,38 @@ class NoiseModel:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> NoiseModel:
-        """Read and validate a noise file; any problem is a one-line :class:`UsageError` naming it."""
-        p = Path(path)
-        try:
-            if p.stat().st_size > _MAX_BYTES:
-                raise UsageError(f"{p}: too large for a noise file (over {_MAX_BYTES >> 20} MiB)")
-            raw = p.read_bytes()
-        except OSError as e:
-            raise UsageError(f"{p}: cannot read the noise file ({e.strerror})") from None
-        try:
-            d = parse_json(raw, str(p), "noise file")
-        except Exception as e:  # DumpError from the JSON reader: same one-line message, as a usage error
+        """Read and validate a noise file; any problem is a one-line :class:`UsageError` naming it.
+
+        Read as untrusted (:func:`~dumper.format.files.read_regular_file`): a FIFO or a device is refused
+        without blocking, a file over :data:`MAX_NOISE_BYTES` before it is read; then :meth:`from_json`.
+        """
+        where = str(path)
+        try:  # the bytes go straight to the parser, which drops them once decoded
+            d = parse_json(read_regular_file(Path(path), MAX_NOISE_BYTES, "noise file"), where, "noise file")
+        except DumpError as e:  # the reader's one-line message, as a usage error
             raise UsageError(str(e)) from None
-        return cls.from_json(d, str(p))
+        return cls.from_json(d, where)
+
+
+def _identity_value(v: Any, where: str, field: str) -> Any:
+    """A model identity value: a string or an integer (the types of :func:`dumper.format.validate.check_model`)."""
+    return integer(v, where, field, low=None) if type(v) is int else text(v, where, field)
+
+
+def _mismatch_from_json(v: Any, variants: set[str], where: str) -> tuple[tuple[str, IdentityDifference], ...]:
+    """``model_mismatch``: each entry names one of the file's variants and one identity field."""
+    out = []
+    for i, e in enumerate(items(v, where, "model_mismatch")):
+        at = f"model_mismatch[{i}]"
+        e = record(e, where, at, _MISMATCH_KEYS)
+        variant = text(e["variant"], where, f"{at}.variant")
+        if variant not in variants:
+            raise bad(where, f"{at}.variant", "one of the file's variants", variant)
+        if e["field"] not in _MISMATCH_FIELDS:
+            raise bad(where, f"{at}.field", f"one of {list(_MISMATCH_FIELDS)}", e["field"])
+        out.append((variant, IdentityDifference(e["field"], _identity_value(e["baseline"], where, f"{at}.baseline"),
+                                                _identity_value(e["target"], where, f"{at}.target"))))
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -188,6 +255,27 @@ class Limits:
 
 def _ratio(value: float, noise: float) -> float:
     return math.inf if math.isnan(value) else value / noise
+
+
+def noise_warnings(noise: NoiseModel, limits: Mapping[str, Limits], fixed: tuple[float, float]) -> tuple[str, ...]:
+    """What a verdict judged against ``noise`` must warn about.
+
+    A calibration across models (:meth:`NoiseModel.mismatch_warning`), and the tensors whose
+    thresholds (``limits``, by name, of the tensors judged) derived from noise exceed
+    :data:`EXCESSIVE` x the ``fixed`` (rel_diff, per-token) thresholds they replace: such noise lets
+    pass what the fixed thresholds fail (a noise value of 1 passes unrelated tensors).
+    """
+    out = [w for w in (noise.mismatch_warning(),) if w is not None]
+    calibrated = {n: lim for n, lim in limits.items() if lim.noise is not None}
+    over = [(n, lim) for n, lim in calibrated.items()
+            if lim.threshold > EXCESSIVE * fixed[0] or lim.token_threshold > EXCESSIVE * fixed[1]]
+    if over:
+        name, lim = over[0]
+        out.append(f"{noise.source or 'the noise'}: the noise-derived thresholds of {len(over)} of {len(calibrated)} "
+                   f"calibrated tensors are over {EXCESSIVE:g}x the fixed thresholds they replace (e.g. {name}: "
+                   f"rel_diff <= {lim.threshold:.3g}, per-token <= {lim.token_threshold:.3g}; fixed {fixed[0]:g} and "
+                   f"{fixed[1]:g}): differences the fixed thresholds fail pass; recalibrate from benign re-runs")
+    return tuple(out)
 
 
 def noise_limits(noise: TensorNoise, factor: float, floor: float, fixed: tuple[float, float] | None) -> Limits:

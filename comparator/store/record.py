@@ -327,6 +327,7 @@ class StoredNoise:
 
         The bytes must hash to ``calibration["sha256"]``: a ``noise.json`` replaced by an interrupted
         recalibration, or edited by hand, is refused instead of judging a run by thresholds nobody measured.
+        They are then read as ``--noise`` reads a file (:meth:`NoiseModel.from_json`), whatever they hold.
         """
         if raw is None:
             raise StoreError(f"{where}: missing, but its run.json records a calibration")
@@ -337,8 +338,6 @@ class StoredNoise:
             noise = NoiseModel.from_json(parse_json(raw, where, "noise file"), where)
         except DriftscopeError as e:
             raise StoreError(str(e)) from None
-        except (TypeError, ValueError, KeyError, AttributeError, RecursionError) as e:
-            raise StoreError(f"{where}: malformed noise file ({type(e).__name__}: {printable(str(e))[:80]})") from None
         if len(noise.variants) != calibration["variants"]:
             raise StoreError(f"{where}: holds {len(noise.variants)} variants, but its run.json records "
                              f"{calibration['variants']}")

@@ -246,7 +246,8 @@ def _compare_and_store(st: RunStore, run_dir: str | os.PathLike[str], manifest: 
     msg += "".join(f"; {n}" for n in report.notes)
     return RegressResult(store=st.url, run_id=rec.run_id, label=label, baseline_run=base.run_id,
                          exit_code=EXIT_OK if report.passed else EXIT_DIVERGED, message=msg, report=report,
-                         env_differences=diffs, warnings=warnings, noise=noise_at, calibration=rec.calibration)
+                         env_differences=diffs, warnings=(*warnings, *report.warnings), noise=noise_at,
+                         calibration=rec.calibration)
 
 
 def _stored_noise(rec: RunRecord, own: NoiseModel | None) -> str:

@@ -36,7 +36,7 @@ from dumper.format import MANIFEST_NAME, Manifest, dir_mode, load_manifest
 from dumper.format.files import parse_json, printable
 from dumper.format.validate import MAX_MANIFEST_BYTES
 
-from comparator.noise.model import NoiseModel
+from comparator.noise.model import MAX_NOISE_BYTES, NoiseModel
 from comparator.store.backend import Backend, EntryKind, ReadResult, open_backend, plain_name
 from comparator.store.errors import CorruptRunError, StoreError
 from comparator.store.record import LABELS, RunEntry, RunRecord, StoredNoise, is_run_id, new_run_id, signature_key
@@ -55,8 +55,6 @@ STAGING_GRACE_S = 3600.0
 """Unfinished uploads younger than this are left alone by :meth:`RunStore.prune` (they may be running)."""
 MAX_RECORD_BYTES = 1 << 20
 """Largest ``run.json`` read (a sound one is a few KiB)."""
-MAX_NOISE_BYTES = 64 << 20
-"""Largest ``noise.json`` read (a few KiB per captured tensor when sound)."""
 _KIND_WORDS = {"file": "a file", "symlink": "a symlink (not followed)", "other": "a FIFO, socket or device"}
 
 

@@ -51,6 +51,7 @@ __all__ = [
     "check_manifest",
     "check_header",
     "check_extra",
+    "check_model",
     "first_bad_text",
     "HeaderEntry",
 ]
@@ -185,19 +186,26 @@ def check_extra(extra: Any, where: str) -> None:
                 raise _bad(where, f"extra.input_ids[{s}]", "a list of integers >= 0", seq)
 
 
+def check_model(model: Any, where: str, field: str = "model") -> dict:
+    """Validate a model identity object (a manifest's ``model``, a noise file's): an object whose
+    known fields have their types (null allowed) and whose every key and string is text; returned as is."""
+    _fields(_object(model, where, field), where, field, ints=("num_layers", "hidden_size"),
+            strs=("name", "architecture", "config_hash", "weights_hash", "weights_format"))
+    _check_text(model, where, field)
+    return model
+
+
 def _check_top(raw: dict, where: str) -> None:
     _keys(where, "top level", raw, _TOP_REQUIRED, _TOP_ALLOWED)
     _str(raw["created_at"], where, "created_at")
-    model = _object(raw["model"], where, "model")
-    _fields(model, where, "model", ints=("num_layers", "hidden_size"),
-            strs=("name", "architecture", "config_hash", "weights_hash", "weights_format"))
+    check_model(raw["model"], where)
     sig = _object(raw["capture_signature"], where, "capture_signature")
     _fields(sig, where, "capture_signature", ints=("num_layers", "world_size"), strs=("dtype",),
             int_lists=("layers",), str_lists=("modules", "points"))
     for k, v in _object(raw["environment"], where, "environment").items():
         if not isinstance(v, _SCALARS) or type(v) is str and not is_text(v):
             raise _bad(where, f"environment.{k}", "a string, number, boolean or null", v)
-    for field in ("model", "capture_signature", "environment"):
+    for field in ("capture_signature", "environment"):
         _check_text(raw[field], where, field)
     check_extra(raw.get("extra", {}), where)
     files = _object(raw["files"], where, "files")

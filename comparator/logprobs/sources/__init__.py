@@ -132,5 +132,8 @@ def compare_logprob_sources(baseline: str | os.PathLike[str], target: str | os.P
                                                 noise_factor=noise_factor, noise_floors=noise_floors)
     except NotComparableError as e:
         raise NotComparableError(f"{base.path} vs {targ.path}: {e}") from None
+    caveat = None if noise is None else noise.mismatch_warning()
+    if caveat is not None and verdict.noise is not None:  # a calibration across models: every verdict says so
+        verdict = replace(verdict, noise=replace(verdict.noise, warnings=(caveat, *verdict.noise.warnings)))
     return replace(verdict, unmatched_baseline=verdict.unmatched_baseline + tuple(only_b),
                    unmatched_target=verdict.unmatched_target + tuple(only_t))

@@ -174,7 +174,7 @@ def test_noise_file_errors_are_one_line(fp32, tmp_path):
     dumps, noise, _ = fp32
     bad = tmp_path / "bad.json"
     bad.write_text('{"format": "something-else"}')
-    for path, word in ((bad, "not a driftscope noise file"), (tmp_path / "missing.json", "cannot read")):
+    for path, word in ((bad, "not a driftscope noise file"), (tmp_path / "missing.json", "cannot open noise file")):
         r = run_cli("comparator", dumps["base"], dumps["sdpa"], "--noise", path)
         assert r.returncode == 2 and word in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     r = run_cli("comparator", dumps["base"], dumps["sdpa"], "--noise-factor", "3")
