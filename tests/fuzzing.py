@@ -17,6 +17,7 @@ import tracemalloc
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from hypothesis import HealthCheck, settings
 
@@ -122,6 +123,26 @@ def run_child(module: str, *args: str | os.PathLike[str], timeout: float = 300,
     lines = r.stderr.strip().splitlines()
     assert lines and lines[-1].startswith("peak-rss-kib "), r.stderr
     return r.returncode, "\n".join(lines[:-1]), int(lines[-1].split()[1]) * 1024
+
+
+def json_paths(obj: Any, prefix: tuple = ()) -> list[tuple]:
+    """Every path to a value inside a parsed JSON ``obj`` (keys and list indices), parents first."""
+    out = []
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
+    for k, v in items:
+        out.append(prefix + (k,))
+        out.extend(json_paths(v, prefix + (k,)))
+    return out
+
+
+def get_path(obj: Any, path: tuple) -> Any:
+    for k in path:
+        obj = obj[k]
+    return obj
+
+
+def set_path(obj: Any, path: tuple, value: Any) -> None:
+    get_path(obj, path[:-1])[path[-1]] = value
 
 
 def tree_bytes(root: Path) -> dict[str, bytes]:

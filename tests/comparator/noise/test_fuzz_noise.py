@@ -30,6 +30,7 @@ import hashlib
 import itertools
 import json
 import math
+import sys
 import os
 import shutil
 import signal
@@ -48,7 +49,7 @@ from comparator.store.record import StoredNoise
 from dumper.format import load_manifest
 from dumper.format.files import JSON_MEMORY_BUDGET, is_text, json_memory_bound, printable
 from dumper.jobs.run import LogprobSpec, RunConfig, run_dump
-from tests.fuzzing import FUZZ, LIMIT, Outcome, check_outcome, run_child, run_main
+from tests.fuzzing import FUZZ, LIMIT, Outcome, check_outcome, get_path, json_paths, run_child, run_main
 
 INF, NAN = math.inf, math.nan
 
@@ -112,23 +113,9 @@ ODD = ["0.0", "3", True, False, None, [], {}, "", -1, -1e-300, 0, 0.5, 1, 2, 2.5
        INF, -INF, NAN, "\ud800", "\x1b[31mred", "model.layers.0.self_attn.input", [0.5], {"a": 1}]
 
 
-def _paths(obj: Any, prefix: tuple = ()) -> list[tuple]:
-    out = []
-    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
-    for k, v in items:
-        out.append(prefix + (k,))
-        out.extend(_paths(v, prefix + (k,)))
-    return out
-
-
-def _get(obj: Any, path: tuple) -> Any:
-    for k in path:
-        obj = obj[k]
-    return obj
-
-
 def _num(v: Any, high: float = INF) -> bool:
-    return type(v) in (int, float) and 0 <= v <= high and math.isfinite(v)
+    """A finite number in [0, high] that a float can hold (10**400 is an int JSON allows, but no float)."""
+    return type(v) in (int, float) and 0 <= v <= min(high, sys.float_info.max)
 
 
 def _int(v: Any, low: int | None = 0) -> bool:
@@ -201,25 +188,25 @@ def test_mutated_noise_files(world: World, data: st.DataObject) -> None:
     op = data.draw(st.sampled_from(OPS))
     expect = {0, 1, 2}
     if op == "retype":
-        path = data.draw(st.sampled_from(_paths(d)))
+        path = data.draw(st.sampled_from(json_paths(d)))
         value = data.draw(st.sampled_from([*ODD, str(world.outside / "base"), str(world.outside / "NOISE.json")]))
         names = {t["name"] for t in d["tensors"]}
-        _get(d, path[:-1])[path[-1]] = value
+        get_path(d, path[:-1])[path[-1]] = value
         ok = _kind_ok(path, value)
         expect = {2} if ok is False else {0, 1} if ok else expect
-        if path[-1] == "name" and value in names and value != _get(world.json, path):
+        if path[-1] == "name" and value in names and value != get_path(world.json, path):
             expect = {2}  # now two entries of one tensor
     elif op == "drop":
-        path = data.draw(st.sampled_from([p for p in _paths(d) if p != ("format",)]))
-        del _get(d, path[:-1])[path[-1]]
+        path = data.draw(st.sampled_from([p for p in json_paths(d) if p != ("format",)]))
+        del get_path(d, path[:-1])[path[-1]]
         ok = _dropped_ok(path)
         expect = {2} if ok is False else {0, 1} if ok else expect
     elif op == "unknown":
         where = data.draw(st.sampled_from([(), ("tensors", 0), ("logprobs",), ("logprobs", "metrics"),
                                            ("logprobs", "means", "k3_mean"), ("model",)]))
-        _get(d, where)[data.draw(st.sampled_from(["zz", "\x1b[2J", "\ud800"]))] = 1
+        get_path(d, where)[data.draw(st.sampled_from(["zz", "\x1b[2J", "\ud800"]))] = 1
         expect = {0, 1} if where == ("model",) else {2}
-        if where == ("model",) and "\ud800" in _get(d, where):
+        if where == ("model",) and "\ud800" in get_path(d, where):
             expect = {2}  # keys are text too
     elif op == "duplicate":
         entry = copy.deepcopy(data.draw(st.sampled_from(d["tensors"])))
@@ -338,7 +325,7 @@ INT_FIELDS = {"tensors[0] positions": ("tensors", 0, "positions"), "tensors[0] l
 def test_an_integer_field_that_is_not_an_int_is_refused(world: World, field: str, value: Any) -> None:
     """int(Infinity) raised OverflowError (exit 3) in the tensor and logprob readers before."""
     path = INT_FIELDS[field]
-    err = _refused(world, _edited(world, lambda d: _get(d, path[:-1]).__setitem__(path[-1], value)),
+    err = _refused(world, _edited(world, lambda d: get_path(d, path[:-1]).__setitem__(path[-1], value)),
                    str(world.root), "expected an integer")
     assert path[-1] in err and ("model.layers.0.self_attn.input" in err) == (path[0] == "tensors"), err
 

@@ -37,7 +37,7 @@ from dumper.cli.main import main as dumper_main
 from dumper.format import MANIFEST_NAME
 from dumper.format.files import JSON_MEMORY_BUDGET, json_memory_bound
 from tests.dumper.format.test_format_boundary import header_of, write_small_dump
-from tests.fuzzing import FUZZ, LIMIT, run_child, watch
+from tests.fuzzing import FUZZ, LIMIT, get_path, json_paths, run_child, set_path, watch
 
 class Sandbox:
     """A real base dump, a sentinel ``outside/`` beside it, and fresh copies to damage."""
@@ -106,26 +106,6 @@ ODD_VALUES = ["3", 3.5, True, False, None, [], {}, "", -1, 2**31, 2**63, 2**64, 
 BIG_INTS = [-1, -(2**63), 0, 1, 2**31, 2**40, 2**62, 2**63 - 1, 2**64]
 
 
-def _paths(obj: Any, prefix: tuple = ()) -> list[tuple]:
-    """Every path to a value inside ``obj`` (keys and list indices)."""
-    out = []
-    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
-    for k, v in items:
-        out.append(prefix + (k,))
-        out.extend(_paths(v, prefix + (k,)))
-    return out
-
-
-def _get(obj: Any, path: tuple) -> Any:
-    for k in path:
-        obj = obj[k]
-    return obj
-
-
-def _set(obj: Any, path: tuple, value: Any) -> None:
-    _get(obj, path[:-1])[path[-1]] = value
-
-
 def _field(path: tuple) -> tuple[str, str] | None:
     """("top", key) or ("record", key) when ``path`` names a field the format types exactly."""
     if len(path) == 1:
@@ -159,43 +139,43 @@ def _write(dump: Path, m: dict) -> None:
 def test_mutated_manifests(box, data):
     """Keys dropped, values retyped, numbers made huge or negative, values swapped, unknown keys added."""
     m = copy.deepcopy(box.manifest)
-    paths = _paths(m)
+    paths = json_paths(m)
     op = data.draw(st.sampled_from(["drop", "retype", "number", "swap", "unknown"]))
     expect: set[int] = {0, 1, 2}
     if op == "drop":
-        path = data.draw(st.sampled_from([p for p in paths if isinstance(_get(m, p[:-1]), dict)]))
-        del _get(m, path[:-1])[path[-1]]
+        path = data.draw(st.sampled_from([p for p in paths if isinstance(get_path(m, p[:-1]), dict)]))
+        del get_path(m, path[:-1])[path[-1]]
         f = _field(path)
         if f is not None and path[-1] in REQUIRED[f[0]] or path[0] == "files" and len(path) == 2:
             expect = {2}
     elif op == "retype":
         path = data.draw(st.sampled_from(paths))
         value = data.draw(st.sampled_from(ODD_VALUES))
-        changed = value != _get(m, path) or type(value) is not type(_get(m, path))
-        _set(m, path, value)
+        changed = value != get_path(m, path) or type(value) is not type(get_path(m, path))
+        set_path(m, path, value)
         if _typed(path, value) is False:
             expect = {2}
         elif changed and _reads(path) and not (value is None and path[-1] in ("positions", "sequence_ids")):
             expect = {1, 2}  # (rows without positions are matched by forward pass instead: may still pass)
     elif op == "number":
-        path = data.draw(st.sampled_from([p for p in paths if type(_get(m, p)) is int]))
-        old = _get(m, path)
+        path = data.draw(st.sampled_from([p for p in paths if type(get_path(m, p)) is int]))
+        old = get_path(m, path)
         absolute = data.draw(st.booleans())
         value = data.draw(st.sampled_from(BIG_INTS)) if absolute else old + data.draw(st.integers(-3, 3))
-        _set(m, path, value)
+        set_path(m, path, value)
         if value != old and (_reads(path) or path[0] in ("files", "format_version")):
             expect = {1, 2}
     elif op == "swap":
-        leaves = [p for p in paths if not isinstance(_get(m, p), (dict, list))]
+        leaves = [p for p in paths if not isinstance(get_path(m, p), (dict, list))]
         a, b = data.draw(st.sampled_from(leaves)), data.draw(st.sampled_from(leaves))
-        va, vb = _get(m, a), _get(m, b)
-        _set(m, a, vb)
-        _set(m, b, va)
+        va, vb = get_path(m, a), get_path(m, b)
+        set_path(m, a, vb)
+        set_path(m, b, va)
         if (va != vb or type(va) is not type(vb)) and (_reads(a) or _reads(b)):
             expect = {1, 2}
     else:
         where = data.draw(st.sampled_from([(), ("tensors", 0), ("model",)]))
-        _get(m, where)["zz_unknown"] = 1
+        get_path(m, where)["zz_unknown"] = 1
         if where != ("model",):
             expect = {2}
     dump = box.copy()
