@@ -20,7 +20,7 @@ Example::
 
 from __future__ import annotations
 
-import json
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +28,9 @@ from typing import Any
 
 import numpy as np
 
-from dumper.errors import ModelError, UsageError, error_reason
+from dumper.errors import DumpError, ModelError, UsageError, error_reason
+from dumper.format.files import check_plain_name, parse_json, read_regular_file, regular_file_in, show
+from dumper.modeldir import CONFIG_LIMIT
 
 __all__ = ["GENAI_CONFIG", "HiddenRunner", "OrtModel", "attn_input_tensors", "read_ort_model"]
 
@@ -91,18 +93,24 @@ class OrtModel:
 
 
 def _read_config(path: Path) -> dict[str, Any]:
+    """``genai_config.json``, read as untrusted (non-blocking, size-capped, bounded parse), its counts checked."""
     cfg_path = path / GENAI_CONFIG
-    if not path.is_dir() or not cfg_path.is_file():
+    if not path.is_dir() or not os.path.lexists(cfg_path):
         raise UsageError(f"{path}: not an ONNX Runtime GenAI model directory (no {GENAI_CONFIG}); build one with "
                          "python -m onnxruntime_genai.models.builder -i HF_DIR -o OUT -p fp32 -e cpu")
     try:
-        cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
-        for value in (cfg["model"]["decoder"]["num_hidden_layers"], cfg["model"]["vocab_size"]):
-            int(value)  # validate now, not mid-run
+        cfg = parse_json(read_regular_file(cfg_path, CONFIG_LIMIT, GENAI_CONFIG), str(cfg_path), GENAI_CONFIG)
+        for field, value in (("model.decoder.num_hidden_layers", cfg["model"]["decoder"]["num_hidden_layers"]),
+                             ("model.vocab_size", cfg["model"]["vocab_size"])):
+            if type(value) is not int or not 0 < value < 2**31:  # validate now, not mid-run
+                raise ValueError(f"{field}: a count {show(value)}, expected an integer in [1, 2^31)")
+        filename = cfg["model"]["decoder"].get("filename", "model.onnx")
+        regular_file_in(path, check_plain_name(filename, str(cfg_path), "model.decoder.filename"),
+                        missing="the decoder graph genai_config.json names is not there")
         return cfg
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UsageError(f"{cfg_path}: cannot read it ({error_reason(e)})") from None
-    except (KeyError, TypeError, ValueError) as e:
+    except DumpError as e:  # the untrusted-file helpers' one-line errors
+        raise UsageError(str(e)) from None
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise UsageError(f"{cfg_path}: not a decoder genai config (missing or bad {error_reason(e)})") from None
 
 

@@ -192,3 +192,51 @@ def test_hidden_states_come_from_the_graph_that_gives_the_logprobs(models: dict[
     np.testing.assert_allclose(logits, gen.get_output("logits")[0], rtol=0, atol=1e-5)
     assert set(hidden) == {0, 3} and hidden[3].shape == (len(ids), 128)
     assert all(v.shape[2] == len(ids) for v in past.values())  # the KV a next chunk continues from
+
+
+def _genai_dir(root: Path, config: object | bytes) -> Path:
+    """A model directory holding ``config`` as genai_config.json and an (empty) ``model.onnx`` beside it."""
+    root.mkdir()
+    (root / "genai_config.json").write_bytes(config if isinstance(config, bytes) else json.dumps(config).encode())
+    (root / "model.onnx").write_bytes(b"")
+    return root
+
+
+GOOD_GENAI = {"model": {"vocab_size": 512, "decoder": {"num_hidden_layers": 4, "filename": "model.onnx"}}}
+
+
+@pytest.mark.parametrize("edit, words", [
+    (lambda c: c["model"].update(vocab_size=float("inf")), "model.vocab_size"),
+    (lambda c: c["model"]["decoder"].update(num_hidden_layers="4"), "a count"),
+    (lambda c: c["model"]["decoder"].update(num_hidden_layers=True), "a count"),
+    (lambda c: c["model"]["decoder"].update(filename="../outside/model.onnx"), "model.decoder.filename"),
+    (lambda c: c["model"]["decoder"].update(filename="/etc/passwd"), "model.decoder.filename"),
+    (lambda c: c["model"].update(decoder=[]), "not a decoder genai config"),
+])
+def test_a_hostile_genai_config_is_one_line_before_any_graph_is_read(tmp_path: Path, edit, words: str) -> None:
+    """genai_config.json is read like any untrusted file, and the graph it names must be inside the directory."""
+    need(ENGINE)
+    from dumper.engines.onnxruntime_genai_graph import read_ort_model
+
+    cfg = json.loads(json.dumps(GOOD_GENAI))
+    edit(cfg)
+    with pytest.raises(UsageError) as e:
+        read_ort_model(_genai_dir(tmp_path / "m", json.dumps(cfg, allow_nan=True).encode()))
+    text = str(e.value)
+    assert words in text and "\n" not in text, text
+
+
+def test_a_fifo_or_huge_genai_config_is_refused_unread(tmp_path: Path) -> None:
+    need(ENGINE)
+    from dumper.engines.onnxruntime_genai_graph import read_ort_model
+
+    fifo = tmp_path / "fifo"
+    fifo.mkdir()
+    os.mkfifo(fifo / "genai_config.json")  # a blocking read would hang here: the open is non-blocking
+    with pytest.raises(UsageError, match="a FIFO, not a regular file"):
+        read_ort_model(fifo)
+    big = _genai_dir(tmp_path / "big", b"")
+    with open(big / "genai_config.json", "r+b") as f:
+        f.truncate(1 << 30)  # sparse: refused by its size, never read
+    with pytest.raises(UsageError, match="exceeds the 16 MiB limit"):
+        read_ort_model(big)
