@@ -40,6 +40,7 @@ from typing import Any
 
 from dumper.errors import CorruptDumpError, ModelError, error_reason
 from dumper.format.files import READ_FLAGS, file_kind, parse_json, printable, read_regular_file, show
+from dumper.format.reader import read_safetensors_header
 
 __all__ = ["CONFIG_LIMIT", "METADATA_LIMIT", "HF_LOAD", "TOKENIZER_FILES", "check_model_dir", "has_tokenizer",
            "load_config", "load_causal_lm", "load_hf_tokenizer", "held_transformers_logs"]
@@ -169,16 +170,10 @@ def _weights(root: Path) -> tuple[int, int] | None:
 
 
 def _safetensors_size(path: Path) -> tuple[int, int]:
-    """(tensors, values) of one safetensors file, from its header alone."""
-    from dumper.format.validate import MAX_HEADER_BYTES
-
+    """(tensors, values) of one safetensors file, from its header alone (read as a dump's is)."""
     try:
         with os.fdopen(os.open(path, READ_FLAGS), "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            n = int.from_bytes(f.read(8), "little")
-            if size < 8 or n > min(MAX_HEADER_BYTES, size - 8):
-                raise ModelError(f"{path}: not a safetensors file (a header of {n} bytes in {size})")
-            header = parse_json(f.read(n), str(path), "safetensors header")
+            header, _, _ = read_safetensors_header(f, path)
     except OSError as e:
         raise ModelError(f"{path}: cannot read the weights ({e.strerror})") from None
     except CorruptDumpError as e:

@@ -20,6 +20,7 @@ import mmap
 import os
 import stat
 from pathlib import Path
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -29,7 +30,28 @@ from dumper.format.files import READ_FLAGS, parse_json, regular_file_in
 from dumper.format.manifest import Manifest, TensorRecord, load_manifest
 from dumper.format.validate import MAX_HEADER_BYTES, HeaderEntry, check_header
 
-__all__ = ["DumpReader", "open_tensor", "to_float64"]
+__all__ = ["DumpReader", "open_tensor", "to_float64", "read_safetensors_header"]
+
+
+def read_safetensors_header(f: BinaryIO, path: Path) -> tuple[Any, int, int]:
+    """``(header JSON, header length, file size)`` of the safetensors file open as ``f`` (at offset 0).
+
+    The file must be regular; the declared header length is bounded by :data:`MAX_HEADER_BYTES`
+    and by the file's size before it is read, then parsed with the bounded JSON reader. Any
+    problem is a one-line :class:`CorruptDumpError` naming ``path``; the entries are not checked.
+    """
+    st = os.fstat(f.fileno())
+    if not stat.S_ISREG(st.st_mode):
+        raise CorruptDumpError(f"{path}: not a regular file; refusing to read it")
+    size = st.st_size
+    if size < 8:
+        raise CorruptDumpError(f"{path}: not a safetensors file ({size} bytes)")
+    n = int.from_bytes(f.read(8), "little")
+    if n > MAX_HEADER_BYTES:
+        raise CorruptDumpError(f"{path}: safetensors header of {n} bytes exceeds the {MAX_HEADER_BYTES}-byte limit")
+    if n > size - 8:
+        raise CorruptDumpError(f"{path}: truncated safetensors header ({n} bytes declared, {size - 8} in the file)")
+    return parse_json(f.read(n), str(path), "safetensors header"), n, size
 
 
 def to_float64(a: np.ndarray, dtype: str) -> np.ndarray:
@@ -53,21 +75,7 @@ class _SafetensorsFile:
         try:
             fd = os.open(path, READ_FLAGS)
             with os.fdopen(fd, "rb") as f:
-                st = os.fstat(f.fileno())
-                if not stat.S_ISREG(st.st_mode):
-                    raise CorruptDumpError(f"{path}: not a regular file; refusing to read it")
-                size = st.st_size
-                if size < 8:
-                    raise CorruptDumpError(f"{path}: not a safetensors file ({size} bytes)")
-                n = int.from_bytes(f.read(8), "little")
-                if n > MAX_HEADER_BYTES:
-                    raise CorruptDumpError(f"{path}: safetensors header of {n} bytes exceeds the "
-                                           f"{MAX_HEADER_BYTES}-byte limit")
-                if n > size - 8:
-                    raise CorruptDumpError(f"{path}: truncated safetensors header ({n} bytes declared, "
-                                           f"{size - 8} in the file)")
-                data = f.read(n)
-                header = parse_json(data, str(path), "safetensors header")
+                header, n, size = read_safetensors_header(f, path)
                 self.entries: dict[str, HeaderEntry] = check_header(header, str(path), size - 8 - n, ITEMSIZES)
                 mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         except OSError as e:
