@@ -16,7 +16,7 @@ against the calibrated one, ``z = (mean - noise_mean) / sqrt(se² + noise_se²)`
 threshold derived from noise fails only when it is exceeded **and** ``z > Z_SIGNIFICANT``, so a
 mean that chance alone could lift over it (few positions, one outlier) is left to the max-type
 checks, which judge single positions. A derived threshold over
-:data:`comparator.noise.model.EXCESSIVE` x the fixed one it replaces is a warning of the verdict
+:data:`comparator.noise.fields.EXCESSIVE` x the fixed one it replaces is a warning of the verdict
 (``NoiseCheck.warnings``): that noise lets pass what the fixed thresholds fail.
 
 Example::
@@ -40,7 +40,7 @@ from dumper.format.dtypes import MANTISSA_BITS
 from comparator.jsonfloat import from_json_float, to_json_float
 from comparator.logprobs.thresholds import THRESHOLD_NAMES, LogprobThresholds, explicit_thresholds
 from comparator.logprobs.verdict import LogprobVerdict
-from comparator.noise.fields import integer, items, number, record
+from comparator.noise.fields import EXCESSIVE, integer, items, number, record
 from comparator.thresholds import parse_threshold
 
 __all__ = [
@@ -179,7 +179,7 @@ class NoiseBasis:
     from_noise: frozenset[str]
     """Metrics whose threshold is the noise-derived one (not an explicit smaller one, not a fixed fallback)."""
     warnings: tuple[str, ...] = ()
-    """Noise-derived thresholds over :data:`comparator.noise.model.EXCESSIVE` x the fixed ones (:func:`_excessive`)."""
+    """Noise-derived thresholds over :data:`comparator.noise.fields.EXCESSIVE` x the fixed ones (:func:`_excessive`)."""
 
 
 def _floors(floors: Mapping[str, float] | None) -> dict[str, float]:
@@ -237,8 +237,6 @@ def resolve_logprob_thresholds(model: str | None, *, explicit: Mapping[str, floa
 def _excessive(noise: LogprobNoise, fixed: LogprobThresholds, values: Mapping[str, float | None],
                derived: set[str]) -> tuple[str, ...]:
     """The warning for noise-derived thresholds over EXCESSIVE x the fixed ones they replace (none: ``()``)."""
-    from comparator.noise.model import EXCESSIVE  # comparator.noise.model imports this module
-
     over = [f"{n} <= {values[n]:.3g} (fixed {getattr(fixed, n):g})" for n in THRESHOLD_NAMES
             if n in derived and getattr(fixed, n) is not None and values[n] > EXCESSIVE * getattr(fixed, n)]
     if not over:

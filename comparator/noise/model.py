@@ -42,7 +42,7 @@ from dumper.format.validate import check_model
 
 from comparator.hidden.identity import IDENTITY_FIELDS, REPORTED_FIELDS, IdentityDifference
 from comparator.jsonfloat import to_json_float
-from comparator.noise.fields import REL_DIFF_MAX, bad, integer, items, number, record, text
+from comparator.noise.fields import EXCESSIVE, REL_DIFF_MAX, bad, integer, items, number, record, text
 from comparator.noise.logprobs import LogprobNoise
 from comparator.thresholds import parse_assignments
 
@@ -57,12 +57,6 @@ room for that and still fails a change at 4x the noise."""
 DEFAULT_FLOOR = 1e-12
 """Absolute rel_diff floor: a threshold never drops below it, so a calibration of bit-identical
 re-runs (noise 0) still passes float32 rounding of the same computation (about 1e-14)."""
-EXCESSIVE = 10.0
-"""A noise-derived threshold over this many times the fixed threshold it replaces gets a warning:
-such noise lets pass what the fixed thresholds fail. Benign calibrations stay well below it (the
-bfloat16 tiny-llama, eager vs SDPA and chunked: 3 x noise is at most 0.13x the fixed per-token
-1e-3 and 0.25x its logprob rows; the peaked presets' bfloat16 KL mean 5.4x the default row). Over
-the fixed 1e-3 it takes a rel_diff noise above 3.3e-3, a relative error norm of about 8%."""
 MAX_NOISE_BYTES = 64 << 20
 """Largest noise file read (``--noise`` and the run store's ``noise.json``); a few KiB per tensor when sound."""
 _MATCH_FIELDS = ("architecture", "num_layers", "hidden_size", "config_hash", "weights_hash")
