@@ -103,10 +103,7 @@ def index_files(src: Path) -> list[SglangFile]:
 
 def load_value(f: SglangFile) -> Any:
     """The value stored in ``f``, loaded with ``weights_only=True``; its meta must agree with its name."""
-    try:
-        regular_file_in(f.path.parent, f.path.name, missing="file vanished while it was read")
-    except CorruptDumpError as e:  # its message holds the raw path
-        raise CorruptDumpError(printable(str(e))) from None
+    regular_file_in(f.path.parent, f.path.name, missing="file vanished while it was read")
     before = check_archive(f.path, f.shown)  # torch.load(mmap=True) trusts the zip's framing: checked first
     try:
         with warnings.catch_warnings():  # a file's pickle protocol, say, is no warning for the terminal

@@ -164,22 +164,25 @@ def regular_file_in(root: Path, name: str, *, missing: str) -> os.stat_result:
 
     Never opens the file. ``name`` must be a plain name (see :func:`check_plain_name`), so the
     only way out of ``root`` is a symlink, resolved with :func:`os.path.realpath` and compared
-    with the real path of ``root``. ``missing`` is the message when nothing is there.
+    with the real path of ``root``. ``missing`` is the message when nothing is there. Paths reach
+    the messages through :func:`printable`: a file name is text from outside.
     """
-    path = root / check_plain_name(name, str(root), "file name")
+    path = root / check_plain_name(name, printable(str(root)), "file name")
+    shown = printable(str(path))
     try:
         st = os.lstat(path)
         if stat.S_ISLNK(st.st_mode):
             real, real_root = os.path.realpath(path), os.path.realpath(root)
             if os.path.commonpath([real, real_root]) != real_root:
-                raise CorruptDumpError(f"{path}: symlink to {real}, outside the dump directory; refusing to read it")
+                raise CorruptDumpError(f"{shown}: symlink to {printable(real)}, outside the dump directory; "
+                                       "refusing to read it")
             st = os.stat(real)
     except FileNotFoundError:
-        raise CorruptDumpError(f"{path}: {missing}") from None
+        raise CorruptDumpError(f"{shown}: {missing}") from None
     except OSError as e:
-        raise CorruptDumpError(f"{path}: cannot stat ({e.strerror})") from None
+        raise CorruptDumpError(f"{shown}: cannot stat ({e.strerror})") from None
     if not stat.S_ISREG(st.st_mode):
-        raise CorruptDumpError(f"{path}: {file_kind(st.st_mode)}, not a regular file; refusing to open it")
+        raise CorruptDumpError(f"{shown}: {file_kind(st.st_mode)}, not a regular file; refusing to open it")
     return st
 
 
