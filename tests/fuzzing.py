@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import signal
 import subprocess
 import sys
 import tracemalloc
@@ -143,6 +144,26 @@ def get_path(obj: Any, path: tuple) -> Any:
 
 def set_path(obj: Any, path: tuple, value: Any) -> None:
     get_path(obj, path[:-1])[path[-1]] = value
+
+
+class Hung(BaseException):
+    """Raised by :func:`deadline`: not an Exception, so no ``except Exception`` of library code swallows it
+    (a CLI's last guard reports it as an internal error, exit 3: a failed case, never a pass)."""
+
+
+@contextlib.contextmanager
+def deadline(seconds: float) -> Iterator[None]:
+    """Interrupt the block (a blocking open or read included) after ``seconds``."""
+    def ring(_signum: int, _frame: Any) -> None:
+        raise Hung(f"still running after {seconds} s")
+
+    old = signal.signal(signal.SIGALRM, ring)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
 
 
 def tree_bytes(root: Path) -> dict[str, bytes]:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import math
 import os
-import signal
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,7 +40,7 @@ from comparator.logprobs.sources.limits import MAX_KLD_POSITIONS, MAX_VOCAB
 from comparator.logprobs.sources.llama_kld import MAGIC, KldFile, KldHeader, is_kld_file, read_header, write_kld
 from dumper.errors import CorruptDumpError
 from tests.conftest import prompt_ids, tiny_llama
-from tests.fuzzing import FUZZ, LIMIT, Outcome, check_outcome, run_child, run_main
+from tests.fuzzing import FUZZ, LIMIT, Outcome, check_outcome, deadline, run_child, run_main
 
 N_CTX, N_CHUNK = 16, 2
 ARGS = ("--logprob-threshold", "max_abs_err=0", "--quiet")
@@ -310,13 +309,8 @@ def test_positions_over_the_limit_are_refused(box, tmp_path):
 @pytest.fixture
 def alarm():
     """Fail a test that blocks for 20 s instead of hanging the suite."""
-    def ring(*_):
-        raise TimeoutError("blocked for 20 s")
-    old = signal.signal(signal.SIGALRM, ring)
-    signal.alarm(20)
-    yield
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, old)
+    with deadline(20):
+        yield
 
 
 @pytest.mark.parametrize("kind", ["fifo", "dev-zero"])

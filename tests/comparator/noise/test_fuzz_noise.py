@@ -24,7 +24,6 @@ the comparator in a child process on the largest hostile noise files.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import hashlib
 import itertools
@@ -33,8 +32,7 @@ import math
 import sys
 import os
 import shutil
-import signal
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +47,7 @@ from comparator.store.record import StoredNoise
 from dumper.format import load_manifest
 from dumper.format.files import JSON_MEMORY_BUDGET, is_text, json_memory_bound, printable
 from dumper.jobs.run import LogprobSpec, RunConfig, run_dump
-from tests.fuzzing import FUZZ, LIMIT, Outcome, check_outcome, get_path, json_paths, run_child, run_main
+from tests.fuzzing import FUZZ, LIMIT, Outcome, check_outcome, deadline, get_path, json_paths, run_child, run_main
 
 INF, NAN = math.inf, math.nan
 
@@ -264,25 +262,6 @@ def test_damaged_noise_bytes(world: World, data: st.DataObject) -> None:
 
 
 # -- each class of hostile noise file -----------------------------------------------------------------
-class Hung(BaseException):
-    """Raised by :func:`deadline`: not an Exception, so no handler in the CLI can turn it into an exit code."""
-
-
-@contextlib.contextmanager
-def deadline(seconds: float) -> Iterator[None]:
-    """Interrupt the block (a blocking open or read included) after ``seconds``."""
-    def ring(_signum: int, _frame: Any) -> None:
-        raise Hung(f"still running after {seconds} s")
-
-    old = signal.signal(signal.SIGALRM, ring)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
-
-
 def _refused(world: World, noise: Path, *needles: str) -> str:
     o, _ = world.judge(noise)
     assert o.code == 2 and all(n in o.err for n in needles), o.err
