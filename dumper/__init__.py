@@ -23,6 +23,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "Capture": "hooks.capture",
     "capture": "hooks.capture",
+    "tap": "hooks.tap",
     "dump": "hooks.active",
     "step": "hooks.active",
     "active_capture": "hooks.active",

@@ -42,7 +42,9 @@ from dumper.errors import (
     error_reason,
 )
 from dumper.format import Manifest, load_manifest
+from dumper.engines.vllm_tap import register, tap_config
 from dumper.hooks.capture import Capture
+from dumper.hooks.layers import DEFAULT_LAYERS
 from dumper.modeldir import check_model_dir
 from dumper.jobs.run import RunConfig, record_logprobs, record_token_logprobs
 from dumper.progress import ProgressFn
@@ -55,6 +57,8 @@ ENGINE_ARGS = {
                                 ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "bfloat16", "float16")),
     "max_num_seqs": EngineArg("requests per engine step; default vLLM's, at most --chunk-size", "int", high=1 << 16),
     "max_model_len": EngineArg("the context vLLM reserves; default max(512, longest prompt + 1)", "int"),
+    "enforce_eager": EngineArg("run the model eager (no torch.compile, no CUDA graphs); default vLLM's, false",
+                               "bool"),
 }
 """``--engine-arg`` keys ``--engine vllm`` takes, and their values."""
 
@@ -74,10 +78,13 @@ def env_defaults(device: str) -> None:
             os.environ.setdefault(key, value)
 
 
-def engine_kwargs(cfg: RunConfig, checkpoint: Path, seqs: list[list[int]]) -> dict[str, Any]:
-    """The ``vllm.LLM(**kwargs)`` that runs ``cfg``'s job: eager, token ids in, the job's dtype and settings.
+def engine_kwargs(cfg: RunConfig, checkpoint: Path, seqs: list[list[int]], *, tap: bool = True) -> dict[str, Any]:
+    """The ``vllm.LLM(**kwargs)`` that runs ``cfg``'s job: vLLM's default (compiled) mode, token ids in.
 
-    The checkpoint's code never runs (``trust_remote_code=False``; :func:`check_model_dir` refuses it first).
+    The capture is the tap (:mod:`dumper.engines.vllm_tap`), asked for in ``additional_config``
+    so that vLLM's loader installs it before vLLM compiles the model; ``tap=False`` gives the
+    same engine without it (the observer check's reference). The checkpoint's code never runs
+    (``trust_remote_code=False``; :func:`check_model_dir` refuses it first).
     """
     opts = check_engine_args(cfg, ENGINE_ARGS)
     if cfg.batch_size != 1:
@@ -90,12 +97,15 @@ def engine_kwargs(cfg: RunConfig, checkpoint: Path, seqs: list[list[int]]) -> di
     longest = max(map(len, seqs))
     positions = config.get("max_position_embeddings")
     kw: dict[str, Any] = {
-        "model": str(checkpoint), "dtype": cfg.dtype, "enforce_eager": True, "trust_remote_code": False,
+        "model": str(checkpoint), "dtype": cfg.dtype, "enforce_eager": bool(opts.get("enforce_eager", False)),
+        "trust_remote_code": False,
         "skip_tokenizer_init": not any((checkpoint / f).is_file() for f in _TOKENIZER_FILES),
         "seed": cfg.seed, "max_model_len": opts.get("max_model_len") or
         min(max(512, longest + 1), positions if type(positions) is int and positions > 0 else longest + 1),
     }
     kw.update((k, opts[k]) for k in ("enable_prefix_caching", "kv_cache_dtype", "max_num_seqs") if k in opts)
+    if tap:
+        kw["additional_config"] = tap_config(cfg.layers if cfg.layers is not None else DEFAULT_LAYERS)
     if cfg.chunk_size is not None:
         if kw.get("max_num_seqs", 0) > cfg.chunk_size:
             raise UsageError(f"--engine-arg max_num_seqs={kw['max_num_seqs']} is more than --chunk-size "
@@ -120,6 +130,7 @@ def load_llm(kwargs: dict[str, Any], *, device: str = "cpu") -> Any:
     env_defaults(device)
     from vllm import LLM
 
+    register()  # the tap's loader hook, for this process (vLLM's plugin loader does it for spawned ones)
     try:
         llm = LLM(**kwargs)
     except (DriftscopeError, InternalError):
@@ -137,9 +148,12 @@ def _engine_info(llm: Any, checkpoint: Path, dtype: str) -> EngineInfo:
 
     config = llm.llm_engine.vllm_config
     backend = next((m.attn_backend.get_name() for m in model_of(llm).modules() if hasattr(m, "attn_backend")), None)
-    sched, cache = config.scheduler_config, config.cache_config
+    sched, cache, comp = config.scheduler_config, config.cache_config, config.compilation_config
+    compiled = not config.model_config.enforce_eager and str(comp.mode).rsplit(".", 1)[-1] != "NONE"
+    graphs = str(getattr(comp, "cudagraph_mode", None)).rsplit(".", 1)[-1] not in ("NONE", "None")
     return EngineInfo("vllm", vllm.__version__, str(checkpoint), {
         "dtype": dtype, "kv_cache_dtype": str(cache.cache_dtype), "attention_backend": backend,
+        "compiled": compiled, "cuda_graphs": graphs and config.device_config.device.type == "cuda",
         "chunked_prefill": bool(sched.enable_chunked_prefill),
         "max_num_batched_tokens": int(sched.max_num_batched_tokens), "max_num_seqs": int(sched.max_num_seqs),
         "prefix_caching": bool(cache.enable_prefix_caching)})

@@ -53,8 +53,10 @@ def model_runner_of(llm: Any) -> Any:
 
 
 def model_of(llm: Any) -> nn.Module:
-    """The ``nn.Module`` a vLLM ``LLM`` runs in this process."""
-    return model_runner_of(llm).model
+    """The ``nn.Module`` a vLLM ``LLM`` runs in this process (under any CUDA-graph wrapper)."""
+    runner = model_runner_of(llm)
+    get = getattr(runner, "get_model", None)
+    return get() if callable(get) else runner.model
 
 
 def _is_llm(obj: Any) -> bool:
@@ -117,9 +119,6 @@ class VllmFamily(FamilyAdapter):
         runner = self._runner = self._runner or _runner_on_stack(self.model)
         if runner is None:
             raise UsageError("cannot find vLLM's model runner for this model; pass the vllm.LLM to dumper.capture")
-        if not getattr(runner.model_config, "enforce_eager", True):
-            raise UsageError("vLLM compiles this model (torch.compile / CUDA graphs), where module hooks do not run; "
-                             "start it with enforce_eager=True to capture")
         starts = first.query_start_loc.detach().cpu().numpy()
         return self._rows(positions.detach().cpu().numpy(), starts, runner)
 
@@ -157,6 +156,14 @@ class VllmFamily(FamilyAdapter):
             if src is not None:
                 self._shared.append(SharedRows(s, src, first))
         return s
+
+    def compiled_reason(self) -> str | None:
+        compiled = self.model is not None and any(getattr(m, "do_not_compile", True) is False for m in self.model.modules())
+        return "vLLM's torch.compile" if compiled else None
+
+    def tap_hint(self) -> str:
+        return ('start vLLM with additional_config={"driftscope": {"layers": "all"}}, or --engine-arg '
+                "enforce_eager=true for module hooks; see the README's compiled-capture section")
 
     def shared_rows(self) -> list[SharedRows]:
         return list(self._shared)

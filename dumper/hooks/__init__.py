@@ -9,6 +9,7 @@ Example::
 One module per concern:
 
 - :mod:`~dumper.hooks.capture`: :class:`~dumper.hooks.capture.Capture`, its lifecycle, hooks and records;
+- :mod:`~dumper.hooks.tap`: the graph-safe tap (a custom op) that records inside compiled models;
 - :mod:`~dumper.hooks.active`: the active capture, :func:`~dumper.hooks.active.dump` and
   :func:`~dumper.hooks.active.step` from anywhere, ``DRIFTSCOPE_DUMP_DIR``;
 - :mod:`~dumper.hooks.families`: per-family adapters (a registry): which modules to hook and

@@ -40,6 +40,7 @@ from dumper.hooks.families import FamilyAdapter, resolve_model
 from dumper.hooks.fingerprint import environment_fingerprint
 from dumper.hooks.layers import ATTN_INPUT, RESIDUAL, HookTarget, hook_targets
 from dumper.hooks.rows import PassRows, as_runs, write_shared_rows
+from dumper.hooks.tap import TapPoint, check_counts, is_compiled, match_targets, tap_of, unwrap_compiled
 from dumper.hooks.writer import ShardWriter
 
 __all__ = ["Capture", "capture", "dist_rank_world"]
@@ -86,7 +87,9 @@ class Capture:
                  model_name: str | None = None, shard_bytes: int = 512 << 20, extra: dict[str, Any] | None = None,
                  identity: dict[str, Any] | None = None, signature: dict[str, Any] | None = None,
                  environment: dict[str, Any] | None = None) -> None:
-        self.model, self._family = resolve_model(model)
+        # a torch.compile wrapper: passes start and end at its call, the capture points are its module's
+        self._outer = model if isinstance(model, nn.Module) and is_compiled(model) else None
+        self.model, self._family = resolve_model(unwrap_compiled(model) if self._outer is not None else model)
         model = self.model
         # what the manifest says about the model, the capture and the environment when no
         # nn.Module is hooked (an engine adapter fills them in; see dumper.engines.base)
@@ -99,6 +102,8 @@ class Capture:
         self._shard_bytes = shard_bytes
         self._targets, self._num_layers = (hook_targets(model, self._family, layers=layers, modules=modules,
                                                         points=points) if model is not None else ([], 0))
+        self._tap = tap_of(model) if model is not None else None
+        self._tapped = self._tap_points() if model is not None else []
         self._model_name = model_name
         self._handles: list[Any] = []
         self._records: list[TensorRecord] = []
@@ -110,6 +115,16 @@ class Capture:
         self._rows: PassRows | None = None
         self._prev_active: Capture | None = None
         self._made_dir = False
+
+    def _tap_points(self) -> list[tuple[HookTarget, TapPoint]]:
+        """Each target and the tap point that records it; a compiled model without a tap is refused."""
+        if self._tap is not None:
+            return match_targets(self._tap, self._targets)
+        reason = "torch.compile" if self._outer is not None else self._family.compiled_reason()
+        if reason is not None:
+            raise UsageError(f"the model runs compiled ({reason}), where module hooks do not run; install "
+                             f"driftscope's tap before it compiles ({self._family.tap_hint()})")
+        return []
 
     @property
     def family(self) -> FamilyAdapter:
@@ -132,9 +147,10 @@ class Capture:
         self._writer = ShardWriter(self.out_dir, self.rank, shard_bytes=self._shard_bytes)
         try:
             if self.model is not None:
-                self._handles.append(self.model.register_forward_pre_hook(self._on_model_start, with_kwargs=True))
-                self._handles.append(self.model.register_forward_hook(self._on_model_end, always_call=True))
-                for target in self._targets:
+                top = self._outer if self._outer is not None else self.model
+                self._handles.append(top.register_forward_pre_hook(self._on_model_start, with_kwargs=True))
+                self._handles.append(top.register_forward_hook(self._on_model_end, always_call=True))
+                for target in self._targets if self._tap is None else ():
                     self._handles.append(target.module.register_forward_pre_hook(
                         self._make_input_hook(target), with_kwargs=True))
         except BaseException:
@@ -267,14 +283,31 @@ class Capture:
         if self._depth == 1:
             self._start_pass()
             self._rows = self._pass_rows(args, kwargs)
+            if self._tap is not None:
+                self._tap.count.zero_()  # a point that does not run in this pass records nothing
 
     @_hook_guard
     def _on_model_end(self, module: nn.Module, args: tuple, output: Any) -> None:
         self._depth = max(0, self._depth - 1)
         if self._depth == 0:
+            if self._tap is not None:
+                self._read_tap()
             rows, self._rows = self._rows, None
             self._family.end_pass(rows)
             self.step()
+
+    def _read_tap(self) -> None:
+        """Record what the tap copied during the pass that just ended (outside any compiled graph)."""
+        assert self._tap is not None
+        counts = check_counts(self._tap)
+        ctx = self._rows
+        for target, point in self._tapped:
+            rows = self._tap.read(counts, point)
+            if rows.shape[0] == 0:
+                continue
+            if ctx is not None and math.prod(ctx.shape) == rows.shape[0]:
+                rows = rows.view(*ctx.shape, rows.shape[-1])
+            self.record(f"{target.name}.{target.point}", rows, layer=target.layer, point=target.point)
 
     def _pass_rows(self, args: tuple, kwargs: dict) -> PassRows | None:
         """Row metadata of a pass from the top-level call's inputs, as the model's family reads them."""

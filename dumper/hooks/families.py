@@ -121,6 +121,14 @@ class FamilyAdapter:
         """Rows that sequences reused from others instead of computing them (filled in at the end)."""
         return []
 
+    def compiled_reason(self) -> str | None:
+        """What compiles this model so that module hooks do not run in it (``None``: hooks run)."""
+        return None
+
+    def tap_hint(self) -> str:
+        """How a user installs the tap (:mod:`dumper.hooks.tap`) on a model of this family before it compiles."""
+        return "dumper.tap(model, layers=..., max_tokens=...) before torch.compile"
+
     def identity(self, name: str | None) -> dict[str, Any]:
         """The manifest's model identity."""
         return model_identity(self.model, name)

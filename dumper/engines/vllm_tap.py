@@ -1,0 +1,86 @@
+"""driftscope's tap inside vLLM: installed by vLLM's own model loader, before vLLM compiles the model.
+
+vLLM compiles its model (torch.compile; CUDA graphs on a GPU) during engine start-up, so a
+capture has to be in the model before that: :func:`register`, a ``vllm.general_plugins``
+entry point that vLLM loads in every process it starts (the engine core, each TP worker),
+wraps the model loader so that a model loaded with
+
+    additional_config={"driftscope": {"layers": "all"}}        # LLM(...), or
+    vllm serve CKPT --additional-config '{"driftscope": {"layers": "all"}}'
+
+gets the tap (:mod:`dumper.hooks.tap`) at the chosen layers, sized by the engine's token
+budget per step (``max_num_batched_tokens``). ``additional_config`` is part of vLLM's compile
+cache key, so a tapped and an untapped engine never share a compiled graph. Without the
+``driftscope`` key the loader is unchanged and nothing is tapped.
+
+Keys of ``additional_config["driftscope"]``: ``layers`` (a layer spec, default
+:data:`~dumper.hooks.layers.DEFAULT_LAYERS`) and ``points`` (default ``input``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from dumper.errors import UsageError
+
+__all__ = ["TAP_KEY", "register", "tap_config", "tap_spec", "install_engine_tap"]
+
+TAP_KEY = "driftscope"
+"""The ``additional_config`` key that asks vLLM's loader for the tap."""
+_KEYS = ("layers", "points")
+_PATCHED = "_driftscope_tap_loader"
+
+
+def tap_config(layers: str | Sequence[int] | None, points: str | Sequence[str] | None = None) -> dict[str, Any]:
+    """The ``additional_config`` entry that taps ``layers`` (and ``points``) of the model vLLM loads."""
+    spec: dict[str, Any] = {"layers": layers if isinstance(layers, str) or layers is None else [int(i) for i in layers]}
+    if points is not None:
+        spec["points"] = points if isinstance(points, str) else list(points)
+    return {TAP_KEY: {k: v for k, v in spec.items() if v is not None}}
+
+
+def tap_spec(additional_config: Any) -> dict[str, Any] | None:
+    """The checked ``driftscope`` entry of a vLLM ``additional_config`` (``None``: no tap asked for)."""
+    if not isinstance(additional_config, dict) or TAP_KEY not in additional_config:
+        return None
+    spec = additional_config[TAP_KEY]
+    if not isinstance(spec, dict) or any(k not in _KEYS for k in spec):
+        raise UsageError(f"additional_config {TAP_KEY!r}: expected an object with keys {', '.join(_KEYS)}, "
+                         f"got {str(spec)[:80]!r}")
+    for key in _KEYS:
+        value = spec.get(key)
+        if value is not None and not isinstance(value, str) and not (
+                isinstance(value, list) and all(type(v) is (int if key == "layers" else str) for v in value)):
+            raise UsageError(f"additional_config {TAP_KEY!r}.{key}: expected a spec string or a list, got {value!r}")
+    return spec
+
+
+def install_engine_tap(model: Any, vllm_config: Any, spec: dict[str, Any]) -> Any:
+    """Tap ``model`` as ``spec`` says, with room for the engine's token budget per step."""
+    from dumper.engines.vllm_hooks import VllmFamily
+    from dumper.hooks.tap import install_tap
+
+    budget = int(vllm_config.scheduler_config.max_num_batched_tokens)
+    return install_tap(model, layers=spec.get("layers"), points=spec.get("points"), max_tokens=budget,
+                       family=VllmFamily(model))
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point: wrap vLLM's model loader (once per process)."""
+    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+
+    original = BaseModelLoader.load_model
+    if getattr(original, _PATCHED, False):
+        return
+
+    def load_model(self: Any, vllm_config: Any, model_config: Any, prefix: str = "") -> Any:
+        model = original(self, vllm_config, model_config, prefix)
+        spec = tap_spec(getattr(vllm_config, "additional_config", None))
+        if spec is not None and model_config is vllm_config.model_config:  # the served model, not a drafter
+            install_engine_tap(model, vllm_config, spec)
+        return model
+
+    setattr(load_model, _PATCHED, True)
+    load_model.__wrapped__ = original  # type: ignore[attr-defined]
+    BaseModelLoader.load_model = load_model  # type: ignore[method-assign]
