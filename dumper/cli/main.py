@@ -99,6 +99,11 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--logprob-start-len", type=int, default=0,
                    help="with --logprobs: first input position to return (SGLang's logprob_start_len)")
     r.add_argument("--save-logits", action="store_true", help="with --logprobs: also dump the full logits rows")
+    r.add_argument("--compile", action="store_true",
+                   help="transformers: run the model under torch.compile, captured through driftscope's tap")
+    r.add_argument("--observer-check", action="store_true",
+                   help="with --logprobs: run the job again without capture and check its logprobs are bit-identical "
+                        "(exit 1 when capture changed them)")
     r.add_argument("--quiet", action="store_true", help="no progress bar and no summary line")
 
 
@@ -185,7 +190,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
                     attn=args.attn, layers=args.layers, modules=args.modules, points=parse_points(args.points),
                     device=args.device, seed=args.seed,
                     chunk_size=args.chunk_size, batch_size=args.batch_size, padding_side=args.padding_side,
-                    logprobs=spec, engine=args.engine, engine_args=_engine_args(args.engine_arg or ()))
+                    logprobs=spec, engine=args.engine, engine_args=_engine_args(args.engine_arg or ()),
+                    compile=args.compile, observer_check=args.observer_check)
     with progress_bar(not args.quiet, "dumping", unit="tokens") as progress:
         manifest = run_engine(cfg, engine=args.engine, progress=progress)
     layers = manifest.capture_signature.get("layers", [])

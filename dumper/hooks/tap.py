@@ -158,8 +158,8 @@ def _hidden_size(model: nn.Module) -> int:
     raise UsageError(f"{type(model).__name__}: the tap needs the model's hidden size (config.hidden_size)")
 
 
-def install_tap(model: nn.Module, *, layers: str | Sequence[int] | None = None, points: str | Sequence[str] | None = None,
-                max_tokens: int, family: Any = None) -> Tap:
+def install_tap(model: nn.Module, *, layers: str | Sequence[int] | None = None, modules: str | None = None,
+                points: str | Sequence[str] | None = None, max_tokens: int, family: Any = None) -> Tap:
     """Tap ``model``'s capture points (chosen as :func:`dumper.capture` chooses them) before it is compiled.
 
     ``max_tokens`` is the most rows one forward pass feeds a tapped module (HF: batch × sequence;
@@ -178,7 +178,7 @@ def install_tap(model: nn.Module, *, layers: str | Sequence[int] | None = None, 
     if type(max_tokens) is not int or max_tokens <= 0:
         raise UsageError(f"dumper.tap(max_tokens={max_tokens!r}): expected a positive integer")
     module, adapter = resolve_model(model) if family is None else (model, family)
-    targets, num_layers = hook_targets(module, adapter, layers=layers, points=points)
+    targets, num_layers = hook_targets(module, adapter, layers=layers, modules=modules, points=points)
     param = next(module.parameters(), None)
     if param is None:
         raise UsageError(f"{type(module).__name__}: has no parameters to take the tap's dtype and device from")

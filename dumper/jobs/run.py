@@ -37,6 +37,7 @@ from dumper.format import (
 from dumper.hooks.capture import Capture, capture
 from dumper.hooks.families import HFFamily
 from dumper.hooks.layers import ATTN_INPUT, parse_points
+from dumper.hooks.tap import install_tap, tap_of, unwrap_compiled
 from dumper.jobs.logprobs import LOGPROB_CHUNK_ROWS, row_logprobs
 from dumper.jobs.presets import load_model, model_label
 from dumper.progress import ProgressFn
@@ -77,6 +78,10 @@ class RunConfig:
     engine: str = "transformers"
     engine_args: tuple[tuple[str, str], ...] = ()
     """Engine-specific settings (``--engine-arg KEY=VALUE``); each adapter in :mod:`dumper.engines` names its keys."""
+    compile: bool = False
+    """``--compile``: run the HF model under ``torch.compile``, captured through the tap (:mod:`dumper.hooks.tap`)."""
+    observer_check: bool = False
+    """``--observer-check``: run the job again without capture and compare its logprobs bit for bit."""
 
     def engine_arg(self, key: str, default: str | None = None) -> str | None:
         """The ``--engine-arg`` value of ``key`` (the last one given), else ``default``."""
@@ -95,6 +100,11 @@ class RunConfig:
         if self.points != (ATTN_INPUT,) and self.engine != "transformers":
             raise UsageError(f"--points {','.join(self.points)}: engine {self.engine} records the {ATTN_INPUT!r} "
                              "point only; the others need --engine transformers")
+        if self.compile and self.engine != "transformers":
+            raise UsageError(f"--compile: --engine {self.engine} runs its own default mode (vLLM: compiled; "
+                             "--engine-arg enforce_eager=true for eager); --compile is for --engine transformers")
+        if self.observer_check and self.logprobs is None:
+            raise UsageError("--observer-check compares the logprobs of a run with and without capture; add --logprobs")
 
 
 def prompt_token_ids(cfg: RunConfig, tokenizer: Any, vocab_size: int) -> list[list[int]]:
@@ -125,7 +135,7 @@ def cache_kwarg(model: torch.nn.Module) -> str:
     transformers 5.x takes ``cache=``; 4.x takes ``past_key_values=`` and silently ignores an
     unknown ``cache=``, so the name must come from the signature, not from a guess.
     """
-    params = inspect.signature(model.forward).parameters
+    params = inspect.signature(unwrap_compiled(model).forward).parameters
     names = HFFamily.cache_kwargs  # the names the hooks read the cache by, too
     for name in names:
         if name in params:
@@ -292,6 +302,14 @@ def check_scored_positions(cfg: RunConfig, seqs: Sequence[Sequence[int]]) -> Non
                          "start_len+1 .. len-1)")
 
 
+def compiled_model(model: torch.nn.Module, cfg: RunConfig, seqs: Sequence[Sequence[int]]) -> torch.nn.Module:
+    """``torch.compile(model)`` with the tap installed first, sized for the job's largest forward pass."""
+    rows = min(cfg.batch_size, len(seqs)) * (cfg.chunk_size or max(map(len, seqs)))
+    if tap_of(model) is None:
+        install_tap(model, layers=cfg.layers, modules=cfg.modules, points=cfg.points, max_tokens=rows)
+    return torch.compile(model)
+
+
 def dump_sequences(model: torch.nn.Module, seqs: list[list[int]], cfg: RunConfig, *,
                    progress: ProgressFn | None = None) -> Manifest:
     """:func:`run_dump` with a model already in hand (say, one with a bug injected) and token ids.
@@ -301,13 +319,15 @@ def dump_sequences(model: torch.nn.Module, seqs: list[list[int]], cfg: RunConfig
     """
     check_scored_positions(cfg, seqs)
     extra = {"job": "prefill", "input_ids": seqs, "dtype": cfg.dtype, "attn": cfg.attn, "seed": cfg.seed,
+             "compiled": cfg.compile,
              "chunk_size": cfg.chunk_size, "batch_size": cfg.batch_size, "padding_side": cfg.padding_side,
              "logprobs": None if cfg.logprobs is None else vars(cfg.logprobs), **cfg.extra}
     device = next(model.parameters()).device
     pad_id = int(getattr(model.config, "pad_token_id", None) or 0)
     done, total = 0, sum(map(len, seqs))
-    with torch.inference_mode(), capture(model, cfg.out, layers=cfg.layers, modules=cfg.modules, points=cfg.points,
-                                         model_name=cfg.model, extra=extra) as cap:
+    run_model = compiled_model(model, cfg, seqs) if cfg.compile else model
+    with torch.inference_mode(), capture(run_model, cfg.out, layers=cfg.layers, modules=cfg.modules,
+                                         points=cfg.points, model_name=cfg.model, extra=extra) as cap:
         for first in range(0, len(seqs), cfg.batch_size):
             batch = seqs[first:first + cfg.batch_size]
             cap.set_sequence_ids(range(first, first + len(batch)))
@@ -316,7 +336,7 @@ def dump_sequences(model: torch.nn.Module, seqs: list[list[int]], cfg: RunConfig
             seq_ids = list(range(first, first + len(batch)))
             on_logits = None if cfg.logprobs is None else functools.partial(
                 _record_pass_logprobs, cap, ids, mask, seq_ids, cfg.logprobs)
-            prefill(model, ids, mask, chunk_size=cfg.chunk_size, on_logits=on_logits)
+            prefill(run_model, ids, mask, chunk_size=cfg.chunk_size, on_logits=on_logits)
             done += sum(map(len, batch))
             if progress is not None:
                 progress(done, total)
