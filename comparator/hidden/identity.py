@@ -30,6 +30,8 @@ from typing import Any
 from dumper.errors import ModelMismatchError, UsageError
 from dumper.format import Manifest
 
+from comparator.hidden.runmode import run_mode_notes
+
 __all__ = ["IDENTITY_FIELDS", "REPORTED_FIELDS", "IdentityDifference", "identity_differences", "weights_differences",
            "check_identity", "check_variant", "check_distinct"]
 
@@ -83,7 +85,8 @@ def check_identity(baseline: Manifest, target: Manifest, *, allow_mismatch: bool
     """Raise :class:`ModelMismatchError` naming the differing fields; return notes for the verdict.
 
     With ``allow_mismatch`` the differences become notes instead. A different ``weights_hash``
-    is always a note.
+    is always a note, and so are the engines and how each side ran
+    (:func:`comparator.hidden.runmode.run_mode_notes`): every note about the two dumps is made here.
     """
     diffs = identity_differences(baseline, target)
     if diffs and not allow_mismatch:
@@ -100,7 +103,7 @@ def check_identity(baseline: Manifest, target: Manifest, *, allow_mismatch: bool
         engine = m.environment.get("engine")
         if engine and engine != "transformers":
             notes.append(f"{side} computed by {engine} {m.environment.get('engine_version') or ''}".rstrip())
-    return tuple(notes)
+    return (*notes, *run_mode_notes(baseline, target))
 
 
 def check_variant(baseline: Manifest, variant: Manifest, *, allow_mismatch: bool = False,
