@@ -102,8 +102,9 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--compile", action="store_true",
                    help="transformers: run the model under torch.compile, captured through driftscope's tap")
     r.add_argument("--observer-check", action="store_true",
-                   help="with --logprobs: run the job again without capture and check its logprobs are bit-identical "
-                        "(exit 1 when capture changed them)")
+                   help="with --logprobs (transformers, vllm): run the job again with nothing of driftscope on the "
+                        "model and check that its logprobs (and --save-logits rows) are bit-identical to the dump's; "
+                        "prints one line, records extra.observer in the manifest, exits 1 when capture changed them")
     r.add_argument("--quiet", action="store_true", help="no progress bar and no summary line")
 
 
@@ -172,6 +173,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from dumper.engines import run_engine
     from dumper.hooks.layers import parse_points
     from dumper.progress import progress_bar
+    from dumper.jobs.observer import OBSERVER_KEY, ObserverResult
     from dumper.jobs.run import LogprobSpec, RunConfig, parse_input_ids, read_prompts_file
 
     prompts: tuple[str, ...] = tuple(args.prompt or ())
@@ -198,7 +200,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if not args.quiet:
         print(f"wrote {args.out}: {len(manifest.tensors)} tensors, layers {layers}, "
               f"{len({t.forward_pass for t in manifest.tensors})} forward passes")
-    return EXIT_OK
+    if not cfg.observer_check:
+        return EXIT_OK
+    observed = ObserverResult.from_json(manifest.extra[OBSERVER_KEY])
+    print(observed.summary())  # the verdict asked for: printed with --quiet too
+    return EXIT_OK if observed else EXIT_DIVERGED
 
 
 def _cmd_replay(args: argparse.Namespace) -> int:

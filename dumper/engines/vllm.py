@@ -8,6 +8,8 @@ rows at absolute positions, sequence ids in prompt order, as the HF dump of the 
 checkpoint does. ``--logprobs`` asks vLLM for ``prompt_logprobs`` (top ``--top-k``);
 ``--save-logits`` runs vLLM with ``logprobs_mode="raw_logits"`` and every vocabulary entry.
 ``--chunk-size N`` is vLLM's chunked prefill with a budget of ``N`` tokens per engine step.
+``--observer-check`` runs the job again on a second engine, built without the tap, and compares
+its logprobs bit for bit (:func:`observe_llm`).
 
 Example::
 
@@ -18,6 +20,7 @@ Example::
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 from pathlib import Path
@@ -36,6 +39,7 @@ from dumper.engines.base import (
 from dumper.engines.vllm_serve import CPU_DEFAULTS
 from dumper.errors import (
     DriftscopeError,
+    DumpError,
     InternalError,
     ModelError,
     UsageError,
@@ -46,10 +50,12 @@ from dumper.engines.vllm_tap import register, tap_config
 from dumper.hooks.capture import Capture
 from dumper.hooks.layers import DEFAULT_LAYERS
 from dumper.modeldir import check_model_dir
+from dumper.jobs.observer import LogprobSink, ObserverCheck, mark_observer
 from dumper.jobs.run import RunConfig, record_logprobs, record_token_logprobs
 from dumper.progress import ProgressFn
 
-__all__ = ["run_dump", "dump_llm", "load_llm", "engine_kwargs", "env_defaults", "ENGINE_ARGS"]
+__all__ = ["run_dump", "dump_llm", "observe_llm", "reference_llm", "load_llm", "release_llm", "engine_kwargs",
+           "env_defaults", "ENGINE_ARGS"]
 
 ENGINE_ARGS = {
     "enable_prefix_caching": EngineArg("reuse KV blocks of shared prompt prefixes; default vLLM's, true", "bool"),
@@ -159,7 +165,7 @@ def _engine_info(llm: Any, checkpoint: Path, dtype: str) -> EngineInfo:
         "prefix_caching": bool(cache.enable_prefix_caching)})
 
 
-def _record_prompt_logprobs(cap: Capture, seq_id: int, ids: list[int], entries: list[Any], cfg: RunConfig,
+def _record_prompt_logprobs(cap: LogprobSink, seq_id: int, ids: list[int], entries: list[Any], cfg: RunConfig,
                             vocab: int) -> None:
     """Record vLLM's ``prompt_logprobs`` of one prompt: entry ``j`` (``j >= 1``) scores token ``ids[j]``."""
     spec = cfg.logprobs
@@ -181,6 +187,22 @@ def _record_prompt_logprobs(cap: Capture, seq_id: int, ids: list[int], entries: 
                           None if top is None else [[e.logprob for _, e in row] for row in top])
 
 
+def _generate(llm: Any, cfg: RunConfig, seqs: list[list[int]]) -> list[Any]:
+    """One ``llm.generate`` of every prompt as token ids: a greedy one-token prefill with ``cfg``'s prompt logprobs."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    spec = cfg.logprobs
+    params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
+                            prompt_logprobs=None if spec is None else -1 if spec.save_logits else spec.top_k)
+    try:
+        return llm.generate([TokensPrompt(prompt_token_ids=s) for s in seqs], params, use_tqdm=False)
+    except (DriftscopeError, InternalError):
+        raise
+    except Exception as e:  # noqa: BLE001 - the engine's boundary: a prompt or setting it refuses mid-run
+        raise ModelError(f"{cfg.model}: vLLM's generate failed ({error_reason(e)})") from None
+
+
 def dump_llm(llm: Any, cfg: RunConfig, seqs: list[list[int]], checkpoint: Path, *,
              identity: dict[str, Any] | None = None, progress: ProgressFn | None = None) -> Manifest:
     """Prefill ``seqs`` in one ``llm.generate`` call under capture and write ``cfg.out`` (an engine in hand).
@@ -188,12 +210,7 @@ def dump_llm(llm: Any, cfg: RunConfig, seqs: list[list[int]], checkpoint: Path, 
     The prefix cache is emptied first, so that hits come from this job's own prompts.
     ``identity`` defaults to :func:`~dumper.engines.base.hf_identity` of ``checkpoint``.
     """
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
     spec = cfg.logprobs
-    params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
-                            prompt_logprobs=None if spec is None else -1 if spec.save_logits else spec.top_k)
     info = _engine_info(llm, checkpoint, cfg.dtype)
     job = {"job": "prefill", "input_ids": seqs, "dtype": cfg.dtype, "chunk_size": cfg.chunk_size,
            "batch_size": cfg.batch_size, "logprobs": None if spec is None else vars(spec), "engine": info.to_json(),
@@ -204,16 +221,17 @@ def dump_llm(llm: Any, cfg: RunConfig, seqs: list[list[int]], checkpoint: Path, 
     cap = Capture(llm, cfg.out, layers=cfg.layers, modules=cfg.modules, model_name=cfg.model, extra=job,
                   identity=identity, environment=info.environment())
     with torch.inference_mode(), cap:
-        try:
-            outs = llm.generate([TokensPrompt(prompt_token_ids=s) for s in seqs], params, use_tqdm=False)
-        except (DriftscopeError, InternalError):
-            raise
-        except Exception as e:  # noqa: BLE001 - the engine's boundary: a prompt or setting it refuses mid-run
-            raise ModelError(f"{cfg.model}: vLLM's generate failed ({error_reason(e)})") from None
+        outs = _generate(llm, cfg, seqs)
         order = [cap.family.sequence_of(o.request_id) for o in outs]
         if order != list(range(len(seqs))):
             raise InternalError(f"vLLM ran the prompts in another order than given ({order}); sequence ids "
                                 "would not be prompt indices")
+        holes = cap.family.unrecorded()
+        if holes:
+            s, first, length = holes[0]
+            raise DumpError(f"{cfg.out}: the capture did not see prompt {s}'s positions {first}..{length - 1} "
+                            "(vLLM ran them where the tap is not read back, e.g. a full CUDA-graph replay); "
+                            "no dump was written")
         cap.extra["prefix_cache_hits"] = [int(o.num_cached_tokens or 0) for o in outs]
         if spec is not None:
             for i, o in enumerate(outs):
@@ -224,10 +242,58 @@ def dump_llm(llm: Any, cfg: RunConfig, seqs: list[list[int]], checkpoint: Path, 
     return load_manifest(cfg.out)
 
 
+def reference_llm(llm: Any, cfg: RunConfig, seqs: list[list[int]], sink: LogprobSink, vocab: int) -> None:
+    """``cfg``'s job through ``llm`` with no capture (the observer check's reference): prompt logprobs into ``sink``.
+
+    ``llm`` is an engine built without the tap (``engine_kwargs(..., tap=False)``), so nothing
+    of driftscope is in its model or its compiled graph.
+    """
+    llm.reset_prefix_cache()
+    with torch.inference_mode():
+        outs = _generate(llm, cfg, seqs)
+    for i, o in enumerate(outs):
+        if list(o.prompt_token_ids or ()) != seqs[i]:
+            raise InternalError(f"vLLM returned the prompts in another order than given (output {i}); sequence "
+                                "ids would not be prompt indices")
+        _record_prompt_logprobs(sink, i, seqs[i], o.prompt_logprobs or [], cfg, vocab)
+
+
+def release_llm() -> None:
+    """Let go of the engine :func:`load_llm` keeps, so that the next one gets its memory (a GPU fits one)."""
+    global _LLM
+    _LLM = None
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def observe_llm(cfg: RunConfig, checkpoint: Path, seqs: list[list[int]], *, vocab: int) -> Manifest:
+    """The observer check of the dump at ``cfg.out``: the job again on the same engine without the tap.
+
+    Eager or compiled alike, the reference is a second engine (the tapped one's graph holds the
+    tap); the one :func:`load_llm` keeps is let go first. Returns the manifest with
+    ``extra["observer"]`` (:mod:`dumper.jobs.observer`).
+    """
+    assert cfg.logprobs is not None  # RunConfig refuses --observer-check without --logprobs
+    release_llm()
+    check = ObserverCheck(cfg.out, logits=cfg.logprobs.save_logits)
+    reference = load_llm(engine_kwargs(cfg, checkpoint, seqs, tap=False), device=cfg.device)
+    reference_llm(reference, cfg, seqs, check, vocab)
+    return mark_observer(cfg.out, check.result())
+
+
 def run_dump(cfg: RunConfig, *, progress: ProgressFn | None = None) -> Manifest:
-    """Load ``cfg.model`` (a local HF checkpoint directory) into vLLM and dump the job through it."""
+    """Load ``cfg.model`` (a local HF checkpoint directory) into vLLM and dump the job through it.
+
+    With ``cfg.observer_check``, :func:`observe_llm` follows.
+    """
     checkpoint = check_checkpoint_dir(cfg.model, "vllm")
     identity = hf_identity(checkpoint, cfg.model)
-    seqs = job_sequences(cfg, checkpoint, int(identity.get("vocab_size") or 0))
+    vocab = int(identity.get("vocab_size") or 0)
+    seqs = job_sequences(cfg, checkpoint, vocab)
     llm = load_llm(engine_kwargs(cfg, checkpoint, seqs), device=cfg.device)
-    return dump_llm(llm, cfg, seqs, checkpoint, identity=identity, progress=progress)
+    manifest = dump_llm(llm, cfg, seqs, checkpoint, identity=identity, progress=progress)
+    if not cfg.observer_check:
+        return manifest
+    del llm  # the tapped engine goes before the reference comes
+    return observe_llm(cfg, checkpoint, seqs, vocab=vocab)

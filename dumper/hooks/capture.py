@@ -97,6 +97,8 @@ class Capture:
         self.out_dir = Path(out_dir)
         self.rank, self.world_size = dist_rank_world()
         self.extra = checked_extra(extra)
+        if self._outer is not None or (self.model is not None and self._family.compiled_reason()):
+            self.extra.setdefault("compiled", True)  # the comparator notes a side that ran compiled
         if model_name is not None and first_bad_text(model_name, "model_name") is not None:
             raise UsageError(f"capture(model_name={model_name!r}): expected valid Unicode text")
         self._shard_bytes = shard_bytes

@@ -34,21 +34,25 @@ from dumper.format import (
     Manifest,
     load_manifest,
 )
-from dumper.hooks.capture import Capture, capture
+from dumper.hooks.capture import capture
 from dumper.hooks.families import HFFamily
 from dumper.hooks.layers import ATTN_INPUT, parse_points
-from dumper.hooks.tap import install_tap, tap_of, unwrap_compiled
+from dumper.hooks.tap import install_tap, remove_tap, tap_of, unwrap_compiled
 from dumper.jobs.logprobs import LOGPROB_CHUNK_ROWS, row_logprobs
+from dumper.jobs.observer import LogprobSink, ObserverCheck, mark_observer
 from dumper.jobs.presets import load_model, model_label
 from dumper.progress import ProgressFn
 from dumper.prompts import BUILTIN_PROMPTS, parse_input_ids, read_prompts_file  # noqa: F401 - re-exported
 
 __all__ = ["RunConfig", "LogprobSpec", "run_dump", "dump_sequences", "prefill", "record_logprobs",
-           "record_token_logprobs", "pad_batch", "cache_kwarg", "call_model", "cache_length", "prompt_token_ids",
-           "check_scored_positions", "read_prompts_file",
+           "record_token_logprobs", "reference_sequences", "pad_batch", "cache_kwarg", "call_model", "cache_length",
+           "prompt_token_ids", "check_scored_positions", "read_prompts_file",
            "parse_input_ids", "BUILTIN_PROMPTS"]
 
 
+
+OBSERVER_ENGINES = ("transformers", "vllm")
+"""Engines whose capture runs in this process, so that ``--observer-check`` can tell what it changes."""
 
 MAX_SEED = (1 << 63) - 1
 """Largest ``--seed``: :func:`torch.manual_seed` takes 64 bits, and the manifest keeps integers within int64."""
@@ -105,6 +109,9 @@ class RunConfig:
                              "--engine-arg enforce_eager=true for eager); --compile is for --engine transformers")
         if self.observer_check and self.logprobs is None:
             raise UsageError("--observer-check compares the logprobs of a run with and without capture; add --logprobs")
+        if self.observer_check and self.engine not in OBSERVER_ENGINES:
+            raise UsageError(f"--observer-check: engine {self.engine} runs outside this process, where capture adds "
+                             f"nothing to check; it is for --engine {' or '.join(OBSERVER_ENGINES)}")
 
 
 def prompt_token_ids(cfg: RunConfig, tokenizer: Any, vocab_size: int) -> list[list[int]]:
@@ -196,7 +203,7 @@ class LogprobSpec:
     chunk_rows: int = LOGPROB_CHUNK_ROWS
 
 
-def record_logprobs(cap: Capture, logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor,
+def record_logprobs(cap: LogprobSink, logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor,
                     positions: torch.Tensor, start: int, seq_ids: Sequence[int], spec: LogprobSpec) -> None:
     """Record the logprobs of a pass whose logits [B, s, V] cover columns ``start .. start+s-1``.
 
@@ -223,7 +230,7 @@ def record_logprobs(cap: Capture, logits: torch.Tensor, ids: torch.Tensor, mask:
         cap.record(LOGITS, rows, point=LOGITS_POINT, **meta)
 
 
-def record_token_logprobs(cap: Capture, positions: Any, sequence_ids: Any, token_ids: Any, logprobs: Any,
+def record_token_logprobs(cap: LogprobSink, positions: Any, sequence_ids: Any, token_ids: Any, logprobs: Any,
                           top_ids: Any = None, top_logprobs: Any = None) -> None:
     """Record ``logprobs[r]`` of ``token_ids[r]`` at ``positions[r]`` of sequence ``sequence_ids[r]`` into ``cap``.
 
@@ -242,7 +249,7 @@ def record_token_logprobs(cap: Capture, positions: Any, sequence_ids: Any, token
         cap.record(LOGPROB_TOP_VALUE, torch.as_tensor(top_logprobs, dtype=torch.float32), point=LOGPROB_POINT, **meta)
 
 
-def _record_pass_logprobs(cap: Capture, ids: torch.Tensor, mask: torch.Tensor, seq_ids: Sequence[int],
+def _record_pass_logprobs(cap: LogprobSink, ids: torch.Tensor, mask: torch.Tensor, seq_ids: Sequence[int],
                           spec: LogprobSpec, logits: torch.Tensor, start: int, positions: torch.Tensor) -> None:
     record_logprobs(cap, logits, ids, mask, positions, start, seq_ids, spec)
 
@@ -315,29 +322,61 @@ def dump_sequences(model: torch.nn.Module, seqs: list[list[int]], cfg: RunConfig
     """:func:`run_dump` with a model already in hand (say, one with a bug injected) and token ids.
 
     ``cfg`` gives the output, layout, layers and logprob settings; ``cfg.model`` only names the
-    model in the manifest.
+    model in the manifest. With ``cfg.observer_check`` the job runs again without capture
+    (:func:`reference_sequences`) and the manifest returned carries ``extra["observer"]``
+    (:mod:`dumper.jobs.observer`).
     """
     check_scored_positions(cfg, seqs)
     extra = {"job": "prefill", "input_ids": seqs, "dtype": cfg.dtype, "attn": cfg.attn, "seed": cfg.seed,
              "compiled": cfg.compile,
              "chunk_size": cfg.chunk_size, "batch_size": cfg.batch_size, "padding_side": cfg.padding_side,
              "logprobs": None if cfg.logprobs is None else vars(cfg.logprobs), **cfg.extra}
-    device = next(model.parameters()).device
-    pad_id = int(getattr(model.config, "pad_token_id", None) or 0)
-    done, total = 0, sum(map(len, seqs))
     run_model = compiled_model(model, cfg, seqs) if cfg.compile else model
     with torch.inference_mode(), capture(run_model, cfg.out, layers=cfg.layers, modules=cfg.modules,
                                          points=cfg.points, model_name=cfg.model, extra=extra) as cap:
-        for first in range(0, len(seqs), cfg.batch_size):
-            batch = seqs[first:first + cfg.batch_size]
-            cap.set_sequence_ids(range(first, first + len(batch)))
-            ids, mask = pad_batch(batch, side=cfg.padding_side, pad_id=pad_id)
-            ids, mask = ids.to(device), mask.to(device)
-            seq_ids = list(range(first, first + len(batch)))
-            on_logits = None if cfg.logprobs is None else functools.partial(
-                _record_pass_logprobs, cap, ids, mask, seq_ids, cfg.logprobs)
-            prefill(run_model, ids, mask, chunk_size=cfg.chunk_size, on_logits=on_logits)
-            done += sum(map(len, batch))
-            if progress is not None:
-                progress(done, total)
-    return load_manifest(cfg.out)
+        _prefill_job(model, run_model, seqs, cfg, cap, progress)
+    if not cfg.observer_check or cfg.logprobs is None:
+        return load_manifest(cfg.out)
+    check = ObserverCheck(cfg.out, logits=cfg.logprobs.save_logits)
+    reference_sequences(model, seqs, cfg, check)
+    return mark_observer(cfg.out, check.result())
+
+
+def reference_sequences(model: torch.nn.Module, seqs: list[list[int]], cfg: RunConfig, sink: LogprobSink) -> None:
+    """``cfg``'s job once more with nothing of driftscope on the model, its logprobs recorded into ``sink``.
+
+    No capture is active and no hook is added. With ``cfg.compile`` the tap comes off the model
+    (it stays off) and the model is compiled afresh without it, after
+    :func:`torch.compiler.reset`: Dynamo does not guard on hooks, so a cached graph would
+    still call the tap. The reset drops every compiled graph of this process.
+    """
+    run_model = model
+    if cfg.compile:
+        remove_tap(model)
+        torch.compiler.reset()
+        run_model = torch.compile(model)
+    with torch.inference_mode():
+        _prefill_job(model, run_model, seqs, cfg, sink, None)
+
+
+def _prefill_job(model: torch.nn.Module, run_model: torch.nn.Module, seqs: list[list[int]], cfg: RunConfig,
+                 sink: LogprobSink, progress: ProgressFn | None) -> None:
+    """Prefill ``seqs`` through ``run_model`` in ``cfg``'s batches and chunks, logprobs into ``sink``.
+
+    ``sink`` is the capture (or the observer check): it is told each batch's sequence ids.
+    """
+    device = next(model.parameters()).device
+    pad_id = int(getattr(model.config, "pad_token_id", None) or 0)
+    done, total = 0, sum(map(len, seqs))
+    for first in range(0, len(seqs), cfg.batch_size):
+        batch = seqs[first:first + cfg.batch_size]
+        seq_ids = list(range(first, first + len(batch)))
+        sink.set_sequence_ids(seq_ids)
+        ids, mask = pad_batch(batch, side=cfg.padding_side, pad_id=pad_id)
+        ids, mask = ids.to(device), mask.to(device)
+        on_logits = None if cfg.logprobs is None else functools.partial(
+            _record_pass_logprobs, sink, ids, mask, seq_ids, cfg.logprobs)
+        prefill(run_model, ids, mask, chunk_size=cfg.chunk_size, on_logits=on_logits)
+        done += sum(map(len, batch))
+        if progress is not None:
+            progress(done, total)
