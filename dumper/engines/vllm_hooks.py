@@ -179,6 +179,15 @@ class VllmFamily(FamilyAdapter):
         found = [s for rid, s in self._seq_of.items() if rid.rsplit("-", 1)[0] == request_id]
         return found[0] if len(found) == 1 else None
 
+    def unrecorded(self) -> list[tuple[int, int, int]]:
+        """(sequence, first position not recorded, prompt length) of every prompt whose rows are incomplete.
+
+        A prompt is complete when every position from its first computed one (after a prefix
+        hit) to its end was recorded: a pass the capture could not read (a full CUDA-graph
+        replay runs no Python) leaves a hole, which a dump must not hide.
+        """
+        return [(s, self._done[s], len(p)) for s, p in enumerate(self._prompt) if self._done[s] < len(p)]
+
     def cached_prefix(self, sequence: int) -> int:
         """How many leading positions of ``sequence`` came from the prefix cache (0: computed from scratch)."""
         return self._start[sequence]

@@ -19,6 +19,7 @@ Keys of ``additional_config["driftscope"]``: ``layers`` (a layer spec, default
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,6 +31,8 @@ TAP_KEY = "driftscope"
 """The ``additional_config`` key that asks vLLM's loader for the tap."""
 _KEYS = ("layers", "points")
 _PATCHED = "_driftscope_tap_loader"
+_LOG = logging.getLogger("vllm.driftscope")
+"""A child of vLLM's logger: printed by vLLM's handler, at vLLM's level (``VLLM_LOGGING_LEVEL``)."""
 
 
 def tap_config(layers: str | Sequence[int] | None, points: str | Sequence[str] | None = None) -> dict[str, Any]:
@@ -45,9 +48,14 @@ def tap_spec(additional_config: Any) -> dict[str, Any] | None:
     if not isinstance(additional_config, dict) or TAP_KEY not in additional_config:
         return None
     spec = additional_config[TAP_KEY]
-    if not isinstance(spec, dict) or any(k not in _KEYS for k in spec):
+    if not isinstance(spec, dict):
         raise UsageError(f"additional_config {TAP_KEY!r}: expected an object with keys {', '.join(_KEYS)}, "
                          f"got {str(spec)[:80]!r}")
+    unknown = sorted(str(k) for k in spec if k not in _KEYS)
+    if unknown:
+        more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
+        raise UsageError(f"additional_config {TAP_KEY!r}: unknown key {unknown[0][:40]!r}{more}; "
+                         f"it takes {', '.join(_KEYS)}")
     for key in _KEYS:
         value = spec.get(key)
         if value is not None and not isinstance(value, str) and not (
@@ -57,13 +65,24 @@ def tap_spec(additional_config: Any) -> dict[str, Any] | None:
 
 
 def install_engine_tap(model: Any, vllm_config: Any, spec: dict[str, Any]) -> Any:
-    """Tap ``model`` as ``spec`` says, with room for the engine's token budget per step."""
+    """Tap ``model`` as ``spec`` says, with room for the engine's token budget per step.
+
+    Logs one INFO line through vLLM's logger (``VLLM_LOGGING_LEVEL=INFO`` shows it), so that the
+    tap of an engine in another process can be seen; a spec the model refuses (a layer out of
+    range) is a :class:`UsageError` naming the ``additional_config`` entry.
+    """
     from dumper.engines.vllm_hooks import VllmFamily
     from dumper.hooks.tap import install_tap
 
     budget = int(vllm_config.scheduler_config.max_num_batched_tokens)
-    return install_tap(model, layers=spec.get("layers"), points=spec.get("points"), max_tokens=budget,
-                       family=VllmFamily(model))
+    try:
+        tap = install_tap(model, layers=spec.get("layers"), points=spec.get("points"), max_tokens=budget,
+                          family=VllmFamily(model))
+    except UsageError as e:
+        raise UsageError(f"additional_config {TAP_KEY!r}: {e}") from None
+    _LOG.info("driftscope: tapped %d points of %s (%.1f MiB sink, budget %d tokens)", len(tap.points),
+              type(model).__name__, tap.nbytes / 2**20, budget)
+    return tap
 
 
 def register() -> None:

@@ -11,12 +11,16 @@ come from ``python -m comparator`` subprocesses and their JSON reports.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -33,8 +37,8 @@ _rng = np.random.default_rng(7)
 PREFIX = [1] + _rng.integers(3, 300, 139).tolist()  # 140 tokens: one full 128-token KV block is shared
 PROMPTS = [PREFIX + [7, 8, 9, 10, 11, 12], PREFIX + [20, 21, 22, 23, 24, 25, 26, 27, 28],
            [1] + _rng.integers(3, 300, 39).tolist()]
-BUG_LAYER, BUG_PROMPT, BUG_TOKEN = 1, 2, 17
-assert PROMPTS[BUG_PROMPT][BUG_TOKEN] not in (p[BUG_TOKEN] for p in PROMPTS[:BUG_PROMPT])
+BUG_LAYER, BUG_PROMPT, BUG_TOKEN = 1, 1, 147
+assert [len(p) > BUG_TOKEN for p in PROMPTS] == [i == BUG_PROMPT for i in range(len(PROMPTS))]  # one prompt has it
 N_LAYERS = 4
 JOB = ("--layers", "all", "--engine-arg", "enable_prefix_caching=true", "--quiet")
 LOGPROBS = ("--logprobs", "--top-k", "5")
@@ -59,24 +63,55 @@ def _cfg(ckpt: Path, out: Path) -> RunConfig:
                      logprobs=LogprobSpec(top_k=5), engine="vllm", engine_args=(("enable_prefix_caching", "true"),))
 
 
-def _seed_bug(model) -> list:
-    """Add 0.5 to decoder layer BUG_LAYER's output at token BUG_TOKEN of prompt BUG_PROMPT only.
+@contextlib.contextmanager
+def seeded_bug(layer: int = BUG_LAYER, token: int = BUG_TOKEN) -> Iterator[dict]:
+    """Inside: vLLM's own ``LlamaDecoderLayer`` adds 0.5 to its output at position ``token``, in layer ``layer``.
 
-    The prompt is told apart by its token at that position (unique among the prompts), read from
-    the model's own ``input_ids``, so the bug needs no driftscope code.
+    The bug lives in the layer's ``forward`` (pure tensor code, no data-dependent branch), so
+    torch.compile traces it into the graph of an engine built inside the block; which layer is
+    buggy is an attribute set at construction from the layer's prefix (a constant for the trace).
+    Yields the ``additional_config`` entries that give such an engine its own compiled graph:
+    vLLM's AOT cache is keyed by the config, not by a monkeypatch, and would otherwise load the
+    graph of the same engine without the bug.
     """
-    seen = {}
+    from vllm.model_executor.models.llama import LlamaDecoderLayer
+    from vllm.model_executor.models.utils import extract_layer_index
 
-    def remember(mod, args, kwargs):
-        seen["ids"], seen["pos"] = kwargs["input_ids"], kwargs["positions"]
+    init, forward = LlamaDecoderLayer.__init__, LlamaDecoderLayer.forward
 
-    def perturb(mod, args, output):
-        hidden, residual = output
-        rows = (seen["pos"] == BUG_TOKEN) & (seen["ids"] == PROMPTS[BUG_PROMPT][BUG_TOKEN])
-        return hidden + 0.5 * rows[:, None].to(hidden.dtype), residual
+    def buggy_init(self, *args, prefix: str = "", **kwargs) -> None:
+        init(self, *args, prefix=prefix, **kwargs)
+        self.seeded_bug = extract_layer_index(prefix) == layer
 
-    return [model.register_forward_pre_hook(remember, with_kwargs=True),
-            model.model.layers[BUG_LAYER].register_forward_hook(perturb)]
+    def buggy_forward(self, positions, hidden_states, residual):
+        hidden, residual = forward(self, positions, hidden_states, residual)
+        if self.seeded_bug:  # fixed per layer at construction: no branch on data
+            hidden = hidden + 0.5 * (positions == token)[:, None].to(hidden.dtype)  # [tokens, hidden]
+        return hidden, residual
+
+    LlamaDecoderLayer.__init__, LlamaDecoderLayer.forward = buggy_init, buggy_forward
+    try:
+        yield {"test_seeded_bug": [layer, token]}
+    finally:
+        LlamaDecoderLayer.__init__, LlamaDecoderLayer.forward = init, forward
+
+
+def shared_checkpoint() -> Path:
+    """The tiny checkpoint at one fixed path per version of its builder, written once (atomically).
+
+    vLLM keys its compile cache by the engine config, the model's path included: a fixed path
+    lets every vLLM test module, and every later run, reuse the graphs compiled for it.
+    """
+    digest = hashlib.sha256((ROOT / "tests" / "engine_models.py").read_bytes()).hexdigest()[:12]
+    path = Path(tempfile.gettempdir()) / f"driftscope-test-ckpt-{os.getuid()}-{digest}"
+    if not path.is_dir():
+        tmp = Path(tempfile.mkdtemp(prefix=f"{path.name}.", dir=path.parent))
+        build_checkpoint(tmp)
+        try:
+            tmp.rename(path)
+        except OSError:  # another session wrote it first
+            shutil.rmtree(tmp, ignore_errors=True)
+    return path
 
 
 def _worker(ckpt: str, prompts: str, out: str) -> None:
@@ -102,17 +137,6 @@ def _worker(ckpt: str, prompts: str, out: str) -> None:
     cfg = _cfg(Path(ckpt), base / "bug")
     llm = load_llm(engine_kwargs(cfg, Path(ckpt), PROMPTS))  # the fp32 job's engine, reused
 
-    def seeded_bug() -> int:
-        handles = _seed_bug(model_of(llm))
-        try:
-            dump_llm(llm, cfg, PROMPTS, Path(ckpt))
-        finally:
-            for h in handles:
-                h.remove()
-        return 0
-
-    timed("bug", seeded_bug)
-
     def user_script() -> int:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
@@ -125,6 +149,15 @@ def _worker(ckpt: str, prompts: str, out: str) -> None:
         return 0
 
     timed("user", user_script)
+
+    def seeded() -> int:
+        with seeded_bug() as key:
+            kw = engine_kwargs(cfg, Path(ckpt), PROMPTS)
+            dump_llm(load_llm({**kw, "additional_config": {**kw["additional_config"], **key}}), cfg, PROMPTS,
+                     Path(ckpt))
+        return 0
+
+    timed("bug", seeded)
     for name in ("chunk", "bf16", "logits"):
         timed(name, lambda name=name: main([*run, *CLI_JOBS[name], "--out", str(base / name)]))
     bad = base / "bad-ckpt"  # last: a failed engine start may leave vLLM's process state behind
@@ -141,7 +174,7 @@ def runs(tmp_path_factory):
     """(HF dump, vLLM job dirs, worker results): the HF reference and the worker run side by side."""
     need("vllm")
     root = tmp_path_factory.mktemp("vllm")
-    ckpt = build_checkpoint(root / "ckpt")
+    ckpt = shared_checkpoint()
     prompts = root / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in PROMPTS))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -173,6 +206,11 @@ def _compare(runs, job: str, *, cli: bool = False, baseline: str = "hf") -> tupl
     return r.returncode, json.loads(path.read_text())
 
 
+def _compiled(runs, job: str) -> bool:
+    """Whether ``job``'s engine ran vLLM's compiled mode, as its manifest records."""
+    return load_manifest(runs[1] / job).extra["engine"]["settings"]["compiled"]
+
+
 def _max_rel(report: dict) -> float:
     return max(t["rel_diff"] for t in report["tensors"])
 
@@ -190,11 +228,13 @@ def test_fp32_batch_matches_hf_hidden_states_and_logprobs(runs):
     assert set(hidden[0].row_sequence_ids().tolist()) == {0, 1, 2} and hidden[0].shape[0] == sum(map(len, PROMPTS))
     env = m.environment
     assert env["engine"] == "vllm" and env["engine_dtype"] == "float32" and env["engine_attention_backend"]
-    assert env["engine_prefix_caching"] is True and m.model["config_hash"]
+    assert env["engine_prefix_caching"] is True and m.model["config_hash"] and _compiled(runs, "fp32")
 
 
 def test_a_bug_at_one_layer_and_token_is_localized_to_the_next_layer(runs):
+    """The seeded bug (:func:`seeded_bug`), compiled into the engine's graph, first shows in the next layer's input."""
     rc, report = _compare(runs, "bug")
+    assert _compiled(runs, "bug")
     assert rc == 1 and not report["passed"]
     fd = report["first_divergent"]
     assert fd["layer"] == BUG_LAYER + 1 and fd["name"] == f"model.layers.{BUG_LAYER + 1}.self_attn.input"
@@ -206,7 +246,8 @@ def test_chunked_prefill_matches_hf(runs):
     rc, report = _compare(runs, "chunk")
     assert rc == 0 and report["passed"] and report["logprobs"]["passed"], report
     m = load_manifest(runs[1] / "chunk")
-    assert m.environment["engine_chunked_prefill"] is True and m.environment["engine_max_num_batched_tokens"] == 16
+    assert _compiled(runs, "chunk") and m.environment["engine_chunked_prefill"] is True
+    assert m.environment["engine_max_num_batched_tokens"] == 16
     passes = {t.forward_pass for t in m.tensors if t.point == "input"}
     assert len(passes) >= sum(map(len, PROMPTS)) // 16  # 16 tokens per engine step
     assert max(t.shape[0] for t in m.tensors if t.point == "input") <= 16
@@ -214,6 +255,7 @@ def test_chunked_prefill_matches_hf(runs):
 
 def test_a_prefix_cache_hit_matches_hf(runs):
     m = load_manifest(runs[1] / "prefix")
+    assert _compiled(runs, "prefix")
     assert m.extra["prefix_cache_hits"] == [0, 128, 0]  # vLLM's own count: prompt 1 reused one 128-token block
     shared = [t for t in m.tensors if t.meta.get("shared_prefix")]
     assert len(shared) == N_LAYERS and all(set(t.row_sequence_ids().tolist()) == {1} for t in shared)
@@ -256,7 +298,7 @@ def test_bf16_passes_against_the_noise_of_hf_bf16_layouts(runs):
     _, root, results = runs
     prompts = root / "prompts.jsonl"
     for name, extra in (("hf-bf16", ()), ("hf-bf16-sdpa", ("--attn", "sdpa"))):
-        r = run_cli("dumper", "run", "--model", root / "ckpt", "--prompts", prompts, "--out", root / name,
+        r = run_cli("dumper", "run", "--model", shared_checkpoint(), "--prompts", prompts, "--out", root / name,
                     *JOB[:2], *LOGPROBS, "--dtype", "bfloat16", *extra, "--quiet")
         assert r.returncode == 0, r.stderr
     r = run_cli("comparator", "calibrate", root / "hf", root / "hf-bf16", root / "hf-bf16-sdpa",
@@ -280,6 +322,7 @@ def test_full_logits_rows_match_hf(runs):
     assert rc == 0 and report["passed"] and not report["unmatched_baseline"] and not report["unmatched_target"], report
     assert lp["kl_max"]["value"] < 1e-9 and lp["compared_positions"] == sum(len(p) - 1 for p in PROMPTS), lp
     m = load_manifest(runs[1] / "logits")
+    assert _compiled(runs, "logits")
     assert [t.shape for t in m.tensors if t.name == "logits"] == [(len(p) - 1, 512) for p in PROMPTS]
 
 
@@ -305,7 +348,7 @@ def test_engine_args_are_checked_before_vllm_starts(tmp_path):
                              [[1, 2, 3]])
 
     kw = kwargs(("kv_cache_dtype", "fp8"), ("enable_prefix_caching", "false"), chunk_size=32)
-    assert kw["kv_cache_dtype"] == "fp8" and kw["enable_prefix_caching"] is False and kw["enforce_eager"] is True
+    assert kw["kv_cache_dtype"] == "fp8" and kw["enable_prefix_caching"] is False and kw["enforce_eager"] is False
     assert kw["enable_chunked_prefill"] is True and kw["max_num_batched_tokens"] == 32 and kw["max_num_seqs"] == 32
     assert kw["skip_tokenizer_init"] is True and kw["max_model_len"] == 512
     with pytest.raises(UsageError, match="--engine-arg attn: --engine vllm does not take it"):
