@@ -76,6 +76,11 @@ class TapPoint:
     point: str
     slot: int
 
+    @property
+    def record(self) -> str:
+        """The name its rows are recorded under: ``{module}.{point}``, as the module hooks name them."""
+        return f"{self.name}.{self.point}"
+
 
 class Tap:
     """The sink, the row counts and the hooks of one tapped model; see :func:`install_tap`."""
@@ -94,8 +99,8 @@ class Tap:
         return self.sink.numel() * self.sink.element_size()
 
     def names(self) -> list[str]:
-        """The capture names of every tapped point, in slot order."""
-        return [p.name for p in self.points]
+        """The record names (``{module}.{point}``) of every tapped point, in slot order."""
+        return [p.record for p in self.points]
 
     def read(self, counts: Sequence[int], point: TapPoint) -> torch.Tensor:
         """The rows ``point`` saw in the last forward pass (a view of the sink; copy before the next pass).
@@ -104,10 +109,10 @@ class Tap:
         """
         n = int(counts[point.slot])
         if n == _MISMATCH:
-            raise UsageError(f"{point.name}: its input is not [..., {self.hidden}] {str(self.sink.dtype)[6:]}, "
+            raise UsageError(f"{point.record}: its input is not [..., {self.hidden}] {str(self.sink.dtype)[6:]}, "
                              "the model's hidden width and dtype the tap stores")
         if n > self.capacity:
-            raise UsageError(f"{point.name}: a forward pass of {n} rows is more than the tap's capacity of "
+            raise UsageError(f"{point.record}: a forward pass of {n} rows is more than the tap's capacity of "
                              f"{self.capacity} (install it with a larger max_tokens, or run smaller batches)")
         return self.sink[point.slot, :n]
 
@@ -242,9 +247,9 @@ def remove_tap(model: nn.Module) -> None:
 def match_targets(tap: Tap, targets: Sequence[HookTarget]) -> list[tuple[HookTarget, TapPoint]]:
     """Each capture target and the tap point that records it; a target the tap does not hold is refused."""
     by_name = {(p.name, p.point): p for p in tap.points}
-    missing = [t.name for t in targets if (t.name, t.point) not in by_name]
+    missing = [f"{t.name}.{t.point}" for t in targets if (t.name, t.point) not in by_name]
     if missing:
-        held = ", ".join(p.name for p in tap.points[:3]) + (" ..." if len(tap.points) > 3 else "")
+        held = ", ".join(p.record for p in tap.points[:3]) + (" ..." if len(tap.points) > 3 else "")
         raise UsageError(f"{missing[0]}{' ...' if len(missing) > 1 else ''}: not tapped (the model's tap holds "
                          f"{held}); capture a subset of those, or tap the others before the model compiles")
     return [(t, by_name[(t.name, t.point)]) for t in targets]
