@@ -35,7 +35,8 @@ import torch
 from torch import nn
 
 from dumper.errors import InternalError, UsageError
-from dumper.hooks.layers import HookTarget, hook_targets
+from dumper.hooks.families import resolve_model
+from dumper.hooks.layers import RESIDUAL, HookTarget, hook_targets
 
 __all__ = ["tap", "Tap", "TapPoint", "install_tap", "tap_of", "remove_tap", "is_compiled", "unwrap_compiled",
            "available_bytes", "match_targets", "check_counts"]
@@ -173,8 +174,6 @@ def install_tap(model: nn.Module, *, layers: str | Sequence[int] | None = None, 
     before the run. Installing twice, or on a compiled wrapper, is refused: the graph that
     was compiled would not see the change.
     """
-    from dumper.hooks.families import resolve_model
-
     if is_compiled(model):
         raise UsageError("dumper.tap(): call it on the model before torch.compile (the compiled graph would not "
                          "see a tap added afterwards)")
@@ -214,8 +213,6 @@ def tap(model: nn.Module, *, layers: str | Sequence[int] | None = None, points: 
 
 def _hook(target: HookTarget, slot: int, tap: Tap, adapter: Any) -> Any:
     """A forward pre-hook calling the tap op on ``target``'s input: pure tensor code, traced into the graph."""
-    from dumper.hooks.layers import RESIDUAL
-
     read = adapter.residual_input if target.point == RESIDUAL else adapter.hidden_input
     # The sink and counts are buffers of the tapped module, so that a compiler lifts them as the
     # module's state (vLLM's cached, ahead-of-time compiled graph takes them from the module).
