@@ -1,11 +1,13 @@
-"""vLLM in this process: ``python -m dumper run --engine vllm --model HF_DIR ...``.
+"""vLLM as users run it: ``python -m dumper run --engine vllm --model HF_DIR ...``.
 
-Every prompt of the job goes into one ``LLM.generate`` call (vLLM batches them itself), fed as
-token ids (``TokensPrompt``), with ``max_tokens=1``: a prefill of each prompt. The hook API
-captures inside vLLM's own model code through its vLLM family
-(:mod:`dumper.engines.vllm_hooks`), so the dump holds ``model.layers.{i}.self_attn.input``
-rows at absolute positions, sequence ids in prompt order, as the HF dump of the same
-checkpoint does. ``--logprobs`` asks vLLM for ``prompt_logprobs`` (top ``--top-k``);
+vLLM's default engine: multiprocess (the model in the engine core process, or one worker per
+tensor-parallel rank) and compiled. Every prompt of the job goes into one ``LLM.generate`` call
+(vLLM batches them itself), fed as token ids (``TokensPrompt``), with ``max_tokens=1``: a
+prefill of each prompt, each request marked for driftscope's capture. The capture runs where
+the model runs (:mod:`dumper.engines.vllm_spool`, installed by vLLM's own plugin loader), each
+rank writes its part, and this process joins them into one dump (:mod:`dumper.engines.vllm_parts`):
+``model.layers.{i}.self_attn.input`` rows at absolute positions, sequence ids in prompt order,
+on every rank, as the HF dump of the same checkpoint holds them. ``--logprobs`` asks vLLM for ``prompt_logprobs`` (top ``--top-k``);
 ``--save-logits`` runs vLLM with ``logprobs_mode="raw_logits"`` and every vocabulary entry.
 ``--chunk-size N`` is vLLM's chunked prefill with a budget of ``N`` tokens per engine step.
 ``--observer-check`` runs the job again on a second engine, built without the tap, and compares
@@ -36,7 +38,9 @@ from dumper.engines.base import (
     hf_identity,
     job_sequences,
 )
+from dumper.engines.vllm_parts import new_token, remove_spool, spool_root, take_parts, wait_parts
 from dumper.engines.vllm_serve import CPU_DEFAULTS
+from dumper.engines.vllm_spool import marker
 from dumper.errors import (
     DriftscopeError,
     DumpError,
@@ -65,6 +69,8 @@ ENGINE_ARGS = {
     "max_model_len": EngineArg("the context vLLM reserves; default max(512, longest prompt + 1)", "int"),
     "enforce_eager": EngineArg("run the model eager (no torch.compile, no CUDA graphs); default vLLM's, false",
                                "bool"),
+    "tensor_parallel_size": EngineArg("tensor-parallel ranks (one worker process each); default 1", "int", high=64),
+    "pipeline_parallel_size": EngineArg("pipeline stages (one worker process each); default 1", "int", high=64),
 }
 """``--engine-arg`` keys ``--engine vllm`` takes, and their values."""
 
@@ -76,8 +82,7 @@ _LLM: tuple[str, Any] | None = None
 
 
 def env_defaults(device: str) -> None:
-    """Keep vLLM's model in this process; on a CPU, vLLM's CPU settings (each only where unset)."""
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    """vLLM's quiet log; on a CPU, vLLM's CPU settings (each only where unset). The engine stays multiprocess."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     if device == "cpu":
         for key, value in CPU_DEFAULTS.items():
@@ -109,7 +114,8 @@ def engine_kwargs(cfg: RunConfig, checkpoint: Path, seqs: list[list[int]], *, ta
         "seed": cfg.seed, "max_model_len": opts.get("max_model_len") or
         min(max(512, longest + 1), positions if type(positions) is int and positions > 0 else longest + 1),
     }
-    kw.update((k, opts[k]) for k in ("enable_prefix_caching", "kv_cache_dtype", "max_num_seqs") if k in opts)
+    kw.update((k, opts[k]) for k in ("enable_prefix_caching", "kv_cache_dtype", "max_num_seqs", "tensor_parallel_size",
+                                     "pipeline_parallel_size") if k in opts)
     if tap:
         kw["additional_config"] = tap_config(cfg.layers if cfg.layers is not None else DEFAULT_LAYERS)
     if cfg.chunk_size is not None:
@@ -137,6 +143,7 @@ def load_llm(kwargs: dict[str, Any], *, device: str = "cpu") -> Any:
     from vllm import LLM
 
     register()  # the tap's loader hook, for this process (vLLM's plugin loader does it for spawned ones)
+    spool_root()  # exported before the engine's processes start, so that they inherit it
     try:
         llm = LLM(**kwargs)
     except (DriftscopeError, InternalError):
@@ -147,22 +154,11 @@ def load_llm(kwargs: dict[str, Any], *, device: str = "cpu") -> Any:
     return llm
 
 
-def _engine_info(llm: Any, checkpoint: Path, dtype: str) -> EngineInfo:
+def _engine_info(checkpoint: Path, dtype: str, settings: dict[str, Any]) -> EngineInfo:
+    """The engine as its worker described it (:func:`~dumper.engines.vllm_spool.engine_settings`)."""
     import vllm
 
-    from dumper.engines.vllm_hooks import model_of
-
-    config = llm.llm_engine.vllm_config
-    backend = next((m.attn_backend.get_name() for m in model_of(llm).modules() if hasattr(m, "attn_backend")), None)
-    sched, cache, comp = config.scheduler_config, config.cache_config, config.compilation_config
-    compiled = not config.model_config.enforce_eager and str(comp.mode).rsplit(".", 1)[-1] != "NONE"
-    graphs = str(getattr(comp, "cudagraph_mode", None)).rsplit(".", 1)[-1] not in ("NONE", "None")
-    return EngineInfo("vllm", vllm.__version__, str(checkpoint), {
-        "dtype": dtype, "kv_cache_dtype": str(cache.cache_dtype), "attention_backend": backend,
-        "compiled": compiled, "cuda_graphs": graphs and config.device_config.device.type == "cuda",
-        "chunked_prefill": bool(sched.enable_chunked_prefill),
-        "max_num_batched_tokens": int(sched.max_num_batched_tokens), "max_num_seqs": int(sched.max_num_seqs),
-        "prefix_caching": bool(cache.enable_prefix_caching)})
+    return EngineInfo("vllm", vllm.__version__, str(checkpoint), {"dtype": dtype, **settings})
 
 
 def _record_prompt_logprobs(cap: LogprobSink, seq_id: int, ids: list[int], entries: list[Any], cfg: RunConfig,
@@ -187,58 +183,75 @@ def _record_prompt_logprobs(cap: LogprobSink, seq_id: int, ids: list[int], entri
                           None if top is None else [[e.logprob for _, e in row] for row in top])
 
 
-def _generate(llm: Any, cfg: RunConfig, seqs: list[list[int]]) -> list[Any]:
-    """One ``llm.generate`` of every prompt as token ids: a greedy one-token prefill with ``cfg``'s prompt logprobs."""
+def _generate(llm: Any, cfg: RunConfig, seqs: list[list[int]], *, token: str | None = None,
+              logprobs: bool = True) -> list[Any]:
+    """One ``llm.generate`` of every prompt as token ids: a greedy one-token prefill with ``cfg``'s prompt logprobs.
+
+    With ``token``, request ``i`` is marked as sequence ``i`` of that capture (:func:`marker`).
+    """
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    spec = cfg.logprobs
-    params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
-                            prompt_logprobs=None if spec is None else -1 if spec.save_logits else spec.top_k)
+    spec = cfg.logprobs if logprobs else None
+    prompt_logprobs = None if spec is None else -1 if spec.save_logits else spec.top_k
+    params = [SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, prompt_logprobs=prompt_logprobs,
+                             extra_args=None if token is None else marker(token, i, len(seqs)))
+              for i in range(len(seqs))]
     try:
-        return llm.generate([TokensPrompt(prompt_token_ids=s) for s in seqs], params, use_tqdm=False)
+        outs = llm.generate([TokensPrompt(prompt_token_ids=s) for s in seqs], params, use_tqdm=False)
     except (DriftscopeError, InternalError):
         raise
     except Exception as e:  # noqa: BLE001 - the engine's boundary: a prompt or setting it refuses mid-run
         raise ModelError(f"{cfg.model}: vLLM's generate failed ({error_reason(e)})") from None
+    for i, o in enumerate(outs):
+        if list(o.prompt_token_ids or ()) != seqs[i]:
+            raise InternalError(f"vLLM returned the prompts in another order than given (output {i})")
+    return outs
 
 
 def dump_llm(llm: Any, cfg: RunConfig, seqs: list[list[int]], checkpoint: Path, *,
              identity: dict[str, Any] | None = None, progress: ProgressFn | None = None) -> Manifest:
-    """Prefill ``seqs`` in one ``llm.generate`` call under capture and write ``cfg.out`` (an engine in hand).
+    """Prefill ``seqs`` in one ``llm.generate`` call, marked for capture, and join the ranks' parts into ``cfg.out``.
 
-    The prefix cache is emptied first, so that hits come from this job's own prompts.
-    ``identity`` defaults to :func:`~dumper.engines.base.hf_identity` of ``checkpoint``.
+    The prefix cache is emptied first, so that hits come from this job's own prompts (with
+    ``cfg.warm_prefix_cache``, from one unrecorded run of them just before). ``identity``
+    defaults to :func:`~dumper.engines.base.hf_identity` of ``checkpoint``.
     """
-    spec = cfg.logprobs
-    info = _engine_info(llm, checkpoint, cfg.dtype)
-    job = {"job": "prefill", "input_ids": seqs, "dtype": cfg.dtype, "chunk_size": cfg.chunk_size,
-           "batch_size": cfg.batch_size, "logprobs": None if spec is None else vars(spec), "engine": info.to_json(),
-           **cfg.extra}
     llm.reset_prefix_cache()
-    identity = identity or hf_identity(checkpoint, cfg.model)
-    vocab = int(identity.get("vocab_size") or 0)
-    cap = Capture(llm, cfg.out, layers=cfg.layers, modules=cfg.modules, model_name=cfg.model, extra=job,
-                  identity=identity, environment=info.environment())
-    with torch.inference_mode(), cap:
-        outs = _generate(llm, cfg, seqs)
-        order = [cap.family.sequence_of(o.request_id) for o in outs]
-        if order != list(range(len(seqs))):
-            raise InternalError(f"vLLM ran the prompts in another order than given ({order}); sequence ids "
-                                "would not be prompt indices")
-        holes = cap.family.unrecorded()
-        if holes:
-            s, first, length = holes[0]
-            raise DumpError(f"{cfg.out}: the capture did not see prompt {s}'s positions {first}..{length - 1} "
-                            "(vLLM ran them where the tap is not read back, e.g. a full CUDA-graph replay); "
-                            "no dump was written")
-        cap.extra["prefix_cache_hits"] = [int(o.num_cached_tokens or 0) for o in outs]
-        if spec is not None:
-            for i, o in enumerate(outs):
-                _record_prompt_logprobs(cap, i, seqs[i], o.prompt_logprobs or [], cfg, vocab)
+    if cfg.warm_prefix_cache:
+        _generate(llm, cfg, seqs, logprobs=False)
+    directory = spool_root() / new_token()
+    try:
+        outs = _generate(llm, cfg, seqs, token=directory.name)
+        parts = wait_parts(directory)
+        manifest = _join(cfg, seqs, checkpoint, parts, outs, identity)
+    finally:
+        remove_spool(directory)
     if progress is not None:
         total = sum(map(len, seqs))
         progress(total, total)
+    return manifest
+
+
+def _join(cfg: RunConfig, seqs: list[list[int]], checkpoint: Path, parts: Any, outs: list[Any],
+          identity: dict[str, Any] | None) -> Manifest:
+    """Write ``cfg.out``: the ranks' records, the prompt logprobs vLLM returned, and the manifest last."""
+    spec = cfg.logprobs
+    environment = dict(parts.info.get("environment") or {})
+    info = _engine_info(checkpoint, cfg.dtype, dict((parts.info.get("extra") or {}).get("engine_settings") or {}))
+    job = {"job": "prefill", "input_ids": seqs, "dtype": cfg.dtype, "chunk_size": cfg.chunk_size,
+           "batch_size": cfg.batch_size, "logprobs": None if spec is None else vars(spec), "engine": info.to_json(),
+           "prefix_cache_hits": [int(o.num_cached_tokens or 0) for o in outs], **cfg.extra}
+    identity = identity or hf_identity(checkpoint, cfg.model)
+    vocab = int(identity.get("vocab_size") or 0)
+    cap = Capture(None, cfg.out, model_name=cfg.model, extra=job, identity=identity,
+                  environment={**environment, **info.environment()}, signature=parts.info.get("signature"),
+                  first_pass=parts.last_pass + 1)
+    with torch.inference_mode(), cap:
+        take_parts(cap, parts)
+        if spec is not None:
+            for i, o in enumerate(outs):
+                _record_prompt_logprobs(cap, i, seqs[i], o.prompt_logprobs or [], cfg, vocab)
     return load_manifest(cfg.out)
 
 
@@ -252,9 +265,6 @@ def reference_llm(llm: Any, cfg: RunConfig, seqs: list[list[int]], sink: Logprob
     with torch.inference_mode():
         outs = _generate(llm, cfg, seqs)
     for i, o in enumerate(outs):
-        if list(o.prompt_token_ids or ()) != seqs[i]:
-            raise InternalError(f"vLLM returned the prompts in another order than given (output {i}); sequence "
-                                "ids would not be prompt indices")
         _record_prompt_logprobs(sink, i, seqs[i], o.prompt_logprobs or [], cfg, vocab)
 
 

@@ -36,7 +36,7 @@ from dumper.hooks.families import FamilyAdapter, register
 from dumper.hooks.rows import PassRows, Runs, SharedRows
 from dumper.format import encode_runs
 
-__all__ = ["VllmFamily", "model_runner_of", "model_of"]
+__all__ = ["VllmFamily", "model_runner_of", "model_of", "runner_on_stack"]
 
 _RUNNER_PATH = "llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner"
 
@@ -63,14 +63,20 @@ def _is_llm(obj: Any) -> bool:
     return type(obj).__module__.startswith("vllm.entrypoints") and hasattr(obj, "llm_engine")
 
 
-def _runner_on_stack(model: nn.Module) -> Any:
+def _runner_models(runner: Any) -> tuple[Any, ...]:
+    """The model a runner calls, as it holds it and under any CUDA-graph wrapper (``get_model()``)."""
+    get = getattr(runner, "get_model", None)
+    return getattr(runner, "model", None), get() if callable(get) else None
+
+
+def runner_on_stack(model: nn.Module) -> Any:
     """The model runner whose forward is calling ``model`` now (the caller frame's ``self``), or None."""
     frame = sys._getframe(1)
     for _ in range(32):
         if frame is None:
             return None
         owner = frame.f_locals.get("self")
-        if owner is not None and getattr(owner, "model", None) is model and hasattr(owner, "input_batch"):
+        if owner is not None and hasattr(owner, "input_batch") and model in _runner_models(owner):
             return owner
         frame = frame.f_back
     return None
@@ -88,9 +94,9 @@ class VllmFamily(FamilyAdapter):
         super().__init__(model, handle)
         self._runner = model_runner_of(handle) if handle is not None else None
         self._seq_of: dict[str, int] = {}  # request id -> sequence id
-        self._prompt: list[tuple[int, ...]] = []  # per sequence: its prompt tokens
-        self._start: list[int] = []  # per sequence: first position it computed (> 0: a prefix-cache hit)
-        self._done: list[int] = []  # per sequence: positions below this are recorded
+        self._prompt: dict[int, tuple[int, ...]] = {}  # per sequence: its prompt tokens
+        self._start: dict[int, int] = {}  # per sequence: first position it computed (> 0: a prefix-cache hit)
+        self._done: dict[int, int] = {}  # per sequence: positions below this are recorded
         self._shared: list[SharedRows] = []
 
     @classmethod
@@ -116,7 +122,7 @@ class VllmFamily(FamilyAdapter):
         first = next(iter(meta.values()), None) if isinstance(meta, dict) else meta
         if first is None:  # a dummy or profiling run: nothing to record
             return PassRows((int(positions.shape[0]),), Runs([]), Runs([]), keep=torch.zeros(0, dtype=torch.int64))
-        runner = self._runner = self._runner or _runner_on_stack(self.model)
+        runner = self._runner = self._runner or runner_on_stack(self.model)
         if runner is None:
             raise UsageError("cannot find vLLM's model runner for this model; pass the vllm.LLM to dumper.capture")
         starts = first.query_start_loc.detach().cpu().numpy()
@@ -130,9 +136,10 @@ class VllmFamily(FamilyAdapter):
             a, b = int(starts[i]), int(starts[i + 1])
             if b <= a:
                 continue
-            prompt = runner.requests[rid].prompt_token_ids or ()
-            s = self._sequence(rid, int(pos[a]), prompt)
-            keep[a:b] = (pos[a:b] >= self._done[s]) & (pos[a:b] < len(prompt))
+            s = self._sequence(rid, int(pos[a]), runner.requests[rid])
+            if s is None:
+                continue
+            keep[a:b] = (pos[a:b] >= self._done[s]) & (pos[a:b] < len(self._prompt[s]))
             seq[a:b] = s
             if keep[a:b].any():
                 self._done[s] = max(self._done[s], int(pos[a:b][keep[a:b]].max()) + 1)
@@ -141,18 +148,24 @@ class VllmFamily(FamilyAdapter):
                         Runs(encode_runs(seq[rows], step=0)),
                         keep=None if rows.size == pos.shape[0] else torch.from_numpy(rows))
 
-    def _sequence(self, rid: str, first: int, prompt: Any) -> int:
+    def _number(self, rid: str, request: Any) -> int | None:
+        """The sequence id a request new to this capture gets (``None``: not recorded): the next one."""
+        return len(self._prompt)
+
+    def _sequence(self, rid: str, first: int, request: Any) -> int | None:
         """The sequence id of request ``rid``, numbered on first sight; a first position past 0 is a cache hit."""
-        s = self._seq_of.get(rid)
-        if s is not None:
-            return s
-        s = self._seq_of[rid] = len(self._prompt)
-        self._prompt.append(tuple(int(t) for t in prompt))
-        self._start.append(first)
-        self._done.append(first)
+        if rid in self._seq_of:
+            return self._seq_of[rid]
+        s = self._number(rid, request)
+        if s is None or s in self._prompt:
+            return None
+        self._seq_of[rid] = s
+        self._prompt[s] = tuple(int(t) for t in request.prompt_token_ids or ())
+        self._start[s] = self._done[s] = first
         if first > 0:
             head = self._prompt[s][:first]
-            src = next((k for k in range(s) if self._start[k] == 0 and self._prompt[k][:first] == head), None)
+            src = next((k for k in sorted(self._prompt) if k != s and self._start[k] == 0
+                        and self._prompt[k][:first] == head), None)
             if src is not None:
                 self._shared.append(SharedRows(s, src, first))
         return s
@@ -186,7 +199,7 @@ class VllmFamily(FamilyAdapter):
         hit) to its end was recorded: a pass the capture could not read (a full CUDA-graph
         replay runs no Python) leaves a hole, which a dump must not hide.
         """
-        return [(s, self._done[s], len(p)) for s, p in enumerate(self._prompt) if self._done[s] < len(p)]
+        return [(s, self._done[s], len(p)) for s, p in sorted(self._prompt.items()) if self._done[s] < len(p)]
 
     def cached_prefix(self, sequence: int) -> int:
         """How many leading positions of ``sequence`` came from the prefix cache (0: computed from scratch)."""

@@ -14,7 +14,9 @@ cache key, so a tapped and an untapped engine never share a compiled graph. With
 ``driftscope`` key the loader is unchanged and nothing is tapped.
 
 Keys of ``additional_config["driftscope"]``: ``layers`` (a layer spec, default
-:data:`~dumper.hooks.layers.DEFAULT_LAYERS`) and ``points`` (default ``input``).
+:data:`~dumper.hooks.layers.DEFAULT_LAYERS`) and ``points`` (default ``input``). With
+``DRIFTSCOPE_VLLM_SPOOL`` set as well, the tapped model records the requests driftscope's client
+marks, in whichever process it runs (:mod:`dumper.engines.vllm_spool`).
 """
 
 from __future__ import annotations
@@ -98,6 +100,9 @@ def register() -> None:
         spec = tap_spec(getattr(vllm_config, "additional_config", None))
         if spec is not None and model_config is vllm_config.model_config:  # the served model, not a drafter
             install_engine_tap(model, vllm_config, spec)
+            from dumper.engines.vllm_spool import install_recorder
+
+            install_recorder(model, spec, vllm_config)  # with DRIFTSCOPE_VLLM_SPOOL set: record marked requests
         return model
 
     setattr(load_model, _PATCHED, True)

@@ -49,7 +49,8 @@ def _env_capture() -> Capture | None:
     first free one), and a directory that cannot be created turns recording off. Either is
     said once on stderr.
     """
-    from dumper.hooks.capture import Capture, dist_rank_world  # torch: only once a dump is asked for
+    from dumper.hooks.capture import Capture  # torch: only once a dump is asked for
+    from dumper.hooks.parts import dist_rank_world
 
     global _ENV_DIR
     assert _ENV_DIR is not None

@@ -8,19 +8,17 @@ Example::
         dumper.dump("my.tensor", x, layer=3)  # explicit record into the same capture
 
 Every top-level ``model(...)`` call is one forward pass; ``dumper.step()`` delimits passes by
-hand (``dumper.dump`` and ``dumper.step`` live in :mod:`dumper.hooks.active`). What a pass's rows are (positions, sequences) and which argument holds the hidden states
-comes from the model's family adapter (:mod:`dumper.hooks.families`: HF by default, vLLM for vLLM's
-models). Hooks are removed on exit, also when the body raises; the manifest is written only on
-a clean exit that recorded at least one tensor, so an interrupted or empty run never looks
-complete. A failure inside a hook is raised as :class:`InternalError` (a driftscope bug), so
-that callers can tell it from an error of the model's own code running around it.
+hand (``dumper.dump`` and ``dumper.step`` live in :mod:`dumper.hooks.active`). A pass's rows
+(positions, sequences) and the hidden-state argument come from the model's family adapter
+(:mod:`dumper.hooks.families`). Hooks are removed on exit, also when the body raises; the
+manifest is written only on a clean exit that recorded something, so an interrupted or empty
+run never looks complete. A failure inside a hook is an :class:`InternalError` (a driftscope bug).
 """
 
 from __future__ import annotations
 
 import datetime as _dt
 import functools
-import json
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -31,7 +29,7 @@ import torch
 from torch import nn
 
 from dumper.errors import DriftscopeError, DumpError, InternalError, UsageError
-from dumper.format import FORMAT_VERSION, MANIFEST_NAME, Manifest, TensorRecord, write_json_atomic, write_manifest
+from dumper.format import FORMAT_VERSION, MANIFEST_NAME, Manifest, TensorRecord, write_manifest
 from dumper.format.dtypes import torch_codes
 from dumper.format.validate import first_bad_text
 from dumper.hooks import active
@@ -39,22 +37,20 @@ from dumper.hooks.checks import checked_extra, checked_record_args
 from dumper.hooks.families import FamilyAdapter, resolve_model
 from dumper.hooks.fingerprint import environment_fingerprint
 from dumper.hooks.layers import ATTN_INPUT, RESIDUAL, HookTarget, hook_targets
+from dumper.hooks.parts import dist_rank_world, join_under_barrier, write_part
 from dumper.hooks.rows import PassRows, as_runs, write_shared_rows
 from dumper.hooks.tap import TapPoint, check_counts, is_compiled, match_targets, tap_of, unwrap_compiled
 from dumper.hooks.writer import ShardWriter
 
-__all__ = ["Capture", "capture", "dist_rank_world"]
+__all__ = ["Capture", "capture"]
 
 _STORAGE_CODES = torch_codes()
 """torch dtype -> the dump format's dtype code, for every dtype a dump can store."""
 
 
 def _hook_guard(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Run a hook; anything it raises that is not a :class:`DriftscopeError` is a driftscope bug (InternalError).
-
-    Hooks run inside the model's forward pass, where the run's boundary turns other exceptions
-    into "the model's forward failed"; this keeps driftscope's own failures exit 3.
-    """
+    """Run a hook; anything it raises that is not a :class:`DriftscopeError` is a driftscope bug (InternalError),
+    so that the run's boundary does not call it "the model's forward failed" (exit 3, not 2)."""
     @functools.wraps(fn)
     def guarded(*args: Any, **kwargs: Any) -> Any:
         try:
@@ -67,29 +63,29 @@ def _hook_guard(fn: Callable[..., Any]) -> Callable[..., Any]:
     return guarded
 
 
-def dist_rank_world() -> tuple[int, int]:
-    """(this process's rank, world size) under torch.distributed, else (0, 1)."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return 0, 1
-
-
 class Capture:
     """A scoped capture into one dump directory; use :func:`capture` to create it.
 
-    ``model`` may be ``None``: then only explicit :func:`dumper.dump` calls record. What is read from
-    the model's calls (hidden-state argument, positions, sequences) comes from its family
-    adapter (:mod:`dumper.hooks.families`).
+    ``model`` may be ``None``: then only explicit :func:`dumper.dump` calls record. ``family``
+    overrides the model's family adapter (:mod:`dumper.hooks.families`).
+
+    An engine's worker drives a capture itself: ``hooks=False`` registers no hooks (the owner
+    calls :meth:`pass_start` / :meth:`pass_end` around each pass) and ``part=True`` ends it
+    with this rank's part (:mod:`dumper.hooks.parts`) instead of a manifest; the caller that
+    joins the parts starts its own records at ``first_pass`` and takes theirs with :meth:`adopt`.
     """
 
     def __init__(self, model: nn.Module | Any | None, out_dir: str | Path, *, layers: str | Sequence[int] | None = None,
                  modules: str | None = None, points: str | Sequence[str] | None = None,
                  model_name: str | None = None, shard_bytes: int = 512 << 20, extra: dict[str, Any] | None = None,
                  identity: dict[str, Any] | None = None, signature: dict[str, Any] | None = None,
-                 environment: dict[str, Any] | None = None) -> None:
+                 environment: dict[str, Any] | None = None, family: FamilyAdapter | None = None,
+                 hooks: bool = True, part: bool = False, first_pass: int = 0) -> None:
         # a torch.compile wrapper: passes start and end at its call, the capture points are its module's
         self._outer = model if isinstance(model, nn.Module) and is_compiled(model) else None
-        self.model, self._family = resolve_model(unwrap_compiled(model) if self._outer is not None else model)
+        self.model, self._family = (model, family) if family is not None else \
+            resolve_model(unwrap_compiled(model) if self._outer is not None else model)
+        self._hooked, self._part = hooks, part
         model = self.model
         # what the manifest says about the model, the capture and the environment when no
         # nn.Module is hooked (an engine adapter fills them in; see dumper.engines.base)
@@ -109,8 +105,9 @@ class Capture:
         self._model_name = model_name
         self._handles: list[Any] = []
         self._records: list[TensorRecord] = []
+        self._adopted: tuple[dict[str, int], list[TensorRecord]] = ({}, [])
         self._writer: ShardWriter | None = None
-        self._pass_count = 0
+        self._pass_count = first_pass
         self._cur_pass: int | None = None
         self._calls: dict[str, int] = {}
         self._depth = 0
@@ -148,7 +145,7 @@ class Capture:
                             "delete them or choose another directory")
         self._writer = ShardWriter(self.out_dir, self.rank, shard_bytes=self._shard_bytes)
         try:
-            if self.model is not None:
+            if self.model is not None and self._hooked:
                 top = self._outer if self._outer is not None else self.model
                 self._handles.append(top.register_forward_pre_hook(self._on_model_start, with_kwargs=True))
                 self._handles.append(top.register_forward_hook(self._on_model_end, always_call=True))
@@ -158,14 +155,16 @@ class Capture:
         except BaseException:
             self._remove_hooks()
             raise
-        self._prev_active = active.activate(self)
+        if self._hooked:
+            self._prev_active = active.activate(self)
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         try:
             self._remove_hooks()
         finally:
-            active.activate(self._prev_active)
+            if self._hooked:
+                active.activate(self._prev_active)
             self._finish(complete=exc_type is None)
 
     def close(self) -> None:
@@ -185,7 +184,8 @@ class Capture:
         if not complete:
             return
         records = tuple(replace(r, file=writer.locations[(r.forward_pass, r.key)]) for r in self._records)
-        files = dict(writer.files)
+        files = {**writer.files, **self._adopted[0]}
+        records += tuple(self._adopted[1])
         shared = self._family.shared_rows()
         if shared and records:  # the rows prefix-cache hits reused, as one extra pass of the hits' own
             found, found_files = write_shared_rows(self.out_dir, records, shared, rank=self.rank,
@@ -193,17 +193,12 @@ class Capture:
             self._pass_count += bool(found)
             records += found
             files.update(found_files)
-        part = {"files": files, "tensors": [r.to_json() for r in records]}
-        if self.world_size > 1:
-            index = self.out_dir / f"index-r{self.rank}.json"
-            write_json_atomic(index, part)
-            torch.distributed.barrier()
-            files, merged = self._read_parts()  # every rank reads them, so every rank sees an empty run
-            if self.rank == 0 and merged:
-                self._write_manifest(files, merged)
-            torch.distributed.barrier()
-            if not merged:
-                index.unlink(missing_ok=True)
+        if self._part:
+            write_part(self.out_dir, self.rank, files, records, world_size=self.world_size,
+                       signature=self._signature_of(), identity=self._family.identity(self._model_name),
+                       environment=self._environment_of(), extra=self.extra)
+        elif self.world_size > 1:
+            if not join_under_barrier(self.out_dir, self.rank, self.world_size, files, records, self._write_manifest):
                 self._refuse_empty()
         elif not records:
             self._refuse_empty()
@@ -222,21 +217,15 @@ class Capture:
                         f"({'hooked ' + hooked + ' never ran' if hooked else 'no module hooked'} "
                         "and nothing called dumper.dump()); no dump was written")
 
-    def _read_parts(self) -> tuple[dict[str, int], tuple[TensorRecord, ...]]:
-        files: dict[str, int] = {}
-        records: list[TensorRecord] = []
-        for r in range(self.world_size):
-            part = json.loads((self.out_dir / f"index-r{r}.json").read_text())
-            files.update(part["files"])
-            records.extend(TensorRecord.from_json(t) for t in part["tensors"])
-        return files, tuple(records)
+    def adopt(self, files: dict[str, int], records: Sequence[TensorRecord]) -> None:
+        """Take records another process wrote (their data files already in this dump's directory)."""
+        self._adopted[0].update(files)
+        self._adopted[1].extend(records)
 
-    def _write_manifest(self, files: dict[str, int], records: tuple[TensorRecord, ...]) -> None:
-        device = next((p.device for p in self.model.parameters()), None) if self.model is not None else None
+    def _signature_of(self) -> dict[str, Any]:
         dtype = next((str(p.dtype).replace("torch.", "") for p in self.model.parameters()), None) \
             if self.model is not None else None
-        attn = getattr(getattr(self.model, "config", None), "_attn_implementation", None)
-        signature = {  # layers: decoder layers (the final norm's residual, at layer num_layers, is not one)
+        return {  # layers: decoder layers (the final norm's residual, at layer num_layers, is not one)
             "layers": sorted({t.layer for t in self._targets if t.layer is not None and t.layer < self._num_layers}),
             "modules": [t.name for t in self._targets],
             "points": [p for p in (ATTN_INPUT, RESIDUAL) if any(t.point == p for t in self._targets)],
@@ -245,12 +234,19 @@ class Capture:
             "dtype": dtype,
             **(self._signature or {}),
         }
+
+    def _environment_of(self) -> dict[str, Any]:
+        device = next((p.device for p in self.model.parameters()), None) if self.model is not None else None
+        attn = getattr(getattr(self.model, "config", None), "_attn_implementation", None)
+        return {**environment_fingerprint(device, attn), **self._family.environment(), **self._environment}
+
+    def _write_manifest(self, files: dict[str, int], records: tuple[TensorRecord, ...]) -> None:
         manifest = Manifest(
             format_version=FORMAT_VERSION,
             created_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             model=self._identity if self._identity is not None else self._family.identity(self._model_name),
-            capture_signature=signature,
-            environment={**environment_fingerprint(device, attn), **self._family.environment(), **self._environment},
+            capture_signature=self._signature_of(),
+            environment=self._environment_of(),
             files=dict(sorted(files.items())),
             tensors=records,
             extra=self.extra,
@@ -278,6 +274,14 @@ class Capture:
         self._cur_pass = self._pass_count
         self._pass_count += 1
         return self._cur_pass
+
+    def pass_start(self, args: tuple, kwargs: dict) -> None:
+        """A forward pass of the model begins (for an owner driving a ``hooks=False`` capture)."""
+        self._on_model_start(self.model, args, kwargs)
+
+    def pass_end(self) -> None:
+        """The forward pass :meth:`pass_start` began has ended: read the tap, close the pass."""
+        self._on_model_end(self.model, (), None)
 
     @_hook_guard
     def _on_model_start(self, module: nn.Module, args: tuple, kwargs: dict) -> None:

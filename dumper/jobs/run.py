@@ -86,6 +86,8 @@ class RunConfig:
     """``--compile``: run the HF model under ``torch.compile``, captured through the tap (:mod:`dumper.hooks.tap`)."""
     observer_check: bool = False
     """``--observer-check``: run the job again without capture and compare its logprobs bit for bit."""
+    warm_prefix_cache: bool = False
+    """Run the prompts once unrecorded before the recorded run, so that it reads the prefix cache (vLLM)."""
 
     def engine_arg(self, key: str, default: str | None = None) -> str | None:
         """The ``--engine-arg`` value of ``key`` (the last one given), else ``default``."""

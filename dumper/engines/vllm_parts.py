@@ -1,0 +1,132 @@
+"""The client side of a capture inside vLLM's processes: a token, marked requests, and the join of the parts.
+
+:func:`spool_root` is the directory vLLM's processes record into (``DRIFTSCOPE_VLLM_SPOOL``;
+set before the engine starts, so that its processes inherit it). After the marked requests
+have run, :func:`wait_parts` waits for every rank's part of the token's directory (a worker
+that lags its output by a moment, or one that dropped the capture and says why), and
+:func:`take_parts` moves the parts' data files into the dump being written and hands their
+records to its :class:`~dumper.hooks.capture.Capture`, whose manifest, written last, is the
+only thing that makes the dump complete (:mod:`dumper.engines.vllm_spool` is the worker side).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dumper.engines.vllm_spool import SPOOL_ENV, check_token, failed_path
+from dumper.errors import DumpError, UsageError
+from dumper.format import TensorRecord
+from dumper.format.atomic import atomic_path
+from dumper.hooks.parts import part_path, read_part
+
+__all__ = ["RankParts", "spool_root", "new_token", "wait_parts", "take_parts", "remove_spool", "PART_TIMEOUT_S"]
+
+PART_TIMEOUT_S = 120.0
+"""How long after the last marked request returned the client waits for every rank's part."""
+
+
+@dataclass
+class RankParts:
+    """Every rank's part of one capture token: data files, records, and what rank 0 says of the engine."""
+
+    directory: Path
+    files: dict[int, dict[str, int]] = field(default_factory=dict)
+    records: dict[int, tuple[TensorRecord, ...]] = field(default_factory=dict)
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def world_size(self) -> int:
+        return int(self.info.get("world_size") or 1)
+
+    @property
+    def last_pass(self) -> int:
+        """The highest forward pass any rank recorded (-1: none)."""
+        return max((r.forward_pass for recs in self.records.values() for r in recs), default=-1)
+
+
+def spool_root() -> Path:
+    """The spool directory vLLM's processes record into: ``$DRIFTSCOPE_VLLM_SPOOL``, else a new one, exported."""
+    root = os.environ.get(SPOOL_ENV)
+    if not root:
+        root = os.environ[SPOOL_ENV] = tempfile.mkdtemp(prefix="driftscope-spool-")
+    path = Path(root)
+    if not path.is_dir():
+        raise UsageError(f"{SPOOL_ENV}={root}: not a directory")
+    return path
+
+
+def new_token() -> str:
+    """A fresh capture token (a plain directory name no other client will pick)."""
+    token = f"c{secrets.token_hex(8)}"
+    assert check_token(token) == token
+    return token
+
+
+def _failure(directory: Path) -> str | None:
+    for path in sorted(directory.glob("failed-r*.txt")):
+        return f"{path.name[len('failed-'):-len('.txt')]}: {path.read_text(errors='replace').strip()[:300]}"
+    return None
+
+
+def wait_parts(directory: Path, *, timeout_s: float = PART_TIMEOUT_S, poll_s: float = 0.05) -> RankParts:
+    """Every rank's part in ``directory`` (rank 0's says the world size); a DumpError on a failure or time-out.
+
+    A rank that dropped the capture (``failed-r{r}.txt``) fails at once, with its reason; one
+    that wrote nothing in ``timeout_s`` fails naming the ranks that are missing.
+    """
+    parts = RankParts(directory)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        reason = _failure(directory) if directory.is_dir() else None
+        if reason is not None:
+            raise DumpError(f"{directory}: vLLM's capture failed on rank {reason}; no dump was written")
+        for rank in range(max(parts.world_size, 1)):
+            if rank not in parts.files and part_path(directory, rank).is_file():
+                files, records, info = read_part(part_path(directory, rank))
+                parts.files[rank], parts.records[rank] = files, records
+                if rank == 0:
+                    parts.info = info
+        if parts.info and len(parts.files) == parts.world_size:
+            return parts
+        if time.monotonic() > deadline:
+            missing = [r for r in range(max(parts.world_size, 1)) if r not in parts.files]
+            raise DumpError(f"{directory}: no capture part from vLLM rank(s) {missing} within {timeout_s:.0f} s of "
+                            "the last request (a worker died, the server runs without the driftscope tap, or a pass "
+                            "ran where the tap is not read back, e.g. a full CUDA-graph replay); no dump was written")
+        time.sleep(poll_s)
+
+
+def _move(src: Path, dst: Path) -> None:
+    """Move one data file into the dump: a rename on the same filesystem, else a copy made atomic, then the source goes."""
+    try:
+        os.replace(src, dst)
+        return
+    except OSError:
+        pass
+    with atomic_path(dst) as tmp:
+        shutil.copyfile(src, tmp)
+    src.unlink()
+
+
+def take_parts(capture: Any, parts: RankParts) -> None:
+    """Move every rank's data files into ``capture``'s dump directory and adopt their records."""
+    for rank in sorted(parts.files):
+        files = parts.files[rank]
+        for name in files:
+            target = capture.out_dir / name
+            if target.exists():
+                raise DumpError(f"{target}: already exists; the dump directory must hold no other data files")
+            _move(parts.directory / name, target)
+        capture.adopt(files, parts.records[rank])
+
+
+def remove_spool(directory: Path) -> None:
+    """Delete a token's spool directory (what is left of a failed or joined capture)."""
+    shutil.rmtree(directory, ignore_errors=True)

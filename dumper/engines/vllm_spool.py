@@ -1,0 +1,169 @@
+"""driftscope's capture where vLLM runs its model: in the engine core process and in every TP worker.
+
+vLLM's default engine runs the model in processes the caller does not own (the engine core;
+one worker per tensor-parallel rank; ``vllm serve``'s back end). The capture therefore lives
+there and is steered by the requests themselves: driftscope's client marks each request it
+sends (``SamplingParams.extra_args``, which ``vllm serve`` takes as ``vllm_xargs``)::
+
+    {"driftscope_capture": TOKEN, "driftscope_seq": i, "driftscope_n": N}
+
+and a model loaded with the tap (``additional_config={"driftscope": {...}}``, see
+:mod:`dumper.engines.vllm_tap`) in a process whose environment names a spool directory
+(``DRIFTSCOPE_VLLM_SPOOL=DIR``) records, on every rank, the prompt rows of exactly those
+requests into ``DIR/TOKEN/``: rank ``r`` writes its data files and, once all ``N`` prompts are
+complete, its part ``index-r{r}.json`` (:mod:`dumper.hooks.parts`). Rows of requests without
+the token (anyone else's traffic) are never recorded. The client joins the parts into one dump
+and writes its manifest (:mod:`dumper.engines.vllm_parts`); a part alone never looks complete.
+
+A failure inside a worker's capture never stops the engine: the token's capture is dropped,
+and ``DIR/TOKEN/failed-r{r}.txt`` says why, for the client to report.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from dumper.engines.vllm_hooks import VllmFamily, runner_on_stack
+from dumper.hooks.capture import Capture
+from dumper.hooks.parts import dist_rank_world
+
+__all__ = ["SPOOL_ENV", "MARK_TOKEN", "MARK_SEQ", "MARK_COUNT", "marker", "check_token", "failed_path",
+           "MarkedFamily", "SpoolRecorder", "engine_settings", "install_recorder"]
+
+SPOOL_ENV = "DRIFTSCOPE_VLLM_SPOOL"
+"""The environment variable naming the directory vLLM's processes write marked requests' rows into."""
+MARK_TOKEN, MARK_SEQ, MARK_COUNT = "driftscope_capture", "driftscope_seq", "driftscope_n"
+"""``extra_args`` keys of a marked request: the capture's token, its sequence id, the capture's prompt count."""
+_TOKEN = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_LOG = logging.getLogger("vllm.driftscope")
+
+
+def check_token(token: Any) -> str | None:
+    """``token`` if it is a capture token (1-64 of ``A-Z a-z 0-9 _ -``: a plain directory name), else None."""
+    return token if isinstance(token, str) and _TOKEN.fullmatch(token) else None
+
+
+def marker(token: str, seq: int, count: int) -> dict[str, Any]:
+    """The ``extra_args`` (``vllm_xargs``) that put a request into capture ``token`` as sequence ``seq`` of ``count``."""
+    if check_token(token) is None:
+        raise ValueError(f"capture token {token!r}: expected 1-64 letters, digits, '_' or '-'")
+    return {MARK_TOKEN: token, MARK_SEQ: int(seq), MARK_COUNT: int(count)}
+
+
+def failed_path(directory: Path, rank: int) -> Path:
+    """Where rank ``rank`` says why its capture of a token was dropped."""
+    return directory / f"failed-r{rank}.txt"
+
+
+def _mark(request: Any) -> tuple[str, int, int] | None:
+    """(token, sequence, count) of a marked request, None for any other."""
+    params = getattr(request, "sampling_params", None)
+    args = getattr(params, "extra_args", None)
+    if not isinstance(args, dict) or check_token(args.get(MARK_TOKEN)) is None:
+        return None
+    seq, count = args.get(MARK_SEQ), args.get(MARK_COUNT)
+    if type(seq) is not int or type(count) is not int or not 0 <= seq < count:
+        return None
+    return args[MARK_TOKEN], seq, count
+
+
+class MarkedFamily(VllmFamily):
+    """The vLLM family, keeping only the rows of requests marked with one capture token."""
+
+    def __init__(self, model: nn.Module, token: str, count: int) -> None:
+        super().__init__(model)
+        self.token, self.count = token, count
+
+    def _number(self, rid: str, request: Any) -> int | None:
+        mark = _mark(request)
+        return mark[1] if mark is not None and mark[0] == self.token and mark[2] == self.count else None
+
+    def complete(self) -> bool:
+        """Every one of the capture's prompts ran, and each is recorded from its first computed position to its end."""
+        return len(self._prompt) == self.count and not self.unrecorded()
+
+
+class SpoolRecorder:
+    """The top-level hooks of a tapped vLLM model: one worker-side :class:`Capture` per capture token in flight."""
+
+    def __init__(self, model: nn.Module, root: Path, spec: dict[str, Any], settings: dict[str, Any]) -> None:
+        self.model, self.root, self.spec, self.settings = model, root, spec, settings
+        self.rank = dist_rank_world()[0]
+        self._open: dict[str, Capture] = {}
+        self._ended: set[str] = set()
+        model.register_forward_pre_hook(self._on_start, with_kwargs=True)
+        model.register_forward_hook(self._on_end, always_call=True)
+
+    def _on_start(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        runner = runner_on_stack(self.model)
+        for rid in getattr(getattr(runner, "input_batch", None), "req_ids", None) or ():
+            mark = _mark(runner.requests.get(rid))
+            if mark is not None and mark[0] not in self._open and mark[0] not in self._ended:
+                self._guard(mark[0], self._begin, mark[0], mark[2])
+        for token, cap in list(self._open.items()):
+            self._guard(token, cap.pass_start, args, kwargs)
+
+    def _on_end(self, module: nn.Module, args: tuple, output: Any) -> None:
+        for token, cap in list(self._open.items()):
+            self._guard(token, cap.pass_end)
+            family = cap.family
+            if token in self._open and isinstance(family, MarkedFamily) and family.complete():
+                self._ended.add(token)
+                self._guard(token, self._open.pop(token).close)
+
+    def _begin(self, token: str, count: int) -> None:
+        cap = Capture(self.model, self.root / token, layers=self.spec.get("layers"), points=self.spec.get("points"),
+                      family=MarkedFamily(self.model, token, count), hooks=False, part=True,
+                      extra={"engine_settings": self.settings})
+        cap.__enter__()
+        self._open[token] = cap
+
+    def _guard(self, token: str, fn: Any, *args: Any) -> None:
+        """Run one step of ``token``'s capture; a failure drops that capture (said in a file), never the engine."""
+        try:
+            fn(*args)
+        except Exception as e:  # noqa: BLE001 - nothing of driftscope's may take down the engine it observes
+            self._ended.add(token)
+            cap = self._open.pop(token, None)
+            reason = f"{type(e).__name__}: {e}".splitlines()[0][:500]
+            _LOG.error("driftscope: capture %s dropped on rank %d (%s)", token, self.rank, reason)
+            try:
+                if cap is not None:
+                    cap.__exit__(RuntimeError, None, None)  # no part: the shards stay, never a complete dump
+                directory = self.root / token
+                directory.mkdir(parents=True, exist_ok=True)
+                failed_path(directory, self.rank).write_text(reason + "\n")
+            except Exception:  # noqa: BLE001 - the reason is in vLLM's log already
+                pass
+
+
+def engine_settings(vllm_config: Any, model: nn.Module) -> dict[str, Any]:
+    """How the engine runs the model (``extra.engine.settings`` of a dump): compiled, CUDA graphs, batching, cache, ranks."""
+    backend = next((m.attn_backend.get_name() for m in model.modules() if hasattr(m, "attn_backend")), None)
+    sched, cache, comp = vllm_config.scheduler_config, vllm_config.cache_config, vllm_config.compilation_config
+    par = vllm_config.parallel_config
+    compiled = not vllm_config.model_config.enforce_eager and str(comp.mode).rsplit(".", 1)[-1] != "NONE"
+    graphs = str(getattr(comp, "cudagraph_mode", None)).rsplit(".", 1)[-1] not in ("NONE", "None")
+    return {
+        "kv_cache_dtype": str(cache.cache_dtype), "attention_backend": backend, "compiled": compiled,
+        "cuda_graphs": graphs and vllm_config.device_config.device.type == "cuda",
+        "chunked_prefill": bool(sched.enable_chunked_prefill),
+        "max_num_batched_tokens": int(sched.max_num_batched_tokens), "max_num_seqs": int(sched.max_num_seqs),
+        "prefix_caching": bool(cache.enable_prefix_caching), "block_size": int(cache.block_size),
+        "tensor_parallel_size": int(par.tensor_parallel_size), "pipeline_parallel_size": int(par.pipeline_parallel_size)}
+
+
+def install_recorder(model: nn.Module, spec: dict[str, Any], vllm_config: Any) -> SpoolRecorder | None:
+    """Add the marked-request recorder to a model tapped as ``spec`` says, when ``DRIFTSCOPE_VLLM_SPOOL`` is set."""
+    root = os.environ.get(SPOOL_ENV)
+    if not root:
+        return None
+    recorder = SpoolRecorder(model, Path(root), spec, engine_settings(vllm_config, model))
+    _LOG.info("driftscope: recording marked requests into %s (rank %d)", root, recorder.rank)
+    return recorder
