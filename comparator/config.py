@@ -43,6 +43,9 @@ class CompareConfig:
         noise_floors: absolute floors of logprob thresholds derived from noise, by metric name.
         fixed_explicit: ``threshold`` / ``token_threshold`` were given (flag or env), so with
             ``noise`` they still apply on top; otherwise the defaults apply only where no noise is known.
+        subset: the target holds part of the baseline's rows by design (a truncated prompt, positions a
+            prefix cache served): judge the target's rows only (:mod:`comparator.hidden.subset`).
+        sequence_map: the target's sequence ``i`` is the baseline's ``sequence_map[i]`` (empty: the same ids).
     """
 
     threshold: float = DEFAULT_THRESHOLD
@@ -57,6 +60,8 @@ class CompareConfig:
     noise_floor: float = DEFAULT_FLOOR
     noise_floors: tuple[tuple[str, float], ...] = ()
     fixed_explicit: bool = False
+    subset: bool = False
+    sequence_map: tuple[int, ...] = ()
 
     def limits(self, name: str) -> Limits:
         """The thresholds the tensor ``name`` is judged by: from its noise when calibrated, else the fixed ones."""

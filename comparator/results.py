@@ -73,6 +73,10 @@ class TensorComparison(BuiltinMetrics):
     """rel_diff as a multiple of its calibrated noise, ``max(noise, floor)`` (None: no noise file)."""
     token_noise_ratio: float | None = None
     """Largest per-token rel_diff as a multiple of the calibrated per-token noise."""
+    replica_side: str | None = None
+    """``"baseline"`` or ``"target"``: these are the rows rank ``rank`` of that side holds as a
+    tensor-parallel replica, where they differ from its representative (the lowest rank), judged
+    against the other side; None: the ordinary comparison (``rank``: the target's rank)."""
 
     def __post_init__(self) -> None:
         clash = sorted(self.metrics.keys() & {f.name for f in fields(self)})
@@ -127,6 +131,8 @@ class FirstDivergence:
     crosses the threshold), ``onset_layer`` the first layer whose value departs from its noise;
     ``*_method`` says how each was found: ``calibrated`` (noise file), ``change-point`` (estimated
     from the run, see :mod:`comparator.hidden.onset`) or ``threshold`` (no earlier onset stood out).
+    Layers are searched over every rank: ``replica_side`` names the side when the first divergence
+    is in the replica rows of ``rank``, not of its representative (see ``TensorComparison``).
     """
 
     name: str
@@ -144,6 +150,7 @@ class FirstDivergence:
     onset_method: str | None = None
     onset_layer: int | None = None
     onset_layer_method: str | None = None
+    replica_side: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -262,7 +269,8 @@ class Report:
 
     @property
     def matched(self) -> int:
-        return len(self.tensors)
+        """Tensors matched across the two dumps; a replica rank's comparison of one of them is not another."""
+        return sum(t.replica_side is None for t in self.tensors)
 
     @property
     def passed(self) -> bool:

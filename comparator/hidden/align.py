@@ -8,7 +8,8 @@ sequence ids; the rest falls back to (name, forward pass, rank, call).
 
 A *logical tensor* is one name's rows for one sequence, reassembled across passes, batch rows
 and ranks: replicated ranks contribute one representative (the lowest rank; the others are
-checked against it), sharded ranks contribute column pieces concatenated in rank order.
+checked against it, and one that differs is also compared through its :func:`replica_view`),
+sharded ranks contribute column pieces concatenated in rank order.
 Nothing is read here: plans hold record references and row offsets only, so a comparison can
 stream.
 """
@@ -23,7 +24,7 @@ from dumper.errors import CorruptDumpError, NotComparableError
 from dumper.format import PAD_SEQUENCE, Manifest, TensorRecord
 
 __all__ = ["Segment", "LogicalTensor", "RowRun", "Piece", "logical_tensors", "match_rows", "column_pieces",
-           "fallback_pairs", "split_by_mode", "positions_of", "LogicalKey", "FallbackKey"]
+           "fallback_pairs", "split_by_mode", "positions_of", "replica_view", "LogicalKey", "FallbackKey"]
 
 LogicalKey = tuple[str, int, int]
 """(name, call, sequence id)."""
@@ -108,6 +109,29 @@ def _merge_ranks(lt: LogicalTensor) -> None:
                 added.append(_sub(seg, cursor, end))
         chosen = sorted(chosen + added, key=lambda s: s.pos)
     lt.rows = chosen
+
+
+def replica_view(lt: LogicalTensor, rank: int) -> LogicalTensor:
+    """``lt`` as ``rank`` holds it: that rank's replica rows in place of the representative's.
+
+    Positions the rank does not replicate keep the representative's rows, so the view covers
+    the same positions as ``lt`` and aligns with the other side the same way. Nothing is read.
+    """
+    mine = sorted((other for _, other in lt.replicas if other.rec.rank == rank), key=lambda s: s.pos)
+    rows: list[Segment] = []
+    for seg in lt.rows:
+        cursor, end = seg.pos, seg.pos + seg.count
+        for m in mine:
+            lo, hi = max(m.pos, cursor), min(m.pos + m.count, end)
+            if lo >= hi:
+                continue
+            if lo > cursor:
+                rows.append(_sub(seg, cursor, lo))
+            cursor = hi
+        if cursor < end:
+            rows.append(_sub(seg, cursor, end))
+    return LogicalTensor(lt.name, lt.call, lt.sequence, lt.layer, lt.sharded, by_rank=lt.by_rank,
+                         rows=sorted(rows + mine, key=lambda s: s.pos))
 
 
 @dataclass(frozen=True)

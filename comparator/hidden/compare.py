@@ -8,6 +8,8 @@ Example::
 
 Tensors whose rows carry positions are compared per (name, sequence) after reassembling
 chunks, batches and ranks (see :mod:`comparator.hidden.align`); others per (name, pass, rank).
+A rank whose tensor-parallel replica rows differ from its representative's is compared too
+(:mod:`comparator.hidden.replicas`), so the first divergence is the lowest over all ranks.
 Only the rows being compared are touched (memory-mapped), so memory stays bounded whatever
 the dump size.
 """
@@ -41,7 +43,9 @@ from comparator.hidden.identity import check_distinct, check_identity
 from comparator.hidden.localize import FailingTokens, first_divergence, layer_amplification, locate_onset
 from comparator.logprobs import LogprobVerdict
 from comparator.hidden.metrics import PairStats, StatsAccumulator, pair_stats
-from comparator.results import ReplicaMismatch, Report, TensorComparison
+from comparator.hidden.replicas import ReplicaView, as_rank, check_replicas
+from comparator.hidden.subset import SUBSET_NOTE, relabel_sequences, subset_baseline, subset_logprobs
+from comparator.results import Report, TensorComparison
 from comparator.logprobs.sources import dump_logprobs, judge_sources
 
 __all__ = ["compare_dumps"]
@@ -173,28 +177,6 @@ def _compare_records(b: TensorRecord, t: TensorRecord, br: DumpReader, tr: DumpR
         (stats.token_rel_diff, positions, sequences)
 
 
-def _check_replicas(side: str, reader: DumpReader, lts: dict, config: CompareConfig) -> list[ReplicaMismatch]:
-    """Rows that several ranks hold (tensor-parallel replicas) must be bit-identical."""
-    found: list[ReplicaMismatch] = []
-    for lt in lts.values():
-        worst: dict[int, tuple[int, float]] = {}  # rank -> (first differing position, worst row rel_diff)
-        for ref, other in lt.replicas:
-            x = reader.rows(ref.rec)[ref.row:ref.row + ref.count]
-            y = reader.rows(other.rec)[other.row:other.row + other.count]
-            stats = pair_stats(x, y, ref.rec.dtype, other.rec.dtype, threads=config.threads)
-            bad = np.flatnonzero(~(stats.token_rel_diff == 0))
-            if bad.size:
-                pos, rd = ref.pos + int(bad[0]), stats.max_token_rel_diff
-                prev = worst.get(other.rec.rank)
-                worst[other.rec.rank] = (min(pos, prev[0]), max(rd, prev[1])) if prev else (pos, rd)
-        for rank, (pos, rd) in sorted(worst.items()):
-            found.append(ReplicaMismatch(side=side, name=lt.name, layer=lt.layer, sequence=lt.sequence,
-                                         rank=rank, reference_rank=lt.rows[0].rec.rank if lt.rows else 0,
-                                         first_token=pos, max_token_rel_diff=rd))
-    found.sort(key=lambda m: (m.layer is None, m.layer or 0, m.rank, m.first_token))
-    return found
-
-
 @dataclass
 class _Plan:
     """What meets what, from the manifests alone: logical tensors, fallback pairs, the rest (the
@@ -229,22 +211,29 @@ def compare_dumps(baseline: str | os.PathLike[str], target: str | os.PathLike[st
     verdict, parts_b, parts_t = _logprob_verdict(br, tr, config)
     (bm, empty_b), (tm, empty_t) = _hidden(br.manifest), _hidden(tr.manifest)
     plan = _plan(bm, tm, br, tr, sorted(set(empty_b) | set(empty_t)))
+    if config.subset:  # judge the target's rows only (comparator.hidden.subset)
+        plan.base, plan.unmatched_baseline = subset_baseline(plan.base, plan.target, plan.unmatched_baseline,
+                                                             _logical_label)
     plan.unmatched_baseline.extend(parts_b)  # logits rows or top-k lists on one side only: not computed
     plan.unmatched_target.extend(parts_t)
     if verdict is None:  # logprobs recorded on one side only were not compared either
         plan.unmatched_baseline.extend([LOGPROB_POINT] if _has_logprobs(br.manifest) else [])
         plan.unmatched_target.extend([LOGPROB_POINT] if _has_logprobs(tr.manifest) else [])
     _check_plan(plan, br, tr, config, hidden=verdict is None or bool(bm.tensors or tm.tensors))
-    replicas = _check_replicas("baseline", br, plan.base, config) + _check_replicas("target", tr, plan.target, config)
-    results, kept = _compare_all(plan, br, tr, config, progress, token_sink)
-    first_divergent = locate_onset(first_divergence(results), results, kept.get, config)
-    heatmap = token_heatmap(first_divergent, plan.base, plan.target,
-                            lambda b, t: _logical_stats(b, t, br, tr, config)[:2])
+    (replicas_b, views_b), (replicas_t, views_t) = (check_replicas("baseline", br, plan.base, config),
+                                                    check_replicas("target", tr, plan.target, config))
+    matched = set(plan.logical)
+    views = [v for v in (*views_b, *views_t) if v.key in matched]  # ranks that differ: judged too
+    results, kept = _compare_all(plan, views, br, tr, config, progress, token_sink)
+    fd = locate_onset(first_divergence(results), results, kept.get, config)
+    # the heatmap follows the rank the divergence is on
+    base_lts, targ_lts = as_rank(plan.base, plan.target, views, fd.replica_side if fd else None, fd.rank if fd else 0)
+    heatmap = token_heatmap(fd, base_lts, targ_lts, lambda b, t: _logical_stats(b, t, br, tr, config)[:2])
     return Report(
         baseline=str(br.directory), target=str(tr.directory), threshold=config.threshold,
         token_threshold=config.token_threshold, tensors=tuple(results),
         unmatched_baseline=tuple(plan.unmatched_baseline), unmatched_target=tuple(plan.unmatched_target),
-        first_divergent=first_divergent, replica_mismatches=tuple(replicas), logprobs=verdict,
+        first_divergent=fd, replica_mismatches=(*replicas_b, *replicas_t), logprobs=verdict,
         environment={"baseline": bm.environment, "target": tm.environment}, heatmap=heatmap,
         notes=(*notes, *replay, *_noise_notes(config, results)), empty_tensors=tuple(plan.empty),
         warnings=(*config.noise_warnings(sorted({t.name for t in results})),
@@ -261,6 +250,8 @@ def _open(baseline: str | os.PathLike[str], target: str | os.PathLike[str],
     """Both dumps' readers, refused when they cannot be compared; the model-identity notes."""
     check_distinct(baseline, target)
     br, tr = DumpReader(baseline), DumpReader(target)
+    if config.sequence_map:  # the target ran some of the baseline's prompts (comparator.hidden.subset)
+        tr = relabel_sequences(tr, config.sequence_map)
     for reader in (br, tr):
         if not reader.manifest.tensors:
             raise NotComparableError(f"{reader.directory}: the dump captured no tensors")
@@ -268,7 +259,7 @@ def _open(baseline: str | os.PathLike[str], target: str | os.PathLike[str],
                            where=f"{tr.directory} vs baseline {br.directory}")
     if config.noise is not None:
         config.noise.check_baseline(br.manifest, f"the baseline {br.directory}")
-    return br, tr, list(notes)
+    return br, tr, [*notes, *([SUBSET_NOTE] if config.subset else [])]
 
 
 def _plan(bm: Manifest, tm: Manifest, br: DumpReader, tr: DumpReader, empty: list[str]) -> _Plan:
@@ -304,13 +295,24 @@ def _check_plan(plan: _Plan, br: DumpReader, tr: DumpReader, config: CompareConf
             f"(e.g. {', '.join(ut[:3]) or '-'}); --require-all needs every tensor on both sides")
 
 
-def _compare_all(plan: _Plan, br: DumpReader, tr: DumpReader, config: CompareConfig,
+def _compare_replica(view: ReplicaView, plan: _Plan, br: DumpReader, tr: DumpReader,
+                     config: CompareConfig) -> tuple[TensorComparison, Tokens]:
+    """Compare one rank's differing replica rows of one side against the other side."""
+    base = view.tensor if view.side == "baseline" else plan.base[view.key]
+    target = view.tensor if view.side == "target" else plan.target[view.key]
+    comparison, tokens = _compare_logical(base, target, br, tr, config)
+    return replace(comparison, rank=view.rank, replica_side=view.side), tokens
+
+
+def _compare_all(plan: _Plan, views: list[ReplicaView], br: DumpReader, tr: DumpReader, config: CompareConfig,
                  progress: ProgressFn | None, token_sink: TokenSink | None) -> tuple[
                      list[TensorComparison], FailingTokens]:
-    """Compare every planned pair, one at a time; the results in layer order and the failing tokens kept."""
+    """Compare every planned pair and replica view, one at a time; the results in layer order and the
+    failing tokens kept."""
     results: list[TensorComparison] = []
     kept = FailingTokens()
     jobs = [lambda key=key: _compare_logical(plan.base[key], plan.target[key], br, tr, config) for key in plan.logical]
+    jobs += [lambda v=v: _compare_replica(v, plan, br, tr, config) for v in views]
     jobs += [lambda b=b, t=t: _compare_records(b, t, br, tr, config) for b, t in plan.pairs]
     for job in jobs:
         comparison, tokens = job()
@@ -319,9 +321,10 @@ def _compare_all(plan: _Plan, br: DumpReader, tr: DumpReader, config: CompareCon
         if token_sink is not None:
             token_sink(comparison, tokens[0])
         if progress is not None:
-            progress(len(results), plan.total)
+            progress(len(results), len(jobs))
     results.sort(key=lambda r: (r.layer is None, r.layer if r.layer is not None else 0, r.name,
-                                r.sequence if r.sequence is not None else -1, r.forward_pass, r.rank))
+                                r.sequence if r.sequence is not None else -1, r.forward_pass,
+                                r.replica_side is not None, r.replica_side or "", r.rank))
     return results, kept
 
 
@@ -329,6 +332,7 @@ def _noise_notes(config: CompareConfig, results: list[TensorComparison]) -> tupl
     """Say which tensors a noise file did not cover (they were judged by the fixed thresholds)."""
     if config.noise is None:
         return ()
+    results = [t for t in results if t.replica_side is None]  # a replica rank's comparison is not another tensor
     missing = [t.name for t in results if t.noise_ratio is None]
     if not missing:
         return ()
@@ -370,6 +374,8 @@ def _logprob_verdict(br: DumpReader, tr: DumpReader, config: CompareConfig) -> t
     base, targ = dump_logprobs(br), dump_logprobs(tr)
     if base is None or targ is None:
         return None, [], []
+    if config.subset:
+        base = subset_logprobs(base, targ)
     return judge_sources(base, targ, model=config.model, explicit=dict(config.logprob_thresholds),
                          noise=config.noise.logprobs if config.noise is not None else None,
                          noise_factor=config.noise_factor, noise_floors=dict(config.noise_floors))

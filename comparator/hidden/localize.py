@@ -94,7 +94,9 @@ def first_divergence(tensors: list[TensorComparison]) -> tuple[FirstDivergence, 
 
     It is in the lowest layer with a failing tensor (tensors without a layer only when no layered
     one failed); within it, the tensor with the earliest first failing token names the token, ties
-    going to the lower sequence, pass, rank, then name; ``worst_token`` is that layer's worst.
+    going to the lower sequence, pass, rank, then name; ``worst_token`` is that layer's worst. The
+    comparisons of replica ranks count like any other, so the layer is the lowest over all ranks,
+    and a representative failing at the same token wins over its replica.
     """
     failed = [t for t in tensors if not t.passed]
     if not failed:
@@ -107,7 +109,7 @@ def first_divergence(tensors: list[TensorComparison]) -> tuple[FirstDivergence, 
     def order(t: TensorComparison) -> tuple:
         tok = t.first_failing_token
         return (tok is None, tok if tok is not None else 0, t.sequence if t.sequence is not None else -1,
-                t.forward_pass, t.rank, t.name)
+                t.forward_pass, t.replica_side is not None, t.rank, t.name)
 
     first = min(in_layer, key=order)
     worst = max(in_layer, key=lambda t: t.max_token_rel_diff)
@@ -115,7 +117,8 @@ def first_divergence(tensors: list[TensorComparison]) -> tuple[FirstDivergence, 
     return FirstDivergence(
         name=first.name, layer=low, rel_diff=max(t.rel_diff for t in in_layer), token=first.first_failing_token,
         worst_token=worst.worst_token, sequence=first.first_failing_sequence, forward_pass=first.forward_pass,
-        rank=first.rank, failing_sequences=sequences, failing_ranges=first.failing_ranges, note=first.note), first
+        rank=first.rank, failing_sequences=sequences, failing_ranges=first.failing_ranges, note=first.note,
+        replica_side=first.replica_side), first
 
 
 def locate_onset(found: tuple[FirstDivergence, TensorComparison] | None, results: Sequence[TensorComparison],

@@ -170,6 +170,8 @@ def render_report(report: Report, console: Console, *, tensors: bool = False) ->
             ("replica mismatch", "bold red"), f" in the {m.side}: {m.name} (layer {m.layer}, sequence {m.sequence}) "
             f"differs between rank {m.reference_rank} and rank {m.rank} from token {m.first_token} "
             f"(max per-token rel_diff {format_float(m.max_token_rel_diff)})"))
+    if fd is not None and fd.replica_side is not None:
+        console.print(Text.assemble(("divergence on a replica rank", "bold red"), f": {_replica_divergence(report)}"))
     outcome, why = Outcome.of(report), clause(report, detail=False)
     word = (outcome.word, "bold green" if outcome.passed else "bold red")
     if outcome is Outcome.TENSORS:  # a sentence of its own, then the summary
@@ -178,6 +180,22 @@ def render_report(report: Report, console: Console, *, tensors: bool = False) ->
         console.print(Text.assemble(word, f"{' ' if why else ''}{why}: {summary}"))
     if report.logprobs is not None:
         console.print(Text(reaches_output(report)))
+
+
+def _replica_divergence(report: Report) -> str:
+    """Which rank's replica rows diverge first, from which token, and whether its representative still agrees."""
+    fd = report.first_divergent
+    assert fd is not None and fd.replica_side is not None
+    token = fd.onset if fd.onset is not None else fd.token
+    text = (f"rank {fd.rank} of the {fd.replica_side} diverges first, at layer {fd.layer} ({fd.name}"
+            f"{'' if fd.sequence is None else f', sequence {fd.sequence}'}) from token {_token(token)}")
+    ref = next((m.reference_rank for m in report.replica_mismatches
+                if (m.side, m.name, m.rank, m.sequence) == (fd.replica_side, fd.name, fd.rank, fd.sequence)), None)
+    same = [t for t in report.tensors if t.replica_side is None and (t.name, t.layer, t.sequence, t.forward_pass)
+            == (fd.name, fd.layer, fd.sequence, fd.forward_pass)]
+    if ref is not None and same and all(t.passed for t in same):
+        text += f"; the representative rank {ref} still agrees with the other side there"
+    return text
 
 
 def render_noise(noise: NoiseModel, console: Console) -> None:
@@ -208,7 +226,8 @@ def _render_tensors(report: Report, console: Console) -> None:
     for t in report.tensors:
         table.add_row(
             Text(t.name), "-" if t.layer is None else str(t.layer), "-" if t.sequence is None else str(t.sequence),
-            str(t.forward_pass), str(t.rank), *(m.text(t.metrics.get(m.name), format_float) for m in shown),
+            str(t.forward_pass), str(t.rank) + (f" ({t.replica_side} replica)" if t.replica_side else ""),
+            *(m.text(t.metrics.get(m.name), format_float) for m in shown),
             f"{t.nan_baseline}/{t.inf_baseline}", f"{t.nan_target}/{t.inf_target}",
             str(t.failing_tokens), _token(t.first_failing_token),
             Text(status(t.passed), style="green" if t.passed else "bold red"),
