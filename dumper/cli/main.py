@@ -1,4 +1,4 @@
-"""``python -m dumper run|replay|selfcheck|sweep|ls``: thin CLI over :func:`dumper.jobs.run.run_dump`,
+"""``python -m dumper run|replay|selfcheck|sweep|collect|ls``: thin CLI over :func:`dumper.jobs.run.run_dump`,
 :func:`dumper.jobs.replay.replay`, :func:`dumper.jobs.sweep.sweep` (:mod:`dumper.cli.sweep`) and :mod:`dumper.format`."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import sys
 from collections.abc import Sequence
 
 from dumper.cli.common import Parser, guarded_main
+from dumper.cli.collect import add_collect, cmd_collect
 from dumper.cli.sweep import add_sweep, cmd_sweep
 from dumper.engines import ENGINES
 from dumper.errors import EXIT_DIVERGED, EXIT_OK, UsageError
@@ -61,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The parser of ``python -m dumper``: one subcommand per job, each with its flags."""
     p = Parser(prog="python -m dumper", description="Capture hidden states of a model into a dump directory.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
-    for add in (_add_run, _add_selfcheck, _add_replay, add_sweep, _add_ls):
+    for add in (_add_run, _add_selfcheck, _add_replay, add_sweep, add_collect, _add_ls):
         add(sub)
     return p
 
@@ -339,6 +340,8 @@ def run(argv: Sequence[str] | None = None) -> int:
         return _cmd_replay(args)
     if args.command == "sweep":
         return cmd_sweep(args)
+    if args.command == "collect":
+        return cmd_collect(args)
     return _cmd_ls(args)
 
 

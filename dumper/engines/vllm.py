@@ -38,7 +38,7 @@ from dumper.engines.base import (
     hf_identity,
     job_sequences,
 )
-from dumper.engines.vllm_parts import new_token, remove_spool, spool_root, take_parts, wait_parts
+from dumper.engines.vllm_parts import join_dump, new_token, remove_spool, spool_root, wait_parts
 from dumper.engines.vllm_serve import CPU_DEFAULTS
 from dumper.engines.vllm_spool import marker
 from dumper.errors import (
@@ -49,7 +49,7 @@ from dumper.errors import (
     UsageError,
     error_reason,
 )
-from dumper.format import Manifest, load_manifest
+from dumper.format import Manifest
 from dumper.engines.vllm_tap import register, tap_config
 from dumper.hooks.capture import Capture
 from dumper.hooks.layers import DEFAULT_LAYERS
@@ -235,24 +235,23 @@ def dump_llm(llm: Any, cfg: RunConfig, seqs: list[list[int]], checkpoint: Path, 
 
 def _join(cfg: RunConfig, seqs: list[list[int]], checkpoint: Path, parts: Any, outs: list[Any],
           identity: dict[str, Any] | None) -> Manifest:
-    """Write ``cfg.out``: the ranks' records, the prompt logprobs vLLM returned, and the manifest last."""
+    """Write ``cfg.out`` (:func:`~dumper.engines.vllm_parts.join_dump`): the ranks' records, the prompt logprobs
+    vLLM returned, and the manifest last."""
     spec = cfg.logprobs
-    environment = dict(parts.info.get("environment") or {})
-    info = _engine_info(checkpoint, cfg.dtype, dict((parts.info.get("extra") or {}).get("engine_settings") or {}))
+    info = _engine_info(checkpoint, cfg.dtype, parts.engine_settings)
     job = {"job": "prefill", "input_ids": seqs, "dtype": cfg.dtype, "chunk_size": cfg.chunk_size,
-           "batch_size": cfg.batch_size, "logprobs": None if spec is None else vars(spec), "engine": info.to_json(),
+           "batch_size": cfg.batch_size, "logprobs": None if spec is None else vars(spec),
            "prefix_cache_hits": [int(o.num_cached_tokens or 0) for o in outs], **cfg.extra}
     identity = identity or hf_identity(checkpoint, cfg.model)
     vocab = int(identity.get("vocab_size") or 0)
-    cap = Capture(None, cfg.out, model_name=cfg.model, extra=job, identity=identity,
-                  environment={**environment, **info.environment()}, signature=parts.info.get("signature"),
-                  first_pass=parts.last_pass + 1)
-    with torch.inference_mode(), cap:
-        take_parts(cap, parts)
+
+    def record(cap: Capture) -> None:
         if spec is not None:
             for i, o in enumerate(outs):
                 _record_prompt_logprobs(cap, i, seqs[i], o.prompt_logprobs or [], cfg, vocab)
-    return load_manifest(cfg.out)
+
+    return join_dump(cfg.out, parts, model_name=cfg.model, identity=identity, engine=info, job_extra=job,
+                     record=record)
 
 
 def reference_llm(llm: Any, cfg: RunConfig, seqs: list[list[int]], sink: LogprobSink, vocab: int) -> None:

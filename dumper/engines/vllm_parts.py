@@ -7,6 +7,8 @@ that lags its output by a moment, or one that dropped the capture and says why),
 :func:`take_parts` moves the parts' data files into the dump being written and hands their
 records to its :class:`~dumper.hooks.capture.Capture`, whose manifest, written last, is the
 only thing that makes the dump complete (:mod:`dumper.engines.vllm_spool` is the worker side).
+:func:`join_dump` is the one join: the parts, the caller's own records (prompt logprobs, from
+vLLM's ``RequestOutput``s or a server's answers) and the manifest, written last.
 """
 
 from __future__ import annotations
@@ -16,17 +18,23 @@ import secrets
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from dumper.engines.base import EngineInfo
 from dumper.engines.vllm_spool import SPOOL_ENV, check_token, failed_path
 from dumper.errors import DumpError, UsageError
-from dumper.format import TensorRecord
+from dumper.format import Manifest, TensorRecord, load_manifest
 from dumper.format.atomic import atomic_path
+from dumper.hooks.capture import Capture
 from dumper.hooks.parts import part_path, read_part
 
-__all__ = ["RankParts", "spool_root", "new_token", "wait_parts", "take_parts", "remove_spool", "PART_TIMEOUT_S"]
+__all__ = ["RankParts", "spool_root", "new_token", "wait_parts", "take_parts", "join_dump", "remove_spool",
+           "PART_TIMEOUT_S"]
 
 PART_TIMEOUT_S = 120.0
 """How long after the last marked request returned the client waits for every rank's part."""
@@ -49,6 +57,11 @@ class RankParts:
     def last_pass(self) -> int:
         """The highest forward pass any rank recorded (-1: none)."""
         return max((r.forward_pass for recs in self.records.values() for r in recs), default=-1)
+
+    @property
+    def engine_settings(self) -> dict[str, Any]:
+        """How the engine ran the model, as rank 0's worker said (:func:`dumper.engines.vllm_spool.engine_settings`)."""
+        return dict((self.info.get("extra") or {}).get("engine_settings") or {})
 
 
 def spool_root() -> Path:
@@ -125,6 +138,25 @@ def take_parts(capture: Any, parts: RankParts) -> None:
                 raise DumpError(f"{target}: already exists; the dump directory must hold no other data files")
             _move(parts.directory / name, target)
         capture.adopt(files, parts.records[rank])
+
+
+def join_dump(out: str | os.PathLike[str], parts: RankParts, *, model_name: str | None, identity: dict[str, Any],
+              engine: EngineInfo, job_extra: dict[str, Any],
+              record: Callable[[Capture], None] | None = None) -> Manifest:
+    """Write the dump at ``out``: every rank's records, ``record(capture)``'s own, and the manifest last.
+
+    ``record`` adds what the caller holds (the prompt logprobs vLLM returned) into the capture,
+    whose passes start after the parts' last one. The manifest's ``extra`` is ``job_extra`` with
+    ``engine``; its environment is rank 0's, with the engine's settings as ``engine_*`` keys.
+    """
+    environment = {**dict(parts.info.get("environment") or {}), **engine.environment()}
+    cap = Capture(None, out, model_name=model_name, extra={**job_extra, "engine": engine.to_json()}, identity=identity,
+                  environment=environment, signature=parts.info.get("signature"), first_pass=parts.last_pass + 1)
+    with torch.inference_mode(), cap:
+        take_parts(cap, parts)
+        if record is not None:
+            record(cap)
+    return load_manifest(out)
 
 
 def remove_spool(directory: Path) -> None:

@@ -1,0 +1,81 @@
+"""``python -m dumper collect``: thin CLI over :func:`dumper.jobs.collect.collect_dump` (a dump from a live vLLM server).
+
+Exit codes: 0 the dump was written; 2 unusable input: the server is unreachable or not vLLM, it
+refused a request, ``--spool`` is not a directory, or no capture part appeared within ``--part-timeout``
+(the server runs without the driftscope tap or records into another spool).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from dumper.errors import EXIT_OK, UsageError
+
+__all__ = ["add_collect", "cmd_collect"]
+
+
+def add_collect(sub: argparse._SubParsersAction) -> None:
+    """``collect``: the server, its spool, the prompts and what to record."""
+    from comparator.logprobs.sources.server_http import retries_arg, timeout_arg
+    from dumper.jobs.collect import MAX_CONCURRENCY, PART_WAIT_S
+
+    c = sub.add_parser("collect", help="dump the requests this client sends to a live vllm serve (started with the "
+                                       "driftscope tap and DRIFTSCOPE_VLLM_SPOOL)")
+    c.add_argument("--server", required=True, metavar="URL", help="the vLLM server (http://HOST:PORT)")
+    c.add_argument("--spool", required=True, metavar="DIR",
+                   help="the directory the server records into: its DRIFTSCOPE_VLLM_SPOOL (on this machine)")
+    c.add_argument("--out", required=True, help="dump directory to create")
+    c.add_argument("--model", default=None, metavar="CKPT",
+                   help="the HF checkpoint directory the server serves: the dump's model identity and the tokenizer "
+                        "of text prompts (default: the identity the server reports; token-id prompts only)")
+    src = c.add_mutually_exclusive_group()
+    src.add_argument("--prompt", action="append", default=None, help="prompt text (repeatable; needs --model)")
+    src.add_argument("--prompts", metavar="FILE.jsonl", help='JSONL: {"text": ...} or {"input_ids": [...]} per line')
+    src.add_argument("--input-ids", action="append", default=None, help="comma-separated token ids (repeatable)")
+    c.add_argument("--logprobs", action="store_true",
+                   help="also record the prompt logprobs the server returns (vLLM then computes every position, "
+                        "never reading its prefix cache)")
+    c.add_argument("--top-k", type=int, default=0, help="with --logprobs: record the top-K logprobs per position")
+    c.add_argument("--served-model", default=None, help="model name to request (default: the first /v1/models lists)")
+    c.add_argument("--timeout", type=timeout_arg, default=120.0,
+                   help="seconds per request: connect, send and the whole answer (default 120, at most 86400)")
+    c.add_argument("--part-timeout", type=float, default=PART_WAIT_S, metavar="SECONDS",
+                   help="seconds to wait for the server's capture parts after the last answer "
+                        f"(default {PART_WAIT_S:g}); none in time: the server has no tap or another spool, exit 2")
+    c.add_argument("--retries", type=retries_arg, default=3,
+                   help="retries on connection errors, timeouts, cut answers and HTTP 429/5xx (default 3)")
+    c.add_argument("--concurrency", type=int, default=8,
+                   help=f"requests in flight at once, batched by the server (default 8, at most {MAX_CONCURRENCY})")
+    c.add_argument("--quiet", action="store_true", help="no progress bar and no summary line")
+
+
+def cmd_collect(args: argparse.Namespace) -> int:
+    """Build the :class:`~dumper.jobs.collect.CollectConfig`, collect, print one line."""
+    from dumper.jobs.collect import CollectConfig, collect_dump, missing_note
+    from dumper.jobs.run import LogprobSpec
+    from dumper.progress import progress_bar
+    from dumper.prompts import parse_input_ids, read_prompts_file
+
+    prompts: tuple[str, ...] = tuple(args.prompt or ())
+    ids = parse_input_ids(args.input_ids or ())
+    if args.prompts:
+        texts, file_ids = read_prompts_file(args.prompts)
+        prompts, ids = tuple(texts), tuple(tuple(s) for s in file_ids)
+    if args.top_k and not args.logprobs:
+        raise UsageError("--top-k needs --logprobs")
+    cfg = CollectConfig(server=args.server, spool=args.spool, out=args.out, model=args.model, prompts=prompts,
+                        input_ids=ids, logprobs=LogprobSpec(top_k=args.top_k) if args.logprobs else None,
+                        served_model=args.served_model, part_timeout=args.part_timeout,
+                        request_timeout=args.timeout, retries=args.retries, concurrency=args.concurrency)
+    with progress_bar(not args.quiet, "collecting", unit="tokens") as progress:
+        manifest = collect_dump(cfg, progress=progress)
+    missing = manifest.extra["missing_positions"]
+    note = f"; {missing_note(missing)}" if any(missing) else ""
+    if not args.quiet:
+        seqs = manifest.extra["input_ids"]
+        print(f"wrote {args.out}: {len(manifest.tensors)} tensors, layers {manifest.capture_signature.get('layers', [])}, "
+              f"{len(seqs)} prompts ({sum(map(len, seqs))} positions) from {manifest.extra['server']}{note}")
+    elif note:
+        print(f"warning: {args.out}{note}", file=sys.stderr)
+    return EXIT_OK
