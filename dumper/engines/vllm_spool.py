@@ -16,7 +16,9 @@ the token (anyone else's traffic) are never recorded. The client joins the parts
 and writes its manifest (:mod:`dumper.engines.vllm_parts`); a part alone never looks complete.
 
 A failure inside a worker's capture never stops the engine: the token's capture is dropped,
-and ``DIR/TOKEN/failed-r{r}.txt`` says why, for the client to report.
+and ``DIR/TOKEN/failed-r{r}.txt`` says why, for the client to report. A capture none of whose
+requests ran for :data:`ABANDON_S` seconds (a client that died, a request the server refused)
+is dropped the same way, so that it costs the engine nothing for ever.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +43,8 @@ SPOOL_ENV = "DRIFTSCOPE_VLLM_SPOOL"
 """The environment variable naming the directory vLLM's processes write marked requests' rows into."""
 MARK_TOKEN, MARK_SEQ, MARK_COUNT = "driftscope_capture", "driftscope_seq", "driftscope_n"
 """``extra_args`` keys of a marked request: the capture's token, its sequence id, the capture's prompt count."""
+ABANDON_S = 600.0
+"""Seconds a capture may wait for its next marked request before it is dropped as abandoned."""
 _TOKEN = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _LOG = logging.getLogger("vllm.driftscope")
 
@@ -89,6 +94,10 @@ class MarkedFamily(VllmFamily):
         return len(self._prompt) == self.count and not self.unrecorded()
 
 
+def _abandon(token: str) -> None:
+    raise TimeoutError(f"no request of capture {token} ran for {ABANDON_S:.0f} s; dropped as abandoned")
+
+
 class SpoolRecorder:
     """The top-level hooks of a tapped vLLM model: one worker-side :class:`Capture` per capture token in flight."""
 
@@ -96,16 +105,22 @@ class SpoolRecorder:
         self.model, self.root, self.spec, self.settings = model, root, spec, settings
         self.rank = dist_rank_world()[0]
         self._open: dict[str, Capture] = {}
+        self._seen: dict[str, float] = {}  # token -> when one of its requests last ran
         self._ended: set[str] = set()
         model.register_forward_pre_hook(self._on_start, with_kwargs=True)
         model.register_forward_hook(self._on_end, always_call=True)
 
     def _on_start(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        runner = runner_on_stack(self.model)
+        runner, now = runner_on_stack(self.model), time.monotonic()
         for rid in getattr(getattr(runner, "input_batch", None), "req_ids", None) or ():
             mark = _mark(runner.requests.get(rid))
-            if mark is not None and mark[0] not in self._open and mark[0] not in self._ended:
+            if mark is None or mark[0] in self._ended:
+                continue
+            self._seen[mark[0]] = now
+            if mark[0] not in self._open:
                 self._guard(mark[0], self._begin, mark[0], mark[2])
+        for token in [t for t in self._open if now - self._seen.get(t, now) > ABANDON_S]:
+            self._guard(token, _abandon, token)
         for token, cap in list(self._open.items()):
             self._guard(token, cap.pass_start, args, kwargs)
 
@@ -115,6 +130,7 @@ class SpoolRecorder:
             family = cap.family
             if token in self._open and isinstance(family, MarkedFamily) and family.complete():
                 self._ended.add(token)
+                self._seen.pop(token, None)
                 self._guard(token, self._open.pop(token).close)
 
     def _begin(self, token: str, count: int) -> None:
@@ -130,6 +146,7 @@ class SpoolRecorder:
             fn(*args)
         except Exception as e:  # noqa: BLE001 - nothing of driftscope's may take down the engine it observes
             self._ended.add(token)
+            self._seen.pop(token, None)
             cap = self._open.pop(token, None)
             reason = f"{type(e).__name__}: {e}".splitlines()[0][:500]
             _LOG.error("driftscope: capture %s dropped on rank %d (%s)", token, self.rank, reason)
