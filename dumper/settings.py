@@ -7,6 +7,8 @@
 |                               | traceback of an internal error (anything else: off)       |
 | ``DRIFTSCOPE_JSON_MEMORY_MIB``| memory one JSON text may take to parse, a whole number of |
 |                               | MiB >= 1 (default 432)                                    |
+| ``DRIFTSCOPE_VLLM_SPOOL``     | where vLLM's processes record the requests driftscope     |
+|                               | marks (:mod:`dumper.engines.vllm_spool`)                  |
 
 An empty variable counts as unset; a bad value is a one-line :class:`~dumper.errors.UsageError`
 naming the variable. The comparator's thresholds (``DRIFTSCOPE_DIFF_THRESHOLD``,
@@ -21,7 +23,10 @@ from dataclasses import dataclass
 
 from dumper.errors import UsageError
 
-__all__ = ["EnvSettings", "env_settings"]
+__all__ = ["EnvSettings", "env_settings", "VLLM_SPOOL_ENV"]
+
+VLLM_SPOOL_ENV = "DRIFTSCOPE_VLLM_SPOOL"
+"""Set in the environment vLLM's processes inherit: the directory they record marked requests into."""
 
 
 @dataclass(frozen=True)
@@ -31,6 +36,7 @@ class EnvSettings:
     dump_dir: str | None = None
     debug: bool = False
     json_memory_mib: int | None = None
+    vllm_spool: str | None = None
 
 
 def _mib(env: Mapping[str, str], name: str) -> int | None:
@@ -49,4 +55,5 @@ def env_settings(env: Mapping[str, str] | None = None) -> EnvSettings:
         dump_dir=env.get("DRIFTSCOPE_DUMP_DIR") or None,
         debug=env.get("DRIFTSCOPE_DEBUG", "").strip().lower() in ("1", "true", "yes", "on"),
         json_memory_mib=_mib(env, "DRIFTSCOPE_JSON_MEMORY_MIB"),
+        vllm_spool=env.get(VLLM_SPOOL_ENV) or None,
     )

@@ -43,7 +43,6 @@ from dumper.engines.vllm_serve import CPU_DEFAULTS
 from dumper.engines.vllm_spool import marker
 from dumper.errors import (
     DriftscopeError,
-    DumpError,
     InternalError,
     ModelError,
     UsageError,

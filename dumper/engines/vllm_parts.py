@@ -26,12 +26,13 @@ from typing import Any
 import torch
 
 from dumper.engines.base import EngineInfo
-from dumper.engines.vllm_spool import SPOOL_ENV, check_token, failed_path
+from dumper.engines.vllm_spool import check_token
 from dumper.errors import DumpError, UsageError
 from dumper.format import Manifest, TensorRecord, load_manifest
 from dumper.format.atomic import atomic_path
 from dumper.hooks.capture import Capture
 from dumper.hooks.parts import part_path, read_part
+from dumper.settings import VLLM_SPOOL_ENV, env_settings
 
 __all__ = ["RankParts", "spool_root", "new_token", "wait_parts", "take_parts", "join_dump", "remove_spool",
            "PART_TIMEOUT_S"]
@@ -66,12 +67,12 @@ class RankParts:
 
 def spool_root() -> Path:
     """The spool directory vLLM's processes record into: ``$DRIFTSCOPE_VLLM_SPOOL``, else a new one, exported."""
-    root = os.environ.get(SPOOL_ENV)
+    root = env_settings().vllm_spool
     if not root:
-        root = os.environ[SPOOL_ENV] = tempfile.mkdtemp(prefix="driftscope-spool-")
+        root = os.environ[VLLM_SPOOL_ENV] = tempfile.mkdtemp(prefix="driftscope-spool-")
     path = Path(root)
     if not path.is_dir():
-        raise UsageError(f"{SPOOL_ENV}={root}: not a directory")
+        raise UsageError(f"{VLLM_SPOOL_ENV}={root}: not a directory")
     return path
 
 

@@ -24,7 +24,6 @@ is dropped the same way, so that it costs the engine nothing for ever.
 from __future__ import annotations
 
 import logging
-import os
 import re
 import time
 from pathlib import Path
@@ -35,12 +34,11 @@ from torch import nn
 from dumper.engines.vllm_hooks import VllmFamily, runner_on_stack
 from dumper.hooks.capture import Capture
 from dumper.hooks.parts import dist_rank_world
+from dumper.settings import env_settings
 
-__all__ = ["SPOOL_ENV", "MARK_TOKEN", "MARK_SEQ", "MARK_COUNT", "marker", "check_token", "failed_path",
+__all__ = ["MARK_TOKEN", "MARK_SEQ", "MARK_COUNT", "marker", "check_token", "failed_path",
            "MarkedFamily", "SpoolRecorder", "engine_settings", "install_recorder"]
 
-SPOOL_ENV = "DRIFTSCOPE_VLLM_SPOOL"
-"""The environment variable naming the directory vLLM's processes write marked requests' rows into."""
 MARK_TOKEN, MARK_SEQ, MARK_COUNT = "driftscope_capture", "driftscope_seq", "driftscope_n"
 """``extra_args`` keys of a marked request: the capture's token, its sequence id, the capture's prompt count."""
 ABANDON_S = 600.0
@@ -178,7 +176,7 @@ def engine_settings(vllm_config: Any, model: nn.Module) -> dict[str, Any]:
 
 def install_recorder(model: nn.Module, spec: dict[str, Any], vllm_config: Any) -> SpoolRecorder | None:
     """Add the marked-request recorder to a model tapped as ``spec`` says, when ``DRIFTSCOPE_VLLM_SPOOL`` is set."""
-    root = os.environ.get(SPOOL_ENV)
+    root = env_settings().vllm_spool
     if not root:
         return None
     recorder = SpoolRecorder(model, Path(root), spec, engine_settings(vllm_config, model))

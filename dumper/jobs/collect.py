@@ -42,7 +42,8 @@ from comparator.logprobs.types import SequenceLogprobs, TopK
 
 from dumper.engines.base import EngineInfo, hf_identity
 from dumper.engines.vllm_parts import RankParts, join_dump, new_token, remove_spool, wait_parts
-from dumper.engines.vllm_spool import SPOOL_ENV, marker
+from dumper.engines.vllm_spool import marker
+from dumper.settings import VLLM_SPOOL_ENV
 from dumper.engines.vllm_tap import tap_config
 from dumper.errors import DumpError, UsageError
 from dumper.format import MANIFEST_NAME, Manifest
@@ -103,7 +104,7 @@ class CollectConfig:
 def _spool_dir(spool: str) -> Path:
     path = Path(spool)
     if not path.is_dir():
-        raise UsageError(f"--spool {spool}: not a directory (the one the server's {SPOOL_ENV} names)")
+        raise UsageError(f"--spool {spool}: not a directory (the one the server's {VLLM_SPOOL_ENV} names)")
     return path
 
 
@@ -266,7 +267,7 @@ def _wait(directory: Path, spool: Path, cfg: CollectConfig) -> RankParts:
             raise  # a rank said why it dropped the capture, or some ranks wrote theirs
         raise DumpError(f"--spool {spool}: no capture part of the {cfg.server} requests appeared within "
                         f"{cfg.part_timeout:g} s (--part-timeout): the server runs without the driftscope tap or records "
-                        f"into another spool; start it as {SPOOL_ENV}={spool} python -m dumper.engines.vllm_serve "
+                        f"into another spool; start it as {VLLM_SPOOL_ENV}={spool} python -m dumper.engines.vllm_serve "
                         f"CKPT --additional-config '{_TAP_CONFIG}' (or vllm serve, the same flags)") from None
 
 

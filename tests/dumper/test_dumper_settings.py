@@ -19,7 +19,7 @@ def test_an_empty_environment_gives_the_defaults():
 
 def test_it_holds_the_dumper_and_shared_variables_only():
     """The comparator's thresholds are read by comparator.settings, not here."""
-    assert {f.name for f in dataclasses.fields(EnvSettings)} == {"dump_dir", "debug", "json_memory_mib"}
+    assert {f.name for f in dataclasses.fields(EnvSettings)} == {"dump_dir", "debug", "json_memory_mib", "vllm_spool"}
     s = env_settings({"DRIFTSCOPE_DIFF_THRESHOLD": "nan", "DRIFTSCOPE_LOGPROB_KL_MAX": "abc"})
     assert s == EnvSettings()  # not read, so not refused either
 
@@ -27,6 +27,11 @@ def test_it_holds_the_dumper_and_shared_variables_only():
 @pytest.mark.parametrize(("raw", "expected"), [("/data/dumps", "/data/dumps"), ("rel/dir", "rel/dir"), ("", None)])
 def test_dump_dir(raw, expected):
     assert env_settings({"DRIFTSCOPE_DUMP_DIR": raw}).dump_dir == expected
+
+
+@pytest.mark.parametrize(("raw", "expected"), [("/tmp/ds-spool", "/tmp/ds-spool"), ("", None)])
+def test_vllm_spool(raw, expected):
+    assert env_settings({"DRIFTSCOPE_VLLM_SPOOL": raw}).vllm_spool == expected
 
 
 @pytest.mark.parametrize(("raw", "expected"), [("1", True), ("true", True), ("YES", True), (" on ", True),
