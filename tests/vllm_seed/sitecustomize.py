@@ -1,0 +1,154 @@
+"""Test-only faults seeded inside vLLM's own processes: the engine core, each TP worker, a server's back end.
+
+vLLM's default engine runs the model in processes a test does not own, so a monkeypatch in the
+test's process never reaches it. Python imports ``sitecustomize`` at start-up from ``sys.path``
+and spawned processes inherit the environment: a test puts this directory on ``PYTHONPATH`` of
+its vLLM subprocess, and every process vLLM starts from there patches vLLM's classes as the
+JSON object in ``DRIFTSCOPE_TEST_SEED`` says. Without that variable nothing happens (and vLLM is
+never imported by this file). Keys (each optional, but one of ``layer``/``chunk_layer``/``die_after``)::
+
+    {"layer": L, "token": T}   vLLM's LlamaDecoderLayer L adds ``add`` (0.5) to its output at position T
+    "rank": R                  ... only on tensor-parallel rank R (every rank without it)
+    "tapped_only": true        ... only in an engine loaded with driftscope's tap (additional_config)
+    {"chunk_layer": L}         the CPU attention of layer L adds ``add`` to the rows of requests that
+                               continue from an earlier engine step (chunk boundaries; ``chunk_bug.py``)
+    {"die_after": N}           the model runner SIGKILLs its own process right after its N-th engine
+                               step that holds a request marked for driftscope's capture ("rank" too)
+
+The layer bug is plain tensor code with no data-dependent branch (whether a layer is buggy is
+decided at construction, from its prefix and the process's rank), so torch.compile traces it
+into vLLM's graph. vLLM's compile cache is keyed by the engine config, not by this patch: a
+compiled engine with the bug must carry the same object as ``additional_config["test_seeded_bug"]``
+(:func:`seed_config`), and construction refuses one that does not (it would load the graph of the
+same engine without the bug from the cache).
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.util
+import json
+import os
+import signal
+import sys
+from collections.abc import Callable
+from typing import Any
+
+SEED_ENV = "DRIFTSCOPE_TEST_SEED"
+CONFIG_KEY = "test_seeded_bug"
+_KEYS = {"layer", "token", "add", "rank", "tapped_only", "die_after", "chunk_layer"}
+
+
+def seed_config(seed: dict[str, Any]) -> dict[str, Any]:
+    """The ``additional_config`` entry that gives an engine seeded with ``seed`` its own compiled graph."""
+    return {CONFIG_KEY: seed}
+
+
+def _rank() -> int:
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    return get_tensor_model_parallel_rank()
+
+
+def _patch_llama(module: Any, seed: dict[str, Any]) -> None:
+    """LlamaDecoderLayer ``seed["layer"]`` (on ``seed["rank"]``) adds ``add`` to its output at position ``token``."""
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    cls = module.LlamaDecoderLayer
+    init, forward = cls.__init__, cls.forward
+    token, add = int(seed["token"]), float(seed.get("add", 0.5))
+
+    def seeded_init(self: Any, vllm_config: Any, prefix: str = "", *args: Any, **kwargs: Any) -> None:
+        init(self, vllm_config, prefix, *args, **kwargs)
+        extra = vllm_config.additional_config if isinstance(vllm_config.additional_config, dict) else {}
+        self.driftscope_test_bug = (extract_layer_index(prefix) == seed["layer"]
+                                    and ("rank" not in seed or _rank() == seed["rank"])
+                                    and (not seed.get("tapped_only") or "driftscope" in extra))
+        if not vllm_config.model_config.enforce_eager and extra.get(CONFIG_KEY) != seed:
+            raise RuntimeError(f"{SEED_ENV}: a compiled engine needs additional_config[{CONFIG_KEY!r}] == {seed} "
+                               "(else vLLM loads the unseeded graph from its compile cache)")
+
+    def seeded_forward(self: Any, positions: Any, hidden_states: Any, residual: Any) -> Any:
+        hidden, residual = forward(self, positions, hidden_states, residual)
+        if self.driftscope_test_bug:  # fixed per layer at construction: no branch on data
+            hidden = hidden + add * (positions == token)[:, None].to(hidden.dtype)  # [tokens, hidden]
+        return hidden, residual
+
+    cls.__init__, cls.forward = seeded_init, seeded_forward
+
+
+def _marked(runner: Any) -> bool:
+    """Whether the runner's batch holds a request marked for driftscope's capture."""
+    for rid in getattr(runner.input_batch, "req_ids", None) or ():
+        params = getattr(runner.requests.get(rid), "sampling_params", None)
+        if isinstance(getattr(params, "extra_args", None), dict) and "driftscope_capture" in params.extra_args:
+            return True
+    return False
+
+
+def _patch_runner(module: Any, seed: dict[str, Any]) -> None:
+    """The model runner SIGKILLs its process after its ``die_after``-th marked step (on ``rank``, if given)."""
+    cls = module.GPUModelRunner
+    execute = cls.execute_model
+    steps = [0]
+
+    def dying_execute(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = execute(self, *args, **kwargs)
+        if _marked(self) and ("rank" not in seed or _rank() == seed["rank"]):
+            steps[0] += 1
+            if steps[0] >= int(seed["die_after"]):
+                sys.stderr.write(f"{SEED_ENV}: killing pid {os.getpid()} after marked step {steps[0]}\n")
+                sys.stderr.flush()
+                os.kill(os.getpid(), signal.SIGKILL)
+        return out
+
+    cls.execute_model = dying_execute
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Runs ``patches[name](module)`` right after module ``name`` is first executed (vLLM is never imported here)."""
+
+    def __init__(self, patches: dict[str, Callable[[Any], None]]) -> None:
+        self.patches, self._finding = patches, set()
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if name not in self.patches or name in self._finding:
+            return None
+        self._finding.add(name)
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            self._finding.discard(name)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module, patch = spec.loader.exec_module, self.patches[name]
+
+        def patched_exec(module: Any) -> None:
+            exec_module(module)
+            patch(module)
+
+        spec.loader.exec_module = patched_exec  # this module's own loader instance
+        return spec
+
+
+def _install() -> None:
+    raw = os.environ.get(SEED_ENV)
+    if not raw:
+        return
+    seed = json.loads(raw)
+    if not isinstance(seed, dict) or not seed.keys() <= _KEYS or not seed.keys() & {"layer", "die_after", "chunk_layer"}:
+        raise SystemExit(f"{SEED_ENV}={raw}: expected a JSON object of {sorted(_KEYS)} with layer, die_after or "
+                         "chunk_layer")
+    patches: dict[str, Callable[[Any], None]] = {}
+    if "layer" in seed:
+        patches["vllm.model_executor.models.llama"] = lambda m: _patch_llama(m, seed)
+    if "chunk_layer" in seed:
+        from chunk_bug import patch_cpu_attention  # beside this file, on PYTHONPATH with it
+
+        patches["vllm.v1.attention.backends.cpu_attn"] = lambda m: patch_cpu_attention(m, seed)
+    if "die_after" in seed:
+        patches["vllm.v1.worker.gpu_model_runner"] = lambda m: _patch_runner(m, seed)
+    sys.meta_path.insert(0, _PatchOnImport(patches))
+
+
+_install()
