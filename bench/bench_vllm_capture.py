@@ -42,6 +42,7 @@ def main() -> None:
     root = Path(args.dir or tempfile.mkdtemp(prefix="driftscope-bench-vllm-"))
     ckpt = build_checkpoint(root / "ckpt", hidden_size=args.hidden, intermediate_size=2 * args.hidden,
                             num_hidden_layers=args.layers)
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the in-process hook API measured here
     env_defaults("cpu")
     import numpy as np
     import torch

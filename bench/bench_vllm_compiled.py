@@ -71,6 +71,7 @@ def worker(spec: dict[str, Any]) -> None:
     ckpt, tokens = Path(spec["ckpt"]), spec["tokens"]
     eager = (("enforce_eager", "true"),) if spec["eager"] else ()
     cfg = RunConfig(out="unused", model=str(ckpt), dtype=spec["dtype"], layers="all", engine="vllm", engine_args=eager)
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # dumper.capture(llm): the in-process hook API
     start = time.perf_counter()
     llm = load_llm(engine_kwargs(cfg, ckpt, _prompts(1, tokens), tap=spec["tap"]))
     _reply({"construct_s": time.perf_counter() - start})

@@ -49,7 +49,7 @@ from dumper.errors import (
     error_reason,
 )
 from dumper.format import Manifest
-from dumper.engines.vllm_tap import register, tap_config
+from dumper.engines.vllm_tap import register, take_load_failure, tap_config
 from dumper.hooks.capture import Capture
 from dumper.hooks.layers import DEFAULT_LAYERS
 from dumper.modeldir import check_model_dir
@@ -142,12 +142,16 @@ def load_llm(kwargs: dict[str, Any], *, device: str = "cpu") -> Any:
     from vllm import LLM
 
     register()  # the tap's loader hook, for this process (vLLM's plugin loader does it for spawned ones)
-    spool_root()  # exported before the engine's processes start, so that they inherit it
+    root = spool_root()  # exported before the engine's processes start, so that they inherit it
+    take_load_failure(root)  # what an earlier engine's processes left
     try:
         llm = LLM(**kwargs)
     except (DriftscopeError, InternalError):
         raise
     except Exception as e:  # noqa: BLE001 - the engine's load boundary: a checkpoint or setting it refuses
+        relayed = take_load_failure(root)  # the tap refused the model in one of vLLM's processes
+        if relayed is not None:
+            raise relayed from None
         raise ModelError(f"{kwargs['model']}: vLLM cannot load it ({error_reason(e)})") from None
     _LLM = (key, llm)
     return llm
@@ -201,6 +205,9 @@ def _generate(llm: Any, cfg: RunConfig, seqs: list[list[int]], *, token: str | N
     except (DriftscopeError, InternalError):
         raise
     except Exception as e:  # noqa: BLE001 - the engine's boundary: a prompt or setting it refuses mid-run
+        global _LLM
+        if _LLM is not None and _LLM[1] is llm:
+            _LLM = None  # it may be dead (a killed engine process): the next job starts a new one
         raise ModelError(f"{cfg.model}: vLLM's generate failed ({error_reason(e)})") from None
     for i, o in enumerate(outs):
         if list(o.prompt_token_ids or ()) != seqs[i]:

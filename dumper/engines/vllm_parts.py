@@ -13,6 +13,7 @@ vLLM's ``RequestOutput``s or a server's answers) and the manifest, written last.
 
 from __future__ import annotations
 
+import atexit
 import os
 import secrets
 import shutil
@@ -70,6 +71,7 @@ def spool_root() -> Path:
     root = env_settings().vllm_spool
     if not root:
         root = os.environ[VLLM_SPOOL_ENV] = tempfile.mkdtemp(prefix="driftscope-spool-")
+        atexit.register(shutil.rmtree, root, ignore_errors=True)  # ours: gone with this process
     path = Path(root)
     if not path.is_dir():
         raise UsageError(f"{VLLM_SPOOL_ENV}={root}: not a directory")

@@ -16,23 +16,32 @@ cache key, so a tapped and an untapped engine never share a compiled graph. With
 Keys of ``additional_config["driftscope"]``: ``layers`` (a layer spec, default
 :data:`~dumper.hooks.layers.DEFAULT_LAYERS`) and ``points`` (default ``input``). With
 ``DRIFTSCOPE_VLLM_SPOOL`` set as well, the tapped model records the requests driftscope's client
-marks, in whichever process it runs (:mod:`dumper.engines.vllm_spool`).
+marks, in whichever process it runs (:mod:`dumper.engines.vllm_spool`), and an entry the model
+refuses is also left in that directory, for the client that started the engine to raise
+(:func:`take_load_failure`): vLLM reports a failed engine process only as "initialization failed".
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
-from dumper.errors import UsageError
+from dumper import errors
+from dumper.errors import DriftscopeError, UsageError
+from dumper.settings import env_settings
 
-__all__ = ["TAP_KEY", "register", "tap_config", "tap_spec", "install_engine_tap"]
+__all__ = ["TAP_KEY", "register", "tap_config", "tap_spec", "install_engine_tap", "take_load_failure"]
 
 TAP_KEY = "driftscope"
 """The ``additional_config`` key that asks vLLM's loader for the tap."""
 _KEYS = ("layers", "points")
 _PATCHED = "_driftscope_tap_loader"
+_FAILED = "tap-failed-"
+"""Name prefix of the file a vLLM process leaves in the spool root when the tap refused its model."""
 _LOG = logging.getLogger("vllm.driftscope")
 """A child of vLLM's logger: printed by vLLM's handler, at vLLM's level (``VLLM_LOGGING_LEVEL``)."""
 
@@ -87,6 +96,35 @@ def install_engine_tap(model: Any, vllm_config: Any, spec: dict[str, Any]) -> An
     return tap
 
 
+def _leave_load_failure(e: DriftscopeError) -> None:
+    """Write ``e`` into the spool root (``DRIFTSCOPE_VLLM_SPOOL``), where the client that started this engine reads it."""
+    root = env_settings().vllm_spool
+    if root and Path(root).is_dir():
+        try:
+            (Path(root) / f"{_FAILED}{os.getpid()}.json").write_text(
+                json.dumps({"type": type(e).__name__, "message": str(e)[:1000]}))
+        except OSError:  # the error is in vLLM's log all the same
+            pass
+
+
+def take_load_failure(root: Path) -> DriftscopeError | None:
+    """The error the tap raised in a vLLM process whose spool root is ``root`` (None: none); every such file is removed.
+
+    Called before an engine starts (to drop what an earlier one left) and after it failed to start.
+    """
+    found: DriftscopeError | None = None
+    for path in sorted(root.glob(f"{_FAILED}*.json")):
+        try:
+            d = json.loads(path.read_text())
+            kind = getattr(errors, str(d["type"]), None)
+            kind = kind if isinstance(kind, type) and issubclass(kind, DriftscopeError) else errors.ModelError
+            found = found or kind(" ".join(str(d["message"]).split()))
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        path.unlink(missing_ok=True)
+    return found
+
+
 def register() -> None:
     """The ``vllm.general_plugins`` entry point: wrap vLLM's model loader (once per process)."""
     from vllm.model_executor.model_loader.base_loader import BaseModelLoader
@@ -97,12 +135,16 @@ def register() -> None:
 
     def load_model(self: Any, vllm_config: Any, model_config: Any, prefix: str = "") -> Any:
         model = original(self, vllm_config, model_config, prefix)
-        spec = tap_spec(getattr(vllm_config, "additional_config", None))
-        if spec is not None and model_config is vllm_config.model_config:  # the served model, not a drafter
-            install_engine_tap(model, vllm_config, spec)
-            from dumper.engines.vllm_spool import install_recorder
+        try:
+            spec = tap_spec(getattr(vllm_config, "additional_config", None))
+            if spec is not None and model_config is vllm_config.model_config:  # the served model, not a drafter
+                install_engine_tap(model, vllm_config, spec)
+                from dumper.engines.vllm_spool import install_recorder
 
-            install_recorder(model, spec, vllm_config)  # with DRIFTSCOPE_VLLM_SPOOL set: record marked requests
+                install_recorder(model, spec, vllm_config)  # with DRIFTSCOPE_VLLM_SPOOL set: record marked requests
+        except DriftscopeError as e:
+            _leave_load_failure(e)
+            raise
         return model
 
     setattr(load_model, _PATCHED, True)

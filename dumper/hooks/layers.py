@@ -110,13 +110,18 @@ def _attention_child(layer: nn.Module, names: Sequence[str]) -> tuple[str, nn.Mo
 def find_decoder_layers(model: nn.Module, attention_names: Sequence[str]) -> tuple[str, nn.ModuleList]:
     """The ``nn.ModuleList`` of decoder layers: the longest list whose items have an attention child.
 
+    An ``nn.Identity`` item stands for a layer that runs elsewhere (vLLM's ``PPMissingLayer`` on a
+    pipeline stage that does not hold it): it keeps its index and is never hooked.
+
     ``attention_names`` are the child attribute names that count as attention, tried in order
     (the model family's :attr:`~dumper.hooks.families.FamilyAdapter.attention_names`).
     """
     best: tuple[str, nn.ModuleList] | None = None
     for name, mod in model.named_modules():
         if isinstance(mod, nn.ModuleList) and len(mod) > 0:
-            if all(_attention_child(layer, attention_names) is not None for layer in mod):
+            real = [not isinstance(layer, nn.Identity) for layer in mod]  # Identity: a layer on another stage
+            if any(real) and all(_attention_child(layer, attention_names) is not None
+                                 for layer, here in zip(mod, real, strict=True) if here):
                 if best is None or len(mod) > len(best[1]):
                     best = (name, mod)
     if best is None:
@@ -176,7 +181,7 @@ def find_targets(model: nn.Module, *, layers: str | Sequence[int] | None = None,
     list_name, layer_list = find_decoder_layers(model, attention_names)
     keep = parse_layer_spec(layers, len(layer_list))
     targets = []
-    for i in keep:
+    for i in (i for i in keep if not isinstance(layer_list[i], nn.Identity)):  # this pipeline stage's layers
         attr, child = _attention_child(layer_list[i], attention_names)  # type: ignore[misc]
         prefix = f"{list_name}.{i}" if list_name else str(i)
         targets.append(HookTarget(f"{prefix}.{attr}", child, i))

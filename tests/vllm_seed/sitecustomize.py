@@ -151,4 +151,17 @@ def _install() -> None:
     sys.meta_path.insert(0, _PatchOnImport(patches))
 
 
+def _chain() -> None:
+    """Run the ``sitecustomize`` this file shadows on ``sys.path`` (a distribution's own), if there is one."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    for entry in sys.path:
+        path = os.path.join(entry or ".", "sitecustomize.py")
+        if os.path.abspath(entry or ".") != here and os.path.isfile(path):
+            spec = importlib.util.spec_from_file_location("_shadowed_sitecustomize", path)
+            if spec is not None and spec.loader is not None:
+                spec.loader.exec_module(importlib.util.module_from_spec(spec))
+            return
+
+
+_chain()
 _install()

@@ -3,9 +3,14 @@
 Every vLLM job of this module runs in one worker subprocess (:func:`_worker`), so that vLLM's
 process-wide state (torch.distributed, thread settings, a frozen gc) never reaches the pytest
 process, and vLLM is imported once. The worker runs ``python -m dumper run --engine vllm`` through
-the CLI's own entry point for the dump jobs, and the library and hook API for the seeded bug and
-the user-script capture. The HF reference is ``python -m dumper run`` in a subprocess; verdicts
-come from ``python -m comparator`` subprocesses and their JSON reports.
+the CLI's own entry point for the dump jobs (vLLM's default multiprocess engine: the model runs
+in its engine core process), and the library for the seeded bug; the user-script capture (the
+in-process hook API) runs in a process of its own with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
+beside the worker's later jobs (:func:`in_process`).
+The seeded bug lives in vLLM's own code in the engine core: ``tests/vllm_seed/sitecustomize.py``
+on the worker's ``PYTHONPATH`` patches it there when ``DRIFTSCOPE_TEST_SEED`` is set (:func:`seeded`).
+The HF reference is ``python -m dumper run`` in a subprocess; verdicts come from
+``python -m comparator`` subprocesses and their JSON reports.
 """
 
 from __future__ import annotations
@@ -63,37 +68,30 @@ def _cfg(ckpt: Path, out: Path) -> RunConfig:
                      logprobs=LogprobSpec(top_k=5), engine="vllm", engine_args=(("enable_prefix_caching", "true"),))
 
 
+SEED_DIR = ROOT / "tests" / "vllm_seed"
+"""The test-only ``sitecustomize.py`` that seeds faults in the processes vLLM starts (see its docstring)."""
+SEED_ENV, SEED_KEY = "DRIFTSCOPE_TEST_SEED", "test_seeded_bug"
+
+
+def worker_env(**extra: str) -> dict[str, str]:
+    """The environment of a vLLM worker subprocess: the repo and the seed directory on ``PYTHONPATH``."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join((str(ROOT), str(SEED_DIR))), **extra}
+
+
 @contextlib.contextmanager
-def seeded_bug(layer: int = BUG_LAYER, token: int = BUG_TOKEN) -> Iterator[dict]:
-    """Inside: vLLM's own ``LlamaDecoderLayer`` adds 0.5 to its output at position ``token``, in layer ``layer``.
+def seeded(seed: dict) -> Iterator[dict]:
+    """Inside: every process vLLM starts has the fault ``seed`` (``DRIFTSCOPE_TEST_SEED``, read at its start-up).
 
-    The bug lives in the layer's ``forward`` (pure tensor code, no data-dependent branch), so
-    torch.compile traces it into the graph of an engine built inside the block; which layer is
-    buggy is an attribute set at construction from the layer's prefix (a constant for the trace).
-    Yields the ``additional_config`` entries that give such an engine its own compiled graph:
-    vLLM's AOT cache is keyed by the config, not by a monkeypatch, and would otherwise load the
-    graph of the same engine without the bug.
+    Yields the ``additional_config`` entry that gives a compiled engine with the seed its own
+    compiled graph (vLLM's compile cache is keyed by the config, not by a patch; the seed refuses
+    a compiled engine without it). Call from a process started with :func:`worker_env`.
     """
-    from vllm.model_executor.models.llama import LlamaDecoderLayer
-    from vllm.model_executor.models.utils import extract_layer_index
-
-    init, forward = LlamaDecoderLayer.__init__, LlamaDecoderLayer.forward
-
-    def buggy_init(self, *args, prefix: str = "", **kwargs) -> None:
-        init(self, *args, prefix=prefix, **kwargs)
-        self.seeded_bug = extract_layer_index(prefix) == layer
-
-    def buggy_forward(self, positions, hidden_states, residual):
-        hidden, residual = forward(self, positions, hidden_states, residual)
-        if self.seeded_bug:  # fixed per layer at construction: no branch on data
-            hidden = hidden + 0.5 * (positions == token)[:, None].to(hidden.dtype)  # [tokens, hidden]
-        return hidden, residual
-
-    LlamaDecoderLayer.__init__, LlamaDecoderLayer.forward = buggy_init, buggy_forward
+    assert str(SEED_DIR) in os.environ.get("PYTHONPATH", "").split(os.pathsep), "not a worker_env process"
+    os.environ[SEED_ENV] = json.dumps(seed)
     try:
-        yield {"test_seeded_bug": [layer, token]}
+        yield {SEED_KEY: seed}
     finally:
-        LlamaDecoderLayer.__init__, LlamaDecoderLayer.forward = init, forward
+        del os.environ[SEED_ENV]
 
 
 def shared_checkpoint() -> Path:
@@ -114,14 +112,46 @@ def shared_checkpoint() -> Path:
     return path
 
 
-def _worker(ckpt: str, prompts: str, out: str) -> None:
-    """All vLLM jobs in one process; writes ``out/results.json`` (exit code, seconds, stderr per job)."""
+def _user_script(kwargs: str, out: str) -> None:
+    """A user's own script on the in-process engine (its process has ``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
+
+    ``capture(model_of(llm))`` around two ``generate`` calls that decode 3 tokens each; the
+    engine is the fp32 job's (the same settings, so its compiled graph comes from vLLM's cache).
+    """
     import torch
 
     import dumper
+    from dumper.engines.vllm_hooks import model_of
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(**json.loads(kwargs))
+    params = SamplingParams(max_tokens=3, temperature=0.0)
+    with torch.inference_mode(), dumper.capture(model_of(llm), out, layers="all"):
+        llm.generate([TokensPrompt(prompt_token_ids=PROMPTS[0])], params, use_tqdm=False)
+        llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS[1:]], params, use_tqdm=False)
+
+
+def in_process(code: str) -> subprocess.Popen:
+    """``python -c code`` started now, with vLLM's in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)
+    and no spool directory: what a user script of the hook API runs as (stdout and stderr together)."""
+    from dumper.settings import VLLM_SPOOL_ENV
+
+    env = {k: v for k, v in worker_env(VLLM_ENABLE_V1_MULTIPROCESSING="0").items() if k != VLLM_SPOOL_ENV}
+    return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def finish(proc: subprocess.Popen, start: float) -> dict:
+    """A job's result from an :func:`in_process` process: its exit code, seconds since ``start``, output's tail."""
+    log, _ = proc.communicate(timeout=900)
+    return {"rc": proc.returncode, "seconds": time.perf_counter() - start, "stderr": log[-3000:]}
+
+
+def _worker(ckpt: str, prompts: str, out: str) -> None:
+    """All vLLM jobs in one process; writes ``out/results.json`` (exit code, seconds, stderr per job)."""
     from dumper.cli.main import main
     from dumper.engines.vllm import dump_llm, engine_kwargs, load_llm
-    from dumper.engines.vllm_hooks import model_of
 
     base, results = Path(out), {}
 
@@ -135,29 +165,18 @@ def _worker(ckpt: str, prompts: str, out: str) -> None:
     for name in ("fp32", "prefix"):
         timed(name, lambda name=name: main([*run, *CLI_JOBS[name], "--out", str(base / name)]))
     cfg = _cfg(Path(ckpt), base / "bug")
-    llm = load_llm(engine_kwargs(cfg, Path(ckpt), PROMPTS))  # the fp32 job's engine, reused
+    kw = engine_kwargs(cfg, Path(ckpt), PROMPTS)  # the fp32 job's engine settings, its graph compiled by now
+    user_start = time.perf_counter()
+    user = in_process(f"from tests.dumper.engines.test_engine_vllm import _user_script; "
+                      f"_user_script({json.dumps(kw)!r}, {str(base / 'user')!r})")  # beside the jobs below
 
-    def user_script() -> int:
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-
-        llm.reset_prefix_cache()
-        params = SamplingParams(max_tokens=3, temperature=0.0)
-        with torch.inference_mode(), dumper.capture(model_of(llm), base / "user", layers="all"):
-            llm.generate([TokensPrompt(prompt_token_ids=PROMPTS[0])], params, use_tqdm=False)
-            llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS[1:]], params, use_tqdm=False)
+    def seeded_job() -> int:
+        with seeded({"layer": BUG_LAYER, "token": BUG_TOKEN}) as key:  # in the engine core vLLM starts here
+            llm = load_llm({**kw, "additional_config": {**kw["additional_config"], **key}})
+        dump_llm(llm, cfg, PROMPTS, Path(ckpt))
         return 0
 
-    timed("user", user_script)
-
-    def seeded() -> int:
-        with seeded_bug() as key:
-            kw = engine_kwargs(cfg, Path(ckpt), PROMPTS)
-            dump_llm(load_llm({**kw, "additional_config": {**kw["additional_config"], **key}}), cfg, PROMPTS,
-                     Path(ckpt))
-        return 0
-
-    timed("bug", seeded)
+    timed("bug", seeded_job)
     for name in ("chunk", "bf16", "logits"):
         timed(name, lambda name=name: main([*run, *CLI_JOBS[name], "--out", str(base / name)]))
     bad = base / "bad-ckpt"  # last: a failed engine start may leave vLLM's process state behind
@@ -166,6 +185,7 @@ def _worker(ckpt: str, prompts: str, out: str) -> None:
         (bad / f.name).write_bytes(f.read_bytes()[:4096] if f.name == "model.safetensors" else f.read_bytes())
     timed("bad", lambda: main(["run", "--engine", "vllm", "--model", str(bad), "--input-ids", "1,5,9",
                                "--out", str(base / "bad"), "--quiet"]))
+    results["user"] = finish(user, user_start)
     (base / "results.json").write_text(json.dumps(results))
 
 
@@ -177,10 +197,9 @@ def runs(tmp_path_factory):
     ckpt = shared_checkpoint()
     prompts = root / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in PROMPTS))
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     worker = subprocess.Popen([sys.executable, "-c", f"from tests.dumper.engines.test_engine_vllm import _worker; "
                                f"_worker({str(ckpt)!r}, {str(prompts)!r}, {str(root)!r})"],
-                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                              cwd=ROOT, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     hf = run_cli("dumper", "run", "--model", ckpt, "--prompts", prompts, "--out", root / "hf", *JOB[:2],
                  *LOGPROBS, "--quiet")
     hf_logits = run_cli("dumper", "run", "--model", ckpt, "--prompts", prompts, "--out", root / "hf-logits",
@@ -224,15 +243,19 @@ def test_fp32_batch_matches_hf_hidden_states_and_logprobs(runs):
     assert lp["passed"] and lp["compared_positions"] == sum(len(p) - 1 for p in PROMPTS), lp
     m = load_manifest(runs[1] / "fp32")
     hidden = [t for t in m.tensors if t.point == "input"]
-    assert {t.forward_pass for t in hidden} == {0}  # all prompts in one engine step: a batch of three
-    assert set(hidden[0].row_sequence_ids().tolist()) == {0, 1, 2} and hidden[0].shape[0] == sum(map(len, PROMPTS))
+    for layer in range(N_LAYERS):  # the engine core batches the requests as they arrive: one or more steps
+        rows = [(s, p) for t in hidden if t.layer == layer
+                for s, p in zip(t.row_sequence_ids().tolist(), t.row_positions().tolist(), strict=True)]
+        assert sorted(rows) == [(s, p) for s, prompt in enumerate(PROMPTS) for p in range(len(prompt))], layer
+    assert len({t.forward_pass for t in hidden}) <= len(PROMPTS)
     env = m.environment
     assert env["engine"] == "vllm" and env["engine_dtype"] == "float32" and env["engine_attention_backend"]
     assert env["engine_prefix_caching"] is True and m.model["config_hash"] and _compiled(runs, "fp32")
 
 
 def test_a_bug_at_one_layer_and_token_is_localized_to_the_next_layer(runs):
-    """The seeded bug (:func:`seeded_bug`), compiled into the engine's graph, first shows in the next layer's input."""
+    """The seeded bug (:func:`seeded`), compiled into the graph in vLLM's engine core, first shows in the next
+    layer's input."""
     rc, report = _compare(runs, "bug")
     assert _compiled(runs, "bug")
     assert rc == 1 and not report["passed"]
@@ -275,6 +298,8 @@ def test_the_hook_api_in_a_users_vllm_script_matches_hf(runs):
     hidden = [t for t in m.tensors if t.point == "input"]
     assert [t.name for t in hidden[:N_LAYERS]] == [f"model.layers.{i}.self_attn.input" for i in range(N_LAYERS)]
     assert any(t.meta.get("shared_prefix") for t in hidden)
+    batches = [set(t.row_sequence_ids().tolist()) for t in hidden if not t.meta.get("shared_prefix")]
+    assert {1, 2} in batches  # the second call's two prompts in one engine step (in process: added, then run)
     for s, p in enumerate(PROMPTS):  # decode steps are not kept: each prompt's positions exactly
         pos = sorted(q for t in hidden[:: N_LAYERS] for q, i in zip(t.row_positions(), t.row_sequence_ids(), strict=True) if i == s)
         assert pos == list(range(len(p))), s

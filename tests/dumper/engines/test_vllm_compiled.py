@@ -5,8 +5,10 @@ Real vLLM (CPU build; torch.compile with inductor) on the tiny checkpoint of
 settings where it can, so that a graph compiled for that module is loaded from vLLM's compile
 cache here instead of compiled again (every distinct engine config compiles once, ~30-120 s).
 All vLLM work runs in one worker subprocess (:func:`_worker`): ``python -m dumper run`` through
-the CLI's entry point, plain (untapped) engines through the library, and a user script in its
-own process for the ``vllm.general_plugins`` entry point. HF fp32 is the reference.
+the CLI's entry point (vLLM's default multiprocess engine), a user script in its own process for
+the ``vllm.general_plugins`` entry point, and, beside them in a process of their own, the plain
+(untapped) engines in process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, where the hook API's refusal of
+a compiled model is given). HF fp32 is the reference.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ from dumper.format import load_manifest
 from dumper.format.manifest import LOGPROB_TOP_ID, LOGPROB_TOP_VALUE, LOGPROB_VALUE
 from dumper.format.reader import DumpReader
 from tests.conftest import ROOT, run_cli
-from tests.dumper.engines.test_engine_vllm import JOB, LOGPROBS, N_LAYERS, PROMPTS, _cfg, need, shared_checkpoint
+from tests.dumper.engines.test_engine_vllm import (JOB, LOGPROBS, N_LAYERS, PROMPTS, _cfg, finish, in_process, need,
+                                                   shared_checkpoint)
 
 SUBSET = (1, 3)
 CLI_JOBS = {  # name -> `python -m dumper run --engine vllm` args after JOB (`--layers` given twice: the last wins)
@@ -90,6 +93,17 @@ def _plain_engine(ckpt: Path, dtype: str, out: Path) -> dict:
     return {"logprobs": _raw_prompt_logprobs(outs, PROMPTS, cfg.logprobs.top_k), "refused": refused}
 
 
+def _plain_engines(ckpt: str, out: str) -> None:
+    """:func:`_plain_engine` of fp32 and bf16, in a process whose engine runs in process (the hook API's
+    refusal is about that engine); writes ``out/plain.json``."""
+    base, results = Path(out), {}
+    for name, dtype in (("plain-fp32", "float32"), ("plain-bf16", "bfloat16")):
+        start = time.perf_counter()
+        results[name] = {"value": _plain_engine(Path(ckpt), dtype, base / name), "stderr": "",
+                         "seconds": time.perf_counter() - start}
+    (base / "plain.json").write_text(json.dumps(results))
+
+
 def _user_script(ckpt: Path, out: Path) -> dict:
     """The user script in its own process, vLLM's engine core in another (``VLLM_ENABLE_V1_MULTIPROCESSING=1``)."""
     from dumper.engines.vllm import engine_kwargs
@@ -117,12 +131,13 @@ def _worker(ckpt: str, prompts: str, out: str) -> None:
         results[name] = {"value": value, "seconds": time.perf_counter() - start, "stderr": err.getvalue()[-3000:]}
 
     run = ["run", "--engine", "vllm", "--model", ckpt, "--prompts", prompts, *JOB]
+    plain_start = time.perf_counter()  # the untapped engines' own process, beside the jobs below
+    plain = in_process(f"from tests.dumper.engines.test_vllm_compiled import _plain_engines; "
+                       f"_plain_engines({ckpt!r}, {out!r})")
     timed("fp32", lambda: main([*run, *CLI_JOBS["fp32"], "--out", str(base / "fp32")]))
     timed("user", lambda: _user_script(Path(ckpt), base))
-    timed("plain-fp32", lambda: _plain_engine(Path(ckpt), "float32", base / "plain-fp32"))
     for name in ("bf16", "subset", "eager"):
         timed(name, lambda name=name: main([*run, *CLI_JOBS[name], "--out", str(base / name)]))
-    timed("plain-bf16", lambda: _plain_engine(Path(ckpt), "bfloat16", base / "plain-bf16"))
     kw = engine_kwargs(_cfg(Path(ckpt), base), Path(ckpt), PROMPTS)
     for name, spec in BAD_TAPS.items():  # last: each fails at load, after vLLM read the weights
 
@@ -134,6 +149,9 @@ def _worker(ckpt: str, prompts: str, out: str) -> None:
             return None
 
         timed(name, refused)
+    done = finish(plain, plain_start)
+    assert done["rc"] == 0, done["stderr"]
+    results.update(json.loads((base / "plain.json").read_text()))
     (base / "results.json").write_text(json.dumps(results))
 
 
@@ -216,10 +234,13 @@ def test_bf16_hidden_states_are_stored_as_bf16(runs):
     _job(runs, "bf16")
     m = load_manifest(root / "bf16")
     hidden = [t for t in m.tensors if t.point == "input"]
-    assert len(hidden) == N_LAYERS and {t.dtype for t in hidden} == {"BF16"}  # safetensors' code: 2-byte bf16 bits
+    assert {t.dtype for t in hidden} == {"BF16"}  # safetensors' code: 2-byte bf16 bits
     assert m.environment["engine_dtype"] == "bfloat16"
-    raw = DumpReader(root / "bf16").array(hidden[0])
-    assert raw.dtype == np.uint16 and raw.shape == (sum(map(len, PROMPTS)), 128)
+    reader = DumpReader(root / "bf16")
+    for layer in range(N_LAYERS):  # one record per engine step: the engine core batches requests as they arrive
+        raw = [reader.array(t) for t in hidden if t.layer == layer]
+        assert raw and all(a.dtype == np.uint16 and a.shape[1:] == (128,) for a in raw)
+        assert sum(a.shape[0] for a in raw) == sum(map(len, PROMPTS))
 
 
 def test_a_compiled_engine_without_the_tap_is_refused_in_one_line(runs):

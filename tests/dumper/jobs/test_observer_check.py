@@ -4,8 +4,8 @@ Real runs only: the CLI in subprocesses on the tiny-llama preset (eager and ``--
 library with a perturbation that acts only under capture (so the check must flag it, and must
 not flag one acting in both runs), the comparison on real dump files (NaN, signed zero,
 bfloat16), and real vLLM, eager and compiled, in one worker subprocess (see
-tests/dumper/engines/test_engine_vllm.py for why), where the perturbation is installed with the
-tap on the tapped engine only.
+tests/dumper/engines/test_engine_vllm.py for why), where the perturbation is seeded in vLLM's
+engine core (tests/vllm_seed/sitecustomize.py) on the tapped engine only.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from dumper.hooks.capture import Capture
 from dumper.jobs.observer import NON_FINITE_DIFF, ObserverCheck, ObserverResult, mark_observer
 from dumper.jobs.run import LogprobSpec, RunConfig, dump_sequences
 from tests.conftest import ROOT, run_cli, tiny_llama
+from tests.dumper.engines.test_engine_vllm import worker_env
 from tests.engine_models import build_checkpoint, engine_missing
 
 PROMPTS = ([1, 17, 33, 90, 5, 61, 7, 140, 9, 12], [1] + [(13 * i) % 300 + 3 for i in range(23)])
@@ -194,37 +195,29 @@ def need(name: str) -> None:
         pytest.fail(why) if os.environ.get("CI") == "true" else pytest.skip(why)
 
 
-def _perturb_vllm(module, args):
-    """Pre-hook of a vLLM decoder layer ``(positions, hidden, residual)``: +0.5 at position PERTURB_AT (pure tensor)."""
-    positions, hidden = args[0], args[1]
-    return (positions, hidden + 0.5 * (positions == PERTURB_AT)[:, None].to(hidden.dtype), *args[2:])
+PERTURB_SEED = {"layer": PERTURB_LAYER - 1, "token": PERTURB_AT, "tapped_only": True}
+"""vLLM's decoder layer PERTURB_LAYER - 1 adds 0.5 to its output (layer PERTURB_LAYER's input) at position
+PERTURB_AT, in a tapped engine only (``tests/vllm_seed/sitecustomize.py``, in vLLM's engine core)."""
 
 
 def _worker(ckpt: str, out: str) -> None:
     """The vLLM jobs through the CLI's entry point; writes ``out/results.json`` (exit code, output per job).
 
-    ``perturbed`` wraps the tap's installer, so the perturbation goes on the tapped engine only
-    (the reference engine has no tap); it runs eager, where vLLM keeps no compiled graph, so no
-    cached graph can stand in for the perturbed model.
+    ``perturbed`` runs with :data:`PERTURB_SEED` in the processes vLLM starts, so the perturbation
+    is in the tapped engine only (the reference engine has no tap); it runs eager, where vLLM
+    keeps no compiled graph, so no cached graph can stand in for the perturbed model.
     """
-    import dumper.engines.vllm_tap as vllm_tap
     from dumper.cli.main import main
+    from tests.dumper.engines.test_engine_vllm import seeded
 
     base, results = Path(out), {}
     ids = [a for p in PROMPTS for a in ("--input-ids", ",".join(map(str, p)))]
     run = ["run", "--engine", "vllm", "--model", ckpt, *ids, "--layers", "all", "--logprobs", "--observer-check",
            "--quiet"]
-    install = vllm_tap.install_engine_tap
-
-    def perturbed_install(model, vllm_config, spec):
-        tap = install(model, vllm_config, spec)
-        model.model.layers[PERTURB_LAYER].register_forward_pre_hook(_perturb_vllm)
-        return tap
-
     for name in VLLM_JOBS:
-        vllm_tap.install_engine_tap = perturbed_install if name == "perturbed" else install
         stdout, stderr, start = io.StringIO(), io.StringIO(), time.perf_counter()
-        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr), \
+                seeded(PERTURB_SEED) if name == "perturbed" else contextlib.nullcontext():
             rc = main([*run, *(() if name == "compiled" else ("--engine-arg", "enforce_eager=true")),
                        "--out", str(base / name)])
         results[name] = {"rc": rc, "seconds": time.perf_counter() - start, "stdout": stdout.getvalue()[-2000:],
@@ -238,9 +231,8 @@ def vllm_runs(tmp_path_factory):
     need("vllm")
     root = tmp_path_factory.mktemp("vllm-observer")
     ckpt = build_checkpoint(root / "ckpt")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     worker = subprocess.run([sys.executable, "-c", f"from tests.dumper.jobs.test_observer_check import _worker; "
-                             f"_worker({str(ckpt)!r}, {str(root)!r})"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                             f"_worker({str(ckpt)!r}, {str(root)!r})"], cwd=ROOT, env=worker_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, timeout=900)
     assert worker.returncode == 0, worker.stdout[-4000:]
     return root, json.loads((root / "results.json").read_text())
