@@ -1,6 +1,6 @@
 """The invariance sweep on real vLLM: benign noise per axis, wall time per cell, and what engine reuse saves.
 
-    python bench/bench_vllm_sweep.py [--dtypes float32,bfloat16] [--dir DIR] [--eager]
+    python bench/bench_vllm_sweep.py [--dtypes float32,bfloat16] [--dir DIR] [--eager] [--grid KEY=V1,V2 ...]
 
 For each dtype: a baseline ``python -m dumper run --engine vllm`` of two prompts (300 and 200
 tokens, every layer, logprobs) in vLLM's default layout, then ``python -m dumper sweep`` over
@@ -14,7 +14,8 @@ reused one (the lengths axis), with the time reuse saved (reused cells x the mea
 cell time, minus what the reused cells took).
 
 Uses the tests' checkpoint (4 layers, hidden 128). ``--eager`` runs the engines eager (as the
-tests do); the default is vLLM's compiled mode.
+tests do); the default is vLLM's compiled mode. ``--grid`` replaces the grid above (e.g.
+``--grid tensor_parallel_size=1,2`` for the noise of the tensor-parallel split).
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ def _times(result: dict[str, Any]) -> dict[str, float]:
             "saved_s": len(reused) * mean_start - sum(reused), "sweep_wall_s": result["wall_s"]}
 
 
-def run(dtype: str, work: Path, eager: bool) -> dict[str, Any]:
+def run(dtype: str, work: Path, eager: bool, grid: tuple[str, ...] = GRID) -> dict[str, Any]:
     ckpt = shared_checkpoint()
     prompts = work / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in PROMPTS))
@@ -87,7 +88,7 @@ def run(dtype: str, work: Path, eager: bool) -> dict[str, Any]:
     out = work / f"sweep-{dtype}"
     start = time.perf_counter()
     r = _cli("dumper", "sweep", "--engine", "vllm", "--model", ckpt, "--baseline", base, "--logprobs", "--top-k",
-             "5", *mode, *(a for g in GRID for a in ("--grid", g)), "--out", out, "--json", work / f"{dtype}.json",
+             "5", *mode, *(a for g in grid for a in ("--grid", g)), "--out", out, "--json", work / f"{dtype}.json",
              "--quiet")
     result = json.loads((work / f"{dtype}.json").read_text())
     return {"dtype": dtype, "exit": r.returncode, "passed": result["passed"], "wall_s": time.perf_counter() - start,
@@ -100,11 +101,12 @@ def main() -> None:
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--dir", type=Path, default=None)
     ap.add_argument("--eager", action="store_true")
+    ap.add_argument("--grid", action="append", default=None, help="a sweep axis KEY=V1,V2 (repeatable)")
     args = ap.parse_args()
     work = args.dir or Path(tempfile.mkdtemp(prefix="bench-vllm-sweep-"))
     work.mkdir(parents=True, exist_ok=True)
     for dtype in args.dtypes.split(","):
-        res = run(dtype, work, args.eager)
+        res = run(dtype, work, args.eager, tuple(args.grid) if args.grid else GRID)
         t = res["times"]
         print(f"{dtype}: exit {res['exit']}, {t['cells']} cells in {t['sweep_wall_s']:.0f} s; "
               f"{t['engine_starts']} engine starts ({t['mean_start_cell_s']:.1f} s/cell), {t['reused']} reused "
