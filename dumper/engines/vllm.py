@@ -7,7 +7,8 @@ prefill of each prompt, each request marked for driftscope's capture. The captur
 the model runs (:mod:`dumper.engines.vllm_spool`, installed by vLLM's own plugin loader), each
 rank writes its part, and this process joins them into one dump (:mod:`dumper.engines.vllm_parts`):
 ``model.layers.{i}.self_attn.input`` rows at absolute positions, sequence ids in prompt order,
-on every rank, as the HF dump of the same checkpoint holds them. ``--logprobs`` asks vLLM for ``prompt_logprobs`` (top ``--top-k``);
+on every rank, as the HF dump of the same checkpoint holds them. ``--logprobs`` asks vLLM for
+``prompt_logprobs`` (top ``--top-k``);
 ``--save-logits`` runs vLLM with ``logprobs_mode="raw_logits"`` and every vocabulary entry.
 ``--chunk-size N`` is vLLM's chunked prefill with a budget of ``N`` tokens per engine step.
 ``--observer-check`` runs the job again on a second engine, built without the tap, and compares

@@ -181,17 +181,6 @@ class VllmFamily(FamilyAdapter):
     def shared_rows(self) -> list[SharedRows]:
         return list(self._shared)
 
-    def sequence_of(self, request_id: str) -> int | None:
-        """The sequence id a request's rows were recorded under (None if it never ran in the capture).
-
-        ``request_id`` is the engine's own id or the caller's (``RequestOutput.request_id``), to which
-        vLLM appends ``-`` and 8 random characters inside the engine.
-        """
-        if request_id in self._seq_of:
-            return self._seq_of[request_id]
-        found = [s for rid, s in self._seq_of.items() if rid.rsplit("-", 1)[0] == request_id]
-        return found[0] if len(found) == 1 else None
-
     def unrecorded(self) -> list[tuple[int, int, int]]:
         """(sequence, first position not recorded, prompt length) of every prompt whose rows are incomplete.
 
@@ -200,10 +189,6 @@ class VllmFamily(FamilyAdapter):
         replay runs no Python) leaves a hole, which a dump must not hide.
         """
         return [(s, self._done[s], len(p)) for s, p in sorted(self._prompt.items()) if self._done[s] < len(p)]
-
-    def cached_prefix(self, sequence: int) -> int:
-        """How many leading positions of ``sequence`` came from the prefix cache (0: computed from scratch)."""
-        return self._start[sequence]
 
     def identity(self, name: str | None) -> dict[str, Any]:
         """The HF config vLLM loaded names the model; no weights hash (vLLM fuses and renames weights: qkv_proj)."""

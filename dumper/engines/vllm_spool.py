@@ -79,9 +79,10 @@ def _mark(request: Any) -> tuple[str, int, int] | None:
 class MarkedFamily(VllmFamily):
     """The vLLM family, keeping only the rows of requests marked with one capture token."""
 
-    def __init__(self, model: nn.Module, token: str, count: int) -> None:
+    def __init__(self, model: nn.Module, token: str, count: int, runner: Any = None) -> None:
         super().__init__(model)
         self.token, self.count = token, count
+        self._runner = runner  # the recorder's, so that the stack is not searched again
 
     def _number(self, rid: str, request: Any) -> int | None:
         mark = _mark(request)
@@ -102,6 +103,7 @@ class SpoolRecorder:
     def __init__(self, model: nn.Module, root: Path, spec: dict[str, Any], settings: dict[str, Any]) -> None:
         self.model, self.root, self.spec, self.settings = model, root, spec, settings
         self.rank = dist_rank_world()[0]
+        self._runner: Any = None  # vLLM's model runner, found on the stack in the first pass it drives
         self._open: dict[str, Capture] = {}
         self._seen: dict[str, float] = {}  # token -> when one of its requests last ran
         self._ended: set[str] = set()
@@ -109,7 +111,8 @@ class SpoolRecorder:
         model.register_forward_hook(self._on_end, always_call=True)
 
     def _on_start(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        runner, now = runner_on_stack(self.model), time.monotonic()
+        runner = self._runner = self._runner or runner_on_stack(self.model)
+        now = time.monotonic()
         for rid in getattr(getattr(runner, "input_batch", None), "req_ids", None) or ():
             mark = _mark(runner.requests.get(rid))
             if mark is None or mark[0] in self._ended:
@@ -133,7 +136,7 @@ class SpoolRecorder:
 
     def _begin(self, token: str, count: int) -> None:
         cap = Capture(self.model, self.root / token, layers=self.spec.get("layers"), points=self.spec.get("points"),
-                      family=MarkedFamily(self.model, token, count), hooks=False, part=True,
+                      family=MarkedFamily(self.model, token, count, self._runner), hooks=False, part=True,
                       extra={"engine_settings": self.settings})
         cap.__enter__()
         self._open[token] = cap
