@@ -39,7 +39,7 @@ def compare_only(base: str, target: str) -> None:
     sys.path.insert(0, str(ROOT / "bench"))
     from anonpeak import AnonPeak
 
-    from comparator.logprobs.sources import compare_logprob_sources
+    from comparator.logprobs.judge import compare_logprob_sources
 
     before_hwm, before_anon = _status("VmHWM"), AnonPeak.now()
     with AnonPeak() as mem:

@@ -3,11 +3,12 @@
 Example::
 
     from comparator import CompareConfig, compare_dumps
+    from comparator.reports.files import write_json
     report = compare_dumps("dumps/eager", "dumps/sdpa", CompareConfig())
     if not report:
         fd = report.first_divergent
         print(f"diverged at layer {fd.layer}, token {fd.token}")
-    report.write_json("report.json")
+    write_json(report, "report.json")
 
 Golden baselines for CI (a run store, see :mod:`comparator.store`)::
 
@@ -24,17 +25,17 @@ from typing import TYPE_CHECKING, Any
 _EXPORTS = {
     "compare_dumps": "comparator.hidden.compare",
     "compare_logprobs": "comparator.logprobs",
-    "compare_logprob_sources": "comparator.logprobs.sources",
+    "compare_logprob_sources": "comparator.logprobs.judge",
     "SequenceLogprobs": "comparator.logprobs",
-    "LogprobThresholds": "comparator.logprobs",
+    "LogprobThresholds": "comparator.judging.logprob_thresholds",
     "LogprobVerdict": "comparator.logprobs",
     "CompareConfig": "comparator.config",
-    "Report": "comparator.results",
-    "TensorComparison": "comparator.results",
-    "FirstDivergence": "comparator.results",
-    "Heatmap": "comparator.results",
-    "ReplicaMismatch": "comparator.results",
-    "LayerSummary": "comparator.results",
+    "Report": "comparator.hidden.types",
+    "TensorComparison": "comparator.hidden.types",
+    "FirstDivergence": "comparator.hidden.types",
+    "Heatmap": "comparator.hidden.types",
+    "ReplicaMismatch": "comparator.hidden.types",
+    "LayerSummary": "comparator.hidden.types",
     "PairStats": "comparator.hidden.metrics",
     "pair_stats": "comparator.hidden.metrics",
     "rel_diff": "comparator.hidden.metrics",
@@ -73,9 +74,10 @@ if TYPE_CHECKING:
     from comparator.config import CompareConfig
     from comparator.hidden.compare import compare_dumps
     from comparator.hidden.metrics import PairStats, pair_stats, rel_diff
-    from comparator.logprobs import LogprobThresholds, LogprobVerdict, SequenceLogprobs, compare_logprobs
-    from comparator.logprobs.sources import compare_logprob_sources
-    from comparator.results import FirstDivergence, Heatmap, LayerSummary, ReplicaMismatch, Report, TensorComparison
+    from comparator.judging.logprob_thresholds import LogprobThresholds
+    from comparator.logprobs import LogprobVerdict, SequenceLogprobs, compare_logprobs
+    from comparator.logprobs.judge import compare_logprob_sources
+    from comparator.hidden.types import FirstDivergence, Heatmap, LayerSummary, ReplicaMismatch, Report, TensorComparison
     from comparator.store import RunStore, select_baseline
     from comparator.store.regress import RegressResult, regress
 

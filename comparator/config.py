@@ -6,16 +6,23 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from dumper.errors import UsageError
-from comparator.settings import comparator_settings
-from comparator.thresholds import is_threshold
 
-from comparator.noise.model import (DEFAULT_FACTOR, DEFAULT_FLOOR, Limits, NoiseModel, check_noise_factor, noise_limits,
-                                    noise_warnings)
+from comparator.judging.noise import NoiseModel
+from comparator.judging.noise_thresholds import (
+    DEFAULT_FACTOR,
+    DEFAULT_FLOOR,
+    NoiseLimits,
+    check_noise_factor,
+    noise_limits,
+    noise_warnings,
+)
+from comparator.judging.values import is_threshold
+from comparator.settings import comparator_settings
 
 __all__ = ["CompareConfig", "DEFAULT_THRESHOLD", "DEFAULT_TOKEN_THRESHOLD"]
 
 DEFAULT_THRESHOLD = 1e-3
-"""Whole-tensor rel_diff threshold (the seed's nightly default). See README, "Choosing thresholds"."""
+"""Whole-tensor rel_diff threshold (the seed's nightly default). See docs/verdict.md, "Choosing thresholds"."""
 DEFAULT_TOKEN_THRESHOLD = 1e-3
 """Per-token rel_diff threshold: the max-type signal that catches one broken position."""
 MAX_THREADS = 256
@@ -37,7 +44,7 @@ class CompareConfig:
             lacks, instead of comparing the common ones and saying so in the verdict.
         allow_model_mismatch: compare dumps of different models (architecture, sizes, config
             hash), for cross-engine or quantized runs; the differences become verdict notes.
-        noise: measured noise of the baseline (:mod:`comparator.noise.model`); each tensor it covers is
+        noise: measured noise of the baseline (:mod:`comparator.judging.noise`); each tensor it covers is
             judged by thresholds derived from its own noise instead of the fixed ones.
         noise_factor, noise_floor: the safety factor and absolute rel_diff floor of those thresholds.
         noise_floors: absolute floors of logprob thresholds derived from noise, by metric name.
@@ -63,20 +70,22 @@ class CompareConfig:
     subset: bool = False
     sequence_map: tuple[int, ...] = ()
 
-    def limits(self, name: str) -> Limits:
+    def noise_limits_of(self, name: str) -> NoiseLimits:
         """The thresholds the tensor ``name`` is judged by: from its noise when calibrated, else the fixed ones."""
         entry = self.noise.tensor(name) if self.noise is not None else None
         if entry is None:
-            return Limits(self.threshold, self.token_threshold, None, self.noise_floor)
+            return NoiseLimits(self.threshold, self.token_threshold, None, self.noise_floor)
         fixed = (self.threshold, self.token_threshold) if self.fixed_explicit else None
         return noise_limits(entry, self.noise_factor, self.noise_floor, fixed)
 
     def noise_warnings(self, names: Iterable[str]) -> tuple[str, ...]:
         """What a verdict judged by ``noise`` must warn about, for the tensors ``names`` it judged
-        (:func:`comparator.noise.model.noise_warnings`, against the fixed thresholds); ``()`` without noise."""
+        (:func:`comparator.judging.noise_thresholds.noise_warnings`, against the fixed thresholds); ``()``
+        without noise."""
         if self.noise is None:
             return ()
-        return noise_warnings(self.noise, {n: self.limits(n) for n in names}, (self.threshold, self.token_threshold))
+        return noise_warnings(self.noise, {n: self.noise_limits_of(n) for n in names},
+                              (self.threshold, self.token_threshold))
 
     def __post_init__(self) -> None:
         for name in ("threshold", "token_threshold"):
@@ -98,7 +107,7 @@ class CompareConfig:
                 ) -> CompareConfig:
         """Flags win over ``DRIFTSCOPE_DIFF_THRESHOLD`` / ``DRIFTSCOPE_TOKEN_THRESHOLD``, which win over defaults.
 
-        ``noise_floors``: as parsed by :func:`comparator.noise.model.parse_noise_floor` (``rel_diff`` and
+        ``noise_floors``: as parsed by :func:`comparator.judging.noise_thresholds.parse_noise_floor` (``rel_diff`` and
         logprob metric names).
         """
         s = comparator_settings(env)

@@ -4,9 +4,9 @@
 |--------------------------------|------------------------------------------------------------|
 | ``DRIFTSCOPE_DIFF_THRESHOLD``  | rel_diff threshold of a whole tensor (``--threshold``)     |
 | ``DRIFTSCOPE_TOKEN_THRESHOLD`` | per-token rel_diff threshold (``--token-threshold``)       |
-| ``DRIFTSCOPE_LOGPROB_<NAME>``  | logprob threshold ``<name>`` (MSE, MEAN_ABS_ERR,           |
-|                                | MAX_ABS_ERR, K3_MEAN, KL_MEAN, KL_MAX, TOPK_MAX_ERR);      |
-|                                | ``off`` disables it (``--logprob-threshold NAME=VALUE``)   |
+| ``DRIFTSCOPE_LOGPROB_<NAME>``  | logprob threshold ``<name>``, any metric of the table      |
+|                                | (:mod:`comparator.judging.logprob_metrics`: MSE, K3_MEAN,  |
+|                                | ...); ``off`` disables it (``--logprob-threshold``)        |
 
 Flags win over these, and these over the built-in defaults (:class:`comparator.CompareConfig`).
 The variables the dumper reads too (``DRIFTSCOPE_DEBUG``, ``DRIFTSCOPE_JSON_MEMORY_MIB``,
@@ -19,7 +19,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from comparator.thresholds import parse_threshold
+from comparator.judging.values import parse_threshold
 
 __all__ = ["ComparatorSettings", "comparator_settings"]
 

@@ -8,7 +8,7 @@
 - :mod:`~comparator.hidden.compare`: ``compare_dumps``, the verdict per tensor;
 - :mod:`~comparator.hidden.localize`, :mod:`~comparator.hidden.onset`, :mod:`~comparator.hidden.heatmap`:
   the first divergence, where it starts, the per-token picture around it;
-- :mod:`~comparator.hidden.identity`: whether two dumps may be compared at all.
+- whether two dumps may be compared at all is :mod:`comparator.judging.identity`'s.
 
 Example::
 

@@ -1,7 +1,7 @@
 """From the first failing tensor to where its divergence starts: onset token and onset layer.
 
 :mod:`comparator.hidden.onset` holds the estimators; this module feeds them a comparison's results
-(see README, "Calibrated verdicts"). Per-token values are kept only for failing tensors of the
+(see docs/localize.md, "Onset: where a divergence starts"). Per-token values are kept only for failing tensors of the
 lowest failing layer seen so far, so memory stays bounded by one layer's positions.
 """
 
@@ -13,9 +13,9 @@ from dataclasses import replace
 import numpy as np
 
 from comparator.config import CompareConfig
-from comparator.noise.model import noise_limits
+from comparator.judging.noise_thresholds import noise_limits
 from comparator.hidden.onset import Amplification, amplification, layer_onset, point_of, token_onset
-from comparator.results import FirstDivergence, TensorComparison
+from comparator.hidden.types import FirstDivergence, TensorComparison
 
 __all__ = ["FailingTokens", "first_divergence", "locate_onset", "layer_amplification"]
 

@@ -21,12 +21,10 @@ All arithmetic is float64. NaN/Inf: a position where both sides hold the same va
 NaN, or -inf on both) is no difference; any other non-finite difference counts as an infinite
 error, so no threshold passes it.
 
-Thresholds resolve as: explicit values > ``DRIFTSCOPE_LOGPROB_<NAME>`` environment variables (read
-by :func:`comparator.settings.comparator_settings`) > the per-model table
-``configs/logprob_thresholds.json``, whose rows merge ``default`` < ``default@DTYPE`` < ``MODEL`` <
-``MODEL@DTYPE`` (DTYPE: the coarsest dtype of the two dumps,
-:func:`comparator.noise.logprobs.threshold_dtype`). With a calibrated noise file,
-:func:`comparator.noise.logprobs.resolve_logprob_thresholds` derives them from the noise instead.
+The checked metrics and their thresholds are judging's: the metric table
+(:mod:`comparator.judging.logprob_metrics`), fixed thresholds (explicit > ``DRIFTSCOPE_LOGPROB_<NAME>``
+> ``configs/logprob_thresholds.json``, :mod:`comparator.judging.logprob_thresholds`) and thresholds
+derived from a calibration (:func:`comparator.judging.noise_thresholds.resolve_logprob_thresholds`).
 
 Mean-type values carry a standard error (llama.cpp's ``mean_and_uncertainty``,
 :func:`comparator.logprobs.llama_stats.mean_se`): ``mean_abs_err_se``, ``k3_mean_se`` and the llama
@@ -37,12 +35,14 @@ The package, one module per concern: :mod:`~comparator.logprobs.types` (the data
 :mod:`~comparator.logprobs.metrics` (per-token metrics, the one k3),
 :mod:`~comparator.logprobs.kl` (full distributions; :mod:`~comparator.logprobs.kl_stream` from disk),
 :mod:`~comparator.logprobs.llama_stats` (llama-perplexity's statistics),
-:mod:`~comparator.logprobs.thresholds`, :mod:`~comparator.logprobs.verdict`, and
-:mod:`comparator.logprobs.sources` (where logprobs come from: dumps, engine JSONL, llama.cpp files).
+:mod:`~comparator.logprobs.verdict` (every metric of the table, the decision),
+:mod:`comparator.logprobs.sources` (where logprobs come from: dumps, engine JSONL, llama.cpp files) and
+:mod:`~comparator.logprobs.judge` (a verdict from two sources).
 
 Example::
 
-    from comparator.logprobs import SequenceLogprobs, LogprobThresholds, compare_logprobs
+    from comparator.judging.logprob_thresholds import LogprobThresholds
+    from comparator.logprobs import SequenceLogprobs, compare_logprobs
     a = SequenceLogprobs("r0", (5, 7, 9), (None, -1.0, -2.0))
     b = SequenceLogprobs("r0", (5, 7, 9), (None, -1.1, -2.0))
     verdict = compare_logprobs([a], [b], LogprobThresholds.resolve("tiny-llama"))
@@ -64,15 +64,6 @@ from comparator.logprobs.metrics import (
     k3_summary,
     logprob_errors,
     topk_errors,
-)
-from comparator.logprobs.thresholds import (
-    THRESHOLD_NAMES,
-    THRESHOLD_TABLE,
-    LogprobThresholds,
-    explicit_thresholds,
-    judged_failures,
-    load_threshold_table,
-    logprob_env_thresholds,
 )
 from comparator.logprobs.types import (
     UNKNOWN_TOKEN,
@@ -99,11 +90,8 @@ __all__ = [
     "K3Stats",
     "K3Summary",
     "TopKStats",
-    "LogprobThresholds",
     "LogprobVerdict",
     "PositionSeries",
-    "THRESHOLD_NAMES",
-    "THRESHOLD_TABLE",
     "k3",
     "k3_summary",
     "align_samples",
@@ -114,10 +102,6 @@ __all__ = [
     "kl_rows",
     "top1_agreement",
     "kl_percentiles",
-    "logprob_env_thresholds",
-    "explicit_thresholds",
-    "judged_failures",
-    "load_threshold_table",
     "compare_logprobs",
     "KlResult",
     "KlPass",

@@ -1,11 +1,11 @@
 """The logprob verdict: :func:`compare_logprobs` aligns two sides, computes every metric and decides.
 
 A :class:`LogprobVerdict` is a value: ``bool(verdict)`` is "passed", and its JSON keys are a
-public contract (:meth:`LogprobVerdict.to_json` / :meth:`LogprobVerdict.from_json`). All
-arithmetic is float64. NaN/Inf: a position where both sides hold the same value (the same NaN,
-or -inf on both) is no difference; any other non-finite difference counts as an infinite error,
-so no threshold passes it. Mean-type values carry a standard error (llama.cpp's
-``mean_and_uncertainty``): ``mean_abs_err_se``, ``k3_mean_se`` and the llama statistics' ``kl_mean_se``.
+public contract (:meth:`LogprobVerdict.to_json` / :meth:`LogprobVerdict.from_json`). The checked
+metrics are those of the metric table (:mod:`comparator.judging.logprob_metrics`), each under its
+own flat key (and its standard error's, ``mean_abs_err_se``...). All arithmetic is float64.
+NaN/Inf: a position where both sides hold the same value (the same NaN, or -inf on both) is no
+difference; any other non-finite difference counts as an infinite error, so no threshold passes it.
 """
 
 from __future__ import annotations
@@ -13,18 +13,29 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from dumper.errors import NotComparableError, UsageError
 
 from comparator.jsonfloat import from_json_float, to_json_float
+from comparator.judging.logprob_metrics import LogprobMetric, MetricValue, logprob_metric, logprob_metrics, metric_names
+from comparator.judging.logprob_noise import NoiseCheck
+from comparator.judging.logprob_thresholds import LogprobThresholds, judged_failures
+from comparator.judging.noise_thresholds import noise_check
 from comparator.logprobs.align import align_samples, check_lengths
 from comparator.logprobs.kl import kl_percentiles, logits_kl
 from comparator.logprobs.llama_stats import LlamaStats, llama_stats
-from comparator.logprobs.metrics import argmax_located, k3_stats, logprob_errors, topk_errors
-from comparator.logprobs.thresholds import LogprobThresholds, judged_failures
+from comparator.logprobs.metrics import (
+    ErrorStats,
+    K3Stats,
+    TopKStats,
+    argmax_located,
+    k3_stats,
+    logprob_errors,
+    topk_errors,
+)
 from comparator.logprobs.types import (
     AlignedSample,
     Alignment,
@@ -36,76 +47,116 @@ from comparator.logprobs.types import (
     SequenceLogprobs,
 )
 
-if TYPE_CHECKING:
-    from comparator.noise.logprobs import NoiseCheck
+__all__ = ["LogprobVerdict", "VerdictInputs", "compare_logprobs"]
 
-__all__ = ["LogprobVerdict", "compare_logprobs"]
+
+@dataclass(frozen=True, eq=False)
+class VerdictInputs:
+    """Everything a metric's ``compute`` may read (:class:`comparator.judging.logprob_metrics.MetricInputs`),
+    computed once per verdict from the aligned samples (and their KL, when computed)."""
+
+    samples: tuple[AlignedSample, ...]
+    errors: ErrorStats
+    k3: K3Stats
+    topk: TopKStats | None
+    kl_percentiles: dict[str, float] | None
+    kl_max: Located
+    llama: LlamaStats
+    kl: KlResult | None = None
+
+
+def _read_float(d: Mapping[str, Any], key: str | None, presence: str, has_kl: bool) -> float | None:
+    """A metric's (or its SE's) JSON value, read back by the metric's presence
+    (:data:`~comparator.judging.logprob_metrics.Presence`)."""
+    if key is None or key not in d or (presence == "with_kl" and not has_kl):
+        return None
+    raw = d[key]
+    if presence == "optional":
+        return None if raw is None else float(raw)
+    return from_json_float(raw)
+
+
+def _read_metric(m: LogprobMetric, d: Mapping[str, Any], has_kl: bool) -> MetricValue:
+    se = _read_float(d, m.se_key, m.presence, has_kl)
+    if not m.located:
+        return MetricValue(_read_float(d, m.name, m.presence, has_kl), se)
+    at = Located.from_json(d.get(m.name), computed=m.presence == "always" or (m.presence == "with_kl" and has_kl))
+    return MetricValue(at.value, se, at.request, at.position)
+
 
 @dataclass(frozen=True)
 class LogprobVerdict:
     """The logprob-level verdict; ``bool(verdict)`` is ``passed``; JSON keys are a public contract.
 
-    ``kl_*`` / ``top1_agreement`` are None without logits, ``topk_*`` None without common top-k
-    tokens; ``mean_abs_err``, ``mean_abs_err_se`` and ``k3_mean_se`` are None only in JSON written
-    before they existed. ``passed`` is stored (decided once, by :func:`compare_logprobs`). In
-    JSON, non-finite floats are null; they read back as inf for metrics that were computed, and
-    None where the metric was optional (``topk_*``, ``top1_agreement``).
+    ``values`` holds every checked metric (the metric table) by name; ``verdict.NAME`` reads one
+    (a :class:`Located` for a located metric, else its value) and ``verdict.NAME_SE_KEY`` its
+    standard error. KL values and ``top1_agreement`` are None without logits, top-k ones without
+    common top-k tokens; a metric is None only in JSON written before it existed. ``passed`` is
+    stored (decided once, by :func:`compare_logprobs`). In JSON, non-finite floats are null; they
+    read back as inf for metrics that were computed, and None where the metric was optional.
     """
 
-    mse: float
+    values: Mapping[str, MetricValue]
     rmse: float
-    max_abs_err: Located
-    k3_mean: float
     k3_max: Located
     compared_positions: int
     requests: int
     thresholds: LogprobThresholds
     passed: bool
-    kl_mean: float | None = None
-    kl_max: Located = field(default_factory=Located)
     kl_percentiles: dict[str, float] | None = None
     top1_agreement: float | None = None
-    topk_max_err: float | None = None
     topk_mean_err: float | None = None
     llama: LlamaStats | None = None
     """llama-perplexity's statistics (Δp, PPL ratio, KL and same-top uncertainties); flat keys in JSON."""
     unmatched_baseline: tuple[str, ...] = ()
     unmatched_target: tuple[str, ...] = ()
-    mean_abs_err: float | None = None
-    """Mean |Δlogprob| over all compared positions (pooled)."""
-    mean_abs_err_se: float | None = None
-    k3_mean_se: float | None = None
     noise: NoiseCheck | None = None
-    """Each metric against the calibrated noise (None: fixed thresholds); :mod:`comparator.noise.logprobs`."""
+    """Each metric against the calibrated noise (None: fixed thresholds); :mod:`comparator.judging.logprob_noise`."""
     series: tuple[PositionSeries, ...] = field(default=(), compare=False, repr=False)
     """Per-request per-position values (in memory only; empty after :meth:`from_json`)."""
 
     def __bool__(self) -> bool:
         return self.passed
 
+    def __getattr__(self, name: str) -> Any:
+        """``verdict.max_abs_err`` (a :class:`Located`), ``verdict.mse``, ``verdict.k3_mean_se``: a metric of the
+        table, or its standard error."""
+        values = self.__dict__.get("values")
+        if values is not None and not name.startswith("_"):
+            spec = logprob_metric(name)
+            if spec is not None:
+                v = values.get(name, MetricValue())
+                return Located(v.value, v.request, v.position) if spec.located else v.value
+            for m in logprob_metrics():
+                if m.se_key == name:
+                    return values.get(m.name, MetricValue()).se
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def value_of(self, name: str) -> MetricValue:
+        """The metric ``name`` (an empty :class:`MetricValue` when this verdict did not compute it)."""
+        return self.values.get(name, MetricValue())
+
     def metrics(self) -> dict[str, float | None]:
         """The values the thresholds check, by threshold name."""
-        return {"mse": self.mse, "mean_abs_err": self.mean_abs_err, "max_abs_err": self.max_abs_err.value,
-                "k3_mean": self.k3_mean, "kl_mean": self.kl_mean, "kl_max": self.kl_max.value,
-                "topk_max_err": self.topk_max_err}
+        return {name: self.value_of(name).value for name in metric_names()}
 
     def failures(self) -> list[str]:
         """Names of the thresholds this verdict fails (see :func:`judged_failures`)."""
         return judged_failures(self.thresholds, self.metrics(), self.noise)
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "mse": to_json_float(self.mse),
+        out: dict[str, Any] = {}
+        for m in logprob_metrics():
+            v = self.value_of(m.name)
+            out[m.name] = Located(v.value, v.request, v.position).to_json() if m.located else to_json_float(v.value)
+            if m.se_key is not None:
+                out[m.se_key] = to_json_float(v.se)
+        details = {
             "rmse": to_json_float(self.rmse),
-            "max_abs_err": self.max_abs_err.to_json(),
-            "k3_mean": to_json_float(self.k3_mean),
             "k3_max": self.k3_max.to_json(),
-            "kl_mean": to_json_float(self.kl_mean),
-            "kl_max": self.kl_max.to_json(),
             "kl_percentiles": None if self.kl_percentiles is None
             else {k: to_json_float(v) for k, v in self.kl_percentiles.items()},
             "top1_agreement": to_json_float(self.top1_agreement),
-            "topk_max_err": to_json_float(self.topk_max_err),
             "topk_mean_err": to_json_float(self.topk_mean_err),
             **(self.llama.to_json() if self.llama is not None else LlamaStats.empty_json()),
             "compared_positions": self.compared_positions,
@@ -114,12 +165,12 @@ class LogprobVerdict:
             "unmatched_target": list(self.unmatched_target),
             "thresholds": self.thresholds.to_json(),
             "threshold_source": self.thresholds.source,
-            "mean_abs_err": to_json_float(self.mean_abs_err),
-            "mean_abs_err_se": to_json_float(self.mean_abs_err_se),
-            "k3_mean_se": to_json_float(self.k3_mean_se),
             "noise": None if self.noise is None else self.noise.to_json(),
             "passed": self.passed,
         }
+        for k, v in details.items():
+            out.setdefault(k, v)  # a metric's own key (kl_mean_se) over the llama statistics' copy of it
+        return out
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> LogprobVerdict:
@@ -127,30 +178,18 @@ class LogprobVerdict:
             return None if v is None else float(v)
 
         has_kl = d.get("kl_percentiles") is not None
-        noise = None
-        if d.get("noise"):
-            from comparator.noise.logprobs import NoiseCheck  # comparator.noise.logprobs imports this module
-
-            noise = NoiseCheck.from_json(d["noise"])
         thresholds = LogprobThresholds.from_json(d["thresholds"])
         return cls(
-            mse=from_json_float(d["mse"]), rmse=from_json_float(d["rmse"]),
-            max_abs_err=Located.from_json(d["max_abs_err"], computed=True),
-            k3_mean=from_json_float(d["k3_mean"]), k3_max=Located.from_json(d["k3_max"], computed=True),
+            values={m.name: _read_metric(m, d, has_kl) for m in logprob_metrics()},
+            rmse=from_json_float(d["rmse"]), k3_max=Located.from_json(d["k3_max"], computed=True),
             compared_positions=int(d["compared_positions"]), requests=int(d["requests"]),
             thresholds=replace(thresholds, source=d.get("threshold_source")), passed=bool(d["passed"]),
-            kl_mean=from_json_float(d["kl_mean"]) if has_kl else None,
-            kl_max=Located.from_json(d.get("kl_max"), computed=has_kl),
             kl_percentiles={k: from_json_float(v) for k, v in d["kl_percentiles"].items()} if has_kl else None,
-            top1_agreement=optional(d.get("top1_agreement")),
-            topk_max_err=optional(d.get("topk_max_err")), topk_mean_err=optional(d.get("topk_mean_err")),
+            top1_agreement=optional(d.get("top1_agreement")), topk_mean_err=optional(d.get("topk_mean_err")),
             llama=LlamaStats.from_json(d),
             unmatched_baseline=tuple(d.get("unmatched_baseline", ())),
             unmatched_target=tuple(d.get("unmatched_target", ())),
-            mean_abs_err=None if "mean_abs_err" not in d else from_json_float(d["mean_abs_err"]),
-            mean_abs_err_se=None if "mean_abs_err_se" not in d else from_json_float(d["mean_abs_err_se"]),
-            k3_mean_se=None if "k3_mean_se" not in d else from_json_float(d["k3_mean_se"]),
-            noise=noise,
+            noise=NoiseCheck.from_json(d["noise"]) if d.get("noise") else None,
         )
 
     def dumps(self) -> str:
@@ -183,47 +222,44 @@ def compare_logprobs(base: Sequence[SequenceLogprobs], target: Sequence[Sequence
         kl = kl_pass(al.samples) if kl_pass is not None else None
     if kl is not None and not kl.per_request:
         raise NotComparableError("no position of a matched request has a full distribution on both sides")
-    return _verdict(al, thresholds, kl)
+    return _decide(al, thresholds, kl)
 
 
-def _verdict(al: Alignment, thresholds: LogprobThresholds, kl: KlResult | None) -> LogprobVerdict:
-    """Every metric of aligned samples (and their KL, if computed), and the decision."""
-    samples = al.samples
-    err = logprob_errors(samples)
-    k = k3_stats(samples)
-    tk = topk_errors(samples)
-    kl_mean: float | None = None
-    kl_max = Located()
+def _inputs(samples: tuple[AlignedSample, ...], kl: KlResult | None) -> VerdictInputs:
+    """Every statistic of aligned samples (and their KL, if computed) that a metric may read."""
     pct: dict[str, float] | None = None
-    top1: float | None = None
-    kl_at: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    kl_max = Located()
     kl_all: np.ndarray | None = None
     if kl is not None:
         kl_all = np.concatenate([v for _, _, v in kl.per_request])
         pct = kl_percentiles(kl_all)
-        kl_mean = pct["mean"]
         kl_max = argmax_located([AlignedSample(r, pos, np.empty(0), np.empty(0)) for r, pos, _ in kl.per_request],
-                                 [v for _, _, v in kl.per_request])
-        top1 = kl.agree / kl.total if kl.total else None
-        kl_at = {r: (pos, v) for r, pos, v in kl.per_request}
+                                [v for _, _, v in kl.per_request])
     llama = llama_stats(np.concatenate([s.ref for s in samples]), np.concatenate([s.tgt for s in samples]),
                         kl=kl_all, same_top=None if kl is None else (kl.agree, kl.total))
-    metrics = {"mse": err.mse, "mean_abs_err": err.mean_abs_err, "max_abs_err": err.max_abs_err.value,
-               "k3_mean": k.mean, "kl_mean": kl_mean, "kl_max": kl_max.value, "topk_max_err": tk.max_err if tk else None}
-    check = None
-    if thresholds.basis is not None:
-        from comparator.noise.logprobs import noise_check  # comparator.noise.logprobs imports this module
+    return VerdictInputs(samples, logprob_errors(samples), k3_stats(samples), topk_errors(samples), pct, kl_max,
+                         llama, kl)
 
-        check = noise_check(thresholds, metrics, {"mean_abs_err": (err.mean_abs_err, err.mean_abs_err_se),
-                                                  "k3_mean": (k.mean, k.se), "kl_mean": (kl_mean, llama.kl_mean_se)})
+
+def _computed(m: LogprobMetric, inputs: VerdictInputs) -> MetricValue:
+    """``m.compute(inputs)`` as a :class:`MetricValue` (a compute may return a plain float, or None)."""
+    r = m.compute(inputs)
+    return r if isinstance(r, MetricValue) else MetricValue(None if r is None else float(r))
+
+
+def _decide(al: Alignment, thresholds: LogprobThresholds, kl: KlResult | None) -> LogprobVerdict:
+    """Every metric of the table over aligned samples (and their KL, if computed), and the decision."""
+    c = _inputs(al.samples, kl)
+    values = {m.name: _computed(m, c) for m in logprob_metrics()}
+    check = noise_check(thresholds, values)
+    kl_at = {r: (pos, v) for r, pos, v in kl.per_request} if kl is not None else {}
     return LogprobVerdict(
-        mse=err.mse, rmse=err.rmse, max_abs_err=err.max_abs_err, k3_mean=k.mean, k3_max=k.max,
-        compared_positions=al.compared_positions, requests=len(samples), thresholds=thresholds,
-        passed=not judged_failures(thresholds, metrics, check),
-        kl_mean=kl_mean, kl_max=kl_max, kl_percentiles=pct, top1_agreement=top1,
-        topk_max_err=tk.max_err if tk else None, topk_mean_err=tk.mean_err if tk else None, llama=llama,
-        unmatched_baseline=al.unmatched_baseline, unmatched_target=al.unmatched_target,
-        mean_abs_err=err.mean_abs_err, mean_abs_err_se=err.mean_abs_err_se, k3_mean_se=k.se, noise=check,
+        values=values, rmse=c.errors.rmse, k3_max=c.k3.max, compared_positions=al.compared_positions,
+        requests=len(al.samples), thresholds=thresholds,
+        passed=not judged_failures(thresholds, {n: v.value for n, v in values.items()}, check),
+        kl_percentiles=c.kl_percentiles, top1_agreement=kl.agree / kl.total if kl is not None and kl.total else None,
+        topk_mean_err=c.topk.mean_err if c.topk else None, llama=c.llama,
+        unmatched_baseline=al.unmatched_baseline, unmatched_target=al.unmatched_target, noise=check,
         series=tuple(PositionSeries(s.request, s.positions, s.ref, s.tgt, *kl_at.get(s.request, (None, None)))
-                     for s in samples),
+                     for s in al.samples),
     )

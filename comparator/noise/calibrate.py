@@ -4,15 +4,16 @@ Each variant is a benign re-run of the baseline's inputs (another attention back
 batch layout or thread count, or a plain re-run). Every variant is compared with the baseline
 exactly as ``python -m comparator`` would; per captured tensor name the largest whole-tensor
 rel_diff and the pooled per-token rel_diff (max, p99.9, p99) become its noise, and the logprob
-verdicts become the logprob noise (:mod:`comparator.noise.logprobs`). The sources are those of
+verdicts become the logprob noise (:mod:`comparator.noise.logprob_calibration`). The sources are those of
 ``python -m comparator logprobs``: dumps (hidden states and, when recorded, logprobs), engine
 JSONL files and llama.cpp KL-divergence base files (logprobs only).
 
 Example::
 
     from comparator.noise.calibrate import calibrate
+    from comparator.noise.file import save_noise
     noise = calibrate("dumps/base", ["dumps/sdpa", "dumps/chunk64"])
-    noise.save("NOISE.json")
+    save_noise(noise, "NOISE.json")
 """
 
 from __future__ import annotations
@@ -27,15 +28,15 @@ import numpy as np
 from dumper.errors import NotComparableError, UsageError
 from dumper.format import MANIFEST_NAME, load_manifest
 
-from comparator.hidden.compare import compare_dumps
 from comparator.config import CompareConfig
-from comparator.hidden.identity import IDENTITY_FIELDS, IdentityDifference, check_variant
-from comparator.noise.logprobs import logprob_noise
-from comparator.logprobs import LogprobVerdict
-from comparator.noise.model import NoiseModel, TensorNoise
+from comparator.hidden.compare import compare_dumps
 from comparator.hidden.onset import point_of
-from comparator.results import TensorComparison
-from comparator.logprobs.sources import compare_logprob_sources
+from comparator.hidden.types import TensorComparison
+from comparator.judging.identity import IDENTITY_FIELDS, IdentityDifference, check_variant
+from comparator.judging.noise import NoiseModel, TensorNoise
+from comparator.logprobs.judge import compare_logprob_sources
+from comparator.logprobs.verdict import LogprobVerdict
+from comparator.noise.logprob_calibration import logprob_noise
 
 __all__ = ["calibrate"]
 
@@ -86,7 +87,7 @@ def calibrate(baseline: str | os.PathLike[str], variants: Sequence[str | os.Path
     logprobs, logprob noise; other sources logprob noise only. A variant that does not match
     the baseline (no common tensor, other positions) raises the comparison's error; one with a
     NaN/Inf mismatch is refused, since it is not benign, and so is a dump of another model or
-    other weights (:func:`~comparator.hidden.identity.check_variant`) unless ``allow_model_mismatch``,
+    other weights (:func:`~comparator.judging.identity.check_variant`) unless ``allow_model_mismatch``,
     which records the differences in the noise (``model_mismatch``).
     """
     if not variants:

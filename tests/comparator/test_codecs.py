@@ -12,12 +12,13 @@ import json
 import numpy as np
 import pytest
 
-from comparator.logprobs import Located, LogprobThresholds, LogprobVerdict
+from comparator.judging.logprob_thresholds import LogprobThresholds
+from comparator.logprobs import Located, LogprobVerdict
 from comparator.logprobs.llama_stats import LlamaStats, llama_stats
-from comparator.logprobs.sources import compare_logprob_sources
+from comparator.logprobs.judge import compare_logprob_sources
 from comparator.noise.calibrate import calibrate
-from comparator.noise.logprobs import LogprobNoise, MeanNoise
-from comparator.noise.model import NoiseModel, TensorNoise
+from comparator.judging.logprob_noise import LogprobNoise, MeanNoise
+from comparator.judging.noise import NoiseModel, TensorNoise
 from tests.conftest import run_cli
 
 

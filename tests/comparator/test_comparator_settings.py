@@ -6,7 +6,8 @@ import shutil
 
 import pytest
 
-from comparator.logprobs import THRESHOLD_NAMES, logprob_env_thresholds
+from comparator.judging.logprob_metrics import metric_names
+from comparator.judging.logprob_thresholds import logprob_env_thresholds
 from comparator.settings import ComparatorSettings, comparator_settings
 from dumper.errors import UsageError
 from tests.conftest import run_cli
@@ -52,7 +53,7 @@ def test_logprob_thresholds_are_read_by_lower_case_name():
     assert logprob_env_thresholds(env) == {"kl_max": 1e-3, "mse": None}
 
 
-@pytest.mark.parametrize("name", THRESHOLD_NAMES)
+@pytest.mark.parametrize("name", metric_names())
 def test_every_logprob_metric_has_its_variable(name):
     assert logprob_env_thresholds({f"DRIFTSCOPE_LOGPROB_{name.upper()}": "0.25"}) == {name: 0.25}
 

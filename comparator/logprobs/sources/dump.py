@@ -28,7 +28,7 @@ from dumper.format import (
 )
 from dumper.format.dtypes import FLOAT_CODES, INT_CODES
 
-from comparator.logprobs.sources.limits import MAX_POSITIONS, MAX_TOTAL_POSITIONS, TOKEN_ID_LIMIT
+from comparator.logprobs.sources.input_caps import MAX_POSITIONS, MAX_TOTAL_POSITIONS, TOKEN_ID_LIMIT
 from comparator.logprobs.sources.source import LogprobSource
 from comparator.logprobs.types import UNKNOWN_TOKEN, SequenceLogprobs, TopK
 

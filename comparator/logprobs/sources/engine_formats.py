@@ -36,7 +36,7 @@ from typing import Any, Final, Literal
 
 from dumper.errors import UsageError
 
-from comparator.logprobs.sources.limits import MAX_POSITIONS, TOKEN_ID_LIMIT, limit_text
+from comparator.logprobs.sources.input_caps import MAX_POSITIONS, TOKEN_ID_LIMIT, limit_text
 from comparator.logprobs.types import UNKNOWN_TOKEN, SequenceLogprobs, TopK
 
 __all__ = ["EngineFormat", "Parsed", "detect_format", "request_id", "parse_response", "show"]

@@ -12,8 +12,8 @@ to give (the prompt's first token; SGLang's first position at ``logprob_start_le
 neighbours imply (one top-k list per token, all of one length in SGLang); ids are unique. The file
 is read one line at a time, and a line is parsed only when its JSON objects fit in
 :func:`dumper.format.files.json_memory_budget`; a response holds at most
-:data:`~comparator.logprobs.sources.limits.MAX_POSITIONS` positions and a file
-:data:`~comparator.logprobs.sources.limits.MAX_TOTAL_POSITIONS` (SGLang's unscored prefix included). An empty
+:data:`~comparator.logprobs.sources.input_caps.MAX_POSITIONS` positions and a file
+:data:`~comparator.logprobs.sources.input_caps.MAX_TOTAL_POSITIONS` (SGLang's unscored prefix included). An empty
 file, a line that is not an object (or an array of them), invalid UTF-8 and JSON nested too
 deeply are errors too.
 
@@ -38,7 +38,7 @@ from dumper.errors import UsageError
 from dumper.format.files import check_json_memory
 
 from comparator.logprobs.sources.engine_formats import detect_format, parse_response, request_id, show
-from comparator.logprobs.sources.limits import MAX_LINE_BYTES, MAX_POSITIONS, MAX_TOTAL_POSITIONS, limit_text
+from comparator.logprobs.sources.input_caps import MAX_LINE_BYTES, MAX_POSITIONS, MAX_TOTAL_POSITIONS, limit_text
 from comparator.logprobs.types import SequenceLogprobs
 
 __all__ = ["parse_record", "read_logprobs_jsonl"]

@@ -38,7 +38,7 @@ pass as "the same NaN on both sides"; so is a file whose size changes during a p
 
 Example::
 
-    from comparator.logprobs.sources import compare_logprob_sources
+    from comparator.logprobs.judge import compare_logprob_sources
     v = compare_logprob_sources("f32.kld", "q8_0.kld")    # two llama-perplexity base files
     v.kl_mean, v.llama.kl_mean_se, v.llama.same_top_rate, v.llama.ppl_ratio
 """
@@ -60,7 +60,7 @@ import numpy as np
 from dumper.errors import CorruptDumpError, UsageError
 from dumper.format.files import READ_FLAGS, file_kind
 
-from comparator.logprobs.sources.limits import MAX_KLD_POSITIONS, MAX_POSITIONS, MAX_VOCAB
+from comparator.logprobs.sources.input_caps import MAX_KLD_POSITIONS, MAX_POSITIONS, MAX_VOCAB
 from comparator.logprobs.kl_stream import Distributions
 from comparator.logprobs.types import UNKNOWN_TOKEN, SequenceLogprobs
 

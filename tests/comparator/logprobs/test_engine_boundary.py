@@ -20,8 +20,9 @@ import dumper
 from bench.anonpeak import AnonPeak
 from comparator.cli.main import main
 from comparator.logprobs.sources.engine_json import read_logprobs_jsonl
-from comparator.logprobs.sources.limits import MAX_LINE_BYTES, MAX_POSITIONS, MAX_TOTAL_POSITIONS
-from comparator.logprobs.sources import compare_logprob_sources, one_sided_parts, read_logprob_source
+from comparator.logprobs.sources.input_caps import MAX_LINE_BYTES, MAX_POSITIONS, MAX_TOTAL_POSITIONS
+from comparator.logprobs.judge import compare_logprob_sources
+from comparator.logprobs.sources import one_sided_parts, read_logprob_source
 from dumper.errors import UsageError
 from dumper.format import LOGITS, LOGPROB_TOKEN_ID, LOGPROB_TOP_VALUE, LOGPROB_VALUE
 from dumper.jobs.presets import load_model

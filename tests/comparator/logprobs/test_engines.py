@@ -9,7 +9,8 @@ import pytest
 
 from comparator.logprobs.sources.engine_formats import detect_format
 from comparator.logprobs.sources.engine_json import parse_record, read_logprobs_jsonl
-from comparator.logprobs import UNKNOWN_TOKEN, LogprobThresholds, SequenceLogprobs, align_samples, compare_logprobs
+from comparator.judging.logprob_thresholds import LogprobThresholds
+from comparator.logprobs import UNKNOWN_TOKEN, SequenceLogprobs, align_samples, compare_logprobs
 from dumper.errors import NotComparableError, UsageError
 
 # One request described by every engine: prompt "<s> The cat sat", output " on</s>".

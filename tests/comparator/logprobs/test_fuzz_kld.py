@@ -11,7 +11,7 @@ Properties, besides :func:`tests.fuzzing.check_outcome` (exit 0, 1 or 2, no trac
 * no read leaves the declared layout: a file whose size never changes never reads as
   "truncated while it was read";
 * a changed header never exits 0; bounds come before sizes, so a vocabulary over
-  :data:`~comparator.logprobs.sources.limits.MAX_VOCAB` is named as such, sizes agreeing or not;
+  :data:`~comparator.logprobs.sources.input_caps.MAX_VOCAB` is named as such, sizes agreeing or not;
 * a token changed past position 0 exits 2 (a mismatch, or an id outside the vocabulary);
   position 0 is never compared (llama-perplexity feeds BOS there), so a valid id there exits 0;
 * a NaN, infinite or negative stored scale or offset exits 2; any other change of a row's
@@ -36,7 +36,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from comparator.cli.main import main
-from comparator.logprobs.sources.limits import MAX_KLD_POSITIONS, MAX_VOCAB
+from comparator.logprobs.sources.input_caps import MAX_KLD_POSITIONS, MAX_VOCAB
 from comparator.logprobs.sources.llama_kld import MAGIC, KldFile, KldHeader, is_kld_file, read_header, write_kld
 from dumper.errors import CorruptDumpError
 from tests.conftest import prompt_ids, tiny_llama

@@ -25,7 +25,8 @@ from comparator.logprobs.kl_stream import stream_kl
 from comparator.logprobs.sources.llama_kld import RANGE, KldFile, chunk_prompts, write_kld
 from comparator.logprobs.llama_stats import llama_stats, mean_se
 from comparator.logprobs import UNKNOWN_TOKEN, LogprobVerdict, align_samples
-from comparator.logprobs.sources import compare_logprob_sources, read_logprob_source
+from comparator.logprobs.judge import compare_logprob_sources
+from comparator.logprobs.sources import read_logprob_source
 from dumper.errors import CorruptDumpError, DriftscopeError
 from tests.conftest import run_cli
 from tests.engine_models import CORPUS, build_checkpoint, engine_missing, llama_tool, to_gguf

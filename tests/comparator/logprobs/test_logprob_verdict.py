@@ -9,6 +9,7 @@ import torch
 
 from comparator import compare_dumps
 from comparator.logprobs.sources import read_logprob_source
+from comparator.reports.files import json_text
 from dumper.jobs.run import LogprobSpec, RunConfig, dump_sequences, run_dump
 from tests.conftest import tiny_llama
 
@@ -57,7 +58,7 @@ def test_divergence_that_reaches_the_output(base, tmp_path):
     assert v is not None and not v.passed and "kl_max" in v.failures()
     assert v.kl_max.value > 1e-4 and v.kl_max.request in ("0", "1") and v.kl_max.position >= 1
     assert v.max_abs_err.value == pytest.approx(max(abs(d) for s in _deltas(base, tmp_path / "bad") for d in s))
-    data = json.loads(report.dumps())
+    data = json.loads(json_text(report))
     assert LOGPROB_KEYS <= set(data["logprobs"]) and data["logprobs"]["passed"] is False
 
 

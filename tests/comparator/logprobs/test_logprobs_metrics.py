@@ -10,11 +10,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from comparator.judging.logprob_metrics import metric_names
+from comparator.judging.logprob_thresholds import LogprobThresholds, load_threshold_table, logprob_env_thresholds
 from comparator.logprobs import (
-    THRESHOLD_NAMES,
     UNKNOWN_TOKEN,
     Located,
-    LogprobThresholds,
     LogprobVerdict,
     SequenceLogprobs,
     align_samples,
@@ -23,8 +23,6 @@ from comparator.logprobs import (
     k3_stats,
     kl_percentiles,
     kl_rows,
-    load_threshold_table,
-    logprob_env_thresholds,
     top1_agreement,
     topk_errors,
 )
@@ -328,7 +326,7 @@ def test_verdict_json_contract_and_round_trip():
                          tgt_logits={"a": (np.array([1, 2]), la + 0.01 * rng.normal(size=la.shape))})
     d = v.to_json()
     assert set(d) == VERDICT_KEYS
-    assert set(d["thresholds"]) == set(THRESHOLD_NAMES) and d["thresholds"]["mse"] == 1e-3
+    assert set(d["thresholds"]) == set(metric_names()) and d["thresholds"]["mse"] == 1e-3
     assert set(d["max_abs_err"]) == set(d["k3_max"]) == set(d["kl_max"]) == {"value", "sample", "position"}
     assert d["passed"] is True and isinstance(d["compared_positions"], int) and d["unmatched_target"] == ["z"]
     assert LogprobVerdict.from_json(json.loads(json.dumps(d))) == v
@@ -385,6 +383,6 @@ def test_shipped_threshold_table():
     assert {"default", "tiny-llama", "tiny-qwen2"} <= set(tab)
     d = LogprobThresholds.resolve(env={})
     assert d.k3_mean == 1e-3 and d.kl_mean == 1e-3
-    assert all(getattr(d, n) is not None for n in THRESHOLD_NAMES)
+    assert all(getattr(d, n) is not None for n in metric_names())
     tiny = LogprobThresholds.resolve("tiny-llama", env={})
     assert tiny.k3_mean is not None and tiny.k3_mean < d.k3_mean

@@ -16,7 +16,9 @@ from transformers import DynamicCache
 
 import dumper
 from comparator import CompareConfig, compare_dumps
-from comparator.noise.model import DEFAULT_FACTOR, NoiseModel
+from comparator.judging.noise_thresholds import DEFAULT_FACTOR
+from comparator.noise.file import load_noise
+from comparator.reports.files import json_text
 from tests.conftest import prompt_ids, run_cli, tiny_llama
 
 N_TOKENS = 256
@@ -73,7 +75,7 @@ def test_a_benign_layout_not_used_for_calibration_passes(fp32, bf16, dtype):
     rc, report, out = _judge(dumps["base"], dumps["chunked-sdpa"], "--noise", noise)
     assert rc == 0, out
     assert report["noise"] == str(noise) and all(t["noise_ratio"] is not None for t in report["tensors"])
-    model = NoiseModel.load(noise)
+    model = load_noise(noise)
     assert len(model.variants) == 2 and len(model.tensors) == 8
     assert all(t.positions == 2 * N_TOKENS for t in model.tensors.values())
     if dtype == "bfloat16":  # real noise, well above the floor: the thresholds come from it
@@ -117,7 +119,7 @@ def _bump_after_layer(model, k, token, size, seed=1):
 
 def test_bf16_one_token_change_just_above_noise_fails_only_against_noise(bf16, tmp_path):
     dumps, noise, ids = bf16
-    model_noise = NoiseModel.load(noise)
+    model_noise = load_noise(noise)
     token_noise = model_noise.tensor("model.layers.3.self_attn.input").token_max
     model, _ = tiny_llama("eager", "bfloat16")
     # rel_diff of a row x + d, |d| = s|x|: about s^2 / 2; aim at 5x the largest per-token noise
@@ -192,7 +194,7 @@ def test_explicit_fixed_thresholds_still_apply_on_top(bf16):
     dumps, noise, _ = bf16
     rc, report, out = _judge(dumps["base"], dumps["chunked-sdpa"], "--noise", noise, "--token-threshold", "1e-9")
     assert rc == 1 and all(t["token_threshold"] <= 1e-9 for t in report["tensors"]), out
-    lenient = compare_dumps(dumps["base"], dumps["chunked-sdpa"], CompareConfig(noise=NoiseModel.load(noise)))
+    lenient = compare_dumps(dumps["base"], dumps["chunked-sdpa"], CompareConfig(noise=load_noise(noise)))
     assert lenient.passed
 
 
@@ -213,7 +215,7 @@ def test_calibrate_from_engine_jsonl_judges_logprobs(tmp_path):
     v1, v2 = write_jsonl(tmp_path / "v1.jsonl", shifted(1e-6)), write_jsonl(tmp_path / "v2.jsonl", shifted(-2e-6))
     r = run_cli("comparator", "calibrate", base, v1, v2, "--out", tmp_path / "n.json", "--quiet")
     assert r.returncode == 0 and "noise of logprobs" in r.stdout, r.stderr
-    noise = NoiseModel.load(tmp_path / "n.json")
+    noise = load_noise(tmp_path / "n.json")
     assert not noise.tensors and noise.logprobs.variants == 2 and noise.logprobs.metrics["max_abs_err"] == \
         pytest.approx(2e-6, rel=1e-3)
     bad = write_jsonl(tmp_path / "bad.jsonl", shifted(1e-2))
@@ -235,9 +237,9 @@ def test_reports_with_and_without_noise_round_trip_through_json(fp32, tmp_path):
         else out.__setitem__((0, 33, 7), float("nan")))
     bad = _dump(model, ids, tmp_path / "nan")
     handle.remove()
-    for config in (CompareConfig(), CompareConfig(noise=NoiseModel.load(noise))):
+    for config in (CompareConfig(), CompareConfig(noise=load_noise(noise))):
         report = compare_dumps(dumps["base"], bad, config)
-        back = Report.from_json(json.loads(report.dumps()))
+        back = Report.from_json(json.loads(json_text(report)))
         assert back.tensors == report.tensors and back.first_divergent == report.first_divergent
         nan_layer = [t for t in back.tensors if t.layer == 5]
         if config.noise is None:

@@ -17,11 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from comparator.noise.logprobs import DEFAULT_LOGPROB_FLOORS, Z_SIGNIFICANT, resolve_logprob_thresholds
+from comparator.judging.logprob_metrics import default_floors
+from comparator.judging.logprob_noise import Z_SIGNIFICANT
+from comparator.judging.noise_thresholds import resolve_logprob_thresholds
 from comparator.logprobs import LogprobVerdict
-from comparator.noise.model import NoiseModel
+from comparator.noise.file import load_noise
 from comparator.outcome import format_float
-from comparator.logprobs.sources import compare_logprob_sources
+from comparator.logprobs.judge import compare_logprob_sources
 from dumper.errors import UsageError
 from dumper.jobs.presets import load_model
 from dumper.jobs.run import LogprobSpec, RunConfig, dump_sequences, prompt_token_ids, run_dump
@@ -94,7 +96,7 @@ def test_final_norm_change_fails_against_noise_at_the_next_position(runs: Path) 
     assert 1e-3 < v["max_abs_err"]["value"] < 5e-3 and v["kl_max"]["position"] == ROW + 1
     assert v["max_abs_err"]["value"] > 1000 * noise["metrics"]["max_abs_err"]  # ~4000x the benign float32 ulp
     entry = v["noise"]["metrics"]["max_abs_err"]
-    assert entry["floor"] == DEFAULT_LOGPROB_FLOORS["max_abs_err"] and entry["ratio"] > v["noise"]["factor"]
+    assert entry["floor"] == default_floors()["max_abs_err"] and entry["ratio"] > v["noise"]["factor"]
     assert v["thresholds"]["max_abs_err"] == max(entry["floor"], v["noise"]["factor"] * entry["noise"])
     assert entry["noise"] < entry["floor"]  # float32 noise is a few ulps, whatever the CPU's kernels give
     shown = f"x floor (noise {format_float(entry['noise'])})"  # the measured noise, as this machine measured it
@@ -187,11 +189,11 @@ def test_unusable_noise_files_and_flags_exit_2_with_one_line(runs: Path, tmp_pat
 
 
 def test_thresholds_from_noise_with_explicit_ones_on_top(runs: Path) -> None:
-    noise = NoiseModel.load(runs / "float32.noise.json").logprobs
+    noise = load_noise(runs / "float32.noise.json").logprobs
     assert noise is not None and set(noise.means) == {"mean_abs_err", "k3_mean", "kl_mean"}
     t = resolve_logprob_thresholds("tiny-llama", noise=noise, factor=10.0, env={})
     assert t.max_abs_err == max(1e-4, 10 * noise.metrics["max_abs_err"]) and t.basis is not None
-    assert t.kl_mean == DEFAULT_LOGPROB_FLOORS["kl_mean"]  # 10 x 1.4e-15 is under the floor
+    assert t.kl_mean == default_floors()["kl_mean"]  # 10 x 1.4e-15 is under the floor
     t = resolve_logprob_thresholds("tiny-llama", noise=noise, factor=10.0, floors={"max_abs_err": 1e-7},
                                    explicit={"kl_max": 1e-20, "mse": 1.0, "topk_max_err": None}, env={})
     assert t.max_abs_err == pytest.approx(10 * noise.metrics["max_abs_err"])  # the floor lowered below 10 x noise

@@ -1,8 +1,8 @@
 """Fuzzing the SGLang dump reader: real SGLang ``.pt`` files damaged byte by byte and structurally.
 
 Each case copies the committed SGLang dump (``tests/fixtures/sglang/clean``, written by sglang
-0.5.23's own dumper), damages one of its ``.pt`` files, and runs the README's command for SGLang
-dumps, ``python -m comparator HF_DUMP SGLANG_DIR --quiet``, in-process
+0.5.23's own dumper), damages one of its ``.pt`` files, and runs the command of docs/engines.md
+("SGLang dumps"), ``python -m comparator HF_DUMP SGLANG_DIR --quiet``, in-process
 (:func:`tests.fuzzing.run_main`). Every case holds to :func:`tests.fuzzing.check_outcome` (exit
 0, 1 or 2, no traceback, one line on exit 2, no control character on the terminal, nothing
 opened under the sentinel ``outside/``, traced memory bounded), and besides:

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from comparator import CompareConfig, compare_dumps
-from comparator.hidden.identity import IDENTITY_FIELDS
+from comparator.judging.identity import IDENTITY_FIELDS
 from dumper.engines.sglang import convert_sglang_dump, is_sglang_dump, open_dump_side
 from dumper.errors import CorruptDumpError, DumpError, ModelMismatchError, UsageError
 from dumper.format import load_manifest

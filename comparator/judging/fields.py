@@ -1,4 +1,4 @@
-"""Exact-type reads of NOISE.json's fields, for the readers of :mod:`comparator.noise.model` and ``.logprobs``.
+"""Exact-type reads of NOISE.json's fields, for the readers in :mod:`comparator.judging.noise` and ``.logprob_noise``.
 
 A noise file is input from outside (a hand edit, another version, an attacker) and it decides
 what passes, so it is read like a manifest (:mod:`dumper.format.validate`): required keys and
@@ -11,7 +11,7 @@ every noise reader shares live here too: :data:`REL_DIFF_MAX` (a larger noise is
 
 Example::
 
-    from comparator.noise.fields import integer, number, record
+    from comparator.judging.fields import integer, number, record
     d = record(raw, "NOISE.json", "logprobs.means.k3_mean", ("mean", "se", "positions"))
     se = number(d["se"], "NOISE.json", "logprobs.means.k3_mean.se")          # 1e-9; "1e-9" or true raise
     positions = integer(d["positions"], "NOISE.json", "logprobs.means.k3_mean.positions")

@@ -19,7 +19,7 @@ an unknown mode and gets no mode note. Manifests are user files: a value of the 
 
 Example::
 
-    from comparator.hidden.runmode import run_mode, run_mode_notes
+    from comparator.judging.runmode import run_mode, run_mode_notes
     run_mode(manifest).describe()          # 'compiled (vLLM, CUDA graphs)'
     run_mode_notes(base_manifest, target_manifest)
 """

@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 import torch
 
-from comparator.logprobs.sources import compare_logprob_sources
+from comparator.logprobs.judge import compare_logprob_sources
 from comparator.noise.calibrate import calibrate
-from comparator.noise.logprobs import Z_SIGNIFICANT, MeanTest, MetricNoise, NoiseCheck
+from comparator.judging.logprob_noise import Z_SIGNIFICANT, MeanTest, MetricNoise, NoiseCheck
 from dumper.jobs.presets import load_model
 from dumper.jobs.run import LogprobSpec, RunConfig, dump_sequences, prompt_token_ids, run_dump
 

@@ -1,4 +1,4 @@
-"""The one threshold parser (:mod:`comparator.thresholds`) and the places that read thresholds through it."""
+"""The one threshold parser (:mod:`comparator.judging.values`) and the places that read thresholds through it."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 from dumper.errors import UsageError
 
 from comparator.cli.args import logprob_thresholds
-from comparator.logprobs import LogprobThresholds, load_threshold_table, logprob_env_thresholds
-from comparator.noise.model import parse_noise_floor
-from comparator.thresholds import parse_assignments, parse_threshold
+from comparator.judging.logprob_thresholds import LogprobThresholds, load_threshold_table, logprob_env_thresholds
+from comparator.judging.noise_thresholds import parse_noise_floor
+from comparator.judging.values import parse_assignments, parse_threshold
 
 
 @pytest.mark.parametrize("raw, want", [("1e-3", 1e-3), (" 0.5 ", 0.5), ("0", 0.0), (2, 2.0), (0.25, 0.25),

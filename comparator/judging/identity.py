@@ -16,7 +16,7 @@ differs by the weights, and that difference, measured as noise, would excuse rea
 
 Example::
 
-    from comparator.hidden.identity import check_identity
+    from comparator.judging.identity import check_identity
     notes = check_identity(base_manifest, target_manifest, allow_mismatch=False)
 """
 
@@ -30,7 +30,7 @@ from typing import Any
 from dumper.errors import ModelMismatchError, UsageError
 from dumper.format import Manifest
 
-from comparator.hidden.runmode import run_mode_notes
+from comparator.judging.runmode import run_mode_notes
 
 __all__ = ["IDENTITY_FIELDS", "REPORTED_FIELDS", "IdentityDifference", "identity_differences", "weights_differences",
            "check_identity", "check_variant", "check_distinct"]
@@ -86,7 +86,7 @@ def check_identity(baseline: Manifest, target: Manifest, *, allow_mismatch: bool
 
     With ``allow_mismatch`` the differences become notes instead. A different ``weights_hash``
     is always a note, and so are the engines and how each side ran
-    (:func:`comparator.hidden.runmode.run_mode_notes`): every note about the two dumps is made here.
+    (:func:`comparator.judging.runmode.run_mode_notes`): every note about the two dumps is made here.
     """
     diffs = identity_differences(baseline, target)
     if diffs and not allow_mismatch:

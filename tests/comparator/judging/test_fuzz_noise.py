@@ -25,7 +25,6 @@ the comparator in a child process on the largest hostile noise files.
 from __future__ import annotations
 
 import copy
-import hashlib
 import itertools
 import json
 import math
@@ -41,9 +40,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from comparator.cli.main import main as compare_main
-from comparator.noise.model import MAX_NOISE_BYTES, NoiseModel
+from comparator.noise.file import MAX_NOISE_BYTES, load_noise
 from comparator.store.errors import StoreError
 from comparator.store.record import StoredNoise
+from comparator.store.types import Calibration
 from dumper.format import load_manifest
 from dumper.format.files import JSON_MEMORY_BUDGET, is_text, json_memory_bound, printable
 from dumper.jobs.run import LogprobSpec, RunConfig, run_dump
@@ -406,13 +406,12 @@ def test_the_store_reads_noise_with_the_same_reader(world: World) -> None:
              "logprob variants 1.0": lambda d: d["logprobs"].__setitem__("variants", 1.0)}
     for label, edit in cases.items():
         raw = _edited(world, edit).read_bytes()
-        calibration = {"variants": 1, "sha256": hashlib.sha256(raw).hexdigest()}
         with pytest.raises(StoreError) as e:
-            StoredNoise.parse(raw, calibration, "store/runs/r/noise.json")
+            StoredNoise.parse(raw, Calibration.of(raw, variants=1, measured_on="r"), "store/runs/r/noise.json")
         assert str(e.value).startswith("store/runs/r/noise.json: ") and "\n" not in str(e.value), (label, e.value)
     raw = world.noise.read_bytes()
-    good = StoredNoise.parse(raw, {"variants": 1, "sha256": hashlib.sha256(raw).hexdigest()}, "noise.json")
-    assert good.noise == NoiseModel.load(world.noise)
+    good = StoredNoise.parse(raw, Calibration.of(raw, variants=1, measured_on="r"), "noise.json")
+    assert good.noise == load_noise(world.noise)
 
 
 def test_calibrate_refuses_a_variant_with_other_weights(world: World, tmp_path: Path) -> None:
@@ -427,7 +426,7 @@ def test_calibrate_refuses_a_variant_with_other_weights(world: World, tmp_path: 
     hashes = [load_manifest(p).model["weights_hash"] for p in (world.base, world.other)]
     assert json.loads(out.read_text())["model_mismatch"] == [
         {"variant": str(world.other), "field": "weights_hash", "baseline": hashes[0], "target": hashes[1]}]
-    noise = NoiseModel.load(out)
+    noise = load_noise(out)
     assert noise.to_json() == json.loads(out.read_text()) and len(noise.model_mismatch) == 1
     o, report = world.judge(out)  # the other weights' difference became noise: it excuses itself, and says so
     assert report is not None and any("--allow-model-mismatch" in w for w in report["warnings"]), o.err

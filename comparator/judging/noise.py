@@ -1,64 +1,43 @@
-"""Measured noise: what benign variation looks like for one baseline, and thresholds derived from it.
+"""Measured noise as a value: what benign variation looks like for one baseline (the content of NOISE.json).
 
-A noise file (``NOISE.json``, written by ``python -m comparator calibrate``) holds, per captured
-tensor name (one layer and capture point), the largest whole-tensor rel_diff and the per-token
-rel_diff distribution (max, p99.9, p99) that benign re-runs of the baseline's inputs showed, plus
-the logprob metrics of the same re-runs (:mod:`comparator.noise.logprobs`). A comparison judged
-against it fails a tensor when
-
-    rel_diff           > max(floor, factor * noise rel_diff)        or
-    per-token rel_diff > max(floor, factor * noise per-token max)
-
-with ``factor`` :data:`DEFAULT_FACTOR` (3) and ``floor`` :data:`DEFAULT_FLOOR` (``--noise-factor``,
-``--noise-floor``); fixed thresholds given explicitly still apply on top. Values are also
-reported as multiples of the noise, ``value / max(noise, floor)``.
+A noise file (``NOISE.json``, written by ``python -m comparator calibrate``, read and written by
+:mod:`comparator.noise.file`) holds, per captured tensor name (one layer and capture point), the
+largest whole-tensor rel_diff and the per-token rel_diff distribution (max, p99.9, p99) that benign
+re-runs of the baseline's inputs showed, plus the logprob metrics of the same re-runs
+(:class:`~comparator.judging.logprob_noise.LogprobNoise`). Thresholds derived from it are
+:mod:`comparator.judging.noise_thresholds`.
 
 The file is untrusted input, read by :meth:`NoiseModel.from_json` alone (``--noise`` and the run
-store): exact types (:mod:`comparator.noise.fields`), each tensor once, every tensor noise value a
-rel_diff and so at most 2. Noise that is possible but would excuse what the fixed thresholds
-fail (a derived threshold over :data:`EXCESSIVE` x the fixed one) is a warning in the verdict
-(:func:`noise_warnings`), as is a calibration from variants of another model (``model_mismatch``).
+store): exact types (:mod:`comparator.judging.fields`), each tensor once, every tensor noise value a
+rel_diff and so at most 2. A calibration from variants of another model is recorded
+(``model_mismatch``) and becomes a warning of every verdict judged by it.
 
 Example::
 
-    from comparator.noise.model import NoiseModel
-    noise = NoiseModel.load("NOISE.json")
+    from comparator.noise.file import load_noise
+    noise = load_noise("NOISE.json")
     noise.tensor("model.layers.3.self_attn.input").token_max
 """
 
 from __future__ import annotations
 
-import math
-import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from dumper.errors import CorruptDumpError, DumpError, UsageError
-from dumper.format import Manifest, write_json_atomic
-from dumper.format.files import parse_json, read_regular_file, show
+from dumper.errors import CorruptDumpError, UsageError
+from dumper.format import Manifest
+from dumper.format.files import show
 from dumper.format.validate import check_model
 
-from comparator.hidden.identity import IDENTITY_FIELDS, REPORTED_FIELDS, IdentityDifference
 from comparator.jsonfloat import to_json_float
-from comparator.noise.fields import EXCESSIVE, REL_DIFF_MAX, bad, integer, items, number, record, text
-from comparator.noise.logprobs import LogprobNoise
-from comparator.thresholds import parse_assignments
+from comparator.judging.fields import REL_DIFF_MAX, bad, integer, items, number, record, text
+from comparator.judging.identity import IDENTITY_FIELDS, REPORTED_FIELDS, IdentityDifference
+from comparator.judging.logprob_noise import LogprobNoise
 
-__all__ = ["NOISE_FORMAT", "DEFAULT_FACTOR", "DEFAULT_FLOOR", "EXCESSIVE", "MAX_NOISE_BYTES", "TensorNoise",
-           "NoiseModel", "Limits", "noise_warnings", "parse_noise_floor", "check_noise_factor"]
+__all__ = ["NOISE_FORMAT", "TensorNoise", "NoiseModel"]
 
 NOISE_FORMAT = "driftscope-noise/1"
-DEFAULT_FACTOR = 3.0
-"""Safety factor over the calibrated noise. A benign layout not used for calibration reached at
-most 1.14x the calibrated maximum on the presets (README, "Calibrated verdicts"); 3x leaves 2.6x
-room for that and still fails a change at 4x the noise."""
-DEFAULT_FLOOR = 1e-12
-"""Absolute rel_diff floor: a threshold never drops below it, so a calibration of bit-identical
-re-runs (noise 0) still passes float32 rounding of the same computation (about 1e-14)."""
-MAX_NOISE_BYTES = 64 << 20
-"""Largest noise file read (``--noise`` and the run store's ``noise.json``); a few KiB per tensor when sound."""
 _MATCH_FIELDS = ("architecture", "num_layers", "hidden_size", "config_hash", "weights_hash")
 _TOP_KEYS = ("format", "baseline", "variants", "model", "dtype", "tensors", "logprobs")
 _TENSOR_KEYS = ("name", "layer", "point", "rel_diff", "token_max", "token_p999", "token_p99", "positions",
@@ -120,7 +99,7 @@ class NoiseModel:
     dtype: str | None = None
     model_mismatch: tuple[tuple[str, IdentityDifference], ...] = ()
     """(variant, difference) of each variant calibrated with ``--allow-model-mismatch`` although it is
-    not a re-run of the baseline's model (:func:`comparator.hidden.identity.check_variant`)."""
+    not a re-run of the baseline's model (:func:`comparator.judging.identity.check_variant`)."""
     source: str | None = field(default=None, compare=False)
     """The file it was read from (not stored)."""
 
@@ -160,7 +139,8 @@ class NoiseModel:
 
     @classmethod
     def from_json(cls, d: Any, where: str) -> NoiseModel:
-        """The one reader of a noise file's JSON (:meth:`load`, the run store), with the rules of the module doc."""
+        """The one reader of a noise file's JSON (:func:`comparator.noise.file.load_noise`, the run store), with the
+        rules of the module doc."""
         if type(d) is not dict or d.get("format") != NOISE_FORMAT:
             raise UsageError(f"{where}: not a driftscope noise file (expected \"format\": {NOISE_FORMAT!r}); "
                              "write one with python -m comparator calibrate")
@@ -187,27 +167,6 @@ class NoiseModel:
                    model=model, dtype=text(d["dtype"], where, "dtype", null=True),
                    model_mismatch=_mismatch_from_json(d.get("model_mismatch", []), set(variants), where), source=where)
 
-    def save(self, path: str | os.PathLike[str]) -> None:
-        """Write atomically (temp file + rename)."""
-        try:
-            write_json_atomic(path, self.to_json())
-        except OSError as e:
-            raise UsageError(f"{path}: cannot write the noise file ({e.strerror})") from None
-
-    @classmethod
-    def load(cls, path: str | os.PathLike[str]) -> NoiseModel:
-        """Read and validate a noise file; any problem is a one-line :class:`UsageError` naming it.
-
-        Read as untrusted (:func:`~dumper.format.files.read_regular_file`): a FIFO or a device is refused
-        without blocking, a file over :data:`MAX_NOISE_BYTES` before it is read; then :meth:`from_json`.
-        """
-        where = str(path)
-        try:  # the bytes go straight to the parser, which drops them once decoded
-            d = parse_json(read_regular_file(Path(path), MAX_NOISE_BYTES, "noise file"), where, "noise file")
-        except DumpError as e:  # the reader's one-line message, as a usage error
-            raise UsageError(str(e)) from None
-        return cls.from_json(d, where)
-
 
 def _identity_value(v: Any, where: str, field: str) -> Any:
     """A model identity value: a string or an integer (the types of :func:`dumper.format.validate.check_model`)."""
@@ -228,66 +187,3 @@ def _mismatch_from_json(v: Any, variants: set[str], where: str) -> tuple[tuple[s
         out.append((variant, IdentityDifference(e["field"], _identity_value(e["baseline"], where, f"{at}.baseline"),
                                                 _identity_value(e["target"], where, f"{at}.target"))))
     return tuple(out)
-
-
-@dataclass(frozen=True)
-class Limits:
-    """The thresholds one tensor is judged by, and the noise they came from (None: fixed thresholds)."""
-
-    threshold: float
-    token_threshold: float
-    noise: TensorNoise | None = None
-    floor: float = DEFAULT_FLOOR
-
-    def ratios(self, rel_diff: float, token_max: float) -> tuple[float | None, float | None]:
-        """``(noise_ratio, token_noise_ratio)``: the values as multiples of ``max(noise, floor)``."""
-        if self.noise is None:
-            return None, None
-        return (_ratio(rel_diff, max(self.noise.rel_diff, self.floor)),
-                _ratio(token_max, max(self.noise.token_max, self.floor)))
-
-
-def _ratio(value: float, noise: float) -> float:
-    return math.inf if math.isnan(value) else value / noise
-
-
-def noise_warnings(noise: NoiseModel, limits: Mapping[str, Limits], fixed: tuple[float, float]) -> tuple[str, ...]:
-    """What a verdict judged against ``noise`` must warn about.
-
-    A calibration across models (:meth:`NoiseModel.mismatch_warning`), and the tensors whose
-    thresholds (``limits``, by name, of the tensors judged) derived from noise exceed
-    :data:`EXCESSIVE` x the ``fixed`` (rel_diff, per-token) thresholds they replace: such noise lets
-    pass what the fixed thresholds fail (a noise value of 1 passes unrelated tensors).
-    """
-    out = [w for w in (noise.mismatch_warning(),) if w is not None]
-    calibrated = {n: lim for n, lim in limits.items() if lim.noise is not None}
-    over = [(n, lim) for n, lim in calibrated.items()
-            if lim.threshold > EXCESSIVE * fixed[0] or lim.token_threshold > EXCESSIVE * fixed[1]]
-    if over:
-        name, lim = over[0]
-        out.append(f"{noise.source or 'the noise'}: the noise-derived thresholds of {len(over)} of {len(calibrated)} "
-                   f"calibrated tensors are over {EXCESSIVE:g}x the fixed thresholds they replace (e.g. {name}: "
-                   f"rel_diff <= {lim.threshold:.3g}, per-token <= {lim.token_threshold:.3g}; fixed {fixed[0]:g} and "
-                   f"{fixed[1]:g}): differences the fixed thresholds fail pass; recalibrate from benign re-runs")
-    return tuple(out)
-
-
-def noise_limits(noise: TensorNoise, factor: float, floor: float, fixed: tuple[float, float] | None) -> Limits:
-    """Thresholds from one tensor's noise; ``fixed`` (explicit thresholds) apply on top."""
-    threshold = max(floor, factor * noise.rel_diff)
-    token = max(floor, factor * noise.token_max)
-    if fixed is not None:
-        threshold, token = min(threshold, fixed[0]), min(token, fixed[1])
-    return Limits(threshold, token, noise, floor)
-
-
-def check_noise_factor(factor: float) -> float:
-    if not (isinstance(factor, (int, float)) and math.isfinite(factor) and factor >= 1):
-        raise UsageError(f"--noise-factor must be a finite number >= 1, got {factor!r}")
-    return float(factor)
-
-
-def parse_noise_floor(items: Sequence[str]) -> dict[str, float]:
-    """``--noise-floor VALUE`` (rel_diff) or ``--noise-floor NAME=VALUE`` (a logprob metric) items."""
-    floors = parse_assignments(items, flag="--noise-floor", default_name="rel_diff")
-    return {name: v for name, v in floors.items() if v is not None}  # None only comes with allow_off
