@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from comparator.logprobs import Located, LogprobVerdict
-    from comparator.results import FirstDivergence, Report
+    from comparator.hidden.types import FirstDivergence, Report
 
 __all__ = ["PASS", "FAIL", "DIVERGED", "UNUSABLE", "BOOTSTRAP", "Outcome", "status", "headline", "clause",
            "sentence", "assertion_head", "describe_divergence", "threshold_summary", "verdict_notes",

@@ -39,14 +39,15 @@ from comparator.hidden.align import (
 )
 from comparator.config import CompareConfig
 from comparator.hidden.heatmap import token_heatmap
-from comparator.hidden.identity import check_distinct, check_identity
+from comparator.judging.identity import check_distinct, check_identity
 from comparator.hidden.localize import FailingTokens, first_divergence, layer_amplification, locate_onset
 from comparator.logprobs import LogprobVerdict
 from comparator.hidden.metrics import PairStats, StatsAccumulator, pair_stats
 from comparator.hidden.replicas import ReplicaView, as_rank, check_replicas
 from comparator.hidden.subset import SUBSET_NOTE, relabel_sequences, subset_baseline, subset_logprobs
-from comparator.results import Report, TensorComparison
-from comparator.logprobs.sources import dump_logprobs, judge_sources
+from comparator.hidden.types import Report, TensorComparison
+from comparator.logprobs.judge import judge_sources
+from comparator.logprobs.sources.dump import dump_logprobs
 
 __all__ = ["compare_dumps"]
 
@@ -77,11 +78,11 @@ def _chunk_note(pos: int, segs: list[Segment], side: str) -> str | None:
     return None
 
 
-def _verdict(stats: PairStats, config: CompareConfig, *, name: str, layer: int | None, forward_pass: int,
+def _judge_tensor(stats: PairStats, config: CompareConfig, *, name: str, layer: int | None, forward_pass: int,
              rank: int, shape: tuple[int, ...], positions: np.ndarray | None, sequences: np.ndarray | None,
              sequence: int | None, notes: Callable[[int], str | None] | None = None) -> TensorComparison:
     token = stats.token_rel_diff
-    limits = config.limits(name)
+    limits = config.noise_limits_of(name)
     failing = np.flatnonzero(~(token <= limits.token_threshold))  # NaN counts as failing
     first_row = worst_row = first_tok = worst_tok = first_seq = None
     note = None
@@ -158,7 +159,7 @@ def _compare_logical(base: LogicalTensor, target: LogicalTensor, br: DumpReader,
         return _chunk_note(pos, target.segments(pieces[0].target_rank), "target") or \
             _chunk_note(pos, base.segments(pieces[0].base_rank), "baseline")
 
-    return _verdict(stats, config, name=base.name, layer=base.layer, forward_pass=first.forward_pass,
+    return _judge_tensor(stats, config, name=base.name, layer=base.layer, forward_pass=first.forward_pass,
                     rank=rank, shape=(int(positions.size), width), positions=positions, sequences=None,
                     sequence=base.sequence, notes=notes), (stats.token_rel_diff, positions, None)
 
@@ -172,7 +173,7 @@ def _compare_records(b: TensorRecord, t: TensorRecord, br: DumpReader, tr: DumpR
             f"but the baseline {br.directory / b.file} has {list(b.shape)}; these dumps cannot be aligned")
     stats = pair_stats(br.array(b), tr.array(t), b.dtype, t.dtype, threads=config.threads)
     sequences, positions = b.row_sequence_ids(), b.row_positions()
-    return _verdict(stats, config, name=b.name, layer=b.layer, forward_pass=b.forward_pass, rank=b.rank,
+    return _judge_tensor(stats, config, name=b.name, layer=b.layer, forward_pass=b.forward_pass, rank=b.rank,
                     shape=b.shape, positions=positions, sequences=sequences, sequence=None), \
         (stats.token_rel_diff, positions, sequences)
 
@@ -376,9 +377,10 @@ def _logprob_verdict(br: DumpReader, tr: DumpReader, config: CompareConfig) -> t
         return None, [], []
     if config.subset:
         base = subset_logprobs(base, targ)
-    return judge_sources(base, targ, model=config.model, explicit=dict(config.logprob_thresholds),
-                         noise=config.noise.logprobs if config.noise is not None else None,
-                         noise_factor=config.noise_factor, noise_floors=dict(config.noise_floors))
+    judged = judge_sources(base, targ, model=config.model, explicit=dict(config.logprob_thresholds),
+                           noise=config.noise.logprobs if config.noise is not None else None,
+                           noise_factor=config.noise_factor, noise_floors=dict(config.noise_floors))
+    return judged.verdict, list(judged.only_baseline), list(judged.only_target)
 
 
 def _logical_label(key: LogicalKey) -> str:

@@ -25,7 +25,7 @@ import numpy as np
 
 from comparator.hidden.align import LogicalKey, LogicalTensor, Segment, positions_of
 from comparator.hidden.metrics import PairStats
-from comparator.results import FirstDivergence, Heatmap
+from comparator.hidden.types import FirstDivergence, Heatmap
 
 __all__ = ["WINDOW", "BEFORE", "token_heatmap", "clip_logical", "window_runs", "window_positions"]
 

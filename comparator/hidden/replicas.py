@@ -27,7 +27,7 @@ from dumper.format import DumpReader
 from comparator.config import CompareConfig
 from comparator.hidden.align import LogicalKey, LogicalTensor, replica_view
 from comparator.hidden.metrics import pair_stats
-from comparator.results import ReplicaMismatch
+from comparator.hidden.types import ReplicaMismatch
 
 __all__ = ["ReplicaView", "check_replicas", "as_rank"]
 

@@ -1,14 +1,16 @@
 """The report as data files: JSON (the public contract), and the per-tensor table as CSV or Parquet.
 
 Every file is written atomically (temp file, fsync, rename): a reader never sees half a report.
-:meth:`Report.write_json <comparator.results.Report.write_json>` and ``write_csv`` delegate here.
+The report carries no renderer: these functions take it (its JSON is :meth:`Report.to_json
+<comparator.hidden.types.Report.to_json>`, read back by :func:`comparator.results.load_report`).
 
 Example::
 
     from comparator import compare_dumps
-    from comparator.reports.files import write_csv, write_json, write_parquet
+    from comparator.reports.files import json_text, write_csv, write_json, write_parquet
     report = compare_dumps("dumps/eager", "dumps/sdpa")
     write_json(report, "report.json")
+    print(json_text(report))                  # the same JSON, as text (``--format json``)
     write_csv(report, "tensors.csv")          # one row per tensor, each metric a column
     write_parquet(report, "tensors.parquet")  # the same table (needs pyarrow)
 """
@@ -16,6 +18,7 @@ Example::
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -25,7 +28,12 @@ from dumper.format import atomic_path, write_json_atomic
 if TYPE_CHECKING:
     from comparator.results import Report
 
-__all__ = ["write_json", "tensor_frame", "write_csv", "write_parquet", "need_pyarrow"]
+__all__ = ["json_text", "write_json", "tensor_frame", "write_csv", "write_parquet", "need_pyarrow"]
+
+
+def json_text(report: Report) -> str:
+    """:meth:`Report.to_json <comparator.results.Report.to_json>` as text, the bytes :func:`write_json` writes."""
+    return json.dumps(report.to_json(), indent=1, allow_nan=False)
 
 
 def write_json(report: Report, path: str | os.PathLike[str]) -> None:

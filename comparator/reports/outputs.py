@@ -34,7 +34,7 @@ from dumper.errors import UsageError
 from dumper.format import Manifest, load_manifest
 from dumper.progress import ProgressFn, progress_bar
 
-from comparator.reports.files import need_pyarrow, write_parquet
+from comparator.reports.files import json_text, need_pyarrow, write_parquet
 from comparator.reports.markdown import to_markdown, write_markdown
 from comparator.results import Report
 
@@ -133,7 +133,7 @@ def write_outputs(report: Report, args: argparse.Namespace, baseline_dir: str | 
     """
     out = stdout or sys.stdout
     if getattr(args, "format", "table") == "json":
-        out.write(report.dumps() + "\n")
+        out.write(json_text(report) + "\n")
     dumps = Dumps(baseline_dir, target_dir)
     for fmt in OUTPUT_FORMATS.values():
         path = getattr(args, fmt.dest, None)

@@ -41,6 +41,7 @@ import numpy as np
 from comparator.config import CompareConfig
 from comparator.hidden.compare import compare_dumps
 from comparator.outcome import Outcome, clause, status
+from comparator.reports.files import write_json
 from comparator.results import Report
 from dumper.engines import RunDump, engine_runner
 from dumper.errors import DriftscopeError, UsageError
@@ -202,7 +203,7 @@ def _cache_hits(cell: Cell, manifest: Manifest) -> tuple[list[int] | None, list[
     return hits, reasons
 
 
-def _verdict(report: Report, reasons: list[str]) -> str:
+def _cell_word(report: Report, reasons: list[str]) -> str:
     if reasons:
         return status(False, reasons[0])
     if report.passed:
@@ -236,9 +237,9 @@ def run_cell(cell: Cell, cfg: SweepConfig, runner: RunDump, *, progress: Progres
     report = compare_dumps(cfg.baseline, cell.config.out, compare)
     path = Path(cfg.out) / cell.name / "report.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    report.write_json(path)
+    write_json(report, path)
     return CellResult(index=cell.index, settings=dict(cell.settings), passed=report.passed and not reasons,
-                      verdict=_verdict(report, reasons), report=str(path), dump=str(cell.config.out),
+                      verdict=_cell_word(report, reasons), report=str(path), dump=str(cell.config.out),
                       wall_s=time.perf_counter() - start, run_s=run_s, engine_reused=reused, reasons=tuple(reasons),
                       first_divergent=report.first_divergent, logprobs=_logprobs(cell, cfg, report),
                       cache_hits=None if hits is None else sum(hits),

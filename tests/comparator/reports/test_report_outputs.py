@@ -19,7 +19,7 @@ from rich.console import Console
 from comparator import compare_dumps
 from comparator.hidden.heatmap import BEFORE, WINDOW
 from comparator.reports.html import render_html, write_html
-from comparator.reports.files import write_parquet
+from comparator.reports.files import json_text, write_parquet
 from comparator.reports.markdown import to_markdown
 from comparator.reports.outputs import add_output_flags, check_output_flags, write_outputs
 from comparator.reports.plots import save_layer_plot
@@ -68,7 +68,7 @@ def test_heatmap_row_of_the_next_layer_peaks_at_the_bug_token(report):
 
 
 def test_json_keeps_every_key_and_adds_the_heatmap(report):
-    data = json.loads(report.dumps())
+    data = json.loads(json_text(report))
     assert {"passed", "threshold", "token_threshold", "matched", "unmatched_baseline", "unmatched_target",
             "first_divergent", "tensors", "logprobs", "replica_mismatches", "heatmap"} <= set(data)
     hm = data["heatmap"]
