@@ -30,17 +30,16 @@ from dumper.errors import UsageError
 from dumper.format.files import printable
 
 from comparator.config import CompareConfig
-from comparator.logprobs import LogprobThresholds
-from comparator.noise.model import DEFAULT_FACTOR, DEFAULT_FLOOR, NoiseModel, check_noise_factor, parse_noise_floor
+from comparator.judging.logprob_metrics import metric_names
+from comparator.judging.logprob_thresholds import LogprobThresholds
+from comparator.judging.noise_thresholds import DEFAULT_FACTOR, DEFAULT_FLOOR, check_noise_factor, parse_noise_floor
+from comparator.judging.values import parse_assignments, parse_threshold
+from comparator.noise.file import load_noise
 from comparator.reports.outputs import check_output_flags
-from comparator.thresholds import parse_assignments, parse_threshold
 
 __all__ = ["logprob_thresholds", "write_output", "warn", "stdout_console", "noise_flags", "noise_args",
            "threshold_flags", "logprob_threshold_flags", "output_flags", "run_group_flag", "parse_args",
            "compare_config"]
-
-_LOGPROB_METRICS = "mse, mean_abs_err, max_abs_err, k3_mean, kl_mean, kl_max, topk_max_err"
-
 
 def _threshold_value(flag: str) -> Callable[[str], float]:
     """An argparse ``type`` that checks a threshold as it is parsed: NaN or < 0 is one line naming ``flag``."""
@@ -68,7 +67,7 @@ def logprob_threshold_flags(p: argparse.ArgumentParser, *, threshold_row: bool, 
     calibrated baseline"``). ``--model`` here is the threshold-table row (``args.threshold_row``).
     """
     p.add_argument("--logprob-threshold", action="append", default=[], metavar="NAME=VALUE",
-                   help=f"logprob threshold ({_LOGPROB_METRICS}; VALUE 'off' disables); repeatable; wins over "
+                   help=f"logprob threshold ({', '.join(metric_names())}; VALUE 'off' disables); repeatable; wins over "
                         f"DRIFTSCOPE_LOGPROB_* and the per-model table, and {noise_from} applies on top of the "
                         "noise-derived one (the smaller wins)")
     if threshold_row:
@@ -131,7 +130,8 @@ def noise_flags(p: argparse.ArgumentParser, *, noise_file: bool = True) -> None:
                    help=f"{when}: fail above F x noise (default {DEFAULT_FACTOR:g})")
     p.add_argument("--noise-floor", action="append", default=[], metavar="[NAME=]VALUE",
                    help=f"{when}: absolute floor of a derived threshold; VALUE alone is rel_diff's "
-                        f"(default {DEFAULT_FLOOR:g}), NAME=VALUE a logprob metric's; repeatable")
+                        f"(default {DEFAULT_FLOOR:g}), NAME=VALUE a logprob metric's ({', '.join(metric_names())}); "
+                        "repeatable")
 
 
 def noise_args(args: argparse.Namespace) -> dict[str, Any]:
@@ -144,7 +144,7 @@ def noise_args(args: argparse.Namespace) -> dict[str, Any]:
         "noise_factor": None if args.noise_factor is None else check_noise_factor(args.noise_factor),
         "noise_floors": parse_noise_floor(args.noise_floor)}
     if with_file:
-        out["noise"] = NoiseModel.load(args.noise) if args.noise else None
+        out["noise"] = load_noise(args.noise) if args.noise else None
     return out
 
 

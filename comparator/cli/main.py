@@ -1,8 +1,9 @@
 """``python -m comparator BASELINE TARGET``: parse flags, call :func:`compare_dumps`, print, exit.
 
-Subcommands (dispatched on the first argument): ``logprobs`` and ``collect`` (prompt logprobs
-from a live server, :mod:`comparator.logprobs.sources.collect`) here, ``regress`` and ``store`` (golden baselines
-in a run store, :mod:`comparator.cli.store`).
+Subcommands, named by the first argument (:mod:`comparator.cli.parser`; ``--help`` lists them):
+``logprobs``, ``collect`` (prompt logprobs from a live server, :mod:`comparator.logprobs.sources.collect`),
+``calibrate`` and ``import-sglang`` here, ``regress`` and ``store`` (golden baselines in a run store,
+:mod:`comparator.cli.store`). :func:`build_parser` parses every command line of them all.
 
 Exit codes: 0 every matched tensor passed; 1 divergence; 2 unusable input (bad arguments,
 missing/incomplete/corrupt dump, zero matched tensors, shapes that cannot be aligned).
@@ -17,7 +18,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from dumper.cli.common import Parser, guarded_main
+from dumper.cli.common import add_import_sglang_flags, guarded_main
 from dumper.errors import EXIT_DIVERGED, EXIT_OK, UsageError
 from dumper.format import MANIFEST_NAME, write_json_atomic
 
@@ -26,21 +27,25 @@ from comparator.cli.args import (compare_config, logprob_threshold_flags, logpro
 from comparator.cli.args import stdout_console as _console
 from comparator.cli.args import write_output as _write
 from comparator.hidden.compare import compare_dumps
-from comparator.hidden.identity import check_distinct
+from comparator.judging.identity import check_distinct
+from comparator.judging.logprob_metrics import metric_names
+from comparator.reports.files import write_csv, write_json
 from comparator.reports.outputs import add_output_flags, progress_callback, write_outputs
 from comparator.outcome import headline, status, verdict_notes
 from comparator.reports.text import render_logprobs, render_report
-from comparator.logprobs.sources import compare_logprob_sources
-from comparator.cli.store import run_regress, run_store
+from comparator.logprobs.judge import compare_logprob_sources
+from comparator.cli.parser import CommandParser, add_command
+from comparator.cli.store import build_regress_parser, build_store_parser, cmd_regress, cmd_store
 
-__all__ = ["main", "build_parser", "build_logprobs_parser", "build_collect_parser", "build_calibrate_parser"]
+__all__ = ["main", "run", "build_parser", "build_logprobs_parser", "build_collect_parser", "build_calibrate_parser",
+           "build_import_sglang_parser", "COMMANDS"]
 
 
-def build_calibrate_parser() -> argparse.ArgumentParser:
-    p = Parser(prog="python -m comparator calibrate",
-               description="Measure the noise of a baseline from benign variants (re-runs of its inputs with another "
-                           "attention backend, chunk size, batch layout or thread count) and write it as NOISE.json "
-                           "for `python -m comparator BASELINE TARGET --noise NOISE.json`.")
+def build_calibrate_parser(sub: argparse._SubParsersAction | None = None) -> argparse.ArgumentParser:
+    """``calibrate BASELINE VARIANT... --out NOISE.json``: a subparser of ``sub``, or a parser of its own."""
+    p = add_command(sub, "calibrate", "Measure a baseline's noise from benign re-runs. The variants re-run its inputs "
+                    "with another attention backend, chunk size, batch layout or thread count; the noise is written "
+                    "as NOISE.json for `python -m comparator BASELINE TARGET --noise NOISE.json`.")
     p.add_argument("baseline", help="dump directory, engine JSONL file or llama.cpp KL-divergence base file")
     p.add_argument("variants", nargs="+", metavar="VARIANT", help="benign re-runs of the baseline's inputs")
     p.add_argument("--out", required=True, metavar="NOISE.json", help="noise file to write (atomically)")
@@ -53,15 +58,15 @@ def build_calibrate_parser() -> argparse.ArgumentParser:
     return p
 
 
-def run_calibrate(argv: Sequence[str]) -> int:
+def cmd_calibrate(args: argparse.Namespace) -> int:
     from comparator.noise.calibrate import calibrate
+    from comparator.noise.file import save_noise
     from comparator.reports.text import render_noise
 
-    args = build_calibrate_parser().parse_args(argv)
     with progress_callback(not args.quiet) as progress:
         noise = calibrate(args.baseline, args.variants, threads=args.threads,
                           allow_model_mismatch=args.allow_model_mismatch, progress=progress)
-    noise.save(args.out)
+    save_noise(noise, args.out)
     warn(f"variant {v}: {d} (allowed, recorded in {args.out})" for v, d in noise.model_mismatch)
     console = _console()
     if not args.quiet:
@@ -77,10 +82,24 @@ def run_calibrate(argv: Sequence[str]) -> int:
     return EXIT_OK
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = Parser(prog="python -m comparator", description="Compare two driftscope dumps layer by layer "
-               "(and their logprobs). `python -m comparator logprobs BASE TARGET` compares logprobs only, "
-               "of dumps or engine JSONL files.")
+def build_parser() -> CommandParser:
+    """The parser of every ``python -m comparator`` command line: ``BASELINE TARGET [options]`` (compare),
+    or a subcommand named by the first word; ``args.subcommand`` says which (``"compare"``)."""
+    prog = "python -m comparator"
+    p = CommandParser(prog=prog, default="compare",
+                      usage=f"{prog} BASELINE TARGET [options]\n       {prog} COMMAND ...",
+                      description="Compare two driftscope dumps layer by layer (and their logprobs), or run the "
+                                  "command the first word names: `python -m comparator logprobs BASE TARGET` compares "
+                                  "logprobs only, of dumps or engine JSONL files.")
+    _compare_flags(p)
+    for add in (build_calibrate_parser, build_collect_parser, build_import_sglang_parser, build_logprobs_parser,
+                build_regress_parser, build_store_parser):
+        add(p.commands)
+    return p
+
+
+def _compare_flags(p: argparse.ArgumentParser) -> None:
+    """The arguments of the compare command (``python -m comparator BASELINE TARGET``)."""
     p.add_argument("baseline", help="dump directory (or SGLang dumper directory) of the trusted run")
     p.add_argument("target", help="dump directory (or SGLang dumper directory) of the run under test")
     threshold_flags(p)
@@ -97,13 +116,13 @@ def build_parser() -> argparse.ArgumentParser:
     logprob_threshold_flags(p, threshold_row=True, noise_from="with --noise")
     noise_flags(p)
     add_output_flags(p)
-    return p
 
 
-def build_logprobs_parser() -> argparse.ArgumentParser:
-    p = Parser(prog="python -m comparator logprobs",
-               description="Compare per-token logprobs of two sources: driftscope dumps recorded with --logprobs, "
-                           "or JSONL files of SGLang /generate, vLLM prompt_logprobs or OpenAI completions responses.")
+def build_logprobs_parser(sub: argparse._SubParsersAction | None = None) -> argparse.ArgumentParser:
+    """``logprobs BASE TARGET``: a subparser of ``sub``, or a parser of its own."""
+    p = add_command(sub, "logprobs", "Compare the per-token logprobs of two sources. A source is a driftscope dump "
+                    "recorded with --logprobs, a JSONL file of SGLang /generate, vLLM prompt_logprobs or OpenAI "
+                    "completions responses, or a llama.cpp KL-divergence base file.")
     p.add_argument("baseline", help="dump directory, engine JSONL file or llama.cpp KL-divergence base file "
                                     "of the trusted run")
     p.add_argument("target", help="dump directory, engine JSONL file or llama.cpp KL-divergence base file "
@@ -117,13 +136,14 @@ def build_logprobs_parser() -> argparse.ArgumentParser:
     return p
 
 
-def build_collect_parser() -> argparse.ArgumentParser:
+def build_collect_parser(sub: argparse._SubParsersAction | None = None) -> argparse.ArgumentParser:
+    """``collect --server URL --api API --out FILE.jsonl``: a subparser of ``sub``, or a parser of its own."""
     from comparator.logprobs.sources.collect import API_NAMES
     from comparator.logprobs.sources.server_http import retries_arg, timeout_arg
 
-    p = Parser(prog="python -m comparator collect",
-               description="Score fixed prompts on a live server (vLLM, SGLang, OpenAI-compatible) and write the "
-                           "prompt logprobs as JSONL for `python -m comparator logprobs`.")
+    p = add_command(sub, "collect", "Score prompts on a live server into logprob JSONL. The server is vLLM, SGLang "
+                    "or OpenAI-compatible; the prompt logprobs are written as JSONL for `python -m comparator "
+                    "logprobs`.")
     p.add_argument("--server", required=True, metavar="URL", help="server base URL, e.g. http://127.0.0.1:8000")
     p.add_argument("--api", required=True, choices=API_NAMES,
                    help="vllm (/v1/completions with prompt_logprobs), sglang (/generate), openai (echo + logprobs)")
@@ -143,13 +163,12 @@ def build_collect_parser() -> argparse.ArgumentParser:
     return p
 
 
-def run_collect(argv: Sequence[str]) -> int:
+def cmd_collect(args: argparse.Namespace) -> int:
     from dumper.prompts import BUILTIN_PROMPTS, parse_input_ids, read_prompts_file
 
     from comparator.logprobs.sources.collect import collect, prompts_from
     from comparator.logprobs.sources.server_http import ServerClient
 
-    args = build_collect_parser().parse_args(argv)
     texts, ids = list(args.prompt or ()), [list(s) for s in parse_input_ids(args.input_ids or ())]
     if args.prompts:
         texts, ids = read_prompts_file(args.prompts)
@@ -162,12 +181,11 @@ def run_collect(argv: Sequence[str]) -> int:
     return EXIT_OK
 
 
-def run_logprobs(argv: Sequence[str]) -> int:
-    args = parse_args(build_logprobs_parser(), argv)
+def cmd_logprobs(args: argparse.Namespace) -> int:
     noise = noise_args(args)
     if "rel_diff" in noise["noise_floors"]:
         raise UsageError("--noise-floor: comparator logprobs takes NAME=VALUE with NAME a logprob metric "
-                         "(mse, mean_abs_err, max_abs_err, k3_mean, kl_mean, kl_max, topk_max_err)")
+                         f"({', '.join(metric_names())})")
     verdict = compare_logprob_sources(args.baseline, args.target, model=args.threshold_row,
                                       explicit=logprob_thresholds(args.logprob_threshold),
                                       allow_model_mismatch=args.allow_model_mismatch, **noise)
@@ -187,23 +205,35 @@ def run_logprobs(argv: Sequence[str]) -> int:
     return EXIT_OK if verdict.passed else EXIT_DIVERGED
 
 
+def build_import_sglang_parser(sub: argparse._SubParsersAction | None = None) -> argparse.ArgumentParser:
+    """``import-sglang SRC --out DST``: the flags of :func:`dumper.engines.sglang.main_import` (which runs it),
+    here so that parsing and ``--help`` never load torch."""
+    p = add_command(sub, "import-sglang", "Convert an SGLang dump into a driftscope dump. The source is a directory "
+                    "of SGLang dumper .pt files.")
+    add_import_sglang_flags(p)
+    return p
+
+
+COMMANDS = {"calibrate": cmd_calibrate, "collect": cmd_collect, "logprobs": cmd_logprobs, "regress": cmd_regress,
+            "store": cmd_store}
+"""The subcommands run here by their parsed arguments (``import-sglang`` runs in :mod:`dumper.engines.sglang`)."""
+
+
 def run(argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv`` (:func:`build_parser`) and run the command it names."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["logprobs"]:
-        return run_logprobs(argv[1:])
-    if argv[:1] == ["collect"]:
-        return run_collect(argv[1:])
-    if argv[:1] == ["calibrate"]:
-        return run_calibrate(argv[1:])
-    if argv[:1] == ["import-sglang"]:
+    args = parse_args(build_parser(), argv)
+    if args.subcommand == "import-sglang":  # torch loads only now, for the conversion
         from dumper.engines.sglang import main_import
 
         return main_import(argv[1:])
-    if argv[:1] == ["regress"]:
-        return run_regress(argv[1:])
-    if argv[:1] == ["store"]:
-        return run_store(argv[1:])
-    args = parse_args(build_parser(), argv)
+    if args.subcommand != "compare":
+        return COMMANDS[args.subcommand](args)
+    return cmd_compare(args)
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    """``python -m comparator BASELINE TARGET``: compare, print, write the report files; exit 0 or 1."""
     config = compare_config(args)
     check_distinct(args.baseline, args.target)  # before an SGLang side is converted into a temporary dump
     # either side may be an SGLang dumper directory: read as a temporary driftscope dump (dumper.engines.sglang)
@@ -220,8 +250,8 @@ def run(argv: Sequence[str] | None = None) -> int:
                               highlight=False, soft_wrap=True)  # one line, whatever its length
             else:
                 render_report(report, console, tensors=args.tensors)
-        _write(args.json, report.write_json)
-        _write(args.csv, report.write_csv)
+        _write(args.json, lambda p: write_json(report, p))
+        _write(args.csv, lambda p: write_csv(report, p))
         write_outputs(report, args, base, target)
     return EXIT_OK if report.passed else EXIT_DIVERGED
 

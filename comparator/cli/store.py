@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Sequence
 from dataclasses import replace
 from datetime import datetime, timezone
 
@@ -24,18 +23,18 @@ from comparator.cli.args import (
     logprob_threshold_flags,
     noise_flags,
     output_flags,
-    parse_args,
     run_group_flag,
     stdout_console,
     threshold_flags,
     warn,
     write_output,
 )
+from comparator.cli.parser import add_command
 from comparator.config import CompareConfig
 from comparator.noise.calibrate import calibrate
 from comparator.outcome import UNUSABLE, status
 from comparator.reports.text import render_report
-from comparator.store import LABELS, RunEntry, RunStore, StoreError
+from comparator.store import LABELS, Label, RunEntry, RunStore, StoreError
 from comparator.store.record import RunRecord
 from comparator.store.regress import RegressResult, regress
 from comparator.store.select import current_baselines
@@ -46,14 +45,15 @@ from dumper.format.describe import describe_lines
 from dumper.format.files import printable
 from dumper.format.manifest import parse_manifest
 
-__all__ = ["run_regress", "run_store", "build_regress_parser", "build_store_parser"]
+__all__ = ["cmd_regress", "cmd_store", "build_regress_parser", "build_store_parser"]
 
 
-def build_regress_parser() -> argparse.ArgumentParser:
-    p = Parser(prog="python -m comparator regress",
-               description="Compare a run's dump against its golden baseline in a run store (the latest run of the "
-                           "same model, capture signature and environment that did not fail), then store the run, "
-                           "labelled passed or failed. Exit 0 passed (or bootstrapped), 1 divergence, 2 unusable.")
+def build_regress_parser(sub: argparse._SubParsersAction | None = None) -> argparse.ArgumentParser:
+    """``regress RUN_DIR --store URL``: a subparser of ``sub``, or a parser of its own."""
+    p = add_command(sub, "regress", "Judge a run by its golden baseline, then store it. The baseline is the latest "
+                    "run in the run store of the same model, capture signature and environment that did not fail; "
+                    "the run is stored labelled passed or failed. Exit 0 passed (or bootstrapped), 1 divergence, "
+                    "2 unusable.")
     p.add_argument("run_dir", help="dump directory of the run under test")
     p.add_argument("--store", required=True, metavar="URL",
                    help="run store: a local directory, or an fsspec URL (file://, s3://, gcs://, hf://, memory://)")
@@ -84,18 +84,21 @@ def build_regress_parser() -> argparse.ArgumentParser:
     return p
 
 
-def build_store_parser() -> argparse.ArgumentParser:
-    p = Parser(prog="python -m comparator store", description="Inspect and curate a driftscope run store.")
-    sub = p.add_subparsers(dest="command", required=True, metavar="{ls,show,promote,prune}")
-    ls = sub.add_parser("ls", help="list runs (incomplete and corrupt ones flagged)")
+def build_store_parser(commands: argparse._SubParsersAction | None = None) -> argparse.ArgumentParser:
+    """``store ls|show|promote|prune URL ...``: a subparser of ``commands``, or a parser of its own."""
+    p = add_command(commands, "store", "Inspect and curate a run store. Each command takes the store's URL: "
+                    "a local directory or an fsspec URL.")
+    sub = p.add_subparsers(title="commands", dest="command", required=True, metavar="COMMAND", parser_class=Parser)
+    ls = add_command(sub, "ls", "List the runs of a store. Incomplete and corrupt entries are flagged.")
     ls.add_argument("url", help="run store location")
     run_group_flag(ls, "only runs of this run group (the model name runs are filed under)")
     ls.add_argument("--label", choices=LABELS, default=None, help="only runs with this label")
-    show = sub.add_parser("show", help="print a run's record and a summary of its dump")
+    show = add_command(sub, "show", "Print a run's record and a summary of its dump. Its calibration and report "
+                       "are summed up too.")
     show.add_argument("url", help="run store location")
     show.add_argument("run_id")
-    promote = sub.add_parser("promote", help="relabel a run as a baseline (a human blesses it), optionally "
-                                             "measuring its noise")
+    promote = add_command(sub, "promote", "Relabel a run as a baseline (a human blesses it). With --calibrate, "
+                          "its noise is measured first and stored with it.")
     promote.add_argument("url", help="run store location")
     promote.add_argument("run_id")
     promote.add_argument("--calibrate", nargs="+", default=[], metavar="VARIANT",
@@ -104,16 +107,16 @@ def build_store_parser() -> argparse.ArgumentParser:
     promote.add_argument("--threads", type=int, default=2, help="with --calibrate: metric worker threads (default 2)")
     promote.add_argument("--allow-model-mismatch", action="store_true",
                          help="with --calibrate: accept variants of another model spelling (cross-engine runs)")
-    prune = sub.add_parser("prune", help="delete all but the newest N runs per model and signature "
-                                         "(current baselines are always kept)")
+    prune = add_command(sub, "prune", "Delete all but the newest N runs per model and signature. Current "
+                        "baselines are always kept.")
     prune.add_argument("url", help="run store location")
     prune.add_argument("--keep", type=int, required=True, metavar="N", help="runs to keep per (model, signature)")
     prune.add_argument("--dry-run", action="store_true", help="only print what would be deleted")
     return p
 
 
-def run_regress(argv: Sequence[str]) -> int:
-    args = parse_args(build_regress_parser(), argv)
+def cmd_regress(args: argparse.Namespace) -> int:
+    """``python -m comparator regress``: judge the run, store it, print; exit with the result's code."""
     config = compare_config(args)
     result = regress(args.run_dir, args.store, model=args.run_group, bootstrap=args.bootstrap,
                      allow_env_mismatch=args.allow_env_mismatch, config=config, cache_dir=args.cache_dir,
@@ -139,8 +142,8 @@ def _open(url: str) -> RunStore:
     return store
 
 
-def run_store(argv: Sequence[str]) -> int:
-    args = parse_args(build_store_parser(), argv)
+def cmd_store(args: argparse.Namespace) -> int:
+    """``python -m comparator store ...``: the store command ``args.command`` names."""
     store = _open(args.url)
     console = stdout_console()
     if args.command == "ls":
@@ -172,14 +175,14 @@ def _promote(store: RunStore, args: argparse.Namespace, console: Console) -> Non
                               allow_model_mismatch=args.allow_model_mismatch)
         noise = replace(noise, baseline=store.where(rec.run_id, "dump"))  # not the temporary copy of a remote dump
     new = store.promote(rec.run_id, noise)
-    line = f"run {new.run_id} of model {printable(repr(new.model))} is a baseline now (was {rec.pass_label})"
+    line = f"run {new.run_id} of model {printable(repr(new.model))} is a baseline now (was {rec.label})"
     if noise is not None:
         line += f"; calibrated from {len(noise.variants)} variants ({store.where(new.run_id, 'noise.json')})"
     elif new.calibration is None:
         line += ("; not calibrated: runs are judged against it by the fixed thresholds (--calibrate VARIANT ... "
                  "measures its noise)")
     else:
-        line += f"; it keeps its noise from {new.calibration['variants']} variants"
+        line += f"; it keeps its noise from {new.calibration.variants} variants"
     console.print(Text(line))
 
 
@@ -194,10 +197,10 @@ def _calibration(store: RunStore, rec: RunRecord) -> str:
         return f"calibration: {UNUSABLE} ({e})"
     assert stored is not None
     cal = stored.calibration
-    on = "this run" if cal["measured_on"] == rec.run_id else f"run {cal['measured_on']} (inherited)"
+    on = "this run" if cal.measured_on == rec.run_id else f"run {cal.measured_on} (inherited)"
     lp = f", logprobs over {stored.noise.logprobs.positions} positions" if stored.noise.logprobs is not None else ""
-    return (f"calibration: noise of {len(stored.noise.tensors)} tensors{lp} from {cal['variants']} variants, "
-            f"measured on {on} at {printable(_created(cal['created_at']))} ({store.where(rec.run_id, 'noise.json')})")
+    return (f"calibration: noise of {len(stored.noise.tensors)} tensors{lp} from {cal.variants} variants, "
+            f"measured on {on} at {printable(_created(cal.created_at))} ({store.where(rec.run_id, 'noise.json')})")
 
 
 def _created(rec_created: str) -> str:
@@ -217,10 +220,10 @@ def _ls(store: RunStore, console: Console, *, run_group: str | None, label: str 
     shown = 0
     for e in entries:
         rec = e.record
-        if rec is None or (run_group and rec.model != run_group) or (label and rec.pass_label != label):
+        if rec is None or (run_group and rec.model != run_group) or (label and rec.label != label):
             continue
-        tag = rec.pass_label + (" (current)" if rec.run_id in current else "")
-        style = {"failed": "red", "baseline": "bold"}.get(rec.pass_label)
+        tag = rec.label.value + (" (current)" if rec.run_id in current else "")
+        style = {Label.FAILED: "red", Label.BASELINE: "bold"}.get(rec.label)
         table.add_row(rec.run_id, Text(printable(_created(rec.created_at))), Text(printable(rec.model)),
                       Text(tag, style=style or ""), rec.baseline_run or "-", Text(printable(rec.verdict())))
         shown += 1

@@ -1,13 +1,12 @@
 """One self-contained HTML file per comparison, for a person to open in a browser.
 
-The page holds the verdict (where the divergence starts, then where it first fails), both runs'
-model, capture and environment side by side (what differs is highlighted), the per-layer rel_diff
-chart and table (multiples of the calibrated noise, each layer's amplification, the layer that
-introduces error highlighted), the amplification chart, the token x layer heatmap from the onset
-to the first failing token, the logprob plots with the worst positions and their tokens, and every
-tensor in a table sortable by clicking its headers. Charts are inline SVG (matplotlib), style and
-the sorting script inline: the file fetches nothing, so it works offline, as a CI artifact, or
-attached to a bug report.
+The page holds the verdict (where the divergence starts, then where it first fails), both runs' model, capture
+and environment side by side (what differs is highlighted), the per-layer rel_diff chart and table (multiples of
+the calibrated noise, each layer's amplification as :mod:`comparator.reports.amplification` writes it, the layer
+that introduces error highlighted), the amplification chart, the token x layer heatmap from the onset to the first
+failing token, the logprob plots with the worst positions and their tokens, and every tensor in a table sortable by
+clicking its headers. Charts are inline SVG (matplotlib), style and the sorting script inline: the file fetches
+nothing, so it works offline, as a CI artifact, or attached to a bug report.
 
 Example::
 
@@ -32,11 +31,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dumper import __version__
+from dumper.version import __version__
 from dumper.format import Manifest, atomic_path
 
 from comparator.hidden.registry import columns as metric_columns
 from comparator.logprobs import LogprobVerdict, PositionSeries
+from comparator.reports.logprob_table import metric_rows
 from comparator.reports.plots import amplification_figure, figure_svg, heatmap_figure, layer_figure, logprob_figure
 from comparator.outcome import (
     Outcome,
@@ -49,6 +49,7 @@ from comparator.outcome import (
     threshold_summary,
     verdict_notes,
 )
+from comparator.reports.amplification import FROM_ZERO_LEGEND, amplification_cell, has_from_zero
 from comparator.results import FirstDivergence, Report
 from comparator.reports.tokens import TokenLookup, show_text
 
@@ -145,7 +146,7 @@ def _onset(fd: FirstDivergence) -> str:
             f"{_e(', '.join(first) or '-')}.</p>")
 
 
-def _verdict(report: Report) -> str:
+def _verdict_section(report: Report) -> str:
     fd = report.first_divergent
     summary = "; ".join(_e(x) for x in [f"matched {report.matched} tensors", threshold_summary(report),
                                         *verdict_notes(report)])
@@ -167,27 +168,27 @@ def _layer_table(report: Report) -> str:
              ("first failing token", "num"), ("worst token", "num"), ("verdict", "str")]
     rows = []
     for s in report.layers():
-        verdict = status(s.passed, s.failed)
+        (amp, introduced), verdict = amplification_cell(report, s), status(s.passed, s.failed)
         first = fd is not None and s.layer is not None and s.layer == fd.layer
         onset = fd is not None and not first and s.layer is not None and s.layer == fd.onset_layer
         marks = [(m, c) for m, c, on in (("FIRST DIVERGENCE", "first", first), ("ONSET", "onset", onset),
-                                         ("INTRODUCES ERROR", "introduced", s.introduced)) if on]
+                                         ("INTRODUCES ERROR", "introduced", introduced)) if on]
         cls = " ".join(["bad"] * (not s.passed) + [c for _, c in marks])
         cells = [_num(s.layer), _num(s.tensors), _num(s.max_rel_diff)]
         cells += [_num(s.noise_ratio, format_ratio(s.noise_ratio))] if calibrated else []
         cells += [_num(s.max_token_rel_diff), _num(s.max_abs_diff), _num(s.min_cosine, f"{s.min_cosine:.6f}"),
-                  _num(s.amplification, format_ratio(s.amplification)), _num(s.first_failing_token),
+                  _num(s.amplification, amp), _num(s.first_failing_token),
                   _num(s.worst_token), f"<td>{_e(' '.join([verdict] + [m for m, _ in marks]))}</td>"]
         rows.append(f'<tr class="{cls}">' + "".join(cells) + "</tr>")
-    return _table(head, rows, table_id="layer-table")
+    legend = f'<p class="muted" id="amplification-legend">{_e(FROM_ZERO_LEGEND)}</p>' if has_from_zero(report) else ""
+    return _table(head, rows, table_id="layer-table") + legend
 
 
 def _layers(report: Report) -> str:
     """The per-layer chart, table and amplification chart."""
     out = ['<section id="layers"><h2>rel_diff per layer</h2>',
            f'<figure class="chart" id="layer-chart">{figure_svg(layer_figure(report))}</figure>', _layer_table(report)]
-    fig = amplification_figure(report)
-    if fig is not None:
+    if (fig := amplification_figure(report)) is not None:
         out.append('<h3>Amplification</h3><p class="muted">the growth of the error across each layer; far above the '
                    "others: that layer introduces error, near the usual growth: it passes inherited error on.</p>"
                    f'<figure class="chart" id="amplification-chart">{figure_svg(fig)}</figure>')
@@ -263,20 +264,13 @@ def _heatmap(report: Report, tokens: TokenLookup) -> str:
 
 
 def _logprob_metrics(v: LogprobVerdict) -> str:
-    th, failing = v.thresholds.to_json(), set(v.failures())
-    rows = [("mse", format_float(v.mse), "mse"), ("rmse", format_float(v.rmse), None),
-            ("max |Δ logprob|", format_located(v.max_abs_err), "max_abs_err"), ("k3 mean", format_float(v.k3_mean), "k3_mean"),
-            ("k3 max", format_located(v.k3_max), None)]
-    if v.kl_mean is not None:
-        rows += [("KL mean", format_float(v.kl_mean), "kl_mean"), ("KL max", format_located(v.kl_max), "kl_max")]
+    rows = [(r.label, r.value, r.threshold, r.failing) for r in metric_rows(v)]  # the metric table's, then details
+    rows += [("rmse", format_float(v.rmse), "-", False), ("k3 max", format_located(v.k3_max), "-", False)]
     if v.top1_agreement is not None:
-        rows.append(("top-1 agreement", f"{v.top1_agreement:.4%}", None))
-    if v.topk_max_err is not None:
-        rows.append(("top-k max |Δ|", format_float(v.topk_max_err), "topk_max_err"))
+        rows.append(("top-1 agreement", f"{v.top1_agreement:.4%}", "-", False))
     out = []
-    for label, value, key in rows:
-        limit = "-" if key is None or th.get(key) is None else f"{th[key]:g}"
-        cls = ' class="bad"' if key in failing else ""
+    for label, value, limit, failing in rows:
+        cls = ' class="bad"' if failing else ""
         out.append(f"<tr{cls}><td>{_e(label)}</td><td>{_e(value)}</td><td>{_e(limit)}</td></tr>")
     return _table([("metric", "str"), ("value", "str"), ("threshold", "str")], out)
 
@@ -381,7 +375,7 @@ def render_html(report: Report, *, baseline_manifest: Manifest | None = None, ta
         max_rows: most tensor-table rows (default :data:`MAX_ROWS`).
     """
     tokens = TokenLookup.from_manifest(baseline_manifest or target_manifest, tokenizer)
-    body = [_verdict(report), *((_layers(report), _heatmap(report, tokens)) if report.tensors else ()),
+    body = [_verdict_section(report), *((_layers(report), _heatmap(report, tokens)) if report.tensors else ()),
             _logprobs(report, tokens), _runs(report, baseline_manifest, target_manifest),
             _tensors(report, max_rows) if report.tensors else "", _problems(report)]
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")

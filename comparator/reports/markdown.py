@@ -29,6 +29,8 @@ from comparator.outcome import (
     status,
     threshold_summary,
 )
+from comparator.reports.amplification import FROM_ZERO_LEGEND, amplification_cell, has_from_zero
+from comparator.reports.logprob_table import metric_rows
 from comparator.results import LayerSummary, Report
 
 __all__ = ["to_markdown", "write_markdown"]
@@ -45,6 +47,10 @@ def _md(text: str) -> str:
     could start emphasis, code, a link or a table cell is backslash-escaped, newlines folded.
     """
     return html.escape(_MD_PUNCT.sub(r"\\\1", _NEWLINES.sub(" ", text)), quote=False)
+
+
+def _bold(text: str, on: bool) -> str:
+    return f"**{text}**" if on else text
 
 
 def _code(text: str) -> str:
@@ -70,11 +76,11 @@ def _layer_cells(report: Report, s: LayerSummary) -> list[str]:
     if fd is not None and s.layer is not None and s.layer == fd.onset_layer and not first:
         verdict += " ONSET"
     layer = "-" if s.layer is None else str(s.layer)
-    amp = format_ratio(s.amplification)
+    amp, introduced = amplification_cell(report, s)
     cells = [f"**{layer}**" if first else layer, str(s.tensors), format_float(s.max_rel_diff)]
     cells += [format_ratio(s.noise_ratio)] if report.noise is not None else []
     return cells + [format_float(s.max_token_rel_diff), format_float(s.max_abs_diff), f"{s.min_cosine:.6f}",
-                    f"**{amp}**" if s.introduced else amp,
+                    f"**{amp}**" if introduced else amp,
                     "-" if s.first_failing_token is None else str(s.first_failing_token),
                     "-" if s.worst_token is None else str(s.worst_token), verdict]
 
@@ -89,6 +95,7 @@ def to_markdown(report: Report) -> str:
                   "|---:" * (9 + bool(noise)) + "|:---|"]
         lines += ["| " + " | ".join(_layer_cells(report, s)) + " |" for s in report.layers()]
         lines.append("")
+        lines += [_md(FROM_ZERO_LEGEND), ""] if has_from_zero(report) else []
     summary = (f"target {_code(report.target)} vs baseline {_code(report.baseline)}; matched {report.matched} "
                f"tensors; {threshold_summary(report, quote=_code)}")
     if report.unmatched_baseline or report.unmatched_target:
@@ -98,7 +105,9 @@ def to_markdown(report: Report) -> str:
     if report.logprobs is not None:
         v = report.logprobs
         verdict = status(v.passed, ", ".join(v.failures()))
-        lines += ["", f"logprobs: {verdict}: {_md(reaches_output(report))}"]
+        lines += ["", f"logprobs: {verdict}: {_md(reaches_output(report))}", "",
+                  "logprob metrics: " + "; ".join(f"{_bold(_md(r.label), r.failing)} {_md(r.value)} (threshold "
+                                                  f"{r.threshold})" for r in metric_rows(v))]
     return "\n".join(lines) + "\n"
 
 

@@ -8,7 +8,7 @@ from rich.text import Text
 
 from comparator.hidden.registry import columns as metric_columns
 from comparator.logprobs import LogprobVerdict
-from comparator.noise.model import NoiseModel
+from comparator.judging.noise import NoiseModel
 from comparator.outcome import (
     Outcome,
     clause,
@@ -20,6 +20,8 @@ from comparator.outcome import (
     threshold_summary,
     verdict_notes,
 )
+from comparator.reports.amplification import FROM_ZERO_LEGEND, amplification_cell, has_from_zero
+from comparator.reports.logprob_table import metric_label, metric_rows
 from comparator.results import Report
 
 __all__ = ["render_report", "render_logprobs", "render_noise"]
@@ -27,14 +29,6 @@ __all__ = ["render_report", "render_logprobs", "render_noise"]
 
 def _token(v: int | None) -> str:
     return "-" if v is None else str(v)
-
-
-_LOGPROB_LABELS = {"mse": "mse", "mean_abs_err": "mean |Δlogprob|", "max_abs_err": "max |Δlogprob|",
-                   "k3_mean": "k3 mean", "kl_mean": "KL mean", "kl_max": "KL max", "topk_max_err": "top-k max |Δ|"}
-
-
-def _mean(value: float | None, se: float | None) -> str:
-    return format_float(value) + ("" if se is None else f" ± {format_float(se)}")
 
 
 def _noise_cell(v: LogprobVerdict, key: str | None) -> str:
@@ -49,21 +43,16 @@ def _noise_cell(v: LogprobVerdict, key: str | None) -> str:
 
 
 def _logprob_rows(v: LogprobVerdict) -> list[tuple[str, str, str | None]]:
-    """(label, value, threshold name) rows of the logprob table."""
-    rows = [("mse", format_float(v.mse), "mse"), ("rmse", format_float(v.rmse), None),
-            ("mean |Δlogprob| ± SE", _mean(v.mean_abs_err, v.mean_abs_err_se), "mean_abs_err"),
-            ("max |Δlogprob|", format_located(v.max_abs_err), "max_abs_err"),
-            ("k3 mean ± SE", _mean(v.k3_mean, v.k3_mean_se), "k3_mean"), ("k3 max", format_located(v.k3_max), None)]
-    if v.kl_mean is not None:
-        pct = v.kl_percentiles or {}
-        rows += [("KL mean ± SE", _mean(v.kl_mean, v.llama.kl_mean_se if v.llama else None), "kl_mean"),
-                 ("KL max", format_located(v.kl_max), "kl_max"),
-                 ("KL p99.9 / p99 / p95 / p90 / median",
+    """(label, value, threshold name) rows of the logprob table: the metric table's, then the details."""
+    rows: list[tuple[str, str, str | None]] = [(r.label, r.value, r.name) for r in metric_rows(v)]
+    rows += [("rmse", format_float(v.rmse), None), ("k3 max", format_located(v.k3_max), None)]
+    if v.kl_percentiles is not None:
+        pct = v.kl_percentiles
+        rows += [("KL p99.9 / p99 / p95 / p90 / median",
                   " / ".join(format_float(pct[k]) for k in ("99.9", "99", "95", "90", "50")), None),
-                 ("top-1 agreement", f"{v.top1_agreement:.4%}", None)]
-    if v.topk_max_err is not None:
-        rows += [("top-k max |Δ| (per-sample max)", format_float(v.topk_max_err), "topk_max_err"),
-                 ("top-k mean |Δ| (per-sample mean)", format_float(v.topk_mean_err), None)]
+                 ("top-1 agreement", "-" if v.top1_agreement is None else f"{v.top1_agreement:.4%}", None)]
+    if v.topk_mean_err is not None:
+        rows += [("top-k mean |Δ| (per-sample mean)", format_float(v.topk_mean_err), None)]
     if v.llama is not None:  # llama-perplexity's statistics, in its wording
         from comparator.logprobs.llama_stats import stats_rows
 
@@ -87,7 +76,7 @@ def _noise_lines(v: LogprobVerdict) -> list[str]:
         verdict = "significantly above the noise" if t.significant else "not significantly above the noise"
         if key in exceeded and n.excused(key):
             verdict += ": over its threshold, but not failed"
-        out.append(f"{_LOGPROB_LABELS[key]} {format_float(t.mean)} ± {format_float(t.se)} vs noise "
+        out.append(f"{metric_label(key)} {format_float(t.mean)} ± {format_float(t.se)} vs noise "
                     f"{format_float(t.noise_mean)} ± {format_float(t.noise_se)}: z = {t.z:.3g}, {verdict}")
     return out
 
@@ -122,7 +111,7 @@ def _failure(v: LogprobVerdict, key: str) -> str:
     """``max_abs_err`` or, against noise, ``max_abs_err: max |Δlogprob| 1.900e-03 = 4e+03x noise``."""
     if v.noise is None or key not in v.noise.metrics:
         return key
-    return f"{key}: {_LOGPROB_LABELS[key]} {format_float(v.metrics()[key])} {_noise_cell(v, key)}"
+    return f"{key}: {metric_label(key)} {format_float(v.metrics()[key])} {_noise_cell(v, key)}"
 
 
 def render_report(report: Report, console: Console, *, tensors: bool = False) -> None:
@@ -132,7 +121,8 @@ def render_report(report: Report, console: Console, *, tensors: bool = False) ->
         render_logprobs(report.logprobs, console)
     if not report.tensors:
         return
-    table = Table(title=Text(f"{report.target}  vs  baseline {report.baseline}"), title_justify="left")
+    table = Table(title=Text(f"{report.target}  vs  baseline {report.baseline}"), title_justify="left",
+                  caption=Text(FROM_ZERO_LEGEND) if has_from_zero(report) else None, caption_justify="left")
     calibrated = report.noise is not None
     cols = [("layer", "right"), ("tensors", "right"), ("rel_diff", "right")]
     cols += [("x noise", "right")] if calibrated else []
@@ -149,7 +139,8 @@ def render_report(report: Report, console: Console, *, tensors: bool = False) ->
         elif fd is not None and s.layer is not None and s.layer == fd.onset_layer:
             verdict = Text.assemble(verdict, (" ONSET", "bold yellow"))
         ratio = [format_ratio(s.noise_ratio)] if calibrated else []
-        amp = Text(format_ratio(s.amplification), style="bold yellow" if s.introduced else "")
+        amp_text, introduced = amplification_cell(report, s)
+        amp = Text(amp_text, style="bold yellow" if introduced else "")
         table.add_row(
             "-" if s.layer is None else str(s.layer), str(s.tensors), format_float(s.max_rel_diff), *ratio,
             format_float(s.max_token_rel_diff), format_float(s.max_abs_diff), f"{s.min_cosine:.6f}", amp,

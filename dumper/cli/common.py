@@ -12,7 +12,7 @@ from dumper.errors import EXIT_INTERNAL, EXIT_UNUSABLE, DriftscopeError, UsageEr
 from dumper.format.files import printable
 from dumper.settings import env_settings
 
-__all__ = ["Parser", "guarded_main", "DEBUG_FLAG", "silence_stdout", "EXIT_BROKEN_PIPE"]
+__all__ = ["Parser", "guarded_main", "DEBUG_FLAG", "silence_stdout", "EXIT_BROKEN_PIPE", "add_import_sglang_flags"]
 
 EXIT_BROKEN_PIPE = 141
 """What a shell reports for a process killed by SIGPIPE (128 + 13): the reader of stdout went away."""
@@ -99,3 +99,14 @@ def silence_stdout() -> None:
         os.close(devnull)
     except (OSError, ValueError):
         pass
+
+
+def add_import_sglang_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of ``python -m comparator import-sglang``, defined once: the comparator's parser lists
+    them (torch-free ``--help``), :func:`dumper.engines.sglang.main_import` parses them to run it."""
+    p.add_argument("src", help="SGLang dump directory (DUMPER_DIR/EXP_NAME, holding the .pt files)")
+    p.add_argument("--out", required=True, help="driftscope dump directory to create")
+    p.add_argument("--name", action="append", default=[], metavar="SGLANG=DRIFTSCOPE",
+                   help="map an SGLang tensor name to a driftscope name, {layer} = its layer_id (repeatable), "
+                        "e.g. attn_in=model.layers.{layer}.self_attn.input")
+    p.add_argument("--checkpoint", help="HF checkpoint directory of the run: its config gives the model identity")

@@ -7,10 +7,13 @@ import argparse
 import re
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from dumper.cli.common import Parser, guarded_main
+from dumper.cli.common import _split_debug as split_debug
 from dumper.cli.collect import add_collect, cmd_collect
 from dumper.cli.sweep import add_sweep, cmd_sweep
+from dumper.cli.values import check_device, engine_args, seed_value
 from dumper.engines import ENGINES
 from dumper.errors import EXIT_DIVERGED, EXIT_OK, UsageError
 from dumper.format import load_manifest
@@ -45,22 +48,20 @@ def join_dash_values(argv: Sequence[str]) -> list[str]:
     return out
 
 
-def _seed(text: str) -> int:
-    """``--seed`` value: an integer in 0..2^63-1 (what ``torch.manual_seed`` and the manifest's int64 hold)."""
-    from dumper.jobs.run import MAX_SEED
+class _DumperParser(Parser):
+    """The top-level parser: parses a command line as :func:`main` reads it, ``--layers -3..-1`` and
+    ``--debug`` included (:func:`join_dash_values`; ``--debug`` is :func:`~dumper.cli.common.guarded_main`'s)."""
 
-    try:
-        seed = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if not 0 <= seed <= MAX_SEED:
-        raise argparse.ArgumentTypeError(f"must be in 0..{MAX_SEED}, got {text}")
-    return seed
+    def parse_known_args(self, args: Sequence[str] | None = None, namespace: Any = None,
+                         ) -> tuple[argparse.Namespace, list[str]]:
+        argv, _ = split_debug(join_dash_values(sys.argv[1:] if args is None else args))
+        return super().parse_known_args(argv, namespace)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The parser of ``python -m dumper``: one subcommand per job, each with its flags."""
-    p = Parser(prog="python -m dumper", description="Capture hidden states of a model into a dump directory.")
+    """The parser of ``python -m dumper``: one subcommand per job, each with its flags; ``parse_args(argv)``
+    accepts exactly the command lines :func:`main` runs."""
+    p = _DumperParser(prog="python -m dumper", description="Capture hidden states of a model into a dump directory.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
     for add in (_add_run, _add_selfcheck, _add_replay, add_sweep, add_collect, _add_ls):
         add(sub)
@@ -76,7 +77,7 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--engine", default="transformers", choices=list(ENGINES),
                    help="inference engine that runs the job (default transformers, in this process)")
     r.add_argument("--engine-arg", action="append", default=None, metavar="KEY=VALUE",
-                   help="engine-specific setting (repeatable); see the README's section on each engine")
+                   help="engine-specific setting (repeatable); see each engine's section in docs/engines.md")
     r.add_argument("--out", required=True, help="dump directory to create")
     src = r.add_mutually_exclusive_group()
     src.add_argument("--prompt", action="append", default=None, help="prompt text (repeatable)")
@@ -91,7 +92,7 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
                    help="capture points, comma-separated: input (self-attention input, after the layer's norm; "
                         "default), residual (decoder layer input, before its norm, and the final norm's input)")
     r.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
-    r.add_argument("--seed", type=_seed, default=0, help="seed for preset weights (default 0)")
+    r.add_argument("--seed", type=seed_value, default=0, help="seed for preset weights (default 0)")
     r.add_argument("--chunk-size", type=int, default=None,
                    help="prefill in chunks of N tokens through the KV cache (one forward pass per chunk)")
     r.add_argument("--batch-size", type=int, default=1, help="prompts per forward pass, padded (default 1)")
@@ -137,7 +138,7 @@ def _add_selfcheck(sub: argparse._SubParsersAction) -> None:
     sc.add_argument("--dtype", default="float32", choices=list(MODEL_DTYPES))
     sc.add_argument("--attn", default="eager", choices=["eager", "sdpa"])
     sc.add_argument("--device", default="cpu")
-    sc.add_argument("--seed", type=_seed, default=0)
+    sc.add_argument("--seed", type=seed_value, default=0)
     sc.add_argument("--json", metavar="FILE", help="write the results as JSON")
     sc.add_argument("--server", metavar="URL", default=None,
                     help="check a live server instead of a local model (http://HOST:PORT); needs --api")
@@ -160,7 +161,7 @@ def _add_replay(sub: argparse._SubParsersAction) -> None:
     rp.add_argument("--dtype", default="float32", choices=list(MODEL_DTYPES))
     rp.add_argument("--attn", default="eager", choices=["eager", "sdpa"], help="attention implementation")
     rp.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
-    rp.add_argument("--seed", type=_seed, default=0, help="seed for preset weights (default 0)")
+    rp.add_argument("--seed", type=seed_value, default=0, help="seed for preset weights (default 0)")
     rp.add_argument("--quiet", action="store_true", help="no progress bar and no summary line")
 
 
@@ -183,7 +184,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if args.prompts:
         texts, file_ids = read_prompts_file(args.prompts)
         prompts, ids = tuple(texts), tuple(tuple(s) for s in file_ids)
-    _check_device(args.device)
+    check_device(args.device)
     if (args.top_k or args.logprob_start_len or args.save_logits) and not args.logprobs:
         raise UsageError("--top-k, --logprob-start-len and --save-logits need --logprobs")
     if args.top_k < 0 or args.logprob_start_len < 0:
@@ -194,7 +195,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
                     attn=args.attn, layers=args.layers, modules=args.modules, points=parse_points(args.points),
                     device=args.device, seed=args.seed,
                     chunk_size=args.chunk_size, batch_size=args.batch_size, padding_side=args.padding_side,
-                    logprobs=spec, engine=args.engine, engine_args=_engine_args(args.engine_arg or ()),
+                    logprobs=spec, engine=args.engine, engine_args=engine_args(args.engine_arg or ()),
                     compile=args.compile, observer_check=args.observer_check)
     with progress_bar(not args.quiet, "dumping", unit="tokens") as progress:
         manifest = run_engine(cfg, engine=args.engine, progress=progress)
@@ -213,7 +214,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     from dumper.progress import progress_bar
     from dumper.jobs.replay import ReplayConfig, replay
 
-    _check_device(args.device)
+    check_device(args.device)
     cfg = ReplayConfig(model=args.model, baseline=args.baseline, out=args.out, dtype=args.dtype, attn=args.attn,
                        device=args.device, seed=args.seed)
     with progress_bar(not args.quiet, "replaying", unit="layers") as progress:
@@ -222,26 +223,6 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         print(f"wrote {args.out}: decoder layers {manifest.extra['replay']['layers']} of {args.model} replayed on "
               f"the residuals of {args.baseline}; compare with: python -m comparator {args.baseline} {args.out}")
     return EXIT_OK
-
-
-def _check_device(device: str) -> None:
-    """Refuse a CUDA device on a machine without CUDA, in one line."""
-    if device.startswith("cuda"):
-        import torch
-
-        if not torch.cuda.is_available():
-            raise UsageError(f"--device {device}: CUDA is not available on this machine")
-
-
-def _engine_args(items: Sequence[str]) -> tuple[tuple[str, str], ...]:
-    """``["kv=f16", "hf_dir=ck"]`` -> (("kv", "f16"), ("hf_dir", "ck")); a word without ``=`` is a usage error."""
-    out = []
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise UsageError(f"--engine-arg {item!r}: expected KEY=VALUE")
-        out.append((key.strip(), value))
-    return tuple(out)
 
 
 def _cmd_selfcheck(args: argparse.Namespace) -> int:

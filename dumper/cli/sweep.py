@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from dumper.cli.values import check_device, engine_args, seed_value
 from dumper.engines import ENGINES
 from dumper.errors import EXIT_DIVERGED, EXIT_OK, UsageError
 from dumper.format.dtypes import MODEL_DTYPES
@@ -15,7 +16,6 @@ __all__ = ["add_sweep", "cmd_sweep"]
 def add_sweep(sub: argparse._SubParsersAction) -> None:
     """``sweep``: the grid, the baseline, and ``run``'s flags that are fixed across cells."""
     from comparator.cli.args import threshold_flags
-    from dumper.cli.main import _seed
 
     s = sub.add_parser("sweep", help="one capture per cell of a grid of settings, each compared with a baseline")
     s.add_argument("--model", default="tiny-llama", help="local HF model directory or preset, as for run")
@@ -37,7 +37,7 @@ def add_sweep(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--dtype", default=None, choices=list(MODEL_DTYPES), help="default: the baseline's")
     s.add_argument("--attn", default="eager", choices=["eager", "sdpa"], help="attention implementation")
     s.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
-    s.add_argument("--seed", type=_seed, default=None, help="seed for preset weights (default: the baseline's)")
+    s.add_argument("--seed", type=seed_value, default=None, help="seed for preset weights (default: the baseline's)")
     s.add_argument("--padding-side", default="right", choices=["right", "left"], help="where batches are padded")
     s.add_argument("--logprobs", action="store_true", help="also record and compare input-token logprobs "
                    "(not in prefix-caching cells)")
@@ -51,13 +51,12 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     """Build the :class:`~dumper.jobs.sweep.SweepConfig`, run it, print a line per cell and the table."""
     from comparator.cli.args import stdout_console
     from comparator.config import CompareConfig
-    from dumper.cli.main import _check_device, _engine_args
     from dumper.format import write_json_atomic
     from dumper.jobs.run import LogprobSpec, RunConfig
     from dumper.jobs.sweep import SweepConfig, baseline_defaults, baseline_prompts, parse_grid, sweep
     from dumper.jobs.sweep_table import cell_line, render_sweep
 
-    _check_device(args.device)
+    check_device(args.device)
     if (args.top_k or args.save_logits) and not args.logprobs:
         raise UsageError("--top-k and --save-logits need --logprobs")
     if args.top_k < 0:
@@ -68,7 +67,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     template = RunConfig(out=args.out, model=args.model, dtype=args.dtype or defaults["dtype"], attn=args.attn,
                          layers=args.layers if args.layers is not None else defaults["layers"], device=args.device,
                          seed=defaults["seed"] if args.seed is None else args.seed, padding_side=args.padding_side,
-                         logprobs=spec, engine=args.engine, engine_args=_engine_args(args.engine_arg or ()))
+                         logprobs=spec, engine=args.engine, engine_args=engine_args(args.engine_arg or ()))
     compare = CompareConfig.resolve(threshold=args.threshold, token_threshold=args.token_threshold)
     cfg = SweepConfig(baseline=args.baseline, out=args.out, template=template, grid=axes, block_size=args.block_size,
                       compare=compare)

@@ -59,7 +59,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dumper.cli.common import Parser, guarded_main
+from dumper.cli.common import Parser, add_import_sglang_flags, guarded_main
 from dumper.errors import EXIT_OK, CorruptDumpError, DriftscopeError, DumpError, UsageError
 from dumper.hooks.fingerprint import VERSION
 from dumper.engines.sglang_files import (
@@ -376,12 +376,7 @@ def main_import(argv: Sequence[str] | None = None) -> int:
     """``python -m comparator import-sglang SRC --out DST``: convert an SGLang dump, print one line."""
     p = Parser(prog="python -m comparator import-sglang",
                description="Convert a directory of SGLang dumper .pt files into a driftscope dump.")
-    p.add_argument("src", help="SGLang dump directory (DUMPER_DIR/EXP_NAME, holding the .pt files)")
-    p.add_argument("--out", required=True, help="driftscope dump directory to create")
-    p.add_argument("--name", action="append", default=[], metavar="SGLANG=DRIFTSCOPE",
-                   help="map an SGLang tensor name to a driftscope name, {layer} = its layer_id (repeatable), "
-                        "e.g. attn_in=model.layers.{layer}.self_attn.input")
-    p.add_argument("--checkpoint", help="HF checkpoint directory of the run: its config gives the model identity")
+    add_import_sglang_flags(p)
     args = p.parse_args(list(sys.argv[1:] if argv is None else argv))
     m = convert_sglang_dump(args.src, args.out, names=_name_map(args.name), checkpoint=args.checkpoint)
     layers, info = m.capture_signature["layers"], m.extra["sglang"]

@@ -1,7 +1,7 @@
 """The HTML report in a real headless Chromium (Debian's chromium driven by playwright-core, tests/browser/).
 
 Install both with ``.ci/install-browser.sh``; without them the test is skipped and says so.
-``DRIFTSCOPE_UPDATE_SCREENSHOT=1`` also writes the screenshot to ``docs/report.png`` (the README's).
+``DRIFTSCOPE_UPDATE_SCREENSHOT=1`` also writes the screenshot to ``docs/report.png`` (shown in docs/reports.md).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def page(tmp_path_factory):
     root = tmp_path_factory.mktemp("browser")
     base = clean_dump(root / "base")
     bad = one_token_bug_dump(root / "bad", layer=2, token=57)
-    # short display paths, as in the README (the screenshot is committed as docs/report.png)
+    # short display paths, as in docs/reports.md (the screenshot is committed as docs/report.png)
     report = replace(compare_dumps(base, bad), baseline="dumps/base", target="dumps/bad")
     write_html(report, root / "report.html", baseline_manifest=load_manifest(base), target_manifest=load_manifest(bad))
     shot = root / "report.png"

@@ -26,8 +26,10 @@ import torch
 
 from comparator import compare_dumps
 from comparator.hidden.heatmap import BEFORE, WINDOW, window_positions, window_runs
+from comparator.reports.files import write_json
 from comparator.reports.html import render_html, write_html
 from comparator.outcome import describe_divergence, format_ratio
+from comparator.reports.amplification import FROM_ZERO, amplification_cell
 from comparator.reports.markdown import to_markdown
 from comparator.results import Report
 from dumper.format import load_manifest
@@ -187,9 +189,9 @@ def test_html_amplification_chart_and_layer_table(growing, growing_page):
     assert len(rows) == len(layers) == N_LAYERS
     for row, s in zip(rows, layers, strict=True):
         cells = _cells(row)
-        assert cells[0] == str(s.layer) and cells[6] == format_ratio(s.amplification)
+        assert cells[0] == str(s.layer) and cells[6] == amplification_cell(growing, s)[0]
         assert bool(re.match(r'<tr class="[^"]*\bintroduced\b', row)) == s.introduced
-    assert "INTRODUCES ERROR" in rows[1] and _cells(rows[1])[6] == "inf"
+    assert "INTRODUCES ERROR" in rows[1] and _cells(rows[1])[6] == FROM_ZERO  # inf: grows from an exact 0
     assert "FIRST DIVERGENCE" in rows[2] and "ONSET" not in rows[2]  # the onset layer is the first divergent one
 
 
@@ -220,9 +222,9 @@ def test_markdown_layer_table_has_the_amplification_column(growing, far):
     assert len(rows) == N_LAYERS
     for row, s in zip(rows, growing.layers(), strict=True):
         cells = [c.strip() for c in row.strip("|").split(" | ")]
-        amp = format_ratio(s.amplification)
+        amp = amplification_cell(growing, s)[0]
         assert len(cells) == 10 and cells[6] == (f"**{amp}**" if s.introduced else amp)
-    assert [c.strip() for c in rows[1].strip("|").split(" | ")][6] == "**inf**"
+    assert [c.strip() for c in rows[1].strip("|").split(" | ")][6] == f"**{FROM_ZERO}**"
     far_rows = [line for line in to_markdown(far).splitlines() if re.match(r"^\| (\*\*)?\d", line)]
     assert far_rows[2].endswith("| PASS ONSET |") and "**FIRST DIVERGENCE**" in far_rows[5]
 
@@ -260,13 +262,13 @@ def test_noise_file_puts_noise_multiples_in_every_output(dumps, tmp_path):
 
 def test_renderers_never_import_torch(growing, tmp_path):
     """The JSON report rendered to HTML and Markdown in a fresh interpreter: torch is never imported."""
-    growing.write_json(tmp_path / "r.json")
-    code = ("import json, sys\n"
+    write_json(growing, tmp_path / "r.json")
+    code = ("import sys\n"
             "import comparator.cli.main, comparator.hidden.heatmap, comparator.reports.plots, comparator.reports.text\n"
             "from comparator.reports.html import render_html\n"
             "from comparator.reports.markdown import to_markdown\n"
-            "from comparator.results import Report\n"
-            f"report = Report.from_json(json.load(open({str(tmp_path / 'r.json')!r})))\n"
+            "from comparator.results import load_report\n"
+            f"report = load_report({str(tmp_path / 'r.json')!r})\n"
             "page, md = render_html(report), to_markdown(report)\n"
             "assert 'id=\"heatmap-onset\"' in page and 'amplification-chart' in page, 'marks missing'\n"
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n")
