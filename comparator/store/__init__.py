@@ -15,7 +15,7 @@ compare, store the run labelled; ``python -m comparator regress`` and ``store`` 
 (:mod:`comparator.cli.store`).
 
 Modules: :mod:`~comparator.store.runstore` (:class:`RunStore`: put, get, list, promote, prune),
-:mod:`~comparator.store.record` (what a stored run holds), :mod:`~comparator.store.select` (which
+:mod:`~comparator.store.record` and :mod:`~comparator.store.types` (what a stored run holds), :mod:`~comparator.store.select` (which
 run is the baseline), :mod:`~comparator.store.environment` (which environment fields must match),
 :mod:`~comparator.store.regress`, and the bytes: :mod:`~comparator.store.backend` (the
 :class:`~comparator.store.backend.Backend` interface and the local directory) and
@@ -24,7 +24,9 @@ run is the baseline), :mod:`~comparator.store.environment` (which environment fi
 
 Names. In this package a **run** is one dump stored in a store, in its folder ``runs/<run_id>/``:
 
-* :class:`RunRecord` is its ``run.json`` (label, run group, baseline, verdict summary);
+* :class:`RunRecord` is its ``run.json`` (label, run group, baseline, verdict summary), of the
+  typed parts in :mod:`~comparator.store.types`: :class:`Label`, :class:`RunSummary`,
+  :class:`Calibration`, :class:`Promotion`;
 * :class:`RunEntry` is one listed folder under ``runs/``, complete or not, with its record if readable;
 * a run's **model** (``RunRecord.model``, ``regress(model=...)``, ``--model`` of ``regress`` and
   ``store ls``) is its *run group*: the name runs are filed under and baselines picked from. It is
@@ -39,14 +41,19 @@ line), ``Capture.record`` (the hooks storing one tensor), :func:`dumper.format.e
 
 from comparator.store.environment import COMPARED_ENV_FIELDS, EnvDifference, env_differences
 from comparator.store.errors import EnvMismatchError, NoBaselineError, StoreError
-from comparator.store.record import LABELS, RunEntry, RunRecord, StoredNoise
+from comparator.store.record import RunEntry, RunRecord, StoredNoise
 from comparator.store.runstore import STAGING_GRACE_S, PruneResult, RunStore
 from comparator.store.select import candidates, current_baselines, select_baseline
+from comparator.store.types import LABELS, Calibration, Label, Promotion, RunSummary
 
 __all__ = [
     "RunStore",
     "RunRecord",
     "RunEntry",
+    "Label",
+    "RunSummary",
+    "Calibration",
+    "Promotion",
     "PruneResult",
     "StoredNoise",
     "select_baseline",

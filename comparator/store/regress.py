@@ -33,22 +33,15 @@ from dumper.format import Manifest, load_manifest
 from comparator.noise.calibrate import calibrate
 from comparator.hidden.compare import compare_dumps
 from comparator.config import CompareConfig
-from comparator.noise.model import NoiseModel
+from comparator.judging.noise import NoiseModel
 from comparator.outcome import BOOTSTRAP, FAIL, PASS, UNUSABLE
 from comparator.results import Report
-from comparator.store import (
-    EnvDifference,
-    EnvMismatchError,
-    NoBaselineError,
-    RunEntry,
-    RunRecord,
-    RunStore,
-    StoredNoise,
-    env_differences,
-)
-from comparator.store.environment import describe_differences
-from comparator.store.record import signature_key, summarize_report
+from comparator.store.environment import EnvDifference, describe_differences, env_differences
+from comparator.store.errors import EnvMismatchError, NoBaselineError
+from comparator.store.record import RunEntry, RunRecord, StoredNoise, signature_key
+from comparator.store.runstore import RunStore
 from comparator.store.select import select_baseline
+from comparator.store.types import Calibration, Label, RunSummary
 
 __all__ = ["regress", "RegressResult"]
 
@@ -57,16 +50,17 @@ __all__ = ["regress", "RegressResult"]
 class RegressResult:
     """What :func:`regress` did; ``bool(result)`` is "exit code 0".
 
-    ``label`` is how the run was stored (``baseline`` when bootstrapped, else ``passed`` or
-    ``failed``); ``report`` is ``None`` when nothing was compared; ``exit_code`` is 0 (passed
-    or bootstrapped), 1 (divergence) or 2 (the dumps could not be compared). ``noise`` is the
-    store path of the baseline's ``noise.json`` the run was judged against (``None``: fixed
-    thresholds); ``calibration`` is the stored run's own (``run.json``), ``None`` when it has none.
+    ``label`` is how the run was stored (:attr:`Label.BASELINE` when bootstrapped, else ``PASSED``
+    or ``FAILED``; the field :attr:`RunRecord.label` holds); ``report`` is ``None`` when nothing was
+    compared; ``exit_code`` is 0 (passed or bootstrapped), 1 (divergence) or 2 (the dumps could not
+    be compared). ``noise`` is the store path of the baseline's ``noise.json`` the run was judged
+    against (``None``: fixed thresholds); ``calibration`` is the stored run's own (``run.json``),
+    ``None`` when it has none.
     """
 
     store: str
     run_id: str
-    label: str
+    label: Label
     baseline_run: str | None
     exit_code: int
     message: str
@@ -74,17 +68,17 @@ class RegressResult:
     env_differences: tuple[EnvDifference, ...] = ()
     warnings: tuple[str, ...] = ()
     noise: str | None = None
-    calibration: dict[str, Any] | None = None
+    calibration: Calibration | None = None
 
     def __bool__(self) -> bool:
         return self.exit_code == EXIT_OK
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "store": self.store, "run_id": self.run_id, "label": self.label, "baseline_run": self.baseline_run,
-            "exit_code": self.exit_code, "message": self.message,
+            "store": self.store, "run_id": self.run_id, "label": Label(self.label).value,
+            "baseline_run": self.baseline_run, "exit_code": self.exit_code, "message": self.message,
             "env_differences": [d.to_json() for d in self.env_differences], "warnings": list(self.warnings),
-            "noise": self.noise, "calibration": self.calibration,
+            "noise": self.noise, "calibration": self.calibration.to_json() if self.calibration is not None else None,
             "report": self.report.to_json() if self.report is not None else None,
         }
 
@@ -92,12 +86,12 @@ class RegressResult:
     def from_json(cls, d: Mapping[str, Any]) -> RegressResult:
         """Inverse of :meth:`to_json` (the report through :meth:`Report.from_json`)."""
         report, cal = d.get("report"), d.get("calibration")
-        return cls(store=str(d["store"]), run_id=str(d["run_id"]), label=str(d["label"]),
+        return cls(store=str(d["store"]), run_id=str(d["run_id"]), label=Label(str(d["label"])),
                    baseline_run=d.get("baseline_run"), exit_code=int(d["exit_code"]), message=str(d["message"]),
                    report=None if report is None else Report.from_json(report),
                    env_differences=tuple(EnvDifference.from_json(e) for e in d.get("env_differences") or ()),
                    warnings=tuple(str(w) for w in d.get("warnings") or ()), noise=d.get("noise"),
-                   calibration=None if cal is None else dict(cal))
+                   calibration=None if cal is None else Calibration.from_json(cal))
 
 
 def regress(run_dir: str | os.PathLike[str], store: str | os.PathLike[str] | RunStore, *, model: str | None = None,
@@ -196,8 +190,8 @@ def _judged(base: RunRecord, base_noise: StoredNoise | None) -> str:
     if base_noise is None:
         return f"judged by the fixed thresholds (baseline {base.run_id} is not calibrated)"
     cal = base_noise.calibration
-    measured = "" if cal["measured_on"] == base.run_id else f", measured on run {cal['measured_on']}"
-    return f"judged against the noise of baseline {base.run_id} ({cal['variants']} variants{measured})"
+    measured = "" if cal.measured_on == base.run_id else f", measured on run {cal.measured_on}"
+    return f"judged against the noise of baseline {base.run_id} ({cal.variants} variants{measured})"
 
 
 def _kept_noise(own: NoiseModel | None, base_noise: StoredNoise | None, passed: bool,
@@ -222,18 +216,17 @@ def _compare_and_store(st: RunStore, run_dir: str | os.PathLike[str], manifest: 
             report = compare_dumps(base_dir, run_dir, config)
         except NotComparableError as e:
             # zero compared tensors is a failure, never a pass: keep the run as evidence, never as a baseline
-            rec = st.put(run_dir, model=model, label="failed", baseline_run=base.run_id, manifest=manifest,
-                         summary={"passed": False, "matched": 0, "first_divergent": None, "logprobs_passed": None,
-                                  "error": str(e)}, noise=own)
-            return RegressResult(store=st.url, run_id=rec.run_id, label="failed", baseline_run=base.run_id,
+            rec = st.put(run_dir, model=model, label=Label.FAILED, baseline_run=base.run_id, manifest=manifest,
+                         summary=RunSummary.unusable(str(e)), noise=own)
+            return RegressResult(store=st.url, run_id=rec.run_id, label=Label.FAILED, baseline_run=base.run_id,
                                  exit_code=EXIT_UNUSABLE, env_differences=diffs, warnings=warnings,
                                  noise=noise_at, calibration=rec.calibration,
                                  message=f"{UNUSABLE}: {e}; stored run {rec.run_id} as failed (evidence); "
                                          f"the baseline stays {base.run_id}")
     report = replace(report, baseline=st.where(base.run_id, "dump"))
     rj = report.to_json()
-    label = "passed" if report.passed else "failed"
-    rec = st.put(run_dir, model=model, label=label, baseline_run=base.run_id, summary=summarize_report(rj),
+    label = Label.of_verdict(report.passed)
+    rec = st.put(run_dir, model=model, label=label, baseline_run=base.run_id, summary=RunSummary.of_report(report),
                  report=rj, manifest=manifest, noise=_kept_noise(own, base_noise, report.passed, manifest))
     if report.passed:
         msg = f"{PASS}: stored run {rec.run_id} as passed (baseline {base.run_id})"
@@ -254,18 +247,18 @@ def _stored_noise(rec: RunRecord, own: NoiseModel | None) -> str:
     if own is not None:
         return f"; stored its noise from {len(own.variants)} variants"
     if rec.calibration is not None:
-        return f"; it keeps the noise of run {rec.calibration['measured_on']}"
+        return f"; it keeps the noise of run {rec.calibration.measured_on}"
     return ""
 
 
 def _bootstrap(st: RunStore, run_dir: str | os.PathLike[str], manifest: Manifest, model: str,
                warnings: tuple[str, ...], *, why: str, diffs: tuple[EnvDifference, ...] = (),
                noise: NoiseModel | None = None) -> RegressResult:
-    rec = st.put(run_dir, model=model, label="baseline", manifest=manifest, noise=noise)
+    rec = st.put(run_dir, model=model, label=Label.BASELINE, manifest=manifest, noise=noise)
     calibrated = (f"calibrated from {len(noise.variants)} variants" if noise is not None else
                   f"not calibrated: runs are judged against it by the fixed thresholds until python -m comparator "
                   f"store promote {st.url} {rec.run_id} --calibrate VARIANT [VARIANT ...] measures its noise")
-    return RegressResult(store=st.url, run_id=rec.run_id, label="baseline", baseline_run=None, exit_code=EXIT_OK,
+    return RegressResult(store=st.url, run_id=rec.run_id, label=Label.BASELINE, baseline_run=None, exit_code=EXIT_OK,
                          message=f"{BOOTSTRAP}: {why} for model {model!r}; stored run {rec.run_id} as the baseline "
                                  f"(nothing compared); {calibrated}", env_differences=diffs, warnings=warnings,
                          calibration=rec.calibration)

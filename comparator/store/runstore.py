@@ -8,13 +8,12 @@ Layout (no shared index file that concurrent writers could corrupt: the listing 
     <store>/runs/<run_id>/run.json        the run record
     <store>/runs/<run_id>/COMPLETE        written last: the run is whole
 
-See :mod:`.backend` for how a run is published atomically on each kind of filesystem.
-
-Everything read back is untrusted: a listing entry that is not a real run folder, a marker or
-record that is not a regular file, a record that does not validate, or a dump folder that leaves
-the store lists as ``corrupt`` (never selected, never deleted by :meth:`RunStore.prune`); paths
-named by a stored manifest are single plain names that stay inside the run's dump folder. A
-``noise.json`` that its record does not vouch for is refused when the run is used (:meth:`RunStore.noise`).
+See :mod:`.backend` for how a run is published atomically on each kind of filesystem. Everything
+read back is untrusted: a listing entry that is not a real run folder, a marker or record that is
+not a regular file, a record that does not validate, or a dump folder that leaves the store lists as
+``corrupt`` (never selected, never deleted by :meth:`RunStore.prune`); paths named by a stored
+manifest are single plain names that stay inside the run's dump folder. A ``noise.json`` that its
+record does not vouch for is refused when the run is used (:meth:`RunStore.noise`).
 """
 
 from __future__ import annotations
@@ -36,11 +35,14 @@ from dumper.format import MANIFEST_NAME, Manifest, dir_mode, load_manifest
 from dumper.format.files import parse_json, printable
 from dumper.format.validate import MAX_MANIFEST_BYTES
 
-from comparator.noise.model import MAX_NOISE_BYTES, NoiseModel
+from comparator.judging.noise import NoiseModel
+from comparator.noise.file import MAX_NOISE_BYTES
 from comparator.store.backend import Backend, EntryKind, ReadResult, open_backend, plain_name
 from comparator.store.errors import CorruptRunError, StoreError
-from comparator.store.record import LABELS, RunEntry, RunRecord, StoredNoise, is_run_id, new_run_id, signature_key
+from comparator.store.record import RunEntry, RunRecord, StoredNoise, signature_key
+from comparator.store.runid import is_run_id, new_run_id
 from comparator.store.select import current_baselines
+from comparator.store.types import LABELS, Label, Promotion, RunSummary
 
 __all__ = ["RunStore", "PruneResult", "STAGING_GRACE_S"]
 
@@ -91,7 +93,7 @@ class RunStore:
 
         store = RunStore("s3://bucket/driftscope")        # or "ci-store", "file:///srv/store"
         for entry in store.runs():
-            print(entry.name, entry.status, entry.record and entry.record.pass_label)
+            print(entry.name, entry.status, entry.record and entry.record.label)
     """
 
     def __init__(self, url: str | os.PathLike[str]) -> None:
@@ -187,8 +189,8 @@ class RunStore:
             raise error(entry.problem or f"{self.where(run_id)}: unusable run")
         return entry.record
 
-    def put(self, dump_dir: str | os.PathLike[str], *, model: str, label: str, baseline_run: str | None = None,
-            summary: Mapping[str, Any] | None = None, report: Mapping[str, Any] | None = None,
+    def put(self, dump_dir: str | os.PathLike[str], *, model: str, label: Label | str, baseline_run: str | None = None,
+            summary: RunSummary | None = None, report: Mapping[str, Any] | None = None,
             manifest: Manifest | None = None, noise: NoiseModel | StoredNoise | None = None) -> RunRecord:
         """Store the dump at ``dump_dir`` whole, as a new run labelled ``label``; return its record.
 
@@ -197,16 +199,16 @@ class RunStore:
         renames the staging folder into place. A writer that dies on the way leaves nothing that
         lists as complete. ``noise``: measured on this dump, or a baseline's (inherited byte for byte).
         """
-        if label not in LABELS:
-            raise StoreError(f"label {label!r} is not one of {', '.join(LABELS)}")
+        if not (isinstance(label, str) and label in LABELS):
+            raise StoreError(f"label {printable(repr(label))} is not one of {', '.join(LABELS)}")
         src = Path(dump_dir)
         manifest = manifest if manifest is not None else load_manifest(src)
         run_id, created = new_run_id()
         stored = StoredNoise.measured(noise, run_id) if isinstance(noise, NoiseModel) else noise
         record = RunRecord(
             run_id=run_id, created_at=created, model=model, capture_signature=manifest.capture_signature,
-            environment=manifest.environment, pass_label=label, baseline_run=baseline_run,
-            summary=dict(summary) if summary is not None else None, model_identity=manifest.model,
+            environment=manifest.environment, label=Label(label), baseline_run=baseline_run,
+            summary=summary, model_identity=manifest.model,
             dump_format_version=manifest.format_version, dump_created_at=manifest.created_at,
             calibration=stored.calibration if stored is not None else None)
         try:  # what is written must read back: a record that would list as corrupt is never stored
@@ -237,11 +239,11 @@ class RunStore:
         """Relabel a run ``baseline`` (a human blesses it), rewriting its ``run.json`` atomically; ``noise``
         (measured on its dump; a baseline is calibrated anew) is written first, replacing any earlier one."""
         rec = self.get(run_id)
-        if rec.pass_label == "baseline" and noise is None:
+        if rec.label == Label.BASELINE and noise is None:
             return rec
         now = datetime.now(timezone.utc).isoformat()
-        new = rec if rec.pass_label == "baseline" else replace(rec, pass_label="baseline",
-                                                               promoted={"at": now, "from": rec.pass_label})
+        new = rec if rec.label == Label.BASELINE else replace(rec, label=Label.BASELINE,
+                                                              promoted=Promotion(at=now, previous=rec.label))
         if noise is not None:
             stored = StoredNoise.measured(noise, new.run_id)
             new = replace(new, calibration=stored.calibration)

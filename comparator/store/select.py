@@ -19,6 +19,7 @@ from typing import Any, Protocol, runtime_checkable
 from comparator.store.environment import describe_differences, env_differences, env_key
 from comparator.store.errors import EnvMismatchError
 from comparator.store.record import RunEntry, RunRecord, signature_key
+from comparator.store.types import Label
 
 __all__ = ["select_baseline", "candidates", "current_baselines", "Listable"]
 
@@ -38,7 +39,7 @@ def candidates(store: Listable | Iterable[RunEntry], model: str, signature: Mapp
     """Complete, non-failed runs of ``model`` with exactly this capture signature, oldest first."""
     sig = signature_key(signature)
     recs = [e.record for e in _entries(store) if e.complete and e.record is not None]
-    return sorted((r for r in recs if r.model == model and r.pass_label != "failed"
+    return sorted((r for r in recs if r.model == model and r.label != Label.FAILED
                    and signature_key(r.capture_signature) == sig), key=lambda r: r.run_id)
 
 
@@ -84,7 +85,7 @@ def current_baselines(store: Listable | Iterable[RunEntry]) -> dict[str, RunReco
     latest: dict[tuple[str, str, tuple[Any, ...]], RunRecord] = {}
     for e in _entries(store):
         r = e.record
-        if not e.complete or r is None or r.pass_label == "failed":
+        if not e.complete or r is None or r.label == Label.FAILED:
             continue
         k = (r.model, signature_key(r.capture_signature), env_key(r.environment))
         if k not in latest or r.run_id > latest[k].run_id:

@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 
 from comparator.cli.main import main
 from comparator.store import RunStore
-from comparator.store.record import new_run_id
+from comparator.store.runid import new_run_id
 from dumper.format import load_manifest
 from tests.storeutil import synth_dump
 from tests.comparator.store.test_store_boundary import become, clone_run, make_store, no_hang, opens_under

@@ -16,7 +16,8 @@ import dumper
 from comparator import CompareConfig, regress
 from comparator.store import EnvMismatchError, NoBaselineError, RunStore, StoreError, select_baseline
 from comparator.store.environment import env_differences
-from comparator.store.record import RunRecord, new_run_id, run_id_time
+from comparator.store.record import RunRecord
+from comparator.store.runid import new_run_id, run_id_time
 from dumper.errors import EXIT_DIVERGED, EXIT_OK, EXIT_UNUSABLE, UsageError
 from dumper.format import load_manifest
 from dumper.jobs.run import RunConfig, run_dump
@@ -44,7 +45,7 @@ def synth(tmp_path_factory):
 
 
 def labels(store: RunStore) -> list[str]:
-    return [e.record.pass_label for e in store.runs() if e.record is not None]
+    return [e.record.label for e in store.runs() if e.record is not None]
 
 
 def test_a_failed_run_never_launders_a_regression(real, tmp_path):
@@ -59,7 +60,7 @@ def test_a_failed_run_never_launders_a_regression(real, tmp_path):
     run_b = tmp_path / "store" / "runs" / b.run_id
     assert load_manifest(run_b / "dump").files == load_manifest(real["buggy"]).files
     assert json.loads((run_b / "report.json").read_text())["passed"] is False
-    assert store.get(b.run_id).summary["first_divergent"]["layer"] == 0
+    assert store.get(b.run_id).summary.first_divergent["layer"] == 0
     c = regress(real["buggy2"], store)
     assert c.exit_code == EXIT_DIVERGED and c.baseline_run == a.run_id, "a failed run became the baseline"
     assert labels(store) == ["baseline", "failed", "failed"]
@@ -150,8 +151,8 @@ def test_promote_and_prune_keep_the_current_baseline(synth, tmp_path):
     assert [e.name for e in store.runs()] == [base.run_id, failed[2].run_id]
     # a human blesses the failed run (an intended numerics change): it becomes the baseline
     rec = store.promote(failed[2].run_id)
-    assert rec.pass_label == "baseline" and rec.promoted["from"] == "failed"
-    assert store.get(failed[2].run_id).pass_label == "baseline"
+    assert rec.label == "baseline" and rec.promoted.previous == "failed"
+    assert store.get(failed[2].run_id).label == "baseline"
     assert select_baseline(store, "synth", m.capture_signature, m.environment).run_id == failed[2].run_id
     assert regress(synth["bad"], store).exit_code == EXIT_OK
     assert store.prune(1).deleted == (base.run_id, failed[2].run_id)
@@ -203,7 +204,7 @@ def test_unalignable_run_is_stored_failed_exit_2(synth, tmp_path):
     shifted = synth_dump(tmp_path / "shifted", hidden=8)  # same signature, other hidden size
     r = regress(shifted, store)
     assert r.exit_code == EXIT_UNUSABLE and r.label == "failed" and "UNUSABLE" in r.message
-    assert store.get(r.run_id).summary["error"] and store.get(r.run_id).verdict().startswith("UNUSABLE")
+    assert store.get(r.run_id).summary.error and store.get(r.run_id).verdict().startswith("UNUSABLE")
     m = load_manifest(synth["a"])
     assert select_baseline(store, "synth", m.capture_signature, m.environment).run_id == base.run_id
 
@@ -239,7 +240,7 @@ def test_remote_store_through_fsspec_memory(synth, tmp_path, memory_url):
     again = regress(synth["a2"], memory_url)  # no cache_dir: a temporary download
     assert again.baseline_run == ok.run_id and any("incomplete" in w for w in again.warnings)
     # promote rewrites the record in place; prune deletes remotely (marker first)
-    assert store.promote(bad.run_id).pass_label == "baseline"
+    assert store.promote(bad.run_id).label == "baseline"
     res = store.prune(1)
     assert res.kept == (again.run_id,) and res.deleted == (base.run_id, ok.run_id, bad.run_id)
     assert any(run_id in s and "younger" in s for s in res.skipped)

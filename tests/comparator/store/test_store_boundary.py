@@ -31,7 +31,8 @@ from comparator.store import RunStore, StoreError
 from comparator.store.backend import LocalBackend
 from comparator.store.fsspec_backend import FsspecBackend
 from comparator.store.errors import CorruptRunError, UnsafePathError
-from comparator.store.record import RunRecord, new_run_id
+from comparator.store.record import RunRecord
+from comparator.store.runid import new_run_id
 from dumper.errors import EXIT_OK
 from dumper.format import MANIFEST_NAME, load_manifest
 from tests.conftest import ROOT, run_cli

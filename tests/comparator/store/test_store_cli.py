@@ -56,7 +56,7 @@ def test_regress_and_store_commands(dumps, tmp_path):
     assert r.returncode == 0 and '"pass_label": "failed"' in r.stdout and "dump: 3 tensors" in r.stdout
     r = run_cli("comparator", "store", "promote", store, failed)
     assert r.returncode == 0 and "baseline now (was failed)" in r.stdout
-    assert RunStore(store).get(failed).pass_label == "baseline"
+    assert RunStore(store).get(failed).label == "baseline"
     r = run_cli("comparator", "store", "prune", store, "--keep", "1")
     assert r.returncode == 0 and "deleted 2 entries" in r.stdout, r.stdout + r.stderr
     for args in (("show", store, "20261130T000000.000000000Z-abcdef"), ("ls", tmp_path / "nothing"),
@@ -83,7 +83,7 @@ def test_two_concurrent_writers_both_land_whole(dumps, tmp_path):
     assert [p.returncode for p in procs] == [0, 1], outs
     entries = RunStore(store).runs()
     assert [e.status for e in entries] == ["complete"] * 3
-    assert sorted(e.record.pass_label for e in entries) == ["baseline", "failed", "passed"]
+    assert sorted(e.record.label for e in entries) == ["baseline", "failed", "passed"]
     for e in entries:
         assert (store / "runs" / e.name / "run.json").is_file() and (store / "runs" / e.name / "COMPLETE").is_file()
     assert not [n for n in os.listdir(store / "runs") if n.startswith(".")]

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from comparator import regress
-from comparator.noise.model import NoiseModel
+from comparator.noise.file import load_noise
 from comparator.store import RunRecord, RunStore, StoreError
 from comparator.store.record import noise_bytes
 from tests.conftest import ROOT, run_cli
@@ -102,11 +102,11 @@ def test_bootstrap_stores_exactly_the_noise_calibrate_writes(calibrated):
     assert stored.read_bytes() == calibrated["noise"].read_bytes()  # byte for byte
     assert sorted(os.listdir(stored.parent)) == ["COMPLETE", "dump", "noise.json", "run.json"]
     rec = RunStore(store).get(run_id)
-    assert rec.pass_label == "baseline" and rec.calibration == boot["calibration"]
-    assert rec.calibration["variants"] == 2 and rec.calibration["measured_on"] == run_id
-    assert rec.calibration["sha256"] == hashlib.sha256(stored.read_bytes()).hexdigest()
+    assert rec.label == "baseline" and rec.calibration.to_json() == boot["calibration"]
+    assert rec.calibration.variants == 2 and rec.calibration.measured_on == run_id
+    assert rec.calibration.sha256 == hashlib.sha256(stored.read_bytes()).hexdigest()
     got = RunStore(store).noise(rec)
-    assert got is not None and got.noise == NoiseModel.load(calibrated["noise"])
+    assert got is not None and got.noise == load_noise(calibrated["noise"])
     assert noise_bytes(got.noise) == stored.read_bytes()
     assert "calibrated from 2 variants" in _lines(calibrated["stdout"])
     r = run_cli("comparator", "store", "show", store, run_id)
@@ -175,7 +175,7 @@ def test_uncalibrated_baseline_falls_back_then_promote_calibrates(dumps, tmp_pat
     st = RunStore(store)
     rec = st.get(held)
     got = st.noise(rec)
-    assert rec.pass_label == "baseline" and rec.calibration["measured_on"] == held and got is not None
+    assert rec.label == "baseline" and rec.calibration.measured_on == held and got is not None
     assert got.noise.baseline == st.where(held, "dump") and len(got.noise.tensors) == 8
     r = run_cli("comparator", "regress", dumps["perturbed"], "--store", store, "--quiet")
     assert r.returncode == 1 and f"judged against the noise of baseline {held} (2 variants)" in _lines(r.stdout)
@@ -238,7 +238,7 @@ def test_writes_that_fail_leave_the_old_state(calibrated, dumps, tmp_path, monke
     """A put that dies before run.json leaves no complete run; a promote that does leaves the old record in force."""
     st = RunStore(_copy(calibrated["store"], tmp_path / "store"))
     base = calibrated["boot"]["run_id"]
-    noise = NoiseModel.load(calibrated["noise"])
+    noise = load_noise(calibrated["noise"])
     plain = st.put(dumps["held_out"], model="tiny-llama", label="passed")
     real = type(st.backend).write_bytes
 
@@ -256,10 +256,10 @@ def test_writes_that_fail_leave_the_old_state(calibrated, dumps, tmp_path, monke
             st.promote(run_id, new)  # noise.json is written, run.json is not
     monkeypatch.undo()
     rec = st.get(plain.run_id)
-    assert rec.pass_label == "passed" and rec.calibration is None and st.noise(rec) is None  # still uncalibrated
+    assert rec.label == "passed" and rec.calibration is None and st.noise(rec) is None  # still uncalibrated
     assert (st.backend.root / "runs" / plain.run_id / "noise.json").is_file()  # ignored: the record is the authority
     rec = st.get(base)
-    assert rec.calibration == calibrated["boot"]["calibration"]
+    assert rec.calibration.to_json() == calibrated["boot"]["calibration"]
     with pytest.raises(StoreError, match="does not match the calibration"):  # detected, never used unvouched
         st.noise(rec)
 
@@ -268,7 +268,7 @@ def test_memory_store_round_trip_through_the_python_api(calibrated, dumps):
     url = f"memory://driftscope-noise-{uuid.uuid4().hex[:8]}"
     try:
         boot = regress(dumps["base"], url, bootstrap=True, calibrate_from=[dumps["sdpa"], dumps["chunk"]])
-        assert boot.label == "baseline" and boot.calibration["variants"] == 2
+        assert boot.label == "baseline" and boot.calibration.variants == 2
         st = RunStore(url)
         assert st.noise(st.get(boot.run_id)).data == calibrated["noise"].read_bytes()
         res = regress(dumps["held_out"], url)
@@ -292,4 +292,4 @@ def test_run_records_with_and_without_calibration(calibrated):
     assert RunRecord.from_json(json.loads(rec.dumps())) == rec
     for bad in ({"variants": 0}, {"sha256": "ABC"}, {"measured_on": "../x"}, {"extra": 1}, {"variants": True}):
         with pytest.raises(ValueError, match="calibration"):
-            RunRecord.from_json({**rec.to_json(), "calibration": {**rec.calibration, **bad}})
+            RunRecord.from_json({**rec.to_json(), "calibration": {**rec.calibration.to_json(), **bad}})

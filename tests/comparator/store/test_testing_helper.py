@@ -54,4 +54,4 @@ def test_regress_gates_a_run_against_its_store(tmp_path):
     ok = regress(again, store)
     assert ok.exit_code == EXIT_OK and ok.baseline_run == first.run_id, "a failed run became the baseline"
     assert ok.message.startswith(f"{PASS}: stored run {ok.run_id} as passed") and ok.report.matched == 3
-    assert [e.record.pass_label for e in RunStore(store).runs()] == ["baseline", "failed", "passed"]
+    assert [e.record.label for e in RunStore(store).runs()] == ["baseline", "failed", "passed"]
