@@ -18,7 +18,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__version__ = "0.1.0"
+from dumper.version import __version__
 
 _EXPORTS = {
     "Capture": "hooks.capture",

@@ -2,7 +2,8 @@
 
 Object stores have no atomic rename (``mv`` is copy + delete, object by object), so a run is
 written straight into ``runs/<run_id>/`` and its ``COMPLETE`` marker is written last; a run
-folder without the marker is incomplete and never selected (:mod:`comparator.store.backend`).
+folder without the marker is incomplete and never selected (:mod:`comparator.store.backend`). It
+implements :class:`comparator.store.backend_base.Backend` (imported from there, never from the picker).
 :func:`comparator.store.backend.open_backend` picks this backend for any URL that is not local.
 """
 
@@ -12,8 +13,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from comparator.store.backend import (CHUNK, MAX_SMALL_FILE, Backend, EntryKind, ReadResult, check_rel, copy_limited,
-                                      too_big)
+from comparator.store.backend_base import (CHUNK, MAX_SMALL_FILE, Backend, EntryKind, ReadResult, check_rel,
+                                           copy_limited, too_big)
 from comparator.store.errors import StoreError, UnsafePathError
 
 __all__ = ["FsspecBackend"]

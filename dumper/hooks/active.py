@@ -1,7 +1,8 @@
-"""The active capture and the calls that record into it from anywhere: :func:`dump` and :func:`step`.
+"""The calls that record into the active capture from anywhere: :func:`dump` and :func:`step`.
 
-:class:`dumper.hooks.capture.Capture` makes itself active on entry (:func:`activate`) and gives
-the place back on exit. With none active, :func:`dump` costs one function call, unless
+:class:`dumper.hooks.capture.Capture` makes itself active on entry and gives the place back on
+exit (the slot is :mod:`dumper.hooks.current`, which the capture imports instead of this module,
+so that this one may import the capture without a cycle). With none active, :func:`dump` costs one function call, unless
 ``DRIFTSCOPE_DUMP_DIR`` is set: then the first call starts a model-less capture into that
 directory, written at interpreter exit.
 """
@@ -12,10 +13,11 @@ import atexit
 import itertools
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from dumper.errors import DriftscopeError, DumpError
 from dumper.format import MANIFEST_NAME
+from dumper.hooks import current
 from dumper.settings import env_settings
 
 if TYPE_CHECKING:
@@ -23,22 +25,14 @@ if TYPE_CHECKING:
 
     from dumper.hooks.capture import Capture
 
-__all__ = ["dump", "step", "active_capture", "activate"]
+__all__ = ["dump", "step", "active_capture"]
 
-_ACTIVE: Capture | None = None
 _ENV_DIR: str | None = env_settings().dump_dir
 
 
-def activate(cap: Capture | None) -> Capture | None:
-    """Make ``cap`` the capture :func:`dump` records into (``None``: none); return the one it replaces."""
-    global _ACTIVE
-    prev, _ACTIVE = _ACTIVE, cap
-    return prev
-
-
 def active_capture() -> Capture | None:
-    """The capture that :func:`dump` records into now, if any."""
-    return _ACTIVE
+    """The capture that :func:`dump` records into now, if any (only a :class:`Capture` takes the slot)."""
+    return cast("Capture | None", current.capture)
 
 
 def _env_capture() -> Capture | None:
@@ -100,7 +94,7 @@ def dump(name: str, tensor: torch.Tensor, **meta: Any) -> None:
     pass inherits that pass's positions and sequence ids (reshape per-head tensors to
     ``[batch, seq, heads * head_dim]`` first; other shapes need explicit ``positions``).
     """
-    cap = _ACTIVE
+    cap = current.capture
     if cap is None:
         if _ENV_DIR is None:
             return
@@ -112,5 +106,5 @@ def dump(name: str, tensor: torch.Tensor, **meta: Any) -> None:
 
 def step() -> None:
     """End the active capture's current forward pass (for captures without a model)."""
-    if _ACTIVE is not None:
-        _ACTIVE.step()
+    if current.capture is not None:
+        current.capture.step()

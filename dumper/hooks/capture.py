@@ -32,7 +32,7 @@ from dumper.errors import DriftscopeError, DumpError, InternalError, UsageError
 from dumper.format import FORMAT_VERSION, MANIFEST_NAME, Manifest, TensorRecord, write_manifest
 from dumper.format.dtypes import torch_codes
 from dumper.format.validate import first_bad_text
-from dumper.hooks import active
+from dumper.hooks.current import Recorder, activate
 from dumper.hooks.checks import checked_extra, checked_record_args
 from dumper.hooks.families import FamilyAdapter, resolve_model
 from dumper.hooks.fingerprint import environment_fingerprint
@@ -112,7 +112,7 @@ class Capture:
         self._calls: dict[str, int] = {}
         self._depth = 0
         self._rows: PassRows | None = None
-        self._prev_active: Capture | None = None
+        self._prev_active: Recorder | None = None
         self._made_dir = False
 
     def _tap_points(self) -> list[tuple[HookTarget, TapPoint]]:
@@ -156,7 +156,7 @@ class Capture:
             self._remove_hooks()
             raise
         if self._hooked:
-            self._prev_active = active.activate(self)
+            self._prev_active = activate(self)
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
@@ -164,7 +164,7 @@ class Capture:
             self._remove_hooks()
         finally:
             if self._hooked:
-                active.activate(self._prev_active)
+                activate(self._prev_active)
             self._finish(complete=exc_type is None)
 
     def close(self) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from dumper import __version__ as VERSION
+from dumper.version import __version__ as VERSION
 
 __all__ = ["environment_fingerprint", "model_identity", "config_identity", "config_hash", "weights_hash", "VERSION"]
 
@@ -102,7 +102,7 @@ def model_identity(model: torch.nn.Module | None, name: str | None = None) -> di
 
     ``architecture``, ``num_layers``, ``hidden_size`` and ``config_hash`` say *which model* this
     is: the comparator refuses to compare dumps that differ in them (see
-    :mod:`comparator.hidden.identity`). Run settings (dtype, attention implementation, device) are
+    :mod:`comparator.judging.identity`). Run settings (dtype, attention implementation, device) are
     not identity and are left out of the hash.
     """
     if model is None:
