@@ -176,7 +176,7 @@ class VllmFamily(FamilyAdapter):
 
     def tap_hint(self) -> str:
         return ('start vLLM with additional_config={"driftscope": {"layers": "all"}}, or --engine-arg '
-                "enforce_eager=true for module hooks; see the README's compiled-capture section")
+                "enforce_eager=true for module hooks; see docs/hooks.md, 'Compiled models: the tap'")
 
     def shared_rows(self) -> list[SharedRows]:
         return list(self._shared)
