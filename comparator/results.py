@@ -26,7 +26,7 @@ from dumper.errors import CorruptDumpError, DumpError, UsageError
 from dumper.format.files import parse_json, read_regular_file
 
 from comparator.hidden.types import FirstDivergence, Heatmap, LayerSummary, ReplicaMismatch, Report, TensorComparison
-from comparator.logprobs import LogprobVerdict
+from comparator.logprobs.types import LogprobVerdict
 
 __all__ = ["TensorComparison", "FirstDivergence", "ReplicaMismatch", "LayerSummary", "Heatmap", "Report",
            "LogprobVerdict", "MAX_REPORT_BYTES", "report_from_json", "load_report"]

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from comparator.jsonfloat import from_json_float, to_json_float
-from comparator.logprobs import LogprobVerdict
+from comparator.logprobs.types import LogprobVerdict
 from comparator.hidden.onset import Amplification
 from comparator.hidden.registry import BuiltinMetrics
 from comparator.hidden.registry import lookup as lookup_metric

@@ -76,7 +76,8 @@ from comparator.logprobs.types import (
     SequenceLogprobs,
     TopK,
 )
-from comparator.logprobs.verdict import LogprobVerdict, compare_logprobs
+from comparator.logprobs.types import LogprobVerdict
+from comparator.logprobs.verdict import compare_logprobs
 
 __all__ = [
     "UNKNOWN_TOKEN",

@@ -30,7 +30,8 @@ from comparator.logprobs.kl_stream import Distributions, LogitsDistributions, st
 from comparator.logprobs.sources import read_logprob_source
 from comparator.logprobs.sources.source import LogprobSource, check_vocabulary, one_sided_parts
 from comparator.logprobs.types import KlPass
-from comparator.logprobs.verdict import LogprobVerdict, compare_logprobs
+from comparator.logprobs.types import LogprobVerdict
+from comparator.logprobs.verdict import compare_logprobs
 
 __all__ = ["LogprobJudgement", "judge_sources", "compare_logprob_sources"]
 

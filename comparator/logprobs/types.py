@@ -1,4 +1,5 @@
-"""The logprob comparison's data: per-request logprobs, aligned samples, located maxima, KL results.
+"""The logprob comparison's data: per-request logprobs, aligned samples, located maxima, KL results,
+and the verdict (:class:`LogprobVerdict`, computed by :func:`comparator.logprobs.verdict.compare_logprobs`).
 
 Positions follow SGLang's ``input_token_logprobs`` convention: ``logprobs[i] = log p(token_ids[i]
 | token_ids[:i])``, and a logits row or top-k list "at position i" is the distribution that
@@ -8,16 +9,21 @@ logprobs" (target minus baseline, with the NaN/inf rules every metric follows).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, Final
 
 import numpy as np
 
 from comparator.jsonfloat import from_json_float, to_json_float
+from comparator.judging.logprob_metrics import LogprobMetric, MetricValue, logprob_metric, logprob_metrics, metric_names
+from comparator.judging.logprob_noise import NoiseCheck
+from comparator.judging.logprob_thresholds import LogprobThresholds, judged_failures
+from comparator.logprobs.llama_stats import LlamaStats
 
 __all__ = ["UNKNOWN_TOKEN", "TopK", "SequenceLogprobs", "AlignedSample", "Alignment", "Located", "PositionSeries",
-           "LogitsByRequest", "KlResult", "KlPass", "logprob_delta"]
+           "LogitsByRequest", "KlResult", "KlPass", "LogprobVerdict", "logprob_delta"]
 
 UNKNOWN_TOKEN: Final = -1
 """Token id of a position whose token an engine did not report (before SGLang's
@@ -181,3 +187,133 @@ def logprob_delta(ref: np.ndarray, tgt: np.ndarray) -> np.ndarray:
     d[np.isnan(d)] = np.inf
     return d
 
+
+def _read_float(d: Mapping[str, Any], key: str | None, presence: str, has_kl: bool) -> float | None:
+    """A metric's (or its SE's) JSON value, read back by the metric's presence
+    (:data:`~comparator.judging.logprob_metrics.Presence`)."""
+    if key is None or key not in d or (presence == "with_kl" and not has_kl):
+        return None
+    raw = d[key]
+    if presence == "optional":
+        return None if raw is None else float(raw)
+    return from_json_float(raw)
+
+
+def _read_metric(m: LogprobMetric, d: Mapping[str, Any], has_kl: bool) -> MetricValue:
+    se = _read_float(d, m.se_key, m.presence, has_kl)
+    if not m.located:
+        return MetricValue(_read_float(d, m.name, m.presence, has_kl), se)
+    at = Located.from_json(d.get(m.name), computed=m.presence == "always" or (m.presence == "with_kl" and has_kl))
+    return MetricValue(at.value, se, at.request, at.position)
+
+
+@dataclass(frozen=True)
+class LogprobVerdict:
+    """The logprob-level verdict; ``bool(verdict)`` is ``passed``; JSON keys are a public contract.
+
+    ``values`` holds every checked metric (the metric table) by name; ``verdict.NAME`` reads one
+    (a :class:`Located` for a located metric, else its value) and ``verdict.NAME_SE_KEY`` its
+    standard error. KL values and ``top1_agreement`` are None without logits, top-k ones without
+    common top-k tokens; a metric is None only in JSON written before it existed. ``passed`` is
+    stored (decided once, by :func:`compare_logprobs`). In JSON, non-finite floats are null; they
+    read back as inf for metrics that were computed, and None where the metric was optional.
+    """
+
+    values: Mapping[str, MetricValue]
+    rmse: float
+    k3_max: Located
+    compared_positions: int
+    requests: int
+    thresholds: LogprobThresholds
+    passed: bool
+    kl_percentiles: dict[str, float] | None = None
+    top1_agreement: float | None = None
+    topk_mean_err: float | None = None
+    llama: LlamaStats | None = None
+    """llama-perplexity's statistics (Δp, PPL ratio, KL and same-top uncertainties); flat keys in JSON."""
+    unmatched_baseline: tuple[str, ...] = ()
+    unmatched_target: tuple[str, ...] = ()
+    noise: NoiseCheck | None = None
+    """Each metric against the calibrated noise (None: fixed thresholds); :mod:`comparator.judging.logprob_noise`."""
+    series: tuple[PositionSeries, ...] = field(default=(), compare=False, repr=False)
+    """Per-request per-position values (in memory only; empty after :meth:`from_json`)."""
+
+    def __bool__(self) -> bool:
+        return self.passed
+
+    def __getattr__(self, name: str) -> Any:
+        """``verdict.max_abs_err`` (a :class:`Located`), ``verdict.mse``, ``verdict.k3_mean_se``: a metric of the
+        table, or its standard error."""
+        values = self.__dict__.get("values")
+        if values is not None and not name.startswith("_"):
+            spec = logprob_metric(name)
+            if spec is not None:
+                v = values.get(name, MetricValue())
+                return Located(v.value, v.request, v.position) if spec.located else v.value
+            for m in logprob_metrics():
+                if m.se_key == name:
+                    return values.get(m.name, MetricValue()).se
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def value_of(self, name: str) -> MetricValue:
+        """The metric ``name`` (an empty :class:`MetricValue` when this verdict did not compute it)."""
+        return self.values.get(name, MetricValue())
+
+    def metrics(self) -> dict[str, float | None]:
+        """The values the thresholds check, by threshold name."""
+        return {name: self.value_of(name).value for name in metric_names()}
+
+    def failures(self) -> list[str]:
+        """Names of the thresholds this verdict fails (see :func:`judged_failures`)."""
+        return judged_failures(self.thresholds, self.metrics(), self.noise)
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for m in logprob_metrics():
+            v = self.value_of(m.name)
+            out[m.name] = Located(v.value, v.request, v.position).to_json() if m.located else to_json_float(v.value)
+            if m.se_key is not None:
+                out[m.se_key] = to_json_float(v.se)
+        details = {
+            "rmse": to_json_float(self.rmse),
+            "k3_max": self.k3_max.to_json(),
+            "kl_percentiles": None if self.kl_percentiles is None
+            else {k: to_json_float(v) for k, v in self.kl_percentiles.items()},
+            "top1_agreement": to_json_float(self.top1_agreement),
+            "topk_mean_err": to_json_float(self.topk_mean_err),
+            **(self.llama.to_json() if self.llama is not None else LlamaStats.empty_json()),
+            "compared_positions": self.compared_positions,
+            "requests": self.requests,
+            "unmatched_baseline": list(self.unmatched_baseline),
+            "unmatched_target": list(self.unmatched_target),
+            "thresholds": self.thresholds.to_json(),
+            "threshold_source": self.thresholds.source,
+            "noise": None if self.noise is None else self.noise.to_json(),
+            "passed": self.passed,
+        }
+        for k, v in details.items():
+            out.setdefault(k, v)  # a metric's own key (kl_mean_se) over the llama statistics' copy of it
+        return out
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> LogprobVerdict:
+        def optional(v: Any) -> float | None:
+            return None if v is None else float(v)
+
+        has_kl = d.get("kl_percentiles") is not None
+        thresholds = LogprobThresholds.from_json(d["thresholds"])
+        return cls(
+            values={m.name: _read_metric(m, d, has_kl) for m in logprob_metrics()},
+            rmse=from_json_float(d["rmse"]), k3_max=Located.from_json(d["k3_max"], computed=True),
+            compared_positions=int(d["compared_positions"]), requests=int(d["requests"]),
+            thresholds=replace(thresholds, source=d.get("threshold_source")), passed=bool(d["passed"]),
+            kl_percentiles={k: from_json_float(v) for k, v in d["kl_percentiles"].items()} if has_kl else None,
+            top1_agreement=optional(d.get("top1_agreement")), topk_mean_err=optional(d.get("topk_mean_err")),
+            llama=LlamaStats.from_json(d),
+            unmatched_baseline=tuple(d.get("unmatched_baseline", ())),
+            unmatched_target=tuple(d.get("unmatched_target", ())),
+            noise=NoiseCheck.from_json(d["noise"]) if d.get("noise") else None,
+        )
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), indent=1, allow_nan=False)

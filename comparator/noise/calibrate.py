@@ -35,7 +35,7 @@ from comparator.hidden.types import TensorComparison
 from comparator.judging.identity import IDENTITY_FIELDS, IdentityDifference, check_variant
 from comparator.judging.noise import NoiseModel, TensorNoise
 from comparator.logprobs.judge import compare_logprob_sources
-from comparator.logprobs.verdict import LogprobVerdict
+from comparator.logprobs.types import LogprobVerdict
 from comparator.noise.logprob_calibration import logprob_noise
 
 __all__ = ["calibrate"]

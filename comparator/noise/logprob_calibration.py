@@ -20,7 +20,7 @@ from dumper.errors import UsageError
 
 from comparator.judging.logprob_metrics import metric_names, tested_means
 from comparator.judging.logprob_noise import LogprobNoise, MeanNoise
-from comparator.logprobs.verdict import LogprobVerdict
+from comparator.logprobs.types import LogprobVerdict
 
 __all__ = ["logprob_noise"]
 

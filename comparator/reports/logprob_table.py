@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from comparator.judging.logprob_metrics import logprob_metric, logprob_metrics
 from comparator.logprobs.types import Located
-from comparator.logprobs.verdict import LogprobVerdict
+from comparator.logprobs.types import LogprobVerdict
 from comparator.outcome import format_float, format_located
 
 __all__ = ["LogprobRow", "metric_rows", "metric_label"]

@@ -33,7 +33,7 @@ from comparator.judging.logprob_metrics import (
 from comparator.judging.logprob_thresholds import LogprobThresholds, explicit_thresholds, load_threshold_table
 from comparator.judging.noise_thresholds import parse_noise_floor, resolve_logprob_thresholds
 from comparator.logprobs.judge import compare_logprob_sources
-from comparator.logprobs.verdict import LogprobVerdict
+from comparator.logprobs.types import LogprobVerdict
 from comparator.noise.calibrate import calibrate
 from comparator.noise.file import load_noise, save_noise
 from comparator.reports.html import render_html
