@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from dumper.cli.common import Parser
-from dumper.cli.common import _split_debug as split_debug
+from dumper.cli.common import split_debug
 
 __all__ = ["CommandParser", "add_command", "summary", "COMMAND_DEST"]
 

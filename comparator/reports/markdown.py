@@ -77,10 +77,10 @@ def _layer_cells(report: Report, s: LayerSummary) -> list[str]:
         verdict += " ONSET"
     layer = "-" if s.layer is None else str(s.layer)
     amp, introduced = amplification_cell(report, s)
-    cells = [f"**{layer}**" if first else layer, str(s.tensors), format_float(s.max_rel_diff)]
+    cells = [_bold(layer, first), str(s.tensors), format_float(s.max_rel_diff)]
     cells += [format_ratio(s.noise_ratio)] if report.noise is not None else []
     return cells + [format_float(s.max_token_rel_diff), format_float(s.max_abs_diff), f"{s.min_cosine:.6f}",
-                    f"**{amp}**" if introduced else amp,
+                    _bold(amp, introduced),
                     "-" if s.first_failing_token is None else str(s.first_failing_token),
                     "-" if s.worst_token is None else str(s.worst_token), verdict]
 

@@ -18,7 +18,7 @@ from comparator.judging.noise import NoiseModel
 from comparator.store.errors import StoreError
 from comparator.store.fields import bad, check, is_int, show
 from comparator.store.runid import is_run_id, run_id_time
-from comparator.store.types import LABELS, Calibration, Label, Promotion, RunSummary, check_tree
+from comparator.store.types import LABELS, Calibration, Label, Promotion, RunSummary, check_tree, is_label
 from dumper.errors import DriftscopeError
 from dumper.format.files import parse_json, printable
 
@@ -141,7 +141,7 @@ def _check_fields(d: dict[str, Any]) -> None:
     check(d, "run_id", is_run_id, "a run id like 20261130T094716.302031123Z-a1b2c3")
     check(d, "created_at", lambda v: isinstance(v, str), "a string (ISO time)")
     check(d, "model", lambda v: isinstance(v, str) and v != "", "a non-empty string")
-    check(d, "pass_label", lambda v: v in LABELS and isinstance(v, str), f"one of {', '.join(LABELS)}")
+    check(d, "pass_label", is_label, f"one of {', '.join(LABELS)}")
     check(d, "baseline_run", lambda v: v is None or is_run_id(v), "a run id or null")
     for key in ("capture_signature", "model_identity"):
         check(d, key, lambda v: isinstance(v, dict), "an object")

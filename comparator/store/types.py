@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from comparator.results import Report
 
 __all__ = ["Label", "LABELS", "RunSummary", "SUMMARY_KEYS", "Calibration", "CALIBRATION_KEYS", "Promotion",
-           "check_tree"]
+           "check_tree", "is_label"]
 
 MAX_DEPTH = 64
 """Deepest JSON nesting a run record may hold (a sound one nests 3 deep)."""
@@ -59,7 +59,8 @@ LABELS: tuple[str, ...] = tuple(label.value for label in Label)
 """The label values, in :class:`Label` order (``--label`` choices)."""
 
 
-def _is_label(v: Any) -> bool:
+def is_label(v: Any) -> bool:
+    """A label as ``run.json`` stores it: one of :data:`LABELS`."""
     return isinstance(v, str) and v in LABELS
 
 
@@ -250,7 +251,7 @@ class Promotion:
             if set(p) != {"at", "from"}:
                 raise bad("promoted", 'an object with exactly the keys "at" and "from"', p)
             check(p, "at", is_str, "a string (ISO time)", prefix="promoted.")
-            check(p, "from", _is_label, f"one of {', '.join(LABELS)}", prefix="promoted.")
+            check(p, "from", is_label, f"one of {', '.join(LABELS)}", prefix="promoted.")
         except ValueError as e:
             raise where_prefixed(e, where) from None
         return cls(at=p["at"], previous=Label(p["from"]))

@@ -12,7 +12,8 @@ from dumper.errors import EXIT_INTERNAL, EXIT_UNUSABLE, DriftscopeError, UsageEr
 from dumper.format.files import printable
 from dumper.settings import env_settings
 
-__all__ = ["Parser", "guarded_main", "DEBUG_FLAG", "silence_stdout", "EXIT_BROKEN_PIPE", "add_import_sglang_flags"]
+__all__ = ["Parser", "guarded_main", "DEBUG_FLAG", "silence_stdout", "EXIT_BROKEN_PIPE", "add_import_sglang_flags",
+           "split_debug"]
 
 EXIT_BROKEN_PIPE = 141
 """What a shell reports for a process killed by SIGPIPE (128 + 13): the reader of stdout went away."""
@@ -31,7 +32,7 @@ class Parser(argparse.ArgumentParser):
                                         "(also DRIFTSCOPE_DEBUG=1)\n")
 
 
-def _split_debug(argv: Sequence[str]) -> tuple[list[str], bool]:
+def split_debug(argv: Sequence[str]) -> tuple[list[str], bool]:
     """Remove ``--debug`` from the options (not after ``--``, where it would be a positional)."""
     out, debug = [], False
     for i, a in enumerate(argv):
@@ -54,7 +55,7 @@ def guarded_main(run: Callable[[Sequence[str] | None], int], argv: Sequence[str]
     taken from a hostile file cannot drive the terminal. The traceback is printed only with
     ``--debug`` or ``DRIFTSCOPE_DEBUG=1``.
     """
-    args, debug = _split_debug(list(sys.argv[1:] if argv is None else argv))
+    args, debug = split_debug(list(sys.argv[1:] if argv is None else argv))
     try:
         debug = debug or env_settings().debug
         return run(args)

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from dumper.cli.common import Parser, guarded_main
-from dumper.cli.common import _split_debug as split_debug
+from dumper.cli.common import split_debug
 from dumper.cli.collect import add_collect, cmd_collect
 from dumper.cli.sweep import add_sweep, cmd_sweep
 from dumper.cli.values import check_device, engine_args, seed_value
