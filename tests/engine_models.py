@@ -20,7 +20,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-__all__ = ["build_checkpoint", "CORPUS", "llama_cpp_dir", "to_gguf", "engine_missing", "ENGINE_MODULES"]
+__all__ = ["build_checkpoint", "build_moe_checkpoint", "MOE_CONFIG", "CORPUS", "llama_cpp_dir", "to_gguf", "engine_missing", "ENGINE_MODULES"]
 
 _TEXT = (
     "The quick brown fox jumps over the lazy dog. Inference engines change every day: a new attention "
@@ -40,6 +40,14 @@ CONFIG = {
     "pad_token_id": 0,
 }
 """The tiny Llama: 4 layers, hidden 128, GQA 4/2 heads of 32 (vocab_size comes from the tokenizer)."""
+
+MOE_CONFIG = {
+    **{k: v for k, v in CONFIG.items() if k not in ("architectures", "model_type", "intermediate_size")},
+    "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "intermediate_size": 64,
+    "num_local_experts": 8, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.0, "output_router_logits": False,
+    "sliding_window": None,
+}
+"""The tiny Mixtral: the tiny Llama's attention, 8 experts of width 64 per layer, top-2."""
 
 ENGINE_MODULES = {"vllm": "vllm", "llama.cpp": "llama_cpp", "onnxruntime-genai": "onnxruntime_genai"}
 
@@ -67,22 +75,39 @@ def _train_tokenizer(out: Path, vocab_size: int) -> int:
     return tok.get_vocab_size()
 
 
-def build_checkpoint(out: str | os.PathLike[str], *, seed: int = 0, vocab_size: int = 512,
-                     **overrides: object) -> Path:
-    """Write a tiny random-weight Llama (float32 safetensors, config, tokenizer) to ``out``; return it."""
+def _write_checkpoint(out: str | os.PathLike[str], config_cls: type, model_cls: type, base: dict[str, object], *,
+                      seed: int, vocab_size: int, overrides: dict[str, object]) -> Path:
+    """Train the tokenizer into ``out``, build ``model_cls`` from ``base`` + overrides under ``seed``, save it (float32)."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     vocab = _train_tokenizer(out, vocab_size)
-    config = LlamaConfig(**{**CONFIG, "vocab_size": vocab, **overrides})
+    config = config_cls(**{**base, "vocab_size": vocab, **overrides})
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(torch.float32).eval()
+    model = model_cls(config).to(torch.float32).eval()
     model.save_pretrained(out, safe_serialization=True)
     gen = out / "generation_config.json"
     gen.write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2, "do_sample": False}))
     return out
+
+
+def build_checkpoint(out: str | os.PathLike[str], *, seed: int = 0, vocab_size: int = 512,
+                     **overrides: object) -> Path:
+    """Write a tiny random-weight Llama (float32 safetensors, config, tokenizer) to ``out``; return it."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return _write_checkpoint(out, LlamaConfig, LlamaForCausalLM, CONFIG, seed=seed, vocab_size=vocab_size,
+                             overrides=overrides)
+
+
+def build_moe_checkpoint(out: str | os.PathLike[str], *, seed: int = 0, vocab_size: int = 512,
+                         **overrides: object) -> Path:
+    """Write a tiny random-weight Mixtral (:data:`MOE_CONFIG`, float32 safetensors, tokenizer) to ``out``."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    return _write_checkpoint(out, MixtralConfig, MixtralForCausalLM, MOE_CONFIG, seed=seed, vocab_size=vocab_size,
+                             overrides=overrides)
 
 
 def llama_cpp_dir() -> Path | None:
