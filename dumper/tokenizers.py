@@ -13,7 +13,7 @@ from dumper.errors import UsageError
 
 __all__ = ["PRESETS", "Tokenizer", "ByteTokenizer", "load_tokenizer"]
 
-PRESETS = ("tiny-llama", "tiny-qwen2")
+PRESETS = ("tiny-llama", "tiny-qwen2", "tiny-mixtral")
 """The built-in models (``configs/<name>.json``), built by :func:`dumper.jobs.presets.load_model`."""
 
 

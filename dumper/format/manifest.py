@@ -45,6 +45,13 @@ __all__ = [
     "LOGPROB_TOP_ID",
     "LOGPROB_TOP_VALUE",
     "LOGITS",
+    "ROUTER_POINT",
+    "ROUTER_CHOICE_POINT",
+    "ROUTER_LOGITS",
+    "ROUTER_IDS",
+    "ROUTER_WEIGHTS",
+    "ROUTER_SCORES",
+    "router_name",
     "TensorRecord",
     "Manifest",
     "encode_runs",
@@ -72,6 +79,22 @@ LOGPROB_VALUE = "logprobs.logprob"  # [n, 1] float32: log p(token | tokens befor
 LOGPROB_TOP_ID = "logprobs.top_id"  # [n, k] int64: top-k ids of the distribution predicting it
 LOGPROB_TOP_VALUE = "logprobs.top_logprob"  # [n, k] float32
 LOGITS = "logits"  # [n, V]: the raw logits row that predicted the token at that position
+
+# MoE routing, per MoE decoder layer ``{P}`` (its module name, e.g. ``model.layers.3``), rows as
+# every hidden-state row. The logits (point ROUTER_POINT) are compared like any tensor; the
+# choice records (point ROUTER_CHOICE_POINT) get a routing verdict of their own.
+ROUTER_POINT = "router"
+ROUTER_CHOICE_POINT = "router_choice"
+ROUTER_LOGITS = "router.logits"  # [*rows, E], the router's dtype: the gate's output over all experts
+ROUTER_IDS = "router.ids"  # [*rows, k] int64: the experts chosen, in the slot order the selection returned
+ROUTER_WEIGHTS = "router.weights"  # [*rows, k] float32: each slot's combine weight, as the model applies it
+ROUTER_SCORES = "router.scores"  # [*rows, E] float32, optional: what top-k ran on where not monotone in the logits
+
+
+def router_name(prefix: str, part: str) -> str:
+    """The record name of routing ``part`` (:data:`ROUTER_IDS`, ...) of the MoE layer named ``prefix``."""
+    return f"{prefix}.{part}"
+
 
 def encode_runs(values: Iterable[int] | np.ndarray, *, step: int) -> list[list[int]]:
     """Run-length encode integers as ``[start, count]`` runs of values growing by ``step``.

@@ -1,4 +1,4 @@
-"""The hook API's capture: record self-attention inputs (and residual streams) of a model into a dump.
+"""The hook API's capture: record self-attention inputs (and residual streams, MoE routing) of a model into a dump.
 
 Example::
 
@@ -17,6 +17,7 @@ run never looks complete. A failure inside a hook is an :class:`InternalError` (
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import functools
 import math
@@ -29,15 +30,16 @@ import torch
 from torch import nn
 
 from dumper.errors import DriftscopeError, DumpError, InternalError, UsageError
-from dumper.format import FORMAT_VERSION, MANIFEST_NAME, Manifest, TensorRecord, write_manifest
+from dumper.format import FORMAT_VERSION, MANIFEST_NAME, ROUTER_SCORES, Manifest, TensorRecord, write_manifest
 from dumper.format.dtypes import torch_codes
 from dumper.format.validate import first_bad_text
 from dumper.hooks.current import Recorder, activate
 from dumper.hooks.checks import checked_extra, checked_record_args
 from dumper.hooks.families import FamilyAdapter, resolve_model
 from dumper.hooks.fingerprint import environment_fingerprint
-from dumper.hooks.layers import ATTN_INPUT, RESIDUAL, HookTarget, hook_targets
+from dumper.hooks.layers import POINTS, RESIDUAL, ROUTER, HookTarget, hook_targets
 from dumper.hooks.parts import dist_rank_world, join_under_barrier, write_part
+from dumper.hooks.routing import check_router_hookable, router_meta, router_records
 from dumper.hooks.rows import PassRows, as_runs, write_shared_rows
 from dumper.hooks.tap import TapPoint, check_counts, is_compiled, match_targets, tap_of, unwrap_compiled
 from dumper.hooks.writer import ShardWriter
@@ -110,16 +112,16 @@ class Capture:
         self._pass_count = first_pass
         self._cur_pass: int | None = None
         self._calls: dict[str, int] = {}
-        self._depth = 0
         self._rows: PassRows | None = None
         self._prev_active: Recorder | None = None
-        self._made_dir = False
+        self._depth, self._made_dir = 0, False
 
     def _tap_points(self) -> list[tuple[HookTarget, TapPoint]]:
-        """Each target and the tap point that records it; a compiled model without a tap is refused."""
-        if self._tap is not None:
-            return match_targets(self._tap, self._targets)
+        """Each target and the tap point that records it; refused: a compiled model without a tap, its routers."""
         reason = "torch.compile" if self._outer is not None else self._family.compiled_reason()
+        check_router_hookable(self._targets, hooked=self._hooked, compiled=reason, tapped=self._tap is not None)
+        if self._tap is not None:
+            return match_targets(self._tap, [t for t in self._targets if t.point != ROUTER])
         if reason is not None:
             raise UsageError(f"the model runs compiled ({reason}), where module hooks do not run; install "
                              f"driftscope's tap before it compiles ({self._family.tap_hint()})")
@@ -150,8 +152,9 @@ class Capture:
                 self._handles.append(top.register_forward_pre_hook(self._on_model_start, with_kwargs=True))
                 self._handles.append(top.register_forward_hook(self._on_model_end, always_call=True))
                 for target in self._targets if self._tap is None else ():
-                    self._handles.append(target.module.register_forward_pre_hook(
-                        self._make_input_hook(target), with_kwargs=True))
+                    self._handles.append(target.module.register_forward_hook(
+                        functools.partial(self._on_router, target), with_kwargs=True) if target.point == ROUTER
+                        else target.module.register_forward_pre_hook(self._make_input_hook(target), with_kwargs=True))
         except BaseException:
             self._remove_hooks()
             raise
@@ -183,9 +186,9 @@ class Capture:
         writer.close()
         if not complete:
             return
-        records = tuple(replace(r, file=writer.locations[(r.forward_pass, r.key)]) for r in self._records)
+        records = tuple(replace(r, file=writer.locations[(r.forward_pass, r.key)]) for r in self._records) \
+            + tuple(self._adopted[1])
         files = {**writer.files, **self._adopted[0]}
-        records += tuple(self._adopted[1])
         shared = self._family.shared_rows()
         if shared and records:  # the rows prefix-cache hits reused, as one extra pass of the hits' own
             found, found_files = write_shared_rows(self.out_dir, records, shared, rank=self.rank,
@@ -208,10 +211,8 @@ class Capture:
     def _refuse_empty(self) -> NoReturn:
         """An exit that recorded nothing writes no manifest: leave no dump (and no directory we made)."""
         if self._made_dir and self.rank == 0:
-            try:
+            with contextlib.suppress(OSError):
                 self.out_dir.rmdir()  # only if empty: never delete what someone else put there
-            except OSError:
-                pass
         hooked = ", ".join(t.name for t in self._targets[:4]) + (" ..." if len(self._targets) > 4 else "")
         raise DumpError(f"{self.out_dir}: the capture recorded no tensors "
                         f"({'hooked ' + hooked + ' never ran' if hooked else 'no module hooked'} "
@@ -227,11 +228,9 @@ class Capture:
             if self.model is not None else None
         return {  # layers: decoder layers (the final norm's residual, at layer num_layers, is not one)
             "layers": sorted({t.layer for t in self._targets if t.layer is not None and t.layer < self._num_layers}),
-            "modules": [t.name for t in self._targets],
-            "points": [p for p in (ATTN_INPUT, RESIDUAL) if any(t.point == p for t in self._targets)],
-            "num_layers": self._num_layers,
-            "world_size": self.world_size,
-            "dtype": dtype,
+            "modules": [t.name for t in self._targets if t.point != ROUTER],
+            "points": [p for p in POINTS if any(t.point == p for t in (*self._targets, *self._records))],
+            "num_layers": self._num_layers, "world_size": self.world_size, "dtype": dtype,
             **(self._signature or {}),
         }
 
@@ -241,17 +240,11 @@ class Capture:
         return {**environment_fingerprint(device, attn), **self._family.environment(), **self._environment}
 
     def _write_manifest(self, files: dict[str, int], records: tuple[TensorRecord, ...]) -> None:
-        manifest = Manifest(
-            format_version=FORMAT_VERSION,
-            created_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            model=self._identity if self._identity is not None else self._family.identity(self._model_name),
-            capture_signature=self._signature_of(),
-            environment=self._environment_of(),
-            files=dict(sorted(files.items())),
-            tensors=records,
-            extra=self.extra,
-        )
-        write_manifest(self.out_dir, manifest)
+        model = self._identity if self._identity is not None else self._family.identity(self._model_name)
+        write_manifest(self.out_dir, Manifest(
+            format_version=FORMAT_VERSION, created_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            model=model, capture_signature=self._signature_of(), environment=self._environment_of(),
+            files=dict(sorted(files.items())), tensors=records, extra=self.extra))
 
     # -- forward passes --------------------------------------------------------------------
     def step(self) -> None:
@@ -262,11 +255,8 @@ class Capture:
         self._calls.clear()
 
     def set_sequence_ids(self, ids: Sequence[int] | None) -> None:
-        """Sequence id of each batch row for the following passes (``None``: number them anew).
-
-        Not needed for chunked prefill or decoding over one KV cache: a pass whose rows continue
-        the previous pass's rows continues their sequences (see :class:`dumper.hooks.families.HFFamily`).
-        """
+        """Sequence id of each batch row for the following passes (``None``: number them anew); not needed where
+        a pass's rows continue the previous pass's (chunked prefill, decoding; see ``families.HFFamily``)."""
         self._family.set_sequence_ids(ids)
 
     def _start_pass(self) -> int:
@@ -334,6 +324,12 @@ class Capture:
 
         return hook
 
+    @_hook_guard
+    def _on_router(self, target: HookTarget, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        """A router's forward hook: record what ``target.read`` reads of its call; returns None (reads only)."""
+        self.record_router(target.name, target.layer, target.read(args, kwargs, output),  # type: ignore[misc]
+                           scores_meta=router_meta(module))
+
     # -- recording -------------------------------------------------------------------------
     def record(self, name: str, tensor: torch.Tensor, *, layer: int | None = None, point: str | None = None,
                positions: Any = None, sequence_ids: Any = None, shard_dim: int | None = None, **meta: Any) -> None:
@@ -367,9 +363,20 @@ class Capture:
             name=name, file="", key=key, shape=shape, dtype=_STORAGE_CODES[tensor.dtype],
             forward_pass=forward_pass, rank=self.rank, call=call, layer=layer, point=point,
             positions=as_runs(positions, rows, "positions"),
-            sequence_ids=as_runs(sequence_ids, rows, "sequence_ids"), shard_dim=shard_dim,
-            meta=meta,
-        ))
+            sequence_ids=as_runs(sequence_ids, rows, "sequence_ids"), shard_dim=shard_dim, meta=meta))
+
+    def record_router(self, prefix: str, layer: int, parts: dict[str, torch.Tensor], *,
+                      scores_meta: dict[str, int] | None = None) -> None:
+        """Record MoE layer ``layer``'s routing ``parts`` (``{ROUTER_LOGITS: t, ...}``) as ``{prefix}.router.*``,
+        cast and shaped as :func:`dumper.hooks.routing.router_records` says (rows inherit the pass's positions).
+
+        ``scores_meta``: how a grouped top-k ran on the scores (:func:`dumper.hooks.routing.router_meta`),
+        stored beside them so that the comparator measures its margins.
+        """
+        shape = self._rows.shape if self._rows is not None else None
+        for name, point, tensor in router_records(prefix, parts, shape):
+            meta = (scores_meta or {}) if name.endswith(ROUTER_SCORES) else {}
+            self.record(name, tensor, layer=layer, point=point, **meta)
 
 
 def capture(model: nn.Module | Any | None, out_dir: str | Path, *, layers: str | Sequence[int] | None = None,
@@ -388,7 +395,8 @@ def capture(model: nn.Module | Any | None, out_dir: str | Path, *, layers: str |
         points: capture points, default ``("input",)``: ``"input"`` records ``{attention}.input``
             (after the layer's input norm), ``"residual"`` records ``model.layers.{i}.residual``
             (the decoder layer's input, before its norm; layer ``i``) and, with the last layer
-            selected, ``model.norm.residual`` (the final norm's input; layer ``num_layers``).
+            selected, ``model.norm.residual`` (the final norm's input; layer ``num_layers``),
+            ``"router"`` records ``model.layers.{i}.router.{logits,ids,weights}`` of MoE layers.
         model_name: the model's name or path, recorded in the manifest.
         shard_bytes: largest data file size before a forward pass is split into shards.
         extra: free-form JSON metadata stored in the manifest (e.g. the prompts).

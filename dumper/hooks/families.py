@@ -34,7 +34,8 @@ family of your own, registered from your code (first match wins, newest first)::
 from __future__ import annotations
 
 import importlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
@@ -43,9 +44,21 @@ from torch import nn
 
 from dumper.errors import UsageError
 from dumper.hooks.fingerprint import model_identity
+from dumper.hooks.routing import find_routers, has_router, known_families
 from dumper.hooks.rows import HFRows, PassRows, Runs, SharedRows
 
-__all__ = ["FamilyAdapter", "HFFamily", "register", "unregister", "family_for", "resolve_model"]
+__all__ = ["FamilyAdapter", "HFFamily", "RouterHook", "register", "unregister", "family_for", "resolve_model"]
+
+
+@dataclass(frozen=True)
+class RouterHook:
+    """One MoE router to hook for the ``router`` point: ``module`` gets a forward hook (``with_kwargs=True``)
+    that calls ``read(args, kwargs, output)`` for the routing parts (``{ROUTER_LOGITS: t, ROUTER_IDS: t,
+    ROUTER_WEIGHTS: t, ROUTER_SCORES: t}``, any subset; :mod:`dumper.format.manifest`), recorded by
+    :meth:`dumper.hooks.capture.Capture.record_router`. ``read`` only reads: the model's outputs stay as they are."""
+
+    module: nn.Module
+    read: Callable[[tuple, dict, Any], dict[str, torch.Tensor]]
 
 
 class FamilyAdapter:
@@ -53,8 +66,8 @@ class FamilyAdapter:
 
     The whole interface, in four parts (override only what differs):
 
-    - *which modules*: :attr:`attention_names`, :attr:`norm_names` and :attr:`residual`, read by
-      :func:`dumper.hooks.layers.hook_targets`;
+    - *which modules*: :attr:`attention_names`, :attr:`norm_names`, :attr:`residual` and
+      :meth:`router_hooks` (the ``router`` point), read by :func:`dumper.hooks.layers.hook_targets`;
     - *where a hooked call's hidden states are*: :meth:`hidden_input` (the attention input) and
       :meth:`residual_input` (a decoder layer's input), by default the :attr:`hidden_kwarg`
       keyword or the first positional argument;
@@ -101,6 +114,14 @@ class FamilyAdapter:
         first positional argument, as transformers' decoder layers take it.
         """
         return kwargs.get(self.hidden_kwarg, args[0] if args else None)
+
+    def router_hooks(self, layer: nn.Module, index: int) -> list[RouterHook]:
+        """The MoE routers of decoder layer ``index`` (``layer``) to hook for the ``router`` point (``[]``: dense).
+
+        The default knows no router: the family cannot capture the point.
+        """
+        raise UsageError(f"capture point 'router': the {self.name} model family does not say where a layer's "
+                         "MoE router is")
 
     def pass_rows(self, args: tuple, kwargs: dict) -> PassRows | None:
         """Row metadata of a top-level forward pass from its inputs (``None``: rows stay unlabelled)."""
@@ -224,6 +245,14 @@ class HFFamily(FamilyAdapter):
 
     def set_sequence_ids(self, ids: Sequence[int] | None) -> None:
         self._explicit = None if ids is None else [int(i) for i in ids]
+
+    def router_hooks(self, layer: nn.Module, index: int) -> list[RouterHook]:
+        """The known transformers routers in ``layer`` (:mod:`dumper.hooks.routing`); a model with none is refused."""
+        found = [RouterHook(module, read) for module, read in find_routers(layer)]
+        if not found and self.model is not None and not has_router(self.model):
+            raise UsageError(f"capture point 'router': {type(self.model).__name__} has no MoE router driftscope "
+                             f"reads (known: {known_families()})")
+        return found
 
     def pass_rows(self, args: tuple, kwargs: dict) -> HFRows | None:
         ids = kwargs.get(self.ids_kwarg, args[0] if args else None)

@@ -1,7 +1,8 @@
 """Which modules to hook: layer specs, capture points and decoder-layer discovery.
 
-The names that mark a decoder layer's attention child and the final norm are the model
-family's (:class:`dumper.hooks.families.FamilyAdapter`), passed in by :func:`hook_targets`. Layer indices are taken from the position of a module in its ``nn.ModuleList`` and stored
+The names that mark a decoder layer's attention child and the final norm, and where a layer's
+MoE router is, are the model family's (:class:`dumper.hooks.families.FamilyAdapter`), passed in
+by :func:`hook_targets`. Layer indices are taken from the position of a module in its ``nn.ModuleList`` and stored
 as metadata; they are never parsed back out of module names.
 """
 
@@ -9,16 +10,18 @@ from __future__ import annotations
 
 import fnmatch
 import re
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from torch import nn
 
 from dumper.errors import UsageError
+from dumper.format.manifest import ROUTER_POINT
 
 __all__ = ["DEFAULT_LAYERS", "HookTarget", "parse_layer_spec", "find_decoder_layers", "find_targets",
-           "ATTN_INPUT", "RESIDUAL", "POINTS", "parse_points", "find_residual_targets", "hook_targets"]
+           "ATTN_INPUT", "RESIDUAL", "ROUTER", "POINTS", "parse_points", "find_residual_targets",
+           "find_router_targets", "hook_targets"]
 
 DEFAULT_LAYERS = "first,last,every:8"
 """The seed's choice: first and last layer plus every 8th."""
@@ -27,7 +30,9 @@ ATTN_INPUT = "input"
 """Capture point of a hooked module's input hidden states (name suffix ``.input``)."""
 RESIDUAL = "residual"
 """Capture point of the residual stream entering a decoder layer, before its norm (name suffix ``.residual``)."""
-POINTS = (ATTN_INPUT, RESIDUAL)
+ROUTER = ROUTER_POINT
+"""Capture point of an MoE layer's routing: ``model.layers.{i}.router.{logits,ids,weights}`` (:mod:`.routing`)."""
+POINTS = (ATTN_INPUT, RESIDUAL, ROUTER)
 """Every capture point the hook API knows, in the order the manifest lists them."""
 _INT = re.compile(r"-?[0-9]+")
 """A layer index as written in a spec: ASCII digits, an optional minus (not ``+3``, ``1_0`` or ``３``)."""
@@ -35,12 +40,17 @@ _INT = re.compile(r"-?[0-9]+")
 
 @dataclass(frozen=True)
 class HookTarget:
-    """One module to hook, its canonical name, the layer it belongs to (or ``None``) and the point it records."""
+    """One module to hook, its canonical name, the layer it belongs to (or ``None``) and the point it records.
+
+    A :data:`ROUTER` target's name is its decoder layer's (the records' prefix), its module the router
+    and ``read`` what reads the router's call (:class:`dumper.hooks.families.RouterHook`).
+    """
 
     name: str
     module: nn.Module
     layer: int | None
     point: str = ATTN_INPUT
+    read: Callable[[tuple, dict, Any], dict[str, Any]] | None = field(default=None, compare=False)
 
 
 def parse_layer_spec(spec: str | Sequence[int] | None, num_layers: int) -> list[int]:
@@ -229,6 +239,26 @@ def find_residual_targets(model: nn.Module, *, layers: str | Sequence[int] | Non
     return targets, len(layer_list)
 
 
+def find_router_targets(model: nn.Module, family: _Family, *, layers: str | Sequence[int] | None = None
+                        ) -> tuple[list[HookTarget], int]:
+    """The MoE routers of the selected decoder layers (``family.router_hooks``), and the model's number of layers.
+
+    One target per router, named as its layer (``model.layers.{i}``); dense layers have none. A
+    selection without any MoE layer raises :class:`UsageError` naming the model and the layers.
+    """
+    list_name, layer_list = find_decoder_layers(model, family.attention_names)
+    keep = parse_layer_spec(layers, len(layer_list))
+    prefix = f"{list_name}." if list_name else ""
+    targets = [HookTarget(f"{prefix}{i}", hook.module, i, ROUTER, hook.read)
+               for i in keep if not isinstance(layer_list[i], nn.Identity)
+               for hook in family.router_hooks(layer_list[i], i)]
+    if not targets:
+        shown = f"{keep[0]}..{keep[-1]}" if keep == list(range(keep[0], keep[-1] + 1)) and len(keep) > 2 else keep
+        raise UsageError(f"capture point {ROUTER!r}: {type(model).__name__} has no MoE layer among layers {shown}; "
+                         "select layers with a router, or drop the point")
+    return targets, len(layer_list)
+
+
 class _Family(Protocol):
     """What :func:`hook_targets` reads of a family adapter (:class:`dumper.hooks.families.FamilyAdapter`)."""
 
@@ -237,6 +267,8 @@ class _Family(Protocol):
     norm_names: tuple[str, ...]
     residual: bool
 
+    def router_hooks(self, layer: nn.Module, index: int) -> Sequence[Any]: ...
+
 
 def hook_targets(model: nn.Module, family: _Family, *, layers: str | Sequence[int] | None = None,
                  modules: str | None = None, points: str | Sequence[str] | None = None
@@ -244,7 +276,8 @@ def hook_targets(model: nn.Module, family: _Family, *, layers: str | Sequence[in
     """Every module :class:`dumper.hooks.capture.Capture` hooks for ``points`` (:func:`parse_points`), and the layer count.
 
     ``input`` hooks :func:`find_targets` (``modules`` chooses them); ``residual`` hooks
-    :func:`find_residual_targets`, for a family that says where the residual stream is.
+    :func:`find_residual_targets`, for a family that says where the residual stream is; ``router``
+    hooks :func:`find_router_targets`, the MoE routers of the selected layers.
     """
     chosen = parse_points(points)
     targets: list[HookTarget] = []
@@ -260,5 +293,8 @@ def hook_targets(model: nn.Module, family: _Family, *, layers: str | Sequence[in
                              f"decoder layer's residual stream is; capture the {ATTN_INPUT!r} point instead")
         found, num_layers = find_residual_targets(model, layers=layers, attention_names=family.attention_names,
                                                   norm_names=family.norm_names)
+        targets += found
+    if ROUTER in chosen:
+        found, num_layers = find_router_targets(model, family, layers=layers)
         targets += found
     return targets, num_layers
