@@ -30,6 +30,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("comparator.judging", ("comparator.judging.*", "comparator.settings")),
     ("comparator.config", ("comparator.config",)),
     ("comparator.logprobs", ("comparator.logprobs.*",)),
+    ("comparator.routing", ("comparator.routing.*",)),
     ("comparator.hidden", ("comparator.hidden.*",)),
     ("comparator.noise", ("comparator.noise.*",)),
     ("comparator.results", ("comparator.results", "comparator.outcome")),

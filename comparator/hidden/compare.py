@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from dumper.errors import NotComparableError
-from dumper.format import LOGITS_POINT, LOGPROB_POINT, DumpReader, Manifest, TensorRecord, encode_runs
+from dumper.format import LOGITS_POINT, LOGPROB_POINT, ROUTER_CHOICE_POINT, DumpReader, Manifest, TensorRecord, encode_runs
 
 from comparator.hidden.align import (
     LogicalKey,
@@ -48,6 +48,7 @@ from comparator.hidden.subset import SUBSET_NOTE, relabel_sequences, subset_base
 from comparator.hidden.types import Report, TensorComparison
 from comparator.logprobs.judge import judge_sources
 from comparator.logprobs.sources.dump import dump_logprobs
+from comparator.routing.compare import compare_routing
 
 __all__ = ["compare_dumps"]
 
@@ -103,8 +104,7 @@ def _judge_tensor(stats: PairStats, config: CompareConfig, *, name: str, layer: 
     return TensorComparison(
         name=name, layer=layer, forward_pass=forward_pass, rank=rank, shape=shape, sequence=sequence,
         metrics=dict(stats.metrics), nan_baseline=stats.nan_x, inf_baseline=stats.inf_x, nan_target=stats.nan_y,
-        inf_target=stats.inf_y,
-        nonfinite_mismatches=stats.nonfinite_mismatches, failing_tokens=int(failing.size),
+        inf_target=stats.inf_y, nonfinite_mismatches=stats.nonfinite_mismatches, failing_tokens=int(failing.size),
         first_failing_token=first_tok, first_failing_row=first_row, first_failing_sequence=first_seq,
         failing_ranges=ranges, worst_token=worst_tok, worst_row=worst_row, note=note,
         passed=bool(stats.rel_diff <= limits.threshold) and not failing.size,
@@ -210,6 +210,8 @@ def compare_dumps(baseline: str | os.PathLike[str], target: str | os.PathLike[st
     br, tr, notes = _open(baseline, target, config)
     replay = _replay_notes(tr.manifest)
     verdict, parts_b, parts_t = _logprob_verdict(br, tr, config)
+    router = compare_routing(br, tr, noise=config.noise.router if config.noise is not None else None,
+                             factor=config.noise_factor)
     (bm, empty_b), (tm, empty_t) = _hidden(br.manifest), _hidden(tr.manifest)
     plan = _plan(bm, tm, br, tr, sorted(set(empty_b) | set(empty_t)))
     if config.subset:  # judge the target's rows only (comparator.hidden.subset)
@@ -243,6 +245,7 @@ def compare_dumps(baseline: str | os.PathLike[str], target: str | os.PathLike[st
         noise_factor=config.noise_factor if config.noise is not None else None,
         noise_floor=config.noise_floor if config.noise is not None else None,
         amplification=() if replay else tuple(layer_amplification(results, config)),  # a replay has no growth
+        router=router,
     )
 
 
@@ -342,12 +345,16 @@ def _noise_notes(config: CompareConfig, results: list[TensorComparison]) -> tupl
 
 
 def _replay_notes(manifest: Manifest) -> tuple[str, ...]:
-    """A replay dump (``python -m dumper replay``) holds each layer's own error one layer up: say so."""
-    if not isinstance(manifest.extra.get("replay"), dict):
+    """A replay dump (``python -m dumper replay``) holds each layer's own error one layer up: say so (and if forced)."""
+    replay = manifest.extra.get("replay")
+    if not isinstance(replay, dict):
         return ()
+    forced = {"ids": "ids; weights by the target's router", "all": "ids and weights"}.get(replay.get("force_routing"))
     return ("replay dump: the residual of layer k+1 is layer k run on the baseline's own input, so its "
             "rel_diff is the error layer k introduces by itself, nothing inherited (tensors only in the "
-            "baseline, such as layer 0's residual and the input point, are expected)",)
+            "baseline, such as layer 0's residual and the input point, are expected)",
+            *([f"replay with the baseline's expert choices forced ({forced}): no routing flips by construction; what "
+               "an MoE layer still adds is the same experts' math, not a different expert"] if forced else []))
 
 
 def _has_logprobs(manifest: Manifest) -> bool:
@@ -355,11 +362,11 @@ def _has_logprobs(manifest: Manifest) -> bool:
 
 
 def _hidden(manifest: Manifest) -> tuple[Manifest, list[str]]:
-    """The manifest without its logprob and logits rows (they get a verdict of their own) and without
+    """The manifest without its logprob, logits and routing-choice rows (they get verdicts of their own) and without
     tensors of no elements, which are returned as labels (``name[pass=P,rank=R]``)."""
     keep, empty = [], []
     for r in manifest.tensors:
-        if r.point in (LOGPROB_POINT, LOGITS_POINT):
+        if r.point in (LOGPROB_POINT, LOGITS_POINT, ROUTER_CHOICE_POINT):
             continue
         if math.prod(r.shape) == 0:
             empty.append(_label((r.name, r.forward_pass, r.rank, r.call)))

@@ -18,6 +18,7 @@ from typing import Any
 
 from comparator.jsonfloat import from_json_float, to_json_float
 from comparator.logprobs.types import LogprobVerdict
+from comparator.routing.types import RouterComparison
 from comparator.hidden.onset import Amplification
 from comparator.hidden.registry import BuiltinMetrics
 from comparator.hidden.registry import lookup as lookup_metric
@@ -265,6 +266,8 @@ class Report:
     noise_floor: float | None = None
     amplification: tuple[Amplification, ...] = ()
     """Per layer and capture point, the growth of the error across the layer (:mod:`comparator.hidden.onset`)."""
+    router: RouterComparison | None = None
+    """The MoE routing comparison (:mod:`comparator.routing`); None when either dump recorded no routing."""
     warnings: tuple[str, ...] = ()
     """What the verdict warns about: noise that lets pass what the fixed thresholds fail, a
     calibration across models (:func:`comparator.judging.noise_thresholds.noise_warnings`, the logprob noise's)."""
@@ -276,9 +279,10 @@ class Report:
 
     @property
     def passed(self) -> bool:
-        """Something was compared, every tensor passed, replicas agree, and logprobs (if any) pass."""
+        """Something was compared, every tensor passed, replicas agree, and logprobs and routing (if any) pass."""
         return ((self.matched > 0 or self.logprobs is not None) and all(t.passed for t in self.tensors)
-                and not self.replica_mismatches and (self.logprobs is None or self.logprobs.passed))
+                and not self.replica_mismatches and (self.logprobs is None or self.logprobs.passed)
+                and (self.router is None or self.router.passed))
 
     def __bool__(self) -> bool:
         return self.passed
@@ -340,6 +344,7 @@ class Report:
             "noise_floor": self.noise_floor,
             "amplification": [a.to_json() for a in self.amplification],
             "warnings": list(self.warnings),
+            "router": self.router.to_json() if self.router is not None else None,
         }
 
     @classmethod
@@ -362,4 +367,5 @@ class Report:
             noise=d.get("noise"), noise_factor=d.get("noise_factor"), noise_floor=d.get("noise_floor"),
             amplification=tuple(Amplification.from_json(a) for a in d.get("amplification", ())),
             warnings=tuple(d.get("warnings", ())),
+            router=RouterComparison.from_json(d["router"]) if d.get("router") else None,
         )

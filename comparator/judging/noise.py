@@ -34,6 +34,7 @@ from comparator.jsonfloat import to_json_float
 from comparator.judging.fields import REL_DIFF_MAX, bad, integer, items, number, record, text
 from comparator.judging.identity import IDENTITY_FIELDS, REPORTED_FIELDS, IdentityDifference
 from comparator.judging.logprob_noise import LogprobNoise
+from comparator.judging.router_noise import RouterNoise, router_noise_from_json, router_noise_to_json
 
 __all__ = ["NOISE_FORMAT", "TensorNoise", "NoiseModel"]
 
@@ -100,6 +101,8 @@ class NoiseModel:
     model_mismatch: tuple[tuple[str, IdentityDifference], ...] = ()
     """(variant, difference) of each variant calibrated with ``--allow-model-mismatch`` although it is
     not a re-run of the baseline's model (:func:`comparator.judging.identity.check_variant`)."""
+    router: Mapping[int, RouterNoise] = field(default_factory=dict)
+    """Benign routing variation per MoE layer (:mod:`comparator.judging.router_noise`); empty: none recorded."""
     source: str | None = field(default=None, compare=False)
     """The file it was read from (not stored)."""
 
@@ -135,7 +138,8 @@ class NoiseModel:
                 "tensors": [t.to_json() for t in self.tensors.values()],
                 "logprobs": self.logprobs.to_json() if self.logprobs is not None else None,
                 "model_mismatch": [{"variant": v, "field": d.field, "baseline": d.baseline, "target": d.target}
-                                   for v, d in self.model_mismatch]}
+                                   for v, d in self.model_mismatch],
+                **({"router": router_noise_to_json(self.router)} if self.router else {})}
 
     @classmethod
     def from_json(cls, d: Any, where: str) -> NoiseModel:
@@ -144,7 +148,7 @@ class NoiseModel:
         if type(d) is not dict or d.get("format") != NOISE_FORMAT:
             raise UsageError(f"{where}: not a driftscope noise file (expected \"format\": {NOISE_FORMAT!r}); "
                              "write one with python -m comparator calibrate")
-        d = record(d, where, "top level", _TOP_KEYS, ("model_mismatch",))
+        d = record(d, where, "top level", _TOP_KEYS, ("model_mismatch", "router"))
         variants = tuple(text(v, where, f"variants[{i}]")
                          for i, v in enumerate(items(d["variants"], where, "variants")))
         if not variants:
@@ -165,7 +169,8 @@ class NoiseModel:
         return cls(baseline=text(d["baseline"], where, "baseline"), variants=variants, tensors=tensors,
                    logprobs=None if lp is None else LogprobNoise.from_json(lp, where, variants=len(variants)),
                    model=model, dtype=text(d["dtype"], where, "dtype", null=True),
-                   model_mismatch=_mismatch_from_json(d.get("model_mismatch", []), set(variants), where), source=where)
+                   model_mismatch=_mismatch_from_json(d.get("model_mismatch", []), set(variants), where),
+                   router=router_noise_from_json(d.get("router", []), where), source=where)
 
 
 def _identity_value(v: Any, where: str, field: str) -> Any:

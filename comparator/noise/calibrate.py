@@ -4,7 +4,9 @@ Each variant is a benign re-run of the baseline's inputs (another attention back
 batch layout or thread count, or a plain re-run). Every variant is compared with the baseline
 exactly as ``python -m comparator`` would; per captured tensor name the largest whole-tensor
 rel_diff and the pooled per-token rel_diff (max, p99.9, p99) become its noise, and the logprob
-verdicts become the logprob noise (:mod:`comparator.noise.logprob_calibration`). The sources are those of
+verdicts become the logprob noise (:mod:`comparator.noise.logprob_calibration`); where both dumps
+recorded MoE routing, each layer's largest router-score change, flip rate and combine-weight
+change become its routing noise (:class:`~comparator.judging.router_noise.RouterNoise`). The sources are those of
 ``python -m comparator logprobs``: dumps (hidden states and, when recorded, logprobs), engine
 JSONL files and llama.cpp KL-divergence base files (logprobs only).
 
@@ -34,9 +36,11 @@ from comparator.hidden.onset import point_of
 from comparator.hidden.types import TensorComparison
 from comparator.judging.identity import IDENTITY_FIELDS, IdentityDifference, check_variant
 from comparator.judging.noise import NoiseModel, TensorNoise
+from comparator.judging.router_noise import RouterNoise
 from comparator.logprobs.judge import compare_logprob_sources
 from comparator.logprobs.types import LogprobVerdict
 from comparator.noise.logprob_calibration import logprob_noise
+from comparator.routing.types import RouterComparison
 
 __all__ = ["calibrate"]
 
@@ -75,6 +79,22 @@ class _Pool:
         return dict(sorted(out.items(), key=lambda kv: (kv[1].layer is None, kv[1].layer or 0, kv[0])))
 
 
+def _router_noise(found: list[RouterComparison]) -> dict[int, RouterNoise]:
+    """Per MoE layer, the largest score change, flip rate and weight change over the variants' routing comparisons."""
+    out: dict[int, RouterNoise] = {}
+    for comparison in found:
+        for la in comparison.layers:
+            if la.nonfinite:
+                raise NotComparableError(f"{la.name}: router values are NaN/Inf where the baseline's are not; "
+                                         "that is not benign noise, so it cannot calibrate")
+            old = out.get(la.layer)
+            out[la.layer] = RouterNoise(
+                layer=la.layer, score=max(la.score_delta_max, old.score if old else 0.0),
+                flip_rate=max(la.flip_rate, old.flip_rate if old else 0.0),
+                weight=max(la.weight_max_err, old.weight if old else 0.0), tokens=la.tokens + (old.tokens if old else 0))
+    return dict(sorted(out.items()))
+
+
 def _is_dump(path: str | os.PathLike[str]) -> bool:
     return Path(path).is_dir() and (Path(path) / MANIFEST_NAME).is_file()
 
@@ -98,6 +118,7 @@ def calibrate(baseline: str | os.PathLike[str], variants: Sequence[str | os.Path
     config = CompareConfig(threads=threads, allow_model_mismatch=allow_model_mismatch)
     pool = _Pool()
     verdicts: list[LogprobVerdict] = []
+    routing: list[RouterComparison] = []
     manifest = load_manifest(baseline) if _is_dump(baseline) else None
     mismatch: list[tuple[str, IdentityDifference]] = []
     for i, variant in enumerate(variants):
@@ -109,6 +130,8 @@ def calibrate(baseline: str | os.PathLike[str], variants: Sequence[str | os.Path
                                    token_sink=lambda t, tok: pool.add(t, tok, point_of(t.name)))
             if report.logprobs is not None:
                 verdicts.append(report.logprobs)
+            if report.router is not None:
+                routing.append(report.router)
         else:
             verdicts.append(compare_logprob_sources(baseline, variant, allow_model_mismatch=allow_model_mismatch))
         if progress is not None:
@@ -122,4 +145,4 @@ def calibrate(baseline: str | os.PathLike[str], variants: Sequence[str | os.Path
                          "calibrate logprobs from variants that all record them")
     return NoiseModel(baseline=str(baseline), variants=tuple(str(v) for v in variants),
                       tensors=pool.tensors(len(variants)), logprobs=logprob_noise(verdicts) if verdicts else None,
-                      model=model, dtype=dtype, model_mismatch=tuple(mismatch))
+                      model=model, dtype=dtype, model_mismatch=tuple(mismatch), router=_router_noise(routing))

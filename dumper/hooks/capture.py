@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from dumper.errors import DriftscopeError, DumpError, InternalError, UsageError
-from dumper.format import FORMAT_VERSION, MANIFEST_NAME, ROUTER_SCORES, Manifest, TensorRecord, write_manifest
+from dumper.format import FORMAT_VERSION, MANIFEST_NAME, Manifest, TensorRecord, write_manifest
 from dumper.format.dtypes import torch_codes
 from dumper.format.validate import first_bad_text
 from dumper.hooks.current import Recorder, activate
@@ -327,8 +327,7 @@ class Capture:
     @_hook_guard
     def _on_router(self, target: HookTarget, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         """A router's forward hook: record what ``target.read`` reads of its call; returns None (reads only)."""
-        self.record_router(target.name, target.layer, target.read(args, kwargs, output),  # type: ignore[misc]
-                           scores_meta=router_meta(module))
+        self.record_router(target.name, target.layer, target.read(args, kwargs, output), scores_meta=router_meta(module))  # type: ignore[misc]
 
     # -- recording -------------------------------------------------------------------------
     def record(self, name: str, tensor: torch.Tensor, *, layer: int | None = None, point: str | None = None,
@@ -367,17 +366,11 @@ class Capture:
 
     def record_router(self, prefix: str, layer: int, parts: dict[str, torch.Tensor], *,
                       scores_meta: dict[str, int] | None = None) -> None:
-        """Record MoE layer ``layer``'s routing ``parts`` (``{ROUTER_LOGITS: t, ...}``) as ``{prefix}.router.*``,
-        cast and shaped as :func:`dumper.hooks.routing.router_records` says (rows inherit the pass's positions).
-
-        ``scores_meta``: how a grouped top-k ran on the scores (:func:`dumper.hooks.routing.router_meta`),
-        stored beside them so that the comparator measures its margins.
-        """
+        """Record MoE layer ``layer``'s routing ``parts`` (``{ROUTER_LOGITS: t, ...}``) as ``{prefix}.router.*``
+        (:func:`dumper.hooks.routing.router_records`; ``scores_meta``: :func:`~dumper.hooks.routing.router_meta`)."""
         shape = self._rows.shape if self._rows is not None else None
-        for name, point, tensor in router_records(prefix, parts, shape):
-            meta = (scores_meta or {}) if name.endswith(ROUTER_SCORES) else {}
+        for name, point, tensor, meta in router_records(prefix, parts, shape, scores_meta):
             self.record(name, tensor, layer=layer, point=point, **meta)
-
 
 def capture(model: nn.Module | Any | None, out_dir: str | Path, *, layers: str | Sequence[int] | None = None,
             modules: str | None = None, points: str | Sequence[str] | None = None, model_name: str | None = None,

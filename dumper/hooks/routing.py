@@ -106,13 +106,14 @@ def router_meta(module: nn.Module) -> dict[str, int]:
     return {}
 
 
-def router_records(prefix: str, parts: dict[str, torch.Tensor], row_shape: tuple[int, ...] | None
-                   ) -> list[tuple[str, str, torch.Tensor]]:
-    """(record name, point, tensor) of each routing part of the MoE layer named ``prefix``, as the format stores it.
+def router_records(prefix: str, parts: dict[str, torch.Tensor], row_shape: tuple[int, ...] | None,
+                   scores_meta: dict[str, int] | None = None) -> list[tuple[str, str, torch.Tensor, dict[str, int]]]:
+    """(record name, point, tensor, meta) of each routing part of the MoE layer named ``prefix``, as stored.
 
     Logits keep their dtype, ids become int64, weights and scores float32; a flat ``[N, w]`` part
     whose ``N`` is the pass's row count is viewed as ``[*row_shape, w]`` so that it inherits the
-    pass's positions and sequence ids. An unknown part name raises :class:`UsageError`.
+    pass's positions and sequence ids. ``scores_meta`` (:func:`router_meta`) goes with the scores.
+    An unknown part name raises :class:`UsageError`.
     """
     cast = {ROUTER_LOGITS: None, ROUTER_IDS: torch.int64, ROUTER_WEIGHTS: torch.float32, ROUTER_SCORES: torch.float32}
     out = []
@@ -124,7 +125,8 @@ def router_records(prefix: str, parts: dict[str, torch.Tensor], row_shape: tuple
         t = tensor.detach() if cast[part] is None else tensor.detach().to(cast[part])
         if row_shape is not None and t.dim() == 2 and len(row_shape) > 1 and t.shape[0] == math.prod(row_shape):
             t = t.reshape(*row_shape, t.shape[-1])
-        out.append((router_name(prefix, part), ROUTER_POINT if part == ROUTER_LOGITS else ROUTER_CHOICE_POINT, t))
+        out.append((router_name(prefix, part), ROUTER_POINT if part == ROUTER_LOGITS else ROUTER_CHOICE_POINT, t,
+                    dict(scores_meta or {}) if part == ROUTER_SCORES else {}))
     return out
 
 
