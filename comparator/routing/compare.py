@@ -4,7 +4,9 @@ Per MoE layer both dumps routed, over the tokens both hold (matched by sequence 
 
 - a **flip** is a token whose top-k expert *set* differs; the same set in another slot order is
   an order difference, counted apart and never a failure;
-- each flip's baseline **margin** (lowest chosen score minus highest unchosen score; the
+- a token that flipped at an earlier layer went through other experts there, so a flip of it
+  here follows from that one: benign, marked ``after`` that layer (the first flip decides);
+- each other flip's baseline **margin** (lowest chosen score minus highest unchosen score; the
   selection scores where recorded, else the router logits) is divided by the layer's unit and
   judged by :mod:`comparator.judging.router_noise` (calibrated noise, else the margin rule);
 - on tokens whose sets agree, the combine weights are matched by expert id and their largest
@@ -34,15 +36,20 @@ from comparator.judging.router_noise import SCORE_FLOOR, WEIGHT_FLOOR, RouterNoi
 from comparator.routing.read import LayerRecords, LayerRows, read_layer, router_records
 from comparator.routing.types import CALIBRATED, MARGIN_RULE_BASIS, Flip, RouterComparison, RouterLayer
 
-__all__ = ["SHOWN_FLIPS", "compare_routing"]
+__all__ = ["RUN_NOISE", "SHOWN_FLIPS", "compare_routing"]
 
+RUN_NOISE = 4.0
+"""Under the margin rule, a flip's margin may also be this many times the layer's median per-token score change."""
 SHOWN_FLIPS = 20
 """How many flips a comparison lists (in layer, sequence, token order); the counts cover all."""
 _MASK = (1 << 32) - 1
 
 
-def _dtype_name(entry: LayerRecords) -> str:
-    return DTYPES[entry.dtype()].torch_name
+def _dtype_names(entry: LayerRecords, reader: DumpReader) -> tuple[str, ...]:
+    """The router logits' dtype and the model's: a router that computes in float32 inside a bf16 model
+    (DeepSeek-V3) still sees bf16 hidden states, so the less precise one decides the fixed rules."""
+    model = reader.manifest.capture_signature.get("dtype")
+    return (DTYPES[entry.dtype()].torch_name, *([model] if isinstance(model, str) else []))
 
 
 def _margins(scores: np.ndarray, ids: np.ndarray, groups: tuple[int, int] | None = None) -> np.ndarray:
@@ -88,8 +95,9 @@ def _weight_errors(b: LayerRows, t: LayerRows, rb: np.ndarray, rt: np.ndarray) -
 class _Judge:
     """How one layer's flips and weights are judged: calibrated noise, else the fixed rules."""
 
-    def __init__(self, noise: RouterNoise | None, factor: float, dtypes: tuple[str, str]) -> None:
+    def __init__(self, noise: RouterNoise | None, factor: float, dtypes: tuple[str, ...]) -> None:
         self.noise, self.dtypes = noise, dtypes
+        self.run_noise = 0.0  # the margin rule's: the layer's median per-token max |Δ score| (set per layer)
         if noise is not None:
             self.basis, self.limit_ratio = CALIBRATED, factor
             self.unit = max(noise.score, SCORE_FLOOR)
@@ -102,7 +110,9 @@ class _Judge:
             self.flip_rate_limit = None
 
     def ratios(self, margins: np.ndarray, scores: np.ndarray) -> np.ndarray:
-        """Each flip's margin in units: of score noise, or of the margin rule x RMS(the token's scores).
+        """Each flip's margin in units: of score noise, or under the margin rule of the larger of the rule x
+        RMS(the token's scores) and :data:`RUN_NOISE` x the layer's median per-token max |Δ score| (this run's
+        own typical score change: a bug at a few tokens leaves the median alone).
 
         A negative margin (the baseline's choice is not the top-k of the scores recorded: a biased or
         grouped selection whose scores were not recorded) cannot be judged small: ``inf``, a failure.
@@ -111,20 +121,22 @@ class _Judge:
             if self.noise is not None:
                 ratio = margins / self.unit
             else:
-                rms = np.sqrt(np.mean(scores * scores, axis=1))
-                ratio = np.where(margins > 0, margins / (self.unit * rms), 0.0)
+                unit = np.maximum(self.unit * np.sqrt(np.mean(scores * scores, axis=1)), RUN_NOISE * self.run_noise)
+                ratio = np.where(margins > 0, margins / unit, 0.0)
         return np.where(margins < 0, np.inf, ratio)
 
 
 def _flips(layer: int, b: LayerRows, t: LayerRows, rb: np.ndarray, rt: np.ndarray, judge: _Judge,
-           use_scores: bool) -> list[Flip]:
+           use_scores: bool, earlier: dict[int, int]) -> list[Flip]:
+    """The flips of one layer; a token that already flipped at a layer before (``earlier``: key -> layer)
+    was sent through other experts there, so its flip here follows from that one (benign, ``after`` it)."""
     keys = b.keys[rb]
     scores = (b.scores if use_scores else b.logits)[rb]  # type: ignore[index]
     margins = _margins(scores, b.ids[rb], b.groups if use_scores else None)
     ratios = judge.ratios(margins, scores)
     return [Flip(layer=layer, sequence=int(k >> 32), token=int(k & _MASK), baseline_ids=tuple(int(i) for i in bi),
                  target_ids=tuple(int(i) for i in ti), margin=float(m), noise_ratio=float(r),
-                 benign=bool(r <= judge.limit_ratio))
+                 benign=bool(r <= judge.limit_ratio) or int(k) in earlier, after=earlier.get(int(k)))
             for k, bi, ti, m, r in zip(keys, b.ids[rb], t.ids[rt], margins, ratios, strict=True)]
 
 
@@ -133,8 +145,8 @@ def _rel_diff(x: np.ndarray, y: np.ndarray) -> float:
     return float(np.sum((x - y) ** 2)) / den if den > 0 else 0.0
 
 
-def _compare_layer(entry_b: LayerRecords, b: LayerRows, t: LayerRows, judge: _Judge, benign_rate: float | None
-                   ) -> tuple[RouterLayer, list[Flip]]:
+def _compare_layer(entry_b: LayerRecords, b: LayerRows, t: LayerRows, judge: _Judge, benign_rate: float | None,
+                   earlier: dict[int, int]) -> tuple[RouterLayer, list[Flip]]:
     _, ib, it = np.intersect1d(b.keys, t.keys, assume_unique=True, return_indices=True)
     use_scores = b.scores is not None and t.scores is not None
     sb = (b.scores if use_scores else b.logits)[ib]  # type: ignore[index]
@@ -143,9 +155,10 @@ def _compare_layer(entry_b: LayerRecords, b: LayerRows, t: LayerRows, judge: _Ju
               & np.isfinite(t.weights[it]).all(1))
     ib_f, it_f = ib[finite], it[finite]
     same = _same_set(b.ids[ib_f], t.ids[it_f])
-    flips = _flips(entry_b.layer, b, t, ib_f[~same], it_f[~same], judge, use_scores)
-    dw = _weight_errors(b, t, ib_f[same], it_f[same])
     delta = np.abs(sb[finite] - st[finite]).max(axis=1) if finite.any() else np.zeros(0)
+    judge.run_noise = float(np.median(delta)) if delta.size else 0.0
+    flips = _flips(entry_b.layer, b, t, ib_f[~same], it_f[~same], judge, use_scores, earlier)
+    dw = _weight_errors(b, t, ib_f[same], it_f[same])
     order = int(np.count_nonzero(same & (b.ids[ib_f] != t.ids[it_f]).any(axis=1)))
     failing = [f for f in flips if not f.benign]
     worst = max(flips, key=lambda f: f.noise_ratio, default=None)
@@ -172,13 +185,16 @@ def compare_routing(baseline: DumpReader, target: DumpReader, *, noise: Mapping[
     if not rb or not rt:
         return None
     layers, flips = [], []
+    earlier: dict[int, int] = {}  # (sequence << 32 | position) -> the first layer its experts flipped at
     for layer in sorted(rb.keys() & rt.keys()):
         n = (noise or {}).get(layer)
-        judge = _Judge(n, factor, (_dtype_name(rb[layer]), _dtype_name(rt[layer])))
+        judge = _Judge(n, factor, (*_dtype_names(rb[layer], baseline), *_dtype_names(rt[layer], target)))
         result, found = _compare_layer(rb[layer], read_layer(baseline, rb[layer]), read_layer(target, rt[layer]),
-                                       judge, n.flip_rate if n is not None else None)
+                                       judge, n.flip_rate if n is not None else None, earlier)
         layers.append(result)
         flips += found
+        for f in found:
+            earlier.setdefault(f.sequence << 32 | f.token, layer)
     flips.sort(key=lambda f: (f.layer, f.sequence, f.token))
     notes = []
     if any(la.basis == MARGIN_RULE_BASIS for la in layers):

@@ -35,12 +35,14 @@ class Flip:
     noise_ratio: float
     """``margin`` over the layer's unit (calibrated score noise, or the margin rule's)."""
     benign: bool
+    after: int | None = None
+    """The earlier layer where this token's experts first flipped (this flip follows from it: benign); None: first."""
 
     def to_json(self) -> dict[str, Any]:
         return {"layer": self.layer, "sequence": self.sequence, "token": self.token,
                 "baseline_ids": list(self.baseline_ids), "target_ids": list(self.target_ids),
                 "margin": to_json_float(self.margin), "noise_ratio": to_json_float(self.noise_ratio),
-                "benign": self.benign}
+                "benign": self.benign, "after": self.after}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Flip:
@@ -48,7 +50,7 @@ class Flip:
                    baseline_ids=tuple(int(i) for i in d["baseline_ids"]),
                    target_ids=tuple(int(i) for i in d["target_ids"]),
                    margin=from_json_float(d["margin"]), noise_ratio=from_json_float(d["noise_ratio"]),
-                   benign=bool(d["benign"]))
+                   benign=bool(d["benign"]), after=None if d.get("after") is None else int(d["after"]))
 
 
 @dataclass(frozen=True)
