@@ -90,7 +90,8 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--modules", default=None, help="fnmatch pattern of modules to hook instead of self-attention")
     r.add_argument("--points", default="input",
                    help="capture points, comma-separated: input (self-attention input, after the layer's norm; "
-                        "default), residual (decoder layer input, before its norm, and the final norm's input)")
+                        "default), residual (decoder layer input, before its norm, and the final norm's input), "
+                        "router (MoE layers' gate logits, chosen experts and their weights)")
     r.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     r.add_argument("--seed", type=seed_value, default=0, help="seed for preset weights (default 0)")
     r.add_argument("--chunk-size", type=int, default=None,
@@ -162,6 +163,10 @@ def _add_replay(sub: argparse._SubParsersAction) -> None:
     rp.add_argument("--attn", default="eager", choices=["eager", "sdpa"], help="attention implementation")
     rp.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     rp.add_argument("--seed", type=seed_value, default=0, help="seed for preset weights (default 0)")
+    rp.add_argument("--force-routing", choices=["ids", "all"], default=None,
+                    help="MoE models: replay each MoE layer with the baseline's expert choice for the same token "
+                         "(the baseline needs --points residual,router): ids = its expert ids, weighted by the "
+                         "router under test from its own logits; all = its expert ids and combine weights")
     rp.add_argument("--quiet", action="store_true", help="no progress bar and no summary line")
 
 
@@ -216,12 +221,13 @@ def _cmd_replay(args: argparse.Namespace) -> int:
 
     check_device(args.device)
     cfg = ReplayConfig(model=args.model, baseline=args.baseline, out=args.out, dtype=args.dtype, attn=args.attn,
-                       device=args.device, seed=args.seed)
+                       device=args.device, seed=args.seed, force_routing=args.force_routing)
     with progress_bar(not args.quiet, "replaying", unit="layers") as progress:
         manifest = replay(cfg, progress=progress)
     if not args.quiet:
+        forced = f" with its expert choice forced ({args.force_routing})" if args.force_routing else ""
         print(f"wrote {args.out}: decoder layers {manifest.extra['replay']['layers']} of {args.model} replayed on "
-              f"the residuals of {args.baseline}; compare with: python -m comparator {args.baseline} {args.out}")
+              f"the residuals of {args.baseline}{forced}; compare with: python -m comparator {args.baseline} {args.out}")
     return EXIT_OK
 
 

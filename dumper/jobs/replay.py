@@ -16,7 +16,9 @@ Example::
 
 The baseline must hold the ``residual`` point of consecutive layers (``python -m dumper run
 --points residual --layers all``) for whole prefills (positions ``0..n-1`` of each sequence,
-in one pass or in chunks and batches: rows are reassembled by position and sequence id).
+in one pass or in chunks and batches: rows are reassembled by position and sequence id). Where
+it holds the ``router`` point too, each replayed MoE layer records its routing, and
+``force_routing`` replays them with the baseline's expert choice (:mod:`dumper.jobs.replay_routing`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import torch
 from torch import nn
 
 from dumper.errors import (
+    DriftscopeError,
     ModelError,
     ModelMismatchError,
     NotComparableError,
@@ -49,8 +52,10 @@ from dumper.format.dtypes import FLOAT_CODES
 from dumper.hooks.capture import Capture
 from dumper.hooks.families import family_for
 from dumper.hooks.fingerprint import environment_fingerprint, model_identity
-from dumper.hooks.layers import RESIDUAL, find_decoder_layers
+from dumper.hooks.layers import RESIDUAL, ROUTER, find_decoder_layers
 from dumper.jobs.presets import load_model, model_label
+from dumper.jobs.replay_routing import (LayerRecords, baseline_routing, check_force, check_model_routes, layer_routing,
+                                        routed_layers)
 from dumper.progress import ProgressFn
 
 __all__ = ["ReplayConfig", "replay", "replay_model", "residual_plan", "layer_kwargs"]
@@ -66,6 +71,9 @@ class ReplayConfig:
     attn: str = "eager"
     device: str = "cpu"
     seed: int = 0
+    force_routing: str | None = None
+    """None, ``"ids"`` or ``"all"``: replay MoE layers with the baseline's expert ids (and weights); see
+    :mod:`dumper.jobs.replay_routing`."""
 
 
 def residual_plan(manifest: Manifest, where: str) -> dict[int, tuple[str, list[TensorRecord]]]:
@@ -157,18 +165,22 @@ def _check_model(baseline: Manifest, model: nn.Module, num_layers: int, where: s
 
 
 def replay_model(model: nn.Module, baseline: str | Path, out: str | Path, *, model_name: str | None = None,
-                 dtype: str | None = None, attn: str | None = None, progress: ProgressFn | None = None) -> Manifest:
+                 dtype: str | None = None, attn: str | None = None, force_routing: str | None = None,
+                 progress: ProgressFn | None = None) -> Manifest:
     """:func:`replay` with the model under test already in hand (say, one with a bug injected).
 
     Writes a dump whose ``model.layers.{k+1}.residual`` (layer ``k+1``, point ``residual``) is
     decoder layer ``k`` run on the baseline's ``model.layers.{k}.residual``, for every ``k``
     whose input and counterpart (the next layer's residual, or the final norm's) the baseline
     holds. The output is stored in the dtype the model computes in; the manifest's ``extra``
-    says ``{"replay": {"baseline": ..., "layers": [k, ...]}}``.
+    says ``{"replay": {"baseline": ..., "layers": [k, ...], "force_routing": ...}}``. MoE layers
+    whose routing the baseline holds record theirs, forced as ``force_routing`` says
+    (:class:`ReplayConfig`).
     """
     base = load_manifest(baseline)
+    check_force(base, str(baseline), force_routing)
     reader = DumpReader(baseline, base)
-    plan = residual_plan(base, str(baseline))
+    plan, routing = residual_plan(base, str(baseline)), baseline_routing(reader)
     stack_name, layer_list = find_decoder_layers(model, family_for(model).attention_names)
     stack = model.get_submodule(stack_name.rpartition(".")[0])
     _check_model(base, model, len(layer_list), f"{baseline}")
@@ -176,50 +188,68 @@ def replay_model(model: nn.Module, baseline: str | Path, out: str | Path, *, mod
     if not run:
         raise UsageError(f"{baseline}: no layer has both its residual input and the next one's ({sorted(plan)}); "
                          f"re-run the baseline with --points {RESIDUAL} --layers all")
+    replayed = {k: layer_list[k] for k in run}
+    check_model_routes(model, force_routing, routing, replayed, str(baseline))
     param = next(model.parameters())
     identity = model_identity(model, model_name)
     signature = {"layers": sorted(k + 1 for k in run if k + 1 < len(layer_list)),
-                 "modules": [f"{stack_name}.{k}" for k in run], "points": [RESIDUAL],
+                 "modules": [f"{stack_name}.{k}" for k in run],
+                 "points": [RESIDUAL, *([ROUTER] if routed_layers(routing, replayed) else [])],
                  "num_layers": len(layer_list), "world_size": 1, "dtype": dtype or str(param.dtype)[6:]}
     extra = {"job": "replay", "input_ids": base.extra.get("input_ids", []), "dtype": dtype, "attn": attn,
-             "replay": {"baseline": str(baseline), "layers": run,
+             "replay": {"baseline": str(baseline), "layers": run, "force_routing": force_routing,
                         "skipped": [k for k in plan if k not in run and k < len(layer_list)]}}
     env = environment_fingerprint(param.device, attn or getattr(model.config, "_attn_implementation", None))
     with torch.inference_mode(), Capture(None, out, model_name=identity["name"], extra=extra, identity=identity,
                                          signature=signature, environment=env) as cap:
         for done, k in enumerate(run, 1):
-            _replay_layer(cap, reader, plan, k, stack, layer_list[k], param)
+            _replay_layer(cap, reader, plan, k, stack, layer_list[k], param, (routing.get(k), force_routing))
             if progress is not None:
                 progress(done, len(run))
     return load_manifest(out)
 
 
 def _replay_layer(cap: Capture, reader: DumpReader, plan: dict[int, tuple[str, list[TensorRecord]]], k: int,
-                  stack: nn.Module, layer: nn.Module, param: torch.Tensor) -> None:
-    """Run decoder ``layer`` (index ``k``) on each baseline sequence and record its output as layer ``k+1``'s residual."""
+                  stack: nn.Module, layer: nn.Module, param: torch.Tensor,
+                  routing: tuple[LayerRecords | None, str | None]) -> None:
+    """Run decoder ``layer`` (index ``k``) on each baseline sequence and record its output as layer ``k+1``'s residual.
+
+    ``routing``: the baseline's routing records of layer ``k`` (None: none) and the force mode;
+    the layer's routing is recorded in the same pass (:func:`dumper.jobs.replay_routing.layer_routing`).
+    """
     outs, positions, sequences = [], [], []
-    for s, rows in _sequences(reader, *plan[k]).items():
-        hidden = rows.to(param.device, param.dtype, non_blocking=True)[None]  # [1, n, hidden]
-        try:
-            y = layer(hidden, **layer_kwargs(stack, k, hidden))
-        except Exception as e:  # noqa: BLE001 - the model's own layer code
-            raise ModelError(f"{model_label(stack)}: decoder layer {k} failed on the baseline's rows "
-                             f"({error_reason(e)})") from e
-        y = y[0] if isinstance(y, tuple) else y
-        outs.append(y.reshape(-1, y.shape[-1]))  # [n, hidden]
-        positions.append(np.arange(rows.shape[0]))
-        sequences.append(np.full(rows.shape[0], s))
-    cap.record(plan[k + 1][0], torch.cat(outs), layer=k + 1, point=RESIDUAL,
-               positions=np.concatenate(positions), sequence_ids=np.concatenate(sequences))
+    with layer_routing(reader, routing[0], layer, routing[1]) as routers:
+        for s, rows in _sequences(reader, *plan[k]).items():
+            hidden = rows.to(param.device, param.dtype, non_blocking=True)[None]  # [1, n, hidden]
+            for router in routers:
+                router.begin(s, rows.shape[0])
+            try:
+                y = layer(hidden, **layer_kwargs(stack, k, hidden))
+            except DriftscopeError:  # a routing row the baseline lacks: already one line
+                raise
+            except Exception as e:  # noqa: BLE001 - the model's own layer code
+                raise ModelError(f"{model_label(stack)}: decoder layer {k} failed on the baseline's rows "
+                                 f"({error_reason(e)})") from e
+            y = y[0] if isinstance(y, tuple) else y
+            outs.append(y.reshape(-1, y.shape[-1]))  # [n, hidden]
+            positions.append(np.arange(rows.shape[0]))
+            sequences.append(np.full(rows.shape[0], s))
+    pos, seq = np.concatenate(positions), np.concatenate(sequences)
+    cap.record(plan[k + 1][0], torch.cat(outs), layer=k + 1, point=RESIDUAL, positions=pos, sequence_ids=seq)
+    for router in routers:
+        router.record(cap, pos, seq)
     cap.step()
 
 
 def replay(cfg: ReplayConfig, *, progress: ProgressFn | None = None) -> Manifest:
     """Load ``cfg.model`` as ``dumper run`` does (preset or HF directory) and :func:`replay_model` it.
 
-    The baseline is checked for the ``residual`` point first, so that a wrong one costs no model load.
+    The baseline is checked for the ``residual`` point (and, to force routing, the ``router``
+    point) first, so that a wrong one costs no model load.
     """
-    residual_plan(load_manifest(cfg.baseline), cfg.baseline)
+    base = load_manifest(cfg.baseline)
+    residual_plan(base, cfg.baseline)
+    check_force(base, cfg.baseline, cfg.force_routing)
     model, _ = load_model(cfg.model, dtype=cfg.dtype, attn=cfg.attn, device=cfg.device, seed=cfg.seed)
     return replay_model(model, cfg.baseline, cfg.out, model_name=cfg.model, dtype=cfg.dtype, attn=cfg.attn,
-                        progress=progress)
+                        force_routing=cfg.force_routing, progress=progress)
