@@ -33,6 +33,7 @@ from dumper.format.files import printable
 from dumper.hooks.capture import Capture
 from dumper.hooks.fingerprint import config_identity
 from dumper.hooks.layers import ATTN_INPUT, parse_layer_spec
+from dumper.hooks.routing import router_records
 from dumper.jobs.run import (
     RunConfig,
     check_scored_positions,
@@ -103,9 +104,13 @@ def check_engine_args(cfg: RunConfig, table: dict[str, EngineArg]) -> dict[str, 
     return values
 
 
+LAYER_PREFIX = "model.layers"
+"""The HF capture's decoder-layer list (Llama-family module path): layer ``i`` is ``model.layers.{i}``."""
+
+
 def attn_input_name(layer: int) -> str:
     """The HF capture's name for layer ``layer``'s self-attention input (Llama-family module path)."""
-    return f"model.layers.{layer}.self_attn.{ATTN_INPUT}"
+    return f"{LAYER_PREFIX}.{layer}.self_attn.{ATTN_INPUT}"
 
 
 @dataclass(frozen=True)
@@ -231,6 +236,14 @@ class EngineDump:
         if layer in self._keep:
             self._cap.record(attn_input_name(layer), x.detach().reshape(-1, x.shape[-1]), layer=layer,
                              point=ATTN_INPUT, positions=positions, sequence_ids=sequence_ids)
+
+    def router(self, layer: int, parts: dict[str, torch.Tensor], positions: Any, sequence_ids: Any) -> None:
+        """Record MoE layer ``layer``'s routing ``parts`` (``{ROUTER_LOGITS: [tokens, E], ...}``) of the current pass,
+        rows as :meth:`hidden`'s (:func:`dumper.hooks.routing.router_records` names and casts them)."""
+        if layer in self._keep:
+            for name, point, t, meta in router_records(f"{LAYER_PREFIX}.{layer}", parts, None):
+                self._cap.record(name, t, layer=layer, point=point, positions=positions, sequence_ids=sequence_ids,
+                                 **meta)
 
     def logits(self, seq_id: int, ids: Sequence[int], logits: torch.Tensor, first: int = 0) -> None:
         """Record the logprobs of prompt ``seq_id`` from logits rows for positions ``first .. first+n-1``.

@@ -3,8 +3,11 @@
 ``python -m dumper run --engine llama.cpp --model M.gguf --input-ids ... --layers all --logprobs``
 feeds the job's token ids (never llama.cpp's own split of a text) to ``llama_decode``, copies
 each layer's ``attn_norm-i`` (HF's ``self_attn`` input) out of the graph, and scores every
-position from its logits row. Prompts go ``--batch-size`` at a time as separate sequences of one
-batch, each batch in one decode or in ``--chunk-size`` token chunks through the KV cache.
+position from its logits row. ``--points router`` (or ``input,router``) records each MoE layer's
+routing as ``model.layers.{i}.router.{logits,ids,weights}`` (see
+:data:`dumper.engines.llama_cpp_ggml.ROUTER_STAGES` for the graph tensors they come from).
+Prompts go ``--batch-size`` at a time as separate sequences of one batch, each batch in one
+decode or in ``--chunk-size`` token chunks through the KV cache.
 
 ``--engine-arg`` keys (:data:`ENGINE_ARGS`): ``kv=f32|f16|bf16`` (KV-cache dtype, default f32 so
 that a clean run is clean), ``threads=N`` (default torch's thread count), ``flash_attn=off|on|auto``
@@ -27,7 +30,8 @@ from typing import Any
 import torch
 
 from dumper.errors import UsageError
-from dumper.format import Manifest
+from dumper.format import ROUTER_POINT, Manifest
+from dumper.hooks.layers import ATTN_INPUT, parse_layer_spec
 from dumper.progress import ProgressFn
 from dumper.jobs.run import RunConfig
 from dumper.engines.base import (
@@ -60,6 +64,8 @@ HF_ARCHITECTURES = {
     "smollm3": "SmolLM3ForCausalLM", "deepseek2": "DeepseekV3ForCausalLM",
 }
 """GGUF ``general.architecture`` -> the HF class it was converted from (where one name is known)."""
+_POINTS = (ATTN_INPUT, ROUTER_POINT)
+"""The capture points this adapter records."""
 
 
 def _settings(cfg: RunConfig) -> dict[str, Any]:
@@ -71,6 +77,10 @@ def _settings(cfg: RunConfig) -> dict[str, Any]:
                          "when converting (convert_hf_to_gguf.py --outtype f32|f16|q8_0)")
     if cfg.modules:
         raise UsageError("--modules: --engine llama.cpp captures the layers' self_attn inputs only (use --layers)")
+    other = [p for p in cfg.points if p not in _POINTS]
+    if other:
+        raise UsageError(f"--points {','.join(cfg.points)}: --engine llama.cpp records {' and '.join(_POINTS)} "
+                         f"only, not {other[0]!r}")
     hf_dir = opts.get("hf_dir")
     return {"kv": kv, "kv_type": GGML_TYPE[kv], "flash_attn": fa, "flash_attn_type": FLASH_ATTN[fa],
             "threads": int(opts.get("threads") or torch.get_num_threads()), "verbose": bool(opts.get("verbose")),
@@ -108,21 +118,34 @@ def _decodes(batch: Sequence[Sequence[int]], chunk: int | None) -> list[list[tup
             for start in range(0, longest, step)]
 
 
-def _run_batch(s: GgufSession, out: EngineDump, batch: list[list[int]], first: int, chunk: int | None) -> None:
-    """Prefill prompts ``first ..`` as KV sequences 0.. of one batch; record hidden states and logprobs."""
-    want = {layer for layer in range(s.n_layer) if out.wants(layer)}
+def _no_moe(cfg: RunConfig, layers: Sequence[int], why: str) -> UsageError:
+    """The one-line error of ``--points router`` on a model with no MoE layer among ``layers``."""
+    return UsageError(f"--points {ROUTER_POINT}: {cfg.model} has no MoE layer among layers "
+                      f"{','.join(map(str, layers))} ({why})")
+
+
+def _run_batch(s: GgufSession, out: EngineDump, batch: list[list[int]], first: int, chunk: int | None,
+               points: tuple[str, ...]) -> None:
+    """Prefill prompts ``first ..`` as KV sequences 0.. of one batch; record hidden states, routing, logprobs."""
+    keep = [layer for layer in range(s.n_layer) if out.wants(layer)]
+    want = set(keep) if ATTN_INPUT in points else set()
+    router = set(keep) if ROUTER_POINT in points else set()
     s.clear()
     for ranges in _decodes(batch, chunk):
         tokens = [t for row, a, b in ranges for t in batch[row][a:b]]
-        positions = [p for _, a, b in ranges for p in range(a, b)]
+        positions = torch.tensor([p for _, a, b in ranges for p in range(a, b)], dtype=torch.int64)
         rows = [row for row, a, b in ranges for _ in range(a, b)]
-        hidden, logits = s.decode(tokens, positions, rows, want=want)
+        got = s.decode(tokens, positions.tolist(), rows, want=want, router=router)
+        if router and not got.router:
+            raise _no_moe(out.cfg, keep, "their llama.cpp graphs have no ffn_moe_logits")
         seq_ids = torch.tensor(rows, dtype=torch.int64) + first
-        for layer in sorted(hidden):
-            out.hidden(layer, hidden[layer], torch.tensor(positions, dtype=torch.int64), seq_ids)
+        for layer in sorted(got.hidden):
+            out.hidden(layer, got.hidden[layer], positions, seq_ids)
+        for layer, parts in sorted(got.router.items()):
+            out.router(layer, parts, positions, seq_ids)
         offset = 0
         for row, a, b in ranges:
-            out.logits(first + row, batch[row], logits[offset:offset + b - a], first=a)
+            out.logits(first + row, batch[row], got.logits[offset:offset + b - a], first=a)
             offset += b - a
         out.step()
 
@@ -134,6 +157,8 @@ def run_dump(cfg: RunConfig, *, progress: ProgressFn | None = None) -> Manifest:
     import llama_cpp  # only once the arguments and the file are known to be good
 
     with GgufSession.open(cfg.model, verbose=opts["verbose"]) as s:
+        if ROUTER_POINT in cfg.points and s.n_expert == 0:
+            raise _no_moe(cfg, parse_layer_spec(cfg.layers, s.n_layer), f"GGUF {s.arch}.expert_count is 0")
         ident = _identity(s, opts["hf_dir"])
         seqs = _sequences(cfg, s, opts["hf_dir"])
         batches = [seqs[i:i + cfg.batch_size] for i in range(0, len(seqs), cfg.batch_size)]
@@ -147,7 +172,7 @@ def run_dump(cfg: RunConfig, *, progress: ProgressFn | None = None) -> Manifest:
         done, total = 0, sum(map(len, seqs))
         with EngineDump(cfg, info, ident, num_layers=s.n_layer, seqs=seqs, extra={"hf_dir": opts["hf_dir"]}) as out:
             for i, batch in enumerate(batches):
-                _run_batch(s, out, batch, i * cfg.batch_size, cfg.chunk_size)
+                _run_batch(s, out, batch, i * cfg.batch_size, cfg.chunk_size, cfg.points)
                 done += sum(map(len, batch))
                 if progress is not None:
                     progress(done, total)

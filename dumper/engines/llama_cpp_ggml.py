@@ -11,7 +11,14 @@ Example::
 
     with GgufSession.open("m.gguf", verbose=False) as s:
         s.new_context(n_ctx=64, n_batch=64, n_seqs=1, threads=2, kv_type=GGML_TYPE["f32"])
-        hidden, logits = s.decode(tokens, positions, seqs, want={0, 3})  # {layer: [n, hidden]}, [n, vocab]
+        got = s.decode(tokens, positions, seqs, want={0, 3}, router={0, 3})
+        got.hidden[3], got.logits, got.router[3]["router.ids"]  # [n, hidden], [n, vocab], [n, k] int64
+
+MoE routing comes from the tensors ``build_moe_ffn`` (src/llama-graph.cpp) names per layer
+(:data:`ROUTER_STAGES`): the gate output ``ffn_moe_logits`` [E, n], the top-k ids ``ffn_moe_topk``
+(an I32 view [k, n] of the descending ``ffn_moe_argsort``, read through its strides) and the
+combine weights, whichever of ``ffn_moe_weights`` -> ``_softmax`` -> ``_norm`` -> ``_scaled``
+is the graph's last (the one it multiplies the expert outputs by).
 """
 
 from __future__ import annotations
@@ -21,23 +28,44 @@ import os
 import stat
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
 from dumper.errors import ModelError, UsageError
+from dumper.format import ROUTER_IDS, ROUTER_LOGITS, ROUTER_SCORES, ROUTER_WEIGHTS
 from dumper.format.files import READ_FLAGS, file_kind
 
-__all__ = ["FLASH_ATTN", "GGML_TYPE", "GgufSession", "check_gguf_file", "file_type_name"]
+__all__ = ["FLASH_ATTN", "GGML_TYPE", "ROUTER_STAGES", "Decoded", "GgufSession", "check_gguf_file", "file_type_name"]
 
 GGML_TYPE = {"f32": 0, "f16": 1, "bf16": 30}
 """KV-cache dtypes this adapter offers (``--engine-arg kv=``) -> ggml type id."""
 FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}
 """``--engine-arg flash_attn=`` -> llama_flash_attn_type."""
-_NUMPY = {0: np.float32, 1: np.float16}
-"""ggml types of captured tensors we can read -> numpy dtype."""
+_NUMPY = {0: np.float32, 1: np.float16, 26: np.int32}
+"""ggml types of captured tensors we can read (F32, F16, I32) -> numpy dtype."""
 _CAPTURE_PREFIX = "attn_norm-"
+ROUTER_STAGES: dict[str, tuple[str, ...]] = {
+    ROUTER_LOGITS: ("ffn_moe_logits", "ffn_moe_logits_biased"),
+    ROUTER_IDS: ("ffn_moe_topk",),
+    ROUTER_WEIGHTS: ("ffn_moe_weights", "ffn_moe_weights_softmax", "ffn_moe_weights_norm", "ffn_moe_weights_scaled"),
+    ROUTER_SCORES: ("ffn_moe_probs_biased",),
+}
+"""Routing part -> the graph names (``{name}-{layer}``) it may come from, in graph order: the last present wins.
+
+Each stage is computed from the one before it, so the last one the graph has is what it
+applies (``ffn_moe_logits_biased``: the gate's bias added; ``ffn_moe_probs_biased``: DeepSeek-V3's
+selection scores, sigmoid plus the correction bias, before any group masking)."""
+_REQUIRED = (ROUTER_LOGITS, ROUTER_IDS, ROUTER_WEIGHTS)
+
+
+class Decoded(NamedTuple):
+    """One decode's results: ``{layer: [n, hidden]}``, logits [n, vocab], ``{layer: {part: [n, E|k]}}``."""
+
+    hidden: dict[int, torch.Tensor]
+    logits: torch.Tensor
+    router: dict[int, dict[str, torch.Tensor]]
 
 
 class _TensorHead(ctypes.Structure):
@@ -89,7 +117,7 @@ def _ggml_lib() -> ctypes.CDLL:
     from llama_cpp._ggml import libggml as lib
 
     lib.ggml_get_name.argtypes, lib.ggml_get_name.restype = [ctypes.c_void_p], ctypes.c_char_p
-    lib.ggml_is_contiguous.argtypes, lib.ggml_is_contiguous.restype = [ctypes.c_void_p], ctypes.c_bool
+    lib.ggml_nbytes.argtypes, lib.ggml_nbytes.restype = [ctypes.c_void_p], ctypes.c_size_t
     lib.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
     lib.ggml_backend_tensor_get.restype = None
     return lib
@@ -114,39 +142,66 @@ def _set_log(verbose: bool) -> None:
 
 
 class _Capture:
-    """The ``cb_eval`` state: which layers to copy in this decode, what was copied, the first error."""
+    """The ``cb_eval`` state: which tensors to copy in this decode, what was copied, the first error."""
 
     def __init__(self) -> None:
         self.lib = _ggml_lib()
-        self.want: set[int] = set()
+        self.names: dict[str, tuple[str, int, int]] = {}
+        self.n_tokens = 0
         self.got: dict[int, np.ndarray] = {}
+        self.routed: dict[int, dict[str, tuple[int, np.ndarray]]] = {}
         self.error: str | None = None
 
-    def _layer(self, t: int) -> int | None:
-        name = (self.lib.ggml_get_name(t) or b"").decode(errors="replace")
-        if not name.startswith(_CAPTURE_PREFIX) or not name[len(_CAPTURE_PREFIX):].isdigit():
-            return None
-        layer = int(name[len(_CAPTURE_PREFIX):])
-        return layer if layer in self.want else None
+    def start(self, n_tokens: int, hidden: set[int], router: set[int]) -> None:
+        """Ask for layers ``hidden``'s ``attn_norm`` and layers ``router``'s routing tensors in the next decode."""
+        self.names = {f"{_CAPTURE_PREFIX}{i}": ("hidden", 0, i) for i in hidden}
+        for part, stages in ROUTER_STAGES.items():
+            self.names.update({f"{name}-{i}": (part, rank, i) for rank, name in enumerate(stages) for i in router})
+        self.n_tokens, self.got, self.routed, self.error = n_tokens, {}, {}, None
+
+    def _read(self, t: int, name: str) -> np.ndarray:
+        """Tensor ``t`` as a [tokens, width] array, read through its strides (``ffn_moe_topk`` is a view)."""
+        head = _TensorHead.from_address(t)
+        dtype = _NUMPY.get(head.type)
+        ne, nb = list(head.ne), list(head.nb)
+        outer = max([d for d in range(4) if ne[d] != 1], default=0)
+        item = np.dtype(dtype).itemsize if dtype is not None else 1
+        if dtype is None or any(b % item for b in nb) or (self.n_tokens > 1 and ne[outer] != self.n_tokens):
+            raise ValueError(f"{name}: ggml type {head.type}, shape {ne} is not an f32/f16/i32 tensor "
+                             f"[..., {self.n_tokens} tokens]")
+        raw = np.empty(self.lib.ggml_nbytes(t) // item, dtype=dtype)
+        self.lib.ggml_backend_tensor_get(t, raw.ctypes.data, 0, raw.nbytes)
+        view = np.lib.stride_tricks.as_strided(raw, shape=tuple(reversed(ne)), strides=tuple(reversed(nb)))
+        return np.ascontiguousarray(view).reshape(self.n_tokens, -1)  # ggml ne[0] is the fastest axis
 
     def __call__(self, t: int, ask: bool, _user: Any) -> bool:
         try:
-            layer = self._layer(t)
-            if ask or layer is None:
-                return layer is not None
-            head = _TensorHead.from_address(t)
-            dtype = _NUMPY.get(head.type)
-            if dtype is None or not self.lib.ggml_is_contiguous(t) or any(head.ne[d] != 1 for d in (2, 3)):
-                self.error = (f"{_CAPTURE_PREFIX}{layer}: ggml type {head.type}, shape {list(head.ne)} "
-                              "is not a contiguous f32/f16 [tokens, hidden] tensor")
-                return False
-            buf = np.empty((head.ne[1], head.ne[0]), dtype=dtype)  # ggml ne[0] is the fastest (hidden) axis
-            self.lib.ggml_backend_tensor_get(t, buf.ctypes.data, 0, buf.nbytes)
-            self.got[layer] = buf
+            name = (self.lib.ggml_get_name(t) or b"").decode(errors="replace")
+            which = self.names.get(name)
+            if ask or which is None:
+                return which is not None
+            part, rank, layer = which
+            if part == "hidden":
+                self.got[layer] = self._read(t, name)
+            elif rank >= self.routed.setdefault(layer, {}).get(part, (-1, None))[0]:
+                self.routed[layer][part] = (rank, self._read(t, name))
             return True
         except Exception as e:  # noqa: BLE001 - an exception must not cross the C callback
             self.error = f"capture callback failed: {type(e).__name__}: {e}"
             return False
+
+    def router_parts(self, path: Path) -> dict[int, dict[str, torch.Tensor]]:
+        """The routing tensors copied per MoE layer: ids int64, weights and scores float32, logits as computed."""
+        out: dict[int, dict[str, torch.Tensor]] = {}
+        for layer, parts in sorted(self.routed.items()):
+            missing = [p for p in _REQUIRED if p not in parts]
+            if missing:
+                raise ModelError(f"{path}: llama.cpp's graph has no tensor {ROUTER_STAGES[missing[0]][0]}-{layer} "
+                                 "beside that layer's other MoE routing tensors (this architecture routes differently)")
+            cast = {ROUTER_IDS: torch.int64, ROUTER_WEIGHTS: torch.float32, ROUTER_SCORES: torch.float32}
+            out[layer] = {p: torch.from_numpy(a).to(cast.get(p, torch.from_numpy(a).dtype))
+                          for p, (_, a) in parts.items()}
+        return out
 
 
 class GgufSession:
@@ -165,6 +220,10 @@ class GgufSession:
         self.n_layer = int(llama_cpp.llama_model_n_layer(model))
         self.n_embd = int(llama_cpp.llama_model_n_embd(model))
         self.ftype = int(llama_cpp.llama_model_ftype(model))
+        self.arch = self.meta("general.architecture") or "unknown"
+        experts = self.meta(f"{self.arch}.expert_count") or "0"
+        self.n_expert = int(experts) if experts.isdigit() else 0
+        """Experts per MoE layer (GGUF ``{arch}.expert_count``); 0: a dense model."""
 
     @classmethod
     def open(cls, path: str, *, verbose: bool = False) -> GgufSession:
@@ -189,8 +248,12 @@ class GgufSession:
         return None if n < 0 else buf.value.decode(errors="replace")
 
     def new_context(self, *, n_ctx: int, n_batch: int, n_seqs: int, threads: int, kv_type: int,
-                    flash_attn: int) -> None:
-        """Make the context: every decode of up to ``n_batch`` tokens is one graph (``n_ubatch = n_batch``)."""
+                    flash_attn: int, capture: bool = True) -> None:
+        """Make the context: every decode of up to ``n_batch`` tokens is one graph (``n_ubatch = n_batch``).
+
+        ``capture=False`` leaves ``cb_eval`` unset: llama.cpp runs each graph whole, as without this tool
+        (the reference that shows capture changes no logit).
+        """
         ll = self._ll
         p = ll.llama_context_default_params()
         p.n_ctx, p.n_batch, p.n_ubatch, p.n_seq_max = n_ctx, n_batch, n_batch, n_seqs
@@ -198,7 +261,8 @@ class GgufSession:
         p.type_k = p.type_v = kv_type
         p.flash_attn_type = flash_attn
         p.kv_unified = True  # one KV stream: the batch is not reordered into per-sequence ubatches
-        p.cb_eval, p.cb_eval_user_data = self._cb, None
+        if capture:
+            p.cb_eval, p.cb_eval_user_data = self._cb, None
         self.ctx = ll.llama_init_from_model(self.model, p)
         if not self.ctx:
             raise ModelError(f"{self.path}: llama.cpp cannot make a context (n_ctx {n_ctx}, n_batch {n_batch}, "
@@ -209,10 +273,11 @@ class GgufSession:
         self._ll.llama_memory_clear(self._ll.llama_get_memory(self.ctx), True)
 
     def decode(self, tokens: Sequence[int], positions: Sequence[int], seqs: Sequence[int], *,
-               want: set[int]) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
+               want: set[int], router: set[int] | frozenset[int] = frozenset()) -> Decoded:
         """Decode one batch (token ``i`` at ``positions[i]`` of KV sequence ``seqs[i]``), logits for all.
 
-        Returns ``{layer: attn_norm [n, hidden]}`` for the layers in ``want`` and logits [n, vocab].
+        Copies ``attn_norm`` [n, hidden] of the layers in ``want`` and the routing tensors of the
+        MoE layers among ``router`` (a dense layer has none: no entry).
         """
         ll, n = self._ll, len(tokens)
         batch = ll.llama_batch_init(n, 0, 1)
@@ -221,7 +286,7 @@ class GgufSession:
                 batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = tok, pos, 1, 1
                 batch.seq_id[i][0] = seq
             batch.n_tokens = n
-            self._cap.want, self._cap.got, self._cap.error = set(want), {}, None
+            self._cap.start(n, set(want), set(router))
             rc = ll.llama_decode(self.ctx, batch)
             if self._cap.error is not None:
                 raise ModelError(f"{self.path}: {self._cap.error}")
@@ -235,7 +300,7 @@ class GgufSession:
             raise ModelError(f"{self.path}: llama.cpp's graph has no tensor {_CAPTURE_PREFIX}{missing[0]} "
                              "(this architecture names its layer inputs differently)")
         got = {k: torch.from_numpy(v).to(torch.float32) for k, v in self._cap.got.items()}
-        return got, torch.from_numpy(logits)
+        return Decoded(got, torch.from_numpy(logits), self._cap.router_parts(self.path))
 
     def close(self) -> None:
         if self.ctx:

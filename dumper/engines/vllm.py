@@ -52,7 +52,7 @@ from dumper.errors import (
 from dumper.format import Manifest
 from dumper.engines.vllm_tap import register, take_load_failure, tap_config
 from dumper.hooks.capture import Capture
-from dumper.hooks.layers import DEFAULT_LAYERS
+from dumper.hooks.layers import ATTN_INPUT, DEFAULT_LAYERS
 from dumper.modeldir import check_model_dir
 from dumper.jobs.observer import LogprobSink, ObserverCheck, mark_observer
 from dumper.jobs.run import RunConfig, record_logprobs, record_token_logprobs
@@ -117,7 +117,8 @@ def engine_kwargs(cfg: RunConfig, checkpoint: Path, seqs: list[list[int]], *, ta
     kw.update((k, opts[k]) for k in ("enable_prefix_caching", "kv_cache_dtype", "max_num_seqs", "tensor_parallel_size",
                                      "pipeline_parallel_size") if k in opts)
     if tap:
-        kw["additional_config"] = tap_config(cfg.layers if cfg.layers is not None else DEFAULT_LAYERS)
+        points = None if tuple(cfg.points) == (ATTN_INPUT,) else ",".join(cfg.points)  # the default: as before
+        kw["additional_config"] = tap_config(cfg.layers if cfg.layers is not None else DEFAULT_LAYERS, points)
     if cfg.chunk_size is not None:
         if kw.get("max_num_seqs", 0) > cfg.chunk_size:
             raise UsageError(f"--engine-arg max_num_seqs={kw['max_num_seqs']} is more than --chunk-size "

@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from dumper.engines.vllm_hooks import VllmFamily, runner_on_stack
@@ -100,9 +101,12 @@ def _abandon(token: str) -> None:
 class SpoolRecorder:
     """The top-level hooks of a tapped vLLM model: one worker-side :class:`Capture` per capture token in flight."""
 
-    def __init__(self, model: nn.Module, root: Path, spec: dict[str, Any], settings: dict[str, Any]) -> None:
+    def __init__(self, model: nn.Module, root: Path, spec: dict[str, Any], settings: dict[str, Any],
+                 router: Any = None) -> None:
         self.model, self.root, self.spec, self.settings = model, root, spec, settings
         self.rank = dist_rank_world()[0]
+        self.router = router  # the MoE layers' probes (vllm_tap.RouterTap), with the ``router`` point
+        self._tokens: int | None = None  # tokens of the pass running now (what each router probe must see)
         self._runner: Any = None  # vLLM's model runner, found on the stack in the first pass it drives
         self._open: dict[str, Capture] = {}
         self._seen: dict[str, float] = {}  # token -> when one of its requests last ran
@@ -124,10 +128,19 @@ class SpoolRecorder:
             self._guard(token, _abandon, token)
         for token, cap in list(self._open.items()):
             self._guard(token, cap.pass_start, args, kwargs)
+        if self.router is not None:
+            self.router.clear()
+            positions = kwargs.get(VllmFamily.positions_kwarg, args[1] if len(args) > 1 else None)
+            self._tokens = int(positions.shape[-1]) if isinstance(positions, torch.Tensor) else None
 
     def _on_end(self, module: nn.Module, args: tuple, output: Any) -> None:
+        parts = None
         for token, cap in list(self._open.items()):
-            self._guard(token, cap.pass_end)
+            if self.router is not None:  # into the pass still open, whose rows it inherits
+                parts = self._guard(token, self.router.parts, self._tokens) if parts is None else parts
+                self._guard(token, _record_router, cap, parts or [])
+            if token in self._open:
+                self._guard(token, cap.pass_end)
             family = cap.family
             if token in self._open and isinstance(family, MarkedFamily) and family.complete():
                 self._ended.add(token)
@@ -141,10 +154,10 @@ class SpoolRecorder:
         cap.__enter__()
         self._open[token] = cap
 
-    def _guard(self, token: str, fn: Any, *args: Any) -> None:
+    def _guard(self, token: str, fn: Any, *args: Any) -> Any:
         """Run one step of ``token``'s capture; a failure drops that capture (said in a file), never the engine."""
         try:
-            fn(*args)
+            return fn(*args)
         except Exception as e:  # noqa: BLE001 - nothing of driftscope's may take down the engine it observes
             self._ended.add(token)
             self._seen.pop(token, None)
@@ -159,6 +172,11 @@ class SpoolRecorder:
                 failed_path(directory, self.rank).write_text(reason + "\n")
             except Exception:  # noqa: BLE001 - the reason is in vLLM's log already
                 pass
+
+
+def _record_router(cap: Capture, parts: list[tuple[str, int, dict[str, Any]]]) -> None:
+    for prefix, layer, tensors in parts:
+        cap.record_router(prefix, layer, tensors)
 
 
 def engine_settings(vllm_config: Any, model: nn.Module) -> dict[str, Any]:
@@ -177,11 +195,16 @@ def engine_settings(vllm_config: Any, model: nn.Module) -> dict[str, Any]:
         "tensor_parallel_size": int(par.tensor_parallel_size), "pipeline_parallel_size": int(par.pipeline_parallel_size)}
 
 
-def install_recorder(model: nn.Module, spec: dict[str, Any], vllm_config: Any) -> SpoolRecorder | None:
-    """Add the marked-request recorder to a model tapped as ``spec`` says, when ``DRIFTSCOPE_VLLM_SPOOL`` is set."""
+def install_recorder(model: nn.Module, spec: dict[str, Any], vllm_config: Any, *,
+                     router: Any = None) -> SpoolRecorder | None:
+    """Add the marked-request recorder to a model tapped as ``spec`` says, when ``DRIFTSCOPE_VLLM_SPOOL`` is set.
+
+    ``spec``'s points are the hidden-state tap's; ``router`` (a :class:`~dumper.engines.vllm_tap.RouterTap`)
+    adds each MoE layer's routing to every pass.
+    """
     root = env_settings().vllm_spool
     if not root:
         return None
-    recorder = SpoolRecorder(model, Path(root), spec, engine_settings(vllm_config, model))
+    recorder = SpoolRecorder(model, Path(root), spec, engine_settings(vllm_config, model), router)
     _LOG.info("driftscope: recording marked requests into %s (rank %d)", root, recorder.rank)
     return recorder

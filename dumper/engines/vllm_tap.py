@@ -30,11 +30,18 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+from torch import nn
+
 from dumper import errors
-from dumper.errors import DriftscopeError, UsageError
+from dumper.engines.vllm_hooks import VllmFamily
+from dumper.errors import DriftscopeError, DumpError, UsageError
+from dumper.format import ROUTER_IDS, ROUTER_LOGITS, ROUTER_POINT, ROUTER_WEIGHTS
+from dumper.hooks.layers import find_decoder_layers, parse_layer_spec
 from dumper.settings import env_settings
 
-__all__ = ["TAP_KEY", "register", "tap_config", "tap_spec", "install_engine_tap", "take_load_failure"]
+__all__ = ["TAP_KEY", "register", "tap_config", "tap_spec", "install_engine_tap", "take_load_failure",
+           "split_points", "RouterProbe", "RouterTap", "install_router_tap", "router_tap_of", "moe_layers"]
 
 TAP_KEY = "driftscope"
 """The ``additional_config`` key that asks vLLM's loader for the tap."""
@@ -75,24 +82,43 @@ def tap_spec(additional_config: Any) -> dict[str, Any] | None:
     return spec
 
 
+def split_points(points: str | Sequence[str] | None) -> tuple[str | list[str] | None, bool]:
+    """(``points`` without ``router``, for the hidden-state tap; whether ``router`` was among them).
+
+    vLLM records the router next to the ``input`` point, never alone (``--points input,router``).
+    """
+    names = [p.strip() for p in points.split(",")] if isinstance(points, str) else list(points or ())
+    if ROUTER_POINT not in names:
+        return points, False
+    rest = [p for p in names if p != ROUTER_POINT]
+    if not rest:
+        raise UsageError(f"capture point {ROUTER_POINT!r}: vLLM records it beside the 'input' point; "
+                         f"ask for input,{ROUTER_POINT}")
+    return rest, True
+
+
 def install_engine_tap(model: Any, vllm_config: Any, spec: dict[str, Any]) -> Any:
     """Tap ``model`` as ``spec`` says, with room for the engine's token budget per step.
 
     Logs one INFO line through vLLM's logger (``VLLM_LOGGING_LEVEL=INFO`` shows it), so that the
     tap of an engine in another process can be seen; a spec the model refuses (a layer out of
-    range) is a :class:`UsageError` naming the ``additional_config`` entry.
+    range, the router point of a dense model) is a :class:`UsageError` naming the ``additional_config`` entry.
     """
-    from dumper.engines.vllm_hooks import VllmFamily
     from dumper.hooks.tap import install_tap
 
     budget = int(vllm_config.scheduler_config.max_num_batched_tokens)
     try:
-        tap = install_tap(model, layers=spec.get("layers"), points=spec.get("points"), max_tokens=budget,
+        points, router = split_points(spec.get("points"))
+        tap = install_tap(model, layers=spec.get("layers"), points=points, max_tokens=budget,
                           family=VllmFamily(model))
+        routed = install_router_tap(model, layers=spec.get("layers"), capacity=budget) if router else None
     except UsageError as e:
         raise UsageError(f"additional_config {TAP_KEY!r}: {e}") from None
     _LOG.info("driftscope: tapped %d points of %s (%.1f MiB sink, budget %d tokens)", len(tap.points),
               type(model).__name__, tap.nbytes / 2**20, budget)
+    if routed is not None:
+        _LOG.info("driftscope: tapped the router of %d MoE layers (%.1f MiB sink)", len(routed.probes),
+                  routed.nbytes / 2**20)
     return tap
 
 
@@ -141,7 +167,9 @@ def register() -> None:
                 install_engine_tap(model, vllm_config, spec)
                 from dumper.engines.vllm_spool import install_recorder
 
-                install_recorder(model, spec, vllm_config)  # with DRIFTSCOPE_VLLM_SPOOL set: record marked requests
+                # with DRIFTSCOPE_VLLM_SPOOL set: record marked requests (the router beside the hidden-state points)
+                install_recorder(model, {**spec, "points": split_points(spec.get("points"))[0]}, vllm_config,
+                                 router=router_tap_of(model))
         except DriftscopeError as e:
             _leave_load_failure(e)
             raise
@@ -150,3 +178,195 @@ def register() -> None:
     setattr(load_model, _PATCHED, True)
     load_model.__wrapped__ = original  # type: ignore[attr-defined]
     BaseModelLoader.load_model = load_model  # type: ignore[method-assign]
+
+
+# -- MoE routing: the ``router`` point -------------------------------------------------------------
+#
+# vLLM's fused-MoE layers (``FusedMoEFactory`` -> ``MoERunner``) take the gate's logits and call
+# ``runner.router.select_experts(...) -> (topk_weights, topk_ids)`` inside ``_forward_impl``; the
+# expert kernel then applies exactly those. On CPU the runner calls ``_moe_forward`` as plain Python
+# (not the ``vllm.moe_forward`` custom op), so vLLM's torch.compile traces the selection (top-k and
+# softmax) into the compiled graph, where no Python hook runs at serve time. The probe therefore
+# wraps the router's ``select_experts`` before vLLM compiles the model and hands what it returned to
+# one opaque op that copies it into buffers (as the hidden-state tap does); the compiled graph keeps
+# the call. A monolithic kernel that routes inside itself (some GPU paths) shows nothing: refused.
+
+_ROUTER_ATTR = "_driftscope_router"
+"""A tapped model's :class:`RouterTap`, and each probe's child name under its MoE runner."""
+_MISMATCH = -1
+
+
+@torch.library.custom_op("driftscope::router_tap", mutates_args=("logits_sink", "ids_sink", "weights_sink", "count"))
+def _router_tap_op(logits: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, logits_sink: torch.Tensor,
+                   ids_sink: torch.Tensor, weights_sink: torch.Tensor, count: torch.Tensor) -> None:
+    """Copy one MoE layer's routing of a pass into its sinks and the row count into ``count`` (-1: it does not fit)."""
+    rows, k = int(logits.shape[0]) if logits.dim() == 2 else -1, int(ids_sink.shape[-1])
+    if (rows < 0 or logits.shape[-1] != logits_sink.shape[-1] or logits.dtype != logits_sink.dtype
+            or tuple(ids.shape) != (rows, k) or tuple(weights.shape) != (rows, k)):
+        count.fill_(_MISMATCH)
+        return
+    n = min(rows, int(logits_sink.shape[0]))
+    logits_sink[:n].copy_(logits[:n])
+    ids_sink[:n].copy_(ids[:n])  # int32 -> int64, exact
+    weights_sink[:n].copy_(weights[:n])  # float32 already on CPU; a half weight widens exactly
+    count.fill_(rows)
+
+
+@_router_tap_op.register_fake
+def _router_tap_fake(logits: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, logits_sink: torch.Tensor,
+                     ids_sink: torch.Tensor, weights_sink: torch.Tensor, count: torch.Tensor) -> None:
+    return None
+
+
+class RouterProbe(nn.Module):
+    """Called as ``probe(logits, ids, weights)`` with what one MoE layer's router returned, every pass.
+
+    With a ``capacity`` (the engine's token budget) it copies them into its buffers through the
+    ``driftscope::router_tap`` op, which compiled code keeps; without one it only is called, for
+    module hooks of an eager model. It reads its arguments and returns nothing.
+    """
+
+    def __init__(self, experts: int, top_k: int, *, capacity: int = 0, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        self.experts, self.top_k, self.capacity = experts, top_k, capacity
+        if capacity:
+            self.register_buffer("logits_sink", torch.zeros(capacity, experts, dtype=dtype, device=device), False)
+            self.register_buffer("ids_sink", torch.zeros(capacity, top_k, dtype=torch.int64, device=device), False)
+            self.register_buffer("weights_sink", torch.zeros(capacity, top_k, dtype=torch.float32, device=device),
+                                 False)
+            self.register_buffer("count", torch.zeros(1, dtype=torch.int64, device=device), False)
+
+    def forward(self, logits: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> None:
+        if self.capacity:
+            torch.ops.driftscope.router_tap(logits, ids, weights, self.logits_sink, self.ids_sink,
+                                            self.weights_sink, self.count)
+
+
+def _moe_runner(layer: nn.Module) -> tuple[str, nn.Module] | None:
+    """(name in ``layer``, module) of the layer's first fused-MoE runner: a module whose ``router`` selects experts."""
+    for name, m in layer.named_modules():
+        if callable(getattr(getattr(m, "router", None), "select_experts", None)):
+            return name, m
+    return None
+
+
+def _logits_dtype(layer: nn.Module, name: str, runner: nn.Module) -> torch.dtype:
+    """The dtype the layer's gate computes its logits in: the runner's gate or its sibling ``gate``."""
+    parent = layer.get_submodule(name.rpartition(".")[0]) if "." in name else layer
+    gate = getattr(runner, "gate", None) or getattr(parent, "gate", None)
+    out = getattr(gate, "out_dtype", None)
+    weight = getattr(gate, "weight", None)
+    if isinstance(out, torch.dtype):
+        return out
+    return weight.dtype if isinstance(weight, torch.Tensor) else next(runner.parameters()).dtype
+
+
+def moe_layers(model: nn.Module, layers: str | Sequence[int] | None) -> list[tuple[str, int, nn.Module, nn.Module]]:
+    """(``model.layers.{i}``, i, decoder layer, MoE runner) of every selected layer that is MoE.
+
+    None among them is a :class:`UsageError` naming the model and the layers; so is a layer whose
+    kernel routes inside itself (monolithic) or under expert-placement load balancing (EPLB).
+    """
+    list_name, layer_list = find_decoder_layers(model, VllmFamily.attention_names)
+    keep = parse_layer_spec(layers, len(layer_list))
+    found = []
+    for i in (i for i in keep if not isinstance(layer_list[i], nn.Identity)):
+        hit = _moe_runner(layer_list[i])
+        if hit is None:
+            continue
+        prefix = f"{list_name}.{i}" if list_name else str(i)
+        if getattr(hit[1], "is_monolithic", False) or getattr(hit[1].router, "eplb_state", None) is not None:
+            raise UsageError(f"capture point {ROUTER_POINT!r}: {prefix} runs a fused-MoE kernel that chooses experts "
+                             "inside itself (monolithic) or remaps them (EPLB); its choice is not visible to capture")
+        found.append((prefix, i, layer_list[i], hit[1]))
+    if not found:
+        raise UsageError(f"capture point {ROUTER_POINT!r}: {type(model).__name__} has no MoE layer among layers "
+                         f"{keep} (no fused-MoE router there); capture the 'input' point instead")
+    return found
+
+
+def _probe(layer: nn.Module, runner: nn.Module, capacity: int) -> RouterProbe:
+    """``runner``'s probe, added (and its router's ``select_experts`` wrapped to call it) if it has none."""
+    probe = getattr(runner, _ROUTER_ATTR, None)
+    if isinstance(probe, RouterProbe):
+        if probe.capacity < capacity:
+            raise UsageError("the router point of this vLLM model was probed for module hooks only; tap it "
+                             "before vLLM compiles it (additional_config)")
+        return probe
+    router = runner.router
+    name = next(n for n, m in layer.named_modules() if m is runner)
+    param = next(runner.parameters(), None)
+    probe = RouterProbe(int(router.global_num_experts), int(router.top_k), capacity=capacity,
+                        dtype=_logits_dtype(layer, name, runner), device=param.device if param is not None else "cpu")
+    runner.add_module(_ROUTER_ATTR, probe)  # its buffers are the model's: compiled code lifts them as its state
+    select = router.select_experts
+
+    def select_experts(*args: Any, **kwargs: Any) -> Any:
+        weights, ids = select(*args, **kwargs)
+        probe(kwargs["router_logits"] if "router_logits" in kwargs else args[1], ids, weights)
+        return weights, ids
+
+    router.select_experts = select_experts
+    return probe
+
+
+class RouterTap:
+    """The router probes of one tapped model: ``(prefix, layer, probe)`` per MoE layer, read after each pass."""
+
+    def __init__(self, probes: Sequence[tuple[str, int, RouterProbe]], capacity: int) -> None:
+        self.probes, self.capacity = tuple(probes), capacity
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for _, _, p in self.probes for b in p.buffers())
+
+    def clear(self) -> None:
+        """Before a pass: a layer that does not run in it records nothing."""
+        for _, _, p in self.probes:
+            p.count.zero_()
+
+    def parts(self, tokens: int | None = None) -> list[tuple[str, int, dict[str, torch.Tensor]]]:
+        """(prefix, layer, {logits, ids, weights} as views of the sinks) of every MoE layer the last pass ran.
+
+        ``tokens``: the pass's token count; a probe that saw another count (none: a compiled graph
+        that does not write the probe's buffers) is refused instead of leaving a silent hole.
+        """
+        counts = torch.cat([p.count for _, _, p in self.probes]).tolist()  # one device sync per pass
+        out = []
+        for (prefix, layer, p), n in zip(self.probes, counts):
+            if n == _MISMATCH:
+                raise UsageError(f"{prefix}: its router output is not [tokens, {p.experts}] "
+                                 f"{str(p.logits_sink.dtype)[6:]} logits with [tokens, {p.top_k}] choices, "
+                                 "what the router tap stores")
+            if n > self.capacity:
+                raise UsageError(f"{prefix}: a pass of {n} tokens is more than the router tap's capacity "
+                                 f"of {self.capacity}")
+            if tokens is not None and n != tokens:
+                raise DumpError(f"{prefix}: the router tap saw {n} of the pass's {tokens} tokens (vLLM routed "
+                                "them where the tap does not see it)")
+            if n:
+                out.append((prefix, layer, {ROUTER_LOGITS: p.logits_sink[:n], ROUTER_IDS: p.ids_sink[:n],
+                                            ROUTER_WEIGHTS: p.weights_sink[:n]}))
+        return out
+
+    def record(self, capture: Any) -> None:
+        """Record the last pass's routing into ``capture`` (a :class:`~dumper.hooks.capture.Capture` in that pass)."""
+        for prefix, layer, parts in self.parts():
+            capture.record_router(prefix, layer, parts)
+
+
+def install_router_tap(model: nn.Module, *, layers: str | Sequence[int] | None, capacity: int) -> RouterTap:
+    """Probe every selected MoE layer of ``model`` before vLLM compiles it; ``capacity``: tokens per pass."""
+    if router_tap_of(model) is not None:
+        raise UsageError("the router point of this vLLM model is already tapped")
+    probes = [(prefix, i, _probe(layer, runner, capacity)) for prefix, i, layer, runner in moe_layers(model, layers)]
+    tap = RouterTap(probes, capacity)
+    setattr(model, _ROUTER_ATTR, tap)
+    return tap
+
+
+def router_tap_of(model: Any) -> RouterTap | None:
+    """The :class:`RouterTap` installed on ``model``, if any."""
+    tap = getattr(model, _ROUTER_ATTR, None)
+    return tap if isinstance(tap, RouterTap) else None

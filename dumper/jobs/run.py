@@ -36,7 +36,7 @@ from dumper.format import (
 )
 from dumper.hooks.capture import capture
 from dumper.hooks.families import HFFamily
-from dumper.hooks.layers import ATTN_INPUT, parse_points
+from dumper.hooks.layers import ATTN_INPUT, ROUTER, parse_points
 from dumper.hooks.tap import install_tap, remove_tap, tap_of, unwrap_compiled
 from dumper.jobs.logprobs import LOGPROB_CHUNK_ROWS, row_logprobs
 from dumper.jobs.observer import LogprobSink, ObserverCheck, mark_observer
@@ -52,6 +52,8 @@ __all__ = ["RunConfig", "LogprobSpec", "run_dump", "dump_sequences", "prefill", 
 
 
 OBSERVER_ENGINES = ("transformers", "vllm")
+ENGINE_POINTS = {"vllm": (ATTN_INPUT, ROUTER), "llama.cpp": (ATTN_INPUT, ROUTER)}
+"""The capture points an engine other than transformers (which records every point) records; absent: input only."""
 """Engines whose capture runs in this process, so that ``--observer-check`` can tell what it changes."""
 
 MAX_SEED = (1 << 63) - 1
@@ -103,9 +105,11 @@ class RunConfig:
         if self.padding_side not in ("left", "right"):
             raise UsageError(f"--padding-side must be left or right, got {self.padding_side!r}")
         object.__setattr__(self, "points", parse_points(self.points))
-        if self.points != (ATTN_INPUT,) and self.engine != "transformers":
-            raise UsageError(f"--points {','.join(self.points)}: engine {self.engine} records the {ATTN_INPUT!r} "
-                             "point only; the others need --engine transformers")
+        allowed = ENGINE_POINTS.get(self.engine, (ATTN_INPUT,))
+        if self.engine != "transformers" and not set(self.points) <= set(allowed):
+            raise UsageError(f"--points {','.join(self.points)}: engine {self.engine} records the "
+                             f"{' and '.join(map(repr, allowed))} point{'s' if len(allowed) > 1 else ''} only; "
+                             "the others need --engine transformers")
         if self.compile and self.engine != "transformers":
             raise UsageError(f"--compile: --engine {self.engine} runs its own default mode (vLLM: compiled; "
                              "--engine-arg enforce_eager=true for eager); --compile is for --engine transformers")
