@@ -1,10 +1,10 @@
 """The outcome of a comparison and the words every output writes for it.
 
 One place for ``PASS`` / ``FAIL`` / ``DIVERGED`` / ``UNUSABLE`` / ``BOOTSTRAP``, for why a report
-did not pass (:class:`Outcome`: a tensor diverged, replicas differ, the logprobs fail), and for
-the one-line summaries built from them: the terminal verdict, ``--quiet``, Markdown, HTML,
-:mod:`comparator.testing`'s assertion message, the store's listings and ``regress`` messages,
-and the dumper's ``selfcheck`` lines. A new output uses these instead of spelling the words again.
+did not pass (:class:`Outcome`: a tensor diverged, replicas differ, the MoE routing broke first, the
+logprobs fail), and for the one-line summaries built from them: the terminal verdict, ``--quiet``,
+Markdown, HTML, :mod:`comparator.testing`'s assertion message, the store's listings and ``regress``
+messages, and the dumper's ``selfcheck`` lines. A new output uses these instead of spelling the words again.
 
 Nothing here imports a result type at run time (they import this module's words), so every
 module of the comparator may use it; the functions read the reports they are given.
@@ -14,6 +14,7 @@ Example::
     from comparator.outcome import Outcome, headline
     Outcome.of(report)          # Outcome.TENSORS: a matched tensor diverged
     print(headline(report))     # "DIVERGED at layer 3 (model.layers.3.self_attn.input, pass 0, rank 0), ..."
+    # a MoE routing bug: "DIVERGED: routing first flips at layer 1, token 34 of sequence 1 (margin 0.0572, ...)"
 """
 
 from __future__ import annotations
@@ -23,13 +24,17 @@ import math
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+from dumper.format import ROUTER_LOGITS, router_name
+
 if TYPE_CHECKING:
     from comparator.logprobs import Located, LogprobVerdict
-    from comparator.hidden.types import FirstDivergence, Report
+    from comparator.hidden.types import FirstDivergence, Report, TensorComparison
+    from comparator.routing.types import Flip, RouterComparison, RouterLayer
 
 __all__ = ["PASS", "FAIL", "DIVERGED", "UNUSABLE", "BOOTSTRAP", "Outcome", "status", "headline", "clause",
-           "sentence", "assertion_head", "describe_divergence", "threshold_summary", "verdict_notes",
-           "reaches_output", "format_float", "format_ratio", "format_located"]
+           "sentence", "assertion_head", "describe_divergence", "describe_routing", "routing_failures", "judged_by",
+           "flip_ratio", "flip_margin", "threshold_summary", "verdict_notes", "reaches_output", "format_float",
+           "format_ratio", "format_located"]
 
 PASS = "PASS"
 """Every compared value is within its threshold (exit 0)."""
@@ -51,13 +56,21 @@ def status(passed: bool, why: str | int | None = None) -> str:
 
 
 class Outcome(enum.Enum):
-    """Why a report passed or not, checked in this order: the first one that holds is the outcome."""
+    """Why a report did not pass: the first thing that broke.
+
+    Checked in this order: the routing when its first failing layer is at or before the first
+    layer whose hidden states diverge (a routing bug shows in the hidden states only after it);
+    then a diverged tensor, differing replicas, the routing alone, the logprobs. The hidden states
+    are every compared tensor but the routers' logits, which are judged as routing here.
+    """
 
     PASSED = "passed"
     TENSORS = "tensors"
     """A matched tensor is over its threshold (``report.first_divergent`` says where)."""
     REPLICAS = "replicas"
     """Ranks that should hold identical rows (replicated under TP) differ."""
+    ROUTING = "routing"
+    """The MoE routing fails (``report.router``) at a layer before the hidden states diverge, or they pass."""
     LOGPROBS = "logprobs"
     """The hidden states pass (or were not compared) but the logprobs fail their thresholds."""
 
@@ -65,9 +78,15 @@ class Outcome(enum.Enum):
     def of(cls, report: Report) -> Outcome:
         if report.passed:
             return cls.PASSED
-        if report.first_divergent is not None:
+        routing, hidden = _routing_layer(report), _first_hidden_failure(report)
+        # every hidden state recorded at layer L enters layer L, before its router: routing first when L is later
+        if routing is not None and hidden is not None and routing < _order(hidden):
+            return cls.ROUTING  # routing broke first; the hidden states followed
+        if report.first_divergent is not None and (hidden is not None or routing is None):
             return cls.TENSORS
-        return cls.REPLICAS if report.replica_mismatches else cls.LOGPROBS
+        if report.replica_mismatches:
+            return cls.REPLICAS
+        return cls.ROUTING if routing is not None else cls.LOGPROBS
 
     @property
     def passed(self) -> bool:
@@ -78,23 +97,77 @@ class Outcome(enum.Enum):
         """``PASS`` or ``DIVERGED``."""
         return PASS if self.passed else DIVERGED
 
+    @property
+    def separator(self) -> str:
+        """What stands between :attr:`word` and the clause: ``": "`` before a routing clause
+        (``DIVERGED: routing first flips ...``), a space otherwise (``DIVERGED at layer 3 ...``)."""
+        return ": " if self is Outcome.ROUTING else " "
+
 
 def _failures(report: Report) -> str:
     return ", ".join(report.logprobs.failures()) if report.logprobs is not None else ""
+
+
+def _order(t: TensorComparison) -> float:
+    """Where a tensor sits in layer order; one without a layer (the final norm, say) after every layer."""
+    return math.inf if t.layer is None else t.layer
+
+
+def _hidden(report: Report) -> list[TensorComparison]:
+    """The compared hidden-state tensors: every tensor but the routers' logits (judged as routing)."""
+    logits = {router_name(la.name, ROUTER_LOGITS) for la in report.router.layers} if report.router else set()
+    return [t for t in report.tensors if t.name not in logits]
+
+
+def _first_hidden_failure(report: Report) -> TensorComparison | None:
+    return min((t for t in _hidden(report) if not t.passed), key=_order, default=None)
+
+
+def _routing_layer(report: Report) -> float | None:
+    """The first MoE layer whose routing fails (``inf`` when no MoE layer was compared: a failure too);
+    None when the routing passes or was not compared."""
+    if report.router is None or report.router.passed:
+        return None
+    la = report.router.first_failing_layer
+    return math.inf if la is None else la.layer
+
+
+def _routing_tail(report: Report) -> str:
+    """``; routing first fails at layer 4`` after another outcome's clause; empty when the routing does not fail."""
+    layer = _routing_layer(report)
+    if layer is None or report.router is None:
+        return ""
+    return f"; routing first fails at layer {layer}" if layer != math.inf else f"; {describe_routing(report.router)}"
+
+
+def _routing_clause(report: Report) -> str:
+    """The routing failure, then what the hidden states did: ``...; hidden states diverge from layer 2``."""
+    assert report.router is not None
+    hidden = _first_hidden_failure(report)
+    if hidden is not None:
+        where = f"from layer {hidden.layer}" if hidden.layer is not None else f"at {hidden.name}"
+        tail = f"; hidden states diverge {where}"
+    else:
+        tail = "; hidden states match" if _hidden(report) else ""
+    return describe_routing(report.router) + tail
 
 
 def clause(report: Report, *, escape: Callable[[str], str] = str, detail: bool = True) -> str:
     """What follows the word on a verdict line; empty on a pass.
 
     ``at layer 3 (...); rel_diff 2.1e-02`` (``escape``-d: it holds names from the dump),
-    ``(replicas differ)``, ``(logprobs: mse, kl_max)`` (``(logprobs)`` without ``detail``).
+    ``(replicas differ)``, ``routing first flips at layer 1, ...; hidden states diverge from layer 2``
+    (also ``escape``-d), ``(logprobs: mse, kl_max)`` (``(logprobs)`` without ``detail``). After a
+    diverged tensor or differing replicas, a routing that fails later adds ``; routing first fails at layer L``.
     """
     outcome = Outcome.of(report)
     if outcome is Outcome.TENSORS:
         assert report.first_divergent is not None
-        return escape(describe_divergence(report.first_divergent))
+        return escape(describe_divergence(report.first_divergent) + _routing_tail(report))
     if outcome is Outcome.REPLICAS:
-        return "(replicas differ)"
+        return "(replicas differ)" + _routing_tail(report)
+    if outcome is Outcome.ROUTING:
+        return escape(_routing_clause(report))
     if outcome is Outcome.LOGPROBS:
         return f"(logprobs: {_failures(report)})" if detail else "(logprobs)"
     return ""
@@ -102,9 +175,16 @@ def clause(report: Report, *, escape: Callable[[str], str] = str, detail: bool =
 
 def headline(report: Report, *, escape: Callable[[str], str] = str) -> str:
     """The verdict in one line: ``PASS``, ``DIVERGED at layer ...``, ``DIVERGED (replicas differ)``,
-    ``DIVERGED (logprobs: mse)``; what ``--quiet`` prints before its notes."""
-    rest = clause(report, escape=escape)
-    return f"{Outcome.of(report).word} {rest}" if rest else Outcome.of(report).word
+    ``DIVERGED: routing first flips at layer ...``, ``DIVERGED (logprobs: mse)``; what ``--quiet``
+    prints before its notes."""
+    outcome, rest = Outcome.of(report), clause(report, escape=escape)
+    return f"{outcome.word}{outcome.separator}{rest}" if rest else outcome.word
+
+
+def _routing_passed(router: RouterComparison) -> str:
+    """``; the routing agrees: 3 flips, each benign by the margin rule`` after a pass."""
+    flips = "no flips" if not router.flips else f"{router.flips} flips, each benign by {judged_by(router.basis)}"
+    return f"; the routing agrees: {flips}"
 
 
 def sentence(report: Report) -> str:
@@ -112,8 +192,12 @@ def sentence(report: Report) -> str:
     outcome = Outcome.of(report)
     if outcome is Outcome.TENSORS:
         assert report.first_divergent is not None
-        return describe_divergence(report.first_divergent)
-    return {Outcome.PASSED: "every matched tensor passed", Outcome.REPLICAS: "replicas differ",
+        return describe_divergence(report.first_divergent) + _routing_tail(report)
+    if outcome is Outcome.ROUTING:
+        return _routing_clause(report)
+    if outcome is Outcome.PASSED and report.router is not None:
+        return "every matched tensor passed" + _routing_passed(report.router)
+    return {Outcome.PASSED: "every matched tensor passed", Outcome.REPLICAS: "replicas differ" + _routing_tail(report),
             Outcome.LOGPROBS: "the logprobs fail their thresholds"}[outcome]
 
 
@@ -122,9 +206,11 @@ def assertion_head(report: Report) -> str:
     outcome = Outcome.of(report)
     if outcome is Outcome.TENSORS:
         assert report.first_divergent is not None
-        return f"dumps diverge {describe_divergence(report.first_divergent)}"
+        return f"dumps diverge {describe_divergence(report.first_divergent)}{_routing_tail(report)}"
     if outcome is Outcome.REPLICAS:
-        return "dumps diverge: ranks that should hold identical rows differ"
+        return f"dumps diverge: ranks that should hold identical rows differ{_routing_tail(report)}"
+    if outcome is Outcome.ROUTING:
+        return f"dumps diverge in their routing: {_routing_clause(report)}"
     return f"dumps diverge in their logprobs: {_failures(report)}"
 
 
@@ -189,6 +275,55 @@ def describe_divergence(fd: FirstDivergence) -> str:
         text += (f"; first departs from noise at layer {fd.onset_layer} "
                  f"({_METHOD[fd.onset_layer_method or 'threshold']})")
     return text + f"; rel_diff {format_float(fd.rel_diff)}"
+
+
+_UNITS = {"calibrated": "noise", "margin rule": "the margin rule"}
+"""What a flip's noise ratio is a multiple of, by its layer's basis (:data:`comparator.routing.types.CALIBRATED`,
+:data:`~comparator.routing.types.MARGIN_RULE_BASIS`)."""
+_JUDGED = {"calibrated": "calibrated noise", "margin rule": "the margin rule"}
+"""What a layer of that basis was judged by."""
+
+
+def judged_by(basis: str) -> str:
+    """What a routing ``basis`` judges by, after "judged by": ``calibrated noise``, ``the margin rule``."""
+    return _JUDGED.get(basis, basis)
+
+
+def flip_ratio(flip: Flip, basis: str) -> str:
+    """A flip's margin in units of its layer's ``basis``: ``4.29e+03x the margin rule``, ``45x noise``."""
+    return f"{format_ratio(flip.noise_ratio)} {_UNITS.get(basis, basis)}"
+
+
+def flip_margin(flip: Flip, basis: str) -> str:
+    """``margin 0.0572, 4.29e+03x the margin rule`` (``45x noise`` when calibrated): why a flip is benign or not."""
+    return f"margin {flip.margin:.3g}, {flip_ratio(flip, basis)}"
+
+
+def routing_failures(layer: RouterLayer) -> list[str]:
+    """Why one MoE layer's routing fails, in words (``NaN/Inf``, ``flips``, ``flip rate``, ``weights``,
+    ``no tokens``); empty when it passes."""
+    return [word for word, failed in (("NaN/Inf", layer.nonfinite), ("flips", layer.failing_flips),
+                                      ("flip rate", not layer.flip_rate_passed), ("weights", not layer.weights_passed),
+                                      ("no tokens", layer.tokens == 0)) if failed]
+
+
+def describe_routing(router: RouterComparison) -> str:
+    """Why the routing fails, at its first failing layer: NaN/Inf, a flip outside noise, too many flips, the weights."""
+    la, flip = router.first_failing_layer, router.first_failing_flip
+    if la is None:
+        return "routing passes" if router.passed else "routing compared no MoE layer: none was routed on both sides"
+    if la.nonfinite:
+        return f"routing has NaN/Inf at layer {la.layer} ({la.nonfinite} of {la.tokens} tokens)"
+    if la.failing_flips and flip is not None:
+        return (f"routing first flips at layer {flip.layer}, token {flip.token} of sequence {flip.sequence} "
+                f"({flip_margin(flip, la.basis)})")
+    if not la.flip_rate_passed:
+        return (f"routing flips too often at layer {la.layer}: {la.flips} of {la.tokens} tokens "
+                f"(rate {format_float(la.flip_rate)} > {format_float(la.flip_rate_limit)})")
+    if not la.weights_passed:
+        return (f"routing weights differ at layer {la.layer} with the same experts "
+                f"(max |Δw| {format_float(la.weight_max_err)} > {format_float(la.weight_limit)})")
+    return f"routing compared no tokens at layer {la.layer}"
 
 
 def threshold_summary(report: Report, *, quote: Callable[[str], str] = str) -> str:

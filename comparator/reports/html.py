@@ -4,7 +4,8 @@ The page holds the verdict (where the divergence starts, then where it first fai
 and environment side by side (what differs is highlighted), the per-layer rel_diff chart and table (multiples of
 the calibrated noise, each layer's amplification as :mod:`comparator.reports.amplification` writes it, the layer
 that introduces error highlighted), the amplification chart, the token x layer heatmap from the onset to the first
-failing token, the logprob plots with the worst positions and their tokens, and every tensor in a table sortable by
+failing token, the logprob plots with the worst positions and their tokens, the MoE routing per layer with its
+first failing flips (:mod:`comparator.reports.html_routing`), and every tensor in a table sortable by
 clicking its headers. Charts are inline SVG (matplotlib), style and the sorting script inline: the file fetches
 nothing, so it works offline, as a CI artifact, or attached to a bug report.
 
@@ -20,12 +21,10 @@ Example::
 
 from __future__ import annotations
 
-import html
 import itertools
 import json
-import math
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
@@ -50,6 +49,10 @@ from comparator.outcome import (
     verdict_notes,
 )
 from comparator.reports.amplification import FROM_ZERO_LEGEND, amplification_cell, has_from_zero
+from comparator.reports.html_parts import escape as _e
+from comparator.reports.html_parts import num_cell as _num
+from comparator.reports.html_parts import table as _table
+from comparator.reports.html_routing import routing_section
 from comparator.results import FirstDivergence, Report
 from comparator.reports.tokens import TokenLookup, show_text
 
@@ -100,33 +103,6 @@ document.querySelectorAll("table.sortable").forEach(function (t) {
   });
 });
 """
-
-
-def _e(v: Any) -> str:
-    return html.escape(str(v), quote=True)
-
-
-def _v(x: float | int | None) -> str:
-    """A sort key for ``data-v``: what JavaScript's ``Number()`` reads back."""
-    if x is None:
-        return ""
-    if isinstance(x, float) and math.isnan(x):
-        return "NaN"
-    if isinstance(x, float) and math.isinf(x):
-        return "Infinity" if x > 0 else "-Infinity"
-    return repr(x)
-
-
-def _num(x: float | int | None, text: str | None = None) -> str:
-    shown = text if text is not None else "-" if x is None else format_float(x) if isinstance(x, float) else str(x)
-    return f'<td class="n" data-v="{_e(_v(x))}">{_e(shown)}</td>'
-
-
-def _table(head: Sequence[tuple[str, str]], rows: Iterable[str], *, sortable: bool = False, table_id: str = "") -> str:
-    """A table; ``head`` holds (label, "num"|"str") pairs, ``rows`` finished ``<tr>`` elements."""
-    ths = "".join(f'<th data-type="{t}">{_e(label)}</th>' for label, t in head)
-    attrs = (f' id="{_e(table_id)}"' if table_id else "") + (' class="sortable"' if sortable else "")
-    return f"<table{attrs}><thead><tr>{ths}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
 
 
 _METHODS = {"calibrated": "over its calibrated noise", "change-point": "change point estimated from the run",
@@ -376,7 +352,8 @@ def render_html(report: Report, *, baseline_manifest: Manifest | None = None, ta
     """
     tokens = TokenLookup.from_manifest(baseline_manifest or target_manifest, tokenizer)
     body = [_verdict_section(report), *((_layers(report), _heatmap(report, tokens)) if report.tensors else ()),
-            _logprobs(report, tokens), _runs(report, baseline_manifest, target_manifest),
+            _logprobs(report, tokens), routing_section(report.router) if report.router is not None else "",
+            _runs(report, baseline_manifest, target_manifest),
             _tensors(report, max_rows) if report.tensors else "", _problems(report)]
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     title = f"driftscope: {Outcome.of(report).word}: {report.target} vs {report.baseline}"

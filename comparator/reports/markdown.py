@@ -1,7 +1,8 @@
 """The verdict and a compact per-layer table as Markdown, for pasting into a PR (``--markdown``).
 
 The table shows the multiples of the noise with a noise file and each layer's amplification; the
-first divergent layer is in bold. Text from a dump (names, paths) is escaped so that it shows as
+first divergent layer is in bold. With MoE routing, a routing table follows (its first failing
+layer in bold) with the first failing flips. Text from a dump (names, paths) is escaped so that it shows as
 it is and cannot open a tag, a link or a table cell.
 
 Example::
@@ -31,7 +32,17 @@ from comparator.outcome import (
 )
 from comparator.reports.amplification import FROM_ZERO_LEGEND, amplification_cell, has_from_zero
 from comparator.reports.logprob_table import metric_rows
+from comparator.reports.routing_table import (
+    flip_rows,
+    flips_title,
+    layer_head,
+    layer_rows,
+    routing_notes,
+    routing_summary,
+    routing_title,
+)
 from comparator.results import LayerSummary, Report
+from comparator.routing.types import RouterComparison
 
 __all__ = ["to_markdown", "write_markdown"]
 
@@ -63,8 +74,28 @@ def _code(text: str) -> str:
 
 
 def _verdict_line(report: Report) -> str:
-    """``**driftscope: DIVERGED** at layer ...``; a pass says why in words."""
-    return f"**driftscope: {Outcome.of(report).word}** {clause(report, escape=_md) or f'({sentence(report)})'}"
+    """``**driftscope: DIVERGED** at layer ...``, ``**driftscope: DIVERGED**: routing ...``; a pass says
+    why in words."""
+    outcome, rest = Outcome.of(report), clause(report, escape=_md)
+    return f"**driftscope: {outcome.word}**{outcome.separator if rest else ' '}{rest or f'({sentence(report)})'}"
+
+
+def _routing(router: RouterComparison) -> list[str]:
+    """The routing table (the first failing layer's number and verdict in bold), the first failing
+    flips and the notes, as Markdown lines."""
+    head, rows = layer_head(router), layer_rows(router)
+    lines = [f"{_md(routing_title(router))}: {_md(routing_summary(router))}"]
+    lines += ["", "| " + " | ".join(_md(label) for label, _ in head) + " |",
+              "|" + "|".join("---:" if kind == "num" else ":---" for _, kind in head) + "|"] if rows else []
+    for row in rows:
+        cells = [_md(c) for c in row.cells]
+        cells[0], cells[-1] = _bold(cells[0], row.first), _bold(cells[-1], row.first)
+        lines.append("| " + " | ".join(cells) + " |")
+    if flips := flip_rows(router):
+        lines += ["", f"{_md(flips_title(router))}:", ""]
+        lines += [f"- layer {c[0]}, sequence {c[1]}, token {c[2]}: experts {_md(c[3])}, margin {c[4]} "
+                  f"({_md(c[5])}), {c[6]}" for c in (f.cells for f in flips)]
+    return lines + [line for n in routing_notes(router) for line in ("", _md(n))]
 
 
 def _layer_cells(report: Report, s: LayerSummary) -> list[str]:
@@ -102,6 +133,8 @@ def to_markdown(report: Report) -> str:
         summary += (f"; {len(report.unmatched_baseline)} tensors only in the baseline, "
                     f"{len(report.unmatched_target)} only in the target")
     lines.append(summary)
+    if report.router is not None:
+        lines += ["", *_routing(report.router)]
     if report.logprobs is not None:
         v = report.logprobs
         verdict = status(v.passed, ", ".join(v.failures()))

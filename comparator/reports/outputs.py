@@ -169,7 +169,8 @@ def _plot(report: Report, path: str, dumps: Dumps) -> None:
 
 register_output(OutputFormat(
     "html", "HTML report", _html, metavar="FILE",
-    help="write a self-contained HTML report: per-layer chart, token heatmap, logprob plots, sortable tensor table"))
+    help="write a self-contained HTML report: per-layer chart, token heatmap, logprob plots, MoE routing, "
+         "sortable tensor table"))
 register_output(OutputFormat("plot", "plot", _plot, metavar="FILE.png",
                              help="write the per-layer rel_diff chart (.png, .svg or .pdf)"))
 register_output(OutputFormat("parquet", "Parquet table", lambda report, path, dumps: write_parquet(report, path),
@@ -177,4 +178,5 @@ register_output(OutputFormat("parquet", "Parquet table", lambda report, path, du
                              check=need_pyarrow))
 register_output(OutputFormat("markdown", "Markdown report", lambda report, path, dumps: write_markdown(report, path),
                              metavar="FILE", to_stdout=to_markdown,
-                             help="write the verdict and a per-layer Markdown table for a PR; to stdout without FILE"))
+                             help="write the verdict and per-layer Markdown tables (hidden states, MoE routing) "
+                                  "for a PR; to stdout without FILE"))

@@ -1,6 +1,8 @@
-"""Terminal rendering of a :class:`Report` with rich: a per-layer table and the verdict."""
+"""Terminal rendering of a :class:`Report` with rich: the logprob, routing and per-layer tables and the verdict."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 from rich.console import Console
 from rich.table import Table
@@ -22,9 +24,20 @@ from comparator.outcome import (
 )
 from comparator.reports.amplification import FROM_ZERO_LEGEND, amplification_cell, has_from_zero
 from comparator.reports.logprob_table import metric_label, metric_rows
+from comparator.reports.routing_table import (
+    FLIP_HEAD,
+    flip_rows,
+    flips_title,
+    layer_head,
+    layer_rows,
+    routing_notes,
+    routing_summary,
+    routing_title,
+)
 from comparator.results import Report
+from comparator.routing.types import RouterComparison
 
-__all__ = ["render_report", "render_logprobs", "render_noise"]
+__all__ = ["render_report", "render_logprobs", "render_routing", "render_noise"]
 
 
 def _token(v: int | None) -> str:
@@ -114,11 +127,47 @@ def _failure(v: LogprobVerdict, key: str) -> str:
     return f"{key}: {metric_label(key)} {format_float(v.metrics()[key])} {_noise_cell(v, key)}"
 
 
+def _columns(table: Table, head: Sequence[tuple[str, str]], rows: Sequence[Sequence[str]]) -> None:
+    """Add ``head``'s columns, each no wider than its widest cell (or header word): a long header
+    wraps rather than widening the table past the terminal."""
+    for i, (label, kind) in enumerate(head):
+        width = max([len(r[i]) for r in rows] + [len(w) for w in label.split()])
+        table.add_column(label, justify="right" if kind == "num" else "left", max_width=width)
+
+
+def render_routing(router: RouterComparison, console: Console) -> None:
+    """The routing verdict: a row per MoE layer (the first failing one highlighted), the first
+    failing flips (or the first benign ones), the notes (what the layers were judged by)."""
+    table, rows = Table(title=routing_title(router), title_justify="left"), layer_rows(router)
+    _columns(table, layer_head(router), [r.cells for r in rows])
+    for row in rows:
+        cells = [Text(c) for c in row.cells]
+        if row.first:
+            cells[-1] = Text(row.cells[-1], style="bold white on red")
+        else:
+            cells[-1].stylize("green" if row.passed else "bold red")
+        table.add_row(*cells, style="bold" if row.first else None)
+    if rows:
+        console.print(table)
+    if flips := flip_rows(router):
+        listing = Table(title=flips_title(router), title_justify="left")
+        _columns(listing, FLIP_HEAD, [f.cells for f in flips])
+        for f in flips:
+            listing.add_row(*map(Text, f.cells), style=None if f.benign else "red")
+        console.print(listing)
+    for note in routing_notes(router):
+        console.print(Text(note))
+    console.print(Text.assemble("routing: ", (routing_summary(router), "green" if router.passed else "bold red")))
+
+
 def render_report(report: Report, console: Console, *, tensors: bool = False) -> None:
-    """Print the per-layer table (and the per-tensor table with ``tensors=True``)."""
+    """Print the logprob and routing tables, the per-layer table (and the per-tensor table with
+    ``tensors=True``), then the verdict."""
     fd = report.first_divergent
     if report.logprobs is not None:
         render_logprobs(report.logprobs, console)
+    if report.router is not None:
+        render_routing(report.router, console)
     if not report.tensors:
         return
     table = Table(title=Text(f"{report.target}  vs  baseline {report.baseline}"), title_justify="left",
@@ -165,8 +214,8 @@ def render_report(report: Report, console: Console, *, tensors: bool = False) ->
         console.print(Text.assemble(("divergence on a replica rank", "bold red"), f": {_replica_divergence(report)}"))
     outcome, why = Outcome.of(report), clause(report, detail=False)
     word = (outcome.word, "bold green" if outcome.passed else "bold red")
-    if outcome is Outcome.TENSORS:  # a sentence of its own, then the summary
-        console.print(Text.assemble(word, f" {why}. {summary}"))
+    if outcome in (Outcome.TENSORS, Outcome.ROUTING):  # a sentence of its own, then the summary
+        console.print(Text.assemble(word, f"{outcome.separator}{why}. {summary}"))
     else:
         console.print(Text.assemble(word, f"{' ' if why else ''}{why}: {summary}"))
     if report.logprobs is not None:
@@ -190,7 +239,7 @@ def _replica_divergence(report: Report) -> str:
 
 
 def render_noise(noise: NoiseModel, console: Console) -> None:
-    """The measured noise per tensor (and of the logprobs): what a comparison will be judged against."""
+    """The measured noise per tensor (and of the routing and the logprobs): what a comparison will be judged against."""
     table = Table(title=Text(f"noise of {noise.baseline} from {len(noise.variants)} variants"), title_justify="left")
     for col in ("layer", "tensor", "rel_diff", "token max", "token p99.9", "token p99", "positions",
                 "token max by variant"):
@@ -201,6 +250,14 @@ def render_noise(noise: NoiseModel, console: Console) -> None:
                       str(t.positions), " ".join(format_float(v) for v in t.by_variant))
     if noise.tensors:
         console.print(table)
+    if noise.router:
+        routing = Table(title="routing noise", title_justify="left")
+        for col in ("layer", "score", "flip rate", "weight", "tokens"):
+            routing.add_column(col, justify="right")
+        for n in (noise.router[k] for k in sorted(noise.router)):
+            routing.add_row(str(n.layer), format_float(n.score), f"{n.flip_rate:.2%}", format_float(n.weight),
+                            str(n.tokens))
+        console.print(routing)
     if noise.logprobs is not None:
         lp = noise.logprobs
         values = ", ".join(f"{k} {format_float(v)}" for k, v in lp.metrics.items() if v is not None)
