@@ -229,9 +229,9 @@ class Capture:
         return {  # layers: decoder layers (the final norm's residual, at layer num_layers, is not one)
             "layers": sorted({t.layer for t in self._targets if t.layer is not None and t.layer < self._num_layers}),
             "modules": [t.name for t in self._targets if t.point != ROUTER],
-            "points": [p for p in POINTS if any(t.point == p for t in (*self._targets, *self._records))],
-            "num_layers": self._num_layers, "world_size": self.world_size, "dtype": dtype,
-            **(self._signature or {}),
+            "points": [p for p in POINTS if any(t.point == p for t in self._targets)  # and what an engine routed:
+                       or p == ROUTER and any(r.point == ROUTER for r in self._records)],
+            "num_layers": self._num_layers, "world_size": self.world_size, "dtype": dtype, **(self._signature or {}),
         }
 
     def _environment_of(self) -> dict[str, Any]:
