@@ -105,7 +105,7 @@ class SpoolRecorder:
                  router: Any = None) -> None:
         self.model, self.root, self.spec, self.settings = model, root, spec, settings
         self.rank = dist_rank_world()[0]
-        self.router = router  # the MoE layers' probes (vllm_tap.RouterTap), with the ``router`` point
+        self.router = router  # the MoE layers' probes (dumper.hooks.router_tap.RouterTap), with the ``router`` point
         self._tokens: int | None = None  # tokens of the pass running now (what each router probe must see)
         self._runner: Any = None  # vLLM's model runner, found on the stack in the first pass it drives
         self._open: dict[str, Capture] = {}
@@ -174,9 +174,9 @@ class SpoolRecorder:
                 pass
 
 
-def _record_router(cap: Capture, parts: list[tuple[str, int, dict[str, Any]]]) -> None:
-    for prefix, layer, tensors in parts:
-        cap.record_router(prefix, layer, tensors)
+def _record_router(cap: Capture, parts: list[tuple[str, int, dict[str, Any], dict[str, int]]]) -> None:
+    for prefix, layer, tensors, meta in parts:
+        cap.record_router(prefix, layer, tensors, scores_meta=meta)
 
 
 def engine_settings(vllm_config: Any, model: nn.Module) -> dict[str, Any]:
@@ -199,7 +199,7 @@ def install_recorder(model: nn.Module, spec: dict[str, Any], vllm_config: Any, *
                      router: Any = None) -> SpoolRecorder | None:
     """Add the marked-request recorder to a model tapped as ``spec`` says, when ``DRIFTSCOPE_VLLM_SPOOL`` is set.
 
-    ``spec``'s points are the hidden-state tap's; ``router`` (a :class:`~dumper.engines.vllm_tap.RouterTap`)
+    ``spec``'s points are the hidden-state tap's; ``router`` (a :class:`~dumper.hooks.router_tap.RouterTap`)
     adds each MoE layer's routing to every pass.
     """
     root = env_settings().vllm_spool

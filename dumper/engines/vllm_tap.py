@@ -35,13 +35,14 @@ from torch import nn
 
 from dumper import errors
 from dumper.engines.vllm_hooks import VllmFamily
-from dumper.errors import DriftscopeError, DumpError, UsageError
-from dumper.format import ROUTER_IDS, ROUTER_LOGITS, ROUTER_POINT, ROUTER_WEIGHTS
+from dumper.errors import DriftscopeError, UsageError
+from dumper.format import ROUTER_POINT
 from dumper.hooks.layers import find_decoder_layers, parse_layer_spec
+from dumper.hooks.router_tap import RouterEntry, RouterProbe, RouterTap
 from dumper.settings import env_settings
 
 __all__ = ["TAP_KEY", "register", "tap_config", "tap_spec", "install_engine_tap", "take_load_failure",
-           "split_points", "RouterProbe", "RouterTap", "install_router_tap", "router_tap_of", "moe_layers"]
+           "split_points", "RouterTap", "install_router_tap", "router_tap_of", "moe_layers"]
 
 TAP_KEY = "driftscope"
 """The ``additional_config`` key that asks vLLM's loader for the tap."""
@@ -188,61 +189,11 @@ def register() -> None:
 # (not the ``vllm.moe_forward`` custom op), so vLLM's torch.compile traces the selection (top-k and
 # softmax) into the compiled graph, where no Python hook runs at serve time. The probe therefore
 # wraps the router's ``select_experts`` before vLLM compiles the model and hands what it returned to
-# one opaque op that copies it into buffers (as the hidden-state tap does); the compiled graph keeps
-# the call. A monolithic kernel that routes inside itself (some GPU paths) shows nothing: refused.
+# one opaque op that copies it into buffers (:class:`dumper.hooks.router_tap.RouterProbe`, as the
+# hidden-state tap does); the compiled graph keeps the call. A monolithic kernel that routes inside itself (some GPU paths) shows nothing: refused.
 
 _ROUTER_ATTR = "_driftscope_router"
 """A tapped model's :class:`RouterTap`, and each probe's child name under its MoE runner."""
-_MISMATCH = -1
-
-
-@torch.library.custom_op("driftscope::router_tap", mutates_args=("logits_sink", "ids_sink", "weights_sink", "count"))
-def _router_tap_op(logits: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, logits_sink: torch.Tensor,
-                   ids_sink: torch.Tensor, weights_sink: torch.Tensor, count: torch.Tensor) -> None:
-    """Copy one MoE layer's routing of a pass into its sinks and the row count into ``count`` (-1: it does not fit)."""
-    rows, k = int(logits.shape[0]) if logits.dim() == 2 else -1, int(ids_sink.shape[-1])
-    if (rows < 0 or logits.shape[-1] != logits_sink.shape[-1] or logits.dtype != logits_sink.dtype
-            or tuple(ids.shape) != (rows, k) or tuple(weights.shape) != (rows, k)):
-        count.fill_(_MISMATCH)
-        return
-    n = min(rows, int(logits_sink.shape[0]))
-    logits_sink[:n].copy_(logits[:n])
-    ids_sink[:n].copy_(ids[:n])  # int32 -> int64, exact
-    weights_sink[:n].copy_(weights[:n])  # float32 already on CPU; a half weight widens exactly
-    count.fill_(rows)
-
-
-@_router_tap_op.register_fake
-def _router_tap_fake(logits: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, logits_sink: torch.Tensor,
-                     ids_sink: torch.Tensor, weights_sink: torch.Tensor, count: torch.Tensor) -> None:
-    return None
-
-
-class RouterProbe(nn.Module):
-    """Called as ``probe(logits, ids, weights)`` with what one MoE layer's router returned, every pass.
-
-    With a ``capacity`` (the engine's token budget) it copies them into its buffers through the
-    ``driftscope::router_tap`` op, which compiled code keeps; without one it only is called, for
-    module hooks of an eager model. It reads its arguments and returns nothing.
-    """
-
-    def __init__(self, experts: int, top_k: int, *, capacity: int = 0, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu") -> None:
-        super().__init__()
-        self.experts, self.top_k, self.capacity = experts, top_k, capacity
-        if capacity:
-            self.register_buffer("logits_sink", torch.zeros(capacity, experts, dtype=dtype, device=device), False)
-            self.register_buffer("ids_sink", torch.zeros(capacity, top_k, dtype=torch.int64, device=device), False)
-            self.register_buffer("weights_sink", torch.zeros(capacity, top_k, dtype=torch.float32, device=device),
-                                 False)
-            self.register_buffer("count", torch.zeros(1, dtype=torch.int64, device=device), False)
-
-    def forward(self, logits: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> None:
-        if self.capacity:
-            torch.ops.driftscope.router_tap(logits, ids, weights, self.logits_sink, self.ids_sink,
-                                            self.weights_sink, self.count)
-
-
 def _moe_runner(layer: nn.Module) -> tuple[str, nn.Module] | None:
     """(name in ``layer``, module) of the layer's first fused-MoE runner: a module whose ``router`` selects experts."""
     for name, m in layer.named_modules():
@@ -311,56 +262,12 @@ def _probe(layer: nn.Module, runner: nn.Module, capacity: int) -> RouterProbe:
     return probe
 
 
-class RouterTap:
-    """The router probes of one tapped model: ``(prefix, layer, probe)`` per MoE layer, read after each pass."""
-
-    def __init__(self, probes: Sequence[tuple[str, int, RouterProbe]], capacity: int) -> None:
-        self.probes, self.capacity = tuple(probes), capacity
-
-    @property
-    def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for _, _, p in self.probes for b in p.buffers())
-
-    def clear(self) -> None:
-        """Before a pass: a layer that does not run in it records nothing."""
-        for _, _, p in self.probes:
-            p.count.zero_()
-
-    def parts(self, tokens: int | None = None) -> list[tuple[str, int, dict[str, torch.Tensor]]]:
-        """(prefix, layer, {logits, ids, weights} as views of the sinks) of every MoE layer the last pass ran.
-
-        ``tokens``: the pass's token count; a probe that saw another count (none: a compiled graph
-        that does not write the probe's buffers) is refused instead of leaving a silent hole.
-        """
-        counts = torch.cat([p.count for _, _, p in self.probes]).tolist()  # one device sync per pass
-        out = []
-        for (prefix, layer, p), n in zip(self.probes, counts):
-            if n == _MISMATCH:
-                raise UsageError(f"{prefix}: its router output is not [tokens, {p.experts}] "
-                                 f"{str(p.logits_sink.dtype)[6:]} logits with [tokens, {p.top_k}] choices, "
-                                 "what the router tap stores")
-            if n > self.capacity:
-                raise UsageError(f"{prefix}: a pass of {n} tokens is more than the router tap's capacity "
-                                 f"of {self.capacity}")
-            if tokens is not None and n != tokens:
-                raise DumpError(f"{prefix}: the router tap saw {n} of the pass's {tokens} tokens (vLLM routed "
-                                "them where the tap does not see it)")
-            if n:
-                out.append((prefix, layer, {ROUTER_LOGITS: p.logits_sink[:n], ROUTER_IDS: p.ids_sink[:n],
-                                            ROUTER_WEIGHTS: p.weights_sink[:n]}))
-        return out
-
-    def record(self, capture: Any) -> None:
-        """Record the last pass's routing into ``capture`` (a :class:`~dumper.hooks.capture.Capture` in that pass)."""
-        for prefix, layer, parts in self.parts():
-            capture.record_router(prefix, layer, parts)
-
-
 def install_router_tap(model: nn.Module, *, layers: str | Sequence[int] | None, capacity: int) -> RouterTap:
     """Probe every selected MoE layer of ``model`` before vLLM compiles it; ``capacity``: tokens per pass."""
     if router_tap_of(model) is not None:
         raise UsageError("the router point of this vLLM model is already tapped")
-    probes = [(prefix, i, _probe(layer, runner, capacity)) for prefix, i, layer, runner in moe_layers(model, layers)]
+    probes = [RouterEntry(prefix, i, _probe(layer, runner, capacity))
+              for prefix, i, layer, runner in moe_layers(model, layers)]
     tap = RouterTap(probes, capacity)
     setattr(model, _ROUTER_ATTR, tap)
     return tap

@@ -109,19 +109,17 @@ class Capture:
         self._records: list[TensorRecord] = []
         self._adopted: tuple[dict[str, int], list[TensorRecord]] = ({}, [])
         self._writer: ShardWriter | None = None
-        self._pass_count = first_pass
-        self._cur_pass: int | None = None
-        self._calls: dict[str, int] = {}
+        self._pass_count, self._cur_pass, self._calls = first_pass, None, {}  # type: ignore[var-annotated]
         self._rows: PassRows | None = None
         self._prev_active: Recorder | None = None
         self._depth, self._made_dir = 0, False
 
     def _tap_points(self) -> list[tuple[HookTarget, TapPoint]]:
-        """Each target and the tap point that records it; refused: a compiled model without a tap, its routers."""
+        """Each hidden-state target and the tap point that records it; a compiled model without a tap is refused."""
         reason = "torch.compile" if self._outer is not None else self._family.compiled_reason()
-        check_router_hookable(self._targets, hooked=self._hooked, compiled=reason, tapped=self._tap is not None)
         if self._tap is not None:
-            return match_targets(self._tap, [t for t in self._targets if t.point != ROUTER])
+            return match_targets(self._tap, self._targets)
+        check_router_hookable(self._targets, hooked=self._hooked, compiled=reason)
         if reason is not None:
             raise UsageError(f"the model runs compiled ({reason}), where module hooks do not run; install "
                              f"driftscope's tap before it compiles ({self._family.tap_hint()})")
@@ -280,7 +278,7 @@ class Capture:
             self._start_pass()
             self._rows = self._pass_rows(args, kwargs)
             if self._tap is not None:
-                self._tap.count.zero_()  # a point that does not run in this pass records nothing
+                self._tap.clear()  # a point that does not run in this pass records nothing
 
     @_hook_guard
     def _on_model_end(self, module: nn.Module, args: tuple, output: Any) -> None:
@@ -304,6 +302,8 @@ class Capture:
             if ctx is not None and math.prod(ctx.shape) == rows.shape[0]:
                 rows = rows.view(*ctx.shape, rows.shape[-1])
             self.record(f"{target.name}.{target.point}", rows, layer=target.layer, point=target.point)
+        for prefix, layer, parts, meta in self._tap.router_parts(self._targets, ctx and math.prod(ctx.shape)):
+            self.record_router(prefix, layer, parts, scores_meta=meta)
 
     def _pass_rows(self, args: tuple, kwargs: dict) -> PassRows | None:
         """Row metadata of a pass from the top-level call's inputs, as the model's family reads them."""

@@ -30,7 +30,7 @@ from dumper.format.manifest import (ROUTER_CHOICE_POINT, ROUTER_IDS, ROUTER_LOGI
                                     ROUTER_WEIGHTS, router_name)
 
 __all__ = ["Reader", "ROUTERS", "GROUPS", "TOPK_GROUP", "known_families", "find_routers", "has_router",
-           "router_meta", "router_records", "check_router_hookable"]
+           "router_meta", "router_shape", "router_records", "check_router_hookable"]
 
 GROUPS = "n_group"
 """Meta of a :data:`ROUTER_SCORES` record: the expert groups of a grouped top-k (DeepSeek-V3)."""
@@ -106,6 +106,16 @@ def router_meta(module: nn.Module) -> dict[str, int]:
     return {}
 
 
+def router_shape(module: nn.Module) -> tuple[int, int, torch.dtype]:
+    """(experts, top-k, logits dtype) of a known router: what the tap's buffers for it hold.
+
+    The logits are in the router weight's dtype, except DeepSeek-V3's, computed in float32.
+    """
+    weight = module.weight
+    dtype = torch.float32 if type(module).__name__ == "DeepseekV3TopkRouter" else weight.dtype
+    return int(weight.shape[0]), int(module.top_k), dtype
+
+
 def router_records(prefix: str, parts: dict[str, torch.Tensor], row_shape: tuple[int, ...] | None,
                    scores_meta: dict[str, int] | None = None) -> list[tuple[str, str, torch.Tensor, dict[str, int]]]:
     """(record name, point, tensor, meta) of each routing part of the MoE layer named ``prefix``, as stored.
@@ -130,14 +140,15 @@ def router_records(prefix: str, parts: dict[str, torch.Tensor], row_shape: tuple
     return out
 
 
-def check_router_hookable(targets: Sequence[Any], *, hooked: bool, compiled: str | None, tapped: bool) -> None:
-    """Refuse hooking routers (``targets`` of point ``router``) in a model that runs compiled or tapped.
+def check_router_hookable(targets: Sequence[Any], *, hooked: bool, compiled: str | None) -> None:
+    """Refuse hooking routers (``targets`` of point ``router``) in a model that runs compiled without a tap.
 
-    Module hooks do not run in compiled code, and driftscope's tap carries hidden-state rows only;
-    an engine that reads its routing itself (``hooked=False``) calls ``Capture.record_router``.
+    Module hooks do not run in compiled code; the tap, installed before compilation with the
+    ``router`` point, records them there (:mod:`dumper.hooks.router_tap`). An engine that reads its
+    routing itself (``hooked=False``) calls ``Capture.record_router``.
     """
-    if not hooked or not (compiled or tapped) or not any(t.point == ROUTER_POINT for t in targets):
+    if not hooked or not compiled or not any(t.point == ROUTER_POINT for t in targets):
         return
-    how = f"runs compiled ({compiled})" if compiled else "records through driftscope's tap"
-    raise UsageError(f"capture point {ROUTER_POINT!r}: the model {how}, and the tap carries hidden states only, "
-                     "not routing; capture the router point from the eager model (without --compile or dumper.tap)")
+    raise UsageError(f"capture point {ROUTER_POINT!r}: the model runs compiled ({compiled}), where module hooks do "
+                     f"not run; tap it with the router point before it compiles (dumper.tap(model, points="
+                     f"\"input,{ROUTER_POINT}\"), or python -m dumper run --compile)")

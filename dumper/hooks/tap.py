@@ -36,7 +36,9 @@ from torch import nn
 
 from dumper.errors import InternalError, UsageError
 from dumper.hooks.families import resolve_model
-from dumper.hooks.layers import RESIDUAL, HookTarget, hook_targets
+from dumper.hooks.layers import RESIDUAL, ROUTER, HookTarget, hook_targets
+from dumper.hooks.router_tap import RouterEntry, RouterProbe, RouterTap, hook_router
+from dumper.hooks.routing import router_meta, router_shape
 
 __all__ = ["tap", "Tap", "TapPoint", "install_tap", "tap_of", "remove_tap", "is_compiled", "unwrap_compiled",
            "available_bytes", "match_targets", "check_counts"]
@@ -93,11 +95,25 @@ class Tap:
         self.sink = torch.zeros(len(self.points), capacity, hidden, dtype=dtype, device=device)
         self.count = torch.zeros(len(self.points), dtype=torch.int64, device=device)
         self.handles: list[Any] = []
+        self.routers: RouterTap | None = None
+        """The MoE routers' probes, with the ``router`` point (:mod:`dumper.hooks.router_tap`)."""
 
     @property
     def nbytes(self) -> int:
-        """Bytes the sink holds."""
-        return self.sink.numel() * self.sink.element_size()
+        """Bytes the sinks hold."""
+        return self.sink.numel() * self.sink.element_size() + (self.routers.nbytes if self.routers else 0)
+
+    def clear(self) -> None:
+        """Before a pass: a point or router that does not run in it records nothing."""
+        self.count.zero_()
+        if self.routers is not None:
+            self.routers.clear()
+
+    def router_parts(self, targets: Sequence[HookTarget], tokens: int | None
+                     ) -> list[tuple[str, int, dict[str, torch.Tensor], dict[str, int]]]:
+        """The last pass's routing of the ``router`` targets among ``targets`` (:meth:`RouterTap.parts`)."""
+        wanted = {t.name for t in targets if t.point == ROUTER}
+        return self.routers.parts(tokens, only=wanted) if wanted and self.routers is not None else []
 
     def names(self) -> list[str]:
         """The record names (``{module}.{point}``) of every tapped point, in slot order."""
@@ -187,8 +203,12 @@ def install_tap(model: nn.Module, *, layers: str | Sequence[int] | None = None, 
     if param is None:
         raise UsageError(f"{type(module).__name__}: has no parameters to take the tap's dtype and device from")
     hidden = _hidden_size(module)
+    routers = [t for t in targets if t.point == ROUTER]
+    targets = [t for t in targets if t.point != ROUTER]
     tap_points = [TapPoint(t.name, t.layer, t.point, i) for i, t in enumerate(targets)]
-    need = len(tap_points) * max_tokens * hidden * param.element_size()
+    shapes = [router_shape(t.module) for t in routers]
+    need = len(tap_points) * max_tokens * hidden * param.element_size() + sum(
+        max_tokens * (e * torch.finfo(dt).bits // 8 + 12 * k) for e, k, dt in shapes)
     free = available_bytes(param.device)
     if free is not None and need > free:
         raise UsageError(f"the tap needs {need / 2**20:.0f} MiB ({len(tap_points)} points × {max_tokens} tokens × "
@@ -197,6 +217,12 @@ def install_tap(model: nn.Module, *, layers: str | Sequence[int] | None = None, 
     tap = Tap(tap_points, max_tokens, hidden, num_layers, param.dtype, param.device)
     for target, point in zip(targets, tap_points):
         tap.handles.append(_hook(target, point.slot, tap, adapter))
+    if routers:
+        tap.routers = RouterTap([RouterEntry(t.name, t.layer, RouterProbe(e, k, capacity=max_tokens, dtype=dt,
+                                                                          device=param.device),  # type: ignore[arg-type]
+                                             t.read, router_meta(t.module)) for t, (e, k, dt) in zip(routers, shapes)],
+                                max_tokens)
+        tap.routers.handles += [hook_router(t.module, e.probe) for t, e in zip(routers, tap.routers.probes)]
     setattr(module, _ATTR, tap)
     return tap
 
@@ -235,6 +261,8 @@ def remove_tap(model: nn.Module) -> None:
         return
     for handle in tap.handles:
         handle.remove()
+    if tap.routers is not None:
+        tap.routers.remove(module)
     for m in module.modules():
         for name in ("_driftscope_sink", "_driftscope_count"):
             m._buffers.pop(name, None)
@@ -242,14 +270,17 @@ def remove_tap(model: nn.Module) -> None:
 
 
 def match_targets(tap: Tap, targets: Sequence[HookTarget]) -> list[tuple[HookTarget, TapPoint]]:
-    """Each capture target and the tap point that records it; a target the tap does not hold is refused."""
+    """Each hidden-state target and the tap point that records it; a target the tap does not hold (a router
+    it has no probe for included) is refused."""
     by_name = {(p.name, p.point): p for p in tap.points}
+    by_name.update({(name, ROUTER): None for name in (tap.routers.names() if tap.routers else ())})  # type: ignore
     missing = [f"{t.name}.{t.point}" for t in targets if (t.name, t.point) not in by_name]
     if missing:
-        held = ", ".join(p.record for p in tap.points[:3]) + (" ..." if len(tap.points) > 3 else "")
+        held = ", ".join(p.record for p in tap.points[:3]) + (" ..." if len(tap.points) > 3 else "") + (
+            f" and the routers of {len(tap.routers.probes)} MoE layers" if tap.routers else "")
         raise UsageError(f"{missing[0]}{' ...' if len(missing) > 1 else ''}: not tapped (the model's tap holds "
                          f"{held}); capture a subset of those, or tap the others before the model compiles")
-    return [(t, by_name[(t.name, t.point)]) for t in targets]
+    return [(t, by_name[(t.name, t.point)]) for t in targets if t.point != ROUTER]  # type: ignore[misc]
 
 
 def check_counts(tap: Tap) -> list[int]:

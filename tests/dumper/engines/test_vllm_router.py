@@ -248,12 +248,12 @@ def test_the_probe_records_what_select_experts_returned_and_changes_nothing():
     before = model.layers[1].experts(x, logits)
     expected = model.layers[1].experts.router.select_experts(hidden_states=x, router_logits=logits)
     tap = install_router_tap(model, layers="all", capacity=8)
-    assert [(p, i) for p, i, _ in tap.probes] == [("layers.1", 1)]
+    assert [(e.prefix, e.layer) for e in tap.probes] == [("layers.1", 1)]
     compiled = torch.compile(model.layers[1].experts, fullgraph=True, backend="aot_eager")  # the op stays in the graph
     for run in (model.layers[1].experts, compiled):
         tap.clear()
         assert torch.equal(run(x, logits), before)
-        [(prefix, layer, parts)] = tap.parts(tokens=5)
+        [(prefix, layer, parts, meta)] = tap.parts(tokens=5)
         assert torch.equal(parts[ROUTER_LOGITS], logits) and parts[ROUTER_IDS].dtype == torch.int64
         assert torch.equal(parts[ROUTER_IDS], expected[1].long()) and torch.equal(parts[ROUTER_WEIGHTS], expected[0])
     tap.clear()

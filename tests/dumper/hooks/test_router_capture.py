@@ -210,14 +210,46 @@ def test_router_on_a_model_or_layers_without_moe_is_refused(tmp_path):
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
-def test_router_on_a_compiled_or_tapped_model_is_refused(tmp_path):
+def test_router_on_a_compiled_untapped_model_or_past_the_tap_is_refused(tmp_path):
     model = build_moe("mixtral")
-    with pytest.raises(UsageError, match=r"^capture point 'router': the model runs compiled \(torch.compile\), "
-                                         "and the tap carries hidden states only"):
+    with pytest.raises(UsageError, match=r"^capture point 'router': the model runs compiled \(torch.compile\), where "
+                                         r"module hooks do not run; tap it with the router point before it compiles"):
         dumper.capture(torch.compile(model), tmp_path / "a", layers="all", points="input,router")
-    dumper.tap(model, layers="all", max_tokens=64)
-    with pytest.raises(UsageError, match=r"^capture point 'router': the model records through driftscope's tap"):
+    dumper.tap(model, layers="all", max_tokens=64)  # the input point only
+    with pytest.raises(UsageError, match=r"^model\.layers\.0\.router .*: not tapped"):
         dumper.capture(model, tmp_path / "b", layers="all", points="input,router")
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+@pytest.mark.parametrize(("family", "backend"), [("mixtral", "inductor"), ("deepseek_v3", "aot_eager"),
+                                                 ("gpt_oss", "aot_eager")])
+def test_the_tap_records_the_router_of_a_compiled_model(family, backend, tmp_path):
+    """``dumper.tap(points="input,router")`` before torch.compile: the compiled model records the routing an eager
+    capture records (same records, the same experts), and its logits are bit for bit those of the same compiled
+    model without the tap."""
+    from comparator import compare_dumps
+
+    ids = _ids(11)
+    plain = torch.compile(build_moe(family), backend=backend)
+    with torch.inference_mode():
+        reference = plain(input_ids=ids).logits
+    torch.compiler.reset()
+    model = build_moe(family)
+    with torch.inference_mode(), dumper.capture(model, tmp_path / "eager", layers="all", points="input,router"):
+        model(input_ids=ids)
+    dumper.tap(model, layers="all", points="input,router", max_tokens=32)
+    compiled = torch.compile(model, backend=backend)
+    for out in ("compiled", "again"):  # the second pass replays the compiled graph
+        with torch.inference_mode(), dumper.capture(compiled, tmp_path / out, layers="all", points="input,router"):
+            logits = compiled(input_ids=ids).logits
+        assert torch.equal(logits, reference)
+    torch.compiler.reset()
+    eager, tapped = (load_manifest(tmp_path / d) for d in ("eager", "again"))
+    assert sorted((r.name, r.shape, r.dtype, r.point, str(r.positions), str(r.meta)) for r in eager.tensors) == \
+        sorted((r.name, r.shape, r.dtype, r.point, str(r.positions), str(r.meta)) for r in tapped.tensors)
+    report = compare_dumps(tmp_path / "eager", tmp_path / "again")
+    assert report.passed and report.router is not None and report.router.flips == 0
+    assert [la.layer for la in report.router.layers] == _moe_layers(model)
 
 
 def test_record_router_refuses_an_unknown_part(tmp_path):
@@ -248,3 +280,21 @@ def test_cli_run_on_the_tiny_mixtral_preset_writes_router_records(tmp_path):
         assert torch.equal(chosen, _tensor(reader, logits).topk(2, dim=-1).indices)
         w = _tensor(reader, weights)
         torch.testing.assert_close(w.sum(-1), torch.ones(w.shape[:-1]))  # Mixtral renormalises its top-2
+
+
+def test_cli_compiled_run_records_the_router_and_matches_eager(tmp_path):
+    args = ("run", "--model", "tiny-mixtral", "--points", "input,router", "--layers", "all", "--prompt", TEXT,
+            "--logprobs")
+    eager = run_cli("dumper", *args, "--out", tmp_path / "eager")
+    compiled = run_cli("dumper", *args, "--compile", "--observer-check", "--out", tmp_path / "compiled")
+    assert eager.returncode == 0 and compiled.returncode == 0, eager.stderr + compiled.stderr
+    assert "observer check: bit-exact" in compiled.stdout + compiled.stderr
+    m = load_manifest(tmp_path / "compiled")
+    assert m.capture_signature["points"] == ["input", ROUTER_POINT] and m.extra.get("compiled") is True
+    assert {r.layer for r in m.tensors if r.point == ROUTER_POINT} == {0, 1, 2, 3}
+    verdict = run_cli("comparator", tmp_path / "eager", tmp_path / "compiled", "--json", tmp_path / "r.json")
+    assert verdict.returncode == 0, verdict.stdout + verdict.stderr
+    import json
+
+    router = json.loads((tmp_path / "r.json").read_text())["router"]
+    assert router["passed"] and [la["layer"] for la in router["layers"]] == [0, 1, 2, 3]
