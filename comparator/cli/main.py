@@ -77,6 +77,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         parts.append(f"{len(noise.tensors)} tensors ({positions} per-token values each)")
     if noise.logprobs is not None:
         parts.append(f"logprobs ({noise.logprobs.positions} positions per variant)")
+    if noise.router:
+        parts.append(f"the routing of {len(noise.router)} MoE layers")
     console.print(f"wrote {args.out}: noise of {' and '.join(parts)} from {len(noise.variants)} variants",
                   markup=False, highlight=False)
     return EXIT_OK

@@ -323,3 +323,14 @@ def test_margins_of_a_grouped_topk_take_the_group_choice_into_account():
     chosen = np.array([[0, 1]])
     assert _margins(scores, chosen, None)[0] < 0  # as a plain top-k, expert 2 would have been chosen
     assert math.isclose(_margins(scores, chosen, (2, 1))[0], 1.0 - 0.95)  # the group margin is what decides
+
+
+def test_cli_calibrate_records_routing_noise_and_the_verdict_uses_it(mixtral_dumps, tmp_path):
+    d, noise = mixtral_dumps, tmp_path / "NOISE.json"
+    cal = run_cli("comparator", "calibrate", d["eager"], d["bf16"], "--out", noise, "--quiet")
+    assert cal.returncode == 0, cal.stderr
+    assert "the routing of 3 MoE layers" in cal.stdout
+    assert [e["layer"] for e in json.loads(noise.read_text())["router"]] == [0, 1, 2]
+    judged = run_cli("comparator", d["eager"], d["bf16_sdpa"], "--noise", noise, "--json", tmp_path / "r.json")
+    assert judged.returncode == 0, judged.stdout + judged.stderr
+    assert json.loads((tmp_path / "r.json").read_text())["router"]["basis"] == "calibrated"
