@@ -25,7 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -94,17 +94,18 @@ def seeded(seed: dict) -> Iterator[dict]:
         del os.environ[SEED_ENV]
 
 
-def shared_checkpoint() -> Path:
-    """The tiny checkpoint at one fixed path per version of its builder, written once (atomically).
+def shared_checkpoint(kind: str = "ckpt", build: Callable[[Path], Path] = build_checkpoint) -> Path:
+    """The tiny checkpoint ``build`` writes, at one fixed path per ``kind`` and version of the builders, written
+    once (atomically).
 
     vLLM keys its compile cache by the engine config, the model's path included: a fixed path
     lets every vLLM test module, and every later run, reuse the graphs compiled for it.
     """
     digest = hashlib.sha256((ROOT / "tests" / "engine_models.py").read_bytes()).hexdigest()[:12]
-    path = Path(tempfile.gettempdir()) / f"driftscope-test-ckpt-{os.getuid()}-{digest}"
+    path = Path(tempfile.gettempdir()) / f"driftscope-test-{kind}-{os.getuid()}-{digest}"
     if not path.is_dir():
         tmp = Path(tempfile.mkdtemp(prefix=f"{path.name}.", dir=path.parent))
-        build_checkpoint(tmp)
+        build(tmp)
         try:
             tmp.rename(path)
         except OSError:  # another session wrote it first

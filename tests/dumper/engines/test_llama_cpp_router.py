@@ -10,7 +10,6 @@ and against HF fp32's own router (``mlp.gate``) on the same checkpoint.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -30,20 +29,14 @@ from dumper.format import (
 )
 from dumper.jobs.run import RunConfig
 from tests.conftest import run_cli
-from tests.engine_models import MOE_CONFIG, build_checkpoint, build_moe_checkpoint, engine_missing, to_gguf
+from tests.dumper.engines.test_engine_llama_cpp import need
+from tests.engine_models import MOE_CONFIG, build_checkpoint, build_moe_checkpoint, to_gguf
 
 LAYERS = [0, 1, 2, 3]
 E, K = MOE_CONFIG["num_local_experts"], MOE_CONFIG["num_experts_per_tok"]
 PARTS = {ROUTER_LOGITS: (ROUTER_POINT, "F32", E), ROUTER_IDS: (ROUTER_CHOICE_POINT, "I64", K),
          ROUTER_WEIGHTS: (ROUTER_CHOICE_POINT, "F32", K)}
 """Routing part -> (capture point, stored dtype, last dim) the contract gives it."""
-
-
-def need(name: str) -> None:
-    """Skip when the engine is absent on a developer machine; fail in CI, where it must be installed."""
-    why = engine_missing(name)
-    if why:
-        pytest.fail(why) if os.environ.get("CI") == "true" else pytest.skip(why)
 
 
 @pytest.fixture(scope="module")

@@ -12,13 +12,9 @@ hooks here, are the reference. The probe itself is also checked on a hand-built 
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -32,7 +28,7 @@ from dumper.format import ROUTER_CHOICE_POINT, ROUTER_IDS, ROUTER_LOGITS, ROUTER
 from dumper.format.reader import DumpReader
 from dumper.jobs.run import LogprobSpec, RunConfig
 from tests.conftest import ROOT
-from tests.dumper.engines.test_engine_vllm import need, worker_env
+from tests.dumper.engines.test_engine_vllm import need, shared_checkpoint, worker_env
 from tests.engine_models import MOE_CONFIG, build_moe_checkpoint
 
 N_LAYERS, N_EXPERTS, TOP_K = MOE_CONFIG["num_hidden_layers"], MOE_CONFIG["num_local_experts"], 2
@@ -44,17 +40,8 @@ POINTS = f"input,{ROUTER_POINT}"
 
 
 def shared_moe_checkpoint() -> Path:
-    """The tiny Mixtral at one fixed path per version of its builder, written once (atomically)."""
-    digest = hashlib.sha256((ROOT / "tests" / "engine_models.py").read_bytes()).hexdigest()[:12]
-    path = Path(tempfile.gettempdir()) / f"driftscope-test-moe-{os.getuid()}-{digest}"
-    if not path.is_dir():
-        tmp = Path(tempfile.mkdtemp(prefix=f"{path.name}.", dir=path.parent))
-        build_moe_checkpoint(tmp)
-        try:
-            tmp.rename(path)
-        except OSError:  # another session wrote it first
-            shutil.rmtree(tmp, ignore_errors=True)
-    return path
+    """The tiny Mixtral at one fixed path (Inductor's cache is reused between runs)."""
+    return shared_checkpoint("moe", build_moe_checkpoint)
 
 
 def _cfg(ckpt: Path, out: Path, engine_args: tuple) -> RunConfig:
