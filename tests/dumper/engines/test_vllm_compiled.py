@@ -32,8 +32,8 @@ from dumper.format import load_manifest
 from dumper.format.manifest import LOGPROB_TOP_ID, LOGPROB_TOP_VALUE, LOGPROB_VALUE
 from dumper.format.reader import DumpReader
 from tests.conftest import ROOT, run_cli
-from tests.dumper.engines.test_engine_vllm import (JOB, LOGPROBS, N_LAYERS, PROMPTS, _cfg, finish, in_process, need,
-                                                   shared_checkpoint)
+from tests.dumper.engines.test_engine_vllm import (JOB, LOGPROBS, N_LAYERS, PROMPTS, _cfg, finish, finish_worker,
+                                                   in_process, need, shared_checkpoint)
 
 SUBSET = (1, 3)
 CLI_JOBS = {  # name -> `python -m dumper run --engine vllm` args after JOB (`--layers` given twice: the last wins)
@@ -152,7 +152,7 @@ def _worker(ckpt: str, prompts: str, out: str) -> None:
     done = finish(plain, plain_start)
     assert done["rc"] == 0, done["stderr"]
     results.update(json.loads((base / "plain.json").read_text()))
-    (base / "results.json").write_text(json.dumps(results))
+    finish_worker(base, results)
 
 
 @pytest.fixture(scope="module")

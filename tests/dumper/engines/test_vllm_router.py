@@ -28,7 +28,7 @@ from dumper.format import ROUTER_CHOICE_POINT, ROUTER_IDS, ROUTER_LOGITS, ROUTER
 from dumper.format.reader import DumpReader
 from dumper.jobs.run import LogprobSpec, RunConfig
 from tests.conftest import ROOT
-from tests.dumper.engines.test_engine_vllm import need, shared_checkpoint, worker_env
+from tests.dumper.engines.test_engine_vllm import finish_worker, need, shared_checkpoint, worker_env
 from tests.engine_models import MOE_CONFIG, build_moe_checkpoint
 
 N_LAYERS, N_EXPERTS, TOP_K = MOE_CONFIG["num_hidden_layers"], MOE_CONFIG["num_local_experts"], 2
@@ -70,7 +70,7 @@ def _worker(ckpt: str, out: str) -> None:
         if name == "compiled":  # the same engine without the tap: its logprobs against the dump's, bit for bit
             observe_llm(cfg, Path(ckpt), PROMPTS, vocab=int(hf_identity(Path(ckpt), cfg.model)["vocab_size"]))
             release_llm()
-    (base / "results.json").write_text(json.dumps(results))
+    finish_worker(base, results)
 
 
 def _hf_routing(ckpt: Path) -> dict[int, dict[str, np.ndarray]]:

@@ -28,7 +28,7 @@ from dumper.format import load_manifest
 from dumper.format.reader import DumpReader
 from tests.conftest import ROOT, run_cli
 from tests.dumper.engines.test_engine_vllm import (BUG_PROMPT, BUG_TOKEN, JOB, LOGPROBS, N_LAYERS, PROMPTS, _cfg,
-                                                   need, seeded, shared_checkpoint, worker_env)
+                                                   finish_worker, need, seeded, shared_checkpoint, worker_env)
 
 TP2 = ("--engine-arg", "tensor_parallel_size=2")
 SEED_LAYER = 1
@@ -91,7 +91,7 @@ def _worker(ckpt: str, prompts: str, out: str) -> None:
                                 "--prompts", prompts, *JOB, *extra, "--out", str(base / name)],
                                capture_output=True, text=True, timeout=600)
         results[name] = {"rc": r.returncode, "seconds": time.perf_counter() - start, "stderr": r.stderr[-6000:]}
-    (base / "results.json").write_text(json.dumps(results))
+    finish_worker(base, results)
 
 
 @pytest.fixture(scope="module")

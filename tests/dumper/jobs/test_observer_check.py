@@ -30,7 +30,7 @@ from dumper.hooks.capture import Capture
 from dumper.jobs.observer import NON_FINITE_DIFF, ObserverCheck, ObserverResult, mark_observer
 from dumper.jobs.run import LogprobSpec, RunConfig, dump_sequences
 from tests.conftest import ROOT, run_cli, tiny_llama
-from tests.dumper.engines.test_engine_vllm import worker_env
+from tests.dumper.engines.test_engine_vllm import finish_worker, worker_env
 from tests.engine_models import build_checkpoint, engine_missing
 
 PROMPTS = ([1, 17, 33, 90, 5, 61, 7, 140, 9, 12], [1] + [(13 * i) % 300 + 3 for i in range(23)])
@@ -222,7 +222,7 @@ def _worker(ckpt: str, out: str) -> None:
                        "--out", str(base / name)])
         results[name] = {"rc": rc, "seconds": time.perf_counter() - start, "stdout": stdout.getvalue()[-2000:],
                          "stderr": stderr.getvalue()[-3000:]}
-    (base / "results.json").write_text(json.dumps(results))
+    finish_worker(base, results)
 
 
 @pytest.fixture(scope="module")
