@@ -27,7 +27,6 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import NoReturn
 
 import numpy as np
 import pytest
@@ -74,18 +73,20 @@ SEED_DIR = ROOT / "tests" / "vllm_seed"
 SEED_ENV, SEED_KEY = "DRIFTSCOPE_TEST_SEED", "test_seeded_bug"
 
 
-def finish_worker(base: Path, results: dict) -> NoReturn:
-    """End a vLLM worker subprocess: write ``base/results.json``, then leave without interpreter teardown.
-
-    Seen in the full suite: after every job had finished and its results were written, the
-    teardown of vLLM's and torch's native threads sometimes aborted the process ("terminate called
-    without an active exception", exit -6). What the tests judge is in the results, so the worker
-    exits 0 once they are on disk.
-    """
+def finish_worker(base: Path, results: dict) -> None:
+    """End a vLLM worker's work: write ``base/results.json`` (what :func:`assert_worker_done` checks)."""
     (base / "results.json").write_text(json.dumps(results))
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+
+
+TEARDOWN_ABORT = "terminate called without an active exception"
+"""What vLLM's and torch's native threads sometimes print as they abort a worker's interpreter teardown."""
+
+
+def assert_worker_done(returncode: int, log: str, base: Path) -> None:
+    """A vLLM worker finished its work: exit 0, or (seen in the full suite, with every job done and its results
+    written) the abort of its interpreter teardown, SIGABRT after :data:`TEARDOWN_ABORT`; anything else fails."""
+    aborted_after = returncode == -6 and (base / "results.json").is_file() and log.rstrip().endswith(TEARDOWN_ABORT)
+    assert returncode == 0 or aborted_after, log[-4000:]
 
 
 def worker_env(**extra: str) -> dict[str, str]:
@@ -222,7 +223,7 @@ def runs(tmp_path_factory):
                         *JOB[:2], *CLI_JOBS["logits"], "--quiet")
     log, _ = worker.communicate(timeout=900)
     assert hf.returncode == 0 and hf_logits.returncode == 0, hf.stderr + hf_logits.stderr
-    assert worker.returncode == 0, log[-4000:]
+    assert_worker_done(worker.returncode, log, root)
     return root / "hf", root, json.loads((root / "results.json").read_text())
 
 

@@ -32,8 +32,8 @@ from dumper.format import load_manifest
 from dumper.format.manifest import LOGPROB_TOP_ID, LOGPROB_TOP_VALUE, LOGPROB_VALUE
 from dumper.format.reader import DumpReader
 from tests.conftest import ROOT, run_cli
-from tests.dumper.engines.test_engine_vllm import (JOB, LOGPROBS, N_LAYERS, PROMPTS, _cfg, finish, finish_worker,
-                                                   in_process, need, shared_checkpoint)
+from tests.dumper.engines.test_engine_vllm import (JOB, LOGPROBS, N_LAYERS, PROMPTS, _cfg, assert_worker_done, finish,
+                                                   finish_worker, in_process, need, shared_checkpoint)
 
 SUBSET = (1, 3)
 CLI_JOBS = {  # name -> `python -m dumper run --engine vllm` args after JOB (`--layers` given twice: the last wins)
@@ -171,7 +171,7 @@ def runs(tmp_path_factory):
                  "--quiet")
     log, _ = worker.communicate(timeout=1500)
     assert hf.returncode == 0, hf.stderr
-    assert worker.returncode == 0, log[-4000:]
+    assert_worker_done(worker.returncode, log, root)
     return root, json.loads((root / "results.json").read_text())
 
 

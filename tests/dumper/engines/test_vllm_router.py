@@ -28,7 +28,7 @@ from dumper.format import ROUTER_CHOICE_POINT, ROUTER_IDS, ROUTER_LOGITS, ROUTER
 from dumper.format.reader import DumpReader
 from dumper.jobs.run import LogprobSpec, RunConfig
 from tests.conftest import ROOT
-from tests.dumper.engines.test_engine_vllm import finish_worker, need, shared_checkpoint, worker_env
+from tests.dumper.engines.test_engine_vllm import assert_worker_done, finish_worker, need, shared_checkpoint, worker_env
 from tests.engine_models import MOE_CONFIG, build_moe_checkpoint
 
 N_LAYERS, N_EXPERTS, TOP_K = MOE_CONFIG["num_hidden_layers"], MOE_CONFIG["num_local_experts"], 2
@@ -101,7 +101,7 @@ def runs(tmp_path_factory):
                               cwd=ROOT, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     hf = _hf_routing(ckpt)
     log, _ = worker.communicate(timeout=1500)
-    assert worker.returncode == 0, log[-4000:]
+    assert_worker_done(worker.returncode, log, root)
     return root, json.loads((root / "results.json").read_text()), hf
 
 

@@ -28,7 +28,8 @@ from dumper.format import load_manifest
 from dumper.format.reader import DumpReader
 from tests.conftest import ROOT, run_cli
 from tests.dumper.engines.test_engine_vllm import (BUG_PROMPT, BUG_TOKEN, JOB, LOGPROBS, N_LAYERS, PROMPTS, _cfg,
-                                                   finish_worker, need, seeded, shared_checkpoint, worker_env)
+                                                   assert_worker_done, finish_worker, need, seeded, shared_checkpoint,
+                                                   worker_env)
 
 TP2 = ("--engine-arg", "tensor_parallel_size=2")
 SEED_LAYER = 1
@@ -110,7 +111,7 @@ def runs(tmp_path_factory):
                  "--quiet")
     log, _ = worker.communicate(timeout=1500)
     assert hf.returncode == 0, hf.stderr
-    assert worker.returncode == 0, log[-4000:]
+    assert_worker_done(worker.returncode, log, root)
     return root, json.loads((root / "results.json").read_text())
 
 

@@ -30,7 +30,7 @@ from dumper.hooks.capture import Capture
 from dumper.jobs.observer import NON_FINITE_DIFF, ObserverCheck, ObserverResult, mark_observer
 from dumper.jobs.run import LogprobSpec, RunConfig, dump_sequences
 from tests.conftest import ROOT, run_cli, tiny_llama
-from tests.dumper.engines.test_engine_vllm import finish_worker, worker_env
+from tests.dumper.engines.test_engine_vllm import assert_worker_done, finish_worker, worker_env
 from tests.engine_models import build_checkpoint, engine_missing
 
 PROMPTS = ([1, 17, 33, 90, 5, 61, 7, 140, 9, 12], [1] + [(13 * i) % 300 + 3 for i in range(23)])
@@ -234,7 +234,7 @@ def vllm_runs(tmp_path_factory):
     worker = subprocess.run([sys.executable, "-c", f"from tests.dumper.jobs.test_observer_check import _worker; "
                              f"_worker({str(ckpt)!r}, {str(root)!r})"], cwd=ROOT, env=worker_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, timeout=900)
-    assert worker.returncode == 0, worker.stdout[-4000:]
+    assert_worker_done(worker.returncode, worker.stdout, root)
     return root, json.loads((root / "results.json").read_text())
 
 
