@@ -33,7 +33,7 @@ from dumper.format import DumpReader
 from dumper.format.dtypes import DTYPES
 
 from comparator.judging.router_noise import SCORE_FLOOR, WEIGHT_FLOOR, RouterNoise, margin_rule, weight_rule
-from comparator.routing.read import LayerRecords, LayerRows, read_layer, router_records
+from comparator.routing.read import LayerRecords, LayerRows, key_parts, read_layer, router_records, row_key
 from comparator.routing.types import CALIBRATED, MARGIN_RULE_BASIS, Flip, RouterComparison, RouterLayer
 
 __all__ = ["RUN_NOISE", "SHOWN_FLIPS", "compare_routing"]
@@ -42,7 +42,6 @@ RUN_NOISE = 4.0
 """Under the margin rule, a flip's margin may also be this many times the layer's median per-token score change."""
 SHOWN_FLIPS = 20
 """How many flips a comparison lists (in layer, sequence, token order); the counts cover all."""
-_MASK = (1 << 32) - 1
 
 
 def _dtype_names(entry: LayerRecords, reader: DumpReader) -> tuple[str, ...]:
@@ -96,8 +95,7 @@ class _Judge:
     """How one layer's flips and weights are judged: calibrated noise, else the fixed rules."""
 
     def __init__(self, noise: RouterNoise | None, factor: float, dtypes: tuple[str, ...]) -> None:
-        self.noise, self.dtypes = noise, dtypes
-        self.run_noise = 0.0  # the margin rule's: the layer's median per-token max |Δ score| (set per layer)
+        self.noise = noise
         if noise is not None:
             self.basis, self.limit_ratio = CALIBRATED, factor
             self.unit = max(noise.score, SCORE_FLOOR)
@@ -109,10 +107,10 @@ class _Judge:
             self.weight_limit = weight_rule(*dtypes)
             self.flip_rate_limit = None
 
-    def ratios(self, margins: np.ndarray, scores: np.ndarray) -> np.ndarray:
+    def ratios(self, margins: np.ndarray, scores: np.ndarray, run_noise: float) -> np.ndarray:
         """Each flip's margin in units: of score noise, or under the margin rule of the larger of the rule x
-        RMS(the token's scores) and :data:`RUN_NOISE` x the layer's median per-token max |Δ score| (this run's
-        own typical score change: a bug at a few tokens leaves the median alone).
+        RMS(the token's scores) and :data:`RUN_NOISE` x ``run_noise``, the layer's median per-token max
+        |Δ score| (this run's own typical score change: a bug at a few tokens leaves the median alone).
 
         A negative margin (the baseline's choice is not the top-k of the scores recorded: a biased or
         grouped selection whose scores were not recorded) cannot be judged small: ``inf``, a failure.
@@ -121,20 +119,20 @@ class _Judge:
             if self.noise is not None:
                 ratio = margins / self.unit
             else:
-                unit = np.maximum(self.unit * np.sqrt(np.mean(scores * scores, axis=1)), RUN_NOISE * self.run_noise)
+                unit = np.maximum(self.unit * np.sqrt(np.mean(scores * scores, axis=1)), RUN_NOISE * run_noise)
                 ratio = np.where(margins > 0, margins / unit, 0.0)
         return np.where(margins < 0, np.inf, ratio)
 
 
 def _flips(layer: int, b: LayerRows, t: LayerRows, rb: np.ndarray, rt: np.ndarray, judge: _Judge,
-           use_scores: bool, earlier: dict[int, int]) -> list[Flip]:
+           use_scores: bool, earlier: dict[int, int], run_noise: float) -> list[Flip]:
     """The flips of one layer; a token that already flipped at a layer before (``earlier``: key -> layer)
     was sent through other experts there, so its flip here follows from that one (benign, ``after`` it)."""
     keys = b.keys[rb]
     scores = (b.scores if use_scores else b.logits)[rb]  # type: ignore[index]
     margins = _margins(scores, b.ids[rb], b.groups if use_scores else None)
-    ratios = judge.ratios(margins, scores)
-    return [Flip(layer=layer, sequence=int(k >> 32), token=int(k & _MASK), baseline_ids=tuple(int(i) for i in bi),
+    ratios = judge.ratios(margins, scores, run_noise)
+    return [Flip(layer=layer, sequence=key_parts(k)[0], token=key_parts(k)[1], baseline_ids=tuple(int(i) for i in bi),
                  target_ids=tuple(int(i) for i in ti), margin=float(m), noise_ratio=float(r),
                  benign=bool(r <= judge.limit_ratio) or int(k) in earlier, after=earlier.get(int(k)))
             for k, bi, ti, m, r in zip(keys, b.ids[rb], t.ids[rt], margins, ratios, strict=True)]
@@ -156,8 +154,8 @@ def _compare_layer(entry_b: LayerRecords, b: LayerRows, t: LayerRows, judge: _Ju
     ib_f, it_f = ib[finite], it[finite]
     same = _same_set(b.ids[ib_f], t.ids[it_f])
     delta = np.abs(sb[finite] - st[finite]).max(axis=1) if finite.any() else np.zeros(0)
-    judge.run_noise = float(np.median(delta)) if delta.size else 0.0
-    flips = _flips(entry_b.layer, b, t, ib_f[~same], it_f[~same], judge, use_scores, earlier)
+    flips = _flips(entry_b.layer, b, t, ib_f[~same], it_f[~same], judge, use_scores, earlier,
+                   float(np.median(delta)) if delta.size else 0.0)
     dw = _weight_errors(b, t, ib_f[same], it_f[same])
     order = int(np.count_nonzero(same & (b.ids[ib_f] != t.ids[it_f]).any(axis=1)))
     failing = [f for f in flips if not f.benign]
@@ -185,7 +183,7 @@ def compare_routing(baseline: DumpReader, target: DumpReader, *, noise: Mapping[
     if not rb or not rt:
         return None
     layers, flips = [], []
-    earlier: dict[int, int] = {}  # (sequence << 32 | position) -> the first layer its experts flipped at
+    earlier: dict[int, int] = {}  # row_key -> the first layer its experts flipped at
     for layer in sorted(rb.keys() & rt.keys()):
         n = (noise or {}).get(layer)
         judge = _Judge(n, factor, (*_dtype_names(rb[layer], baseline), *_dtype_names(rt[layer], target)))
@@ -194,7 +192,7 @@ def compare_routing(baseline: DumpReader, target: DumpReader, *, noise: Mapping[
         layers.append(result)
         flips += found
         for f in found:
-            earlier.setdefault(f.sequence << 32 | f.token, layer)
+            earlier.setdefault(int(row_key(f.sequence, f.token)), layer)
     flips.sort(key=lambda f: (f.layer, f.sequence, f.token))
     notes = []
     if any(la.basis == MARGIN_RULE_BASIS for la in layers):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -18,7 +19,7 @@ from dumper.errors import NotComparableError
 from dumper.format import (PAD_SEQUENCE, ROUTER_CHOICE_POINT, ROUTER_IDS, ROUTER_LOGITS, ROUTER_POINT, ROUTER_SCORES,
                            ROUTER_WEIGHTS, DumpReader, TensorRecord, to_float64)
 
-__all__ = ["PARTS", "LayerRecords", "LayerRows", "router_records", "read_layer"]
+__all__ = ["PARTS", "LayerRecords", "LayerRows", "row_key", "key_parts", "router_records", "read_layer"]
 
 PARTS = (ROUTER_LOGITS, ROUTER_IDS, ROUTER_WEIGHTS, ROUTER_SCORES)
 """The routing parts of a layer, in the order they are described in :mod:`dumper.format.manifest`."""
@@ -43,7 +44,7 @@ class LayerRows:
     """One side's routing rows of one layer: keys sorted, one row per key."""
 
     keys: np.ndarray
-    """``sequence << 32 | position`` (int64), sorted, unique."""
+    """:func:`row_key` of each row (int64), sorted, unique."""
     ids: np.ndarray
     weights: np.ndarray
     logits: np.ndarray
@@ -82,12 +83,22 @@ def router_records(reader: DumpReader) -> dict[int, LayerRecords]:
     return dict(sorted(out.items()))
 
 
+def row_key(sequence: Any, position: Any) -> Any:
+    """The key a routing row is matched by: ``sequence << 32 | position`` (ints or int64 arrays)."""
+    return (np.asarray(sequence, dtype=np.int64) << 32) | np.asarray(position, dtype=np.int64)
+
+
+def key_parts(key: Any) -> tuple[int, int]:
+    """(sequence, position) of one :func:`row_key`."""
+    return int(key) >> 32, int(key) & 0xFFFFFFFF
+
+
 def _keys(rec: TensorRecord, where: str) -> np.ndarray:
     pos, seq = rec.row_positions(), rec.row_sequence_ids()
     if pos is None or seq is None:
         raise NotComparableError(f"{where}: {rec.name} (pass {rec.forward_pass}) records no positions or sequence "
                                  "ids; routing is compared token by token")
-    return np.where(seq == PAD_SEQUENCE, -1, (seq.astype(np.int64) << 32) | pos.astype(np.int64))
+    return np.where(seq == PAD_SEQUENCE, -1, row_key(seq, pos))
 
 
 def _stack(reader: DumpReader, recs: Iterable[TensorRecord], floats: bool) -> tuple[np.ndarray, np.ndarray]:

@@ -33,7 +33,6 @@ from dumper.format.files import printable
 from dumper.hooks.capture import Capture
 from dumper.hooks.fingerprint import config_identity
 from dumper.hooks.layers import ATTN_INPUT, parse_layer_spec
-from dumper.hooks.routing import router_records
 from dumper.jobs.run import (
     RunConfig,
     check_scored_positions,
@@ -239,11 +238,10 @@ class EngineDump:
 
     def router(self, layer: int, parts: dict[str, torch.Tensor], positions: Any, sequence_ids: Any) -> None:
         """Record MoE layer ``layer``'s routing ``parts`` (``{ROUTER_LOGITS: [tokens, E], ...}``) of the current pass,
-        rows as :meth:`hidden`'s (:func:`dumper.hooks.routing.router_records` names and casts them)."""
+        rows as :meth:`hidden`'s (:meth:`dumper.hooks.capture.Capture.record_router` names and casts them)."""
         if layer in self._keep:
-            for name, point, t, meta in router_records(f"{LAYER_PREFIX}.{layer}", parts, None):
-                self._cap.record(name, t, layer=layer, point=point, positions=positions, sequence_ids=sequence_ids,
-                                 **meta)
+            self._cap.record_router(f"{LAYER_PREFIX}.{layer}", layer, parts, positions=positions,
+                                    sequence_ids=sequence_ids)
 
     def logits(self, seq_id: int, ids: Sequence[int], logits: torch.Tensor, first: int = 0) -> None:
         """Record the logprobs of prompt ``seq_id`` from logits rows for positions ``first .. first+n-1``.

@@ -64,8 +64,6 @@ HF_ARCHITECTURES = {
     "smollm3": "SmolLM3ForCausalLM", "deepseek2": "DeepseekV3ForCausalLM",
 }
 """GGUF ``general.architecture`` -> the HF class it was converted from (where one name is known)."""
-_POINTS = (ATTN_INPUT, ROUTER_POINT)
-"""The capture points this adapter records."""
 
 
 def _settings(cfg: RunConfig) -> dict[str, Any]:
@@ -77,10 +75,6 @@ def _settings(cfg: RunConfig) -> dict[str, Any]:
                          "when converting (convert_hf_to_gguf.py --outtype f32|f16|q8_0)")
     if cfg.modules:
         raise UsageError("--modules: --engine llama.cpp captures the layers' self_attn inputs only (use --layers)")
-    other = [p for p in cfg.points if p not in _POINTS]
-    if other:
-        raise UsageError(f"--points {','.join(cfg.points)}: --engine llama.cpp records {' and '.join(_POINTS)} "
-                         f"only, not {other[0]!r}")
     hf_dir = opts.get("hf_dir")
     return {"kv": kv, "kv_type": GGML_TYPE[kv], "flash_attn": fa, "flash_attn_type": FLASH_ATTN[fa],
             "threads": int(opts.get("threads") or torch.get_num_threads()), "verbose": bool(opts.get("verbose")),

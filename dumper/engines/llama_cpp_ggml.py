@@ -12,7 +12,7 @@ Example::
     with GgufSession.open("m.gguf", verbose=False) as s:
         s.new_context(n_ctx=64, n_batch=64, n_seqs=1, threads=2, kv_type=GGML_TYPE["f32"])
         got = s.decode(tokens, positions, seqs, want={0, 3}, router={0, 3})
-        got.hidden[3], got.logits, got.router[3]["router.ids"]  # [n, hidden], [n, vocab], [n, k] int64
+        got.hidden[3], got.logits, got.router[3]["router.ids"]  # [n, hidden], [n, vocab], [n, k] int32
 
 MoE routing comes from the tensors ``build_moe_ffn`` (src/llama-graph.cpp) names per layer
 (:data:`ROUTER_STAGES`): the gate output ``ffn_moe_logits`` [E, n], the top-k ids ``ffn_moe_topk``
@@ -191,16 +191,14 @@ class _Capture:
             return False
 
     def router_parts(self, path: Path) -> dict[int, dict[str, torch.Tensor]]:
-        """The routing tensors copied per MoE layer: ids int64, weights and scores float32, logits as computed."""
+        """The routing tensors copied per MoE layer, as the graph computed them (ids int32; the record casts them)."""
         out: dict[int, dict[str, torch.Tensor]] = {}
         for layer, parts in sorted(self.routed.items()):
             missing = [p for p in _REQUIRED if p not in parts]
             if missing:
                 raise ModelError(f"{path}: llama.cpp's graph has no tensor {ROUTER_STAGES[missing[0]][0]}-{layer} "
                                  "beside that layer's other MoE routing tensors (this architecture routes differently)")
-            cast = {ROUTER_IDS: torch.int64, ROUTER_WEIGHTS: torch.float32, ROUTER_SCORES: torch.float32}
-            out[layer] = {p: torch.from_numpy(a).to(cast.get(p, torch.from_numpy(a).dtype))
-                          for p, (_, a) in parts.items()}
+            out[layer] = {p: torch.from_numpy(a) for p, (_, a) in parts.items()}
         return out
 
 

@@ -38,7 +38,7 @@ from dumper.engines.vllm_hooks import VllmFamily
 from dumper.errors import DriftscopeError, UsageError
 from dumper.format import ROUTER_POINT
 from dumper.hooks.layers import find_decoder_layers, parse_layer_spec
-from dumper.hooks.router_tap import RouterEntry, RouterProbe, RouterTap
+from dumper.hooks.router_tap import PROBE_NAME, RouterEntry, RouterProbe, RouterTap
 from dumper.settings import env_settings
 
 __all__ = ["TAP_KEY", "register", "tap_config", "tap_spec", "install_engine_tap", "take_load_failure",
@@ -190,10 +190,11 @@ def register() -> None:
 # softmax) into the compiled graph, where no Python hook runs at serve time. The probe therefore
 # wraps the router's ``select_experts`` before vLLM compiles the model and hands what it returned to
 # one opaque op that copies it into buffers (:class:`dumper.hooks.router_tap.RouterProbe`, as the
-# hidden-state tap does); the compiled graph keeps the call. A monolithic kernel that routes inside itself (some GPU paths) shows nothing: refused.
+# hidden-state tap does); the compiled graph keeps the call. A monolithic kernel that routes inside
+# itself (some GPU paths) shows nothing: refused.
 
 _ROUTER_ATTR = "_driftscope_router"
-"""A tapped model's :class:`RouterTap`, and each probe's child name under its MoE runner."""
+"""The attribute of a tapped model that holds its :class:`RouterTap`."""
 def _moe_runner(layer: nn.Module) -> tuple[str, nn.Module] | None:
     """(name in ``layer``, module) of the layer's first fused-MoE runner: a module whose ``router`` selects experts."""
     for name, m in layer.named_modules():
@@ -238,19 +239,13 @@ def moe_layers(model: nn.Module, layers: str | Sequence[int] | None) -> list[tup
 
 
 def _probe(layer: nn.Module, runner: nn.Module, capacity: int) -> RouterProbe:
-    """``runner``'s probe, added (and its router's ``select_experts`` wrapped to call it) if it has none."""
-    probe = getattr(runner, _ROUTER_ATTR, None)
-    if isinstance(probe, RouterProbe):
-        if probe.capacity < capacity:
-            raise UsageError("the router point of this vLLM model was probed for module hooks only; tap it "
-                             "before vLLM compiles it (additional_config)")
-        return probe
+    """A probe for ``runner``, its child, with its router's ``select_experts`` wrapped to call it."""
     router = runner.router
     name = next(n for n, m in layer.named_modules() if m is runner)
     param = next(runner.parameters(), None)
     probe = RouterProbe(int(router.global_num_experts), int(router.top_k), capacity=capacity,
                         dtype=_logits_dtype(layer, name, runner), device=param.device if param is not None else "cpu")
-    runner.add_module(_ROUTER_ATTR, probe)  # its buffers are the model's: compiled code lifts them as its state
+    runner.add_module(PROBE_NAME, probe)  # its buffers are the model's: compiled code lifts them as its state
     select = router.select_experts
 
     def select_experts(*args: Any, **kwargs: Any) -> Any:

@@ -259,8 +259,7 @@ class Capture:
 
     def _start_pass(self) -> int:
         self.step()
-        self._cur_pass = self._pass_count
-        self._pass_count += 1
+        self._cur_pass, self._pass_count = self._pass_count, self._pass_count + 1
         return self._cur_pass
 
     def pass_start(self, args: tuple, kwargs: dict) -> None:
@@ -364,13 +363,14 @@ class Capture:
             positions=as_runs(positions, rows, "positions"),
             sequence_ids=as_runs(sequence_ids, rows, "sequence_ids"), shard_dim=shard_dim, meta=meta))
 
-    def record_router(self, prefix: str, layer: int, parts: dict[str, torch.Tensor], *,
-                      scores_meta: dict[str, int] | None = None) -> None:
-        """Record MoE layer ``layer``'s routing ``parts`` (``{ROUTER_LOGITS: t, ...}``) as ``{prefix}.router.*``
-        (:func:`dumper.hooks.routing.router_records`; ``scores_meta``: :func:`~dumper.hooks.routing.router_meta`)."""
-        shape = self._rows.shape if self._rows is not None else None
+    def record_router(self, prefix: str, layer: int, parts: dict[str, torch.Tensor], *, positions: Any = None,
+                      sequence_ids: Any = None, scores_meta: dict[str, int] | None = None) -> None:
+        """Record MoE layer ``layer``'s routing ``parts`` as ``{prefix}.router.*`` (``routing.router_records``; ``scores_meta``:
+        ``routing.router_meta``), rows labelled by ``positions`` and ``sequence_ids``, else as :meth:`record` does."""
+        shape = self._rows.shape if self._rows is not None and positions is None else None
         for name, point, tensor, meta in router_records(prefix, parts, shape, scores_meta):
-            self.record(name, tensor, layer=layer, point=point, **meta)
+            self.record(name, tensor, layer=layer, point=point, positions=positions, sequence_ids=sequence_ids, **meta)
+
 
 def capture(model: nn.Module | Any | None, out_dir: str | Path, *, layers: str | Sequence[int] | None = None,
             modules: str | None = None, points: str | Sequence[str] | None = None, model_name: str | None = None,

@@ -57,26 +57,23 @@ def _router_tap_fake(logits: torch.Tensor, ids: torch.Tensor, weights: torch.Ten
 class RouterProbe(nn.Module):
     """Called as ``probe(logits, ids, weights)`` with what one MoE layer's router returned, every pass.
 
-    With a ``capacity`` (tokens per pass) it copies them into its buffers through the
-    ``driftscope::router_tap`` op, which compiled code keeps; without one it is only called. Its
-    buffers are the model's (non-persistent), so a compiler lifts them as the model's state.
+    It copies them, up to ``capacity`` tokens, into its buffers through the ``driftscope::router_tap``
+    op, which compiled code keeps. Its buffers are the model's (non-persistent), so a compiler
+    lifts them as the model's state.
     """
 
-    def __init__(self, experts: int, top_k: int, *, capacity: int = 0, dtype: torch.dtype = torch.float32,
+    def __init__(self, experts: int, top_k: int, *, capacity: int, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu") -> None:
         super().__init__()
         self.experts, self.top_k, self.capacity = experts, top_k, capacity
-        if capacity:
-            self.register_buffer("logits_sink", torch.zeros(capacity, experts, dtype=dtype, device=device), False)
-            self.register_buffer("ids_sink", torch.zeros(capacity, top_k, dtype=torch.int64, device=device), False)
-            self.register_buffer("weights_sink", torch.zeros(capacity, top_k, dtype=torch.float32, device=device),
-                                 False)
-            self.register_buffer("count", torch.zeros(1, dtype=torch.int64, device=device), False)
+        self.register_buffer("logits_sink", torch.zeros(capacity, experts, dtype=dtype, device=device), False)
+        self.register_buffer("ids_sink", torch.zeros(capacity, top_k, dtype=torch.int64, device=device), False)
+        self.register_buffer("weights_sink", torch.zeros(capacity, top_k, dtype=torch.float32, device=device), False)
+        self.register_buffer("count", torch.zeros(1, dtype=torch.int64, device=device), False)
 
     def forward(self, logits: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> None:
-        if self.capacity:
-            torch.ops.driftscope.router_tap(logits, ids, weights, self.logits_sink, self.ids_sink,
-                                            self.weights_sink, self.count)
+        torch.ops.driftscope.router_tap(logits, ids, weights, self.logits_sink, self.ids_sink, self.weights_sink,
+                                        self.count)
 
 
 @dataclass(frozen=True)

@@ -35,10 +35,10 @@ from dumper.format import ROUTER_CHOICE_POINT, ROUTER_IDS, ROUTER_LOGITS, ROUTER
 from dumper.hooks.capture import Capture
 from dumper.hooks.layers import RESIDUAL, ROUTER
 from dumper.hooks.router_weights import combine_weights
-from dumper.hooks.routing import Reader, find_routers, has_router, known_families, router_meta, router_records
+from dumper.hooks.routing import Reader, find_routers, has_router, known_families, router_meta
 from dumper.jobs.presets import model_label
 
-from comparator.routing.read import LayerRecords, LayerRows, read_layer
+from comparator.routing.read import LayerRecords, LayerRows, key_parts, read_layer, row_key
 from comparator.routing.read import router_records as baseline_router_records
 
 __all__ = ["FORCE_MODES", "check_force", "check_model_routes", "baseline_routing", "routed_layers", "LayerRouting",
@@ -101,13 +101,13 @@ class LayerRouting:
         """The next router call routes positions ``0..n-1`` of baseline sequence ``sequence``."""
         if self.mode is None:
             return
-        want = (np.int64(sequence) << 32) | np.arange(n, dtype=np.int64)  # the keys of comparator.routing.read
+        want = row_key(sequence, np.arange(n))
         keys = self.base.keys
         at = np.minimum(np.searchsorted(keys, want), max(keys.size - 1, 0))
         lost = want[keys[at] != want] if keys.size else want
         if lost.size:
             raise NotComparableError(f"{self.where}: the baseline's routing of layer {self.entry.layer} has no row for "
-                                     f"position {int(lost[0] & 0xFFFFFFFF)} of sequence {sequence}; forcing needs "
+                                     f"position {key_parts(lost[0])[1]} of sequence {sequence}; forcing needs "
                                      "one for every replayed token")
         self._rows = at
 
@@ -138,9 +138,8 @@ class LayerRouting:
     def record(self, cap: Capture, positions: np.ndarray, sequence_ids: np.ndarray) -> None:
         """Record every call's routing as the baseline names it, rows labelled as the replayed residual's."""
         joined = {name: torch.cat([p[name] for p in self.parts]) for name in self.parts[0]} if self.parts else {}
-        for name, point, tensor, meta in router_records(self.entry.prefix, joined, None, router_meta(self.module)):
-            cap.record(name, tensor, layer=self.entry.layer, point=point, positions=positions,
-                       sequence_ids=sequence_ids, **meta)
+        cap.record_router(self.entry.prefix, self.entry.layer, joined, positions=positions, sequence_ids=sequence_ids,
+                          scores_meta=router_meta(self.module))
 
 
 @contextlib.contextmanager
