@@ -82,11 +82,17 @@ TEARDOWN_ABORT = "terminate called without an active exception"
 """What vLLM's and torch's native threads sometimes print as they abort a worker's interpreter teardown."""
 
 
-def assert_worker_done(returncode: int, log: str, base: Path) -> None:
-    """A vLLM worker finished its work: exit 0, or (seen in the full suite, with every job done and its results
-    written) the abort of its interpreter teardown, SIGABRT after :data:`TEARDOWN_ABORT`; anything else fails."""
-    aborted_after = returncode == -6 and (base / "results.json").is_file() and log.rstrip().endswith(TEARDOWN_ABORT)
+def assert_process_done(returncode: int, log: str, finished: bool) -> None:
+    """A process that ran vLLM finished its work: exit 0, or (seen in the full suite, once ``finished`` says every
+    job is done and its results are out) the abort of its interpreter teardown, SIGABRT after
+    :data:`TEARDOWN_ABORT`; anything else fails."""
+    aborted_after = returncode == -6 and finished and log.rstrip().endswith(TEARDOWN_ABORT)
     assert returncode == 0 or aborted_after, log[-4000:]
+
+
+def assert_worker_done(returncode: int, log: str, base: Path) -> None:
+    """A vLLM worker finished its work: :func:`assert_process_done` once ``base/results.json`` is written."""
+    assert_process_done(returncode, log, (base / "results.json").is_file())
 
 
 def worker_env(**extra: str) -> dict[str, str]:
@@ -159,10 +165,14 @@ def in_process(code: str) -> subprocess.Popen:
                             stderr=subprocess.STDOUT, text=True)
 
 
-def finish(proc: subprocess.Popen, start: float) -> dict:
-    """A job's result from an :func:`in_process` process: its exit code, seconds since ``start``, output's tail."""
+def finish(proc: subprocess.Popen, start: float, done: Path) -> dict:
+    """A job's result from an :func:`in_process` process that writes ``done`` last: its exit code, seconds since
+    ``start``, output's tail. An abort of its teardown once ``done`` is written counts as exit 0
+    (:func:`assert_process_done`), and ``teardown_abort`` says so."""
     log, _ = proc.communicate(timeout=900)
-    return {"rc": proc.returncode, "seconds": time.perf_counter() - start, "stderr": log[-3000:]}
+    aborted = proc.returncode == -6 and done.exists() and log.rstrip().endswith(TEARDOWN_ABORT)
+    return {"rc": 0 if aborted else proc.returncode, "teardown_abort": aborted,
+            "seconds": time.perf_counter() - start, "stderr": log[-3000:]}
 
 
 def _worker(ckpt: str, prompts: str, out: str) -> None:
@@ -202,7 +212,7 @@ def _worker(ckpt: str, prompts: str, out: str) -> None:
         (bad / f.name).write_bytes(f.read_bytes()[:4096] if f.name == "model.safetensors" else f.read_bytes())
     timed("bad", lambda: main(["run", "--engine", "vllm", "--model", str(bad), "--input-ids", "1,5,9",
                                "--out", str(base / "bad"), "--quiet"]))
-    results["user"] = finish(user, user_start)
+    results["user"] = finish(user, user_start, base / "user" / "manifest.json")
     finish_worker(base, results)
 
 
