@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 __all__ = ["PASS", "FAIL", "DIVERGED", "UNUSABLE", "BOOTSTRAP", "Outcome", "status", "headline", "clause",
            "sentence", "assertion_head", "describe_divergence", "describe_routing", "routing_failures", "judged_by",
            "flip_ratio", "flip_margin", "threshold_summary", "verdict_notes", "reaches_output", "format_float",
-           "format_ratio", "format_located"]
+           "format_available", "format_ratio", "format_located"]
 
 PASS = "PASS"
 """Every compared value is within its threshold (exit 0)."""
@@ -224,6 +224,12 @@ def format_float(v: float | None) -> str:
     if math.isinf(v):
         return "inf"
     return "0" if v == 0 else f"{v:.3e}"
+
+
+def format_available(v: float | None, fmt: str | None = None) -> str:
+    """A metric that a comparison may lack (max |diff| and cosine of a sketch comparison): ``n/a`` for None,
+    else ``fmt`` (a format spec) or :func:`format_float`."""
+    return "n/a" if v is None else format(v, fmt) if fmt else format_float(v)
 
 
 def format_ratio(v: float | None) -> str:

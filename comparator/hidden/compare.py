@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from dumper.errors import NotComparableError
-from dumper.format import LOGITS_POINT, LOGPROB_POINT, ROUTER_CHOICE_POINT, DumpReader, Manifest, TensorRecord, encode_runs
+from dumper.format import LOGITS_POINT, LOGPROB_POINT, ROUTER_CHOICE_POINT, DumpReader, Manifest, TensorRecord
 
 from comparator.hidden.align import (
     LogicalKey,
@@ -40,9 +40,11 @@ from comparator.hidden.align import (
 from comparator.config import CompareConfig
 from comparator.hidden.heatmap import token_heatmap
 from comparator.judging.identity import check_distinct, check_identity
+from comparator.hidden.judge import judge_tensor
 from comparator.hidden.localize import FailingTokens, first_divergence, layer_amplification, locate_onset
 from comparator.logprobs import LogprobVerdict
 from comparator.hidden.metrics import PairStats, StatsAccumulator, pair_stats
+from comparator.hidden.sketch import is_sketched, record_sketch_stats, sketch_readers, sketch_stats
 from comparator.hidden.replicas import ReplicaView, as_rank, check_replicas
 from comparator.hidden.subset import SUBSET_NOTE, relabel_sequences, subset_baseline, subset_logprobs
 from comparator.hidden.types import Report, TensorComparison
@@ -57,15 +59,6 @@ Tokens = tuple[np.ndarray, np.ndarray | None, np.ndarray | None]
 """One comparison's per-token rel_diff, with the rows' positions and sequence ids (None: not recorded)."""
 TokenSink = Callable[[TensorComparison, np.ndarray], None]
 """Receives every comparison with its per-token rel_diff (calibration collects them)."""
-MAX_RANGES = 32
-"""How many failing position ranges a comparison lists."""
-
-
-def _ranges(values: np.ndarray) -> list[list[int]]:
-    """Sorted integers as inclusive ``[first, last]`` ranges, at most :data:`MAX_RANGES`."""
-    return [[start, start + count - 1] for start, count in encode_runs(values, step=1)[:MAX_RANGES]]
-
-
 def _chunk_note(pos: int, segs: list[Segment], side: str) -> str | None:
     """Where ``pos`` sits in a side's passes, when that side split the sequence over several."""
     passes = sorted({s.rec.forward_pass for s in segs})
@@ -79,40 +72,6 @@ def _chunk_note(pos: int, segs: list[Segment], side: str) -> str | None:
     return None
 
 
-def _judge_tensor(stats: PairStats, config: CompareConfig, *, name: str, layer: int | None, forward_pass: int,
-             rank: int, shape: tuple[int, ...], positions: np.ndarray | None, sequences: np.ndarray | None,
-             sequence: int | None, notes: Callable[[int], str | None] | None = None) -> TensorComparison:
-    token = stats.token_rel_diff
-    limits = config.noise_limits_of(name)
-    failing = np.flatnonzero(~(token <= limits.token_threshold))  # NaN counts as failing
-    first_row = worst_row = first_tok = worst_tok = first_seq = None
-    note = None
-    ranges: list[list[int]] = []
-    if failing.size:
-        first_row = int(failing[np.argmin(positions[failing])]) if positions is not None else int(failing[0])
-    if token.size:
-        worst_row = int(np.argmax(np.where(np.isnan(token), np.inf, token)))
-    if positions is not None:
-        first_tok = None if first_row is None else int(positions[first_row])
-        worst_tok = None if worst_row is None else int(positions[worst_row])
-        ranges = _ranges(np.unique(positions[failing]))
-    if first_row is not None:
-        first_seq = int(sequences[first_row]) if sequences is not None else sequence
-        if notes is not None and first_tok is not None:
-            note = notes(first_tok)
-    noise_ratio, token_noise_ratio = limits.ratios(stats.rel_diff, stats.max_token_rel_diff)
-    return TensorComparison(
-        name=name, layer=layer, forward_pass=forward_pass, rank=rank, shape=shape, sequence=sequence,
-        metrics=dict(stats.metrics), nan_baseline=stats.nan_x, inf_baseline=stats.inf_x, nan_target=stats.nan_y,
-        inf_target=stats.inf_y, nonfinite_mismatches=stats.nonfinite_mismatches, failing_tokens=int(failing.size),
-        first_failing_token=first_tok, first_failing_row=first_row, first_failing_sequence=first_seq,
-        failing_ranges=ranges, worst_token=worst_tok, worst_row=worst_row, note=note,
-        passed=bool(stats.rel_diff <= limits.threshold) and not failing.size,
-        threshold=limits.threshold, token_threshold=limits.token_threshold,
-        noise_ratio=noise_ratio, token_noise_ratio=token_noise_ratio,
-    )
-
-
 def _logical_stats(base: LogicalTensor, target: LogicalTensor, br: DumpReader, tr: DumpReader,
                    config: CompareConfig) -> tuple[PairStats, np.ndarray, int]:
     """Reassemble one (name, sequence) on both sides and stream its metrics row by row, piece by piece.
@@ -124,11 +83,15 @@ def _logical_stats(base: LogicalTensor, target: LogicalTensor, br: DumpReader, t
     positions = positions_of(base.segments(pieces[0].base_rank))
     acc = StatsAccumulator(positions.size, threads=config.threads)
     items, owners = [], []
+    norms = np.zeros((positions.size, 2)) if is_sketched(base.rows[0].rec) else None  # exact ||x||^2, ||y||^2
     for p in pieces:
         for run in match_rows(base.segments(p.base_rank), target.segments(p.target_rank), what):
             idx = int(np.searchsorted(positions, run.pos))
             if idx + run.count > positions.size or positions[idx] != run.pos:
                 raise NotComparableError(f"{what}: shards hold different token positions; cannot align")
+            if norms is not None:  # a sketch is never a column piece: one piece, each row once
+                norms[idx:idx + run.count, 0] = br.sq_norms(run.base.rec)[run.base_row:run.base_row + run.count]
+                norms[idx:idx + run.count, 1] = tr.sq_norms(run.target.rec)[run.target_row:run.target_row + run.count]
             x = br.rows(run.base.rec)[run.base_row:run.base_row + run.count, p.base_col:p.base_col + p.width]
             y = tr.rows(run.target.rec)[run.target_row:run.target_row + run.count,
                                             p.target_col:p.target_col + p.width]
@@ -144,7 +107,7 @@ def _logical_stats(base: LogicalTensor, target: LogicalTensor, br: DumpReader, t
     rank = max(per_rank, key=lambda r: per_rank[r][0] / per_rank[r][1] if per_rank[r][1] else 0.0)
     if rank < 0:
         rank = target.rows[0].rec.rank
-    return acc.finish(), positions, rank
+    return (acc.finish() if norms is None else sketch_stats(acc, norms[:, 0], norms[:, 1])), positions, rank
 
 
 def _compare_logical(base: LogicalTensor, target: LogicalTensor, br: DumpReader, tr: DumpReader,
@@ -159,8 +122,8 @@ def _compare_logical(base: LogicalTensor, target: LogicalTensor, br: DumpReader,
         return _chunk_note(pos, target.segments(pieces[0].target_rank), "target") or \
             _chunk_note(pos, base.segments(pieces[0].base_rank), "baseline")
 
-    return _judge_tensor(stats, config, name=base.name, layer=base.layer, forward_pass=first.forward_pass,
-                    rank=rank, shape=(int(positions.size), width), positions=positions, sequences=None,
+    return judge_tensor(stats, config, name=base.name, layer=base.layer, forward_pass=first.forward_pass,
+                        rank=rank, shape=(int(positions.size), width), positions=positions, sequences=None,
                     sequence=base.sequence, notes=notes), (stats.token_rel_diff, positions, None)
 
 
@@ -171,9 +134,10 @@ def _compare_records(b: TensorRecord, t: TensorRecord, br: DumpReader, tr: DumpR
         raise NotComparableError(
             f"{tr.directory / t.file}: tensor {t.name!r} (pass {t.forward_pass}) has shape {list(t.shape)} "
             f"but the baseline {br.directory / b.file} has {list(b.shape)}; these dumps cannot be aligned")
-    stats = pair_stats(br.array(b), tr.array(t), b.dtype, t.dtype, threads=config.threads)
+    stats = record_sketch_stats(b, t, br, tr, config.threads) if is_sketched(b) else \
+        pair_stats(br.array(b), tr.array(t), b.dtype, t.dtype, threads=config.threads)
     sequences, positions = b.row_sequence_ids(), b.row_positions()
-    return _judge_tensor(stats, config, name=b.name, layer=b.layer, forward_pass=b.forward_pass, rank=b.rank,
+    return judge_tensor(stats, config, name=b.name, layer=b.layer, forward_pass=b.forward_pass, rank=b.rank,
                     shape=b.shape, positions=positions, sequences=sequences, sequence=None), \
         (stats.token_rel_diff, positions, sequences)
 
@@ -212,6 +176,7 @@ def compare_dumps(baseline: str | os.PathLike[str], target: str | os.PathLike[st
     verdict, parts_b, parts_t = _logprob_verdict(br, tr, config)
     router = compare_routing(br, tr, noise=config.noise.router if config.noise is not None else None,
                              factor=config.noise_factor)
+    br, tr, sketch = sketch_readers(br, tr)  # either side a sketch: both read as sketches (comparator.hidden.sketch)
     (bm, empty_b), (tm, empty_t) = _hidden(br.manifest), _hidden(tr.manifest)
     plan = _plan(bm, tm, br, tr, sorted(set(empty_b) | set(empty_t)))
     if config.subset:  # judge the target's rows only (comparator.hidden.subset)
@@ -238,7 +203,8 @@ def compare_dumps(baseline: str | os.PathLike[str], target: str | os.PathLike[st
         unmatched_baseline=tuple(plan.unmatched_baseline), unmatched_target=tuple(plan.unmatched_target),
         first_divergent=fd, replica_mismatches=(*replicas_b, *replicas_t), logprobs=verdict,
         environment={"baseline": bm.environment, "target": tm.environment}, heatmap=heatmap,
-        notes=(*notes, *replay, *_noise_notes(config, results)), empty_tensors=tuple(plan.empty),
+        notes=(*notes, *replay, *_noise_notes(config, results), *([sketch.note()] if sketch else [])),
+        empty_tensors=tuple(plan.empty), sketch=sketch.to_json() if sketch else None,
         warnings=(*config.noise_warnings(sorted({t.name for t in results})),
                   *(verdict.noise.warnings if verdict is not None and verdict.noise is not None else ())),
         noise=config.noise.source if config.noise is not None else None,

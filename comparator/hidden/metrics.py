@@ -35,7 +35,7 @@ from dumper.format.dtypes import FLOAT_CODES, STORAGE_DTYPES
 from comparator.hidden.kernels import MIN_SCALE_EXP, col_exps, row_stats_many, sum_scaled
 from comparator.hidden.registry import BuiltinMetrics, RowSums, evaluate
 
-__all__ = ["PairStats", "StatsAccumulator", "pair_stats", "rel_diff", "BLOCK_BYTES"]
+__all__ = ["PairStats", "StatsAccumulator", "pair_stats", "rel_diff", "row_sums_of", "BLOCK_BYTES"]
 
 BLOCK_BYTES = 32 << 20
 """Bytes of one side handed to the kernels per call: big enough to amortize Python, small
@@ -222,10 +222,10 @@ def pair_stats(x: np.ndarray, y: np.ndarray, dtype: str, dtype_y: str | None = N
 def _finish(sums: np.ndarray, exps: np.ndarray | None, max_abs: float, sum_abs: tuple[float, int],
             counts: tuple[int, int, int, int], n: int) -> PairStats:
     """The registered metrics of row sums scaled by ``exps`` (None: not scaled) over ``n`` elements."""
-    return _stats(_row_sums(sums, exps, max_abs, sum_abs, n), counts)
+    return _stats(row_sums_of(sums, exps, max_abs, sum_abs, n), counts)
 
 
-def _row_sums(sums: np.ndarray, exps: np.ndarray | None, max_abs: float, sum_abs: tuple[float, int],
+def row_sums_of(sums: np.ndarray, exps: np.ndarray | None, max_abs: float, sum_abs: tuple[float, int],
               n: int) -> RowSums:
     """The accumulated sums as the metrics see them, with the per-token rel_diff derived."""
     dd, xx, yy, bad = sums[:, 0], sums[:, 1], sums[:, 2], sums[:, 4]

@@ -84,6 +84,8 @@ class Metric:
         higher_is_worse: a larger value is a larger difference (False for a similarity, cosine).
             A non-finite value is written as JSON ``null``; it reads back as inf for such a metric
             (the value that never passes), as NaN for the others.
+        from_norms: a function of ``dd``, ``xx``, ``yy`` and ``token`` alone, so a sketch comparison
+            (:mod:`comparator.hidden.sketch`) can estimate it; the others are left out there.
     """
 
     name: str
@@ -92,6 +94,7 @@ class Metric:
     short: str | None = None
     fmt: Callable[[float], str] | None = None
     higher_is_worse: bool = True
+    from_norms: bool = False
 
     def text(self, v: float | None, default: Callable[[float], str]) -> str:
         """A table cell for ``v``: ``fmt``, else the renderer's ``default``; ``-`` for a result without it."""
@@ -117,10 +120,11 @@ def register(m: Metric) -> Metric:
 
 
 def metric(name: str, *, label: str | None = None, short: str | None = None,
-           fmt: Callable[[float], str] | None = None, higher_is_worse: bool = True) -> Callable[[MetricFn], MetricFn]:
+           fmt: Callable[[float], str] | None = None, higher_is_worse: bool = True,
+           from_norms: bool = False) -> Callable[[MetricFn], MetricFn]:
     """Decorator: register the function as the metric ``name`` (``label`` defaults to the name)."""
     def deco(fn: MetricFn) -> MetricFn:
-        register(Metric(name, fn, label or name, short, fmt, higher_is_worse))
+        register(Metric(name, fn, label or name, short, fmt, higher_is_worse, from_norms))
         return fn
     return deco
 
@@ -178,7 +182,7 @@ def evaluate(sums: RowSums) -> dict[str, float]:
 # --------------------------------------------------------------------------- the built-in metrics
 
 
-@metric("rel_diff", short="rel_diff")
+@metric("rel_diff", short="rel_diff", from_norms=True)
 def rel_diff(s: RowSums) -> float:
     """||x-y||^2 / (||x||^2 + ||y||^2): 0 for two all-zero tensors, inf with a NaN/Inf mismatch."""
     if s.mismatches:
@@ -189,7 +193,7 @@ def rel_diff(s: RowSums) -> float:
     return math.ldexp(dd / norm, edd - top) if norm > 0 else 0.0
 
 
-@metric("max_token_rel_diff", label="max token rel_diff", short="max token")
+@metric("max_token_rel_diff", label="max token rel_diff", short="max token", from_norms=True)
 def max_token_rel_diff(s: RowSums) -> float:
     """The largest per-token (per-row) rel_diff: the max-type signal that catches one broken position."""
     return float(np.max(s.token)) if s.token.size else 0.0

@@ -191,8 +191,9 @@ class LayerSummary:
     failed: int
     max_rel_diff: float
     max_token_rel_diff: float
-    max_abs_diff: float
-    min_cosine: float
+    max_abs_diff: float | None
+    """None where not available (a sketch comparison)."""
+    min_cosine: float | None
     first_failing_token: int | None
     worst_token: int | None
     noise_ratio: float | None = None
@@ -268,6 +269,9 @@ class Report:
     """Per layer and capture point, the growth of the error across the layer (:mod:`comparator.hidden.onset`)."""
     router: RouterComparison | None = None
     """The MoE routing comparison (:mod:`comparator.routing`); None when either dump recorded no routing."""
+    sketch: dict[str, Any] | None = None
+    """Set when either side is a sketch dump (:mod:`comparator.hidden.sketch`): the projection (kind, k, seed),
+    which sides were sketched and the estimates' expected relative spread."""
     warnings: tuple[str, ...] = ()
     """What the verdict warns about: noise that lets pass what the fixed thresholds fail, a
     calibration across models (:func:`comparator.judging.noise_thresholds.noise_warnings`, the logprob noise's)."""
@@ -311,8 +315,8 @@ class Report:
                 layer=layer, tensors=len(ts), failed=sum(not t.passed for t in ts),
                 max_rel_diff=max(t.rel_diff for t in ts),
                 max_token_rel_diff=worst.max_token_rel_diff,
-                max_abs_diff=max(t.max_abs_diff for t in ts),
-                min_cosine=min(t.cosine for t in ts),
+                max_abs_diff=max((t.metrics["max_abs_diff"] for t in ts if "max_abs_diff" in t.metrics), default=None),
+                min_cosine=min((t.metrics["cosine"] for t in ts if "cosine" in t.metrics), default=None),
                 first_failing_token=min((t.first_failing_token for t in failing), default=None),
                 worst_token=worst.worst_token if worst.max_token_rel_diff > 0 else None,
                 noise_ratio=max((t.noise_ratio for t in ts if t.noise_ratio is not None), default=None),
@@ -345,6 +349,7 @@ class Report:
             "amplification": [a.to_json() for a in self.amplification],
             "warnings": list(self.warnings),
             "router": self.router.to_json() if self.router is not None else None,
+            "sketch": self.sketch,
         }
 
     @classmethod
@@ -368,4 +373,5 @@ class Report:
             amplification=tuple(Amplification.from_json(a) for a in d.get("amplification", ())),
             warnings=tuple(d.get("warnings", ())),
             router=RouterComparison.from_json(d["router"]) if d.get("router") else None,
+            sketch=d.get("sketch"),
         )

@@ -39,6 +39,7 @@ from comparator.reports.logprob_table import metric_rows
 from comparator.reports.plots import amplification_figure, figure_svg, heatmap_figure, layer_figure, logprob_figure
 from comparator.outcome import (
     Outcome,
+    format_available,
     format_float,
     format_located,
     format_ratio,
@@ -152,7 +153,8 @@ def _layer_table(report: Report) -> str:
         cls = " ".join(["bad"] * (not s.passed) + [c for _, c in marks])
         cells = [_num(s.layer), _num(s.tensors), _num(s.max_rel_diff)]
         cells += [_num(s.noise_ratio, format_ratio(s.noise_ratio))] if calibrated else []
-        cells += [_num(s.max_token_rel_diff), _num(s.max_abs_diff), _num(s.min_cosine, f"{s.min_cosine:.6f}"),
+        cells += [_num(s.max_token_rel_diff), _num(s.max_abs_diff, format_available(s.max_abs_diff)),
+                  _num(s.min_cosine, format_available(s.min_cosine, ".6f")),
                   _num(s.amplification, amp), _num(s.first_failing_token),
                   _num(s.worst_token), f"<td>{_e(' '.join([verdict] + [m for m, _ in marks]))}</td>"]
         rows.append(f'<tr class="{cls}">' + "".join(cells) + "</tr>")

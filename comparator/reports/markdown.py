@@ -22,6 +22,7 @@ from dumper.format import atomic_path
 
 from comparator.outcome import (
     Outcome,
+    format_available,
     clause,
     format_float,
     format_ratio,
@@ -110,7 +111,8 @@ def _layer_cells(report: Report, s: LayerSummary) -> list[str]:
     amp, introduced = amplification_cell(report, s)
     cells = [_bold(layer, first), str(s.tensors), format_float(s.max_rel_diff)]
     cells += [format_ratio(s.noise_ratio)] if report.noise is not None else []
-    return cells + [format_float(s.max_token_rel_diff), format_float(s.max_abs_diff), f"{s.min_cosine:.6f}",
+    return cells + [format_float(s.max_token_rel_diff), format_available(s.max_abs_diff),
+                    format_available(s.min_cosine, ".6f"),
                     _bold(amp, introduced),
                     "-" if s.first_failing_token is None else str(s.first_failing_token),
                     "-" if s.worst_token is None else str(s.worst_token), verdict]

@@ -13,6 +13,7 @@ from comparator.logprobs import LogprobVerdict
 from comparator.judging.noise import NoiseModel
 from comparator.outcome import (
     Outcome,
+    format_available,
     clause,
     format_float,
     format_located,
@@ -192,7 +193,7 @@ def render_report(report: Report, console: Console, *, tensors: bool = False) ->
         amp = Text(amp_text, style="bold yellow" if introduced else "")
         table.add_row(
             "-" if s.layer is None else str(s.layer), str(s.tensors), format_float(s.max_rel_diff), *ratio,
-            format_float(s.max_token_rel_diff), format_float(s.max_abs_diff), f"{s.min_cosine:.6f}", amp,
+            format_float(s.max_token_rel_diff), format_available(s.max_abs_diff), format_available(s.min_cosine, ".6f"), amp,
             _token(s.first_failing_token), _token(s.worst_token), verdict,
             style="bold" if first else None,
         )

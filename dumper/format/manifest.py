@@ -32,6 +32,7 @@ from dumper.errors import CorruptDumpError, DumpError, IncompleteDumpError
 from dumper.format.atomic import write_json_atomic
 from dumper.format.dtypes import ITEMSIZES
 from dumper.format.files import parse_json, read_regular_file, regular_file_in
+from dumper.format.sketch import NORM_SUFFIX
 from dumper.format.validate import MAX_MANIFEST_BYTES, check_manifest
 
 __all__ = [
@@ -152,6 +153,14 @@ class TensorRecord:
     sequence_ids: list[list[int]] | None = None
     shard_dim: int | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+    sketch: dict[str, Any] | None = None
+    """Set on a sketched record (:mod:`dumper.format.sketch`): ``{"hidden": width, "dtype": code}`` of the rows
+    projected; the record then holds their ``F32 [*rows, K]`` projection, its norms under :attr:`norm_key`."""
+
+    @property
+    def norm_key(self) -> str:
+        """The key of a sketched record's exact squared norms (``F64 [rows]``) in its data file."""
+        return self.key + NORM_SUFFIX
 
     @property
     def rows(self) -> int:
@@ -160,7 +169,8 @@ class TensorRecord:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * ITEMSIZES[self.dtype]
+        """Bytes stored for the record (a sketch's norms included)."""
+        return math.prod(self.shape) * ITEMSIZES[self.dtype] + (8 * self.rows if self.sketch is not None else 0)
 
     def row_positions(self) -> np.ndarray | None:
         return None if self.positions is None else decode_runs(self.positions, step=1)
@@ -171,6 +181,8 @@ class TensorRecord:
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d["shape"] = list(self.shape)
+        if d["sketch"] is None:  # a full record's JSON is as before sketches existed
+            del d["sketch"]
         return d
 
     @classmethod

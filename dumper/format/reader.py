@@ -117,14 +117,21 @@ class DumpReader:
         self.manifest = manifest if manifest is not None else load_manifest(self.directory)
         self._open: dict[str, _SafetensorsFile] = {}
 
-    def array(self, rec: TensorRecord) -> np.ndarray:
-        """The raw stored values of ``rec`` (memory-mapped, read-only, storage dtype)."""
-        f = self._open.get(rec.file)
+    def _file(self, name: str) -> _SafetensorsFile:
+        f = self._open.get(name)
         if f is None:
             if len(self._open) >= self.max_open:
                 self._open.pop(next(iter(self._open)))
-            f = self._open[rec.file] = _SafetensorsFile(self.directory, rec.file)
-        return f.array(rec.key, rec.dtype, rec.shape)
+            f = self._open[name] = _SafetensorsFile(self.directory, name)
+        return f
+
+    def array(self, rec: TensorRecord) -> np.ndarray:
+        """The raw stored values of ``rec`` (memory-mapped, read-only, storage dtype)."""
+        return self._file(rec.file).array(rec.key, rec.dtype, rec.shape)
+
+    def sq_norms(self, rec: TensorRecord) -> np.ndarray:
+        """A sketched record's exact squared row norms, ``F64 [rows]`` (:mod:`dumper.format.sketch`)."""
+        return self._file(rec.file).array(rec.norm_key, "F64", (rec.rows,))
 
     def rows(self, rec: TensorRecord) -> np.ndarray:
         """:meth:`array` viewed as ``[rows, last dim]`` (a 0-d or 1-d tensor is one row); cached per tensor."""

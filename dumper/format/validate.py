@@ -41,6 +41,7 @@ from typing import Any
 
 from dumper.errors import CorruptDumpError
 from dumper.format.files import check_plain_name, is_text, show
+from dumper.format.sketch import NORM_SUFFIX, check_record_sketch, check_spec
 
 __all__ = [
     "MAX_MANIFEST_BYTES",
@@ -69,13 +70,14 @@ MANIFEST_KEYS = ("format_version", "created_at", "model", "capture_signature", "
                  "extra")
 """Top-level keys of a manifest; all but ``extra`` are required."""
 RECORD_KEYS = ("name", "file", "key", "shape", "dtype", "forward_pass", "rank", "call", "layer", "point",
-               "positions", "sequence_ids", "shard_dim", "meta")
+               "positions", "sequence_ids", "shard_dim", "meta", "sketch")
 """Keys of a tensor record; the first six are required, the others default."""
 _TOP_REQUIRED = frozenset(MANIFEST_KEYS[:-1])
 _TOP_ALLOWED = frozenset(MANIFEST_KEYS)
 _REC_REQUIRED = frozenset(RECORD_KEYS[:6])
 _REC_ALLOWED = frozenset(RECORD_KEYS)
 _SCALARS = (str, int, float, bool, type(None))
+
 _ENTRY_KEYS = {"dtype", "shape", "data_offsets"}
 HeaderEntry = tuple[str, tuple[int, ...], int, int]
 """A validated safetensors header entry: (dtype, shape, begin, end) in the data section."""
@@ -300,21 +302,31 @@ def check_manifest(raw: dict, where: str, itemsize: Mapping[str, int]) -> None:
     files, tensors = raw["files"], raw["tensors"]
     if type(tensors) is not list:
         raise _bad(where, "tensors", "a list of tensor records", tensors)
+    raw_spec = raw["capture_signature"].get("sketch")
+    spec = check_spec(raw_spec, where) if raw_spec is not None else None
     used: dict[str, int] = {}
     idents: set[tuple[Any, ...]] = set()
     locations: set[tuple[str, str]] = set()
     for i, d in enumerate(tensors):
         need = _check_record(d, i, where, files, itemsize)
         file = d["file"]
+        if d.get("sketch") is not None:
+            check_record_sketch(d["sketch"], spec, d["shape"], d["dtype"], where, f"tensors[{i}].sketch")
+            need += 8 * (math.prod(d["shape"][:-1]) if len(d["shape"]) > 1 else 1)  # the F64 norms
+            norms = (file, d["key"] + NORM_SUFFIX)
+            if norms in locations:
+                raise CorruptDumpError(f"{where}: tensors[{i}]: its norms' (file, key) {list(norms)} is taken")
+            locations.add(norms)
         if need > files[file]:
             raise CorruptDumpError(f"{where}: tensors[{i}].shape: {d['dtype']}{d['shape']} needs {need} bytes but "
                                    f"its file {file} holds {files[file]}")
         used[file] = used.get(file, 0) + need
-        n = len(idents)
-        idents.add((d["name"], d["forward_pass"], d.get("rank", 0), d.get("call", 0)))
-        locations.add((file, d["key"]))
-        if len(idents) == n or len(locations) == n:
+        ident, location = (d["name"], d["forward_pass"], d.get("rank", 0), d.get("call", 0)), (file, d["key"])
+        if ident in idents or location in locations:
             _duplicate(tensors, i, where)
+            raise CorruptDumpError(f"{where}: tensors[{i}]: (file, key) {list(location)} is a sketch's norms")
+        idents.add(ident)
+        locations.add(location)
     for name, need in used.items():
         if need > files[name]:
             raise CorruptDumpError(f"{where}: files[{show(name)}]: its tensors need {need} bytes together but "

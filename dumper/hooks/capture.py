@@ -21,7 +21,7 @@ import contextlib
 import datetime as _dt
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, NoReturn
@@ -29,18 +29,20 @@ from typing import Any, NoReturn
 import torch
 from torch import nn
 
-from dumper.errors import DriftscopeError, DumpError, InternalError, UsageError
+from dumper.errors import DumpError, UsageError
 from dumper.format import FORMAT_VERSION, MANIFEST_NAME, Manifest, TensorRecord, write_manifest
 from dumper.format.dtypes import torch_codes
+from dumper.format.sketch import SketchSpec
 from dumper.format.validate import first_bad_text
 from dumper.hooks.current import Recorder, activate
-from dumper.hooks.checks import checked_extra, checked_record_args
+from dumper.hooks.checks import checked_extra, checked_record_args, hook_guard
 from dumper.hooks.families import FamilyAdapter, resolve_model
 from dumper.hooks.fingerprint import environment_fingerprint
 from dumper.hooks.layers import POINTS, RESIDUAL, ROUTER, HookTarget, hook_targets
 from dumper.hooks.parts import dist_rank_world, join_under_barrier, write_part
 from dumper.hooks.routing import check_router_hookable, router_meta, router_records
 from dumper.hooks.rows import PassRows, as_runs, write_shared_rows
+from dumper.hooks.sketch import Sketcher, sketch_for_record
 from dumper.hooks.tap import TapPoint, check_counts, is_compiled, match_targets, tap_of, unwrap_compiled
 from dumper.hooks.writer import ShardWriter
 
@@ -48,21 +50,6 @@ __all__ = ["Capture", "capture"]
 
 _STORAGE_CODES = torch_codes()
 """torch dtype -> the dump format's dtype code, for every dtype a dump can store."""
-
-
-def _hook_guard(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Run a hook; anything it raises that is not a :class:`DriftscopeError` is a driftscope bug (InternalError),
-    so that the run's boundary does not call it "the model's forward failed" (exit 3, not 2)."""
-    @functools.wraps(fn)
-    def guarded(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except (DriftscopeError, InternalError):
-            raise
-        except Exception as e:
-            raise InternalError(f"driftscope hook {fn.__name__} failed ({type(e).__name__}: {e})") from e
-
-    return guarded
 
 
 class Capture:
@@ -82,7 +69,7 @@ class Capture:
                  model_name: str | None = None, shard_bytes: int = 512 << 20, extra: dict[str, Any] | None = None,
                  identity: dict[str, Any] | None = None, signature: dict[str, Any] | None = None,
                  environment: dict[str, Any] | None = None, family: FamilyAdapter | None = None,
-                 hooks: bool = True, part: bool = False, first_pass: int = 0) -> None:
+                 hooks: bool = True, part: bool = False, first_pass: int = 0, sketch: SketchSpec | None = None) -> None:
         # a torch.compile wrapper: passes start and end at its call, the capture points are its module's
         self._outer = model if isinstance(model, nn.Module) and is_compiled(model) else None
         self.model, self._family = (model, family) if family is not None else \
@@ -99,7 +86,7 @@ class Capture:
             self.extra.setdefault("compiled", True)  # the comparator notes a side that ran compiled
         if model_name is not None and first_bad_text(model_name, "model_name") is not None:
             raise UsageError(f"capture(model_name={model_name!r}): expected valid Unicode text")
-        self._shard_bytes = shard_bytes
+        self._shard_bytes, self._sketcher = shard_bytes, Sketcher(sketch) if sketch is not None else None
         self._targets, self._num_layers = (hook_targets(model, self._family, layers=layers, modules=modules,
                                                         points=points) if model is not None else ([], 0))
         self._tap = tap_of(model) if model is not None else None
@@ -230,6 +217,7 @@ class Capture:
             "points": [p for p in POINTS if any(t.point == p for t in self._targets)  # and what an engine routed:
                        or p == ROUTER and any(r.point == ROUTER for r in self._records)],
             "num_layers": self._num_layers, "world_size": self.world_size, "dtype": dtype, **(self._signature or {}),
+            **({"sketch": self._sketcher.spec.to_json()} if self._sketcher is not None else {}),
         }
 
     def _environment_of(self) -> dict[str, Any]:
@@ -270,7 +258,7 @@ class Capture:
         """The forward pass :meth:`pass_start` began has ended: read the tap, close the pass."""
         self._on_model_end(self.model, (), None)
 
-    @_hook_guard
+    @hook_guard
     def _on_model_start(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         self._depth += 1
         if self._depth == 1:
@@ -279,7 +267,7 @@ class Capture:
             if self._tap is not None:
                 self._tap.clear()  # a point that does not run in this pass records nothing
 
-    @_hook_guard
+    @hook_guard
     def _on_model_end(self, module: nn.Module, args: tuple, output: Any) -> None:
         self._depth = max(0, self._depth - 1)
         if self._depth == 0:
@@ -313,7 +301,7 @@ class Capture:
         point_name, layer, point = f"{target.name}.{target.point}", target.layer, target.point
         read = self._family.residual_input if point == RESIDUAL else self._family.hidden_input
 
-        @_hook_guard
+        @hook_guard
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             hidden = read(args, kwargs)
             if not isinstance(hidden, torch.Tensor):
@@ -323,7 +311,7 @@ class Capture:
 
         return hook
 
-    @_hook_guard
+    @hook_guard
     def _on_router(self, target: HookTarget, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         """A router's forward hook: record what ``target.read`` reads of its call; returns None (reads only)."""
         self.record_router(target.name, target.layer, target.read(args, kwargs, output), scores_meta=router_meta(module))  # type: ignore[misc]
@@ -356,12 +344,14 @@ class Capture:
         call = self._calls.get(name, 0)
         self._calls[name] = call + 1
         key = name if call == 0 else f"{name}#{call}"
-        self._writer.put(forward_pass, key, tensor)
+        tensor, companions, sketched = sketch_for_record(self._sketcher, tensor, key, point=point, shard_dim=shard_dim,
+                                                         code=_STORAGE_CODES[tensor.dtype])
+        self._writer.put(forward_pass, key, tensor, companions=companions)
         self._records.append(TensorRecord(
-            name=name, file="", key=key, shape=shape, dtype=_STORAGE_CODES[tensor.dtype],
+            name=name, file="", key=key, shape=tuple(int(s) for s in tensor.shape), dtype=_STORAGE_CODES[tensor.dtype],
             forward_pass=forward_pass, rank=self.rank, call=call, layer=layer, point=point,
-            positions=as_runs(positions, rows, "positions"),
-            sequence_ids=as_runs(sequence_ids, rows, "sequence_ids"), shard_dim=shard_dim, meta=meta))
+            positions=as_runs(positions, rows, "positions"), sequence_ids=as_runs(sequence_ids, rows, "sequence_ids"),
+            shard_dim=shard_dim, meta=meta, sketch=sketched))
 
     def record_router(self, prefix: str, layer: int, parts: dict[str, torch.Tensor], *, positions: Any = None,
                       sequence_ids: Any = None, scores_meta: dict[str, int] | None = None) -> None:
@@ -374,7 +364,8 @@ class Capture:
 
 def capture(model: nn.Module | Any | None, out_dir: str | Path, *, layers: str | Sequence[int] | None = None,
             modules: str | None = None, points: str | Sequence[str] | None = None, model_name: str | None = None,
-            shard_bytes: int = 512 << 20, extra: dict[str, Any] | None = None) -> Capture:
+            shard_bytes: int = 512 << 20, extra: dict[str, Any] | None = None, sketch: int | None = None,
+            sketch_seed: int = 0) -> Capture:
     """Capture self-attention inputs (and, with ``points``, residual streams) of ``model`` into ``out_dir``.
 
     Args:
@@ -393,8 +384,11 @@ def capture(model: nn.Module | Any | None, out_dir: str | Path, *, layers: str |
         model_name: the model's name or path, recorded in the manifest.
         shard_bytes: largest data file size before a forward pass is split into shards.
         extra: free-form JSON metadata stored in the manifest (e.g. the prompts).
+        sketch: store each hidden-state row as a ``sketch``-dim seeded projection plus its exact squared norm
+            instead of whole (:mod:`dumper.format.sketch`); ``sketch_seed`` picks the projection.
     """
     return Capture(model, out_dir, layers=layers, modules=modules, points=points, model_name=model_name,
-                   shard_bytes=shard_bytes, extra=extra)
+                   shard_bytes=shard_bytes, extra=extra,
+                   sketch=SketchSpec(k=sketch, seed=sketch_seed) if sketch is not None else None)
 
 

@@ -1,5 +1,6 @@
 """What a capture refuses in the caller's frame, before anything is stored: the manifest's free
-metadata and what :meth:`dumper.hooks.capture.Capture.record` stores beside a tensor's data.
+metadata and what :meth:`dumper.hooks.capture.Capture.record` stores beside a tensor's data; and
+:func:`hook_guard`, which tells a driftscope bug inside a hook from the model's own failure.
 
 Each check mirrors one the dump reader makes (:mod:`dumper.format.validate`), so a capture never
 writes a dump its own reader would refuse.
@@ -10,15 +11,17 @@ from __future__ import annotations
 import json
 import math
 import operator
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
-from dumper.errors import CorruptDumpError, UsageError
+from dumper.errors import CorruptDumpError, DriftscopeError, InternalError, UsageError
 from dumper.format.validate import check_extra, first_bad_text
 
-__all__ = ["checked_extra", "checked_record_args", "as_index"]
+__all__ = ["checked_extra", "checked_record_args", "as_index", "hook_guard"]
 
 
 def checked_extra(extra: dict[str, Any] | None) -> dict[str, Any]:
@@ -79,3 +82,18 @@ def as_index(name: str, what: str, v: Any) -> int | None:
     if not -(1 << 63) <= i < 1 << 63:
         raise UsageError(f"dump({name!r}): {what} {i} is out of the int64 range")
     return i
+
+
+def hook_guard(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Run a hook; anything it raises that is not a :class:`DriftscopeError` is a driftscope bug (InternalError),
+    so that the run's boundary does not call it "the model's forward failed" (exit 3, not 2)."""
+    @functools.wraps(fn)
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except (DriftscopeError, InternalError):
+            raise
+        except Exception as e:
+            raise InternalError(f"driftscope hook {fn.__name__} failed ({type(e).__name__}: {e})") from e
+
+    return guarded

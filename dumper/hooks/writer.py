@@ -36,10 +36,12 @@ _STOP = object()
 
 @dataclass
 class _Item:
-    key: str
-    tensor: torch.Tensor
-    event: Any  # torch.cuda.Event | None
+    tensors: dict[str, tuple[torch.Tensor, Any]]  # key -> (snapshot, torch.cuda.Event | None), one file together
     forward_pass: int
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t, _ in self.tensors.values())
 
 
 def snapshot(t: torch.Tensor) -> tuple[torch.Tensor, Any]:
@@ -80,14 +82,17 @@ class ShardWriter:
         self._thread = threading.Thread(target=self._run, name="driftscope-writer", daemon=True)
         self._thread.start()
 
-    def put(self, forward_pass: int, key: str, tensor: torch.Tensor) -> None:
-        """Snapshot ``tensor`` and queue it; blocks while too many bytes are queued.
+    def put(self, forward_pass: int, key: str, tensor: torch.Tensor, *,
+            companions: dict[str, torch.Tensor] | None = None) -> None:
+        """Snapshot ``tensor`` (and ``companions``, written to the same file under their keys) and queue it;
+        blocks while too many bytes are queued.
 
         While it waits, the shard being gathered is written early (it would otherwise wait for
         bytes this call holds back: a shard bigger than the queue, or one huge tensor).
         """
         self._raise_if_failed()
-        nbytes = tensor.numel() * tensor.element_size()
+        group = {key: tensor, **(companions or {})}
+        nbytes = sum(t.numel() * t.element_size() for t in group.values())
         with self._cond:
             while self._queued > 0 and self._queued + nbytes > self.max_queued_bytes and self._error is None:
                 if not self._flush_asked:
@@ -95,8 +100,7 @@ class ShardWriter:
                     self._queue.put(_FLUSH)
                 self._cond.wait()
             self._queued += nbytes
-        buf, ev = snapshot(tensor)
-        self._queue.put(_Item(key, buf, ev, forward_pass))
+        self._queue.put(_Item({k: snapshot(t) for k, t in group.items()}, forward_pass))
 
     def end_pass(self) -> None:
         """Flush the current forward pass's tensors to their own shard(s)."""
@@ -142,10 +146,11 @@ class ShardWriter:
                 if item.forward_pass != pending_pass:
                     flush()
                     pending_pass = item.forward_pass
-                if item.event is not None:
-                    item.event.synchronize()
-                pending[item.key] = item.tensor
-                pending_bytes += item.tensor.numel() * item.tensor.element_size()
+                for k, (tensor, event) in item.tensors.items():
+                    if event is not None:
+                        event.synchronize()
+                    pending[k] = tensor
+                pending_bytes += item.nbytes
                 if pending_bytes >= self.shard_bytes:
                     flush()
             except BaseException as e:  # surfaced to the producer on its next call
