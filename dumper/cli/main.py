@@ -13,7 +13,7 @@ from dumper.cli.common import Parser, guarded_main
 from dumper.cli.common import split_debug
 from dumper.cli.collect import add_collect, cmd_collect
 from dumper.cli.sweep import add_sweep, cmd_sweep
-from dumper.cli.values import check_device, engine_args, seed_value
+from dumper.cli.values import check_device, engine_args, seed_value, sketch_spec
 from dumper.engines import ENGINES
 from dumper.errors import EXIT_DIVERGED, EXIT_OK, UsageError
 from dumper.format import load_manifest
@@ -105,6 +105,11 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--save-logits", action="store_true", help="with --logprobs: also dump the full logits rows")
     r.add_argument("--compile", action="store_true",
                    help="transformers: run the model under torch.compile, captured through driftscope's tap")
+    r.add_argument("--sketch", type=int, default=None, metavar="K",
+                   help="store each hidden-state row as a K-dim seeded random projection plus its exact squared norm "
+                        "instead of whole (K/hidden of the bytes; per-token rel_diff estimated within ~sqrt(2/K))")
+    r.add_argument("--sketch-seed", type=int, default=None, help="with --sketch: the projection's seed (default 0); "
+                   "sketches compare only with the same --sketch and --sketch-seed")
     r.add_argument("--observer-check", action="store_true",
                    help="with --logprobs (transformers, vllm): run the job again with nothing of driftscope on the "
                         "model and check that its logprobs (and --save-logits rows) are bit-identical to the dump's; "
@@ -201,7 +206,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
                     device=args.device, seed=args.seed,
                     chunk_size=args.chunk_size, batch_size=args.batch_size, padding_side=args.padding_side,
                     logprobs=spec, engine=args.engine, engine_args=engine_args(args.engine_arg or ()),
-                    compile=args.compile, observer_check=args.observer_check)
+                    compile=args.compile, observer_check=args.observer_check,
+                    sketch=sketch_spec(args.sketch, args.sketch_seed))
     with progress_bar(not args.quiet, "dumping", unit="tokens") as progress:
         manifest = run_engine(cfg, engine=args.engine, progress=progress)
     layers = manifest.capture_signature.get("layers", [])

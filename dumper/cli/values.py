@@ -6,8 +6,9 @@ import argparse
 from collections.abc import Sequence
 
 from dumper.errors import UsageError
+from dumper.format.sketch import SketchSpec
 
-__all__ = ["seed_value", "check_device", "engine_args"]
+__all__ = ["seed_value", "check_device", "engine_args", "sketch_spec"]
 
 
 def seed_value(text: str) -> int:
@@ -41,3 +42,12 @@ def engine_args(items: Sequence[str]) -> tuple[tuple[str, str], ...]:
             raise UsageError(f"--engine-arg {item!r}: expected KEY=VALUE")
         out.append((key.strip(), value))
     return tuple(out)
+
+
+def sketch_spec(k: int | None, seed: int | None) -> SketchSpec | None:
+    """``--sketch K`` and ``--sketch-seed S`` as the projection to store (None: full dumps); bad values refused."""
+    if k is None:
+        if seed is not None:
+            raise UsageError("--sketch-seed needs --sketch K")
+        return None
+    return SketchSpec(k=k, seed=0 if seed is None else seed)

@@ -206,7 +206,8 @@ class EngineDump:
         signature = {"layers": self.layers, "modules": [attn_input_name(i)[:-len(ATTN_INPUT) - 1] for i in self.layers],
                      "points": [ATTN_INPUT], "num_layers": num_layers, "world_size": 1, "dtype": cfg.dtype}
         self._cap = Capture(None, cfg.out, model_name=identity.get("name"), extra=json.loads(json.dumps(job)),
-                            identity=identity, signature=signature, environment=info.environment())
+                            identity=identity, signature=signature, environment=info.environment(),
+                            sketch=cfg.sketch)
         self._cap.world_size, self._cap.rank = 1, 0
 
     def __enter__(self) -> EngineDump:

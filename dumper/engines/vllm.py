@@ -118,7 +118,8 @@ def engine_kwargs(cfg: RunConfig, checkpoint: Path, seqs: list[list[int]], *, ta
                                      "pipeline_parallel_size") if k in opts)
     if tap:
         points = None if tuple(cfg.points) == (ATTN_INPUT,) else ",".join(cfg.points)  # the default: as before
-        kw["additional_config"] = tap_config(cfg.layers if cfg.layers is not None else DEFAULT_LAYERS, points)
+        kw["additional_config"] = tap_config(cfg.layers if cfg.layers is not None else DEFAULT_LAYERS, points,
+                                             sketch=cfg.sketch)
     if cfg.chunk_size is not None:
         if kw.get("max_num_seqs", 0) > cfg.chunk_size:
             raise UsageError(f"--engine-arg max_num_seqs={kw['max_num_seqs']} is more than --chunk-size "

@@ -37,16 +37,17 @@ from dumper import errors
 from dumper.engines.vllm_hooks import VllmFamily
 from dumper.errors import DriftscopeError, UsageError
 from dumper.format import ROUTER_POINT
+from dumper.format.sketch import SketchSpec
 from dumper.hooks.layers import find_decoder_layers, parse_layer_spec
 from dumper.hooks.router_tap import PROBE_NAME, RouterEntry, RouterProbe, RouterTap
 from dumper.settings import env_settings
 
 __all__ = ["TAP_KEY", "register", "tap_config", "tap_spec", "install_engine_tap", "take_load_failure",
-           "split_points", "RouterTap", "install_router_tap", "router_tap_of", "moe_layers"]
+           "split_points", "sketch_of", "RouterTap", "install_router_tap", "router_tap_of", "moe_layers"]
 
 TAP_KEY = "driftscope"
 """The ``additional_config`` key that asks vLLM's loader for the tap."""
-_KEYS = ("layers", "points")
+_KEYS = ("layers", "points", "sketch")
 _PATCHED = "_driftscope_tap_loader"
 _FAILED = "tap-failed-"
 """Name prefix of the file a vLLM process leaves in the spool root when the tap refused its model."""
@@ -54,11 +55,15 @@ _LOG = logging.getLogger("vllm.driftscope")
 """A child of vLLM's logger: printed by vLLM's handler, at vLLM's level (``VLLM_LOGGING_LEVEL``)."""
 
 
-def tap_config(layers: str | Sequence[int] | None, points: str | Sequence[str] | None = None) -> dict[str, Any]:
-    """The ``additional_config`` entry that taps ``layers`` (and ``points``) of the model vLLM loads."""
+def tap_config(layers: str | Sequence[int] | None, points: str | Sequence[str] | None = None, *,
+               sketch: SketchSpec | None = None) -> dict[str, Any]:
+    """The ``additional_config`` entry that taps ``layers`` (and ``points``, stored as ``sketch``) of the model vLLM
+    loads."""
     spec: dict[str, Any] = {"layers": layers if isinstance(layers, str) or layers is None else [int(i) for i in layers]}
     if points is not None:
         spec["points"] = points if isinstance(points, str) else list(points)
+    if sketch is not None:
+        spec["sketch"] = sketch.to_json()
     return {TAP_KEY: {k: v for k, v in spec.items() if v is not None}}
 
 
@@ -75,12 +80,24 @@ def tap_spec(additional_config: Any) -> dict[str, Any] | None:
         more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
         raise UsageError(f"additional_config {TAP_KEY!r}: unknown key {unknown[0][:40]!r}{more}; "
                          f"it takes {', '.join(_KEYS)}")
-    for key in _KEYS:
+    if spec.get("sketch") is not None:
+        sketch_of(spec)
+    for key in _KEYS[:2]:
         value = spec.get(key)
         if value is not None and not isinstance(value, str) and not (
                 isinstance(value, list) and all(type(v) is (int if key == "layers" else str) for v in value)):
             raise UsageError(f"additional_config {TAP_KEY!r}.{key}: expected a spec string or a list, got {value!r}")
     return spec
+
+
+def sketch_of(spec: dict[str, Any]) -> SketchSpec | None:
+    """The projection a checked ``driftscope`` entry asks for (None: full rows); a bad one is one UsageError line."""
+    raw = spec.get("sketch")
+    if raw is None:
+        return None
+    if not isinstance(raw, dict) or not set(raw) <= {"kind", "k", "seed"}:
+        raise UsageError(f"additional_config {TAP_KEY!r}.sketch: expected an object of k, seed (and kind), got {raw!r}")
+    return SketchSpec(**raw)
 
 
 def split_points(points: str | Sequence[str] | None) -> tuple[str | list[str] | None, bool]:

@@ -34,7 +34,8 @@ from dumper.format import (
     Manifest,
     load_manifest,
 )
-from dumper.hooks.capture import capture
+from dumper.format.sketch import SketchSpec
+from dumper.hooks.capture import Capture
 from dumper.hooks.families import HFFamily
 from dumper.hooks.layers import ATTN_INPUT, ROUTER, parse_points
 from dumper.hooks.tap import install_tap, remove_tap, tap_of, unwrap_compiled
@@ -90,6 +91,8 @@ class RunConfig:
     """``--observer-check``: run the job again without capture and compare its logprobs bit for bit."""
     warm_prefix_cache: bool = False
     """Run the prompts once unrecorded before the recorded run, so that it reads the prefix cache (vLLM)."""
+    sketch: SketchSpec | None = None
+    """``--sketch K``: hidden-state rows stored as projections (:mod:`dumper.format.sketch`)."""
 
     def engine_arg(self, key: str, default: str | None = None) -> str | None:
         """The ``--engine-arg`` value of ``key`` (the last one given), else ``default``."""
@@ -338,8 +341,9 @@ def dump_sequences(model: torch.nn.Module, seqs: list[list[int]], cfg: RunConfig
              "chunk_size": cfg.chunk_size, "batch_size": cfg.batch_size, "padding_side": cfg.padding_side,
              "logprobs": None if cfg.logprobs is None else vars(cfg.logprobs), **cfg.extra}
     run_model = compiled_model(model, cfg, seqs) if cfg.compile else model
-    with torch.inference_mode(), capture(run_model, cfg.out, layers=cfg.layers, modules=cfg.modules,
-                                         points=cfg.points, model_name=cfg.model, extra=extra) as cap:
+    with torch.inference_mode(), Capture(run_model, cfg.out, layers=cfg.layers, modules=cfg.modules,
+                                         points=cfg.points, model_name=cfg.model, extra=extra,
+                                         sketch=cfg.sketch) as cap:
         _prefill_job(model, run_model, seqs, cfg, cap, progress)
     if not cfg.observer_check or cfg.logprobs is None:
         return load_manifest(cfg.out)
