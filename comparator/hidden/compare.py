@@ -206,6 +206,7 @@ def compare_dumps(baseline: str | os.PathLike[str], target: str | os.PathLike[st
         notes=(*notes, *replay, *_noise_notes(config, results), *([sketch.note()] if sketch else [])),
         empty_tensors=tuple(plan.empty), sketch=sketch.to_json() if sketch else None,
         warnings=(*config.noise_warnings(sorted({t.name for t in results})),
+                  *filter(None, [config.noise.sketch_warning(sketch.spec if sketch else None)] if config.noise else []),
                   *(verdict.noise.warnings if verdict is not None and verdict.noise is not None else ())),
         noise=config.noise.source if config.noise is not None else None,
         noise_factor=config.noise_factor if config.noise is not None else None,

@@ -28,6 +28,7 @@ from typing import Any
 from dumper.errors import CorruptDumpError, UsageError
 from dumper.format import Manifest
 from dumper.format.files import show
+from dumper.format.sketch import SketchSpec, check_spec
 from dumper.format.validate import check_model
 
 from comparator.jsonfloat import to_json_float
@@ -103,6 +104,9 @@ class NoiseModel:
     not a re-run of the baseline's model (:func:`comparator.judging.identity.check_variant`)."""
     router: Mapping[int, RouterNoise] = field(default_factory=dict)
     """Benign routing variation per MoE layer (:mod:`comparator.judging.router_noise`); empty: none recorded."""
+    sketch: SketchSpec | None = None
+    """The projection the variants were compared under when either side was a sketch dump (its estimates'
+    spread is then part of the noise); None: calibrated on full dumps."""
     source: str | None = field(default=None, compare=False)
     """The file it was read from (not stored)."""
 
@@ -139,7 +143,21 @@ class NoiseModel:
                 "logprobs": self.logprobs.to_json() if self.logprobs is not None else None,
                 "model_mismatch": [{"variant": v, "field": d.field, "baseline": d.baseline, "target": d.target}
                                    for v, d in self.model_mismatch],
-                **({"router": router_noise_to_json(self.router)} if self.router else {})}
+                **({"router": router_noise_to_json(self.router)} if self.router else {}),
+                **({"sketch": self.sketch.to_json()} if self.sketch is not None else {})}
+
+    def sketch_warning(self, sketch: SketchSpec | None) -> str | None:
+        """What a verdict says when this noise was measured on other dumps than it judges: full vs sketched."""
+        if sketch == self.sketch:
+            return None
+        label = self.source or "the noise"
+        if self.sketch is None:
+            return (f"{label}: calibrated on full dumps but judging a sketch comparison ({sketch.describe()}): its "
+                    f"estimates spread by about {sketch.spread:.0%} more than the calibration saw; calibrate with "
+                    "sketch dumps of the same --sketch for noise that includes it")
+        now = "full dumps" if sketch is None else f"a sketch of {sketch.describe()}"
+        return (f"{label}: calibrated on sketch comparisons ({self.sketch.describe()}) but judging {now}: "
+                "the thresholds were measured for another estimate; recalibrate with the same dumps")
 
     @classmethod
     def from_json(cls, d: Any, where: str) -> NoiseModel:
@@ -148,7 +166,7 @@ class NoiseModel:
         if type(d) is not dict or d.get("format") != NOISE_FORMAT:
             raise UsageError(f"{where}: not a driftscope noise file (expected \"format\": {NOISE_FORMAT!r}); "
                              "write one with python -m comparator calibrate")
-        d = record(d, where, "top level", _TOP_KEYS, ("model_mismatch", "router"))
+        d = record(d, where, "top level", _TOP_KEYS, ("model_mismatch", "router", "sketch"))
         variants = tuple(text(v, where, f"variants[{i}]")
                          for i, v in enumerate(items(d["variants"], where, "variants")))
         if not variants:
@@ -170,7 +188,16 @@ class NoiseModel:
                    logprobs=None if lp is None else LogprobNoise.from_json(lp, where, variants=len(variants)),
                    model=model, dtype=text(d["dtype"], where, "dtype", null=True),
                    model_mismatch=_mismatch_from_json(d.get("model_mismatch", []), set(variants), where),
-                   router=router_noise_from_json(d.get("router", []), where), source=where)
+                   router=router_noise_from_json(d.get("router", []), where), source=where,
+                   sketch=_sketch_from_json(d.get("sketch"), where))
+
+
+def _sketch_from_json(v: Any, where: str) -> SketchSpec | None:
+    """``sketch``: absent or null for noise from full dumps, else the projection (``kind``, ``k``, ``seed``)."""
+    try:
+        return None if v is None else check_spec(v, where)
+    except CorruptDumpError as e:
+        raise UsageError(str(e)) from None
 
 
 def _identity_value(v: Any, where: str, field: str) -> Any:

@@ -29,6 +29,7 @@ import numpy as np
 
 from dumper.errors import NotComparableError, UsageError
 from dumper.format import MANIFEST_NAME, load_manifest
+from dumper.format.sketch import SketchSpec, check_spec
 
 from comparator.config import CompareConfig
 from comparator.hidden.compare import compare_dumps
@@ -119,6 +120,7 @@ def calibrate(baseline: str | os.PathLike[str], variants: Sequence[str | os.Path
     pool = _Pool()
     verdicts: list[LogprobVerdict] = []
     routing: list[RouterComparison] = []
+    sketch: SketchSpec | None = None  # the projection of the sketched comparisons, if any
     manifest = load_manifest(baseline) if _is_dump(baseline) else None
     mismatch: list[tuple[str, IdentityDifference]] = []
     for i, variant in enumerate(variants):
@@ -132,6 +134,8 @@ def calibrate(baseline: str | os.PathLike[str], variants: Sequence[str | os.Path
                 verdicts.append(report.logprobs)
             if report.router is not None:
                 routing.append(report.router)
+            if report.sketch is not None:
+                sketch = check_spec({k: report.sketch[k] for k in ("kind", "k", "seed")}, str(variant))
         else:
             verdicts.append(compare_logprob_sources(baseline, variant, allow_model_mismatch=allow_model_mismatch))
         if progress is not None:
@@ -145,4 +149,5 @@ def calibrate(baseline: str | os.PathLike[str], variants: Sequence[str | os.Path
                          "calibrate logprobs from variants that all record them")
     return NoiseModel(baseline=str(baseline), variants=tuple(str(v) for v in variants),
                       tensors=pool.tensors(len(variants)), logprobs=logprob_noise(verdicts) if verdicts else None,
-                      model=model, dtype=dtype, model_mismatch=tuple(mismatch), router=_router_noise(routing))
+                      model=model, dtype=dtype, model_mismatch=tuple(mismatch), router=_router_noise(routing),
+                      sketch=sketch)
