@@ -35,8 +35,8 @@ import numpy as np
 from dumper.errors import CorruptDumpError, UsageError
 from dumper.format.dtypes import FLOAT_CODES
 
-__all__ = ["SKETCH_KINDS", "SKETCHED_POINTS", "NORM_SUFFIX", "MAX_SKETCH_SEED", "SketchSpec", "sign_bits", "signs", "project",
-           "check_spec", "check_record_sketch", "HASH_MULTIPLIERS", "mix32", "hash_keys"]
+__all__ = ["SKETCH_KINDS", "SKETCHED_POINTS", "NORM_SUFFIX", "MAX_SKETCH_SEED", "HASH_MULTIPLIERS", "SketchSpec",
+           "sign_bits", "signs", "project", "check_spec", "check_record_sketch", "mix32", "hash_keys"]
 
 SKETCH_KINDS = ("rademacher",)
 """Projection kinds: ``rademacher`` is a dense matrix of random signs (see ``bench/bench_sketch.py`` for why
@@ -64,9 +64,10 @@ class SketchSpec:
 
     def __post_init__(self) -> None:
         if type(self.k) is not int or self.k < 1:
-            raise UsageError(f"--sketch must be an integer >= 1 (the projection's size K), got {self.k!r}")
+            raise UsageError(f"sketch K (--sketch) must be an integer >= 1, got {self.k!r}")
         if type(self.seed) is not int or not 0 <= self.seed <= MAX_SKETCH_SEED:
-            raise UsageError(f"--sketch-seed must be an integer in 0..{MAX_SKETCH_SEED}, got {self.seed!r}")
+            raise UsageError(f"sketch seed (--sketch-seed) must be an integer in 0..{MAX_SKETCH_SEED}, "
+                             f"got {self.seed!r}")
         if self.kind not in SKETCH_KINDS:
             raise UsageError(f"sketch kind must be one of {', '.join(SKETCH_KINDS)}, got {self.kind!r}")
 
@@ -93,7 +94,7 @@ class SketchSpec:
 
 
 def check_spec(raw: Any, where: str) -> SketchSpec:
-    """The :class:`SketchSpec` of a manifest's ``capture_signature["sketch"]``; a one-line CorruptDumpError if hostile."""
+    """The :class:`SketchSpec` of a manifest's ``capture_signature["sketch"]``; one CorruptDumpError line if hostile."""
     if type(raw) is not dict or set(raw) != {"kind", "k", "seed"}:
         raise CorruptDumpError(f"{where}: capture_signature.sketch: expected an object of kind, k and seed, "
                                f"got {str(raw)[:80]}")
@@ -121,7 +122,8 @@ def check_record_sketch(raw: Any, spec: SketchSpec | None, shape: list[int], dty
     if type(hidden) is not int or not spec.k <= hidden <= 1 << 40:
         raise CorruptDumpError(f"{where}: {field}.hidden: expected an integer >= K={spec.k}, got {str(hidden)[:40]}")
     if source not in FLOAT_CODES:
-        raise CorruptDumpError(f"{where}: {field}.dtype: expected one of {sorted(FLOAT_CODES)}, got {str(source)[:40]!r}")
+        raise CorruptDumpError(f"{where}: {field}.dtype: expected one of {sorted(FLOAT_CODES)}, "
+                               f"got {str(source)[:40]!r}")
     if dtype != "F32" or not shape or shape[-1] != spec.k:
         raise CorruptDumpError(f"{where}: {field}: a sketch is F32 [..., {spec.k}], the record is {dtype}{shape}")
 

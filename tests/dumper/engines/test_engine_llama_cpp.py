@@ -159,3 +159,19 @@ def test_unusable_inputs_exit_2_with_one_line(work: dict[str, Path]) -> None:
         with pytest.raises(error) as info:
             run_engine(cfg, engine="llama.cpp")
         assert says in str(info.value) and "\n" not in str(info.value)
+
+
+def test_a_sketch_of_llama_cpp_passes_against_hf_and_keeps_its_logprobs(work: dict[str, Path]) -> None:
+    """``--sketch 16``: llama.cpp's rows projected as they are recorded; the estimates pass against HF's full rows and
+    the logprobs are the unsketched run's."""
+    full, sketch = llama_dump(work, "f32"), llama_dump(work, "f32", "--sketch", "16")
+    manifest = json.loads((sketch / "manifest.json").read_text())
+    assert manifest["capture_signature"]["sketch"] == {"kind": "rademacher", "k": 16, "seed": 0}
+    hidden = [t for t in manifest["tensors"] if t["point"] == "input"]
+    assert hidden and all(t["sketch"]["dtype"] == "F32" and t["shape"][-1] == 16 for t in hidden)
+    rc, report, _ = compare(work["hf"], sketch)
+    assert rc == 0 and report["passed"] and report["matched"] == 8
+    assert report["sketch"]["target"] and not report["sketch"]["baseline"]
+    assert all("max_abs_diff" not in t and "cosine" not in t and t["rel_diff"] >= 0 for t in report["tensors"])
+    rc, lp, _ = compare(full, sketch, logprobs=True)
+    assert rc == 0 and max_logprob_err(lp) == 0.0

@@ -37,11 +37,13 @@ from tests.dumper.engines.test_engine_vllm import (JOB, LOGPROBS, N_LAYERS, PROM
                                                    finish_worker, in_process, need, shared_checkpoint)
 
 SUBSET = (1, 3)
+SKETCH_K = 32
 CLI_JOBS = {  # name -> `python -m dumper run --engine vllm` args after JOB (`--layers` given twice: the last wins)
     "fp32": LOGPROBS,  # test_engine_vllm's fp32 job: the same engine, compiled once
     "bf16": ("--dtype", "bfloat16", *LOGPROBS),  # test_engine_vllm's bf16 job
     "subset": ("--layers", ",".join(map(str, SUBSET)), *LOGPROBS),
     "eager": ("--engine-arg", "enforce_eager=true", *LOGPROBS),
+    "sketch": ("--sketch", str(SKETCH_K), *LOGPROBS),  # compiled, the projection made in vLLM's process
 }
 BAD_TAPS = {"unknown-key": {"layerz": "all"}, "layer-range": {"layers": [N_LAYERS + 3]}}
 """Hand-made ``additional_config["driftscope"]`` entries the loader must refuse in one line."""
@@ -137,7 +139,7 @@ def _worker(ckpt: str, prompts: str, out: str) -> None:
                        f"_plain_engines({ckpt!r}, {out!r})")
     timed("fp32", lambda: main([*run, *CLI_JOBS["fp32"], "--out", str(base / "fp32")]))
     timed("user", lambda: _user_script(Path(ckpt), base))
-    for name in ("bf16", "subset", "eager"):
+    for name in ("bf16", "subset", "eager", "sketch"):
         timed(name, lambda name=name: main([*run, *CLI_JOBS[name], "--out", str(base / name)]))
     kw = engine_kwargs(_cfg(Path(ckpt), base), Path(ckpt), PROMPTS)
     for name, spec in BAD_TAPS.items():  # last: each fails at load, after vLLM read the weights
@@ -270,6 +272,25 @@ def test_eager_still_captures_and_matches_hf(runs):
     assert report.passed and report.matched == N_LAYERS * len(PROMPTS) and report.logprobs.passed, report
 
 
+def test_a_sketch_of_the_compiled_engine_matches_hf_and_changes_no_logprob(runs):
+    """``--sketch``: the tapped rows are projected in vLLM's own process; the estimates pass against HF's full rows,
+    and the engine's logprobs are the unsketched fp32 job's, bit for bit."""
+    root, _ = runs
+    assert _settings(runs, "sketch")["compiled"] is True
+    m = load_manifest(root / "sketch")
+    hidden = [t for t in m.tensors if t.point == "input"]
+    assert m.capture_signature["sketch"] == {"kind": "rademacher", "k": SKETCH_K, "seed": 0}
+    assert hidden and all(t.sketch == {"hidden": 128, "dtype": "F32"} and t.shape[-1] == SKETCH_K and t.dtype == "F32"
+                          for t in hidden)
+    report = compare_dumps(root / "hf", root / "sketch")
+    assert report.passed and report.matched == N_LAYERS * len(PROMPTS) and report.logprobs.passed, report
+    assert report.sketch["target"] and not report.sketch["baseline"]
+    sketched, full = _dump_logprobs(root / "sketch"), _dump_logprobs(root / "fp32")
+    keys = sorted(full)
+    assert sorted(sketched) == keys
+    assert np.array_equal(_bits([sketched[k][0] for k in keys]), _bits([full[k][0] for k in keys]))
+
+
 def test_the_entry_point_taps_the_model_in_vllms_engine_process(runs):
     """A user script's ``LLM`` with vLLM's engine core in a spawned process: the plugin taps the model there."""
     user, _ = _job(runs, "user")
@@ -298,14 +319,22 @@ def test_a_bad_driftscope_entry_is_one_error_line(runs, name, says):
 
 def test_the_driftscope_entry_is_checked_before_any_engine():
     """``tap_config`` writes what ``tap_spec`` reads; anything else is one line naming the key (no vLLM needed)."""
-    from dumper.engines.vllm_tap import tap_config, tap_spec
+    from dumper.engines.vllm_tap import sketch_of, tap_config, tap_spec
     from dumper.errors import UsageError
+    from dumper.format.sketch import SketchSpec
 
     assert tap_spec(tap_config("all")) == {"layers": "all"} and tap_spec({"other": 1}) is None
     assert tap_spec(tap_config([1, 3], points="input")) == {"layers": [1, 3], "points": "input"}
-    for entry, says in (({"layerz": "all", "pointz": "x"}, "unknown key 'layerz' (and 1 more); it takes layers, points"),
-                        ("all", "expected an object with keys layers, points"),
-                        ({"layers": [1.5]}, "'driftscope'.layers: expected a spec string or a list")):
+    spec = tap_spec(tap_config("all", sketch=SketchSpec(k=8, seed=2)))
+    assert spec == {"layers": "all", "sketch": {"kind": "rademacher", "k": 8, "seed": 2}}
+    assert sketch_of(spec) == SketchSpec(k=8, seed=2) and sketch_of({"layers": "all"}) is None
+    for entry, says in (({"layerz": "all", "pointz": "x"},
+                         "unknown key 'layerz' (and 1 more); it takes layers, points, sketch"),
+                        ("all", "expected an object with keys layers, points, sketch"),
+                        ({"layers": [1.5]}, "'driftscope'.layers: expected a spec string or a list"),
+                        ({"layers": "all", "sketch": 8}, "'driftscope'.sketch: expected an object of k, seed"),
+                        ({"layers": "all", "sketch": {"k": 0}}, "sketch K (--sketch) must be an integer >= 1"),
+                        ({"layers": "all", "sketch": {"k": 8, "seed": "1"}}, "sketch seed (--sketch-seed) must be an integer")):
         with pytest.raises(UsageError, match=re.escape(says)):
             tap_spec({"driftscope": entry})
 
