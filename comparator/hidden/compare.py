@@ -44,7 +44,7 @@ from comparator.hidden.judge import judge_tensor
 from comparator.hidden.localize import FailingTokens, first_divergence, layer_amplification, locate_onset
 from comparator.logprobs import LogprobVerdict
 from comparator.hidden.metrics import PairStats, StatsAccumulator, pair_stats
-from comparator.hidden.sketch import is_sketched, record_sketch_stats, sketch_readers, sketch_stats
+from comparator.hidden.sketch import HiddenReader, is_sketched, record_sketch_stats, sketch_readers, sketch_stats
 from comparator.hidden.replicas import ReplicaView, as_rank, check_replicas
 from comparator.hidden.subset import SUBSET_NOTE, relabel_sequences, subset_baseline, subset_logprobs
 from comparator.hidden.types import Report, TensorComparison
@@ -72,7 +72,7 @@ def _chunk_note(pos: int, segs: list[Segment], side: str) -> str | None:
     return None
 
 
-def _logical_stats(base: LogicalTensor, target: LogicalTensor, br: DumpReader, tr: DumpReader,
+def _logical_stats(base: LogicalTensor, target: LogicalTensor, br: HiddenReader, tr: HiddenReader,
                    config: CompareConfig) -> tuple[PairStats, np.ndarray, int]:
     """Reassemble one (name, sequence) on both sides and stream its metrics row by row, piece by piece.
 
@@ -110,7 +110,7 @@ def _logical_stats(base: LogicalTensor, target: LogicalTensor, br: DumpReader, t
     return (acc.finish() if norms is None else sketch_stats(acc, norms[:, 0], norms[:, 1])), positions, rank
 
 
-def _compare_logical(base: LogicalTensor, target: LogicalTensor, br: DumpReader, tr: DumpReader,
+def _compare_logical(base: LogicalTensor, target: LogicalTensor, br: HiddenReader, tr: HiddenReader,
                      config: CompareConfig) -> tuple[TensorComparison, Tokens]:
     """Compare one (name, sequence) reassembled on both sides; also its per-token rel_diff and positions."""
     stats, positions, rank = _logical_stats(base, target, br, tr, config)
@@ -127,7 +127,7 @@ def _compare_logical(base: LogicalTensor, target: LogicalTensor, br: DumpReader,
                     sequence=base.sequence, notes=notes), (stats.token_rel_diff, positions, None)
 
 
-def _compare_records(b: TensorRecord, t: TensorRecord, br: DumpReader, tr: DumpReader,
+def _compare_records(b: TensorRecord, t: TensorRecord, br: HiddenReader, tr: HiddenReader,
                      config: CompareConfig) -> tuple[TensorComparison, Tokens]:
     """Compare one pair of tensors matched by (name, pass, rank, call); also its per-token values."""
     if b.shape != t.shape:
@@ -233,7 +233,7 @@ def _open(baseline: str | os.PathLike[str], target: str | os.PathLike[str],
     return br, tr, [*notes, *([SUBSET_NOTE] if config.subset else [])]
 
 
-def _plan(bm: Manifest, tm: Manifest, br: DumpReader, tr: DumpReader, empty: list[str]) -> _Plan:
+def _plan(bm: Manifest, tm: Manifest, br: HiddenReader, tr: HiddenReader, empty: list[str]) -> _Plan:
     """Match the hidden tensors of two manifests (no data read): by rows where both record positions."""
     by_rows, by_pass = split_by_mode(bm, tm)
     base_lts = logical_tensors(bm, by_rows, str(br.directory))
@@ -250,7 +250,7 @@ def _plan(bm: Manifest, tm: Manifest, br: DumpReader, tr: DumpReader, empty: lis
                  empty=empty)  # no elements, nothing to compare: said, never counted as matched
 
 
-def _check_plan(plan: _Plan, br: DumpReader, tr: DumpReader, config: CompareConfig, *, hidden: bool) -> None:
+def _check_plan(plan: _Plan, br: HiddenReader, tr: HiddenReader, config: CompareConfig, *, hidden: bool) -> None:
     """Refuse a plan that matches nothing (``hidden``: hidden tensors were expected, not only
     logprobs), or that leaves tensors out under ``require_all``."""
     ub, ut = plan.unmatched_baseline, plan.unmatched_target
@@ -266,7 +266,7 @@ def _check_plan(plan: _Plan, br: DumpReader, tr: DumpReader, config: CompareConf
             f"(e.g. {', '.join(ut[:3]) or '-'}); --require-all needs every tensor on both sides")
 
 
-def _compare_replica(view: ReplicaView, plan: _Plan, br: DumpReader, tr: DumpReader,
+def _compare_replica(view: ReplicaView, plan: _Plan, br: HiddenReader, tr: HiddenReader,
                      config: CompareConfig) -> tuple[TensorComparison, Tokens]:
     """Compare one rank's differing replica rows of one side against the other side."""
     base = view.tensor if view.side == "baseline" else plan.base[view.key]
@@ -275,7 +275,7 @@ def _compare_replica(view: ReplicaView, plan: _Plan, br: DumpReader, tr: DumpRea
     return replace(comparison, rank=view.rank, replica_side=view.side), tokens
 
 
-def _compare_all(plan: _Plan, views: list[ReplicaView], br: DumpReader, tr: DumpReader, config: CompareConfig,
+def _compare_all(plan: _Plan, views: list[ReplicaView], br: HiddenReader, tr: HiddenReader, config: CompareConfig,
                  progress: ProgressFn | None, token_sink: TokenSink | None) -> tuple[
                      list[TensorComparison], FailingTokens]:
     """Compare every planned pair and replica view, one at a time; the results in layer order and the

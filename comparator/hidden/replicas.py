@@ -22,11 +22,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dumper.format import DumpReader
-
 from comparator.config import CompareConfig
 from comparator.hidden.align import LogicalKey, LogicalTensor, replica_view
 from comparator.hidden.metrics import pair_stats
+from comparator.hidden.sketch import HiddenReader
 from comparator.hidden.types import ReplicaMismatch
 
 __all__ = ["ReplicaView", "check_replicas", "as_rank"]
@@ -44,7 +43,7 @@ class ReplicaView:
     """The representative's logical tensor with this rank's replica rows in its place."""
 
 
-def _first_differences(reader: DumpReader, lt: LogicalTensor, config: CompareConfig) -> dict[int, tuple[int, float]]:
+def _first_differences(reader: HiddenReader, lt: LogicalTensor, config: CompareConfig) -> dict[int, tuple[int, float]]:
     """Per rank whose replica rows differ from the representative's: (first differing position,
     largest per-token rel_diff). Reads one replica segment pair at a time."""
     worst: dict[int, tuple[int, float]] = {}
@@ -60,7 +59,7 @@ def _first_differences(reader: DumpReader, lt: LogicalTensor, config: CompareCon
     return worst
 
 
-def check_replicas(side: str, reader: DumpReader, lts: Mapping[LogicalKey, LogicalTensor],
+def check_replicas(side: str, reader: HiddenReader, lts: Mapping[LogicalKey, LogicalTensor],
                    config: CompareConfig) -> tuple[list[ReplicaMismatch], list[ReplicaView]]:
     """Rows that several ranks of ``side`` hold must be bit-identical: the mismatches (sorted by
     layer, rank, token), and a view of each (logical tensor, rank) that differs, to compare it too."""

@@ -31,7 +31,8 @@ from comparator.hidden.kernels import col_exps
 from comparator.hidden.metrics import PairStats, StatsAccumulator, row_sums_of
 from comparator.hidden.registry import metrics
 
-__all__ = ["SketchInfo", "SketchView", "sketch_readers", "sketch_stats", "is_sketched"]
+__all__ = ["HiddenReader", "SketchInfo", "SketchView", "sketch_readers", "sketch_stats", "is_sketched",
+           "record_sketch_stats"]
 
 PROJECT_BYTES = 64 << 20
 """Bytes of float64 rows projected at once (bounds the comparator's memory whatever a record's size)."""
@@ -60,6 +61,10 @@ class SketchInfo:
 
     def to_json(self) -> dict[str, Any]:
         return {**self.spec.to_json(), "baseline": self.baseline, "target": self.target, "spread": self.spec.spread}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> SketchInfo:
+        return cls(SketchSpec.from_json(d), baseline=bool(d["baseline"]), target=bool(d["target"]))
 
 
 def _spec(reader: DumpReader) -> SketchSpec | None:
@@ -128,7 +133,11 @@ class SketchView:
         return self._projected(rec)[1] if (rec.file, rec.key) in self._full else self.reader.sq_norms(rec)
 
 
-def sketch_readers(br: DumpReader, tr: DumpReader) -> tuple[Any, Any, SketchInfo | None]:
+HiddenReader = DumpReader | SketchView
+"""What the hidden-state comparison reads a dump through: the dump itself, or its :class:`SketchView`."""
+
+
+def sketch_readers(br: DumpReader, tr: DumpReader) -> tuple[HiddenReader, HiddenReader, SketchInfo | None]:
     """Both dumps as the comparison reads them: unchanged when neither is a sketch, else two :class:`SketchView`.
 
     Raises :class:`NotComparableError` naming both dumps when both are sketches of different projections.
@@ -165,7 +174,8 @@ def sketch_stats(acc: StatsAccumulator, norms_x: np.ndarray, norms_y: np.ndarray
                      nonfinite_mismatches=s.mismatches)
 
 
-def record_sketch_stats(b: TensorRecord, t: TensorRecord, br: SketchView, tr: SketchView, threads: int) -> PairStats:
+def record_sketch_stats(b: TensorRecord, t: TensorRecord, br: HiddenReader, tr: HiddenReader,
+                        threads: int) -> PairStats:
     """:func:`sketch_stats` of one pair of sketched records matched by pass (no row positions)."""
     x, y = br.rows(b), tr.rows(t)
     if x.shape != y.shape:

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from dumper.engines.vllm_hooks import VllmFamily, runner_on_stack
-from dumper.engines.vllm_tap import sketch_of
+from dumper.format.sketch import SketchSpec
 from dumper.hooks.capture import Capture
 from dumper.hooks.parts import dist_rank_world
 from dumper.settings import env_settings
@@ -151,7 +151,8 @@ class SpoolRecorder:
     def _begin(self, token: str, count: int) -> None:
         cap = Capture(self.model, self.root / token, layers=self.spec.get("layers"), points=self.spec.get("points"),
                       family=MarkedFamily(self.model, token, count, self._runner), hooks=False, part=True,
-                      extra={"engine_settings": self.settings}, sketch=sketch_of(self.spec))
+                      extra={"engine_settings": self.settings},
+                      sketch=SketchSpec.from_json(self.spec["sketch"]) if self.spec.get("sketch") else None)
         cap.__enter__()
         self._open[token] = cap
 

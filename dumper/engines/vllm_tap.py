@@ -97,7 +97,7 @@ def sketch_of(spec: dict[str, Any]) -> SketchSpec | None:
         return None
     if not isinstance(raw, dict) or not set(raw) <= {"kind", "k", "seed"}:
         raise UsageError(f"additional_config {TAP_KEY!r}.sketch: expected an object of k, seed (and kind), got {raw!r}")
-    return SketchSpec(**raw)
+    return SketchSpec.from_json(raw)
 
 
 def split_points(points: str | Sequence[str] | None) -> tuple[str | list[str] | None, bool]:

@@ -84,6 +84,12 @@ class SketchSpec:
     def to_json(self) -> dict[str, Any]:
         return {"kind": self.kind, "k": self.k, "seed": self.seed}
 
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> SketchSpec:
+        """The spec of a ``{"k", "seed", "kind"}`` object (seed and kind optional); bad values are a :class:`UsageError`
+        (a manifest's is checked by :func:`check_spec` first)."""
+        return cls(k=raw.get("k"), seed=raw.get("seed", 0), kind=raw.get("kind", "rademacher"))
+
     def describe(self) -> str:
         return f"{self.kind} K={self.k} seed={self.seed}"
 
@@ -111,9 +117,11 @@ def check_spec(raw: Any, where: str) -> SketchSpec:
     return SketchSpec(k=k, seed=seed, kind=kind)
 
 
-def check_record_sketch(raw: Any, spec: SketchSpec | None, shape: list[int], dtype: str, where: str,
-                        field: str) -> None:
-    """Validate a record's ``sketch`` field against the manifest's spec, its shape and dtype."""
+def check_record_sketch(d: dict[str, Any], spec: SketchSpec | None, i: int, where: str,
+                        locations: set[tuple[str, str]]) -> int:
+    """Validate the ``sketch`` field of record ``tensors[i]`` (``d``, its other fields checked) against the manifest's
+    spec, its shape and dtype; claim its norms' (file, key) in ``locations``. Returns the norms' bytes."""
+    field, raw, shape, dtype = f"tensors[{i}].sketch", d["sketch"], d["shape"], d["dtype"]
     if spec is None:
         raise CorruptDumpError(f"{where}: {field}: a sketched record in a dump whose capture_signature has no sketch")
     if type(raw) is not dict or set(raw) != {"hidden", "dtype"}:
@@ -126,6 +134,11 @@ def check_record_sketch(raw: Any, spec: SketchSpec | None, shape: list[int], dty
                                f"got {str(source)[:40]!r}")
     if dtype != "F32" or not shape or shape[-1] != spec.k:
         raise CorruptDumpError(f"{where}: {field}: a sketch is F32 [..., {spec.k}], the record is {dtype}{shape}")
+    norms = (d["file"], d["key"] + NORM_SUFFIX)
+    if norms in locations:
+        raise CorruptDumpError(f"{where}: tensors[{i}]: its norms' (file, key) {list(norms)} is taken")
+    locations.add(norms)
+    return 8 * (math.prod(shape[:-1]) if len(shape) > 1 else 1)
 
 
 def mix32(x: Any) -> Any:

@@ -41,7 +41,7 @@ from typing import Any
 
 from dumper.errors import CorruptDumpError
 from dumper.format.files import check_plain_name, is_text, show
-from dumper.format.sketch import NORM_SUFFIX, check_record_sketch, check_spec
+from dumper.format.sketch import check_record_sketch, check_spec
 
 __all__ = [
     "MAX_MANIFEST_BYTES",
@@ -310,13 +310,8 @@ def check_manifest(raw: dict, where: str, itemsize: Mapping[str, int]) -> None:
     for i, d in enumerate(tensors):
         need = _check_record(d, i, where, files, itemsize)
         file = d["file"]
-        if d.get("sketch") is not None:
-            check_record_sketch(d["sketch"], spec, d["shape"], d["dtype"], where, f"tensors[{i}].sketch")
-            need += 8 * (math.prod(d["shape"][:-1]) if len(d["shape"]) > 1 else 1)  # the F64 norms
-            norms = (file, d["key"] + NORM_SUFFIX)
-            if norms in locations:
-                raise CorruptDumpError(f"{where}: tensors[{i}]: its norms' (file, key) {list(norms)} is taken")
-            locations.add(norms)
+        if d.get("sketch") is not None:  # and its F64 norms beside it
+            need += check_record_sketch(d, spec, i, where, locations)
         if need > files[file]:
             raise CorruptDumpError(f"{where}: tensors[{i}].shape: {d['dtype']}{d['shape']} needs {need} bytes but "
                                    f"its file {file} holds {files[file]}")
