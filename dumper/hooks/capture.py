@@ -169,7 +169,8 @@ class Capture:
         self.step()
         writer, self._writer = self._writer, None
         writer.close()
-        if not complete:
+        if not complete:  # no manifest; and no directory we made, where nothing was written
+            self._remove_made_dir()
             return
         records = tuple(replace(r, file=writer.locations[(r.forward_pass, r.key)]) for r in self._records) \
             + tuple(self._adopted[1])
@@ -195,13 +196,16 @@ class Capture:
 
     def _refuse_empty(self) -> NoReturn:
         """An exit that recorded nothing writes no manifest: leave no dump (and no directory we made)."""
-        if self._made_dir and self.rank == 0:
-            with contextlib.suppress(OSError):
-                self.out_dir.rmdir()  # only if empty: never delete what someone else put there
+        self._remove_made_dir()
         hooked = ", ".join(t.name for t in self._targets[:4]) + (" ..." if len(self._targets) > 4 else "")
         raise DumpError(f"{self.out_dir}: the capture recorded no tensors "
                         f"({'hooked ' + hooked + ' never ran' if hooked else 'no module hooked'} "
                         "and nothing called dumper.dump()); no dump was written")
+
+    def _remove_made_dir(self) -> None:
+        if self._made_dir and self.rank == 0:
+            with contextlib.suppress(OSError):
+                self.out_dir.rmdir()  # only if empty: never delete what someone else put there
 
     def adopt(self, files: dict[str, int], records: Sequence[TensorRecord]) -> None:
         """Take records another process wrote (their data files already in this dump's directory)."""
@@ -365,7 +369,7 @@ class Capture:
 def capture(model: nn.Module | Any | None, out_dir: str | Path, *, layers: str | Sequence[int] | None = None,
             modules: str | None = None, points: str | Sequence[str] | None = None, model_name: str | None = None,
             shard_bytes: int = 512 << 20, extra: dict[str, Any] | None = None, sketch: int | None = None,
-            sketch_seed: int = 0) -> Capture:
+            sketch_seed: int | None = None) -> Capture:
     """Capture self-attention inputs (and, with ``points``, residual streams) of ``model`` into ``out_dir``.
 
     Args:
@@ -385,10 +389,12 @@ def capture(model: nn.Module | Any | None, out_dir: str | Path, *, layers: str |
         shard_bytes: largest data file size before a forward pass is split into shards.
         extra: free-form JSON metadata stored in the manifest (e.g. the prompts).
         sketch: store each hidden-state row as a ``sketch``-dim seeded projection plus its exact squared norm
-            instead of whole (:mod:`dumper.format.sketch`); ``sketch_seed`` picks the projection.
+            instead of whole (:mod:`dumper.format.sketch`); ``sketch_seed`` picks the projection (default 0).
     """
+    if sketch is None and sketch_seed is not None:
+        raise UsageError("capture(sketch_seed=...) needs sketch=K")
     return Capture(model, out_dir, layers=layers, modules=modules, points=points, model_name=model_name,
                    shard_bytes=shard_bytes, extra=extra,
-                   sketch=SketchSpec(k=sketch, seed=sketch_seed) if sketch is not None else None)
+                   sketch=SketchSpec(k=sketch, seed=sketch_seed or 0) if sketch is not None else None)
 
 
