@@ -87,3 +87,22 @@ def test_the_projection_on_a_gpu_is_the_cpus():
     cpu, gpu = Sketcher(spec)(x), Sketcher(spec)(x.cuda())
     torch.testing.assert_close(gpu[0].cpu(), cpu[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(gpu[1].cpu(), cpu[1], rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("precision", ["medium", "high", "highest"])
+def test_the_projection_ignores_a_users_tf32_setting_and_leaves_it_as_it_was(precision):
+    """On a GPU the projection runs in full float32 (TF32 would raise its floor by decades); the user's setting,
+    made with torch's legacy call, reads back unchanged by either API (flags only: no GPU needed)."""
+    from dumper.hooks.sketch import _ieee_fp32
+
+    matmul, saved = torch.backends.cuda.matmul, torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision(precision)
+        before = matmul.fp32_precision
+        with _ieee_fp32(torch.device("cuda")):
+            assert matmul.fp32_precision == "ieee"
+        assert matmul.fp32_precision == before and torch.get_float32_matmul_precision() == precision
+        with _ieee_fp32(torch.device("cpu")):  # a CPU has no TF32: nothing touched
+            assert matmul.fp32_precision == before
+    finally:
+        torch.set_float32_matmul_precision(saved)
