@@ -35,7 +35,7 @@ from dumper.format.dtypes import FLOAT_CODES, STORAGE_DTYPES
 from comparator.hidden.kernels import MIN_SCALE_EXP, col_exps, row_stats_many, sum_scaled
 from comparator.hidden.registry import BuiltinMetrics, RowSums, evaluate
 
-__all__ = ["PairStats", "StatsAccumulator", "pair_stats", "rel_diff", "row_sums_of", "BLOCK_BYTES"]
+__all__ = ["PairStats", "StatsAccumulator", "pair_stats", "rel_diff", "row_sums_of", "stats_of", "BLOCK_BYTES"]
 
 BLOCK_BYTES = 32 << 20
 """Bytes of one side handed to the kernels per call: big enough to amortize Python, small
@@ -222,7 +222,7 @@ def pair_stats(x: np.ndarray, y: np.ndarray, dtype: str, dtype_y: str | None = N
 def _finish(sums: np.ndarray, exps: np.ndarray | None, max_abs: float, sum_abs: tuple[float, int],
             counts: tuple[int, int, int, int], n: int) -> PairStats:
     """The registered metrics of row sums scaled by ``exps`` (None: not scaled) over ``n`` elements."""
-    return _stats(row_sums_of(sums, exps, max_abs, sum_abs, n), counts)
+    return stats_of(row_sums_of(sums, exps, max_abs, sum_abs, n), counts)
 
 
 def row_sums_of(sums: np.ndarray, exps: np.ndarray | None, max_abs: float, sum_abs: tuple[float, int],
@@ -241,9 +241,11 @@ def row_sums_of(sums: np.ndarray, exps: np.ndarray | None, max_abs: float, sum_a
                    sum_abs=sum_abs, elements=n, mismatches=int(bad.sum()))
 
 
-def _stats(s: RowSums, counts: tuple[int, int, int, int]) -> PairStats:
-    return PairStats(metrics=evaluate(s), token_rel_diff=s.token, nan_x=counts[0], inf_x=counts[1],
-                     nan_y=counts[2], inf_y=counts[3], nonfinite_mismatches=s.mismatches)
+def stats_of(s: RowSums, counts: tuple[int, int, int, int], *, from_norms: bool = False) -> PairStats:
+    """The result of sums ``s`` and NaN/Inf ``counts``: every registered metric (``from_norms``: only those a
+    sketch can estimate, :func:`comparator.hidden.registry.evaluate`)."""
+    return PairStats(metrics=evaluate(s, from_norms=from_norms), token_rel_diff=s.token, nan_x=counts[0],
+                     inf_x=counts[1], nan_y=counts[2], inf_y=counts[3], nonfinite_mismatches=s.mismatches)
 
 
 def rel_diff(x: np.ndarray, y: np.ndarray) -> float:

@@ -174,9 +174,11 @@ def columns(carried: Iterable[Mapping[str, float]]) -> list[Metric]:
     return [lookup(n) for n in names]
 
 
-def evaluate(sums: RowSums) -> dict[str, float]:
-    """Every registered metric of ``sums``, by name, in registration order."""
-    return {m.name: float(m.fn(sums)) for m in _REGISTRY.values() if m.fn is not None}
+def evaluate(sums: RowSums, *, from_norms: bool = False) -> dict[str, float]:
+    """Every registered metric of ``sums`` (``from_norms``: only those registered so), by name, in registration
+    order."""
+    return {m.name: float(m.fn(sums)) for m in _REGISTRY.values()
+            if m.fn is not None and (m.from_norms or not from_norms)}
 
 
 # --------------------------------------------------------------------------- the built-in metrics

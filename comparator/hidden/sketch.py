@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -25,11 +24,10 @@ import numpy as np
 from dumper.errors import NotComparableError
 from dumper.format import DumpReader, Manifest, TensorRecord, to_float64
 from dumper.format.dtypes import FLOAT_CODES
-from dumper.format.sketch import SKETCHED_POINTS, SketchSpec, check_spec, project
+from dumper.format.sketch import SKETCHED_POINTS, SketchSpec, project
 
 from comparator.hidden.kernels import col_exps
-from comparator.hidden.metrics import PairStats, StatsAccumulator, row_sums_of
-from comparator.hidden.registry import metrics
+from comparator.hidden.metrics import PairStats, StatsAccumulator, row_sums_of, stats_of
 
 __all__ = ["HiddenReader", "SketchInfo", "SketchView", "sketch_readers", "sketch_stats", "is_sketched",
            "record_sketch_stats"]
@@ -69,7 +67,7 @@ class SketchInfo:
 
 def _spec(reader: DumpReader) -> SketchSpec | None:
     raw = reader.manifest.capture_signature.get("sketch")
-    return None if raw is None else check_spec(raw, str(reader.directory / "manifest.json"))
+    return None if raw is None else SketchSpec.from_json(raw)  # checked when the manifest was loaded
 
 
 def is_sketched(rec: TensorRecord) -> bool:
@@ -168,19 +166,15 @@ def sketch_stats(acc: StatsAccumulator, norms_x: np.ndarray, norms_y: np.ndarray
     sums[:, 1], sums[:, 2] = norms_x, norms_y
     sums[:, 3] = (norms_x + norms_y - sums[:, 0]) / 2  # <x, y> as estimated (no metric given reads it)
     c = acc.counts
-    s = row_sums_of(sums, None, math.nan, (math.nan, 0), acc.elements)
-    values = {m.name: float(m.fn(s)) for m in metrics() if m.from_norms and m.fn is not None}
-    return PairStats(metrics=values, token_rel_diff=s.token, nan_x=c[0], inf_x=c[1], nan_y=c[2], inf_y=c[3],
-                     nonfinite_mismatches=s.mismatches)
+    return stats_of(row_sums_of(sums, None, math.nan, (math.nan, 0), acc.elements), (c[0], c[1], c[2], c[3]),
+                    from_norms=True)
 
 
 def record_sketch_stats(b: TensorRecord, t: TensorRecord, br: HiddenReader, tr: HiddenReader,
                         threads: int) -> PairStats:
-    """:func:`sketch_stats` of one pair of sketched records matched by pass (no row positions)."""
+    """:func:`sketch_stats` of one pair of sketched records matched by pass (no row positions), of the same shape
+    (the caller refuses others)."""
     x, y = br.rows(b), tr.rows(t)
-    if x.shape != y.shape:
-        raise NotComparableError(f"{Path(tr.directory) / t.file}: sketch of {t.name!r} (pass {t.forward_pass}) is "
-                                 f"{list(y.shape)} but the baseline's is {list(x.shape)}; cannot align")
     acc = StatsAccumulator(x.shape[0], threads=threads)
     acc.add_many([(0, x, y, b.dtype, t.dtype)], exclusive=True)
     return sketch_stats(acc, np.asarray(br.sq_norms(b), dtype=np.float64), np.asarray(tr.sq_norms(t), dtype=np.float64))

@@ -29,7 +29,7 @@ import numpy as np
 
 from dumper.errors import NotComparableError, UsageError
 from dumper.format import MANIFEST_NAME, load_manifest
-from dumper.format.sketch import SketchSpec, check_spec
+from dumper.format.sketch import SketchSpec
 
 from comparator.config import CompareConfig
 from comparator.hidden.compare import compare_dumps
@@ -135,7 +135,7 @@ def calibrate(baseline: str | os.PathLike[str], variants: Sequence[str | os.Path
             if report.router is not None:
                 routing.append(report.router)
             if report.sketch is not None:
-                sketch = check_spec({k: report.sketch[k] for k in ("kind", "k", "seed")}, str(variant))
+                sketch = SketchSpec.from_json(report.sketch)
         else:
             verdicts.append(compare_logprob_sources(baseline, variant, allow_model_mismatch=allow_model_mismatch))
         if progress is not None:
