@@ -82,12 +82,15 @@ TEARDOWN_ABORT = "terminate called without an active exception"
 """What vLLM's and torch's native threads sometimes print as they abort a worker's interpreter teardown."""
 
 
+def teardown_aborted(returncode: int, log: str, finished: bool) -> bool:
+    """Whether a process that ran vLLM aborted in its interpreter teardown (SIGABRT after :data:`TEARDOWN_ABORT`,
+    seen in the full suite) once ``finished`` says every job is done and its results are out."""
+    return returncode == -6 and finished and log.rstrip().endswith(TEARDOWN_ABORT)
+
+
 def assert_process_done(returncode: int, log: str, finished: bool) -> None:
-    """A process that ran vLLM finished its work: exit 0, or (seen in the full suite, once ``finished`` says every
-    job is done and its results are out) the abort of its interpreter teardown, SIGABRT after
-    :data:`TEARDOWN_ABORT`; anything else fails."""
-    aborted_after = returncode == -6 and finished and log.rstrip().endswith(TEARDOWN_ABORT)
-    assert returncode == 0 or aborted_after, log[-4000:]
+    """A process that ran vLLM finished its work: exit 0, or :func:`teardown_aborted`; anything else fails."""
+    assert returncode == 0 or teardown_aborted(returncode, log, finished), log[-4000:]
 
 
 def assert_worker_done(returncode: int, log: str, base: Path) -> None:
@@ -168,9 +171,9 @@ def in_process(code: str) -> subprocess.Popen:
 def finish(proc: subprocess.Popen, start: float, done: Path) -> dict:
     """A job's result from an :func:`in_process` process that writes ``done`` last: its exit code, seconds since
     ``start``, output's tail. An abort of its teardown once ``done`` is written counts as exit 0
-    (:func:`assert_process_done`), and ``teardown_abort`` says so."""
+    (:func:`teardown_aborted`), and ``teardown_abort`` says so."""
     log, _ = proc.communicate(timeout=900)
-    aborted = proc.returncode == -6 and done.exists() and log.rstrip().endswith(TEARDOWN_ABORT)
+    aborted = teardown_aborted(proc.returncode, log, done.exists())
     return {"rc": 0 if aborted else proc.returncode, "teardown_abort": aborted,
             "seconds": time.perf_counter() - start, "stderr": log[-3000:]}
 
