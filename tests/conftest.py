@@ -15,12 +15,20 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
+pytest_plugins = ["tests.engine_starts", "pytester"]
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    """The environment of a subprocess a test starts: the repository first on ``PYTHONPATH``, then what the
+    session put there (``tests/engine_starts.py``: the engine-start log), then ``extra``."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path, **extra}
 
 
 def run_cli(module: str, *args: str | os.PathLike[str], env: dict[str, str] | None = None,
             cwd: str | os.PathLike[str] | None = None) -> subprocess.CompletedProcess[str]:
     """Run ``python -m <module> args...`` in a real subprocess and capture its output."""
-    full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    full_env = subprocess_env(**(env or {}))
     return subprocess.run([sys.executable, "-m", module, *map(str, args)], capture_output=True, text=True,
                           env=full_env, cwd=cwd, timeout=600)
 

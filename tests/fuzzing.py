@@ -22,7 +22,7 @@ from typing import Any
 
 from hypothesis import HealthCheck, settings
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, subprocess_env
 
 LIMIT = 512 << 20
 """Peak memory (traced in-process, RSS in a child) a hostile input may cost."""
@@ -120,7 +120,7 @@ def run_child(module: str, *args: str | os.PathLike[str], timeout: float = 300,
     """(exit code, stderr without the report line, peak RSS in bytes) of ``python -m module args`` in a child."""
     r = subprocess.run([sys.executable, "-c", _PEAK, module, *map(str, args)], capture_output=True, text=True,
                        timeout=timeout, input=stdin, stdin=None if stdin is not None else subprocess.DEVNULL,
-                       env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
+                       env=subprocess_env(**(env or {})))
     lines = r.stderr.strip().splitlines()
     assert lines and lines[-1].startswith("peak-rss-kib "), r.stderr
     return r.returncode, "\n".join(lines[:-1]), int(lines[-1].split()[1]) * 1024

@@ -108,9 +108,9 @@ def _first_line_then_close(*args: str | os.PathLike[str]) -> int:
     import subprocess
     import sys
 
-    from tests.conftest import ROOT
+    from tests.conftest import ROOT, subprocess_env
 
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = subprocess_env()
     p = subprocess.Popen([sys.executable, "-m", *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          env=env)
     assert p.stdout is not None and p.stdout.readline()

@@ -1,4 +1,5 @@
-"""Test-only faults seeded inside vLLM's own processes: the engine core, each TP worker, a server's back end.
+"""Test-only hooks in every process a test starts: the engine-start log (``engine_log.py``) and
+faults seeded inside vLLM's own processes: the engine core, each TP worker, a server's back end.
 
 vLLM's default engine runs the model in processes a test does not own, so a monkeypatch in the
 test's process never reaches it. Python imports ``sitecustomize`` at start-up from ``sys.path``
@@ -25,7 +26,6 @@ same engine without the bug from the cache).
 
 from __future__ import annotations
 
-import importlib.abc
 import importlib.util
 import json
 import os
@@ -105,41 +105,21 @@ def _patch_runner(module: Any, seed: dict[str, Any]) -> None:
     cls.execute_model = dying_execute
 
 
-class _PatchOnImport(importlib.abc.MetaPathFinder):
-    """Runs ``patches[name](module)`` right after module ``name`` is first executed (vLLM is never imported here)."""
-
-    def __init__(self, patches: dict[str, Callable[[Any], None]]) -> None:
-        self.patches, self._finding = patches, set()
-
-    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
-        if name not in self.patches or name in self._finding:
-            return None
-        self._finding.add(name)
-        try:
-            spec = importlib.util.find_spec(name)
-        finally:
-            self._finding.discard(name)
-        if spec is None or spec.loader is None:
-            return spec
-        exec_module, patch = spec.loader.exec_module, self.patches[name]
-
-        def patched_exec(module: Any) -> None:
-            exec_module(module)
-            patch(module)
-
-        spec.loader.exec_module = patched_exec  # this module's own loader instance
-        return spec
-
-
 def _install() -> None:
+    from engine_log import install, patches  # beside this file, on PYTHONPATH with it
+
+    todo = patches()
     raw = os.environ.get(SEED_ENV)
-    if not raw:
-        return
+    if raw:
+        _seed_patches(raw, todo)
+    install(todo)
+
+
+def _seed_patches(raw: str, patches: dict[str, Callable[[Any], None]]) -> None:
     seed = json.loads(raw)
     if not isinstance(seed, dict) or not seed.keys() <= _KEYS or not seed.keys() & {"layer", "die_after", "chunk_layer"}:
         raise SystemExit(f"{SEED_ENV}={raw}: expected a JSON object of {sorted(_KEYS)} with layer, die_after or "
                          "chunk_layer")
-    patches: dict[str, Callable[[Any], None]] = {}
     if "layer" in seed:
         patches["vllm.model_executor.models.llama"] = lambda m: _patch_llama(m, seed)
     if "chunk_layer" in seed:
@@ -148,7 +128,6 @@ def _install() -> None:
         patches["vllm.v1.attention.backends.cpu_attn"] = lambda m: patch_cpu_attention(m, seed)
     if "die_after" in seed:
         patches["vllm.v1.worker.gpu_model_runner"] = lambda m: _patch_runner(m, seed)
-    sys.meta_path.insert(0, _PatchOnImport(patches))
 
 
 def _chain() -> None:

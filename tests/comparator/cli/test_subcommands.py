@@ -10,7 +10,6 @@ command line without running it, and the amplification column of a passing run s
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -25,7 +24,7 @@ from comparator.reports.amplification import FROM_ZERO, FROM_ZERO_LEGEND
 from comparator.results import load_report
 from dumper.cli.main import build_parser as build_dumper_parser
 from dumper.errors import UsageError
-from tests.conftest import ROOT, run_cli
+from tests.conftest import ROOT, run_cli, subprocess_env
 
 COMMANDS = ["calibrate", "collect", "import-sglang", "logprobs", "regress", "store"]
 STORE_COMMANDS = ["ls", "show", "promote", "prune"]
@@ -96,7 +95,7 @@ def test_parsing_and_help_load_no_torch(tmp_path):
                       "build_parser().parse_args(['import-sglang', 'SRC', '--out', 'DST'])\n"
                       "assert 'torch' not in sys.modules, 'torch was imported'\n")
     r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+                       env=subprocess_env())
     assert r.returncode == 0, r.stdout + r.stderr
 
 

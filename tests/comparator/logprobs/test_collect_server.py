@@ -24,7 +24,7 @@ from typing import ClassVar
 
 import pytest
 
-from tests.conftest import ROOT, run_cli, serve_in_thread
+from tests.conftest import ROOT, run_cli, serve_in_thread, subprocess_env
 from tests.engine_models import build_checkpoint, engine_missing, to_gguf
 
 IDS = ("1,20,30,40,50,60,70,80", "1,5,9,13,17")
@@ -59,7 +59,7 @@ class _Server:
         self.cmd, self.base, self.ready, self.log = cmd, base, ready, log
         with log.open("wb") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT,
-                                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+                                         env=subprocess_env())
 
     def wait(self, deadline_s: float) -> str:
         """The base URL, once ``base + ready`` answers 200; the log's tail in the failure otherwise."""
@@ -124,6 +124,7 @@ def _logprobs(base: Path, target: Path, tmp: Path) -> tuple[int, dict]:
     return r.returncode, json.loads(report.read_text())
 
 
+@pytest.mark.engine
 def test_vllm_collect_round_trips_against_an_hf_dump(hf_dump: Path, vllm_url: str, tmp_path: Path) -> None:
     out = tmp_path / "vllm.jsonl"
     r = run_cli("comparator", "collect", "--server", vllm_url, "--api", "vllm", "--input-ids", IDS[0],
@@ -148,6 +149,7 @@ def test_vllm_collect_round_trips_against_an_hf_dump(hf_dump: Path, vllm_url: st
     assert abs(verdict["max_abs_err"]["value"] - 0.5) < 1e-9
 
 
+@pytest.mark.engine
 def test_openai_api_against_vllm_scores_the_prompt_only(hf_dump: Path, vllm_url: str, tmp_path: Path) -> None:
     out = tmp_path / "openai.jsonl"
     r = run_cli("comparator", "collect", "--server", f"{vllm_url}/v1", "--api", "openai", "--input-ids", IDS[0],
@@ -163,6 +165,7 @@ def test_openai_api_against_vllm_scores_the_prompt_only(hf_dump: Path, vllm_url:
     assert rc == 0 and verdict["max_abs_err"]["value"] < 1e-4, verdict
 
 
+@pytest.mark.engine
 def test_selfcheck_over_http_passes_on_fp32(vllm_url: str, ckpt: Path, tmp_path: Path) -> None:
     report = tmp_path / "selfcheck.json"
     r = run_cli("dumper", "selfcheck", "--server", vllm_url, "--api", "vllm", "--input-ids", IDS[1],
@@ -185,6 +188,7 @@ def test_selfcheck_over_http_passes_on_fp32(vllm_url: str, ckpt: Path, tmp_path:
     assert max(abs(a - b) for a, b in zip(ref, run["decode_logprobs"], strict=True)) < 1e-4
 
 
+@pytest.mark.engine
 def test_vllm_refusal_is_one_line_with_the_servers_message(vllm_url: str, tmp_path: Path) -> None:
     r = run_cli("comparator", "collect", "--server", vllm_url, "--api", "vllm", "--input-ids", IDS[1],
                 "--top-k", "1000", "--out", tmp_path / "x.jsonl")
@@ -311,6 +315,7 @@ def llama_url(ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     server.stop()
 
 
+@pytest.mark.engine
 def test_llama_cpp_server_prompt_logprobs(llama_url: str, vllm_url: str, tmp_path: Path) -> None:
     from comparator.cli.main import main
     from comparator.logprobs.sources.engine_json import read_logprobs_jsonl
@@ -336,6 +341,7 @@ def test_llama_cpp_server_prompt_logprobs(llama_url: str, vllm_url: str, tmp_pat
     assert rc == 1 and verdict["max_abs_err"]["position"] == 4
 
 
+@pytest.mark.engine
 def test_llama_cpp_server_takes_no_token_ids(llama_url: str, tmp_path: Path) -> None:
     r = run_cli("comparator", "collect", "--server", llama_url, "--api", "openai", "--input-ids", IDS[1],
                 "--retries", "0", "--out", tmp_path / "x.jsonl")

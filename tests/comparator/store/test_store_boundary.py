@@ -35,7 +35,7 @@ from comparator.store.record import RunRecord
 from comparator.store.runid import new_run_id
 from dumper.errors import EXIT_OK
 from dumper.format import MANIFEST_NAME, load_manifest
-from tests.conftest import ROOT, run_cli
+from tests.conftest import ROOT, run_cli, subprocess_env
 from tests.storeutil import synth_dump
 
 # -- helpers (also used by test_fuzz_store.py) ---------------------------------------------------
@@ -96,7 +96,7 @@ def no_hang(seconds: int = 20) -> Iterator[None]:
 def cli(*args: str | os.PathLike[str], timeout: float = 60) -> subprocess.CompletedProcess[str]:
     """:func:`tests.conftest.run_cli` for ``python -m comparator``, with a short timeout: a FIFO opened by
     mistake blocks the child forever, and the test must fail in a minute, not in ten."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = subprocess_env()
     return subprocess.run([sys.executable, "-m", "comparator", *map(str, args)], capture_output=True, text=True,
                           env=env, timeout=timeout)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from comparator.store import RunStore
-from tests.conftest import ROOT, run_cli
+from tests.conftest import ROOT, run_cli, subprocess_env
 from tests.storeutil import OTHER_GPU, edited_copy, synth_dump
 
 
@@ -24,7 +24,7 @@ def dumps(tmp_path_factory):
 
 
 def popen_regress(run_dir: Path, store: Path, *args: str) -> subprocess.Popen[str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = subprocess_env()
     return subprocess.Popen([sys.executable, "-m", "comparator", "regress", str(run_dir), "--store", str(store), *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 

@@ -27,7 +27,7 @@ from comparator import regress
 from comparator.noise.file import load_noise
 from comparator.store import RunRecord, RunStore, StoreError
 from comparator.store.record import noise_bytes
-from tests.conftest import ROOT, run_cli
+from tests.conftest import ROOT, run_cli, subprocess_env
 from tests.storeutil import synth_dump
 
 VARIANTS = {"sdpa": {"attn": "sdpa"}, "chunk": {"chunk_size": 50}}
@@ -54,7 +54,7 @@ def _dump(out: Path, *, perturb: bool = False, **settings: object) -> None:
 def dumps(tmp_path_factory) -> dict[str, Path]:
     """The baseline from the real CLI (in a subprocess, meanwhile the others are dumped in this process)."""
     root = tmp_path_factory.mktemp("noise-dumps")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = subprocess_env(OMP_NUM_THREADS="1")
     cli = subprocess.Popen([sys.executable, "-m", "dumper", "run", "--out", str(root / "base"), "--layers", "all",
                             "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     threads = torch.get_num_threads()

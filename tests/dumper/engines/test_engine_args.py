@@ -9,7 +9,6 @@ the engines are installed.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
@@ -19,7 +18,7 @@ from dumper.engines import ENGINES, engine_adapter
 from dumper.engines.base import EngineArg, check_engine_args
 from dumper.errors import UsageError
 from dumper.jobs.run import RunConfig
-from tests.conftest import ROOT
+from tests.conftest import ROOT, subprocess_env
 
 PACKAGES = ("vllm", "llama_cpp", "onnxruntime_genai", "onnxruntime", "onnx", "transformers")
 """What a refused ``--engine-arg`` must not have imported: every engine, and transformers."""
@@ -59,7 +58,7 @@ def refused() -> dict[tuple[str, str, str], dict]:
     cases = [(engine, key, value) for engine, rows in CASES.items() for key, value, _ in rows]
     cases += [(engine, "no_such_key", "1") for engine in ENGINES]
     r = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(cases), *PACKAGES], capture_output=True, text=True,
-                       timeout=600, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                       timeout=600, cwd=ROOT, env=subprocess_env())
     assert r.returncode == 0, r.stderr
     return {tuple(c): res for c, res in zip(cases, json.loads(r.stdout.splitlines()[-1]), strict=True)}
 

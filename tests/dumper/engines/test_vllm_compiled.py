@@ -31,7 +31,7 @@ from comparator import compare_dumps
 from dumper.format import load_manifest
 from dumper.format.manifest import LOGPROB_TOP_ID, LOGPROB_TOP_VALUE, LOGPROB_VALUE
 from dumper.format.reader import DumpReader
-from tests.conftest import ROOT, run_cli
+from tests.conftest import ROOT, run_cli, subprocess_env
 from tests.dumper.engines.test_engine_vllm import (JOB, LOGPROBS, N_LAYERS, PROMPTS, _cfg, assert_process_done,
                                                    assert_worker_done, finish,
                                                    finish_worker, in_process, need, shared_checkpoint)
@@ -168,7 +168,7 @@ def runs(tmp_path_factory):
     prompts.write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in PROMPTS))
     worker = subprocess.Popen([sys.executable, "-c", f"from tests.dumper.engines.test_vllm_compiled import _worker; "
                                f"_worker({str(ckpt)!r}, {str(prompts)!r}, {str(root)!r})"],
-                              cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
+                              cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True)
     hf = run_cli("dumper", "run", "--model", ckpt, "--prompts", prompts, "--out", root / "hf", *JOB[:2], *LOGPROBS,
                  "--quiet")

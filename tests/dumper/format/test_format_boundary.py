@@ -41,7 +41,7 @@ from dumper.format import (
 )
 from dumper.format.files import JSON_MEMORY_BUDGET, json_memory_bound
 from dumper.format.validate import MANIFEST_KEYS, MAX_HEADER_BYTES, RECORD_KEYS
-from tests.conftest import ROOT, run_cli
+from tests.conftest import ROOT, run_cli, subprocess_env
 
 DATA0 = "r0-p000000-000.safetensors"
 
@@ -492,7 +492,7 @@ def test_non_regular_files_are_never_opened(tmp_path, small):
         (bad / victim).unlink()
         os.mkfifo(bad / victim) if kind == "fifo" else (bad / victim).mkdir()
         r = subprocess.run([sys.executable, "-c", code, str(bad)], capture_output=True, text=True, timeout=60,
-                           env={**os.environ, "PYTHONPATH": str(ROOT)})
+                           env=subprocess_env())
         what = "a FIFO" if kind == "fifo" else "a directory"
         assert r.stdout.strip() == f"{bad / victim}: {what}, not a regular file; refusing to open it", r
 

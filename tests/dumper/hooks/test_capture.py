@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import inspect
-import os
 import subprocess
 import sys
 import textwrap
@@ -18,7 +17,7 @@ import dumper
 from dumper.errors import DumpError, UsageError
 from dumper.format import MANIFEST_NAME, load_manifest, open_tensor, to_float64
 from dumper.hooks.layers import parse_layer_spec
-from tests.conftest import ROOT, prompt_ids, tiny_llama
+from tests.conftest import ROOT, prompt_ids, subprocess_env, tiny_llama
 
 SMALL = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=5,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
@@ -153,7 +152,7 @@ def test_dump_dir_env_var_records_without_a_capture(tmp_path):
         dumper.step()
         dumper.dump("hidden", torch.ones(2, 3), layer=4)
     """)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "DRIFTSCOPE_DUMP_DIR": str(tmp_path / "env")}
+    env = subprocess_env(DRIFTSCOPE_DUMP_DIR=str(tmp_path / "env"))
     subprocess.run([sys.executable, "-c", script], check=True, env=env, timeout=300)
     m = load_manifest(tmp_path / "env")
     assert [(t.name, t.layer, t.forward_pass) for t in m.tensors] == [("hidden", 4, 0), ("hidden", 4, 1)]

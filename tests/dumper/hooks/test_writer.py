@@ -36,7 +36,7 @@ from dumper.format import (
     write_manifest,
 )
 from dumper.hooks.writer import ShardWriter
-from tests.conftest import ROOT
+from tests.conftest import ROOT, subprocess_env
 
 
 def _on_disk(directory: Path) -> list[str]:
@@ -167,7 +167,7 @@ def test_a_write_that_fails_half_way_leaves_no_file_that_looks_whole(tmp_path: P
     out = tmp_path / "d"
     out.mkdir()
     r = subprocess.run([sys.executable, "-c", _FULL_DISK, str(out)], capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+                       env=subprocess_env())
     assert r.returncode == 0, r.stderr
     got = json.loads(r.stdout)
     assert len(got["errors"]) == 2  # close() raised, and so does any later put()

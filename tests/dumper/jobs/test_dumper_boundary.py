@@ -8,7 +8,6 @@ that do not fit, an architecture this transformers cannot build).
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -29,7 +28,7 @@ from dumper.format import MANIFEST_NAME, load_manifest
 from dumper.hooks.layers import parse_layer_spec
 from dumper.jobs.run import RunConfig, dump_sequences, pad_batch, prefill
 from dumper.jobs.selfcheck import selfcheck
-from tests.conftest import ROOT, run_cli, tiny_llama
+from tests.conftest import ROOT, run_cli, subprocess_env, tiny_llama
 
 LLAMA = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
              num_key_value_heads=1, head_dim=16, max_position_embeddings=128)
@@ -300,7 +299,7 @@ _ENV_SCRIPT = textwrap.dedent("""
 
 
 def test_dump_dir_env_var_starts_a_numbered_dump_beside_an_existing_one(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "DRIFTSCOPE_DUMP_DIR": str(tmp_path / "env")}
+    env = subprocess_env(DRIFTSCOPE_DUMP_DIR=str(tmp_path / "env"))
     runs = [subprocess.run([sys.executable, "-c", _ENV_SCRIPT], capture_output=True, text=True, timeout=300, env=env)
             for _ in range(2)]
     for r in runs:
