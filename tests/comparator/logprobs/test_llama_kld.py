@@ -326,6 +326,7 @@ def side_by_side(v: dict, stats: dict) -> list[tuple[str, float, float]]:
     return out
 
 
+@pytest.mark.engine
 def test_two_base_files_reproduce_llama_perplexity(llama, cli):
     """q8_0 vs f32 base files, compared by driftscope, give llama-perplexity's printout for that pair.
 
@@ -379,6 +380,7 @@ def hf(llama, tmp_path_factory) -> Path:
     return d / "dump"
 
 
+@pytest.mark.engine
 def test_base_file_against_an_hf_dump(llama, hf, cli, tmp_path):
     """A base file on either side of a dump with full logits: token logprobs and the full distributions."""
     r = cli("comparator", "logprobs", llama.f32, hf, "--json", tmp_path / "a.json")
@@ -394,6 +396,7 @@ def test_base_file_against_an_hf_dump(llama, hf, cli, tmp_path):
     assert b["unmatched_baseline"] == b["unmatched_target"] == []  # logits met the base file's distributions
 
 
+@pytest.mark.engine
 def test_llama_perplexity_reads_a_base_file_written_from_a_dump(llama, hf, tmp_path):
     """write_kld turns the HF dump into a base file that llama-perplexity itself compares q8_0 against."""
     src = read_logprob_source(hf)

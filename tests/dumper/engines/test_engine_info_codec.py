@@ -38,6 +38,7 @@ def _wire(d: dict[str, Any]) -> dict[str, Any]:
     return json.loads(json.dumps(d, allow_nan=False))
 
 
+@pytest.mark.engine
 def test_the_manifests_engine_entry_reads_back(manifest) -> None:
     stored = manifest.extra["engine"]
     info = EngineInfo.from_json(stored)
@@ -47,6 +48,7 @@ def test_the_manifests_engine_entry_reads_back(manifest) -> None:
     assert {k: v for k, v in manifest.environment.items() if k.startswith("engine")} == info.environment()
 
 
+@pytest.mark.engine
 def test_engine_info_round_trips(manifest) -> None:
     info = EngineInfo.from_json(manifest.extra["engine"])
     # the type also allows an unknown version, no settings, and None or float settings

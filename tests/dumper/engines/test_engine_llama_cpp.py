@@ -88,6 +88,7 @@ def max_logprob_err(report: dict) -> float:
     return float(lp["max_abs_err"]["value"])
 
 
+@pytest.mark.engine
 def test_f32_with_f32_kv_passes_against_hf(work: dict[str, Path]) -> None:
     dump = llama_dump(work, "f32")
     rc, report, _ = compare(work["hf"], dump)
@@ -105,6 +106,7 @@ def test_f32_with_f32_kv_passes_against_hf(work: dict[str, Path]) -> None:
     assert (env["engine"], env["engine_kv_cache_dtype"], env["engine_file_type"]) == ("llama.cpp", "f32", "F32")
 
 
+@pytest.mark.engine
 def test_q8_0_diverges_at_the_first_layer_past_threshold(work: dict[str, Path]) -> None:
     rc, report, stdout = compare(work["hf"], llama_dump(work, "q8_0"))
     assert rc == 1 and not report["passed"]
@@ -119,6 +121,7 @@ def test_q8_0_diverges_at_the_first_layer_past_threshold(work: dict[str, Path]) 
     assert rc == 1 and max_logprob_err(lp) > 0.05  # measured 0.67
 
 
+@pytest.mark.engine
 def test_f16_kv_cache_is_measurably_noisier_than_f32(work: dict[str, Path]) -> None:
     f16 = llama_dump_here(work, "kv-f16", engine_args=(("kv", "f16"),))
     # an f16 KV cache is a float16 step: judged by the float16 rows (the float32 ones fail its 2.3e-2)
@@ -131,6 +134,7 @@ def test_f16_kv_cache_is_measurably_noisier_than_f32(work: dict[str, Path]) -> N
     assert json.loads((f16 / "manifest.json").read_text())["environment"]["engine_kv_cache_dtype"] == "f16"
 
 
+@pytest.mark.engine
 def test_chunked_batched_prefill_matches_one_pass(work: dict[str, Path]) -> None:
     chunked = llama_dump_here(work, "chunked", chunk_size=16, batch_size=2)
     manifest = json.loads((chunked / "manifest.json").read_text())
@@ -141,6 +145,7 @@ def test_chunked_batched_prefill_matches_one_pass(work: dict[str, Path]) -> None
         assert report.passed and report.matched == 8 and report.to_json()["logprobs"]["passed"], report.notes
 
 
+@pytest.mark.engine
 def test_unusable_inputs_exit_2_with_one_line(work: dict[str, Path]) -> None:
     model = work["ckpt"] / "config.json"
     r = run_cli("dumper", "run", "--engine", "llama.cpp", "--model", model, "--input-ids", "1,2,3",
@@ -161,6 +166,7 @@ def test_unusable_inputs_exit_2_with_one_line(work: dict[str, Path]) -> None:
         assert says in str(info.value) and "\n" not in str(info.value)
 
 
+@pytest.mark.engine
 def test_a_sketch_of_llama_cpp_passes_against_hf_and_keeps_its_logprobs(work: dict[str, Path]) -> None:
     """``--sketch 16``: llama.cpp's rows projected as they are recorded; the estimates pass against HF's full rows and
     the logprobs are the unsketched run's."""

@@ -74,6 +74,7 @@ def _tree_digest(d: Path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.iterdir())}
 
 
+@pytest.mark.engine
 def test_fp32_passes_hidden_states_and_logprobs(models: dict[str, Path]) -> None:
     before = _tree_digest(models["fp32"])
     dump = ort_dump(models, "fp32", "dump-fp32", "--engine-arg", f"hf_dir={models['hf']}")
@@ -94,6 +95,7 @@ def test_fp32_passes_hidden_states_and_logprobs(models: dict[str, Path]) -> None
     assert manifest["model"]["weights_format"] == "onnx:fp32"
 
 
+@pytest.mark.engine
 def test_int8_departs_at_layer_1_where_fp32_does_not(models: dict[str, Path]) -> None:
     """At thresholds of 1e-6 (fp32's rel_diff is < 1e-9, see above) int8 diverges, first at layer 1."""
     dump = ort_dump(models, "int8", "dump-int8", "--engine-arg", f"hf_dir={models['hf']}")
@@ -111,6 +113,7 @@ def test_int8_departs_at_layer_1_where_fp32_does_not(models: dict[str, Path]) ->
     assert json.loads((dump / "manifest.json").read_text())["model"]["weights_format"] == "onnx:int8"
 
 
+@pytest.mark.engine
 def test_chunked_without_hf_dir_uses_the_builders_tokenizer(models: dict[str, Path]) -> None:
     dump = ort_dump(models, "fp32", "dump-chunked", "--chunk-size", "5")
     r = run_cli("comparator", models["dump_hf"], dump, "--quiet")
@@ -120,6 +123,7 @@ def test_chunked_without_hf_dir_uses_the_builders_tokenizer(models: dict[str, Pa
     assert len({t["forward_pass"] for t in manifest["tensors"]}) > 2  # one pass per chunk, not per prompt
 
 
+@pytest.mark.engine
 def test_not_a_genai_dir_exits_2_in_one_line(models: dict[str, Path]) -> None:
     r = run_cli("dumper", "run", "--engine", ENGINE, "--model", models["hf"], "--input-ids", IDS,
                 "--out", models["root"] / "bad", "--quiet")
@@ -128,6 +132,7 @@ def test_not_a_genai_dir_exits_2_in_one_line(models: dict[str, Path]) -> None:
     assert "genai_config.json" in r.stderr and str(models["hf"]) in r.stderr
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("change, words", [
     ({"dtype": "bfloat16"}, "computes in float32"),
     ({"batch_size": 2}, "one prompt per generator"),
@@ -143,6 +148,7 @@ def test_options_it_cannot_honour_are_refused(models: dict[str, Path], change: d
     assert not (models["root"] / "refused").exists()
 
 
+@pytest.mark.engine
 def test_a_graph_without_a_layers_norm_names_layer_and_file(models: dict[str, Path], tmp_path: Path) -> None:
     import onnx
 
@@ -163,6 +169,7 @@ def test_a_graph_without_a_layers_norm_names_layer_and_file(models: dict[str, Pa
     assert len(run_dump(cfg_last).tensors) == 1  # only the layers asked for need their node
 
 
+@pytest.mark.engine
 def test_an_unreadable_graph_is_a_model_error(models: dict[str, Path], tmp_path: Path) -> None:
     from dumper.engines.onnxruntime_genai import run_dump
 
@@ -175,6 +182,7 @@ def test_an_unreadable_graph_is_a_model_error(models: dict[str, Path], tmp_path:
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.engine
 def test_hidden_states_come_from_the_graph_that_gives_the_logprobs(models: dict[str, Path]) -> None:
     """The plain-onnxruntime run that exposes hidden states computes the same logits as ORT GenAI."""
     import onnxruntime_genai as og

@@ -91,6 +91,7 @@ def job_ids(dump: Path) -> list[list[int]]:
     return json.loads((dump / "manifest.json").read_text())["extra"]["input_ids"]
 
 
+@pytest.mark.engine
 def test_router_records_follow_the_contract(moe: dict[str, Path]) -> None:
     manifest = load_manifest(moe["dump"])
     routed = [r for r in manifest.tensors if r.point in (ROUTER_POINT, ROUTER_CHOICE_POINT)]
@@ -108,6 +109,7 @@ def test_router_records_follow_the_contract(moe: dict[str, Path]) -> None:
     print(f"router point: {per_token_layer:.0f} bytes per token per layer (E={E}, k={K})")
 
 
+@pytest.mark.engine
 def test_ids_are_the_top_k_and_weights_the_renormalised_softmax(moe: dict[str, Path]) -> None:
     r = routing(moe["dump"])
     for layer in LAYERS:
@@ -121,6 +123,7 @@ def test_ids_are_the_top_k_and_weights_the_renormalised_softmax(moe: dict[str, P
         torch.testing.assert_close(weights.double(), expect / expect.sum(-1, keepdim=True), rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.engine
 def test_capture_leaves_the_logits_bit_identical(moe: dict[str, Path]) -> None:
     ids = job_ids(moe["dump"])[0]
     logits = []
@@ -135,6 +138,7 @@ def test_capture_leaves_the_logits_bit_identical(moe: dict[str, Path]) -> None:
     assert torch.equal(logits[0], logits[1])
 
 
+@pytest.mark.engine
 def test_expert_choices_agree_with_hf_fp32_except_near_ties(moe: dict[str, Path]) -> None:
     r = routing(moe["dump"])
     hf = hf_router(moe["ckpt"], job_ids(moe["dump"]))
@@ -159,6 +163,7 @@ def test_expert_choices_agree_with_hf_fp32_except_near_ties(moe: dict[str, Path]
     print(f"expert-set flips vs HF fp32: {flips} of {total} (smallest margin {min(margins, default=None)})")
 
 
+@pytest.mark.engine
 def test_chunked_batched_routing_matches_one_pass(moe: dict[str, Path]) -> None:
     out = moe["root"] / "chunked"
     run_engine(RunConfig(out=str(out), model=str(moe["gguf"]), layers="all", points=("input", ROUTER_POINT),
@@ -173,6 +178,7 @@ def test_chunked_batched_routing_matches_one_pass(moe: dict[str, Path]) -> None:
             torch.testing.assert_close(chunked[key][1], x, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.engine
 def test_router_on_a_dense_model_is_a_one_line_usage_error(moe: dict[str, Path]) -> None:
     dense = to_gguf(build_checkpoint(moe["root"] / "dense"), moe["root"] / "dense.gguf", "f32")
     r = run_cli("dumper", "run", "--engine", "llama.cpp", "--model", dense, "--input-ids", "1,2,3",

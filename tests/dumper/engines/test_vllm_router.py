@@ -123,6 +123,7 @@ def _routing(path: Path, rank: int = 0) -> dict[int, dict[str, np.ndarray]]:
     return out
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("job", list(JOBS))
 def test_every_moe_layer_records_the_contract_s_parts(runs, job):
     m = load_manifest(runs[0] / job)
@@ -137,6 +138,7 @@ def test_every_moe_layer_records_the_contract_s_parts(runs, job):
     assert sorted(_routing(runs[0] / job)) == list(range(N_LAYERS))  # each prompt position once per layer
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("job", list(JOBS))
 def test_the_ids_are_the_top_k_of_the_logits_and_the_weights_their_renormalized_softmax(runs, job):
     """What vLLM's selection returned, recorded as is: its top-2 of the recorded logits, its weights the softmax
@@ -150,6 +152,7 @@ def test_the_ids_are_the_top_k_of_the_logits_and_the_weights_their_renormalized_
         assert torch.allclose(weights.double(), expected, rtol=0, atol=4 * torch.finfo(torch.float32).eps), layer
 
 
+@pytest.mark.engine
 def test_tensor_parallel_ranks_record_the_same_routing(runs):
     """The gate is replicated across TP ranks: every rank records the whole router, byte for byte the same."""
     ranks = [_routing(runs[0] / "eager-tp2", rank) for rank in (0, 1)]
@@ -158,12 +161,14 @@ def test_tensor_parallel_ranks_record_the_same_routing(runs):
             assert ranks[0][layer][part].tobytes() == ranks[1][layer][part].tobytes(), (layer, part)
 
 
+@pytest.mark.engine
 def test_capturing_the_router_leaves_the_logprobs_bit_identical(runs):
     """The observer check: the compiled engine without the tap gives the dump's prompt logprobs bit for bit."""
     observer = load_manifest(runs[0] / "compiled").extra["observer"]
     assert observer["bit_exact"] is True and observer["values"] >= sum(len(p) - 1 for p in PROMPTS), observer
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("job", list(JOBS))
 def test_the_experts_agree_with_hf_except_at_near_ties(runs, job):
     """vLLM's choice is HF's on every row but one whose HF margin (2nd minus 3rd logit) the logits' own difference
@@ -259,6 +264,7 @@ def test_the_router_point_of_a_model_without_moe_layers_is_refused():
         split_points(ROUTER_POINT)
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("job", list(JOBS))
 def test_the_comparator_finds_no_failing_flip_between_vllm_and_hf(runs, job, tmp_path):
     """HF fp32 dumped by ``python -m dumper run`` (router point) against vLLM's dump: the routing verdict passes,

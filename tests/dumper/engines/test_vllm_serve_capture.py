@@ -140,6 +140,7 @@ def captured(server: Served):
     return r, out, traffic, during, sorted(p.name for p in server.spool.iterdir())
 
 
+@pytest.mark.engine
 def test_a_served_dump_matches_hf_fp32(server: Served, captured, tmp_path: Path) -> None:
     r, out, *_ = captured
     report = tmp_path / "report.json"
@@ -152,6 +153,7 @@ def test_a_served_dump_matches_hf_fp32(server: Served, captured, tmp_path: Path)
     assert f"{len(PROMPTS)} prompts ({sum(map(len, PROMPTS))} positions) from {server.url}" in r.stdout
 
 
+@pytest.mark.engine
 def test_other_clients_requests_are_never_in_the_dump(server: Served, captured) -> None:
     _, out, traffic, during, spool_after = captured
     assert during["unmarked"] >= 4 and during["marked"] >= 2, during  # both kinds ran while the client did
@@ -172,6 +174,7 @@ def test_other_clients_requests_are_never_in_the_dump(server: Served, captured) 
     assert all((server.spool / t / "index-r0.json").is_file() for t in spool_after[:3])
 
 
+@pytest.mark.engine
 def test_the_manifest_says_where_the_dump_came_from(server: Served, captured) -> None:
     _, out, *_ = captured
     m, hf = load_manifest(out), load_manifest(server.hf)
@@ -184,6 +187,7 @@ def test_the_manifest_says_where_the_dump_came_from(server: Served, captured) ->
     assert "note" not in m.extra
 
 
+@pytest.mark.engine
 def test_without_logprobs_prefix_cache_hits_are_said(server: Served, captured, tmp_path: Path) -> None:
     """The server read the long prompt's full blocks from its cache (computed for earlier requests): the dump
     lacks those positions, and its manifest and the output line say so."""
@@ -205,6 +209,7 @@ def test_without_logprobs_prefix_cache_hits_are_said(server: Served, captured, t
     assert sorted(pos[seqs == 1].tolist()) == list(range(len(PROMPTS[1])))
 
 
+@pytest.mark.engine
 def test_a_server_that_records_into_another_spool_is_one_line_and_exit_2(server: Served, captured,
                                                                          tmp_path: Path) -> None:
     """The parts never appear where the client looks (as with a server started without the tap or the spool)."""

@@ -78,6 +78,7 @@ def test_a_compiled_capture_through_the_tap_sketches_and_matches_eager(pair, tmp
                              "spread": SketchSpec(k=K).spread}
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the projection built on the device)")
 def test_the_projection_on_a_gpu_is_the_cpus():
     spec = SketchSpec(k=64, seed=3)

@@ -1,6 +1,7 @@
 """The tap under CUDA graphs: torch.compile's ``reduce-overhead`` mode replays the tap's copies.
 
-These are the only tests that skip under ``CI=true``: they need a CUDA device. Each checks,
+These (and the other tests marked ``gpu``; ``bash .ci/gpu-check`` runs them all) are the only tests
+that skip under ``CI=true``: they need a CUDA device. Each checks,
 on the GPU, what the CPU tests check there: the tap changes no output bit, and a compiled
 capture (here replayed from CUDA graphs, which run no Python) records the rows an eager
 capture records, within compile noise.
@@ -16,7 +17,8 @@ from dumper.format import load_manifest
 from dumper.format.reader import DumpReader
 from tests.conftest import tiny_llama
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA graphs)")
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA graphs)")]
 
 
 def _rows(path, name: str) -> torch.Tensor:

@@ -30,8 +30,8 @@ from dumper.hooks.capture import Capture
 from dumper.jobs.observer import NON_FINITE_DIFF, ObserverCheck, ObserverResult, mark_observer
 from dumper.jobs.run import LogprobSpec, RunConfig, dump_sequences
 from tests.conftest import ROOT, run_cli, tiny_llama
-from tests.dumper.engines.test_engine_vllm import assert_worker_done, finish_worker, worker_env
-from tests.engine_models import build_checkpoint, engine_missing
+from tests.dumper.engines.test_engine_vllm import assert_worker_done, finish_worker, shared_checkpoint, worker_env
+from tests.engine_models import engine_missing
 
 PROMPTS = ([1, 17, 33, 90, 5, 61, 7, 140, 9, 12], [1] + [(13 * i) % 300 + 3 for i in range(23)])
 """Two prompts (10 and 24 tokens): only the second has a position PERTURB_AT."""
@@ -230,7 +230,7 @@ def vllm_runs(tmp_path_factory):
     """(job directory root, worker results)."""
     need("vllm")
     root = tmp_path_factory.mktemp("vllm-observer")
-    ckpt = build_checkpoint(root / "ckpt")
+    ckpt = shared_checkpoint()  # the fixed path vLLM's compile cache already knows
     worker = subprocess.run([sys.executable, "-c", f"from tests.dumper.jobs.test_observer_check import _worker; "
                              f"_worker({str(ckpt)!r}, {str(root)!r})"], cwd=ROOT, env=worker_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, timeout=900)
@@ -238,6 +238,7 @@ def vllm_runs(tmp_path_factory):
     return root, json.loads((root / "results.json").read_text())
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("job", ["eager", "compiled"])
 def test_vllm_capture_is_bit_exact(vllm_runs, job, record_property):
     root, results = vllm_runs
@@ -253,6 +254,7 @@ def test_vllm_capture_is_bit_exact(vllm_runs, job, record_property):
     assert r["stdout"].strip() == f"observer check: bit-exact ({obs['values']} values: logprobs)"
 
 
+@pytest.mark.engine
 def test_vllm_a_perturbation_on_the_tapped_engine_is_caught(vllm_runs):
     root, results = vllm_runs
     r = results["perturbed"]

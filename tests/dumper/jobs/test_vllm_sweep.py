@@ -54,6 +54,7 @@ def _sweep(base, out, *grid: str, env: dict[str, str] | None = None, args: tuple
     return r.returncode, json.loads((out.parent / f"{out.name}.json").read_text())
 
 
+@pytest.mark.engine
 def test_every_cell_of_chunk_size_max_num_seqs_and_prefix_caching_passes_in_fp32(base, tmp_path):
     rc, result = _sweep(base, tmp_path / "clean", "chunk_size=none,64", "max_num_seqs=1,4",
                         "enable_prefix_caching=false,true", args=("--logprobs", "--top-k", "5"))
@@ -73,6 +74,7 @@ def test_every_cell_of_chunk_size_max_num_seqs_and_prefix_caching_passes_in_fp32
             assert c["logprobs"]["compared_positions"] == sum(len(p) - 1 for p in PROMPTS)
 
 
+@pytest.mark.engine
 def test_a_chunk_boundary_bug_fails_exactly_the_chunked_cells_at_the_first_boundary(base, tmp_path):
     env = {"PYTHONPATH": os.pathsep.join((str(ROOT), str(SEED_DIR))),
            "DRIFTSCOPE_TEST_SEED": json.dumps({"chunk_layer": BUG_LAYER, "add": 0.5})}
