@@ -178,6 +178,18 @@ def finish(proc: subprocess.Popen, start: float, done: Path) -> dict:
             "seconds": time.perf_counter() - start, "stderr": log[-3000:]}
 
 
+def _model_here() -> bool:
+    """Whether the engine :func:`~dumper.engines.vllm.load_llm` keeps runs its model in this process."""
+    from dumper.engines import vllm
+    from dumper.engines.vllm_hooks import model_runner_of
+
+    try:
+        model_runner_of(vllm._LLM[1])
+    except UsageError:
+        return False
+    return True
+
+
 def _worker(ckpt: str, prompts: str, out: str) -> None:
     """All vLLM jobs in one process; writes ``out/results.json`` (exit code, seconds, stderr per job)."""
     from dumper.cli.main import main
@@ -192,8 +204,9 @@ def _worker(ckpt: str, prompts: str, out: str) -> None:
         results[name] = {"rc": rc, "seconds": time.perf_counter() - start, "stderr": err.getvalue()[-3000:]}
 
     run = ["run", "--engine", "vllm", "--model", ckpt, "--prompts", prompts, *JOB]
-    for name in ("fp32", "prefix"):
-        timed(name, lambda name=name: main([*run, *CLI_JOBS[name], "--out", str(base / name)]))
+    timed("fp32", lambda: main([*run, *CLI_JOBS["fp32"], "--out", str(base / "fp32")]))
+    results["fp32"]["in_process"] = _model_here()  # the engine the fp32 job kept (test_vllm_tp checks it)
+    timed("prefix", lambda: main([*run, *CLI_JOBS["prefix"], "--out", str(base / "prefix")]))
     cfg = _cfg(Path(ckpt), base / "bug")
     kw = engine_kwargs(cfg, Path(ckpt), PROMPTS)  # the fp32 job's engine settings, its graph compiled by now
     user_start = time.perf_counter()
@@ -219,9 +232,14 @@ def _worker(ckpt: str, prompts: str, out: str) -> None:
     finish_worker(base, results)
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """(HF dump, vLLM job dirs, worker results): the HF reference and the worker run side by side."""
+def base_runs(tmp_path_factory) -> tuple[Path, Path, dict]:
+    """(HF dump, vLLM job dirs, worker results): the HF reference and the worker run side by side.
+
+    Once per session (the ``vllm_base`` fixture of ``tests/dumper/engines/conftest.py``): the
+    fp32 and bf16 jobs and the HF fp32 reference are also :mod:`.test_vllm_compiled`'s and
+    :mod:`.test_vllm_tp`'s (``tp1``), which link them (:func:`link_base`) instead of starting
+    those engines again.
+    """
     need("vllm")
     root = tmp_path_factory.mktemp("vllm")
     ckpt = shared_checkpoint()
@@ -238,6 +256,19 @@ def runs(tmp_path_factory):
     assert hf.returncode == 0 and hf_logits.returncode == 0, hf.stderr + hf_logits.stderr
     assert_worker_done(worker.returncode, log, root)
     return root / "hf", root, json.loads((root / "results.json").read_text())
+
+
+def link_base(base: tuple[Path, Path, dict], root: Path, jobs: dict[str, str]) -> dict[str, dict]:
+    """Link the session's base jobs into ``root`` (``jobs``: name here -> base job, ``hf`` included) and return
+    their base results by the name here; a base job that failed fails the caller's tests, not this link."""
+    for here, there in jobs.items():
+        (root / here).symlink_to(base[1] / there, target_is_directory=True)
+    return {here: base[2][there] for here, there in jobs.items() if there in base[2]}
+
+
+@pytest.fixture
+def runs(vllm_base):
+    return vllm_base
 
 
 def _compare(runs, job: str, *, cli: bool = False, baseline: str = "hf") -> tuple[int, dict]:
@@ -264,6 +295,7 @@ def _max_rel(report: dict) -> float:
     return max(t["rel_diff"] for t in report["tensors"])
 
 
+@pytest.mark.engine
 def test_fp32_batch_matches_hf_hidden_states_and_logprobs(runs):
     rc, report = _compare(runs, "fp32", cli=True)
     assert rc == 0 and report["passed"], report
@@ -283,6 +315,7 @@ def test_fp32_batch_matches_hf_hidden_states_and_logprobs(runs):
     assert env["engine_prefix_caching"] is True and m.model["config_hash"] and _compiled(runs, "fp32")
 
 
+@pytest.mark.engine
 def test_a_bug_at_one_layer_and_token_is_localized_to_the_next_layer(runs):
     """The seeded bug (:func:`seeded`), compiled into the graph in vLLM's engine core, first shows in the next
     layer's input."""
@@ -295,6 +328,7 @@ def test_a_bug_at_one_layer_and_token_is_localized_to_the_next_layer(runs):
     assert all(t["passed"] for t in report["tensors"] if t["layer"] <= BUG_LAYER)
 
 
+@pytest.mark.engine
 def test_chunked_prefill_matches_hf(runs):
     rc, report = _compare(runs, "chunk")
     assert rc == 0 and report["passed"] and report["logprobs"]["passed"], report
@@ -306,6 +340,7 @@ def test_chunked_prefill_matches_hf(runs):
     assert max(t.shape[0] for t in m.tensors if t.point == "input") <= 16
 
 
+@pytest.mark.engine
 def test_a_prefix_cache_hit_matches_hf(runs):
     m = load_manifest(runs[1] / "prefix")
     assert _compiled(runs, "prefix")
@@ -319,6 +354,7 @@ def test_a_prefix_cache_hit_matches_hf(runs):
     assert rc == 0 and report["passed"] and report["matched"] == N_LAYERS * len(PROMPTS), report
 
 
+@pytest.mark.engine
 def test_the_hook_api_in_a_users_vllm_script_matches_hf(runs):
     """capture(vllm_model) around two generate calls with decoding: prompt rows only, prompt order, and the
     second call's prefix-cache hit on the first call's blocks filled in."""
@@ -337,6 +373,7 @@ def test_the_hook_api_in_a_users_vllm_script_matches_hf(runs):
     assert rc == 0 and report["passed"] and report["matched"] == N_LAYERS * len(PROMPTS), report
 
 
+@pytest.mark.engine
 def test_bf16_is_measured_against_hf_fp32(runs, record_property):
     rc, report = _compare(runs, "bf16", cli=True)
     rel = sorted(t["rel_diff"] for t in report["tensors"])
@@ -348,6 +385,7 @@ def test_bf16_is_measured_against_hf_fp32(runs, record_property):
     assert rc == (0 if report["passed"] else 1)
 
 
+@pytest.mark.engine
 def test_bf16_passes_against_the_noise_of_hf_bf16_layouts(runs):
     """Calibrated from HF bf16 eager and SDPA against the HF fp32 reference, vLLM bf16 is within that noise."""
     _, root, results = runs
@@ -370,6 +408,7 @@ def test_bf16_passes_against_the_noise_of_hf_bf16_layouts(runs):
     assert report["logprobs"]["noise"] is not None and report["logprobs"]["passed"]
 
 
+@pytest.mark.engine
 def test_full_logits_rows_match_hf(runs):
     """--save-logits: vLLM's raw logits of every vocabulary id, compared row by row (KL needs whole rows)."""
     rc, report = _compare(runs, "logits", baseline="hf-logits")
@@ -381,6 +420,7 @@ def test_full_logits_rows_match_hf(runs):
     assert [t.shape for t in m.tensors if t.name == "logits"] == [(len(p) - 1, 512) for p in PROMPTS]
 
 
+@pytest.mark.engine
 def test_a_checkpoint_vllm_cannot_load_is_one_error_line(runs):
     _, root, results = runs
     bad = results["bad"]

@@ -34,13 +34,14 @@ from dumper.format.reader import DumpReader
 from tests.conftest import ROOT, run_cli, subprocess_env
 from tests.dumper.engines.test_engine_vllm import (JOB, LOGPROBS, N_LAYERS, PROMPTS, _cfg, assert_process_done,
                                                    assert_worker_done, finish,
-                                                   finish_worker, in_process, need, shared_checkpoint)
+                                                   finish_worker, in_process, link_base, need,
+                                                   shared_checkpoint)
 
 SUBSET = (1, 3)
 SKETCH_K = 32
 CLI_JOBS = {  # name -> `python -m dumper run --engine vllm` args after JOB (`--layers` given twice: the last wins)
-    "fp32": LOGPROBS,  # test_engine_vllm's fp32 job: the same engine, compiled once
-    "bf16": ("--dtype", "bfloat16", *LOGPROBS),  # test_engine_vllm's bf16 job
+    "fp32": LOGPROBS,  # test_engine_vllm's fp32 job, run once a session (link_base)
+    "bf16": ("--dtype", "bfloat16", *LOGPROBS),  # test_engine_vllm's bf16 job, likewise
     "subset": ("--layers", ",".join(map(str, SUBSET)), *LOGPROBS),
     "eager": ("--engine-arg", "enforce_eager=true", *LOGPROBS),
     "sketch": ("--sketch", str(SKETCH_K), *LOGPROBS),  # compiled, the projection made in vLLM's process
@@ -110,9 +111,11 @@ def _plain_engines(ckpt: str, out: str) -> None:
 def _user_script(ckpt: Path, out: Path) -> dict:
     """The user script in its own process, vLLM's engine core in another (``VLLM_ENABLE_V1_MULTIPROCESSING=1``)."""
     from dumper.engines.vllm import engine_kwargs
+    from dumper.engines.vllm_serve import CPU_DEFAULTS
 
     kw = {**engine_kwargs(_cfg(ckpt, out), ckpt, PROMPTS), "additional_config": {"driftscope": {"layers": "all"}}}
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_LOGGING_LEVEL": "INFO"}
+    # vLLM's CPU settings as a CPU user sets them (its KV cache space, else vLLM wants 92% of free memory)
+    env = {**CPU_DEFAULTS, **os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_LOGGING_LEVEL": "INFO"}
     r = subprocess.run([sys.executable, "-c", _USER_SCRIPT, json.dumps(kw), json.dumps(PROMPTS)], env=env,
                        cwd=out, capture_output=True, text=True, timeout=600)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("LOGPROBS ")]
@@ -137,9 +140,8 @@ def _worker(ckpt: str, prompts: str, out: str) -> None:
     plain_start = time.perf_counter()  # the untapped engines' own process, beside the jobs below
     plain = in_process(f"from tests.dumper.engines.test_vllm_compiled import _plain_engines; "
                        f"_plain_engines({ckpt!r}, {out!r})")
-    timed("fp32", lambda: main([*run, *CLI_JOBS["fp32"], "--out", str(base / "fp32")]))
     timed("user", lambda: _user_script(Path(ckpt), base))
-    for name in ("bf16", "subset", "eager", "sketch"):
+    for name in ("subset", "eager", "sketch"):
         timed(name, lambda name=name: main([*run, *CLI_JOBS[name], "--out", str(base / name)]))
     kw = engine_kwargs(_cfg(Path(ckpt), base), Path(ckpt), PROMPTS)
     for name, spec in BAD_TAPS.items():  # last: each fails at load, after vLLM read the weights
@@ -159,23 +161,22 @@ def _worker(ckpt: str, prompts: str, out: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """(job dirs root, worker results): the HF fp32 reference (``root/hf``) and the worker run side by side."""
+def runs(tmp_path_factory, vllm_base):
+    """(job dirs root, worker results): this module's worker, and the session's HF fp32 reference (``root/hf``)
+    and fp32 and bf16 jobs (the same engines as test_engine_vllm's, started once), linked in."""
     need("vllm")
     root = tmp_path_factory.mktemp("vllm-compiled")
+    base = {name: {"value": r["rc"], "seconds": r["seconds"], "stderr": r["stderr"]}
+            for name, r in link_base(vllm_base, root, {"hf": "hf", "fp32": "fp32", "bf16": "bf16"}).items()}
     ckpt = shared_checkpoint()
     prompts = root / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in PROMPTS))
-    worker = subprocess.Popen([sys.executable, "-c", f"from tests.dumper.engines.test_vllm_compiled import _worker; "
-                               f"_worker({str(ckpt)!r}, {str(prompts)!r}, {str(root)!r})"],
-                              cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True)
-    hf = run_cli("dumper", "run", "--model", ckpt, "--prompts", prompts, "--out", root / "hf", *JOB[:2], *LOGPROBS,
-                 "--quiet")
-    log, _ = worker.communicate(timeout=1500)
-    assert hf.returncode == 0, hf.stderr
-    assert_worker_done(worker.returncode, log, root)
-    return root, json.loads((root / "results.json").read_text())
+    worker = subprocess.run([sys.executable, "-c", f"from tests.dumper.engines.test_vllm_compiled import _worker; "
+                             f"_worker({str(ckpt)!r}, {str(prompts)!r}, {str(root)!r})"],
+                            cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, timeout=1500)
+    assert_worker_done(worker.returncode, worker.stdout, root)
+    return root, {**json.loads((root / "results.json").read_text()), **base}
 
 
 def _job(runs, name: str):
@@ -209,6 +210,7 @@ def _bits(values) -> np.ndarray:
     return a.astype(np.float32).view(np.uint32)
 
 
+@pytest.mark.engine
 def test_compiled_fp32_matches_hf_fp32(runs):
     root, _ = runs
     assert _settings(runs, "fp32")["compiled"] is True and _settings(runs, "fp32")["cuda_graphs"] is False
@@ -218,6 +220,7 @@ def test_compiled_fp32_matches_hf_fp32(runs):
     assert report.logprobs.passed and report.logprobs.compared_positions == sum(len(p) - 1 for p in PROMPTS)
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_the_tap_does_not_change_a_compiled_engines_logprobs(runs, dtype):
     """The captured run's prompt logprobs (token and top-k) are bit for bit those of the same engine untapped."""
@@ -232,6 +235,7 @@ def test_the_tap_does_not_change_a_compiled_engines_logprobs(runs, dtype):
         assert np.array_equal(_bits([captured[k][i] for k in keys]), _bits([plain["logprobs"][k][i] for k in keys]))
 
 
+@pytest.mark.engine
 def test_bf16_hidden_states_are_stored_as_bf16(runs):
     root, _ = runs
     _job(runs, "bf16")
@@ -246,6 +250,7 @@ def test_bf16_hidden_states_are_stored_as_bf16(runs):
         assert sum(a.shape[0] for a in raw) == sum(map(len, PROMPTS))
 
 
+@pytest.mark.engine
 def test_a_compiled_engine_without_the_tap_is_refused_in_one_line(runs):
     plain, _ = _job(runs, "plain-fp32")
     kind, message = plain["refused"]
@@ -254,6 +259,7 @@ def test_a_compiled_engine_without_the_tap_is_refused_in_one_line(runs):
     assert 'additional_config={"driftscope": {"layers": "all"}}' in message and "enforce_eager=true" in message
 
 
+@pytest.mark.engine
 def test_a_layer_subset_is_tapped_and_matches_hf(runs):
     root, _ = runs
     assert _settings(runs, "subset")["compiled"] is True
@@ -264,6 +270,7 @@ def test_a_layer_subset_is_tapped_and_matches_hf(runs):
     assert len(report.unmatched_baseline) == (N_LAYERS - len(SUBSET)) * len(PROMPTS)  # HF's other layers
 
 
+@pytest.mark.engine
 def test_eager_still_captures_and_matches_hf(runs):
     root, _ = runs
     settings = _settings(runs, "eager")
@@ -272,6 +279,7 @@ def test_eager_still_captures_and_matches_hf(runs):
     assert report.passed and report.matched == N_LAYERS * len(PROMPTS) and report.logprobs.passed, report
 
 
+@pytest.mark.engine
 def test_a_sketch_of_the_compiled_engine_matches_hf_and_changes_no_logprob(runs):
     """``--sketch``: the tapped rows are projected in vLLM's own process; the estimates pass against HF's full rows,
     and the engine's logprobs are the unsketched fp32 job's, bit for bit."""
@@ -291,6 +299,7 @@ def test_a_sketch_of_the_compiled_engine_matches_hf_and_changes_no_logprob(runs)
     assert np.array_equal(_bits([sketched[k][0] for k in keys]), _bits([full[k][0] for k in keys]))
 
 
+@pytest.mark.engine
 def test_the_entry_point_taps_the_model_in_vllms_engine_process(runs):
     """A user script's ``LLM`` with vLLM's engine core in a spawned process: the plugin taps the model there."""
     user, _ = _job(runs, "user")
@@ -307,6 +316,7 @@ def test_the_entry_point_taps_the_model_in_vllms_engine_process(runs):
                           _bits([captured[f"{s},{j}"][0] for s, p in enumerate(PROMPTS) for j in range(1, len(p))]))
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("name, says", [("unknown-key", "unknown key 'layerz'"),
                                         ("layer-range", f"layer {N_LAYERS + 3} is out of range")])
 def test_a_bad_driftscope_entry_is_one_error_line(runs, name, says):

@@ -28,8 +28,8 @@ from dumper.format import load_manifest
 from dumper.format.reader import DumpReader
 from tests.conftest import ROOT, run_cli
 from tests.dumper.engines.test_engine_vllm import (BUG_PROMPT, BUG_TOKEN, JOB, LOGPROBS, N_LAYERS, PROMPTS, _cfg,
-                                                   assert_worker_done, finish_worker, need, seeded, shared_checkpoint,
-                                                   worker_env)
+                                                   assert_worker_done, finish_worker, link_base, need, seeded,
+                                                   shared_checkpoint, worker_env)
 
 TP2 = ("--engine-arg", "tensor_parallel_size=2")
 SEED_LAYER = 1
@@ -38,7 +38,7 @@ BUG_LAYER, BUG_RANK = SEED_LAYER + 1, 1
 DIE = ("--chunk-size", "16", "--engine-arg", "enforce_eager=true")
 """The killed jobs: 16-token engine steps (about 21 for the job, the kill after the 3rd), eager (no compile)."""
 CLI_JOBS = {  # name -> (seed or None, `python -m dumper run --engine vllm` args after JOB), in the order they run
-    "tp1": (None, LOGPROBS),  # test_engine_vllm's fp32 job: the same engine, compiled once
+    "tp1": (None, LOGPROBS),  # test_engine_vllm's fp32 job, run once a session (link_base)
     "tp2": (None, (*TP2, *LOGPROBS)),
     "pp2": (None, ("--engine-arg", "pipeline_parallel_size=2", *LOGPROBS)),
     "die-core": ({"die_after": 3}, DIE),  # TP=1: the engine core runs the model, and dies
@@ -49,10 +49,7 @@ CLI_JOBS = {  # name -> (seed or None, `python -m dumper run --engine vllm` args
 def _worker(ckpt: str, prompts: str, out: str) -> None:
     """All vLLM jobs in one process; writes ``out/results.json`` (exit code, seconds, stderr per job)."""
     from dumper.cli.main import main
-    from dumper.engines import vllm
     from dumper.engines.vllm import dump_llm, engine_kwargs, load_llm
-    from dumper.engines.vllm_hooks import model_runner_of
-    from dumper.errors import UsageError
 
     base, results = Path(out), {}
 
@@ -66,12 +63,6 @@ def _worker(ckpt: str, prompts: str, out: str) -> None:
         return main(["run", "--engine", "vllm", "--model", ckpt, "--prompts", prompts, *JOB, *CLI_JOBS[name][1],
                      "--out", str(base / name)])
 
-    timed("tp1", lambda: cli("tp1"))
-    try:  # the engine the tp1 job kept: its model is in another process, not here
-        model_runner_of(vllm._LLM[1])
-        results["tp1"]["in_process"] = True
-    except UsageError:
-        results["tp1"]["in_process"] = False
     timed("tp2", lambda: cli("tp2"))
     cfg = _cfg(Path(ckpt), base / "bug")
     kw = {**engine_kwargs(cfg, Path(ckpt), PROMPTS), "tensor_parallel_size": 2}  # the tp2 job's engine
@@ -96,23 +87,22 @@ def _worker(ckpt: str, prompts: str, out: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """(job dirs root, worker results): the HF fp32 reference (``root/hf``) and the worker run side by side."""
+def runs(tmp_path_factory, vllm_base):
+    """(job dirs root, worker results): this module's worker, and the session's HF fp32 reference (``root/hf``)
+    and fp32 job as ``tp1`` (test_engine_vllm's, in vLLM's default multiprocess engine), linked in."""
     need("vllm")
     root = tmp_path_factory.mktemp("vllm-tp")
+    base = link_base(vllm_base, root, {"hf": "hf", "tp1": "fp32"})
     ckpt = shared_checkpoint()
     prompts = root / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in PROMPTS))
     env = {k: v for k, v in worker_env().items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}  # vLLM's default
-    worker = subprocess.Popen([sys.executable, "-c", f"from tests.dumper.engines.test_vllm_tp import _worker; "
-                               f"_worker({str(ckpt)!r}, {str(prompts)!r}, {str(root)!r})"],
-                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    hf = run_cli("dumper", "run", "--model", ckpt, "--prompts", prompts, "--out", root / "hf", *JOB[:2], *LOGPROBS,
-                 "--quiet")
-    log, _ = worker.communicate(timeout=1500)
-    assert hf.returncode == 0, hf.stderr
-    assert_worker_done(worker.returncode, log, root)
-    return root, json.loads((root / "results.json").read_text())
+    worker = subprocess.run([sys.executable, "-c", f"from tests.dumper.engines.test_vllm_tp import _worker; "
+                             f"_worker({str(ckpt)!r}, {str(prompts)!r}, {str(root)!r})"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            timeout=1500)
+    assert_worker_done(worker.returncode, worker.stdout, root)
+    return root, {**json.loads((root / "results.json").read_text()), **base}
 
 
 def _job(runs, name: str) -> dict:
@@ -144,6 +134,7 @@ def _rows(reader: DumpReader, recs, sequence: int) -> dict[int, np.ndarray]:
     return out
 
 
+@pytest.mark.engine
 def test_the_default_multiprocess_engine_captures_and_matches_hf(runs):
     """``dumper run --engine vllm`` with nothing overridden: the model in vLLM's engine core, compiled."""
     result = _job(runs, "tp1")
@@ -159,6 +150,7 @@ def test_the_default_multiprocess_engine_captures_and_matches_hf(runs):
     assert {t.rank for t in _hidden(root / "tp1")} == {0}
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("baseline", ["hf", "tp1"])
 def test_tensor_parallel_2_matches_tp1_and_hf(runs, baseline):
     _job(runs, "tp2")
@@ -168,6 +160,7 @@ def test_tensor_parallel_2_matches_tp1_and_hf(runs, baseline):
     assert max(t["rel_diff"] for t in report["tensors"]) < 1e-5  # fp32: only the all-reduce's order differs
 
 
+@pytest.mark.engine
 def test_tensor_parallel_2_holds_every_rank_s_rows_bit_identical(runs):
     """Every ``self_attn.input`` row is on rank 0 and on rank 1 (a replica), byte for byte the same."""
     root, _ = runs
@@ -184,6 +177,7 @@ def test_tensor_parallel_2_holds_every_rank_s_rows_bit_identical(runs):
             assert all(ranks[0][p].tobytes() == ranks[1][p].tobytes() for p in ranks[0]), (layer, s)
 
 
+@pytest.mark.engine
 def test_a_bug_on_one_rank_is_found_at_its_layer_token_and_rank(runs):
     """Rank 1 alone adds 0.5 at one position after layer SEED_LAYER: its replica rows of the next layer
     disagree with rank 0's from that token on, and the first divergence against TP=1 names that rank."""
@@ -211,6 +205,7 @@ def test_a_bug_on_one_rank_is_found_at_its_layer_token_and_rank(runs):
         assert all(rank_rows[0][p].tobytes() == rank_rows[1][p].tobytes() for p in rank_rows[0])
 
 
+@pytest.mark.engine
 def test_pipeline_parallel_2_matches_hf(runs):
     """PP=2: layers 0-1 on stage 0, 2-3 on stage 1, each stage's rows under its rank; the join matches HF.
 
@@ -227,6 +222,7 @@ def test_pipeline_parallel_2_matches_hf(runs):
     assert report["matched"] == N_LAYERS * len(PROMPTS) and not report["unmatched_baseline"], report
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("job", ["die-core", "die-rank"])
 def test_a_process_killed_mid_capture_leaves_no_dump(runs, job):
     """SIGKILL of the engine core (TP=1) or of rank 1's worker (TP=2) after 3 of ~21 engine steps: one error
