@@ -24,12 +24,6 @@ import pytest
 
 SITE_DIR = Path(__file__).resolve().parent / "vllm_seed"
 LOG_ENV = "DRIFTSCOPE_TEST_ENGINE_LOG"
-MARKERS = {
-    "engine": "starts a real inference engine (vLLM, llama.cpp, ONNX Runtime GenAI), in-process or in a subprocess",
-    "slow": "takes more than a few seconds without an engine (fuzzing, installs, big inputs)",
-    "browser": "drives a real headless Chromium",
-    "gpu": "needs CUDA; skips without a GPU",
-}
 
 
 class EngineStarts:
@@ -64,8 +58,6 @@ def _has_cuda() -> bool:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    for name, doc in MARKERS.items():
-        config.addinivalue_line("markers", f"{name}: {doc}")
     log = Path(tempfile.mkdtemp(prefix="driftscope-engine-starts-")) / "starts.jsonl"
     os.environ[LOG_ENV] = str(log)  # this session's own, also inside a pytest run by a test
     path = os.environ.get("PYTHONPATH", "")

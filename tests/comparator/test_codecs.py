@@ -52,6 +52,7 @@ def verdict(dumps: tuple[str, str]) -> LogprobVerdict:
     return compare_logprob_sources(*dumps)
 
 
+@pytest.mark.slow
 def test_a_noise_file_reads_back_as_written(noise: NoiseModel) -> None:
     back = NoiseModel.from_json(_text(noise), "noise.json")
     assert back == noise

@@ -72,6 +72,7 @@ def test_status_words():
         PASS, PASS, FAIL, "FAIL (3)", "FAIL (mse, kl_max)")
 
 
+@pytest.mark.slow
 def test_every_output_writes_the_same_words(reports):
     """Markdown, HTML, the terminal and the pytest helper name the outcome alike."""
     for outcome, report in reports.items():

@@ -26,6 +26,7 @@ def eager_dump(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset,dtype", [("tiny-llama", "float32"), ("tiny-llama", "bfloat16"),
                                           ("tiny-qwen2", "float32"), ("tiny-qwen2", "bfloat16")])
 def test_eager_vs_sdpa_passes(cli, tmp_path, preset, dtype):
@@ -40,6 +41,7 @@ def test_eager_vs_sdpa_passes(cli, tmp_path, preset, dtype):
     assert "PASS" in r.stdout
 
 
+@pytest.mark.slow
 def test_default_run_and_ls(cli, tmp_path, eager_dump):
     r = cli("dumper", "run", "--out", tmp_path / "default")
     assert r.returncode == 0, r.stderr
@@ -50,6 +52,7 @@ def test_default_run_and_ls(cli, tmp_path, eager_dump):
     assert "model.layers.7.self_attn.input" in ls.stdout and "tokens 0.." in ls.stdout
 
 
+@pytest.mark.slow
 def test_diverging_run_exits_1_with_json_and_csv(cli, tmp_path, eager_dump):
     r = cli("dumper", "run", "--out", tmp_path / "other", "--layers", "all", "--seed", "1")
     assert r.returncode == 0, r.stderr
@@ -67,6 +70,7 @@ def test_diverging_run_exits_1_with_json_and_csv(cli, tmp_path, eager_dump):
     assert len(table) == 16 and {"name", "rel_diff", "passed"} <= set(table.columns)
 
 
+@pytest.mark.slow
 def test_threshold_flag_and_env(cli, tmp_path, eager_dump):
     r = cli("dumper", "run", "--out", tmp_path / "sdpa", "--layers", "all", "--attn", "sdpa")
     assert r.returncode == 0
@@ -111,6 +115,7 @@ def test_missing_manifest_exit_2(cli, tmp_path, eager_dump):
     _single_line_error(cli("comparator", tmp_path / "nope", eager_dump), "nope", "no such dump")
 
 
+@pytest.mark.slow
 def test_shape_mismatch_and_empty_dump_exit_2(cli, tmp_path, eager_dump):
     r = cli("dumper", "run", "--out", tmp_path / "short", "--layers", "all", "--prompt", "short", "--prompt", "x")
     assert r.returncode == 0, r.stderr
@@ -133,6 +138,7 @@ def test_bad_comparator_arguments_exit_2(cli, eager_dump, args, needle):
     _single_line_error(cli("comparator", *positional, *args), needle)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args,needle", [
     (["--layers", "99"], "out of range"),
     (["--model", "no-such-model"], "neither a preset"),
@@ -148,6 +154,7 @@ def test_bad_dumper_arguments_exit_2(cli, tmp_path, args, needle):
     assert not (tmp_path / "x" / MANIFEST_NAME).exists()
 
 
+@pytest.mark.slow
 def test_prompts_file_and_input_ids(cli, tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"text": "hello"}\n{"input_ids": [1, 5, 9, 200]}\n')
@@ -180,6 +187,7 @@ def test_report_outputs_through_the_cli(cli, tmp_path, eager_dump):
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_dumper_quiet(cli, tmp_path):
     r = cli("dumper", "run", "--out", tmp_path / "q", "--quiet", "--layers", "last")
     assert r.returncode == 0 and r.stdout == "" and r.stderr == ""

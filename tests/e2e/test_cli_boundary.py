@@ -120,11 +120,13 @@ def _first_line_then_close(*args: str | os.PathLike[str]) -> int:
     return p.returncode
 
 
+@pytest.mark.slow
 def test_a_reader_that_goes_away_does_not_change_the_verdict(wide_pair):
     """``comparator A B --tensors | head -1`` under pipefail: the exit code is still the verdict (rich would exit 1)."""
     assert _first_line_then_close("comparator", *wide_pair, "--tensors") == EXIT_OK
 
 
+@pytest.mark.slow
 def test_a_reader_that_goes_away_is_sigpipe_not_a_bug(wide_pair):
     from dumper.cli.common import EXIT_BROKEN_PIPE
 

@@ -103,6 +103,7 @@ def _in_venv(path: str, venv: Path) -> bool:
     return Path(path).resolve().is_relative_to(venv.resolve())
 
 
+@pytest.mark.slow
 def test_wheel_install_shadows_the_checkout_and_ships_configs_and_kernel(venv, tmp_path):
     init, preset, kernel = _probe(venv, tmp_path, (
         "import dumper, comparator.hidden.kernels as k; from dumper.resources import config_path; "
@@ -121,6 +122,7 @@ def test_wheel_finds_the_logprob_threshold_table(venv, tmp_path):
     assert _in_venv(table, venv) and Path(table).is_file(), f"{table}: not shipped where the comparator looks"
 
 
+@pytest.mark.slow
 def test_readme_quick_start_runs_from_the_wheel(venv, tmp_path):
     commands = quick_start_commands()
     assert any("python -m comparator" in c for c in commands), commands

@@ -111,6 +111,7 @@ def test_import_sglang_takes_the_flags_of_the_converter():
     assert usage(ours.stdout) == usage(theirs.stdout) and args(ours.stdout) == args(theirs.stdout)
 
 
+@pytest.mark.slow
 def test_compare_keeps_its_exit_codes(dumps, tmp_path):
     base, target = dumps["eager"], dumps["sdpa"]
     r = run_cli("comparator", base, target, "--json", tmp_path / "r.json", "--debug")

@@ -119,6 +119,7 @@ def test_bug_in_one_sequence_of_a_batch_names_that_sequence(one_pass, tmp_path):
     assert all(t.passed for t in report.tensors if t.sequence != 1)
 
 
+@pytest.mark.slow
 def test_cli_chunked_vs_one_pass_and_report(cli, one_pass, tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"text": p}) + "\n" for p in PROMPTS))

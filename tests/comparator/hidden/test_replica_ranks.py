@@ -94,6 +94,7 @@ def _replica_rows(report: Report) -> list[tuple[str | None, int | None, int]]:
     return [(t.replica_side, t.layer, t.rank) for t in report.tensors if t.replica_side is not None]
 
 
+@pytest.mark.slow
 def test_clean_tp2_vs_tp1_passes_in_fp32(dumps):
     report = compare_dumps(dumps["tp1"], dumps["tp2"])  # default thresholds: all-reduce rounding only
     assert report.passed, report.first_divergent

@@ -275,6 +275,7 @@ def table_column(stdout: str, header: str) -> list[str]:
     return cells
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("combo", COMBOS)
 def test_benign_eager_vs_sdpa_passes_with_either_side_sketched(cli, combo):
     r = cli["answers"][combo]

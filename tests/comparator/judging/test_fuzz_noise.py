@@ -178,6 +178,7 @@ OPS = ["retype"] * 4 + ["drop"] * 2 + ["unknown", "duplicate", "everywhere", "mi
 """Retyped values are most of the surface: drawn most often."""
 
 
+@pytest.mark.slow
 @given(data=st.data())
 @settings(FUZZ, max_examples=240)
 def test_mutated_noise_files(world: World, data: st.DataObject) -> None:
@@ -445,6 +446,7 @@ def _largest(text: str, unit: Callable[[int], str]) -> bytes:
     return out
 
 
+@pytest.mark.slow
 def test_largest_hostile_noise_files_stay_under_512_mib(world: World, tmp_path: Path) -> None:
     d = world.fresh()
     d["model"]["extra"] = "@@"  # the costliest JSON under the budget: distinct keys, kept in memory

@@ -59,6 +59,7 @@ def _compare(base: Path, target: Path, tmp_path: Path, *flags: str) -> tuple[dic
     return data, r.stdout
 
 
+@pytest.mark.slow
 def test_manifests_record_the_mode(dumps):
     assert load_manifest(dumps["eager"]).extra["compiled"] is False
     assert load_manifest(dumps["compiled"]).extra["compiled"] is True

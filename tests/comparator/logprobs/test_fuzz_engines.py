@@ -25,6 +25,7 @@ from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -157,6 +158,7 @@ _SETTINGS = settings(max_examples=1500, deadline=None, derandomize=True, databas
                      suppress_health_check=[HealthCheck.too_slow])
 
 
+@pytest.mark.slow
 @_SETTINGS
 @given(data=st.data(), fmt=st.sampled_from(sorted(FIXTURES)), how=st.sampled_from(
     ["drop", "null", "truncate", "replace", "wrap"]), on_target=st.booleans())
@@ -178,6 +180,7 @@ def test_mutated_engine_json(data, fmt, how, on_target):
         assert code != 0, (fmt, how, path)
 
 
+@pytest.mark.slow
 @_SETTINGS
 @given(fmt=st.sampled_from(sorted(FIXTURES)), cut=st.floats(0, 1), junk=_JUNK,
        at=st.floats(0, 1), mode=st.sampled_from(["truncate", "insert", "replace", "append line"]))

@@ -129,6 +129,7 @@ def _header_values(box: Box) -> st.SearchStrategy[int]:
         st.integers(-(1 << 31), (1 << 32) - 1))
 
 
+@pytest.mark.slow
 @settings(FUZZ, max_examples=250)
 @given(data=st.data(), field=st.sampled_from(["magic", *_FIELDS]), resize=st.booleans(), on_target=st.booleans())
 def test_mutated_header(box, data, field, resize, on_target):
@@ -182,6 +183,7 @@ _F32 = st.one_of(st.sampled_from([math.nan, math.inf, -math.inf, 0.0, -0.0, -1.0
                  st.floats(width=32, allow_nan=True, allow_infinity=True))
 
 
+@pytest.mark.slow
 @settings(FUZZ, max_examples=200)
 @given(data=st.data(), which=st.sampled_from(["scale", "min_log_prob"]), on_target=st.booleans())
 def test_mutated_row_head(box, data, which, on_target):
@@ -201,6 +203,7 @@ def test_mutated_row_head(box, data, which, on_target):
         assert o.code == 1, (which, float(old), float(new), o.err)  # the scored token's logprob moved
 
 
+@pytest.mark.slow
 @settings(FUZZ, max_examples=150)
 @given(data=st.data(), scored=st.booleans(), on_target=st.booleans())
 def test_mutated_row_word(box, data, scored, on_target):
@@ -218,6 +221,7 @@ def test_mutated_row_word(box, data, scored, on_target):
         assert o.code == 1, o.err  # the scored token's logprob moved by scale * (new - old)
 
 
+@pytest.mark.slow
 @settings(FUZZ, max_examples=200)
 @given(data=st.data(), on_target=st.booleans())
 def test_mutated_bytes(box, data, on_target):

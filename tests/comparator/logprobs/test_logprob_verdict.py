@@ -26,6 +26,7 @@ def base(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_benign_change_passes_both_verdicts(cli, tmp_path, dtype):
     for attn in ("eager", "sdpa"):

@@ -143,6 +143,7 @@ def test_retries_must_be_a_small_count(value: str, tmp_path: Path, capsys: pytes
     assert rc == 2 and "--retries" in line and len(line) < 200, line
 
 
+@pytest.mark.slow
 def test_timeout_inf_through_the_real_cli(tmp_path: Path) -> None:
     for cli, args in (("comparator", _collect_args("http://127.0.0.1:9", tmp_path / "x.jsonl")),
                       ("dumper", ["selfcheck", "--server", "http://127.0.0.1:9", "--api", "vllm"])):
@@ -167,6 +168,7 @@ def test_the_library_checks_the_same_bounds() -> None:
 # --------------------------------------------------------------------------- one deadline per request
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["body", "headers"])
 def test_a_dripping_server_trips_the_timeout(where: str, tmp_path: Path) -> None:
     _Drip.where = where
@@ -345,6 +347,7 @@ def _answers(draw: st.DrawFn) -> tuple[bytes, bool, bool]:
 _FUZZ_TIMEOUT = 0.5
 
 
+@pytest.mark.slow
 @given(case=_answers())
 @settings(FUZZ, max_examples=250)
 def test_fuzz_whatever_the_server_sends(raw: str, case: tuple[bytes, bool, bool]) -> None:

@@ -87,6 +87,7 @@ def _logprobs(root: Path, base: str, target: str, *args: str | Path) -> tuple[in
     return r.returncode, json.loads(out.read_text()), r.stdout
 
 
+@pytest.mark.slow
 def test_final_norm_change_fails_against_noise_at_the_next_position(runs: Path) -> None:
     rc, v, stdout = _logprobs(runs, "float32-base", "bug", "--noise", runs / "float32.noise.json")
     noise = json.loads((runs / "float32.noise.json").read_text())["logprobs"]
@@ -172,6 +173,7 @@ def _refused(r, *words: str) -> None:
     assert all(w in lines[0] for w in words), lines[0]
 
 
+@pytest.mark.slow
 def test_unusable_noise_files_and_flags_exit_2_with_one_line(runs: Path, tmp_path: Path) -> None:
     args = ("comparator", "logprobs", runs / "float32-base", runs / "bug")
     _refused(run_cli(*args, "--noise", runs / "nolp.noise.json"), "nolp.noise.json", "no logprob noise")

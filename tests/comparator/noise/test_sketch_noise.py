@@ -38,6 +38,7 @@ def _judge(root: Path, base: str, target: str, noise: str) -> dict:
     return json.loads((root / f"{base}-{target}-{noise}.json").read_text())
 
 
+@pytest.mark.slow
 def test_noise_from_sketches_records_its_projection(dumps):
     assert load_noise(dumps / "sk.json").sketch == SketchSpec(k=K)
     assert load_noise(dumps / "full.json").sketch is None

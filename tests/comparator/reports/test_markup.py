@@ -137,6 +137,7 @@ def test_heatmap_chart_draws_dollar_signs_as_text():
     assert "0 $\\frac$" in svg and "0 c$x^$" in svg
 
 
+@pytest.mark.slow
 def test_tiny_llama_dumps_in_markup_named_directories(tmp_path):
     (tmp_path / "m[").mkdir()
     for out, attn in (("m[/]", "eager"), ("[bold]x", "sdpa")):

@@ -154,6 +154,7 @@ def test_markdown_and_html_carry_the_routing(reports, flips):
     assert '<tr class="bad first">' in page and f"<p>{html.escape(sentence(r))}</p>" in page
 
 
+@pytest.mark.slow
 def test_the_cli_writes_every_output_and_exits_by_the_routing(dumps, reports, flips, tmp_path):
     """Real subprocesses: 0 for the benign pair, 1 for each routing bug; the files hold the routing."""
     seq, token = flips[1]

@@ -121,6 +121,7 @@ def _apply(store: Path, victim: str, outside: Path, ops: list[tuple], kinds: lis
     return victim
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=st.just([]) | st.lists(record_ops, max_size=3),  # a sound record half the time: then its entries count
        kinds=st.lists(st.tuples(st.sampled_from(TARGETS), st.sampled_from(KINDS)), max_size=2),

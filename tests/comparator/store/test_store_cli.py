@@ -29,6 +29,7 @@ def popen_regress(run_dir: Path, store: Path, *args: str) -> subprocess.Popen[st
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
+@pytest.mark.slow
 def test_regress_and_store_commands(dumps, tmp_path):
     store = tmp_path / "store"
     r = run_cli("comparator", "regress", dumps["a"], "--store", store)

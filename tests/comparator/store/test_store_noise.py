@@ -95,6 +95,7 @@ def _lines(text: str) -> str:
     return " ".join(text.split())  # rich wraps long messages at the console width
 
 
+@pytest.mark.slow
 def test_bootstrap_stores_exactly_the_noise_calibrate_writes(calibrated):
     store, boot = calibrated["store"], calibrated["boot"]
     run_id = boot["run_id"]

@@ -153,6 +153,7 @@ def _pickle_of(raw: bytes) -> bytes:
 
 
 # -- byte damage: exit 2, or the clean verdict --------------------------------------------------
+@pytest.mark.slow
 @settings(FUZZ, max_examples=80)
 @given(data=st.data())
 def test_byte_damage_never_moves_the_verdict(box: Sandbox, data: st.DataObject) -> None:
@@ -227,6 +228,7 @@ def _framing(raw: bytes, kind: str, tag: str, n: int) -> bytes:
     return bytes(b)
 
 
+@pytest.mark.slow
 @settings(FUZZ, max_examples=60)
 @given(data=st.data())
 def test_framing_damage_is_refused(box: Sandbox, data: st.DataObject) -> None:
@@ -358,6 +360,7 @@ def _full_directory(f: Path) -> None:
     f.write_bytes(rezip(raw, extra=tuple((f"{prefix}/x/{i:06d}{'y' * width}", b"") for i in range(n))))
 
 
+@pytest.mark.slow
 def test_peak_rss_on_hostile_inputs(tmp_path: Path) -> None:
     results = {}
     for label, damage in (("256 KiB pickle of sets", _heavy_pickle), ("16k-record directory", _full_directory)):

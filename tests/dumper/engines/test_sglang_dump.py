@@ -105,6 +105,7 @@ def test_seeded_bug_is_localized(converted: dict[str, Path]) -> None:
     assert all(t.passed for t in clean_vs_bug.tensors if t.layer < want["layer"])
 
 
+@pytest.mark.slow
 def test_cli_converts_and_compares(tmp_path: Path) -> None:
     out = tmp_path / "converted"
     r = run_cli("dumper.engines.sglang", FIX / "bug", "--out", out)

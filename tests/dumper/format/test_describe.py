@@ -6,6 +6,7 @@ import json
 import os
 from pathlib import Path
 
+import pytest
 import torch
 
 import dumper
@@ -52,6 +53,7 @@ def test_control_characters_from_a_manifest_never_reach_the_terminal(tmp_path: P
     assert "evil\\x1b[2J" in dict(describe(load_manifest(out)))["model"]
 
 
+@pytest.mark.slow
 def test_dumper_ls_and_store_show_print_the_same_description(tmp_path: Path) -> None:
     out = _dump(tmp_path / "d")
     store = tmp_path / "store"

@@ -505,6 +505,7 @@ def test_missing_manifest_is_still_incomplete(tmp_path, small):
 
 
 # -- real CLI runs (subprocesses) on a real tiny-llama dump -----------------------------------------
+@pytest.mark.slow
 def test_cli_refuses_hostile_paths_with_exit_2(tmp_path, llama):
     root = tmp_path / "dumps"
     (tmp_path / "outside").mkdir()

@@ -134,6 +134,7 @@ def _write(dump: Path, m: dict) -> None:
     (dump / MANIFEST_NAME).write_text(json.dumps(m))
 
 
+@pytest.mark.slow
 @given(data=st.data())
 @settings(FUZZ, max_examples=400)
 def test_mutated_manifests(box, data):
@@ -185,6 +186,7 @@ def test_mutated_manifests(box, data):
     assert ls in (0, 2) and (ls == 2 or expect != {2}), (op, ls)
 
 
+@pytest.mark.slow
 @given(data=st.data())
 @settings(FUZZ, max_examples=100)
 def test_hostile_paths(box, data):
@@ -228,6 +230,7 @@ def _header_span(path: Path) -> tuple[int, bytes]:
     return int.from_bytes(raw[:8], "little"), raw
 
 
+@pytest.mark.slow
 @given(data=st.data())
 @settings(FUZZ, max_examples=300)
 def test_mutated_safetensors_headers(box, data):
@@ -290,6 +293,7 @@ def test_mutated_safetensors_headers(box, data):
 
 
 # -- the largest hostile inputs, in real processes -----------------------------------------------
+@pytest.mark.slow
 def test_largest_hostile_inputs_stay_under_512_mib(box, tmp_path):
     base, data0 = box.base, box.files[0]
     header = box.copy()  # a sparse data file declaring a 2^40-byte header, all of it present

@@ -371,6 +371,7 @@ def test_capture_refuses_k_wider_than_the_rows_and_writes_no_manifest(tmp_path):
     assert not (tmp_path / "d").exists()  # the directory the capture made, left empty, is removed
 
 
+@pytest.mark.slow
 def test_cli_refuses_bad_sketch_flags(tmp_path):
     runs = {"zero": ("--sketch", "0"), "wide": ("--sketch", "128"), "seed-alone": ("--sketch-seed", "3")}
     with ThreadPoolExecutor(max_workers=2) as pool:

@@ -145,6 +145,7 @@ def test_dump_is_a_cheap_noop_when_disabled():
     assert per_call < 1e-6, f"disabled dump() costs {per_call * 1e9:.0f} ns"
 
 
+@pytest.mark.slow
 def test_dump_dir_env_var_records_without_a_capture(tmp_path):
     script = textwrap.dedent("""
         import torch, dumper

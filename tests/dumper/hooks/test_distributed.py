@@ -54,6 +54,7 @@ def rank_dumps(tmp_path_factory):
     return root / "base", root / "bad"
 
 
+@pytest.mark.slow
 def test_each_rank_writes_its_own_files(rank_dumps):
     base, _ = rank_dumps
     m = load_manifest(base)

@@ -185,6 +185,7 @@ def test_a_registered_family_hooks_its_own_modules_and_rows(tmp_path):
     assert families.family_for(model) is families.HFFamily  # unregistered again
 
 
+@pytest.mark.slow
 def test_an_hf_capture_does_not_import_an_engine(tmp_path):
     code = ("import sys, torch, dumper\nfrom dumper.jobs.presets import load_model\n"
             "m, _ = load_model('tiny-llama')\n"

@@ -221,6 +221,7 @@ def test_router_on_a_compiled_untapped_model_or_past_the_tap_is_refused(tmp_path
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("family", "backend"), [("mixtral", "inductor"), ("deepseek_v3", "aot_eager"),
                                                  ("gpt_oss", "aot_eager")])
 def test_the_tap_records_the_router_of_a_compiled_model(family, backend, tmp_path):
@@ -261,6 +262,7 @@ def test_record_router_refuses_an_unknown_part(tmp_path):
     assert (rec.name, rec.dtype, rec.point, rec.layer) == ("model.layers.0.router.ids", "I64", ROUTER_CHOICE_POINT, 0)
 
 
+@pytest.mark.slow
 def test_cli_run_on_the_tiny_mixtral_preset_writes_router_records(tmp_path):
     out = tmp_path / "d"
     proc = run_cli("dumper", "run", "--model", "tiny-mixtral", "--points", "input,router", "--layers", "all",
@@ -282,6 +284,7 @@ def test_cli_run_on_the_tiny_mixtral_preset_writes_router_records(tmp_path):
         torch.testing.assert_close(w.sum(-1), torch.ones(w.shape[:-1]))  # Mixtral renormalises its top-2
 
 
+@pytest.mark.slow
 def test_cli_compiled_run_records_the_router_and_matches_eager(tmp_path):
     args = ("run", "--model", "tiny-mixtral", "--points", "input,router", "--layers", "all", "--prompt", TEXT,
             "--logprobs")

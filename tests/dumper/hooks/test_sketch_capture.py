@@ -56,12 +56,14 @@ def test_sketching_changes_no_output_bit(pair):
     assert torch.equal(full_logits, sketch_logits)
 
 
+@pytest.mark.slow
 def test_the_observer_check_proves_a_sketch_run_bit_exact(tmp_path):
     r = run_cli("dumper", "run", "--sketch", str(K), "--logprobs", "--observer-check", "--out", tmp_path / "d")
     assert r.returncode == 0 and "observer check: bit-exact" in r.stdout + r.stderr, r.stdout + r.stderr
     assert load_manifest(tmp_path / "d").extra["observer"]["bit_exact"] is True
 
 
+@pytest.mark.slow
 def test_a_compiled_capture_through_the_tap_sketches_and_matches_eager(pair, tmp_path):
     root, _, _ = pair
     model, _ = tiny_llama()

@@ -90,6 +90,7 @@ def runs(tmp_path_factory) -> Runs:
     return Runs(ids, root / "eager", root / "compiled", eager, plain, tapped)
 
 
+@pytest.mark.slow
 def test_compiled_capture_records_what_eager_records(runs):
     eager, compiled = _records(runs.eager_dir), _records(runs.compiled_dir)
     assert sorted(compiled) == sorted(eager) and len(eager) == 2 * 8 + 1  # input and residual of 8 layers, final norm
@@ -146,6 +147,7 @@ def test_remove_tap_restores_module_hooks_and_plain_logits(tmp_path):
         assert removed[name][:3] == (shape, pos, seq) and np.array_equal(removed[name][3], values), name
 
 
+@pytest.mark.slow
 def test_seeded_bug_is_localized_in_the_compiled_capture(runs, tmp_path):
     model, _ = tiny_llama()
     bump = torch.zeros(1, N, 1)
@@ -247,6 +249,7 @@ def _compare(baseline: Path, target: Path) -> None:
     assert res.returncode == 0 and "\nPASS: matched" in "\n" + res.stdout, res.stdout + res.stderr
 
 
+@pytest.mark.slow
 def test_cli_compiled_run_passes_against_eager(runs, tmp_path):
     # the prompt and call of the ``runs`` fixture, so that this compile finds its graph in inductor's cache
     ids = ",".join(map(str, runs.ids[0].tolist()))
@@ -257,6 +260,7 @@ def test_cli_compiled_run_passes_against_eager(runs, tmp_path):
     _compare(tmp_path / "eager", tmp_path / "compiled")
 
 
+@pytest.mark.slow
 def test_cli_compiled_chunked_padded_batch_passes_against_eager(tmp_path):
     # two prompts in one right-padded batch, prefilled in two chunks through the KV cache: two
     # compiles (the second chunk reads the cache; Dynamo makes its grown mask dim dynamic)

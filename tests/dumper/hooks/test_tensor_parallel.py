@@ -106,6 +106,7 @@ def _q_comparisons(report):
     return [t for t in report.tensors if t.name.endswith(".self_attn.q_proj.output")]
 
 
+@pytest.mark.slow
 def test_tp2_logits_equal_tp1(tp1, tp2_root):
     _, ref = tp1
     for rank in range(WORLD):

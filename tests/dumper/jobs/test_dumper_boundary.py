@@ -120,6 +120,7 @@ def test_broken_tokenizer_exits_2(llama_dir, tmp_path, capsys):
 # ---------------------------------------------------------------------------------- forward failures
 
 
+@pytest.mark.slow
 def test_config_that_builds_but_fails_in_forward_exits_2_through_the_cli(tmp_path):
     d = _save_llama(tmp_path / "kv3", num_attention_heads=4, num_key_value_heads=3, head_dim=8)
     r = run_cli("dumper", "run", "--model", d, "--out", tmp_path / "o", "--input-ids", "1,5,9", "--quiet")
@@ -193,6 +194,7 @@ def test_a_state_space_cache_with_chunk_size_exits_2(tmp_path, capsys):
 # ---------------------------------------------------------------------------------- selfcheck inputs
 
 
+@pytest.mark.slow
 def test_selfcheck_two_token_prompt_runs_every_mode_through_the_cli(tmp_path):
     r = run_cli("dumper", "selfcheck", "--input-ids", "5,6", "--new-tokens", "2")  # InternalError before
     assert r.returncode == 0, r.stderr
@@ -219,6 +221,7 @@ def test_selfcheck_one_token_prompt_runs_in_modes_that_allow_it(capsys):
 # ---------------------------------------------------------------------------------- layer specs, empty runs
 
 
+@pytest.mark.slow
 def test_reversed_layer_range_exits_2_before_writing_anything(tmp_path):
     r = run_cli("dumper", "run", "--out", tmp_path / "d", "--layers", "7..4", "--quiet")
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
@@ -298,6 +301,7 @@ _ENV_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_dump_dir_env_var_starts_a_numbered_dump_beside_an_existing_one(tmp_path):
     env = subprocess_env(DRIFTSCOPE_DUMP_DIR=str(tmp_path / "env"))
     runs = [subprocess.run([sys.executable, "-c", _ENV_SCRIPT], capture_output=True, text=True, timeout=300, env=env)
@@ -332,6 +336,7 @@ def _empty_rank_worker(rank: int, port: int, out: str, recording_ranks: tuple[in
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recording_ranks", [(), (1,)])
 def test_multi_rank_capture_is_empty_only_when_every_rank_is(tmp_path, recording_ranks):
     import socket

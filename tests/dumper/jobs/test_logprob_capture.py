@@ -154,6 +154,7 @@ def test_selfcheck_k3_matches_its_logprobs(fp32_model):
     assert r.k3_max == float(vals.max()) and r.k3_max_position == r.prompt_tokens + int(np.argmax(vals))
 
 
+@pytest.mark.slow
 def test_selfcheck_cli(cli, tmp_path):
     r = cli("dumper", "selfcheck", "--new-tokens", "6", "--prompt", "hello there, decode path", "--json",
             tmp_path / "s.json")

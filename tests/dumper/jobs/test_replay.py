@@ -84,6 +84,7 @@ def test_replaying_the_baseline_model_reproduces_its_own_forward(tmp_path, dtype
             assert np.array_equal(x, y), layer  # one prefill per sequence, as the baseline ran it: bit for bit
 
 
+@pytest.mark.slow
 def test_replay_localizes_a_bug_to_its_layer_when_a_milder_one_comes_before(case):
     normal, local = _by_layer(case / "bugged.json"), _by_layer(case / "replay.json")
     # the plain comparison: layer 2's input already differs, inherited from layer 1's mild bug,

@@ -70,6 +70,7 @@ def mixtral(tmp_path_factory):
     return root
 
 
+@pytest.mark.slow
 def test_plain_replay_shows_the_flips_and_the_layers_output_error(mixtral):
     rc, report = _compare(mixtral, "plain")
     assert rc == 1 and report["router"]["first_flip"]["layer"] == 1
@@ -137,6 +138,7 @@ def test_forcing_the_baselines_own_choice_reproduces_its_forward(tmp_path, famil
         assert max(t.metrics["rel_diff"] for t in report.tensors) == 0.0, (family, mode)
 
 
+@pytest.mark.slow
 def test_forcing_needs_the_router_point_in_the_baseline(mixtral, tmp_path):
     r = run_cli("dumper", "run", "--model", mixtral / "ref", "--out", tmp_path / "base", "--points", "residual",
                 "--layers", "all", "--quiet", *_ids_args())
@@ -148,6 +150,7 @@ def test_forcing_needs_the_router_point_in_the_baseline(mixtral, tmp_path):
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.slow
 def test_forcing_refuses_a_dense_model(mixtral, tmp_path):
     from transformers import MistralConfig, MistralForCausalLM
 

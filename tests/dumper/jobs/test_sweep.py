@@ -40,6 +40,7 @@ def _template(root, **kw) -> RunConfig:
     return RunConfig(out=str(root), layers="all", logprobs=LogprobSpec(), **kw)
 
 
+@pytest.mark.slow
 def test_every_cell_passes_in_fp32_and_the_json_holds_each_cell(base, tmp_path):
     out, js = tmp_path / "sweep", tmp_path / "sweep.json"
     r = run_cli("dumper", "sweep", "--baseline", base / "base", "--logprobs", *(a for g in GRID for a in ("--grid", g)),
