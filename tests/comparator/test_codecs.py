@@ -59,6 +59,7 @@ def test_a_noise_file_reads_back_as_written(noise: NoiseModel) -> None:
     assert back.to_json() == noise.to_json()
 
 
+@pytest.mark.slow
 def test_each_part_of_a_noise_file_reads_back(noise: NoiseModel) -> None:
     for t in noise.tensors.values():
         assert TensorNoise.from_json(_text(t), "noise.json") == t
@@ -70,6 +71,7 @@ def test_each_part_of_a_noise_file_reads_back(noise: NoiseModel) -> None:
         assert MeanNoise.from_json(_text(m)) == m
 
 
+@pytest.mark.slow
 def test_logprob_thresholds_and_located_maxima_read_back(verdict: LogprobVerdict) -> None:
     t = verdict.thresholds
     assert LogprobThresholds.from_json(_text(t)).to_json() == t.to_json()
@@ -79,6 +81,7 @@ def test_logprob_thresholds_and_located_maxima_read_back(verdict: LogprobVerdict
         assert Located.from_json(_text(loc), computed=loc.value is not None) == loc
 
 
+@pytest.mark.slow
 def test_llama_statistics_read_back_with_non_finite_values(verdict: LogprobVerdict) -> None:
     rng = np.random.default_rng(0)
     ref = -rng.exponential(2.0, 64)

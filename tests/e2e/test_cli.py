@@ -89,6 +89,7 @@ def _single_line_error(r, *needles):
         assert n in lines[0], lines[0]
 
 
+@pytest.mark.slow
 def test_renamed_tensors_zero_matched_exit_2(cli, tmp_path, eager_dump):
     renamed = tmp_path / "renamed"
     shutil.copytree(eager_dump, renamed)
@@ -99,6 +100,7 @@ def test_renamed_tensors_zero_matched_exit_2(cli, tmp_path, eager_dump):
     _single_line_error(cli("comparator", eager_dump, renamed), "zero tensors match")
 
 
+@pytest.mark.slow
 def test_truncated_file_exit_2_names_file(cli, tmp_path, eager_dump):
     broken = tmp_path / "broken"
     shutil.copytree(eager_dump, broken)
@@ -107,6 +109,7 @@ def test_truncated_file_exit_2_names_file(cli, tmp_path, eager_dump):
     _single_line_error(cli("comparator", eager_dump, broken), f.name, "truncated")
 
 
+@pytest.mark.slow
 def test_missing_manifest_exit_2(cli, tmp_path, eager_dump):
     partial = tmp_path / "partial"
     shutil.copytree(eager_dump, partial)
@@ -128,6 +131,7 @@ def test_shape_mismatch_and_empty_dump_exit_2(cli, tmp_path, eager_dump):
     _single_line_error(cli("comparator", eager_dump, empty), "captured no tensors")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args,needle", [
     (["--threshold", "abc"], "invalid float"),
     (["--threshold", "-1"], "threshold"),
@@ -172,6 +176,7 @@ def test_prompts_file_and_input_ids(cli, tmp_path):
                        "bad.jsonl:2")
 
 
+@pytest.mark.slow
 def test_report_outputs_through_the_cli(cli, tmp_path, eager_dump):
     copy = tmp_path / "copy"  # a dump is never compared with itself (exit 2): compare it with a copy
     shutil.copytree(eager_dump, copy)

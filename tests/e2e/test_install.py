@@ -117,6 +117,7 @@ def test_wheel_install_shadows_the_checkout_and_ships_configs_and_kernel(venv, t
         assert kernel != "no kernel" and _in_venv(kernel, venv), kernel
 
 
+@pytest.mark.slow
 def test_wheel_finds_the_logprob_threshold_table(venv, tmp_path):
     (table,) = _probe(venv, tmp_path, "from comparator.judging.logprob_thresholds import THRESHOLD_TABLE; print(THRESHOLD_TABLE)")
     assert _in_venv(table, venv) and Path(table).is_file(), f"{table}: not shipped where the comparator looks"

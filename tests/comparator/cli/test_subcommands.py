@@ -129,6 +129,7 @@ def test_compare_keeps_its_exit_codes(dumps, tmp_path):
     assert r.returncode == 0 and r.stdout.startswith("PASS"), r.stdout + r.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("word", "hint"), [("frobnicate", None), ("logprob", "did you mean 'logprobs'?"),
                                             ("stores", "did you mean 'store'?")])
 def test_an_unknown_command_is_one_line(dumps, tmp_path, word, hint):
@@ -141,6 +142,7 @@ def test_an_unknown_command_is_one_line(dumps, tmp_path, word, hint):
                                                                  "invalid choice: 'lss'")
 
 
+@pytest.mark.slow
 def test_subcommands_run_through_the_parser(dumps, tmp_path):
     base, target = dumps["eager"], dumps["sdpa"]
     r = run_cli("comparator", "calibrate", base, target, "--out", tmp_path / "noise.json", "--quiet")
@@ -203,6 +205,7 @@ def _column(table: str, title: str) -> list[str]:
     return [[c.strip() for c in line.split("│")][index] for line in lines if line.startswith("│")]
 
 
+@pytest.mark.slow
 def test_a_benign_pass_shows_no_inf_amplification(dumps, tmp_path):
     r = run_cli("comparator", dumps["eager"], dumps["sdpa"], "--json", tmp_path / "r.json",
                 "--markdown", tmp_path / "r.md", "--html", tmp_path / "r.html")
@@ -228,6 +231,7 @@ def test_a_benign_pass_shows_no_inf_amplification(dumps, tmp_path):
     assert 'id="amplification-legend"' in page
 
 
+@pytest.mark.slow
 def test_a_divergent_run_still_marks_the_layer_that_grows_from_0(dumps, tmp_path):
     r = run_cli("comparator", dumps["eager"], dumps["sdpa"], "--threshold", "0", "--token-threshold", "0",
                 "--html", tmp_path / "r.html", "--markdown", tmp_path / "r.md")

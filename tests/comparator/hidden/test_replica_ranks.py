@@ -103,12 +103,14 @@ def test_clean_tp2_vs_tp1_passes_in_fp32(dumps):
     assert report.matched == len(report.tensors) == NUM_LAYERS
 
 
+@pytest.mark.slow
 def test_replica_mismatch_names_rank_layer_token(bug_report):
     (m,) = bug_report.replica_mismatches  # from the next layer on, the all-reduce makes the ranks agree again
     assert (m.side, m.name, m.layer, m.rank, m.reference_rank, m.first_token) == \
         ("target", _attn_input(LAYER), LAYER, 1, 0, TOKEN)
 
 
+@pytest.mark.slow
 def test_first_divergence_is_the_lowest_layer_over_all_ranks(bug_report):
     fd = bug_report.first_divergent
     assert not bug_report.passed
@@ -123,6 +125,7 @@ def test_first_divergence_is_the_lowest_layer_over_all_ranks(bug_report):
     assert bug_report.matched == NUM_LAYERS
 
 
+@pytest.mark.slow
 def test_heatmap_follows_the_divergent_rank(bug_report):
     hm = bug_report.heatmap
     row = hm.values[hm.layers.index(LAYER)]
@@ -131,6 +134,7 @@ def test_heatmap_follows_the_divergent_rank(bug_report):
     assert row[at] > limit and all(v <= limit for v in row[:at])
 
 
+@pytest.mark.slow
 def test_a_baseline_replica_is_judged_too(dumps):
     report = compare_dumps(dumps["tp2_bug"], dumps["tp1"])
     fd = report.first_divergent
@@ -138,12 +142,14 @@ def test_a_baseline_replica_is_judged_too(dumps):
     assert [(m.side, m.layer, m.rank) for m in report.replica_mismatches] == [("baseline", LAYER, 1)]
 
 
+@pytest.mark.slow
 def test_report_json_round_trips(bug_report):
     back = Report.from_json(json.loads(json_text(bug_report)))
     assert back == bug_report
     assert back.first_divergent.replica_side == "target"
 
 
+@pytest.mark.slow
 def test_cli_exits_1_and_names_the_rank(dumps, tmp_path):
     from tests.conftest import run_cli
 

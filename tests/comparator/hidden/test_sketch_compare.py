@@ -302,6 +302,7 @@ def test_benign_eager_vs_sdpa_passes_with_either_side_sketched(cli, combo):
     assert any(note.startswith("sketch comparison") for note in report["notes"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("what", ["seed", "k"])
 def test_sketches_of_different_projections_are_refused(cli, what):
     r = cli["answers"][what]

@@ -65,6 +65,7 @@ def test_manifests_record_the_mode(dumps):
     assert load_manifest(dumps["compiled"]).extra["compiled"] is True
 
 
+@pytest.mark.slow
 def test_eager_against_compiled_says_so_and_still_passes(dumps, tmp_path):
     """The mode note and the unchecked-capture note, in the JSON report, the table summary and --quiet."""
     data, out = _compare(dumps["eager"], dumps["compiled"], tmp_path)
@@ -75,12 +76,14 @@ def test_eager_against_compiled_says_so_and_still_passes(dumps, tmp_path):
     assert quiet.strip() == f"PASS ({MODE}; {UNCHECKED.format(side='target')})"
 
 
+@pytest.mark.slow
 def test_the_compiled_side_is_named(dumps, tmp_path):
     data, _ = _compare(dumps["compiled"], dumps["eager"], tmp_path)
     assert data["notes"] == ["baseline ran compiled (torch.compile), target eager; differences may come from "
                              "compilation", UNCHECKED.format(side="baseline")]
 
 
+@pytest.mark.slow
 def test_same_mode_has_no_mode_note(dumps, tmp_path):
     """Eager against eager: no note at all; compiled against compiled: only each side's unchecked capture."""
     data, _ = _compare(dumps["eager"], _variant(dumps, "eager", "eager-copy"), tmp_path)
@@ -89,6 +92,7 @@ def test_same_mode_has_no_mode_note(dumps, tmp_path):
     assert data["notes"] == [UNCHECKED.format(side="baseline"), UNCHECKED.format(side="target")]
 
 
+@pytest.mark.slow
 def test_older_dumps_without_a_mode_get_no_note(dumps, tmp_path):
     """A dump from before the mode was recorded: unknown, so neither a mode nor an unchecked note."""
     data, _ = _compare(_variant(dumps, "eager", "old-eager", compiled=None),
@@ -101,6 +105,7 @@ def _observer(bit_exact: Any, **kw: Any) -> dict[str, Any]:
             "sequence": None, "position": None, **kw}
 
 
+@pytest.mark.slow
 def test_a_capture_that_changed_the_numbers_is_noted(dumps, tmp_path):
     target = _variant(dumps, "compiled", "changed",
                       observer=_observer(False, max_abs_diff=2.5e-07, sequence=1, position=37))
@@ -114,6 +119,7 @@ def test_a_capture_that_changed_the_numbers_is_noted(dumps, tmp_path):
     assert data["notes"] == [CHANGED.format(side="baseline", where=": largest |Δ| 3 at sequence 0, position 0")]
 
 
+@pytest.mark.slow
 def test_a_bit_exact_capture_adds_no_note(dumps, tmp_path):
     data, _ = _compare(dumps["eager"], _variant(dumps, "compiled", "exact", observer=_observer(True)), tmp_path)
     assert data["notes"] == [MODE]
@@ -122,6 +128,7 @@ def test_a_bit_exact_capture_adds_no_note(dumps, tmp_path):
     assert data["notes"] == [MODE, UNCHECKED.format(side="target")]
 
 
+@pytest.mark.slow
 def test_the_vllm_contract_fields_are_read(dumps, tmp_path):
     """A vLLM dump records its mode in ``extra.engine.settings`` (written here into a real dump)."""
     engine = {"name": "vllm", "version": "0", "checkpoint": "ckpt", "settings": {"compiled": True, "cuda_graphs": True}}
@@ -148,6 +155,7 @@ HOSTILE = {  # name -> (extra written into the compiled dump, the notes expected
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(HOSTILE))
 def test_hostile_observer_records_do_not_crash(dumps, tmp_path, name):
     extra, notes = HOSTILE[name]
@@ -156,6 +164,7 @@ def test_hostile_observer_records_do_not_crash(dumps, tmp_path, name):
     assert "\x1b" not in out and len(out.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_a_nan_difference_prints_as_nan(dumps, tmp_path):
     """JSON readers accept ``NaN``; the manifest's own writer never writes it, so it is put in as text."""
     target = _variant(dumps, "compiled", "nan", observer=_observer(False, max_abs_diff="__nan__", sequence=0))
@@ -165,6 +174,7 @@ def test_a_nan_difference_prints_as_nan(dumps, tmp_path):
     assert data["notes"] == [MODE, CHANGED.format(side="target", where=": largest |Δ| nan at sequence 0")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("extra", [{"compiled": "yes"}, {"engine": {"settings": "compiled"}},
                                    {"engine": {"name": 7, "settings": {"compiled": 1, "cuda_graphs": "no"}}}],
                          ids=["compiled-text", "settings-text", "settings-ints"])

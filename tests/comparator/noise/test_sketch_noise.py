@@ -45,12 +45,14 @@ def test_noise_from_sketches_records_its_projection(dumps):
     assert "sketch" not in json.loads((dumps / "full.json").read_text())  # a full dump's noise file is unchanged
 
 
+@pytest.mark.slow
 def test_sketch_noise_judges_a_sketch_comparison_without_a_warning(dumps):
     report = _judge(dumps, "sk", "sk-sdpa", "sk")
     assert report["passed"] and report["sketch"]["baseline"] and report["sketch"]["target"]
     assert not [w for w in report["warnings"] if "calibrated on" in w]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("base, target, noise, says", [
     ("sk", "sk-sdpa", "full", "calibrated on full dumps but judging a sketch comparison"),
     ("full", "full-sdpa", "sk", "calibrated on sketch comparisons (rademacher K=32 seed=0) but judging full dumps"),
@@ -60,6 +62,7 @@ def test_noise_of_the_other_kind_is_named_in_a_warning(dumps, base, target, nois
     assert [w for w in report["warnings"] if says in w], report["warnings"]
 
 
+@pytest.mark.slow
 def test_regress_keeps_sketch_runs_in_their_own_lineage(dumps, tmp_path):
     store = tmp_path / "store"
 

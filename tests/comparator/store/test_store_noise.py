@@ -115,6 +115,7 @@ def test_bootstrap_stores_exactly_the_noise_calibrate_writes(calibrated):
         _lines(r.stdout), r.stdout + r.stderr
 
 
+@pytest.mark.slow
 def test_later_runs_are_judged_against_the_stored_noise(calibrated, dumps, tmp_path):
     store = _copy(calibrated["store"], tmp_path / "store")
     base = calibrated["boot"]["run_id"]
@@ -149,6 +150,7 @@ def test_later_runs_are_judged_against_the_stored_noise(calibrated, dumps, tmp_p
     assert json.loads((tmp_path / "floor.json").read_text())["report"]["noise_floor"] == 1e-4
 
 
+@pytest.mark.slow
 def test_uncalibrated_baseline_falls_back_then_promote_calibrates(dumps, tmp_path):
     store = tmp_path / "store"
     r = run_cli("comparator", "regress", dumps["base"], "--store", store, "--bootstrap")
@@ -182,6 +184,7 @@ def test_uncalibrated_baseline_falls_back_then_promote_calibrates(dumps, tmp_pat
     assert r.returncode == 1 and f"judged against the noise of baseline {held} (2 variants)" in _lines(r.stdout)
 
 
+@pytest.mark.slow
 def test_broken_stored_noise_is_one_line_and_changes_nothing(calibrated, dumps, tmp_path):
     store = _copy(calibrated["store"], tmp_path / "store")
     base = calibrated["boot"]["run_id"]
@@ -211,6 +214,7 @@ MALFORMED = {"empty": b"", "cut": b"{", "deep": b"[" * 100_000, "no-variants": b
              "not-utf8": b"\xff\xfe"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("payload", MALFORMED.values(), ids=list(MALFORMED))
 def test_noise_json_vouched_for_but_malformed_is_refused(calibrated, tmp_path, payload):
     """Even a hand edit that updates run.json's sha256 too is parsed as untrusted input: one StoreError line."""
@@ -226,6 +230,7 @@ def test_noise_json_vouched_for_but_malformed_is_refused(calibrated, tmp_path, p
     assert str(store / "runs" / base / "noise.json") in str(e.value) and "\n" not in str(e.value)
 
 
+@pytest.mark.slow
 def test_noise_json_over_the_size_limit_is_not_read(calibrated, tmp_path, monkeypatch):
     store = _copy(calibrated["store"], tmp_path / "store")
     base = calibrated["boot"]["run_id"]
@@ -235,6 +240,7 @@ def test_noise_json_over_the_size_limit_is_not_read(calibrated, tmp_path, monkey
         st.noise(st.get(base))
 
 
+@pytest.mark.slow
 def test_writes_that_fail_leave_the_old_state(calibrated, dumps, tmp_path, monkeypatch):
     """A put that dies before run.json leaves no complete run; a promote that does leaves the old record in force."""
     st = RunStore(_copy(calibrated["store"], tmp_path / "store"))
@@ -265,6 +271,7 @@ def test_writes_that_fail_leave_the_old_state(calibrated, dumps, tmp_path, monke
         st.noise(rec)
 
 
+@pytest.mark.slow
 def test_memory_store_round_trip_through_the_python_api(calibrated, dumps):
     url = f"memory://driftscope-noise-{uuid.uuid4().hex[:8]}"
     try:
@@ -285,6 +292,7 @@ def test_memory_store_round_trip_through_the_python_api(calibrated, dumps):
             fs.rm(root, recursive=True)
 
 
+@pytest.mark.slow
 def test_run_records_with_and_without_calibration(calibrated):
     rec = RunStore(calibrated["store"]).get(calibrated["boot"]["run_id"])
     old = {k: v for k, v in rec.to_json().items() if k != "calibration"}  # as versions before calibration wrote

@@ -241,6 +241,7 @@ class _NotVllm(http.server.BaseHTTPRequestHandler):
         pass
 
 
+@pytest.mark.slow
 def test_unusable_servers_and_spools_are_one_line_and_exit_2(tmp_path: Path) -> None:
     dead = f"http://127.0.0.1:{_free_port()}"
     with serve_in_thread(_NotVllm) as other:

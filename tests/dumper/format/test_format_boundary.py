@@ -524,6 +524,7 @@ def test_cli_refuses_hostile_paths_with_exit_2(tmp_path, llama):
     assert_one_line(r.stderr, f"{absolute / MANIFEST_NAME}: files")
 
 
+@pytest.mark.slow
 def test_cli_reports_overlapping_offsets_as_corrupt_not_diverged(tmp_path, llama):
     bad = copy_dump(llama, tmp_path / "bad")
     header, _ = header_of(bad / DATA0)
@@ -559,6 +560,7 @@ def test_files_are_created_with_the_users_umask(tmp_path, umask, mode):
     assert stat.S_IMODE((tmp_path / "plot.bin").stat().st_mode) == mode
 
 
+@pytest.mark.slow
 def test_cli_dump_is_readable_by_others_under_umask_022(llama):
     modes = _modes(llama)
     assert MANIFEST_NAME in modes and len(modes) >= 2

@@ -67,6 +67,7 @@ def test_each_rank_writes_its_own_files(rank_dumps):
         assert all(t.file.startswith(f"r{r}-") for t in ts)
 
 
+@pytest.mark.slow
 def test_comparator_names_the_rank_that_diverged(rank_dumps):
     base, bad = rank_dumps
     report = compare_dumps(base, bad)

@@ -105,6 +105,7 @@ def test_compiled_capture_records_what_eager_records(runs):
     assert report and not report.unmatched_baseline and not report.unmatched_target
 
 
+@pytest.mark.slow
 def test_tap_leaves_compiled_logits_bit_identical(runs):
     assert torch.equal(runs.tapped, runs.plain)
     # ... and they are compiled logits, equal to eager's within compile noise (a few ulps)

@@ -115,6 +115,7 @@ def test_tp2_logits_equal_tp1(tp1, tp2_root):
         assert (logits - ref).abs().max().item() < 1e-5
 
 
+@pytest.mark.slow
 def test_tp2_dump_layout(tp2_root):
     m = load_manifest(tp2_root / "tp2")
     assert m.capture_signature["world_size"] == WORLD
@@ -137,20 +138,24 @@ def _assert_clean_pass(report):
     assert report.matched == 16
 
 
+@pytest.mark.slow
 def test_tp2_vs_tp1_passes(tp1, tp2_root):
     _assert_clean_pass(compare_dumps(tp1[0], tp2_root / "tp2"))
 
 
+@pytest.mark.slow
 def test_tp1_vs_tp2_passes(tp1, tp2_root):
     _assert_clean_pass(compare_dumps(tp2_root / "tp2", tp1[0]))
 
 
+@pytest.mark.slow
 def test_tp2_vs_tp2_passes(tp2_root):
     report = compare_dumps(tp2_root / "tp2", tp2_root / "tp2_again")
     _assert_clean_pass(report)
     assert all(t.rel_diff == 0 for t in report.tensors)  # same processes, same split: bit-identical
 
 
+@pytest.mark.slow
 def test_bug_in_one_ranks_shard_is_localized(tp1, tp2_root):
     report = compare_dumps(tp1[0], tp2_root / "tp2_bad_q")
     assert not report.passed
@@ -165,6 +170,7 @@ def test_bug_in_one_ranks_shard_is_localized(tp1, tp2_root):
     assert not report.replica_mismatches
 
 
+@pytest.mark.slow
 def test_replicas_must_be_identical_across_ranks(tp1, tp2_root):
     report = compare_dumps(tp1[0], tp2_root / "tp2_replica")
     assert not report.passed
@@ -177,6 +183,7 @@ def test_replicas_must_be_identical_across_ranks(tp1, tp2_root):
     assert all(m.side == "target" for m in report.replica_mismatches)
 
 
+@pytest.mark.slow
 def test_cli_reports_replica_mismatch(tp1, tp2_root, tmp_path):
     from tests.conftest import run_cli
 

@@ -112,6 +112,7 @@ def test_without_logprobs_or_with_an_out_of_process_engine_it_is_a_usage_error(t
         RunConfig(out=str(tmp_path / "b"), engine="llama.cpp", logprobs=LogprobSpec(), observer_check=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["eager", "compile"])
 def test_hf_capture_is_bit_exact(tmp_path, mode):
     extra = ("--compile",) if mode == "compile" else ("--top-k", "3", "--save-logits")

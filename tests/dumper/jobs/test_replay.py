@@ -100,6 +100,7 @@ def test_replay_localizes_a_bug_to_its_layer_when_a_milder_one_comes_before(case
     assert [t["layer"] for t in report["tensors"] if not t["passed"]] == [3, 3]  # one per sequence, nothing else
 
 
+@pytest.mark.slow
 def test_replay_refuses_a_baseline_without_the_residual_point(case, tmp_path):
     model, tok = tiny_llama()
     with torch.inference_mode(), dumper.capture(model, tmp_path / "plain", layers="all"):
@@ -110,6 +111,7 @@ def test_replay_refuses_a_baseline_without_the_residual_point(case, tmp_path):
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.slow
 def test_replay_refuses_another_model(case, tmp_path):
     with pytest.raises(ModelMismatchError, match="the baseline's model has num_layers 8, tiny-qwen2 has 6"):
         replay(ReplayConfig(model="tiny-qwen2", baseline=str(case / "base"), out=str(tmp_path / "o")))

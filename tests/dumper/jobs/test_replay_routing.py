@@ -80,6 +80,7 @@ def test_plain_replay_shows_the_flips_and_the_layers_output_error(mixtral):
     assert not any("forced" in n for n in report["notes"])
 
 
+@pytest.mark.slow
 def test_forcing_ids_leaves_only_the_targets_own_combine_weights(mixtral):
     _, plain = _compare(mixtral, "plain")
     rc, report = _compare(mixtral, "ids")
@@ -92,6 +93,7 @@ def test_forcing_ids_leaves_only_the_targets_own_combine_weights(mixtral):
     assert any("expert choices forced (ids; weights by the target's router)" in n for n in report["notes"])
 
 
+@pytest.mark.slow
 def test_forcing_ids_and_weights_makes_the_layers_output_exact(mixtral):
     rc, report = _compare(mixtral, "all")
     assert report["router"]["passed"] and _flips(report) == {0: 0, 1: 0, 2: 0}
@@ -166,6 +168,7 @@ def test_forcing_refuses_a_dense_model(mixtral, tmp_path):
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.slow
 def test_an_unknown_force_mode_is_refused_before_the_model_loads(mixtral, tmp_path):
     with pytest.raises(UsageError, match="force_routing 'weights': expected one of ids, all"):
         replay(ReplayConfig(model="no/such/model", baseline=str(mixtral / "base"), out=str(tmp_path / "o"),

@@ -102,6 +102,7 @@ def bugged(base, tmp_path_factory):
     return result
 
 
+@pytest.mark.slow
 def test_a_bug_in_continued_chunks_fails_exactly_the_chunked_cells_from_the_first_boundary(bugged):
     assert not bugged
     for c in bugged.cells:
@@ -118,6 +119,7 @@ def test_a_bug_in_continued_chunks_fails_exactly_the_chunked_cells_from_the_firs
         assert c.logprobs.max_abs_err > 0
 
 
+@pytest.mark.slow
 def test_the_sweep_result_round_trips_through_json(bugged):
     again = SweepResult.from_json(json.loads(json.dumps(bugged.to_json())))
     assert again == bugged
@@ -125,6 +127,7 @@ def test_the_sweep_result_round_trips_through_json(bugged):
         assert json.load(f) == bugged.to_json()
 
 
+@pytest.mark.slow
 def test_a_truncated_run_needs_the_subset_option_and_still_refuses_positions_the_baseline_lacks(base, bugged):
     cell = next(c for c in bugged.cells if c.settings == {"chunk_size": None, "batch_size": 1, "lengths": 12})
     with pytest.raises(NotComparableError, match="the target 12;"):  # logprobs refuse first, hidden states would too
@@ -134,6 +137,7 @@ def test_a_truncated_run_needs_the_subset_option_and_still_refuses_positions_the
         compare_dumps(cell.dump, base / "base", CompareConfig(subset=True))
 
 
+@pytest.mark.slow
 def test_lengths_block_expands_around_one_and_two_blocks(base, tmp_path):
     cfg = SweepConfig(baseline=str(base / "base"), out=str(tmp_path / "s"), template=_template(tmp_path),
                       grid=parse_grid(["lengths=block,4", "chunk_size=none,8"]))
@@ -148,6 +152,7 @@ def test_lengths_block_expands_around_one_and_two_blocks(base, tmp_path):
     assert not (tmp_path / "s").exists()  # planning runs nothing
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("grid", "message"), [
     ("attn_backend=flash", "error: --grid attn_backend: unknown key; --engine transformers sweeps chunk_size, "
                            "batch_size, lengths"),
@@ -159,6 +164,7 @@ def test_a_bad_grid_exits_2_with_one_line_before_anything_runs(base, tmp_path, g
     assert not (tmp_path / "s").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("grid", "match"), [
     (["lengths=500"], "--grid lengths=500: no prompt of the baseline .* has 500 tokens"),
     (["batch_size=two"], "--grid batch_size=two: expected a positive integer"),
@@ -172,6 +178,7 @@ def test_grid_errors_name_the_axis(base, tmp_path, grid, match):
                                grid=parse_grid(grid)))
 
 
+@pytest.mark.slow
 def test_a_prefix_caching_cell_with_no_cache_hits_fails_and_hits_must_match_the_recorded_rows(base, tmp_path):
     """The cache-hit checks on real dumps whose manifests carry ``prefix_cache_hits`` (as vLLM's do)."""
     model, _ = tiny_llama()
