@@ -7,6 +7,9 @@ pass, as chunked prefill dumps). It warms the page cache, times ``cat FILES > /d
 (best of 3) and ``compare_dumps`` of each target (best of 3, each in a fresh process that
 samples its own anonymous RSS every 2 ms), and prints throughput, the ratios to ``cat`` and
 of chunked to same-layout, and peak anonymous memory against 2 x largest tensor + 300 MB.
+It also times what a user waits for, ``python -m comparator BASELINE TARGET --quiet`` with
+its start-up and imports (best of 5, beside ``python -c pass`` on the same interpreter), and
+its ratio to ``cat`` (issue 31's goal: >= 0.9x).
 
     python bench/bench_comparator.py [--gib 2] [--chunks 8] [--dir /tmp/driftscope-bench] [--keep]
 """
@@ -81,6 +84,20 @@ def data_files(d: Path) -> list[str]:
     return sorted(str(p) for p in d.glob("*.safetensors"))
 
 
+def time_cli(argv: list[str], pycache: Path, repeat: int = 5) -> float:
+    """Best wall time of ``python argv...`` with this tree first on ``PYTHONPATH``, output discarded; bytecode
+    cached under ``pycache`` (as an installed wheel has it), even where ``PYTHONDONTWRITEBYTECODE`` is set."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    env.update(PYTHONPYCACHEPREFIX=str(pycache),
+               PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    best = float("inf")
+    for _ in range(repeat):
+        t = time.perf_counter()
+        subprocess.run([sys.executable, *argv], env=env, cwd="/", stdout=subprocess.DEVNULL, check=False)
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
 def time_cat(files: list[str]) -> float:
     best = float("inf")
     for _ in range(3):
@@ -124,6 +141,9 @@ def main() -> None:
                                  capture_output=True, text=True, check=True)
             runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
         results[label] = runs
+    cli_s = time_cli(["-m", "comparator", str(base), str(same), "--quiet"], root / "pycache")
+    python_s = time_cli(["-c", "pass"], root / "pycache")
+    import_s = time_cli(["-c", "import comparator.cli.main"], root / "pycache")
     bound_mb = 2 * tensor_bytes / 2**20 + 300
     print(f"data: {total / 2**30:.2f} GiB in {len(files)} files (baseline + same-layout target), "
           f"tensors of {tensor_bytes / 2**20:.0f} MiB")
@@ -135,6 +155,9 @@ def main() -> None:
         print(f"compare_dumps, {label}: best {b['seconds']:.3f}s of {[round(r['seconds'], 3) for r in runs]} "
               f"= {total / b['seconds'] / 1e9:.2f} GB/s, {cat_s / b['seconds']:.2f}x of cat; "
               f"{b['matched']} comparisons, passed={b['passed']}; peak anonymous RSS {peak_mb:.0f} MiB")
+    print(f"python -m comparator BASE TARGET --quiet, same layout: best {cli_s:.3f}s, {cat_s / cli_s:.2f}x of cat "
+          f"(goal >= 0.9x); of it python -c pass {python_s:.3f}s, + import comparator.cli.main "
+          f"{import_s - python_s:.3f}s")
     labels = list(best)
     print(f"chunked / same-layout speed: {best[labels[0]]['seconds'] / best[labels[1]]['seconds']:.2f}x "
           "(target >= 0.8x)")
