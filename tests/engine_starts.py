@@ -1,14 +1,15 @@
 """pytest plugin: count the real engine starts of a session and hold every test that starts one to
-``@pytest.mark.engine``.
+``@pytest.mark.engine`` (the markers themselves are registered in ``pyproject.toml``).
 
 At start-up the plugin names a log file in ``DRIFTSCOPE_TEST_ENGINE_LOG`` and puts
 ``tests/vllm_seed`` (whose ``sitecustomize.py`` writes the log, see ``engine_log.py`` there)
 first on ``PYTHONPATH``; subprocesses built with :func:`tests.conftest.subprocess_env` keep it.
 After each test, the starts it made (in any process) are read back: a test without the
 ``engine`` marker that started one fails, so the quick tier (``-m "not engine and not slow"``)
-stays free of engine starts; a test that skips for want of CUDA without the ``gpu`` marker fails too, so
-``.ci/gpu-check`` (``-m gpu``) runs every CUDA-only test. The terminal summary prints the starts and their seconds per engine
-and per module, so a change that adds starts shows it.
+stays free of engine starts. A test that skips for want of CUDA without the ``gpu`` marker
+fails too, so ``.ci/gpu-check`` (``-m gpu``) runs every CUDA-only test. The terminal summary
+prints the starts and their seconds per engine and per module, so a change that adds starts
+shows it.
 """
 
 from __future__ import annotations
