@@ -19,8 +19,8 @@ def _inner_pytest(tmp_path: Path, code: str) -> str:
     """Output of a pytest run of its own (this plugin and the project's markers only) over ``code`` as
     ``test_inner.py``."""
     (tmp_path / "test_inner.py").write_text(textwrap.dedent(code))
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-c", str(ROOT / "pyproject.toml"), "--rootdir", str(tmp_path),
-                        "-p", "tests.engine_starts", "-p", "no:cacheprovider", str(tmp_path / "test_inner.py")],
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-c", str(ROOT / "pyproject.toml"),
+                        "--rootdir", str(tmp_path), "-p", "tests.engine_starts", "-p", "no:cacheprovider", str(tmp_path / "test_inner.py")],
                        cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
     assert r.returncode == 1, r.stdout + r.stderr
     return r.stdout + r.stderr

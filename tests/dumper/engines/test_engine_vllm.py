@@ -268,6 +268,7 @@ def link_base(base: tuple[Path, Path, dict], root: Path, jobs: dict[str, str]) -
 
 @pytest.fixture
 def runs(vllm_base):
+    """This module's jobs: the session's base run (:func:`base_runs`) itself."""
     return vllm_base
 
 
