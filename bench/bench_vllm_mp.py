@@ -1,13 +1,19 @@
 """Capture in vLLM's default multiprocess engine: TP=2 vs TP=1 wall time, and capture overhead.
 
     python bench/bench_vllm_mp.py [--reps 5] [--mib 32] [--tokens 512] [--dtype float32] [--skip-tp]
-                                  [--fresh-cache] [--dir DIR]
+                                  [--fresh-cache] [--dir DIR] [--hidden H --layers L | --prompts N]
 
 Every engine is ``dumper.engines.vllm.engine_kwargs`` of one prefill job (``max_tokens=1``, no
-logprobs) on the tests' checkpoint (``tests.dumper.engines.test_engine_vllm.shared_checkpoint``:
-4 layers, hidden 128, fp32), in vLLM's default mode (multiprocess, compiled), each in a worker
-subprocess of its own that answers timed requests on stdin. The job is prompts of ``--tokens``
-random ids, as many as make ``--mib`` MiB of captured ``self_attn.input`` rows on one rank.
+logprobs, every layer captured) on the tests' checkpoint
+(``tests.dumper.engines.test_engine_vllm.shared_checkpoint``: 4 layers, hidden 128, fp32), or with
+``--hidden``/``--layers`` a random Llama of that size (heads of 64, half as many KV heads, MLP
+2.75x hidden; written once under the temp dir, so that vLLM's compile cache keeps its graphs), in
+vLLM's default mode (multiprocess, compiled), each in a worker subprocess of its own that answers
+timed requests on stdin. The job is prompts of ``--tokens`` random ids: ``--prompts`` of them, or
+as many as make ``--mib`` MiB of captured ``self_attn.input`` rows on one rank.
+
+The issue's realistic case: ``--hidden 1024 --layers 8 --prompts 32 --tokens 512 --skip-tp``
+(fp32 and ``--dtype bfloat16``), where a forward pass costs what it costs for a model of that size.
 
 (a) TP=2 vs TP=1. The tapped engine with ``tensor_parallel_size`` 1 and 2: engine start
     (``LLM(...)``: spawning the engine core and workers, loading, compiling or loading the
@@ -15,7 +21,8 @@ random ids, as many as make ``--mib`` MiB of captured ``self_attn.input`` rows o
     rank's part waited for, joined, manifest written), reported apart and summed. Engine start
     loads the compiled graph from vLLM's cache when an earlier run left it; ``--fresh-cache``
     gives every engine an empty cache, so that it includes compiling.
-(b) Capture overhead, TP=1. *captured*: ``dump_llm`` on the tapped engine; *tapped*: the same
+(b) Capture overhead, TP=1. *captured*: ``dump_llm``'s steps on the tapped engine, each timed (the
+    outputs back, the ranks' parts waited for, the dump joined); *tapped*: the same
     engine's ``generate`` of the same prompts without the marker (the tap is in the graph, no
     request is recorded); *plain*: an engine built without the tap (``tap=False``), otherwise the
     same. The three are timed in turn (plain, tapped, captured, ...) after one warm-up each, the
@@ -47,6 +54,8 @@ MARK = "@@bench "
 """Prefix of the worker's result lines on stdout (vLLM may print there too)."""
 LAYERS, HIDDEN = 4, 128
 """The tests' checkpoint (tests/engine_models.py)."""
+KV_GIB = "4"
+"""``VLLM_CPU_KVCACHE_SPACE`` of a bigger model's engines: room for every prompt of the job at once."""
 
 
 # -- worker (one engine per process) ----------------------------------------------------------
@@ -60,7 +69,8 @@ def _prompts(count: int, tokens: int) -> list[list[int]]:
 
 def worker(spec: dict[str, Any]) -> None:
     """Build one engine (timed), then answer ``{"run": "captured"|"generate"}`` lines with one timed job each."""
-    from dumper.engines.vllm import _generate, dump_llm, engine_kwargs, load_llm
+    from dumper.engines.vllm import _generate, _join, engine_kwargs, load_llm
+    from dumper.engines.vllm_parts import new_token, remove_spool, spool_root, wait_parts
     from dumper.jobs.run import RunConfig
 
     ckpt, seqs, out = Path(spec["ckpt"]), _prompts(spec["prompts"], spec["tokens"]), Path(spec["out"])
@@ -73,11 +83,19 @@ def worker(spec: dict[str, Any]) -> None:
         what = json.loads(line)["run"]
         target = out / f"d{i}"
         t0 = time.perf_counter()
-        if what == "captured":
-            m = dump_llm(llm, dataclasses.replace(cfg, out=str(target)), seqs, ckpt)
+        if what == "captured":  # dump_llm's steps, each timed: outputs back, every part written, the dump joined
+            llm.reset_prefix_cache()
+            directory = spool_root() / new_token()
+            outs = _generate(llm, cfg, seqs, token=directory.name)
+            t1 = time.perf_counter()
+            parts = wait_parts(directory)
+            t2 = time.perf_counter()
+            m = _join(dataclasses.replace(cfg, out=str(target)), seqs, ckpt, parts, outs, None)
+            remove_spool(directory)
             dt = time.perf_counter() - t0
             rows = [t for t in m.tensors if t.point == "input"]
-            got = {"bytes": sum(t.nbytes for t in rows), "ranks": len({t.rank for t in rows})}
+            got = {"bytes": sum(t.nbytes for t in rows), "ranks": len({t.rank for t in rows}),
+                   "phases": (t1 - t0, t2 - t1, dt - (t2 - t0))}
             shutil.rmtree(target)
             cached = sum(m.extra["prefix_cache_hits"])
         else:
@@ -100,6 +118,8 @@ class Worker:
 
     def __init__(self, spec: dict[str, Any], fresh_cache: Path | None = None) -> None:
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        if spec["hidden"] != HIDDEN:
+            env.setdefault("VLLM_CPU_KVCACHE_SPACE", KV_GIB)
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # vLLM's default: the model in other processes
         if fresh_cache is not None:  # nothing compiled before: the engine start includes compiling
             cache = Path(tempfile.mkdtemp(prefix="cache-", dir=fresh_cache))
@@ -144,12 +164,13 @@ def overhead(args: argparse.Namespace, base: dict[str, Any]) -> tuple[dict[str, 
     try:
         first = tapped.run("captured")  # warm-ups: first-call costs
         plain.run("generate"), tapped.run("generate")
-        p, t, c, got = [], [], [], {}
+        p, t, c, got, phases = [], [], [], {}, []
         for _ in range(args.reps):  # interleaved, so that drift of the machine hits all three alike
             p.append(plain.run("generate")["seconds"])
             t.append(tapped.run("generate")["seconds"])
             got = tapped.run("captured")
             c.append(got["seconds"])
+            phases.append(got["phases"])
     except BaseException:
         tapped.close()
         raise
@@ -157,6 +178,7 @@ def overhead(args: argparse.Namespace, base: dict[str, Any]) -> tuple[dict[str, 
         plain.close()
     print(f"  seconds: plain {_fmt(p)}; tapped {_fmt(t)}; captured {_fmt(c)}", flush=True)
     return {"plain": p, "tapped": t, "captured": c, "bytes": got["bytes"], "first_captured": first["seconds"],
+            "phases": [statistics.median(x) for x in zip(*phases, strict=True)],
             "construct": tapped.construct_s, "construct_plain": plain.construct_s}, tapped
 
 
@@ -192,6 +214,9 @@ def report(args: argparse.Namespace, n: int, res: dict[str, Any], tp: dict[str, 
           f"{'tapped/plain':>12}")
     for name, (a, b, c) in (("median", (mp, mt, mc)), ("minimum", (lp, lt, lc))):
         print(f"{name:8} {a:8.3f} {b:8.3f} {c:8.3f} {c / b:11.3f} {c / a:10.3f} {b / a:12.3f}")
+    gen, wait, join = res["phases"]
+    print(f"captured job (medians): generate {gen:.3f} s (outputs back), parts {wait:.3f} s (the ranks' last "
+          f"writes), join {join:.3f} s (data files moved in, manifest)")
     cache = "each compiling anew (--fresh-cache)" if args.fresh_cache else "vLLM's compile cache as it was"
     print(f"engine start ({cache}): tapped {res['construct']:.1f} s, plain {res['construct_plain']:.1f} s")
     if tp is None:
@@ -208,6 +233,19 @@ def report(args: argparse.Namespace, n: int, res: dict[str, Any], tp: dict[str, 
 
 # -- main -------------------------------------------------------------------------------------
 
+def checkpoint(hidden: int, layers: int) -> Path:
+    """The tests' checkpoint, or a random Llama of ``hidden`` x ``layers`` (built once, at a fixed path)."""
+    from tests.dumper.engines.test_engine_vllm import shared_checkpoint
+    from tests.engine_models import build_checkpoint
+
+    if (hidden, layers) == (HIDDEN, LAYERS):
+        return shared_checkpoint()
+    heads = max(1, hidden // 64)
+    size = {"hidden_size": hidden, "num_hidden_layers": layers, "intermediate_size": hidden * 11 // 4,
+            "num_attention_heads": heads, "num_key_value_heads": max(1, heads // 2), "head_dim": hidden // heads}
+    return shared_checkpoint(f"bench-h{hidden}-l{layers}", lambda out: build_checkpoint(out, **size))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -219,17 +257,18 @@ def main() -> None:
     ap.add_argument("--fresh-cache", action="store_true",
                     help="each engine compiles anew (its own empty VLLM_CACHE_ROOT); default: vLLM's usual cache")
     ap.add_argument("--dir", default=None, help="where to write dumps (default: a temp dir)")
+    ap.add_argument("--hidden", type=int, default=HIDDEN, help=f"hidden size (default {HIDDEN}: the tests' model)")
+    ap.add_argument("--layers", type=int, default=LAYERS, help=f"decoder layers (default {LAYERS})")
+    ap.add_argument("--prompts", type=int, default=None, help="prompts per job (default: as many as --mib makes)")
     args = ap.parse_args()
     if args.worker:
         return worker(json.loads(args.worker))
-    from tests.dumper.engines.test_engine_vllm import shared_checkpoint
-
     root = Path(args.dir or tempfile.mkdtemp(prefix="driftscope-bench-mp-"))
     root.mkdir(parents=True, exist_ok=True)
-    per_prompt = args.tokens * LAYERS * HIDDEN * (4 if args.dtype == "float32" else 2)
-    n = max(1, round(args.mib * 2**20 / per_prompt))
-    base = {"ckpt": str(shared_checkpoint()), "tokens": args.tokens, "prompts": n, "dtype": args.dtype,
-            "out": str(root)}
+    per_prompt = args.tokens * args.layers * args.hidden * (4 if args.dtype == "float32" else 2)
+    n = args.prompts or max(1, round(args.mib * 2**20 / per_prompt))
+    base = {"ckpt": str(checkpoint(args.hidden, args.layers)), "tokens": args.tokens, "prompts": n,
+            "dtype": args.dtype, "out": str(root), "hidden": args.hidden}
     args.fresh = root if args.fresh_cache else None
     try:
         res, tp1 = overhead(args, base)

@@ -15,6 +15,8 @@ complete, its part ``index-r{r}.json`` (:mod:`dumper.hooks.parts`). Rows of requ
 the token (anyone else's traffic) are never recorded. The client joins the parts into one dump
 and writes its manifest (:mod:`dumper.engines.vllm_parts`); a part alone never looks complete.
 
+A capture's last writes and its part are made in a thread of their own, so that the engine
+step that completed it does not wait for the disk; the client waits for the part instead.
 A failure inside a worker's capture never stops the engine: the token's capture is dropped,
 and ``DIR/TOKEN/failed-r{r}.txt`` says why, for the client to report. A capture none of whose
 requests ran for :data:`ABANDON_S` seconds (a client that died, a request the server refused)
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -146,7 +149,8 @@ class SpoolRecorder:
             if token in self._open and isinstance(family, MarkedFamily) and family.complete():
                 self._ended.add(token)
                 self._seen.pop(token, None)
-                self._guard(token, self._open.pop(token).close)
+                done = self._open.pop(token)  # its last writes and its part, off the engine's step
+                threading.Thread(target=self._guard, args=(token, done.close), name=f"driftscope-close-{token}").start()
 
     def _begin(self, token: str, count: int) -> None:
         cap = Capture(self.model, self.root / token, layers=self.spec.get("layers"), points=self.spec.get("points"),

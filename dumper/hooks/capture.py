@@ -337,11 +337,12 @@ class Capture:
             raise UsageError(f"dump({name!r}): dtype {tensor.dtype} cannot be stored")
         shape = tuple(int(s) for s in tensor.shape)
         layer, shard_dim, meta = checked_record_args(name, shape, layer, point, shard_dim, meta)
-        ctx = self._rows
+        ctx, owned = self._rows, False  # owned: a fresh tensor of ours, which the writer takes without a copy
         if positions is None and sequence_ids is None and ctx is not None and shape[:-1] == ctx.shape:
             if ctx.empty:
                 return
-            positions, sequence_ids, tensor = ctx.positions, ctx.sequence_ids, ctx.select(tensor)
+            positions, sequence_ids, tensor, owned = ctx.positions, ctx.sequence_ids, ctx.select(tensor), \
+                ctx.keep is not None
             shape = tuple(int(s) for s in tensor.shape)
         rows = math.prod(shape[:-1]) if len(shape) > 1 else 1
         forward_pass = self._cur_pass if self._cur_pass is not None else self._start_pass()
@@ -350,7 +351,7 @@ class Capture:
         key = name if call == 0 else f"{name}#{call}"
         tensor, companions, sketched = sketch_for_record(self._sketcher, tensor, key, point=point, shard_dim=shard_dim,
                                                          code=_STORAGE_CODES[tensor.dtype])
-        self._writer.put(forward_pass, key, tensor, companions=companions)
+        self._writer.put(forward_pass, key, tensor, companions=companions, owned=owned or sketched is not None)
         self._records.append(TensorRecord(
             name=name, file="", key=key, shape=tuple(int(s) for s in tensor.shape), dtype=_STORAGE_CODES[tensor.dtype],
             forward_pass=forward_pass, rank=self.rank, call=call, layer=layer, point=point,

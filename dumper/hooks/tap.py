@@ -97,6 +97,7 @@ class Tap:
         self.handles: list[Any] = []
         self.routers: RouterTap | None = None
         """The MoE routers' probes, with the ``router`` point (:mod:`dumper.hooks.router_tap`)."""
+        self._host_counts: list[int] | None = None  # :attr:`count` of the last pass, read once
 
     @property
     def nbytes(self) -> int:
@@ -106,6 +107,7 @@ class Tap:
     def clear(self) -> None:
         """Before a pass: a point or router that does not run in it records nothing."""
         self.count.zero_()
+        self._host_counts = None
         if self.routers is not None:
             self.routers.clear()
 
@@ -284,8 +286,11 @@ def match_targets(tap: Tap, targets: Sequence[HookTarget]) -> list[tuple[HookTar
 
 
 def check_counts(tap: Tap) -> list[int]:
-    """The row counts of the last pass, on the host (one device sync per pass)."""
-    counts = tap.count.tolist()
-    if len(counts) != len(tap.points):
-        raise InternalError("the tap's row counts do not match its points")
-    return counts
+    """The row counts of the last pass, on the host: one device sync per pass, however many captures read them
+    (several captures in flight in one vLLM engine step share it)."""
+    if tap._host_counts is None:
+        counts = tap.count.tolist()
+        if len(counts) != len(tap.points):
+            raise InternalError("the tap's row counts do not match its points")
+        tap._host_counts = counts
+    return tap._host_counts

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import queue
+import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,8 +28,11 @@ from dumper.errors import DumpError
 from dumper.format.atomic import atomic_path, file_mode
 from dumper.format.manifest import data_file_name
 
-__all__ = ["ShardWriter", "snapshot"]
+__all__ = ["ShardWriter", "snapshot", "WRITER_NICE"]
 
+WRITER_NICE = 10
+"""How much lower than the model's threads the writer thread runs (Linux niceness): the forward pass gets the
+CPU first and the writer takes what the pass leaves; a writer that falls behind is bounded by back-pressure."""
 _END_PASS = object()
 _FLUSH = object()  # write what is pending now: a producer waits for the bytes it holds
 _STOP = object()
@@ -44,13 +48,17 @@ class _Item:
         return sum(t.numel() * t.element_size() for t, _ in self.tensors.values())
 
 
-def snapshot(t: torch.Tensor) -> tuple[torch.Tensor, Any]:
+def snapshot(t: torch.Tensor, *, owned: bool = False) -> tuple[torch.Tensor, Any]:
     """A private, contiguous CPU copy of ``t`` that later in-place ops cannot change.
 
     On CUDA the copy goes into pinned memory with ``non_blocking=True`` and an event is
     returned; the writer waits on the event, so the forward pass never waits on the copy.
+    ``owned``: ``t`` is already private (a fresh result nobody else holds, such as the kept
+    rows of a pass), so a contiguous CPU ``t`` is taken as it is, without a second copy.
     """
     t = t.detach()
+    if owned and t.device.type == "cpu" and t.is_contiguous():
+        return t, None
     if t.device.type == "cuda":
         buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
         buf.copy_(t, non_blocking=True)
@@ -60,6 +68,19 @@ def snapshot(t: torch.Tensor) -> tuple[torch.Tensor, Any]:
     if t.device.type != "cpu":
         return t.to("cpu").contiguous(), None
     return t.clone(memory_format=torch.contiguous_format), None
+
+
+def _lower_priority() -> None:
+    """Lower the calling thread's CPU priority by :data:`WRITER_NICE` (Linux: niceness is per thread; elsewhere
+    nothing changes). Copying into the page cache is CPU work in the kernel, which would otherwise preempt
+    the engine's compute threads on a host whose cores they fill (a CPU engine; a busy GPU host's scheduler)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + WRITER_NICE))
+    except OSError:  # not allowed here: the writer runs at the caller's priority
+        pass
 
 
 class ShardWriter:
@@ -83,9 +104,9 @@ class ShardWriter:
         self._thread.start()
 
     def put(self, forward_pass: int, key: str, tensor: torch.Tensor, *,
-            companions: dict[str, torch.Tensor] | None = None) -> None:
+            companions: dict[str, torch.Tensor] | None = None, owned: bool = False) -> None:
         """Snapshot ``tensor`` (and ``companions``, written to the same file under their keys) and queue it;
-        blocks while too many bytes are queued.
+        blocks while too many bytes are queued. ``owned``: every one of them is private (see :func:`snapshot`).
 
         While it waits, the shard being gathered is written early (it would otherwise wait for
         bytes this call holds back: a shard bigger than the queue, or one huge tensor).
@@ -100,7 +121,7 @@ class ShardWriter:
                     self._queue.put(_FLUSH)
                 self._cond.wait()
             self._queued += nbytes
-        self._queue.put(_Item({k: snapshot(t) for k, t in group.items()}, forward_pass))
+        self._queue.put(_Item({k: snapshot(t, owned=owned) for k, t in group.items()}, forward_pass))
 
     def end_pass(self) -> None:
         """Flush the current forward pass's tensors to their own shard(s)."""
@@ -120,6 +141,7 @@ class ShardWriter:
             raise DumpError(f"{self.directory}: writing the dump failed ({type(err).__name__}: {err})") from err
 
     def _run(self) -> None:
+        _lower_priority()
         pending: dict[str, torch.Tensor] = {}
         pending_bytes = 0
         pending_pass: int | None = None

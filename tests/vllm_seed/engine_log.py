@@ -98,7 +98,7 @@ def _wrap_init(cls_name: str, engine: str) -> Callable[[Any], None]:
 
 
 def _wrap_factory(name: str, engine: str) -> Callable[[Any], None]:
-    def patch(module: Any) -> None:  # a compiled class: the module attribute is replaced by a timed factory
+    def patch(module: Any) -> None:  # a compiled class or a C function: the module attribute becomes a timed wrapper
         setattr(module, name, _timed(engine, getattr(module, name)))
 
     return patch
@@ -110,6 +110,7 @@ def patches() -> dict[str, Callable[[Any], None]]:
         return {}
     return {
         "vllm.v1.engine.core": _wrap_init("EngineCore", "vllm"),  # one per engine, in-process or in its own core
-        "llama_cpp.llama": _wrap_init("Llama", "llama.cpp"),
+        # every model load, through Llama or the low-level API (dumper's ggml graph reader)
+        "llama_cpp.llama_cpp": _wrap_factory("llama_model_load_from_file", "llama.cpp"),
         "onnxruntime_genai": _wrap_factory("Model", "onnxruntime-genai"),
     }

@@ -24,7 +24,7 @@ from comparator import CompareConfig, compare_dumps, rel_diff
 from dumper.errors import UsageError
 from dumper.format import MANIFEST_NAME, PAD_SEQUENCE, load_manifest
 from dumper.format.reader import DumpReader
-from dumper.hooks.tap import available_bytes, remove_tap, tap_of
+from dumper.hooks.tap import available_bytes, check_counts, remove_tap, tap_of
 from tests.conftest import prompt_ids, run_cli, tiny_llama
 
 N = 48
@@ -126,6 +126,23 @@ def test_tap_leaves_eager_logits_and_rows_bit_identical(tmp_path):
     assert sorted(hooks) == sorted(tap)
     for name, (shape, pos, seq, values) in hooks.items():
         assert tap[name][:3] == (shape, pos, seq) and np.array_equal(tap[name][3], values), name
+
+
+def test_the_row_counts_are_read_from_the_device_once_per_pass():
+    """Every capture reading one pass shares one host copy of the counts (one sync on a GPU); a new pass reads anew."""
+    model, tok = tiny_llama()
+    tap = dumper.tap(model, layers="all", max_tokens=64)
+    ids = prompt_ids(tok, 40)
+    with torch.inference_mode():
+        tap.clear()
+        _forward(model, ids)
+        first = check_counts(tap)
+        assert first == [40] * len(tap.points)
+        tap.count.fill_(7)  # what a second read of the device would see
+        assert check_counts(tap) is first
+        tap.clear()
+        _forward(model, ids[:, :30])
+        assert check_counts(tap) == [30] * len(tap.points)
 
 
 def test_remove_tap_restores_module_hooks_and_plain_logits(tmp_path):

@@ -35,7 +35,7 @@ from dumper.format import (
     to_float64,
     write_manifest,
 )
-from dumper.hooks.writer import ShardWriter
+from dumper.hooks.writer import ShardWriter, snapshot
 from tests.conftest import ROOT, subprocess_env
 
 
@@ -111,6 +111,24 @@ def test_a_put_is_a_snapshot_and_back_pressure_never_deadlocks_or_loses_a_tensor
         assert torch.equal(loaded[f"t{i}"], torch.arange(1024, dtype=torch.float32) + i)
 
 
+def test_an_owned_tensor_is_taken_as_it_is_and_any_other_is_copied(tmp_path: Path) -> None:
+    """Copy once: the kept rows of a pass (a fresh tensor only the capture holds) go to the writer as they are;
+    a view of a live buffer (the tap's sink, a user's tensor) is copied, so that the next pass cannot reach it."""
+    fresh, live = torch.arange(12.0).reshape(3, 4), torch.arange(24.0).reshape(6, 4)
+    assert snapshot(fresh, owned=True)[0].data_ptr() == fresh.data_ptr()  # the same memory, no copy
+    for t, owned in ((live[:3], False), (live[::2], True), (live.t(), True)):  # a view; two not contiguous
+        copy = snapshot(t, owned=owned)[0]
+        assert copy.data_ptr() != t.data_ptr() and copy.is_contiguous() and torch.equal(copy, t)
+    w = ShardWriter(tmp_path, rank=0)
+    w.put(0, "kept", fresh, owned=True)
+    w.put(0, "sink", live[:3])
+    live.zero_()  # the sink's next pass
+    w.close()
+    got = load_file(tmp_path / data_file_name(0, 0, 0))
+    assert torch.equal(got["kept"], torch.arange(12.0).reshape(3, 4))
+    assert torch.equal(got["sink"], torch.arange(12.0).reshape(3, 4))
+
+
 def test_bf16_is_stored_as_its_raw_bits_and_reads_back_exactly(tmp_path: Path) -> None:
     bits = np.array([0x0000, 0x8000, 0x3F80, 0xBF80, 0x7F80, 0xFF80, 0x7FC1, 0xFFA5, 0x0001, 0x7F7F,
                      0x4049, 0xC2F7], dtype=np.uint16)  # +-0, +-1, +-inf, two NaN payloads, subnormal, max, ...
@@ -140,7 +158,7 @@ def test_bf16_is_stored_as_its_raw_bits_and_reads_back_exactly(tmp_path: Path) -
 _FULL_DISK = textwrap.dedent("""
     import json, resource, signal, sys, torch
     from pathlib import Path
-    from dumper.hooks.writer import ShardWriter
+    from dumper.hooks.writer import ShardWriter, snapshot
 
     out = Path(sys.argv[1])
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG, as on a full disk
