@@ -341,8 +341,7 @@ class Capture:
         if positions is None and sequence_ids is None and ctx is not None and shape[:-1] == ctx.shape:
             if ctx.empty:
                 return
-            positions, sequence_ids, tensor, owned = ctx.positions, ctx.sequence_ids, ctx.select(tensor), \
-                ctx.keep is not None
+            positions, sequence_ids, tensor, owned = ctx.positions, ctx.sequence_ids, ctx.select(tensor), ctx.keep is not None
             shape = tuple(int(s) for s in tensor.shape)
         rows = math.prod(shape[:-1]) if len(shape) > 1 else 1
         forward_pass = self._cur_pass if self._cur_pass is not None else self._start_pass()
