@@ -158,7 +158,7 @@ def test_bf16_is_stored_as_its_raw_bits_and_reads_back_exactly(tmp_path: Path) -
 _FULL_DISK = textwrap.dedent("""
     import json, resource, signal, sys, torch
     from pathlib import Path
-    from dumper.hooks.writer import ShardWriter, snapshot
+    from dumper.hooks.writer import ShardWriter
 
     out = Path(sys.argv[1])
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG, as on a full disk
