@@ -19,9 +19,11 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+if TYPE_CHECKING:  # rich is imported only where a bar may be drawn: a quiet or piped run never loads it
+    from rich.console import Console
+    from rich.progress import Progress
 
 __all__ = ["ProgressFn", "progress_bar", "DELAY_S"]
 
@@ -54,6 +56,9 @@ class _LazyBar:
                 self._bar.update(self._task, completed=done, total=total)
 
     def start(self) -> None:
+        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                                   TimeRemainingColumn)
+
         with self._lock:
             if self._closed:
                 return
@@ -84,7 +89,10 @@ def progress_bar(enabled: bool, description: str, *, unit: str = "", delay: floa
             draws nothing.
         console: where to draw (default: a stderr console); no bar unless it is a terminal.
     """
-    console = console or Console(file=sys.stderr)
+    if enabled and console is None:
+        from rich.console import Console
+
+        console = Console(file=sys.stderr)
     if not enabled or not console.is_terminal:
         yield _noop
         return

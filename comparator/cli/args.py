@@ -21,9 +21,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
-
-from rich.console import Console
+from typing import TYPE_CHECKING, Any
 
 from dumper.cli.common import silence_stdout
 from dumper.errors import UsageError
@@ -34,12 +32,13 @@ from comparator.judging.logprob_metrics import metric_names
 from comparator.judging.logprob_thresholds import LogprobThresholds
 from comparator.judging.noise_thresholds import DEFAULT_FACTOR, DEFAULT_FLOOR, check_noise_factor, parse_noise_floor
 from comparator.judging.values import parse_assignments, parse_threshold
-from comparator.noise.file import load_noise
-from comparator.reports.outputs import check_output_flags
+
+if TYPE_CHECKING:  # rich, the noise file and the report formats load only when a command uses them
+    from rich.console import Console
 
 __all__ = ["logprob_thresholds", "write_output", "warn", "stdout_console", "noise_flags", "noise_args",
            "threshold_flags", "logprob_threshold_flags", "output_flags", "run_group_flag", "parse_args",
-           "compare_config"]
+           "compare_config", "print_line"]
 
 def _threshold_value(flag: str) -> Callable[[str], float]:
     """An argparse ``type`` that checks a threshold as it is parsed: NaN or < 0 is one line naming ``flag``."""
@@ -96,6 +95,8 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse
     a threshold row given with ``--model`` exists (a typo must not loosen the thresholds).
     """
     args = parser.parse_args(argv)
+    from comparator.reports.outputs import check_output_flags
+
     check_output_flags(args)
     if getattr(args, "threshold_row", None) is not None:
         LogprobThresholds.check_row(args.threshold_row)
@@ -143,8 +144,12 @@ def noise_args(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {
         "noise_factor": None if args.noise_factor is None else check_noise_factor(args.noise_factor),
         "noise_floors": parse_noise_floor(args.noise_floor)}
-    if with_file:
-        out["noise"] = load_noise(args.noise) if args.noise else None
+    if with_file and args.noise:
+        from comparator.noise.file import load_noise
+
+        out["noise"] = load_noise(args.noise)
+    elif with_file:
+        out["noise"] = None
     return out
 
 
@@ -164,18 +169,33 @@ def warn(lines: Iterable[str]) -> None:
         print(f"warning: {printable(line)}", file=sys.stderr)
 
 
-class _PipeConsole(Console):
-    """A console whose reader may go away (``comparator A B | head -1``) without changing the exit code.
+def stdout_console() -> Console:
+    """A console on stdout, 160 columns wide when stdout is not a terminal, whose reader may go away
+    (``comparator A B | head -1``) without changing the exit code.
 
     rich's default exits 1 on a broken pipe, which CI would read as a divergence; this one sends
     the rest of the output to /dev/null and lets the command finish, so it exits with its verdict.
     """
+    from rich.console import Console
 
-    def on_broken_pipe(self) -> None:
-        self.quiet = True
+    class PipeConsole(Console):
+        def on_broken_pipe(self) -> None:
+            self.quiet = True
+            silence_stdout()
+
+    return PipeConsole(stderr=False, width=None if sys.stdout.isatty() else 160)
+
+
+def print_line(text: str) -> None:
+    """``text`` as one line on stdout, as :func:`stdout_console` prints an unstyled line (the control
+    characters rich drops, dropped), without loading rich: ``--quiet``'s verdict line; a reader that
+    went away does not change the exit code either."""
+    try:
+        sys.stdout.write(text.translate(_RICH_STRIPS) + "\n")
+        sys.stdout.flush()
+    except BrokenPipeError:
         silence_stdout()
 
 
-def stdout_console() -> Console:
-    """A console on stdout, 160 columns wide when stdout is not a terminal."""
-    return _PipeConsole(stderr=False, width=None if sys.stdout.isatty() else 160)
+_RICH_STRIPS = dict.fromkeys((7, 8, 11, 12, 13))
+"""The control characters rich's ``Text`` strips (BEL, BS, VT, FF, CR)."""

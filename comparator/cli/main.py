@@ -26,16 +26,11 @@ from comparator.cli.args import (compare_config, logprob_threshold_flags, logpro
                                  output_flags, parse_args, threshold_flags, warn)
 from comparator.cli.args import stdout_console as _console
 from comparator.cli.args import write_output as _write
-from comparator.hidden.compare import compare_dumps
-from comparator.judging.identity import check_distinct
+from comparator.cli.args import print_line
 from comparator.judging.logprob_metrics import metric_names
-from comparator.reports.files import write_csv, write_json
-from comparator.reports.outputs import add_output_flags, progress_callback, write_outputs
-from comparator.outcome import headline, status, verdict_notes
-from comparator.reports.text import render_logprobs, render_report
-from comparator.logprobs.judge import compare_logprob_sources
+from comparator.reports.outputs import add_output_flags
 from comparator.cli.parser import CommandParser, add_command
-from comparator.cli.store import build_regress_parser, build_store_parser, cmd_regress, cmd_store
+from comparator.cli.store import build_regress_parser, build_store_parser
 
 __all__ = ["main", "run", "build_parser", "build_logprobs_parser", "build_collect_parser", "build_calibrate_parser",
            "build_import_sglang_parser", "COMMANDS"]
@@ -61,6 +56,7 @@ def build_calibrate_parser(sub: argparse._SubParsersAction | None = None) -> arg
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from comparator.noise.calibrate import calibrate
     from comparator.noise.file import save_noise
+    from comparator.reports.outputs import progress_callback
     from comparator.reports.text import render_noise
 
     with progress_callback(not args.quiet) as progress:
@@ -140,8 +136,7 @@ def build_logprobs_parser(sub: argparse._SubParsersAction | None = None) -> argp
 
 def build_collect_parser(sub: argparse._SubParsersAction | None = None) -> argparse.ArgumentParser:
     """``collect --server URL --api API --out FILE.jsonl``: a subparser of ``sub``, or a parser of its own."""
-    from comparator.logprobs.sources.collect import API_NAMES
-    from comparator.logprobs.sources.server_http import retries_arg, timeout_arg
+    from comparator.logprobs.sources.server_flags import API_NAMES, retries_arg, timeout_arg
 
     p = add_command(sub, "collect", "Score prompts on a live server into logprob JSONL. The server is vLLM, SGLang "
                     "or OpenAI-compatible; the prompt logprobs are written as JSONL for `python -m comparator "
@@ -184,6 +179,10 @@ def cmd_collect(args: argparse.Namespace) -> int:
 
 
 def cmd_logprobs(args: argparse.Namespace) -> int:
+    from comparator.logprobs.judge import compare_logprob_sources
+    from comparator.outcome import status
+    from comparator.reports.text import render_logprobs
+
     noise = noise_args(args)
     if "rel_diff" in noise["noise_floors"]:
         raise UsageError("--noise-floor: comparator logprobs takes NAME=VALUE with NAME a logprob metric "
@@ -216,6 +215,20 @@ def build_import_sglang_parser(sub: argparse._SubParsersAction | None = None) ->
     return p
 
 
+def cmd_regress(args: argparse.Namespace) -> int:
+    """``regress``: :func:`comparator.cli.store_run.cmd_regress` (the run store loads only for it)."""
+    from comparator.cli.store_run import cmd_regress as run_regress
+
+    return run_regress(args)
+
+
+def cmd_store(args: argparse.Namespace) -> int:
+    """``store``: :func:`comparator.cli.store_run.cmd_store`."""
+    from comparator.cli.store_run import cmd_store as run_store
+
+    return run_store(args)
+
+
 COMMANDS = {"calibrate": cmd_calibrate, "collect": cmd_collect, "logprobs": cmd_logprobs, "regress": cmd_regress,
             "store": cmd_store}
 """The subcommands run here by their parsed arguments (``import-sglang`` runs in :mod:`dumper.engines.sglang`)."""
@@ -235,7 +248,17 @@ def run(argv: Sequence[str] | None = None) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    """``python -m comparator BASELINE TARGET``: compare, print, write the report files; exit 0 or 1."""
+    """``python -m comparator BASELINE TARGET``: compare, print, write the report files; exit 0 or 1.
+
+    What only this command needs is imported here, so that the other commands and ``--help`` start
+    without it, and ``--quiet`` never loads rich (a verdict line is what a script waits for).
+    """
+    from comparator.hidden.compare import compare_dumps
+    from comparator.judging.identity import check_distinct
+    from comparator.outcome import headline, verdict_notes
+    from comparator.reports.files import write_csv, write_json
+    from comparator.reports.outputs import progress_callback, write_outputs
+
     config = compare_config(args)
     check_distinct(args.baseline, args.target)  # before an SGLang side is converted into a temporary dump
     # either side may be an SGLang dumper directory: read as a temporary driftscope dump (dumper.engines.sglang)
@@ -244,14 +267,13 @@ def cmd_compare(args: argparse.Namespace) -> int:
             report = compare_dumps(base, target, config, progress=progress)
         report = dataclasses.replace(report, baseline=args.baseline, target=args.target)  # the user's paths
         warn(report.warnings)
-        if args.format == "table":  # with --format json, stdout carries the JSON report alone
-            console = _console()
-            if args.quiet:
-                notes = verdict_notes(report)
-                console.print(headline(report) + (f" ({'; '.join(notes)})" if notes else ""), markup=False, emoji=False,
-                              highlight=False, soft_wrap=True)  # one line, whatever its length
-            else:
-                render_report(report, console, tensors=args.tensors)
+        if args.format == "table" and args.quiet:  # with --format json, stdout carries the JSON report alone
+            notes = verdict_notes(report)
+            print_line(headline(report) + (f" ({'; '.join(notes)})" if notes else ""))  # one line, whatever its length
+        elif args.format == "table":
+            from comparator.reports.text import render_report
+
+            render_report(report, _console(), tensors=args.tensors)
         _write(args.json, lambda p: write_json(report, p))
         _write(args.csv, lambda p: write_csv(report, p))
         write_outputs(report, args, base, target)

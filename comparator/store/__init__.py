@@ -39,12 +39,35 @@ line), ``Capture.record`` (the hooks storing one tensor), :func:`dumper.format.e
 (run-length encoding of positions) and ``python -m dumper run`` (a prefill job that writes a dump).
 """
 
-from comparator.store.environment import COMPARED_ENV_FIELDS, EnvDifference, env_differences
-from comparator.store.errors import EnvMismatchError, NoBaselineError, StoreError
-from comparator.store.record import RunEntry, RunRecord, StoredNoise
-from comparator.store.runstore import STAGING_GRACE_S, PruneResult, RunStore
-from comparator.store.select import candidates, current_baselines, select_baseline
-from comparator.store.types import LABELS, Calibration, Label, Promotion, RunSummary
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "COMPARED_ENV_FIELDS": "comparator.store.environment",
+    "EnvDifference": "comparator.store.environment",
+    "env_differences": "comparator.store.environment",
+    "EnvMismatchError": "comparator.store.errors",
+    "NoBaselineError": "comparator.store.errors",
+    "StoreError": "comparator.store.errors",
+    "RunEntry": "comparator.store.record",
+    "RunRecord": "comparator.store.record",
+    "StoredNoise": "comparator.store.record",
+    "STAGING_GRACE_S": "comparator.store.runstore",
+    "PruneResult": "comparator.store.runstore",
+    "RunStore": "comparator.store.runstore",
+    "candidates": "comparator.store.select",
+    "current_baselines": "comparator.store.select",
+    "select_baseline": "comparator.store.select",
+    "LABELS": "comparator.store.types",
+    "Calibration": "comparator.store.types",
+    "Label": "comparator.store.types",
+    "Promotion": "comparator.store.types",
+    "RunSummary": "comparator.store.types",
+}
+"""Public name -> the module that defines it, imported on first use (PEP 562), as in :mod:`comparator`: the
+comparator's command line parses ``regress`` and ``store`` flags without loading the store (fsspec)."""
 
 __all__ = [
     "RunStore",
@@ -68,3 +91,24 @@ __all__ = [
     "NoBaselineError",
     "EnvMismatchError",
 ]
+
+if TYPE_CHECKING:
+    from comparator.store.environment import COMPARED_ENV_FIELDS, EnvDifference, env_differences
+    from comparator.store.errors import EnvMismatchError, NoBaselineError, StoreError
+    from comparator.store.record import RunEntry, RunRecord, StoredNoise
+    from comparator.store.runstore import STAGING_GRACE_S, PruneResult, RunStore
+    from comparator.store.select import candidates, current_baselines, select_baseline
+    from comparator.store.types import LABELS, Calibration, Label, Promotion, RunSummary
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'comparator.store' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

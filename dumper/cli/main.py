@@ -118,15 +118,15 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
 
 
 def _timeout(text: str) -> float:
-    """``--timeout``: :func:`comparator.logprobs.sources.server_http.timeout_arg` (imported only when given)."""
-    from comparator.logprobs.sources.server_http import timeout_arg
+    """``--timeout``: :func:`comparator.logprobs.sources.server_flags.timeout_arg` (imported only when given)."""
+    from comparator.logprobs.sources.server_flags import timeout_arg
 
     return timeout_arg(text)
 
 
 def _retries(text: str) -> int:
-    """``--retries``: :func:`comparator.logprobs.sources.server_http.retries_arg` (imported only when given)."""
-    from comparator.logprobs.sources.server_http import retries_arg
+    """``--retries``: :func:`comparator.logprobs.sources.server_flags.retries_arg` (imported only when given)."""
+    from comparator.logprobs.sources.server_flags import retries_arg
 
     return retries_arg(text)
 

@@ -42,11 +42,11 @@ from dumper.format import atomic_path
 
 from comparator.logprobs.sources.engine_json import parse_record
 from comparator.logprobs.types import SequenceLogprobs
+from comparator.logprobs.sources.server_flags import API_NAMES
 from comparator.logprobs.sources.server_http import ServerClient, ServerError
 
 __all__ = ["API_NAMES", "Prompt", "Scored", "prompts_from", "served_model", "first_choice", "score", "collect"]
 
-API_NAMES: Final = ("vllm", "sglang", "openai")
 
 
 @dataclass(frozen=True)

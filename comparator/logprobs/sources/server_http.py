@@ -34,6 +34,8 @@ from typing import Any, Final
 from dumper.errors import DriftscopeError, UsageError
 from dumper.format.files import check_json_memory
 
+from comparator.logprobs.sources.server_flags import (MAX_RETRIES, MAX_TIMEOUT_S, check_retries, check_timeout,
+                                                      retries_arg, timeout_arg)
 from comparator.logprobs.sources.http_wire import (
     PIECE,
     Answer,
@@ -51,10 +53,6 @@ __all__ = ["ServerClient", "ServerError", "normalize_base_url", "check_timeout",
 
 MAX_RESPONSE_BYTES: Final = 256 << 20
 """Largest response body read; a longer one is refused (a prompt-logprobs answer is far smaller)."""
-MAX_TIMEOUT_S: Final = 86400.0
-"""Longest ``--timeout``: one day per request."""
-MAX_RETRIES: Final = 100
-"""Most ``--retries``."""
 _MAX_ERROR_BYTES: Final = 1 << 16
 """How much of an error answer's body is read for its message."""
 _RETRY_STATUS: Final = frozenset({429, 500, 502, 503, 504})
@@ -69,48 +67,6 @@ class ServerError(UsageError):
     def __init__(self, message: str, *, status: int | None = None) -> None:
         super().__init__(message)
         self.status = status
-
-
-# --------------------------------------------------------------------------- arguments
-
-
-def _shown(value: object) -> str:
-    """``value`` for a message about a bad argument: a float as ``%g``, anything else as its repr, cut to 30."""
-    text = f"{value:g}" if isinstance(value, float) else repr(value)
-    return text if len(text) <= 30 else text[:27] + "..."
-
-
-def check_timeout(value: float) -> float:
-    """``value`` as a per-request timeout: a number of seconds in ``(0, MAX_TIMEOUT_S]``, else a UsageError."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= MAX_TIMEOUT_S:
-        raise UsageError(f"--timeout {_shown(value)}: expected seconds per request, more than 0 and at most "
-                         f"{MAX_TIMEOUT_S:g} (one day)")
-    return float(value)
-
-
-def check_retries(value: int) -> int:
-    """``value`` as a retry count: an integer in ``[0, MAX_RETRIES]``, else a UsageError."""
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_RETRIES:
-        raise UsageError(f"--retries {_shown(value)}: expected an integer from 0 to {MAX_RETRIES}")
-    return value
-
-
-def timeout_arg(text: str) -> float:
-    """``--timeout`` for argparse: :func:`check_timeout` of the number given."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise UsageError(f"--timeout {_shown(text)}: expected a number of seconds") from None
-    return check_timeout(value)
-
-
-def retries_arg(text: str) -> int:
-    """``--retries`` for argparse: :func:`check_retries` of the integer given."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise UsageError(f"--retries {_shown(text)}: expected an integer from 0 to {MAX_RETRIES}") from None
-    return check_retries(value)
 
 
 def normalize_base_url(url: str) -> str:
