@@ -15,7 +15,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-pytest_plugins = ["tests.engine_starts", "pytester"]
+pytest_plugins = ["tests.engine_starts", "tests.xdist_schedule", "pytester"]
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:

@@ -9,7 +9,7 @@ After each test, the starts it made (in any process) are read back: a test witho
 stays free of engine starts. A test that skips for want of CUDA without the ``gpu`` marker
 fails too, so ``.ci/gpu-check`` (``-m gpu``) runs every CUDA-only test. The terminal summary
 prints the starts and their seconds per engine and per module, so a change that adds starts
-shows it.
+shows it. Under xdist (``-n 2``) every worker logs into the controller's file, which prints the summary.
 """
 
 from __future__ import annotations
@@ -59,8 +59,11 @@ def _has_cuda() -> bool:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    log = Path(tempfile.mkdtemp(prefix="driftscope-engine-starts-")) / "starts.jsonl"
-    os.environ[LOG_ENV] = str(log)  # this session's own, also inside a pytest run by a test
+    if hasattr(config, "workerinput") and os.environ.get(LOG_ENV):  # an xdist worker: the controller's log,
+        log = Path(os.environ[LOG_ENV])  # where the summary reads every worker's starts
+    else:
+        log = Path(tempfile.mkdtemp(prefix="driftscope-engine-starts-")) / "starts.jsonl"
+        os.environ[LOG_ENV] = str(log)  # this session's own, also inside a pytest run by a test
     path = os.environ.get("PYTHONPATH", "")
     if str(SITE_DIR) not in path.split(os.pathsep):
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(SITE_DIR), path) if p)

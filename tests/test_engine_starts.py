@@ -15,19 +15,27 @@ from tests.dumper.engines.test_engine_vllm import need
 from tests.engine_models import build_checkpoint, to_gguf
 
 
-def _inner_pytest(tmp_path: Path, code: str) -> str:
-    """Output of a pytest run of its own (this plugin and the project's markers only) over ``code`` as
-    ``test_inner.py``."""
+XDIST = ("-n", "2")
+"""Two xdist workers, as the suite runs (README: ``python -m pytest -q -n 2``), here dealt single tests (xdist's
+own ``load``), so that both start engines into the one log the controller reports."""
+
+
+def _inner_pytest(tmp_path: Path, code: str, *args: str) -> str:
+    """Output of a pytest run of its own (this plugin and the project's markers only, then ``args``) over
+    ``code`` as ``test_inner.py``."""
     (tmp_path / "test_inner.py").write_text(textwrap.dedent(code))
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-c", str(ROOT / "pyproject.toml"),
-                        "--rootdir", str(tmp_path), "-p", "tests.engine_starts", "-p", "no:cacheprovider", str(tmp_path / "test_inner.py")],
+                        "--rootdir", str(tmp_path), "-p", "tests.engine_starts", "-p", "no:cacheprovider", *args,
+                        str(tmp_path / "test_inner.py")],
                        cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
     assert r.returncode == 1, r.stdout + r.stderr
     return r.stdout + r.stderr
 
 
 @pytest.mark.engine
-def test_an_unmarked_test_that_starts_an_engine_fails_and_every_start_is_counted(tmp_path: Path) -> None:
+@pytest.mark.parametrize("args", [(), XDIST], ids=["one process", "xdist workers"])
+def test_an_unmarked_test_that_starts_an_engine_fails_and_every_start_is_counted(tmp_path: Path,
+                                                                                 args: tuple[str, ...]) -> None:
     need("llama.cpp")
     gguf = to_gguf(build_checkpoint(tmp_path / "ckpt"), tmp_path / "m.gguf", "f32")
     out = _inner_pytest(tmp_path, f"""
@@ -50,8 +58,9 @@ def test_an_unmarked_test_that_starts_an_engine_fails_and_every_start_is_counted
 
         def test_no_engine():
             assert True
-    """)
+    """, *args)
     assert "4 passed, 2 errors" in out, out  # failed at teardown, once every process of the test is done
+    assert ("bringing up nodes" in out) == bool(args), out
     for name in ("test_unmarked_in_process", "test_unmarked_in_a_subprocess"):
         assert f"test_inner.py::{name} started 1 engine(s) (llama.cpp) without @pytest.mark.engine" in out, out
     assert "3 engine starts" in out and "llama.cpp: 3 starts" in out, out
