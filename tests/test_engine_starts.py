@@ -27,7 +27,7 @@ def _inner_pytest(tmp_path: Path, code: str, *args: str) -> str:
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-c", str(ROOT / "pyproject.toml"),
                         "--rootdir", str(tmp_path), "-p", "tests.engine_starts", "-p", "no:cacheprovider", *args,
                         str(tmp_path / "test_inner.py")],
-                       cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+                       cwd=ROOT, env=subprocess_env(PYTEST_ADDOPTS=""), capture_output=True, text=True, timeout=300)
     assert r.returncode == 1, r.stdout + r.stderr
     return r.stdout + r.stderr
 

@@ -76,7 +76,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     if noise.router:
         parts.append(f"the routing of {len(noise.router)} MoE layers")
     console.print(f"wrote {args.out}: noise of {' and '.join(parts)} from {len(noise.variants)} variants",
-                  markup=False, highlight=False)
+                  markup=False, highlight=False, soft_wrap=True)  # one line, however long the path
     return EXIT_OK
 
 
