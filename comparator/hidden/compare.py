@@ -16,14 +16,10 @@ the dump size.
 
 from __future__ import annotations
 
-import itertools
 import math
 import os
-from collections import deque
-from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import TypeVar
 
 import numpy as np
 
@@ -58,7 +54,6 @@ from comparator.routing.compare import compare_routing
 
 __all__ = ["compare_dumps"]
 
-_R = TypeVar("_R")
 ProgressFn = Callable[[int, int], None]
 Tokens = tuple[np.ndarray, np.ndarray | None, np.ndarray | None]
 """One comparison's per-token rel_diff, with the rows' positions and sequence ids (None: not recorded)."""
@@ -280,42 +275,18 @@ def _compare_replica(view: ReplicaView, plan: _Plan, br: HiddenReader, tr: Hidde
     return replace(comparison, rank=view.rank, replica_side=view.side), tokens
 
 
-def _in_order(jobs: list[Callable[[], _R]], threads: int) -> Iterator[_R]:
-    """Each job's result, in the order of ``jobs``, with up to ``threads`` of them running at once.
-
-    One comparison at a time left a core idle while the other did the Python between two
-    kernel calls; two at a time, one's Python overlaps the other's kernel (which releases
-    the GIL). A job's exception is raised in its turn, after the jobs already running end.
-    """
-    if threads < 2 or len(jobs) < 2:
-        yield from (job() for job in jobs)
-        return
-    with ThreadPoolExecutor(threads, thread_name_prefix="driftscope-compare") as pool:
-        queue = iter(jobs)
-        running = deque(pool.submit(job) for job in itertools.islice(queue, threads))
-        while running:
-            done = running.popleft()
-            following = next(queue, None)
-            if following is not None:
-                running.append(pool.submit(following))
-            yield done.result()
-
-
 def _compare_all(plan: _Plan, views: list[ReplicaView], br: HiddenReader, tr: HiddenReader, config: CompareConfig,
                  progress: ProgressFn | None, token_sink: TokenSink | None) -> tuple[
                      list[TensorComparison], FailingTokens]:
-    """Compare every planned pair and replica view; the results in layer order and the failing tokens kept.
-
-    With ``config.threads`` > 1 that many comparisons run at once, each on one thread
-    (:func:`_in_order`); their results are the same as one at a time.
-    """
+    """Compare every planned pair and replica view, one at a time; the results in layer order and the
+    failing tokens kept."""
     results: list[TensorComparison] = []
     kept = FailingTokens()
-    config = replace(config, threads=1) if config.threads > 1 else config  # the threads run whole comparisons
     jobs = [lambda key=key: _compare_logical(plan.base[key], plan.target[key], br, tr, config) for key in plan.logical]
     jobs += [lambda v=v: _compare_replica(v, plan, br, tr, config) for v in views]
     jobs += [lambda b=b, t=t: _compare_records(b, t, br, tr, config) for b, t in plan.pairs]
-    for comparison, tokens in _in_order(jobs, config.threads):
+    for job in jobs:
+        comparison, tokens = job()
         results.append(comparison)
         kept.add(comparison, tokens)
         if token_sink is not None:

@@ -16,7 +16,6 @@ Two sketches compare only under the same projection; anything else is a one-line
 from __future__ import annotations
 
 import math
-import threading
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -100,27 +99,25 @@ class SketchView:
             records.append(rec)
         self.manifest: Manifest = replace(reader.manifest, tensors=tuple(records))
         self._cache: dict[tuple[str, str], tuple[np.ndarray, np.ndarray]] = {}
-        self._lock = threading.Lock()
 
     def _projected(self, rec: TensorRecord) -> tuple[np.ndarray, np.ndarray]:
         """(projection ``[rows, k]``, squared norms ``[rows]``) of a full record, computed once."""
         key = (rec.file, rec.key)
-        with self._lock:  # the comparator reads one dump from several threads
-            hit = self._cache.get(key)
-            if hit is None:
-                full = self._full[key]
-                rows = self.reader.rows(full)
-                block = max(1, PROJECT_BYTES // max(1, 8 * rows.shape[1]))
-                proj = np.empty((rows.shape[0], self.spec.k), dtype=np.float64)
-                norms = np.empty(rows.shape[0], dtype=np.float64)
-                for start in range(0, rows.shape[0], block):
-                    x = to_float64(rows[start:start + block], full.dtype)
-                    proj[start:start + block] = project(x, self.spec)
-                    norms[start:start + block] = np.einsum("ij,ij->i", x, x)
-                if len(self._cache) >= _CACHE:
-                    self._cache.pop(next(iter(self._cache)))
-                hit = self._cache[key] = (proj, norms)
-            return hit
+        hit = self._cache.get(key)
+        if hit is None:
+            full = self._full[key]
+            rows = self.reader.rows(full)
+            block = max(1, PROJECT_BYTES // max(1, 8 * rows.shape[1]))
+            proj = np.empty((rows.shape[0], self.spec.k), dtype=np.float64)
+            norms = np.empty(rows.shape[0], dtype=np.float64)
+            for start in range(0, rows.shape[0], block):
+                x = to_float64(rows[start:start + block], full.dtype)
+                proj[start:start + block] = project(x, self.spec)
+                norms[start:start + block] = np.einsum("ij,ij->i", x, x)
+            if len(self._cache) >= _CACHE:
+                self._cache.pop(next(iter(self._cache)))
+            hit = self._cache[key] = (proj, norms)
+        return hit
 
     def rows(self, rec: TensorRecord) -> np.ndarray:
         return self._projected(rec)[0] if (rec.file, rec.key) in self._full else self.reader.rows(rec)
