@@ -94,9 +94,9 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse
     Checked: the report outputs (:func:`comparator.reports.outputs.check_output_flags`) and that
     a threshold row given with ``--model`` exists (a typo must not loosen the thresholds).
     """
-    args = parser.parse_args(argv)
     from comparator.reports.outputs import check_output_flags
 
+    args = parser.parse_args(argv)
     check_output_flags(args)
     if getattr(args, "threshold_row", None) is not None:
         LogprobThresholds.check_row(args.threshold_row)
