@@ -19,8 +19,9 @@ Golden baselines for CI (a run store, see :mod:`comparator.store`)::
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from comparator.exports import lazy_exports
 
 _EXPORTS = {
     "compare_dumps": "comparator.hidden.compare",
@@ -82,14 +83,4 @@ if TYPE_CHECKING:
     from comparator.store.regress import RegressResult, regress
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'comparator' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_EXPORTS])
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

@@ -26,7 +26,7 @@ MAX_FUNCTION_LINES = 60
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("core", ("dumper.errors", "dumper.settings", "dumper.progress", "dumper.prompts", "dumper.tokenizers",
               "dumper.modeldir", "dumper.resources", "dumper.version", "dumper.format.*", "comparator.jsonfloat",
-              "dumper.cli.common")),
+              "comparator.exports", "dumper.cli.common")),
     ("comparator.judging", ("comparator.judging.*", "comparator.settings")),
     ("comparator.config", ("comparator.config",)),
     ("comparator.logprobs", ("comparator.logprobs.*",)),

@@ -41,8 +41,9 @@ line), ``Capture.record`` (the hooks storing one tensor), :func:`dumper.format.e
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from comparator.exports import lazy_exports
 
 _EXPORTS = {
     "COMPARED_ENV_FIELDS": "comparator.store.environment",
@@ -101,14 +102,4 @@ if TYPE_CHECKING:
     from comparator.store.types import LABELS, Calibration, Label, Promotion, RunSummary
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'comparator.store' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_EXPORTS])
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
