@@ -16,6 +16,10 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 pytest_plugins = ["tests.engine_starts", "tests.xdist_schedule", "pytester"]
+# The suite starts hundreds of Python subprocesses (CLIs, engine workers): where the environment disables
+# bytecode caching, each compiled driftscope's modules from source again (~0.1 s a process). The
+# session's workers and subprocesses cache it, in __pycache__ as Python does by default.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:
