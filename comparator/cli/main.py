@@ -23,10 +23,9 @@ from dumper.errors import EXIT_DIVERGED, EXIT_OK, UsageError
 from dumper.format import MANIFEST_NAME, write_json_atomic
 
 from comparator.cli.args import (compare_config, logprob_threshold_flags, logprob_thresholds, noise_args, noise_flags,
-                                 output_flags, parse_args, threshold_flags, warn)
+                                 output_flags, parse_args, print_line, threshold_flags, warn)
 from comparator.cli.args import stdout_console as _console
 from comparator.cli.args import write_output as _write
-from comparator.cli.args import print_line
 from comparator.judging.logprob_metrics import metric_names
 from comparator.reports.outputs import add_output_flags
 from comparator.cli.parser import CommandParser, add_command

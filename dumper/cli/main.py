@@ -117,22 +117,10 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--quiet", action="store_true", help="no progress bar and no summary line")
 
 
-def _timeout(text: str) -> float:
-    """``--timeout``: :func:`comparator.logprobs.sources.server_flags.timeout_arg` (imported only when given)."""
-    from comparator.logprobs.sources.server_flags import timeout_arg
-
-    return timeout_arg(text)
-
-
-def _retries(text: str) -> int:
-    """``--retries``: :func:`comparator.logprobs.sources.server_flags.retries_arg` (imported only when given)."""
-    from comparator.logprobs.sources.server_flags import retries_arg
-
-    return retries_arg(text)
-
-
 def _add_selfcheck(sub: argparse._SubParsersAction) -> None:
     """``selfcheck``: a local model, or a live server with ``--server``."""
+    from comparator.logprobs.sources.server_flags import API_NAMES, retries_arg, timeout_arg
+
     sc = sub.add_parser("selfcheck", help="decode <-> prefill logprob self-consistency of a model")
     sc.add_argument("--model", default="tiny-llama", help="local HF model directory or preset")
     sc.add_argument("--prompt", action="append", default=None, help="prompt text (repeatable; default: built-in)")
@@ -148,13 +136,13 @@ def _add_selfcheck(sub: argparse._SubParsersAction) -> None:
     sc.add_argument("--json", metavar="FILE", help="write the results as JSON")
     sc.add_argument("--server", metavar="URL", default=None,
                     help="check a live server instead of a local model (http://HOST:PORT); needs --api")
-    sc.add_argument("--api", default=None, choices=["vllm", "sglang", "openai"],
+    sc.add_argument("--api", default=None, choices=API_NAMES,
                     help="with --server: vllm (/v1/completions), sglang (/generate), openai (text prompts only)")
     sc.add_argument("--served-model", default=None, help="with --server: model name to request "
                     "(default: the first one /v1/models lists)")
-    sc.add_argument("--timeout", type=_timeout, default=120.0, help="with --server: seconds per request: "
+    sc.add_argument("--timeout", type=timeout_arg, default=120.0, help="with --server: seconds per request: "
                     "connect, send and the whole answer (default 120, at most 86400)")
-    sc.add_argument("--retries", type=_retries, default=3, help="with --server: retries on connection errors, "
+    sc.add_argument("--retries", type=retries_arg, default=3, help="with --server: retries on connection errors, "
                     "timeouts, cut answers and HTTP 429/5xx (default 3, at most 100)")
 
 

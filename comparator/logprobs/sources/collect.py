@@ -48,7 +48,6 @@ from comparator.logprobs.sources.server_http import ServerClient, ServerError
 __all__ = ["API_NAMES", "Prompt", "Scored", "prompts_from", "served_model", "first_choice", "score", "collect"]
 
 
-
 @dataclass(frozen=True)
 class Prompt:
     """One fixed input: token ``ids`` or ``text`` (exactly one), sent as request ``request``."""

@@ -1,6 +1,6 @@
 """The flags of a command that talks to a server (``--api``, ``--timeout``, ``--retries``), checked as they
 are parsed, without loading the HTTP client (:mod:`comparator.logprobs.sources.server_http`, which
-re-exports them): ``python -m comparator`` builds every subcommand's parser at start-up.
+checks a client's settings by the same bounds): both CLIs build every subcommand's parser at start-up.
 """
 
 from __future__ import annotations

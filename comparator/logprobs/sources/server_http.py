@@ -34,8 +34,7 @@ from typing import Any, Final
 from dumper.errors import DriftscopeError, UsageError
 from dumper.format.files import check_json_memory
 
-from comparator.logprobs.sources.server_flags import (MAX_RETRIES, MAX_TIMEOUT_S, check_retries, check_timeout,
-                                                      retries_arg, timeout_arg)
+from comparator.logprobs.sources.server_flags import MAX_RETRIES, MAX_TIMEOUT_S, check_retries, check_timeout
 from comparator.logprobs.sources.http_wire import (
     PIECE,
     Answer,
@@ -48,8 +47,8 @@ from comparator.logprobs.sources.http_wire import (
     read_body,
 )
 
-__all__ = ["ServerClient", "ServerError", "normalize_base_url", "check_timeout", "check_retries", "timeout_arg",
-           "retries_arg", "MAX_RESPONSE_BYTES", "MAX_TIMEOUT_S", "MAX_RETRIES"]
+__all__ = ["ServerClient", "ServerError", "normalize_base_url", "check_timeout", "check_retries",
+           "MAX_RESPONSE_BYTES", "MAX_TIMEOUT_S", "MAX_RETRIES"]
 
 MAX_RESPONSE_BYTES: Final = 256 << 20
 """Largest response body read; a longer one is refused (a prompt-logprobs answer is far smaller)."""
