@@ -30,7 +30,9 @@
  * vectorise strict-IEEE reductions (that needs reassociation), so the lanes
  * are written with intrinsics:
  * SSE2 (x86-64 baseline) or AVX2+F16C, chosen at run time; other targets
- * get plain C.  The GIL is released so callers can run blocks in threads.
+ * get plain C.  The GIL is released; row_stats_many(units, threads) runs a
+ * tensor's row ranges on a few POSIX threads of its own, so a caller makes
+ * one call per tensor and no Python thread hand-off (elsewhere: serially).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -38,14 +40,24 @@
 #include <stdint.h>
 #include <string.h>
 
+#if !defined(_WIN32) && !defined(__STDC_NO_ATOMICS__)
+#define HAVE_PTHREADS 1
+#include <pthread.h>
+#include <stdatomic.h>
+#endif
+#define MAX_THREADS 64      /* row_stats_many's bound on its threads */
+
 #if defined(__x86_64__) && defined(__GNUC__)
 #define HAVE_X86 1
 #include <immintrin.h>
 #endif
 
-/* float16 -> float32 for all 65536 bit patterns, filled at module init.
- * Every half value is exactly representable in float32; 256 KiB fits L2. */
+/* float16 -> float32 for all 65536 bit patterns, filled by the first F16
+ * call (under the GIL, before any thread reads it), so that importing the
+ * module costs nothing.  Every half value is exactly representable in
+ * float32; 256 KiB fits L2. */
 static float f16_table[65536];
+static int f16_ready;
 
 static float f16_decode(uint16_t h)
 {
@@ -377,6 +389,135 @@ static int check_buf(const char *name, const Py_buffer *b, Py_ssize_t rows,
     return 0;
 }
 
+/* One block (or row range) to reduce: its buffers, held while it runs. */
+typedef struct {
+    Py_buffer b[4];         /* x, y, out[, exps] */
+    int nbuf;               /* buffers held */
+    block_fn fn;
+    Py_ssize_t rows, cols;
+    int32_t *exps;
+    Totals t;
+} Unit;
+
+static void unit_close(Unit *u)
+{
+    while (u->nbuf > 0)
+        PyBuffer_Release(&u->b[--u->nbuf]);
+}
+
+/* Parse row_stats' arguments (x, y, dtype, rows, cols, out[, exps]) into u,
+ * holding its buffers; -1 with an exception set (and nothing held) if bad. */
+static int unit_open(PyObject *args, Unit *u)
+{
+    static const char *const dtypes[] = {"F64", "F32", "F16", "BF16"};
+    static const size_t items[] = {8, 4, 2, 2};
+    PyObject *obj[4] = {NULL, NULL, NULL, Py_None};  /* x, y, out, exps */
+    const char *dtype;
+    int k = 0, want;
+    memset(u, 0, sizeof *u);
+    if (!PyArg_ParseTuple(args, "OOsnnO|O:row_stats", &obj[0], &obj[1], &dtype,
+                          &u->rows, &u->cols, &obj[2], &obj[3]))
+        return -1;
+    while (k < 4 && strcmp(dtype, dtypes[k]))
+        k++;
+    if (k == 4) {
+        PyErr_Format(PyExc_ValueError, "unsupported dtype '%s' "
+                     "(want F64, F32, F16 or BF16)", dtype);
+        return -1;
+    }
+    if (u->rows < 0 || u->cols < 0) {
+        PyErr_Format(PyExc_ValueError, "rows and cols must be >= 0");
+        return -1;
+    }
+    if (u->rows > PY_SSIZE_T_MAX / 40 ||
+        (u->cols && u->rows > PY_SSIZE_T_MAX / 8 / u->cols)) {
+        PyErr_Format(PyExc_OverflowError, "rows*cols is too large");
+        return -1;
+    }
+    want = obj[3] == Py_None ? 3 : 4;
+    while (u->nbuf < want && PyObject_GetBuffer(obj[u->nbuf], &u->b[u->nbuf],
+                                                u->nbuf >= 2 ? PyBUF_WRITABLE : PyBUF_SIMPLE) == 0)
+        u->nbuf++;
+    if (u->nbuf < want ||
+        check_buf("x", &u->b[0], u->rows, u->cols, items[k], dtype) ||
+        check_buf("y", &u->b[1], u->rows, u->cols, items[k], dtype) ||
+        check_buf("out", &u->b[2], u->rows, 5, 8, "float64") ||
+        (want == 4 && check_buf("exps", &u->b[3], u->rows, 2, 4, "int32"))) {
+        unit_close(u);
+        return -1;
+    }
+    u->exps = want == 4 ? (int32_t *)u->b[3].buf : NULL;
+    u->fn = kernels[isa][k];
+    if (k == 2 && !f16_ready) {
+        for (uint32_t h = 0; h < 65536; h++)
+            f16_table[h] = f16_decode((uint16_t)h);
+        f16_ready = 1;
+    }
+    return 0;
+}
+
+/* Reduce one unit; touches only its own buffers and totals (no GIL needed). */
+static void unit_run(Unit *u)
+{
+    Totals t = {0.0, 0.0, 0, 0, 0, 0, 0.0, 0, 0};
+    if (u->exps)
+        memset(u->exps, 0, (size_t)u->rows * 2 * sizeof *u->exps);
+    u->fn(u->b[0].buf, u->b[1].buf, u->rows, u->cols, (double *)u->b[2].buf,
+          u->exps, &t);
+    add_scaled(&t.sc_sum, &t.sc_exp, t.sum_abs, 0);
+    u->t = t;
+}
+
+static PyObject *unit_result(const Unit *u)
+{
+    const Totals *t = &u->t;
+    if (u->exps)
+        return Py_BuildValue("(ddnnnnin)", t->max_abs, t->sc_sum, t->nan_x,
+                             t->inf_x, t->nan_y, t->inf_y, t->sc_exp, t->scaled);
+    return Py_BuildValue("(ddnnnn)", t->max_abs, ldexp(t->sc_sum, t->sc_exp),
+                         t->nan_x, t->inf_x, t->nan_y, t->inf_y);
+}
+
+/* Run n units on up to `threads` threads (this one included), each pulling
+ * the next unit from a shared counter; without threads support, serially. */
+#if defined(HAVE_PTHREADS)
+typedef struct {
+    Unit *units;
+    size_t n;
+    atomic_size_t next;
+} Work;
+
+static void *work_loop(void *arg)
+{
+    Work *w = (Work *)arg;
+    size_t i;
+    while ((i = atomic_fetch_add(&w->next, 1)) < w->n)
+        unit_run(&w->units[i]);
+    return NULL;
+}
+
+static void run_units(Unit *units, size_t n, int threads)
+{
+    pthread_t tid[MAX_THREADS];
+    int started = 0, helpers = threads - 1;
+    Work w = {units, n, 0};
+    if ((size_t)helpers > n - 1)
+        helpers = n > 0 ? (int)(n - 1) : 0;
+    while (started < helpers && pthread_create(&tid[started], NULL, work_loop, &w) == 0)
+        started++;          /* a thread that cannot start leaves its share to the others */
+    work_loop(&w);
+    while (started--)
+        pthread_join(tid[started], NULL);
+}
+#else
+static void run_units(Unit *units, size_t n, int threads)
+{
+    (void)threads;
+    for (size_t i = 0; i < n; i++)
+        unit_run(&units[i]);
+}
+#endif
+
 PyDoc_STRVAR(row_stats_doc,
 "row_stats(x, y, dtype, rows, cols, out, exps=None) -> "
 "(max_abs_diff, sum_abs_diff, nan_x, inf_x, nan_y, inf_y"
@@ -391,56 +532,74 @@ PyDoc_STRVAR(row_stats_doc,
 
 static PyObject *row_stats(PyObject *self, PyObject *args)
 {
-    static const char *const dtypes[] = {"F64", "F32", "F16", "BF16"};
-    static const size_t items[] = {8, 4, 2, 2};
-    PyObject *obj[4] = {NULL, NULL, NULL, Py_None};  /* x, y, out, exps */
-    const char *dtype;
-    Py_ssize_t rows, cols;
-    int k = 0, got = 0;
+    Unit u;
+    PyObject *res;
     (void)self;
-    if (!PyArg_ParseTuple(args, "OOsnnO|O:row_stats", &obj[0], &obj[1], &dtype,
-                          &rows, &cols, &obj[2], &obj[3]))
+    if (unit_open(args, &u) < 0)
         return NULL;
-    while (k < 4 && strcmp(dtype, dtypes[k]))
-        k++;
-    if (k == 4)
-        return PyErr_Format(PyExc_ValueError, "unsupported dtype '%s' "
-                            "(want F64, F32, F16 or BF16)", dtype);
-    if (rows < 0 || cols < 0)
-        return PyErr_Format(PyExc_ValueError, "rows and cols must be >= 0");
-    if (rows > PY_SSIZE_T_MAX / 40 || (cols && rows > PY_SSIZE_T_MAX / 8 / cols))
-        return PyErr_Format(PyExc_OverflowError, "rows*cols is too large");
+    Py_BEGIN_ALLOW_THREADS
+    unit_run(&u);
+    Py_END_ALLOW_THREADS
+    res = unit_result(&u);
+    unit_close(&u);
+    return res;
+}
 
-    Py_buffer b[4];
-    PyObject *res = NULL;
-    int nbuf = obj[3] == Py_None ? 3 : 4;
-    while (got < nbuf && PyObject_GetBuffer(obj[got], &b[got], got >= 2 ?
-                                            PyBUF_WRITABLE : PyBUF_SIMPLE) == 0)
-        got++;
-    if (got == nbuf &&
-        check_buf("x", &b[0], rows, cols, items[k], dtype) == 0 &&
-        check_buf("y", &b[1], rows, cols, items[k], dtype) == 0 &&
-        check_buf("out", &b[2], rows, 5, 8, "float64") == 0 &&
-        (nbuf == 3 || check_buf("exps", &b[3], rows, 2, 4, "int32") == 0)) {
-        Totals t = {0.0, 0.0, 0, 0, 0, 0, 0.0, 0, 0};
-        int32_t *exps = nbuf == 4 ? (int32_t *)b[3].buf : NULL;
-        block_fn fn = kernels[isa][k];
-        Py_BEGIN_ALLOW_THREADS
-        if (exps)
-            memset(exps, 0, (size_t)rows * 2 * sizeof *exps);
-        fn(b[0].buf, b[1].buf, rows, cols, (double *)b[2].buf, exps, &t);
-        add_scaled(&t.sc_sum, &t.sc_exp, t.sum_abs, 0);
-        Py_END_ALLOW_THREADS
-        if (exps)
-            res = Py_BuildValue("(ddnnnnin)", t.max_abs, t.sc_sum, t.nan_x,
-                                t.inf_x, t.nan_y, t.inf_y, t.sc_exp, t.scaled);
-        else
-            res = Py_BuildValue("(ddnnnn)", t.max_abs,
-                                ldexp(t.sc_sum, t.sc_exp), t.nan_x, t.inf_x,
-                                t.nan_y, t.inf_y);
+PyDoc_STRVAR(row_stats_many_doc,
+"row_stats_many(units, threads) -> list\n\n"
+"row_stats(*unit) of every tuple in units, run on up to threads threads\n"
+"(at most " Py_STRINGIFY(MAX_THREADS) ") that pull units from one shared counter, with the GIL\n"
+"released throughout: one call per tensor, no Python thread hand-off.\n"
+"Returns row_stats' result of each unit, in order.");
+
+static PyObject *row_stats_many(PyObject *self, PyObject *args)
+{
+    PyObject *seq_obj, *seq, *res = NULL;
+    int threads;
+    Py_ssize_t n, opened = 0;
+    Unit *units;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "Oi:row_stats_many", &seq_obj, &threads))
+        return NULL;
+    if (threads < 1 || threads > MAX_THREADS)
+        return PyErr_Format(PyExc_ValueError, "threads must be in 1..%d, got %d",
+                            MAX_THREADS, threads);
+    seq = PySequence_Fast(seq_obj, "units must be a sequence of argument tuples");
+    if (seq == NULL)
+        return NULL;
+    n = PySequence_Fast_GET_SIZE(seq);
+    units = PyMem_Calloc(n > 0 ? (size_t)n : 1, sizeof *units);
+    if (units == NULL) {
+        Py_DECREF(seq);
+        return PyErr_NoMemory();
     }
-    while (got--)
-        PyBuffer_Release(&b[got]);
+    while (opened < n) {
+        PyObject *item = PySequence_Fast_GET_ITEM(seq, opened);
+        if (!PyTuple_Check(item)) {
+            PyErr_Format(PyExc_TypeError, "unit %zd is not a tuple", opened);
+            break;
+        }
+        if (unit_open(item, &units[opened]) < 0)
+            break;
+        opened++;
+    }
+    if (opened == n) {
+        Py_BEGIN_ALLOW_THREADS
+        run_units(units, (size_t)n, threads);
+        Py_END_ALLOW_THREADS
+        res = PyList_New(n);
+        for (Py_ssize_t i = 0; res != NULL && i < n; i++) {
+            PyObject *r = unit_result(&units[i]);
+            if (r == NULL)
+                Py_CLEAR(res);
+            else
+                PyList_SET_ITEM(res, i, r);
+        }
+    }
+    while (opened--)
+        unit_close(&units[opened]);
+    PyMem_Free(units);
+    Py_DECREF(seq);
     return res;
 }
 
@@ -463,6 +622,7 @@ static PyObject *set_isa(PyObject *self, PyObject *arg)
 
 static PyMethodDef methods[] = {
     {"row_stats", row_stats, METH_VARARGS, row_stats_doc},
+    {"row_stats_many", row_stats_many, METH_VARARGS, row_stats_many_doc},
     {"_set_isa", set_isa, METH_O,
      "_set_isa(name or None) -> str: force 'scalar'/'sse2'/'avx2' (tests)."},
     {NULL, NULL, 0, NULL},
@@ -476,8 +636,6 @@ static struct PyModuleDef module = {
 
 PyMODINIT_FUNC PyInit__kernels(void)
 {
-    for (uint32_t h = 0; h < 65536; h++)
-        f16_table[h] = f16_decode((uint16_t)h);
 #ifdef HAVE_X86
     __builtin_cpu_init();   /* SSE2 is part of x86-64 */
     n_isa = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") ? 3 : 2;

@@ -2,8 +2,8 @@
 
 :func:`row_stats` hands C-contiguous ``[rows, cols]`` blocks in their raw storage dtype
 (safetensors ``F64``/``F32``/``F16``/``BF16``; bfloat16 as ``uint16`` bits) to the C
-extension :mod:`comparator._kernels`, split over a few threads (the kernel releases the
-GIL). Without the extension it falls back to :func:`row_stats_reference`, a plain numpy
+extension :mod:`comparator._kernels`, which splits them over a few threads of its own (with the
+GIL released). Without the extension it falls back to :func:`row_stats_reference`, a plain numpy
 float64 version of the same semantics that the tests also use as the oracle.
 
 Semantics: ``a``, ``b`` are the elements widened to float64 and ``d = a - b``. Finite pairs
@@ -28,11 +28,8 @@ Example::
 
 from __future__ import annotations
 
-import itertools
 import math
-import threading
 from collections.abc import Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -61,9 +58,8 @@ UNIT_BYTES = 1 << 20
 """Bytes of one side per unit of work handed to a thread: small enough to balance two cores
 over a few blocks, big enough that the per-unit cost is noise."""
 
-_pool: ThreadPoolExecutor | None = None
-_pool_size = 0
-_pool_lock = threading.Lock()
+MAX_THREADS = 64
+"""The most threads the extension runs one call on (more are clamped to it)."""
 
 
 @dataclass(frozen=True)
@@ -133,19 +129,6 @@ def sum_scaled(parts: Iterable[tuple[float, int]]) -> tuple[float, int]:
     return m, top + k
 
 
-def _executor(workers: int) -> ThreadPoolExecutor:
-    """Shared pool with at least ``workers`` threads, created lazily.
-
-    Its tasks are leaf kernel calls only, so nested or concurrent callers cannot deadlock
-    it. A smaller old pool is dropped, not shut down: a caller may still be submitting to it.
-    """
-    global _pool, _pool_size
-    with _pool_lock:
-        if _pool is None or _pool_size < workers:
-            _pool, _pool_size = ThreadPoolExecutor(workers, "driftscope-kernels"), workers
-        return _pool
-
-
 def _checked(a: np.ndarray, name: str, dtype: str) -> np.ndarray:
     """``a`` as the kernel's storage dtype, C-contiguous and aligned (copying only if not)."""
     want = _STORAGE[dtype]
@@ -181,11 +164,10 @@ def row_stats_many(blocks: Sequence[tuple[np.ndarray, np.ndarray, str]], *, thre
                    scaled: bool = False) -> list[BlockStats]:
     """:func:`row_stats` of several block pairs at once, spread over ``threads`` together.
 
-    Blocks are cut into row ranges of about :data:`UNIT_BYTES` that the caller and
-    ``threads - 1`` pool workers pull from one shared counter, so many small blocks (the
-    chunks of a chunked prefill) keep both cores busy with one hand-off per call, not one
-    per block. ``outs`` (C-contiguous float64 [rows, 5], one per block) receive the per-row
-    sums directly, saving a copy when the caller accumulates them anyway; ``exps`` (int32
+    Blocks are cut into row ranges of about :data:`UNIT_BYTES` that ``threads`` threads of the
+    extension pull from one shared counter, so many small blocks (the chunks of a chunked
+    prefill) keep both cores busy with one call, not one per block. ``outs`` (C-contiguous
+    float64 [rows, 5], one per block) receive the per-row sums directly, saving a copy when the caller accumulates them anyway; ``exps`` (int32
     [rows, 2], only with ``scaled``) likewise receive the row scales. ``scaled``: return the
     sums as scaled sums of squares (module docstring), which no finite input can overflow.
     """
@@ -220,33 +202,26 @@ def row_stats_many(blocks: Sequence[tuple[np.ndarray, np.ndarray, str]], *, thre
 
 def _run_units(checked: list[tuple[np.ndarray, np.ndarray, str]], outs: Sequence[np.ndarray],
                exps: Sequence[np.ndarray] | None, threads: int) -> list[list[tuple]]:
-    """Run the kernel on row ranges of about UNIT_BYTES; each block's list of kernel results."""
-    units: list[tuple[int, int, int]] = []  # (block, first row, end row)
-    for b, (x, _, _) in enumerate(checked):
-        rows = x.shape[0]
+    """Run the kernel on row ranges of about UNIT_BYTES; each block's list of kernel results.
+
+    One ``_kernels.row_stats_many`` call runs them all on the extension's own threads: no
+    Python thread wakes per tensor, and the GIL stays free for the whole call.
+    """
+    units: list[tuple] = []
+    owners: list[int] = []
+    for b, (x, y, dtype) in enumerate(checked):
+        rows, cols = x.shape
         parts = max(1, min(rows, -(-x.nbytes // UNIT_BYTES)))
-        units.extend((b, rows * i // parts, rows * (i + 1) // parts) for i in range(parts))
-    results: list[tuple | None] = [None] * len(units)
-    counter = itertools.count()
-
-    def work() -> None:
-        while (i := next(counter)) < len(units):  # next() on a count is atomic under the GIL
-            b, lo, hi = units[i]
-            x, y, dtype = checked[b]
-            whole = lo == 0 and hi == x.shape[0]
-            args = (x, y, dtype, hi - lo, x.shape[1], outs[b]) if whole else \
-                (x[lo:hi], y[lo:hi], dtype, hi - lo, x.shape[1], outs[b][lo:hi])
+        for i in range(parts):
+            lo, hi = rows * i // parts, rows * (i + 1) // parts
+            args = (x, y, dtype, rows, cols, outs[b]) if parts == 1 else \
+                (x[lo:hi], y[lo:hi], dtype, hi - lo, cols, outs[b][lo:hi])
             if exps is not None:
-                args += (exps[b] if whole else exps[b][lo:hi],)
-            results[i] = _kernels.row_stats(*args)
-
-    helpers = min(threads, len(units)) - 1
-    futures = [_executor(helpers).submit(work) for _ in range(helpers)] if helpers > 0 else []
-    work()
-    for f in futures:
-        f.result()
+                args += (exps[b] if parts == 1 else exps[b][lo:hi],)
+            units.append(args)
+            owners.append(b)
     merged: list[list[tuple]] = [[] for _ in checked]
-    for (b, _, _), r in zip(units, results, strict=True):
+    for b, r in zip(owners, _kernels.row_stats_many(units, max(1, min(threads, MAX_THREADS))), strict=True):
         merged[b].append(r)
     return merged
 

@@ -260,3 +260,46 @@ def test_raw_call_validates_buffers() -> None:
         k(x, x, "F32", -1, 8, out)
     with pytest.raises(BufferError):
         k(x, x, "F32", 4, 8, out.tobytes())  # out must be writable
+
+
+@needs_ext
+@pytest.mark.parametrize("threads", [1, 2, 5])
+def test_many_units_match_one_call_each(threads: int) -> None:
+    """row_stats_many runs its units on its own threads: each unit's result and rows are those of
+    a row_stats call on that unit alone, bit for bit, whatever the thread count (F16 included,
+    whose table the first F16 unit fills)."""
+    k = kernels._kernels
+    units, alone = [], []
+    for i, dtype in enumerate(["F32", "F16", "BF16", "F64", "F32", "F16"]):
+        x, y = make_pair(7 + i, 33, dtype, seed=i, scale=1e200 if dtype == "F64" else 1.0)
+        x[i % 7, 3] = np.nan if dtype != "BF16" else x[i % 7, 3]
+        out, exps = np.full((x.shape[0], 5), -1.0), np.full((x.shape[0], 2), -7, np.int32)
+        units.append((x, y, dtype, x.shape[0], 33, out, exps))
+        out1, exps1 = np.empty_like(out), np.empty_like(exps)
+        alone.append((k.row_stats(x, y, dtype, x.shape[0], 33, out1, exps1), out1, exps1))
+    results = k.row_stats_many(units, threads)
+    assert len(results) == len(units)
+    for res, unit, (res1, out1, exps1) in zip(results, units, alone, strict=True):
+        assert res == res1
+        np.testing.assert_array_equal(unit[5], out1)
+        np.testing.assert_array_equal(unit[6], exps1)
+    assert k.row_stats_many([], threads) == []
+
+
+@needs_ext
+def test_many_units_refuse_bad_input() -> None:
+    """A bad unit or thread count is refused before any unit runs (nothing written), naming the problem."""
+    k = kernels._kernels
+    x = np.zeros((4, 8), np.float32)
+    out = np.full((4, 5), 7.0)
+    good = (x, x, "F32", 4, 8, out)
+    for threads in (0, 65):
+        with pytest.raises(ValueError, match="threads must be in 1..64"):
+            k.row_stats_many([good], threads)
+    with pytest.raises(TypeError, match="unit 1 is not a tuple"):
+        k.row_stats_many([good, [x, x, "F32", 4, 8, out]], 2)
+    with pytest.raises(ValueError, match="out buffer too small"):
+        k.row_stats_many([good, (x, x, "F32", 4, 8, out[:3])], 2)
+    with pytest.raises(TypeError, match="sequence"):
+        k.row_stats_many(5, 2)
+    assert (out == 7.0).all()  # the good unit never ran
