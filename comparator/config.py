@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from dumper.errors import UsageError
 
-from comparator.judging.noise import NoiseModel
 from comparator.judging.noise_thresholds import (
     DEFAULT_FACTOR,
     DEFAULT_FLOOR,
@@ -18,6 +18,9 @@ from comparator.judging.noise_thresholds import (
 )
 from comparator.judging.values import is_threshold
 from comparator.settings import comparator_settings
+
+if TYPE_CHECKING:  # a noise file's model loads only with --noise
+    from comparator.judging.noise import NoiseModel
 
 __all__ = ["CompareConfig", "DEFAULT_THRESHOLD", "DEFAULT_TOKEN_THRESHOLD"]
 

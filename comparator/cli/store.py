@@ -10,7 +10,7 @@ import argparse
 
 from comparator.cli.args import logprob_threshold_flags, noise_flags, output_flags, run_group_flag, threshold_flags
 from comparator.cli.parser import add_command
-from comparator.store.types import LABELS
+from comparator.store.labels import LABELS
 from dumper.cli.common import Parser
 
 __all__ = ["build_regress_parser", "build_store_parser"]

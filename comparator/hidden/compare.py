@@ -20,11 +20,13 @@ import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from dumper.errors import NotComparableError
-from dumper.format import LOGITS_POINT, LOGPROB_POINT, ROUTER_CHOICE_POINT, DumpReader, Manifest, TensorRecord
+from dumper.format import (LOGITS_POINT, LOGPROB_NAMES, LOGPROB_POINT, ROUTER_CHOICE_POINT, ROUTER_POINTS, DumpReader,
+                           Manifest, TensorRecord)
 
 from comparator.hidden.align import (
     LogicalKey,
@@ -42,15 +44,15 @@ from comparator.hidden.heatmap import token_heatmap
 from comparator.judging.identity import check_distinct, check_identity
 from comparator.hidden.judge import judge_tensor
 from comparator.hidden.localize import FailingTokens, first_divergence, layer_amplification, locate_onset
-from comparator.logprobs import LogprobVerdict
 from comparator.hidden.metrics import PairStats, StatsAccumulator, pair_stats
 from comparator.hidden.sketch import HiddenReader, is_sketched, record_sketch_stats, sketch_readers, sketch_stats
 from comparator.hidden.replicas import ReplicaView, as_rank, check_replicas
 from comparator.hidden.subset import SUBSET_NOTE, relabel_sequences, subset_baseline, subset_logprobs
 from comparator.hidden.types import Report, TensorComparison
-from comparator.logprobs.judge import judge_sources
-from comparator.logprobs.sources.dump import dump_logprobs
-from comparator.routing.compare import compare_routing
+
+if TYPE_CHECKING:  # the logprob and routing verdicts load only for dumps that hold such records
+    from comparator.logprobs import LogprobVerdict
+    from comparator.routing.types import RouterComparison
 
 __all__ = ["compare_dumps"]
 
@@ -174,8 +176,7 @@ def compare_dumps(baseline: str | os.PathLike[str], target: str | os.PathLike[st
     br, tr, notes = _open(baseline, target, config)
     replay = _replay_notes(tr.manifest)
     verdict, parts_b, parts_t = _logprob_verdict(br, tr, config)
-    router = compare_routing(br, tr, noise=config.noise.router if config.noise is not None else None,
-                             factor=config.noise_factor)
+    router = _routing_verdict(br, tr, config)
     br, tr, sketch = sketch_readers(br, tr)  # either side a sketch: both read as sketches (comparator.hidden.sketch)
     (bm, empty_b), (tm, empty_t) = _hidden(br.manifest), _hidden(tr.manifest)
     plan = _plan(bm, tm, br, tr, sorted(set(empty_b) | set(empty_t)))
@@ -346,6 +347,11 @@ def _logprob_verdict(br: DumpReader, tr: DumpReader, config: CompareConfig) -> t
         LogprobVerdict | None, list[str], list[str]]:
     """The logprob verdict when both dumps recorded logprobs (else None), and the logprob parts
     (logits rows, top-k lists) that only one side recorded, so were not compared."""
+    if not _holds(br, tr, lambda r: r.name in LOGPROB_NAMES):
+        return None, [], []  # what dump_logprobs says of two dumps without them, without importing it
+    from comparator.logprobs.judge import judge_sources
+    from comparator.logprobs.sources.dump import dump_logprobs
+
     base, targ = dump_logprobs(br), dump_logprobs(tr)
     if base is None or targ is None:
         return None, [], []
@@ -355,6 +361,21 @@ def _logprob_verdict(br: DumpReader, tr: DumpReader, config: CompareConfig) -> t
                            noise=config.noise.logprobs if config.noise is not None else None,
                            noise_factor=config.noise_factor, noise_floors=dict(config.noise_floors))
     return judged.verdict, list(judged.only_baseline), list(judged.only_target)
+
+
+def _routing_verdict(br: DumpReader, tr: DumpReader, config: CompareConfig) -> RouterComparison | None:
+    """The routing verdict when both dumps recorded routing (else None)."""
+    if not _holds(br, tr, lambda r: r.point in ROUTER_POINTS):
+        return None  # what compare_routing says of two dumps without routing, without importing it
+    from comparator.routing.compare import compare_routing
+
+    return compare_routing(br, tr, noise=config.noise.router if config.noise is not None else None,
+                           factor=config.noise_factor)
+
+
+def _holds(br: DumpReader, tr: DumpReader, wanted: Callable[[TensorRecord], bool]) -> bool:
+    """Whether either dump's manifest lists a record that is ``wanted``."""
+    return any(wanted(r) for reader in (br, tr) for r in reader.manifest.tensors)
 
 
 def _logical_label(key: LogicalKey) -> str:

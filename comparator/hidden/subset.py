@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -32,8 +33,10 @@ from dumper.errors import NotComparableError
 from dumper.format import PAD_SEQUENCE, DumpReader
 
 from comparator.hidden.align import LogicalKey, LogicalTensor, Segment
-from comparator.logprobs.sources.source import LogprobSource
-from comparator.logprobs.types import SequenceLogprobs
+
+if TYPE_CHECKING:  # a comparison without logprobs never loads them
+    from comparator.logprobs.sources.source import LogprobSource
+    from comparator.logprobs.types import SequenceLogprobs
 
 __all__ = ["SUBSET_NOTE", "relabel_sequences", "subset_baseline", "subset_logprobs"]
 
@@ -118,8 +121,8 @@ def _cut_sequence(s: SequenceLogprobs, t: SequenceLogprobs) -> SequenceLogprobs:
     keep = [v is not None for v in t.logprobs]
     lp = [v if k else None for v, k in zip(s.logprobs[:n], keep, strict=False)]
     top = None if s.top is None else [v if k else None for v, k in zip(s.top[:n], keep, strict=False)]
-    return SequenceLogprobs(s.request, s.token_ids[:n], lp, top,
-                            None if s.token_texts is None else s.token_texts[:n])
+    return replace(s, token_ids=s.token_ids[:n], logprobs=lp, top=top,
+                   token_texts=None if s.token_texts is None else s.token_texts[:n])
 
 
 def subset_logprobs(base: LogprobSource, targ: LogprobSource) -> LogprobSource:

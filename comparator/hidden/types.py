@@ -14,14 +14,16 @@ import copy
 import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from comparator.jsonfloat import from_json_float, to_json_float
-from comparator.logprobs.types import LogprobVerdict
-from comparator.routing.types import RouterComparison
 from comparator.hidden.onset import Amplification
 from comparator.hidden.registry import BuiltinMetrics
 from comparator.hidden.registry import lookup as lookup_metric
+
+if TYPE_CHECKING:  # loaded by a report that holds them (Report.from_json), not by every comparison
+    from comparator.logprobs.types import LogprobVerdict
+    from comparator.routing.types import RouterComparison
 
 __all__ = ["TensorComparison", "FirstDivergence", "ReplicaMismatch", "LayerSummary", "Heatmap", "Report"]
 
@@ -354,6 +356,9 @@ class Report:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Report:
+        from comparator.logprobs.types import LogprobVerdict
+        from comparator.routing.types import RouterComparison
+
         fd = d.get("first_divergent")
         # judged against noise: a noise file, or an in-memory noise model (no file name, but its factor)
         calibrated = d.get("noise") is not None or d.get("noise_factor") is not None

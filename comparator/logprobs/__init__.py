@@ -51,33 +51,39 @@ Example::
 
 from __future__ import annotations
 
-from comparator.logprobs.align import align_samples, check_lengths
-from comparator.logprobs.kl import kl_percentiles, kl_rows, logits_kl, top1_agreement
-from comparator.logprobs.metrics import (
-    GREEDY_K3_NOTE,
-    ErrorStats,
-    K3Stats,
-    K3Summary,
-    TopKStats,
-    k3,
-    k3_stats,
-    k3_summary,
-    logprob_errors,
-    topk_errors,
-)
-from comparator.logprobs.types import (
-    UNKNOWN_TOKEN,
-    AlignedSample,
-    Alignment,
-    KlPass,
-    KlResult,
-    Located,
-    PositionSeries,
-    SequenceLogprobs,
-    TopK,
-)
-from comparator.logprobs.types import LogprobVerdict
-from comparator.logprobs.verdict import compare_logprobs
+from comparator.exports import lazy_exports
+
+# each name loads its module on first use: a comparison of dumps without logprobs loads none of them
+_EXPORTS = {
+    "align_samples": "comparator.logprobs.align",
+    "check_lengths": "comparator.logprobs.align",
+    "kl_percentiles": "comparator.logprobs.kl",
+    "kl_rows": "comparator.logprobs.kl",
+    "logits_kl": "comparator.logprobs.kl",
+    "top1_agreement": "comparator.logprobs.kl",
+    "GREEDY_K3_NOTE": "comparator.logprobs.metrics",
+    "ErrorStats": "comparator.logprobs.metrics",
+    "K3Stats": "comparator.logprobs.metrics",
+    "K3Summary": "comparator.logprobs.metrics",
+    "TopKStats": "comparator.logprobs.metrics",
+    "k3": "comparator.logprobs.metrics",
+    "k3_stats": "comparator.logprobs.metrics",
+    "k3_summary": "comparator.logprobs.metrics",
+    "logprob_errors": "comparator.logprobs.metrics",
+    "topk_errors": "comparator.logprobs.metrics",
+    "UNKNOWN_TOKEN": "comparator.logprobs.types",
+    "AlignedSample": "comparator.logprobs.types",
+    "Alignment": "comparator.logprobs.types",
+    "KlPass": "comparator.logprobs.types",
+    "KlResult": "comparator.logprobs.types",
+    "Located": "comparator.logprobs.types",
+    "PositionSeries": "comparator.logprobs.types",
+    "SequenceLogprobs": "comparator.logprobs.types",
+    "TopK": "comparator.logprobs.types",
+    "LogprobVerdict": "comparator.logprobs.types",
+    "compare_logprobs": "comparator.logprobs.verdict",
+}
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
 
 __all__ = [
     "UNKNOWN_TOKEN",

@@ -35,7 +35,6 @@ from dumper.format import Manifest, load_manifest
 from dumper.progress import ProgressFn, progress_bar
 
 from comparator.reports.files import json_text, need_pyarrow, write_parquet
-from comparator.reports.markdown import to_markdown, write_markdown
 from comparator.results import Report
 
 __all__ = ["OutputFormat", "Dumps", "OUTPUT_FORMATS", "register_output", "add_output_flags", "check_output_flags",
@@ -161,6 +160,18 @@ def _html(report: Report, path: str, dumps: Dumps) -> None:
     write_html(report, path, baseline_manifest=dumps.baseline_manifest, target_manifest=dumps.target_manifest)
 
 
+def _markdown(report: Report, path: str, dumps: Dumps) -> None:
+    from comparator.reports.markdown import write_markdown  # with the logprob and routing tables it renders
+
+    write_markdown(report, path)
+
+
+def _markdown_text(report: Report) -> str:
+    from comparator.reports.markdown import to_markdown
+
+    return to_markdown(report)
+
+
 def _plot(report: Report, path: str, dumps: Dumps) -> None:
     from comparator.reports.plots import save_layer_plot
 
@@ -176,7 +187,6 @@ register_output(OutputFormat("plot", "plot", _plot, metavar="FILE.png",
 register_output(OutputFormat("parquet", "Parquet table", lambda report, path, dumps: write_parquet(report, path),
                              metavar="FILE", help="write the per-tensor table as Parquet (needs pyarrow)",
                              check=need_pyarrow))
-register_output(OutputFormat("markdown", "Markdown report", lambda report, path, dumps: write_markdown(report, path),
-                             metavar="FILE", to_stdout=to_markdown,
+register_output(OutputFormat("markdown", "Markdown report", _markdown, metavar="FILE", to_stdout=_markdown_text,
                              help="write the verdict and per-layer Markdown tables (hidden states, MoE routing) "
                                   "for a PR; to stdout without FILE"))

@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 
 from dumper.errors import NotComparableError
-from dumper.format import (PAD_SEQUENCE, ROUTER_CHOICE_POINT, ROUTER_IDS, ROUTER_LOGITS, ROUTER_POINT, ROUTER_SCORES,
-                           ROUTER_WEIGHTS, DumpReader, TensorRecord, to_float64)
+from dumper.format import (PAD_SEQUENCE, ROUTER_IDS, ROUTER_LOGITS, ROUTER_POINTS, ROUTER_SCORES, ROUTER_WEIGHTS,
+                           DumpReader, TensorRecord, to_float64)
 
 __all__ = ["PARTS", "LayerRecords", "LayerRows", "row_key", "key_parts", "router_records", "read_layer"]
 
@@ -55,7 +55,7 @@ class LayerRows:
 
 def _part_of(rec: TensorRecord) -> tuple[str, str] | None:
     """(prefix, part) of a routing record, None for any other record."""
-    if rec.point not in (ROUTER_POINT, ROUTER_CHOICE_POINT) or rec.layer is None:
+    if rec.point not in ROUTER_POINTS or rec.layer is None:
         return None
     for part in PARTS:
         if rec.name.endswith("." + part):

@@ -24,9 +24,9 @@ run is the baseline), :mod:`~comparator.store.environment` (which environment fi
 
 Names. In this package a **run** is one dump stored in a store, in its folder ``runs/<run_id>/``:
 
-* :class:`RunRecord` is its ``run.json`` (label, run group, baseline, verdict summary), of the
-  typed parts in :mod:`~comparator.store.types`: :class:`Label`, :class:`RunSummary`,
-  :class:`Calibration`, :class:`Promotion`;
+* :class:`RunRecord` is its ``run.json`` (label, run group, baseline, verdict summary): its
+  :class:`Label` (:mod:`~comparator.store.labels`) and the typed parts in
+  :mod:`~comparator.store.types`, :class:`RunSummary`, :class:`Calibration`, :class:`Promotion`;
 * :class:`RunEntry` is one listed folder under ``runs/``, complete or not, with its record if readable;
 * a run's **model** (``RunRecord.model``, ``regress(model=...)``, ``--model`` of ``regress`` and
   ``store ls``) is its *run group*: the name runs are filed under and baselines picked from. It is
@@ -61,9 +61,9 @@ _EXPORTS = {
     "candidates": "comparator.store.select",
     "current_baselines": "comparator.store.select",
     "select_baseline": "comparator.store.select",
-    "LABELS": "comparator.store.types",
+    "LABELS": "comparator.store.labels",
     "Calibration": "comparator.store.types",
-    "Label": "comparator.store.types",
+    "Label": "comparator.store.labels",
     "Promotion": "comparator.store.types",
     "RunSummary": "comparator.store.types",
 }
@@ -99,7 +99,8 @@ if TYPE_CHECKING:
     from comparator.store.record import RunEntry, RunRecord, StoredNoise
     from comparator.store.runstore import STAGING_GRACE_S, PruneResult, RunStore
     from comparator.store.select import candidates, current_baselines, select_baseline
-    from comparator.store.types import LABELS, Calibration, Label, Promotion, RunSummary
+    from comparator.store.labels import LABELS, Label
+    from comparator.store.types import Calibration, Promotion, RunSummary
 
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

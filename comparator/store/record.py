@@ -18,7 +18,8 @@ from comparator.judging.noise import NoiseModel
 from comparator.store.errors import StoreError
 from comparator.store.fields import bad, check, is_int, show
 from comparator.store.runid import is_run_id, run_id_time
-from comparator.store.types import LABELS, Calibration, Label, Promotion, RunSummary, check_tree, is_label
+from comparator.store.labels import LABELS, Label, is_label
+from comparator.store.types import Calibration, Promotion, RunSummary, check_tree
 from dumper.errors import DriftscopeError
 from dumper.format.files import parse_json, printable
 

@@ -41,7 +41,8 @@ from comparator.store.errors import EnvMismatchError, NoBaselineError
 from comparator.store.record import RunEntry, RunRecord, StoredNoise, signature_key
 from comparator.store.runstore import RunStore
 from comparator.store.select import select_baseline
-from comparator.store.types import Calibration, Label, RunSummary
+from comparator.store.labels import Label
+from comparator.store.types import Calibration, RunSummary
 
 __all__ = ["regress", "RegressResult"]
 

@@ -6,8 +6,8 @@ still get different ids.
 
 from __future__ import annotations
 
+import os
 import re
-import secrets
 import time
 from datetime import datetime, timezone
 
@@ -20,7 +20,7 @@ def new_run_id(now_ns: int | None = None) -> tuple[str, str]:
     """A fresh run id and its creation time as a UTC ISO string."""
     ns = time.time_ns() if now_ns is None else now_ns
     t = datetime.fromtimestamp(ns // 1_000_000_000, tz=timezone.utc)
-    run_id = f"{t:%Y%m%dT%H%M%S}.{ns % 1_000_000_000:09d}Z-{secrets.token_hex(3)}"
+    run_id = f"{t:%Y%m%dT%H%M%S}.{ns % 1_000_000_000:09d}Z-{os.urandom(3).hex()}"
     created = t.replace(microsecond=(ns % 1_000_000_000) // 1000).isoformat()
     return run_id, created
 

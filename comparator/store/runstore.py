@@ -8,12 +8,11 @@ Layout (no shared index file that concurrent writers could corrupt: the listing 
     <store>/runs/<run_id>/run.json        the run record
     <store>/runs/<run_id>/COMPLETE        written last: the run is whole
 
-See :mod:`.backend` for how a run is published atomically on each kind of filesystem. Everything
-read back is untrusted: a listing entry that is not a real run folder, a marker or record that is
-not a regular file, a record that does not validate, or a dump folder that leaves the store lists as
-``corrupt`` (never selected, never deleted by :meth:`RunStore.prune`); paths named by a stored
-manifest are single plain names that stay inside the run's dump folder. A ``noise.json`` that its
-record does not vouch for is refused when the run is used (:meth:`RunStore.noise`).
+See :mod:`.backend` for how a run is published atomically on each kind of filesystem. Everything read back is
+untrusted: a listing entry that is not a real run folder, a marker or record that is not a regular file, a record that
+does not validate, or a dump folder that leaves the store lists as ``corrupt`` (never selected, never deleted by
+:meth:`RunStore.prune`); paths named by a stored manifest are single plain names that stay inside the run's dump
+folder. A ``noise.json`` that its record does not vouch for is refused when the run is used (:meth:`RunStore.noise`).
 """
 
 from __future__ import annotations
@@ -42,7 +41,8 @@ from comparator.store.errors import CorruptRunError, StoreError
 from comparator.store.record import RunEntry, RunRecord, StoredNoise, signature_key
 from comparator.store.runid import is_run_id, new_run_id
 from comparator.store.select import current_baselines
-from comparator.store.types import LABELS, Label, Promotion, RunSummary
+from comparator.store.labels import LABELS, Label
+from comparator.store.types import Promotion, RunSummary
 
 __all__ = ["RunStore", "PruneResult", "STAGING_GRACE_S"]
 

@@ -19,7 +19,7 @@ from typing import Any, Protocol, runtime_checkable
 from comparator.store.environment import describe_differences, env_differences, env_key
 from comparator.store.errors import EnvMismatchError
 from comparator.store.record import RunEntry, RunRecord, signature_key
-from comparator.store.types import Label
+from comparator.store.labels import Label
 
 __all__ = ["select_baseline", "candidates", "current_baselines", "Listable"]
 

@@ -1,6 +1,6 @@
-"""The typed parts of a run record (``run.json``): its label, verdict summary, calibration and promotion.
+"""The typed parts of a run record (``run.json``): its verdict summary, calibration and promotion.
 
-Each is a frozen dataclass (the label a ``str`` enum) with ``to_json`` / ``from_json``;
+The label is :mod:`comparator.store.labels`. Each part is a frozen dataclass with ``to_json`` / ``from_json``;
 ``from_json`` reads untrusted JSON with exact types, as :meth:`RunRecord.from_json
 <comparator.store.record.RunRecord.from_json>` does, and raises a one-line ``ValueError`` naming
 the field (and the file, when given ``where``). Example::
@@ -18,50 +18,21 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 from comparator.outcome import FAIL, PASS, UNUSABLE, status
 from comparator.store.fields import bad, check, is_int, is_num, is_str, where_prefixed
+from comparator.store.labels import LABELS, Label, is_label
 from comparator.store.runid import is_run_id
 from dumper.format.files import is_text, printable
 
 if TYPE_CHECKING:
     from comparator.results import Report
 
-__all__ = ["Label", "LABELS", "RunSummary", "SUMMARY_KEYS", "Calibration", "CALIBRATION_KEYS", "Promotion",
-           "check_tree", "is_label"]
+__all__ = ["RunSummary", "SUMMARY_KEYS", "Calibration", "CALIBRATION_KEYS", "Promotion", "check_tree"]
 
 MAX_DEPTH = 64
 """Deepest JSON nesting a run record may hold (a sound one nests 3 deep)."""
-
-
-class Label(str, Enum):
-    """How a run is stored: ``baseline`` (bootstrapped or promoted by a human), or its verdict against
-    its baseline, ``passed`` or ``failed`` (a failed run is evidence, never selected as a baseline).
-
-    A ``str``: ``Label.FAILED == "failed"``, and it prints and serializes as its value.
-    """
-
-    BASELINE = "baseline"
-    PASSED = "passed"
-    FAILED = "failed"
-
-    def __str__(self) -> str:
-        return self.value
-
-    @classmethod
-    def of_verdict(cls, passed: bool) -> Label:
-        return cls.PASSED if passed else cls.FAILED
-
-
-LABELS: tuple[str, ...] = tuple(label.value for label in Label)
-"""The label values, in :class:`Label` order (``--label`` choices)."""
-
-
-def is_label(v: Any) -> bool:
-    """A label as ``run.json`` stores it: one of :data:`LABELS`."""
-    return isinstance(v, str) and v in LABELS
 
 
 def check_tree(d: Mapping[str, Any], *, prefix: str = "", depth: int = 1) -> None:

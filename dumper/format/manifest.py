@@ -46,7 +46,9 @@ __all__ = [
     "LOGPROB_TOP_ID",
     "LOGPROB_TOP_VALUE",
     "LOGITS",
+    "LOGPROB_NAMES",
     "ROUTER_POINT",
+    "ROUTER_POINTS",
     "ROUTER_CHOICE_POINT",
     "ROUTER_LOGITS",
     "ROUTER_IDS",
@@ -80,6 +82,8 @@ LOGPROB_VALUE = "logprobs.logprob"  # [n, 1] float32: log p(token | tokens befor
 LOGPROB_TOP_ID = "logprobs.top_id"  # [n, k] int64: top-k ids of the distribution predicting it
 LOGPROB_TOP_VALUE = "logprobs.top_logprob"  # [n, k] float32
 LOGITS = "logits"  # [n, V]: the raw logits row that predicted the token at that position
+LOGPROB_NAMES = frozenset({LOGPROB_TOKEN_ID, LOGPROB_VALUE, LOGPROB_TOP_ID, LOGPROB_TOP_VALUE, LOGITS})
+"""The names of every logprob record (what the logprob verdict reads)."""
 
 # MoE routing, per MoE decoder layer ``{P}`` (its module name, e.g. ``model.layers.3``), rows as
 # every hidden-state row. The logits (point ROUTER_POINT) are compared like any tensor; the
@@ -90,6 +94,8 @@ ROUTER_LOGITS = "router.logits"  # [*rows, E], the router's dtype: the gate's ou
 ROUTER_IDS = "router.ids"  # [*rows, k] int64: the experts chosen, in the slot order the selection returned
 ROUTER_WEIGHTS = "router.weights"  # [*rows, k] float32: each slot's combine weight, as the model applies it
 ROUTER_SCORES = "router.scores"  # [*rows, E] float32, optional: what top-k ran on where not monotone in the logits
+ROUTER_POINTS = (ROUTER_POINT, ROUTER_CHOICE_POINT)
+"""The points of every routing record (what the routing verdict reads)."""
 
 
 def router_name(prefix: str, part: str) -> str:

@@ -18,6 +18,7 @@ import numpy as np
 from dumper.errors import CorruptDumpError, NotComparableError, UsageError
 from dumper.format import (
     LOGITS,
+    LOGPROB_NAMES,
     LOGPROB_TOKEN_ID,
     LOGPROB_TOP_ID,
     LOGPROB_TOP_VALUE,
@@ -38,7 +39,7 @@ Row = tuple[int, float, TopK | None]
 """(token id, logprob, top-k) of one dumped position."""
 
 
-def _rows(reader: DumpReader, names: set[str]) -> dict[str, dict[tuple[int, int, int], TensorRecord]]:
+def _rows(reader: DumpReader, names: frozenset[str]) -> dict[str, dict[tuple[int, int, int], TensorRecord]]:
     """name -> (pass, rank, call) -> record, for the logprob records of a dump."""
     out: dict[str, dict[tuple[int, int, int], TensorRecord]] = defaultdict(dict)
     for rec in reader.manifest.tensors:
@@ -148,7 +149,7 @@ def dump_logprobs(reader: DumpReader) -> LogprobSource | None:
     Records that disagree with each other (row counts, dtypes, token ids out of range, gaps in a
     sequence's positions) raise CorruptDumpError naming the file and tensor.
     """
-    recs = _rows(reader, {LOGPROB_TOKEN_ID, LOGPROB_VALUE, LOGPROB_TOP_ID, LOGPROB_TOP_VALUE, LOGITS})
+    recs = _rows(reader, LOGPROB_NAMES)
     if not recs.get(LOGPROB_VALUE):
         return None
     inputs = reader.manifest.extra.get("input_ids") or []
