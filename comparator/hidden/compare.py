@@ -45,6 +45,7 @@ from comparator.judging.identity import check_distinct, check_identity
 from comparator.hidden.judge import judge_tensor
 from comparator.hidden.localize import FailingTokens, first_divergence, layer_amplification, locate_onset
 from comparator.hidden.metrics import PairStats, StatsAccumulator, pair_stats
+from comparator.hidden.pipeline import in_order
 from comparator.hidden.sketch import HiddenReader, is_sketched, record_sketch_stats, sketch_readers, sketch_stats
 from comparator.hidden.replicas import ReplicaView, as_rank, check_replicas
 from comparator.hidden.subset import SUBSET_NOTE, relabel_sequences, subset_baseline, subset_logprobs
@@ -279,15 +280,16 @@ def _compare_replica(view: ReplicaView, plan: _Plan, br: HiddenReader, tr: Hidde
 def _compare_all(plan: _Plan, views: list[ReplicaView], br: HiddenReader, tr: HiddenReader, config: CompareConfig,
                  progress: ProgressFn | None, token_sink: TokenSink | None) -> tuple[
                      list[TensorComparison], FailingTokens]:
-    """Compare every planned pair and replica view, one at a time; the results in layer order and the
-    failing tokens kept."""
+    """Compare every planned pair and replica view, a few at once (:mod:`comparator.hidden.pipeline`); the
+    results in layer order and the failing tokens kept."""
     results: list[TensorComparison] = []
     kept = FailingTokens()
-    jobs = [lambda key=key: _compare_logical(plan.base[key], plan.target[key], br, tr, config) for key in plan.logical]
-    jobs += [lambda v=v: _compare_replica(v, plan, br, tr, config) for v in views]
-    jobs += [lambda b=b, t=t: _compare_records(b, t, br, tr, config) for b, t in plan.pairs]
-    for job in jobs:
-        comparison, tokens = job()
+    configs = {n: replace(config, threads=n) for n in {1, config.threads}}  # a job's kernel threads
+    jobs = [lambda n, key=key: _compare_logical(plan.base[key], plan.target[key], br, tr, configs[n])
+            for key in plan.logical]
+    jobs += [lambda n, v=v: _compare_replica(v, plan, br, tr, configs[n]) for v in views]
+    jobs += [lambda n, b=b, t=t: _compare_records(b, t, br, tr, configs[n]) for b, t in plan.pairs]
+    for comparison, tokens in in_order(jobs, config.threads):
         results.append(comparison)
         kept.add(comparison, tokens)
         if token_sink is not None:

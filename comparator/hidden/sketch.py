@@ -16,6 +16,7 @@ Two sketches compare only under the same projection; anything else is a one-line
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -99,12 +100,14 @@ class SketchView:
             records.append(rec)
         self.manifest: Manifest = replace(reader.manifest, tensors=tuple(records))
         self._cache: dict[tuple[str, str], tuple[np.ndarray, np.ndarray]] = {}
+        self._lock = threading.Lock()  # jobs on several threads share the cache (comparator.hidden.pipeline)
 
     def _projected(self, rec: TensorRecord) -> tuple[np.ndarray, np.ndarray]:
         """(projection ``[rows, k]``, squared norms ``[rows]``) of a full record, computed once."""
         key = (rec.file, rec.key)
-        hit = self._cache.get(key)
-        if hit is None:
+        with self._lock:
+            hit = self._cache.get(key)
+        if hit is None:  # two threads may both project a record; the numbers are the same
             full = self._full[key]
             rows = self.reader.rows(full)
             block = max(1, PROJECT_BYTES // max(1, 8 * rows.shape[1]))
@@ -114,9 +117,10 @@ class SketchView:
                 x = to_float64(rows[start:start + block], full.dtype)
                 proj[start:start + block] = project(x, self.spec)
                 norms[start:start + block] = np.einsum("ij,ij->i", x, x)
-            if len(self._cache) >= _CACHE:
-                self._cache.pop(next(iter(self._cache)))
-            hit = self._cache[key] = (proj, norms)
+            with self._lock:
+                if len(self._cache) >= _CACHE:
+                    self._cache.pop(next(iter(self._cache)))
+                hit = self._cache[key] = (proj, norms)
         return hit
 
     def rows(self, rec: TensorRecord) -> np.ndarray:

@@ -19,6 +19,7 @@ import math
 import mmap
 import os
 import stat
+import threading
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -107,6 +108,7 @@ class DumpReader:
 
     A mapping costs address space, not memory (its pages are the page cache's), so many stay
     mapped: a chunked layout reads each file many times, and re-mapping costs page faults.
+    Threads may share a reader (the comparator compares a few tensors at once).
     """
 
     def __init__(self, directory: str | os.PathLike[str], manifest: Manifest | None = None, *,
@@ -116,14 +118,16 @@ class DumpReader:
         self._rows: dict[tuple[str, str], np.ndarray] = {}
         self.manifest = manifest if manifest is not None else load_manifest(self.directory)
         self._open: dict[str, _SafetensorsFile] = {}
+        self._lock = threading.RLock()  # guards both caches
 
     def _file(self, name: str) -> _SafetensorsFile:
-        f = self._open.get(name)
-        if f is None:
-            if len(self._open) >= self.max_open:
-                self._open.pop(next(iter(self._open)))
-            f = self._open[name] = _SafetensorsFile(self.directory, name)
-        return f
+        with self._lock:
+            f = self._open.get(name)
+            if f is None:
+                if len(self._open) >= self.max_open:
+                    self._open.pop(next(iter(self._open)))
+                f = self._open[name] = _SafetensorsFile(self.directory, name)
+            return f
 
     def array(self, rec: TensorRecord) -> np.ndarray:
         """The raw stored values of ``rec`` (memory-mapped, read-only, storage dtype)."""
@@ -136,15 +140,16 @@ class DumpReader:
     def rows(self, rec: TensorRecord) -> np.ndarray:
         """:meth:`array` viewed as ``[rows, last dim]`` (a 0-d or 1-d tensor is one row); cached per tensor."""
         key = (rec.file, rec.key)
-        a = self._rows.get(key)
-        if a is None or rec.file not in self._open:
-            a = self.array(rec)
-            # [rows, last dim]; rows spelled out, as -1 cannot be inferred when the last dim is 0
-            a = a.reshape(math.prod(a.shape[:-1]), a.shape[-1]) if a.ndim >= 2 else a.reshape(1, -1)
-            if len(self._rows) >= 4 * self.max_open:
-                self._rows.clear()
-            self._rows[key] = a
-        return a
+        with self._lock:
+            a = self._rows.get(key)
+            if a is None or rec.file not in self._open:
+                a = self.array(rec)
+                # [rows, last dim]; rows spelled out, as -1 cannot be inferred when the last dim is 0
+                a = a.reshape(math.prod(a.shape[:-1]), a.shape[-1]) if a.ndim >= 2 else a.reshape(1, -1)
+                if len(self._rows) >= 4 * self.max_open:
+                    self._rows.clear()
+                self._rows[key] = a
+            return a
 
 
 def open_tensor(directory: str | os.PathLike[str], rec: TensorRecord) -> np.ndarray:
