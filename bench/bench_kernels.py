@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import sys
 import time
 import types
@@ -35,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from comparator import kernels, metrics  # noqa: E402
+from comparator.hidden import kernels, metrics  # noqa: E402
 
 ITEMSIZE = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2}
 
@@ -74,14 +75,41 @@ def best_times(fns: dict[str, Callable[[], object]], repeat: int) -> dict[str, f
 
 
 def load_baseline(directory: Path) -> types.ModuleType:
-    """Import DIR/{kernels,metrics}.py (and its _kernels*.so) as the package ``ds_baseline``."""
+    """Import DIR/{kernels,metrics}.py and DIR's _kernels*.so as the package ``ds_baseline``.
+
+    Each copy is made to use the others, not this tree's: the extension is loaded from DIR,
+    and ``comparator.hidden.kernels`` / ``comparator._kernels`` point at the copies while
+    they are imported.
+    """
     pkg = types.ModuleType("ds_baseline")
     pkg.__path__ = [str(directory)]
     sys.modules["ds_baseline"] = pkg
-    base_kernels = importlib.import_module("ds_baseline.kernels")
-    if not base_kernels.HAVE_EXTENSION:
-        raise SystemExit(f"{directory}: no importable _kernels extension in the baseline copy")
-    importlib.import_module("ds_baseline.metrics")
+    so = next(directory.glob("_kernels*.so"), None)
+    if so is None:
+        raise SystemExit(f"{directory}: no _kernels*.so in the baseline copy")
+    spec = importlib.util.spec_from_file_location("ds_baseline._kernels", so)
+    ext = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ext)
+    import comparator
+
+    names = ("comparator._kernels", "comparator.hidden.kernels")
+    saved = {n: sys.modules.get(n) for n in names}
+    saved_attr = getattr(comparator, "_kernels", None)
+    try:
+        sys.modules["comparator._kernels"] = ext
+        comparator._kernels = ext  # `from comparator import _kernels` reads the attribute first
+        base_kernels = importlib.import_module("ds_baseline.kernels")
+        sys.modules["comparator.hidden.kernels"] = base_kernels
+        importlib.import_module("ds_baseline.metrics")
+    finally:
+        for n, m in saved.items():
+            if m is None:
+                sys.modules.pop(n, None)
+            else:
+                sys.modules[n] = m
+        comparator._kernels = saved_attr
+    if base_kernels._kernels is not ext:
+        raise SystemExit(f"{directory}: the baseline kernels.py did not load its own extension")
     return pkg
 
 
