@@ -29,6 +29,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from dumper.errors import NotComparableError
 from dumper.format import DumpReader
 from dumper.format.dtypes import DTYPES
 
@@ -185,6 +186,11 @@ def compare_routing(baseline: DumpReader, target: DumpReader, *, noise: Mapping[
     layers, flips = [], []
     earlier: dict[int, int] = {}  # row_key -> the first layer its experts flipped at
     for layer in sorted(rb.keys() & rt.keys()):
+        if (rb[layer].experts, rb[layer].top_k) != (rt[layer].experts, rt[layer].top_k):
+            raise NotComparableError(
+                f"{target.directory}: layer {layer} routes over {rt[layer].experts} experts (top-{rt[layer].top_k}), "
+                f"the baseline {baseline.directory} over {rb[layer].experts} (top-{rb[layer].top_k}); routing is "
+                "compared between runs of the same experts")
         n = (noise or {}).get(layer)
         judge = _Judge(n, factor, (*_dtype_names(rb[layer], baseline), *_dtype_names(rt[layer], target)))
         result, found = _compare_layer(rb[layer], read_layer(baseline, rb[layer]), read_layer(target, rt[layer]),

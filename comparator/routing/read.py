@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from dumper.errors import NotComparableError
+from dumper.errors import CorruptDumpError, NotComparableError
 from dumper.format import (PAD_SEQUENCE, ROUTER_IDS, ROUTER_LOGITS, ROUTER_POINTS, ROUTER_SCORES, ROUTER_WEIGHTS,
                            DumpReader, TensorRecord, to_float64)
 
@@ -37,6 +37,16 @@ class LayerRecords:
     def dtype(self) -> str:
         """The storage dtype of the router logits (what the router computed in)."""
         return self.parts[ROUTER_LOGITS][0].dtype
+
+    @property
+    def experts(self) -> int:
+        """The layer's expert count (every logits record's last dim: :func:`router_records` checked them)."""
+        return self.parts[ROUTER_LOGITS][0].shape[-1]
+
+    @property
+    def top_k(self) -> int:
+        """The experts each row chooses (every ids and weights record's last dim)."""
+        return self.parts[ROUTER_IDS][0].shape[-1]
 
 
 @dataclass
@@ -80,7 +90,32 @@ def router_records(reader: DumpReader) -> dict[int, LayerRecords]:
                                      f"({entry.prefix}.{missing[0]}); a router capture records logits, ids and weights")
         for part, recs in entry.parts.items():
             recs.sort(key=lambda r: (r.forward_pass, r.rank, r.call))
+        _check_widths(entry, f"{reader.directory}: layer {layer} routing")
     return dict(sorted(out.items()))
+
+
+def _check_widths(entry: LayerRecords, where: str) -> None:
+    """Every record of a part has the same last dim: logits and scores the expert count E, ids and weights
+    the top-k k, with 1 <= k <= E; refused in one line before any data is read."""
+    widths: dict[str, int] = {}
+    for part, recs in entry.parts.items():
+        first = recs[0]
+        for rec in recs:
+            if not rec.shape:
+                raise NotComparableError(f"{where}: {rec.name} (pass {rec.forward_pass}) is a scalar, not rows")
+            if rec.shape[-1] != first.shape[-1]:
+                raise NotComparableError(
+                    f"{where}: {part} has {first.shape[-1]} columns in pass {first.forward_pass} (rank {first.rank}) "
+                    f"but {rec.shape[-1]} in pass {rec.forward_pass} (rank {rec.rank}); a layer's expert count "
+                    "and top-k are the same in every record")
+        widths[part] = first.shape[-1]
+    experts, k = widths[ROUTER_LOGITS], widths[ROUTER_IDS]
+    for part, want in ((ROUTER_SCORES, experts), (ROUTER_WEIGHTS, k)):
+        if part in widths and widths[part] != want:
+            base = ROUTER_LOGITS if part == ROUTER_SCORES else ROUTER_IDS
+            raise NotComparableError(f"{where}: {part} has {widths[part]} columns but {base} {want}")
+    if not 1 <= k <= experts:
+        raise NotComparableError(f"{where}: rows choose {k} experts out of {experts}; a top-k picks 1 to E of them")
 
 
 def row_key(sequence: Any, position: Any) -> Any:
@@ -126,12 +161,30 @@ def read_layer(reader: DumpReader, entry: LayerRecords) -> LayerRows:
     if ids.size and (ids.min() < 0 or ids.max() >= experts):
         raise NotComparableError(f"{where}: an expert id outside 0..{experts - 1}")
     real = keys >= 0
+    _check_distinct(keys, ids, real, where)
     uniq, first = np.unique(keys[real], return_index=True)
     index = np.flatnonzero(real)[first]
     scores = parts.get(ROUTER_SCORES)
     return LayerRows(keys=uniq, ids=ids[index], weights=parts[ROUTER_WEIGHTS][1][index],
                      logits=parts[ROUTER_LOGITS][1][index], scores=scores[1][index] if scores else None,
                      groups=_groups(entry, experts, where) if scores else None)
+
+
+def _check_distinct(keys: np.ndarray, ids: np.ndarray, real: np.ndarray, where: str) -> None:
+    """Refuse a (non-padding) row that chooses one expert twice, naming it: a top-k picks distinct experts, and
+    forcing or comparing such a row would count one expert's weight twice."""
+    if ids.shape[1] < 2:
+        return
+    rows = np.flatnonzero(real)
+    s = np.sort(ids[rows], axis=1)
+    dup = np.flatnonzero((s[:, 1:] == s[:, :-1]).any(axis=1))
+    if dup.size:
+        r = rows[dup[0]]
+        seq, pos = key_parts(keys[r])
+        twice = int(s[dup[0], 1:][s[dup[0], 1:] == s[dup[0], :-1]][0])
+        raise CorruptDumpError(f"{where}: the row of sequence {seq}, position {pos} chooses expert {twice} twice "
+                               f"({ids[r].tolist()}; {dup.size} such row{'s' if dup.size > 1 else ''}); "
+                               "a top-k picks distinct experts")
 
 
 def _groups(entry: LayerRecords, experts: int, where: str) -> tuple[int, int] | None:

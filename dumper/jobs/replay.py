@@ -54,8 +54,8 @@ from dumper.hooks.families import family_for
 from dumper.hooks.fingerprint import environment_fingerprint, model_identity
 from dumper.hooks.layers import RESIDUAL, ROUTER, find_decoder_layers
 from dumper.jobs.presets import load_model, model_label
-from dumper.jobs.replay_routing import (LayerRecords, baseline_routing, check_force, check_model_routes, layer_routing,
-                                        routed_layers)
+from dumper.jobs.replay_routing import (LayerRecords, baseline_routing, check_baseline_rows, check_force,
+                                        check_model_routes, layer_routing, routed_layers)
 from dumper.progress import ProgressFn
 
 __all__ = ["ReplayConfig", "replay", "replay_model", "residual_plan", "layer_kwargs"]
@@ -190,6 +190,7 @@ def replay_model(model: nn.Module, baseline: str | Path, out: str | Path, *, mod
                          f"re-run the baseline with --points {RESIDUAL} --layers all")
     replayed = {k: layer_list[k] for k in run}
     check_model_routes(model, force_routing, routing, replayed, str(baseline))
+    check_baseline_rows(reader, routing, routed_layers(routing, replayed))
     param = next(model.parameters())
     identity = model_identity(model, model_name)
     signature = {"layers": sorted(k + 1 for k in run if k + 1 < len(layer_list)),

@@ -84,6 +84,13 @@ def routed_layers(routing: dict[int, LayerRecords], layers: dict[int, nn.Module]
     return [k for k, layer in layers.items() if k in routing and find_routers(layer)]
 
 
+def check_baseline_rows(reader: DumpReader, routing: dict[int, LayerRecords], layers: list[int]) -> None:
+    """Read every routing row ``layers`` will use, so that a bad one (an expert id repeated or out of range,
+    parts covering other rows) is refused before the replay runs anything, not partway through it."""
+    for k in layers:
+        read_layer(reader, routing[k])
+
+
 class LayerRouting:
     """One replayed layer's router: a forward hook that forces its choice (``mode``) and keeps what it returned.
 
