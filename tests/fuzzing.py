@@ -169,3 +169,20 @@ def deadline(seconds: float) -> Iterator[None]:
 def tree_bytes(root: Path) -> dict[str, bytes]:
     """Every regular file under ``root`` with its bytes: to check that a case changed nothing stored."""
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def edit_stored(path: Path, key: str, dtype: Any, edit: Callable[[Any], None]) -> None:
+    """Edit the values of tensor ``key`` of safetensors file ``path`` in place, as numpy ``dtype`` (flat): the file
+    keeps its size and header, so a dump's manifest still vouches for it and only those values are wrong."""
+    import json
+
+    import numpy as np
+
+    raw = bytearray(path.read_bytes())
+    n = int.from_bytes(raw[:8], "little")
+    begin, end = json.loads(raw[8:8 + n])[key]["data_offsets"]
+    values = np.frombuffer(bytes(raw[8 + n + begin:8 + n + end]), dtype).copy()
+    edit(values)
+    raw[8 + n + begin:8 + n + end] = values.tobytes()
+    path.write_bytes(bytes(raw))
+

@@ -22,10 +22,10 @@ from typing import Any
 
 import numpy as np
 
-from dumper.errors import NotComparableError
+from dumper.errors import CorruptDumpError, NotComparableError
 from dumper.format import DumpReader, Manifest, TensorRecord, to_float64
 from dumper.format.dtypes import FLOAT_CODES
-from dumper.format.sketch import SKETCHED_POINTS, SketchSpec, project
+from dumper.format.sketch import NORM_SUFFIX, SKETCHED_POINTS, SketchSpec, project
 
 from comparator.hidden.kernels import col_exps
 from comparator.hidden.metrics import PairStats, StatsAccumulator, row_sums_of, stats_of
@@ -131,8 +131,19 @@ class SketchView:
             return self._projected(rec)[0].reshape(rec.shape)
         return self.reader.array(rec)
 
+    def held(self, rec: TensorRecord) -> str:
+        """How the dump holds ``rec``: ``"full"`` (projected here) or ``"sketched"``."""
+        return "full" if (rec.file, rec.key) in self._full else "sketched"
+
     def sq_norms(self, rec: TensorRecord) -> np.ndarray:
-        return self._projected(rec)[1] if (rec.file, rec.key) in self._full else self.reader.sq_norms(rec)
+        if (rec.file, rec.key) in self._full:
+            return self._projected(rec)[1]
+        norms = self.reader.sq_norms(rec)
+        if (norms < 0).any():  # NaN compares False: a NaN norm is not refused here but fails its row (sketch_stats)
+            row = int(np.flatnonzero(norms < 0)[0])
+            raise CorruptDumpError(f"{self.directory / rec.file}: {rec.key}{NORM_SUFFIX} row {row} is "
+                                   f"{norms[row]!r}; a squared norm is >= 0")
+        return norms
 
 
 HiddenReader = DumpReader | SketchView
@@ -153,7 +164,20 @@ def sketch_readers(br: DumpReader, tr: DumpReader) -> tuple[HiddenReader, Hidden
             "two sketches compare only under the same projection (dump both with the same --sketch and --sketch-seed)")
     spec = sb or st
     assert spec is not None
-    return SketchView(br, spec), SketchView(tr, spec), SketchInfo(spec, sb is not None, st is not None)
+    vb, vt = SketchView(br, spec), SketchView(tr, spec)
+    _check_widths(vb, vt)
+    return vb, vt, SketchInfo(spec, sb is not None, st is not None)
+
+
+def _check_widths(vb: SketchView, vt: SketchView) -> None:
+    """Refuse a hidden state whose rows are one width on one side and another on the other (a sketched record's
+    ``sketch.hidden``, a full record's last dim): projections of different widths estimate nothing."""
+    wide = {r.name: (r.sketch["hidden"], vb.held(r)) for r in vb.manifest.tensors if r.sketch is not None}
+    for r in vt.manifest.tensors:
+        if r.sketch is not None and r.name in wide and wide[r.name][0] != r.sketch["hidden"]:
+            raise NotComparableError(
+                f"{vt.directory}: {r.name} rows are {r.sketch['hidden']} wide ({vt.held(r)}) but the baseline "
+                f"{vb.directory}'s are {wide[r.name][0]} ({wide[r.name][1]}); different hidden sizes do not compare")
 
 
 def sketch_stats(acc: StatsAccumulator, norms_x: np.ndarray, norms_y: np.ndarray) -> PairStats:
@@ -168,6 +192,8 @@ def sketch_stats(acc: StatsAccumulator, norms_x: np.ndarray, norms_y: np.ndarray
         with np.errstate(over="ignore"):
             sums[:, :4] = np.ldexp(sums[:, :4], col_exps(acc.exps))
     sums[:, 1], sums[:, 2] = norms_x, norms_y
+    # a NaN or Inf norm (a hidden state that held one) fails its row, as a NaN/Inf mismatch does: never a pass
+    sums[:, 4] += ~(np.isfinite(norms_x) & np.isfinite(norms_y))
     sums[:, 3] = (norms_x + norms_y - sums[:, 0]) / 2  # <x, y> as estimated (no metric given reads it)
     c = acc.counts
     return stats_of(row_sums_of(sums, None, math.nan, (math.nan, 0), acc.elements), (c[0], c[1], c[2], c[3]),

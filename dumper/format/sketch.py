@@ -118,10 +118,23 @@ def check_spec(raw: Any, where: str) -> SketchSpec:
 
 
 def check_record_sketch(d: dict[str, Any], spec: SketchSpec | None, i: int, where: str,
-                        locations: set[tuple[str, str]]) -> int:
+                        locations: set[tuple[str, str]], hidden_size: Any = None) -> int:
     """Validate the ``sketch`` field of record ``tensors[i]`` (``d``, its other fields checked) against the manifest's
-    spec, its shape and dtype; claim its norms' (file, key) in ``locations``. Returns the norms' bytes."""
-    field, raw, shape, dtype = f"tensors[{i}].sketch", d["sketch"], d["shape"], d["dtype"]
+    spec, its shape and dtype, and ``hidden_size`` (the model's, when the manifest says it); claim its norms'
+    (file, key) in ``locations``. Returns the norms' bytes.
+
+    Under a sketch spec, a whole floating-point hidden state left full is refused too: a sketching
+    capture stores every one sketched (:func:`dumper.hooks.sketch.sketch_for_record`), so such a
+    manifest claims a sketch its records are not.
+    """
+    field, raw, shape, dtype = f"tensors[{i}].sketch", d.get("sketch"), d["shape"], d["dtype"]
+    if raw is None:
+        if spec is not None and d.get("point") in SKETCHED_POINTS and d.get("shard_dim") is None \
+                and dtype in FLOAT_CODES and shape:
+            raise CorruptDumpError(f"{where}: tensors[{i}]: a full {d['point']} record ({dtype}{shape}) under "
+                                   "capture_signature.sketch; a sketching capture stores every whole hidden state "
+                                   "sketched")
+        return 0
     if spec is None:
         raise CorruptDumpError(f"{where}: {field}: a sketched record in a dump whose capture_signature has no sketch")
     if type(raw) is not dict or set(raw) != {"hidden", "dtype"}:
@@ -129,6 +142,8 @@ def check_record_sketch(d: dict[str, Any], spec: SketchSpec | None, i: int, wher
     hidden, source = raw["hidden"], raw["dtype"]
     if type(hidden) is not int or not spec.k <= hidden <= 1 << 40:
         raise CorruptDumpError(f"{where}: {field}.hidden: expected an integer >= K={spec.k}, got {str(hidden)[:40]}")
+    if type(hidden_size) is int and hidden != hidden_size:
+        raise CorruptDumpError(f"{where}: {field}.hidden: {hidden}, but the model's hidden_size is {hidden_size}")
     if source not in FLOAT_CODES:
         raise CorruptDumpError(f"{where}: {field}.dtype: expected one of {sorted(FLOAT_CODES)}, "
                                f"got {str(source)[:40]!r}")

@@ -310,8 +310,8 @@ def check_manifest(raw: dict, where: str, itemsize: Mapping[str, int]) -> None:
     for i, d in enumerate(tensors):
         need = _check_record(d, i, where, files, itemsize)
         file = d["file"]
-        if d.get("sketch") is not None:  # and its F64 norms beside it
-            need += check_record_sketch(d, spec, i, where, locations)
+        # a sketch's F64 norms beside it; a full hidden state under a sketch spec refused
+        need += check_record_sketch(d, spec, i, where, locations, raw["model"].get("hidden_size"))
         if need > files[file]:
             raise CorruptDumpError(f"{where}: tensors[{i}].shape: {d['dtype']}{d['shape']} needs {need} bytes but "
                                    f"its file {file} holds {files[file]}")

@@ -9,7 +9,6 @@ expert. A real Mixtral baseline whose ids record is edited in place checks ``rep
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +20,7 @@ from comparator import compare_dumps
 from dumper.errors import CorruptDumpError, NotComparableError
 from dumper.format import MANIFEST_NAME, ROUTER_IDS, ROUTER_LOGITS, ROUTER_WEIGHTS, load_manifest
 from tests.conftest import run_cli
+from tests.fuzzing import edit_stored
 
 ROWS = 6
 PREFIX = "model.layers.1.mlp"
@@ -105,18 +105,16 @@ def test_padding_rows_may_repeat_an_expert(tmp_path):
 
 
 def _repeat_an_id(dump: Path, layer: int, row: int) -> tuple[int, int]:
-    """Overwrite, in place, the second expert of ``row`` of the ids record of ``layer`` (pass 0) with its first;
-    the file keeps its size, so only the routing is wrong. Returns (sequence, position) of that row."""
+    """Overwrite, in place, the second expert of ``row`` of the ids record of ``layer`` (pass 0) with its first.
+    Returns (sequence, position) of that row."""
     rec = next(r for r in load_manifest(dump).tensors
                if r.layer == layer and r.name.endswith(ROUTER_IDS) and r.forward_pass == 0)
-    path = dump / rec.file
-    raw = bytearray(path.read_bytes())
-    n = int.from_bytes(raw[:8], "little")
-    begin = json.loads(raw[8:8 + n])[rec.key]["data_offsets"][0] + 8 + n
-    ids = np.frombuffer(raw, np.int64, count=int(np.prod(rec.shape)), offset=begin).reshape(-1, rec.shape[-1]).copy()
-    ids[row, 1] = ids[row, 0]
-    raw[begin:begin + ids.nbytes] = ids.tobytes()
-    path.write_bytes(bytes(raw))
+
+    def repeat(ids: np.ndarray) -> None:
+        rows = ids.reshape(-1, rec.shape[-1])
+        rows[row, 1] = rows[row, 0]
+
+    edit_stored(dump / rec.file, rec.key, np.int64, repeat)
     return int(rec.row_sequence_ids()[row]), int(rec.row_positions()[row])
 
 
