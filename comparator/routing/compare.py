@@ -33,6 +33,7 @@ from dumper.errors import NotComparableError
 from dumper.format import DumpReader
 from dumper.format.dtypes import DTYPES
 
+from comparator.judging.fields import EXCESSIVE
 from comparator.judging.router_noise import SCORE_FLOOR, WEIGHT_FLOOR, RouterNoise, margin_rule, weight_rule
 from comparator.routing.read import LayerRecords, LayerRows, key_parts, read_layer, router_records, row_key
 from comparator.routing.types import CALIBRATED, MARGIN_RULE_BASIS, Flip, RouterComparison, RouterLayer
@@ -97,6 +98,7 @@ class _Judge:
 
     def __init__(self, noise: RouterNoise | None, factor: float, dtypes: tuple[str, ...]) -> None:
         self.noise = noise
+        self.rule = margin_rule(*dtypes)  # the margin rule's unit (calibrated noise is weighed against it)
         if noise is not None:
             self.basis, self.limit_ratio = CALIBRATED, factor
             self.unit = max(noise.score, SCORE_FLOOR)
@@ -104,7 +106,7 @@ class _Judge:
             self.flip_rate_limit: float | None = factor * max(noise.flip_rate, 1.0 / max(noise.tokens, 1))
         else:
             self.basis, self.limit_ratio = MARGIN_RULE_BASIS, 1.0
-            self.unit = margin_rule(*dtypes)
+            self.unit = self.rule
             self.weight_limit = weight_rule(*dtypes)
             self.flip_rate_limit = None
 
@@ -137,6 +139,36 @@ def _flips(layer: int, b: LayerRows, t: LayerRows, rb: np.ndarray, rt: np.ndarra
                  target_ids=tuple(int(i) for i in ti), margin=float(m), noise_ratio=float(r),
                  benign=bool(r <= judge.limit_ratio) or int(k) in earlier, after=earlier.get(int(k)))
             for k, bi, ti, m, r in zip(keys, b.ids[rb], t.ids[rt], margins, ratios, strict=True)]
+
+
+def _excessive(layer: int, judge: _Judge, b: LayerRows) -> list[str]:
+    """The warning for a layer whose calibrated noise excuses what the margin rule fails by far: a margin of
+    ``factor`` score units over :data:`EXCESSIVE` x the rule's unit at the layer's median token, or a flip rate
+    limit that lets every token flip."""
+    if judge.noise is None:
+        return []
+    scores = b.scores if b.scores is not None else b.logits
+    rule = judge.rule * float(np.median(np.sqrt(np.mean(scores * scores, axis=1)))) if scores.size else 0.0
+    out = []
+    if judge.limit_ratio * judge.unit > EXCESSIVE * rule:
+        out.append(f"layer {layer}: routing noise excuses flips with margins up to {judge.limit_ratio * judge.unit:.3g}, "
+                   f"over {EXCESSIVE:g}x the margin rule's {rule:.3g} at its median token: a real routing bug there "
+                   "would pass (recalibrate, or compare without --noise)")
+    if judge.flip_rate_limit is not None and judge.flip_rate_limit >= 1.0:
+        out.append(f"layer {layer}: routing noise lets every token flip (flip rate limit "
+                   f"{judge.flip_rate_limit:.3g}): a real routing bug there would pass")
+    return out
+
+
+def _noise_notes(layers: list[RouterLayer], flips: list[Flip], noise: Mapping[int, RouterNoise] | None,
+                 factor: float) -> list[str]:
+    """Say when calibrated routing noise decided: flips it judged benign."""
+    decided = sorted({f.layer for f in flips if f.benign and f.after is None and noise and f.layer in noise})
+    if not decided:
+        return []
+    n = sum(1 for f in flips if f.benign and f.after is None and f.layer in decided)
+    return [f"routing noise decided: {n} flips at layers {', '.join(map(str, decided))} passed as within {factor:g}x "
+            "the calibrated score noise of their layer"]
 
 
 def _rel_diff(x: np.ndarray, y: np.ndarray) -> float:
@@ -183,7 +215,7 @@ def compare_routing(baseline: DumpReader, target: DumpReader, *, noise: Mapping[
     rb, rt = router_records(baseline), router_records(target)
     if not rb or not rt:
         return None
-    layers, flips = [], []
+    layers, flips, excessive = [], [], []
     earlier: dict[int, int] = {}  # row_key -> the first layer its experts flipped at
     for layer in sorted(rb.keys() & rt.keys()):
         if (rb[layer].experts, rb[layer].top_k) != (rt[layer].experts, rt[layer].top_k):
@@ -193,14 +225,16 @@ def compare_routing(baseline: DumpReader, target: DumpReader, *, noise: Mapping[
                 "compared between runs of the same experts")
         n = (noise or {}).get(layer)
         judge = _Judge(n, factor, (*_dtype_names(rb[layer], baseline), *_dtype_names(rt[layer], target)))
-        result, found = _compare_layer(rb[layer], read_layer(baseline, rb[layer]), read_layer(target, rt[layer]),
+        rows_b = read_layer(baseline, rb[layer])
+        excessive += _excessive(layer, judge, rows_b)
+        result, found = _compare_layer(rb[layer], rows_b, read_layer(target, rt[layer]),
                                        judge, n.flip_rate if n is not None else None, earlier)
         layers.append(result)
         flips += found
         for f in found:
             earlier.setdefault(int(row_key(f.sequence, f.token)), layer)
     flips.sort(key=lambda f: (f.layer, f.sequence, f.token))
-    notes = []
+    notes = _noise_notes(layers, flips, noise, factor)
     if any(la.basis == MARGIN_RULE_BASIS for la in layers):
         notes.append("routing judged by the margin rule (no calibrated routing noise): a flip is benign when the "
                      "baseline's margin is within the rule's unit x RMS of the token's router scores")
@@ -213,4 +247,4 @@ def compare_routing(baseline: DumpReader, target: DumpReader, *, noise: Mapping[
         layers=tuple(layers), first_flip=flips[0] if flips else None,
         first_failing_flip=next((f for f in flips if not f.benign), None), flips_shown=tuple(flips[:SHOWN_FLIPS]),
         only_baseline=tuple(sorted(rb.keys() - rt.keys())), only_target=tuple(sorted(rt.keys() - rb.keys())),
-        notes=tuple(notes))
+        notes=tuple(notes), warnings=tuple(excessive))

@@ -149,6 +149,8 @@ class RouterComparison:
     """MoE layers only the baseline routed (not compared)."""
     only_target: tuple[int, ...] = ()
     notes: tuple[str, ...] = ()
+    warnings: tuple[str, ...] = ()
+    """Calibrated routing noise so loose it would excuse flips the fixed rules fail by far (printed as warnings)."""
 
     @property
     def flips(self) -> int:
@@ -181,7 +183,7 @@ class RouterComparison:
                 "flips_shown": [f.to_json() for f in self.flips_shown],
                 "layers": [la.to_json() for la in self.layers],
                 "only_baseline": list(self.only_baseline), "only_target": list(self.only_target),
-                "notes": list(self.notes)}
+                "notes": list(self.notes), "warnings": list(self.warnings)}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> RouterComparison:
@@ -190,4 +192,5 @@ class RouterComparison:
                    first_flip=Flip.from_json(ff) if ff else None, first_failing_flip=Flip.from_json(fx) if fx else None,
                    flips_shown=tuple(Flip.from_json(f) for f in d.get("flips_shown", ())),
                    only_baseline=tuple(int(i) for i in d.get("only_baseline", ())),
-                   only_target=tuple(int(i) for i in d.get("only_target", ())), notes=tuple(d.get("notes", ())))
+                   only_target=tuple(int(i) for i in d.get("only_target", ())), notes=tuple(d.get("notes", ())),
+                   warnings=tuple(d.get("warnings", ())))

@@ -334,3 +334,31 @@ def test_cli_calibrate_records_routing_noise_and_the_verdict_uses_it(mixtral_dum
     judged = run_cli("comparator", d["eager"], d["bf16_sdpa"], "--noise", noise, "--json", tmp_path / "r.json")
     assert judged.returncode == 0, judged.stdout + judged.stderr
     assert json.loads((tmp_path / "r.json").read_text())["router"]["basis"] == "calibrated"
+
+
+def test_routing_noise_that_excuses_a_real_flip_is_warned_about_and_said(tmp_path):
+    """A seeded flip fails against honest routing noise; a NOISE.json whose score noise is 1e9 lets it pass, but
+    never silently: a warning names the layer and the verdict says routing noise decided."""
+    token, expert, bias = _flip_site(build_moe("mixtral"), 1)
+    buggy = build_moe("mixtral")
+    _seed_logit_bias(buggy, 1, token, expert, bias)
+    clean, bug = _dump(build_moe("mixtral"), tmp_path / "clean"), _dump(buggy, tmp_path / "bug")
+    d = calibrate(clean, [_dump(build_moe("mixtral", attn="sdpa"), tmp_path / "sdpa")]).to_json()
+    honest, loose = tmp_path / "honest.json", tmp_path / "loose.json"
+    honest.write_text(json.dumps(d))
+    d["router"] = [{**e, "score": 1e9} for e in d["router"]]
+    loose.write_text(json.dumps(d))
+    judged = {}
+    for name, path in (("honest", honest), ("loose", loose)):
+        r = run_cli("comparator", clean, bug, "--noise", path, "--json", tmp_path / f"{name}.json", "--quiet")
+        assert r.returncode in (0, 1) and "Traceback" not in r.stderr, r.stderr
+        judged[name] = (json.loads((tmp_path / f"{name}.json").read_text())["router"], r.stderr)
+    router, stderr = judged["honest"]
+    assert not router["passed"] and router["first_failing_flip"]["token"] == token and not router["warnings"]
+    assert "warning:" not in stderr
+    router, stderr = judged["loose"]
+    layer1 = next(la for la in router["layers"] if la["layer"] == 1)
+    assert layer1["passed"] and layer1["flips"] == 1 and not layer1["failing_flips"]  # the flip is excused ...
+    assert any(w.startswith("layer 1: routing noise excuses flips") for w in router["warnings"])  # ... not silently
+    assert "warning:" in stderr and "layer 1: routing noise excuses flips" in stderr
+    assert any(n.startswith("routing noise decided:") and "layers 1" in n for n in router["notes"]), router["notes"]
