@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from dumper.cli.values import check_device, engine_args, seed_value
+from dumper.cli.values import check_device, engine_args, positive_int, seed_value
 from dumper.engines import ENGINES
 from dumper.errors import EXIT_DIVERGED, EXIT_OK, UsageError
 from dumper.format.dtypes import MODEL_DTYPES
@@ -26,6 +26,9 @@ def add_sweep(sub: argparse._SubParsersAction) -> None:
                    help="an axis (repeatable; cells are the cartesian product): an --engine-arg key, chunk_size "
                         "(none allowed), batch_size, or lengths (prompt lengths, or 'block' for block-1, block, "
                         "block+1, 2*block-1, 2*block, 2*block+1)")
+    s.add_argument("--max-cells", type=positive_int, default=None, metavar="N",
+                   help="refuse a grid of more than N cells, the product of its axes' value counts (default "
+                        "4096), before anything is planned")
     s.add_argument("--out", required=True, help="new directory: cell-NNN/dump, cell-NNN/report.json, sweep.json")
     s.add_argument("--json", metavar="FILE", help="also write the sweep's results as JSON here")
     s.add_argument("--block-size", type=int, default=None,
@@ -54,6 +57,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     from dumper.format import write_json_atomic
     from dumper.jobs.run import LogprobSpec, RunConfig
     from dumper.jobs.sweep import SweepConfig, baseline_defaults, baseline_prompts, parse_grid, sweep
+    from dumper.jobs.sweep_grid import MAX_CELLS
     from dumper.jobs.sweep_table import cell_line, render_sweep
 
     check_device(args.device)
@@ -61,7 +65,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         raise UsageError("--top-k and --save-logits need --logprobs")
     if args.top_k < 0:
         raise UsageError("--top-k must be >= 0")
-    axes = parse_grid(args.grid)
+    axes = parse_grid(args.grid, max_cells=MAX_CELLS if args.max_cells is None else args.max_cells)
     defaults = baseline_defaults(baseline_prompts(args.baseline)[0])
     spec = LogprobSpec(top_k=args.top_k, save_logits=args.save_logits) if args.logprobs else None
     template = RunConfig(out=args.out, model=args.model, dtype=args.dtype or defaults["dtype"], attn=args.attn,

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dumper.errors import UsageError
 from dumper.format.sketch import SketchSpec
 
-__all__ = ["seed_value", "check_device", "engine_args", "sketch_spec"]
+__all__ = ["seed_value", "positive_int", "check_device", "engine_args", "sketch_spec"]
 
 
 def seed_value(text: str) -> int:
@@ -22,6 +22,17 @@ def seed_value(text: str) -> int:
     if not 0 <= seed <= MAX_SEED:
         raise argparse.ArgumentTypeError(f"must be in 0..{MAX_SEED}, got {text}")
     return seed
+
+
+def positive_int(text: str) -> int:
+    """A count flag's value (``sweep --max-cells``): an integer >= 1."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return n
 
 
 def check_device(device: str) -> None:

@@ -11,6 +11,10 @@ Cells are the cartesian product of the axes, ``lengths`` innermost: cells with t
 settings come one after another, so an engine that is kept between runs (vLLM's
 :func:`~dumper.engines.vllm.load_llm`) serves all of them.
 
+:func:`parse_grid` refuses a grid of more than ``max_cells`` cells (``--max-cells``, default
+:data:`MAX_CELLS`) from the axes' value counts alone, before a value is parsed or a cell planned:
+a typo'd grid of 10^6 cells would otherwise plan for minutes and take gigabytes.
+
 Example::
 
     axes = parse_grid(["chunk_size=none,16", "lengths=block"])
@@ -20,6 +24,7 @@ Example::
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -31,8 +36,8 @@ from dumper.errors import DriftscopeError, UsageError
 from dumper.format.files import printable
 from dumper.jobs.run import RunConfig, check_scored_positions
 
-__all__ = ["Axis", "Cell", "RUN_KEYS", "LENGTHS", "BLOCK", "PREFIX_CACHING", "parse_grid", "plan_cells",
-           "block_lengths", "describe"]
+__all__ = ["Axis", "Cell", "RUN_KEYS", "LENGTHS", "BLOCK", "PREFIX_CACHING", "MAX_CELLS", "parse_grid",
+           "plan_cells", "block_lengths", "describe", "axis_size", "check_cell_count"]
 
 RUN_KEYS = ("chunk_size", "batch_size")
 """Grid keys that are :class:`RunConfig` fields."""
@@ -40,6 +45,8 @@ LENGTHS = "lengths"
 BLOCK = "block"
 PREFIX_CACHING = "enable_prefix_caching"
 """The engine key whose ``true`` makes a cell warm the prefix cache and read it (vLLM)."""
+MAX_CELLS = 4096
+"""The default cap on a grid's cells (``--max-cells`` raises it): each cell is one engine run."""
 
 
 @dataclass(frozen=True)
@@ -79,23 +86,51 @@ def describe(settings: dict[str, Any]) -> str:
     return " ".join(f"{k}={word(v)}" for k, v in settings.items())
 
 
-def parse_grid(items: Sequence[str]) -> tuple[Axis, ...]:
-    """``["chunk_size=none,5", "lengths=block"]`` as axes; a malformed or repeated one is a one-line UsageError."""
+def parse_grid(items: Sequence[str], *, max_cells: int = MAX_CELLS) -> tuple[Axis, ...]:
+    """``["chunk_size=none,5", "lengths=block"]`` as axes; a malformed or repeated one, or a grid of more
+    than ``max_cells`` cells (:func:`check_cell_count`), is a one-line UsageError. Linear in the values."""
     axes: list[Axis] = []
+    keys: set[str] = set()
     for item in items:
         key, sep, rest = item.partition("=")
         key = key.strip()
         values = tuple(v.strip() for v in rest.split(","))
         if not sep or not key or not all(values):
             raise UsageError(f"--grid {printable(item)!r}: expected KEY=V1,V2,... with no empty value")
-        if any(a.key == key for a in axes):
+        if key in keys:
             raise UsageError(f"--grid {printable(key)}: given twice; list all its values in one --grid")
         if len(set(values)) != len(values):
             raise UsageError(f"--grid {printable(item)!r}: a value is repeated")
+        keys.add(key)
         axes.append(Axis(key, values))
     if not axes:
         raise UsageError("--grid: give at least one axis, e.g. --grid chunk_size=none,16")
+    check_cell_count(axes, max_cells)
     return tuple(axes)
+
+
+def axis_size(axis: Axis) -> int:
+    """The values ``axis`` multiplies the cells by, at most: ``lengths=block`` counts as its six lengths."""
+    if axis.key != LENGTHS:
+        return len(axis.values)
+    return sum(len(block_lengths(1)) if v.lower() == BLOCK else 1 for v in axis.values)
+
+
+def check_cell_count(axes: Sequence[Axis], max_cells: int) -> None:
+    """Refuse a grid of more than ``max_cells`` cells in one line, from the axes' value counts alone.
+
+    The count is the exact product of :func:`axis_size` (an upper bound where ``lengths=block``
+    repeats a length the axis also lists): nothing is parsed or planned, so a grid of any size is
+    refused in time and memory linear in its command line.
+    """
+    if type(max_cells) is not int or max_cells < 1:
+        raise UsageError(f"--max-cells must be a positive integer, got {max_cells!r}")
+    sizes = [axis_size(a) for a in axes]
+    cells = math.prod(sizes)
+    if cells > max_cells:
+        counts = " x ".join(f"{printable(a.key)} {n}" for a, n in zip(axes, sizes, strict=True))
+        raise UsageError(f"--grid: {cells} cells ({counts}), more than --max-cells {max_cells}; "
+                         "narrow an axis, or raise the cap with --max-cells N")
 
 
 def block_lengths(block: int) -> tuple[int, ...]:
@@ -112,21 +147,20 @@ def _int(key: str, value: str, *, none: bool = False) -> int | None:
 
 
 def _lengths(values: Sequence[str], block_size: int | None) -> list[int]:
-    out: list[int] = []
+    out: dict[int, None] = {}  # ordered, and a repeated length is found in O(1)
     for v in values:
         if v.lower() == BLOCK:
             if block_size is None:
                 raise UsageError(f"--grid {LENGTHS}={BLOCK}: the engine's KV block size is unknown; "
                                  "pass --block-size N")
-            out.extend(n for n in block_lengths(block_size) if n not in out)
+            out.update(dict.fromkeys(block_lengths(block_size)))
         else:
             n = _int(LENGTHS, v)
             assert n is not None
             if n < 1:
                 raise UsageError(f"--grid {LENGTHS}={v}: a prompt length must be >= 1")
-            if n not in out:
-                out.append(n)
-    return out
+            out[n] = None
+    return list(out)
 
 
 def _axis_values(axis: Axis, table: dict[str, EngineArg], engine: str, block_size: int | None) -> list[Any]:
