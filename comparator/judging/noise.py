@@ -195,7 +195,7 @@ class NoiseModel:
 def _sketch_from_json(v: Any, where: str) -> SketchSpec | None:
     """``sketch``: absent or null for noise from full dumps, else the projection (``kind``, ``k``, ``seed``)."""
     try:
-        return None if v is None else check_spec(v, where)
+        return None if v is None else check_spec(v, where, "sketch")
     except CorruptDumpError as e:
         raise UsageError(str(e)) from None
 

@@ -99,21 +99,19 @@ class SketchSpec:
             raise UsageError(f"--sketch {self.k}: {what} has rows of {hidden} values; K must be at most that")
 
 
-def check_spec(raw: Any, where: str) -> SketchSpec:
-    """The :class:`SketchSpec` of a manifest's ``capture_signature["sketch"]``; one CorruptDumpError line if hostile."""
+def check_spec(raw: Any, where: str, field: str = "capture_signature.sketch") -> SketchSpec:
+    """The :class:`SketchSpec` of a manifest's ``capture_signature["sketch"]`` (or of the file's ``field``: a noise
+    file's ``sketch``); one CorruptDumpError line naming that field if hostile."""
     if type(raw) is not dict or set(raw) != {"kind", "k", "seed"}:
-        raise CorruptDumpError(f"{where}: capture_signature.sketch: expected an object of kind, k and seed, "
-                               f"got {str(raw)[:80]}")
+        raise CorruptDumpError(f"{where}: {field}: expected an object of kind, k and seed, got {str(raw)[:80]}")
     kind, k, seed = raw["kind"], raw["k"], raw["seed"]
     if kind not in SKETCH_KINDS:
-        raise CorruptDumpError(f"{where}: capture_signature.sketch.kind: expected one of {list(SKETCH_KINDS)}, "
-                               f"got {str(kind)[:40]!r}")
+        raise CorruptDumpError(f"{where}: {field}.kind: expected one of {list(SKETCH_KINDS)}, got {str(kind)[:40]!r}")
     if type(k) is not int or not 1 <= k <= 1 << 20:
-        raise CorruptDumpError(f"{where}: capture_signature.sketch.k: expected an integer in 1..{1 << 20}, "
-                               f"got {str(k)[:40]}")
+        raise CorruptDumpError(f"{where}: {field}.k: expected an integer in 1..{1 << 20}, got {str(k)[:40]}")
     if type(seed) is not int or not 0 <= seed <= MAX_SKETCH_SEED:
-        raise CorruptDumpError(f"{where}: capture_signature.sketch.seed: expected an integer in "
-                               f"0..{MAX_SKETCH_SEED}, got {str(seed)[:40]}")
+        raise CorruptDumpError(f"{where}: {field}.seed: expected an integer in 0..{MAX_SKETCH_SEED}, "
+                               f"got {str(seed)[:40]}")
     return SketchSpec(k=k, seed=seed, kind=kind)
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from comparator.noise.file import load_noise
+from dumper.errors import UsageError
 from dumper.format.sketch import SketchSpec
 from tests.conftest import run_cli
 
@@ -78,3 +79,17 @@ def test_regress_keeps_sketch_runs_in_their_own_lineage(dumps, tmp_path):
     assert rc == 0 and "PASS: stored run" in out and "both sides sketched" in out, out
     rc, out = regress("sk-seed1", "--bootstrap")  # another projection: compared with nothing stored
     assert rc == 0 and out.startswith("BOOTSTRAP"), out
+
+
+@pytest.mark.parametrize(("sketch", "field"), [({"kind": "rademacher", "k": 0, "seed": 0}, "sketch.k"),
+                                               ({"kind": "gauss", "k": 8, "seed": 0}, "sketch.kind"),
+                                               ([8], "sketch:")])
+def test_a_bad_sketch_section_of_a_noise_file_names_that_field(dumps, tmp_path, sketch, field):
+    """A noise file has no capture_signature: its own field is named, in one line."""
+    d = json.loads((dumps / "sk.json").read_text())
+    d["sketch"] = sketch
+    path = tmp_path / "NOISE.json"
+    path.write_text(json.dumps(d))
+    with pytest.raises(UsageError) as e:
+        load_noise(path)
+    assert f"{path}: {field}" in str(e.value) and "capture_signature" not in str(e.value), e.value
