@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 import traceback
+import warnings
 from collections.abc import Callable, Sequence
 
 from dumper.errors import EXIT_INTERNAL, EXIT_UNUSABLE, DriftscopeError, UsageError
@@ -54,13 +55,22 @@ def guarded_main(run: Callable[[Sequence[str] | None], int], argv: Sequence[str]
     line has its control characters escaped (:func:`~dumper.format.files.printable`), so a name
     taken from a hostile file cannot drive the terminal. The traceback is printed only with
     ``--debug`` or ``DRIFTSCOPE_DEBUG=1``.
+
+    Python warnings raised during the run (a library's FutureWarning while a model loads, say) are
+    held back: shown after a run that ends normally, dropped before an error's one line (shown with
+    ``--debug``), so nothing of a library's reaches the terminal ahead of driftscope's verdict.
     """
     args, debug = split_debug(list(sys.argv[1:] if argv is None else argv))
+    held: list[warnings.WarningMessage] = []
     try:
         debug = debug or env_settings().debug
-        return run(args)
+        with warnings.catch_warnings(record=True) as held:
+            rc = run(args)
+        _show(held)
+        return rc
     except DriftscopeError as e:
         if debug:
+            _show(held)
             traceback.print_exc()
         print(f"error: {printable(str(e))}", file=sys.stderr)
         return e.exit_code
@@ -79,8 +89,17 @@ def guarded_main(run: Callable[[Sequence[str] | None], int], argv: Sequence[str]
         return EXIT_UNUSABLE
     except BaseException as e:  # noqa: BLE001 - the last line of defence: never exit 1 for a crash
         if isinstance(e, SystemExit):
+            _show(held)  # argparse's own exits (--help, a bad flag) are no job's errors
             raise
+        if debug:
+            _show(held)
         return _internal(e, debug)
+
+
+def _show(held: list[warnings.WarningMessage]) -> None:
+    """Show warnings that :func:`guarded_main` held back, as Python would have shown them."""
+    for w in held:
+        warnings.showwarning(w.message, w.category, w.filename, w.lineno, w.file, w.line)
 
 
 def _internal(e: BaseException, debug: bool) -> int:

@@ -190,7 +190,7 @@ def replay_model(model: nn.Module, baseline: str | Path, out: str | Path, *, mod
                          f"re-run the baseline with --points {RESIDUAL} --layers all")
     replayed = {k: layer_list[k] for k in run}
     check_model_routes(model, force_routing, routing, replayed, str(baseline))
-    check_baseline_rows(reader, routing, routed_layers(routing, replayed))
+    check_baseline_rows(reader, routing, replayed)
     param = next(model.parameters())
     identity = model_identity(model, model_name)
     signature = {"layers": sorted(k + 1 for k in run if k + 1 < len(layer_list)),

@@ -84,10 +84,14 @@ def routed_layers(routing: dict[int, LayerRecords], layers: dict[int, nn.Module]
     return [k for k, layer in layers.items() if k in routing and find_routers(layer)]
 
 
-def check_baseline_rows(reader: DumpReader, routing: dict[int, LayerRecords], layers: list[int]) -> None:
-    """Read every routing row ``layers`` will use, so that a bad one (an expert id repeated or out of range,
-    parts covering other rows) is refused before the replay runs anything, not partway through it."""
-    for k in layers:
+def check_baseline_rows(reader: DumpReader, routing: dict[int, LayerRecords], layers: dict[int, nn.Module]) -> None:
+    """Check every replayed MoE layer (of ``layers``, by index) whose routing the baseline holds, before the replay
+    runs anything, not partway through it: one router per layer, and every routing row it will use readable
+    (expert ids distinct and in range, the parts covering the same rows)."""
+    for k in routed_layers(routing, layers):
+        if len(find_routers(layers[k])) > 1:
+            raise UsageError(f"replay: decoder layer {k} holds {len(find_routers(layers[k]))} routers; replay records "
+                             "one per layer")
         read_layer(reader, routing[k])
 
 

@@ -150,3 +150,39 @@ def test_empty_tensors_are_said_and_never_counted_as_matched(tmp_path, capsys):
     shutil.copytree(only, tmp_path / "only2")
     code, err = _run(capsys, only, tmp_path / "only2")
     assert code == EXIT_UNUSABLE and "zero tensors match" in err and "1 empty" in err
+
+
+_WARNS_THEN = """
+import sys, warnings
+from dumper.cli.common import guarded_main
+from dumper.errors import UsageError
+
+def run(argv):
+    warnings.warn("`torch_dtype` is deprecated", FutureWarning)  # what a library says while a model loads
+    if argv and argv[0] == "fail":
+        raise UsageError("baseline: no router point")
+    print("PASS")
+    return 0
+
+sys.exit(guarded_main(run, sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("argv", [["fail"], ["fail", "--debug"], []])
+def test_a_library_warning_never_precedes_the_error_line(tmp_path, argv):
+    """An error is one line with nothing of a library's before it; ``--debug`` shows the warning, and a run that
+    ends normally still shows it (after its output)."""
+    import subprocess
+    import sys
+
+    from tests.conftest import subprocess_env
+
+    r = subprocess.run([sys.executable, "-c", _WARNS_THEN, *argv], capture_output=True, text=True, timeout=60,
+                       env=subprocess_env())
+    if argv == ["fail"]:
+        assert r.returncode == EXIT_UNUSABLE and r.stderr == "error: baseline: no router point\n", r.stderr
+    elif argv == ["fail", "--debug"]:
+        assert r.returncode == EXIT_UNUSABLE and "FutureWarning" in r.stderr and "Traceback" in r.stderr
+        assert r.stderr.rstrip().splitlines()[-1] == "error: baseline: no router point"
+    else:
+        assert r.returncode == EXIT_OK and r.stdout == "PASS\n" and "FutureWarning: `torch_dtype`" in r.stderr
