@@ -142,7 +142,7 @@ class SketchView:
         if (norms < 0).any():  # NaN compares False: a NaN norm is not refused here but fails its row (sketch_stats)
             row = int(np.flatnonzero(norms < 0)[0])
             raise CorruptDumpError(f"{self.directory / rec.file}: {rec.key}{NORM_SUFFIX} row {row} is "
-                                   f"{norms[row]!r}; a squared norm is >= 0")
+                                   f"{float(norms[row])!r}; a squared norm is >= 0")
         return norms
 
 
