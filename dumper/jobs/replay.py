@@ -98,12 +98,35 @@ def residual_plan(manifest: Manifest, where: str) -> dict[int, tuple[str, list[T
     return dict(sorted(plan.items()))
 
 
-def _sequences(reader: DumpReader, name: str, recs: list[TensorRecord]) -> dict[int, torch.Tensor]:
-    """sequence id -> its residual rows [n, hidden] in position order, reassembled from chunks and batches."""
-    parts: dict[int, list[tuple[np.ndarray, np.ndarray]]] = defaultdict(list)
+def _lengths(where: str, name: str, recs: list[TensorRecord]) -> dict[int, int]:
+    """sequence id -> its row count, from the manifest alone: refused unless every record is a float dtype and each
+    sequence's positions are exactly one prefill ``0..n-1`` (checked for every layer before a replay runs any)."""
+    found: dict[int, list[np.ndarray]] = defaultdict(list)
     for rec in recs:
         if rec.dtype not in FLOAT_CODES:
-            raise NotComparableError(f"{reader.directory}: {name} is stored as {rec.dtype}, not a float dtype")
+            raise NotComparableError(f"{where}: {name} is stored as {rec.dtype}, not a float dtype")
+        pos, seq = rec.row_positions(), rec.row_sequence_ids()
+        assert pos is not None and seq is not None  # residual_plan checked
+        for s in np.unique(seq[seq != PAD_SEQUENCE]).tolist():
+            found[s].append(pos[seq == s])
+    out = {}
+    for s, parts in sorted(found.items()):
+        pos = np.sort(np.concatenate(parts))
+        if not np.array_equal(pos, np.arange(pos.size)):
+            runs = encode_runs(pos, step=1)
+            raise NotComparableError(
+                f"{where}: {name} holds positions {', '.join(f'{a}..{a + c - 1}' for a, c in runs[:4])}"
+                f"{' ...' if len(runs) > 4 else ''} of sequence {s}, not one prefill 0..{pos.size - 1}; replay runs "
+                "a layer on whole sequences from position 0 (a decode step or a partial capture cannot be replayed)")
+        out[s] = pos.size
+    return out
+
+
+def _sequences(reader: DumpReader, name: str, recs: list[TensorRecord]) -> dict[int, torch.Tensor]:
+    """sequence id -> its residual rows [n, hidden] in position order, reassembled from chunks and batches
+    (:func:`_lengths` checked the records)."""
+    parts: dict[int, list[tuple[np.ndarray, np.ndarray]]] = defaultdict(list)
+    for rec in recs:
         rows, pos, seq = reader.rows(rec), rec.row_positions(), rec.row_sequence_ids()
         assert pos is not None and seq is not None  # residual_plan checked
         for s in np.unique(seq[seq != PAD_SEQUENCE]).tolist():
@@ -111,19 +134,28 @@ def _sequences(reader: DumpReader, name: str, recs: list[TensorRecord]) -> dict[
             parts[s].append((pos[sel], rows[sel]))
     out = {}
     for s, found in sorted(parts.items()):
-        pos = np.concatenate([p for p, _ in found])
-        order = np.argsort(pos, kind="stable")
-        if not np.array_equal(pos[order], np.arange(pos.size)):
-            runs = encode_runs(np.sort(pos), step=1)
-            raise NotComparableError(
-                f"{reader.directory}: {name} holds positions {', '.join(f'{a}..{a + c - 1}' for a, c in runs[:4])}"
-                f"{' ...' if len(runs) > 4 else ''} of sequence {s}, not one prefill 0..{pos.size - 1}; replay runs "
-                "a layer on whole sequences from position 0 (a decode step or a partial capture cannot be replayed)")
+        order = np.argsort(np.concatenate([p for p, _ in found]), kind="stable")
         stored = np.concatenate([r for _, r in found])[order]
         dtype = recs[0].dtype
         t = torch.from_numpy(stored.view(np.int16) if dtype == "BF16" else stored)
         out[s] = t.view(torch.bfloat16) if dtype == "BF16" else t
     return out
+
+
+def _layer_parts(stack: nn.Module, layer_index: int, masking_utils: Any) -> tuple[nn.Module, Any]:
+    """The stack's rotary embedding and the mask maker of layer ``layer_index``; refused in one line when replay
+    cannot build them (checked for every layer before a replay runs any)."""
+    rotary = getattr(stack, "rotary_emb", None)
+    if not isinstance(rotary, nn.Module):
+        raise UsageError(f"replay: {type(stack).__name__} has no rotary_emb; replay supports transformers "
+                         "decoders with rotary position embeddings (Llama, Qwen2, Mistral, ...)")
+    kind = (getattr(stack.config, "layer_types", None) or ["full_attention"] * (layer_index + 1))[layer_index]
+    make = {"full_attention": masking_utils.create_causal_mask,
+            "sliding_attention": masking_utils.create_sliding_window_causal_mask}.get(kind)
+    if make is None:
+        raise UsageError(f"replay: layer {layer_index} of {type(stack).__name__} uses {kind!r} attention; "
+                         "replay builds full and sliding-window causal masks only")
+    return rotary, make
 
 
 def layer_kwargs(stack: nn.Module, layer_index: int, hidden: torch.Tensor) -> dict[str, Any]:
@@ -136,16 +168,7 @@ def layer_kwargs(stack: nn.Module, layer_index: int, hidden: torch.Tensor) -> di
     from transformers import masking_utils
 
     config = stack.config
-    rotary = getattr(stack, "rotary_emb", None)
-    if not isinstance(rotary, nn.Module):
-        raise UsageError(f"replay: {type(stack).__name__} has no rotary_emb; replay supports transformers "
-                         "decoders with rotary position embeddings (Llama, Qwen2, Mistral, ...)")
-    kind = (getattr(config, "layer_types", None) or ["full_attention"] * (layer_index + 1))[layer_index]
-    make = {"full_attention": masking_utils.create_causal_mask,
-            "sliding_attention": masking_utils.create_sliding_window_causal_mask}.get(kind)
-    if make is None:
-        raise UsageError(f"replay: layer {layer_index} of {type(stack).__name__} uses {kind!r} attention; "
-                         "replay builds full and sliding-window causal masks only")
+    rotary, make = _layer_parts(stack, layer_index, masking_utils)
     position_ids = torch.arange(hidden.shape[1], device=hidden.device)[None]  # [1, n]
     mask = make(config=config, inputs_embeds=hidden, attention_mask=None, past_key_values=None,
                 position_ids=position_ids)
@@ -190,7 +213,13 @@ def replay_model(model: nn.Module, baseline: str | Path, out: str | Path, *, mod
                          f"re-run the baseline with --points {RESIDUAL} --layers all")
     replayed = {k: layer_list[k] for k in run}
     check_model_routes(model, force_routing, routing, replayed, str(baseline))
-    check_baseline_rows(reader, routing, replayed)
+    # everything a layer's replay would refuse, refused before any runs: its rows, its mask, its routing rows
+    lengths = {k: _lengths(str(baseline), *plan[k]) for k in run}
+    from transformers import masking_utils
+
+    for k in run:
+        _layer_parts(stack, k, masking_utils)
+    check_baseline_rows(reader, routing, replayed, lengths if force_routing is not None else None)
     param = next(model.parameters())
     identity = model_identity(model, model_name)
     signature = {"layers": sorted(k + 1 for k in run if k + 1 < len(layer_list)),

@@ -84,15 +84,23 @@ def routed_layers(routing: dict[int, LayerRecords], layers: dict[int, nn.Module]
     return [k for k, layer in layers.items() if k in routing and find_routers(layer)]
 
 
-def check_baseline_rows(reader: DumpReader, routing: dict[int, LayerRecords], layers: dict[int, nn.Module]) -> None:
+def check_baseline_rows(reader: DumpReader, routing: dict[int, LayerRecords], layers: dict[int, nn.Module],
+                        forced: dict[int, dict[int, int]] | None = None) -> None:
     """Check every replayed MoE layer (of ``layers``, by index) whose routing the baseline holds, before the replay
-    runs anything, not partway through it: one router per layer, and every routing row it will use readable
-    (expert ids distinct and in range, the parts covering the same rows)."""
+    runs anything, not partway through it: one router per layer, every routing row it will use readable (expert
+    ids distinct and in range, the parts covering the same rows) and, when forcing (``forced``: layer -> sequence
+    -> rows replayed), a row for every replayed token."""
     for k in routed_layers(routing, layers):
         if len(find_routers(layers[k])) > 1:
             raise UsageError(f"replay: decoder layer {k} holds {len(find_routers(layers[k]))} routers; replay records "
                              "one per layer")
-        read_layer(reader, routing[k])
+        rows = read_layer(reader, routing[k])
+        for s, n in (forced or {}).get(k, {}).items():
+            lost = np.setdiff1d(row_key(s, np.arange(n)), rows.keys)
+            if lost.size:
+                raise NotComparableError(f"{reader.directory}: the baseline's routing of layer {k} has no row for "
+                                         f"position {key_parts(lost[0])[1]} of sequence {s}; forcing needs one for "
+                                         "every replayed token")
 
 
 class LayerRouting:
