@@ -99,6 +99,7 @@ class _Judge:
     def __init__(self, noise: RouterNoise | None, factor: float, dtypes: tuple[str, ...]) -> None:
         self.noise = noise
         self.rule = margin_rule(*dtypes)  # the margin rule's unit (calibrated noise is weighed against it)
+        self.weight_rule = weight_rule(*dtypes)  # and the fixed weight limit
         if noise is not None:
             self.basis, self.limit_ratio = CALIBRATED, factor
             self.unit = max(noise.score, SCORE_FLOOR)
@@ -107,7 +108,7 @@ class _Judge:
         else:
             self.basis, self.limit_ratio = MARGIN_RULE_BASIS, 1.0
             self.unit = self.rule
-            self.weight_limit = weight_rule(*dtypes)
+            self.weight_limit = self.weight_rule
             self.flip_rate_limit = None
 
     def ratios(self, margins: np.ndarray, scores: np.ndarray, run_noise: float) -> np.ndarray:
@@ -142,9 +143,9 @@ def _flips(layer: int, b: LayerRows, t: LayerRows, rb: np.ndarray, rt: np.ndarra
 
 
 def _excessive(layer: int, judge: _Judge, b: LayerRows) -> list[str]:
-    """The warning for a layer whose calibrated noise excuses what the margin rule fails by far: a margin of
-    ``factor`` score units over :data:`EXCESSIVE` x the rule's unit at the layer's median token, or a flip rate
-    limit that lets every token flip."""
+    """The warnings for a layer whose calibrated noise excuses what the fixed rules fail by far: a margin of
+    ``factor`` score units over :data:`EXCESSIVE` x the margin rule's unit at the layer's median token, a weight
+    limit over :data:`EXCESSIVE` x the fixed one, or a flip rate limit that lets every token flip."""
     if judge.noise is None:
         return []
     scores = b.scores if b.scores is not None else b.logits
@@ -154,6 +155,10 @@ def _excessive(layer: int, judge: _Judge, b: LayerRows) -> list[str]:
         out.append(f"layer {layer}: routing noise excuses flips with margins up to {judge.limit_ratio * judge.unit:.3g}, "
                    f"over {EXCESSIVE:g}x the margin rule's {rule:.3g} at its median token: a real routing bug there "
                    "would pass (recalibrate, or compare without --noise)")
+    if judge.weight_limit > EXCESSIVE * judge.weight_rule:
+        out.append(f"layer {layer}: routing noise excuses combine-weight errors up to {judge.weight_limit:.3g}, "
+                   f"over {EXCESSIVE:g}x the fixed weight limit {judge.weight_rule:.3g}: a real weight bug there "
+                   "would pass")
     if judge.flip_rate_limit is not None and judge.flip_rate_limit >= 1.0:
         out.append(f"layer {layer}: routing noise lets every token flip (flip rate limit "
                    f"{judge.flip_rate_limit:.3g}): a real routing bug there would pass")

@@ -129,7 +129,9 @@ def check_cell_count(axes: Sequence[Axis], max_cells: int) -> None:
     cells = math.prod(sizes)
     if cells > max_cells:
         counts = " x ".join(f"{printable(a.key)} {n}" for a, n in zip(axes, sizes, strict=True))
-        raise UsageError(f"--grid: {cells} cells ({counts}), more than --max-cells {max_cells}; "
+        # int -> str refuses past 4,300 digits (sys.set_int_max_str_digits): a number that long is shown as its size
+        shown = str(cells) if cells.bit_length() < 14_000 else f"about 10^{int(math.log10(cells))}"
+        raise UsageError(f"--grid: {shown} cells ({counts}), more than --max-cells {max_cells}; "
                          "narrow an axis, or raise the cap with --max-cells N")
 
 
