@@ -165,14 +165,13 @@ def _excessive(layer: int, judge: _Judge, b: LayerRows) -> list[str]:
     return out
 
 
-def _noise_notes(layers: list[RouterLayer], flips: list[Flip], noise: Mapping[int, RouterNoise] | None,
-                 factor: float) -> list[str]:
-    """Say when calibrated routing noise decided: flips it judged benign."""
-    decided = sorted({f.layer for f in flips if f.benign and f.after is None and noise and f.layer in noise})
-    if not decided:
+def _noise_notes(flips: list[Flip], noise: Mapping[int, RouterNoise] | None, factor: float) -> list[str]:
+    """Say when calibrated routing noise decided: flips it judged benign (not those following an earlier flip)."""
+    excused = [f for f in flips if f.benign and f.after is None and f.layer in (noise or {})]
+    if not excused:
         return []
-    n = sum(1 for f in flips if f.benign and f.after is None and f.layer in decided)
-    return [f"routing noise decided: {n} flips at layers {', '.join(map(str, decided))} passed as within {factor:g}x "
+    layers = ", ".join(map(str, sorted({f.layer for f in excused})))
+    return [f"routing noise decided: {len(excused)} flips at layers {layers} passed as within {factor:g}x "
             "the calibrated score noise of their layer"]
 
 
@@ -239,7 +238,7 @@ def compare_routing(baseline: DumpReader, target: DumpReader, *, noise: Mapping[
         for f in found:
             earlier.setdefault(int(row_key(f.sequence, f.token)), layer)
     flips.sort(key=lambda f: (f.layer, f.sequence, f.token))
-    notes = _noise_notes(layers, flips, noise, factor)
+    notes = _noise_notes(flips, noise, factor)
     if any(la.basis == MARGIN_RULE_BASIS for la in layers):
         notes.append("routing judged by the margin rule (no calibrated routing noise): a flip is benign when the "
                      "baseline's margin is within the rule's unit x RMS of the token's router scores")

@@ -54,7 +54,7 @@ from dumper.hooks.families import family_for
 from dumper.hooks.fingerprint import environment_fingerprint, model_identity
 from dumper.hooks.layers import RESIDUAL, ROUTER, find_decoder_layers
 from dumper.jobs.presets import load_model, model_label
-from dumper.jobs.replay_routing import (LayerRecords, baseline_routing, check_baseline_rows, check_force,
+from dumper.jobs.replay_routing import (LayerRecords, LayerRows, baseline_routing, check_baseline_rows, check_force,
                                         check_model_routes, layer_routing, routed_layers)
 from dumper.progress import ProgressFn
 
@@ -142,9 +142,11 @@ def _sequences(reader: DumpReader, name: str, recs: list[TensorRecord]) -> dict[
     return out
 
 
-def _layer_parts(stack: nn.Module, layer_index: int, masking_utils: Any) -> tuple[nn.Module, Any]:
+def _layer_parts(stack: nn.Module, layer_index: int) -> tuple[nn.Module, Any]:
     """The stack's rotary embedding and the mask maker of layer ``layer_index``; refused in one line when replay
     cannot build them (checked for every layer before a replay runs any)."""
+    from transformers import masking_utils
+
     rotary = getattr(stack, "rotary_emb", None)
     if not isinstance(rotary, nn.Module):
         raise UsageError(f"replay: {type(stack).__name__} has no rotary_emb; replay supports transformers "
@@ -165,10 +167,8 @@ def layer_kwargs(stack: nn.Module, layer_index: int, hidden: torch.Tensor) -> di
     stack's config (the sliding-window one for a ``sliding_attention`` layer), and the rotary
     embeddings of the stack's own ``rotary_emb``: what its forward computes without a cache.
     """
-    from transformers import masking_utils
-
     config = stack.config
-    rotary, make = _layer_parts(stack, layer_index, masking_utils)
+    rotary, make = _layer_parts(stack, layer_index)
     position_ids = torch.arange(hidden.shape[1], device=hidden.device)[None]  # [1, n]
     mask = make(config=config, inputs_embeds=hidden, attention_mask=None, past_key_values=None,
                 position_ids=position_ids)
@@ -215,11 +215,9 @@ def replay_model(model: nn.Module, baseline: str | Path, out: str | Path, *, mod
     check_model_routes(model, force_routing, routing, replayed, str(baseline))
     # everything a layer's replay would refuse, refused before any runs: its rows, its mask, its routing rows
     lengths = {k: _lengths(str(baseline), *plan[k]) for k in run}
-    from transformers import masking_utils
-
     for k in run:
-        _layer_parts(stack, k, masking_utils)
-    check_baseline_rows(reader, routing, replayed, lengths if force_routing is not None else None)
+        _layer_parts(stack, k)
+    routing_rows = check_baseline_rows(reader, routing, replayed, lengths if force_routing is not None else None)
     param = next(model.parameters())
     identity = model_identity(model, model_name)
     signature = {"layers": sorted(k + 1 for k in run if k + 1 < len(layer_list)),
@@ -233,7 +231,8 @@ def replay_model(model: nn.Module, baseline: str | Path, out: str | Path, *, mod
     with torch.inference_mode(), Capture(None, out, model_name=identity["name"], extra=extra, identity=identity,
                                          signature=signature, environment=env) as cap:
         for done, k in enumerate(run, 1):
-            _replay_layer(cap, reader, plan, k, stack, layer_list[k], param, (routing.get(k), force_routing))
+            _replay_layer(cap, reader, plan, k, stack, layer_list[k], param,
+                          (routing.get(k), routing_rows.get(k), force_routing))
             if progress is not None:
                 progress(done, len(run))
     return load_manifest(out)
@@ -241,14 +240,14 @@ def replay_model(model: nn.Module, baseline: str | Path, out: str | Path, *, mod
 
 def _replay_layer(cap: Capture, reader: DumpReader, plan: dict[int, tuple[str, list[TensorRecord]]], k: int,
                   stack: nn.Module, layer: nn.Module, param: torch.Tensor,
-                  routing: tuple[LayerRecords | None, str | None]) -> None:
+                  routing: tuple[LayerRecords | None, LayerRows | None, str | None]) -> None:
     """Run decoder ``layer`` (index ``k``) on each baseline sequence and record its output as layer ``k+1``'s residual.
 
-    ``routing``: the baseline's routing records of layer ``k`` (None: none) and the force mode;
+    ``routing``: the baseline's routing records of layer ``k`` and their rows (None: none), and the force mode;
     the layer's routing is recorded in the same pass (:func:`dumper.jobs.replay_routing.layer_routing`).
     """
     outs, positions, sequences = [], [], []
-    with layer_routing(reader, routing[0], layer, routing[1]) as routers:
+    with layer_routing(reader, *routing[:2], layer, routing[2]) as routers:
         for s, rows in _sequences(reader, *plan[k]).items():
             hidden = rows.to(param.device, param.dtype, non_blocking=True)[None]  # [1, n, hidden]
             for router in routers:

@@ -41,8 +41,8 @@ from dumper.jobs.presets import model_label
 from comparator.routing.read import LayerRecords, LayerRows, key_parts, read_layer, row_key
 from comparator.routing.read import router_records as baseline_router_records
 
-__all__ = ["FORCE_MODES", "check_force", "check_model_routes", "baseline_routing", "routed_layers", "LayerRouting",
-           "layer_routing"]
+__all__ = ["FORCE_MODES", "check_force", "check_model_routes", "baseline_routing", "routed_layers", "check_baseline_rows",
+           "LayerRouting", "layer_routing"]
 
 FORCE_MODES = ("ids", "all")
 """``force_routing`` values: the baseline's ids (weights from the router under test), or its ids and weights."""
@@ -85,11 +85,12 @@ def routed_layers(routing: dict[int, LayerRecords], layers: dict[int, nn.Module]
 
 
 def check_baseline_rows(reader: DumpReader, routing: dict[int, LayerRecords], layers: dict[int, nn.Module],
-                        forced: dict[int, dict[int, int]] | None = None) -> None:
-    """Check every replayed MoE layer (of ``layers``, by index) whose routing the baseline holds, before the replay
-    runs anything, not partway through it: one router per layer, every routing row it will use readable (expert
-    ids distinct and in range, the parts covering the same rows) and, when forcing (``forced``: layer -> sequence
-    -> rows replayed), a row for every replayed token."""
+                        forced: dict[int, dict[int, int]] | None = None) -> dict[int, LayerRows]:
+    """The routing rows of every replayed MoE layer (of ``layers``, by index) whose routing the baseline holds, read
+    and checked before the replay runs anything, not partway through it: one router per layer, every row readable
+    (expert ids distinct and in range, the parts covering the same rows) and, when forcing (``forced``: layer ->
+    sequence -> rows replayed), a row for every replayed token. :func:`layer_routing` hooks with these rows."""
+    out = {}
     for k in routed_layers(routing, layers):
         if len(find_routers(layers[k])) > 1:
             raise UsageError(f"replay: decoder layer {k} holds {len(find_routers(layers[k]))} routers; replay records "
@@ -101,6 +102,8 @@ def check_baseline_rows(reader: DumpReader, routing: dict[int, LayerRecords], la
                 raise NotComparableError(f"{reader.directory}: the baseline's routing of layer {k} has no row for "
                                          f"position {key_parts(lost[0])[1]} of sequence {s}; forcing needs one for "
                                          "every replayed token")
+        out[k] = rows
+    return out
 
 
 class LayerRouting:
@@ -121,13 +124,9 @@ class LayerRouting:
         if self.mode is None:
             return
         want = row_key(sequence, np.arange(n))
-        keys = self.base.keys
-        at = np.minimum(np.searchsorted(keys, want), max(keys.size - 1, 0))
-        lost = want[keys[at] != want] if keys.size else want
-        if lost.size:
-            raise NotComparableError(f"{self.where}: the baseline's routing of layer {self.entry.layer} has no row for "
-                                     f"position {key_parts(lost[0])[1]} of sequence {sequence}; forcing needs "
-                                     "one for every replayed token")
+        at = np.searchsorted(self.base.keys, want)
+        # check_baseline_rows refused a forced replay whose baseline lacks any of these rows
+        assert at.size == 0 or (at[-1] < self.base.keys.size and np.array_equal(self.base.keys[at], want))
         self._rows = at
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
@@ -141,7 +140,7 @@ class LayerRouting:
     def _forced(self, parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The baseline's ids (and, with ``all``, weights) of the current rows, in the router's dtypes."""
         logits, weights, ids = parts[ROUTER_LOGITS], parts[ROUTER_WEIGHTS], parts[ROUTER_IDS]
-        assert self._rows is not None  # begin() refused a sequence without baseline rows
+        assert self._rows is not None  # begin() found the sequence's baseline rows
         base_ids = self.base.ids[self._rows]  # [n, k] int64
         if base_ids.shape != tuple(ids.shape) or base_ids.max(initial=0) >= logits.shape[1]:
             raise NotComparableError(f"{self.where}: layer {self.entry.layer} routes {list(ids.shape)} (tokens, top-k) "
@@ -162,9 +161,10 @@ class LayerRouting:
 
 
 @contextlib.contextmanager
-def layer_routing(reader: DumpReader, entry: LayerRecords | None, layer: nn.Module, mode: str | None
-                  ) -> Iterator[list[LayerRouting]]:
-    """Hook the routers of a replayed decoder ``layer`` whose routing the baseline recorded (``entry``).
+def layer_routing(reader: DumpReader, entry: LayerRecords | None, base: LayerRows | None, layer: nn.Module,
+                  mode: str | None) -> Iterator[list[LayerRouting]]:
+    """Hook the router of a replayed decoder ``layer`` whose routing the baseline recorded (``entry``, its rows
+    ``base`` from :func:`check_baseline_rows`, which also refused a layer of several routers).
 
     Yields one :class:`LayerRouting` per router (none: a dense layer, or ``entry`` None); the hooks
     are removed on exit.
@@ -173,11 +173,9 @@ def layer_routing(reader: DumpReader, entry: LayerRecords | None, layer: nn.Modu
     if entry is None or not routers:
         yield []
         return
-    if len(routers) > 1:
-        raise UsageError(f"replay: decoder layer {entry.layer} holds {len(routers)} routers; replay records one "
-                         "per layer")
+    assert len(routers) == 1 and base is not None  # check_baseline_rows read this layer's rows
     module, read = routers[0]
-    hook = LayerRouting(module, read, entry, read_layer(reader, entry), mode, str(reader.directory))
+    hook = LayerRouting(module, read, entry, base, mode, str(reader.directory))
     handle = module.register_forward_hook(hook, with_kwargs=True)
     try:
         yield [hook]
