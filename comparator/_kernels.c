@@ -644,7 +644,8 @@ PyMODINIT_FUNC PyInit__kernels(void)
     PyObject *m = PyModule_Create(&module);
     PyObject *all = Py_BuildValue("(sss)", isa_names[0], isa_names[1], isa_names[2]);
     PyObject *avail = all ? PyTuple_GetSlice(all, 0, n_isa) : NULL;
-    if (m && PyModule_AddObjectRef(m, "ISAS", avail) < 0)  /* ISAs usable here */
+    if (m && (PyModule_AddObjectRef(m, "ISAS", avail) < 0  /* ISAs usable here */
+              || PyModule_AddIntConstant(m, "MAX_THREADS", MAX_THREADS) < 0))
         Py_CLEAR(m);
     Py_XDECREF(all);
     Py_XDECREF(avail);

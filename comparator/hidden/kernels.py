@@ -58,10 +58,6 @@ UNIT_BYTES = 1 << 20
 """Bytes of one side per unit of work handed to a thread: small enough to balance two cores
 over a few blocks, big enough that the per-unit cost is noise."""
 
-MAX_THREADS = 64
-"""The most threads the extension runs one call on (more are clamped to it)."""
-
-
 @dataclass(frozen=True)
 class BlockStats:
     """Statistics of one ``[rows, cols]`` block pair (see the module docstring)."""
@@ -166,10 +162,11 @@ def row_stats_many(blocks: Sequence[tuple[np.ndarray, np.ndarray, str]], *, thre
 
     Blocks are cut into row ranges of about :data:`UNIT_BYTES` that ``threads`` threads of the
     extension pull from one shared counter, so many small blocks (the chunks of a chunked
-    prefill) keep both cores busy with one call, not one per block. ``outs`` (C-contiguous
-    float64 [rows, 5], one per block) receive the per-row sums directly, saving a copy when the caller accumulates them anyway; ``exps`` (int32
-    [rows, 2], only with ``scaled``) likewise receive the row scales. ``scaled``: return the
-    sums as scaled sums of squares (module docstring), which no finite input can overflow.
+    prefill) keep both cores busy with one call, not one per block (more than the extension's
+    ``MAX_THREADS`` are clamped to it). ``outs`` (C-contiguous float64 [rows, 5], one per block)
+    receive the per-row sums directly, saving a copy when the caller accumulates them anyway;
+    ``exps`` (int32 [rows, 2], only with ``scaled``) likewise receive the row scales. ``scaled``:
+    return the sums as scaled sums of squares (module docstring), which no finite input can overflow.
     """
     checked = []
     for x, y, dtype in blocks:
@@ -221,7 +218,7 @@ def _run_units(checked: list[tuple[np.ndarray, np.ndarray, str]], outs: Sequence
             units.append(args)
             owners.append(b)
     merged: list[list[tuple]] = [[] for _ in checked]
-    for b, r in zip(owners, _kernels.row_stats_many(units, max(1, min(threads, MAX_THREADS))), strict=True):
+    for b, r in zip(owners, _kernels.row_stats_many(units, max(1, min(threads, _kernels.MAX_THREADS))), strict=True):
         merged[b].append(r)
     return merged
 

@@ -293,6 +293,7 @@ def test_many_units_refuse_bad_input() -> None:
     x = np.zeros((4, 8), np.float32)
     out = np.full((4, 5), 7.0)
     good = (x, x, "F32", 4, 8, out)
+    assert k.MAX_THREADS == 64
     for threads in (0, 65):
         with pytest.raises(ValueError, match="threads must be in 1..64"):
             k.row_stats_many([good], threads)
