@@ -1,36 +1,33 @@
 """Checks on untrusted dump metadata: manifests and safetensors headers.
 
 A dump is input from outside (another machine, another version, a hand edit, an attacker), so
-:mod:`dumper.format` runs every byte of metadata through these checks before it trusts it. A
-broken dump fails as one :class:`~dumper.errors.CorruptDumpError` line naming the file and the
-field (exit 2); never as a crash, a hang, a huge allocation, a read outside the dump, or a
-comparison of the wrong bytes (which would read as a regression). The files themselves are read
-with the generic checks of :mod:`dumper.format.files` (bounded JSON parsing, plain names,
-containment). The rules here:
+:mod:`dumper.format` runs every byte of metadata through these checks before it trusts it. A broken dump fails
+as one :class:`~dumper.errors.CorruptDumpError` line naming the file and the field (exit 2); never as a crash,
+a hang, a huge allocation, a read outside the dump, or a comparison of the wrong bytes (which would read as a
+regression). The files themselves are read with the generic checks of :mod:`dumper.format.files` (bounded JSON
+parsing, plain names, containment). The rules here:
 
-* **Bounded sizes.** ``manifest.json`` is at most :data:`MAX_MANIFEST_BYTES`, a safetensors
-  header at most :data:`MAX_HEADER_BYTES` (the reference reader's cap), a tensor at most
-  :data:`MAX_NDIM` dimensions.
-* **Exact schema.** Required keys, exact types (``True`` is not an integer, ``"3"`` and ``3.5``
-  are not layers), ranges, run-length row metadata that covers exactly the tensor's rows, no two
-  records with the same (name, forward pass, rank, call) or the same (file, key). The keys the
-  format defines (the top level and each tensor record) admit no unknown keys, since a reader
-  that skipped one could misread the dump: free-form data belongs in ``extra`` or a record's
-  ``meta``. The descriptive objects (``model``, ``capture_signature``, ``environment``) keep
-  keys this version does not know, and the fields it reads are type-checked. Every string and
-  key anywhere in them, in ``extra`` and in a record's ``meta`` must be valid Unicode (a JSON
+* **Bounded sizes.** ``manifest.json`` is at most :data:`MAX_MANIFEST_BYTES`, a safetensors header at most
+  :data:`MAX_HEADER_BYTES` (the reference reader's cap), a tensor at most :data:`MAX_NDIM` dimensions.
+* **Exact schema.** Required keys, exact types (``True`` is not an integer, ``"3"`` and ``3.5`` are not
+  layers), ranges, run-length row metadata that covers exactly the tensor's rows, no two records with the same
+  (name, forward pass, rank, call) or the same (file, key). The keys the format defines (the top level and
+  each tensor record) admit no unknown keys, since a reader that skipped one could misread the dump: free-form
+  data belongs in ``extra`` or a record's ``meta``. The descriptive objects (``model``, ``capture_signature``,
+  ``environment``) keep keys this version does not know, and the fields it reads are type-checked. Every
+  string and key anywhere in them, in ``extra`` and in a record's ``meta`` must be valid Unicode (a JSON
   escape can give a lone surrogate, which no report could print).
-* **Sizes before allocation.** A record's bytes (``prod(shape) * itemsize``, and at least one byte
-  per row, so a zero-width tensor cannot declare 2^31 rows) must fit in its data file together
-  with the other records of that file, checked against the declared file size before anything
-  decodes a run length; the declared size must equal the file's.
+* **Sizes before allocation.** A record's bytes (``prod(shape) * itemsize``, and at least one byte per row, so
+  a zero-width tensor cannot declare 2^31 rows) must fit in its data file together with the other records of
+  that file, checked against the declared file size before anything decodes a run length; the declared size
+  must equal the file's.
 * **Containment.** Every file a manifest lists is a plain name (:func:`~dumper.format.files.is_plain_name`);
   the loader then stats it with :func:`~dumper.format.files.regular_file_in`, never opening it first.
-* **safetensors headers** are validated whole when a file is opened: a JSON object of
-  ``{dtype, shape, data_offsets}`` entries (plus an optional ``__metadata__`` object of
-  strings), byte ranges consistent with dtype x shape, and ranges that tile the data section
-  exactly, in order, as the reference reader requires: no overlap, and no stray bytes (which
-  also catches a key given twice with other offsets, since JSON keeps only the last).
+* **safetensors headers** are validated whole when a file is opened: a JSON object of ``{dtype, shape,
+  data_offsets}`` entries (plus an optional ``__metadata__`` object of strings), byte ranges consistent with
+  dtype x shape, and ranges that tile the data section exactly, in order, as the reference reader requires: no
+  overlap, and no stray bytes (which also catches a key given twice with other offsets, since JSON keeps only
+  the last).
 """
 
 from __future__ import annotations
@@ -40,6 +37,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from dumper.errors import CorruptDumpError
+from dumper.format.decode import check_decode_extra, check_decode_meta
 from dumper.format.files import check_plain_name, is_text, show
 from dumper.format.sketch import check_record_sketch, check_spec
 
@@ -186,6 +184,7 @@ def check_extra(extra: Any, where: str) -> None:
         for s, seq in enumerate(ids):
             if type(seq) is not list or not all(type(t) is int and t >= 0 for t in seq):
                 raise _bad(where, f"extra.input_ids[{s}]", "a list of integers >= 0", seq)
+    check_decode_extra(extra, where)
 
 
 def check_model(model: Any, where: str, field: str = "model") -> dict:
@@ -284,6 +283,7 @@ def _check_record(d: Any, i: int, where: str, files: Mapping[str, int], itemsize
         raise _bad(where, f"tensors[{i}].meta", "an object of strings, numbers, booleans or nulls", meta)
     if meta:
         _check_text(meta, where, f"tensors[{i}].meta")
+        check_decode_meta(meta, where, f"tensors[{i}].meta")
     rows = math.prod(shape[:-1]) if len(shape) > 1 else 1
     for k in ("positions", "sequence_ids"):
         runs = get(k)

@@ -91,15 +91,13 @@ class Capture:
                                                         points=points) if model is not None else ([], 0))
         self._tap = tap_of(model) if model is not None else None
         self._tapped = self._tap_points() if model is not None else []
-        self._model_name = model_name
-        self._handles: list[Any] = []
-        self._records: list[TensorRecord] = []
+        self._model_name, self._handles, self._records = model_name, [], []  # type: ignore[var-annotated]
         self._adopted: tuple[dict[str, int], list[TensorRecord]] = ({}, [])
         self._writer: ShardWriter | None = None
         self._pass_count, self._cur_pass, self._calls = first_pass, None, {}  # type: ignore[var-annotated]
         self._rows: PassRows | None = None
         self._prev_active: Recorder | None = None
-        self._depth, self._made_dir = 0, False
+        self._depth, self._made_dir, self._pass_meta = 0, False, {}  # type: ignore[var-annotated]
 
     def _tap_points(self) -> list[tuple[HookTarget, TapPoint]]:
         """Each hidden-state target and the tap point that records it; a compiled model without a tap is refused."""
@@ -245,9 +243,12 @@ class Capture:
         self._calls.clear()
 
     def set_sequence_ids(self, ids: Sequence[int] | None) -> None:
-        """Sequence id of each batch row for the following passes (``None``: number them anew); not needed where
-        a pass's rows continue the previous pass's (chunked prefill, decoding; see ``families.HFFamily``)."""
+        """Sequence id of each batch row for the following passes (``None``: as ``families.HFFamily`` infers them)."""
         self._family.set_sequence_ids(ids)
+
+    def set_pass_meta(self, meta: dict[str, Any] | None) -> None:
+        """Meta every following record carries until changed (``None``: none), e.g. a decode step's."""
+        self._pass_meta = dict(meta or {})
 
     def _start_pass(self) -> int:
         self.step()
@@ -336,6 +337,7 @@ class Capture:
         if tensor.dtype not in _STORAGE_CODES:
             raise UsageError(f"dump({name!r}): dtype {tensor.dtype} cannot be stored")
         shape = tuple(int(s) for s in tensor.shape)
+        meta = {**self._pass_meta, **meta} if self._pass_meta else meta
         layer, shard_dim, meta = checked_record_args(name, shape, layer, point, shard_dim, meta)
         ctx, owned = self._rows, False  # owned: a fresh tensor of ours, which the writer takes without a copy
         if positions is None and sequence_ids is None and ctx is not None and shape[:-1] == ctx.shape:
@@ -380,11 +382,8 @@ def capture(model: nn.Module | Any | None, out_dir: str | Path, *, layers: str |
         out_dir: the dump directory; it must not already hold a dump.
         layers: layer spec (default ``"first,last,every:8"``), see :func:`dumper.hooks.layers.parse_layer_spec`.
         modules: fnmatch pattern(s) of module names to hook instead of the self-attention modules.
-        points: capture points, default ``("input",)``: ``"input"`` records ``{attention}.input``
-            (after the layer's input norm), ``"residual"`` records ``model.layers.{i}.residual``
-            (the decoder layer's input, before its norm; layer ``i``) and, with the last layer
-            selected, ``model.norm.residual`` (the final norm's input; layer ``num_layers``),
-            ``"router"`` records ``model.layers.{i}.router.{logits,ids,weights}`` of MoE layers.
+        points: capture points (:data:`dumper.hooks.layers.POINTS`), default ``("input",)``: ``"input"`` (the
+            attention input), ``"residual"`` (each decoder layer's input, and the final norm's), ``"router"``.
         model_name: the model's name or path, recorded in the manifest.
         shard_bytes: largest data file size before a forward pass is split into shards.
         extra: free-form JSON metadata stored in the manifest (e.g. the prompts).

@@ -62,6 +62,8 @@ class LogprobSink(Protocol):
 
     def set_sequence_ids(self, ids: Sequence[int] | None) -> None: ...
 
+    def set_pass_meta(self, meta: dict[str, Any] | None) -> None: ...
+
     def record(self, name: str, tensor: torch.Tensor, *, point: str | None = None, positions: Any = None,
                sequence_ids: Any = None) -> None: ...
 
@@ -130,6 +132,9 @@ class ObserverCheck:
 
     def set_sequence_ids(self, ids: Sequence[int] | None) -> None:
         """Nothing to do: each row the reference records names its sequence."""
+
+    def set_pass_meta(self, meta: dict[str, Any] | None) -> None:
+        """Nothing to do: rows are matched by sequence and position, whatever pass wrote them."""
 
     def record(self, name: str, tensor: torch.Tensor, *, point: str | None = None, positions: Any = None,
                sequence_ids: Any = None) -> None:
