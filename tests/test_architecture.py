@@ -33,12 +33,13 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("comparator.routing", ("comparator.routing.*",)),
     ("comparator.hidden", ("comparator.hidden.*",)),
     ("comparator.noise", ("comparator.noise.*",)),
-    ("comparator.results", ("comparator.results", "comparator.outcome")),
+    ("comparator.results", ("comparator.results", "comparator.outcome", "comparator.formatting")),
     ("comparator.reports", ("comparator.reports.*",)),
     ("comparator.store", ("comparator.store.*",)),
     ("comparator.cli", ("comparator.testing", "comparator.cli.*", "comparator", "comparator.__main__")),
     ("dumper.hooks", ("dumper.hooks.*",)),
-    ("dumper.jobs.prefill", ("dumper.jobs.presets", "dumper.jobs.run", "dumper.jobs.observer", "dumper.jobs.logprobs")),
+    ("dumper.jobs.prefill", ("dumper.jobs.presets", "dumper.jobs.run", "dumper.jobs.observer", "dumper.jobs.logprobs",
+                             "dumper.jobs.forward", "dumper.jobs.logprob_records", "dumper.jobs.decode")),
     ("dumper.engines", ("dumper.engines.*",)),
     ("dumper.jobs", ("dumper.jobs.*",)),
     ("dumper.cli", ("dumper.cli.*", "dumper", "dumper.__main__")),
@@ -48,7 +49,8 @@ the package ``pkg`` and everything under it; the most specific pattern places a 
 beats ``pkg.*``, and ``a.b.*`` beats ``a.*``), and every module has exactly one place. The
 comparator sits below the capture side, so it never imports ``dumper.hooks``/``engines``/``jobs``;
 the capture side never imports the comparator either (its own test below). ``dumper.jobs.prefill``:
-the model presets and the prefill job the engines build on (``RunConfig``, logprob recording)."""
+the model presets and the prefill job the engines build on (``RunConfig``, forward passes, logprob recording,
+decode steps)."""
 
 EXCEPTIONS: tuple[tuple[str, str, str], ...] = (
     ("comparator.cli.*", "dumper.engines.sglang",

@@ -98,6 +98,12 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
                    help="prefill in chunks of N tokens through the KV cache (one forward pass per chunk)")
     r.add_argument("--batch-size", type=int, default=1, help="prompts per forward pass, padded (default 1)")
     r.add_argument("--padding-side", default="right", choices=["right", "left"], help="where batches are padded")
+    r.add_argument("--new-tokens", type=int, default=0, metavar="N",
+                   help="after each prompt pass, greedy-decode N tokens (temperature 0, no stop at EOS) and record "
+                        "every decode step's rows, marked with their step (docs/decode.md; transformers)")
+    r.add_argument("--tokens-from", metavar="DUMP", default=None,
+                   help="the prefill counterpart of a --new-tokens dump: each of its prompts plus the tokens its "
+                        "decode fed back, so the two dumps hold the same positions (any engine)")
     r.add_argument("--logprobs", action="store_true", help="also record input-token logprobs")
     r.add_argument("--top-k", type=int, default=0, help="with --logprobs: record the top-K logprobs per position")
     r.add_argument("--logprob-start-len", type=int, default=0,
@@ -195,7 +201,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
                     chunk_size=args.chunk_size, batch_size=args.batch_size, padding_side=args.padding_side,
                     logprobs=spec, engine=args.engine, engine_args=engine_args(args.engine_arg or ()),
                     compile=args.compile, observer_check=args.observer_check,
-                    sketch=sketch_spec(args.sketch, args.sketch_seed))
+                    sketch=sketch_spec(args.sketch, args.sketch_seed), new_tokens=args.new_tokens)
+    if args.tokens_from is not None:
+        from dumper.jobs.run import tokens_from
+
+        cfg = tokens_from(cfg, args.tokens_from)
     with progress_bar(not args.quiet, "dumping", unit="tokens") as progress:
         manifest = run_engine(cfg, engine=args.engine, progress=progress)
     layers = manifest.capture_signature.get("layers", [])

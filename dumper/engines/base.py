@@ -33,13 +33,8 @@ from dumper.format.files import printable
 from dumper.hooks.capture import Capture
 from dumper.hooks.fingerprint import config_identity
 from dumper.hooks.layers import ATTN_INPUT, parse_layer_spec
-from dumper.jobs.run import (
-    RunConfig,
-    check_scored_positions,
-    prompt_token_ids,
-    record_logprobs,
-    record_token_logprobs,
-)
+from dumper.jobs.logprob_records import record_logprobs, record_token_logprobs
+from dumper.jobs.run import RunConfig, check_scored_positions, prompt_token_ids
 
 __all__ = ["EngineInfo", "EngineDump", "EngineArg", "attn_input_name", "hf_identity", "job_sequences",
            "check_checkpoint_dir", "check_engine_args"]

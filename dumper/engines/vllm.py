@@ -55,7 +55,8 @@ from dumper.hooks.capture import Capture
 from dumper.hooks.layers import ATTN_INPUT, DEFAULT_LAYERS
 from dumper.modeldir import check_model_dir
 from dumper.jobs.observer import LogprobSink, ObserverCheck, mark_observer
-from dumper.jobs.run import RunConfig, record_logprobs, record_token_logprobs
+from dumper.jobs.logprob_records import record_logprobs, record_token_logprobs
+from dumper.jobs.run import RunConfig
 from dumper.progress import ProgressFn
 
 __all__ = ["run_dump", "dump_llm", "observe_llm", "reference_llm", "load_llm", "release_llm", "engine_kwargs",

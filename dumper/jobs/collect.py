@@ -49,7 +49,7 @@ from dumper.errors import DumpError, UsageError
 from dumper.format import MANIFEST_NAME, Manifest
 from dumper.hooks.capture import Capture
 from dumper.hooks.layers import ATTN_INPUT
-from dumper.jobs.run import LogprobSpec, record_token_logprobs
+from dumper.jobs.logprob_records import LogprobSpec, record_token_logprobs
 from dumper.modeldir import check_model_dir
 from dumper.progress import ProgressFn
 from dumper.prompts import BUILTIN_PROMPTS

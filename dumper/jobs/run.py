@@ -9,53 +9,39 @@ Example::
 from __future__ import annotations
 
 import functools
-import inspect
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
-from dumper.errors import (
-    DriftscopeError,
-    InternalError,
-    ModelError,
-    UsageError,
-    error_reason,
-)
-from dumper.format import (
-    LOGITS,
-    LOGITS_POINT,
-    LOGPROB_POINT,
-    LOGPROB_TOKEN_ID,
-    LOGPROB_TOP_ID,
-    LOGPROB_TOP_VALUE,
-    LOGPROB_VALUE,
-    Manifest,
-    load_manifest,
-)
+from dumper.errors import UsageError
+from dumper.format import Manifest, load_manifest
+from dumper.format.decode import GENERATED_IDS, NEW_TOKENS, NEXT_IDS, PROMPT_LENGTHS, TOKENS_FROM
 from dumper.format.sketch import SketchSpec
 from dumper.hooks.capture import Capture
-from dumper.hooks.families import HFFamily
 from dumper.hooks.layers import ATTN_INPUT, ROUTER, parse_points
-from dumper.hooks.tap import install_tap, remove_tap, tap_of, unwrap_compiled
-from dumper.jobs.logprobs import LOGPROB_CHUNK_ROWS, row_logprobs
+from dumper.hooks.tap import install_tap, remove_tap, tap_of
+from dumper.jobs.decode import LastLogits, greedy_steps
+from dumper.jobs.forward import cache_kwarg, cache_length, call_model, pad_batch, prefill
+from dumper.jobs.logprob_records import LogprobSpec, record_logprobs, record_next_logprobs, record_token_logprobs
 from dumper.jobs.observer import LogprobSink, ObserverCheck, mark_observer
-from dumper.jobs.presets import load_model, model_label
+from dumper.jobs.presets import load_model
 from dumper.progress import ProgressFn
 from dumper.prompts import BUILTIN_PROMPTS, parse_input_ids, read_prompts_file  # noqa: F401 - re-exported
 
 __all__ = ["RunConfig", "LogprobSpec", "run_dump", "dump_sequences", "prefill", "record_logprobs",
            "record_token_logprobs", "reference_sequences", "pad_batch", "cache_kwarg", "call_model", "cache_length",
            "prompt_token_ids", "check_scored_positions", "read_prompts_file",
-           "parse_input_ids", "BUILTIN_PROMPTS"]
-
-
+           "parse_input_ids", "BUILTIN_PROMPTS", "tokens_from"]
 
 OBSERVER_ENGINES = ("transformers", "vllm")
+"""Engines whose capture runs in this process, so that ``--observer-check`` can tell what it changes."""
 ENGINE_POINTS = {"vllm": (ATTN_INPUT, ROUTER), "llama.cpp": (ATTN_INPUT, ROUTER)}
 """The capture points an engine other than transformers (which records every point) records; absent: input only."""
-"""Engines whose capture runs in this process, so that ``--observer-check`` can tell what it changes."""
+
+DECODE_ENGINES = ("transformers",)
+"""Engines whose decode steps ``--new-tokens`` records."""
 
 MAX_SEED = (1 << 63) - 1
 """Largest ``--seed``: :func:`torch.manual_seed` takes 64 bits, and the manifest keeps integers within int64."""
@@ -93,6 +79,12 @@ class RunConfig:
     """Run the prompts once unrecorded before the recorded run, so that it reads the prefix cache (vLLM)."""
     sketch: SketchSpec | None = None
     """``--sketch K``: hidden-state rows stored as projections (:mod:`dumper.format.sketch`)."""
+    new_tokens: int = 0
+    """``--new-tokens N``: greedy-decode N tokens per prompt after its prompt pass, recording every decode step
+    (:mod:`dumper.jobs.decode`)."""
+    next_ids: tuple[int, ...] = ()
+    """Per prompt, a token after it whose logprob ``--logprobs`` records too (``--tokens-from``: the decode dump's
+    last generated token, chosen but never fed)."""
 
     def engine_arg(self, key: str, default: str | None = None) -> str | None:
         """The ``--engine-arg`` value of ``key`` (the last one given), else ``default``."""
@@ -103,6 +95,11 @@ class RunConfig:
             raise UsageError(f"--chunk-size must be >= 1, got {self.chunk_size}")
         if self.batch_size < 1:
             raise UsageError(f"--batch-size must be >= 1, got {self.batch_size}")
+        if self.new_tokens < 0:
+            raise UsageError(f"--new-tokens must be >= 0, got {self.new_tokens}")
+        if self.new_tokens and self.engine not in DECODE_ENGINES:
+            raise UsageError(f"--new-tokens: engine {self.engine} records prompt passes only so far; the decode "
+                             f"path is recorded with --engine {' or '.join(DECODE_ENGINES)} (docs/decode.md)")
         if not 0 <= self.seed <= MAX_SEED:
             raise UsageError(f"--seed must be in 0..{MAX_SEED} (a torch.manual_seed int64), got {self.seed}")
         if self.padding_side not in ("left", "right"):
@@ -145,156 +142,9 @@ def prompt_token_ids(cfg: RunConfig, tokenizer: Any, vocab_size: int) -> list[li
     return seqs
 
 
-def cache_kwarg(model: torch.nn.Module) -> str:
-    """The name under which ``model.forward`` takes a KV cache.
-
-    transformers 5.x takes ``cache=``; 4.x takes ``past_key_values=`` and silently ignores an
-    unknown ``cache=``, so the name must come from the signature, not from a guess.
-    """
-    params = inspect.signature(unwrap_compiled(model).forward).parameters
-    names = HFFamily.cache_kwargs  # the names the hooks read the cache by, too
-    for name in names:
-        if name in params:
-            return name
-    raise ModelError(f"{model_label(model)}: {type(model).__name__}.forward takes no KV cache argument "
-                     f"({' or '.join(n + '=' for n in names)}); --chunk-size and selfcheck need one")
-
-
-def call_model(model: torch.nn.Module, **inputs: Any) -> Any:
-    """``model(**inputs)``; an exception from the model's own code becomes a :class:`ModelError` naming the model.
-
-    The forward pass is a trust boundary: input ids the model cannot embed or a config that
-    builds but cannot run are the model's problem (exit 2), not driftscope's. driftscope's own
-    hooks run inside the call too, but they raise only :class:`DriftscopeError` or
-    :class:`InternalError` (see :mod:`dumper.hooks.capture`), which pass through, so a bug still exits 3.
-    """
-    try:
-        return model(**inputs)
-    except (DriftscopeError, InternalError):
-        raise
-    except Exception as e:  # noqa: BLE001 - the forward boundary
-        raise ModelError(f"{model_label(model)}: the forward pass failed ({error_reason(e)})") from e
-
-
-def cache_length(out: Any) -> tuple[Any, int | None]:
-    """The KV cache a forward pass returned (``cache`` on transformers 5.x, ``past_key_values`` on 4.x) and its length.
-
-    The length is ``None`` when there is no cache or it cannot say how many tokens it holds
-    (a state-space model's cache raises on ``get_seq_length``).
-    """
-    cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
-    get = getattr(cache, "get_seq_length", None)
-    try:
-        return cache, (int(get()) if callable(get) else None)
-    except Exception:  # noqa: BLE001 - the model's cache object: any failure means "cannot say"
-        return cache, None
-
-
-def pad_batch(seqs: list[list[int]], *, side: str, pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[B, L]`` input ids and attention mask (1 = real token), padded on ``side``."""
-    length = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), length), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), length), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        cols = slice(0, len(s)) if side == "right" else slice(length - len(s), length)
-        ids[i, cols] = torch.tensor(s, dtype=torch.long)
-        mask[i, cols] = 1
-    return ids, mask
-
-
-@dataclass(frozen=True)
-class LogprobSpec:
-    """What a run records besides hidden states: input-token logprobs, top-k, full logits rows."""
-
-    top_k: int = 0
-    start_len: int = 0
-    save_logits: bool = False
-    chunk_rows: int = LOGPROB_CHUNK_ROWS
-
-
-def record_logprobs(cap: LogprobSink, logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor,
-                    positions: torch.Tensor, start: int, seq_ids: Sequence[int], spec: LogprobSpec) -> None:
-    """Record the logprobs of a pass whose logits [B, s, V] cover columns ``start .. start+s-1``.
-
-    Row (b, c) scores the token in column c+1 when that column is a real token past
-    ``spec.start_len``: across chunk boundaries too, since ``ids`` holds the whole batch.
-    """
-    batch, s, _ = logits.shape
-    length = ids.shape[1]
-    cols = torch.arange(start, start + s, device=ids.device)
-    nxt = (cols + 1).clamp(max=length - 1)
-    valid = (cols + 1 < length)[None, :] & (mask[:, cols] == 1) & (mask[:, nxt] == 1) \
-        & (positions[:, cols] + 1 > spec.start_len)
-    b_idx, t_idx = valid.nonzero(as_tuple=True)
-    if b_idx.numel() == 0:
-        return
-    rows = logits[b_idx, t_idx]  # [n, V]
-    targets = ids[b_idx, start + t_idx + 1]
-    meta = {"positions": positions[b_idx, start + t_idx] + 1,
-            "sequence_ids": torch.as_tensor(list(seq_ids), device=ids.device)[b_idx]}
-    r = row_logprobs(rows, targets, top_k=spec.top_k, chunk_rows=spec.chunk_rows)
-    record_token_logprobs(cap, meta["positions"], meta["sequence_ids"], targets, r.logprobs,
-                          r.top_ids if spec.top_k else None, r.top_logprobs if spec.top_k else None)
-    if spec.save_logits:
-        cap.record(LOGITS, rows, point=LOGITS_POINT, **meta)
-
-
-def record_token_logprobs(cap: LogprobSink, positions: Any, sequence_ids: Any, token_ids: Any, logprobs: Any,
-                          top_ids: Any = None, top_logprobs: Any = None) -> None:
-    """Record ``logprobs[r]`` of ``token_ids[r]`` at ``positions[r]`` of sequence ``sequence_ids[r]`` into ``cap``.
-
-    ``top_ids`` / ``top_logprobs`` [rows, k] are the top-k of the distribution that predicted
-    that position's token. The one writer of the ``LOGPROB_*`` records, for the HF job and for
-    engines that compute logprobs themselves (vLLM's ``prompt_logprobs``).
-    """
-    meta = {"positions": torch.as_tensor(positions, dtype=torch.int64).reshape(-1),
-            "sequence_ids": torch.as_tensor(sequence_ids, dtype=torch.int64).reshape(-1)}
-    cap.record(LOGPROB_TOKEN_ID, torch.as_tensor(token_ids, dtype=torch.int64).reshape(-1, 1),
-               point=LOGPROB_POINT, **meta)
-    cap.record(LOGPROB_VALUE, torch.as_tensor(logprobs, dtype=torch.float32).reshape(-1, 1),
-               point=LOGPROB_POINT, **meta)
-    if top_ids is not None and top_logprobs is not None:
-        cap.record(LOGPROB_TOP_ID, torch.as_tensor(top_ids, dtype=torch.int64), point=LOGPROB_POINT, **meta)
-        cap.record(LOGPROB_TOP_VALUE, torch.as_tensor(top_logprobs, dtype=torch.float32), point=LOGPROB_POINT, **meta)
-
-
 def _record_pass_logprobs(cap: LogprobSink, ids: torch.Tensor, mask: torch.Tensor, seq_ids: Sequence[int],
                           spec: LogprobSpec, logits: torch.Tensor, start: int, positions: torch.Tensor) -> None:
     record_logprobs(cap, logits, ids, mask, positions, start, seq_ids, spec)
-
-
-def prefill(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, *, chunk_size: int | None,
-            on_logits: Callable[[torch.Tensor, int, torch.Tensor], None] | None = None) -> None:
-    """Teacher-forced prefill of a padded batch: one forward pass, or one per chunk through the KV cache.
-
-    Positions are ``cumsum(mask) - 1`` so that each real token has its absolute position in
-    its own sequence whatever the padding; the mask is passed only when there is padding.
-    ``on_logits(logits, first_column, positions)`` sees each pass's logits.
-    """
-    positions = (mask.cumsum(1) - 1).clamp(min=0)
-    padded = bool((mask == 0).any())
-    if chunk_size is None:
-        out = call_model(model, input_ids=ids, attention_mask=mask if padded else None, position_ids=positions,
-                         use_cache=False)
-        if on_logits is not None:
-            on_logits(out.logits, 0, positions)
-        return
-    kw = cache_kwarg(model)
-    cache = None
-    length = ids.shape[1]
-    for start in range(0, length, chunk_size):
-        end = min(length, start + chunk_size)
-        out = call_model(model, input_ids=ids[:, start:end], attention_mask=mask[:, :end] if padded else None,
-                         position_ids=positions[:, start:end], use_cache=True, **{kw: cache})
-        cache, grown = cache_length(out)
-        if grown != end:  # the model's cache, not driftscope: a sliding window, a cache it ignores, none at all
-            held = "no KV cache" if cache is None else \
-                f"a {type(cache).__name__} holding {'an unknown number of' if grown is None else grown} tokens"
-            raise ModelError(f"{model_label(model)}: --chunk-size needs a KV cache that grows by each chunk; "
-                             f"after the chunk ending at token {end} the model returned {held} "
-                             f"(cache argument {kw!r})")
-        if on_logits is not None:
-            on_logits(out.logits, start, positions)
 
 
 def run_dump(cfg: RunConfig, *, progress: ProgressFn | None = None) -> Manifest:
@@ -336,7 +186,9 @@ def dump_sequences(model: torch.nn.Module, seqs: list[list[int]], cfg: RunConfig
     (:mod:`dumper.jobs.observer`).
     """
     check_scored_positions(cfg, seqs)
-    extra = {"job": "prefill", "input_ids": seqs, "dtype": cfg.dtype, "attn": cfg.attn, "seed": cfg.seed,
+    if cfg.next_ids and len(cfg.next_ids) != len(seqs):
+        raise UsageError(f"next_ids: {len(cfg.next_ids)} tokens for {len(seqs)} prompts")
+    extra = {"job": "decode" if cfg.new_tokens else "prefill", "input_ids": seqs, "dtype": cfg.dtype, "attn": cfg.attn, "seed": cfg.seed,
              "compiled": cfg.compile,
              "chunk_size": cfg.chunk_size, "batch_size": cfg.batch_size, "padding_side": cfg.padding_side,
              "logprobs": None if cfg.logprobs is None else vars(cfg.logprobs), **cfg.extra}
@@ -344,7 +196,11 @@ def dump_sequences(model: torch.nn.Module, seqs: list[list[int]], cfg: RunConfig
     with torch.inference_mode(), Capture(run_model, cfg.out, layers=cfg.layers, modules=cfg.modules,
                                          points=cfg.points, model_name=cfg.model, extra=extra,
                                          sketch=cfg.sketch) as cap:
-        _prefill_job(model, run_model, seqs, cfg, cap, progress)
+        generated = _prefill_job(model, run_model, seqs, cfg, cap, progress)
+        if cfg.new_tokens:
+            cap.extra.update({NEW_TOKENS: cfg.new_tokens, GENERATED_IDS: generated})
+        if cfg.next_ids:
+            cap.extra[NEXT_IDS] = [[t] for t in cfg.next_ids]
     if not cfg.observer_check or cfg.logprobs is None:
         return load_manifest(cfg.out)
     check = ObserverCheck(cfg.out, logits=cfg.logprobs.save_logits)
@@ -370,14 +226,16 @@ def reference_sequences(model: torch.nn.Module, seqs: list[list[int]], cfg: RunC
 
 
 def _prefill_job(model: torch.nn.Module, run_model: torch.nn.Module, seqs: list[list[int]], cfg: RunConfig,
-                 sink: LogprobSink, progress: ProgressFn | None) -> None:
-    """Prefill ``seqs`` through ``run_model`` in ``cfg``'s batches and chunks, logprobs into ``sink``.
+                 sink: LogprobSink, progress: ProgressFn | None) -> list[list[int]]:
+    """Prefill ``seqs`` through ``run_model`` in ``cfg``'s batches and chunks, logprobs into ``sink``, then
+    decode ``cfg.new_tokens`` per sequence (:mod:`dumper.jobs.decode`); returns the tokens generated.
 
     ``sink`` is the capture (or the observer check): it is told each batch's sequence ids.
     """
     device = next(model.parameters()).device
     pad_id = int(getattr(model.config, "pad_token_id", None) or 0)
-    done, total = 0, sum(map(len, seqs))
+    done, total = 0, sum(map(len, seqs)) + len(seqs) * max(cfg.new_tokens - 1, 0)
+    generated: list[list[int]] = []
     for first in range(0, len(seqs), cfg.batch_size):
         batch = seqs[first:first + cfg.batch_size]
         seq_ids = list(range(first, first + len(batch)))
@@ -386,7 +244,48 @@ def _prefill_job(model: torch.nn.Module, run_model: torch.nn.Module, seqs: list[
         ids, mask = ids.to(device), mask.to(device)
         on_logits = None if cfg.logprobs is None else functools.partial(
             _record_pass_logprobs, sink, ids, mask, seq_ids, cfg.logprobs)
-        prefill(run_model, ids, mask, chunk_size=cfg.chunk_size, on_logits=on_logits)
-        done += sum(map(len, batch))
+        last = LastLogits(mask) if cfg.new_tokens or cfg.next_ids else None
+        cache = prefill(run_model, ids, mask, chunk_size=cfg.chunk_size, keep_cache=bool(cfg.new_tokens),
+                        on_logits=_both(on_logits, last))
+        if last is not None and cfg.next_ids and cfg.logprobs is not None:
+            assert last.logits is not None and last.positions is not None
+            nxt = torch.as_tensor(cfg.next_ids[first:first + len(batch)], device=device)
+            record_next_logprobs(sink, last.logits, nxt, last.positions + 1, seq_ids, cfg.logprobs)
+        if last is not None and cfg.new_tokens:
+            generated += greedy_steps(run_model, sink, cache, last, mask, seq_ids, cfg.new_tokens, cfg.logprobs)
+        done += sum(map(len, batch)) + len(batch) * max(cfg.new_tokens - 1, 0)
         if progress is not None:
             progress(done, total)
+    return generated
+
+
+def _both(*fns: Callable[[torch.Tensor, int, torch.Tensor], None] | None
+          ) -> Callable[[torch.Tensor, int, torch.Tensor], None] | None:
+    """One ``on_logits`` callback calling each of ``fns`` that is not None (None: none is)."""
+    live = [f for f in fns if f is not None]
+    if not live:
+        return None
+
+    def call(logits: torch.Tensor, start: int, positions: torch.Tensor) -> None:
+        for f in live:
+            f(logits, start, positions)
+
+    return call
+
+
+def tokens_from(cfg: RunConfig, dump: str) -> RunConfig:
+    """``cfg`` as the counterpart of the decode dump ``dump``: each prompt plus the tokens its decode fed back
+    as the input (its sequences keep their ids), the last generated token as the one scored after it."""
+    if cfg.prompts or cfg.input_ids:
+        raise UsageError("--tokens-from takes its prompts from the dump; drop --prompt, --prompts and --input-ids")
+    if cfg.new_tokens:
+        raise UsageError("--tokens-from runs the prefill counterpart of a decode dump; drop --new-tokens")
+    manifest = load_manifest(dump)
+    generated = manifest.extra.get(GENERATED_IDS)
+    prompts = manifest.extra.get("input_ids")
+    if not generated or not prompts or not any(generated):
+        raise UsageError(f"{dump}: not a decode dump (its manifest lists no generated tokens: "
+                         "python -m dumper run --new-tokens N writes one)")
+    inputs = tuple(tuple(p) + tuple(g[:-1]) for p, g in zip(prompts, generated, strict=True))
+    extra = {**cfg.extra, TOKENS_FROM: str(dump), PROMPT_LENGTHS: [len(p) for p in prompts]}
+    return replace(cfg, input_ids=inputs, next_ids=tuple(g[-1] for g in generated), extra=extra)

@@ -33,7 +33,7 @@ from dumper.errors import InternalError, ModelError, UsageError
 from dumper.jobs.logprobs import input_token_logprobs
 from dumper.jobs.k3_json import k3_from_json, k3_to_json
 from dumper.jobs.presets import model_label
-from dumper.jobs.run import cache_kwarg, cache_length, call_model
+from dumper.jobs.forward import cache_kwarg, cache_length, call_model
 
 __all__ = ["MODES", "SelfCheckResult", "check_inputs", "greedy_decode", "selfcheck", "vocab_size_of",
            "DEFAULT_K3_THRESHOLD", "GREEDY_K3_NOTE"]
