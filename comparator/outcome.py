@@ -26,8 +26,11 @@ from typing import TYPE_CHECKING
 
 from dumper.format import ROUTER_LOGITS, router_name
 
+from comparator.formatting import format_available, format_float, format_located, format_ratio
+
 if TYPE_CHECKING:
-    from comparator.logprobs import Located, LogprobVerdict
+    from comparator.logprobs import LogprobVerdict
+    from comparator.hidden.decode_types import DecodeFork
     from comparator.hidden.types import FirstDivergence, Report, TensorComparison
     from comparator.routing.types import Flip, RouterComparison, RouterLayer
 
@@ -58,10 +61,11 @@ def status(passed: bool, why: str | int | None = None) -> str:
 class Outcome(enum.Enum):
     """Why a report did not pass: the first thing that broke.
 
-    Checked in this order: the routing when its first failing layer is at or before the first
-    layer whose hidden states diverge (a routing bug shows in the hidden states only after it);
-    then a diverged tensor, differing replicas, the routing alone, the logprobs. The hidden states
-    are every compared tensor but the routers' logits, which are judged as routing here.
+    Checked in this order: a decode step without rows; the routing when its first failing layer is
+    at or before the first layer whose hidden states diverge (a routing bug shows in the hidden
+    states only after it); then a diverged tensor, differing replicas, the routing alone, a decode
+    fork the noise does not explain, the logprobs. The hidden states are every compared tensor but
+    the routers' logits, which are judged as routing here.
     """
 
     PASSED = "passed"
@@ -73,11 +77,16 @@ class Outcome(enum.Enum):
     """The MoE routing fails (``report.router``) at a layer before the hidden states diverge, or they pass."""
     LOGPROBS = "logprobs"
     """The hidden states pass (or were not compared) but the logprobs fail their thresholds."""
+    DECODE = "decode"
+    """A decode dump lacks the rows of a decode step it claims (``report.decode.missing``: checked first), or two
+    decode runs forked at a step the logprob noise does not explain (checked last)."""
 
     @classmethod
     def of(cls, report: Report) -> Outcome:
         if report.passed:
             return cls.PASSED
+        if report.decode is not None and report.decode.missing:
+            return cls.DECODE
         routing, hidden = _routing_layer(report), _first_hidden_failure(report)
         # every hidden state recorded at layer L enters layer L, before its router: routing first when L is later
         if routing is not None and hidden is not None and routing < _order(hidden):
@@ -86,7 +95,11 @@ class Outcome(enum.Enum):
             return cls.TENSORS
         if report.replica_mismatches:
             return cls.REPLICAS
-        return cls.ROUTING if routing is not None else cls.LOGPROBS
+        if routing is not None:
+            return cls.ROUTING
+        if report.decode is not None and not report.decode.passed and (report.logprobs is None or report.logprobs.passed):
+            return cls.DECODE
+        return cls.LOGPROBS
 
     @property
     def passed(self) -> bool:
@@ -170,7 +183,19 @@ def clause(report: Report, *, escape: Callable[[str], str] = str, detail: bool =
         return escape(_routing_clause(report))
     if outcome is Outcome.LOGPROBS:
         return f"(logprobs: {_failures(report)})" if detail else "(logprobs)"
+    if outcome is Outcome.DECODE:
+        return escape(f"({_decode_failure(report)})")
     return ""
+
+
+def _decode_failure(report: Report) -> str:
+    """``decode coverage: ...`` (the first step without rows, and how many more) or ``decode fork: ...``."""
+    assert report.decode is not None
+    missing = report.decode.missing
+    if missing:
+        return "decode coverage: " + missing[0] + (f"; {len(missing) - 1} more" if len(missing) > 1 else "")
+    fork = next(f for f in report.decode.forks if f.near_tie is False)
+    return f"decode fork: {_fork(fork)}"
 
 
 def headline(report: Report, *, escape: Callable[[str], str] = str) -> str:
@@ -197,6 +222,8 @@ def sentence(report: Report) -> str:
         return _routing_clause(report)
     if outcome is Outcome.PASSED and report.router is not None:
         return "every matched tensor passed" + _routing_passed(report.router)
+    if outcome is Outcome.DECODE:
+        return _decode_failure(report)
     return {Outcome.PASSED: "every matched tensor passed", Outcome.REPLICAS: "replicas differ" + _routing_tail(report),
             Outcome.LOGPROBS: "the logprobs fail their thresholds"}[outcome]
 
@@ -211,41 +238,9 @@ def assertion_head(report: Report) -> str:
         return f"dumps diverge: ranks that should hold identical rows differ{_routing_tail(report)}"
     if outcome is Outcome.ROUTING:
         return f"dumps diverge in their routing: {_routing_clause(report)}"
+    if outcome is Outcome.DECODE:
+        return f"dumps diverge on their decode path: {_decode_failure(report)}"
     return f"dumps diverge in their logprobs: {_failures(report)}"
-
-
-# --------------------------------------------------------------------------- numbers in words
-
-
-def format_float(v: float | None) -> str:
-    """A metric in text: ``1.234e-03``, ``0`` (bit-identical), ``inf``, ``nan`` (``nan`` also for None)."""
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return "nan"
-    if math.isinf(v):
-        return "inf"
-    return "0" if v == 0 else f"{v:.3e}"
-
-
-def format_available(v: float | None, fmt: str | None = None) -> str:
-    """A metric that a comparison may lack (max |diff| and cosine of a sketch comparison): ``n/a`` for None,
-    else ``fmt`` (a format spec) or :func:`format_float`."""
-    return "n/a" if v is None else format(v, fmt) if fmt else format_float(v)
-
-
-def format_ratio(v: float | None) -> str:
-    """A multiple (of noise, or a growth factor): ``2.1e+06x``, ``-`` when unknown."""
-    if v is None:
-        return "-"
-    if math.isinf(v) or math.isnan(v):
-        return "inf"
-    return f"{v:.3g}x"
-
-
-def format_located(loc: Located) -> str:
-    """A max-type logprob value with where it sits: ``1.900e-03 (request 0, position 57)``, ``-`` when not computed."""
-    if loc.value is None:
-        return "-"
-    return f"{format_float(loc.value)} (request {loc.request}, position {loc.position})"
 
 
 # --------------------------------------------------------------------------- one-line summaries
@@ -263,6 +258,8 @@ def describe_divergence(fd: FirstDivergence) -> str:
     """One sentence: where the first divergence is, which sequence and tokens fail, and why it may be."""
     where = f"layer {fd.layer}" if fd.layer is not None else "a tensor without layer"
     text = f"at {where} ({fd.name}, pass {fd.forward_pass}, rank {fd.rank})"
+    if fd.phase == "decode":
+        text += f", decode step {fd.decode_step}"
     if fd.onset is not None and fd.onset != fd.token:
         text += f", divergence starts at token {fd.onset} ({_METHOD[fd.onset_method or 'threshold']})"
     if fd.token is not None:
@@ -342,9 +339,32 @@ def threshold_summary(report: Report, *, quote: Callable[[str], str] = str) -> s
 
 
 def verdict_notes(report: Report) -> list[str]:
-    """What every verdict line adds, ``--quiet`` included: tensors not compared, model notes."""
+    """What every verdict line adds, ``--quiet`` included: tensors not compared, model notes, the decode path."""
     unmatched = report.unmatched_note()
-    return ([unmatched] if unmatched else []) + list(report.notes)
+    return ([unmatched] if unmatched else []) + list(report.notes) + describe_decode(report)
+
+
+def describe_decode(report: Report) -> list[str]:
+    """What a comparison of decode dumps compared, and each fork between two decode runs, one line each."""
+    d = report.decode
+    if d is None:
+        return []
+    forked = f"; {len(d.forks)} forked (rows and logprobs from each fork on not compared)" if d.forks else ""
+    return [f"decode: {d.steps} decode steps compared over {d.sequences} sequences{forked}",
+            *(f"decode fork: {_fork(f)}" for f in d.forks)]
+
+
+def _fork(f: DecodeFork) -> str:
+    """``sequence 0 at step 4 (position 44): baseline token 5, target token 17; a near-tie: ...``."""
+    if f.near_tie is None:
+        why = "not judged: " + ("no top-2 logprobs in the baseline (--logprobs --top-k 2)" if f.gap is None
+                                else "no logprob noise to judge by")
+    else:
+        why = (f"{'a near-tie' if f.near_tie else 'a real divergence'}: baseline logprob gap "
+               f"{'>= ' if f.gap_is_bound else ''}{format_float(f.gap)} vs {format_ratio(f.factor)} noise "
+               f"{format_float(f.noise)}")
+    return (f"sequence {f.sequence} at step {f.step} (position {f.position}): baseline token {f.baseline_token}, "
+            f"target token {f.target_token}; {why}")
 
 
 def reaches_output(report: Report) -> str:

@@ -20,13 +20,12 @@ import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from dumper.errors import NotComparableError
-from dumper.format import (LOGITS_POINT, LOGPROB_NAMES, LOGPROB_POINT, ROUTER_CHOICE_POINT, ROUTER_POINTS, DumpReader,
-                           Manifest, TensorRecord)
+from dumper.format import LOGITS_POINT, LOGPROB_POINT, ROUTER_CHOICE_POINT, DumpReader, Manifest, TensorRecord
+from dumper.format.decode import DECODE, record_phase
 
 from comparator.hidden.align import (
     LogicalKey,
@@ -40,6 +39,7 @@ from comparator.hidden.align import (
     split_by_mode,
 )
 from comparator.config import CompareConfig
+from comparator.hidden.decode import decode_plan, judge_forks, with_phase
 from comparator.hidden.heatmap import token_heatmap
 from comparator.judging.identity import check_distinct, check_identity
 from comparator.hidden.judge import judge_tensor
@@ -48,12 +48,9 @@ from comparator.hidden.metrics import PairStats, StatsAccumulator, pair_stats
 from comparator.hidden.pipeline import in_order
 from comparator.hidden.sketch import HiddenReader, is_sketched, record_sketch_stats, sketch_readers, sketch_stats
 from comparator.hidden.replicas import ReplicaView, as_rank, check_replicas
-from comparator.hidden.subset import SUBSET_NOTE, relabel_sequences, subset_baseline, subset_logprobs
+from comparator.hidden.subset import SUBSET_NOTE, relabel_sequences, subset_baseline
+from comparator.hidden.verdicts import has_logprobs, logprob_noise, logprob_verdict, routing_verdict
 from comparator.hidden.types import Report, TensorComparison
-
-if TYPE_CHECKING:  # the logprob and routing verdicts load only for dumps that hold such records
-    from comparator.logprobs import LogprobVerdict
-    from comparator.routing.types import RouterComparison
 
 __all__ = ["compare_dumps"]
 
@@ -62,6 +59,8 @@ Tokens = tuple[np.ndarray, np.ndarray | None, np.ndarray | None]
 """One comparison's per-token rel_diff, with the rows' positions and sequence ids (None: not recorded)."""
 TokenSink = Callable[[TensorComparison, np.ndarray], None]
 """Receives every comparison with its per-token rel_diff (calibration collects them)."""
+
+
 def _chunk_note(pos: int, segs: list[Segment], side: str) -> str | None:
     """Where ``pos`` sits in a side's passes, when that side split the sequence over several."""
     passes = sorted({s.rec.forward_pass for s in segs})
@@ -69,6 +68,9 @@ def _chunk_note(pos: int, segs: list[Segment], side: str) -> str | None:
         return None
     for s in segs:
         if s.pos <= pos < s.pos + s.count:
+            phase, step = record_phase(s.rec.meta)
+            if phase == DECODE:
+                return f"token {pos} = decode step {step} of the {side} (pass {s.rec.forward_pass})"
             k = passes.index(s.rec.forward_pass) + 1
             where = "start" if pos == s.pos else f"inside (chunk starts at {s.pos})"
             return f"token {pos} = {where} of chunk {k}/{len(passes)} of the {side} (pass {s.rec.forward_pass})"
@@ -176,19 +178,22 @@ def compare_dumps(baseline: str | os.PathLike[str], target: str | os.PathLike[st
     config = config or CompareConfig()
     br, tr, notes = _open(baseline, target, config)
     replay = _replay_notes(tr.manifest)
-    verdict, parts_b, parts_t = _logprob_verdict(br, tr, config)
-    router = _routing_verdict(br, tr, config)
+    decode = decode_plan(br.manifest, tr.manifest, (str(br.directory), str(tr.directory)))
+    verdict, parts_b, parts_t, base_logprobs = logprob_verdict(br, tr, config, decode)
+    router = routing_verdict(br, tr, config)
     br, tr, sketch = sketch_readers(br, tr)  # either side a sketch: both read as sketches (comparator.hidden.sketch)
     (bm, empty_b), (tm, empty_t) = _hidden(br.manifest), _hidden(tr.manifest)
     plan = _plan(bm, tm, br, tr, sorted(set(empty_b) | set(empty_t)))
+    if decode is not None:  # nothing from a fork on; a coverage hole: the rows both hold (comparator.hidden.decode)
+        plan.base, plan.target = decode.cut(plan.base, plan.target)
     if config.subset:  # judge the target's rows only (comparator.hidden.subset)
         plan.base, plan.unmatched_baseline = subset_baseline(plan.base, plan.target, plan.unmatched_baseline,
                                                              _logical_label)
     plan.unmatched_baseline.extend(parts_b)  # logits rows or top-k lists on one side only: not computed
     plan.unmatched_target.extend(parts_t)
     if verdict is None:  # logprobs recorded on one side only were not compared either
-        plan.unmatched_baseline.extend([LOGPROB_POINT] if _has_logprobs(br.manifest) else [])
-        plan.unmatched_target.extend([LOGPROB_POINT] if _has_logprobs(tr.manifest) else [])
+        plan.unmatched_baseline.extend([LOGPROB_POINT] if has_logprobs(br.manifest) else [])
+        plan.unmatched_target.extend([LOGPROB_POINT] if has_logprobs(tr.manifest) else [])
     _check_plan(plan, br, tr, config, hidden=verdict is None or bool(bm.tensors or tm.tensors))
     (replicas_b, views_b), (replicas_t, views_t) = (check_replicas("baseline", br, plan.base, config),
                                                     check_replicas("target", tr, plan.target, config))
@@ -196,6 +201,7 @@ def compare_dumps(baseline: str | os.PathLike[str], target: str | os.PathLike[st
     views = [v for v in (*views_b, *views_t) if v.key in matched]  # ranks that differ: judged too
     results, kept = _compare_all(plan, views, br, tr, config, progress, token_sink)
     fd = locate_onset(first_divergence(results), results, kept.get, config)
+    fd = with_phase(fd, br.manifest, tr.manifest) if decode is not None else fd
     # the heatmap follows the rank the divergence is on
     base_lts, targ_lts = as_rank(plan.base, plan.target, views, fd.replica_side if fd else None, fd.rank if fd else 0)
     heatmap = token_heatmap(fd, base_lts, targ_lts, lambda b, t: _logical_stats(b, t, br, tr, config)[:2])
@@ -216,6 +222,8 @@ def compare_dumps(baseline: str | os.PathLike[str], target: str | os.PathLike[st
         noise_floor=config.noise_floor if config.noise is not None else None,
         amplification=() if replay else tuple(layer_amplification(results, config)),  # a replay has no growth
         router=router,
+        decode=None if decode is None else decode.summary(
+            judge_forks(decode, base_logprobs, logprob_noise(verdict, config))),
     )
 
 
@@ -328,10 +336,6 @@ def _replay_notes(manifest: Manifest) -> tuple[str, ...]:
                "an MoE layer still adds is the same experts' math, not a different expert"] if forced else []))
 
 
-def _has_logprobs(manifest: Manifest) -> bool:
-    return any(r.point == LOGPROB_POINT for r in manifest.tensors)
-
-
 def _hidden(manifest: Manifest) -> tuple[Manifest, list[str]]:
     """The manifest without its logprob, logits and routing-choice rows (they get verdicts of their own) and without
     tensors of no elements, which are returned as labels (``name[pass=P,rank=R]``)."""
@@ -344,41 +348,6 @@ def _hidden(manifest: Manifest) -> tuple[Manifest, list[str]]:
         else:
             keep.append(r)
     return (manifest if len(keep) == len(manifest.tensors) else replace(manifest, tensors=tuple(keep))), empty
-
-
-def _logprob_verdict(br: DumpReader, tr: DumpReader, config: CompareConfig) -> tuple[
-        LogprobVerdict | None, list[str], list[str]]:
-    """The logprob verdict when both dumps recorded logprobs (else None), and the logprob parts
-    (logits rows, top-k lists) that only one side recorded, so were not compared."""
-    if not _holds(br, tr, lambda r: r.name in LOGPROB_NAMES):
-        return None, [], []  # what dump_logprobs says of two dumps without them, without importing it
-    from comparator.logprobs.judge import judge_sources
-    from comparator.logprobs.sources.dump import dump_logprobs
-
-    base, targ = dump_logprobs(br), dump_logprobs(tr)
-    if base is None or targ is None:
-        return None, [], []
-    if config.subset:
-        base = subset_logprobs(base, targ)
-    judged = judge_sources(base, targ, model=config.model, explicit=dict(config.logprob_thresholds),
-                           noise=config.noise.logprobs if config.noise is not None else None,
-                           noise_factor=config.noise_factor, noise_floors=dict(config.noise_floors))
-    return judged.verdict, list(judged.only_baseline), list(judged.only_target)
-
-
-def _routing_verdict(br: DumpReader, tr: DumpReader, config: CompareConfig) -> RouterComparison | None:
-    """The routing verdict when both dumps recorded routing (else None)."""
-    if not _holds(br, tr, lambda r: r.point in ROUTER_POINTS):
-        return None  # what compare_routing says of two dumps without routing, without importing it
-    from comparator.routing.compare import compare_routing
-
-    return compare_routing(br, tr, noise=config.noise.router if config.noise is not None else None,
-                           factor=config.noise_factor)
-
-
-def _holds(br: DumpReader, tr: DumpReader, wanted: Callable[[TensorRecord], bool]) -> bool:
-    """Whether either dump's manifest lists a record that is ``wanted``."""
-    return any(wanted(r) for reader in (br, tr) for r in reader.manifest.tensors)
 
 
 def _logical_label(key: LogicalKey) -> str:

@@ -38,7 +38,7 @@ if TYPE_CHECKING:  # a comparison without logprobs never loads them
     from comparator.logprobs.sources.source import LogprobSource
     from comparator.logprobs.types import SequenceLogprobs
 
-__all__ = ["SUBSET_NOTE", "relabel_sequences", "subset_baseline", "subset_logprobs"]
+__all__ = ["SUBSET_NOTE", "relabel_sequences", "subset_baseline", "subset_logprobs", "cut_tensor", "coverage"]
 
 SUBSET_NOTE = ("subset comparison: only the target's rows were judged, each against the baseline's row of the "
                "same sequence and position; the baseline's other rows were not compared")
@@ -76,7 +76,8 @@ def relabel_sequences(reader: DumpReader, sequence_map: Sequence[int]) -> DumpRe
     return DumpReader(reader.directory, replace(m, tensors=tensors, extra=extra), max_open=reader.max_open)
 
 
-def _coverage(segs: Sequence[Segment]) -> list[Interval]:
+def coverage(segs: Sequence[Segment]) -> list[Interval]:
+    """The positions ``segs`` hold, as sorted disjoint ``[start, end)`` intervals."""
     out: list[Interval] = []
     for s in sorted(segs, key=lambda s: s.pos):
         if out and out[-1][1] >= s.pos:
@@ -97,7 +98,8 @@ def _cut(segs: Sequence[Segment], cover: Sequence[Interval]) -> list[Segment]:
     return out
 
 
-def _cut_tensor(base: LogicalTensor, cover: Sequence[Interval]) -> LogicalTensor:
+def cut_tensor(base: LogicalTensor, cover: Sequence[Interval]) -> LogicalTensor:
+    """``base`` with only its rows at positions inside ``cover`` (``[start, end)`` intervals), replicas cut alike."""
     out = LogicalTensor(base.name, base.call, base.sequence, base.layer, base.sharded,
                         by_rank={r: _cut(segs, cover) for r, segs in base.by_rank.items()}, rows=_cut(base.rows, cover))
     for ref, other in base.replicas:  # both hold the same positions: cut alike
@@ -110,7 +112,7 @@ def subset_baseline(base: dict[LogicalKey, LogicalTensor], target: dict[LogicalK
                     ) -> tuple[dict[LogicalKey, LogicalTensor], list[str]]:
     """The baseline's logical tensors that the target holds, each cut to the target's positions,
     and ``unmatched_baseline`` without the (``label``-ed) ones the target does not hold."""
-    kept = {k: _cut_tensor(b, _coverage(target[k].rows)) for k, b in base.items() if k in target}
+    kept = {k: cut_tensor(b, coverage(target[k].rows)) for k, b in base.items() if k in target}
     left_out = {label(k) for k in base.keys() - kept.keys()}
     return kept, [u for u in unmatched_baseline if u not in left_out]
 

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
+from comparator.hidden.decode_types import DecodeComparison, DecodeFork
 from comparator.jsonfloat import from_json_float, to_json_float
 from comparator.hidden.onset import Amplification
 from comparator.hidden.registry import BuiltinMetrics
@@ -25,7 +26,8 @@ if TYPE_CHECKING:  # loaded by a report that holds them (Report.from_json), not 
     from comparator.logprobs.types import LogprobVerdict
     from comparator.routing.types import RouterComparison
 
-__all__ = ["TensorComparison", "FirstDivergence", "ReplicaMismatch", "LayerSummary", "Heatmap", "Report"]
+__all__ = ["TensorComparison", "FirstDivergence", "DecodeFork", "DecodeComparison", "ReplicaMismatch", "LayerSummary",
+           "Heatmap", "Report"]  # the decode types live in comparator.hidden.decode_types
 
 
 _OPTIONAL_FLOATS = ("threshold", "token_threshold", "noise_ratio", "token_noise_ratio")
@@ -152,6 +154,11 @@ class FirstDivergence:
     onset_layer: int | None = None
     onset_layer_method: str | None = None
     replica_side: str | None = None
+    phase: str | None = None
+    """``prefill`` or ``decode``: the phase of the pass that wrote the first failing row (either side's
+    record says; None in a report written before decode dumps existed)."""
+    decode_step: int | None = None
+    """The decode step that wrote it (:mod:`dumper.format.decode`), when ``phase`` is ``decode``."""
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -277,6 +284,8 @@ class Report:
     warnings: tuple[str, ...] = ()
     """What the verdict warns about: noise that lets pass what the fixed thresholds fail, a
     calibration across models (:func:`comparator.judging.noise_thresholds.noise_warnings`, the logprob noise's)."""
+    decode: DecodeComparison | None = None
+    """Set when either side holds decode steps (:mod:`comparator.hidden.decode`): steps compared, forks, coverage."""
 
     @property
     def matched(self) -> int:
@@ -288,7 +297,7 @@ class Report:
         """Something was compared, every tensor passed, replicas agree, and logprobs and routing (if any) pass."""
         return ((self.matched > 0 or self.logprobs is not None) and all(t.passed for t in self.tensors)
                 and not self.replica_mismatches and (self.logprobs is None or self.logprobs.passed)
-                and (self.router is None or self.router.passed))
+                and (self.router is None or self.router.passed) and (self.decode is None or self.decode.passed))
 
     def __bool__(self) -> bool:
         return self.passed
@@ -352,6 +361,7 @@ class Report:
             "warnings": list(self.warnings),
             "router": self.router.to_json() if self.router is not None else None,
             "sketch": self.sketch,
+            "decode": self.decode.to_json() if self.decode is not None else None,
         }
 
     @classmethod
@@ -379,4 +389,5 @@ class Report:
             warnings=tuple(d.get("warnings", ())),
             router=RouterComparison.from_json(d["router"]) if d.get("router") else None,
             sketch=d.get("sketch"),
+            decode=DecodeComparison.from_json(d["decode"]) if d.get("decode") else None,
         )

@@ -20,6 +20,7 @@ import json
 from collections.abc import Sequence
 
 from dumper.format import Manifest
+from dumper.format.decode import scored_tokens
 from dumper.tokenizers import PRESETS, ByteTokenizer, Tokenizer
 
 __all__ = ["TokenLookup", "tokenizer_for", "show_text"]
@@ -48,7 +49,7 @@ class TokenLookup:
         """Ids from ``manifest.extra["input_ids"]``; ``tokenizer`` default: :func:`tokenizer_for`."""
         if manifest is None:
             return cls([], tokenizer)
-        ids = manifest.extra.get("input_ids") or []
+        ids = scored_tokens(manifest.extra)  # the prompts, and what a decode generated after them
         return cls(ids, tokenizer if tokenizer is not None else tokenizer_for(manifest))
 
     def token(self, sequence: int | str | None, position: int) -> tuple[int | None, str | None]:

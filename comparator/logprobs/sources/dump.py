@@ -28,6 +28,7 @@ from dumper.format import (
     to_float64,
 )
 from dumper.format.dtypes import FLOAT_CODES, INT_CODES
+from dumper.format.decode import scored_tokens
 
 from comparator.logprobs.sources.input_caps import MAX_POSITIONS, MAX_TOTAL_POSITIONS, TOKEN_ID_LIMIT
 from comparator.logprobs.sources.source import LogprobSource
@@ -113,7 +114,8 @@ def _check_extent(reader: DumpReader, recs: Mapping[tuple[int, int, int], Tensor
         for s, hi in zip(ids.tolist(), last.tolist(), strict=True):
             limit = len(inputs[s]) if s < len(inputs) else MAX_POSITIONS
             if hi >= limit:
-                why = f"its prompt's {limit} tokens (extra.input_ids)" if s < len(inputs) else f"{MAX_POSITIONS}"
+                why = f"its {limit} tokens (extra.input_ids, and generated_ids or next_ids)" if s < len(inputs) \
+                    else f"{MAX_POSITIONS}"
                 raise CorruptDumpError(f"{_where(reader, rec)}: sequence {s}: logprob position {hi} is beyond {why}")
             ends[s] = max(ends.get(s, 0), hi + 1)
     total = sum(ends.values())
@@ -152,7 +154,7 @@ def dump_logprobs(reader: DumpReader) -> LogprobSource | None:
     recs = _rows(reader, LOGPROB_NAMES)
     if not recs.get(LOGPROB_VALUE):
         return None
-    inputs = reader.manifest.extra.get("input_ids") or []
+    inputs = scored_tokens(reader.manifest.extra)  # the prompts, and what a decode generated after them
     _check_extent(reader, recs[LOGPROB_VALUE], inputs)
     per_seq: dict[int, dict[int, Row]] = defaultdict(dict)
     for key in recs[LOGPROB_VALUE]:

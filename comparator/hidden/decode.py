@@ -1,0 +1,262 @@
+"""The decode path in a comparison: which phase a divergence is in, decode coverage, and forks.
+
+A ``--new-tokens`` dump (:mod:`dumper.format.decode`) meets either its prefill counterpart
+(``--tokens-from``: the same tokens, so every row has a partner) or another decode run. Three
+things differ from a prefill comparison:
+
+- **Phase.** The first divergent row is named with the phase of the pass that wrote it
+  (``first_divergent.phase``, ``decode_step``), from either side's record.
+- **Coverage.** A dump that claims N decode steps must hold each step's rows at every hidden
+  tensor it recorded for that sequence; a missing step is a failure naming it, never a pass on
+  fewer rows.
+- **Forks.** Two decode runs feed back what they generated; once a sequence's generated tokens
+  differ, its later rows see different inputs. Rows and logprobs from the fork's position on
+  are not compared (nor counted as failures); the fork is reported with both tokens and whether
+  it is a near-tie: the baseline's logprob gap between its token and the target's at that step,
+  within :data:`NEAR_TIE` times the logprob noise (the largest |Δlogprob| measured on
+  the positions both fed alike, or the calibrated noise when larger).
+
+Nothing here reads tensor data: cuts act on the plan and on the logprob sequences.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from dumper.errors import NotComparableError
+from dumper.format import LOGITS_POINT, LOGPROB_POINT, ROUTER_CHOICE_POINT, Manifest
+from dumper.format.decode import (DECODE, GENERATED_IDS, NEW_TOKENS, PROMPT_LENGTHS, generated_ids, prompt_lengths,
+                                  record_phase)
+
+from comparator.hidden.align import LogicalKey, LogicalTensor
+from comparator.hidden.subset import Interval, coverage, cut_tensor
+from comparator.hidden.decode_types import DecodeComparison, DecodeFork
+from comparator.hidden.types import FirstDivergence
+
+if TYPE_CHECKING:
+    from comparator.logprobs.sources.source import LogprobSource
+    from comparator.logprobs.types import SequenceLogprobs
+
+__all__ = ["NEAR_TIE", "DecodePlan", "decode_plan", "with_phase", "cut_plan", "cut_to_common", "cut_logprobs", "judge_forks"]
+
+NEAR_TIE = 10.0
+"""A fork is a near-tie when the baseline's logprob gap between the two tokens is within this many times the noise."""
+
+_NOT_HIDDEN = (LOGPROB_POINT, LOGITS_POINT, ROUTER_CHOICE_POINT)
+
+
+class DecodePlan:
+    """What the decode path means for one comparison, from the two manifests alone.
+
+    ``limits``: per sequence, the first position not compared (a fork, or the end of the shorter
+    decode); ``forks``: (sequence, step, position, baseline token, target token) per fork;
+    ``missing``: coverage failures of either side; ``lengths``/``steps``: where each sequence's
+    decode part begins and how many decode steps (fed tokens) each side recorded.
+    """
+
+    def __init__(self) -> None:
+        self.limits: dict[int, int] = {}
+        self.forks: list[tuple[int, int, int, int, int]] = []
+        self.missing: list[str] = []
+        self.lengths: dict[int, int] = {}
+        self.steps: dict[int, int] = {}
+
+    def cut(self, base: dict[LogicalKey, LogicalTensor], target: dict[LogicalKey, LogicalTensor]
+            ) -> tuple[dict[LogicalKey, LogicalTensor], dict[LogicalKey, LogicalTensor]]:
+        """Both sides' tensors cut to what is compared: positions below each sequence's limit, and where a
+        coverage failure left a hole, the positions both sides hold."""
+        if self.limits:
+            base, target = cut_plan(base, self.limits), cut_plan(target, self.limits)
+        return cut_to_common(base, target) if self.missing else (base, target)
+
+    def summary(self, forks: tuple[DecodeFork, ...]) -> DecodeComparison:
+        compared = sum(min(self.steps[s], max(self.limits.get(s, self.lengths[s] + self.steps[s]) - self.lengths[s], 0))
+                       for s in self.steps)
+        return DecodeComparison(sequences=len(self.steps), steps=compared, forks=forks, missing=tuple(self.missing))
+
+
+def _is_decode(m: Manifest) -> bool:
+    return m.extra.get(GENERATED_IDS) is not None and bool(m.extra.get(NEW_TOKENS))
+
+
+def decode_plan(bm: Manifest, tm: Manifest, where: tuple[str, str]) -> DecodePlan | None:
+    """The decode plan of a comparison (None when neither side holds a decode part).
+
+    Raises NotComparableError when a ``--tokens-from`` side was not made from the other side's tokens.
+    """
+    sides = [(m, w) for m, w in zip((bm, tm), where, strict=True) if _is_decode(m)]
+    if not sides:
+        return None
+    plan = DecodePlan()
+    for m, w in sides:
+        plan.missing += coverage_failures(m, w)
+    if len(sides) == 2:
+        _forks(plan, bm, tm)
+    else:
+        decode, other = (bm, tm) if sides[0][0] is bm else (tm, bm)
+        _check_counterpart(decode, other, where[1] if other is tm else where[0])
+        for s, (n, g) in enumerate(zip(prompt_lengths(decode.extra) or [], generated_ids(decode.extra) or [],
+                                       strict=True)):
+            plan.lengths[s], plan.steps[s] = n, max(len(g) - 1, 0)
+    return plan
+
+
+def _check_counterpart(decode: Manifest, other: Manifest, where: str) -> None:
+    """A prefill side must have fed the decode side's prompts and generated tokens (what ``--tokens-from`` does)."""
+    fed = [list(p) + list(g[:-1]) for p, g in zip(decode.extra.get("input_ids") or [], generated_ids(decode.extra) or [],
+                                                  strict=True)]
+    inputs = other.extra.get("input_ids")
+    if inputs is None or other.extra.get(PROMPT_LENGTHS) is None:
+        return  # a prefill of its own prompts: rows and logprobs say where they differ
+    for s, (a, b) in enumerate(zip(fed, inputs, strict=False)):
+        if list(a) != list(b):
+            i = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+            raise NotComparableError(f"{where}: sequence {s} differs at position {i} from the tokens the decode "
+                                     "dump fed back: it was not made with --tokens-from that dump")
+
+
+def _forks(plan: DecodePlan, bm: Manifest, tm: Manifest) -> None:
+    """Per sequence of two decode dumps: the first step whose generated tokens differ, and where comparing stops."""
+    pb, pt = bm.extra.get("input_ids") or [], tm.extra.get("input_ids") or []
+    gb, gt = generated_ids(bm.extra) or [], generated_ids(tm.extra) or []
+    for s in range(min(len(gb), len(gt))):
+        if list(pb[s]) != list(pt[s]):
+            continue  # different prompts: the prefill rows say so
+        n = min(len(gb[s]), len(gt[s]))
+        fork = next((i for i in range(n) if gb[s][i] != gt[s][i]), None)
+        plan.lengths[s], plan.steps[s] = len(pb[s]), max(n - 1, 0)
+        plan.limits[s] = len(pb[s]) + (n if fork is None else fork)
+        if fork is not None:
+            plan.forks.append((s, fork, len(pb[s]) + fork, gb[s][fork], gt[s][fork]))
+
+
+def coverage_failures(m: Manifest, where: str) -> list[str]:
+    """Each (tensor, sequence) of a decode dump that lacks rows of a decode step, named by its first missing step."""
+    lengths, generated = prompt_lengths(m.extra) or [], generated_ids(m.extra) or []
+    have: dict[tuple[str, int], set[int]] = defaultdict(set)  # (name, sequence) -> decode positions
+    names: dict[int, set[str]] = defaultdict(set)
+    wrong: list[str] = []
+    for rec in m.tensors:
+        if rec.point in _NOT_HIDDEN or rec.layer is None:
+            continue
+        pos, seq = rec.row_positions(), rec.row_sequence_ids()
+        if pos is None or seq is None:
+            continue
+        phase, step = record_phase(rec.meta)
+        for s in np.unique(seq[seq >= 0]).tolist():
+            names[s].add(rec.name)
+            if phase != DECODE:
+                continue
+            at = pos[seq == s]
+            if s < len(lengths) and step is not None and not np.all(at == lengths[s] + step):
+                wrong.append(f"{where}: {rec.name} labels rows of sequence {s} at positions {sorted(set(at.tolist()))} "
+                             f"decode step {step}, which feeds position {lengths[s] + step}")
+            have[rec.name, s].update(at.tolist())
+    out = wrong[:1]
+    for s, name_set in sorted(names.items()):
+        if s >= len(generated) or s >= len(lengths):
+            continue
+        want = range(lengths[s], lengths[s] + max(len(generated[s]) - 1, 0))
+        for name in sorted(name_set):
+            lacking = [p for p in want if p not in have[name, s]]
+            if lacking:
+                out.append(f"{where}: decode step {lacking[0] - lengths[s]} of sequence {s} (position {lacking[0]}) "
+                           f"has no rows at {name}" + (f" ({len(lacking)} steps missing)" if len(lacking) > 1 else ""))
+    return out
+
+
+def with_phase(fd: FirstDivergence | None, bm: Manifest, tm: Manifest) -> FirstDivergence | None:
+    """``fd`` with the phase (and decode step) of the pass that wrote its first failing row, on either side."""
+    if fd is None or fd.token is None or fd.sequence is None:
+        return fd
+    for m in (tm, bm):
+        for rec in m.tensors:
+            if rec.name != fd.name or not rec.meta:
+                continue
+            phase, step = record_phase(rec.meta)
+            if phase != DECODE:
+                continue
+            pos, seq = rec.row_positions(), rec.row_sequence_ids()
+            if pos is not None and seq is not None and bool(np.any((pos == fd.token) & (seq == fd.sequence))):
+                return replace(fd, phase=DECODE, decode_step=step)
+    return replace(fd, phase="prefill")
+
+
+def cut_plan(tensors: dict[LogicalKey, LogicalTensor], limits: dict[int, int]) -> dict[LogicalKey, LogicalTensor]:
+    """``tensors`` with each sequence cut to positions below its limit (a fork, the shorter decode)."""
+    return {k: cut_tensor(t, [(0, limits[k[2]])]) if k[2] in limits else t for k, t in tensors.items()}
+
+
+def _intersect(a: list[Interval], b: list[Interval]) -> list[Interval]:
+    out, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if lo < hi:
+            out.append((lo, hi))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def cut_to_common(base: dict[LogicalKey, LogicalTensor], target: dict[LogicalKey, LogicalTensor]
+                  ) -> tuple[dict[LogicalKey, LogicalTensor], dict[LogicalKey, LogicalTensor]]:
+    """Both sides with each tensor they share cut to the positions both hold: a decode dump that lacks a
+    step already fails by its coverage, and the rows it has are still compared."""
+    b, t = dict(base), dict(target)
+    for k in base.keys() & target.keys():
+        cb, ct = coverage(base[k].rows), coverage(target[k].rows)
+        if cb != ct:
+            common = _intersect(cb, ct)
+            b[k], t[k] = cut_tensor(base[k], common), cut_tensor(target[k], common)
+    return b, t
+
+
+def _cut_sequence(s: SequenceLogprobs, n: int) -> SequenceLogprobs:
+    return replace(s, token_ids=s.token_ids[:n], logprobs=s.logprobs[:n], top=None if s.top is None else s.top[:n],
+                   token_texts=None if s.token_texts is None else s.token_texts[:n])
+
+
+def cut_logprobs(src: LogprobSource, limits: dict[int, int]) -> LogprobSource:
+    """``src`` with each sequence's logprobs (and logits rows) cut to positions below its limit."""
+    def limit(request: str) -> int | None:
+        return limits.get(int(request)) if request.isdigit() else None
+
+    seqs = tuple(s if limit(s.request) is None else _cut_sequence(s, limit(s.request)) for s in src.sequences)
+    logits = src.logits
+    if logits is not None:
+        logits = {}
+        for req, (pos, rows) in src.logits.items():
+            n = limit(req)
+            keep = np.flatnonzero(pos < n) if n is not None else None
+            logits[req] = (pos, rows) if keep is None else (pos[keep], rows[keep])
+    return replace(src, sequences=seqs, logits=logits)
+
+
+def judge_forks(plan: DecodePlan, base: LogprobSource | None, noise: float | None) -> tuple[DecodeFork, ...]:
+    """Each fork with the baseline's logprob gap between its token and the target's, and whether that is a near-tie.
+
+    ``base`` is the baseline's logprobs before any cut (its top-k at the fork's position gives the
+    gap); ``noise`` the largest |Δlogprob| on the positions both sides fed alike (or calibrated).
+    """
+    seqs = {s.request: s for s in base.sequences} if base is not None else {}
+    out = []
+    for s, step, pos, b_tok, t_tok in plan.forks:
+        seq = seqs.get(str(s))
+        top = seq.top[pos] if seq is not None and seq.top is not None and pos < len(seq.top) else None
+        gap: float | None = None
+        in_top = False
+        if top is not None and len(top) >= 2:
+            lp = dict(top)
+            in_top = t_tok in lp and b_tok in lp
+            gap = (lp[b_tok] - lp[t_tok]) if in_top else (top[0][1] - top[-1][1])
+        near = None if gap is None or noise is None else bool(in_top and gap <= NEAR_TIE * noise)
+        out.append(DecodeFork(sequence=s, step=step, position=pos, baseline_token=b_tok, target_token=t_tok,
+                              gap=gap, gap_is_bound=gap is not None and not in_top, noise=noise, near_tie=near,
+                              factor=NEAR_TIE))
+    return tuple(out)
