@@ -2,6 +2,7 @@
 
     python bench/bench_vllm_mp.py [--reps 5] [--mib 32] [--tokens 512] [--dtype float32] [--skip-tp]
                                   [--fresh-cache] [--dir DIR] [--hidden H --layers L | --prompts N]
+                                  [--new-tokens T]
 
 Every engine is ``dumper.engines.vllm.engine_kwargs`` of one prefill job (``max_tokens=1``, no
 logprobs, every layer captured) on the tests' checkpoint
@@ -14,6 +15,9 @@ as many as make ``--mib`` MiB of captured ``self_attn.input`` rows on one rank.
 
 The issue's realistic case: ``--hidden 1024 --layers 8 --prompts 32 --tokens 512 --skip-tp``
 (fp32 and ``--dtype bfloat16``), where a forward pass costs what it costs for a model of that size.
+``--new-tokens T`` makes every job a greedy decode of T tokens per prompt (``max_tokens=T``), its
+T-1 decode steps captured too (docs/decode.md): (b) is then decode capture against a plain
+``generate`` of the same T tokens.
 
 (a) TP=2 vs TP=1. The tapped engine with ``tensor_parallel_size`` 1 and 2: engine start
     (``LLM(...)``: spawning the engine core and workers, loading, compiling or loading the
@@ -75,7 +79,8 @@ def worker(spec: dict[str, Any]) -> None:
 
     ckpt, seqs, out = Path(spec["ckpt"]), _prompts(spec["prompts"], spec["tokens"]), Path(spec["out"])
     args = (("tensor_parallel_size", str(spec["tp"])),)
-    cfg = RunConfig(out="unused", model=str(ckpt), dtype=spec["dtype"], layers="all", engine="vllm", engine_args=args)
+    cfg = RunConfig(out="unused", model=str(ckpt), dtype=spec["dtype"], layers="all", engine="vllm", engine_args=args,
+                    new_tokens=spec.get("new_tokens", 0))
     start = time.perf_counter()
     llm = load_llm(engine_kwargs(cfg, ckpt, seqs, tap=spec["tap"]))
     _reply({"construct_s": time.perf_counter() - start})
@@ -207,7 +212,8 @@ def _fmt(samples: list[float]) -> str:
 def report(args: argparse.Namespace, n: int, res: dict[str, Any], tp: dict[str, Any] | None) -> None:
     mp, mt, mc = (statistics.median(res[k]) for k in ("plain", "tapped", "captured"))
     lp, lt, lc = (min(res[k]) for k in ("plain", "tapped", "captured"))
-    print(f"\nvLLM {args.dtype}, multiprocess engine, compiled; {n} prompts x {args.tokens} tokens; "
+    decode = f", then {args.new_tokens} greedy tokens each" if args.new_tokens else ""
+    print(f"\nvLLM {args.dtype}, multiprocess engine, compiled; {n} prompts x {args.tokens} tokens{decode}; "
           f"{res['bytes'] / 2**20:.1f} MiB of captured rows per job (TP=1); {os.cpu_count()} CPUs")
     print(f"\n(b) capture overhead, TP=1, {args.reps} runs each (minima: the runs least disturbed by the machine)")
     print(f"{'':8} {'plain s':>8} {'tapped s':>8} {'capt. s':>8} {'capt/tapped':>11} {'capt/plain':>10} "
@@ -260,6 +266,8 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=HIDDEN, help=f"hidden size (default {HIDDEN}: the tests' model)")
     ap.add_argument("--layers", type=int, default=LAYERS, help=f"decoder layers (default {LAYERS})")
     ap.add_argument("--prompts", type=int, default=None, help="prompts per job (default: as many as --mib makes)")
+    ap.add_argument("--new-tokens", type=int, default=0, help="greedy tokens per prompt, decode steps captured too "
+                    "(default 0: a prefill, max_tokens=1)")
     args = ap.parse_args()
     if args.worker:
         return worker(json.loads(args.worker))
@@ -268,7 +276,7 @@ def main() -> None:
     per_prompt = args.tokens * args.layers * args.hidden * (4 if args.dtype == "float32" else 2)
     n = args.prompts or max(1, round(args.mib * 2**20 / per_prompt))
     base = {"ckpt": str(checkpoint(args.hidden, args.layers)), "tokens": args.tokens, "prompts": n,
-            "dtype": args.dtype, "out": str(root), "hidden": args.hidden}
+            "dtype": args.dtype, "out": str(root), "hidden": args.hidden, "new_tokens": args.new_tokens}
     args.fresh = root if args.fresh_cache else None
     try:
         res, tp1 = overhead(args, base)

@@ -35,9 +35,9 @@ if TYPE_CHECKING:
     from comparator.routing.types import Flip, RouterComparison, RouterLayer
 
 __all__ = ["PASS", "FAIL", "DIVERGED", "UNUSABLE", "BOOTSTRAP", "Outcome", "status", "headline", "clause",
-           "sentence", "assertion_head", "describe_divergence", "describe_routing", "routing_failures", "judged_by",
-           "flip_ratio", "flip_margin", "threshold_summary", "verdict_notes", "reaches_output", "format_float",
-           "format_available", "format_ratio", "format_located"]
+           "sentence", "assertion_head", "describe_divergence", "describe_decode", "describe_routing",
+           "routing_failures", "judged_by", "flip_ratio", "flip_margin", "threshold_summary", "verdict_notes",
+           "reaches_output", "format_float", "format_available", "format_ratio", "format_located"]
 
 PASS = "PASS"
 """Every compared value is within its threshold (exit 0)."""

@@ -25,7 +25,6 @@ import numpy as np
 
 from dumper.errors import NotComparableError
 from dumper.format import LOGITS_POINT, LOGPROB_POINT, ROUTER_CHOICE_POINT, DumpReader, Manifest, TensorRecord
-from dumper.format.decode import DECODE, record_phase
 
 from comparator.hidden.align import (
     LogicalKey,
@@ -68,9 +67,6 @@ def _chunk_note(pos: int, segs: list[Segment], side: str) -> str | None:
         return None
     for s in segs:
         if s.pos <= pos < s.pos + s.count:
-            phase, step = record_phase(s.rec.meta)
-            if phase == DECODE:
-                return f"token {pos} = decode step {step} of the {side} (pass {s.rec.forward_pass})"
             k = passes.index(s.rec.forward_pass) + 1
             where = "start" if pos == s.pos else f"inside (chunk starts at {s.pos})"
             return f"token {pos} = {where} of chunk {k}/{len(passes)} of the {side} (pass {s.rec.forward_pass})"

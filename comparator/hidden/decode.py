@@ -4,8 +4,8 @@ A ``--new-tokens`` dump (:mod:`dumper.format.decode`) meets either its prefill c
 (``--tokens-from``: the same tokens, so every row has a partner) or another decode run. Three
 things differ from a prefill comparison:
 
-- **Phase.** The first divergent row is named with the phase of the pass that wrote it
-  (``first_divergent.phase``, ``decode_step``), from either side's record.
+- **Phase.** The first divergent row is named with its phase (``first_divergent.phase``,
+  ``decode_step``): a row at or past its prompt's length is a decode row, whatever engine wrote it.
 - **Coverage.** A dump that claims N decode steps must hold each step's rows at every hidden
   tensor it recorded for that sequence; a missing step is a failure naming it, never a pass on
   fewer rows.
@@ -29,8 +29,8 @@ import numpy as np
 
 from dumper.errors import NotComparableError
 from dumper.format import LOGITS_POINT, LOGPROB_POINT, ROUTER_CHOICE_POINT, Manifest
-from dumper.format.decode import (DECODE, GENERATED_IDS, NEW_TOKENS, PROMPT_LENGTHS, generated_ids, prompt_lengths,
-                                  record_phase)
+from dumper.format.decode import (DECODE, GENERATED_IDS, NEW_TOKENS, NEXT_IDS, PREFILL, PROMPT_LENGTHS, generated_ids,
+                                  prompt_lengths, record_phase)
 
 from comparator.hidden.align import LogicalKey, LogicalTensor
 from comparator.hidden.subset import Interval, coverage, cut_tensor
@@ -99,9 +99,12 @@ def decode_plan(bm: Manifest, tm: Manifest, where: tuple[str, str]) -> DecodePla
     else:
         decode, other = (bm, tm) if sides[0][0] is bm else (tm, bm)
         _check_counterpart(decode, other, where[1] if other is tm else where[0])
+        scores_last = other.extra.get(NEXT_IDS) is not None  # else an engine that scores no token past its input
         for s, (n, g) in enumerate(zip(prompt_lengths(decode.extra) or [], generated_ids(decode.extra) or [],
                                        strict=True)):
             plan.lengths[s], plan.steps[s] = n, max(len(g) - 1, 0)
+            if not scores_last and other.extra.get(PROMPT_LENGTHS) is not None and g:
+                plan.limits[s] = n + len(g) - 1  # the last generated token's logprob has no counterpart
     return plan
 
 
@@ -135,32 +138,32 @@ def _forks(plan: DecodePlan, bm: Manifest, tm: Manifest) -> None:
 
 
 def coverage_failures(m: Manifest, where: str) -> list[str]:
-    """Each (tensor, sequence) of a decode dump that lacks rows of a decode step, named by its first missing step."""
+    """Each (tensor, sequence) of a decode dump that lacks rows of a decode step, named by its first missing step;
+    first, a record whose ``decode_step`` label disagrees with its rows' positions.
+
+    A row is a decode row when its position is at or past its prompt's length (decode step
+    ``position - len(prompt)``): engines that mix prefill and decode rows in one pass (vLLM) label
+    no record, and the rule is the same for every engine.
+    """
     lengths, generated = prompt_lengths(m.extra) or [], generated_ids(m.extra) or []
     have: dict[tuple[str, int], set[int]] = defaultdict(set)  # (name, sequence) -> decode positions
     names: dict[int, set[str]] = defaultdict(set)
     wrong: list[str] = []
     for rec in m.tensors:
-        if rec.point in _NOT_HIDDEN or rec.layer is None:
-            continue
         pos, seq = rec.row_positions(), rec.row_sequence_ids()
-        if pos is None or seq is None:
+        if rec.point in _NOT_HIDDEN or rec.layer is None or pos is None or seq is None:
             continue
         phase, step = record_phase(rec.meta)
-        for s in np.unique(seq[seq >= 0]).tolist():
+        for s in np.unique(seq[(seq >= 0) & (seq < len(lengths))]).tolist():
             names[s].add(rec.name)
-            if phase != DECODE:
-                continue
             at = pos[seq == s]
-            if s < len(lengths) and step is not None and not np.all(at == lengths[s] + step):
+            if phase == DECODE and step is not None and not np.all(at == lengths[s] + step):
                 wrong.append(f"{where}: {rec.name} labels rows of sequence {s} at positions {sorted(set(at.tolist()))} "
                              f"decode step {step}, which feeds position {lengths[s] + step}")
-            have[rec.name, s].update(at.tolist())
+            have[rec.name, s].update(at[at >= lengths[s]].tolist())
     out = wrong[:1]
     for s, name_set in sorted(names.items()):
-        if s >= len(generated) or s >= len(lengths):
-            continue
-        want = range(lengths[s], lengths[s] + max(len(generated[s]) - 1, 0))
+        want = range(lengths[s], lengths[s] + max(len(generated[s]) - 1, 0)) if s < len(generated) else range(0)
         for name in sorted(name_set):
             lacking = [p for p in want if p not in have[name, s]]
             if lacking:
@@ -170,20 +173,15 @@ def coverage_failures(m: Manifest, where: str) -> list[str]:
 
 
 def with_phase(fd: FirstDivergence | None, bm: Manifest, tm: Manifest) -> FirstDivergence | None:
-    """``fd`` with the phase (and decode step) of the pass that wrote its first failing row, on either side."""
+    """``fd`` with the phase (and decode step) of its first failing row: decode when its position is at or past its
+    prompt's length on either side (:func:`coverage_failures` says why by position); the note then names the step."""
     if fd is None or fd.token is None or fd.sequence is None:
         return fd
-    for m in (tm, bm):
-        for rec in m.tensors:
-            if rec.name != fd.name or not rec.meta:
-                continue
-            phase, step = record_phase(rec.meta)
-            if phase != DECODE:
-                continue
-            pos, seq = rec.row_positions(), rec.row_sequence_ids()
-            if pos is not None and seq is not None and bool(np.any((pos == fd.token) & (seq == fd.sequence))):
-                return replace(fd, phase=DECODE, decode_step=step)
-    return replace(fd, phase="prefill")
+    lengths = prompt_lengths(tm.extra) or prompt_lengths(bm.extra) or []
+    if fd.sequence < len(lengths) and fd.token >= lengths[fd.sequence]:
+        step = fd.token - lengths[fd.sequence]
+        return replace(fd, phase=DECODE, decode_step=step, note=f"token {fd.token} = decode step {step}")
+    return replace(fd, phase=PREFILL)
 
 
 def cut_plan(tensors: dict[LogicalKey, LogicalTensor], limits: dict[int, int]) -> dict[LogicalKey, LogicalTensor]:

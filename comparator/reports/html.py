@@ -223,7 +223,10 @@ def _heatmap(report: Report, tokens: TokenLookup) -> str:
                + (f" (onset {_e(onset)}, first failing token {_e(first)}; the positions between are left out)"
                   if len(cuts) > 2 else "")
                + ". A bug that starts at one token shows as a column; a chunk-boundary bug as a vertical edge.</p>")
-    fig = heatmap_figure(hm, token_threshold=report.token_threshold, first_token=first, onset=onset, onset_layer=layer)
+    decode_from = fd.token - fd.decode_step if fd is not None and fd.token is not None and fd.decode_step is not None \
+        else None  # the prompt part and the decode part, apart
+    fig = heatmap_figure(hm, token_threshold=report.token_threshold, first_token=first, onset=onset, onset_layer=layer,
+                         decode_from=decode_from)
     out.append(f'<figure class="chart" id="heatmap-chart">{figure_svg(fig)}</figure>')
     spans = []
     for i, p in enumerate(hm.positions):

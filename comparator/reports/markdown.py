@@ -24,6 +24,7 @@ from comparator.outcome import (
     Outcome,
     format_available,
     clause,
+    describe_decode,
     format_float,
     format_ratio,
     reaches_output,
@@ -135,6 +136,7 @@ def to_markdown(report: Report) -> str:
         summary += (f"; {len(report.unmatched_baseline)} tensors only in the baseline, "
                     f"{len(report.unmatched_target)} only in the target")
     lines.append(summary)
+    lines += [line for n in describe_decode(report) for line in ("", _md(n))]  # steps compared, forks
     if report.router is not None:
         lines += ["", *_routing(report.router)]
     if report.logprobs is not None:

@@ -220,10 +220,17 @@ def _column(positions: Sequence[int], position: int | None) -> int | None:
     return positions.index(position) if position is not None and position in positions else None
 
 
-def _heatmap_marks(ax, hm: Heatmap, first_token: int | None, onset: int | None, onset_layer: int | None) -> list[str]:
-    """Lines at the onset (solid) and the first failing token (dashed), white bars at gaps between
-    runs of positions, triangles on the onset layer's rows; returns the title's words for them."""
+def _heatmap_marks(ax, hm: Heatmap, first_token: int | None, onset: int | None, onset_layer: int | None,
+                   decode_from: int | None = None) -> list[str]:
+    """Lines at the onset (solid), the first failing token (dashed) and where decode steps begin (dotted, orange),
+    white bars at gaps between runs of positions, triangles on the onset layer's rows; returns the title's words."""
     positions, words = list(hm.positions), []
+    if decode_from is not None and positions and positions[0] < decode_from <= positions[-1]:
+        col = next(j for j, p in enumerate(positions) if p >= decode_from)
+        ax.axvline(col - 0.5, color="orange", lw=1.6, ls=":").set_gid("heatmap-decode")
+        words.append(f"dotted: decode steps from position {decode_from}")
+    elif decode_from is not None and positions and positions[0] >= decode_from:
+        words.append(f"every position a decode step (from {decode_from})")
     for j, gap in enumerate(k for k in range(1, len(positions)) if positions[k] - positions[k - 1] > 1):
         ax.axvline(gap - 0.5, color="white", lw=4).set_gid(f"heatmap-gap-{j + 1}")
         words.append(f"white bar: positions {positions[gap - 1] + 1}..{positions[gap] - 1} left out")
@@ -245,9 +252,10 @@ def _heatmap_marks(ax, hm: Heatmap, first_token: int | None, onset: int | None, 
 
 
 def heatmap_figure(hm: Heatmap, *, token_threshold: float, first_token: int | None = None,
-                   onset: int | None = None, onset_layer: int | None = None) -> Figure:
+                   onset: int | None = None, onset_layer: int | None = None, decode_from: int | None = None) -> Figure:
     """Tensors (by layer, bottom to top) x token positions of per-token rel_diff, log colour scale;
-    the onset and the first failing token are vertical lines, the onset layer's rows marked."""
+    the onset, the first failing token and the first decode position (``decode_from``: the prompt's
+    length) are vertical lines, the onset layer's rows marked."""
     values = np.asarray(hm.values, dtype=np.float64)  # [tensors, positions]
     floor, ceiling = log_range([values], [token_threshold])
     cmap = colormaps["viridis"].with_extremes(over="#ff00ff", under="#e8e8e8")
@@ -267,7 +275,7 @@ def heatmap_figure(hm: Heatmap, *, token_threshold: float, first_token: int | No
     ax.set_xticks(range(0, cols, step), [str(p) for p in positions[::step]])
     ystep = _tick_every(rows, 24)
     ax.set_yticks(range(0, rows, ystep), _row_labels(hm)[::ystep])
-    words = _heatmap_marks(ax, hm, first_token, onset, onset_layer)
+    words = _heatmap_marks(ax, hm, first_token, onset, onset_layer, decode_from)
     ax.set_xlabel(f"token position (sequence {hm.sequence})")
     ax.set_ylabel("layer")
     words += ["grey: exactly 0"] if (values == 0).any() else []

@@ -33,7 +33,9 @@ from dumper.format.files import printable
 from dumper.hooks.capture import Capture
 from dumper.hooks.fingerprint import config_identity
 from dumper.hooks.layers import ATTN_INPUT, parse_layer_spec
-from dumper.jobs.logprob_records import record_logprobs, record_token_logprobs
+from dumper.format.decode import GENERATED_IDS, NEW_TOKENS
+from dumper.jobs.decode import decode_meta
+from dumper.jobs.logprob_records import record_logprobs, record_next_logprobs, record_token_logprobs
 from dumper.jobs.run import RunConfig, check_scored_positions, prompt_token_ids
 
 __all__ = ["EngineInfo", "EngineDump", "EngineArg", "attn_input_name", "hf_identity", "job_sequences",
@@ -222,6 +224,22 @@ class EngineDump:
     def step(self) -> None:
         """End one engine forward pass; the next record starts another."""
         self._cap.step()
+
+    def decode_step(self, step: int | None) -> None:
+        """The following records belong to decode step ``step`` (``None``: no longer; :mod:`dumper.jobs.decode`)."""
+        self._cap.set_pass_meta(None if step is None else decode_meta(step))
+
+    def next_logprobs(self, logits: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor,
+                      sequence_ids: Sequence[int]) -> None:
+        """Record the logprob (and top-k) of each ``targets[r]`` at ``positions[r]`` from ``logits[r]``: the tokens a
+        greedy decode chose (:func:`dumper.jobs.logprob_records.record_next_logprobs`)."""
+        if self.spec is not None:
+            record_next_logprobs(self._cap, logits, targets, positions, sequence_ids, self.spec)
+
+    def generated(self, generated: Sequence[Sequence[int]]) -> None:
+        """Say in the manifest what a ``--new-tokens`` job generated, per sequence (:mod:`dumper.format.decode`)."""
+        self._cap.extra.update({"job": "decode", NEW_TOKENS: self.cfg.new_tokens,
+                                GENERATED_IDS: [list(map(int, g)) for g in generated]})
 
     def hidden(self, layer: int, x: torch.Tensor, positions: Any, sequence_ids: Any) -> None:
         """Record layer ``layer``'s self-attention input ``x`` [tokens, hidden] of the current pass.

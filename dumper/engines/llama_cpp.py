@@ -7,7 +7,9 @@ position from its logits row. ``--points router`` (or ``input,router``) records 
 routing as ``model.layers.{i}.router.{logits,ids,weights}`` (see
 :data:`dumper.engines.llama_cpp_ggml.ROUTER_STAGES` for the graph tensors they come from).
 Prompts go ``--batch-size`` at a time as separate sequences of one batch, each batch in one
-decode or in ``--chunk-size`` token chunks through the KV cache.
+decode or in ``--chunk-size`` token chunks through the KV cache. ``--new-tokens N`` then
+greedy-decodes N tokens per prompt, one ``llama_decode`` of one token per sequence a step, each
+step recorded (:mod:`dumper.jobs.decode`).
 
 ``--engine-arg`` keys (:data:`ENGINE_ARGS`): ``kv=f32|f16|bf16`` (KV-cache dtype, default f32 so
 that a clean run is clean), ``threads=N`` (default torch's thread count), ``flash_attn=off|on|auto``
@@ -118,12 +120,44 @@ def _no_moe(cfg: RunConfig, layers: Sequence[int], why: str) -> UsageError:
                       f"{','.join(map(str, layers))} ({why})")
 
 
+def _record_pass(out: EngineDump, got: Any, positions: torch.Tensor, seq_ids: torch.Tensor) -> None:
+    for layer in sorted(got.hidden):
+        out.hidden(layer, got.hidden[layer], positions, seq_ids)
+    for layer, parts in sorted(got.router.items()):
+        out.router(layer, parts, positions, seq_ids)
+
+
+def _decode_steps(s: GgufSession, out: EngineDump, batch: list[list[int]], first: int, last: torch.Tensor,
+                  sets: tuple[set[int], set[int]]) -> list[list[int]]:
+    """Greedy-decode ``--new-tokens`` tokens per prompt after the batch's prefill (``last``: each row's last logits
+    row); every step but the last choice is one ``llama_decode`` of one token per sequence. Returns the tokens."""
+    rows, new = list(range(len(batch))), out.cfg.new_tokens
+    seq_ids = torch.tensor(rows, dtype=torch.int64) + first
+    chosen = []
+    for step in range(new):
+        token = last.argmax(dim=-1)  # temperature 0
+        positions = torch.tensor([len(p) + step for p in batch], dtype=torch.int64)
+        chosen.append(token)
+        out.next_logprobs(last, token, positions, seq_ids.tolist())
+        if step + 1 == new:
+            break
+        out.decode_step(step)
+        got = s.decode(token.tolist(), positions.tolist(), rows, want=sets[0], router=sets[1])
+        _record_pass(out, got, positions, seq_ids)
+        out.step()
+        out.decode_step(None)
+        last = got.logits
+    return torch.stack(chosen, dim=1).tolist()
+
+
 def _run_batch(s: GgufSession, out: EngineDump, batch: list[list[int]], first: int, chunk: int | None,
-               points: tuple[str, ...]) -> None:
-    """Prefill prompts ``first ..`` as KV sequences 0.. of one batch; record hidden states, routing, logprobs."""
+               points: tuple[str, ...]) -> list[list[int]]:
+    """Prefill prompts ``first ..`` as KV sequences 0.. of one batch; record hidden states, routing, logprobs; then
+    its ``--new-tokens`` decode steps. Returns the tokens each prompt generated."""
     keep = [layer for layer in range(s.n_layer) if out.wants(layer)]
     want = set(keep) if ATTN_INPUT in points else set()
     router = set(keep) if ROUTER_POINT in points else set()
+    last = torch.zeros(len(batch), s.n_vocab)
     s.clear()
     for ranges in _decodes(batch, chunk):
         tokens = [t for row, a, b in ranges for t in batch[row][a:b]]
@@ -132,16 +166,15 @@ def _run_batch(s: GgufSession, out: EngineDump, batch: list[list[int]], first: i
         got = s.decode(tokens, positions.tolist(), rows, want=want, router=router)
         if router and not got.router:
             raise _no_moe(out.cfg, keep, "their llama.cpp graphs have no ffn_moe_logits")
-        seq_ids = torch.tensor(rows, dtype=torch.int64) + first
-        for layer in sorted(got.hidden):
-            out.hidden(layer, got.hidden[layer], positions, seq_ids)
-        for layer, parts in sorted(got.router.items()):
-            out.router(layer, parts, positions, seq_ids)
+        _record_pass(out, got, positions, torch.tensor(rows, dtype=torch.int64) + first)
         offset = 0
         for row, a, b in ranges:
             out.logits(first + row, batch[row], got.logits[offset:offset + b - a], first=a)
+            if b == len(batch[row]):
+                last[row] = got.logits[offset + b - a - 1]
             offset += b - a
         out.step()
+    return _decode_steps(s, out, batch, first, last, (want, router)) if out.cfg.new_tokens else []
 
 
 def run_dump(cfg: RunConfig, *, progress: ProgressFn | None = None) -> Manifest:
@@ -156,7 +189,7 @@ def run_dump(cfg: RunConfig, *, progress: ProgressFn | None = None) -> Manifest:
         ident = _identity(s, opts["hf_dir"])
         seqs = _sequences(cfg, s, opts["hf_dir"])
         batches = [seqs[i:i + cfg.batch_size] for i in range(0, len(seqs), cfg.batch_size)]
-        n_ctx = max(sum(map(len, b)) for b in batches)
+        n_ctx = max(sum(len(p) + cfg.new_tokens for p in b) for b in batches)
         n_batch = max(sum(b - a for _, a, b in r) for bt in batches for r in _decodes(bt, cfg.chunk_size))
         s.new_context(n_ctx=n_ctx, n_batch=n_batch, n_seqs=min(cfg.batch_size, len(seqs)), threads=opts["threads"],
                       kv_type=opts["kv_type"], flash_attn=opts["flash_attn_type"])
@@ -165,9 +198,12 @@ def run_dump(cfg: RunConfig, *, progress: ProgressFn | None = None) -> Manifest:
         info = EngineInfo("llama.cpp", getattr(llama_cpp, "__version__", None), str(s.path), settings)
         done, total = 0, sum(map(len, seqs))
         with EngineDump(cfg, info, ident, num_layers=s.n_layer, seqs=seqs, extra={"hf_dir": opts["hf_dir"]}) as out:
+            generated = []
             for i, batch in enumerate(batches):
-                _run_batch(s, out, batch, i * cfg.batch_size, cfg.chunk_size, cfg.points)
+                generated += _run_batch(s, out, batch, i * cfg.batch_size, cfg.chunk_size, cfg.points)
                 done += sum(map(len, batch))
                 if progress is not None:
                     progress(done, total)
+            if cfg.new_tokens:
+                out.generated(generated)
         return out.manifest()

@@ -11,6 +11,9 @@ on every rank, as the HF dump of the same checkpoint holds them. ``--logprobs`` 
 ``prompt_logprobs`` (top ``--top-k``);
 ``--save-logits`` runs vLLM with ``logprobs_mode="raw_logits"`` and every vocabulary entry.
 ``--chunk-size N`` is vLLM's chunked prefill with a budget of ``N`` tokens per engine step.
+``--new-tokens N`` generates N greedy tokens per prompt (``max_tokens=N``, ``ignore_eos``); the
+decode steps that feed all but the last are recorded, and with ``--logprobs`` each generated
+token's logprob and top-k as vLLM sampled it (:mod:`dumper.format.decode`).
 ``--observer-check`` runs the job again on a second engine, built without the tap, and compares
 its logprobs bit for bit (:func:`observe_llm`).
 
@@ -50,6 +53,7 @@ from dumper.errors import (
     error_reason,
 )
 from dumper.format import Manifest
+from dumper.format.decode import GENERATED_IDS, NEW_TOKENS
 from dumper.engines.vllm_tap import register, take_load_failure, tap_config
 from dumper.hooks.capture import Capture
 from dumper.hooks.layers import ATTN_INPUT, DEFAULT_LAYERS
@@ -113,7 +117,8 @@ def engine_kwargs(cfg: RunConfig, checkpoint: Path, seqs: list[list[int]], *, ta
         "trust_remote_code": False,
         "skip_tokenizer_init": not any((checkpoint / f).is_file() for f in _TOKENIZER_FILES),
         "seed": cfg.seed, "max_model_len": opts.get("max_model_len") or
-        min(max(512, longest + 1), positions if type(positions) is int and positions > 0 else longest + 1),
+        min(max(512, longest + max(cfg.new_tokens, 1)),
+            positions if type(positions) is int and positions > 0 else longest + max(cfg.new_tokens, 1)),
     }
     kw.update((k, opts[k]) for k in ("enable_prefix_caching", "kv_cache_dtype", "max_num_seqs", "tensor_parallel_size",
                                      "pipeline_parallel_size") if k in opts)
@@ -128,6 +133,9 @@ def engine_kwargs(cfg: RunConfig, checkpoint: Path, seqs: list[list[int]], *, ta
         kw.update(enable_chunked_prefill=True, max_num_batched_tokens=cfg.chunk_size,
                   max_num_seqs=kw.get("max_num_seqs", min(cfg.chunk_size, 256)))
     spec = cfg.logprobs
+    if spec is not None and spec.save_logits and cfg.new_tokens:
+        raise UsageError("--save-logits with --new-tokens: vLLM's logits rows of generated tokens are not recorded "
+                         "yet; drop --save-logits (the logprobs and --top-k are)")
     if spec is not None and spec.save_logits:
         kw.update(logprobs_mode="raw_logits", max_logprobs=-1)
     elif spec is not None and spec.top_k > 20:
@@ -190,9 +198,35 @@ def _record_prompt_logprobs(cap: LogprobSink, seq_id: int, ids: list[int], entri
                           None if top is None else [[e.logprob for _, e in row] for row in top])
 
 
+def _record_decode_logprobs(cap: LogprobSink, seq_id: int, prompt: list[int], out: Any, cfg: RunConfig) -> None:
+    """Record the logprob (and top-k) vLLM sampled each generated token with, at the token's own position."""
+    spec = cfg.logprobs
+    assert spec is not None
+    tokens, entries = list(out.token_ids), list(out.logprobs or [])
+    keep = [s for s in range(len(tokens)) if len(prompt) + s > spec.start_len]
+    if len(entries) != len(tokens):
+        raise InternalError(f"vLLM returned {len(entries)} logprobs for {len(tokens)} generated tokens")
+    if not keep:
+        return
+    top = [sorted(entries[s].items(), key=lambda kv: kv[1].rank)[:spec.top_k] for s in keep] if spec.top_k else None
+    record_token_logprobs(cap, [len(prompt) + s for s in keep], [seq_id] * len(keep), [tokens[s] for s in keep],
+                          [entries[s][tokens[s]].logprob for s in keep],
+                          None if top is None else [[t for t, _ in row] for row in top],
+                          None if top is None else [[e.logprob for _, e in row] for row in top])
+
+
+def _record_logprobs(cap: LogprobSink, cfg: RunConfig, seqs: list[list[int]], outs: list[Any], vocab: int) -> None:
+    """Each prompt's logprobs, then (``--new-tokens``) each generated token's."""
+    for i, o in enumerate(outs):
+        _record_prompt_logprobs(cap, i, seqs[i], o.prompt_logprobs or [], cfg, vocab)
+        if cfg.new_tokens:
+            _record_decode_logprobs(cap, i, seqs[i], o.outputs[0], cfg)
+
+
 def _generate(llm: Any, cfg: RunConfig, seqs: list[list[int]], *, token: str | None = None,
               logprobs: bool = True) -> list[Any]:
-    """One ``llm.generate`` of every prompt as token ids: a greedy one-token prefill with ``cfg``'s prompt logprobs.
+    """One ``llm.generate`` of every prompt as token ids: a greedy one-token prefill with ``cfg``'s prompt logprobs,
+    or with ``cfg.new_tokens`` a greedy decode of that many tokens (no stop at EOS) with their logprobs.
 
     With ``token``, request ``i`` is marked as sequence ``i`` of that capture (:func:`marker`).
     """
@@ -201,8 +235,10 @@ def _generate(llm: Any, cfg: RunConfig, seqs: list[list[int]], *, token: str | N
 
     spec = cfg.logprobs if logprobs else None
     prompt_logprobs = None if spec is None else -1 if spec.save_logits else spec.top_k
-    params = [SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, prompt_logprobs=prompt_logprobs,
-                             extra_args=None if token is None else marker(token, i, len(seqs)))
+    new = max(cfg.new_tokens, 1)
+    params = [SamplingParams(max_tokens=new, temperature=0.0, detokenize=False, prompt_logprobs=prompt_logprobs,
+                             ignore_eos=True, logprobs=spec.top_k if spec is not None and cfg.new_tokens else None,
+                             extra_args=None if token is None else marker(token, i, len(seqs), new))
               for i in range(len(seqs))]
     try:
         outs = llm.generate([TokensPrompt(prompt_token_ids=s) for s in seqs], params, use_tqdm=False)
@@ -249,16 +285,17 @@ def _join(cfg: RunConfig, seqs: list[list[int]], checkpoint: Path, parts: Any, o
     vLLM returned, and the manifest last."""
     spec = cfg.logprobs
     info = _engine_info(checkpoint, cfg.dtype, parts.engine_settings)
-    job = {"job": "prefill", "input_ids": seqs, "dtype": cfg.dtype, "chunk_size": cfg.chunk_size,
-           "batch_size": cfg.batch_size, "logprobs": None if spec is None else vars(spec),
-           "prefix_cache_hits": [int(o.num_cached_tokens or 0) for o in outs], **cfg.extra}
+    job = {"job": "decode" if cfg.new_tokens else "prefill", "input_ids": seqs, "dtype": cfg.dtype,
+           "chunk_size": cfg.chunk_size, "batch_size": cfg.batch_size, "logprobs": None if spec is None else vars(spec),
+           "prefix_cache_hits": [int(o.num_cached_tokens or 0) for o in outs], **cfg.extra,
+           **({NEW_TOKENS: cfg.new_tokens, GENERATED_IDS: [list(o.outputs[0].token_ids) for o in outs]}
+              if cfg.new_tokens else {})}
     identity = identity or hf_identity(checkpoint, cfg.model)
     vocab = int(identity.get("vocab_size") or 0)
 
     def record(cap: Capture) -> None:
         if spec is not None:
-            for i, o in enumerate(outs):
-                _record_prompt_logprobs(cap, i, seqs[i], o.prompt_logprobs or [], cfg, vocab)
+            _record_logprobs(cap, cfg, seqs, outs, vocab)
 
     return join_dump(cfg.out, parts, model_name=cfg.model, identity=identity, engine=info, job_extra=job,
                      record=record)
@@ -273,8 +310,7 @@ def reference_llm(llm: Any, cfg: RunConfig, seqs: list[list[int]], sink: Logprob
     llm.reset_prefix_cache()
     with torch.inference_mode():
         outs = _generate(llm, cfg, seqs)
-    for i, o in enumerate(outs):
-        _record_prompt_logprobs(sink, i, seqs[i], o.prompt_logprobs or [], cfg, vocab)
+    _record_logprobs(sink, cfg, seqs, outs, vocab)
 
 
 def release_llm() -> None:

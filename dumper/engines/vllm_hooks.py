@@ -6,8 +6,9 @@ hidden_states=[tokens, hidden])`` (the hidden states already normalized, as HF's
 input is). Which rows belong to which request comes from vLLM's batch metadata: the forward
 context's attention metadata (``query_start_loc``) and the model runner's input batch (request
 ids, prompts). Sequence ids are given in the order requests first appear, which for one
-``LLM.generate`` call is prompt order. Only prompt positions are kept: a decode step's row
-has no counterpart in a prefill dump of the prompts, and padding rows are dropped.
+``LLM.generate`` call is prompt order. Prompt positions are kept, and the first ``T - 1`` decode
+steps of a sequence given ``new_tokens`` ``T`` (:mod:`dumper.format.decode`: a decode step feeds
+the token it generated before at the next position); padding rows are dropped.
 
 A prefix-cache hit computes only the tokens past the cached prefix; the rows of the cached
 positions are those of the earlier request whose blocks were reused, and are written under
@@ -97,6 +98,7 @@ class VllmFamily(FamilyAdapter):
         self._prompt: dict[int, tuple[int, ...]] = {}  # per sequence: its prompt tokens
         self._start: dict[int, int] = {}  # per sequence: first position it computed (> 0: a prefix-cache hit)
         self._done: dict[int, int] = {}  # per sequence: positions below this are recorded
+        self.new_tokens: dict[int, int] = {}  # per sequence: the tokens it generates (absent: 1, a prefill)
         self._shared: list[SharedRows] = []
 
     @classmethod
@@ -129,7 +131,7 @@ class VllmFamily(FamilyAdapter):
         return self._rows(positions.detach().cpu().numpy(), starts, runner)
 
     def _rows(self, pos: np.ndarray, starts: np.ndarray, runner: Any) -> PassRows:
-        """Request ``i`` holds rows ``starts[i]:starts[i+1]`` of the flat batch; keep its unrecorded prompt rows."""
+        """Request ``i`` holds rows ``starts[i]:starts[i+1]`` of the flat batch; keep its unrecorded rows up to its end."""
         seq = np.zeros(pos.shape[0], dtype=np.int64)
         keep = np.zeros(pos.shape[0], dtype=bool)
         for i, rid in enumerate(runner.input_batch.req_ids[:len(starts) - 1]):
@@ -139,7 +141,7 @@ class VllmFamily(FamilyAdapter):
             s = self._sequence(rid, int(pos[a]), runner.requests[rid])
             if s is None:
                 continue
-            keep[a:b] = (pos[a:b] >= self._done[s]) & (pos[a:b] < len(self._prompt[s]))
+            keep[a:b] = (pos[a:b] >= self._done[s]) & (pos[a:b] < self._end(s))
             seq[a:b] = s
             if keep[a:b].any():
                 self._done[s] = max(self._done[s], int(pos[a:b][keep[a:b]].max()) + 1)
@@ -147,6 +149,11 @@ class VllmFamily(FamilyAdapter):
         return PassRows((int(pos.shape[0]),), Runs(encode_runs(pos[rows], step=1)),
                         Runs(encode_runs(seq[rows], step=0)),
                         keep=None if rows.size == pos.shape[0] else torch.from_numpy(rows))
+
+    def _end(self, s: int) -> int:
+        """The position after sequence ``s``'s last recorded row: its prompt, then the decode steps that feed
+        all but its last generated token."""
+        return len(self._prompt[s]) + max(self.new_tokens.get(s, 1) - 1, 0)
 
     def _number(self, rid: str, request: Any) -> int | None:
         """The sequence id a request new to this capture gets (``None``: not recorded): the next one."""
@@ -182,13 +189,13 @@ class VllmFamily(FamilyAdapter):
         return list(self._shared)
 
     def unrecorded(self) -> list[tuple[int, int, int]]:
-        """(sequence, first position not recorded, prompt length) of every prompt whose rows are incomplete.
+        """(sequence, first position not recorded, end) of every sequence whose rows are incomplete.
 
-        A prompt is complete when every position from its first computed one (after a prefix
-        hit) to its end was recorded: a pass the capture could not read (a full CUDA-graph
-        replay runs no Python) leaves a hole, which a dump must not hide.
+        A sequence is complete when every position from its first computed one (after a prefix
+        hit) to its end (:meth:`_end`) was recorded: a pass the capture could not read (a full
+        CUDA-graph replay runs no Python) leaves a hole, which a dump must not hide.
         """
-        return [(s, self._done[s], len(p)) for s, p in sorted(self._prompt.items()) if self._done[s] < len(p)]
+        return [(s, self._done[s], self._end(s)) for s in sorted(self._prompt) if self._done[s] < self._end(s)]
 
     def identity(self, name: str | None) -> dict[str, Any]:
         """The HF config vLLM loaded names the model; no weights hash (vLLM fuses and renames weights: qkv_proj)."""

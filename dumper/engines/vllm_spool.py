@@ -5,13 +5,13 @@ one worker per tensor-parallel rank; ``vllm serve``'s back end). The capture the
 there and is steered by the requests themselves: driftscope's client marks each request it
 sends (``SamplingParams.extra_args``, which ``vllm serve`` takes as ``vllm_xargs``)::
 
-    {"driftscope_capture": TOKEN, "driftscope_seq": i, "driftscope_n": N}
+    {"driftscope_capture": TOKEN, "driftscope_seq": i, "driftscope_n": N[, "driftscope_new": T]}
 
 and a model loaded with the tap (``additional_config={"driftscope": {...}}``, see
 :mod:`dumper.engines.vllm_tap`) in a process whose environment names a spool directory
 (``DRIFTSCOPE_VLLM_SPOOL=DIR``) records, on every rank, the prompt rows of exactly those
-requests into ``DIR/TOKEN/``: rank ``r`` writes its data files and, once all ``N`` prompts are
-complete, its part ``index-r{r}.json`` (:mod:`dumper.hooks.parts`). Rows of requests without
+requests, and with ``T`` > 1 their first ``T - 1`` decode steps, into ``DIR/TOKEN/``: rank ``r``
+writes its data files and, once all ``N`` requests are complete, its part ``index-r{r}.json`` (:mod:`dumper.hooks.parts`). Rows of requests without
 the token (anyone else's traffic) are never recorded. The client joins the parts into one dump
 and writes its manifest (:mod:`dumper.engines.vllm_parts`); a part alone never looks complete.
 
@@ -41,11 +41,13 @@ from dumper.hooks.capture import Capture
 from dumper.hooks.parts import dist_rank_world
 from dumper.settings import env_settings
 
-__all__ = ["MARK_TOKEN", "MARK_SEQ", "MARK_COUNT", "marker", "check_token", "failed_path",
+__all__ = ["MARK_TOKEN", "MARK_SEQ", "MARK_COUNT", "MARK_NEW", "marker", "check_token", "failed_path",
            "MarkedFamily", "SpoolRecorder", "engine_settings", "install_recorder"]
 
 MARK_TOKEN, MARK_SEQ, MARK_COUNT = "driftscope_capture", "driftscope_seq", "driftscope_n"
 """``extra_args`` keys of a marked request: the capture's token, its sequence id, the capture's prompt count."""
+MARK_NEW = "driftscope_new"
+"""Optional ``extra_args`` key: the tokens the request generates, whose decode steps (all but the last) are recorded."""
 ABANDON_S = 600.0
 """Seconds a capture may wait for its next marked request before it is dropped as abandoned."""
 _TOKEN = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -57,11 +59,13 @@ def check_token(token: Any) -> str | None:
     return token if isinstance(token, str) and _TOKEN.fullmatch(token) else None
 
 
-def marker(token: str, seq: int, count: int) -> dict[str, Any]:
-    """The ``extra_args`` (``vllm_xargs``) that put a request into capture ``token`` as sequence ``seq`` of ``count``."""
+def marker(token: str, seq: int, count: int, new_tokens: int = 1) -> dict[str, Any]:
+    """The ``extra_args`` (``vllm_xargs``) that put a request into capture ``token`` as sequence ``seq`` of ``count``,
+    its decode steps recorded when it generates ``new_tokens`` > 1."""
     if check_token(token) is None:
         raise ValueError(f"capture token {token!r}: expected 1-64 letters, digits, '_' or '-'")
-    return {MARK_TOKEN: token, MARK_SEQ: int(seq), MARK_COUNT: int(count)}
+    return {MARK_TOKEN: token, MARK_SEQ: int(seq), MARK_COUNT: int(count),
+            **({MARK_NEW: int(new_tokens)} if new_tokens > 1 else {})}
 
 
 def failed_path(directory: Path, rank: int) -> Path:
@@ -69,16 +73,16 @@ def failed_path(directory: Path, rank: int) -> Path:
     return directory / f"failed-r{rank}.txt"
 
 
-def _mark(request: Any) -> tuple[str, int, int] | None:
-    """(token, sequence, count) of a marked request, None for any other."""
+def _mark(request: Any) -> tuple[str, int, int, int] | None:
+    """(token, sequence, count, new tokens) of a marked request, None for any other."""
     params = getattr(request, "sampling_params", None)
     args = getattr(params, "extra_args", None)
     if not isinstance(args, dict) or check_token(args.get(MARK_TOKEN)) is None:
         return None
-    seq, count = args.get(MARK_SEQ), args.get(MARK_COUNT)
-    if type(seq) is not int or type(count) is not int or not 0 <= seq < count:
+    seq, count, new = args.get(MARK_SEQ), args.get(MARK_COUNT), args.get(MARK_NEW, 1)
+    if type(seq) is not int or type(count) is not int or not 0 <= seq < count or type(new) is not int or new < 1:
         return None
-    return args[MARK_TOKEN], seq, count
+    return args[MARK_TOKEN], seq, count, new
 
 
 class MarkedFamily(VllmFamily):
@@ -91,10 +95,14 @@ class MarkedFamily(VllmFamily):
 
     def _number(self, rid: str, request: Any) -> int | None:
         mark = _mark(request)
-        return mark[1] if mark is not None and mark[0] == self.token and mark[2] == self.count else None
+        if mark is None or mark[0] != self.token or mark[2] != self.count:
+            return None
+        self.new_tokens[mark[1]] = mark[3]
+        return mark[1]
 
     def complete(self) -> bool:
-        """Every one of the capture's prompts ran, and each is recorded from its first computed position to its end."""
+        """Every one of the capture's requests ran, each recorded from its first computed position to its end
+        (its last decode step fed)."""
         return len(self._prompt) == self.count and not self.unrecorded()
 
 

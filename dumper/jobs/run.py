@@ -40,7 +40,7 @@ OBSERVER_ENGINES = ("transformers", "vllm")
 ENGINE_POINTS = {"vllm": (ATTN_INPUT, ROUTER), "llama.cpp": (ATTN_INPUT, ROUTER)}
 """The capture points an engine other than transformers (which records every point) records; absent: input only."""
 
-DECODE_ENGINES = ("transformers",)
+DECODE_ENGINES = ("transformers", "vllm", "llama.cpp")
 """Engines whose decode steps ``--new-tokens`` records."""
 
 MAX_SEED = (1 << 63) - 1

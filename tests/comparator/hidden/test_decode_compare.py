@@ -95,9 +95,11 @@ def test_a_fork_the_noise_cannot_explain_fails_while_every_compared_row_passes(r
     assert not report.passed and all(t.passed for t in report.tensors) and report.logprobs.passed
     f = report.decode.forks[0]
     assert f.near_tie is False and (f.sequence, f.step) == (0, FORK_STEP) and f.noise == 0.0
-    r = run_cli("comparator", runs["clean"], runs["jumped"], "--quiet")
+    r = run_cli("comparator", runs["clean"], runs["jumped"], "--quiet", "--markdown", runs["jumped"].parent / "r.md")
     assert r.returncode == 1 and r.stdout.startswith(f"DIVERGED (decode fork: sequence 0 at step {FORK_STEP}"), r.stdout
     assert "a real divergence" in r.stdout
+    md = (runs["jumped"].parent / "r.md").read_text()
+    assert f"decode fork: sequence 0 at step {FORK_STEP}" in md and "decode steps compared over 2 sequences" in md
 
 
 def test_rows_after_a_fork_differ_wildly_and_are_not_counted(runs):

@@ -181,3 +181,26 @@ def test_a_sketch_of_llama_cpp_passes_against_hf_and_keeps_its_logprobs(work: di
     assert all("max_abs_diff" not in t and "cosine" not in t and t["rel_diff"] >= 0 for t in report["tensors"])
     rc, lp, _ = compare(full, sketch, logprobs=True)
     assert rc == 0 and max_logprob_err(lp) == 0.0
+
+
+@pytest.mark.engine
+def test_f32_decode_steps_match_an_hf_prefill_of_the_same_tokens(work: dict[str, Path]) -> None:
+    """``--new-tokens``: one ``llama_decode`` of one token per sequence a step, both prompts in one batch; every
+    step's rows (labelled with their step) and every generated token's logprob match HF's prefill of those tokens."""
+    from dumper.format import load_manifest
+    from dumper.format.decode import record_phase
+
+    new = 6
+    out = llama_dump(work, "f32", "--new-tokens", str(new), "--batch-size", "2", "--quiet")
+    hf = work["root"] / "hf-of-decode"
+    r = run_cli("dumper", "run", "--model", work["ckpt"], "--tokens-from", out, "--layers", "all", "--logprobs",
+                "--top-k", "5", "--out", hf, "--quiet")
+    assert r.returncode == 0, r.stderr
+    rc, report, _ = compare(hf, out)
+    assert rc == 0 and report["passed"], report["first_divergent"]
+    m = load_manifest(out)
+    prompts = m.extra["input_ids"]
+    assert report["decode"]["steps"] == len(prompts) * (new - 1) and report["matched"] == len(LAYERS) * len(prompts)
+    assert report["logprobs"]["compared_positions"] == sum(len(p) - 1 + new for p in prompts)
+    steps = {record_phase(t.meta) for t in m.tensors if t.layer == 0 and t.point == "input"}
+    assert steps == {("prefill", None), *(("decode", s) for s in range(new - 1))}

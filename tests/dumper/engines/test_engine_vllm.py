@@ -26,6 +26,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -43,6 +44,8 @@ PREFIX = [1] + _rng.integers(3, 300, 139).tolist()  # 140 tokens: one full 128-t
 PROMPTS = [PREFIX + [7, 8, 9, 10, 11, 12], PREFIX + [20, 21, 22, 23, 24, 25, 26, 27, 28],
            [1] + _rng.integers(3, 300, 39).tolist()]
 BUG_LAYER, BUG_PROMPT, BUG_TOKEN = 1, 1, 147
+DECODE_BUG_PROMPTS = [PROMPTS[0], PROMPTS[2]]
+"""The seeded engine's decode job: position BUG_TOKEN is prompt 0's decode step 1 (146 tokens), and no prompt's."""
 assert [len(p) > BUG_TOKEN for p in PROMPTS] == [i == BUG_PROMPT for i in range(len(PROMPTS))]  # one prompt has it
 N_LAYERS = 4
 JOB = ("--layers", "all", "--engine-arg", "enable_prefix_caching=true", "--quiet")
@@ -53,7 +56,9 @@ CLI_JOBS = {  # name -> extra `python -m dumper run --engine vllm` args, in the 
     "chunk": ("--chunk-size", "16", *LOGPROBS),
     "bf16": ("--dtype", "bfloat16", *LOGPROBS),
     "logits": ("--logprobs", "--top-k", "3", "--save-logits"),
+    "decode": ("--new-tokens", "8", *LOGPROBS),  # the fp32 job's engine: greedy decode, every step recorded
 }
+NEW_TOKENS = 8
 
 
 def need(name: str) -> None:
@@ -207,6 +212,9 @@ def _worker(ckpt: str, prompts: str, out: str) -> None:
     timed("fp32", lambda: main([*run, *CLI_JOBS["fp32"], "--out", str(base / "fp32")]))
     results["fp32"]["in_process"] = _model_here()  # the engine the fp32 job kept (test_vllm_tp checks it)
     timed("prefix", lambda: main([*run, *CLI_JOBS["prefix"], "--out", str(base / "prefix")]))
+    timed("decode", lambda: main([*run, *CLI_JOBS["decode"], "--out", str(base / "decode")]))
+    timed("decode-prefill", lambda: main(["run", "--engine", "vllm", "--model", ckpt, *JOB, *LOGPROBS, "--tokens-from",
+                                          str(base / "decode"), "--out", str(base / "decode-prefill")]))
     cfg = _cfg(Path(ckpt), base / "bug")
     kw = engine_kwargs(cfg, Path(ckpt), PROMPTS)  # the fp32 job's engine settings, its graph compiled by now
     user_start = time.perf_counter()
@@ -219,7 +227,14 @@ def _worker(ckpt: str, prompts: str, out: str) -> None:
         dump_llm(llm, cfg, PROMPTS, Path(ckpt))
         return 0
 
+    def seeded_decode() -> int:  # the seeded engine again: position BUG_TOKEN is prompt 0's decode step 1
+        with seeded({"layer": BUG_LAYER, "token": BUG_TOKEN}) as key:
+            llm = load_llm({**kw, "additional_config": {**kw["additional_config"], **key}})
+        dump_llm(llm, replace(cfg, out=str(base / "bug-decode"), new_tokens=NEW_TOKENS), DECODE_BUG_PROMPTS, Path(ckpt))
+        return 0
+
     timed("bug", seeded_job)
+    timed("bug-decode", seeded_decode)
     for name in ("chunk", "bf16", "logits"):
         timed(name, lambda name=name: main([*run, *CLI_JOBS[name], "--out", str(base / name)]))
     bad = base / "bad-ckpt"  # last: a failed engine start may leave vLLM's process state behind
@@ -460,3 +475,60 @@ def test_engine_args_are_checked_before_vllm_starts(tmp_path):
     with pytest.raises(UsageError, match="--attn sdpa: HF's attention setting"):
         kwargs(attn="sdpa")
     assert kwargs(("max_model_len", "1024"), ("max_num_seqs", "3"))["max_model_len"] == 1024
+
+
+def _decode_counterpart(runs, job: str, tmp_path: Path) -> tuple[int, dict]:
+    """(exit code, JSON report) of the HF prefill of the tokens ``job``'s decode fed back against ``job``."""
+    _, root, results = runs
+    assert results[job]["rc"] == 0, results[job]["stderr"]
+    r = run_cli("dumper", "run", "--model", shared_checkpoint(), "--tokens-from", root / job, *JOB[:2], *LOGPROBS,
+                "--out", tmp_path / "hf", "--quiet")
+    assert r.returncode == 0, r.stderr
+    r = run_cli("comparator", tmp_path / "hf", root / job, "--json", tmp_path / "report.json", "--quiet")
+    assert r.returncode in (0, 1), r.stdout + r.stderr
+    return r.returncode, json.loads((tmp_path / "report.json").read_text())
+
+
+@pytest.mark.engine
+def test_decode_steps_of_the_default_engine_match_an_hf_prefill_of_the_same_tokens(runs, tmp_path):
+    """vLLM's default engine (compiled, multiprocess) decodes the three prompts in shared engine steps; every step's
+    rows are recorded with their own sequence and position, and match HF's prefill of the same tokens in fp32."""
+    rc, report = _decode_counterpart(runs, "decode", tmp_path)
+    assert rc == 0 and report["passed"], report["first_divergent"]
+    assert report["decode"] == {"passed": True, "sequences": 3, "steps": 3 * (NEW_TOKENS - 1), "forks": [],
+                                "missing": []}
+    assert report["matched"] == N_LAYERS * len(PROMPTS) and _max_rel(report) < 1e-6
+    assert report["logprobs"]["compared_positions"] == sum(len(p) - 1 + NEW_TOKENS for p in PROMPTS)
+    m = load_manifest(runs[1] / "decode")
+    assert _compiled(runs, "decode") and [len(g) for g in m.extra["generated_ids"]] == [NEW_TOKENS] * 3
+    decode_rows: dict[int, set[int]] = {}  # pass -> sequences with a decode row in it
+    for t in m.tensors:
+        if t.point == "input" and t.layer == 0:
+            for s, p in zip(t.row_sequence_ids().tolist(), t.row_positions().tolist(), strict=True):
+                if p >= len(PROMPTS[s]):
+                    decode_rows.setdefault(t.forward_pass, set()).add(s)
+    assert max(map(len, decode_rows.values())) >= 2  # a real decode batch: requests side by side in one step
+
+
+@pytest.mark.engine
+def test_a_bug_seeded_in_vllm_is_named_at_its_decode_step(runs, tmp_path):
+    """The seeded engine's bug at position BUG_TOKEN, compiled into vLLM's graph, hits prompt 0 only in its decode
+    step 1: the verdict names the next layer, that token, phase decode and the step."""
+    rc, report = _decode_counterpart(runs, "bug-decode", tmp_path)
+    fd = report["first_divergent"]
+    assert rc == 1 and (fd["layer"], fd["token"], fd["sequence"]) == (BUG_LAYER + 1, BUG_TOKEN, 0), fd
+    assert fd["phase"] == "decode" and fd["decode_step"] == BUG_TOKEN - len(PROMPTS[0]) and fd["failing_sequences"] == [0]
+    assert all(t["passed"] for t in report["tensors"] if t["layer"] <= BUG_LAYER)
+
+
+@pytest.mark.engine
+def test_vllm_decode_matches_vllm_prefill_of_the_same_tokens(runs):
+    """vLLM as its own counterpart (``--tokens-from`` on the same engine): its decode steps match its prefill of the
+    tokens they fed; the last generated token's logprob, which a vLLM prefill does not score, is left out."""
+    _, root, results = runs
+    assert results["decode-prefill"]["rc"] == 0, results["decode-prefill"]["stderr"]
+    report = compare_dumps(root / "decode-prefill", root / "decode")
+    assert report.passed, (report.first_divergent, report.decode)
+    assert report.decode is not None and report.decode.steps == 3 * (NEW_TOKENS - 1)
+    assert report.logprobs is not None and report.logprobs.compared_positions == sum(
+        len(p) - 1 + NEW_TOKENS - 1 for p in PROMPTS)

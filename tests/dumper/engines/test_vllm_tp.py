@@ -27,9 +27,9 @@ from torch import nn
 from dumper.format import load_manifest
 from dumper.format.reader import DumpReader
 from tests.conftest import ROOT, run_cli
-from tests.dumper.engines.test_engine_vllm import (BUG_PROMPT, BUG_TOKEN, JOB, LOGPROBS, N_LAYERS, PROMPTS, _cfg,
-                                                   assert_worker_done, finish_worker, link_base, need, seeded,
-                                                   shared_checkpoint, worker_env)
+from tests.dumper.engines.test_engine_vllm import (BUG_PROMPT, BUG_TOKEN, JOB, LOGPROBS, N_LAYERS, NEW_TOKENS, PROMPTS,
+                                                   _cfg, _decode_counterpart, assert_worker_done, finish_worker,
+                                                   link_base, need, seeded, shared_checkpoint, worker_env)
 
 TP2 = ("--engine-arg", "tensor_parallel_size=2")
 SEED_LAYER = 1
@@ -40,6 +40,7 @@ DIE = ("--chunk-size", "16", "--engine-arg", "enforce_eager=true")
 CLI_JOBS = {  # name -> (seed or None, `python -m dumper run --engine vllm` args after JOB), in the order they run
     "tp1": (None, LOGPROBS),  # test_engine_vllm's fp32 job, run once a session (link_base)
     "tp2": (None, (*TP2, *LOGPROBS)),
+    "tp2-decode": (None, (*TP2, "--new-tokens", str(NEW_TOKENS), *LOGPROBS)),  # the tp2 job's engine, decoding
     "pp2": (None, ("--engine-arg", "pipeline_parallel_size=2", *LOGPROBS)),
     "die-core": ({"die_after": 3}, DIE),  # TP=1: the engine core runs the model, and dies
     "die-rank": ({"die_after": 3, "rank": 1}, (*DIE, *TP2)),  # TP=2: rank 1's worker dies
@@ -64,6 +65,7 @@ def _worker(ckpt: str, prompts: str, out: str) -> None:
                      "--out", str(base / name)])
 
     timed("tp2", lambda: cli("tp2"))
+    timed("tp2-decode", lambda: cli("tp2-decode"))
     cfg = _cfg(Path(ckpt), base / "bug")
     kw = {**engine_kwargs(cfg, Path(ckpt), PROMPTS), "tensor_parallel_size": 2}  # the tp2 job's engine
 
@@ -252,3 +254,16 @@ def test_a_pipeline_stage_s_placeholder_layers_are_never_hooked():
     model.layers = nn.ModuleList([nn.Identity(), nn.Identity(), Layer(), Layer()])
     targets, count = find_targets(model, layers="all", attention_names=("self_attn",))
     assert count == 4 and [(t.name, t.layer) for t in targets] == [("layers.2.self_attn", 2), ("layers.3.self_attn", 3)]
+
+
+@pytest.mark.engine
+def test_tp2_decode_steps_match_an_hf_prefill_with_identical_ranks(runs, tmp_path):
+    """Both TP ranks record every decode step; their replicated rows agree, and the joined dump matches HF's prefill
+    of the same tokens."""
+    root, results = runs
+    rc, report = _decode_counterpart((None, root, results), "tp2-decode", tmp_path)
+    assert rc == 0 and report["passed"] and not report["replica_mismatches"], report["first_divergent"]
+    assert report["decode"]["steps"] == len(PROMPTS) * (NEW_TOKENS - 1) and not report["decode"]["missing"]
+    m = load_manifest(root / "tp2-decode")
+    assert {t.rank for t in m.tensors if t.point == "input"} == {0, 1}
+    assert m.extra["engine"]["settings"]["tensor_parallel_size"] == 2

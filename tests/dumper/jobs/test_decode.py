@@ -173,6 +173,10 @@ def test_a_decode_only_bug_is_named_at_its_layer_token_and_step_and_a_prefill_ca
     assert compare_dumps(tmp_path / "prefill", tmp_path / "buggy-prefill").passed  # two prefills agree
     data = report.to_json()["first_divergent"]
     assert data["phase"] == "decode" and data["decode_step"] == 5
+    r = run_cli("comparator", tmp_path / "prefill", tmp_path / "buggy", "--html", tmp_path / "r.html", "--quiet")
+    assert r.returncode == 1 and ", decode step 5," in r.stdout, r.stdout
+    html = (tmp_path / "r.html").read_text()  # the heatmap sets the prompt part and the decode part apart
+    assert 'id="heatmap-decode"' in html and f"decode steps from position {len(PROMPTS[0])}" in html
 
 
 def test_the_cli_decodes_and_its_counterpart_passes_and_names_the_phase(tmp_path):
@@ -197,7 +201,7 @@ def test_the_cli_decodes_and_its_counterpart_passes_and_names_the_phase(tmp_path
     (("--tokens-from", "{p}"), "not a decode dump"),
     (("--tokens-from", "{d}", "--new-tokens", "2"), "drop --new-tokens"),
     (("--new-tokens", "-1"), "--new-tokens must be >= 0"),
-    (("--new-tokens", "2", "--engine", "llama.cpp", "--model", "{d}"), "records prompt passes only so far"),
+    (("--new-tokens", "2", "--engine", "onnxruntime-genai", "--model", "{d}"), "records prompt passes only so far"),
 ])
 def test_the_cli_refuses_what_it_cannot_decode_in_one_line(eager, tmp_path, args, words):
     decode, prefill = eager
