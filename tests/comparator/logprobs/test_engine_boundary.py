@@ -361,7 +361,7 @@ def test_a_dump_claiming_far_positions_is_refused_before_allocating(capsys, tmp_
     two = _far_rows_dump(tmp_path / "two", 2, MAX_TOTAL_POSITIONS // 2)
     refused(capsys, ok, two, str(two), f"span {MAX_TOTAL_POSITIONS + 2} positions")
     past = _far_rows_dump(tmp_path / "past", 1, 4000, input_ids=[[1, 2, 3, 4]])
-    refused(capsys, ok, past, str(past), "sequence 0", "position 4000", "prompt's 4 tokens")
+    refused(capsys, ok, past, str(past), "sequence 0", "position 4000", "its 4 tokens (extra.input_ids")
 
 
 def test_sglang_prompt_lengths_count_against_one_budget_per_file(capsys, tmp_path, good):
