@@ -98,7 +98,7 @@ def decode_plan(bm: Manifest, tm: Manifest, where: tuple[str, str]) -> DecodePla
         _forks(plan, bm, tm)
     else:
         decode, other = (bm, tm) if sides[0][0] is bm else (tm, bm)
-        _check_counterpart(decode, other, where[1] if other is tm else where[0])
+        _check_counterpart(decode, other, where[1] if other is tm else where[0], sides[0][1])
         scores_last = other.extra.get(NEXT_IDS) is not None  # else an engine that scores no token past its input
         for s, (n, g) in enumerate(zip(prompt_lengths(decode.extra) or [], generated_ids(decode.extra) or [],
                                        strict=True)):
@@ -108,13 +108,20 @@ def decode_plan(bm: Manifest, tm: Manifest, where: tuple[str, str]) -> DecodePla
     return plan
 
 
-def _check_counterpart(decode: Manifest, other: Manifest, where: str) -> None:
-    """A prefill side must have fed the decode side's prompts and generated tokens (what ``--tokens-from`` does)."""
+def _check_counterpart(decode: Manifest, other: Manifest, where: str, decode_where: str) -> None:
+    """A prefill side must have fed the decode side's prompts and generated tokens (what ``--tokens-from`` does);
+    a prefill of the prompts alone, which holds none of the decode rows, is refused with the command that makes one."""
     fed = [list(p) + list(g[:-1]) for p, g in zip(decode.extra.get("input_ids") or [], generated_ids(decode.extra) or [],
                                                   strict=True)]
     inputs = other.extra.get("input_ids")
-    if inputs is None or other.extra.get(PROMPT_LENGTHS) is None:
-        return  # a prefill of its own prompts: rows and logprobs say where they differ
+    if inputs is None:
+        return  # no recorded inputs: rows and logprobs say where the sides differ
+    if other.extra.get(PROMPT_LENGTHS) is None and any(len(b) < len(a) for a, b in zip(fed, inputs, strict=False)):
+        raise NotComparableError(f"{where}: holds no rows of the decode steps of {decode_where} (a prefill of the "
+                                 "prompts only); make the prefill counterpart with python -m dumper run "
+                                 f"--tokens-from {decode_where} ...")
+    if other.extra.get(PROMPT_LENGTHS) is None:
+        return  # a prefill of longer inputs of its own: rows and logprobs say where they differ
     for s, (a, b) in enumerate(zip(fed, inputs, strict=False)):
         if list(a) != list(b):
             i = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))

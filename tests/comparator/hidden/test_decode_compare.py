@@ -164,3 +164,14 @@ def test_the_report_round_trips_its_decode_part(runs):
     report = compare_dumps(runs["tie"], runs["flipped"])
     again = Report.from_json(json.loads(json.dumps(report.to_json())))
     assert again.decode == report.decode and again.first_divergent == report.first_divergent
+
+
+def test_a_prefill_of_the_prompts_alone_is_refused_with_the_command_that_makes_the_counterpart(runs, tmp_path):
+    ids = [a for p in PROMPTS for a in ("--input-ids", ",".join(map(str, p)))]
+    r = run_cli("dumper", "run", *ids, "--layers", "all", "--out", tmp_path / "prompts", "--quiet")
+    assert r.returncode == 0, r.stderr
+    for base, target in ((tmp_path / "prompts", runs["clean"]), (runs["clean"], tmp_path / "prompts")):
+        r = run_cli("comparator", base, target)
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert f"holds no rows of the decode steps of {runs['clean']}" in r.stderr
+        assert f"python -m dumper run --tokens-from {runs['clean']}" in r.stderr
