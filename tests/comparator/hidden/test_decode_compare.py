@@ -131,6 +131,7 @@ def test_a_missing_decode_step_fails_naming_the_step_never_a_pass_on_fewer_rows(
     assert r.returncode == 1 and "decode coverage" in r.stdout and "decode step 3 of sequence 0" in r.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("edit,field", [
     (lambda m: m["extra"].__setitem__("generated_ids", [[1, 2]] * 2), "extra.generated_ids[0]"),
     (lambda m: m["extra"].__setitem__("generated_ids", [[1] * NEW]), "extra.generated_ids"),
@@ -151,6 +152,7 @@ def test_decode_fields_a_manifest_gets_wrong_are_refused_in_one_line(runs, tmp_p
     assert r.returncode == 2 and field in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
+@pytest.mark.slow
 def test_a_counterpart_made_from_other_tokens_is_not_comparable(runs, tmp_path):
     r = run_cli("dumper", "run", "--tokens-from", runs["clean"], "--layers", "all", "--out", tmp_path / "p", "--quiet")
     assert r.returncode == 0, r.stderr
@@ -166,6 +168,7 @@ def test_the_report_round_trips_its_decode_part(runs):
     assert again.decode == report.decode and again.first_divergent == report.first_divergent
 
 
+@pytest.mark.slow
 def test_a_prefill_of_the_prompts_alone_is_refused_with_the_command_that_makes_the_counterpart(runs, tmp_path):
     ids = [a for p in PROMPTS for a in ("--input-ids", ",".join(map(str, p)))]
     r = run_cli("dumper", "run", *ids, "--layers", "all", "--out", tmp_path / "prompts", "--quiet")

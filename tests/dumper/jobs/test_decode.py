@@ -179,6 +179,7 @@ def test_a_decode_only_bug_is_named_at_its_layer_token_and_step_and_a_prefill_ca
     assert 'id="heatmap-decode"' in html and f"decode steps from position {len(PROMPTS[0])}" in html
 
 
+@pytest.mark.slow
 def test_the_cli_decodes_and_its_counterpart_passes_and_names_the_phase(tmp_path):
     ids = [a for p in PROMPTS for a in ("--input-ids", ",".join(map(str, p)))]
     r = run_cli("dumper", "run", *ids, "--new-tokens", "4", "--layers", "first,last", "--logprobs", "--top-k", "2",
@@ -196,6 +197,7 @@ def test_the_cli_decodes_and_its_counterpart_passes_and_names_the_phase(tmp_path
     assert v["decode"] == {"passed": True, "sequences": 2, "steps": 6, "forks": [], "missing": []}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args,words", [
     (("--tokens-from", "{d}", "--input-ids", "1,2,3"), "--tokens-from takes its prompts from the dump"),
     (("--tokens-from", "{p}"), "not a decode dump"),
@@ -211,6 +213,7 @@ def test_the_cli_refuses_what_it_cannot_decode_in_one_line(eager, tmp_path, args
     assert not (tmp_path / "x").exists()
 
 
+@pytest.mark.slow
 def test_compiled_decode_through_the_tap_matches_eager_decode(eager, tmp_path):
     decode, _ = eager
     ids = [a for p in PROMPTS for a in ("--input-ids", ",".join(map(str, p)))]
