@@ -37,6 +37,9 @@ def add_collect(sub: argparse._SubParsersAction) -> None:
                    help="also record the prompt logprobs the server returns (vLLM then computes every position, "
                         "never reading its prefix cache)")
     c.add_argument("--top-k", type=int, default=0, help="with --logprobs: record the top-K logprobs per position")
+    c.add_argument("--new-tokens", type=int, default=0, metavar="N",
+                   help="ask for N greedy tokens per prompt (no stop at EOS) and record the decode steps that feed "
+                        "them (docs/decode.md); with --logprobs also each generated token's logprob")
     c.add_argument("--served-model", default=None, help="model name to request (default: the first /v1/models lists)")
     c.add_argument("--timeout", type=timeout_arg, default=120.0,
                    help="seconds per request: connect, send and the whole answer (default 120, at most 86400)")
@@ -67,7 +70,8 @@ def cmd_collect(args: argparse.Namespace) -> int:
     cfg = CollectConfig(server=args.server, spool=args.spool, out=args.out, model=args.model, prompts=prompts,
                         input_ids=ids, logprobs=LogprobSpec(top_k=args.top_k) if args.logprobs else None,
                         served_model=args.served_model, part_timeout=args.part_timeout,
-                        request_timeout=args.timeout, retries=args.retries, concurrency=args.concurrency)
+                        request_timeout=args.timeout, retries=args.retries, concurrency=args.concurrency,
+                        new_tokens=args.new_tokens)
     with progress_bar(not args.quiet, "collecting", unit="tokens") as progress:
         manifest = collect_dump(cfg, progress=progress)
     missing = manifest.extra["missing_positions"]

@@ -100,7 +100,7 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--padding-side", default="right", choices=["right", "left"], help="where batches are padded")
     r.add_argument("--new-tokens", type=int, default=0, metavar="N",
                    help="after each prompt pass, greedy-decode N tokens (temperature 0, no stop at EOS) and record "
-                        "every decode step's rows at their positions (docs/decode.md; transformers, vllm)")
+                        "every decode step's rows at their positions (docs/decode.md; transformers, vllm, llama.cpp)")
     r.add_argument("--tokens-from", metavar="DUMP", default=None,
                    help="the prefill counterpart of a --new-tokens dump: each of its prompts plus the tokens its "
                         "decode fed back, so the two dumps hold the same positions (any engine)")

@@ -8,7 +8,9 @@ requests marked with a capture token (:mod:`dumper.engines.vllm_spool`)::
 
 :func:`collect_dump` sends each prompt as one ``POST /v1/completions`` (the token ids as the
 prompt, ``max_tokens=1``, greedy, ``prompt_logprobs`` = top-k with ``--logprobs``, and
-``vllm_xargs`` = the marker of a fresh token), records the prompt logprobs of the answers, waits
+``vllm_xargs`` = the marker of a fresh token; with ``--new-tokens N``, ``max_tokens=N`` with
+``ignore_eos``, the generated tokens' ``logprobs`` as token ids, and the marker asks for the N-1
+decode steps too), records the prompt (and generated) logprobs of the answers, waits
 for every rank's part in ``SPOOL/TOKEN`` and joins them into one dump
 (:func:`dumper.engines.vllm_parts.join_dump`, the manifest last); ``SPOOL/TOKEN`` is removed
 either way. Anyone else's requests (unmarked, or marked with another token) are never in it.
@@ -47,6 +49,7 @@ from dumper.settings import VLLM_SPOOL_ENV
 from dumper.engines.vllm_tap import tap_config
 from dumper.errors import DumpError, UsageError
 from dumper.format import MANIFEST_NAME, Manifest
+from dumper.format.decode import GENERATED_IDS, NEW_TOKENS
 from dumper.hooks.capture import Capture
 from dumper.hooks.layers import ATTN_INPUT
 from dumper.jobs.logprob_records import LogprobSpec, record_token_logprobs
@@ -86,8 +89,12 @@ class CollectConfig:
     request_timeout: float = 120.0
     retries: int = 3
     concurrency: int = 8
+    new_tokens: int = 0
+    """``--new-tokens N``: N greedy tokens per prompt, their decode steps recorded (:mod:`dumper.format.decode`)."""
 
     def __post_init__(self) -> None:
+        if self.new_tokens < 0:
+            raise UsageError(f"--new-tokens must be >= 0, got {self.new_tokens}")
         if not (isinstance(self.part_timeout, (int, float)) and math.isfinite(self.part_timeout)
                 and self.part_timeout > 0):
             raise UsageError(f"--part-timeout must be a positive number of seconds, got {self.part_timeout!r}")
@@ -160,12 +167,58 @@ def _server_version(client: ServerClient) -> str:
 
 
 def _body(ids: list[int], model: str | None, token: str, seq: int, count: int,
-          spec: LogprobSpec | None) -> dict[str, Any]:
-    body: dict[str, Any] = {"prompt": ids, "max_tokens": 1, "temperature": 0.0, "return_token_ids": True,
-                            "vllm_xargs": marker(token, seq, count)}
+          spec: LogprobSpec | None, new: int = 0) -> dict[str, Any]:
+    body: dict[str, Any] = {"prompt": ids, "max_tokens": max(new, 1), "temperature": 0.0, "return_token_ids": True,
+                            "vllm_xargs": marker(token, seq, count, max(new, 1))}
+    if new:
+        body["ignore_eos"] = True
     if spec is not None:
         body["prompt_logprobs"] = spec.top_k
+        if new:  # the generated tokens' logprobs, their top-k keyed "token_id:N"
+            body.update(logprobs=spec.top_k, return_tokens_as_token_ids=True)
     return body | ({"model": model} if model else {})
+
+
+def _generated(url: str, seqs: list[list[int]], answers: list[Any], new: int) -> list[list[int]]:
+    """Each answer's ``new`` generated token ids (``choices[0].token_ids``), checked for their count."""
+    out = []
+    for i, a in enumerate(answers):
+        ids = first_choice(url, a).get("token_ids")
+        if type(ids) is not list or len(ids) != new or not all(type(t) is int and t >= 0 for t in ids):
+            raise ServerError(f"{url}: the answer to prompt {i} has no {new} generated token ids (choices[0].token_ids; "
+                              "the server is not vLLM, or stopped early)")
+        out.append(ids)
+    return out
+
+
+def _token_id(key: Any, url: str, i: int) -> int:
+    text = key if isinstance(key, str) else ""
+    if not text.startswith("token_id:") or not text[9:].isdigit():
+        raise ServerError(f"{url}: prompt {i}: a generated token's top logprob is keyed {key!r}, not token_id:N "
+                          "(the server ignores return_tokens_as_token_ids)")
+    return int(text[9:])
+
+
+def _record_generated(cap: Capture, url: str, seqs: list[list[int]], answers: list[Any], generated: list[list[int]],
+                      top_k: int) -> None:
+    """Record each generated token's logprob (and top ``top_k``) at its own position, as the vLLM engine's dump does."""
+    for i, (prompt, a, gen) in enumerate(zip(seqs, answers, generated, strict=True)):
+        lp = first_choice(url, a).get("logprobs") or {}
+        values, tops = lp.get("token_logprobs"), lp.get("top_logprobs")
+        if not isinstance(values, list) or len(values) != len(gen) or not all(isinstance(v, (int, float)) for v in values):
+            raise ServerError(f"{url}: the answer to prompt {i} has no logprob for each of its {len(gen)} tokens")
+        top = None
+        if top_k:
+            if not isinstance(tops, list) or len(tops) != len(gen) or not all(isinstance(t, dict) for t in tops):
+                raise ServerError(f"{url}: the answer to prompt {i} has no top logprobs for each generated token")
+            ranked = [sorted(((_token_id(k, url, i), float(v)) for k, v in t.items()), key=lambda e: -e[1])
+                      for t in tops]
+            top = [_top(tuple(r), g, top_k) for r, g in zip(ranked, gen, strict=True)]
+            if any(len(t) != top_k for t in top):
+                raise ServerError(f"prompt {i}: the server sent fewer than --top-k {top_k} generated-token logprobs")
+        record_token_logprobs(cap, [len(prompt) + s for s in range(len(gen))], [i] * len(gen), gen,
+                              [float(v) for v in values], None if top is None else [[t for t, _ in r] for r in top],
+                              None if top is None else [[v for _, v in r] for r in top])
 
 
 def _send(client: ServerClient, bodies: list[dict[str, Any]], concurrency: int,
@@ -284,18 +337,23 @@ def collect_dump(cfg: CollectConfig, *, progress: ProgressFn | None = None) -> M
     name = cfg.served_model or served_model(client)
     directory = spool / new_token()
     try:
-        bodies = [_body(s, name, directory.name, i, len(seqs), cfg.logprobs) for i, s in enumerate(seqs)]
+        bodies = [_body(s, name, directory.name, i, len(seqs), cfg.logprobs, cfg.new_tokens)
+                  for i, s in enumerate(seqs)]
         answers = _send(client, bodies, cfg.concurrency, progress)
-        scored = _scored(client.url("/v1/completions"), seqs, answers, logprobs=cfg.logprobs is not None)
+        url = client.url("/v1/completions")
+        scored = _scored(url, seqs, answers, logprobs=cfg.logprobs is not None)
+        generated = _generated(url, seqs, answers, cfg.new_tokens) if cfg.new_tokens else []
         parts = _wait(directory, spool, cfg)
-        return _join(cfg, client.base_url, version, name, seqs, parts, identity, scored)
+        return _join(cfg, client.base_url, version, name, seqs, parts, identity, scored, (url, answers, generated))
     finally:
         remove_spool(directory)
 
 
 def _join(cfg: CollectConfig, url: str, version: str, name: str | None, seqs: list[list[int]], parts: RankParts,
-          identity: dict[str, Any] | None, scored: list[SequenceLogprobs]) -> Manifest:
-    """Write the dump: the parts, the answers' prompt logprobs, and a manifest that says it came from ``url``."""
+          identity: dict[str, Any] | None, scored: list[SequenceLogprobs],
+          decoded: tuple[str, list[Any], list[list[int]]]) -> Manifest:
+    """Write the dump: the parts, the answers' prompt (and generated) logprobs, and a manifest that says it came from
+    ``url``; ``decoded`` is (completions URL, answers, generated ids) of a ``--new-tokens`` collect."""
     dtype = (parts.info.get("signature") or {}).get("dtype")
     engine = EngineInfo("vllm", version, str(cfg.model or name or url), {"dtype": dtype, **parts.engine_settings})
     hits, missing = _coverage(parts, seqs)
@@ -305,11 +363,15 @@ def _join(cfg: CollectConfig, url: str, version: str, name: str | None, seqs: li
                            "missing_positions": missing}
     if any(missing):
         job["note"] = missing_note(missing)
+    if cfg.new_tokens:
+        job.update({"job": "decode", NEW_TOKENS: cfg.new_tokens, GENERATED_IDS: decoded[2]})
     identity = identity or dict(parts.info.get("identity") or {})
 
     def record(cap: Capture) -> None:
         if spec is not None:
             _record(cap, scored, spec.top_k)
+            if cfg.new_tokens:
+                _record_generated(cap, decoded[0], seqs, decoded[1], decoded[2], spec.top_k)
 
     return join_dump(cfg.out, parts, model_name=cfg.model or name, identity=identity, engine=engine, job_extra=job,
                      record=record)

@@ -271,3 +271,23 @@ def test_text_prompts_are_tokenized_as_dumper_run_tokenizes_them(tmp_path: Path)
         served_sequences(cfg, None, None)
     with pytest.raises(UsageError, match="outside the vocabulary"):
         served_sequences(CollectConfig(server="x", spool="x", out="x", input_ids=((1, 600),)), None, 512)
+
+
+@pytest.mark.engine
+def test_a_served_decode_matches_an_hf_prefill_of_the_same_tokens(server: Served, captured, tmp_path: Path) -> None:
+    """``collect --new-tokens``: the server decodes the marked requests (max_tokens > 1, several at once), records
+    every decode step they feed, and sends each generated token's logprob; all of it matches HF's prefill."""
+    new = 5
+    r = _collect(server, tmp_path / "decode", "--model", str(server.ckpt), "--prompts", str(server.prompts),
+                 *LOGPROBS, "--new-tokens", str(new), "--quiet")
+    assert r.returncode == 0, r.stdout + r.stderr
+    m = load_manifest(tmp_path / "decode")
+    assert m.extra["job"] == "decode" and [len(g) for g in m.extra["generated_ids"]] == [new] * len(PROMPTS)
+    hf = run_cli("dumper", "run", "--model", server.ckpt, "--tokens-from", tmp_path / "decode", "--layers", "all",
+                 *LOGPROBS, "--out", tmp_path / "hf", "--quiet")
+    assert hf.returncode == 0, hf.stderr
+    c = run_cli("comparator", tmp_path / "hf", tmp_path / "decode", "--json", tmp_path / "r.json", "--quiet")
+    assert c.returncode == 0, c.stdout + c.stderr
+    rep = json.loads((tmp_path / "r.json").read_text())
+    assert rep["decode"]["steps"] == len(PROMPTS) * (new - 1) and not rep["decode"]["missing"]
+    assert rep["logprobs"]["compared_positions"] == sum(len(p) - 1 + new for p in PROMPTS)
