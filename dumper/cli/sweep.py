@@ -24,8 +24,9 @@ def add_sweep(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--baseline", required=True, help="dump every cell is compared with; its prompts are the job")
     s.add_argument("--grid", action="append", required=True, metavar="KEY=V1,V2,...",
                    help="an axis (repeatable; cells are the cartesian product): an --engine-arg key, chunk_size "
-                        "(none allowed), batch_size, or lengths (prompt lengths, or 'block' for block-1, block, "
-                        "block+1, 2*block-1, 2*block, 2*block+1)")
+                        "(none allowed), batch_size, new_tokens (decode cells, judged against their own prefill), "
+                        "or lengths (prompt lengths, or 'block' for block-1, block, block+1, 2*block-1, 2*block, "
+                        "2*block+1)")
     s.add_argument("--max-cells", type=positive_int, default=None, metavar="N",
                    help="refuse a grid of more than N cells, the product of its axes' value counts (default "
                         "4096), before anything is planned")

@@ -18,6 +18,11 @@ only (``CompareConfig(subset=True)``, :mod:`comparator.hidden.subset`):
   pass), and such a cell records no logprobs (vLLM never reads the cache for a request that
   asks for ``prompt_logprobs``).
 
+A ``new_tokens=N`` cell (N > 0) decodes N tokens per prompt (:mod:`dumper.jobs.decode`); its
+generated tokens are its own, so it is judged not against the baseline but against the
+transformers prefill of the tokens it fed (``--tokens-from``), made with the baseline's model,
+dtype, seed and attention into ``OUT/cell-NNN/prefill``.
+
 Example::
 
     from dumper.jobs.run import RunConfig
@@ -222,6 +227,20 @@ def _logprobs(cell: Cell, cfg: SweepConfig, report: Report) -> CellLogprobs | No
                         compared_positions=v.compared_positions)
 
 
+def _counterpart(cell: Cell, cfg: SweepConfig) -> str:
+    """A ``new_tokens`` cell's reference: the transformers prefill of the tokens it fed, by the baseline's model."""
+    from dumper.jobs.run import tokens_from
+
+    m = load_manifest(cfg.baseline)
+    out = Path(cfg.out) / cell.name / "prefill"
+    ref = RunConfig(out=str(out), model=str(m.model.get("name")), dtype=str(m.extra.get("dtype") or cfg.template.dtype),
+                    attn=str(m.extra.get("attn") or "eager"), seed=int(m.extra.get("seed") or 0),
+                    layers=cfg.template.layers, points=cfg.template.points,
+                    logprobs=None if cell.config.logprobs is None else cfg.template.logprobs)
+    engine_runner("transformers")(tokens_from(ref, cell.config.out))
+    return str(out)
+
+
 def run_cell(cell: Cell, cfg: SweepConfig, runner: RunDump, *, progress: ProgressFn | None = None) -> CellResult:
     """Run one cell, compare its dump with the baseline, write its report; the cell's result."""
     before = held_engine(cell.config.engine)
@@ -232,9 +251,10 @@ def run_cell(cell: Cell, cfg: SweepConfig, runner: RunDump, *, progress: Progres
     reused = before is not None and after is not None and before() is not None and before() is after()
     hits, reasons = _cache_hits(cell, manifest)
     identity = tuple(range(len(cell.sequence_map)))
-    compare = replace(cfg.compare, subset=cell.length is not None or cell.prefix_cache or any(hits or ()),
-                      sequence_map=() if cell.sequence_map == identity else cell.sequence_map)
-    report = compare_dumps(cfg.baseline, cell.config.out, compare)
+    decoded = bool(cell.config.new_tokens)  # its own tokens: judged against its prefill counterpart, ids as its own
+    compare = replace(cfg.compare, subset=cell.prefix_cache or any(hits or ()) or cell.length is not None and not decoded,
+                      sequence_map=() if cell.sequence_map == identity or decoded else cell.sequence_map)
+    report = compare_dumps(_counterpart(cell, cfg) if decoded else cfg.baseline, cell.config.out, compare)
     path = Path(cfg.out) / cell.name / "report.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     write_json(report, path)

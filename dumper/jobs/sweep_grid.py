@@ -1,7 +1,7 @@
 """The grid of an invariance sweep: ``--grid KEY=V1,V2`` axes, their values checked, and the cells they make.
 
 Grid keys are the engine's ``--engine-arg`` keys (its ``ENGINE_ARGS`` table), the run's own
-``chunk_size`` (``none`` allowed) and ``batch_size``, and ``lengths``: prompt lengths, or
+``chunk_size`` (``none`` allowed), ``batch_size`` and ``new_tokens`` (the decode path), and ``lengths``: prompt lengths, or
 ``block`` for ``block-1, block, block+1, 2*block-1, 2*block, 2*block+1`` (KV-cache bugs show
 by prompt length modulo the engine's KV block size). Every value goes through the checks the
 ``run`` command applies (:func:`dumper.engines.base.check_engine_args`,
@@ -39,7 +39,7 @@ from dumper.jobs.run import RunConfig, check_scored_positions
 __all__ = ["Axis", "Cell", "RUN_KEYS", "LENGTHS", "BLOCK", "PREFIX_CACHING", "MAX_CELLS", "parse_grid",
            "plan_cells", "block_lengths", "describe", "axis_size", "check_cell_count"]
 
-RUN_KEYS = ("chunk_size", "batch_size")
+RUN_KEYS = ("chunk_size", "batch_size", "new_tokens")
 """Grid keys that are :class:`RunConfig` fields."""
 LENGTHS = "lengths"
 BLOCK = "block"

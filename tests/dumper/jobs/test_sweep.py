@@ -197,3 +197,38 @@ def test_a_prefix_caching_cell_with_no_cache_hits_fails_and_hits_must_match_the_
         assert not c.passed and c.reasons == (reason,) and c.verdict == f"FAIL ({reason})"
         assert c.cache_hits == sum(hits) and c.cache_hits_by_sequence == tuple(hits)
         assert c.first_divergent is None and c.logprobs.note == "n/a (prefix cache)"
+
+
+@pytest.mark.slow
+def test_new_tokens_cells_are_judged_against_their_own_prefill_and_a_decode_bug_fails_only_them(base, tmp_path):
+    """``new_tokens`` is an axis: a decode cell is compared with the transformers prefill of the tokens it fed (by the
+    baseline's model); the bug in passes that continue a request hits every decode step, so only decode cells fail,
+    at their first decode position, and a clean sweep of the same grid passes."""
+    model = _bugged_model()
+
+    def runner(cfg: RunConfig, *, progress=None):
+        return dump_sequences(model, [list(s) for s in cfg.input_ids], cfg, progress=progress)
+
+    grid = parse_grid(["new_tokens=0,4"])
+    out = tmp_path / "bugged"
+    result = sweep(SweepConfig(baseline=str(base / "base"), out=str(out), template=_template(out), grid=grid),
+                   runner=runner)
+    cells = {c.settings["new_tokens"]: c for c in result.cells}
+    assert cells[0].passed and not cells[4].passed and not result.passed
+    fd = cells[4].first_divergent
+    _, prompts = baseline_prompts(str(base / "base"))
+    assert fd.layer == BUG_LAYER + 1 and fd.phase == "decode" and fd.decode_step == 0
+    assert fd.token == len(prompts[fd.sequence])
+    assert (out / cells[4].name / "prefill" / "manifest.json").exists()
+    clean = tmp_path / "clean"
+    r = run_cli("dumper", "sweep", "--baseline", base / "base", "--logprobs", "--grid", "new_tokens=0,4", "--grid",
+                "chunk_size=none,5", "--out", clean, "--json", tmp_path / "clean.json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    for c in json.loads((tmp_path / "clean.json").read_text())["cells"]:
+        report = json.loads(open(c["report"]).read())
+        assert c["passed"] and report["passed"]
+        if c["settings"]["new_tokens"]:
+            assert report["decode"]["steps"] == 2 * 3 and report["logprobs"]["compared_positions"] == sum(
+                len(p) - 1 + 4 for p in prompts)
+        else:
+            assert report["decode"] is None
