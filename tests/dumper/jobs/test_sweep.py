@@ -155,7 +155,7 @@ def test_lengths_block_expands_around_one_and_two_blocks(base, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize(("grid", "message"), [
     ("attn_backend=flash", "error: --grid attn_backend: unknown key; --engine transformers sweeps chunk_size, "
-                           "batch_size, lengths"),
+                           "batch_size, new_tokens, lengths"),
     ("chunk_size=8,0", "error: --grid chunk_size=0: --chunk-size must be >= 1, got 0"),
 ])
 def test_a_bad_grid_exits_2_with_one_line_before_anything_runs(base, tmp_path, grid, message):
