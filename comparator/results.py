@@ -26,10 +26,11 @@ from dumper.errors import CorruptDumpError, DumpError, UsageError
 from dumper.format.files import parse_json, read_regular_file
 
 from comparator.exports import lazy_exports
+from comparator.hidden.decode_types import DecodeComparison, DecodeFork
 from comparator.hidden.types import FirstDivergence, Heatmap, LayerSummary, ReplicaMismatch, Report, TensorComparison
 
 __all__ = ["TensorComparison", "FirstDivergence", "ReplicaMismatch", "LayerSummary", "Heatmap", "Report",
-           "LogprobVerdict", "MAX_REPORT_BYTES", "report_from_json", "load_report"]
+           "DecodeComparison", "DecodeFork", "LogprobVerdict", "MAX_REPORT_BYTES", "report_from_json", "load_report"]
 
 # the logprob verdict's module (and comparator.logprobs with it) loads on first use, not with every comparison
 __getattr__, __dir__ = lazy_exports(__name__, {"LogprobVerdict": "comparator.logprobs.types"}, globals())
