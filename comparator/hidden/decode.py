@@ -181,14 +181,29 @@ def coverage_failures(m: Manifest, where: str) -> list[str]:
 
 def with_phase(fd: FirstDivergence | None, bm: Manifest, tm: Manifest) -> FirstDivergence | None:
     """``fd`` with the phase (and decode step) of its first failing row: decode when its position is at or past its
-    prompt's length on either side (:func:`coverage_failures` says why by position); the note then names the step."""
+    prompt's length on either side (:func:`coverage_failures` says why by position); the note then names the step,
+    and ``forward_pass`` the decode side's pass that wrote the row."""
     if fd is None or fd.token is None or fd.sequence is None:
         return fd
     lengths = prompt_lengths(tm.extra) or prompt_lengths(bm.extra) or []
     if fd.sequence < len(lengths) and fd.token >= lengths[fd.sequence]:
         step = fd.token - lengths[fd.sequence]
-        return replace(fd, phase=DECODE, decode_step=step, note=f"token {fd.token} = decode step {step}")
+        side, m = ("target", tm) if _is_decode(tm) or not _is_decode(bm) else ("baseline", bm)
+        found = _pass_of(m, fd.name, fd.rank, fd.sequence, fd.token)
+        return replace(fd, phase=DECODE, decode_step=step, forward_pass=fd.forward_pass if found is None else found,
+                       note=f"token {fd.token} = decode step {step} of the {side}")
     return replace(fd, phase=PREFILL)
+
+
+def _pass_of(m: Manifest, name: str, rank: int, sequence: int, position: int) -> int | None:
+    """The forward pass of ``m`` that wrote ``name``'s row at (``sequence``, ``position``) on ``rank``."""
+    for rec in m.tensors:
+        if rec.name != name or rec.rank != rank:
+            continue
+        pos, seq = rec.row_positions(), rec.row_sequence_ids()
+        if pos is not None and seq is not None and bool(np.any((pos == position) & (seq == sequence))):
+            return rec.forward_pass
+    return None
 
 
 def cut_plan(tensors: dict[LogicalKey, LogicalTensor], limits: dict[int, int]) -> dict[LogicalKey, LogicalTensor]:

@@ -170,6 +170,10 @@ def test_a_decode_only_bug_is_named_at_its_layer_token_and_step_and_a_prefill_ca
     assert (fd.layer, fd.token, fd.sequence) == (BUG_LAYER + 1, BUG_AT, 0)
     assert fd.phase == DECODE and fd.decode_step == BUG_AT - len(PROMPTS[0])
     assert fd.failing_sequences == [0]  # the short prompt never reaches position 45 in a decode step
+    wrote = [r for r in load_manifest(tmp_path / "buggy").tensors if r.name == fd.name
+             and record_phase(r.meta) == (DECODE, fd.decode_step) and 0 in r.row_sequence_ids().tolist()]
+    assert [r.forward_pass for r in wrote] == [fd.forward_pass]  # the decode pass that wrote the row
+    assert fd.note == f"token {BUG_AT} = decode step {fd.decode_step} of the target"
     assert compare_dumps(tmp_path / "prefill", tmp_path / "buggy-prefill").passed  # two prefills agree
     data = report.to_json()["first_divergent"]
     assert data["phase"] == "decode" and data["decode_step"] == 5
