@@ -24,11 +24,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from dumper.errors import CorruptDumpError
-from dumper.format.files import show
+from dumper.format.files import bad_field
 
 __all__ = ["PHASE_KEY", "DECODE_STEP_KEY", "PREFILL", "DECODE", "PHASES", "NEW_TOKENS", "GENERATED_IDS", "NEXT_IDS",
-           "PROMPT_LENGTHS", "TOKENS_FROM", "check_decode_extra", "check_decode_meta", "scored_tokens", "generated_ids", "prompt_lengths", "record_phase"]
+           "PROMPT_LENGTHS", "TOKENS_FROM", "check_decode_extra", "check_decode_meta", "scored_tokens", "generated_ids",
+           "prompt_lengths", "record_phase"]
 
 PHASE_KEY = "phase"
 """Record meta key: the phase of the forward pass that wrote the rows (absent: ``prefill``)."""
@@ -83,10 +83,6 @@ def record_phase(meta: Mapping[str, Any]) -> tuple[str, int | None]:
     return PREFILL, None
 
 
-def _bad(where: str, field: str, expected: str, got: Any) -> CorruptDumpError:
-    return CorruptDumpError(f"{where}: {field}: expected {expected}, got {show(got)}")
-
-
 def check_decode_extra(extra: dict, where: str) -> None:
     """The decode fields of ``extra`` (:mod:`dumper.format.decode`): ``new_tokens`` an integer >= 0;
     ``generated_ids`` (``new_tokens`` tokens per prompt) and ``next_ids`` (one per prompt) token id lists, one
@@ -94,31 +90,31 @@ def check_decode_extra(extra: dict, where: str) -> None:
     inputs = extra.get("input_ids") or []
     new = extra.get(NEW_TOKENS)
     if new is not None and (type(new) is not int or new < 0):
-        raise _bad(where, "extra.new_tokens", "an integer >= 0", new)
+        raise bad_field(where, "extra.new_tokens", "an integer >= 0", new)
     for key, size in ((GENERATED_IDS, new), (NEXT_IDS, 1)):
         lists = extra.get(key)
         if lists is None:
             continue
         if type(lists) is not list or len(lists) != len(inputs):
-            raise _bad(where, f"extra.{key}", f"a list of {len(inputs)} token id lists (one per input)", lists)
+            raise bad_field(where, f"extra.{key}", f"a list of {len(inputs)} token id lists (one per input)", lists)
         for s, seq in enumerate(lists):
             if type(seq) is not list or not all(type(t) is int and t >= 0 for t in seq) \
                     or size is not None and len(seq) != size:
                 want = "" if size is None else f"{size} "
-                raise _bad(where, f"extra.{key}[{s}]", f"a list of {want}integers >= 0", seq)
+                raise bad_field(where, f"extra.{key}[{s}]", f"a list of {want}integers >= 0", seq)
     lengths = extra.get(PROMPT_LENGTHS)
     if lengths is not None:
         if type(lengths) is not list or len(lengths) != len(inputs):
-            raise _bad(where, "extra.prompt_lengths", f"a list of {len(inputs)} integers", lengths)
+            raise bad_field(where, "extra.prompt_lengths", f"a list of {len(inputs)} integers", lengths)
         for s, n in enumerate(lengths):
             if type(n) is not int or not 1 <= n <= len(inputs[s]):
-                raise _bad(where, f"extra.prompt_lengths[{s}]", f"an integer in 1..{len(inputs[s])}", n)
+                raise bad_field(where, f"extra.prompt_lengths[{s}]", f"an integer in 1..{len(inputs[s])}", n)
 
 
 def check_decode_meta(meta: Mapping[str, Any], where: str, field: str) -> None:
     """A record's decode meta: ``phase`` one of :data:`PHASES`, ``decode_step`` an integer >= 0 on a decode record."""
     phase, step = meta.get(PHASE_KEY), meta.get(DECODE_STEP_KEY)
     if phase is not None and phase not in PHASES:
-        raise _bad(where, f"{field}.phase", " or ".join(PHASES), phase)
+        raise bad_field(where, f"{field}.phase", " or ".join(PHASES), phase)
     if step is not None and (type(step) is not int or step < 0 or phase != DECODE):
-        raise _bad(where, f"{field}.decode_step", "an integer >= 0 on a decode record", step)
+        raise bad_field(where, f"{field}.decode_step", "an integer >= 0 on a decode record", step)

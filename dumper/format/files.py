@@ -43,6 +43,7 @@ __all__ = [
     "is_text",
     "printable",
     "show",
+    "bad_field",
     "READ_FLAGS",
     "is_plain_name",
     "check_plain_name",
@@ -136,6 +137,11 @@ def show(v: Any) -> str:
 # -- paths -------------------------------------------------------------------------------------
 READ_FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
 """How untrusted files are opened: non-blocking, so a FIFO that slipped past a stat cannot hang the reader."""
+
+
+def bad_field(where: str, field: str, expected: str, got: Any) -> CorruptDumpError:
+    """The one-line error of a dump field that is not what the format says: ``where: field: expected ..., got ...``."""
+    return CorruptDumpError(f"{where}: {field}: expected {expected}, got {show(got)}")
 
 
 def is_plain_name(name: Any) -> bool:

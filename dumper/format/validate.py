@@ -38,7 +38,7 @@ from typing import Any
 
 from dumper.errors import CorruptDumpError
 from dumper.format.decode import check_decode_extra, check_decode_meta
-from dumper.format.files import check_plain_name, is_text, show
+from dumper.format.files import bad_field, check_plain_name, is_text, show
 from dumper.format.sketch import check_record_sketch, check_spec
 
 __all__ = [
@@ -122,10 +122,6 @@ def _check_text(value: Any, where: str, field: str) -> None:
 
 
 # -- manifest ----------------------------------------------------------------------------------
-def _bad(where: str, field: str, expected: str, got: Any) -> CorruptDumpError:
-    return CorruptDumpError(f"{where}: {field}: expected {expected}, got {show(got)}")
-
-
 def _keys(where: str, field: str, d: dict, required: frozenset[str], allowed: frozenset[str]) -> None:
     keys = d.keys()
     if required <= keys and keys <= allowed:
@@ -138,18 +134,18 @@ def _keys(where: str, field: str, d: dict, required: frozenset[str], allowed: fr
 def _int(v: Any, where: str, field: str, *, null: bool = False) -> None:
     if type(v) is int and 0 <= v <= _I64_MAX or null and v is None:
         return
-    raise _bad(where, field, "an integer >= 0" + (" or null" if null else ""), v)
+    raise bad_field(where, field, "an integer >= 0" + (" or null" if null else ""), v)
 
 
 def _str(v: Any, where: str, field: str, *, null: bool = False) -> None:
     if is_text(v) or null and v is None:
         return
-    raise _bad(where, field, "a string" + (" or null" if null else ""), v)
+    raise bad_field(where, field, "a string" + (" or null" if null else ""), v)
 
 
 def _object(v: Any, where: str, field: str) -> dict:
     if type(v) is not dict:
-        raise _bad(where, field, "an object", v)
+        raise bad_field(where, field, "an object", v)
     return v
 
 
@@ -165,10 +161,10 @@ def _fields(d: dict, where: str, field: str, ints: tuple[str, ...] = (), strs: t
         if v is None:
             continue
         if type(v) is not list:
-            raise _bad(where, f"{field}.{k}", "a list or null", v)
+            raise bad_field(where, f"{field}.{k}", "a list or null", v)
         for j, x in enumerate(v):
             if k in int_lists and type(x) is not int or k in str_lists and not is_text(x):
-                raise _bad(where, f"{field}.{k}[{j}]", "an integer" if k in int_lists else "a string", x)
+                raise bad_field(where, f"{field}.{k}[{j}]", "an integer" if k in int_lists else "a string", x)
 
 
 def check_extra(extra: Any, where: str) -> None:
@@ -180,10 +176,10 @@ def check_extra(extra: Any, where: str) -> None:
     ids = extra.get("input_ids")
     if ids is not None:
         if type(ids) is not list:
-            raise _bad(where, "extra.input_ids", "a list of token id lists", ids)
+            raise bad_field(where, "extra.input_ids", "a list of token id lists", ids)
         for s, seq in enumerate(ids):
             if type(seq) is not list or not all(type(t) is int and t >= 0 for t in seq):
-                raise _bad(where, f"extra.input_ids[{s}]", "a list of integers >= 0", seq)
+                raise bad_field(where, f"extra.input_ids[{s}]", "a list of integers >= 0", seq)
     check_decode_extra(extra, where)
 
 
@@ -205,7 +201,7 @@ def _check_top(raw: dict, where: str) -> None:
             int_lists=("layers",), str_lists=("modules", "points"))
     for k, v in _object(raw["environment"], where, "environment").items():
         if not isinstance(v, _SCALARS) or type(v) is str and not is_text(v):
-            raise _bad(where, f"environment.{k}", "a string, number, boolean or null", v)
+            raise bad_field(where, f"environment.{k}", "a string, number, boolean or null", v)
     for field in ("capture_signature", "environment"):
         _check_text(raw[field], where, field)
     check_extra(raw.get("extra", {}), where)
@@ -232,10 +228,10 @@ def _runs_total(runs: Any) -> int:
 def _runs_error(where: str, field: str, runs: Any, rows: int) -> CorruptDumpError:
     """The error for row metadata ``runs`` that :func:`_runs_total` did not accept for ``rows`` rows."""
     if type(runs) is not list:
-        return _bad(where, field, "null or a list of [start, count] runs", runs)
+        return bad_field(where, field, "null or a list of [start, count] runs", runs)
     for j, run in enumerate(runs):
         if _runs_total([run]) < 0:
-            return _bad(where, f"{field}[{j}]", "a [start, count] pair of integers with count >= 0 (int64)", run)
+            return bad_field(where, f"{field}[{j}]", "a [start, count] pair of integers with count >= 0 (int64)", run)
     return CorruptDumpError(f"{where}: {field}: runs cover {_runs_total(runs)} rows but the tensor has {rows}")
 
 
@@ -246,7 +242,7 @@ def _check_record(d: Any, i: int, where: str, files: Mapping[str, int], itemsize
     field name is formatted only on failure.
     """
     if type(d) is not dict:
-        raise _bad(where, f"tensors[{i}]", "a tensor record object", d)
+        raise bad_field(where, f"tensors[{i}]", "a tensor record object", d)
     if not _REC_REQUIRED <= d.keys() <= _REC_ALLOWED:
         _keys(where, f"tensors[{i}]", d, _REC_REQUIRED, _REC_ALLOWED)
     get = d.get
@@ -255,32 +251,32 @@ def _check_record(d: Any, i: int, where: str, files: Mapping[str, int], itemsize
         get("shard_dim"), get("meta", {})
     # names are printed in terminals: no control characters (an ESC sequence would drive the terminal)
     if type(name) is not str or not name or not name.isprintable() or not name.isascii() and not is_text(name):
-        raise _bad(where, f"tensors[{i}].name", "a non-empty string of printable characters", name)
+        raise bad_field(where, f"tensors[{i}].name", "a non-empty string of printable characters", name)
     if type(key) is not str or not key or not key.isprintable() or not key.isascii() and not is_text(key):
-        raise _bad(where, f"tensors[{i}].key", "a non-empty string of printable characters", key)
+        raise bad_field(where, f"tensors[{i}].key", "a non-empty string of printable characters", key)
     if type(file) is not str or file not in files:
-        raise _bad(where, f"tensors[{i}].file", "a file listed in files", file)
+        raise bad_field(where, f"tensors[{i}].file", "a file listed in files", file)
     if type(dtype) is not str or dtype not in itemsize:
-        raise _bad(where, f"tensors[{i}].dtype", f"one of {sorted(itemsize)}", dtype)
+        raise bad_field(where, f"tensors[{i}].dtype", f"one of {sorted(itemsize)}", dtype)
     if type(shape) is not list or len(shape) > MAX_NDIM:
-        raise _bad(where, f"tensors[{i}].shape", f"a list of at most {MAX_NDIM} integers >= 0", shape)
+        raise bad_field(where, f"tensors[{i}].shape", f"a list of at most {MAX_NDIM} integers >= 0", shape)
     for n in shape:
         if type(n) is not int or n < 0 or n > _I64_MAX:
-            raise _bad(where, f"tensors[{i}].shape", "a list of integers >= 0", shape)
+            raise bad_field(where, f"tensors[{i}].shape", "a list of integers >= 0", shape)
     if type(fp) is not int or fp < 0 or fp > _I64_MAX:
-        raise _bad(where, f"tensors[{i}].forward_pass", "an integer >= 0", fp)
+        raise bad_field(where, f"tensors[{i}].forward_pass", "an integer >= 0", fp)
     if type(rank) is not int or rank < 0 or rank > _I64_MAX:
-        raise _bad(where, f"tensors[{i}].rank", "an integer >= 0", rank)
+        raise bad_field(where, f"tensors[{i}].rank", "an integer >= 0", rank)
     if type(call) is not int or call < 0 or call > _I64_MAX:
-        raise _bad(where, f"tensors[{i}].call", "an integer >= 0", call)
+        raise bad_field(where, f"tensors[{i}].call", "an integer >= 0", call)
     if layer is not None and (type(layer) is not int or layer < _I64_MIN or layer > _I64_MAX):
-        raise _bad(where, f"tensors[{i}].layer", "an integer or null", layer)
+        raise bad_field(where, f"tensors[{i}].layer", "an integer or null", layer)
     if point is not None and not is_text(point):
-        raise _bad(where, f"tensors[{i}].point", "a string or null", point)
+        raise bad_field(where, f"tensors[{i}].point", "a string or null", point)
     if sd is not None and (type(sd) is not int or not 0 <= sd < len(shape)):
-        raise _bad(where, f"tensors[{i}].shard_dim", f"null or a dim index below {len(shape)}", sd)
+        raise bad_field(where, f"tensors[{i}].shard_dim", f"null or a dim index below {len(shape)}", sd)
     if type(meta) is not dict or meta and not all(isinstance(v, _SCALARS) for v in meta.values()):
-        raise _bad(where, f"tensors[{i}].meta", "an object of strings, numbers, booleans or nulls", meta)
+        raise bad_field(where, f"tensors[{i}].meta", "an object of strings, numbers, booleans or nulls", meta)
     if meta:
         _check_text(meta, where, f"tensors[{i}].meta")
         check_decode_meta(meta, where, f"tensors[{i}].meta")
@@ -301,7 +297,7 @@ def check_manifest(raw: dict, where: str, itemsize: Mapping[str, int]) -> None:
     _check_top(raw, where)
     files, tensors = raw["files"], raw["tensors"]
     if type(tensors) is not list:
-        raise _bad(where, "tensors", "a list of tensor records", tensors)
+        raise bad_field(where, "tensors", "a list of tensor records", tensors)
     raw_spec = raw["capture_signature"].get("sketch")
     spec = check_spec(raw_spec, where) if raw_spec is not None else None
     used: dict[str, int] = {}
@@ -355,7 +351,7 @@ def check_header(header: Any, where: str, data_size: int, itemsize: Mapping[str,
         raise CorruptDumpError(f"{where}: safetensors header is not a JSON object")
     meta = header.get("__metadata__")
     if "__metadata__" in header and (type(meta) is not dict or not all(type(v) is str for v in meta.values())):
-        raise _bad(where, "header __metadata__", "an object of strings", meta)
+        raise bad_field(where, "header __metadata__", "an object of strings", meta)
     out: dict[str, HeaderEntry] = {}
     for key, info in header.items():
         if key != "__metadata__":
@@ -367,16 +363,16 @@ def check_header(header: Any, where: str, data_size: int, itemsize: Mapping[str,
 def _header_entry(key: str, info: Any, where: str, data_size: int, itemsize: Mapping[str, int]) -> HeaderEntry:
     """One validated header entry (the field name is formatted only on failure: a file may hold 100k)."""
     if type(info) is not dict or info.keys() != _ENTRY_KEYS:
-        raise _bad(where, f"header[{show(key)}]", "an object of dtype, shape and data_offsets", info)
+        raise bad_field(where, f"header[{show(key)}]", "an object of dtype, shape and data_offsets", info)
     dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
     if type(dtype) is not str or dtype not in itemsize:
-        raise _bad(where, f"header[{show(key)}].dtype", f"one of {sorted(itemsize)}", dtype)
+        raise bad_field(where, f"header[{show(key)}].dtype", f"one of {sorted(itemsize)}", dtype)
     if type(shape) is not list or len(shape) > MAX_NDIM or \
             not all(type(s) is int and 0 <= s <= _I64_MAX for s in shape):
-        raise _bad(where, f"header[{show(key)}].shape", "a list of integers >= 0", shape)
+        raise bad_field(where, f"header[{show(key)}].shape", "a list of integers >= 0", shape)
     if type(offsets) is not list or len(offsets) != 2 or not all(type(o) is int for o in offsets) \
             or not 0 <= offsets[0] <= offsets[1] <= data_size:
-        raise _bad(where, f"header[{show(key)}].data_offsets",
+        raise bad_field(where, f"header[{show(key)}].data_offsets",
                    f"[begin, end] with 0 <= begin <= end <= {data_size}", offsets)
     begin, end = offsets
     need = math.prod(shape) * itemsize[dtype]
