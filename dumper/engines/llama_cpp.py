@@ -45,6 +45,7 @@ from dumper.engines.base import (
     hf_identity,
     job_sequences,
 )
+from dumper.jobs.decode import greedy_loop
 from dumper.engines.llama_cpp_ggml import FLASH_ATTN, GGML_TYPE, GgufSession, check_gguf_file, file_type_name
 
 __all__ = ["ENGINE_ARGS", "HF_ARCHITECTURES", "run_dump"]
@@ -130,24 +131,22 @@ def _record_pass(out: EngineDump, got: Any, positions: torch.Tensor, seq_ids: to
 def _decode_steps(s: GgufSession, out: EngineDump, batch: list[list[int]], first: int, last: torch.Tensor,
                   sets: tuple[set[int], set[int]]) -> list[list[int]]:
     """Greedy-decode ``--new-tokens`` tokens per prompt after the batch's prefill (``last``: each row's last logits
-    row); every step but the last choice is one ``llama_decode`` of one token per sequence. Returns the tokens."""
-    rows, new = list(range(len(batch))), out.cfg.new_tokens
+    row, :func:`~dumper.jobs.decode.greedy_loop`); each step is one ``llama_decode`` of one token per sequence.
+    Returns the tokens."""
+    rows = list(range(len(batch)))
     seq_ids = torch.tensor(rows, dtype=torch.int64) + first
-    chosen = []
-    for step in range(new):
-        token = last.argmax(dim=-1)  # temperature 0
-        positions = torch.tensor([len(p) + step for p in batch], dtype=torch.int64)
-        chosen.append(token)
-        out.next_logprobs(last, token, positions, seq_ids.tolist())
-        if step + 1 == new:
-            break
+
+    def feed(step: int, token: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         out.decode_step(step)
         got = s.decode(token.tolist(), positions.tolist(), rows, want=sets[0], router=sets[1])
         _record_pass(out, got, positions, seq_ids)
         out.step()
         out.decode_step(None)
-        last = got.logits
-    return torch.stack(chosen, dim=1).tolist()
+        return got.logits
+
+    return greedy_loop(last, torch.tensor([len(p) - 1 for p in batch], dtype=torch.int64), out.cfg.new_tokens,
+                       lambda logits, token, positions: out.next_logprobs(logits, token, positions, seq_ids.tolist()),
+                       feed)
 
 
 def _run_batch(s: GgufSession, out: EngineDump, batch: list[list[int]], first: int, chunk: int | None,

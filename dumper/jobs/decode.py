@@ -20,7 +20,7 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -32,7 +32,7 @@ from dumper.jobs.logprob_records import LogprobSpec, record_next_logprobs
 if TYPE_CHECKING:
     from dumper.jobs.observer import LogprobSink
 
-__all__ = ["LastLogits", "greedy_steps", "decode_meta"]
+__all__ = ["LastLogits", "greedy_loop", "greedy_steps", "decode_meta"]
 
 
 def decode_meta(step: int) -> dict[str, Any]:
@@ -62,24 +62,43 @@ class LastLogits:
         self.logits[rows] = logits[rows, rel[rows]]
 
 
+Scored = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
+"""``score(logits, tokens, positions)``: the rows of ``logits`` chose ``tokens``, which sit at ``positions``."""
+Feed = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
+"""``feed(step, tokens, positions)``: run decode step ``step`` on one token per row; its logits [rows, V]."""
+
+
+def greedy_loop(logits: torch.Tensor, last_positions: torch.Tensor, new_tokens: int, score: Scored,
+                feed: Feed) -> list[list[int]]:
+    """The decode rule, whatever runs the model: ``new_tokens`` times each row's argmax of ``logits``
+    (temperature 0; the first of equal maxima) is chosen and scored at the position after the row's
+    last one; all but the last choice are fed back as decode steps 0, 1, ... Returns each row's tokens."""
+    positions, chosen = last_positions, []
+    for step in range(new_tokens):
+        token = logits.argmax(dim=-1)
+        positions = positions + 1
+        chosen.append(token)
+        score(logits, token, positions)
+        if step + 1 < new_tokens:
+            logits = feed(step, token, positions)
+    return torch.stack(chosen, dim=1).tolist() if chosen else [[] for _ in range(logits.shape[0])]
+
+
 def greedy_steps(run_model: torch.nn.Module, sink: LogprobSink, cache: Any, last: LastLogits, mask: torch.Tensor,
                  seq_ids: Sequence[int], new_tokens: int, spec: LogprobSpec | None) -> list[list[int]]:
-    """Greedy-decode ``new_tokens`` tokens per batch row after a prefill that left ``cache`` and ``last``;
-    returns each row's generated tokens. Every step but the last choice is one forward pass of one
-    token per row, its rows labelled with :func:`decode_meta`."""
+    """Greedy-decode ``new_tokens`` tokens per batch row after a prefill that left ``cache`` and ``last``
+    (:func:`greedy_loop`); each step is one forward pass of one token per row through the KV cache,
+    its rows labelled with :func:`decode_meta`. Returns each row's generated tokens."""
     assert last.logits is not None and last.positions is not None
     kw = cache_kwarg(run_model)
     padded = bool((mask == 0).any())
-    logits, positions = last.logits, last.positions
-    out_ids: list[torch.Tensor] = []
-    for step in range(new_tokens):
-        token = logits.argmax(dim=-1)  # temperature 0; the first of equal maxima
-        positions = positions + 1
-        out_ids.append(token)
+
+    def score(logits: torch.Tensor, token: torch.Tensor, positions: torch.Tensor) -> None:
         if spec is not None:
             record_next_logprobs(sink, logits, token, positions, seq_ids, spec)
-        if step + 1 == new_tokens:
-            break
+
+    def feed(step: int, token: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        nonlocal mask, cache
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
         sink.set_pass_meta(decode_meta(step))
         try:
@@ -88,5 +107,6 @@ def greedy_steps(run_model: torch.nn.Module, sink: LogprobSink, cache: Any, last
         finally:
             sink.set_pass_meta(None)
         cache, _ = cache_length(out)
-        logits = out.logits[:, -1]
-    return torch.stack(out_ids, dim=1).tolist() if out_ids else [[] for _ in seq_ids]
+        return out.logits[:, -1]
+
+    return greedy_loop(last.logits, last.positions, new_tokens, score, feed)
