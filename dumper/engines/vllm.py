@@ -71,7 +71,8 @@ ENGINE_ARGS = {
     "kv_cache_dtype": EngineArg("the KV-cache dtype; default auto, the model dtype", "choice",
                                 ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "bfloat16", "float16")),
     "max_num_seqs": EngineArg("requests per engine step; default vLLM's, at most --chunk-size", "int", high=1 << 16),
-    "max_model_len": EngineArg("the context vLLM reserves; default max(512, longest prompt + 1)", "int"),
+    "max_model_len": EngineArg("the context vLLM reserves; default max(512, longest prompt + --new-tokens, at least "
+                               "+ 1)", "int"),
     "enforce_eager": EngineArg("run the model eager (no torch.compile, no CUDA graphs); default vLLM's, false",
                                "bool"),
     "tensor_parallel_size": EngineArg("tensor-parallel ranks (one worker process each); default 1", "int", high=64),
@@ -110,15 +111,14 @@ def engine_kwargs(cfg: RunConfig, checkpoint: Path, seqs: list[list[int]], *, ta
         raise UsageError(f"--attn {cfg.attn}: HF's attention setting; vLLM picks its own attention backend "
                          "(recorded in the manifest as engine_attention_backend)")
     config = check_model_dir(checkpoint) or {}
-    longest = max(map(len, seqs))
+    context = max(map(len, seqs)) + max(cfg.new_tokens, 1)  # the longest prompt and the tokens it generates
     positions = config.get("max_position_embeddings")
     kw: dict[str, Any] = {
         "model": str(checkpoint), "dtype": cfg.dtype, "enforce_eager": bool(opts.get("enforce_eager", False)),
         "trust_remote_code": False,
         "skip_tokenizer_init": not any((checkpoint / f).is_file() for f in _TOKENIZER_FILES),
         "seed": cfg.seed, "max_model_len": opts.get("max_model_len") or
-        min(max(512, longest + max(cfg.new_tokens, 1)),
-            positions if type(positions) is int and positions > 0 else longest + max(cfg.new_tokens, 1)),
+        min(max(512, context), positions if type(positions) is int and positions > 0 else context),
     }
     kw.update((k, opts[k]) for k in ("enable_prefix_caching", "kv_cache_dtype", "max_num_seqs", "tensor_parallel_size",
                                      "pipeline_parallel_size") if k in opts)

@@ -51,7 +51,7 @@ from comparator.results import Report
 from dumper.engines import RunDump, engine_runner
 from dumper.errors import DriftscopeError, UsageError
 from dumper.format import LOGITS_POINT, LOGPROB_POINT, PAD_SEQUENCE, Manifest, load_manifest, write_json_atomic
-from dumper.jobs.run import RunConfig
+from dumper.jobs.run import RunConfig, tokens_from
 from dumper.jobs.sweep_engine import engine_block_size, held_engine, pinned_engine_args, preflight
 from dumper.jobs.sweep_grid import BLOCK, LENGTHS, Axis, Cell, describe, parse_grid, plan_cells
 from dumper.jobs.sweep_types import PREFIX_CACHE_NOTE, ZERO_HITS, CellLogprobs, CellResult, SweepResult
@@ -134,7 +134,8 @@ def plan_sweep(cfg: SweepConfig) -> tuple[list[Cell], int | None]:
     manifest, prompts = baseline_prompts(cfg.baseline)
     _check_inputs(cfg, manifest)
     template = replace(cfg.template, out=cfg.out, prompts=(), input_ids=tuple(tuple(s) for s in prompts))
-    template = pinned_engine_args(template, {a.key for a in cfg.grid})
+    most = max((int(v) for a in cfg.grid if a.key == "new_tokens" for v in a.values if v.strip().isdigit()), default=0)
+    template = pinned_engine_args(template, {a.key for a in cfg.grid}, new_tokens=most)  # bad values fail below
     block = cfg.block_size
     plan = {"prompts": prompts, "out": cfg.out, "baseline": cfg.baseline}
     if block is None and any(v.lower() == BLOCK for a in cfg.grid if a.key == LENGTHS for v in a.values):
@@ -229,8 +230,6 @@ def _logprobs(cell: Cell, cfg: SweepConfig, report: Report) -> CellLogprobs | No
 
 def _counterpart(cell: Cell, cfg: SweepConfig) -> str:
     """A ``new_tokens`` cell's reference: the transformers prefill of the tokens it fed, by the baseline's model."""
-    from dumper.jobs.run import tokens_from
-
     m = load_manifest(cfg.baseline)
     out = Path(cfg.out) / cell.name / "prefill"
     ref = RunConfig(out=str(out), model=str(m.model.get("name")), dtype=str(m.extra.get("dtype") or cfg.template.dtype),
@@ -252,7 +251,8 @@ def run_cell(cell: Cell, cfg: SweepConfig, runner: RunDump, *, progress: Progres
     hits, reasons = _cache_hits(cell, manifest)
     identity = tuple(range(len(cell.sequence_map)))
     decoded = bool(cell.config.new_tokens)  # its own tokens: judged against its prefill counterpart, ids as its own
-    compare = replace(cfg.compare, subset=cell.prefix_cache or any(hits or ()) or cell.length is not None and not decoded,
+    subset = cell.prefix_cache or any(hits or ()) or cell.length is not None and not decoded
+    compare = replace(cfg.compare, subset=subset,
                       sequence_map=() if cell.sequence_map == identity or decoded else cell.sequence_map)
     report = compare_dumps(_counterpart(cell, cfg) if decoded else cfg.baseline, cell.config.out, compare)
     path = Path(cfg.out) / cell.name / "report.json"

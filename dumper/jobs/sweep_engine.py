@@ -53,17 +53,18 @@ def engine_block_size(cfg: RunConfig) -> int:
                      "pass --block-size N")
 
 
-def pinned_engine_args(cfg: RunConfig, grid_keys: Collection[str]) -> RunConfig:
+def pinned_engine_args(cfg: RunConfig, grid_keys: Collection[str], *, new_tokens: int = 0) -> RunConfig:
     """``cfg`` with the engine settings that would otherwise follow the prompts fixed, so that every cell
     with the same grid settings gets the same engine.
 
-    vLLM's ``max_model_len`` defaults from the longest prompt; a ``lengths`` cell has shorter
-    ones, so without the pin it would build a new engine. It is pinned to the value of the
-    full job, unless given or swept.
+    vLLM's ``max_model_len`` defaults from the longest prompt and the tokens it generates; a
+    ``lengths`` cell has shorter prompts, a ``new_tokens`` cell other counts, so without the pin
+    each would build a new engine. It is pinned to the value of the full job with the most new
+    tokens of any cell (``new_tokens``), unless given or swept.
     """
     if cfg.engine != "vllm" or _MAX_MODEL_LEN in grid_keys or cfg.engine_arg(_MAX_MODEL_LEN) is not None:
         return cfg
-    value = _vllm_kwargs(cfg)[_MAX_MODEL_LEN]
+    value = _vllm_kwargs(replace(cfg, new_tokens=max(cfg.new_tokens, new_tokens)))[_MAX_MODEL_LEN]
     return replace(cfg, engine_args=(*cfg.engine_args, (_MAX_MODEL_LEN, str(value))))
 
 
