@@ -97,7 +97,8 @@ class Outcome(enum.Enum):
             return cls.REPLICAS
         if routing is not None:
             return cls.ROUTING
-        if report.decode is not None and not report.decode.passed and (report.logprobs is None or report.logprobs.passed):
+        logprobs_pass = report.logprobs is None or report.logprobs.passed
+        if report.decode is not None and not report.decode.passed and logprobs_pass:
             return cls.DECODE
         return cls.LOGPROBS
 

@@ -38,7 +38,7 @@ from comparator.hidden.align import (
     split_by_mode,
 )
 from comparator.config import CompareConfig
-from comparator.hidden.decode import decode_plan, judge_forks, with_phase
+from comparator.hidden.decode import decode_plan, fork_noise, judge_forks, with_phase
 from comparator.hidden.heatmap import token_heatmap
 from comparator.judging.identity import check_distinct, check_identity
 from comparator.hidden.judge import judge_tensor
@@ -48,7 +48,7 @@ from comparator.hidden.pipeline import in_order
 from comparator.hidden.sketch import HiddenReader, is_sketched, record_sketch_stats, sketch_readers, sketch_stats
 from comparator.hidden.replicas import ReplicaView, as_rank, check_replicas
 from comparator.hidden.subset import SUBSET_NOTE, relabel_sequences, subset_baseline
-from comparator.hidden.verdicts import has_logprobs, logprob_noise, logprob_verdict, routing_verdict
+from comparator.hidden.verdicts import has_logprobs, logprob_verdict, routing_verdict
 from comparator.hidden.types import Report, TensorComparison
 
 __all__ = ["compare_dumps"]
@@ -219,7 +219,7 @@ def compare_dumps(baseline: str | os.PathLike[str], target: str | os.PathLike[st
         amplification=() if replay else tuple(layer_amplification(results, config)),  # a replay has no growth
         router=router,
         decode=None if decode is None else decode.summary(
-            judge_forks(decode, base_logprobs, logprob_noise(verdict, config))),
+            judge_forks(decode, base_logprobs, fork_noise(verdict, config))),
     )
 
 

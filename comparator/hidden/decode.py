@@ -21,6 +21,7 @@ Nothing here reads tensor data: cuts act on the plan and on the logprob sequence
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import replace
 from typing import TYPE_CHECKING
@@ -32,6 +33,7 @@ from dumper.format import LOGITS_POINT, LOGPROB_POINT, ROUTER_CHOICE_POINT, Mani
 from dumper.format.decode import (DECODE, GENERATED_IDS, NEW_TOKENS, NEXT_IDS, PREFILL, PROMPT_LENGTHS, generated_ids,
                                   prompt_lengths, record_phase)
 
+from comparator.config import CompareConfig
 from comparator.hidden.align import LogicalKey, LogicalTensor
 from comparator.hidden.subset import Interval, coverage, cut_tensor
 from comparator.hidden.decode_types import DecodeComparison, DecodeFork
@@ -39,9 +41,10 @@ from comparator.hidden.types import FirstDivergence
 
 if TYPE_CHECKING:
     from comparator.logprobs.sources.source import LogprobSource
-    from comparator.logprobs.types import SequenceLogprobs
+    from comparator.logprobs.types import LogprobVerdict, SequenceLogprobs
 
-__all__ = ["NEAR_TIE", "DecodePlan", "decode_plan", "with_phase", "cut_plan", "cut_to_common", "cut_logprobs", "judge_forks"]
+__all__ = ["NEAR_TIE", "DecodePlan", "decode_plan", "with_phase", "cut_plan", "cut_to_common", "cut_logprobs",
+           "fork_noise", "judge_forks"]
 
 NEAR_TIE = 10.0
 """A fork is a near-tie when the baseline's logprob gap between the two tokens is within this many times the noise."""
@@ -110,18 +113,19 @@ def decode_plan(bm: Manifest, tm: Manifest, where: tuple[str, str]) -> DecodePla
 
 def _check_counterpart(decode: Manifest, other: Manifest, where: str, decode_where: str) -> None:
     """A prefill side must have fed the decode side's prompts and generated tokens (what ``--tokens-from`` does);
-    a prefill of the prompts alone, which holds none of the decode rows, is refused with the command that makes one."""
-    fed = [list(p) + list(g[:-1]) for p, g in zip(decode.extra.get("input_ids") or [], generated_ids(decode.extra) or [],
-                                                  strict=True)]
+    a prefill of the prompts alone, which holds none of the decode rows, is refused with the command that makes one.
+    A prefill of longer inputs of its own (or none recorded) is left to the rows and logprobs to judge."""
     inputs = other.extra.get("input_ids")
     if inputs is None:
-        return  # no recorded inputs: rows and logprobs say where the sides differ
-    if other.extra.get(PROMPT_LENGTHS) is None and any(len(b) < len(a) for a, b in zip(fed, inputs, strict=False)):
-        raise NotComparableError(f"{where}: holds no rows of the decode steps of {decode_where} (a prefill of the "
-                                 "prompts only); make the prefill counterpart with python -m dumper run "
-                                 f"--tokens-from {decode_where} ...")
+        return
+    prompts, generated = decode.extra.get("input_ids") or [], generated_ids(decode.extra) or []
+    fed = [list(p) + list(g[:-1]) for p, g in zip(prompts, generated, strict=True)]
     if other.extra.get(PROMPT_LENGTHS) is None:
-        return  # a prefill of longer inputs of its own: rows and logprobs say where they differ
+        if any(len(b) < len(a) for a, b in zip(fed, inputs, strict=False)):
+            raise NotComparableError(f"{where}: holds no rows of the decode steps of {decode_where} (a prefill of the "
+                                     "prompts only); make the prefill counterpart with python -m dumper run "
+                                     f"--tokens-from {decode_where} ...")
+        return
     for s, (a, b) in enumerate(zip(fed, inputs, strict=False)):
         if list(a) != list(b):
             i = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
@@ -258,11 +262,23 @@ def cut_logprobs(src: LogprobSource, limits: dict[int, int]) -> LogprobSource:
     return replace(src, sequences=seqs, logits=logits)
 
 
+def fork_noise(verdict: LogprobVerdict | None, config: CompareConfig) -> float | None:
+    """The logprob noise a fork is judged against: the largest |Δlogprob| measured on the positions both sides
+    fed alike, or the calibrated one when a noise file gives a larger one (None: no logprobs)."""
+    if verdict is None:
+        return None
+    values = [verdict.max_abs_err.value]
+    if config.noise is not None and config.noise.logprobs is not None:
+        values.append(config.noise.logprobs.metrics.get("max_abs_err"))
+    known = [v for v in values if v is not None and math.isfinite(v)]
+    return max(known) if known else None
+
+
 def judge_forks(plan: DecodePlan, base: LogprobSource | None, noise: float | None) -> tuple[DecodeFork, ...]:
     """Each fork with the baseline's logprob gap between its token and the target's, and whether that is a near-tie.
 
     ``base`` is the baseline's logprobs before any cut (its top-k at the fork's position gives the
-    gap); ``noise`` the largest |Δlogprob| on the positions both sides fed alike (or calibrated).
+    gap); ``noise`` is :func:`fork_noise`'s.
     """
     seqs = {s.request: s for s in base.sequences} if base is not None else {}
     out = []

@@ -69,4 +69,5 @@ class DecodeComparison:
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> DecodeComparison:
         return cls(sequences=int(d["sequences"]), steps=int(d["steps"]),
-                   forks=tuple(DecodeFork.from_json(f) for f in d.get("forks", ())), missing=tuple(d.get("missing", ())))
+                   forks=tuple(DecodeFork.from_json(f) for f in d.get("forks", ())),
+                   missing=tuple(d.get("missing", ())))

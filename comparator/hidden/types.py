@@ -155,8 +155,8 @@ class FirstDivergence:
     onset_layer_method: str | None = None
     replica_side: str | None = None
     phase: str | None = None
-    """``prefill`` or ``decode``: the phase of the pass that wrote the first failing row (either side's
-    record says; None in a report written before decode dumps existed)."""
+    """``prefill`` or ``decode``: the phase of the first failing row (decode: at or past its prompt's
+    length, :mod:`comparator.hidden.decode`); None when neither side holds decode steps."""
     decode_step: int | None = None
     """The decode step that wrote it (:mod:`dumper.format.decode`), when ``phase`` is ``decode``."""
 

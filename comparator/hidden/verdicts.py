@@ -6,7 +6,6 @@ a decode comparison cuts the logprobs at each fork first (:mod:`comparator.hidde
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -21,7 +20,7 @@ if TYPE_CHECKING:
     from comparator.logprobs.sources.source import LogprobSource
     from comparator.routing.types import RouterComparison
 
-__all__ = ["has_logprobs", "logprob_verdict", "logprob_noise", "routing_verdict", "holds"]
+__all__ = ["has_logprobs", "logprob_verdict", "routing_verdict", "holds"]
 
 
 def has_logprobs(manifest: Manifest) -> bool:
@@ -50,18 +49,6 @@ def logprob_verdict(br: DumpReader, tr: DumpReader, config: CompareConfig, decod
                            noise=config.noise.logprobs if config.noise is not None else None,
                            noise_factor=config.noise_factor, noise_floors=dict(config.noise_floors))
     return judged.verdict, list(judged.only_baseline), list(judged.only_target), read
-
-
-def logprob_noise(verdict: LogprobVerdict | None, config: CompareConfig) -> float | None:
-    """The logprob noise a decode fork is judged against: the largest |Δlogprob| measured on the positions
-    both sides fed alike, or the calibrated one when a noise file gives a larger one (None: no logprobs)."""
-    if verdict is None:
-        return None
-    values = [verdict.max_abs_err.value]
-    if config.noise is not None and config.noise.logprobs is not None:
-        values.append(config.noise.logprobs.metrics.get("max_abs_err"))
-    known = [v for v in values if v is not None and math.isfinite(v)]
-    return max(known) if known else None
 
 
 def routing_verdict(br: DumpReader, tr: DumpReader, config: CompareConfig) -> RouterComparison | None:

@@ -131,7 +131,8 @@ class VllmFamily(FamilyAdapter):
         return self._rows(positions.detach().cpu().numpy(), starts, runner)
 
     def _rows(self, pos: np.ndarray, starts: np.ndarray, runner: Any) -> PassRows:
-        """Request ``i`` holds rows ``starts[i]:starts[i+1]`` of the flat batch; keep its unrecorded rows up to its end."""
+        """Request ``i`` holds rows ``starts[i]:starts[i+1]`` of the flat batch; keep its unrecorded rows up to its
+        end (:meth:`_end`)."""
         seq = np.zeros(pos.shape[0], dtype=np.int64)
         keep = np.zeros(pos.shape[0], dtype=bool)
         for i, rid in enumerate(runner.input_batch.req_ids[:len(starts) - 1]):

@@ -11,9 +11,10 @@ and a model loaded with the tap (``additional_config={"driftscope": {...}}``, se
 :mod:`dumper.engines.vllm_tap`) in a process whose environment names a spool directory
 (``DRIFTSCOPE_VLLM_SPOOL=DIR``) records, on every rank, the prompt rows of exactly those
 requests, and with ``T`` > 1 their first ``T - 1`` decode steps, into ``DIR/TOKEN/``: rank ``r``
-writes its data files and, once all ``N`` requests are complete, its part ``index-r{r}.json`` (:mod:`dumper.hooks.parts`). Rows of requests without
-the token (anyone else's traffic) are never recorded. The client joins the parts into one dump
-and writes its manifest (:mod:`dumper.engines.vllm_parts`); a part alone never looks complete.
+writes its data files and, once all ``N`` requests are complete, its part ``index-r{r}.json``
+(:mod:`dumper.hooks.parts`). Rows of requests without the token (anyone else's traffic) are never
+recorded. The client joins the parts into one dump and writes its manifest
+(:mod:`dumper.engines.vllm_parts`); a part alone never looks complete.
 
 A capture's last writes and its part are made in a thread of their own, so that the engine
 step that completed it does not wait for the disk; the client waits for the part instead.

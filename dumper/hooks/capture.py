@@ -91,13 +91,16 @@ class Capture:
                                                         points=points) if model is not None else ([], 0))
         self._tap = tap_of(model) if model is not None else None
         self._tapped = self._tap_points() if model is not None else []
-        self._model_name, self._handles, self._records = model_name, [], []  # type: ignore[var-annotated]
+        self._model_name = model_name
+        self._handles: list[Any] = []
+        self._records: list[TensorRecord] = []
         self._adopted: tuple[dict[str, int], list[TensorRecord]] = ({}, [])
         self._writer: ShardWriter | None = None
         self._pass_count, self._cur_pass, self._calls = first_pass, None, {}  # type: ignore[var-annotated]
         self._rows: PassRows | None = None
         self._prev_active: Recorder | None = None
-        self._depth, self._made_dir, self._pass_meta = 0, False, {}  # type: ignore[var-annotated]
+        self._depth, self._made_dir = 0, False
+        self._pass_meta: dict[str, Any] = {}
 
     def _tap_points(self) -> list[tuple[HookTarget, TapPoint]]:
         """Each hidden-state target and the tap point that records it; a compiled model without a tap is refused."""
@@ -395,5 +398,3 @@ def capture(model: nn.Module | Any | None, out_dir: str | Path, *, layers: str |
     return Capture(model, out_dir, layers=layers, modules=modules, points=points, model_name=model_name,
                    shard_bytes=shard_bytes, extra=extra,
                    sketch=SketchSpec(k=sketch, seed=sketch_seed or 0) if sketch is not None else None)
-
-

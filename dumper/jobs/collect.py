@@ -185,8 +185,8 @@ def _generated(url: str, seqs: list[list[int]], answers: list[Any], new: int) ->
     for i, a in enumerate(answers):
         ids = first_choice(url, a).get("token_ids")
         if type(ids) is not list or len(ids) != new or not all(type(t) is int and t >= 0 for t in ids):
-            raise ServerError(f"{url}: the answer to prompt {i} has no {new} generated token ids (choices[0].token_ids; "
-                              "the server is not vLLM, or stopped early)")
+            raise ServerError(f"{url}: the answer to prompt {i} has no {new} generated token ids "
+                              "(choices[0].token_ids; the server is not vLLM, or stopped early)")
         out.append(ids)
     return out
 
@@ -205,7 +205,8 @@ def _record_generated(cap: Capture, url: str, seqs: list[list[int]], answers: li
     for i, (prompt, a, gen) in enumerate(zip(seqs, answers, generated, strict=True)):
         lp = first_choice(url, a).get("logprobs") or {}
         values, tops = lp.get("token_logprobs"), lp.get("top_logprobs")
-        if not isinstance(values, list) or len(values) != len(gen) or not all(isinstance(v, (int, float)) for v in values):
+        if not isinstance(values, list) or len(values) != len(gen) \
+                or not all(isinstance(v, (int, float)) for v in values):
             raise ServerError(f"{url}: the answer to prompt {i} has no logprob for each of its {len(gen)} tokens")
         top = None
         if top_k:
