@@ -43,19 +43,14 @@ def measure(engine: str, model: str, dtype: str, new: int, sketch: int, root: Pa
     common = ("--model", model, "--dtype", dtype, "--layers", "all", "--logprobs", "--top-k", "5", "--quiet")
     _cli("dumper", "run", "--engine", engine, *common, "--new-tokens", str(new), "--out", str(decode))
     _cli("dumper", "run", *common, "--tokens-from", str(decode), "--out", str(prefill))
-    m = load_manifest(decode)
-    lengths = [len(p) for p in m.extra["input_ids"]]
+    lengths = [len(p) for p in load_manifest(decode).extra["input_ids"]]
     tokens: dict[str, float] = {"decode": 0.0, "prompt": 0.0}
 
-    def sink(comparison, token_rel):  # every tensor's per-token rel_diff, split by phase
-        import numpy as np
-
-        if comparison.sequence is None or comparison.replica_side is not None:
+    def sink(comparison, token_rel, decode_rows):  # every tensor's per-token rel_diff, split by phase
+        if comparison.replica_side is not None:
             return
-        start = lengths[comparison.sequence]
-        assert token_rel.size == start + new - 1, "a sequence's rows are positions 0 .. len(prompt) + new - 2"
-        pos = np.arange(token_rel.size)  # rows aligned by position, from 0
-        for phase, sel in (("decode", pos >= start), ("prompt", pos < start)):
+        assert decode_rows is not None, "a decode comparison marks its decode rows"
+        for phase, sel in (("decode", decode_rows), ("prompt", ~decode_rows)):
             if sel.any():
                 tokens[phase] = max(tokens[phase], float(token_rel[sel].max()))
 

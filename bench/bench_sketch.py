@@ -669,7 +669,7 @@ def section_projection(args: argparse.Namespace) -> list[dict[str, Any]]:
 # --------------------------------------------------------------------------------------------- 5. precision floor
 def _token_stats(baseline: Path, target: Path) -> dict[str, Any]:
     tokens: list[np.ndarray] = []
-    report = compare_dumps(baseline, target, token_sink=lambda c, t: tokens.append(np.asarray(t, dtype=np.float64)))
+    report = compare_dumps(baseline, target, token_sink=lambda c, t, _: tokens.append(np.asarray(t, dtype=np.float64)))
     allt = np.concatenate(tokens) if tokens else np.zeros(0)
     return dict(max=float(allt.max()), median=float(np.median(allt)), rows=int(allt.size),
                 tensors=len(report.tensors), max_token_rel_diff=max(t.metrics["max_token_rel_diff"]

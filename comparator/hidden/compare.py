@@ -38,7 +38,8 @@ from comparator.hidden.align import (
     split_by_mode,
 )
 from comparator.config import CompareConfig
-from comparator.hidden.decode import decode_plan, fork_noise, judge_forks, with_phase
+from comparator.hidden.decode import (DecodePlan, decode_plan, fork_noise, judge_forks, phase_noise_warnings,
+                                      with_phase)
 from comparator.hidden.heatmap import token_heatmap
 from comparator.judging.identity import check_distinct, check_identity
 from comparator.hidden.judge import judge_tensor
@@ -56,8 +57,9 @@ __all__ = ["compare_dumps"]
 ProgressFn = Callable[[int, int], None]
 Tokens = tuple[np.ndarray, np.ndarray | None, np.ndarray | None]
 """One comparison's per-token rel_diff, with the rows' positions and sequence ids (None: not recorded)."""
-TokenSink = Callable[[TensorComparison, np.ndarray], None]
-"""Receives every comparison with its per-token rel_diff (calibration collects them)."""
+TokenSink = Callable[[TensorComparison, np.ndarray, "np.ndarray | None"], None]
+"""Receives every comparison with its per-token rel_diff and which of its rows are decode rows (None: the
+comparison holds no decode part); calibration collects them."""
 
 
 def _chunk_note(pos: int, segs: list[Segment], side: str) -> str | None:
@@ -112,7 +114,7 @@ def _logical_stats(base: LogicalTensor, target: LogicalTensor, br: HiddenReader,
 
 
 def _compare_logical(base: LogicalTensor, target: LogicalTensor, br: HiddenReader, tr: HiddenReader,
-                     config: CompareConfig) -> tuple[TensorComparison, Tokens]:
+                     config: CompareConfig, decode: DecodePlan | None) -> tuple[TensorComparison, Tokens]:
     """Compare one (name, sequence) reassembled on both sides; also its per-token rel_diff and positions."""
     stats, positions, rank = _logical_stats(base, target, br, tr, config)
     pieces = column_pieces(base, target)
@@ -125,11 +127,13 @@ def _compare_logical(base: LogicalTensor, target: LogicalTensor, br: HiddenReade
 
     return judge_tensor(stats, config, name=base.name, layer=base.layer, forward_pass=first.forward_pass,
                         rank=rank, shape=(int(positions.size), width), positions=positions, sequences=None,
-                    sequence=base.sequence, notes=notes), (stats.token_rel_diff, positions, None)
+                        sequence=base.sequence, notes=notes,
+                        decode_rows=None if decode is None else decode.decode_rows(positions, None, base.sequence)), \
+        (stats.token_rel_diff, positions, None)
 
 
 def _compare_records(b: TensorRecord, t: TensorRecord, br: HiddenReader, tr: HiddenReader,
-                     config: CompareConfig) -> tuple[TensorComparison, Tokens]:
+                     config: CompareConfig, decode: DecodePlan | None) -> tuple[TensorComparison, Tokens]:
     """Compare one pair of tensors matched by (name, pass, rank, call); also its per-token values."""
     if b.shape != t.shape:
         raise NotComparableError(
@@ -139,7 +143,8 @@ def _compare_records(b: TensorRecord, t: TensorRecord, br: HiddenReader, tr: Hid
         pair_stats(br.array(b), tr.array(t), b.dtype, t.dtype, threads=config.threads)
     sequences, positions = b.row_sequence_ids(), b.row_positions()
     return judge_tensor(stats, config, name=b.name, layer=b.layer, forward_pass=b.forward_pass, rank=b.rank,
-                    shape=b.shape, positions=positions, sequences=sequences, sequence=None), \
+                        shape=b.shape, positions=positions, sequences=sequences, sequence=None,
+                        decode_rows=None if decode is None else decode.decode_rows(positions, sequences, None)), \
         (stats.token_rel_diff, positions, sequences)
 
 
@@ -195,7 +200,7 @@ def compare_dumps(baseline: str | os.PathLike[str], target: str | os.PathLike[st
                                                     check_replicas("target", tr, plan.target, config))
     matched = set(plan.logical)
     views = [v for v in (*views_b, *views_t) if v.key in matched]  # ranks that differ: judged too
-    results, kept = _compare_all(plan, views, br, tr, config, progress, token_sink)
+    results, kept = _compare_all(plan, views, br, tr, config, decode, progress, token_sink)
     fd = locate_onset(first_divergence(results), results, kept.get, config)
     fd = with_phase(fd, br.manifest, tr.manifest) if decode is not None else fd
     # the heatmap follows the rank the divergence is on
@@ -210,6 +215,7 @@ def compare_dumps(baseline: str | os.PathLike[str], target: str | os.PathLike[st
         notes=(*notes, *replay, *_noise_notes(config, results), *([sketch.note()] if sketch else [])),
         empty_tensors=tuple(plan.empty), sketch=sketch.to_json() if sketch else None,
         warnings=(*config.noise_warnings(sorted({t.name for t in results})),
+                  *phase_noise_warnings(decode, config, sorted({t.name for t in results})),
                   *filter(None, [config.noise.sketch_warning(sketch.spec if sketch else None)] if config.noise else []),
                   *(verdict.noise.warnings if verdict is not None and verdict.noise is not None else ()),
                   *(router.warnings if router is not None else ())),
@@ -274,31 +280,32 @@ def _check_plan(plan: _Plan, br: HiddenReader, tr: HiddenReader, config: Compare
 
 
 def _compare_replica(view: ReplicaView, plan: _Plan, br: HiddenReader, tr: HiddenReader,
-                     config: CompareConfig) -> tuple[TensorComparison, Tokens]:
+                     config: CompareConfig, decode: DecodePlan | None) -> tuple[TensorComparison, Tokens]:
     """Compare one rank's differing replica rows of one side against the other side."""
     base = view.tensor if view.side == "baseline" else plan.base[view.key]
     target = view.tensor if view.side == "target" else plan.target[view.key]
-    comparison, tokens = _compare_logical(base, target, br, tr, config)
+    comparison, tokens = _compare_logical(base, target, br, tr, config, decode)
     return replace(comparison, rank=view.rank, replica_side=view.side), tokens
 
 
 def _compare_all(plan: _Plan, views: list[ReplicaView], br: HiddenReader, tr: HiddenReader, config: CompareConfig,
-                 progress: ProgressFn | None, token_sink: TokenSink | None) -> tuple[
+                 decode: DecodePlan | None, progress: ProgressFn | None, token_sink: TokenSink | None) -> tuple[
                      list[TensorComparison], FailingTokens]:
     """Compare every planned pair and replica view, a few at once (:mod:`comparator.hidden.pipeline`); the
     results in layer order and the failing tokens kept."""
     results: list[TensorComparison] = []
     kept = FailingTokens()
     configs = {n: replace(config, threads=n) for n in {1, config.threads}}  # a job's kernel threads
-    jobs = [lambda n, key=key: _compare_logical(plan.base[key], plan.target[key], br, tr, configs[n])
+    jobs = [lambda n, key=key: _compare_logical(plan.base[key], plan.target[key], br, tr, configs[n], decode)
             for key in plan.logical]
-    jobs += [lambda n, v=v: _compare_replica(v, plan, br, tr, configs[n]) for v in views]
-    jobs += [lambda n, b=b, t=t: _compare_records(b, t, br, tr, configs[n]) for b, t in plan.pairs]
+    jobs += [lambda n, v=v: _compare_replica(v, plan, br, tr, configs[n], decode) for v in views]
+    jobs += [lambda n, b=b, t=t: _compare_records(b, t, br, tr, configs[n], decode) for b, t in plan.pairs]
     for comparison, tokens in in_order(jobs, config.threads):
         results.append(comparison)
         kept.add(comparison, tokens)
         if token_sink is not None:
-            token_sink(comparison, tokens[0])
+            token_sink(comparison, tokens[0],
+                       None if decode is None else decode.decode_rows(tokens[1], tokens[2], comparison.sequence))
         if progress is not None:
             progress(len(results), len(jobs))
     results.sort(key=lambda r: (r.layer is None, r.layer if r.layer is not None else 0, r.name,

@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from comparator.logprobs.types import LogprobVerdict, SequenceLogprobs
 
 __all__ = ["NEAR_TIE", "DecodePlan", "decode_plan", "with_phase", "cut_plan", "cut_to_common", "cut_logprobs",
-           "fork_noise", "judge_forks"]
+           "fork_noise", "judge_forks", "phase_noise_warnings"]
 
 NEAR_TIE = 10.0
 """A fork is a near-tie when the baseline's logprob gap between the two tokens is within this many times the noise."""
@@ -75,6 +75,18 @@ class DecodePlan:
         if self.limits:
             base, target = cut_plan(base, self.limits), cut_plan(target, self.limits)
         return cut_to_common(base, target) if self.missing else (base, target)
+
+    def decode_rows(self, positions: np.ndarray | None, sequences: np.ndarray | None,
+                    sequence: int | None) -> np.ndarray | None:
+        """Which of a comparison's rows are decode rows: at or past their sequence's prompt length (the rule of
+        :func:`coverage_failures`); ``sequences`` per row, else every row is of ``sequence``. None without positions."""
+        if positions is None:
+            return None
+        if sequences is None:
+            start = self.lengths.get(sequence) if sequence is not None else None
+            return np.zeros(positions.shape, dtype=bool) if start is None else positions >= start
+        starts = np.array([self.lengths.get(int(s), -1) for s in sequences.tolist()], dtype=np.int64)
+        return (starts >= 0) & (positions >= starts)
 
     def summary(self, forks: tuple[DecodeFork, ...]) -> DecodeComparison:
         compared = sum(min(self.steps[s], max(self.limits.get(s, self.lengths[s] + self.steps[s]) - self.lengths[s], 0))
@@ -296,3 +308,16 @@ def judge_forks(plan: DecodePlan, base: LogprobSource | None, noise: float | Non
                               gap=gap, gap_is_bound=gap is not None and not in_top, noise=noise, near_tie=near,
                               factor=NEAR_TIE))
     return tuple(out)
+
+
+def phase_noise_warnings(plan: DecodePlan | None, config: CompareConfig, names: list[str]) -> tuple[str, ...]:
+    """The warning of a comparison with decode rows judged by noise that measured none (one value for every row)."""
+    if plan is None or config.noise is None or not any(plan.steps.values()):
+        return ()
+    entries = [e for e in map(config.noise.tensor, names) if e is not None]
+    covered, blind = len(entries), [e.name for e in entries if not e.phases]
+    if not blind:
+        return ()
+    return (f"{config.noise.source or 'the noise'}: calibrated without decode rows ({len(blind)} of {covered} "
+            f"calibrated tensors, e.g. {blind[0]}): their decode rows are judged by noise measured on prompt rows, "
+            "and decode runs kernels of its own; calibrate with decode dumps (--new-tokens) for noise per phase",)

@@ -30,10 +30,12 @@ def _ranges(values: np.ndarray) -> list[list[int]]:
 
 def judge_tensor(stats: PairStats, config: CompareConfig, *, name: str, layer: int | None, forward_pass: int,
              rank: int, shape: tuple[int, ...], positions: np.ndarray | None, sequences: np.ndarray | None,
-             sequence: int | None, notes: Callable[[int], str | None] | None = None) -> TensorComparison:
+             sequence: int | None, notes: Callable[[int], str | None] | None = None,
+             decode_rows: np.ndarray | None = None) -> TensorComparison:
+    """``decode_rows``: which rows are decode rows (None: no decode part), for noise measured per phase."""
     token = stats.token_rel_diff
     limits = config.noise_limits_of(name)
-    failing = np.flatnonzero(~(token <= limits.token_threshold))  # NaN counts as failing
+    failing = np.flatnonzero(~(token <= limits.token_thresholds(decode_rows)))  # NaN counts as failing
     first_row = worst_row = first_tok = worst_tok = first_seq = None
     note = None
     ranges: list[list[int]] = []
@@ -49,7 +51,7 @@ def judge_tensor(stats: PairStats, config: CompareConfig, *, name: str, layer: i
         first_seq = int(sequences[first_row]) if sequences is not None else sequence
         if notes is not None and first_tok is not None:
             note = notes(first_tok)
-    noise_ratio, token_noise_ratio = limits.ratios(stats.rel_diff, stats.max_token_rel_diff)
+    noise_ratio, token_noise_ratio = limits.ratios(stats.rel_diff, token, decode_rows)
     return TensorComparison(
         name=name, layer=layer, forward_pass=forward_pass, rank=rank, shape=shape, sequence=sequence,
         metrics=dict(stats.metrics), nan_baseline=stats.nan_x, inf_baseline=stats.inf_x, nan_target=stats.nan_y,
@@ -58,5 +60,6 @@ def judge_tensor(stats: PairStats, config: CompareConfig, *, name: str, layer: i
         failing_ranges=ranges, worst_token=worst_tok, worst_row=worst_row, note=note,
         passed=bool(stats.rel_diff <= limits.threshold) and not failing.size,
         threshold=limits.threshold, token_threshold=limits.token_threshold,
+        decode_token_threshold=limits.decode_token_threshold if decode_rows is not None else None,
         noise_ratio=noise_ratio, token_noise_ratio=token_noise_ratio,
     )

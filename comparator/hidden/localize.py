@@ -51,7 +51,7 @@ def _noise_only(config: CompareConfig, name: str) -> tuple[float, float] | None:
     if entry is None:
         return None
     lim = noise_limits(entry, config.noise_factor, config.noise_floor, None)
-    return lim.threshold, lim.token_threshold
+    return lim.threshold, max(lim.token_threshold, lim.decode_token_threshold or 0.0)  # the larger phase's
 
 
 def _departs(t: TensorComparison, config: CompareConfig) -> bool | None:

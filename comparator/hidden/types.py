@@ -30,7 +30,7 @@ __all__ = ["TensorComparison", "FirstDivergence", "DecodeFork", "DecodeCompariso
            "Heatmap", "Report"]  # the decode types live in comparator.hidden.decode_types
 
 
-_OPTIONAL_FLOATS = ("threshold", "token_threshold", "noise_ratio", "token_noise_ratio")
+_OPTIONAL_FLOATS = ("threshold", "token_threshold", "decode_token_threshold", "noise_ratio", "token_noise_ratio")
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,10 @@ class TensorComparison(BuiltinMetrics):
     noise_ratio: float | None = None
     """rel_diff as a multiple of its calibrated noise, ``max(noise, floor)`` (None: no noise file)."""
     token_noise_ratio: float | None = None
-    """Largest per-token rel_diff as a multiple of the calibrated per-token noise."""
+    """Largest per-token rel_diff as a multiple of the calibrated per-token noise (of the row's phase)."""
+    decode_token_threshold: float | None = None
+    """The per-token threshold of the decode rows, where the noise measured them apart (``token_threshold``
+    then judges the prompt rows); None: one per-token threshold for every row."""
     replica_side: str | None = None
     """``"baseline"`` or ``"target"``: these are the rows rank ``rank`` of that side holds as a
     tensor-parallel replica, where they differ from its representative (the lowest rank), judged
@@ -117,7 +120,7 @@ class TensorComparison(BuiltinMetrics):
         d = {k: v for k, v in d.items() if k in names} | {
             "metrics": {k: lookup_metric(k).null if v is None else float(v) for k, v in d.items() if k not in names}}
         d["shape"] = tuple(d["shape"])
-        for k in ("threshold", "token_threshold"):  # finite whenever set (absent in older reports)
+        for k in ("threshold", "token_threshold", "decode_token_threshold"):  # finite when set (absent: older ones)
             d[k] = None if d.get(k) is None else float(d[k])
         # a ratio is null without noise, and null for an infinite one: infinite only when its value is
         for k, of in (("noise_ratio", "rel_diff"), ("token_noise_ratio", "max_token_rel_diff")):

@@ -4,8 +4,10 @@ A noise file (``NOISE.json``, written by ``python -m comparator calibrate``, rea
 :mod:`comparator.noise.file`) holds, per captured tensor name (one layer and capture point), the
 largest whole-tensor rel_diff and the per-token rel_diff distribution (max, p99.9, p99) that benign
 re-runs of the baseline's inputs showed, plus the logprob metrics of the same re-runs
-(:class:`~comparator.judging.logprob_noise.LogprobNoise`). Thresholds derived from it are
-:mod:`comparator.judging.noise_thresholds`.
+(:class:`~comparator.judging.logprob_noise.LogprobNoise`). Where the calibration compared decode
+dumps (``--new-tokens``), each tensor also holds the per-token distribution of each phase apart
+(``phases``: prompt rows and decode rows, :class:`PhaseNoise`), as decode has kernels and noise of
+its own. Thresholds derived from it are :mod:`comparator.judging.noise_thresholds`.
 
 The file is untrusted input, read by :meth:`NoiseModel.from_json` alone (``--noise`` and the run
 store): exact types (:mod:`comparator.judging.fields`), each tensor once, every tensor noise value a
@@ -27,6 +29,7 @@ from typing import Any
 
 from dumper.errors import CorruptDumpError, UsageError
 from dumper.format import Manifest
+from dumper.format.decode import PHASES
 from dumper.format.files import show
 from dumper.format.sketch import SketchSpec, check_spec
 from dumper.format.validate import check_model
@@ -37,7 +40,7 @@ from comparator.judging.identity import IDENTITY_FIELDS, REPORTED_FIELDS, Identi
 from comparator.judging.logprob_noise import LogprobNoise
 from comparator.judging.router_noise import RouterNoise, router_noise_from_json, router_noise_to_json
 
-__all__ = ["NOISE_FORMAT", "TensorNoise", "NoiseModel"]
+__all__ = ["NOISE_FORMAT", "PhaseNoise", "TensorNoise", "NoiseModel"]
 
 NOISE_FORMAT = "driftscope-noise/1"
 _MATCH_FIELDS = ("architecture", "num_layers", "hidden_size", "config_hash", "weights_hash")
@@ -45,8 +48,29 @@ _TOP_KEYS = ("format", "baseline", "variants", "model", "dtype", "tensors", "log
 _TENSOR_KEYS = ("name", "layer", "point", "rel_diff", "token_max", "token_p999", "token_p99", "positions",
                 "by_variant")
 _NOISE_VALUES = ("rel_diff", "token_max", "token_p999", "token_p99")
+_PHASE_KEYS = ("token_max", "token_p999", "token_p99", "positions")
 _MISMATCH_KEYS = ("variant", "field", "baseline", "target")
 _MISMATCH_FIELDS = (*IDENTITY_FIELDS, *REPORTED_FIELDS)
+
+
+@dataclass(frozen=True)
+class PhaseNoise:
+    """The per-token rel_diff distribution of one tensor's rows of one phase (prompt or decode rows)."""
+
+    token_max: float
+    token_p999: float
+    token_p99: float
+    positions: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"token_max": to_json_float(self.token_max), "token_p999": to_json_float(self.token_p999),
+                "token_p99": to_json_float(self.token_p99), "positions": self.positions}
+
+    @classmethod
+    def from_json(cls, d: Any, where: str, field: str) -> PhaseNoise:
+        d = record(d, where, field, _PHASE_KEYS)
+        return cls(**{k: number(d[k], where, f"{field} {k}", high=REL_DIFF_MAX) for k in _PHASE_KEYS[:3]},
+                   positions=integer(d["positions"], where, f"{field} positions"))
 
 
 @dataclass(frozen=True)
@@ -65,27 +89,34 @@ class TensorNoise:
     """Per-token values the quantiles rest on (all variants together)."""
     by_variant: tuple[float, ...] = ()
     """Each variant's largest per-token rel_diff, in variant order."""
+    phases: Mapping[str, PhaseNoise] = field(default_factory=dict)
+    """Per phase (``prefill``, ``decode``), the per-token values of its rows alone; empty when no decode
+    row was compared (the token values above are then all prompt rows)."""
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "layer": self.layer, "point": self.point,
                 "rel_diff": to_json_float(self.rel_diff), "token_max": to_json_float(self.token_max),
                 "token_p999": to_json_float(self.token_p999), "token_p99": to_json_float(self.token_p99),
-                "positions": self.positions, "by_variant": [to_json_float(v) for v in self.by_variant]}
+                "positions": self.positions, "by_variant": [to_json_float(v) for v in self.by_variant],
+                **({"phases": {k: v.to_json() for k, v in self.phases.items()}} if self.phases else {})}
 
     @classmethod
     def from_json(cls, d: Any, where: str, field: str = "tensor", *, variants: int | None = None) -> TensorNoise:
         """One tensor entry (``field``: where it sits), exact types; every noise value is a rel_diff, so in
         ``[0, 2]``; ``variants``: how many ``by_variant`` must hold."""
-        d = record(d, where, field, _TENSOR_KEYS)
+        d = record(d, where, field, _TENSOR_KEYS, ("phases",))
         name = text(d["name"], where, f"{field}.name", name=True)
         at = f"{field} {show(name)}"
         values = {k: number(d[k], where, f"{at} {k}", high=REL_DIFF_MAX) for k in _NOISE_VALUES}
         per = items(d["by_variant"], where, f"{at} by_variant", length=variants)
+        phases = record(d.get("phases", {}), where, f"{at} phases", (), PHASES)
         return cls(name=name, layer=integer(d["layer"], where, f"{at} layer", low=None, null=True),
                    point=text(d["point"], where, f"{at} point", null=True), **values,
                    positions=integer(d["positions"], where, f"{at} positions"),
                    by_variant=tuple(number(v, where, f"{at} by_variant[{j}]", high=REL_DIFF_MAX)
-                                    for j, v in enumerate(per)))
+                                    for j, v in enumerate(per)),
+                   phases={k: PhaseNoise.from_json(phases[k], where, f"{at} phases.{k}") for k in PHASES
+                           if k in phases})
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,9 @@ A tensor judged against its noise (:func:`noise_limits`, :class:`NoiseLimits`) f
     rel_diff           > max(floor, factor * noise rel_diff)        or
     per-token rel_diff > max(floor, factor * noise per-token max)
 
+where the per-token max is that of the row's phase when the noise measured phases apart (a
+decode row against the decode rows' noise, a prompt row against the prompt rows').
+
 with ``factor`` :data:`DEFAULT_FACTOR` (3) and ``floor`` :data:`DEFAULT_FLOOR` (``--noise-factor``,
 ``--noise-floor``); fixed thresholds given explicitly still apply on top. Each calibrated logprob
 metric's threshold (:func:`resolve_logprob_thresholds`) is ``max(floor[name], factor * noise[name])``
@@ -29,7 +32,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final
 
+import numpy as np
+
 from dumper.errors import UsageError
+from dumper.format.decode import DECODE, PREFILL
 
 from comparator.judging.fields import EXCESSIVE
 from comparator.judging.logprob_metrics import MetricValue, default_floors, metric_names, tested_means
@@ -60,32 +66,64 @@ re-runs (noise 0) still passes float32 rounding of the same computation (about 1
 
 @dataclass(frozen=True)
 class NoiseLimits:
-    """The thresholds one tensor is judged by, and the noise they came from (None: fixed thresholds)."""
+    """The thresholds one tensor is judged by, and the noise they came from (None: fixed thresholds).
+
+    ``token_threshold`` judges prompt rows (and every row when the noise has no phases);
+    ``decode_token_threshold`` (None: the same) judges decode rows."""
 
     threshold: float
     token_threshold: float
     noise: TensorNoise | None = None
     floor: float = DEFAULT_FLOOR
+    decode_token_threshold: float | None = None
 
-    def ratios(self, rel_diff: float, token_max: float) -> tuple[float | None, float | None]:
-        """``(noise_ratio, token_noise_ratio)``: the values as multiples of ``max(noise, floor)``."""
+    def token_thresholds(self, decode_rows: np.ndarray | None) -> float | np.ndarray:
+        """The per-token threshold of each row (``decode_rows``: which rows are decode rows; None: none known)."""
+        if decode_rows is None or self.decode_token_threshold is None:
+            return self.token_threshold
+        return np.where(decode_rows, self.decode_token_threshold, self.token_threshold)
+
+    def ratios(self, rel_diff: float, token: np.ndarray,
+               decode_rows: np.ndarray | None = None) -> tuple[float | None, float | None]:
+        """``(noise_ratio, token_noise_ratio)``: the values as multiples of ``max(noise, floor)``; each row's
+        per-token value against its phase's noise (``decode_rows`` as in :meth:`token_thresholds`)."""
         if self.noise is None:
             return None, None
-        return (_ratio(rel_diff, max(self.noise.rel_diff, self.floor)),
-                _ratio(token_max, max(self.noise.token_max, self.floor)))
+        token_noise = max(self.noise.token_max, self.floor)
+        if token.size == 0:
+            worst = 0.0
+        elif decode_rows is None or not self.noise.phases:
+            worst = _ratio(float(np.max(token)), token_noise)
+        else:
+            ref = np.where(decode_rows, _phase_max(self.noise, DECODE, self.floor),
+                           _phase_max(self.noise, PREFILL, self.floor))
+            worst = max(map(_ratio, token.tolist(), ref.tolist()))
+        return _ratio(rel_diff, max(self.noise.rel_diff, self.floor)), worst
 
 
 def _ratio(value: float, noise: float) -> float:
-    return math.inf if math.isnan(value) else value / noise
+    """``value / noise``; NaN is infinitely far, and against a noise of 0 (``--noise-floor 0``) so is any value > 0."""
+    if math.isnan(value):
+        return math.inf
+    return value / noise if noise > 0 else (0.0 if value == 0 else math.inf)
+
+
+def _phase_max(noise: TensorNoise, phase: str, floor: float) -> float:
+    """The per-token noise of ``phase``'s rows (the tensor's own when not measured apart), at least ``floor``."""
+    own = noise.phases.get(phase)
+    return max(own.token_max if own is not None else noise.token_max, floor)
 
 
 def noise_limits(noise: TensorNoise, factor: float, floor: float, fixed: tuple[float, float] | None) -> NoiseLimits:
-    """Thresholds from one tensor's noise; ``fixed`` (explicit thresholds) apply on top."""
+    """Thresholds from one tensor's noise (per phase where it has phases); ``fixed`` (explicit thresholds) apply on
+    top."""
     threshold = max(floor, factor * noise.rel_diff)
-    token = max(floor, factor * noise.token_max)
+    token = max(floor, factor * (_phase_max(noise, PREFILL, 0.0) if noise.phases else noise.token_max))
+    decode = max(floor, factor * _phase_max(noise, DECODE, 0.0)) if noise.phases else None
     if fixed is not None:
         threshold, token = min(threshold, fixed[0]), min(token, fixed[1])
-    return NoiseLimits(threshold, token, noise, floor)
+        decode = None if decode is None else min(decode, fixed[1])
+    return NoiseLimits(threshold, token, noise, floor, decode)
 
 
 def noise_warnings(noise: NoiseModel, limits: Mapping[str, NoiseLimits],
@@ -100,7 +138,8 @@ def noise_warnings(noise: NoiseModel, limits: Mapping[str, NoiseLimits],
     out = [w for w in (noise.mismatch_warning(),) if w is not None]
     calibrated = {n: lim for n, lim in limits.items() if lim.noise is not None}
     over = [(n, lim) for n, lim in calibrated.items()
-            if lim.threshold > EXCESSIVE * fixed[0] or lim.token_threshold > EXCESSIVE * fixed[1]]
+            if lim.threshold > EXCESSIVE * fixed[0]
+            or max(lim.token_threshold, lim.decode_token_threshold or 0.0) > EXCESSIVE * fixed[1]]
     if over:
         name, lim = over[0]
         out.append(f"{noise.source or 'the noise'}: the noise-derived thresholds of {len(over)} of {len(calibrated)} "

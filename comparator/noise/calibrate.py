@@ -3,7 +3,8 @@
 Each variant is a benign re-run of the baseline's inputs (another attention backend, chunk size,
 batch layout or thread count, or a plain re-run). Every variant is compared with the baseline
 exactly as ``python -m comparator`` would; per captured tensor name the largest whole-tensor
-rel_diff and the pooled per-token rel_diff (max, p99.9, p99) become its noise, and the logprob
+rel_diff and the pooled per-token rel_diff (max, p99.9, p99) become its noise (and, where a comparison
+had a decode part, the per-token rel_diff of prompt rows and decode rows apart: ``phases``), and the logprob
 verdicts become the logprob noise (:mod:`comparator.noise.logprob_calibration`); where both dumps
 recorded MoE routing, each layer's largest router-score change, flip rate and combine-weight
 change become its routing noise (:class:`~comparator.judging.router_noise.RouterNoise`). The sources are those of
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import asdict
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -29,6 +31,7 @@ import numpy as np
 
 from dumper.errors import NotComparableError, UsageError
 from dumper.format import MANIFEST_NAME, load_manifest
+from dumper.format.decode import DECODE, PREFILL
 from dumper.format.sketch import SketchSpec
 
 from comparator.config import CompareConfig
@@ -36,7 +39,7 @@ from comparator.hidden.compare import compare_dumps
 from comparator.hidden.onset import point_of
 from comparator.hidden.types import TensorComparison
 from comparator.judging.identity import IDENTITY_FIELDS, IdentityDifference, check_variant
-from comparator.judging.noise import NoiseModel, TensorNoise
+from comparator.judging.noise import NoiseModel, PhaseNoise, TensorNoise
 from comparator.judging.router_noise import RouterNoise
 from comparator.logprobs.judge import compare_logprob_sources
 from comparator.logprobs.types import LogprobVerdict
@@ -49,20 +52,24 @@ ProgressFn = Callable[[int, int], None]
 
 
 class _Pool:
-    """Per tensor name: per-token values of every variant, largest rel_diff, largest per variant."""
+    """Per tensor name: per-token values of every variant (and of each phase's rows where a comparison had a
+    decode part), largest rel_diff, largest per variant."""
 
     def __init__(self) -> None:
         self.tokens: dict[str, list[np.ndarray]] = {}
+        self.decode: dict[str, list[np.ndarray]] = {}  # name -> one bool mask per part of tokens[name]
         self.rel: dict[str, float] = {}
         self.meta: dict[str, tuple[int | None, str | None]] = {}
         self.by_variant: dict[str, dict[int, float]] = {}
         self.variant = 0
 
-    def add(self, t: TensorComparison, token: np.ndarray, point: str | None) -> None:
+    def add(self, t: TensorComparison, token: np.ndarray, decode_rows: np.ndarray | None, point: str | None) -> None:
         if t.nonfinite_mismatches or not math.isfinite(t.rel_diff):
             raise NotComparableError(f"variant {self.variant + 1}: {t.name} has NaN/Inf where the baseline does "
                                      "not; that is not benign noise, so it cannot calibrate")
         self.tokens.setdefault(t.name, []).append(token.astype(np.float32))
+        self.decode.setdefault(t.name, []).append(np.zeros(token.shape, dtype=bool) if decode_rows is None
+                                                  else decode_rows)
         self.rel[t.name] = max(self.rel.get(t.name, 0.0), t.rel_diff)
         self.meta[t.name] = (t.layer, point)
         per = self.by_variant.setdefault(t.name, {})
@@ -72,12 +79,21 @@ class _Pool:
         out = {}
         for name, parts in self.tokens.items():
             v = np.concatenate(parts).astype(np.float64)
-            q999, q99 = np.quantile(v, [0.999, 0.99]) if v.size else (0.0, 0.0)
+            decode = np.concatenate(self.decode[name])
+            whole = _spread(v)
+            phases = {PREFILL: _spread(v[~decode]), DECODE: _spread(v[decode])} if decode.any() else {}
             out[name] = TensorNoise(name=name, layer=self.meta[name][0], point=self.meta[name][1],
-                                    rel_diff=self.rel[name], token_max=float(v.max()) if v.size else 0.0,
-                                    token_p999=float(q999), token_p99=float(q99), positions=int(v.size),
-                                    by_variant=tuple(self.by_variant[name].get(i, 0.0) for i in range(variants)))
+                                    rel_diff=self.rel[name], **asdict(whole),
+                                    by_variant=tuple(self.by_variant[name].get(i, 0.0) for i in range(variants)),
+                                    phases=phases)
         return dict(sorted(out.items(), key=lambda kv: (kv[1].layer is None, kv[1].layer or 0, kv[0])))
+
+
+def _spread(v: np.ndarray) -> PhaseNoise:
+    """The per-token distribution of ``v`` (max, p99.9, p99; zeros for no values)."""
+    q999, q99 = np.quantile(v, [0.999, 0.99]) if v.size else (0.0, 0.0)
+    return PhaseNoise(token_max=float(v.max()) if v.size else 0.0, token_p999=float(q999), token_p99=float(q99),
+                      positions=int(v.size))
 
 
 def _router_noise(found: list[RouterComparison]) -> dict[int, RouterNoise]:
@@ -129,7 +145,7 @@ def calibrate(baseline: str | os.PathLike[str], variants: Sequence[str | os.Path
             mismatch += [(str(variant), d) for d in check_variant(
                 manifest, load_manifest(variant), allow_mismatch=allow_model_mismatch, where=f"variant {variant}")]
             report = compare_dumps(baseline, variant, config,
-                                   token_sink=lambda t, tok: pool.add(t, tok, point_of(t.name)))
+                                   token_sink=lambda t, tok, dec: pool.add(t, tok, dec, point_of(t.name)))
             if report.logprobs is not None:
                 verdicts.append(report.logprobs)
             if report.router is not None:

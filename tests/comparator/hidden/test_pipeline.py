@@ -89,7 +89,7 @@ def test_the_report_and_the_token_sink_do_not_depend_on_threads(dumps):
     for threads in (1, 2, 3):
         sink: list[tuple[str, int | None, list[float]]] = []
         report = compare_dumps(*dumps, CompareConfig(threads=threads),
-                               token_sink=lambda c, tokens, sink=sink: sink.append((c.name, c.sequence,
+                               token_sink=lambda c, tokens, _, sink=sink: sink.append((c.name, c.sequence,
                                                                                     tokens.tolist())))
         reports[threads], sinks[threads] = report.to_json(), sink
     fd = reports[1]["first_divergent"]

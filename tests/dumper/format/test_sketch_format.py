@@ -140,7 +140,7 @@ def drifted(tmp_path_factory) -> dict[str, Path]:
 def _token_values(base: Path, target: Path) -> dict[tuple[Any, ...], np.ndarray]:
     found: dict[tuple[Any, ...], np.ndarray] = {}
 
-    def sink(t, tokens):
+    def sink(t, tokens, decode_rows):
         found[(t.name, t.sequence, t.forward_pass, t.rank)] = np.array(tokens, dtype=np.float64)
 
     compare_dumps(base, target, token_sink=sink)
