@@ -8,6 +8,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from dumper.format.decode import DECODE, PREFILL
+
 from comparator.hidden.registry import columns as metric_columns
 from comparator.logprobs import LogprobVerdict
 from comparator.judging.noise import NoiseModel
@@ -242,13 +244,15 @@ def _replica_divergence(report: Report) -> str:
 def render_noise(noise: NoiseModel, console: Console) -> None:
     """The measured noise per tensor (and of the routing and the logprobs): what a comparison will be judged against."""
     table = Table(title=Text(f"noise of {noise.baseline} from {len(noise.variants)} variants"), title_justify="left")
+    phased = any(t.phases for t in noise.tensors.values())  # decode dumps: prompt and decode rows apart
     for col in ("layer", "tensor", "rel_diff", "token max", "token p99.9", "token p99", "positions",
-                "token max by variant"):
+                *(("prompt token max", "decode token max") if phased else ()), "token max by variant"):
         table.add_column(col, justify="left" if col == "tensor" else "right")
     for t in noise.tensors.values():
+        phases = [format_float(t.phases[p].token_max) if p in t.phases else "-" for p in (PREFILL, DECODE)]
         table.add_row("-" if t.layer is None else str(t.layer), Text(t.name), format_float(t.rel_diff),
                       format_float(t.token_max), format_float(t.token_p999), format_float(t.token_p99),
-                      str(t.positions), " ".join(format_float(v) for v in t.by_variant))
+                      str(t.positions), *(phases if phased else ()), " ".join(format_float(v) for v in t.by_variant))
     if noise.tensors:
         console.print(table)
     if noise.router:

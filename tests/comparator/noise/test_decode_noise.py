@@ -58,6 +58,9 @@ def test_calibrating_on_decode_dumps_measures_prompt_and_decode_rows_apart(dumps
         assert p.token_p99 <= p.token_p999 <= p.token_max and d.token_p99 <= d.token_p999 <= d.token_max
     assert any(t.phases[DECODE].token_max > 0 for t in noise.tensors.values())  # decode rows carry rounding
     assert load_noise(dumps / "noise.json") == noise  # round trip
+    r = run_cli("comparator", "calibrate", dumps / "prefill", dumps / "decode", "--out", dumps / "again.json",
+                env={"COLUMNS": "250"})
+    assert r.returncode == 0 and "prompt token max" in r.stdout and "decode token max" in r.stdout, r.stdout
 
 
 def test_each_row_is_judged_by_its_phase_noise(dumps):
