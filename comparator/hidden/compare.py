@@ -44,13 +44,14 @@ from comparator.hidden.heatmap import token_heatmap
 from comparator.judging.identity import check_distinct, check_identity
 from comparator.hidden.judge import judge_tensor
 from comparator.hidden.localize import FailingTokens, first_divergence, layer_amplification, locate_onset
+from comparator.hidden.onset import rounding_floor
 from comparator.hidden.metrics import PairStats, StatsAccumulator, pair_stats
 from comparator.hidden.pipeline import in_order
 from comparator.hidden.sketch import HiddenReader, is_sketched, record_sketch_stats, sketch_readers, sketch_stats
 from comparator.hidden.replicas import ReplicaView, as_rank, check_replicas
 from comparator.hidden.subset import SUBSET_NOTE, relabel_sequences, subset_baseline
 from comparator.hidden.verdicts import has_logprobs, logprob_verdict, routing_verdict
-from comparator.hidden.types import Report, TensorComparison
+from comparator.hidden.types import FirstDivergence, Report, TensorComparison
 
 __all__ = ["compare_dumps"]
 
@@ -201,8 +202,7 @@ def compare_dumps(baseline: str | os.PathLike[str], target: str | os.PathLike[st
     matched = set(plan.logical)
     views = [v for v in (*views_b, *views_t) if v.key in matched]  # ranks that differ: judged too
     results, kept = _compare_all(plan, views, br, tr, config, decode, progress, token_sink)
-    fd = locate_onset(first_divergence(results), results, kept.get, config)
-    fd = with_phase(fd, br.manifest, tr.manifest) if decode is not None else fd
+    fd = _first_divergent(results, kept, config, bm, tm, decode)
     # the heatmap follows the rank the divergence is on
     base_lts, targ_lts = as_rank(plan.base, plan.target, views, fd.replica_side if fd else None, fd.rank if fd else 0)
     heatmap = token_heatmap(fd, base_lts, targ_lts, lambda b, t: _logical_stats(b, t, br, tr, config)[:2])
@@ -227,6 +227,14 @@ def compare_dumps(baseline: str | os.PathLike[str], target: str | os.PathLike[st
         decode=None if decode is None else decode.summary(
             judge_forks(decode, base_logprobs, fork_noise(verdict, config))),
     )
+
+
+def _first_divergent(results: list[TensorComparison], kept: FailingTokens, config: CompareConfig, bm: Manifest,
+                     tm: Manifest, decode: DecodePlan | None) -> FirstDivergence | None:
+    """The first divergence with its onset (under the dumps' rounding floor) and, in a decode comparison, its phase."""
+    fd = locate_onset(first_divergence(results), results, kept.get, config,
+                      rounding_floor({r.dtype for m in (bm, tm) for r in m.tensors}))
+    return with_phase(fd, bm, tm) if decode is not None else fd
 
 
 def _open(baseline: str | os.PathLike[str], target: str | os.PathLike[str],

@@ -62,7 +62,7 @@ def _departs(t: TensorComparison, config: CompareConfig) -> bool | None:
     return not (t.rel_diff <= noise[0] and t.max_token_rel_diff <= noise[1])
 
 
-def _onset_token(t: TensorComparison, tokens: Tokens, config: CompareConfig) -> tuple[int | None, str]:
+def _onset_token(t: TensorComparison, tokens: Tokens, config: CompareConfig, floor: float) -> tuple[int | None, str]:
     token, positions, sequences = tokens
     rows = np.arange(token.size)
     if sequences is not None and t.first_failing_sequence is not None:  # rows of several sequences: the first's
@@ -71,11 +71,12 @@ def _onset_token(t: TensorComparison, tokens: Tokens, config: CompareConfig) -> 
     local_first = int(np.flatnonzero(rows == t.first_failing_row)[0])
     pos = positions[rows] if positions is not None else None
     noise = _noise_only(config, t.name)
-    row, method = token_onset(token[rows], pos, local_first, noise[1] if noise is not None else None)
+    row, method = token_onset(token[rows], pos, local_first, noise[1] if noise is not None else None, floor)
     return (int(pos[row]) if pos is not None else None), method
 
 
-def _onset_layer(fd: FirstDivergence, results: Sequence[TensorComparison], config: CompareConfig) -> tuple[int, str]:
+def _onset_layer(fd: FirstDivergence, results: Sequence[TensorComparison], config: CompareConfig,
+                 floor: float) -> tuple[int, str]:
     assert fd.layer is not None
     layers: dict[int, tuple[float, bool | None]] = {}
     for t in results:
@@ -86,7 +87,7 @@ def _onset_layer(fd: FirstDivergence, results: Sequence[TensorComparison], confi
         if out is not None:
             departs = bool(departs) or out
         layers[t.layer] = (max(value, t.rel_diff) if t.rel_diff == t.rel_diff else float("inf"), departs)
-    return layer_onset([(k, v, d) for k, (v, d) in layers.items()], fd.layer)
+    return layer_onset([(k, v, d) for k, (v, d) in layers.items()], fd.layer, floor)
 
 
 def first_divergence(tensors: list[TensorComparison]) -> tuple[FirstDivergence, TensorComparison] | None:
@@ -123,17 +124,19 @@ def first_divergence(tensors: list[TensorComparison]) -> tuple[FirstDivergence, 
 
 def locate_onset(found: tuple[FirstDivergence, TensorComparison] | None, results: Sequence[TensorComparison],
                  tokens_of: Callable[[TensorComparison], Tokens | None], config: CompareConfig,
-                 ) -> FirstDivergence | None:
+                 floor: float = 0.0) -> FirstDivergence | None:
     """The first divergence (of ``found``: it and its first failing tensor) with its onset token and
-    onset layer (see :mod:`comparator.hidden.onset`)."""
+    onset layer (see :mod:`comparator.hidden.onset`); ``floor``: the dumps' rounding floor
+    (:func:`~comparator.hidden.onset.rounding_floor`), under which an uncalibrated estimate sees no step."""
     if found is None:
         return None
     fd, first = found
     onset, method = fd.token, "threshold"
     tokens = tokens_of(first)
     if tokens is not None and first.first_failing_row is not None and fd.token is not None:
-        onset, method = _onset_token(first, tokens, config)
-    onset_layer, layer_method = (fd.layer, "threshold") if fd.layer is None else _onset_layer(fd, results, config)
+        onset, method = _onset_token(first, tokens, config, floor)
+    onset_layer, layer_method = (fd.layer, "threshold") if fd.layer is None else _onset_layer(fd, results, config,
+                                                                                            floor)
     return replace(fd, onset=onset, onset_method=method, onset_layer=onset_layer, onset_layer_method=layer_method)
 
 

@@ -9,7 +9,10 @@ estimates, one for each direction of the dump:
   positions up to the first failing token are split at the single change point that best
   separates a low run from a high one (least squares on log10 of the values), and the split
   counts only when the two runs sit at least :data:`MIN_DECADES` apart; otherwise the onset is
-  the first failing token.
+  the first failing token. Values at or below the dumps' rounding floor (:func:`rounding_floor`:
+  the coarser dtype's machine epsilon squared, what one rounding per element gives) count as that
+  floor, exact zeros included: bit-identical positions followed by rounding-level ones are one
+  run, not a 16-decade step.
 - **onset layer**: the same over layers, on each layer's largest rel_diff up to the first
   divergent layer (calibrated: the first layer with a tensor over its noise threshold). It can
   be lower than the first divergent layer when an error is introduced small and amplified later.
@@ -28,36 +31,47 @@ Example::
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
 
+from dumper.format.dtypes import DTYPES, FLOAT_CODES
+
 from comparator.jsonfloat import from_json_float, to_json_float
 
 __all__ = ["MIN_DECADES", "INTRODUCED_FACTOR", "change_point", "token_onset", "Amplification", "amplification",
-           "layer_onset", "point_of"]
+           "layer_onset", "point_of", "rounding_floor"]
 
 MIN_DECADES = 1.0
 """How far apart (in decades of rel_diff) the runs before and after a change point must sit."""
 INTRODUCED_FACTOR = 10.0
 """A layer whose amplification is this many times the median amplification introduces error."""
 _LOG_FLOOR = 1e-30
-"""Values below this (exact zeros) count as this, so log10 stays finite."""
+"""Values below this (exact zeros) count as this, so log10 stays finite, where no dtype says more."""
 
 
-def change_point(values: np.ndarray, *, min_decades: float = MIN_DECADES) -> int | None:
+def rounding_floor(dtypes: Iterable[str]) -> float:
+    """The rel_diff one rounding per element reaches in the coarsest of ``dtypes`` (safetensors codes): its
+    machine epsilon squared (float32 1.4e-14, bfloat16 6.1e-5); :data:`_LOG_FLOOR` when none is a float dtype.
+    A difference below it cannot be told from rounding by its size."""
+    bits = [DTYPES[c].mantissa_bits for c in dtypes if c in FLOAT_CODES]
+    return float(2.0 ** (-2 * (min(bits) - 1))) if bits else _LOG_FLOOR
+
+
+def change_point(values: np.ndarray, *, min_decades: float = MIN_DECADES, floor: float = _LOG_FLOOR) -> int | None:
     """The index splitting ``values`` into a low run and a high run (None when no split stands out).
 
-    Least squares over log10 of the values; the split must leave the high run's mean at least
-    ``min_decades`` above the low run's. The last value belongs to the high run.
+    Least squares over log10 of the values, each at least ``floor`` (:func:`rounding_floor`); the
+    split must leave the high run's mean at least ``min_decades`` above the low run's. The last
+    value belongs to the high run.
     """
     v = np.asarray(values, dtype=np.float64)
     n = v.size
     if n < 2:
         return None
-    logs = np.log10(np.maximum(np.where(np.isnan(v), np.inf, v), _LOG_FLOOR))
+    logs = np.log10(np.maximum(np.where(np.isnan(v), np.inf, v), max(floor, _LOG_FLOOR)))
     logs = np.minimum(logs, 300.0)  # inf (a NaN/Inf mismatch) counts as a very large value
     c1, c2 = np.cumsum(logs), np.cumsum(logs * logs)
     k = np.arange(1, n)  # low run = [0, k), high run = [k, n)
@@ -69,18 +83,19 @@ def change_point(values: np.ndarray, *, min_decades: float = MIN_DECADES) -> int
     split = int(k[best])
     if hi_s[best] / hi_n[best] - lo_s[best] / lo_n[best] < min_decades:
         return None
-    low_max = float(np.max(v[:split]))
-    # the high run starts at its first value above everything before the split
+    low_max = max(float(np.max(v[:split])), floor)
+    # the high run starts at its first value above everything before the split (and above the floor)
     above = np.flatnonzero(~(v[split:] <= low_max))
     return split + int(above[0]) if above.size else split
 
 
 def token_onset(token: np.ndarray, positions: np.ndarray | None, first_row: int,
-                noise_threshold: float | None) -> tuple[int, str]:
+                noise_threshold: float | None, floor: float = _LOG_FLOOR) -> tuple[int, str]:
     """``(onset, method)``: the row index where the divergence of one tensor starts.
 
-    ``noise_threshold``: the tensor's calibrated per-token threshold (None: estimate from the run).
-    Rows are taken in position order up to the first failing row ``first_row``.
+    ``noise_threshold``: the tensor's calibrated per-token threshold (None: estimate from the run,
+    values under ``floor`` counting as it). Rows are taken in position order up to the first failing
+    row ``first_row``.
     """
     order = np.argsort(positions, kind="stable") if positions is not None else np.arange(token.size)
     upto = order[: int(np.flatnonzero(order == first_row)[0]) + 1]
@@ -88,16 +103,17 @@ def token_onset(token: np.ndarray, positions: np.ndarray | None, first_row: int,
     if noise_threshold is not None:
         departs = np.flatnonzero(~(vals <= noise_threshold))
         return int(upto[departs[0]]) if departs.size else first_row, "calibrated"
-    cp = change_point(vals)
+    cp = change_point(vals, floor=floor)
     if cp is None:
         return first_row, "threshold"
     return int(upto[cp]), "change-point"
 
 
-def layer_onset(values: Sequence[tuple[int, float, bool | None]], first_layer: int) -> tuple[int, str]:
+def layer_onset(values: Sequence[tuple[int, float, bool | None]], first_layer: int,
+                floor: float = _LOG_FLOOR) -> tuple[int, str]:
     """``(onset_layer, method)`` from ``(layer, largest rel_diff, departs from calibrated noise or None)``.
 
-    Layers up to ``first_layer`` are considered, in order.
+    Layers up to ``first_layer`` are considered, in order; uncalibrated, values under ``floor`` count as it.
     """
     rows = sorted((r for r in values if r[0] <= first_layer), key=lambda r: r[0])
     calibrated = [r for r in rows if r[2] is not None]
@@ -106,7 +122,7 @@ def layer_onset(values: Sequence[tuple[int, float, bool | None]], first_layer: i
         return min(hit, first_layer), "calibrated"
     if len(rows) < 2:
         return first_layer, "threshold"
-    cp = change_point(np.array([r[1] for r in rows]))
+    cp = change_point(np.array([r[1] for r in rows]), floor=floor)
     if cp is None:
         return first_layer, "threshold"
     return rows[cp][0], "change-point"

@@ -9,12 +9,32 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from comparator.hidden.onset import amplification, change_point, layer_onset, point_of, token_onset
+from comparator.hidden.onset import amplification, change_point, layer_onset, point_of, rounding_floor, token_onset
 
 
 def test_change_point_finds_where_a_zero_run_gives_way():
     values = np.concatenate([np.zeros(128), np.geomspace(1e-8, 1e-2, 30)])
     assert change_point(values) == 128
+
+
+def test_the_rounding_floor_is_the_coarser_dtype_epsilon_squared():
+    assert rounding_floor(["F32"]) == np.finfo(np.float32).eps ** 2
+    assert rounding_floor(["F32", "BF16"]) == rounding_floor(["BF16"]) == 2.0 ** -14  # bfloat16: 8 significand bits
+    assert rounding_floor(["F64"]) < rounding_floor(["F32"]) < rounding_floor(["F16"]) < rounding_floor(["BF16"])
+    assert rounding_floor(["I64"]) == rounding_floor([]) <= 1e-30  # no float dtype: no floor to speak of
+
+
+def test_exact_zeros_then_rounding_are_one_run_under_the_floor():
+    floor = rounding_floor(["F32"])
+    rounding = np.concatenate([np.zeros(3), np.full(40, 2e-14), [6e-14]])  # bit-identical, then fp32 rounding
+    assert change_point(rounding) == 3  # without a floor: 16 decades from exact to rounding
+    assert change_point(rounding, floor=floor) is None
+    bug = np.concatenate([rounding[:-1], [1e-9, 1e-8, 1e-6]])  # then a real step at index 43
+    assert change_point(bug, floor=floor) == 43
+    assert token_onset(bug, None, bug.size - 1, None, floor) == (43, "change-point")
+    layers = [(0, 0.0, None), (1, 0.0, None), (2, 3e-14, None), (3, 5e-14, None), (4, 1e-6, None)]
+    assert layer_onset(layers, 4) == (2, "change-point")  # the step from exact to rounding
+    assert layer_onset(layers, 4, floor) == (4, "change-point")
 
 
 def test_change_point_on_noise_then_a_decade_jump():

@@ -194,6 +194,7 @@ def test_a_bug_on_one_rank_is_found_at_its_layer_token_and_rank(runs):
     fd = report["first_divergent"]
     assert (fd["layer"], fd["rank"], fd["replica_side"]) == (BUG_LAYER, BUG_RANK, "target"), fd
     assert (fd["sequence"], fd["token"], fd["onset"]) == (BUG_PROMPT, BUG_TOKEN, BUG_TOKEN), fd
+    assert fd["onset_layer"] == BUG_LAYER, fd  # the layers before it agree to rounding: no onset there (issue 34)
     assert fd["failing_sequences"] == [BUG_PROMPT]
     # the truth, by hand from the dump's raw rows: rank 1's row at the token differs from rank 0's, none before
     hidden = [t for t in _hidden(root / "bug") if t.layer == BUG_LAYER]

@@ -169,6 +169,8 @@ def test_a_decode_only_bug_is_named_at_its_layer_token_and_step_and_a_prefill_ca
     assert not report.passed and fd is not None
     assert (fd.layer, fd.token, fd.sequence) == (BUG_LAYER + 1, BUG_AT, 0)
     assert fd.phase == DECODE and fd.decode_step == BUG_AT - len(PROMPTS[0])
+    # bit-identical prompt rows, then decode rows at fp32 rounding: no step before the bug (issue 34's onset)
+    assert (fd.onset, fd.onset_layer) == (BUG_AT, BUG_LAYER + 1), (fd.onset, fd.onset_method, fd.onset_layer)
     assert fd.failing_sequences == [0]  # the short prompt never reaches position 45 in a decode step
     wrote = [r for r in load_manifest(tmp_path / "buggy").tensors if r.name == fd.name
              and record_phase(r.meta) == (DECODE, fd.decode_step) and 0 in r.row_sequence_ids().tolist()]
