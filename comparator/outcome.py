@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from dumper.format import ROUTER_LOGITS, router_name
+from dumper.format.points import SUBLAYER_POINTS
 
 from comparator.formatting import format_available, format_float, format_located, format_ratio
 
@@ -255,10 +256,21 @@ _METHOD = {"calibrated": "over its calibrated noise", "change-point": "estimated
            "threshold": "first over the threshold"}
 
 
+_POINT_WORDS = {"attn_output": "attention output", "mlp_input": "MLP input", "mlp_output": "MLP output",
+                "input": "attention input", "residual": "residual input"}
+"""How a verdict names a capture point inside a layer (:mod:`dumper.format.points`)."""
+
+
 def describe_divergence(fd: FirstDivergence) -> str:
-    """One sentence: where the first divergence is, which sequence and tokens fail, and why it may be."""
+    """One sentence: where the first divergence is (the point inside the layer, when points inside it were
+    captured), which sequence and tokens fail, and why it may be."""
     where = f"layer {fd.layer}" if fd.layer is not None else "a tensor without layer"
+    if fd.layer is not None and fd.point is not None and (fd.point in SUBLAYER_POINTS or fd.agreeing):
+        where += f"'s {_POINT_WORDS.get(fd.point, fd.point)}"
     text = f"at {where} ({fd.name}, pass {fd.forward_pass}, rank {fd.rank})"
+    if fd.agreeing:
+        words = [_POINT_WORDS.get(p, p) for p in fd.agreeing]
+        text += f"; its {', '.join(words[:-1])}{' and ' if len(words) > 1 else ''}{words[-1]} agree"
     if fd.phase == "decode":
         text += f", decode step {fd.decode_step}"
     if fd.onset is not None and fd.onset != fd.token:

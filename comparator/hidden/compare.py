@@ -128,7 +128,7 @@ def _compare_logical(base: LogicalTensor, target: LogicalTensor, br: HiddenReade
 
     return judge_tensor(stats, config, name=base.name, layer=base.layer, forward_pass=first.forward_pass,
                         rank=rank, shape=(int(positions.size), width), positions=positions, sequences=None,
-                        sequence=base.sequence, notes=notes,
+                        sequence=base.sequence, notes=notes, point=first.point,
                         decode_rows=None if decode is None else decode.decode_rows(positions, None, base.sequence)), \
         (stats.token_rel_diff, positions, None)
 
@@ -144,7 +144,7 @@ def _compare_records(b: TensorRecord, t: TensorRecord, br: HiddenReader, tr: Hid
         pair_stats(br.array(b), tr.array(t), b.dtype, t.dtype, threads=config.threads)
     sequences, positions = b.row_sequence_ids(), b.row_positions()
     return judge_tensor(stats, config, name=b.name, layer=b.layer, forward_pass=b.forward_pass, rank=b.rank,
-                        shape=b.shape, positions=positions, sequences=sequences, sequence=None,
+                        shape=b.shape, positions=positions, sequences=sequences, sequence=None, point=b.point,
                         decode_rows=None if decode is None else decode.decode_rows(positions, sequences, None)), \
         (stats.token_rel_diff, positions, sequences)
 

@@ -31,7 +31,7 @@ def _ranges(values: np.ndarray) -> list[list[int]]:
 def judge_tensor(stats: PairStats, config: CompareConfig, *, name: str, layer: int | None, forward_pass: int,
              rank: int, shape: tuple[int, ...], positions: np.ndarray | None, sequences: np.ndarray | None,
              sequence: int | None, notes: Callable[[int], str | None] | None = None,
-             decode_rows: np.ndarray | None = None) -> TensorComparison:
+             decode_rows: np.ndarray | None = None, point: str | None = None) -> TensorComparison:
     """``decode_rows``: which rows are decode rows (None: no decode part), for noise measured per phase."""
     token = stats.token_rel_diff
     limits = config.noise_limits_of(name)
@@ -61,5 +61,5 @@ def judge_tensor(stats: PairStats, config: CompareConfig, *, name: str, layer: i
         passed=bool(stats.rel_diff <= limits.threshold) and not failing.size,
         threshold=limits.threshold, token_threshold=limits.token_threshold,
         decode_token_threshold=limits.decode_token_threshold if decode_rows is not None else None,
-        noise_ratio=noise_ratio, token_noise_ratio=token_noise_ratio,
+        noise_ratio=noise_ratio, token_noise_ratio=token_noise_ratio, point=point,
     )

@@ -12,6 +12,8 @@ from dataclasses import replace
 
 import numpy as np
 
+from dumper.format.points import order_in_layer
+
 from comparator.config import CompareConfig
 from comparator.judging.noise_thresholds import noise_limits
 from comparator.hidden.onset import Amplification, amplification, layer_onset, point_of, token_onset
@@ -94,10 +96,13 @@ def first_divergence(tensors: list[TensorComparison]) -> tuple[FirstDivergence, 
     """The first divergence, and the tensor whose first failing token it names (None: nothing failed).
 
     It is in the lowest layer with a failing tensor (tensors without a layer only when no layered
-    one failed); within it, the tensor with the earliest first failing token names the token, ties
-    going to the lower sequence, pass, rank, then name; ``worst_token`` is that layer's worst. The
-    comparisons of replica ranks count like any other, so the layer is the lowest over all ranks,
-    and a representative failing at the same token wins over its replica.
+    one failed); within it, at the earliest failing point in data-flow order
+    (:data:`dumper.format.points.ORDER`: residual, attention input and output, MLP input and
+    output), the tensor with the earliest first failing token names the token, ties going to the
+    lower sequence, pass, rank, then name; ``worst_token`` is that layer's worst, ``agreeing`` the
+    layer's earlier points where every tensor passes. The comparisons of replica ranks count like any
+    other, so the layer is the lowest over all ranks, and a representative failing at the same
+    token wins over its replica.
     """
     failed = [t for t in tensors if not t.passed]
     if not failed:
@@ -109,17 +114,21 @@ def first_divergence(tensors: list[TensorComparison]) -> tuple[FirstDivergence, 
 
     def order(t: TensorComparison) -> tuple:
         tok = t.first_failing_token
-        return (tok is None, tok if tok is not None else 0, t.sequence if t.sequence is not None else -1,
-                t.forward_pass, t.replica_side is not None, t.rank, t.name)
+        return (order_in_layer(t.point), tok is None, tok if tok is not None else 0,
+                t.sequence if t.sequence is not None else -1, t.forward_pass, t.replica_side is not None, t.rank,
+                t.name)
 
     first = min(in_layer, key=order)
+    before = {t.point for t in tensors if t.layer == low and t.point is not None
+              and order_in_layer(t.point) < order_in_layer(first.point)}
+    agreeing = sorted(before - {t.point for t in in_layer}, key=order_in_layer)
     worst = max(in_layer, key=lambda t: t.max_token_rel_diff)
     sequences = sorted({t.first_failing_sequence for t in in_layer if t.first_failing_sequence is not None})
     return FirstDivergence(
         name=first.name, layer=low, rel_diff=max(t.rel_diff for t in in_layer), token=first.first_failing_token,
         worst_token=worst.worst_token, sequence=first.first_failing_sequence, forward_pass=first.forward_pass,
         rank=first.rank, failing_sequences=sequences, failing_ranges=first.failing_ranges, note=first.note,
-        replica_side=first.replica_side), first
+        replica_side=first.replica_side, point=first.point, agreeing=agreeing), first
 
 
 def locate_onset(found: tuple[FirstDivergence, TensorComparison] | None, results: Sequence[TensorComparison],
@@ -155,4 +164,5 @@ def layer_amplification(results: Sequence[TensorComparison], config: CompareConf
         if out is not None:
             key = (t.layer, point_of(t.name))
             departs[key] = departs.get(key, False) or out
-    return amplification([(t.layer, point_of(t.name), t.rel_diff) for t in layered], departs=departs)
+    return amplification([(t.layer, point_of(t.name), t.rel_diff) for t in layered], departs=departs,
+                         order={point_of(t.name): order_in_layer(t.point) for t in layered})

@@ -168,14 +168,16 @@ def _ratio(before: float, after: float) -> float | None:
 
 
 def amplification(values: Sequence[tuple[int, str | None, float]],
-                  departs: Mapping[tuple[int, str | None], bool] | None = None) -> list[Amplification]:
+                  departs: Mapping[tuple[int, str | None], bool] | None = None,
+                  order: Mapping[str | None, int] | None = None) -> list[Amplification]:
     """Per-layer amplification from ``(layer, point, rel_diff)`` of consecutive captured layers.
 
     Only layers k whose next layer k+1 is captured at the same point get a value; a ratio is
     ``introduced`` when it exceeds :data:`INTRODUCED_FACTOR` times the median finite ratio of
     its point (with at least three ratios to take a median of), or is infinite. ``departs``
     (calibrated noise): whether ``(layer, point)``'s value departs from its noise; where known
-    for layer k+1, layer k introduces error only if it does.
+    for layer k+1, layer k introduces error only if it does. ``order``: where each point sits in a
+    layer (:func:`dumper.format.points.order_in_layer`), the order of each layer's values (else by name).
     """
     by_point: dict[str | None, dict[int, float]] = {}
     for layer, point, rel in values:
@@ -191,7 +193,7 @@ def amplification(values: Sequence[tuple[int, str | None, float]],
             introduced = r is not None and (math.isinf(r) or (median is not None and r > INTRODUCED_FACTOR * median))
             introduced = introduced and (departs or {}).get((k + 1, point), True)
             out.append(Amplification(layer=k, point=point, before=b, after=a, ratio=r, introduced=introduced))
-    out.sort(key=lambda a: (a.layer, a.point or ""))
+    out.sort(key=lambda a: (a.layer, (order or {}).get(a.point, 0), a.point or ""))
     return out
 
 

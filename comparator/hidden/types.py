@@ -83,6 +83,8 @@ class TensorComparison(BuiltinMetrics):
     """``"baseline"`` or ``"target"``: these are the rows rank ``rank`` of that side holds as a
     tensor-parallel replica, where they differ from its representative (the lowest rank), judged
     against the other side; None: the ordinary comparison (``rank``: the target's rank)."""
+    point: str | None = None
+    """The capture point (:mod:`dumper.format.points`: ``input``, ``attn_output``, ``mlp_output``...)."""
 
     def __post_init__(self) -> None:
         clash = sorted(self.metrics.keys() & {f.name for f in fields(self)})
@@ -162,6 +164,8 @@ class FirstDivergence:
     length, :mod:`comparator.hidden.decode`); None when neither side holds decode steps."""
     decode_step: int | None = None
     """The decode step that wrote it (:mod:`dumper.format.decode`), when ``phase`` is ``decode``."""
+    point: str | None = None  # of ``name`` (:mod:`dumper.format.points`): the layer's first failing one in order
+    agreeing: list[str] = field(default_factory=list)  # the layer's points before it where every tensor passes
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -318,7 +322,7 @@ class Report:
         for t in self.tensors:
             groups.setdefault(t.layer, []).append(t)
         amp: dict[int, Amplification] = {}
-        for a in self.amplification:  # the layer's first capture point (sorted by point name)
+        for a in self.amplification:  # the layer's first capture point (in data-flow order)
             amp.setdefault(a.layer, a)
         out = []
         for layer in sorted(groups, key=lambda x: (x is None, x if x is not None else 0)):

@@ -32,6 +32,7 @@ from dumper.errors import CorruptDumpError, DumpError, IncompleteDumpError
 from dumper.format.atomic import write_json_atomic
 from dumper.format.dtypes import ITEMSIZES
 from dumper.format.files import parse_json, read_regular_file, regular_file_in
+from dumper.format.points import ROUTER
 from dumper.format.sketch import NORM_SUFFIX
 from dumper.format.validate import MAX_MANIFEST_BYTES, check_manifest
 
@@ -88,7 +89,7 @@ LOGPROB_NAMES = frozenset({LOGPROB_TOKEN_ID, LOGPROB_VALUE, LOGPROB_TOP_ID, LOGP
 # MoE routing, per MoE decoder layer ``{P}`` (its module name, e.g. ``model.layers.3``), rows as
 # every hidden-state row. The logits (point ROUTER_POINT) are compared like any tensor; the
 # choice records (point ROUTER_CHOICE_POINT) get a routing verdict of their own.
-ROUTER_POINT = "router"
+ROUTER_POINT = ROUTER  # dumper.format.points: where it sits in a layer
 ROUTER_CHOICE_POINT = "router_choice"
 ROUTER_LOGITS = "router.logits"  # [*rows, E], the router's dtype: the gate's output over all experts
 ROUTER_IDS = "router.ids"  # [*rows, k] int64: the experts chosen, in the slot order the selection returned

@@ -34,6 +34,7 @@ import numpy as np
 
 from dumper.errors import CorruptDumpError, UsageError
 from dumper.format.dtypes import FLOAT_CODES
+from dumper.format.points import INPUT, RESIDUAL, SUBLAYER_POINTS
 
 __all__ = ["SKETCH_KINDS", "SKETCHED_POINTS", "NORM_SUFFIX", "MAX_SKETCH_SEED", "HASH_MULTIPLIERS", "SketchSpec",
            "sign_bits", "signs", "project", "check_spec", "check_record_sketch", "mix32", "hash_keys"]
@@ -41,7 +42,7 @@ __all__ = ["SKETCH_KINDS", "SKETCHED_POINTS", "NORM_SUFFIX", "MAX_SKETCH_SEED", 
 SKETCH_KINDS = ("rademacher",)
 """Projection kinds: ``rademacher`` is a dense matrix of random signs (see ``bench/bench_sketch.py`` for why
 not a structured transform)."""
-SKETCHED_POINTS = ("input", "residual")
+SKETCHED_POINTS = (INPUT, RESIDUAL, *SUBLAYER_POINTS)
 """The capture points a sketching capture projects: the hidden states (routing, logprobs and explicit records stay
 whole, as do tensor-parallel shards, whose columns are not the whole row)."""
 NORM_SUFFIX = "/sq_norm"

@@ -38,7 +38,7 @@ from dumper.hooks.current import Recorder, activate
 from dumper.hooks.checks import checked_extra, checked_record_args, hook_guard
 from dumper.hooks.families import FamilyAdapter, resolve_model
 from dumper.hooks.fingerprint import environment_fingerprint
-from dumper.hooks.layers import POINTS, RESIDUAL, ROUTER, HookTarget, hook_targets
+from dumper.hooks.layers import POINTS, ROUTER, HookTarget, hook_targets
 from dumper.hooks.parts import dist_rank_world, join_under_barrier, write_part
 from dumper.hooks.routing import check_router_hookable, router_meta, router_records
 from dumper.hooks.rows import PassRows, as_runs, write_shared_rows
@@ -114,8 +114,7 @@ class Capture:
         return []
 
     @property
-    def family(self) -> FamilyAdapter:
-        """This capture's model-family adapter (:mod:`dumper.hooks.families`): what it reads from the model's calls."""
+    def family(self) -> FamilyAdapter:  # what it reads from the model's calls (:mod:`dumper.hooks.families`)
         return self._family
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -140,7 +139,7 @@ class Capture:
                 for target in self._targets if self._tap is None else ():
                     self._handles.append(target.module.register_forward_hook(
                         functools.partial(self._on_router, target), with_kwargs=True) if target.point == ROUTER
-                        else target.module.register_forward_pre_hook(self._make_input_hook(target), with_kwargs=True))
+                        else self._hook(target))
         except BaseException:
             self._remove_hooks()
             raise
@@ -296,7 +295,7 @@ class Capture:
                 continue
             if ctx is not None and math.prod(ctx.shape) == rows.shape[0]:
                 rows = rows.view(*ctx.shape, rows.shape[-1])
-            self.record(f"{target.name}.{target.point}", rows, layer=target.layer, point=target.point)
+            self.record(target.record, rows, layer=target.layer, point=target.point)
         for prefix, layer, parts, meta in self._tap.router_parts(self._targets, ctx and math.prod(ctx.shape)):
             self.record_router(prefix, layer, parts, scores_meta=meta)
 
@@ -304,20 +303,21 @@ class Capture:
         """Row metadata of a pass from the top-level call's inputs, as the model's family reads them."""
         return self._family.pass_rows(args, kwargs)
 
-    def _make_input_hook(self, target: HookTarget):
-        """A pre-hook recording ``target``'s input as ``{name}.{point}``: the attention input, or the residual."""
-        point_name, layer, point = f"{target.name}.{target.point}", target.layer, target.point
-        read = self._family.residual_input if point == RESIDUAL else self._family.hidden_input
+    def _hook(self, target: HookTarget) -> Any:
+        """Hook ``target`` to record its point as ``target.record`` (:meth:`FamilyAdapter.point_value`): a pre-hook
+        for an input, a forward hook for an output (``attn_output``, ``mlp_output``). Returns the handle."""
+        name, layer, point, value = target.record, target.layer, target.point, self._family.point_value
 
         @hook_guard
-        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            hidden = read(args, kwargs)
+        def hook(module: nn.Module, args: tuple, kwargs: dict, *output: Any) -> None:
+            hidden = value(point, args, kwargs, *output)
             if not isinstance(hidden, torch.Tensor):
                 return
             self._rows = self._family.module_rows(self._rows, kwargs)
-            self.record(point_name, hidden, layer=layer, point=point)
+            self.record(name, hidden, layer=layer, point=point)
 
-        return hook
+        add = target.module.register_forward_hook if target.output else target.module.register_forward_pre_hook
+        return add(hook, with_kwargs=True)
 
     @hook_guard
     def _on_router(self, target: HookTarget, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
@@ -385,8 +385,8 @@ def capture(model: nn.Module | Any | None, out_dir: str | Path, *, layers: str |
         out_dir: the dump directory; it must not already hold a dump.
         layers: layer spec (default ``"first,last,every:8"``), see :func:`dumper.hooks.layers.parse_layer_spec`.
         modules: fnmatch pattern(s) of module names to hook instead of the self-attention modules.
-        points: capture points (:data:`dumper.hooks.layers.POINTS`), default ``("input",)``: ``"input"`` (the
-            attention input), ``"residual"`` (each decoder layer's input, and the final norm's), ``"router"``.
+        points: capture points (:mod:`dumper.format.points`), default ``("input",)``: also ``"residual"``,
+            ``"attn_output"``, ``"mlp_input"``, ``"mlp_output"`` (inside a layer) and ``"router"``.
         model_name: the model's name or path, recorded in the manifest.
         shard_bytes: largest data file size before a forward pass is split into shards.
         extra: free-form JSON metadata stored in the manifest (e.g. the prompts).

@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from dumper.errors import UsageError
+from dumper.format.points import MLP_INPUT, OUTPUT_POINTS, RESIDUAL
 from dumper.hooks.fingerprint import model_identity
 from dumper.hooks.routing import find_routers, has_router, known_families
 from dumper.hooks.rows import HFRows, PassRows, Runs, SharedRows
@@ -66,11 +67,11 @@ class FamilyAdapter:
 
     The whole interface, in four parts (override only what differs):
 
-    - *which modules*: :attr:`attention_names`, :attr:`norm_names`, :attr:`residual` and
+    - *which modules*: :attr:`attention_names`, :attr:`mlp_names`, :attr:`norm_names`, :attr:`residual` and
       :meth:`router_hooks` (the ``router`` point), read by :func:`dumper.hooks.layers.hook_targets`;
-    - *where a hooked call's hidden states are*: :meth:`hidden_input` (the attention input) and
-      :meth:`residual_input` (a decoder layer's input), by default the :attr:`hidden_kwarg`
-      keyword or the first positional argument;
+    - *where a hooked call's hidden states are*: :meth:`point_value`, through :meth:`hidden_input` (the
+      attention input) and :meth:`residual_input` (a decoder layer's input), by default the
+      :attr:`hidden_kwarg` keyword or the first positional argument;
     - *where its rows' positions and sequence ids come from*: :meth:`pass_rows` (the top-level
       call), :meth:`module_rows` (a hooked module's call), :meth:`end_pass`,
       :meth:`set_sequence_ids` and :meth:`shared_rows` (:mod:`dumper.hooks.rows`);
@@ -83,6 +84,8 @@ class FamilyAdapter:
     name: ClassVar[str] = "base"
     attention_names: ClassVar[tuple[str, ...]] = ("self_attn", "attn", "attention", "self_attention")
     """Attribute names of the attention child of a decoder layer, tried in order (HF and vLLM agree)."""
+    mlp_names: ClassVar[tuple[str, ...]] = ("mlp", "block_sparse_moe", "feed_forward", "ffn")
+    """Attribute names of the MLP (or MoE block) child of a decoder layer, tried in order (the ``mlp_*`` points)."""
     norm_names: ClassVar[tuple[str, ...]] = ("norm", "final_layernorm", "ln_f", "final_norm")
     """Attribute names of the final norm beside the decoder layer list, tried in order (the ``residual`` point)."""
     residual: ClassVar[bool] = False
@@ -114,6 +117,16 @@ class FamilyAdapter:
         first positional argument, as transformers' decoder layers take it.
         """
         return kwargs.get(self.hidden_kwarg, args[0] if args else None)
+
+    def point_value(self, point: str, args: tuple, kwargs: dict, output: Any = None) -> Any:
+        """What ``point`` records of a hooked call: :meth:`hidden_input`, :meth:`residual_input`, the MLP's input
+        (``mlp_input``: :attr:`hidden_kwarg`, ``x`` or the first positional argument) or the module's output
+        (``attn_output``, ``mlp_output``: the first item of a tuple, as transformers' attention returns one)."""
+        if point in OUTPUT_POINTS:
+            return output[0] if isinstance(output, tuple) and output else output
+        if point == MLP_INPUT:
+            return kwargs.get(self.hidden_kwarg, kwargs.get("x", args[0] if args else None))
+        return self.residual_input(args, kwargs) if point == RESIDUAL else self.hidden_input(args, kwargs)
 
     def router_hooks(self, layer: nn.Module, index: int) -> list[RouterHook]:
         """The MoE routers of decoder layer ``index`` (``layer``) to hook for the ``router`` point (``[]``: dense).

@@ -18,21 +18,22 @@ from torch import nn
 
 from dumper.errors import UsageError
 from dumper.format.manifest import ROUTER_POINT
+from dumper.format.points import (ATTN_OUTPUT, INPUT, MLP_INPUT, MLP_OUTPUT, OUTPUT_POINTS, RECORD_SUFFIX, RESIDUAL,
+                                  SUBLAYER_POINTS)
 
 __all__ = ["DEFAULT_LAYERS", "HookTarget", "parse_layer_spec", "find_decoder_layers", "find_targets",
-           "ATTN_INPUT", "RESIDUAL", "ROUTER", "POINTS", "parse_points", "find_residual_targets",
-           "find_router_targets", "hook_targets"]
+           "ATTN_INPUT", "RESIDUAL", "ATTN_OUTPUT", "MLP_INPUT", "MLP_OUTPUT", "ROUTER", "POINTS", "parse_points",
+           "find_residual_targets", "find_sublayer_targets", "find_router_targets", "hook_targets"]
 
 DEFAULT_LAYERS = "first,last,every:8"
 """The seed's choice: first and last layer plus every 8th."""
 
-ATTN_INPUT = "input"
-"""Capture point of a hooked module's input hidden states (name suffix ``.input``)."""
-RESIDUAL = "residual"
-"""Capture point of the residual stream entering a decoder layer, before its norm (name suffix ``.residual``)."""
+ATTN_INPUT = INPUT
+"""Capture point of a hooked module's input hidden states (name suffix ``.input``); the other points are
+:mod:`dumper.format.points`' (``residual``, ``attn_output``, ``mlp_input``, ``mlp_output``)."""
 ROUTER = ROUTER_POINT
 """Capture point of an MoE layer's routing: ``model.layers.{i}.router.{logits,ids,weights}`` (:mod:`.routing`)."""
-POINTS = (ATTN_INPUT, RESIDUAL, ROUTER)
+POINTS = (ATTN_INPUT, RESIDUAL, *SUBLAYER_POINTS, ROUTER)
 """Every capture point the hook API knows, in the order the manifest lists them."""
 _INT = re.compile(r"-?[0-9]+")
 """A layer index as written in a spec: ASCII digits, an optional minus (not ``+3``, ``1_0`` or ``３``)."""
@@ -51,6 +52,16 @@ class HookTarget:
     layer: int | None
     point: str = ATTN_INPUT
     read: Callable[[tuple, dict, Any], dict[str, Any]] | None = field(default=None, compare=False)
+
+    @property
+    def record(self) -> str:
+        """The name its rows are recorded under: the module's name and the point's suffix (``self_attn.output``)."""
+        return f"{self.name}.{RECORD_SUFFIX.get(self.point, self.point)}"
+
+    @property
+    def output(self) -> bool:
+        """Whether the point is read from the module's output (a forward hook), not its input."""
+        return self.point in OUTPUT_POINTS
 
 
 def parse_layer_spec(spec: str | Sequence[int] | None, num_layers: int) -> list[int]:
@@ -109,7 +120,7 @@ def _spec_token(tok: str | int, num_layers: int, spec: object) -> range | list[i
     return [index(tok)]  # raises: not a spec
 
 
-def _attention_child(layer: nn.Module, names: Sequence[str]) -> tuple[str, nn.Module] | None:
+def _named_child(layer: nn.Module, names: Sequence[str]) -> tuple[str, nn.Module] | None:
     for attr in names:
         child = getattr(layer, attr, None)
         if isinstance(child, nn.Module):
@@ -130,7 +141,7 @@ def find_decoder_layers(model: nn.Module, attention_names: Sequence[str]) -> tup
     for name, mod in model.named_modules():
         if isinstance(mod, nn.ModuleList) and len(mod) > 0:
             real = [not isinstance(layer, nn.Identity) for layer in mod]  # Identity: a layer on another stage
-            if any(real) and all(_attention_child(layer, attention_names) is not None
+            if any(real) and all(_named_child(layer, attention_names) is not None
                                  for layer, here in zip(mod, real, strict=True) if here):
                 if best is None or len(mod) > len(best[1]):
                     best = (name, mod)
@@ -192,7 +203,7 @@ def find_targets(model: nn.Module, *, layers: str | Sequence[int] | None = None,
     keep = parse_layer_spec(layers, len(layer_list))
     targets = []
     for i in (i for i in keep if not isinstance(layer_list[i], nn.Identity)):  # this pipeline stage's layers
-        attr, child = _attention_child(layer_list[i], attention_names)  # type: ignore[misc]
+        attr, child = _named_child(layer_list[i], attention_names)  # type: ignore[misc]
         prefix = f"{list_name}.{i}" if list_name else str(i)
         targets.append(HookTarget(f"{prefix}.{attr}", child, i))
     return targets, len(layer_list)
@@ -239,6 +250,24 @@ def find_residual_targets(model: nn.Module, *, layers: str | Sequence[int] | Non
     return targets, len(layer_list)
 
 
+def find_sublayer_targets(model: nn.Module, family: _Family, point: str, *, layers: str | Sequence[int] | None = None
+                          ) -> tuple[list[HookTarget], int]:
+    """The modules of the selected decoder layers that ``point`` (one of :data:`SUBLAYER_POINTS`) reads: the
+    attention child (``attn_output``) or the MLP child, dense or MoE (``mlp_input``, ``mlp_output``), named by
+    ``family.attention_names`` and ``family.mlp_names``. A layer without such a child is refused, naming it."""
+    list_name, layer_list = find_decoder_layers(model, family.attention_names)
+    names = family.attention_names if point == ATTN_OUTPUT else family.mlp_names
+    prefix = f"{list_name}." if list_name else ""
+    targets = []
+    for i in (i for i in parse_layer_spec(layers, len(layer_list)) if not isinstance(layer_list[i], nn.Identity)):
+        child = _named_child(layer_list[i], names)
+        if child is None:
+            raise UsageError(f"capture point {point!r}: layer {i} of {type(model).__name__} has none of the children "
+                             f"{', '.join(names)} ({family.name} model family); drop the point")
+        targets.append(HookTarget(f"{prefix}{i}.{child[0]}", child[1], i, point))
+    return targets, len(layer_list)
+
+
 def find_router_targets(model: nn.Module, family: _Family, *, layers: str | Sequence[int] | None = None
                         ) -> tuple[list[HookTarget], int]:
     """The MoE routers of the selected decoder layers (``family.router_hooks``), and the model's number of layers.
@@ -264,6 +293,7 @@ class _Family(Protocol):
 
     name: str
     attention_names: tuple[str, ...]
+    mlp_names: tuple[str, ...]
     norm_names: tuple[str, ...]
     residual: bool
 
@@ -276,8 +306,9 @@ def hook_targets(model: nn.Module, family: _Family, *, layers: str | Sequence[in
     """Every module :class:`dumper.hooks.capture.Capture` hooks for ``points`` (:func:`parse_points`), and the layer count.
 
     ``input`` hooks :func:`find_targets` (``modules`` chooses them); ``residual`` hooks
-    :func:`find_residual_targets`, for a family that says where the residual stream is; ``router``
-    hooks :func:`find_router_targets`, the MoE routers of the selected layers.
+    :func:`find_residual_targets`, for a family that says where the residual stream is; ``attn_output``,
+    ``mlp_input`` and ``mlp_output`` hook :func:`find_sublayer_targets`; ``router`` hooks
+    :func:`find_router_targets`, the MoE routers of the selected layers.
     """
     chosen = parse_points(points)
     targets: list[HookTarget] = []
@@ -293,6 +324,9 @@ def hook_targets(model: nn.Module, family: _Family, *, layers: str | Sequence[in
                              f"decoder layer's residual stream is; capture the {ATTN_INPUT!r} point instead")
         found, num_layers = find_residual_targets(model, layers=layers, attention_names=family.attention_names,
                                                   norm_names=family.norm_names)
+        targets += found
+    for point in (p for p in SUBLAYER_POINTS if p in chosen):
+        found, num_layers = find_sublayer_targets(model, family, point, layers=layers)
         targets += found
     if ROUTER in chosen:
         found, num_layers = find_router_targets(model, family, layers=layers)

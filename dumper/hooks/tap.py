@@ -35,8 +35,9 @@ import torch
 from torch import nn
 
 from dumper.errors import InternalError, UsageError
+from dumper.format.points import RECORD_SUFFIX
 from dumper.hooks.families import resolve_model
-from dumper.hooks.layers import RESIDUAL, ROUTER, HookTarget, hook_targets
+from dumper.hooks.layers import ROUTER, HookTarget, hook_targets
 from dumper.hooks.router_tap import RouterEntry, RouterProbe, RouterTap, hook_router
 from dumper.hooks.routing import router_meta, router_shape
 
@@ -81,8 +82,8 @@ class TapPoint:
 
     @property
     def record(self) -> str:
-        """The name its rows are recorded under: ``{module}.{point}``, as the module hooks name them."""
-        return f"{self.name}.{self.point}"
+        """The name its rows are recorded under, as the module hooks name them (:attr:`HookTarget.record`)."""
+        return f"{self.name}.{RECORD_SUFFIX.get(self.point, self.point)}"
 
 
 class Tap:
@@ -118,7 +119,7 @@ class Tap:
         return self.routers.parts(tokens, only=wanted) if wanted and self.routers is not None else []
 
     def names(self) -> list[str]:
-        """The record names (``{module}.{point}``) of every tapped point, in slot order."""
+        """The record names of every tapped point, in slot order."""
         return [p.record for p in self.points]
 
     def read(self, counts: Sequence[int], point: TapPoint) -> torch.Tensor:
@@ -240,19 +241,22 @@ def tap(model: nn.Module, *, layers: str | Sequence[int] | None = None, points: 
 
 
 def _hook(target: HookTarget, slot: int, tap: Tap, adapter: Any) -> Any:
-    """A forward pre-hook calling the tap op on ``target``'s input: pure tensor code, traced into the graph."""
-    read = adapter.residual_input if target.point == RESIDUAL else adapter.hidden_input
+    """A hook calling the tap op on what ``target``'s point reads (its input, or for ``attn_output`` and
+    ``mlp_output`` its output: a forward hook): pure tensor code, traced into the graph."""
     # The sink and counts are buffers of the tapped module, so that a compiler lifts them as the
-    # module's state (vLLM's cached, ahead-of-time compiled graph takes them from the module).
+    # module's state (vLLM's cached, ahead-of-time compiled graph takes them from the module). A module
+    # with two points (the MLP's input and output) holds them once.
     target.module.register_buffer("_driftscope_sink", tap.sink, persistent=False)
     target.module.register_buffer("_driftscope_count", tap.count, persistent=False)
+    point = target.point
 
-    def pre(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        x = read(args, kwargs)
+    def hook(module: nn.Module, args: tuple, kwargs: dict, *output: Any) -> None:
+        x = adapter.point_value(point, args, kwargs, *output)
         if isinstance(x, torch.Tensor):
             torch.ops.driftscope.tap(x, module._driftscope_sink, module._driftscope_count, slot)
 
-    return target.module.register_forward_pre_hook(pre, with_kwargs=True)
+    add = target.module.register_forward_hook if target.output else target.module.register_forward_pre_hook
+    return add(hook, with_kwargs=True)
 
 
 def remove_tap(model: nn.Module) -> None:
@@ -276,7 +280,7 @@ def match_targets(tap: Tap, targets: Sequence[HookTarget]) -> list[tuple[HookTar
     it has no probe for included) is refused."""
     by_name = {(p.name, p.point): p for p in tap.points}
     by_name.update({(name, ROUTER): None for name in (tap.routers.names() if tap.routers else ())})  # type: ignore
-    missing = [f"{t.name}.{t.point}" for t in targets if (t.name, t.point) not in by_name]
+    missing = [t.record for t in targets if (t.name, t.point) not in by_name]
     if missing:
         held = ", ".join(p.record for p in tap.points[:3]) + (" ..." if len(tap.points) > 3 else "") + (
             f" and the routers of {len(tap.routers.probes)} MoE layers" if tap.routers else "")

@@ -1,0 +1,51 @@
+"""The capture points of a decoder layer: their names, the record name each writes, and their order in the layer.
+
+A point is where in a decoder layer hidden states are recorded. Data flows through a layer in
+this order (:data:`ORDER`), which is how the comparator tells which point diverged first:
+
+==============  =========================================  ==============================
+point           what                                       record name (layer ``i``)
+==============  =========================================  ==============================
+``residual``    the residual stream entering the layer     ``model.layers.i.residual``
+``input``       the attention input (after the input norm)  ``model.layers.i.self_attn.input``
+``attn_output`` what attention adds (before the residual    ``model.layers.i.self_attn.output``
+                add; after a tensor-parallel all-reduce)
+``mlp_input``   the MLP input (after the post-attention     ``model.layers.i.mlp.input``
+                norm)
+``router``      an MoE layer's routing (its own records)    ``model.layers.i.router.*``
+``mlp_output``  what the MLP or MoE block adds (before the  ``model.layers.i.mlp.output``
+                residual add)
+==============  =========================================  ==============================
+
+The next layer's ``residual`` follows ``mlp_output``. A point's record name is its module's name
+and :data:`RECORD_SUFFIX` (the module names are the model's: ``block_sparse_moe`` for Mixtral's MoE).
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+__all__ = ["INPUT", "RESIDUAL", "ATTN_OUTPUT", "MLP_INPUT", "MLP_OUTPUT", "ROUTER", "SUBLAYER_POINTS", "OUTPUT_POINTS",
+           "RECORD_SUFFIX", "ORDER", "order_in_layer"]
+
+INPUT: Final = "input"
+RESIDUAL: Final = "residual"
+ATTN_OUTPUT: Final = "attn_output"
+MLP_INPUT: Final = "mlp_input"
+MLP_OUTPUT: Final = "mlp_output"
+ROUTER: Final = "router"
+"""An MoE layer's routing (``dumper.format.manifest.ROUTER_POINT``, with the records it names)."""
+SUBLAYER_POINTS: Final = (ATTN_OUTPUT, MLP_INPUT, MLP_OUTPUT)
+"""The points inside a layer past its attention input (issue 34): which kernel, attention or MLP."""
+OUTPUT_POINTS: Final = frozenset({ATTN_OUTPUT, MLP_OUTPUT})
+"""Points read from a module's output (a forward hook) rather than its input."""
+RECORD_SUFFIX: Final[dict[str, str]] = {INPUT: "input", RESIDUAL: "residual", ATTN_OUTPUT: "output",
+                                        MLP_INPUT: "input", MLP_OUTPUT: "output"}
+"""What follows the module's name in a point's record name."""
+ORDER: Final = (RESIDUAL, INPUT, ATTN_OUTPUT, MLP_INPUT, ROUTER, MLP_OUTPUT)
+"""The points in the order data flows through one decoder layer."""
+
+
+def order_in_layer(point: str | None) -> int:
+    """Where ``point`` sits in :data:`ORDER`; a point it does not know (None, a custom module's) as ``input``."""
+    return ORDER.index(point) if point in ORDER else ORDER.index(INPUT)
