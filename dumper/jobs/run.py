@@ -19,6 +19,7 @@ from dumper.errors import UsageError
 from dumper.format import Manifest, load_manifest
 from dumper.format.decode import GENERATED_IDS, NEW_TOKENS, NEXT_IDS, PROMPT_LENGTHS, TOKENS_FROM
 from dumper.format.sketch import SketchSpec
+from dumper.format.points import SUBLAYER_POINTS
 from dumper.hooks.capture import Capture
 from dumper.hooks.layers import ATTN_INPUT, ROUTER, parse_points
 from dumper.hooks.tap import install_tap, remove_tap, tap_of
@@ -37,7 +38,7 @@ __all__ = ["RunConfig", "LogprobSpec", "run_dump", "dump_sequences", "prefill", 
 
 OBSERVER_ENGINES = ("transformers", "vllm")
 """Engines whose capture runs in this process, so that ``--observer-check`` can tell what it changes."""
-ENGINE_POINTS = {"vllm": (ATTN_INPUT, ROUTER), "llama.cpp": (ATTN_INPUT, ROUTER)}
+ENGINE_POINTS = {"vllm": (ATTN_INPUT, *SUBLAYER_POINTS, ROUTER), "llama.cpp": (ATTN_INPUT, ROUTER)}
 """The capture points an engine other than transformers (which records every point) records; absent: input only."""
 
 DECODE_ENGINES = ("transformers", "vllm", "llama.cpp")

@@ -9,6 +9,8 @@ JSON object in ``DRIFTSCOPE_TEST_SEED`` says. Without that variable nothing happ
 never imported by this file). Keys (each optional, but one of ``layer``/``chunk_layer``/``die_after``)::
 
     {"layer": L, "token": T}   vLLM's LlamaDecoderLayer L adds ``add`` (0.5) to its output at position T
+    "where": "mlp"             ... its MLP adds it to its own output instead, at row T of the engine step
+                               (position T of a single prompt): inside the layer, before the residual add
     "rank": R                  ... only on tensor-parallel rank R (every rank without it)
     "tapped_only": true        ... only in an engine loaded with driftscope's tap (additional_config)
     {"chunk_layer": L}         the CPU attention of layer L adds ``add`` to the rows of requests that
@@ -36,7 +38,7 @@ from typing import Any
 
 SEED_ENV = "DRIFTSCOPE_TEST_SEED"
 CONFIG_KEY = "test_seeded_bug"
-_KEYS = {"layer", "token", "add", "rank", "tapped_only", "die_after", "chunk_layer"}
+_KEYS = {"layer", "token", "add", "rank", "tapped_only", "die_after", "chunk_layer", "where"}
 
 
 def seed_config(seed: dict[str, Any]) -> dict[str, Any]:
@@ -73,6 +75,36 @@ def _patch_llama(module: Any, seed: dict[str, Any]) -> None:
         if self.driftscope_test_bug:  # fixed per layer at construction: no branch on data
             hidden = hidden + add * (positions == token)[:, None].to(hidden.dtype)  # [tokens, hidden]
         return hidden, residual
+
+    cls.__init__, cls.forward = seeded_init, seeded_forward
+
+
+def _patch_llama_mlp(module: Any, seed: dict[str, Any]) -> None:
+    """Layer ``seed["layer"]``'s LlamaMLP adds ``add`` to its output at row ``token`` of the step (``rank``: as
+    :func:`_patch_llama`)."""
+    import torch
+    from vllm.config import get_current_vllm_config
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    cls = module.LlamaMLP
+    init, forward = cls.__init__, cls.forward
+    token, add = int(seed["token"]), float(seed.get("add", 0.5))
+
+    def seeded_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        config = get_current_vllm_config()
+        extra = config.additional_config if isinstance(config.additional_config, dict) else {}
+        self.driftscope_test_bug = (extract_layer_index(kwargs.get("prefix", "")) == seed["layer"]
+                                    and ("rank" not in seed or _rank() == seed["rank"]))
+        if not config.model_config.enforce_eager and extra.get(CONFIG_KEY) != seed:
+            raise RuntimeError(f"{SEED_ENV}: a compiled engine needs additional_config[{CONFIG_KEY!r}] == {seed}")
+
+    def seeded_forward(self: Any, x: Any) -> Any:
+        out = forward(self, x)
+        if self.driftscope_test_bug:  # fixed per layer at construction: no branch on data
+            rows = torch.arange(out.shape[0], device=out.device)
+            out = out + add * (rows == token)[:, None].to(out.dtype)  # [tokens, hidden]
+        return out
 
     cls.__init__, cls.forward = seeded_init, seeded_forward
 
@@ -121,7 +153,8 @@ def _seed_patches(raw: str, patches: dict[str, Callable[[Any], None]]) -> None:
         raise SystemExit(f"{SEED_ENV}={raw}: expected a JSON object of {sorted(_KEYS)} with layer, die_after or "
                          "chunk_layer")
     if "layer" in seed:
-        patches["vllm.model_executor.models.llama"] = lambda m: _patch_llama(m, seed)
+        patch = _patch_llama_mlp if seed.get("where") == "mlp" else _patch_llama
+        patches["vllm.model_executor.models.llama"] = lambda m: patch(m, seed)
     if "chunk_layer" in seed:
         from chunk_bug import patch_cpu_attention  # beside this file, on PYTHONPATH with it
 

@@ -22,7 +22,8 @@ def test_rounding_after_bit_identical_positions_is_no_onset(tmp_path):
     run_dump(RunConfig(out=str(tmp_path / "base"), layers="all"))
     run_dump(RunConfig(out=str(tmp_path / "c5"), layers="all", chunk_size=5))
     values: dict[tuple[str, int | None], np.ndarray] = {}
-    compare_dumps(tmp_path / "base", tmp_path / "c5", token_sink=lambda t, v, _: values.__setitem__((t.name, t.sequence), v))
+    compare_dumps(tmp_path / "base", tmp_path / "c5",
+                  token_sink=lambda t, v, _: values.__setitem__((t.name, t.sequence), v))
     first = values["model.layers.1.self_attn.input", 0]
     assert first[0] == 0 and first.max() > 0  # exact at the start, rounding later: the case
     worst = max(float(v.max()) for v in values.values())

@@ -50,6 +50,8 @@ assert [len(p) > BUG_TOKEN for p in PROMPTS] == [i == BUG_PROMPT for i in range(
 N_LAYERS = 4
 JOB = ("--layers", "all", "--engine-arg", "enable_prefix_caching=true", "--quiet")
 LOGPROBS = ("--logprobs", "--top-k", "5")
+SUBLAYER = "input,attn_output,mlp_input,mlp_output"
+"""The points inside a layer (issue 34), with the attention input."""
 CLI_JOBS = {  # name -> extra `python -m dumper run --engine vllm` args, in the order they run (engines reused)
     "fp32": LOGPROBS,
     "prefix": (),  # no --logprobs: vLLM never reads the prefix cache for a request asking prompt_logprobs
@@ -233,8 +235,18 @@ def _worker(ckpt: str, prompts: str, out: str) -> None:
         dump_llm(llm, replace(cfg, out=str(base / "bug-decode"), new_tokens=NEW_TOKENS), DECODE_BUG_PROMPTS, Path(ckpt))
         return 0
 
+    def seeded_mlp() -> int:  # a bug inside layer BUG_LAYER (its MLP's output), every point inside the layer captured
+        seed = {"layer": BUG_LAYER, "token": BUG_TOKEN, "where": "mlp"}
+        mlp_cfg = replace(cfg, out=str(base / "bug-mlp"), points=tuple(SUBLAYER.split(",")), logprobs=None)
+        mlp_kw = engine_kwargs(mlp_cfg, Path(ckpt), [PROMPTS[BUG_PROMPT]])
+        with seeded(seed) as key:
+            llm = load_llm({**mlp_kw, "additional_config": {**mlp_kw["additional_config"], **key}})
+        dump_llm(llm, mlp_cfg, [PROMPTS[BUG_PROMPT]], Path(ckpt))
+        return 0
+
     timed("bug", seeded_job)
     timed("bug-decode", seeded_decode)
+    timed("bug-mlp", seeded_mlp)
     for name in ("chunk", "bf16", "logits"):
         timed(name, lambda name=name: main([*run, *CLI_JOBS[name], "--out", str(base / name)]))
     bad = base / "bad-ckpt"  # last: a failed engine start may leave vLLM's process state behind
@@ -342,6 +354,25 @@ def test_a_bug_at_one_layer_and_token_is_localized_to_the_next_layer(runs):
     assert fd["layer"] == BUG_LAYER + 1 and fd["name"] == f"model.layers.{BUG_LAYER + 1}.self_attn.input"
     assert fd["sequence"] == BUG_PROMPT and fd["token"] == BUG_TOKEN and fd["failing_sequences"] == [BUG_PROMPT]
     assert all(t["passed"] for t in report["tensors"] if t["layer"] <= BUG_LAYER)
+
+
+@pytest.mark.engine
+def test_a_bug_inside_a_layer_is_named_at_its_point_in_vllm(runs, tmp_path):
+    """The MLP of layer BUG_LAYER adds the seeded bug to its own output (compiled into vLLM's graph): with the
+    points inside the layer captured, the verdict names that MLP output, its attention output and MLP input
+    agreeing with an HF run of the same points."""
+    _, root, results = runs
+    assert results["bug-mlp"]["rc"] == 0, results["bug-mlp"]["stderr"]
+    r = run_cli("dumper", "run", "--model", shared_checkpoint(), "--layers", "all", "--points", SUBLAYER,
+                "--input-ids", ",".join(map(str, PROMPTS[BUG_PROMPT])), "--out", tmp_path / "hf", "--quiet")
+    assert r.returncode == 0, r.stderr
+    report = compare_dumps(tmp_path / "hf", root / "bug-mlp")
+    fd = report.first_divergent
+    assert _compiled(runs, "bug-mlp") and not report.passed and fd is not None
+    want = (BUG_LAYER, "mlp_output", f"model.layers.{BUG_LAYER}.mlp.output", BUG_TOKEN)
+    assert (fd.layer, fd.point, fd.name, fd.token) == want, fd
+    assert fd.agreeing == ["input", "attn_output", "mlp_input"]
+    assert all(t.passed for t in report.tensors if t.layer < BUG_LAYER)
 
 
 @pytest.mark.engine
