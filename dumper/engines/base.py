@@ -30,6 +30,7 @@ import torch
 from dumper.errors import UsageError
 from dumper.format import Manifest, load_manifest
 from dumper.format.files import printable
+from dumper.format.points import MLP_INPUT, MLP_OUTPUT, RECORD_SUFFIX
 from dumper.hooks.capture import Capture
 from dumper.hooks.fingerprint import config_identity
 from dumper.hooks.layers import ATTN_INPUT, parse_layer_spec
@@ -38,7 +39,7 @@ from dumper.jobs.decode import decode_meta
 from dumper.jobs.logprob_records import record_logprobs, record_next_logprobs, record_token_logprobs
 from dumper.jobs.run import RunConfig, check_scored_positions, prompt_token_ids
 
-__all__ = ["EngineInfo", "EngineDump", "EngineArg", "attn_input_name", "hf_identity", "job_sequences",
+__all__ = ["EngineInfo", "EngineDump", "EngineArg", "attn_input_name", "point_name", "hf_identity", "job_sequences",
            "check_checkpoint_dir", "check_engine_args"]
 
 EngineValue = str | int | bool
@@ -107,6 +108,13 @@ LAYER_PREFIX = "model.layers"
 def attn_input_name(layer: int) -> str:
     """The HF capture's name for layer ``layer``'s self-attention input (Llama-family module path)."""
     return f"{LAYER_PREFIX}.{layer}.self_attn.{ATTN_INPUT}"
+
+
+def point_name(layer: int, point: str) -> str:
+    """The HF capture's name for layer ``layer``'s capture point ``point`` (Llama-family module paths:
+    ``self_attn`` for the attention's points, ``mlp`` for the MLP's, :mod:`dumper.format.points`)."""
+    module = "mlp" if point in (MLP_INPUT, MLP_OUTPUT) else "self_attn"
+    return f"{LAYER_PREFIX}.{layer}.{module}.{RECORD_SUFFIX[point]}"
 
 
 @dataclass(frozen=True)
@@ -241,14 +249,16 @@ class EngineDump:
         self._cap.extra.update({"job": "decode", NEW_TOKENS: self.cfg.new_tokens,
                                 GENERATED_IDS: [list(map(int, g)) for g in generated]})
 
-    def hidden(self, layer: int, x: torch.Tensor, positions: Any, sequence_ids: Any) -> None:
-        """Record layer ``layer``'s self-attention input ``x`` [tokens, hidden] of the current pass.
+    def hidden(self, layer: int, x: torch.Tensor, positions: Any, sequence_ids: Any, *,
+               point: str = ATTN_INPUT) -> None:
+        """Record layer ``layer``'s ``point`` ``x`` [tokens, hidden] of the current pass (default: its self-attention
+        input), under the HF capture's name for it (:func:`point_name`).
 
         ``positions`` and ``sequence_ids`` give each row's absolute position and prompt index.
         """
         if layer in self._keep:
-            self._cap.record(attn_input_name(layer), x.detach().reshape(-1, x.shape[-1]), layer=layer,
-                             point=ATTN_INPUT, positions=positions, sequence_ids=sequence_ids)
+            self._cap.record(point_name(layer, point), x.detach().reshape(-1, x.shape[-1]), layer=layer,
+                             point=point, positions=positions, sequence_ids=sequence_ids)
 
     def router(self, layer: int, parts: dict[str, torch.Tensor], positions: Any, sequence_ids: Any) -> None:
         """Record MoE layer ``layer``'s routing ``parts`` (``{ROUTER_LOGITS: [tokens, E], ...}``) of the current pass,

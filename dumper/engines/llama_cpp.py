@@ -33,7 +33,8 @@ import torch
 
 from dumper.errors import UsageError
 from dumper.format import ROUTER_POINT, Manifest
-from dumper.hooks.layers import ATTN_INPUT, parse_layer_spec
+from dumper.format.points import order_in_layer
+from dumper.hooks.layers import parse_layer_spec
 from dumper.progress import ProgressFn
 from dumper.jobs.run import RunConfig
 from dumper.engines.base import (
@@ -46,7 +47,8 @@ from dumper.engines.base import (
     job_sequences,
 )
 from dumper.jobs.decode import greedy_loop
-from dumper.engines.llama_cpp_ggml import FLASH_ATTN, GGML_TYPE, GgufSession, check_gguf_file, file_type_name
+from dumper.engines.llama_cpp_ggml import (FLASH_ATTN, GGML_NODES, GGML_TYPE, GgufSession, check_gguf_file,
+                                           file_type_name)
 
 __all__ = ["ENGINE_ARGS", "HF_ARCHITECTURES", "run_dump"]
 
@@ -122,14 +124,14 @@ def _no_moe(cfg: RunConfig, layers: Sequence[int], why: str) -> UsageError:
 
 
 def _record_pass(out: EngineDump, got: Any, positions: torch.Tensor, seq_ids: torch.Tensor) -> None:
-    for layer in sorted(got.hidden):
-        out.hidden(layer, got.hidden[layer], positions, seq_ids)
+    for point, layer in sorted(got.hidden, key=lambda k: (k[1], order_in_layer(k[0]))):
+        out.hidden(layer, got.hidden[point, layer], positions, seq_ids, point=point)
     for layer, parts in sorted(got.router.items()):
         out.router(layer, parts, positions, seq_ids)
 
 
 def _decode_steps(s: GgufSession, out: EngineDump, batch: list[list[int]], first: int, last: torch.Tensor,
-                  sets: tuple[set[int], set[int]]) -> list[list[int]]:
+                  sets: tuple[set[tuple[str, int]], set[int]]) -> list[list[int]]:
     """Greedy-decode ``--new-tokens`` tokens per prompt after the batch's prefill (``last``: each row's last logits
     row, :func:`~dumper.jobs.decode.greedy_loop`); each step is one ``llama_decode`` of one token per sequence.
     Returns the tokens."""
@@ -154,7 +156,7 @@ def _run_batch(s: GgufSession, out: EngineDump, batch: list[list[int]], first: i
     """Prefill prompts ``first ..`` as KV sequences 0.. of one batch; record hidden states, routing, logprobs; then
     its ``--new-tokens`` decode steps. Returns the tokens each prompt generated."""
     keep = [layer for layer in range(s.n_layer) if out.wants(layer)]
-    want = set(keep) if ATTN_INPUT in points else set()
+    want = {(point, layer) for point in points if point in GGML_NODES for layer in keep}
     router = set(keep) if ROUTER_POINT in points else set()
     last = torch.zeros(len(batch), s.n_vocab)
     s.clear()

@@ -1,7 +1,8 @@
 """A llama.cpp model and context through llama-cpp-python's low-level ctypes API, with hidden-state capture.
 
 llama.cpp names the tensors of its compute graph (``attn_norm-3`` is layer 3's RMSNorm output,
-the input of its attention, i.e. HF's ``self_attn`` input). The context's ``cb_eval`` callback
+the input of its attention, i.e. HF's ``self_attn`` input; :data:`GGML_NODES` for the points inside
+a layer). The context's ``cb_eval`` callback
 is asked about every graph node before it runs (``ask=True``: do you want this tensor?) and,
 for the ones we want, called again once it is computed (``ask=False``), when we copy it off
 the backend with ``ggml_backend_tensor_get``. :class:`GgufSession` wraps that: one decode of a
@@ -11,8 +12,8 @@ Example::
 
     with GgufSession.open("m.gguf", verbose=False) as s:
         s.new_context(n_ctx=64, n_batch=64, n_seqs=1, threads=2, kv_type=GGML_TYPE["f32"])
-        got = s.decode(tokens, positions, seqs, want={0, 3}, router={0, 3})
-        got.hidden[3], got.logits, got.router[3]["router.ids"]  # [n, hidden], [n, vocab], [n, k] int32
+        got = s.decode(tokens, positions, seqs, want={("input", 0), ("mlp_output", 3)}, router={0, 3})
+        got.hidden["mlp_output", 3], got.logits, got.router[3]["router.ids"]  # [n, hidden], [n, vocab], [n, k] int32
 
 MoE routing comes from the tensors ``build_moe_ffn`` (src/llama-graph.cpp) names per layer
 (:data:`ROUTER_STAGES`): the gate output ``ffn_moe_logits`` [E, n], the top-k ids ``ffn_moe_topk``
@@ -36,8 +37,10 @@ import torch
 from dumper.errors import ModelError, UsageError
 from dumper.format import ROUTER_IDS, ROUTER_LOGITS, ROUTER_SCORES, ROUTER_WEIGHTS
 from dumper.format.files import READ_FLAGS, file_kind
+from dumper.format.points import ATTN_OUTPUT, INPUT, MLP_INPUT, MLP_OUTPUT
 
-__all__ = ["FLASH_ATTN", "GGML_TYPE", "ROUTER_STAGES", "Decoded", "GgufSession", "check_gguf_file", "file_type_name"]
+__all__ = ["FLASH_ATTN", "GGML_TYPE", "GGML_NODES", "ROUTER_STAGES", "Decoded", "GgufSession", "check_gguf_file",
+           "file_type_name"]
 
 GGML_TYPE = {"f32": 0, "f16": 1, "bf16": 30}
 """KV-cache dtypes this adapter offers (``--engine-arg kv=``) -> ggml type id."""
@@ -45,7 +48,10 @@ FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}
 """``--engine-arg flash_attn=`` -> llama_flash_attn_type."""
 _NUMPY = {0: np.float32, 1: np.float16, 26: np.int32}
 """ggml types of captured tensors we can read (F32, F16, I32) -> numpy dtype."""
-_CAPTURE_PREFIX = "attn_norm-"
+GGML_NODES = {INPUT: "attn_norm", ATTN_OUTPUT: "attn_out", MLP_INPUT: "ffn_norm", MLP_OUTPUT: "ffn_out"}
+"""The graph node (``{node}-{layer}``) each hidden-state capture point reads: the RMSNorm output before attention
+(HF's ``self_attn`` input), the attention output after ``wo`` (before the residual add), the FFN norm's output
+and the FFN output (before the residual add), as llama.cpp's Llama-family builders name them."""
 ROUTER_STAGES: dict[str, tuple[str, ...]] = {
     ROUTER_LOGITS: ("ffn_moe_logits", "ffn_moe_logits_biased"),
     ROUTER_IDS: ("ffn_moe_topk",),
@@ -61,9 +67,9 @@ _REQUIRED = (ROUTER_LOGITS, ROUTER_IDS, ROUTER_WEIGHTS)
 
 
 class Decoded(NamedTuple):
-    """One decode's results: ``{layer: [n, hidden]}``, logits [n, vocab], ``{layer: {part: [n, E|k]}}``."""
+    """One decode's results: ``{(point, layer): [n, hidden]}``, logits [n, vocab], ``{layer: {part: [n, E|k]}}``."""
 
-    hidden: dict[int, torch.Tensor]
+    hidden: dict[tuple[str, int], torch.Tensor]
     logits: torch.Tensor
     router: dict[int, dict[str, torch.Tensor]]
 
@@ -148,13 +154,14 @@ class _Capture:
         self.lib = _ggml_lib()
         self.names: dict[str, tuple[str, int, int]] = {}
         self.n_tokens = 0
-        self.got: dict[int, np.ndarray] = {}
+        self.got: dict[tuple[str, int], np.ndarray] = {}
         self.routed: dict[int, dict[str, tuple[int, np.ndarray]]] = {}
         self.error: str | None = None
 
-    def start(self, n_tokens: int, hidden: set[int], router: set[int]) -> None:
-        """Ask for layers ``hidden``'s ``attn_norm`` and layers ``router``'s routing tensors in the next decode."""
-        self.names = {f"{_CAPTURE_PREFIX}{i}": ("hidden", 0, i) for i in hidden}
+    def start(self, n_tokens: int, hidden: set[tuple[str, int]], router: set[int]) -> None:
+        """Ask for the ``(point, layer)`` nodes ``hidden`` (:data:`GGML_NODES`) and layers ``router``'s routing
+        tensors in the next decode."""
+        self.names = {f"{GGML_NODES[point]}-{i}": ("hidden", point, i) for point, i in hidden}
         for part, stages in ROUTER_STAGES.items():
             self.names.update({f"{name}-{i}": (part, rank, i) for rank, name in enumerate(stages) for i in router})
         self.n_tokens, self.got, self.routed, self.error = n_tokens, {}, {}, None
@@ -182,7 +189,7 @@ class _Capture:
                 return which is not None
             part, rank, layer = which
             if part == "hidden":
-                self.got[layer] = self._read(t, name)
+                self.got[rank, layer] = self._read(t, name)  # rank: the point
             elif rank >= self.routed.setdefault(layer, {}).get(part, (-1, None))[0]:
                 self.routed[layer][part] = (rank, self._read(t, name))
             return True
@@ -271,11 +278,11 @@ class GgufSession:
         self._ll.llama_memory_clear(self._ll.llama_get_memory(self.ctx), True)
 
     def decode(self, tokens: Sequence[int], positions: Sequence[int], seqs: Sequence[int], *,
-               want: set[int], router: set[int] | frozenset[int] = frozenset()) -> Decoded:
+               want: set[tuple[str, int]], router: set[int] | frozenset[int] = frozenset()) -> Decoded:
         """Decode one batch (token ``i`` at ``positions[i]`` of KV sequence ``seqs[i]``), logits for all.
 
-        Copies ``attn_norm`` [n, hidden] of the layers in ``want`` and the routing tensors of the
-        MoE layers among ``router`` (a dense layer has none: no entry).
+        Copies the nodes [n, hidden] of the ``(point, layer)`` pairs in ``want`` (:data:`GGML_NODES`)
+        and the routing tensors of the MoE layers among ``router`` (a dense layer has none: no entry).
         """
         ll, n = self._ll, len(tokens)
         batch = ll.llama_batch_init(n, 0, 1)
@@ -295,8 +302,8 @@ class GgufSession:
             ll.llama_batch_free(batch)
         missing = sorted(set(want) - set(self._cap.got))
         if missing:
-            raise ModelError(f"{self.path}: llama.cpp's graph has no tensor {_CAPTURE_PREFIX}{missing[0]} "
-                             "(this architecture names its layer inputs differently)")
+            raise ModelError(f"{self.path}: llama.cpp's graph has no tensor {GGML_NODES[missing[0][0]]}-"
+                             f"{missing[0][1]} (this architecture names its layer's nodes differently)")
         got = {k: torch.from_numpy(v).to(torch.float32) for k, v in self._cap.got.items()}
         return Decoded(got, torch.from_numpy(logits), self._cap.router_parts(self.path))
 

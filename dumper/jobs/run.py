@@ -38,7 +38,7 @@ __all__ = ["RunConfig", "LogprobSpec", "run_dump", "dump_sequences", "prefill", 
 
 OBSERVER_ENGINES = ("transformers", "vllm")
 """Engines whose capture runs in this process, so that ``--observer-check`` can tell what it changes."""
-ENGINE_POINTS = {"vllm": (ATTN_INPUT, *SUBLAYER_POINTS, ROUTER), "llama.cpp": (ATTN_INPUT, ROUTER)}
+ENGINE_POINTS = {"vllm": (ATTN_INPUT, *SUBLAYER_POINTS, ROUTER), "llama.cpp": (ATTN_INPUT, *SUBLAYER_POINTS, ROUTER)}
 """The capture points an engine other than transformers (which records every point) records; absent: input only."""
 
 DECODE_ENGINES = ("transformers", "vllm", "llama.cpp")

@@ -204,3 +204,21 @@ def test_f32_decode_steps_match_an_hf_prefill_of_the_same_tokens(work: dict[str,
     assert report["logprobs"]["compared_positions"] == sum(len(p) - 1 + new for p in prompts)
     steps = {record_phase(t.meta) for t in m.tensors if t.layer == 0 and t.point == "input"}
     assert steps == {("prefill", None), *(("decode", s) for s in range(new - 1))}
+
+
+@pytest.mark.engine
+def test_the_points_inside_a_layer_match_hf_in_f32_decode_steps_included(work: dict[str, Path]) -> None:
+    """``--points attn_output,mlp_input,mlp_output`` read the graph's ``attn_out``, ``ffn_norm`` and ``ffn_out``
+    nodes (before the residual adds): each matches HF's module at every layer, prompt and decode rows alike."""
+    points = "input,attn_output,mlp_input,mlp_output"
+    out = llama_dump(work, "f32", "--points", points, "--new-tokens", "3", "--quiet")
+    hf = work["root"] / "hf-of-points"
+    r = run_cli("dumper", "run", "--model", work["ckpt"], "--tokens-from", out, "--layers", "all", "--points", points,
+                "--logprobs", "--top-k", "5", "--out", hf, "--quiet")
+    assert r.returncode == 0, r.stderr
+    rc, report, _ = compare(hf, out)
+    assert rc == 0 and report["passed"], report["first_divergent"]
+    assert not report["unmatched_baseline"] and not report["unmatched_target"]
+    assert {(t["layer"], t["point"]) for t in report["tensors"]} == {
+        (layer, p) for layer in LAYERS for p in points.split(",")}
+    assert max(t["rel_diff"] for t in report["tensors"]) < 1e-9
