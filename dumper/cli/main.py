@@ -91,6 +91,8 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--points", default="input",
                    help="capture points, comma-separated: input (self-attention input, after the layer's norm; "
                         "default), residual (decoder layer input, before its norm, and the final norm's input), "
+                        "attn_output (what attention adds, before the residual add), mlp_input (after the "
+                        "post-attention norm), mlp_output (what the MLP or MoE block adds), "
                         "router (MoE layers' gate logits, chosen experts and their weights)")
     r.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     r.add_argument("--seed", type=seed_value, default=0, help="seed for preset weights (default 0)")

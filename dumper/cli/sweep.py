@@ -38,6 +38,7 @@ def add_sweep(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--engine-arg", action="append", default=None, metavar="KEY=VALUE",
                    help="engine setting fixed across cells (repeatable)")
     s.add_argument("--layers", default=None, help="layer spec (default: the baseline's layers)")
+    s.add_argument("--points", default=None, help="capture points, as dumper run's (default: the baseline's)")
     s.add_argument("--dtype", default=None, choices=list(MODEL_DTYPES), help="default: the baseline's")
     s.add_argument("--attn", default="eager", choices=["eager", "sdpa"], help="attention implementation")
     s.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
@@ -57,6 +58,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     from comparator.config import CompareConfig
     from dumper.format import write_json_atomic
     from dumper.jobs.run import LogprobSpec, RunConfig
+    from dumper.hooks.layers import parse_points
     from dumper.jobs.sweep import SweepConfig, baseline_defaults, baseline_prompts, parse_grid, sweep
     from dumper.jobs.sweep_grid import MAX_CELLS
     from dumper.jobs.sweep_table import cell_line, render_sweep
@@ -72,7 +74,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     template = RunConfig(out=args.out, model=args.model, dtype=args.dtype or defaults["dtype"], attn=args.attn,
                          layers=args.layers if args.layers is not None else defaults["layers"], device=args.device,
                          seed=defaults["seed"] if args.seed is None else args.seed, padding_side=args.padding_side,
-                         logprobs=spec, engine=args.engine, engine_args=engine_args(args.engine_arg or ()))
+                         logprobs=spec, engine=args.engine, engine_args=engine_args(args.engine_arg or ()),
+                         points=parse_points(args.points) if args.points is not None else defaults["points"])
     compare = CompareConfig.resolve(threshold=args.threshold, token_threshold=args.token_threshold)
     cfg = SweepConfig(baseline=args.baseline, out=args.out, template=template, grid=axes, block_size=args.block_size,
                       compare=compare)

@@ -51,6 +51,7 @@ from comparator.results import Report
 from dumper.engines import RunDump, engine_runner
 from dumper.errors import DriftscopeError, UsageError
 from dumper.format import LOGITS_POINT, LOGPROB_POINT, PAD_SEQUENCE, Manifest, load_manifest, write_json_atomic
+from dumper.format.points import INPUT
 from dumper.jobs.run import RunConfig, tokens_from
 from dumper.jobs.sweep_engine import engine_block_size, held_engine, pinned_engine_args, preflight
 from dumper.jobs.sweep_grid import BLOCK, LENGTHS, Axis, Cell, describe, parse_grid, plan_cells
@@ -98,11 +99,13 @@ def baseline_prompts(path: str) -> tuple[Manifest, list[list[int]]]:
 
 
 def baseline_defaults(manifest: Manifest) -> dict[str, Any]:
-    """The ``dtype``, ``seed`` and ``layers`` the baseline ran with: the sweep's defaults, so its cells match it."""
-    layers = manifest.capture_signature.get("layers")
+    """The ``dtype``, ``seed``, ``layers`` and capture ``points`` the baseline ran with: the sweep's defaults, so its
+    cells match it (points inside a layer included)."""
+    layers, points = manifest.capture_signature.get("layers"), manifest.capture_signature.get("points")
     seed = manifest.extra.get("seed")
     return {"dtype": manifest.extra.get("dtype") or "float32", "seed": seed if type(seed) is int else 0,
-            "layers": ",".join(map(str, layers)) if layers else None}
+            "layers": ",".join(map(str, layers)) if layers else None,
+            "points": tuple(points) if points else (INPUT,)}
 
 
 def _without_block(axes: tuple[Axis, ...]) -> tuple[Axis, ...]:

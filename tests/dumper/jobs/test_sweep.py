@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ import torch
 from comparator.config import CompareConfig
 from comparator.hidden.compare import compare_dumps
 from dumper.errors import NotComparableError, UsageError
+from dumper.format import load_manifest
 from dumper.jobs.run import LogprobSpec, RunConfig, dump_sequences
 from dumper.jobs.sweep import SweepConfig, SweepResult, baseline_prompts, parse_grid, plan_sweep, run_cell, sweep
 from dumper.jobs.sweep_grid import block_lengths
@@ -232,3 +234,19 @@ def test_new_tokens_cells_are_judged_against_their_own_prefill_and_a_decode_bug_
                 len(p) - 1 + 4 for p in prompts)
         else:
             assert report["decode"] is None
+
+
+@pytest.mark.slow
+def test_a_sweep_records_the_baselines_points_inside_the_layer(tmp_path):
+    """A baseline with the points inside a layer: every cell records them too (the sweep's default)."""
+    points = "input,attn_output,mlp_input,mlp_output"
+    r = run_cli("dumper", "run", "--layers", "0,1", "--points", points, "--prompt", SHORT, "--out", tmp_path / "base",
+                "--quiet")
+    assert r.returncode == 0, r.stderr
+    r = run_cli("dumper", "sweep", "--baseline", tmp_path / "base", "--grid", "chunk_size=8", "--out", tmp_path / "s",
+                "--json", tmp_path / "s.json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    cells = json.loads((tmp_path / "s.json").read_text())["cells"]
+    manifest = load_manifest(Path(cells[0]["dump"]))
+    assert {t.point for t in manifest.tensors if t.layer is not None} == set(points.split(","))
+    assert cells[0]["passed"]
