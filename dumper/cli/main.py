@@ -168,6 +168,11 @@ def _add_replay(sub: argparse._SubParsersAction) -> None:
                     help="MoE models: replay each MoE layer with the baseline's expert choice for the same token "
                          "(the baseline needs --points residual,router): ids = its expert ids, weighted by the "
                          "router under test from its own logits; all = its expert ids and combine weights")
+    rp.add_argument("--split", action="store_true",
+                    help="run each layer's attention and MLP apart, each on the baseline's input of that half (the "
+                         "baseline needs --points input,attn_output,mlp_input,mlp_output): what each half adds")
+    rp.add_argument("--reference", choices=["float64"], default=None,
+                    help="with --split: also run each half in float64 and measure both sides against it")
     rp.add_argument("--quiet", action="store_true", help="no progress bar and no summary line")
 
 
@@ -228,12 +233,32 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     check_device(args.device)
     cfg = ReplayConfig(model=args.model, baseline=args.baseline, out=args.out, dtype=args.dtype, attn=args.attn,
                        device=args.device, seed=args.seed, force_routing=args.force_routing)
+    if args.split or args.reference:
+        return _cmd_split_replay(args, cfg)
     with progress_bar(not args.quiet, "replaying", unit="layers") as progress:
         manifest = replay(cfg, progress=progress)
     if not args.quiet:
         forced = f" with its expert choice forced ({args.force_routing})" if args.force_routing else ""
         print(f"wrote {args.out}: decoder layers {manifest.extra['replay']['layers']} of {args.model} replayed on "
               f"the residuals of {args.baseline}{forced}; compare with: python -m comparator {args.baseline} {args.out}")
+    return EXIT_OK
+
+
+def _cmd_split_replay(args: argparse.Namespace, cfg: Any) -> int:
+    """``replay --split [--reference float64]``: one line per layer, what its attention and its MLP add."""
+    from dumper.progress import progress_bar
+    from dumper.jobs.replay_split import split_replay
+
+    if not args.split:
+        raise UsageError("--reference needs --split (it measures each half of a layer)")
+    if args.force_routing:
+        raise UsageError("--split runs an MoE block with its own router; drop --force-routing (whole layers only)")
+    with progress_bar(not args.quiet, "replaying", unit="halves") as progress:
+        halves = split_replay(cfg, reference=args.reference, progress=progress)
+    for layer in sorted({h.layer for h in halves}):
+        print(f"layer {layer}: " + ", ".join(str(h) for h in halves if h.layer == layer))
+    if not args.quiet:
+        print(f"wrote {args.out}: each half's output; compare with: python -m comparator {args.baseline} {args.out}")
     return EXIT_OK
 
 

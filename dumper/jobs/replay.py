@@ -58,7 +58,8 @@ from dumper.jobs.replay_routing import (LayerRecords, LayerRows, baseline_routin
                                         check_model_routes, layer_routing, routed_layers)
 from dumper.progress import ProgressFn
 
-__all__ = ["ReplayConfig", "replay", "replay_model", "residual_plan", "layer_kwargs"]
+__all__ = ["ReplayConfig", "replay", "replay_model", "residual_plan", "point_plan", "sequence_lengths", "sequence_rows",
+           "layer_kwargs", "layer_parts", "check_replay_model"]
 
 @dataclass(frozen=True)
 class ReplayConfig:
@@ -77,28 +78,33 @@ class ReplayConfig:
 
 
 def residual_plan(manifest: Manifest, where: str) -> dict[int, tuple[str, list[TensorRecord]]]:
-    """layer -> (name, records) of the baseline's ``residual`` point (rank 0; every rank holds the whole stream).
+    """layer -> (name, records) of the baseline's ``residual`` point (:func:`point_plan`)."""
+    return point_plan(manifest, where, RESIDUAL, f"--points input,{RESIDUAL}")
 
-    Raises :class:`UsageError` when there is none, naming the dump and the fix.
+
+def point_plan(manifest: Manifest, where: str, point: str, points: str) -> dict[int, tuple[str, list[TensorRecord]]]:
+    """layer -> (name, records) of the baseline's ``point`` (rank 0: every rank holds the whole rows).
+
+    Raises :class:`UsageError` when there is none, naming the dump and the fix (``points``: the flag to re-run with).
     """
     plan: dict[int, tuple[str, list[TensorRecord]]] = {}
     for rec in manifest.tensors:
-        if rec.point != RESIDUAL or rec.layer is None or rec.rank != 0:
+        if rec.point != point or rec.layer is None or rec.rank != 0:
             continue
         name, recs = plan.setdefault(rec.layer, (rec.name, []))
         if name != rec.name:
-            raise NotComparableError(f"{where}: layer {rec.layer} holds two residual tensors ({name}, {rec.name})")
-        if rec.positions is None or rec.sequence_ids is None or rec.shard_dim is not None:
+            raise NotComparableError(f"{where}: layer {rec.layer} holds two {point} tensors ({name}, {rec.name})")
+        if rec.positions is None or rec.sequence_ids is None or rec.shard_dim is not None or rec.sketch is not None:
             raise NotComparableError(f"{where}: {rec.name} (pass {rec.forward_pass}) has no row positions or is "
-                                     "sharded; replay needs whole rows labelled by position and sequence")
+                                     "sharded or sketched; replay needs whole rows labelled by position and sequence")
         recs.append(rec)
     if not plan:
-        raise UsageError(f"{where}: the baseline holds no {RESIDUAL!r} point; re-run it with "
-                         f"`python -m dumper run ... --points input,{RESIDUAL} --layers all`")
+        raise UsageError(f"{where}: the baseline holds no {point!r} point; re-run it with "
+                         f"`python -m dumper run ... {points} --layers all`")
     return dict(sorted(plan.items()))
 
 
-def _lengths(where: str, name: str, recs: list[TensorRecord]) -> dict[int, int]:
+def sequence_lengths(where: str, name: str, recs: list[TensorRecord]) -> dict[int, int]:
     """sequence id -> its row count, from the manifest alone: refused unless every record is a float dtype and each
     sequence's positions are exactly one prefill ``0..n-1`` (checked for every layer before a replay runs any)."""
     found: dict[int, list[np.ndarray]] = defaultdict(list)
@@ -106,7 +112,7 @@ def _lengths(where: str, name: str, recs: list[TensorRecord]) -> dict[int, int]:
         if rec.dtype not in FLOAT_CODES:
             raise NotComparableError(f"{where}: {name} is stored as {rec.dtype}, not a float dtype")
         pos, seq = rec.row_positions(), rec.row_sequence_ids()
-        assert pos is not None and seq is not None  # residual_plan checked
+        assert pos is not None and seq is not None  # point_plan checked
         for s in np.unique(seq[seq != PAD_SEQUENCE]).tolist():
             found[s].append(pos[seq == s])
     out = {}
@@ -122,13 +128,13 @@ def _lengths(where: str, name: str, recs: list[TensorRecord]) -> dict[int, int]:
     return out
 
 
-def _sequences(reader: DumpReader, name: str, recs: list[TensorRecord]) -> dict[int, torch.Tensor]:
-    """sequence id -> its residual rows [n, hidden] in position order, reassembled from chunks and batches
-    (:func:`_lengths` checked the records)."""
+def sequence_rows(reader: DumpReader, name: str, recs: list[TensorRecord]) -> dict[int, torch.Tensor]:
+    """sequence id -> its rows [n, hidden] in position order, reassembled from chunks and batches
+    (:func:`sequence_lengths` checked the records)."""
     parts: dict[int, list[tuple[np.ndarray, np.ndarray]]] = defaultdict(list)
     for rec in recs:
         rows, pos, seq = reader.rows(rec), rec.row_positions(), rec.row_sequence_ids()
-        assert pos is not None and seq is not None  # residual_plan checked
+        assert pos is not None and seq is not None  # point_plan checked
         for s in np.unique(seq[seq != PAD_SEQUENCE]).tolist():
             sel = seq == s
             parts[s].append((pos[sel], rows[sel]))
@@ -142,7 +148,7 @@ def _sequences(reader: DumpReader, name: str, recs: list[TensorRecord]) -> dict[
     return out
 
 
-def _layer_parts(stack: nn.Module, layer_index: int) -> tuple[nn.Module, Any]:
+def layer_parts(stack: nn.Module, layer_index: int) -> tuple[nn.Module, Any]:
     """The stack's rotary embedding and the mask maker of layer ``layer_index``; refused in one line when replay
     cannot build them (checked for every layer before a replay runs any)."""
     from transformers import masking_utils
@@ -168,7 +174,7 @@ def layer_kwargs(stack: nn.Module, layer_index: int, hidden: torch.Tensor) -> di
     embeddings of the stack's own ``rotary_emb``: what its forward computes without a cache.
     """
     config = stack.config
-    rotary, make = _layer_parts(stack, layer_index)
+    rotary, make = layer_parts(stack, layer_index)
     position_ids = torch.arange(hidden.shape[1], device=hidden.device)[None]  # [1, n]
     mask = make(config=config, inputs_embeds=hidden, attention_mask=None, past_key_values=None,
                 position_ids=position_ids)
@@ -176,7 +182,7 @@ def layer_kwargs(stack: nn.Module, layer_index: int, hidden: torch.Tensor) -> di
             "position_embeddings": rotary(hidden, position_ids)}
 
 
-def _check_model(baseline: Manifest, model: nn.Module, num_layers: int, where: str) -> None:
+def check_replay_model(baseline: Manifest, model: nn.Module, num_layers: int, where: str) -> None:
     """Refuse a model whose layer count or hidden size differs from the baseline's (its rows would not fit)."""
     base_layers = baseline.model.get("num_layers", baseline.capture_signature.get("num_layers"))
     ident = model_identity(model)
@@ -206,7 +212,7 @@ def replay_model(model: nn.Module, baseline: str | Path, out: str | Path, *, mod
     plan, routing = residual_plan(base, str(baseline)), baseline_routing(reader)
     stack_name, layer_list = find_decoder_layers(model, family_for(model).attention_names)
     stack = model.get_submodule(stack_name.rpartition(".")[0])
-    _check_model(base, model, len(layer_list), f"{baseline}")
+    check_replay_model(base, model, len(layer_list), f"{baseline}")
     run = [k for k in plan if k + 1 in plan and k < len(layer_list)]
     if not run:
         raise UsageError(f"{baseline}: no layer has both its residual input and the next one's ({sorted(plan)}); "
@@ -214,9 +220,9 @@ def replay_model(model: nn.Module, baseline: str | Path, out: str | Path, *, mod
     replayed = {k: layer_list[k] for k in run}
     check_model_routes(model, force_routing, routing, replayed, str(baseline))
     # everything a layer's replay would refuse, refused before any runs: its rows, its mask, its routing rows
-    lengths = {k: _lengths(str(baseline), *plan[k]) for k in run}
+    lengths = {k: sequence_lengths(str(baseline), *plan[k]) for k in run}
     for k in run:
-        _layer_parts(stack, k)
+        layer_parts(stack, k)
     routing_rows = check_baseline_rows(reader, routing, replayed, lengths if force_routing is not None else None)
     param = next(model.parameters())
     identity = model_identity(model, model_name)
@@ -248,7 +254,7 @@ def _replay_layer(cap: Capture, reader: DumpReader, plan: dict[int, tuple[str, l
     """
     outs, positions, sequences = [], [], []
     with layer_routing(reader, *routing[:2], layer, routing[2]) as routers:
-        for s, rows in _sequences(reader, *plan[k]).items():
+        for s, rows in sequence_rows(reader, *plan[k]).items():
             hidden = rows.to(param.device, param.dtype, non_blocking=True)[None]  # [1, n, hidden]
             for router in routers:
                 router.begin(s, rows.shape[0])

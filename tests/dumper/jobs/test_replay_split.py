@@ -1,0 +1,89 @@
+"""``python -m dumper replay --split [--reference float64]``: what each half of a layer adds, on the tiny HF Llama.
+
+A bug seeded in layer 2's MLP (or its attention) of the model under test is named as that half's
+cause, every other half adding nothing; against a float64 reference, a bfloat16 side is the one
+that is off, whichever side it is.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from comparator import compare_dumps
+from comparator.hidden.onset import rounding_floor
+from dumper.errors import ModelMismatchError
+from dumper.jobs.presets import load_model
+from dumper.jobs.replay_split import split_replay_model
+from dumper.jobs.run import RunConfig, dump_sequences
+from tests.conftest import run_cli, tiny_llama
+
+pytestmark = pytest.mark.slow
+
+POINTS = "input,attn_output,mlp_input,mlp_output"
+LAYER, TOKEN = 2, 20
+SEQS = [list(range(3, 51)), list(range(60, 90))]
+
+
+def _bug(module, args, kwargs, output):
+    """Adds to the module's output at token TOKEN (an index: no data branch)."""
+    hidden = output[0] if isinstance(output, tuple) else output
+    hidden[:, TOKEN].add_(0.5 * hidden.abs().mean())
+    return output
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    root = tmp_path_factory.mktemp("split")
+    model, _ = tiny_llama()
+    dump_sequences(model, SEQS, RunConfig(out=str(root / "base"), layers="all", points=tuple(POINTS.split(","))))
+    return root
+
+
+@pytest.mark.parametrize("half,child", [("MLP", "mlp"), ("attention", "self_attn")])
+def test_a_bug_in_one_half_is_that_halfs_cause_and_no_other_half_adds_anything(base, tmp_path, half, child):
+    model, _ = tiny_llama()
+    handle = getattr(model.model.layers[LAYER], child).register_forward_hook(_bug, with_kwargs=True)
+    try:
+        halves = split_replay_model(model, base / "base", tmp_path / "split")
+    finally:
+        handle.remove()
+    assert [(h.layer, h.half) for h in halves] == [(k, x) for k in range(8) for x in ("attention", "MLP")]
+    bugged = next(h for h in halves if (h.layer, h.half) == (LAYER, half))
+    assert bugged.cause and bugged.rel_diff > 1e3 * rounding_floor(["F32"])
+    assert all(h.rel_diff <= rounding_floor(["F32"]) and not h.cause for h in halves if h is not bugged)
+    fd = compare_dumps(base / "base", tmp_path / "split").first_divergent  # the dump judges the halves too
+    assert fd is not None and (fd.layer, fd.token, fd.name) == (LAYER, TOKEN, bugged.name)
+
+
+@pytest.mark.parametrize("baseline_dtype,target_dtype,off", [("float32", "bfloat16", "target's"),
+                                                             ("bfloat16", "float32", "baseline's")])
+def test_the_float64_reference_says_which_side_is_off(tmp_path, baseline_dtype, target_dtype, off):
+    r = run_cli("dumper", "run", "--layers", "0,1", "--points", POINTS, "--dtype", baseline_dtype,
+                "--input-ids", ",".join(map(str, SEQS[0])), "--out", tmp_path / "base", "--quiet")
+    assert r.returncode == 0, r.stderr
+    r = run_cli("dumper", "replay", "--baseline", tmp_path / "base", "--dtype", target_dtype, "--split",
+                "--reference", "float64", "--out", tmp_path / "split", "--quiet")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.strip().splitlines()
+    assert [line.split(":")[0] for line in lines] == ["layer 0", "layer 1"]
+    assert all(line.count(f"the {off} is off]") == 2 for line in lines), r.stdout
+
+
+@pytest.mark.parametrize("args,words", [
+    (("--split",), "holds no 'attn_output' point; re-run it with `python -m dumper run ... --points input,attn_output"),
+    (("--reference", "float64"), "--reference needs --split"),
+    (("--split", "--force-routing", "ids"), "drop --force-routing"),
+])
+def test_what_split_replay_cannot_do_is_one_line(tmp_path, args, words):
+    r = run_cli("dumper", "run", "--layers", "0", "--input-ids", "1,2,3,4", "--out", tmp_path / "base", "--quiet")
+    assert r.returncode == 0, r.stderr
+    r = run_cli("dumper", "replay", "--baseline", tmp_path / "base", *args, "--out", tmp_path / "split")
+    assert r.returncode == 2 and words in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert not (tmp_path / "split").exists()
+
+
+def test_the_model_must_be_the_baselines(base, tmp_path):
+    other, _ = load_model("tiny-qwen2")
+    with pytest.raises(ModelMismatchError, match="the baseline's model has num_layers 8, tiny-qwen2 has 6"):
+        split_replay_model(other, base / "base", tmp_path / "split")
+    assert not (tmp_path / "split").exists()
