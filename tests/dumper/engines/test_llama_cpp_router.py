@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from dumper.engines import run_engine
-from dumper.engines.llama_cpp_ggml import GGML_TYPE, GgufSession
+from dumper.engines.llama_cpp_ggml import GGML_NODES, GGML_TYPE, GgufSession
 from dumper.format import (
     ROUTER_CHOICE_POINT,
     ROUTER_IDS,
@@ -131,8 +131,8 @@ def test_capture_leaves_the_logits_bit_identical(moe: dict[str, Path]) -> None:
         with GgufSession.open(str(moe["gguf"])) as s:
             s.new_context(n_ctx=len(ids), n_batch=len(ids), n_seqs=1, threads=torch.get_num_threads(),
                           kv_type=GGML_TYPE["f32"], flash_attn=0, capture=capture)
-            got = s.decode(ids, range(len(ids)), [0] * len(ids), want=set(LAYERS) if capture else set(),
-                           router=set(LAYERS) if capture else set())
+            want = {(p, layer) for p in GGML_NODES for layer in LAYERS} if capture else set()  # every point
+            got = s.decode(ids, range(len(ids)), [0] * len(ids), want=want, router=set(LAYERS) if capture else set())
             assert sorted(got.router) == (LAYERS if capture else [])
             logits.append(got.logits)
     assert torch.equal(logits[0], logits[1])
