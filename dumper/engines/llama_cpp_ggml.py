@@ -48,10 +48,12 @@ FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}
 """``--engine-arg flash_attn=`` -> llama_flash_attn_type."""
 _NUMPY = {0: np.float32, 1: np.float16, 26: np.int32}
 """ggml types of captured tensors we can read (F32, F16, I32) -> numpy dtype."""
-GGML_NODES = {INPUT: "attn_norm", ATTN_OUTPUT: "attn_out", MLP_INPUT: "ffn_norm", MLP_OUTPUT: "ffn_out"}
-"""The graph node (``{node}-{layer}``) each hidden-state capture point reads: the RMSNorm output before attention
-(HF's ``self_attn`` input), the attention output after ``wo`` (before the residual add), the FFN norm's output
-and the FFN output (before the residual add), as llama.cpp's Llama-family builders name them."""
+GGML_NODES: dict[str, tuple[str, ...]] = {INPUT: ("attn_norm",), ATTN_OUTPUT: ("attn_out",), MLP_INPUT: ("ffn_norm",),
+                                          MLP_OUTPUT: ("ffn_out", "ffn_moe_out")}
+"""The graph nodes (``{node}-{layer}``) each hidden-state capture point reads, the first the graph has: the RMSNorm
+output before attention (HF's ``self_attn`` input), the attention output after ``wo`` (before the residual add),
+the FFN norm's output and the FFN (or MoE block: ``ffn_moe_out`` where no shared expert adds an ``ffn_out``)
+output before the residual add, as llama.cpp's Llama-family and MoE builders name them."""
 ROUTER_STAGES: dict[str, tuple[str, ...]] = {
     ROUTER_LOGITS: ("ffn_moe_logits", "ffn_moe_logits_biased"),
     ROUTER_IDS: ("ffn_moe_topk",),
@@ -152,16 +154,19 @@ class _Capture:
 
     def __init__(self) -> None:
         self.lib = _ggml_lib()
-        self.names: dict[str, tuple[str, int, int]] = {}
+        self.names: dict[str, tuple[str, Any, int]] = {}  # node name -> (part, rank or (point, rank), layer)
         self.n_tokens = 0
         self.got: dict[tuple[str, int], np.ndarray] = {}
+        self.ranks: dict[tuple[str, int], int] = {}  # (point, layer) -> rank of the node ``got`` holds
         self.routed: dict[int, dict[str, tuple[int, np.ndarray]]] = {}
         self.error: str | None = None
 
     def start(self, n_tokens: int, hidden: set[tuple[str, int]], router: set[int]) -> None:
         """Ask for the ``(point, layer)`` nodes ``hidden`` (:data:`GGML_NODES`) and layers ``router``'s routing
         tensors in the next decode."""
-        self.names = {f"{GGML_NODES[point]}-{i}": ("hidden", point, i) for point, i in hidden}
+        self.names = {f"{node}-{i}": ("hidden", (point, rank), i) for point, i in hidden
+                      for rank, node in enumerate(GGML_NODES[point])}
+        self.ranks = {}
         for part, stages in ROUTER_STAGES.items():
             self.names.update({f"{name}-{i}": (part, rank, i) for rank, name in enumerate(stages) for i in router})
         self.n_tokens, self.got, self.routed, self.error = n_tokens, {}, {}, None
@@ -188,8 +193,10 @@ class _Capture:
             if ask or which is None:
                 return which is not None
             part, rank, layer = which
-            if part == "hidden":
-                self.got[rank, layer] = self._read(t, name)  # rank: the point
+            if part == "hidden":  # rank: (point, its node's rank among the point's names)
+                point, first = rank
+                if first <= self.ranks.get((point, layer), first):
+                    self.got[point, layer], self.ranks[point, layer] = self._read(t, name), first
             elif rank >= self.routed.setdefault(layer, {}).get(part, (-1, None))[0]:
                 self.routed[layer][part] = (rank, self._read(t, name))
             return True
@@ -302,7 +309,7 @@ class GgufSession:
             ll.llama_batch_free(batch)
         missing = sorted(set(want) - set(self._cap.got))
         if missing:
-            raise ModelError(f"{self.path}: llama.cpp's graph has no tensor {GGML_NODES[missing[0][0]]}-"
+            raise ModelError(f"{self.path}: llama.cpp's graph has no tensor {GGML_NODES[missing[0][0]][0]}-"
                              f"{missing[0][1]} (this architecture names its layer's nodes differently)")
         got = {k: torch.from_numpy(v).to(torch.float32) for k, v in self._cap.got.items()}
         return Decoded(got, torch.from_numpy(logits), self._cap.router_parts(self.path))

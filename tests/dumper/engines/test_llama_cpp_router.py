@@ -190,3 +190,21 @@ def test_router_on_a_dense_model_is_a_one_line_usage_error(moe: dict[str, Path])
     r = run_cli("dumper", "run", "--engine", "llama.cpp", "--model", moe["gguf"], "--input-ids", "1,2,3",
                 "--points", "residual", "--out", moe["root"] / "never")
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "residual" in r.stderr, r.stderr
+
+
+@pytest.mark.engine
+def test_the_moe_blocks_output_matches_hf_s(moe: dict[str, Path], tmp_path: Path) -> None:
+    """``mlp_output`` of an MoE layer reads ``ffn_moe_out`` (the block's output before the residual add, where no
+    shared expert adds an ``ffn_out``): it matches HF's MoE block, as the other points inside the layer do."""
+    from comparator import compare_dumps
+
+    points = "input,attn_output,mlp_input,mlp_output"
+    ids = ",".join(map(str, job_ids(moe["dump"])[0]))
+    for engine, model, out in (("llama.cpp", moe["gguf"], "l"), ("transformers", moe["ckpt"], "h")):
+        r = run_cli("dumper", "run", "--engine", engine, "--model", model, "--layers", "all", "--points", points,
+                    "--input-ids", ids, *(["--engine-arg", f"hf_dir={moe['ckpt']}"] if out == "l" else []),
+                    "--out", tmp_path / out, "--quiet")
+        assert r.returncode == 0, r.stderr
+    report = compare_dumps(tmp_path / "h", tmp_path / "l")
+    assert report.passed and not report.unmatched_baseline and not report.unmatched_target
+    assert {t.point for t in report.tensors} == set(points.split(","))
