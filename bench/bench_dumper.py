@@ -6,7 +6,10 @@ ratios of medians are reported: the forward pass itself under capture, the same 
 the capture (the last pass's write, fsync and manifest, which a one-pass capture must wait
 for), and three passes in one capture, where each pass's write overlaps the next forward.
 
-    python bench/bench_dumper.py [--reps 3] [--tokens 2048] [--hidden 1024] [--layers 8]
+    python bench/bench_dumper.py [--reps 3] [--tokens 2048] [--hidden 1024] [--layers 8] [--points input,...]
+
+``--points`` chooses the capture points (default ``input``); ``input,attn_output,mlp_input,mlp_output``
+prices the points inside a layer (4x the bytes of ``input`` alone).
 """
 
 from __future__ import annotations
@@ -41,7 +44,9 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--dir", default=None, help="where to write dumps (default: a temp dir)")
+    ap.add_argument("--points", default="input", help="capture points, comma-separated (default input)")
     args = ap.parse_args()
+    points = tuple(args.points.split(","))
     torch.set_num_threads(2)
     model = build(args.hidden, args.layers, args.vocab)
     ids = torch.randint(0, args.vocab, (1, args.tokens), generator=torch.Generator().manual_seed(0))
@@ -66,7 +71,7 @@ def main() -> None:
             plain.append(time.perf_counter() - t)
             out = root / f"rep{rep}"
             t = time.perf_counter()
-            with dumper.capture(model, out, layers="all"):
+            with dumper.capture(model, out, layers="all", points=points):
                 model(input_ids=ids, use_cache=False)
                 captured.append(time.perf_counter() - t)
                 t = time.perf_counter()
@@ -80,14 +85,14 @@ def main() -> None:
             multi_plain.append(time.perf_counter() - t)
             out = root / f"multi{rep}"
             t = time.perf_counter()
-            with dumper.capture(model, out, layers="all"):
+            with dumper.capture(model, out, layers="all", points=points):
                 for _ in range(3):
                     model(input_ids=ids, use_cache=False)
             multi_captured.append(time.perf_counter() - t)
             shutil.rmtree(out)
-    mib = args.layers * args.tokens * args.hidden * 4 / 2**20
+    mib = len(points) * args.layers * args.tokens * args.hidden * 4 / 2**20
     med = statistics.median
-    print(f"model: llama hidden={args.hidden} layers={args.layers} tokens={args.tokens} float32; capture {mib:.0f} MiB/pass")
+    print(f"model: llama hidden={args.hidden} layers={args.layers} tokens={args.tokens} float32; points {args.points}: capture {mib:.0f} MiB/pass")
     print(f"plain    forward: median {med(plain):.3f}s  runs {[round(x, 3) for x in plain]}")
     print(f"captured forward: median {med(captured):.3f}s  runs {[round(x, 3) for x in captured]}")
     print(f"  then closing the capture (drain the writer, fsync, manifest): median {med(closing):.3f}s")

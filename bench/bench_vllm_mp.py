@@ -2,7 +2,7 @@
 
     python bench/bench_vllm_mp.py [--reps 5] [--mib 32] [--tokens 512] [--dtype float32] [--skip-tp]
                                   [--fresh-cache] [--dir DIR] [--hidden H --layers L | --prompts N]
-                                  [--new-tokens T]
+                                  [--new-tokens T] [--points input,...]
 
 Every engine is ``dumper.engines.vllm.engine_kwargs`` of one prefill job (``max_tokens=1``, no
 logprobs, every layer captured) on the tests' checkpoint
@@ -80,7 +80,7 @@ def worker(spec: dict[str, Any]) -> None:
     ckpt, seqs, out = Path(spec["ckpt"]), _prompts(spec["prompts"], spec["tokens"]), Path(spec["out"])
     args = (("tensor_parallel_size", str(spec["tp"])),)
     cfg = RunConfig(out="unused", model=str(ckpt), dtype=spec["dtype"], layers="all", engine="vllm", engine_args=args,
-                    new_tokens=spec.get("new_tokens", 0))
+                    new_tokens=spec.get("new_tokens", 0), points=tuple(spec.get("points", "input").split(",")))
     start = time.perf_counter()
     llm = load_llm(engine_kwargs(cfg, ckpt, seqs, tap=spec["tap"]))
     _reply({"construct_s": time.perf_counter() - start})
@@ -266,6 +266,8 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=HIDDEN, help=f"hidden size (default {HIDDEN}: the tests' model)")
     ap.add_argument("--layers", type=int, default=LAYERS, help=f"decoder layers (default {LAYERS})")
     ap.add_argument("--prompts", type=int, default=None, help="prompts per job (default: as many as --mib makes)")
+    ap.add_argument("--points", default="input", help="capture points, comma-separated (default input; "
+                    "input,attn_output,mlp_input,mlp_output: the points inside a layer too)")
     ap.add_argument("--new-tokens", type=int, default=0, help="greedy tokens per prompt, decode steps captured too "
                     "(default 0: a prefill, max_tokens=1)")
     args = ap.parse_args()
@@ -273,10 +275,12 @@ def main() -> None:
         return worker(json.loads(args.worker))
     root = Path(args.dir or tempfile.mkdtemp(prefix="driftscope-bench-mp-"))
     root.mkdir(parents=True, exist_ok=True)
-    per_prompt = args.tokens * args.layers * args.hidden * (4 if args.dtype == "float32" else 2)
+    per_prompt = (len(args.points.split(",")) * args.tokens * args.layers * args.hidden
+                  * (4 if args.dtype == "float32" else 2))
     n = args.prompts or max(1, round(args.mib * 2**20 / per_prompt))
     base = {"ckpt": str(checkpoint(args.hidden, args.layers)), "tokens": args.tokens, "prompts": n,
-            "dtype": args.dtype, "out": str(root), "hidden": args.hidden, "new_tokens": args.new_tokens}
+            "dtype": args.dtype, "out": str(root), "hidden": args.hidden, "new_tokens": args.new_tokens,
+            "points": args.points}
     args.fresh = root if args.fresh_cache else None
     try:
         res, tp1 = overhead(args, base)
