@@ -19,6 +19,7 @@ import dumper
 from comparator import compare_dumps
 from dumper.format import load_manifest
 from dumper.format.reader import DumpReader
+from dumper.format.sketch import SketchSpec
 from dumper.jobs.run import RunConfig, dump_sequences
 from tests.conftest import prompt_ids, run_cli, tiny_llama
 
@@ -105,3 +106,18 @@ def test_without_the_points_inside_the_layer_both_bugs_read_as_the_next_layer(du
     for where in ("mlp", "attn"):
         fd = compare_dumps(dumps / "base-input", dumps / f"{where}-input").first_divergent
         assert fd is not None and (fd.layer, fd.token, fd.point, fd.agreeing) == (LAYER + 1, TOKEN, "input", [])
+
+
+def test_a_sketch_projects_the_points_inside_the_layer_and_still_names_the_point(dumps, tmp_path):
+    model, _ = tiny_llama()
+    seqs = [list(range(3, 51))]
+    handle = model.model.layers[LAYER].mlp.register_forward_hook(_bug, with_kwargs=True)
+    try:
+        dump_sequences(model, seqs, RunConfig(out=str(tmp_path / "mlp"), layers="all", points=SUBLAYER,
+                                                     sketch=SketchSpec(k=16)))
+    finally:
+        handle.remove()
+    sketched = [t for t in load_manifest(tmp_path / "mlp").tensors if t.point in ("attn_output", "mlp_output")]
+    assert sketched and all(t.sketch is not None and t.shape[-1] == 16 for t in sketched)
+    fd = compare_dumps(dumps / "base", tmp_path / "mlp").first_divergent  # a full baseline, read as a sketch
+    assert fd is not None and (fd.layer, fd.point, fd.token) == (LAYER, "mlp_output", TOKEN)
