@@ -97,7 +97,9 @@ class NoiseLimits:
         else:
             ref = np.where(decode_rows, _phase_max(self.noise, DECODE, self.floor),
                            _phase_max(self.noise, PREFILL, self.floor))
-            worst = max(map(_ratio, token.tolist(), ref.tolist()))
+            with np.errstate(divide="ignore", invalid="ignore"):  # the rule of _ratio, row by row
+                rows = np.where(ref > 0, token / ref, np.where(token == 0, 0.0, np.inf))
+            worst = float(np.where(np.isnan(token), np.inf, rows).max())
         return _ratio(rel_diff, max(self.noise.rel_diff, self.floor)), worst
 
 

@@ -106,6 +106,7 @@ def test_the_per_row_threshold_follows_the_row_phase():
     failing = np.flatnonzero(~(token <= lim.token_thresholds(decode)))
     assert failing.tolist() == [2, 6]  # 5e-8 > 3e-8 in the prompt; 5e-4 > 3e-4 in decode; 2e-4 passes there only
     assert lim.ratios(0.0, token, decode)[1] == pytest.approx(5.0)  # the prompt row, 5e-8 / 1e-8
+    assert lim.ratios(0.0, np.where(np.arange(8) == 5, np.nan, token), decode)[1] == np.inf  # a NaN row: never noise
     assert lim.token_thresholds(None) == lim.token_threshold  # no decode rows known: the prompt rows' threshold
     fixed = noise_limits(noise, 3.0, 1e-12, (1e-3, 1e-4))  # explicit thresholds on top: the smaller wins
     assert (fixed.token_threshold, fixed.decode_token_threshold) == (3.0 * 1e-8, 1e-4)
