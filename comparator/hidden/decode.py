@@ -85,7 +85,9 @@ class DecodePlan:
         if sequences is None:
             start = self.lengths.get(sequence) if sequence is not None else None
             return np.zeros(positions.shape, dtype=bool) if start is None else positions >= start
-        starts = np.array([self.lengths.get(int(s), -1) for s in sequences.tolist()], dtype=np.int64)
+        starts = np.full(sequences.shape, -1, dtype=np.int64)  # -1: a sequence without a decode part
+        for s, n in self.lengths.items():
+            starts[sequences == s] = n
         return (starts >= 0) & (positions >= starts)
 
     def summary(self, forks: tuple[DecodeFork, ...]) -> DecodeComparison:
