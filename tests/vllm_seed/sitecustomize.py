@@ -11,6 +11,7 @@ never imported by this file). Keys (each optional, but one of ``layer``/``chunk_
     {"layer": L, "token": T}   vLLM's LlamaDecoderLayer L adds ``add`` (0.5) to its output at position T
     "where": "mlp"             ... its MLP adds it to its own output instead, at row T of the engine step
                                (position T of a single prompt): inside the layer, before the residual add
+    "where": "attn"            ... its attention adds it to its own output instead, at position T
     "rank": R                  ... only on tensor-parallel rank R (every rank without it)
     "tapped_only": true        ... only in an engine loaded with driftscope's tap (additional_config)
     {"chunk_layer": L}         the CPU attention of layer L adds ``add`` to the rows of requests that
@@ -109,6 +110,34 @@ def _patch_llama_mlp(module: Any, seed: dict[str, Any]) -> None:
     cls.__init__, cls.forward = seeded_init, seeded_forward
 
 
+def _patch_llama_attention(module: Any, seed: dict[str, Any]) -> None:
+    """Layer ``seed["layer"]``'s LlamaAttention adds ``add`` to its output at position ``token`` (``rank``: as
+    :func:`_patch_llama`)."""
+    from vllm.config import get_current_vllm_config
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    cls = module.LlamaAttention
+    init, forward = cls.__init__, cls.forward
+    token, add = int(seed["token"]), float(seed.get("add", 0.5))
+
+    def seeded_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        config = get_current_vllm_config()
+        extra = config.additional_config if isinstance(config.additional_config, dict) else {}
+        self.driftscope_test_bug = (extract_layer_index(kwargs.get("prefix", "")) == seed["layer"]
+                                    and ("rank" not in seed or _rank() == seed["rank"]))
+        if not config.model_config.enforce_eager and extra.get(CONFIG_KEY) != seed:
+            raise RuntimeError(f"{SEED_ENV}: a compiled engine needs additional_config[{CONFIG_KEY!r}] == {seed}")
+
+    def seeded_forward(self: Any, positions: Any, hidden_states: Any, *args: Any, **kwargs: Any) -> Any:
+        out = forward(self, positions, hidden_states, *args, **kwargs)
+        if self.driftscope_test_bug:  # fixed per layer at construction: no branch on data
+            out = out + add * (positions == token)[:, None].to(out.dtype)  # [tokens, hidden]
+        return out
+
+    cls.__init__, cls.forward = seeded_init, seeded_forward
+
+
 def _marked(runner: Any) -> bool:
     """Whether the runner's batch holds a request marked for driftscope's capture."""
     for rid in getattr(runner.input_batch, "req_ids", None) or ():
@@ -153,7 +182,7 @@ def _seed_patches(raw: str, patches: dict[str, Callable[[Any], None]]) -> None:
         raise SystemExit(f"{SEED_ENV}={raw}: expected a JSON object of {sorted(_KEYS)} with layer, die_after or "
                          "chunk_layer")
     if "layer" in seed:
-        patch = _patch_llama_mlp if seed.get("where") == "mlp" else _patch_llama
+        patch = {"mlp": _patch_llama_mlp, "attn": _patch_llama_attention}.get(seed.get("where", ""), _patch_llama)
         patches["vllm.model_executor.models.llama"] = lambda m: patch(m, seed)
     if "chunk_layer" in seed:
         from chunk_bug import patch_cpu_attention  # beside this file, on PYTHONPATH with it

@@ -235,18 +235,19 @@ def _worker(ckpt: str, prompts: str, out: str) -> None:
         dump_llm(llm, replace(cfg, out=str(base / "bug-decode"), new_tokens=NEW_TOKENS), DECODE_BUG_PROMPTS, Path(ckpt))
         return 0
 
-    def seeded_mlp() -> int:  # a bug inside layer BUG_LAYER (its MLP's output), every point inside the layer captured
-        seed = {"layer": BUG_LAYER, "token": BUG_TOKEN, "where": "mlp"}
-        mlp_cfg = replace(cfg, out=str(base / "bug-mlp"), points=tuple(SUBLAYER.split(",")), logprobs=None)
-        mlp_kw = engine_kwargs(mlp_cfg, Path(ckpt), [PROMPTS[BUG_PROMPT]])
+    def seeded_half(where: str) -> int:  # a bug inside layer BUG_LAYER (its MLP's or attention's output)
+        seed = {"layer": BUG_LAYER, "token": BUG_TOKEN, "where": where}
+        half_cfg = replace(cfg, out=str(base / f"bug-{where}"), points=tuple(SUBLAYER.split(",")), logprobs=None)
+        half_kw = engine_kwargs(half_cfg, Path(ckpt), [PROMPTS[BUG_PROMPT]])
         with seeded(seed) as key:
-            llm = load_llm({**mlp_kw, "additional_config": {**mlp_kw["additional_config"], **key}})
-        dump_llm(llm, mlp_cfg, [PROMPTS[BUG_PROMPT]], Path(ckpt))
+            llm = load_llm({**half_kw, "additional_config": {**half_kw["additional_config"], **key}})
+        dump_llm(llm, half_cfg, [PROMPTS[BUG_PROMPT]], Path(ckpt))
         return 0
 
     timed("bug", seeded_job)
     timed("bug-decode", seeded_decode)
-    timed("bug-mlp", seeded_mlp)
+    timed("bug-mlp", lambda: seeded_half("mlp"))
+    timed("bug-attn", lambda: seeded_half("attn"))
     for name in ("chunk", "bf16", "logits"):
         timed(name, lambda name=name: main([*run, *CLI_JOBS[name], "--out", str(base / name)]))
     bad = base / "bad-ckpt"  # last: a failed engine start may leave vLLM's process state behind
@@ -357,21 +358,26 @@ def test_a_bug_at_one_layer_and_token_is_localized_to_the_next_layer(runs):
 
 
 @pytest.mark.engine
-def test_a_bug_inside_a_layer_is_named_at_its_point_in_vllm(runs, tmp_path):
-    """The MLP of layer BUG_LAYER adds the seeded bug to its own output (compiled into vLLM's graph): with the
-    points inside the layer captured, the verdict names that MLP output, its attention output and MLP input
-    agreeing with an HF run of the same points."""
+@pytest.mark.parametrize("where,point,name,agreeing", [
+    ("mlp", "mlp_output", "mlp.output", ["input", "attn_output", "mlp_input"]),
+    ("attn", "attn_output", "self_attn.output", ["input"]),
+])
+def test_a_bug_inside_a_layer_is_named_at_its_point_in_vllm(runs, tmp_path, where, point, name, agreeing):
+    """The MLP (or the attention) of layer BUG_LAYER adds the seeded bug to its own output (compiled into vLLM's
+    graph): with the points inside the layer captured, the verdict names that output, the layer's earlier points
+    agreeing with an HF run of the same points, every earlier layer passing."""
     _, root, results = runs
-    assert results["bug-mlp"]["rc"] == 0, results["bug-mlp"]["stderr"]
+    job = f"bug-{where}"
+    assert results[job]["rc"] == 0, results[job]["stderr"]
     r = run_cli("dumper", "run", "--model", shared_checkpoint(), "--layers", "all", "--points", SUBLAYER,
                 "--input-ids", ",".join(map(str, PROMPTS[BUG_PROMPT])), "--out", tmp_path / "hf", "--quiet")
     assert r.returncode == 0, r.stderr
-    report = compare_dumps(tmp_path / "hf", root / "bug-mlp")
+    report = compare_dumps(tmp_path / "hf", root / job)
     fd = report.first_divergent
-    assert _compiled(runs, "bug-mlp") and not report.passed and fd is not None
-    want = (BUG_LAYER, "mlp_output", f"model.layers.{BUG_LAYER}.mlp.output", BUG_TOKEN)
+    assert _compiled(runs, job) and not report.passed and fd is not None
+    want = (BUG_LAYER, point, f"model.layers.{BUG_LAYER}.{name}", BUG_TOKEN)
     assert (fd.layer, fd.point, fd.name, fd.token) == want, fd
-    assert fd.agreeing == ["input", "attn_output", "mlp_input"]
+    assert fd.agreeing == agreeing
     assert all(t.passed for t in report.tensors if t.layer < BUG_LAYER)
 
 
