@@ -80,16 +80,11 @@ def _patch_llama(module: Any, seed: dict[str, Any]) -> None:
     cls.__init__, cls.forward = seeded_init, seeded_forward
 
 
-def _patch_llama_mlp(module: Any, seed: dict[str, Any]) -> None:
-    """Layer ``seed["layer"]``'s LlamaMLP adds ``add`` to its output at row ``token`` of the step (``rank``: as
-    :func:`_patch_llama`)."""
-    import torch
+def _seeded_init(init: Callable[..., None], seed: dict[str, Any]) -> Callable[..., None]:
+    """A module ``__init__`` that marks the module of layer ``seed["layer"]`` (its ``prefix``; on ``seed["rank"]``)
+    buggy, and refuses a compiled engine whose config does not carry the seed (:func:`seed_config`)."""
     from vllm.config import get_current_vllm_config
     from vllm.model_executor.models.utils import extract_layer_index
-
-    cls = module.LlamaMLP
-    init, forward = cls.__init__, cls.forward
-    token, add = int(seed["token"]), float(seed.get("add", 0.5))
 
     def seeded_init(self: Any, *args: Any, **kwargs: Any) -> None:
         init(self, *args, **kwargs)
@@ -99,6 +94,17 @@ def _patch_llama_mlp(module: Any, seed: dict[str, Any]) -> None:
                                     and ("rank" not in seed or _rank() == seed["rank"]))
         if not config.model_config.enforce_eager and extra.get(CONFIG_KEY) != seed:
             raise RuntimeError(f"{SEED_ENV}: a compiled engine needs additional_config[{CONFIG_KEY!r}] == {seed}")
+
+    return seeded_init
+
+
+def _patch_llama_mlp(module: Any, seed: dict[str, Any]) -> None:
+    """Layer ``seed["layer"]``'s LlamaMLP adds ``add`` to its output at row ``token`` of the step (``rank``: as
+    :func:`_patch_llama`)."""
+    import torch
+
+    cls = module.LlamaMLP
+    forward, token, add = cls.forward, int(seed["token"]), float(seed.get("add", 0.5))
 
     def seeded_forward(self: Any, x: Any) -> Any:
         out = forward(self, x)
@@ -107,27 +113,14 @@ def _patch_llama_mlp(module: Any, seed: dict[str, Any]) -> None:
             out = out + add * (rows == token)[:, None].to(out.dtype)  # [tokens, hidden]
         return out
 
-    cls.__init__, cls.forward = seeded_init, seeded_forward
+    cls.__init__, cls.forward = _seeded_init(cls.__init__, seed), seeded_forward
 
 
 def _patch_llama_attention(module: Any, seed: dict[str, Any]) -> None:
     """Layer ``seed["layer"]``'s LlamaAttention adds ``add`` to its output at position ``token`` (``rank``: as
     :func:`_patch_llama`)."""
-    from vllm.config import get_current_vllm_config
-    from vllm.model_executor.models.utils import extract_layer_index
-
     cls = module.LlamaAttention
-    init, forward = cls.__init__, cls.forward
-    token, add = int(seed["token"]), float(seed.get("add", 0.5))
-
-    def seeded_init(self: Any, *args: Any, **kwargs: Any) -> None:
-        init(self, *args, **kwargs)
-        config = get_current_vllm_config()
-        extra = config.additional_config if isinstance(config.additional_config, dict) else {}
-        self.driftscope_test_bug = (extract_layer_index(kwargs.get("prefix", "")) == seed["layer"]
-                                    and ("rank" not in seed or _rank() == seed["rank"]))
-        if not config.model_config.enforce_eager and extra.get(CONFIG_KEY) != seed:
-            raise RuntimeError(f"{SEED_ENV}: a compiled engine needs additional_config[{CONFIG_KEY!r}] == {seed}")
+    forward, token, add = cls.forward, int(seed["token"]), float(seed.get("add", 0.5))
 
     def seeded_forward(self: Any, positions: Any, hidden_states: Any, *args: Any, **kwargs: Any) -> Any:
         out = forward(self, positions, hidden_states, *args, **kwargs)
@@ -135,7 +128,7 @@ def _patch_llama_attention(module: Any, seed: dict[str, Any]) -> None:
             out = out + add * (positions == token)[:, None].to(out.dtype)  # [tokens, hidden]
         return out
 
-    cls.__init__, cls.forward = seeded_init, seeded_forward
+    cls.__init__, cls.forward = _seeded_init(cls.__init__, seed), seeded_forward
 
 
 def _marked(runner: Any) -> bool:
