@@ -30,7 +30,7 @@ import torch
 from dumper.errors import UsageError
 from dumper.format import Manifest, load_manifest
 from dumper.format.files import printable
-from dumper.format.points import MLP_INPUT, MLP_OUTPUT, RECORD_SUFFIX
+from dumper.format.points import MLP_INPUT, MLP_OUTPUT, record_name
 from dumper.hooks.capture import Capture
 from dumper.hooks.fingerprint import config_identity
 from dumper.hooks.layers import ATTN_INPUT, parse_layer_spec
@@ -107,14 +107,14 @@ LAYER_PREFIX = "model.layers"
 
 def attn_input_name(layer: int) -> str:
     """The HF capture's name for layer ``layer``'s self-attention input (Llama-family module path)."""
-    return f"{LAYER_PREFIX}.{layer}.self_attn.{ATTN_INPUT}"
+    return point_name(layer, ATTN_INPUT)
 
 
 def point_name(layer: int, point: str) -> str:
     """The HF capture's name for layer ``layer``'s capture point ``point`` (Llama-family module paths:
     ``self_attn`` for the attention's points, ``mlp`` for the MLP's, :mod:`dumper.format.points`)."""
     module = "mlp" if point in (MLP_INPUT, MLP_OUTPUT) else "self_attn"
-    return f"{LAYER_PREFIX}.{layer}.{module}.{RECORD_SUFFIX[point]}"
+    return record_name(f"{LAYER_PREFIX}.{layer}.{module}", point)
 
 
 @dataclass(frozen=True)

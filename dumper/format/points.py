@@ -26,7 +26,7 @@ from __future__ import annotations
 from typing import Final
 
 __all__ = ["INPUT", "RESIDUAL", "ATTN_OUTPUT", "MLP_INPUT", "MLP_OUTPUT", "ROUTER", "SUBLAYER_POINTS", "OUTPUT_POINTS",
-           "RECORD_SUFFIX", "ORDER", "order_in_layer"]
+           "RECORD_SUFFIX", "ORDER", "order_in_layer", "record_name"]
 
 INPUT: Final = "input"
 RESIDUAL: Final = "residual"
@@ -49,3 +49,9 @@ ORDER: Final = (RESIDUAL, INPUT, ATTN_OUTPUT, MLP_INPUT, ROUTER, MLP_OUTPUT)
 def order_in_layer(point: str | None) -> int:
     """Where ``point`` sits in :data:`ORDER`; a point it does not know (None, a custom module's) as ``input``."""
     return ORDER.index(point) if point in ORDER else ORDER.index(INPUT)
+
+
+def record_name(module: str, point: str) -> str:
+    """The record name of ``point`` read at the module named ``module``: ``model.layers.2.mlp`` + ``mlp_output`` is
+    ``model.layers.2.mlp.output`` (:data:`RECORD_SUFFIX`; a point it does not know is its own suffix)."""
+    return f"{module}.{RECORD_SUFFIX.get(point, point)}"

@@ -18,12 +18,12 @@ from torch import nn
 
 from dumper.errors import UsageError
 from dumper.format.manifest import ROUTER_POINT
-from dumper.format.points import (ATTN_OUTPUT, INPUT, MLP_INPUT, MLP_OUTPUT, OUTPUT_POINTS, RECORD_SUFFIX, RESIDUAL,
-                                  SUBLAYER_POINTS)
+from dumper.format.points import (ATTN_OUTPUT, INPUT, MLP_INPUT, MLP_OUTPUT, OUTPUT_POINTS, RESIDUAL,
+                                  SUBLAYER_POINTS, record_name)
 
 __all__ = ["DEFAULT_LAYERS", "HookTarget", "parse_layer_spec", "find_decoder_layers", "find_targets",
            "ATTN_INPUT", "RESIDUAL", "ATTN_OUTPUT", "MLP_INPUT", "MLP_OUTPUT", "ROUTER", "POINTS", "parse_points",
-           "find_residual_targets", "find_sublayer_targets", "find_router_targets", "hook_targets"]
+           "find_residual_targets", "find_sublayer_targets", "find_router_targets", "hook_targets", "named_child"]
 
 DEFAULT_LAYERS = "first,last,every:8"
 """The seed's choice: first and last layer plus every 8th."""
@@ -56,7 +56,7 @@ class HookTarget:
     @property
     def record(self) -> str:
         """The name its rows are recorded under: the module's name and the point's suffix (``self_attn.output``)."""
-        return f"{self.name}.{RECORD_SUFFIX.get(self.point, self.point)}"
+        return record_name(self.name, self.point)
 
     @property
     def output(self) -> bool:
@@ -120,7 +120,7 @@ def _spec_token(tok: str | int, num_layers: int, spec: object) -> range | list[i
     return [index(tok)]  # raises: not a spec
 
 
-def _named_child(layer: nn.Module, names: Sequence[str]) -> tuple[str, nn.Module] | None:
+def named_child(layer: nn.Module, names: Sequence[str]) -> tuple[str, nn.Module] | None:
     for attr in names:
         child = getattr(layer, attr, None)
         if isinstance(child, nn.Module):
@@ -141,7 +141,7 @@ def find_decoder_layers(model: nn.Module, attention_names: Sequence[str]) -> tup
     for name, mod in model.named_modules():
         if isinstance(mod, nn.ModuleList) and len(mod) > 0:
             real = [not isinstance(layer, nn.Identity) for layer in mod]  # Identity: a layer on another stage
-            if any(real) and all(_named_child(layer, attention_names) is not None
+            if any(real) and all(named_child(layer, attention_names) is not None
                                  for layer, here in zip(mod, real, strict=True) if here):
                 if best is None or len(mod) > len(best[1]):
                     best = (name, mod)
@@ -203,7 +203,7 @@ def find_targets(model: nn.Module, *, layers: str | Sequence[int] | None = None,
     keep = parse_layer_spec(layers, len(layer_list))
     targets = []
     for i in (i for i in keep if not isinstance(layer_list[i], nn.Identity)):  # this pipeline stage's layers
-        attr, child = _named_child(layer_list[i], attention_names)  # type: ignore[misc]
+        attr, child = named_child(layer_list[i], attention_names)  # type: ignore[misc]
         prefix = f"{list_name}.{i}" if list_name else str(i)
         targets.append(HookTarget(f"{prefix}.{attr}", child, i))
     return targets, len(layer_list)
@@ -260,7 +260,7 @@ def find_sublayer_targets(model: nn.Module, family: _Family, point: str, *, laye
     prefix = f"{list_name}." if list_name else ""
     targets = []
     for i in (i for i in parse_layer_spec(layers, len(layer_list)) if not isinstance(layer_list[i], nn.Identity)):
-        child = _named_child(layer_list[i], names)
+        child = named_child(layer_list[i], names)
         if child is None:
             raise UsageError(f"capture point {point!r}: layer {i} of {type(model).__name__} has none of the children "
                              f"{', '.join(names)} ({family.name} model family); drop the point")

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from dumper.errors import InternalError, UsageError
-from dumper.format.points import RECORD_SUFFIX
+from dumper.format.points import record_name
 from dumper.hooks.families import resolve_model
 from dumper.hooks.layers import ROUTER, HookTarget, hook_targets
 from dumper.hooks.router_tap import RouterEntry, RouterProbe, RouterTap, hook_router
@@ -83,7 +83,7 @@ class TapPoint:
     @property
     def record(self) -> str:
         """The name its rows are recorded under, as the module hooks name them (:attr:`HookTarget.record`)."""
-        return f"{self.name}.{RECORD_SUFFIX.get(self.point, self.point)}"
+        return record_name(self.name, self.point)
 
 
 class Tap:

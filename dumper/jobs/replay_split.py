@@ -45,7 +45,7 @@ from dumper.format.points import ATTN_OUTPUT, INPUT, MLP_INPUT, MLP_OUTPUT
 from dumper.hooks.capture import Capture
 from dumper.hooks.families import family_for
 from dumper.hooks.fingerprint import environment_fingerprint, model_identity
-from dumper.hooks.layers import find_decoder_layers
+from dumper.hooks.layers import find_decoder_layers, named_child
 from dumper.jobs.presets import load_model, model_label
 from dumper.jobs.replay import (ReplayConfig, check_replay_model, layer_kwargs, layer_parts, point_plan,
                                 sequence_lengths, sequence_rows)
@@ -99,11 +99,11 @@ def _halves_of(layer: nn.Module, model: nn.Module) -> dict[str, nn.Module]:
     family = family_for(model)
     out = {}
     for half, names in (("attention", family.attention_names), ("MLP", family.mlp_names)):
-        child = next((getattr(layer, n) for n in names if isinstance(getattr(layer, n, None), nn.Module)), None)
+        child = named_child(layer, names)
         if child is None:
             raise UsageError(f"replay --split: a decoder layer of {model_label(model)} has no {half} child "
                              f"({', '.join(names)})")
-        out[half] = child
+        out[half] = child[1]
     return out
 
 
@@ -152,11 +152,12 @@ def split_replay_model(model: nn.Module, baseline: str | Path, out: str | Path, 
                         "layers": sorted({k for k, *_ in jobs})}}
     env = environment_fingerprint(param.device, attn or getattr(model.config, "_attn_implementation", None))
     found: list[HalfError] = []
+    ref_stack = None if reference is None else _stack(reference)
     with torch.inference_mode(), Capture(None, out, model_name=identity["name"], extra=extra, identity=identity,
                                          signature=signature, environment=env) as cap:
         for done, (k, half, i, o) in enumerate(jobs, 1):
-            exact = None if reference is None else (
-                _float64_copy(_halves_of(_layer(reference, k), reference)[half]), _stack(reference))
+            exact = None if ref_stack is None else (
+                _float64_copy(_halves_of(_layer(reference, k), reference)[half]), ref_stack)
             found.append(_replay_half(cap, reader, plans, (k, half, i, o), stack, layer_list[k], model, param, exact))
             if progress is not None:
                 progress(done, len(jobs))
