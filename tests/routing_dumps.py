@@ -18,7 +18,7 @@ from torch import nn
 
 import dumper
 
-__all__ = ["mixtral", "prompt_ids", "router_dump", "choose_flip_token"]
+__all__ = ["mixtral", "prompt_ids", "router_dump", "seed_router_bug", "choose_flip_token"]
 
 _CONFIG = dict(vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
                num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=256)
@@ -66,6 +66,17 @@ def _seed_order(router: nn.Module) -> None:
     router.forward = forward
 
 
+def seed_router_bug(router: nn.Module, bug: str, *, token: int = 30, expert: int = 0, bias: float = 5.0) -> None:
+    """Seed ``bug`` (``"bias"``: +``bias`` on ``expert``'s logit of flat row ``token``; ``"order"``: weights not
+    renormalised) into one ``MixtralTopKRouter``."""
+    if bug == "bias":
+        _seed_bias(router, token, expert, bias)
+    elif bug == "order":
+        _seed_order(router)
+    else:
+        raise ValueError(f"unknown bug {bug!r}")
+
+
 def router_dump(out: str | Path, *, dtype: torch.dtype = torch.float32, attn: str = "eager",
                 bug: str | None = None, layer: int = 1, token: int = 30, expert: int = 0, bias: float = 5.0,
                 batch: int = 2, seq: int = 40) -> Path:
@@ -75,13 +86,8 @@ def router_dump(out: str | Path, *, dtype: torch.dtype = torch.float32, attn: st
     or ``"order"`` (``layer``'s weights not renormalised).
     """
     model = mixtral(dtype=dtype, attn=attn)
-    router = model.model.layers[layer].mlp.gate
-    if bug == "bias":
-        _seed_bias(router, token, expert, bias)
-    elif bug == "order":
-        _seed_order(router)
-    elif bug is not None:
-        raise ValueError(f"unknown bug {bug!r}")
+    if bug is not None:
+        seed_router_bug(model.model.layers[layer].mlp.gate, bug, token=token, expert=expert, bias=bias)
     with torch.no_grad(), dumper.capture(model, out, layers="all", points=("input", "router")):
         model(prompt_ids(batch, seq))
     return Path(out)

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from comparator.outcome import FAIL, flip_ratio, format_float, format_ratio, judged_by, routing_failures, status
+from comparator.outcome import (FAIL, describe_rank, flip_ratio, format_float, format_ratio, judged_by, routing_failures,
+                                status)
 from comparator.routing.types import Flip, RouterComparison
 
 __all__ = ["FLIP_HEAD", "FIRST_FAILURE", "SHOWN_FLIPS", "LayerRow", "FlipRow", "layer_head", "layer_rows",
@@ -81,13 +82,14 @@ def layer_rows(router: RouterComparison) -> list[LayerRow]:
         worst = "-" if f is None else f"{f.sequence}/{f.token} {f.margin:.3g}, {format_ratio(f.noise_ratio)}"
         sign = "<=" if la.weights_passed else ">"
         weights = f"{format_float(la.weight_max_err)} {sign} {format_float(la.weight_limit)}"
-        why = ", ".join(routing_failures(la))
+        why = ", ".join(routing_failures(la) + router.rank_failures(la.layer))
+        passed = la.passed and not router.rank_failures(la.layer)
         is_first = first is not None and la.layer == first.layer
         cells = [str(la.layer), str(la.tokens), f"{la.experts} / {la.top_k}", f"{la.flips} ({la.flip_rate:.2%})",
                  str(la.failing_flips), str(la.order_differences), worst, weights, format_float(la.weight_mean_err),
                  format_float(la.logits_rel_diff)] + [la.basis] * mixed
-        cells.append(f"{FIRST_FAILURE} ({why})" if is_first else status(la.passed, why))
-        rows.append(LayerRow(cells=tuple(cells), passed=la.passed, first=is_first))
+        cells.append(f"{FIRST_FAILURE} ({why})" if is_first else status(passed, why))
+        rows.append(LayerRow(cells=tuple(cells), passed=passed, first=is_first))
     return rows
 
 
@@ -120,7 +122,7 @@ def flip_rows(router: RouterComparison) -> list[FlipRow]:
 
 def routing_summary(router: RouterComparison) -> str:
     """``FAIL (layers 1, 2): 7 flips (7 failing) over 240 tokens in 3 MoE layers``: the routing's word and counts."""
-    failing = [la.layer for la in router.layers if not la.passed]
+    failing = [la.layer for la in router.layers if not la.passed or router.rank_failures(la.layer)]
     why = f"layer{'s' * (len(failing) > 1)} {', '.join(map(str, failing))}" if failing else None
     flips = f"{router.flips} flip{'s' * (router.flips != 1)}"
     return (f"{status(router.passed, why)}: {flips} ({router.failing_flips} failing) over "
@@ -128,8 +130,9 @@ def routing_summary(router: RouterComparison) -> str:
 
 
 def routing_notes(router: RouterComparison) -> list[str]:
-    """The comparison's notes, and the MoE layers only one side routed."""
-    out = list(router.notes)
+    """The ranks that route unlike their side's lowest rank, the comparison's notes, and the MoE layers only one
+    side routed."""
+    out = [describe_rank(r) for r in router.ranks] + list(router.notes)
     for side, layers in (("baseline", router.only_baseline), ("target", router.only_target)):
         if layers:
             out.append(f"MoE layers only the {side} routed, not compared: {', '.join(map(str, layers))}")

@@ -13,7 +13,9 @@ Per MoE layer both dumps routed, over the tokens both hold (matched by sequence 
   ``|Δw|`` is judged against the weight limit, so a renormalisation bug with equal ids fails;
 - with calibrated noise, a layer whose flips (benign ones included) are more frequent than
   ``factor`` x the calibrated flip rate fails too: many near-ties flipping at once is not noise;
-- a NaN/Inf in either side's router values fails the layer (never a pass).
+- a NaN/Inf in either side's router values fails the layer (never a pass);
+- under tensor parallelism every rank runs the replicated router: a rank whose rows differ from
+  its side's lowest rank (which is what is compared) fails too, named (:class:`RankRouting`).
 
 Example::
 
@@ -36,7 +38,7 @@ from dumper.format.dtypes import DTYPES
 from comparator.judging.fields import EXCESSIVE
 from comparator.judging.router_noise import SCORE_FLOOR, WEIGHT_FLOOR, RouterNoise, margin_rule, weight_rule
 from comparator.routing.read import LayerRecords, LayerRows, key_parts, read_layer, router_records, row_key
-from comparator.routing.types import CALIBRATED, MARGIN_RULE_BASIS, Flip, RouterComparison, RouterLayer
+from comparator.routing.types import CALIBRATED, MARGIN_RULE_BASIS, Flip, RankRouting, RouterComparison, RouterLayer
 
 __all__ = ["RUN_NOISE", "SHOWN_FLIPS", "compare_routing"]
 
@@ -208,6 +210,14 @@ def _compare_layer(entry_b: LayerRecords, b: LayerRows, t: LayerRows, judge: _Ju
         flip_rate_limit=judge.flip_rate_limit), flips
 
 
+def _ranks(side: str, entry: LayerRecords, rows: LayerRows) -> list[RankRouting]:
+    """The ranks of one side whose replicated routing of ``entry``'s layer differs from the lowest rank's."""
+    return [RankRouting(side=side, layer=entry.layer, name=entry.prefix, rank=d.rank, reference_rank=d.reference_rank,
+                        sequence=key_parts(d.key)[0], token=key_parts(d.key)[1], ids=d.ids,
+                        reference_ids=d.reference_ids, rows=d.rows, parts=d.parts, weight_max_diff=d.weight_max_diff)
+            for d in rows.rank_differences]
+
+
 def compare_routing(baseline: DumpReader, target: DumpReader, *, noise: Mapping[int, RouterNoise] | None = None,
                     factor: float = 3.0) -> RouterComparison | None:
     """The routing comparison of two dumps; None when either recorded no routing.
@@ -219,7 +229,7 @@ def compare_routing(baseline: DumpReader, target: DumpReader, *, noise: Mapping[
     rb, rt = router_records(baseline), router_records(target)
     if not rb or not rt:
         return None
-    layers, flips, excessive = [], [], []
+    layers, flips, excessive, ranks = [], [], [], []
     earlier: dict[int, int] = {}  # row_key -> the first layer its experts flipped at
     for layer in sorted(rb.keys() & rt.keys()):
         if (rb[layer].experts, rb[layer].top_k) != (rt[layer].experts, rt[layer].top_k):
@@ -229,10 +239,11 @@ def compare_routing(baseline: DumpReader, target: DumpReader, *, noise: Mapping[
                 "compared between runs of the same experts")
         n = (noise or {}).get(layer)
         judge = _Judge(n, factor, (*_dtype_names(rb[layer], baseline), *_dtype_names(rt[layer], target)))
-        rows_b = read_layer(baseline, rb[layer])
+        rows_b, rows_t = read_layer(baseline, rb[layer]), read_layer(target, rt[layer])
         excessive += _excessive(layer, judge, rows_b)
-        result, found = _compare_layer(rb[layer], rows_b, read_layer(target, rt[layer]),
-                                       judge, n.flip_rate if n is not None else None, earlier)
+        ranks += _ranks("baseline", rb[layer], rows_b) + _ranks("target", rt[layer], rows_t)
+        result, found = _compare_layer(rb[layer], rows_b, rows_t, judge, n.flip_rate if n is not None else None,
+                                       earlier)
         layers.append(result)
         flips += found
         for f in found:
@@ -251,4 +262,4 @@ def compare_routing(baseline: DumpReader, target: DumpReader, *, noise: Mapping[
         layers=tuple(layers), first_flip=flips[0] if flips else None,
         first_failing_flip=next((f for f in flips if not f.benign), None), flips_shown=tuple(flips[:SHOWN_FLIPS]),
         only_baseline=tuple(sorted(rb.keys() - rt.keys())), only_target=tuple(sorted(rt.keys() - rb.keys())),
-        notes=tuple(notes), warnings=tuple(excessive))
+        notes=tuple(notes), warnings=tuple(excessive), ranks=tuple(ranks))

@@ -4,7 +4,10 @@ The records are those of the ``router`` capture point (:data:`dumper.format.ROUT
 :data:`~dumper.format.ROUTER_CHOICE_POINT`). A layer is read only when it is compared, and only its
 routing rows (``[tokens, experts]`` floats at most), so two whole dumps are never held in memory.
 Padding rows are dropped; a (sequence, position) recorded twice (a replicated TP rank, a
-recomputed token) keeps its first row in (pass, rank, call) order.
+recomputed token) keeps its first row in (pass, rank, call) order. The router is replicated under
+tensor parallelism, so each rank's rows of a pass must equal the lowest rank's bit for bit:
+:func:`read_layer` also says which ranks' rows differ (:class:`RankDifference`), the way
+:mod:`comparator.hidden.replicas` does for hidden states.
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ from dumper.errors import CorruptDumpError, NotComparableError
 from dumper.format import (PAD_SEQUENCE, ROUTER_IDS, ROUTER_LOGITS, ROUTER_POINTS, ROUTER_SCORES, ROUTER_WEIGHTS,
                            DumpReader, TensorRecord, to_float64)
 
-__all__ = ["PARTS", "LayerRecords", "LayerRows", "row_key", "key_parts", "router_records", "read_layer"]
+__all__ = ["PARTS", "LayerRecords", "LayerRows", "RankDifference", "row_key", "key_parts", "router_records",
+           "read_layer"]
 
 PARTS = (ROUTER_LOGITS, ROUTER_IDS, ROUTER_WEIGHTS, ROUTER_SCORES)
 """The routing parts of a layer, in the order they are described in :mod:`dumper.format.manifest`."""
@@ -61,6 +65,28 @@ class LayerRows:
     scores: np.ndarray | None
     groups: tuple[int, int] | None = None
     """(groups, groups kept) of a grouped top-k on the scores (DeepSeek-V3), from the scores' meta; None: plain top-k."""
+    rank_differences: tuple[RankDifference, ...] = ()
+    """Ranks whose rows of a pass differ from the lowest rank's rows of the same tokens (rank order)."""
+
+
+@dataclass(frozen=True)
+class RankDifference:
+    """A rank whose routing rows differ from those of the lowest rank that recorded the same tokens in the
+    same pass: a replicated router that chose differently on one rank (its rows are not the ones compared)."""
+
+    rank: int
+    reference_rank: int
+    key: int
+    """:func:`row_key` of the first differing row in (sequence, position) order."""
+    ids: tuple[int, ...]
+    """This rank's experts at that row."""
+    reference_ids: tuple[int, ...]
+    rows: int
+    """How many of this rank's rows differ."""
+    parts: tuple[str, ...]
+    """Which parts differ anywhere on this rank (of :data:`PARTS`, in that order)."""
+    weight_max_diff: float
+    """Largest |Δw| slot by slot over the differing rows (NaN where a weight is NaN on one side only)."""
 
 
 def _part_of(rec: TensorRecord) -> tuple[str, str] | None:
@@ -136,22 +162,57 @@ def _keys(rec: TensorRecord, where: str) -> np.ndarray:
     return np.where(seq == PAD_SEQUENCE, -1, row_key(seq, pos))
 
 
-def _stack(reader: DumpReader, recs: Iterable[TensorRecord], floats: bool) -> tuple[np.ndarray, np.ndarray]:
-    """Keys and rows of one part over its records (float64 for values, int64 for ids)."""
-    keys, rows = [], []
+def _stack(reader: DumpReader, recs: Iterable[TensorRecord], floats: bool) -> tuple[np.ndarray, ...]:
+    """Keys, rows, ranks and forward passes of one part's rows over its records (float64 for values, int64 ids)."""
+    keys, rows, ranks, passes = [], [], [], []
     for rec in recs:
         keys.append(_keys(rec, str(reader.directory)))
         a = reader.rows(rec)
         rows.append(to_float64(a, rec.dtype) if floats else np.asarray(a, dtype=np.int64))
-    return np.concatenate(keys), np.concatenate(rows)
+        ranks.append(np.full(keys[-1].size, rec.rank, dtype=np.int64))
+        passes.append(np.full(keys[-1].size, rec.forward_pass, dtype=np.int64))
+    return tuple(np.concatenate(x) for x in (keys, rows, ranks, passes))
+
+
+def _same_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Per row: every value equal (NaN equal to NaN: the same bits of a replicated computation)."""
+    return ((a == b) | (np.isnan(a) & np.isnan(b))).all(axis=1) if a.dtype.kind == "f" else (a == b).all(axis=1)
+
+
+def _rank_differences(keys: np.ndarray, ranks: np.ndarray, passes: np.ndarray,
+                      parts: dict[str, np.ndarray]) -> tuple[RankDifference, ...]:
+    """Each rank's rows against the lowest rank's rows of the same (pass, sequence, position)."""
+    real = np.flatnonzero(keys >= 0)
+    order = real[np.lexsort((ranks[real], keys[real], passes[real]))]
+    if order.size < 2:
+        return ()
+    k, p = keys[order], passes[order]
+    start = np.r_[True, (k[1:] != k[:-1]) | (p[1:] != p[:-1])]
+    ref = order[np.flatnonzero(start)][np.cumsum(start) - 1]  # each row's group's lowest-rank row
+    other = ranks[order] != ranks[ref]
+    rows, refs = order[other], ref[other]
+    differs = {part: ~_same_rows(v[rows], v[refs]) for part, v in parts.items()}
+    bad = np.logical_or.reduce(list(differs.values()))
+    out = []
+    for rank in np.unique(ranks[rows[bad]]):
+        mine = bad & (ranks[rows] == rank)
+        first = np.flatnonzero(mine)[np.argmin(keys[rows[mine]])]
+        w = parts[ROUTER_WEIGHTS]
+        out.append(RankDifference(
+            rank=int(rank), reference_rank=int(ranks[refs[first]]), key=int(keys[rows[first]]),
+            ids=tuple(int(i) for i in parts[ROUTER_IDS][rows[first]]),
+            reference_ids=tuple(int(i) for i in parts[ROUTER_IDS][refs[first]]), rows=int(np.count_nonzero(mine)),
+            parts=tuple(part for part in PARTS if part in differs and differs[part][mine].any()),
+            weight_max_diff=float(np.max(np.abs(w[rows[mine]] - w[refs[mine]])))))
+    return tuple(out)
 
 
 def read_layer(reader: DumpReader, entry: LayerRecords) -> LayerRows:
     """The layer's rows, keyed, padding dropped, the first row of each key kept."""
     where = f"{reader.directory}: layer {entry.layer} routing"
-    keys, ids = _stack(reader, entry.parts[ROUTER_IDS], floats=False)
-    parts = {p: _stack(reader, entry.parts[p], floats=True) for p in (ROUTER_WEIGHTS, ROUTER_LOGITS, ROUTER_SCORES)
-             if p in entry.parts}
+    keys, ids, ranks, passes = _stack(reader, entry.parts[ROUTER_IDS], floats=False)
+    parts = {p: _stack(reader, entry.parts[p], floats=True)[:2]
+             for p in (ROUTER_WEIGHTS, ROUTER_LOGITS, ROUTER_SCORES) if p in entry.parts}
     for p, (k, _rows) in parts.items():
         if not np.array_equal(k, keys):
             raise NotComparableError(f"{where}: {p} covers other rows than {ROUTER_IDS}")
@@ -167,7 +228,9 @@ def read_layer(reader: DumpReader, entry: LayerRecords) -> LayerRows:
     scores = parts.get(ROUTER_SCORES)
     return LayerRows(keys=uniq, ids=ids[index], weights=parts[ROUTER_WEIGHTS][1][index],
                      logits=parts[ROUTER_LOGITS][1][index], scores=scores[1][index] if scores else None,
-                     groups=_groups(entry, experts, where) if scores else None)
+                     groups=_groups(entry, experts, where) if scores else None,
+                     rank_differences=_rank_differences(keys, ranks, passes,
+                                                        {ROUTER_IDS: ids, **{p: v for p, (_, v) in parts.items()}}))
 
 
 def _check_distinct(keys: np.ndarray, ids: np.ndarray, real: np.ndarray, where: str) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 
 from comparator.jsonfloat import from_json_float, to_json_float
 
-__all__ = ["Flip", "RouterLayer", "RouterComparison", "CALIBRATED", "MARGIN_RULE_BASIS"]
+__all__ = ["Flip", "RouterLayer", "RouterComparison", "RankRouting", "CALIBRATED", "MARGIN_RULE_BASIS"]
 
 CALIBRATED = "calibrated"
 """A layer judged against its calibrated routing noise."""
@@ -51,6 +51,48 @@ class Flip:
                    target_ids=tuple(int(i) for i in d["target_ids"]),
                    margin=from_json_float(d["margin"]), noise_ratio=from_json_float(d["noise_ratio"]),
                    benign=bool(d["benign"]), after=None if d.get("after") is None else int(d["after"]))
+
+
+@dataclass(frozen=True)
+class RankRouting:
+    """A tensor-parallel rank of one side whose replicated router chose otherwise than the lowest rank.
+
+    Every rank runs the whole router, so their rows of a pass must be bit-identical; the comparison
+    with the other side goes through the lowest rank's rows, so a rank that differs fails on its own.
+    """
+
+    side: str
+    """``"baseline"`` or ``"target"``."""
+    layer: int
+    name: str
+    """The layer's record prefix (``model.layers.3``)."""
+    rank: int
+    reference_rank: int
+    sequence: int
+    token: int
+    """The first differing row's position (the lowest (sequence, position) whose rows differ)."""
+    ids: tuple[int, ...]
+    """This rank's experts at that token."""
+    reference_ids: tuple[int, ...]
+    rows: int
+    """How many rows differ on this rank."""
+    parts: tuple[str, ...]
+    """The routing parts that differ (``router.ids``, ``router.weights``, ...)."""
+    weight_max_diff: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {"side": self.side, "layer": self.layer, "name": self.name, "rank": self.rank,
+                "reference_rank": self.reference_rank, "sequence": self.sequence, "token": self.token,
+                "ids": list(self.ids), "reference_ids": list(self.reference_ids), "rows": self.rows,
+                "parts": list(self.parts), "weight_max_diff": to_json_float(self.weight_max_diff)}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> RankRouting:
+        return cls(side=str(d["side"]), layer=int(d["layer"]), name=str(d["name"]), rank=int(d["rank"]),
+                   reference_rank=int(d["reference_rank"]), sequence=int(d["sequence"]), token=int(d["token"]),
+                   ids=tuple(int(i) for i in d["ids"]), reference_ids=tuple(int(i) for i in d["reference_ids"]),
+                   rows=int(d["rows"]), parts=tuple(str(p) for p in d["parts"]),
+                   weight_max_diff=from_json_float(d["weight_max_diff"]))
 
 
 @dataclass(frozen=True)
@@ -151,6 +193,8 @@ class RouterComparison:
     notes: tuple[str, ...] = ()
     warnings: tuple[str, ...] = ()
     """Calibrated routing noise so loose it would excuse flips the fixed rules fail by far (printed as warnings)."""
+    ranks: tuple[RankRouting, ...] = ()
+    """Ranks whose replicated routing differs from their side's lowest rank (each a failure), by layer then rank."""
 
     @property
     def flips(self) -> int:
@@ -162,12 +206,18 @@ class RouterComparison:
 
     @property
     def passed(self) -> bool:
-        return bool(self.layers) and all(la.passed for la in self.layers)
+        return bool(self.layers) and all(la.passed for la in self.layers) and not self.ranks
 
     @property
     def first_failing_layer(self) -> RouterLayer | None:
-        """The first layer that fails (a flip outside noise, too many flips, the weights, NaN/Inf, or nothing compared)."""
-        return next((la for la in self.layers if not la.passed), None)
+        """The first layer that fails (a flip outside noise, too many flips, the weights, NaN/Inf, nothing compared,
+        or a rank that routes it unlike its side's lowest rank)."""
+        ranked = {r.layer for r in self.ranks}
+        return next((la for la in self.layers if not la.passed or la.layer in ranked), None)
+
+    def rank_failures(self, layer: int) -> list[str]:
+        """``target rank 1``: each rank that routes ``layer`` unlike its side's lowest rank."""
+        return [f"{r.side} rank {r.rank}" for r in self.ranks if r.layer == layer]
 
     @property
     def basis(self) -> str:
@@ -183,7 +233,8 @@ class RouterComparison:
                 "flips_shown": [f.to_json() for f in self.flips_shown],
                 "layers": [la.to_json() for la in self.layers],
                 "only_baseline": list(self.only_baseline), "only_target": list(self.only_target),
-                "notes": list(self.notes), "warnings": list(self.warnings)}
+                "notes": list(self.notes), "warnings": list(self.warnings),
+                "ranks": [r.to_json() for r in self.ranks]}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> RouterComparison:
@@ -193,4 +244,4 @@ class RouterComparison:
                    flips_shown=tuple(Flip.from_json(f) for f in d.get("flips_shown", ())),
                    only_baseline=tuple(int(i) for i in d.get("only_baseline", ())),
                    only_target=tuple(int(i) for i in d.get("only_target", ())), notes=tuple(d.get("notes", ())),
-                   warnings=tuple(d.get("warnings", ())))
+                   warnings=tuple(d.get("warnings", ())), ranks=tuple(RankRouting.from_json(r) for r in d.get("ranks", ())))
