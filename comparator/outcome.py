@@ -273,7 +273,8 @@ def describe_divergence(fd: FirstDivergence) -> str:
     text = f"at {where} ({fd.name}, pass {fd.forward_pass}, rank {fd.rank})"
     if fd.agreeing:
         words = [_POINT_WORDS.get(p, p) for p in fd.agreeing]
-        text += f"; its {', '.join(words[:-1])}{' and ' if len(words) > 1 else ''}{words[-1]} agree"
+        listed = f"{', '.join(words[:-1])} and {words[-1]} agree" if len(words) > 1 else f"{words[0]} agrees"
+        text += f"; its {listed}"
     if fd.phase == "decode":
         text += f", decode step {fd.decode_step}"
     if fd.onset is not None and fd.onset != fd.token:

@@ -340,9 +340,13 @@ def _replay_notes(manifest: Manifest) -> tuple[str, ...]:
     if not isinstance(replay, dict):
         return ()
     forced = {"ids": "ids; weights by the target's router", "all": "ids and weights"}.get(replay.get("force_routing"))
-    return ("replay dump: the residual of layer k+1 is layer k run on the baseline's own input, so its "
+    what = ("split replay dump: layer k's attention and MLP outputs are each that half run on the baseline's own "
+            "input of it, so their rel_diff is the error that half introduces by itself, nothing inherited (the "
+            "inputs, only in the baseline, are expected)" if replay.get("split") else
+            "replay dump: the residual of layer k+1 is layer k run on the baseline's own input, so its "
             "rel_diff is the error layer k introduces by itself, nothing inherited (tensors only in the "
-            "baseline, such as layer 0's residual and the input point, are expected)",
+            "baseline, such as layer 0's residual and the input point, are expected)")
+    return (what,
             *([f"replay with the baseline's expert choices forced ({forced}): no routing flips by construction; what "
                "an MoE layer still adds is the same experts' math, not a different expert"] if forced else []))
 

@@ -244,4 +244,5 @@ class RouterComparison:
                    flips_shown=tuple(Flip.from_json(f) for f in d.get("flips_shown", ())),
                    only_baseline=tuple(int(i) for i in d.get("only_baseline", ())),
                    only_target=tuple(int(i) for i in d.get("only_target", ())), notes=tuple(d.get("notes", ())),
-                   warnings=tuple(d.get("warnings", ())), ranks=tuple(RankRouting.from_json(r) for r in d.get("ranks", ())))
+                   warnings=tuple(d.get("warnings", ())),
+                   ranks=tuple(RankRouting.from_json(r) for r in d.get("ranks", ())))

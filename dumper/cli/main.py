@@ -165,9 +165,9 @@ def _add_replay(sub: argparse._SubParsersAction) -> None:
     rp.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     rp.add_argument("--seed", type=seed_value, default=0, help="seed for preset weights (default 0)")
     rp.add_argument("--force-routing", choices=["ids", "all"], default=None,
-                    help="MoE models: replay each MoE layer with the baseline's expert choice for the same token "
-                         "(the baseline needs --points residual,router): ids = its expert ids, weighted by the "
-                         "router under test from its own logits; all = its expert ids and combine weights")
+                    help="MoE models: replay each MoE layer (with --split: each MoE block) with the baseline's expert "
+                         "choice for the same token (the baseline needs the router point too): ids = its expert ids, "
+                         "weighted by the router under test from its own logits; all = its expert ids and weights")
     rp.add_argument("--split", action="store_true",
                     help="run each layer's attention and MLP apart, each on the baseline's input of that half (the "
                          "baseline needs --points input,attn_output,mlp_input,mlp_output): what each half adds")
@@ -251,8 +251,6 @@ def _cmd_split_replay(args: argparse.Namespace, cfg: Any) -> int:
 
     if not args.split:
         raise UsageError("--reference needs --split (it measures each half of a layer)")
-    if args.force_routing:
-        raise UsageError("--split runs an MoE block with its own router; drop --force-routing (whole layers only)")
     with progress_bar(not args.quiet, "replaying", unit="halves") as progress:
         halves = split_replay(cfg, reference=args.reference, progress=progress)
     for layer in sorted({h.layer for h in halves}):
