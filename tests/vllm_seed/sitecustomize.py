@@ -12,6 +12,8 @@ never imported by this file). Keys (each optional, but one of ``layer``/``chunk_
     "where": "mlp"             ... its MLP adds it to its own output instead, at row T of the engine step
                                (position T of a single prompt): inside the layer, before the residual add
     "where": "attn"            ... its attention adds it to its own output instead, at position T
+    "where": "router"          ... MixtralMoE L negates its router logits at row T of the engine step before
+                               choosing experts: the row goes to its lowest-scored experts (a routing bug)
     "rank": R                  ... only on tensor-parallel rank R (every rank without it)
     "tapped_only": true        ... only in an engine loaded with driftscope's tap (additional_config)
     {"chunk_layer": L}         the CPU attention of layer L adds ``add`` to the rows of requests that
@@ -131,6 +133,27 @@ def _patch_llama_attention(module: Any, seed: dict[str, Any]) -> None:
     cls.__init__, cls.forward = _seeded_init(cls.__init__, seed), seeded_forward
 
 
+def _patch_mixtral_router(module: Any, seed: dict[str, Any]) -> None:
+    """Layer ``seed["layer"]``'s MixtralMoE negates its router logits at row ``token`` of the step before its
+    experts choose by them (``rank``: as :func:`_patch_llama`): that row takes the experts it scores lowest."""
+    import torch
+
+    cls = module.MixtralMoE
+    forward, token = cls.forward, int(seed["token"])
+
+    def seeded_forward(self: Any, hidden_states: Any) -> Any:
+        if not self.driftscope_test_bug:  # fixed per layer at construction: no branch on data
+            return forward(self, hidden_states)
+        shape = hidden_states.shape
+        hidden_states = hidden_states.view(-1, self.hidden_size)
+        logits, _ = self.gate(hidden_states)
+        rows = torch.arange(logits.shape[0], device=logits.device)
+        logits = torch.where((rows == token)[:, None], -logits, logits)  # [tokens, experts]
+        return self.experts(hidden_states, logits).view(shape)
+
+    cls.__init__, cls.forward = _seeded_init(cls.__init__, seed), seeded_forward
+
+
 def _marked(runner: Any) -> bool:
     """Whether the runner's batch holds a request marked for driftscope's capture."""
     for rid in getattr(runner.input_batch, "req_ids", None) or ():
@@ -174,7 +197,9 @@ def _seed_patches(raw: str, patches: dict[str, Callable[[Any], None]]) -> None:
     if not isinstance(seed, dict) or not seed.keys() <= _KEYS or not seed.keys() & {"layer", "die_after", "chunk_layer"}:
         raise SystemExit(f"{SEED_ENV}={raw}: expected a JSON object of {sorted(_KEYS)} with layer, die_after or "
                          "chunk_layer")
-    if "layer" in seed:
+    if seed.get("where") == "router":
+        patches["vllm.model_executor.models.mixtral"] = lambda m: _patch_mixtral_router(m, seed)
+    elif "layer" in seed:
         patch = {"mlp": _patch_llama_mlp, "attn": _patch_llama_attention}.get(seed.get("where", ""), _patch_llama)
         patches["vllm.model_executor.models.llama"] = lambda m: patch(m, seed)
     if "chunk_layer" in seed:

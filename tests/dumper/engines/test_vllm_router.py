@@ -6,8 +6,10 @@ vLLM job runs in one worker subprocess (:func:`_worker`), through driftscope's v
 (:func:`dumper.engines.vllm.dump_llm`, vLLM's default multiprocess engine, the tap asked for in
 ``additional_config``): vLLM's default compiled mode (TP=1) with the observer check (the same
 engine without the tap, its prompt logprobs compared bit for bit), and eager with TP=2 (the
-router is replicated: each rank records it). HF fp32's own gate outputs, read by plain forward
-hooks here, are the reference. The probe itself is also checked on a hand-built module (no vLLM).
+router is replicated: each rank records it), and that eager TP=2 engine again with a routing bug
+seeded on rank 1 alone (``tests/vllm_seed``: rank 1's MixtralMoE of layer :data:`BUG_LAYER` negates
+its router logits at row :data:`BUG_TOKEN` of the step). HF fp32's own gate outputs, read by plain
+forward hooks here, are the reference. The probe itself is also checked on a hand-built module (no vLLM).
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ from dumper.format import ROUTER_CHOICE_POINT, ROUTER_IDS, ROUTER_LOGITS, ROUTER
 from dumper.format.reader import DumpReader
 from dumper.jobs.run import LogprobSpec, RunConfig
 from tests.conftest import ROOT
-from tests.dumper.engines.test_engine_vllm import assert_worker_done, finish_worker, need, shared_checkpoint, worker_env
+from tests.dumper.engines.test_engine_vllm import (assert_worker_done, finish_worker, need, seeded, shared_checkpoint,
+                                                   worker_env)
 from tests.engine_models import MOE_CONFIG, build_moe_checkpoint
 
 N_LAYERS, N_EXPERTS, TOP_K = MOE_CONFIG["num_hidden_layers"], MOE_CONFIG["num_local_experts"], 2
@@ -37,6 +40,9 @@ PROMPTS = [[1] + _rng.integers(3, 300, n).tolist() for n in (47, 30, 12)]  # no 
 JOBS = {"compiled": (), "eager-tp2": (("enforce_eager", "true"), ("tensor_parallel_size", "2"))}
 """Job name -> ``--engine-arg`` pairs: vLLM's default (compiled, TP=1) and eager over two TP ranks."""
 POINTS = f"input,{ROUTER_POINT}"
+BUG_LAYER, BUG_TOKEN = 1, 20
+"""Where rank 1's seeded routing bug is: layer 1, row 20 of each engine step (prompt 0's token 20 among them)."""
+BUG_SEED = {"layer": BUG_LAYER, "token": BUG_TOKEN, "where": "router", "rank": 1}
 
 
 def shared_moe_checkpoint() -> Path:
@@ -70,6 +76,13 @@ def _worker(ckpt: str, out: str) -> None:
         if name == "compiled":  # the same engine without the tap: its logprobs against the dump's, bit for bit
             observe_llm(cfg, Path(ckpt), PROMPTS, vocab=int(hf_identity(Path(ckpt), cfg.model)["vocab_size"]))
             release_llm()
+    cfg = _cfg(Path(ckpt), base / "bug-tp2", JOBS["eager-tp2"])  # the eager TP=2 engine, rank 1 seeded
+    kw = engine_kwargs(cfg, Path(ckpt), PROMPTS)
+    with seeded(BUG_SEED) as key:  # in the TP workers vLLM starts here
+        llm = load_llm({**kw, "additional_config": {**kw["additional_config"], **key}})
+    dump_llm(llm, cfg, PROMPTS, Path(ckpt))
+    del llm
+    release_llm()
     finish_worker(base, results)
 
 
@@ -281,3 +294,33 @@ def test_the_comparator_finds_no_failing_flip_between_vllm_and_hf(runs, job, tmp
     assert all(la.tokens == sum(map(len, PROMPTS)) for la in r.layers)
     assert r.passed and r.failing_flips == 0, r.to_json()
     print(f"{job} vs HF fp32: {r.flips} flips, max |Δw| {max(la.weight_max_err for la in r.layers):.3e}")
+
+
+@pytest.mark.engine
+def test_a_routing_bug_on_rank_1_alone_fails_naming_rank_1(runs):
+    """Rank 1's router of layer BUG_LAYER sends token BUG_TOKEN to other experts; rank 0's, the one compared against
+    the baseline, routes as before. The verdict fails on the ranks' disagreement, naming rank 1, layer and token."""
+    from comparator import compare_dumps
+    from comparator.outcome import Outcome
+    from tests.conftest import run_cli
+
+    root = runs[0]
+    mine = [_routing(root / "bug-tp2", rank)[BUG_LAYER][ROUTER_IDS] for rank in (0, 1)]
+    clean = _routing(root / "eager-tp2")[BUG_LAYER][ROUTER_IDS]
+    assert np.array_equal(mine[0], clean)  # plain reads of the records: rank 0 untouched
+    keys = [(s, p) for s, prompt in enumerate(PROMPTS) for p in range(len(prompt))]
+    off = [keys[i] for i in np.flatnonzero((np.sort(mine[1], -1) != np.sort(clean, -1)).any(-1))]
+    # rank 1 off at row BUG_TOKEN of each engine step: vLLM-CPU runs each of these prefills as a step of its own
+    assert (0, BUG_TOKEN) in off and {p for _, p in off} == {BUG_TOKEN}, off
+    report = compare_dumps(root / "eager-tp2", root / "bug-tp2")
+    router = report.router
+    assert router is not None and not report.passed and Outcome.of(report) is Outcome.ROUTING
+    assert router.layers[BUG_LAYER].flips == 0  # rank 0 alone would pass this layer
+    r = router.ranks[0]
+    assert (r.side, r.layer, r.rank, r.reference_rank, r.sequence, r.token, r.rows) == (
+        "target", BUG_LAYER, 1, 0, 0, BUG_TOKEN, len(off))
+    assert not set(r.ids) & set(r.reference_ids)  # negated logits: its lowest-scored experts
+    proc = run_cli("comparator", root / "eager-tp2", root / "bug-tp2")
+    assert proc.returncode == 1, proc.stderr
+    assert f"target rank 1 routes layer {BUG_LAYER}" in proc.stdout, proc.stdout
+    assert f"token {BUG_TOKEN} of sequence 0" in proc.stdout, proc.stdout
