@@ -37,6 +37,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
                             "comparator.routing_words")),
     ("comparator.reports", ("comparator.reports.*",)),
     ("comparator.store", ("comparator.store.*",)),
+    ("comparator.bisect", ("comparator.bisect.*",)),
     ("comparator.cli", ("comparator.testing", "comparator.cli.*", "comparator", "comparator.__main__")),
     ("dumper.hooks", ("dumper.hooks.*",)),
     ("dumper.jobs.prefill", ("dumper.jobs.presets", "dumper.jobs.run", "dumper.jobs.observer", "dumper.jobs.logprobs",

@@ -3,7 +3,7 @@
 Subcommands, named by the first argument (:mod:`comparator.cli.parser`; ``--help`` lists them):
 ``logprobs``, ``collect`` (prompt logprobs from a live server, :mod:`comparator.logprobs.sources.collect`),
 ``calibrate`` and ``import-sglang`` here, ``regress`` and ``store`` (golden baselines in a run store,
-:mod:`comparator.cli.store`). :func:`build_parser` parses every command line of them all.
+:mod:`comparator.cli.store`), ``bisect`` (which build broke it, :mod:`comparator.cli.bisect`). :func:`build_parser` parses every command line of them all.
 
 Exit codes: 0 every matched tensor passed; 1 divergence; 2 unusable input (bad arguments,
 missing/incomplete/corrupt dump, zero matched tensors, shapes that cannot be aligned).
@@ -19,9 +19,10 @@ import sys
 from collections.abc import Sequence
 
 from dumper.cli.common import add_import_sglang_flags, guarded_main
-from dumper.errors import EXIT_DIVERGED, EXIT_OK, UsageError
-from dumper.format import MANIFEST_NAME, write_json_atomic
+from dumper.errors import EXIT_DIVERGED, EXIT_OK, DriftscopeError, UsageError
+from dumper.format import MANIFEST_NAME, load_manifest, write_json_atomic
 
+from comparator.config import CompareConfig
 from comparator.cli.args import (compare_config, logprob_threshold_flags, logprob_thresholds, noise_args, noise_flags,
                                  output_flags, parse_args, print_line, threshold_flags, warn)
 from comparator.cli.args import stdout_console as _console
@@ -30,6 +31,7 @@ from comparator.judging.logprob_metrics import metric_names
 from comparator.reports.outputs import add_output_flags
 from comparator.cli.parser import CommandParser, add_command
 from comparator.cli.store import build_regress_parser, build_store_parser
+from comparator.cli.bisect import build_bisect_parser, git_bisect_exit, git_skip
 
 __all__ = ["main", "run", "build_parser", "build_logprobs_parser", "build_collect_parser", "build_calibrate_parser",
            "build_import_sglang_parser", "COMMANDS"]
@@ -89,8 +91,8 @@ def build_parser() -> CommandParser:
                                   "command the first word names: `python -m comparator logprobs BASE TARGET` compares "
                                   "logprobs only, of dumps or engine JSONL files.")
     _compare_flags(p)
-    for add in (build_calibrate_parser, build_collect_parser, build_import_sglang_parser, build_logprobs_parser,
-                build_regress_parser, build_store_parser):
+    for add in (build_bisect_parser, build_calibrate_parser, build_collect_parser, build_import_sglang_parser,
+                build_logprobs_parser, build_regress_parser, build_store_parser):
         add(p.commands)
     return p
 
@@ -110,6 +112,9 @@ def _compare_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allow-model-mismatch", action="store_true",
                    help="compare dumps of different models (architecture, layer count, hidden size, config "
                         "hash), e.g. cross-engine or quantized runs; the differences are reported")
+    p.add_argument("--git-bisect", action="store_true",
+                   help="exit as `git bisect run` reads it: 0 good, 1 bad, 125 when the target cannot be judged "
+                        "(skip), 128 when the baseline or the flags are unusable (git stops)")
     logprob_threshold_flags(p, threshold_row=True, noise_from="with --noise")
     noise_flags(p)
     add_output_flags(p)
@@ -221,6 +226,13 @@ def cmd_regress(args: argparse.Namespace) -> int:
     return run_regress(args)
 
 
+def cmd_bisect(args: argparse.Namespace) -> int:
+    """``bisect``: :func:`comparator.cli.bisect.cmd_bisect`."""
+    from comparator.cli.bisect import cmd_bisect as run_bisect
+
+    return run_bisect(args)
+
+
 def cmd_store(args: argparse.Namespace) -> int:
     """``store``: :func:`comparator.cli.store_run.cmd_store`."""
     from comparator.cli.store_run import cmd_store as run_store
@@ -228,7 +240,7 @@ def cmd_store(args: argparse.Namespace) -> int:
     return run_store(args)
 
 
-COMMANDS = {"calibrate": cmd_calibrate, "collect": cmd_collect, "logprobs": cmd_logprobs, "regress": cmd_regress,
+COMMANDS = {"bisect": cmd_bisect, "calibrate": cmd_calibrate, "collect": cmd_collect, "logprobs": cmd_logprobs, "regress": cmd_regress,
             "store": cmd_store}
 """The subcommands run here by their parsed arguments (``import-sglang`` runs in :mod:`dumper.engines.sglang`)."""
 
@@ -252,14 +264,27 @@ def cmd_compare(args: argparse.Namespace) -> int:
     What only this command needs is imported here, so that the other commands and ``--help`` start
     without it, and ``--quiet`` never loads rich (a verdict line is what a script waits for).
     """
-    from comparator.hidden.compare import compare_dumps
     from comparator.judging.identity import check_distinct
+
+    config = compare_config(args)
+    check_distinct(args.baseline, args.target)  # before an SGLang side is converted into a temporary dump
+    if args.git_bisect:  # the baseline and the flags are checked first: their problems are no commit's
+        with _dump_side(args.baseline) as base:
+            load_manifest(base)
+        try:
+            return _compare(args, config)
+        except DriftscopeError as e:
+            return git_skip(e)
+    return _compare(args, config)
+
+
+def _compare(args: argparse.Namespace, config: CompareConfig) -> int:
+    """Compare the two sides of ``args`` by ``config``, print, write the report files; exit 0 or 1."""
+    from comparator.hidden.compare import compare_dumps
     from comparator.outcome import headline, verdict_notes
     from comparator.reports.files import write_csv, write_json
     from comparator.reports.outputs import progress_callback, write_outputs
 
-    config = compare_config(args)
-    check_distinct(args.baseline, args.target)  # before an SGLang side is converted into a temporary dump
     # either side may be an SGLang dumper directory: read as a temporary driftscope dump (dumper.engines.sglang)
     with _dump_side(args.baseline) as base, _dump_side(args.target) as target:
         with progress_callback(not args.quiet) as progress:
@@ -294,5 +319,6 @@ def _dump_side(path: str) -> contextlib.AbstractContextManager[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """CLI entry point: user errors become one line on stderr and a distinct exit code."""
-    return guarded_main(run, argv)
+    """CLI entry point: user errors become one line on stderr and a distinct exit code (``--git-bisect``: git's)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    return git_bisect_exit(args, guarded_main(run, args))

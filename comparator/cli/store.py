@@ -49,6 +49,12 @@ def build_regress_parser(sub: argparse._SubParsersAction | None = None) -> argpa
     noise_flags(p, noise_file=False)
     p.add_argument("--tensors", action="store_true", help="also print one row per tensor")
     p.add_argument("--quiet", action="store_true", help="print only the verdict line")
+    p.add_argument("--git-bisect", action="store_true",
+                   help="one step of `git bisect run`: store the run labelled bisect (never a baseline unless "
+                        "promoted) and exit 0 good, 1 bad, 125 when the run cannot be judged, 128 when the store or "
+                        "its baseline cannot be used (git stops)")
+    p.add_argument("--build", metavar="LABEL", default=None,
+                   help="with --git-bisect: the build label stored with the run (default: 'git bisect')")
     return p
 
 

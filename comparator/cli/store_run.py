@@ -20,6 +20,7 @@ from rich.table import Table
 from rich.text import Text
 
 from comparator.cli.args import compare_config, stdout_console, warn, write_output
+from comparator.cli.bisect import GIT_SKIP, git_skip
 from comparator.config import CompareConfig
 from comparator.noise.calibrate import calibrate
 from comparator.outcome import UNUSABLE, status
@@ -28,8 +29,8 @@ from comparator.store import Label, RunEntry, RunStore, StoreError
 from comparator.store.record import RunRecord
 from comparator.store.regress import RegressResult, regress
 from comparator.store.select import current_baselines
-from dumper.errors import CorruptDumpError
-from dumper.format import MANIFEST_NAME, write_json_atomic
+from dumper.errors import EXIT_UNUSABLE, CorruptDumpError, DriftscopeError, UsageError
+from dumper.format import MANIFEST_NAME, load_manifest, write_json_atomic
 from dumper.format.describe import describe_lines
 from dumper.format.files import printable
 from dumper.format.manifest import parse_manifest
@@ -40,13 +41,23 @@ __all__ = ["cmd_regress", "cmd_store"]
 def cmd_regress(args: argparse.Namespace) -> int:
     """``python -m comparator regress``: judge the run, store it, print; exit with the result's code."""
     config = compare_config(args)
+    if args.build is not None and not args.git_bisect:
+        raise UsageError("--build labels a run of --git-bisect")
+    if args.git_bisect:
+        if args.bootstrap:
+            raise UsageError("--git-bisect judges a commit against the store's baseline; it never bootstraps one")
+        try:  # the run under test is this commit's: its problems are a skip
+            load_manifest(args.run_dir)
+        except DriftscopeError as e:
+            return git_skip(e)
     result = regress(args.run_dir, args.store, model=args.run_group, bootstrap=args.bootstrap,
                      allow_env_mismatch=args.allow_env_mismatch, config=config, cache_dir=args.cache_dir,
-                     require_all=not args.allow_missing, calibrate_from=args.calibrate)
+                     require_all=not args.allow_missing, calibrate_from=args.calibrate,
+                     build=(args.build or "git bisect") if args.git_bisect else None)
     warn(result.warnings)
     _print_result(result, stdout_console(), quiet=args.quiet, tensors=args.tensors)
     write_output(args.json, lambda p: write_json_atomic(p, result.to_json()))
-    return result.exit_code
+    return GIT_SKIP if args.git_bisect and result.exit_code == EXIT_UNUSABLE else result.exit_code
 
 
 def _print_result(result: RegressResult, console: Console, *, quiet: bool, tensors: bool) -> None:
@@ -136,25 +147,24 @@ def _created(rec_created: str) -> str:
 def _ls(store: RunStore, console: Console, *, run_group: str | None, label: str | None) -> None:
     entries = store.runs()
     current = current_baselines(entries)
+    recs = [e.record for e in entries if e.record is not None and (not run_group or e.record.model == run_group)
+            and (not label or e.record.label == label)]
+    builds = any(r.build is not None for r in recs)  # a build column only where a bisection stored runs
     table = Table(title=Text(f"runs in {store.url}"), title_justify="left")
-    for col in ("run id", "created (UTC)", "model", "label", "baseline", "verdict"):
+    for col in ("run id", "created (UTC)", "model", "label", *("build",) * builds, "baseline", "verdict"):
         table.add_column(col, no_wrap=col in ("run id", "created (UTC)", "baseline"))
-    shown = 0
-    for e in entries:
-        rec = e.record
-        if rec is None or (run_group and rec.model != run_group) or (label and rec.label != label):
-            continue
+    for rec in recs:
         tag = rec.label.value + (" (current)" if rec.run_id in current else "")
-        style = {Label.FAILED: "red", Label.BASELINE: "bold"}.get(rec.label)
+        style = {Label.FAILED: "red", Label.BASELINE: "bold", Label.BISECT: "dim"}.get(rec.label)
+        build = [Text(printable(rec.build or "-"))] * builds
         table.add_row(rec.run_id, Text(printable(_created(rec.created_at))), Text(printable(rec.model)),
-                      Text(tag, style=style or ""), rec.baseline_run or "-", Text(printable(rec.verdict())))
-        shown += 1
+                      Text(tag, style=style or ""), *build, rec.baseline_run or "-", Text(printable(rec.verdict())))
     broken: list[RunEntry] = [e for e in entries if not e.complete]
     for e in broken:
-        table.add_row(Text(printable(e.name)), "-", "-", Text(e.status.upper(), style="bold yellow"), "-",
-                      Text(e.problem or ""))
+        table.add_row(Text(printable(e.name)), "-", "-", Text(e.status.upper(), style="bold yellow"), *["-"] * builds,
+                      "-", Text(e.problem or ""))
     console.print(table)
-    console.print(f"{shown} runs shown; {len(broken)} incomplete, corrupt or staging entries")
+    console.print(f"{len(recs)} runs shown; {len(broken)} incomplete, corrupt or staging entries")
     warn([e.problem for e in broken if e.status in ("incomplete", "corrupt") and e.problem])
 
 

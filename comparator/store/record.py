@@ -35,7 +35,7 @@ __all__ = [
 RUN_FORMAT_VERSION = 1
 _KEYS = ("format_version", "run_id", "created_at", "model", "pass_label", "baseline_run", "summary",
          "capture_signature", "environment", "model_identity", "dump_format_version", "dump_created_at", "promoted",
-         "calibration")
+         "calibration", "build")
 _REQUIRED = ("run_id", "created_at", "model", "pass_label", "capture_signature", "environment")
 _SCALAR = (str, int, float, bool, type(None))
 
@@ -50,7 +50,8 @@ class RunRecord:
     """What ``runs/<run_id>/run.json`` holds about one stored run.
 
     ``label`` (JSON ``pass_label``) is :attr:`Label.BASELINE` (bootstrapped or promoted),
-    :attr:`Label.PASSED` or :attr:`Label.FAILED` (the verdict against ``baseline_run``);
+    :attr:`Label.PASSED` or :attr:`Label.FAILED` (the verdict against ``baseline_run``), or
+    :attr:`Label.BISECT` (a build a bisection tested: ``build``);
     ``summary`` is ``None`` for a bootstrapped run; ``promoted`` is set once a human promoted the
     run; ``calibration`` vouches for the run's ``noise.json`` (``None``: uncalibrated).
     """
@@ -68,6 +69,8 @@ class RunRecord:
     dump_created_at: str | None = None
     promoted: Promotion | None = None
     calibration: Calibration | None = None
+    build: str | None = None
+    """The build a bisection tested (its line of ``--builds``), for ``bisect`` runs; None otherwise."""
     format_version: int = RUN_FORMAT_VERSION
 
     def to_json(self) -> dict[str, Any]:
@@ -87,6 +90,7 @@ class RunRecord:
             "promoted": self.promoted.to_json() if self.promoted is not None else None,
             # only when set: an uncalibrated record stays readable by versions that predate calibration
             **({"calibration": self.calibration.to_json()} if self.calibration is not None else {}),
+            **({"build": self.build} if self.build is not None else {}),
         }
 
     def dumps(self) -> bytes:
@@ -125,7 +129,7 @@ class RunRecord:
             capture_signature=d["capture_signature"], environment=d["environment"], label=Label(d["pass_label"]),
             baseline_run=d.get("baseline_run"), summary=summary, model_identity=d.get("model_identity", {}),
             dump_format_version=d.get("dump_format_version", 1), dump_created_at=d.get("dump_created_at"),
-            promoted=promoted, calibration=calibration,
+            promoted=promoted, calibration=calibration, build=d.get("build"),
         )
 
     def verdict(self) -> str:
@@ -152,6 +156,7 @@ def _check_fields(d: dict[str, Any]) -> None:
             raise bad(f"environment.{k}", "a string, number, boolean or null", v)
     check(d, "dump_format_version", lambda v: is_int(v) and v >= 0, "a non-negative integer")
     check(d, "dump_created_at", lambda v: v is None or isinstance(v, str), "a string or null")
+    check(d, "build", lambda v: v is None or (isinstance(v, str) and 0 < len(v) <= 4096), "a string or null")
     for key in ("promoted", "summary", "calibration"):  # their fields: their from_json, when the record is built
         check(d, key, lambda v: v is None or isinstance(v, dict), "an object or null")
 

@@ -98,7 +98,7 @@ class RegressResult:
 def regress(run_dir: str | os.PathLike[str], store: str | os.PathLike[str] | RunStore, *, model: str | None = None,
             bootstrap: bool = False, allow_env_mismatch: bool = False, config: CompareConfig | None = None,
             cache_dir: str | os.PathLike[str] | None = None, require_all: bool = True,
-            calibrate_from: Sequence[str | os.PathLike[str]] = ()) -> RegressResult:
+            calibrate_from: Sequence[str | os.PathLike[str]] = (), build: str | None = None) -> RegressResult:
     """Compare the dump ``run_dir`` against its baseline in ``store`` and store it, labelled.
 
     Args:
@@ -124,6 +124,8 @@ def regress(run_dir: str | os.PathLike[str], store: str | os.PathLike[str] | Run
             anything is stored, and stored with it (``noise.json``), so that the runs judged
             against it later are judged by that noise. Without it a passing run keeps its
             baseline's noise.
+        build: the run is one build of a bisection (``regress --git-bisect``): it is judged as any run, and
+            stored labelled ``bisect`` with this build label, good or bad, so that it never becomes a baseline.
 
     Raises :class:`~dumper.errors.DriftscopeError` subclasses (exit 2) for a broken run dump, a
     missing model name, no comparable baseline, an environment mismatch, a variant that cannot
@@ -141,7 +143,7 @@ def regress(run_dir: str | os.PathLike[str], store: str | os.PathLike[str] | Run
     warnings = tuple(e.problem for e in entries if e.status in ("incomplete", "corrupt") and e.problem)
     base, why, diffs = _select(entries, model, manifest, allow_env_mismatch=allow_env_mismatch, bootstrap=bootstrap)
     if base is None:
-        if not bootstrap:
+        if not bootstrap or build is not None:
             raise NoBaselineError(_no_baseline(st, entries, model, manifest))
         own = _measure(run_dir, calibrate_from, config)
         return _bootstrap(st, run_dir, manifest, model, warnings, why=why, diffs=diffs, noise=own)
@@ -152,7 +154,7 @@ def regress(run_dir: str | os.PathLike[str], store: str | os.PathLike[str] | Run
     if base_noise is None:
         warnings += (_uncalibrated(st, base, config),)
     return _compare_and_store(st, run_dir, manifest, model, base, config, cache_dir, warnings, diffs,
-                              base_noise=base_noise, own=own)
+                              base_noise=base_noise, own=own, build=build)
 
 
 def _select(entries: list[RunEntry], model: str, manifest: Manifest, *, allow_env_mismatch: bool,
@@ -210,26 +212,30 @@ def _kept_noise(own: NoiseModel | None, base_noise: StoredNoise | None, passed: 
 def _compare_and_store(st: RunStore, run_dir: str | os.PathLike[str], manifest: Manifest, model: str,
                        base: RunRecord, config: CompareConfig, cache_dir: str | os.PathLike[str] | None,
                        warnings: tuple[str, ...], diffs: tuple[EnvDifference, ...], *,
-                       base_noise: StoredNoise | None, own: NoiseModel | None) -> RegressResult:
+                       base_noise: StoredNoise | None, own: NoiseModel | None, build: str | None) -> RegressResult:
     noise_at = st.where(base.run_id, "noise.json") if base_noise is not None else None
     with st.local_dump(base.run_id, cache_dir) as base_dir:
         try:
             report = compare_dumps(base_dir, run_dir, config)
         except NotComparableError as e:
             # zero compared tensors is a failure, never a pass: keep the run as evidence, never as a baseline
-            rec = st.put(run_dir, model=model, label=Label.FAILED, baseline_run=base.run_id, manifest=manifest,
-                         summary=RunSummary.unusable(str(e)), noise=own)
-            return RegressResult(store=st.url, run_id=rec.run_id, label=Label.FAILED, baseline_run=base.run_id,
+            label = Label.FAILED if build is None else Label.BISECT
+            rec = st.put(run_dir, model=model, label=label, baseline_run=base.run_id, manifest=manifest,
+                         summary=RunSummary.unusable(str(e)), noise=own, build=build)
+            return RegressResult(store=st.url, run_id=rec.run_id, label=label, baseline_run=base.run_id,
                                  exit_code=EXIT_UNUSABLE, env_differences=diffs, warnings=warnings,
                                  noise=noise_at, calibration=rec.calibration,
-                                 message=f"{UNUSABLE}: {e}; stored run {rec.run_id} as failed (evidence); "
+                                 message=f"{UNUSABLE}: {e}; stored run {rec.run_id} as {label} (evidence); "
                                          f"the baseline stays {base.run_id}")
     report = replace(report, baseline=st.where(base.run_id, "dump"))
     rj = report.to_json()
-    label = Label.of_verdict(report.passed)
+    label = Label.of_verdict(report.passed) if build is None else Label.BISECT
     rec = st.put(run_dir, model=model, label=label, baseline_run=base.run_id, summary=RunSummary.of_report(report),
-                 report=rj, manifest=manifest, noise=_kept_noise(own, base_noise, report.passed, manifest))
-    if report.passed:
+                 report=rj, manifest=manifest, noise=_kept_noise(own, base_noise, report.passed, manifest), build=build)
+    if build is not None:
+        msg = (f"{PASS if report.passed else FAIL}: stored run {rec.run_id} as bisect (build {build!r}; it never "
+               f"becomes a baseline unless promoted) against baseline {base.run_id}")
+    elif report.passed:
         msg = f"{PASS}: stored run {rec.run_id} as passed (baseline {base.run_id})"
     else:
         msg = (f"{FAIL}: stored run {rec.run_id} as failed (evidence; it never becomes a baseline); "
@@ -271,7 +277,8 @@ def _no_baseline(st: RunStore, entries: list[RunEntry], model: str, manifest: Ma
     same_sig = [r for r in recs if signature_key(r.capture_signature) == sig]
     why = []
     if same_sig:
-        why.append(f"{len(same_sig)} runs with this signature are all labelled failed and never become baselines")
+        why.append(f"{len(same_sig)} runs with this signature are all labelled failed or bisect and never become "
+                   "baselines")
     if len(recs) > len(same_sig):
         why.append(f"{len(recs) - len(same_sig)} runs of this model have another capture signature")
     detail = f" ({'; '.join(why)})" if why else " (no runs of this model)"

@@ -190,15 +190,15 @@ class RunStore:
         return entry.record
 
     def put(self, dump_dir: str | os.PathLike[str], *, model: str, label: Label | str, baseline_run: str | None = None,
-            summary: RunSummary | None = None, report: Mapping[str, Any] | None = None,
-            manifest: Manifest | None = None, noise: NoiseModel | StoredNoise | None = None) -> RunRecord:
+            summary: RunSummary | None = None, report: Mapping[str, Any] | None = None, manifest: Manifest | None = None,
+            noise: NoiseModel | StoredNoise | None = None, build: str | None = None) -> RunRecord:
         """Store the dump at ``dump_dir`` whole, as a new run labelled ``label``; return its record.
 
         Data files go first, the dump's manifest after them, then ``report.json`` (if given),
         ``noise.json`` (if given), ``run.json`` and the ``COMPLETE`` marker; a local store then
         renames the staging folder into place. A writer that dies on the way leaves nothing that
-        lists as complete. ``noise``: measured on this dump, or a baseline's (inherited byte for byte).
-        """
+        lists as complete. ``noise``: measured on this dump, or a baseline's (inherited byte for byte);
+        ``build``: the build a bisection tested (label ``bisect``)."""
         if not (isinstance(label, str) and label in LABELS):
             raise StoreError(f"label {printable(repr(label))} is not one of {', '.join(LABELS)}")
         src = Path(dump_dir)
@@ -210,7 +210,7 @@ class RunStore:
             environment=manifest.environment, label=Label(label), baseline_run=baseline_run,
             summary=summary, model_identity=manifest.model,
             dump_format_version=manifest.format_version, dump_created_at=manifest.created_at,
-            calibration=stored.calibration if stored is not None else None)
+            calibration=stored.calibration if stored is not None else None, build=build)
         try:  # what is written must read back: a record that would list as corrupt is never stored
             RunRecord.from_json(json.loads(record.dumps()), folder=run_id)
         except ValueError as e:

@@ -6,6 +6,7 @@ The rules come from SGLang's ``precision_baseline_store`` as the seed describes 
   candidates: tensors captured differently are never forced into a comparison;
 * runs labelled ``failed`` are never selected: a failed run that became the next baseline
   would launder a lasting regression (the next, unchanged buggy run would pass against it);
+  nor are ``bisect`` runs: an old build a bisection tested is evidence, not the latest good run;
 * of the remaining ``baseline`` and ``passed`` runs the latest wins;
 * runs from another environment (see :mod:`.environment`) are not comparable either; when
   every candidate comes from another environment, selection refuses and names the fields.
@@ -36,10 +37,10 @@ def _entries(store: Listable | Iterable[RunEntry]) -> list[RunEntry]:
 
 
 def candidates(store: Listable | Iterable[RunEntry], model: str, signature: Mapping[str, Any]) -> list[RunRecord]:
-    """Complete, non-failed runs of ``model`` with exactly this capture signature, oldest first."""
+    """Complete ``baseline`` and ``passed`` runs of ``model`` with exactly this capture signature, oldest first."""
     sig = signature_key(signature)
     recs = [e.record for e in _entries(store) if e.complete and e.record is not None]
-    return sorted((r for r in recs if r.model == model and r.label != Label.FAILED
+    return sorted((r for r in recs if r.model == model and r.label.selectable
                    and signature_key(r.capture_signature) == sig), key=lambda r: r.run_id)
 
 
@@ -55,8 +56,8 @@ def select_baseline(store: Listable | Iterable[RunEntry], model: str, signature:
         allow_env_mismatch: when no candidate comes from this environment, take the latest
             candidate anyway instead of raising.
 
-    Returns the latest complete run with the same model, signature and environment that is not
-    labelled ``failed``, or ``None`` when no run of this model and signature exists.
+    Returns the latest complete run with the same model, signature and environment labelled
+    ``baseline`` or ``passed``, or ``None`` when no run of this model and signature exists.
 
     Raises:
         EnvMismatchError: candidates exist, but none from this environment (and
@@ -85,7 +86,7 @@ def current_baselines(store: Listable | Iterable[RunEntry]) -> dict[str, RunReco
     latest: dict[tuple[str, str, tuple[Any, ...]], RunRecord] = {}
     for e in _entries(store):
         r = e.record
-        if not e.complete or r is None or r.label == Label.FAILED:
+        if not e.complete or r is None or not r.label.selectable:
             continue
         k = (r.model, signature_key(r.capture_signature), env_key(r.environment))
         if k not in latest or r.run_id > latest[k].run_id:
