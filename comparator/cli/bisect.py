@@ -33,7 +33,7 @@ _MAX_BUILDS_BYTES = 16 << 20
 
 def build_bisect_parser(sub: argparse._SubParsersAction | None = None) -> argparse.ArgumentParser:
     """``bisect [BASELINE] --builds FILE --run CMD --work DIR``: a subparser of ``sub``, or a parser of its own."""
-    p = add_command(sub, "bisect", "Find the first build whose dump diverges from the baseline. The builds are "
+    p = add_command(sub, "bisect", "Find the first build that diverges. The builds are "
                     "tried by binary search, each with the --run command, and each dump is judged as `python -m "
                     "comparator BASELINE OUT` judges it; a build whose command fails is skipped. Exit 0 when the "
                     "first bad build (or the candidates skips leave) is named.")

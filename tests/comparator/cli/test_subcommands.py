@@ -26,7 +26,7 @@ from dumper.cli.main import build_parser as build_dumper_parser
 from dumper.errors import UsageError
 from tests.conftest import ROOT, run_cli, subprocess_env
 
-COMMANDS = ["calibrate", "collect", "import-sglang", "logprobs", "regress", "store"]
+COMMANDS = ["bisect", "calibrate", "collect", "import-sglang", "logprobs", "regress", "store"]
 STORE_COMMANDS = ["ls", "show", "promote", "prune"]
 
 
@@ -135,7 +135,7 @@ def test_compare_keeps_its_exit_codes(dumps, tmp_path):
 def test_an_unknown_command_is_one_line(dumps, tmp_path, word, hint):
     for rest in ([], [dumps["sdpa"]], [dumps["eager"], dumps["sdpa"]]):
         r = run_cli("comparator", word, *rest, cwd=tmp_path)
-        _one_line_error(r, f"python -m comparator: {word!r} is neither a command (calibrate, collect, "
+        _one_line_error(r, f"python -m comparator: {word!r} is neither a command (bisect, calibrate, collect, "
                            "import-sglang, logprobs, regress, store) nor an existing dump directory",
                         *([hint] if hint else []))
     _one_line_error(run_cli("comparator", "store", "lss", "x"), "python -m comparator store: argument COMMAND: "

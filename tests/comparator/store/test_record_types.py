@@ -97,7 +97,7 @@ def test_labels_and_a_promotion(judged: tuple[RunStore, dict[str, RegressResult]
     assert labels == {"calibrated": Label.BASELINE, "failed": Label.FAILED, "passed": Label.PASSED,
                       "synth": Label.BASELINE, "unusable": Label.FAILED}
     assert all(runs[k].label is v for k, v in labels.items())  # RegressResult.label and RunRecord.label: one field
-    assert LABELS == ("baseline", "passed", "failed") and json.dumps([Label.FAILED]) == '["failed"]'
+    assert LABELS == ("baseline", "passed", "failed", "bisect") and json.dumps([Label.FAILED]) == '["failed"]'
     assert f"{Label.PASSED}" == "passed" and Label.of_verdict(False) is Label.FAILED
     promoted = store.promote(runs["failed"].run_id)
     assert promoted.label is Label.BASELINE and promoted.promoted is not None
