@@ -12,11 +12,13 @@ the baseline, the flags or driftscope itself fail, which no commit is to blame f
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 
 from dumper.errors import EXIT_DIVERGED, EXIT_OK, DriftscopeError, UsageError
 from dumper.format import write_json_atomic
+from dumper.format.remote import fetched
 from dumper.format.files import printable
 
 from comparator.cli.args import (compare_config, logprob_threshold_flags, noise_flags, output_flags, run_group_flag,
@@ -96,10 +98,12 @@ def cmd_bisect(args: argparse.Namespace) -> int:
         raise UsageError("--store judges against the noise stored with its baseline; drop --noise")
     config = compare_config(args)
     builds = read_builds(args.builds)
-    result = bisect_builds(args.baseline, builds, args.run, args.work, store=args.store, model=args.run_group,
-                           config=config, timeout=args.timeout, resume=args.resume,
-                           allow_env_mismatch=args.allow_env_mismatch, cache_dir=args.cache_dir,
-                           on_run=None if args.quiet else progress_line(len(builds)))
+    with contextlib.ExitStack() as stack:  # a baseline at a URL: judged from a local copy
+        base = None if args.baseline is None else stack.enter_context(fetched(args.baseline))
+        result = bisect_builds(base, builds, args.run, args.work, store=args.store, model=args.run_group,
+                               config=config, timeout=args.timeout, resume=args.resume,
+                               allow_env_mismatch=args.allow_env_mismatch, cache_dir=args.cache_dir,
+                               on_run=None if args.quiet else progress_line(len(builds)))
     print_result(result, quiet=args.quiet)
     if args.json:
         try:

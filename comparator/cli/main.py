@@ -16,11 +16,12 @@ import contextlib
 import dataclasses
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from dumper.cli.common import add_import_sglang_flags, guarded_main
 from dumper.errors import EXIT_DIVERGED, EXIT_OK, DriftscopeError, UsageError
 from dumper.format import MANIFEST_NAME, load_manifest, write_json_atomic
+from dumper.format.remote import fetched, is_url
 
 from comparator.config import CompareConfig
 from comparator.cli.args import (compare_config, logprob_threshold_flags, logprob_thresholds, noise_args, noise_flags,
@@ -60,9 +61,13 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from comparator.reports.outputs import progress_callback
     from comparator.reports.text import render_noise
 
-    with progress_callback(not args.quiet) as progress:
-        noise = calibrate(args.baseline, args.variants, threads=args.threads,
-                          allow_model_mismatch=args.allow_model_mismatch, progress=progress)
+    with progress_callback(not args.quiet) as progress, contextlib.ExitStack() as sides:
+        base, *variants = (sides.enter_context(_fetched_str(p)) if is_url(p) else p
+                           for p in (args.baseline, *args.variants))
+        noise = calibrate(base, variants, threads=args.threads, allow_model_mismatch=args.allow_model_mismatch,
+                          progress=progress)
+        if any(is_url(p) for p in (args.baseline, *args.variants)):  # the URLs, not the local copies, in the file
+            noise = dataclasses.replace(noise, baseline=args.baseline, variants=tuple(args.variants))
     save_noise(noise, args.out)
     warn(f"variant {v}: {d} (allowed, recorded in {args.out})" for v, d in noise.model_mismatch)
     console = _console()
@@ -191,9 +196,11 @@ def cmd_logprobs(args: argparse.Namespace) -> int:
     if "rel_diff" in noise["noise_floors"]:
         raise UsageError("--noise-floor: comparator logprobs takes NAME=VALUE with NAME a logprob metric "
                          f"({', '.join(metric_names())})")
-    verdict = compare_logprob_sources(args.baseline, args.target, model=args.threshold_row,
-                                      explicit=logprob_thresholds(args.logprob_threshold),
-                                      allow_model_mismatch=args.allow_model_mismatch, **noise)
+    with contextlib.ExitStack() as sides:  # a dump at a URL: read from a local copy
+        base, target = (sides.enter_context(_fetched_str(p)) if is_url(p) else p for p in (args.baseline, args.target))
+        verdict = compare_logprob_sources(base, target, model=args.threshold_row,
+                                          explicit=logprob_thresholds(args.logprob_threshold),
+                                          allow_model_mismatch=args.allow_model_mismatch, **noise)
     warn(verdict.noise.warnings if verdict.noise is not None else ())
     console = _console()
     if args.quiet:
@@ -305,17 +312,26 @@ def _compare(args: argparse.Namespace, config: CompareConfig) -> int:
 
 
 def _dump_side(path: str) -> contextlib.AbstractContextManager[str]:
-    """``path`` itself, or for an SGLang dumper directory a temporary driftscope dump of it.
+    """``path`` itself; for a URL, a local copy of the dump there (:func:`dumper.format.remote.fetched`); for an
+    SGLang dumper directory, a temporary driftscope dump of it.
 
     :mod:`dumper.engines.sglang` (and torch with it) is imported only for a directory without
     a driftscope manifest, so comparing two driftscope dumps stays torch-free.
     """
+    if is_url(path):
+        return _fetched_str(path)
     if os.path.isdir(path) and not os.path.exists(os.path.join(path, MANIFEST_NAME)):
         from dumper.engines.sglang import is_sglang_dump, open_dump_side
 
         if is_sglang_dump(path):
             return open_dump_side(path)
     return contextlib.nullcontext(path)
+
+
+@contextlib.contextmanager
+def _fetched_str(url: str) -> Iterator[str]:
+    with fetched(url) as local:
+        yield str(local)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

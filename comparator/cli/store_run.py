@@ -31,6 +31,7 @@ from comparator.store.regress import RegressResult, regress
 from comparator.store.select import current_baselines
 from dumper.errors import EXIT_UNUSABLE, CorruptDumpError, DriftscopeError, UsageError
 from dumper.format import MANIFEST_NAME, load_manifest, write_json_atomic
+from dumper.format.remote import fetched
 from dumper.format.describe import describe_lines
 from dumper.format.files import printable
 from dumper.format.manifest import parse_manifest
@@ -47,13 +48,15 @@ def cmd_regress(args: argparse.Namespace) -> int:
         if args.bootstrap:
             raise UsageError("--git-bisect judges a commit against the store's baseline; it never bootstraps one")
         try:  # the run under test is this commit's: its problems are a skip
-            load_manifest(args.run_dir)
+            with fetched(args.run_dir) as run_dir:
+                load_manifest(run_dir)
         except DriftscopeError as e:
             return git_skip(e)
-    result = regress(args.run_dir, args.store, model=args.run_group, bootstrap=args.bootstrap,
-                     allow_env_mismatch=args.allow_env_mismatch, config=config, cache_dir=args.cache_dir,
-                     require_all=not args.allow_missing, calibrate_from=args.calibrate,
-                     build=(args.build or "git bisect") if args.git_bisect else None)
+    with fetched(args.run_dir) as run_dir:  # a dump at a URL: judged and stored from a local copy
+        result = regress(run_dir, args.store, model=args.run_group, bootstrap=args.bootstrap,
+                         allow_env_mismatch=args.allow_env_mismatch, config=config, cache_dir=args.cache_dir,
+                         require_all=not args.allow_missing, calibrate_from=args.calibrate,
+                         build=(args.build or "git bisect") if args.git_bisect else None)
     warn(result.warnings)
     _print_result(result, stdout_console(), quiet=args.quiet, tensors=args.tensors)
     write_output(args.json, lambda p: write_json_atomic(p, result.to_json()))

@@ -184,11 +184,9 @@ def _add_ls(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from dumper.engines import run_engine
-    from dumper.hooks.layers import parse_points
-    from dumper.progress import progress_bar
+    from dumper.format.remote import writing
     from dumper.jobs.observer import OBSERVER_KEY, ObserverResult
-    from dumper.jobs.run import LogprobSpec, RunConfig, parse_input_ids, read_prompts_file
+    from dumper.jobs.run import LogprobSpec, parse_input_ids, read_prompts_file
 
     prompts: tuple[str, ...] = tuple(args.prompt or ())
     ids = parse_input_ids(args.input_ids or ())
@@ -202,7 +200,27 @@ def _cmd_run(args: argparse.Namespace) -> int:
         raise UsageError("--top-k and --logprob-start-len must be >= 0")
     spec = LogprobSpec(top_k=args.top_k, start_len=args.logprob_start_len, save_logits=args.save_logits) \
         if args.logprobs else None
-    cfg = RunConfig(out=args.out, model=args.model, prompts=prompts, input_ids=ids, dtype=args.dtype,
+    with writing(args.out) as out:  # a URL: made in a local staging directory, uploaded manifest last
+        manifest = _run_dump(args, prompts, ids, spec, out)
+    layers = manifest.capture_signature.get("layers", [])
+    if not args.quiet:
+        print(f"wrote {args.out}: {len(manifest.tensors)} tensors, layers {layers}, "
+              f"{len({t.forward_pass for t in manifest.tensors})} forward passes")
+    if not args.observer_check:
+        return EXIT_OK
+    observed = ObserverResult.from_json(manifest.extra[OBSERVER_KEY])
+    print(observed.summary())  # the verdict asked for: printed with --quiet too
+    return EXIT_OK if observed else EXIT_DIVERGED
+
+
+def _run_dump(args: argparse.Namespace, prompts: tuple[str, ...], ids: Any, spec: Any, out: str) -> Any:
+    """Dump as ``args`` says into ``out`` (a local directory); its manifest."""
+    from dumper.engines import run_engine
+    from dumper.hooks.layers import parse_points
+    from dumper.progress import progress_bar
+    from dumper.jobs.run import RunConfig
+
+    cfg = RunConfig(out=out, model=args.model, prompts=prompts, input_ids=ids, dtype=args.dtype,
                     attn=args.attn, layers=args.layers, modules=args.modules, points=parse_points(args.points),
                     device=args.device, seed=args.seed,
                     chunk_size=args.chunk_size, batch_size=args.batch_size, padding_side=args.padding_side,
@@ -214,16 +232,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
         cfg = tokens_from(cfg, args.tokens_from)
     with progress_bar(not args.quiet, "dumping", unit="tokens") as progress:
-        manifest = run_engine(cfg, engine=args.engine, progress=progress)
-    layers = manifest.capture_signature.get("layers", [])
-    if not args.quiet:
-        print(f"wrote {args.out}: {len(manifest.tensors)} tensors, layers {layers}, "
-              f"{len({t.forward_pass for t in manifest.tensors})} forward passes")
-    if not cfg.observer_check:
-        return EXIT_OK
-    observed = ObserverResult.from_json(manifest.extra[OBSERVER_KEY])
-    print(observed.summary())  # the verdict asked for: printed with --quiet too
-    return EXIT_OK if observed else EXIT_DIVERGED
+        return run_engine(cfg, engine=args.engine, progress=progress)
 
 
 def _cmd_replay(args: argparse.Namespace) -> int:
