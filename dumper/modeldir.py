@@ -84,11 +84,32 @@ def check_model_dir(path: str | os.PathLike[str], *, config_required: bool = Tru
         _check_values(config_path, config)
     elif config_required:
         raise ModelError(f"{path}: not a HF model directory (no config.json)")
-    tokenizer_config = root / "tokenizer_config.json"
-    if os.path.lexists(tokenizer_config):
-        _check_values(tokenizer_config, _read_object(tokenizer_config, METADATA_LIMIT, "tokenizer config"))
+    for name, what in (("tokenizer_config.json", "tokenizer config"), ("special_tokens_map.json", "tokenizer map")):
+        if os.path.lexists(root / name):  # both feed the tokenizer's arguments
+            obj = _read_object(root / name, METADATA_LIMIT, what)
+            _check_values(root / name, obj)
+            _check_paths(root, root / name, obj)
     _check_entries(root)
     return config
+
+
+def _check_paths(root: Path, path: Path, obj: dict[str, Any]) -> None:
+    """Refuse a ``*_file`` value that names an existing file outside the model directory: transformers would open
+    it (``tokenizer_file`` in ``special_tokens_map.json`` goes straight to the tokenizer), and driftscope reads
+    nothing outside the directory it was given. A stale path of another machine, which exists nowhere, is left."""
+    inside = root.resolve()
+    for dotted, key, value in _walk(obj):
+        if not (key.endswith("_file") and isinstance(value, str) and value):
+            continue
+        target = Path(value) if os.path.isabs(value) else root / value
+        try:
+            real = target.resolve()
+            exists = real.exists()
+        except (OSError, RuntimeError, ValueError):
+            continue
+        if exists and not real.is_relative_to(inside):
+            raise ModelError(f"{path}: {printable(dotted)} names {printable(value)!r}, outside the model directory; "
+                             "driftscope reads nothing outside the directory it was given (remove the entry)")
 
 
 def has_tokenizer(path: str | os.PathLike[str]) -> bool:

@@ -201,3 +201,19 @@ def test_auto_map_null_and_an_unused_python_file_are_not_custom_code(llama_dir, 
     _edit_json(d / "config.json", lambda c: c.update(auto_map=None))
     (d / "notes.py").write_text("raise SystemExit('never imported')\n")
     assert check_model_dir(d)["model_type"] == "llama"
+
+
+@pytest.mark.parametrize("where", ["special_tokens_map.json", "tokenizer_config.json"])
+def test_a_tokenizer_file_outside_the_directory_is_refused_and_never_read(llama_dir, tmp_path, where):
+    """``tokenizer_file`` of ``special_tokens_map.json`` goes straight into the tokenizer's arguments (transformers
+    5 opens it); found by the model-directory fuzz suite. A stale path that exists nowhere is left alone."""
+    d = _copy(llama_dir, tmp_path)
+    outside = tmp_path / "elsewhere" / "tokenizer.json"
+    outside.parent.mkdir()
+    outside.write_text("{}")
+    _edit_json(d / where, lambda c: c.update(tokenizer_file=str(outside)))
+    with pytest.raises(ModelError) as e:
+        check_model_dir(d)
+    assert f"{d / where}: tokenizer_file names" in str(e.value) and "outside the model directory" in str(e.value)
+    _edit_json(d / where, lambda c: c.update(tokenizer_file="/home/someone/.cache/tokenizer.json"))
+    assert check_model_dir(d)["model_type"] == "llama"
