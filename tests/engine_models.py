@@ -49,7 +49,7 @@ MOE_CONFIG = {
 }
 """The tiny Mixtral: the tiny Llama's attention, 8 experts of width 64 per layer, top-2."""
 
-ENGINE_MODULES = {"vllm": "vllm", "llama.cpp": "llama_cpp", "onnxruntime-genai": "onnxruntime_genai"}
+ENGINE_MODULES = {"vllm": "vllm", "llama.cpp": "llama_cpp", "onnxruntime-genai": "onnxruntime_genai", "ray": "ray"}
 
 
 def _train_tokenizer(out: Path, vocab_size: int) -> int:

@@ -29,7 +29,11 @@ HEAVY: tuple[str, ...] = (
     "tests/dumper/jobs/test_vllm_sweep.py",
     "tests/dumper/jobs/test_observer_check.py",
     "tests/dumper/engines/test_vllm_router.py",
+    "tests/dumper/jobs/test_fuzz_model_dir.py",
+    "tests/comparator/bisect/test_bisect.py",
+    "tests/dumper/engines/test_vllm_ray.py",
     "tests/dumper/engines/test_vllm_serve_capture.py",
+    "tests/dumper/format/test_remote_s3.py",
     "tests/dumper/hooks/test_tap.py",
     "tests/dumper/engines/test_engine_llama_cpp.py",
 )

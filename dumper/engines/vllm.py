@@ -77,6 +77,9 @@ ENGINE_ARGS = {
                                "bool"),
     "tensor_parallel_size": EngineArg("tensor-parallel ranks (one worker process each); default 1", "int", high=64),
     "pipeline_parallel_size": EngineArg("pipeline stages (one worker process each); default 1", "int", high=64),
+    "distributed_executor_backend": EngineArg("how vLLM runs its ranks: mp (worker processes, the default) or ray "
+                                              "(Ray actors, placed on the nodes of a Ray cluster)", "choice",
+                                              ("mp", "ray")),
 }
 """``--engine-arg`` keys ``--engine vllm`` takes, and their values."""
 
@@ -121,7 +124,7 @@ def engine_kwargs(cfg: RunConfig, checkpoint: Path, seqs: list[list[int]], *, ta
         min(max(512, context), positions if type(positions) is int and positions > 0 else context),
     }
     kw.update((k, opts[k]) for k in ("enable_prefix_caching", "kv_cache_dtype", "max_num_seqs", "tensor_parallel_size",
-                                     "pipeline_parallel_size") if k in opts)
+                                     "pipeline_parallel_size", "distributed_executor_backend") if k in opts)
     if tap:
         points = None if tuple(cfg.points) == (ATTN_INPUT,) else ",".join(cfg.points)  # the default: as before
         kw["additional_config"] = tap_config(cfg.layers if cfg.layers is not None else DEFAULT_LAYERS, points,
@@ -143,6 +146,18 @@ def engine_kwargs(cfg: RunConfig, checkpoint: Path, seqs: list[list[int]], *, ta
     return kw
 
 
+RAY_PREFIXES_ENV = "VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY"
+"""vLLM's own list of env var prefixes its Ray executor copies into its actors (comma-separated)."""
+
+
+def carry_env_to_ray() -> None:
+    """Ray actors inherit the environment of the ``ray start`` that made their node, not this process's: have
+    vLLM's Ray executor copy every ``DRIFTSCOPE_*`` variable (the spool directory, first) into its actors."""
+    prefixes = [p for p in os.environ.get(RAY_PREFIXES_ENV, "").split(",") if p.strip()]
+    if "DRIFTSCOPE_" not in prefixes:
+        os.environ[RAY_PREFIXES_ENV] = ",".join([*prefixes, "DRIFTSCOPE_"])
+
+
 def load_llm(kwargs: dict[str, Any], *, device: str = "cpu") -> Any:
     """A ``vllm.LLM(**kwargs)``; the previous one when its settings are the same (one engine is kept)."""
     global _LLM
@@ -155,6 +170,8 @@ def load_llm(kwargs: dict[str, Any], *, device: str = "cpu") -> Any:
 
     register()  # the tap's loader hook, for this process (vLLM's plugin loader does it for spawned ones)
     root = spool_root()  # exported before the engine's processes start, so that they inherit it
+    if kwargs.get("distributed_executor_backend") == "ray":
+        carry_env_to_ray()
     take_load_failure(root)  # what an earlier engine's processes left
     try:
         llm = LLM(**kwargs)

@@ -207,7 +207,8 @@ def engine_settings(vllm_config: Any, model: nn.Module) -> dict[str, Any]:
         "chunked_prefill": bool(sched.enable_chunked_prefill),
         "max_num_batched_tokens": int(sched.max_num_batched_tokens), "max_num_seqs": int(sched.max_num_seqs),
         "prefix_caching": bool(cache.enable_prefix_caching), "block_size": int(cache.block_size),
-        "tensor_parallel_size": int(par.tensor_parallel_size), "pipeline_parallel_size": int(par.pipeline_parallel_size)}
+        "tensor_parallel_size": int(par.tensor_parallel_size), "pipeline_parallel_size": int(par.pipeline_parallel_size),
+        "executor": str(getattr(par, "distributed_executor_backend", None) or "mp")}
 
 
 def install_recorder(model: nn.Module, spec: dict[str, Any], vllm_config: Any, *,

@@ -44,6 +44,8 @@ __all__ = ["is_url", "fetched", "writing", "upload_dump", "IN_FLIGHT"]
 IN_FLIGHT = 4
 """Files transferred at once."""
 _CHUNK = 8 << 20
+_STREAM = {"block_size": _CHUNK, "cache_type": "none"}
+"""Read a file as a stream: no read-ahead cache (fsspec's default holds up to 50 MB a file in flight)."""
 
 
 def is_url(path: str | os.PathLike[str]) -> bool:
@@ -89,7 +91,7 @@ def _download(fs: Any, root: str, url: str, name: str, size: int, local: Path) -
     """Stream one listed file to ``local``, refusing it when it is not exactly ``size`` bytes."""
     where = f"{url}/{name}"
     try:
-        with fs.open(f"{root}/{name}", "rb") as src, open(local / name, "xb") as dst:
+        with fs.open(f"{root}/{name}", "rb", **_STREAM) as src, open(local / name, "xb") as dst:
             left = size
             while left > 0:
                 chunk = src.read(min(_CHUNK, left))

