@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["FAMILIES", "MOE_CONFIGS", "build_moe"]
+__all__ = ["FAMILIES", "MOE_CONFIGS", "build_moe", "moved_gate_checkpoints"]
 
 FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "olmoe", "gpt_oss")
 """Every family :func:`build_moe` builds (a transformers ``model_type`` each)."""
@@ -75,3 +75,16 @@ def build_moe(family: str, *, seed: int = 0, dtype: torch.dtype = torch.float32,
     model = AutoModelForCausalLM.from_config(config, attn_implementation=attn)
     _redraw_routers(model, torch.Generator().manual_seed(seed + 1))
     return model.to(dtype).eval()
+
+
+def moved_gate_checkpoints(root: Any) -> tuple[Any, Any]:
+    """The tiny Mixtral saved as ``root/ref``, and as ``root/bug`` with its layer-1 gate row of expert 6 moved by
+    half its norm (a gate that computes otherwise; its experts and attention untouched): the replay tests' pair."""
+    model = build_moe("mixtral")
+    model.save_pretrained(root / "ref")
+    with torch.no_grad():
+        gate = model.model.layers[1].mlp.gate.weight  # [experts, hidden]
+        noise = torch.randn(gate.shape[1], generator=torch.Generator().manual_seed(5))
+        gate[6] += 0.5 * gate[6].norm() * noise / gate.shape[1] ** 0.5
+    model.save_pretrained(root / "bug")
+    return root / "ref", root / "bug"

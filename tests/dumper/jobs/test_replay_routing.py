@@ -22,7 +22,7 @@ from dumper.errors import UsageError
 from dumper.hooks.routing import find_routers
 from dumper.jobs.replay import ReplayConfig, replay, replay_model
 from tests.conftest import run_cli
-from tests.moe_models import FAMILIES, build_moe
+from tests.moe_models import FAMILIES, build_moe, moved_gate_checkpoints
 
 PROMPTS = [torch.randint(3, 256, (40,), generator=torch.Generator().manual_seed(s)).tolist() for s in (1, 2)]
 RESIDUAL_2 = "model.layers.2.residual"
@@ -51,13 +51,7 @@ def _flips(report: dict) -> dict[int, int]:
 def mixtral(tmp_path_factory):
     """A tiny Mixtral and its baseline dump; a checkpoint whose layer-1 gate row of expert 6 is moved; three replays."""
     root = tmp_path_factory.mktemp("force")
-    model = build_moe("mixtral")
-    model.save_pretrained(root / "ref")
-    with torch.no_grad():
-        gate = model.model.layers[1].mlp.gate.weight  # [experts, hidden]
-        noise = torch.randn(gate.shape[1], generator=torch.Generator().manual_seed(5))
-        gate[6] += 0.5 * gate[6].norm() * noise / gate.shape[1] ** 0.5
-    model.save_pretrained(root / "bug")
+    moved_gate_checkpoints(root)
     r = run_cli("dumper", "run", "--model", root / "ref", "--out", root / "base", "--points", "residual,router",
                 "--layers", "all", "--quiet", *_ids_args())
     assert r.returncode == 0, r.stderr

@@ -18,7 +18,7 @@ from dumper.jobs.presets import load_model
 from dumper.jobs.replay_split import split_replay_model
 from dumper.jobs.run import RunConfig, dump_sequences
 from tests.conftest import run_cli, tiny_llama
-from tests.moe_models import build_moe
+from tests.moe_models import moved_gate_checkpoints
 
 pytestmark = pytest.mark.slow
 
@@ -103,16 +103,8 @@ def test_the_model_must_be_the_baselines(base, tmp_path):
 def moe(tmp_path_factory):
     """A tiny Mixtral baseline dump (every half's ends and the router point), and a checkpoint of it whose layer-1
     gate row of expert 6 is moved by half its norm (its experts and attention untouched)."""
-    import torch
-
     root = tmp_path_factory.mktemp("split-moe")
-    model = build_moe("mixtral")
-    model.save_pretrained(root / "ref")
-    with torch.no_grad():
-        gate = model.model.layers[1].mlp.gate.weight  # [experts, hidden]
-        noise = torch.randn(gate.shape[1], generator=torch.Generator().manual_seed(5))
-        gate[6] += 0.5 * gate[6].norm() * noise / gate.shape[1] ** 0.5
-    model.save_pretrained(root / "bug")
+    moved_gate_checkpoints(root)
     ids = [a for p in SEQS for a in ("--input-ids", ",".join(str(t % 250 + 3) for t in p))]
     r = run_cli("dumper", "run", "--model", root / "ref", "--out", root / "base", "--points", POINTS + ",router",
                 "--layers", "all", "--quiet", *ids)
