@@ -32,7 +32,7 @@ from comparator.judging.logprob_metrics import metric_names
 from comparator.reports.outputs import add_output_flags
 from comparator.cli.parser import CommandParser, add_command
 from comparator.cli.store import build_regress_parser, build_store_parser
-from comparator.cli.bisect import build_bisect_parser, git_bisect_exit, git_skip
+from comparator.cli.bisect import build_bisect_parser, cmd_bisect, git_bisect_exit, git_skip
 
 __all__ = ["main", "run", "build_parser", "build_logprobs_parser", "build_collect_parser", "build_calibrate_parser",
            "build_import_sglang_parser", "COMMANDS"]
@@ -231,13 +231,6 @@ def cmd_regress(args: argparse.Namespace) -> int:
     from comparator.cli.store_run import cmd_regress as run_regress
 
     return run_regress(args)
-
-
-def cmd_bisect(args: argparse.Namespace) -> int:
-    """``bisect``: :func:`comparator.cli.bisect.cmd_bisect`."""
-    from comparator.cli.bisect import cmd_bisect as run_bisect
-
-    return run_bisect(args)
 
 
 def cmd_store(args: argparse.Namespace) -> int:
