@@ -28,6 +28,8 @@ from comparator.results import Report
 from dumper.format import ROUTER_IDS, ROUTER_WEIGHTS
 from tests.routing_dumps import choose_flip_token, mixtral, prompt_ids, seed_router_bug
 
+pytestmark = pytest.mark.slow  # two gloo processes and four models, as test_replica_ranks.py's
+
 WORLD, LAYER = 2, 1
 VARIANTS = ("tp2", "tp2_bias", "tp2_order")
 
