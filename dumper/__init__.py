@@ -22,7 +22,7 @@ from dumper.version import __version__
 
 _EXPORTS = {
     "Capture": "hooks.capture",
-    "capture": "hooks.capture",
+    "capture": "hooks.api",
     "tap": "hooks.tap",
     "dump": "hooks.active",
     "step": "hooks.active",

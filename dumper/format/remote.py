@@ -39,7 +39,8 @@ from dumper.format.files import parse_json
 from dumper.format.manifest import MANIFEST_NAME, load_manifest, parse_manifest
 from dumper.format.validate import MAX_MANIFEST_BYTES
 
-__all__ = ["is_url", "fetched", "writing", "upload_dump", "IN_FLIGHT"]
+__all__ = ["is_url", "fetched", "writing", "upload_dump", "upload_files", "check_free", "read_small", "write_small",
+           "listed", "download", "remove_prefix", "IN_FLIGHT"]
 
 IN_FLIGHT = 4
 """Files transferred at once."""
@@ -87,6 +88,12 @@ def _read_manifest(fs: Any, root: str, url: str) -> bytes:
     return raw
 
 
+def download(url: str, name: str, size: int, local: Path) -> None:
+    """Stream ``url/name`` into the local directory ``local``, refusing it unless it is exactly ``size`` bytes."""
+    fs, root = _fs(url)
+    _download(fs, root, url.rstrip("/"), name, size, local)
+
+
 def _download(fs: Any, root: str, url: str, name: str, size: int, local: Path) -> None:
     """Stream one listed file to ``local``, refusing it when it is not exactly ``size`` bytes."""
     where = f"{url}/{name}"
@@ -130,9 +137,11 @@ def fetched(path: str | os.PathLike[str], *, in_flight: int = IN_FLIGHT) -> Iter
         yield local
 
 
-def upload_dump(local: str | os.PathLike[str], url: str, *, in_flight: int = IN_FLIGHT) -> None:
-    """Upload the complete local dump ``local`` to ``url``: its data files (several at once), then its manifest."""
-    manifest = load_manifest(local)
+def upload_files(local: str | os.PathLike[str], url: str, names: Any, *, last: str | None = None,
+                 in_flight: int = IN_FLIGHT) -> None:
+    """Upload the files ``names`` of the local directory ``local`` to ``url`` (several at once), then ``last``
+    alone: what makes the upload mean something (a manifest, a rank's part) is only there once the rest is."""
+    url = url.rstrip("/")
     fs, root = _fs(url)
     src = Path(local)
 
@@ -144,12 +153,64 @@ def upload_dump(local: str | os.PathLike[str], url: str, *, in_flight: int = IN_
             raise _error(f"{url}/{name}", e) from None
 
     with ThreadPoolExecutor(max_workers=max(1, in_flight)) as pool:
-        for f in [pool.submit(put, name) for name in sorted(manifest.files)]:
+        for f in [pool.submit(put, name) for name in sorted(names)]:
             f.result()
-    put(MANIFEST_NAME)  # last: the dump is complete once it is there
+    if last is not None:
+        put(last)
 
 
-def _check_free(url: str) -> None:
+def upload_dump(local: str | os.PathLike[str], url: str, *, in_flight: int = IN_FLIGHT) -> None:
+    """Upload the complete local dump ``local`` to ``url``: its data files (several at once), then its manifest."""
+    upload_files(local, url, load_manifest(local).files, last=MANIFEST_NAME, in_flight=in_flight)
+
+
+def read_small(url: str, limit: int = 1 << 20) -> bytes | None:
+    """The bytes of the object ``url`` (None when there is none); over ``limit`` bytes is refused."""
+    fs, root = _fs(url)
+    fs.invalidate_cache(root)  # polled: a listing cached before must not hide an object written since
+    try:
+        with fs.open(root, "rb") as f:
+            raw = f.read(limit + 1)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise _error(url, e) from None
+    if len(raw) > limit:
+        raise CorruptDumpError(f"{url}: over {limit} bytes; refusing it")
+    return raw
+
+
+def write_small(url: str, data: bytes) -> None:
+    """Write the object ``url`` in one request (an object store's PUT is atomic: readers see all of it or none)."""
+    fs, root = _fs(url)
+    try:
+        fs.pipe_file(root, data)
+    except OSError as e:
+        raise _error(url, e) from None
+
+
+def listed(url: str, pattern: str) -> list[str]:
+    """Names directly under the prefix ``url`` that match the glob ``pattern`` (sorted; none when it is empty)."""
+    fs, root = _fs(url)
+    fs.invalidate_cache(root)
+    try:
+        return sorted(p.rsplit("/", 1)[-1] for p in fs.glob(f"{root}/{pattern}"))
+    except FileNotFoundError:
+        return []
+    except OSError as e:
+        raise _error(url, e) from None
+
+
+def remove_prefix(url: str) -> None:
+    """Delete everything under the prefix ``url`` (a spool's leftovers); errors are ignored, as for a local rmtree."""
+    fs, root = _fs(url)
+    with contextlib.suppress(OSError, FileNotFoundError):
+        fs.rm(root, recursive=True)
+    fs.invalidate_cache()
+
+
+def check_free(url: str) -> None:
+    """Refuse ``url`` when it already holds a complete dump (nothing stored is ever overwritten)."""
     fs, root = _fs(url)
     try:
         taken = fs.exists(f"{root}/{MANIFEST_NAME}")
@@ -167,7 +228,7 @@ def writing(path: str | os.PathLike[str]) -> Iterator[str]:
         yield os.fspath(path)
         return
     url = os.fspath(path).rstrip("/")
-    _check_free(url)
+    check_free(url)
     with tempfile.TemporaryDirectory(prefix="driftscope-staging-") as tmp:
         local = Path(tmp) / "dump"
         yield str(local)

@@ -46,7 +46,7 @@ from dumper.hooks.sketch import Sketcher, sketch_for_record
 from dumper.hooks.tap import TapPoint, check_counts, is_compiled, match_targets, tap_of, unwrap_compiled
 from dumper.hooks.writer import ShardWriter
 
-__all__ = ["Capture", "capture"]
+__all__ = ["Capture"]
 
 _STORAGE_CODES = torch_codes()
 """torch dtype -> the dump format's dtype code, for every dtype a dump can store."""
@@ -76,8 +76,7 @@ class Capture:
             resolve_model(unwrap_compiled(model) if self._outer is not None else model)
         self._hooked, self._part = hooks, part
         model = self.model
-        # what the manifest says about the model, the capture and the environment when no
-        # nn.Module is hooked (an engine adapter fills them in; see dumper.engines.base)
+        # the manifest's model, capture and environment where no nn.Module is hooked (set by dumper.engines.base)
         self._identity, self._signature, self._environment = identity, signature, dict(environment or {})
         self.out_dir = Path(out_dir)
         self.rank, self.world_size = dist_rank_world()
@@ -187,12 +186,15 @@ class Capture:
                        signature=self._signature_of(), identity=self._family.identity(self._model_name),
                        environment=self._environment_of(), extra=self.extra)
         elif self.world_size > 1:
-            if not join_under_barrier(self.out_dir, self.rank, self.world_size, files, records, self._write_manifest):
+            if not self._join_ranks(files, records):
                 self._refuse_empty()
         elif not records:
             self._refuse_empty()
         else:
             self._write_manifest(files, records)
+
+    def _join_ranks(self, files: dict[str, int], records: tuple[TensorRecord, ...]) -> bool:  # (dumper.hooks.remote)
+        return join_under_barrier(self.out_dir, self.rank, self.world_size, files, records, self._write_manifest)
 
     def _refuse_empty(self) -> NoReturn:
         """An exit that recorded nothing writes no manifest: leave no dump (and no directory we made)."""
@@ -370,31 +372,3 @@ class Capture:
         for name, point, tensor, meta in router_records(prefix, parts, shape, scores_meta):
             self.record(name, tensor, layer=layer, point=point, positions=positions, sequence_ids=sequence_ids, **meta)
 
-
-def capture(model: nn.Module | Any | None, out_dir: str | Path, *, layers: str | Sequence[int] | None = None,
-            modules: str | None = None, points: str | Sequence[str] | None = None, model_name: str | None = None,
-            shard_bytes: int = 512 << 20, extra: dict[str, Any] | None = None, sketch: int | None = None,
-            sketch_seed: int | None = None) -> Capture:
-    """Capture self-attention inputs (and, with ``points``, residual streams) of ``model`` into ``out_dir``.
-
-    Args:
-        model: a HF causal LM (decoder layers are found automatically), a vLLM model or
-            ``vllm.LLM`` running in this process (see :mod:`dumper.engines.vllm_hooks`), a model
-            of a family registered in :mod:`dumper.hooks.families`, any module with ``modules=`` given,
-            or ``None`` to record only explicit :func:`dumper.dump` calls.
-        out_dir: the dump directory; it must not already hold a dump.
-        layers: layer spec (default ``"first,last,every:8"``), see :func:`dumper.hooks.layers.parse_layer_spec`.
-        modules: fnmatch pattern(s) of module names to hook instead of the self-attention modules.
-        points: capture points (:mod:`dumper.format.points`), default ``("input",)``: also ``"residual"``,
-            ``"attn_output"``, ``"mlp_input"``, ``"mlp_output"`` (inside a layer) and ``"router"``.
-        model_name: the model's name or path, recorded in the manifest.
-        shard_bytes: largest data file size before a forward pass is split into shards.
-        extra: free-form JSON metadata stored in the manifest (e.g. the prompts).
-        sketch: store each hidden-state row as a ``sketch``-dim seeded projection plus its exact squared norm
-            instead of whole (:mod:`dumper.format.sketch`); ``sketch_seed`` picks the projection (default 0).
-    """
-    if sketch is None and sketch_seed is not None:
-        raise UsageError("capture(sketch_seed=...) needs sketch=K")
-    return Capture(model, out_dir, layers=layers, modules=modules, points=points, model_name=model_name,
-                   shard_bytes=shard_bytes, extra=extra,
-                   sketch=SketchSpec(k=sketch, seed=sketch_seed or 0) if sketch is not None else None)

@@ -21,7 +21,7 @@ import torch
 
 from dumper.format import TensorRecord, write_json_atomic
 
-__all__ = ["dist_rank_world", "part_path", "write_part", "read_part", "read_parts", "join_under_barrier", "PART_INFO_KEYS"]
+__all__ = ["dist_rank_world", "part_path", "write_part", "read_part", "parse_part", "read_parts", "join_under_barrier", "PART_INFO_KEYS"]
 
 PART_INFO_KEYS = ("world_size", "signature", "identity", "environment", "extra")
 """What a part may say about its rank beside its files and tensors (a worker's model, engine and capture)."""
@@ -52,7 +52,12 @@ def write_part(directory: Path, rank: int, files: dict[str, int], records: Seque
 
 def read_part(path: Path) -> tuple[dict[str, int], tuple[TensorRecord, ...], dict[str, Any]]:
     """(data files, records, the other fields) of one part."""
-    part = json.loads(path.read_text())
+    return parse_part(path.read_bytes())
+
+
+def parse_part(raw: bytes) -> tuple[dict[str, int], tuple[TensorRecord, ...], dict[str, Any]]:
+    """:func:`read_part` of a part's bytes (one read at a URL)."""
+    part = json.loads(raw)
     info = {k: part[k] for k in PART_INFO_KEYS if k in part}
     return dict(part["files"]), tuple(TensorRecord.from_json(t) for t in part["tensors"]), info
 
