@@ -64,6 +64,8 @@ def guarded_main(run: Callable[[Sequence[str] | None], int], argv: Sequence[str]
     held: list[warnings.WarningMessage] = []
     try:
         debug = debug or env_settings().debug
+        if debug:  # also for what an engine's processes print (dumper.engines.held_output)
+            os.environ["DRIFTSCOPE_DEBUG"] = "1"
         with warnings.catch_warnings(record=True) as held:
             rc = run(args)
         _show(held)

@@ -42,9 +42,10 @@ from dumper.engines.base import (
     hf_identity,
     job_sequences,
 )
+from dumper.engines.held_output import held_stderr
 from dumper.engines.vllm_parts import join_dump, new_token, remove_spool, spool_root, wait_parts
 from dumper.engines.vllm_serve import CPU_DEFAULTS
-from dumper.engines.vllm_spool import marker
+from dumper.engines.vllm_spool import marker, token_dir
 from dumper.errors import (
     DriftscopeError,
     InternalError,
@@ -166,6 +167,14 @@ def load_llm(kwargs: dict[str, Any], *, device: str = "cpu") -> Any:
         return _LLM[1]
     _LLM = None
     env_defaults(device)
+    with held_stderr():  # vLLM's import notes and a failed start's tracebacks give way to driftscope's one line
+        llm = _start(kwargs)
+    _LLM = (key, llm)
+    return llm
+
+
+def _start(kwargs: dict[str, Any]) -> Any:
+    """``vllm.LLM(**kwargs)`` with the tap's hook registered; what the tap refused inside vLLM's processes raised."""
     from vllm import LLM
 
     register()  # the tap's loader hook, for this process (vLLM's plugin loader does it for spawned ones)
@@ -174,7 +183,7 @@ def load_llm(kwargs: dict[str, Any], *, device: str = "cpu") -> Any:
         carry_env_to_ray()
     take_load_failure(root)  # what an earlier engine's processes left
     try:
-        llm = LLM(**kwargs)
+        return LLM(**kwargs)
     except (DriftscopeError, InternalError):
         raise
     except Exception as e:  # noqa: BLE001 - the engine's load boundary: a checkpoint or setting it refuses
@@ -182,8 +191,6 @@ def load_llm(kwargs: dict[str, Any], *, device: str = "cpu") -> Any:
         if relayed is not None:
             raise relayed from None
         raise ModelError(f"{kwargs['model']}: vLLM cannot load it ({error_reason(e)})") from None
-    _LLM = (key, llm)
-    return llm
 
 
 def _engine_info(checkpoint: Path, dtype: str, settings: dict[str, Any]) -> EngineInfo:
@@ -283,9 +290,10 @@ def dump_llm(llm: Any, cfg: RunConfig, seqs: list[list[int]], checkpoint: Path, 
     llm.reset_prefix_cache()
     if cfg.warm_prefix_cache:
         _generate(llm, cfg, seqs, logprobs=False)
-    directory = spool_root() / new_token()
+    token = new_token()
+    directory = token_dir(spool_root(), token)
     try:
-        outs = _generate(llm, cfg, seqs, token=directory.name)
+        outs = _generate(llm, cfg, seqs, token=token)
         parts = wait_parts(directory)
         manifest = _join(cfg, seqs, checkpoint, parts, outs, identity)
     finally:

@@ -32,7 +32,8 @@ from dumper.errors import DumpError, UsageError
 from dumper.format import Manifest, TensorRecord, load_manifest
 from dumper.format.atomic import atomic_path
 from dumper.hooks.capture import Capture
-from dumper.hooks.parts import part_path, read_part
+from dumper.format.remote import download, is_url, listed, read_small, remove_prefix
+from dumper.hooks.parts import parse_part, part_path, read_part
 from dumper.settings import VLLM_SPOOL_ENV, env_settings
 
 __all__ = ["RankParts", "spool_root", "new_token", "wait_parts", "take_parts", "join_dump", "remove_spool",
@@ -46,7 +47,7 @@ PART_TIMEOUT_S = 120.0
 class RankParts:
     """Every rank's part of one capture token: data files, records, and what rank 0 says of the engine."""
 
-    directory: Path
+    directory: Path | str  # a URL spool's token prefix, or a local directory
     files: dict[int, dict[str, int]] = field(default_factory=dict)
     records: dict[int, tuple[TensorRecord, ...]] = field(default_factory=dict)
     info: dict[str, Any] = field(default_factory=dict)
@@ -66,9 +67,12 @@ class RankParts:
         return dict((self.info.get("extra") or {}).get("engine_settings") or {})
 
 
-def spool_root() -> Path:
-    """The spool directory vLLM's processes record into: ``$DRIFTSCOPE_VLLM_SPOOL``, else a new one, exported."""
+def spool_root() -> Path | str:
+    """The spool vLLM's processes record into: ``$DRIFTSCOPE_VLLM_SPOOL`` (a directory or a URL), else a new
+    directory, exported."""
     root = env_settings().vllm_spool
+    if root and is_url(root):
+        return root.rstrip("/")
     if not root:
         root = os.environ[VLLM_SPOOL_ENV] = tempfile.mkdtemp(prefix="driftscope-spool-")
         atexit.register(shutil.rmtree, root, ignore_errors=True)  # ours: gone with this process
@@ -85,13 +89,27 @@ def new_token() -> str:
     return token
 
 
-def _failure(directory: Path) -> str | None:
-    for path in sorted(directory.glob("failed-r*.txt")):
+def _failure(directory: Path | str) -> str | None:
+    if isinstance(directory, str):  # a URL spool
+        for name in listed(directory, "failed-r*.txt"):
+            text = (read_small(f"{directory}/{name}") or b"").decode(errors="replace")
+            return f"{name[len('failed-'):-len('.txt')]}: {text.strip()[:300]}"
+        return None
+    for path in sorted(directory.glob("failed-r*.txt")) if directory.is_dir() else ():
         return f"{path.name[len('failed-'):-len('.txt')]}: {path.read_text(errors='replace').strip()[:300]}"
     return None
 
 
-def wait_parts(directory: Path, *, timeout_s: float = PART_TIMEOUT_S, poll_s: float = 0.05) -> RankParts:
+def _part(directory: Path | str, rank: int) -> tuple[dict[str, int], tuple[TensorRecord, ...], dict[str, Any]] | None:
+    """Rank ``rank``'s part in ``directory`` once it is there (a part is written after its rank's data files)."""
+    if isinstance(directory, str):
+        raw = read_small(f"{directory}/{part_path(Path('.'), rank).name}", limit=1 << 30)
+        return None if raw is None else parse_part(raw)
+    path = part_path(directory, rank)
+    return read_part(path) if path.is_file() else None
+
+
+def wait_parts(directory: Path | str, *, timeout_s: float = PART_TIMEOUT_S, poll_s: float | None = None) -> RankParts:
     """Every rank's part in ``directory`` (rank 0's says the world size); a DumpError on a failure or time-out.
 
     A rank that dropped the capture (``failed-r{r}.txt``) fails at once, with its reason; one
@@ -99,13 +117,15 @@ def wait_parts(directory: Path, *, timeout_s: float = PART_TIMEOUT_S, poll_s: fl
     """
     parts = RankParts(directory)
     deadline = time.monotonic() + timeout_s
+    poll_s = poll_s if poll_s is not None else 0.5 if isinstance(directory, str) else 0.05  # a URL: a request a poll
     while True:
-        reason = _failure(directory) if directory.is_dir() else None
+        reason = _failure(directory)
         if reason is not None:
             raise DumpError(f"{directory}: vLLM's capture failed on rank {reason}; no dump was written")
         for rank in range(max(parts.world_size, 1)):
-            if rank not in parts.files and part_path(directory, rank).is_file():
-                files, records, info = read_part(part_path(directory, rank))
+            found = None if rank in parts.files else _part(directory, rank)
+            if found is not None:
+                files, records, info = found
                 parts.files[rank], parts.records[rank] = files, records
                 if rank == 0:
                     parts.info = info
@@ -132,14 +152,18 @@ def _move(src: Path, dst: Path) -> None:
 
 
 def take_parts(capture: Any, parts: RankParts) -> None:
-    """Move every rank's data files into ``capture``'s dump directory and adopt their records."""
+    """Move every rank's data files into ``capture``'s dump directory and adopt their records (from a URL
+    spool: streamed down, each refused unless it is the size its part says)."""
     for rank in sorted(parts.files):
         files = parts.files[rank]
         for name in files:
             target = capture.out_dir / name
             if target.exists():
                 raise DumpError(f"{target}: already exists; the dump directory must hold no other data files")
-            _move(parts.directory / name, target)
+            if isinstance(parts.directory, str):
+                download(parts.directory, name, files[name], capture.out_dir)
+            else:
+                _move(parts.directory / name, target)
         capture.adopt(files, parts.records[rank])
 
 
@@ -162,6 +186,9 @@ def join_dump(out: str | os.PathLike[str], parts: RankParts, *, model_name: str 
     return load_manifest(out)
 
 
-def remove_spool(directory: Path) -> None:
-    """Delete a token's spool directory (what is left of a failed or joined capture)."""
-    shutil.rmtree(directory, ignore_errors=True)
+def remove_spool(directory: Path | str) -> None:
+    """Delete a token's spool directory or URL prefix (what is left of a failed or joined capture)."""
+    if isinstance(directory, str):
+        remove_prefix(directory)
+    else:
+        shutil.rmtree(directory, ignore_errors=True)

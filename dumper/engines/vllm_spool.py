@@ -12,8 +12,11 @@ and a model loaded with the tap (``additional_config={"driftscope": {...}}``, se
 (``DRIFTSCOPE_VLLM_SPOOL=DIR``) records, on every rank, the prompt rows of exactly those
 requests, and with ``T`` > 1 their first ``T - 1`` decode steps, into ``DIR/TOKEN/``: rank ``r``
 writes its data files and, once all ``N`` requests are complete, its part ``index-r{r}.json``
-(:mod:`dumper.hooks.parts`). Rows of requests without the token (anyone else's traffic) are never
-recorded. The client joins the parts into one dump and writes its manifest
+(:mod:`dumper.hooks.parts`). ``DIR`` may be an fsspec URL (``s3://bucket/spool``): each rank then
+records into a local staging directory and sends its data files, then its part, to
+``URL/TOKEN/`` (:mod:`dumper.hooks.remote`), so ranks on hosts that share no disk (vLLM's Ray
+executor across nodes) need only the URL. Rows of requests without the token (anyone else's
+traffic) are never recorded. The client joins the parts into one dump and writes its manifest
 (:mod:`dumper.engines.vllm_parts`); a part alone never looks complete.
 
 A capture's last writes and its part are made in a thread of their own, so that the engine
@@ -38,12 +41,14 @@ from torch import nn
 
 from dumper.engines.vllm_hooks import VllmFamily, runner_on_stack
 from dumper.format.sketch import SketchSpec
+from dumper.format.remote import is_url, write_small
 from dumper.hooks.capture import Capture
+from dumper.hooks.remote import capture_class
 from dumper.hooks.parts import dist_rank_world
 from dumper.settings import env_settings
 
-__all__ = ["MARK_TOKEN", "MARK_SEQ", "MARK_COUNT", "MARK_NEW", "marker", "check_token", "failed_path",
-           "MarkedFamily", "SpoolRecorder", "engine_settings", "install_recorder"]
+__all__ = ["MARK_TOKEN", "MARK_SEQ", "MARK_COUNT", "MARK_NEW", "marker", "check_token", "failed_path", "token_dir",
+           "leave_failure", "MarkedFamily", "SpoolRecorder", "engine_settings", "install_recorder"]
 
 MARK_TOKEN, MARK_SEQ, MARK_COUNT = "driftscope_capture", "driftscope_seq", "driftscope_n"
 """``extra_args`` keys of a marked request: the capture's token, its sequence id, the capture's prompt count."""
@@ -72,6 +77,21 @@ def marker(token: str, seq: int, count: int, new_tokens: int = 1) -> dict[str, A
 def failed_path(directory: Path, rank: int) -> Path:
     """Where rank ``rank`` says why its capture of a token was dropped."""
     return directory / f"failed-r{rank}.txt"
+
+
+def token_dir(root: Path | str, token: str) -> Path | str:
+    """Capture ``token``'s directory under the spool ``root``: a local directory, or a prefix of a URL spool
+    (ranks on several hosts without a shared disk send their files there, :mod:`dumper.hooks.remote`)."""
+    return f"{str(root).rstrip('/')}/{token}" if is_url(root) else Path(root) / token
+
+
+def leave_failure(directory: Path | str, rank: int, reason: str) -> None:
+    """Say in ``directory`` why rank ``rank`` dropped its capture (for the client, which stops waiting)."""
+    if isinstance(directory, str):
+        write_small(f"{directory}/{failed_path(Path('.'), rank).name}", (reason + "\n").encode())
+        return
+    directory.mkdir(parents=True, exist_ok=True)
+    failed_path(directory, rank).write_text(reason + "\n")
 
 
 def _mark(request: Any) -> tuple[str, int, int, int] | None:
@@ -114,7 +134,7 @@ def _abandon(token: str) -> None:
 class SpoolRecorder:
     """The top-level hooks of a tapped vLLM model: one worker-side :class:`Capture` per capture token in flight."""
 
-    def __init__(self, model: nn.Module, root: Path, spec: dict[str, Any], settings: dict[str, Any],
+    def __init__(self, model: nn.Module, root: Path | str, spec: dict[str, Any], settings: dict[str, Any],
                  router: Any = None) -> None:
         self.model, self.root, self.spec, self.settings = model, root, spec, settings
         self.rank = dist_rank_world()[0]
@@ -162,7 +182,7 @@ class SpoolRecorder:
                 threading.Thread(target=self._guard, args=(token, done.close), name=f"driftscope-close-{token}").start()
 
     def _begin(self, token: str, count: int) -> None:
-        cap = Capture(self.model, self.root / token, layers=self.spec.get("layers"), points=self.spec.get("points"),
+        cap = capture_class(self.root)(self.model, token_dir(self.root, token), layers=self.spec.get("layers"), points=self.spec.get("points"),
                       family=MarkedFamily(self.model, token, count, self._runner), hooks=False, part=True,
                       extra={"engine_settings": self.settings},
                       sketch=SketchSpec.from_json(self.spec["sketch"]) if self.spec.get("sketch") else None)
@@ -182,9 +202,7 @@ class SpoolRecorder:
             try:
                 if cap is not None:
                     cap.__exit__(RuntimeError, None, None)  # no part: the shards stay, never a complete dump
-                directory = self.root / token
-                directory.mkdir(parents=True, exist_ok=True)
-                failed_path(directory, self.rank).write_text(reason + "\n")
+                leave_failure(token_dir(self.root, token), self.rank, reason)
             except Exception:  # noqa: BLE001 - the reason is in vLLM's log already
                 pass
 
@@ -221,6 +239,6 @@ def install_recorder(model: nn.Module, spec: dict[str, Any], vllm_config: Any, *
     root = env_settings().vllm_spool
     if not root:
         return None
-    recorder = SpoolRecorder(model, Path(root), spec, engine_settings(vllm_config, model), router)
+    recorder = SpoolRecorder(model, root if is_url(root) else Path(root), spec, engine_settings(vllm_config, model), router)
     _LOG.info("driftscope: recording marked requests into %s (rank %d)", root, recorder.rank)
     return recorder

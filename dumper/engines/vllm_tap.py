@@ -23,6 +23,7 @@ refuses is also left in that directory, for the client that started the engine t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -37,6 +38,7 @@ from dumper import errors
 from dumper.engines.vllm_hooks import VllmFamily
 from dumper.errors import DriftscopeError, UsageError
 from dumper.format import ROUTER_POINT
+from dumper.format.remote import is_url, listed, read_small, remove_prefix, write_small
 from dumper.format.sketch import SketchSpec
 from dumper.hooks.layers import find_decoder_layers, parse_layer_spec
 from dumper.hooks.router_tap import PROBE_NAME, RouterEntry, RouterProbe, RouterTap
@@ -143,29 +145,45 @@ def install_engine_tap(model: Any, vllm_config: Any, spec: dict[str, Any]) -> An
 def _leave_load_failure(e: DriftscopeError) -> None:
     """Write ``e`` into the spool root (``DRIFTSCOPE_VLLM_SPOOL``), where the client that started this engine reads it."""
     root = env_settings().vllm_spool
-    if root and Path(root).is_dir():
-        try:
-            (Path(root) / f"{_FAILED}{os.getpid()}.json").write_text(
-                json.dumps({"type": type(e).__name__, "message": str(e)[:1000]}))
-        except OSError:  # the error is in vLLM's log all the same
-            pass
+    text = json.dumps({"type": type(e).__name__, "message": str(e)[:1000]})
+    try:
+        if root and is_url(root):  # ranks on other hosts: the URL spool is what the client can read
+            write_small(f"{root.rstrip('/')}/{_FAILED}{os.getpid()}.json", text.encode())
+        elif root and Path(root).is_dir():
+            (Path(root) / f"{_FAILED}{os.getpid()}.json").write_text(text)
+    except (OSError, DriftscopeError):  # the error is in vLLM's log all the same
+        pass
 
 
-def take_load_failure(root: Path) -> DriftscopeError | None:
+def take_load_failure(root: Path | str) -> DriftscopeError | None:
     """The error the tap raised in a vLLM process whose spool root is ``root`` (None: none); every such file is removed.
 
     Called before an engine starts (to drop what an earlier one left) and after it failed to start.
     """
     found: DriftscopeError | None = None
+    if isinstance(root, str):
+        return _take_remote_failure(root)
     for path in sorted(root.glob(f"{_FAILED}*.json")):
-        try:
-            d = json.loads(path.read_text())
-            kind = getattr(errors, str(d["type"]), None)
-            kind = kind if isinstance(kind, type) and issubclass(kind, DriftscopeError) else errors.ModelError
-            found = found or kind(" ".join(str(d["message"]).split()))
-        except (OSError, ValueError, KeyError, TypeError):
-            pass
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            found = found or _failure_of(path.read_bytes())
         path.unlink(missing_ok=True)
+    return found
+
+
+def _failure_of(raw: bytes) -> DriftscopeError:
+    d = json.loads(raw)
+    kind = getattr(errors, str(d["type"]), None)
+    kind = kind if isinstance(kind, type) and issubclass(kind, DriftscopeError) else errors.ModelError
+    return kind(" ".join(str(d["message"]).split()))
+
+
+def _take_remote_failure(root: str) -> DriftscopeError | None:
+    """:func:`take_load_failure` of a URL spool."""
+    found: DriftscopeError | None = None
+    for name in listed(root, f"{_FAILED}*.json"):
+        with contextlib.suppress(ValueError, KeyError, TypeError):
+            found = found or _failure_of(read_small(f"{root}/{name}") or b"")
+        remove_prefix(f"{root}/{name}")
     return found
 
 

@@ -7,7 +7,9 @@ Ray (its platform names no Ray device key); ``DRIFTSCOPE_TEST_RAY_CPU=1`` in eve
 fixture for the real multi-node path, nothing a GPU user needs. Ray actors inherit the environment
 of their node's ``ray start``, so the seeded rank-1 bug (:func:`~tests.dumper.engines.test_engine_vllm.seeded`'s
 ``DRIFTSCOPE_TEST_SEED``) is in the cluster's environment, started again for that job. The engine
-runs eager (this test is about the executor, and each Ray worker would compile on its own).
+runs eager (this test is about the executor, and each Ray worker would compile on its own). The clean
+job records into a spool on moto's S3 server (``DRIFTSCOPE_VLLM_SPOOL=s3://...``) and writes its
+dump there: each rank sends its own files, as ranks on hosts without a shared disk must.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ from collections.abc import Iterator
 import pytest
 
 from dumper.format import load_manifest
+from dumper.format.remote import fetched
 from tests.conftest import ROOT, run_cli
+from tests.s3_server import make_bucket, s3_server, s3fs_of
 from tests.dumper.engines.test_engine_vllm import SEED_DIR, need, shared_checkpoint
 
 PROMPT = "1,5,9,22,40,7,8,9,10,11,12,13,14,15,16,17,18,19,20,21"
@@ -84,27 +88,58 @@ def runs(tmp_path_factory):
                 "--quiet")
     assert r.returncode == 0, r.stderr
     out = {}
-    for name, seed in (("ray", None), ("bug", {"layer": SEED_LAYER, "token": BUG_TOKEN, "rank": BUG_RANK})):
-        with ray_cluster(**({"DRIFTSCOPE_TEST_SEED": json.dumps(seed)} if seed else {})) as env:
-            nodes = _nodes(env)
-            r = subprocess.run([sys.executable, "-m", "dumper", "run", "--model", str(ckpt), *RAY_JOB, "--out",
-                                str(root / name)], env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
-        out[name] = {"rc": r.returncode, "stderr": r.stderr[-4000:], "nodes": nodes}
+    with s3_server() as s3:  # the clean job: every rank sends its files to S3, the dump is written there
+        bucket = make_bucket(s3, "ray")
+        spool, url = f"{bucket}/spool", f"{bucket}/dumps/ray"
+        with ray_cluster(**s3, DRIFTSCOPE_VLLM_SPOOL=spool) as env:
+            out["ray"] = _job(ckpt, url, env)
+        fs = s3fs_of(s3)
+        out["ray"]["spool_left"] = fs.find(spool.removeprefix("s3://"))
+        r = run_cli("comparator", root / "hf", url, "--json", root / "ray.json", "--quiet", env=s3)
+        out["ray"]["compare"] = (r.returncode, r.stdout + r.stderr)
+        with fetched_with(s3, url) as local:
+            out["ray"]["manifest"] = load_manifest(local)
+    seed = {"layer": SEED_LAYER, "token": BUG_TOKEN, "rank": BUG_RANK}
+    with ray_cluster(DRIFTSCOPE_TEST_SEED=json.dumps(seed)) as env:  # a local spool, as on one host
+        out["bug"] = _job(ckpt, root / "bug", env)
+        out["refused"] = _job(ckpt, root / "refused", env, "--layers", "9")  # the tap refuses it in each actor
     return root, out
 
 
+def _job(ckpt, dest, env: dict[str, str], *extra: str) -> dict:
+    nodes = _nodes(env)
+    r = subprocess.run([sys.executable, "-m", "dumper", "run", "--model", str(ckpt), *RAY_JOB, *extra, "--out",
+                        str(dest)], env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    return {"rc": r.returncode, "stderr": r.stderr[-4000:], "nodes": nodes}
+
+
+@contextlib.contextmanager
+def fetched_with(s3: dict[str, str], url: str) -> Iterator:
+    """A local copy of the dump at ``url`` on the server of ``s3`` (its credentials set for the block)."""
+    saved = {k: os.environ.get(k) for k in s3}
+    os.environ.update(s3)
+    try:
+        with fetched(url) as local:
+            yield local
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+
+
 @pytest.mark.engine
-def test_tp2_on_two_ray_nodes_captures_every_rank_and_matches_hf(runs):
+def test_tp2_on_two_ray_nodes_sends_every_rank_to_s3_and_matches_hf(runs):
+    """Each rank sends its files to the S3 spool (no disk shared), the client joins them into a dump on S3."""
     root, out = runs
     assert out["ray"]["rc"] == 0, out["ray"]["stderr"]
     assert len(out["ray"]["nodes"]) == 2 and all(n.get("GPU") == 1.0 for n in out["ray"]["nodes"])  # a rank each
-    m = load_manifest(root / "ray")
+    m = out["ray"]["manifest"]
     assert m.extra["engine"]["settings"]["executor"] == "ray"
     assert m.extra["engine"]["settings"]["tensor_parallel_size"] == 2
     assert {(t.layer, t.rank) for t in m.tensors if t.point == "input"} == {(i, r) for i in range(4) for r in (0, 1)}
-    r = run_cli("comparator", root / "hf", root / "ray", "--json", root / "ray.json", "--quiet")
+    assert out["ray"]["spool_left"] == []  # the joined token's prefix is removed
+    rc, text = out["ray"]["compare"]
     report = json.loads((root / "ray.json").read_text())
-    assert r.returncode == 0 and report["passed"] and not report["replica_mismatches"], r.stdout + r.stderr
+    assert rc == 0 and report["passed"] and not report["replica_mismatches"], text
     assert max(t["rel_diff"] for t in report["tensors"]) < 1e-5  # fp32: the all-reduce's order only
 
 
@@ -120,3 +155,15 @@ def test_a_bug_on_rank_1_of_the_ray_cluster_is_named_with_its_rank_layer_and_tok
                                                                          BUG_TOKEN), fd
     first = report["replica_mismatches"][0]
     assert (first["rank"], first["layer"], first["first_token"]) == (BUG_RANK, SEED_LAYER + 1, BUG_TOKEN), first
+
+
+@pytest.mark.engine
+def test_a_tap_refused_inside_the_ray_actors_is_one_error_line(runs):
+    """vLLM's and Ray's tracebacks of the failed start are held back: stderr is driftscope's one line, exit 2."""
+    root, out = runs
+    refused = out["refused"]
+    assert refused["rc"] == 2, refused["stderr"]
+    assert refused["stderr"].strip().splitlines() == [
+        "error: additional_config 'driftscope': layer spec '9': layer 9 is out of range for a model with 4 layers "
+        "(0..3, or -4..-1 from the end)"], refused["stderr"]
+    assert not (root / "refused").exists()
