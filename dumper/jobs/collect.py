@@ -44,8 +44,7 @@ from comparator.logprobs.types import SequenceLogprobs, TopK
 
 from dumper.engines.base import EngineInfo, hf_identity
 from dumper.engines.vllm_parts import RankParts, join_dump, new_token, remove_spool, wait_parts
-from dumper.engines.vllm_spool import marker, token_dir
-from dumper.format.remote import is_url, listed
+from dumper.engines.vllm_spool import marker
 from dumper.settings import VLLM_SPOOL_ENV
 from dumper.engines.vllm_tap import tap_config
 from dumper.errors import DumpError, UsageError
@@ -109,9 +108,7 @@ class CollectConfig:
             raise UsageError(f"--top-k must be >= 0, got {spec.top_k}")
 
 
-def _spool_dir(spool: str) -> Path | str:
-    if is_url(spool):  # the server's ranks send their files there (dumper.hooks.remote)
-        return spool.rstrip("/")
+def _spool_dir(spool: str) -> Path:
     path = Path(spool)
     if not path.is_dir():
         raise UsageError(f"--spool {spool}: not a directory (the one the server's {VLLM_SPOOL_ENV} names)")
@@ -316,11 +313,11 @@ def _coverage(parts: RankParts, seqs: Sequence[Sequence[int]]) -> tuple[list[int
     return first, [len(s) - len(seen[i] & set(range(len(s)))) for i, s in enumerate(seqs)]
 
 
-def _wait(directory: Path | str, spool: Path | str, cfg: CollectConfig) -> RankParts:
+def _wait(directory: Path, spool: Path, cfg: CollectConfig) -> RankParts:
     try:
         return wait_parts(directory, timeout_s=cfg.part_timeout)
     except DumpError:
-        if isinstance(directory, str) and listed(directory, "*") or isinstance(directory, Path) and directory.exists():
+        if directory.exists():
             raise  # a rank said why it dropped the capture, or some ranks wrote theirs
         raise DumpError(f"--spool {spool}: no capture part of the {cfg.server} requests appeared within "
                         f"{cfg.part_timeout:g} s (--part-timeout): the server runs without the driftscope tap or records "
@@ -339,10 +336,9 @@ def collect_dump(cfg: CollectConfig, *, progress: ProgressFn | None = None) -> M
     client = ServerClient(cfg.server, timeout=cfg.request_timeout, retries=cfg.retries)
     version = _server_version(client)
     name = cfg.served_model or served_model(client)
-    token = new_token()
-    directory = token_dir(spool, token)
+    directory = spool / new_token()
     try:
-        bodies = [_body(s, name, token, i, len(seqs), cfg.logprobs, cfg.new_tokens)
+        bodies = [_body(s, name, directory.name, i, len(seqs), cfg.logprobs, cfg.new_tokens)
                   for i, s in enumerate(seqs)]
         answers = _send(client, bodies, cfg.concurrency, progress)
         url = client.url("/v1/completions")
