@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import traceback
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from dumper.errors import EXIT_INTERNAL, EXIT_UNUSABLE, DriftscopeError, UsageError
 from dumper.format.files import printable
@@ -47,6 +48,22 @@ def split_debug(argv: Sequence[str]) -> tuple[list[str], bool]:
     return out, debug
 
 
+@contextlib.contextmanager
+def _debug_env(debug: bool) -> Iterator[None]:
+    """``DRIFTSCOPE_DEBUG=1`` for the run when ``--debug`` asked for it (what an engine's processes print while it
+    starts is then shown, :mod:`dumper.engines.held_output`); as it was, after."""
+    before = os.environ.get("DRIFTSCOPE_DEBUG")
+    if debug:
+        os.environ["DRIFTSCOPE_DEBUG"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("DRIFTSCOPE_DEBUG", None)
+        else:
+            os.environ["DRIFTSCOPE_DEBUG"] = before
+
+
 def guarded_main(run: Callable[[Sequence[str] | None], int], argv: Sequence[str] | None = None) -> int:
     """Call ``run(argv)`` and map what it raises to an exit code and one line on stderr.
 
@@ -64,9 +81,7 @@ def guarded_main(run: Callable[[Sequence[str] | None], int], argv: Sequence[str]
     held: list[warnings.WarningMessage] = []
     try:
         debug = debug or env_settings().debug
-        if debug:  # also for what an engine's processes print (dumper.engines.held_output)
-            os.environ["DRIFTSCOPE_DEBUG"] = "1"
-        with warnings.catch_warnings(record=True) as held:
+        with warnings.catch_warnings(record=True) as held, _debug_env(debug):
             rc = run(args)
         _show(held)
         return rc

@@ -78,8 +78,13 @@ def test_internal_errors_exit_3_with_one_line(capsys, monkeypatch):
     assert guarded_main(boom, []) == EXIT_INTERNAL
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "bug in driftscope" in err and "--debug" in err and "Traceback" not in err
-    assert guarded_main(boom, ["--debug"]) == EXIT_INTERNAL
+    monkeypatch.delenv("DRIFTSCOPE_DEBUG", raising=False)
+    seen = []
+    assert guarded_main(lambda argv: seen.append(os.environ.get("DRIFTSCOPE_DEBUG")) or boom(argv),
+                        ["--debug"]) == EXIT_INTERNAL
     assert "Traceback" in capsys.readouterr().err
+    assert seen == ["1"] and "DRIFTSCOPE_DEBUG" not in os.environ  # for the run (an engine's start), not after
+    assert guarded_main(boom, []) == EXIT_INTERNAL and "Traceback" not in capsys.readouterr().err
     monkeypatch.setenv("DRIFTSCOPE_DEBUG", "1")
     assert guarded_main(lambda argv: (_ for _ in ()).throw(KeyError("k")), []) == EXIT_INTERNAL
     assert "Traceback" in capsys.readouterr().err
