@@ -4,9 +4,11 @@ Starts moto's S3 server on 127.0.0.1 (:mod:`tests.s3_server`), writes a baseline
 of ``--mib`` MiB each (float32 [tokens, hidden] tensors, :func:`bench_comparator.make_dumps`) to
 local disk and uploads both, then times in ``--rounds`` interleaved rounds:
 
-- ``compare_dumps`` of the local pair, and of the S3 pair through :func:`dumper.format.remote.fetched`
-  (what ``python -m comparator s3://... s3://...`` does): GB/s of the two dumps' bytes, the ratio,
-  and the peak anonymous memory of each (each comparison in a fresh process);
+- ``compare_dumps`` of the local pair; of the S3 pair read in place by ranged reads (what
+  ``python -m comparator s3://... s3://...`` does, :mod:`dumper.format.remote_read`); and of the S3 pair
+  through local copies (:func:`dumper.format.remote.fetched`, what ``calibrate`` and the run store still
+  do): GB/s of the two dumps' bytes, the ratio to local, and the peak anonymous memory of each (each
+  comparison in a fresh process);
 - capture with ``python -m dumper run --out s3://...`` against ``--out DIR`` (tiny-llama, every layer,
   ``--tokens`` tokens): wall time of the CLI and the ratio.
 
@@ -32,8 +34,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
-def compare_child(base: str, target: str) -> None:
-    """Child process: one timed comparison (URLs through local copies) with anonymous-RSS sampling; prints JSON."""
+def compare_child(base: str, target: str, copy: bool = False) -> None:
+    """Child process: one timed comparison (URLs read in place, or through local copies with ``copy``) with
+    anonymous-RSS sampling; prints JSON."""
+    import contextlib
+
     from anonpeak import AnonPeak
 
     from comparator import compare_dumps
@@ -41,15 +46,16 @@ def compare_child(base: str, target: str) -> None:
 
     with AnonPeak() as mem:
         t = time.perf_counter()
-        with fetched(base) as b, fetched(target) as g:
+        with (fetched(base) if copy else contextlib.nullcontext(base)) as b, \
+                (fetched(target) if copy else contextlib.nullcontext(target)) as g:
             report = compare_dumps(b, g)
         elapsed = time.perf_counter() - t
     print(json.dumps({"seconds": elapsed, "peak_anon_mib": mem.peak / 2**20, "passed": report.passed}))
 
 
-def _child(base: str, target: str, env: dict[str, str]) -> dict:
+def _child(base: str, target: str, env: dict[str, str], copy: bool = False) -> dict:
     code = (f"import sys; sys.path.insert(0, {str(ROOT / 'bench')!r}); import bench_remote; "
-            f"bench_remote.compare_child({base!r}, {target!r})")
+            f"bench_remote.compare_child({base!r}, {target!r}, {copy!r})")
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env, "PYTHONPATH": str(ROOT)},
                          capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -85,18 +91,22 @@ def main() -> None:
         for d in (base, target):
             upload_dump(d, f"{bucket}/{d.name}")
         upload_s = time.perf_counter() - t
-        local, remote, cap_local, cap_s3 = [], [], [], []
+        runs: dict[str, list[dict]] = {"local": [], "s3 ranged": [], "s3 copied": []}
+        cap_local, cap_s3 = [], []
+        urls = f"{bucket}/{base.name}", f"{bucket}/{target.name}"
         for r in range(args.rounds):
-            local.append(_child(str(base), str(target), env))
-            remote.append(_child(f"{bucket}/{base.name}", f"{bucket}/{target.name}", env))
+            runs["local"].append(_child(str(base), str(target), env))
+            runs["s3 ranged"].append(_child(*urls, env))
+            runs["s3 copied"].append(_child(*urls, env, copy=True))
             cap_local.append(_dump(str(root / f"cap{r}"), args.tokens, env))
             cap_s3.append(_dump(f"{bucket}/cap{r}", args.tokens, env))
         gb = 2 * nbytes / 1e9
-        tl, tr = (statistics.median(x["seconds"] for x in runs) for runs in (local, remote))
         print(f"dumps: 2 x {nbytes / 2**20:.0f} MiB; upload of both {upload_s:.1f} s ({gb / upload_s:.2f} GB/s)")
-        print(f"comparator local: {gb / tl:.2f} GB/s ({tl:.2f} s), peak anon {max(x['peak_anon_mib'] for x in local):.0f} MiB")
-        print(f"comparator s3:    {gb / tr:.2f} GB/s ({tr:.2f} s), peak anon {max(x['peak_anon_mib'] for x in remote):.0f} MiB;"
-              f" s3/local speed {tl / tr:.2f}x")
+        tl = statistics.median(x["seconds"] for x in runs["local"])
+        for what, done in runs.items():
+            t = statistics.median(x["seconds"] for x in done)
+            print(f"comparator {what + ':':11} {gb / t:.2f} GB/s ({t:.2f} s), peak anon "
+                  f"{max(x['peak_anon_mib'] for x in done):.0f} MiB; speed {tl / t:.2f}x of local")
         cl, cs = statistics.median(cap_local), statistics.median(cap_s3)
         print(f"capture --out DIR {cl:.2f} s, --out s3:// {cs:.2f} s: {cs / cl:.2f}x ({args.tokens} tokens, tiny-llama)")
 

@@ -20,8 +20,9 @@ from collections.abc import Iterator, Sequence
 
 from dumper.cli.common import add_import_sglang_flags, guarded_main
 from dumper.errors import EXIT_DIVERGED, EXIT_OK, DriftscopeError, UsageError
-from dumper.format import MANIFEST_NAME, load_manifest, write_json_atomic
+from dumper.format import MANIFEST_NAME, write_json_atomic
 from dumper.format.remote import fetched, is_url
+from dumper.format.remote_read import dump_manifest
 
 from comparator.config import CompareConfig
 from comparator.cli.args import (compare_config, logprob_threshold_flags, logprob_thresholds, noise_args, noise_flags,
@@ -196,11 +197,9 @@ def cmd_logprobs(args: argparse.Namespace) -> int:
     if "rel_diff" in noise["noise_floors"]:
         raise UsageError("--noise-floor: comparator logprobs takes NAME=VALUE with NAME a logprob metric "
                          f"({', '.join(metric_names())})")
-    with contextlib.ExitStack() as sides:  # a dump at a URL: read from a local copy
-        base, target = (sides.enter_context(_fetched_str(p)) if is_url(p) else p for p in (args.baseline, args.target))
-        verdict = compare_logprob_sources(base, target, model=args.threshold_row,
-                                          explicit=logprob_thresholds(args.logprob_threshold),
-                                          allow_model_mismatch=args.allow_model_mismatch, **noise)
+    verdict = compare_logprob_sources(args.baseline, args.target, model=args.threshold_row,  # a URL: read in place
+                                      explicit=logprob_thresholds(args.logprob_threshold),
+                                      allow_model_mismatch=args.allow_model_mismatch, **noise)
     warn(verdict.noise.warnings if verdict.noise is not None else ())
     console = _console()
     if args.quiet:
@@ -270,7 +269,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     check_distinct(args.baseline, args.target)  # before an SGLang side is converted into a temporary dump
     if args.git_bisect:  # the baseline and the flags are checked first: their problems are no commit's
         with _dump_side(args.baseline) as base:
-            load_manifest(base)
+            dump_manifest(base)
         try:
             return _compare(args, config)
         except DriftscopeError as e:
@@ -305,15 +304,13 @@ def _compare(args: argparse.Namespace, config: CompareConfig) -> int:
 
 
 def _dump_side(path: str) -> contextlib.AbstractContextManager[str]:
-    """``path`` itself; for a URL, a local copy of the dump there (:func:`dumper.format.remote.fetched`); for an
+    """``path`` itself (a URL too: :class:`~dumper.format.DumpReader` reads it in place, by ranges); for an
     SGLang dumper directory, a temporary driftscope dump of it.
 
     :mod:`dumper.engines.sglang` (and torch with it) is imported only for a directory without
     a driftscope manifest, so comparing two driftscope dumps stays torch-free.
     """
-    if is_url(path):
-        return _fetched_str(path)
-    if os.path.isdir(path) and not os.path.exists(os.path.join(path, MANIFEST_NAME)):
+    if not is_url(path) and os.path.isdir(path) and not os.path.exists(os.path.join(path, MANIFEST_NAME)):
         from dumper.engines.sglang import is_sglang_dump, open_dump_side
 
         if is_sglang_dump(path):
@@ -323,6 +320,8 @@ def _dump_side(path: str) -> contextlib.AbstractContextManager[str]:
 
 @contextlib.contextmanager
 def _fetched_str(url: str) -> Iterator[str]:
+    """A local copy of the dump at ``url`` (:func:`dumper.format.remote.fetched`): ``calibrate`` reads its
+    variants through it."""
     with fetched(url) as local:
         yield str(local)
 

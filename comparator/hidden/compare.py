@@ -10,8 +10,9 @@ Tensors whose rows carry positions are compared per (name, sequence) after reass
 chunks, batches and ranks (see :mod:`comparator.hidden.align`); others per (name, pass, rank).
 A rank whose tensor-parallel replica rows differ from its representative's is compared too
 (:mod:`comparator.hidden.replicas`), so the first divergence is the lowest over all ranks.
-Only the rows being compared are touched (memory-mapped), so memory stays bounded whatever
-the dump size.
+Only the tensors being compared are touched (memory-mapped; at a URL, read by their byte ranges
+into a bounded cache: :mod:`dumper.format.remote_read`), so memory stays bounded whatever the dump
+size.
 """
 
 from __future__ import annotations

@@ -29,6 +29,7 @@ from typing import Any
 
 from dumper.errors import ModelMismatchError, UsageError
 from dumper.format import Manifest
+from dumper.format.remote import is_url
 
 from comparator.judging.runmode import run_mode_notes
 
@@ -121,7 +122,12 @@ def check_variant(baseline: Manifest, variant: Manifest, *, allow_mismatch: bool
 
 
 def check_distinct(baseline: str | os.PathLike[str], target: str | os.PathLike[str]) -> None:
-    """Refuse comparing a dump with itself: it would pass without testing anything."""
+    """Refuse comparing a dump with itself: it would pass without testing anything (a URL is itself only)."""
+    if is_url(baseline) or is_url(target):
+        b_url, t_url = (os.fspath(p).rstrip("/") for p in (baseline, target))
+        if b_url == t_url:
+            raise UsageError(f"{target}: baseline and target are the same dump; nothing would be compared")
+        return
     b, t = Path(baseline), Path(target)
     try:
         same = b.exists() and t.exists() and os.path.samefile(b, t)

@@ -11,7 +11,7 @@ A new format is one module with a writer and one registration, before the parser
 
     from comparator.reports.outputs import OutputFormat, register_output
 
-    def write_summary(report, path, dumps):  # dumps: the two dump directories (manifests on demand)
+    def write_summary(report, path, dumps):  # dumps: the two dumps (manifests on demand)
         Path(path).write_text(f"{report.matched} tensors, passed: {report.passed}\\n")
 
     register_output(OutputFormat("summary", "summary", write_summary, metavar="FILE", help="write a one-line summary"))
@@ -31,7 +31,8 @@ from functools import cached_property
 from typing import Any, TextIO
 
 from dumper.errors import UsageError
-from dumper.format import Manifest, load_manifest
+from dumper.format import Manifest
+from dumper.format.remote_read import dump_manifest
 from dumper.progress import ProgressFn, progress_bar
 
 from comparator.reports.files import json_text, need_pyarrow, write_parquet
@@ -45,18 +46,18 @@ STDOUT = "-"
 
 
 class Dumps:
-    """The two dump directories a report came from; their manifests are read on first use."""
+    """The two dumps a report came from (directories or URLs); their manifests are read on first use."""
 
     def __init__(self, baseline: str | os.PathLike[str], target: str | os.PathLike[str]) -> None:
         self.baseline, self.target = baseline, target
 
     @cached_property
     def baseline_manifest(self) -> Manifest:
-        return load_manifest(self.baseline)
+        return dump_manifest(self.baseline)
 
     @cached_property
     def target_manifest(self) -> Manifest:
-        return load_manifest(self.target)
+        return dump_manifest(self.target)
 
 
 @dataclass(frozen=True)
@@ -127,7 +128,7 @@ def write_outputs(report: Report, args: argparse.Namespace, baseline_dir: str | 
 
     ``--format json`` prints the JSON report to ``stdout`` (the caller then prints no table); a
     format's flag without a file prints its text there. Manifests (for the HTML's run details and
-    token texts) are read from the two dump directories when a format asks. An unwritable path
+    token texts) are read from the two dumps (directories or URLs) when a format asks. An unwritable path
     is a UsageError naming it.
     """
     out = stdout or sys.stdout

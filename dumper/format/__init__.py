@@ -30,7 +30,9 @@ The modules, one concern each:
 * :mod:`~dumper.format.validate`: checks on manifests and safetensors headers;
 * :mod:`~dumper.format.files`: generic checks on untrusted files (bounded JSON, plain names, containment);
 * :mod:`~dumper.format.atomic`: atomic, durable writes (:func:`atomic_path`, :func:`write_json_atomic`);
-* :mod:`~dumper.format.describe`: the human summary of a dump (``python -m dumper ls``, ``store show``).
+* :mod:`~dumper.format.describe`: the human summary of a dump (``python -m dumper ls``, ``store show``);
+* :mod:`~dumper.format.remote`: dumps at fsspec URLs: written manifest last, copied down only as far
+  as the manifest vouches; :mod:`~dumper.format.remote_read`: a dump at a URL read in place, by ranges.
 
 Example::
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from dumper.errors import UsageError
 from dumper.format import DumpReader
 from dumper.format.files import file_kind
+from dumper.format.remote import is_url
 
 from comparator.logprobs.sources.dump import dump_logprobs
 from comparator.logprobs.sources.engine_json import read_logprobs_jsonl
@@ -22,12 +23,14 @@ __all__ = ["read_logprob_source"]
 
 
 def read_logprob_source(path: str | os.PathLike[str]) -> LogprobSource:
-    """A dump directory (with logprobs), a llama.cpp KL-divergence base file or an engine JSONL file."""
+    """A dump directory or dump URL (with logprobs), a llama.cpp KL-divergence base file or an engine JSONL file."""
     p = Path(path)
-    if p.is_dir():
-        src = dump_logprobs(DumpReader(p))
+    if is_url(path) or p.is_dir():  # a URL is a dump's (read in place, dumper.format.remote_read)
+        reader = DumpReader(path)
+        src = dump_logprobs(reader)
         if src is None:
-            raise UsageError(f"{p}: the dump holds no logprobs (record them with `python -m dumper run --logprobs`)")
+            raise UsageError(f"{reader.directory}: the dump holds no logprobs (record them with "
+                             "`python -m dumper run --logprobs`)")
         return src
     if not p.is_file():
         try:
