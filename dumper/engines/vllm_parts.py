@@ -32,6 +32,7 @@ from dumper.errors import DumpError, UsageError
 from dumper.format import Manifest, TensorRecord, load_manifest
 from dumper.format.atomic import atomic_path
 from dumper.hooks.capture import Capture
+from dumper.format.files import check_plain_name
 from dumper.format.remote import download, is_url, listed, read_small, remove_prefix
 from dumper.hooks.parts import parse_part, part_path, read_part
 from dumper.settings import VLLM_SPOOL_ENV, env_settings
@@ -157,6 +158,10 @@ def take_parts(capture: Any, parts: RankParts) -> None:
     for rank in sorted(parts.files):
         files = parts.files[rank]
         for name in files:
+            where = f"{parts.directory}/{part_path(Path('.'), rank).name}"
+            check_plain_name(name, where, "files")  # a part names files of its own token's directory, nothing else
+            if type(files[name]) is not int or files[name] < 0:
+                raise DumpError(f"{where}: files.{name}: expected a size in bytes, got {files[name]!r}")
             target = capture.out_dir / name
             if target.exists():
                 raise DumpError(f"{target}: already exists; the dump directory must hold no other data files")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import json
 import os
 import socket
 import tempfile
@@ -144,3 +145,59 @@ def test_torch_distributed_ranks_send_their_own_files_to_s3(tmp_path):
     assert MANIFEST_NAME in names and "index-r0.json" in names and "index-r1.json" in names
     for rank in (0, 1):  # every staging directory removed
         assert os.listdir(tmp_path / f"rank{rank}") == []
+
+
+# -- an engine's spool at a URL: each rank's part sent there, the client joins it ----------------
+
+
+def test_parts_sent_to_a_url_spool_join_into_the_dump_a_local_capture_writes(model, url, tmp_path):
+    """What vLLM's workers do with ``DRIFTSCOPE_VLLM_SPOOL=URL`` (one rank here): data, then the part, at the URL;
+    the client waits for the part there, streams the files down and writes the manifest."""
+    from dumper.engines.base import EngineInfo
+    from dumper.engines.vllm_parts import join_dump, remove_spool, wait_parts
+    from dumper.hooks.remote import RemoteCapture
+
+    m, tok = model
+    ids = prompt_ids(tok, 24)
+    _capture(m, tmp_path / "local", ids)
+    spool = f"{url}/spool/c0123"
+    with torch.inference_mode(), RemoteCapture(m, spool, layers="all", part=True):
+        m(input_ids=ids)
+    fs = fsspec.filesystem("memory")
+    assert MANIFEST_NAME not in {p.rsplit("/", 1)[-1] for p in fs.ls(spool, detail=False)}  # a part never looks complete
+    parts = wait_parts(spool, timeout_s=5)
+    joined = join_dump(tmp_path / "joined", parts, model_name=None, identity={"model_type": "llama"},
+                       engine=EngineInfo("test", None, "tiny"), job_extra={})
+    remove_spool(spool)
+    assert not fs.exists(spool)
+    local = load_manifest(tmp_path / "local")
+    assert joined.files == local.files and len(joined.tensors) == len(local.tensors)
+    a, b = DumpReader(tmp_path / "local"), DumpReader(tmp_path / "joined")
+    assert all(a.array(x).tobytes() == b.array(y).tobytes() for x, y in zip(local.tensors, joined.tensors, strict=True))
+
+
+def test_a_part_at_a_url_spool_that_names_a_file_outside_is_refused(url, tmp_path):
+    from dumper.engines.base import EngineInfo
+    from dumper.engines.vllm_parts import join_dump, wait_parts
+    from dumper.errors import CorruptDumpError
+
+    spool = f"{url}/spool/c0bad"
+    fs = fsspec.filesystem("memory")
+    for where in (f"{spool}/evil", f"{url}/spool/evil"):  # what ``../evil`` names, in either reading
+        fs.pipe_file(where, b"abc")
+    fs.pipe_file(f"{spool}/index-r0.json", json.dumps({"files": {"../evil": 3}, "tensors": [], "world_size": 1}).encode())
+    parts = wait_parts(spool, timeout_s=5)
+    with pytest.raises(CorruptDumpError, match="expected a plain file name"):
+        join_dump(tmp_path / "out" / "d", parts, model_name=None, identity={}, engine=EngineInfo("t", None, "x"),
+                  job_extra={})
+    assert not (tmp_path / "out" / "evil").exists()
+
+
+def test_a_rank_that_failed_at_a_url_spool_is_one_line(url):
+    from dumper.engines.vllm_parts import wait_parts
+    from dumper.engines.vllm_spool import leave_failure
+
+    spool = f"{url}/spool/c0fail"
+    leave_failure(spool, 1, "OSError: [Errno 28] No space left on device")
+    with pytest.raises(DumpError, match=r"failed on rank r1: OSError: \[Errno 28\] No space left"):
+        wait_parts(spool, timeout_s=5)
