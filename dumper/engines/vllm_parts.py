@@ -34,7 +34,7 @@ from dumper.format.atomic import atomic_path
 from dumper.hooks.capture import Capture
 from dumper.format.files import check_plain_name
 from dumper.format.remote import download, is_url, listed, read_small, remove_prefix
-from dumper.hooks.parts import parse_part, part_path, read_part
+from dumper.hooks.parts import PART_LIMIT, parse_part, part_name, part_path, read_part
 from dumper.settings import VLLM_SPOOL_ENV, env_settings
 
 __all__ = ["RankParts", "spool_root", "new_token", "wait_parts", "take_parts", "join_dump", "remove_spool",
@@ -104,7 +104,7 @@ def _failure(directory: Path | str) -> str | None:
 def _part(directory: Path | str, rank: int) -> tuple[dict[str, int], tuple[TensorRecord, ...], dict[str, Any]] | None:
     """Rank ``rank``'s part in ``directory`` once it is there (a part is written after its rank's data files)."""
     if isinstance(directory, str):
-        raw = read_small(f"{directory}/{part_path(Path('.'), rank).name}", limit=1 << 30)
+        raw = read_small(f"{directory}/{part_name(rank)}", limit=PART_LIMIT)
         return None if raw is None else parse_part(raw)
     path = part_path(directory, rank)
     return read_part(path) if path.is_file() else None
@@ -157,8 +157,8 @@ def take_parts(capture: Any, parts: RankParts) -> None:
     spool: streamed down, each refused unless it is the size its part says)."""
     for rank in sorted(parts.files):
         files = parts.files[rank]
+        where = f"{parts.directory}/{part_name(rank)}"
         for name in files:
-            where = f"{parts.directory}/{part_path(Path('.'), rank).name}"
             check_plain_name(name, where, "files")  # a part names files of its own token's directory, nothing else
             if type(files[name]) is not int or files[name] < 0:
                 raise DumpError(f"{where}: files.{name}: expected a size in bytes, got {files[name]!r}")

@@ -47,8 +47,8 @@ from dumper.hooks.remote import capture_class
 from dumper.hooks.parts import dist_rank_world
 from dumper.settings import env_settings
 
-__all__ = ["MARK_TOKEN", "MARK_SEQ", "MARK_COUNT", "MARK_NEW", "marker", "check_token", "failed_path", "token_dir",
-           "leave_failure", "MarkedFamily", "SpoolRecorder", "engine_settings", "install_recorder"]
+__all__ = ["MARK_TOKEN", "MARK_SEQ", "MARK_COUNT", "MARK_NEW", "marker", "check_token", "failed_name", "failed_path",
+           "token_dir", "leave_failure", "MarkedFamily", "SpoolRecorder", "engine_settings", "install_recorder"]
 
 MARK_TOKEN, MARK_SEQ, MARK_COUNT = "driftscope_capture", "driftscope_seq", "driftscope_n"
 """``extra_args`` keys of a marked request: the capture's token, its sequence id, the capture's prompt count."""
@@ -74,9 +74,14 @@ def marker(token: str, seq: int, count: int, new_tokens: int = 1) -> dict[str, A
             **({MARK_NEW: int(new_tokens)} if new_tokens > 1 else {})}
 
 
+def failed_name(rank: int) -> str:
+    """The file in which rank ``rank`` says why its capture of a token was dropped (a directory's or a URL's)."""
+    return f"failed-r{rank}.txt"
+
+
 def failed_path(directory: Path, rank: int) -> Path:
     """Where rank ``rank`` says why its capture of a token was dropped."""
-    return directory / f"failed-r{rank}.txt"
+    return directory / failed_name(rank)
 
 
 def token_dir(root: Path | str, token: str) -> Path | str:
@@ -88,7 +93,7 @@ def token_dir(root: Path | str, token: str) -> Path | str:
 def leave_failure(directory: Path | str, rank: int, reason: str) -> None:
     """Say in ``directory`` why rank ``rank`` dropped its capture (for the client, which stops waiting)."""
     if isinstance(directory, str):
-        write_small(f"{directory}/{failed_path(Path('.'), rank).name}", (reason + "\n").encode())
+        write_small(f"{directory}/{failed_name(rank)}", (reason + "\n").encode())
         return
     directory.mkdir(parents=True, exist_ok=True)
     failed_path(directory, rank).write_text(reason + "\n")
@@ -182,10 +187,11 @@ class SpoolRecorder:
                 threading.Thread(target=self._guard, args=(token, done.close), name=f"driftscope-close-{token}").start()
 
     def _begin(self, token: str, count: int) -> None:
-        cap = capture_class(self.root)(self.model, token_dir(self.root, token), layers=self.spec.get("layers"), points=self.spec.get("points"),
-                      family=MarkedFamily(self.model, token, count, self._runner), hooks=False, part=True,
-                      extra={"engine_settings": self.settings},
-                      sketch=SketchSpec.from_json(self.spec["sketch"]) if self.spec.get("sketch") else None)
+        cap = capture_class(self.root)(
+            self.model, token_dir(self.root, token), layers=self.spec.get("layers"), points=self.spec.get("points"),
+            family=MarkedFamily(self.model, token, count, self._runner), hooks=False, part=True,
+            extra={"engine_settings": self.settings},
+            sketch=SketchSpec.from_json(self.spec["sketch"]) if self.spec.get("sketch") else None)
         cap.__enter__()
         self._open[token] = cap
 
@@ -239,6 +245,7 @@ def install_recorder(model: nn.Module, spec: dict[str, Any], vllm_config: Any, *
     root = env_settings().vllm_spool
     if not root:
         return None
-    recorder = SpoolRecorder(model, root if is_url(root) else Path(root), spec, engine_settings(vllm_config, model), router)
+    recorder = SpoolRecorder(model, root if is_url(root) else Path(root), spec, engine_settings(vllm_config, model),
+                             router)
     _LOG.info("driftscope: recording marked requests into %s (rank %d)", root, recorder.rank)
     return recorder

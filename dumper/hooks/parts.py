@@ -21,7 +21,8 @@ import torch
 
 from dumper.format import TensorRecord, write_json_atomic
 
-__all__ = ["dist_rank_world", "part_path", "write_part", "read_part", "parse_part", "read_parts", "join_under_barrier", "PART_INFO_KEYS"]
+__all__ = ["dist_rank_world", "part_path", "write_part", "read_part", "parse_part", "read_parts",
+           "join_under_barrier", "part_name", "PART_INFO_KEYS", "PART_LIMIT"]
 
 PART_INFO_KEYS = ("world_size", "signature", "identity", "environment", "extra")
 """What a part may say about its rank beside its files and tensors (a worker's model, engine and capture)."""
@@ -34,9 +35,18 @@ def dist_rank_world() -> tuple[int, int]:
     return 0, 1
 
 
+PART_LIMIT = 1 << 30
+"""Most bytes of a part read from a URL (its records: a manifest's worth)."""
+
+
+def part_name(rank: int) -> str:
+    """The file name of rank ``rank``'s part (in a dump directory, or under a URL prefix)."""
+    return f"index-r{rank}.json"
+
+
 def part_path(directory: Path, rank: int) -> Path:
     """Where rank ``rank``'s part of a dump in ``directory`` is written."""
-    return directory / f"index-r{rank}.json"
+    return directory / part_name(rank)
 
 
 def write_part(directory: Path, rank: int, files: dict[str, int], records: Sequence[TensorRecord],

@@ -25,7 +25,7 @@ import torch
 from dumper.format import MANIFEST_NAME, TensorRecord
 from dumper.format.remote import check_free, is_url, read_small, remove_prefix, upload_files
 from dumper.hooks.capture import Capture
-from dumper.hooks.parts import parse_part, part_path, write_part
+from dumper.hooks.parts import PART_LIMIT, parse_part, part_name, write_part
 
 __all__ = ["RemoteCapture", "capture_class"]
 
@@ -63,27 +63,23 @@ class RemoteCapture(Capture):
             super()._finish(complete=complete)
             if not complete:
                 return
-            if self._part:  # this rank's data, then its part: the client waits for the part
-                files, _, _ = parse_part(part_path(self.out_dir, self.rank).read_bytes())
-                upload_files(self.out_dir, self.url, files, last=part_path(self.out_dir, self.rank).name)
-            elif self.world_size == 1:
-                upload_files(self.out_dir, self.url, self._local_files(), last=MANIFEST_NAME)
+            if self._part or self.world_size == 1:  # the staging's data files, then what completes them: a
+                last = part_name(self.rank) if self._part else MANIFEST_NAME  # worker's part, or the manifest
+                names = [p.name for p in self.out_dir.iterdir() if p.name != last and p.is_file()]
+                upload_files(self.out_dir, self.url, names, last=last)
         finally:
             shutil.rmtree(self._staging, ignore_errors=True)
-
-    def _local_files(self) -> list[str]:
-        return [p.name for p in self.out_dir.iterdir() if p.name != MANIFEST_NAME and p.is_file()]
 
     def _join_ranks(self, files: dict[str, int], records: tuple[TensorRecord, ...]) -> bool:
         """Every rank sends its data and its part to the URL; rank 0 reads all parts there and writes the manifest."""
         write_part(self.out_dir, self.rank, files, records)
-        part = part_path(self.out_dir, self.rank).name
+        part = part_name(self.rank)
         upload_files(self.out_dir, self.url, files, last=part)
         torch.distributed.barrier()
         all_files: dict[str, int] = {}
         merged: list[TensorRecord] = []
         for r in range(self.world_size):
-            raw = read_small(f"{self.url}/{part_path(Path('.'), r).name}", limit=1 << 30)
+            raw = read_small(f"{self.url}/{part_name(r)}", limit=PART_LIMIT)
             if raw is None:
                 raise RuntimeError(f"{self.url}: rank {r}'s part is missing after the barrier")
             f, recs, _ = parse_part(raw)
