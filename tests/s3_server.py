@@ -46,6 +46,7 @@ def _free_port() -> int:
 def s3_server() -> Iterator[dict[str, str]]:
     """moto's S3 server on a free port of 127.0.0.1; yields the client environment, stops the server on exit."""
     need_s3()
+    _forget_clients()  # an s3fs instance made for an earlier server still points at that server's endpoint
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -63,12 +64,21 @@ def s3_server() -> Iterator[dict[str, str]]:
         yield {"AWS_ENDPOINT_URL": url, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
                "AWS_DEFAULT_REGION": "us-east-1"}
     finally:
+        _forget_clients()
         proc.terminate()
         try:
             proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def _forget_clients() -> None:
+    """Drop fsspec's cached s3fs instances: fsspec hands back one instance per set of arguments, and the endpoint
+    (``AWS_ENDPOINT_URL``) is read when the instance is made, so a later server on another port needs a new one."""
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()
 
 
 def s3fs_of(env: dict[str, str]):
