@@ -40,12 +40,14 @@ from dumper.format.manifest import MANIFEST_NAME, load_manifest, parse_manifest
 from dumper.format.validate import MAX_MANIFEST_BYTES
 
 __all__ = ["is_url", "fetched", "writing", "upload_dump", "upload_files", "check_free", "read_small", "write_small",
-           "listed", "download", "remove_prefix", "IN_FLIGHT"]
+           "listed", "download", "remove_prefix", "url_fs", "remote_error", "read_manifest_bytes", "IN_FLIGHT",
+           "CHUNK_BYTES"]
 
 IN_FLIGHT = 4
 """Files transferred at once."""
-_CHUNK = 8 << 20
-_STREAM = {"block_size": _CHUNK, "cache_type": "none"}
+CHUNK_BYTES = 8 << 20
+"""Bytes of one streamed read or one ranged request."""
+_STREAM = {"block_size": CHUNK_BYTES, "cache_type": "none"}
 """Read a file as a stream: no read-ahead cache (fsspec's default holds up to 50 MB a file in flight)."""
 
 
@@ -55,7 +57,8 @@ def is_url(path: str | os.PathLike[str]) -> bool:
     return bool(sep) and scheme not in ("", "file") and scheme.replace("+", "").replace("-", "").isalnum()
 
 
-def _fs(url: str) -> tuple[Any, str]:
+def url_fs(url: str) -> tuple[Any, str]:
+    """(fsspec filesystem, root without a trailing ``/``) of ``url``; a one-line error where none serves it."""
     try:
         import fsspec
     except ImportError:  # pragma: no cover - fsspec is a dependency
@@ -68,13 +71,14 @@ def _fs(url: str) -> tuple[Any, str]:
     return fs, root.rstrip("/")
 
 
-def _error(url: str, e: BaseException) -> DumpError:
+def remote_error(url: str, e: BaseException) -> DumpError:
     """One line for an error of the remote filesystem (its type and first line: never a credential dump)."""
     first = str(e).splitlines()[0] if str(e) else ""
     return DumpError(f"{url}: {type(e).__name__}: {first[:200]}")
 
 
-def _read_manifest(fs: Any, root: str, url: str) -> bytes:
+def read_manifest_bytes(fs: Any, root: str, url: str) -> bytes:
+    """The manifest's bytes at ``root`` (``url`` names it in errors): bounded, and absent means incomplete."""
     try:
         with fs.open(f"{root}/{MANIFEST_NAME}", "rb") as f:
             raw = f.read(MAX_MANIFEST_BYTES + 1)
@@ -82,7 +86,7 @@ def _read_manifest(fs: Any, root: str, url: str) -> bytes:
         raise IncompleteDumpError(f"{url}: no {MANIFEST_NAME} there: not a complete dump (its writer is still "
                                   "running, or died)") from None
     except OSError as e:
-        raise _error(url, e) from None
+        raise remote_error(url, e) from None
     if len(raw) > MAX_MANIFEST_BYTES:
         raise CorruptDumpError(f"{url}/{MANIFEST_NAME}: over {MAX_MANIFEST_BYTES} bytes; refusing it")
     return raw
@@ -90,7 +94,7 @@ def _read_manifest(fs: Any, root: str, url: str) -> bytes:
 
 def download(url: str, name: str, size: int, local: Path) -> None:
     """Stream ``url/name`` into the local directory ``local``, refusing it unless it is exactly ``size`` bytes."""
-    fs, root = _fs(url)
+    fs, root = url_fs(url)
     _download(fs, root, url.rstrip("/"), name, size, local)
 
 
@@ -101,7 +105,7 @@ def _download(fs: Any, root: str, url: str, name: str, size: int, local: Path) -
         with fs.open(f"{root}/{name}", "rb", **_STREAM) as src, open(local / name, "xb") as dst:
             left = size
             while left > 0:
-                chunk = src.read(min(_CHUNK, left))
+                chunk = src.read(min(CHUNK_BYTES, left))
                 if not chunk:
                     raise CorruptDumpError(f"{where}: {size - left} bytes, but the manifest says {size}")
                 dst.write(chunk)
@@ -111,7 +115,7 @@ def _download(fs: Any, root: str, url: str, name: str, size: int, local: Path) -
     except FileNotFoundError:
         raise CorruptDumpError(f"{where}: listed in the manifest but missing") from None
     except OSError as e:
-        raise _error(where, e) from None
+        raise remote_error(where, e) from None
 
 
 @contextlib.contextmanager
@@ -122,8 +126,8 @@ def fetched(path: str | os.PathLike[str], *, in_flight: int = IN_FLIGHT) -> Iter
         yield Path(path)
         return
     url = os.fspath(path).rstrip("/")
-    fs, root = _fs(url)
-    raw = _read_manifest(fs, root, url)
+    fs, root = url_fs(url)
+    raw = read_manifest_bytes(fs, root, url)
     manifest = parse_manifest(parse_json(raw, f"{url}/{MANIFEST_NAME}", "manifest"), f"{url}/{MANIFEST_NAME}")
     with tempfile.TemporaryDirectory(prefix="driftscope-remote-") as tmp:
         local = Path(tmp) / "dump"
@@ -142,15 +146,15 @@ def upload_files(local: str | os.PathLike[str], url: str, names: Any, *, last: s
     """Upload the files ``names`` of the local directory ``local`` to ``url`` (several at once), then ``last``
     alone: what makes the upload mean something (a manifest, a rank's part) is only there once the rest is."""
     url = url.rstrip("/")
-    fs, root = _fs(url)
+    fs, root = url_fs(url)
     src = Path(local)
 
     def put(name: str) -> None:
         try:
             with open(src / name, "rb") as f, fs.open(f"{root}/{name}", "wb") as dst:
-                shutil.copyfileobj(f, dst, _CHUNK)
+                shutil.copyfileobj(f, dst, CHUNK_BYTES)
         except OSError as e:
-            raise _error(f"{url}/{name}", e) from None
+            raise remote_error(f"{url}/{name}", e) from None
 
     with ThreadPoolExecutor(max_workers=max(1, in_flight)) as pool:
         for f in [pool.submit(put, name) for name in sorted(names)]:
@@ -166,7 +170,7 @@ def upload_dump(local: str | os.PathLike[str], url: str, *, in_flight: int = IN_
 
 def read_small(url: str, limit: int = 1 << 20) -> bytes | None:
     """The bytes of the object ``url`` (None when there is none); over ``limit`` bytes is refused."""
-    fs, root = _fs(url)
+    fs, root = url_fs(url)
     fs.invalidate_cache(root)  # polled: a listing cached before must not hide an object written since
     try:
         with fs.open(root, "rb") as f:
@@ -174,7 +178,7 @@ def read_small(url: str, limit: int = 1 << 20) -> bytes | None:
     except FileNotFoundError:
         return None
     except OSError as e:
-        raise _error(url, e) from None
+        raise remote_error(url, e) from None
     if len(raw) > limit:
         raise CorruptDumpError(f"{url}: over {limit} bytes; refusing it")
     return raw
@@ -182,28 +186,28 @@ def read_small(url: str, limit: int = 1 << 20) -> bytes | None:
 
 def write_small(url: str, data: bytes) -> None:
     """Write the object ``url`` in one request (an object store's PUT is atomic: readers see all of it or none)."""
-    fs, root = _fs(url)
+    fs, root = url_fs(url)
     try:
         fs.pipe_file(root, data)
     except OSError as e:
-        raise _error(url, e) from None
+        raise remote_error(url, e) from None
 
 
 def listed(url: str, pattern: str) -> list[str]:
     """Names directly under the prefix ``url`` that match the glob ``pattern`` (sorted; none when it is empty)."""
-    fs, root = _fs(url)
+    fs, root = url_fs(url)
     fs.invalidate_cache(root)
     try:
         return sorted(p.rsplit("/", 1)[-1] for p in fs.glob(f"{root}/{pattern}"))
     except FileNotFoundError:
         return []
     except OSError as e:
-        raise _error(url, e) from None
+        raise remote_error(url, e) from None
 
 
 def remove_prefix(url: str) -> None:
     """Delete everything under the prefix ``url`` (a spool's leftovers); errors are ignored, as for a local rmtree."""
-    fs, root = _fs(url)
+    fs, root = url_fs(url)
     with contextlib.suppress(OSError, FileNotFoundError):
         fs.rm(root, recursive=True)
     fs.invalidate_cache()
@@ -211,11 +215,11 @@ def remove_prefix(url: str) -> None:
 
 def check_free(url: str) -> None:
     """Refuse ``url`` when it already holds a complete dump (nothing stored is ever overwritten)."""
-    fs, root = _fs(url)
+    fs, root = url_fs(url)
     try:
         taken = fs.exists(f"{root}/{MANIFEST_NAME}")
     except OSError as e:
-        raise _error(url, e) from None
+        raise remote_error(url, e) from None
     if taken:
         raise DumpError(f"{url}: already holds a complete dump; choose another URL")
 

@@ -33,14 +33,14 @@ from typing import Any, Generic, TypeVar
 from dumper.errors import CorruptDumpError, DriftscopeError
 from dumper.format.files import parse_json
 from dumper.format.manifest import MANIFEST_NAME, Manifest, load_manifest, parse_manifest
-from dumper.format.remote import _CHUNK, IN_FLIGHT, _error, _fs, _read_manifest, is_url
+from dumper.format.remote import CHUNK_BYTES, IN_FLIGHT, is_url, read_manifest_bytes, remote_error, url_fs
 
 __all__ = ["CACHE_BYTES", "DumpURL", "RemoteDump", "LoadCache", "dump_manifest"]
 
 CACHE_BYTES = 32 << 20
 """Most bytes of tensors read from a URL that one reader keeps for reuse besides those in use (least recently used
 dropped first): a comparison's two readers keep at most 64 MiB."""
-_PART = _CHUNK
+_PART = CHUNK_BYTES
 """A ranged read longer than this is fetched as parts of this size, several at once."""
 
 V = TypeVar("V")
@@ -66,12 +66,12 @@ class RemoteDump:
 
     def __init__(self, url: str | os.PathLike[str]) -> None:
         self.url = DumpURL(os.fspath(url).rstrip("/"))
-        self._fs, self._root = _fs(self.url)
+        self._fs, self._root = url_fs(self.url)
 
     def manifest(self) -> Manifest:
         """``manifest.json``, read bounded and validated by every rule a local manifest meets."""
         where = self.url / MANIFEST_NAME
-        return parse_manifest(parse_json(_read_manifest(self._fs, self._root, self.url), where, "manifest"), where)
+        return parse_manifest(parse_json(read_manifest_bytes(self._fs, self._root, self.url), where, "manifest"), where)
 
     def _call(self, name: str, fn: Callable[..., V], *args: Any, **kwargs: Any) -> V:
         """``fn(*args, **kwargs)`` on the filesystem; any failure of it is one line naming the file."""
@@ -82,7 +82,7 @@ class RemoteDump:
         except DriftscopeError:
             raise
         except Exception as e:  # s3fs, gcsfs, aiohttp...: their own types; a type and a first line, never a trace
-            raise _error(self.url / name, e) from None
+            raise remote_error(self.url / name, e) from None
 
     def check_size(self, name: str, size: int) -> None:
         """Refuse the object ``name`` unless it is a file of exactly ``size`` bytes (the manifest's entry)."""

@@ -55,7 +55,7 @@ def test_a_dump_written_to_s3_compares_as_the_one_written_locally(s3, tmp_path):
 _KILLED_WRITER = """
 import os, sys
 import dumper.format.remote as remote
-real = remote._fs
+real = remote.url_fs
 def dying(url):
     fs, root = real(url)
     opened = fs.open
@@ -65,7 +65,7 @@ def dying(url):
         return opened(path, mode, **kw)
     fs.open = open_
     return fs, root
-remote._fs = dying
+remote.url_fs = dying
 from dumper.cli.main import main
 sys.exit(main(sys.argv[1:]))
 """
