@@ -34,7 +34,7 @@ from dumper.format.atomic import atomic_path
 from dumper.hooks.capture import Capture
 from dumper.format.files import check_plain_name
 from dumper.format.remote import download, is_url, listed, read_small, remove_prefix
-from dumper.hooks.parts import PART_LIMIT, parse_part, part_name, part_path, read_part
+from dumper.hooks.parts import part_name, part_path, read_part, read_url_part
 from dumper.settings import VLLM_SPOOL_ENV, env_settings
 
 __all__ = ["RankParts", "spool_root", "new_token", "wait_parts", "take_parts", "join_dump", "remove_spool",
@@ -104,8 +104,7 @@ def _failure(directory: Path | str) -> str | None:
 def _part(directory: Path | str, rank: int) -> tuple[dict[str, int], tuple[TensorRecord, ...], dict[str, Any]] | None:
     """Rank ``rank``'s part in ``directory`` once it is there (a part is written after its rank's data files)."""
     if isinstance(directory, str):
-        raw = read_small(f"{directory}/{part_name(rank)}", limit=PART_LIMIT)
-        return None if raw is None else parse_part(raw)
+        return read_url_part(directory, rank)
     path = part_path(directory, rank)
     return read_part(path) if path.is_file() else None
 

@@ -36,11 +36,11 @@ from typing import Any
 
 from dumper.errors import CorruptDumpError, DumpError, IncompleteDumpError
 from dumper.format.files import parse_json
-from dumper.format.manifest import MANIFEST_NAME, load_manifest, parse_manifest
+from dumper.format.manifest import MANIFEST_NAME, Manifest, load_manifest, parse_manifest
 from dumper.format.validate import MAX_MANIFEST_BYTES
 
 __all__ = ["is_url", "fetched", "writing", "upload_dump", "upload_files", "check_free", "read_small", "write_small",
-           "listed", "download", "remove_prefix", "url_fs", "remote_error", "read_manifest_bytes", "IN_FLIGHT",
+           "listed", "download", "remove_prefix", "url_fs", "remote_error", "read_manifest_at", "IN_FLIGHT",
            "CHUNK_BYTES"]
 
 IN_FLIGHT = 4
@@ -77,8 +77,9 @@ def remote_error(url: str, e: BaseException) -> DumpError:
     return DumpError(f"{url}: {type(e).__name__}: {first[:200]}")
 
 
-def read_manifest_bytes(fs: Any, root: str, url: str) -> bytes:
-    """The manifest's bytes at ``root`` (``url`` names it in errors): bounded, and absent means incomplete."""
+def read_manifest_at(fs: Any, root: str, url: str) -> tuple[bytes, Manifest]:
+    """The manifest at ``root`` (``url`` names it in errors), as its bytes and validated by every rule a local one
+    meets; read bounded, and absent means an incomplete dump."""
     try:
         with fs.open(f"{root}/{MANIFEST_NAME}", "rb") as f:
             raw = f.read(MAX_MANIFEST_BYTES + 1)
@@ -89,7 +90,8 @@ def read_manifest_bytes(fs: Any, root: str, url: str) -> bytes:
         raise remote_error(url, e) from None
     if len(raw) > MAX_MANIFEST_BYTES:
         raise CorruptDumpError(f"{url}/{MANIFEST_NAME}: over {MAX_MANIFEST_BYTES} bytes; refusing it")
-    return raw
+    where = f"{url}/{MANIFEST_NAME}"
+    return raw, parse_manifest(parse_json(raw, where, "manifest"), where)
 
 
 def download(url: str, name: str, size: int, local: Path) -> None:
@@ -127,8 +129,7 @@ def fetched(path: str | os.PathLike[str], *, in_flight: int = IN_FLIGHT) -> Iter
         return
     url = os.fspath(path).rstrip("/")
     fs, root = url_fs(url)
-    raw = read_manifest_bytes(fs, root, url)
-    manifest = parse_manifest(parse_json(raw, f"{url}/{MANIFEST_NAME}", "manifest"), f"{url}/{MANIFEST_NAME}")
+    raw, manifest = read_manifest_at(fs, root, url)
     with tempfile.TemporaryDirectory(prefix="driftscope-remote-") as tmp:
         local = Path(tmp) / "dump"
         local.mkdir()

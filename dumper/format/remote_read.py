@@ -31,9 +31,8 @@ from concurrent.futures import Future
 from typing import Any, Generic, TypeVar
 
 from dumper.errors import CorruptDumpError, DriftscopeError
-from dumper.format.files import parse_json
-from dumper.format.manifest import MANIFEST_NAME, Manifest, load_manifest, parse_manifest
-from dumper.format.remote import CHUNK_BYTES, IN_FLIGHT, is_url, read_manifest_bytes, remote_error, url_fs
+from dumper.format.manifest import Manifest, load_manifest
+from dumper.format.remote import CHUNK_BYTES, IN_FLIGHT, is_url, read_manifest_at, remote_error, url_fs
 
 __all__ = ["CACHE_BYTES", "DumpURL", "RemoteDump", "LoadCache", "dump_manifest"]
 
@@ -70,8 +69,7 @@ class RemoteDump:
 
     def manifest(self) -> Manifest:
         """``manifest.json``, read bounded and validated by every rule a local manifest meets."""
-        where = self.url / MANIFEST_NAME
-        return parse_manifest(parse_json(read_manifest_bytes(self._fs, self._root, self.url), where, "manifest"), where)
+        return read_manifest_at(self._fs, self._root, self.url)[1]
 
     def _call(self, name: str, fn: Callable[..., V], *args: Any, **kwargs: Any) -> V:
         """``fn(*args, **kwargs)`` on the filesystem; any failure of it is one line naming the file."""

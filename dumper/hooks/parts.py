@@ -20,9 +20,10 @@ from typing import Any
 import torch
 
 from dumper.format import TensorRecord, write_json_atomic
+from dumper.format.remote import read_small
 
 __all__ = ["dist_rank_world", "part_path", "write_part", "read_part", "parse_part", "read_parts",
-           "join_under_barrier", "part_name", "PART_INFO_KEYS", "PART_LIMIT"]
+           "read_url_part", "join_under_barrier", "part_name", "PART_INFO_KEYS"]
 
 PART_INFO_KEYS = ("world_size", "signature", "identity", "environment", "extra")
 """What a part may say about its rank beside its files and tensors (a worker's model, engine and capture)."""
@@ -35,7 +36,7 @@ def dist_rank_world() -> tuple[int, int]:
     return 0, 1
 
 
-PART_LIMIT = 1 << 30
+_PART_LIMIT = 1 << 30
 """Most bytes of a part read from a URL (its records: a manifest's worth)."""
 
 
@@ -70,6 +71,12 @@ def parse_part(raw: bytes) -> tuple[dict[str, int], tuple[TensorRecord, ...], di
     part = json.loads(raw)
     info = {k: part[k] for k in PART_INFO_KEYS if k in part}
     return dict(part["files"]), tuple(TensorRecord.from_json(t) for t in part["tensors"]), info
+
+
+def read_url_part(prefix: str, rank: int) -> tuple[dict[str, int], tuple[TensorRecord, ...], dict[str, Any]] | None:
+    """:func:`read_part` of rank ``rank``'s part under the URL ``prefix``; None while it is not there."""
+    raw = read_small(f"{prefix}/{part_name(rank)}", limit=_PART_LIMIT)
+    return None if raw is None else parse_part(raw)
 
 
 def read_parts(directory: Path, world_size: int) -> tuple[dict[str, int], tuple[TensorRecord, ...]]:

@@ -23,9 +23,9 @@ from typing import Any
 import torch
 
 from dumper.format import MANIFEST_NAME, TensorRecord
-from dumper.format.remote import check_free, is_url, read_small, remove_prefix, upload_files
+from dumper.format.remote import check_free, is_url, remove_prefix, upload_files
 from dumper.hooks.capture import Capture
-from dumper.hooks.parts import PART_LIMIT, parse_part, part_name, write_part
+from dumper.hooks.parts import part_name, read_url_part, write_part
 
 __all__ = ["RemoteCapture", "capture_class"]
 
@@ -63,8 +63,9 @@ class RemoteCapture(Capture):
             super()._finish(complete=complete)
             if not complete:
                 return
-            if self._part or self.world_size == 1:  # the staging's data files, then what completes them: a
-                last = part_name(self.rank) if self._part else MANIFEST_NAME  # worker's part, or the manifest
+            if self._part or self.world_size == 1:
+                # the staging's data files, then what completes them: a worker's part, or the manifest
+                last = part_name(self.rank) if self._part else MANIFEST_NAME
                 names = [p.name for p in self.out_dir.iterdir() if p.name != last and p.is_file()]
                 upload_files(self.out_dir, self.url, names, last=last)
         finally:
@@ -79,10 +80,10 @@ class RemoteCapture(Capture):
         all_files: dict[str, int] = {}
         merged: list[TensorRecord] = []
         for r in range(self.world_size):
-            raw = read_small(f"{self.url}/{part_name(r)}", limit=PART_LIMIT)
-            if raw is None:
+            got = read_url_part(self.url, r)
+            if got is None:
                 raise RuntimeError(f"{self.url}: rank {r}'s part is missing after the barrier")
-            f, recs, _ = parse_part(raw)
+            f, recs, _ = got
             all_files.update(f)
             merged.extend(recs)
         if self.rank == 0 and merged:
