@@ -56,6 +56,8 @@ class CompareConfig:
         subset: the target holds part of the baseline's rows by design (a truncated prompt, positions a
             prefix cache served): judge the target's rows only (:mod:`comparator.hidden.subset`).
         sequence_map: the target's sequence ``i`` is the baseline's ``sequence_map[i]`` (empty: the same ids).
+        row_cover: per sequence, how many leading positions the noise's row noise covers in this comparison
+            (set by :func:`~comparator.hidden.compare.compare_dumps` from the token ids; None: no row noise used).
     """
 
     threshold: float = DEFAULT_THRESHOLD
@@ -72,6 +74,7 @@ class CompareConfig:
     fixed_explicit: bool = False
     subset: bool = False
     sequence_map: tuple[int, ...] = ()
+    row_cover: tuple[int, ...] | None = None
 
     def noise_limits_of(self, name: str) -> NoiseLimits:
         """The thresholds the tensor ``name`` is judged by: from its noise when calibrated, else the fixed ones."""
@@ -79,7 +82,8 @@ class CompareConfig:
         if entry is None:
             return NoiseLimits(self.threshold, self.token_threshold, None, self.noise_floor)
         fixed = (self.threshold, self.token_threshold) if self.fixed_explicit else None
-        return noise_limits(entry, self.noise_factor, self.noise_floor, fixed)
+        rows = self.noise.rows.tensors.get(name) if self.noise.rows is not None and self.row_cover else None
+        return noise_limits(entry, self.noise_factor, self.noise_floor, fixed, rows, self.row_cover or ())
 
     def noise_warnings(self, names: Iterable[str]) -> tuple[str, ...]:
         """What a verdict judged by ``noise`` must warn about, for the tensors ``names`` it judged

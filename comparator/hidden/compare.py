@@ -43,6 +43,7 @@ from comparator.hidden.decode import (DecodePlan, decode_plan, fork_noise, judge
                                       with_phase)
 from comparator.hidden.heatmap import token_heatmap
 from comparator.judging.identity import check_distinct, check_identity
+from comparator.judging.row_noise import RowKeys, covered_prefix, row_keys
 from comparator.hidden.judge import judge_tensor
 from comparator.hidden.localize import FailingTokens, first_divergence, layer_amplification, locate_onset
 from comparator.hidden.onset import rounding_floor
@@ -62,6 +63,9 @@ Tokens = tuple[np.ndarray, np.ndarray | None, np.ndarray | None]
 TokenSink = Callable[[TensorComparison, np.ndarray, "np.ndarray | None"], None]
 """Receives every comparison with its per-token rel_diff and which of its rows are decode rows (None: the
 comparison holds no decode part); calibration collects them."""
+RowSink = Callable[[TensorComparison, np.ndarray, "RowKeys | None"], None]
+"""Receives every comparison with its per-token rel_diff and each row's (sequence, position) (None: its rows
+carry no position); calibration keeps each row's noise."""
 
 
 def _chunk_note(pos: int, segs: list[Segment], side: str) -> str | None:
@@ -171,7 +175,7 @@ class _Plan:
 
 def compare_dumps(baseline: str | os.PathLike[str], target: str | os.PathLike[str],
                   config: CompareConfig | None = None, *, progress: ProgressFn | None = None,
-                  token_sink: TokenSink | None = None) -> Report:
+                  token_sink: TokenSink | None = None, row_sink: RowSink | None = None) -> Report:
     """Compare the dump ``target`` against the dump ``baseline``.
 
     Raises :class:`~dumper.errors.DumpError` for a missing, incomplete or corrupt dump and
@@ -180,6 +184,7 @@ def compare_dumps(baseline: str | os.PathLike[str], target: str | os.PathLike[st
     """
     config = config or CompareConfig()
     br, tr, notes = _open(baseline, target, config)
+    config = _with_row_cover(config, br.manifest, tr.manifest)
     replay = _replay_notes(tr.manifest)
     decode = decode_plan(br.manifest, tr.manifest, (str(br.directory), str(tr.directory)))
     verdict, parts_b, parts_t, base_logprobs = logprob_verdict(br, tr, config, decode)
@@ -202,7 +207,7 @@ def compare_dumps(baseline: str | os.PathLike[str], target: str | os.PathLike[st
                                                     check_replicas("target", tr, plan.target, config))
     matched = set(plan.logical)
     views = [v for v in (*views_b, *views_t) if v.key in matched]  # ranks that differ: judged too
-    results, kept = _compare_all(plan, views, br, tr, config, decode, progress, token_sink)
+    results, kept = _compare_all(plan, views, br, tr, config, decode, progress, token_sink, row_sink)
     fd = _first_divergent(results, kept, config, bm, tm, decode)
     # the heatmap follows the rank the divergence is on
     base_lts, targ_lts = as_rank(plan.base, plan.target, views, fd.replica_side if fd else None, fd.rank if fd else 0)
@@ -298,8 +303,8 @@ def _compare_replica(view: ReplicaView, plan: _Plan, br: HiddenReader, tr: Hidde
 
 
 def _compare_all(plan: _Plan, views: list[ReplicaView], br: HiddenReader, tr: HiddenReader, config: CompareConfig,
-                 decode: DecodePlan | None, progress: ProgressFn | None, token_sink: TokenSink | None) -> tuple[
-                     list[TensorComparison], FailingTokens]:
+                 decode: DecodePlan | None, progress: ProgressFn | None, token_sink: TokenSink | None,
+                 row_sink: RowSink | None = None) -> tuple[list[TensorComparison], FailingTokens]:
     """Compare every planned pair and replica view, a few at once (:mod:`comparator.hidden.pipeline`); the
     results in layer order and the failing tokens kept."""
     results: list[TensorComparison] = []
@@ -315,6 +320,8 @@ def _compare_all(plan: _Plan, views: list[ReplicaView], br: HiddenReader, tr: Hi
         if token_sink is not None:
             token_sink(comparison, tokens[0],
                        None if decode is None else decode.decode_rows(tokens[1], tokens[2], comparison.sequence))
+        if row_sink is not None:
+            row_sink(comparison, tokens[0], row_keys(tokens[1], tokens[2], comparison.sequence))
         if progress is not None:
             progress(len(results), len(jobs))
     results.sort(key=lambda r: (r.layer is None, r.layer if r.layer is not None else 0, r.name,
@@ -323,16 +330,40 @@ def _compare_all(plan: _Plan, views: list[ReplicaView], br: HiddenReader, tr: Hi
     return results, kept
 
 
+def _with_row_cover(config: CompareConfig, bm: Manifest, tm: Manifest) -> CompareConfig:
+    """``config`` with the rows its row noise covers here: per sequence, the leading positions whose token ids the
+    calibration, the baseline and the target share (:mod:`comparator.judging.row_noise`)."""
+    if config.noise is None or config.noise.rows is None:
+        return config
+    ids = [m.extra.get("input_ids") or [] for m in (bm, tm)]
+    return replace(config, row_cover=tuple(covered_prefix(config.noise.rows.prompts, *ids)))
+
+
+def _rows(t: TensorComparison) -> int:
+    """How many rows (per-token values) one comparison judged."""
+    return math.prod(t.shape[:-1]) if len(t.shape) > 1 else 1
+
+
 def _noise_notes(config: CompareConfig, results: list[TensorComparison]) -> tuple[str, ...]:
-    """Say which tensors a noise file did not cover (they were judged by the fixed thresholds)."""
+    """Say which tensors a noise file did not cover (they were judged by the fixed thresholds), and how many rows
+    each rule judged where it has row noise."""
     if config.noise is None:
         return ()
     results = [t for t in results if t.replica_side is None]  # a replica rank's comparison is not another tensor
     missing = [t.name for t in results if t.noise_ratio is None]
-    if not missing:
-        return ()
-    return (f"{len(missing)} of {len(results)} tensors have no calibrated noise (e.g. {missing[0]}): "
-            f"fixed thresholds rel_diff <= {config.threshold:g}, per-token <= {config.token_threshold:g}",)
+    out = []
+    if missing:
+        out.append(f"{len(missing)} of {len(results)} tensors have no calibrated noise (e.g. {missing[0]}): "
+                   f"fixed thresholds rel_diff <= {config.threshold:g}, per-token <= {config.token_threshold:g}")
+    if config.noise.rows is not None:
+        calibrated = [t for t in results if t.noise_ratio is not None]
+        own = sum(t.own_noise_rows or 0 for t in calibrated)
+        total = sum(_rows(t) for t in calibrated)
+        out.append(f"row noise: {own} of {total} rows judged against their own calibrated noise "
+                   f"(x{config.noise_factor:g}, at least the tensor's median row), {total - own} against the "
+                   "tensor's pooled noise (rows the calibration did not cover: other token ids, decode rows, "
+                   "tensors without row noise)")
+    return tuple(out)
 
 
 def _replay_notes(manifest: Manifest) -> tuple[str, ...]:

@@ -16,6 +16,7 @@ from dumper.format import encode_runs
 from comparator.config import CompareConfig
 from comparator.hidden.metrics import PairStats
 from comparator.hidden.types import TensorComparison
+from comparator.judging.row_noise import row_keys
 
 __all__ = ["judge_tensor", "MAX_RANGES"]
 
@@ -35,7 +36,9 @@ def judge_tensor(stats: PairStats, config: CompareConfig, *, name: str, layer: i
     """``decode_rows``: which rows are decode rows (None: no decode part), for noise measured per phase."""
     token = stats.token_rel_diff
     limits = config.noise_limits_of(name)
-    failing = np.flatnonzero(~(token <= limits.token_thresholds(decode_rows)))  # NaN counts as failing
+    keys = row_keys(positions, sequences, sequence) if limits.rows is not None else None
+    own = limits.own_noise(keys)
+    failing = np.flatnonzero(~(token <= limits.token_thresholds(decode_rows, keys)))  # NaN counts as failing
     first_row = worst_row = first_tok = worst_tok = first_seq = None
     note = None
     ranges: list[list[int]] = []
@@ -51,7 +54,7 @@ def judge_tensor(stats: PairStats, config: CompareConfig, *, name: str, layer: i
         first_seq = int(sequences[first_row]) if sequences is not None else sequence
         if notes is not None and first_tok is not None:
             note = notes(first_tok)
-    noise_ratio, token_noise_ratio = limits.ratios(stats.rel_diff, token, decode_rows)
+    noise_ratio, token_noise_ratio = limits.ratios(stats.rel_diff, token, decode_rows, keys)
     return TensorComparison(
         name=name, layer=layer, forward_pass=forward_pass, rank=rank, shape=shape, sequence=sequence,
         metrics=dict(stats.metrics), nan_baseline=stats.nan_x, inf_baseline=stats.inf_x, nan_target=stats.nan_y,
@@ -62,4 +65,5 @@ def judge_tensor(stats: PairStats, config: CompareConfig, *, name: str, layer: i
         threshold=limits.threshold, token_threshold=limits.token_threshold,
         decode_token_threshold=limits.decode_token_threshold if decode_rows is not None else None,
         noise_ratio=noise_ratio, token_noise_ratio=token_noise_ratio, point=point,
+        own_noise_rows=None if own is None else int(np.count_nonzero(~np.isnan(own))),
     )

@@ -15,7 +15,8 @@ import numpy as np
 from dumper.format.points import order_in_layer
 
 from comparator.config import CompareConfig
-from comparator.judging.noise_thresholds import noise_limits
+from comparator.judging.noise_thresholds import NoiseLimits, noise_limits
+from comparator.judging.row_noise import row_keys
 from comparator.hidden.onset import Amplification, amplification, layer_onset, point_of, token_onset
 from comparator.hidden.types import FirstDivergence, TensorComparison
 
@@ -47,21 +48,26 @@ class FailingTokens:
         return hit[1] if hit is not None else None
 
 
-def _noise_only(config: CompareConfig, name: str) -> tuple[float, float] | None:
+def _noise_only(config: CompareConfig, name: str) -> NoiseLimits | None:
     """The tensor's thresholds from its noise alone (no fixed ones on top), or None without noise."""
     entry = config.noise.tensor(name) if config.noise is not None else None
     if entry is None:
         return None
-    lim = noise_limits(entry, config.noise_factor, config.noise_floor, None)
-    return lim.threshold, max(lim.token_threshold, lim.decode_token_threshold or 0.0)  # the larger phase's
+    rows = config.noise.rows.tensors.get(name) if config.noise.rows is not None and config.row_cover else None
+    return noise_limits(entry, config.noise_factor, config.noise_floor, None, rows, config.row_cover or ())
 
 
 def _departs(t: TensorComparison, config: CompareConfig) -> bool | None:
-    """Whether ``t`` departs from its calibrated noise (None: no noise for it)."""
-    noise = _noise_only(config, t.name)
-    if noise is None:
+    """Whether ``t`` departs from its calibrated noise (None: no noise for it); judged row by row, in units of each
+    row's own noise, where it had row noise."""
+    lim = _noise_only(config, t.name)
+    if lim is None:
         return None
-    return not (t.rel_diff <= noise[0] and t.max_token_rel_diff <= noise[1])
+    if t.own_noise_rows:  # the ratios were taken against each row's own noise
+        return not (t.noise_ratio is not None and t.noise_ratio <= config.noise_factor
+                    and t.token_noise_ratio is not None and t.token_noise_ratio <= config.noise_factor)
+    return not (t.rel_diff <= lim.threshold
+                and t.max_token_rel_diff <= max(lim.token_threshold, lim.decode_token_threshold or 0.0))
 
 
 def _onset_token(t: TensorComparison, tokens: Tokens, config: CompareConfig, floor: float) -> tuple[int | None, str]:
@@ -72,8 +78,14 @@ def _onset_token(t: TensorComparison, tokens: Tokens, config: CompareConfig, flo
     assert t.first_failing_row is not None
     local_first = int(np.flatnonzero(rows == t.first_failing_row)[0])
     pos = positions[rows] if positions is not None else None
-    noise = _noise_only(config, t.name)
-    row, method = token_onset(token[rows], pos, local_first, noise[1] if noise is not None else None, floor)
+    lim = _noise_only(config, t.name)
+    noise: float | np.ndarray | None = None
+    if lim is not None:  # each covered row against its own noise, the others the larger phase's pooled threshold
+        noise = max(lim.token_threshold, lim.decode_token_threshold or 0.0)
+        own = lim.own_noise(row_keys(positions, sequences, t.sequence))
+        if own is not None:
+            noise = np.where(np.isnan(own), noise, np.maximum(lim.floor, lim.factor * own))[rows]
+    row, method = token_onset(token[rows], pos, local_first, noise, floor)
     return (int(pos[row]) if pos is not None else None), method
 
 

@@ -90,10 +90,11 @@ def change_point(values: np.ndarray, *, min_decades: float = MIN_DECADES, floor:
 
 
 def token_onset(token: np.ndarray, positions: np.ndarray | None, first_row: int,
-                noise_threshold: float | None, floor: float = _LOG_FLOOR) -> tuple[int, str]:
+                noise_threshold: float | np.ndarray | None, floor: float = _LOG_FLOOR) -> tuple[int, str]:
     """``(onset, method)``: the row index where the divergence of one tensor starts.
 
-    ``noise_threshold``: the tensor's calibrated per-token threshold (None: estimate from the run,
+    ``noise_threshold``: the tensor's calibrated per-token threshold, or each row's (row noise; None: estimate
+    from the run,
     values under ``floor`` counting as it). Rows are taken in position order up to the first failing
     row ``first_row``.
     """
@@ -101,7 +102,8 @@ def token_onset(token: np.ndarray, positions: np.ndarray | None, first_row: int,
     upto = order[: int(np.flatnonzero(order == first_row)[0]) + 1]
     vals = token[upto]
     if noise_threshold is not None:
-        departs = np.flatnonzero(~(vals <= noise_threshold))
+        limit = noise_threshold[upto] if isinstance(noise_threshold, np.ndarray) else noise_threshold
+        departs = np.flatnonzero(~(vals <= limit))
         return int(upto[departs[0]]) if departs.size else first_row, "calibrated"
     cp = change_point(vals, floor=floor)
     if cp is None:

@@ -85,6 +85,9 @@ class TensorComparison(BuiltinMetrics):
     against the other side; None: the ordinary comparison (``rank``: the target's rank)."""
     point: str | None = None
     """The capture point (:mod:`dumper.format.points`: ``input``, ``attn_output``, ``mlp_output``...)."""
+    own_noise_rows: int | None = None
+    """How many of its rows were judged against their own calibrated noise (row noise); the others by the
+    tensor's pooled noise. None: the noise file has no row noise for this tensor."""
 
     def __post_init__(self) -> None:
         clash = sorted(self.metrics.keys() & {f.name for f in fields(self)})

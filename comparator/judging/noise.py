@@ -39,6 +39,7 @@ from comparator.judging.fields import REL_DIFF_MAX, bad, integer, items, number,
 from comparator.judging.identity import IDENTITY_FIELDS, REPORTED_FIELDS, IdentityDifference
 from comparator.judging.logprob_noise import LogprobNoise
 from comparator.judging.router_noise import RouterNoise, router_noise_from_json, router_noise_to_json
+from comparator.judging.row_noise import RowNoiseSet, RowsRef, rows_ref_from_json
 
 __all__ = ["NOISE_FORMAT", "PhaseNoise", "TensorNoise", "NoiseModel"]
 
@@ -138,6 +139,11 @@ class NoiseModel:
     sketch: SketchSpec | None = None
     """The projection the variants were compared under when either side was a sketch dump (its estimates'
     spread is then part of the noise); None: calibrated on full dumps."""
+    rows: RowNoiseSet | None = None
+    """Each tensor's noise row by row (:mod:`comparator.judging.row_noise`), from the side file NOISE.json names;
+    None: pooled noise only."""
+    rows_ref: RowsRef | None = field(default=None, compare=False)
+    """NOISE.json's reference to its side file (set by :func:`comparator.noise.file.save_noise` and on reading)."""
     source: str | None = field(default=None, compare=False)
     """The file it was read from (not stored)."""
 
@@ -175,7 +181,8 @@ class NoiseModel:
                 "model_mismatch": [{"variant": v, "field": d.field, "baseline": d.baseline, "target": d.target}
                                    for v, d in self.model_mismatch],
                 **({"router": router_noise_to_json(self.router)} if self.router else {}),
-                **({"sketch": self.sketch.to_json()} if self.sketch is not None else {})}
+                **({"sketch": self.sketch.to_json()} if self.sketch is not None else {}),
+                **({"rows": self.rows_ref.to_json()} if self.rows_ref is not None else {})}
 
     def sketch_warning(self, sketch: SketchSpec | None) -> str | None:
         """What a verdict says when this noise was measured on other dumps than it judges: full vs sketched."""
@@ -197,7 +204,7 @@ class NoiseModel:
         if type(d) is not dict or d.get("format") != NOISE_FORMAT:
             raise UsageError(f"{where}: not a driftscope noise file (expected \"format\": {NOISE_FORMAT!r}); "
                              "write one with python -m comparator calibrate")
-        d = record(d, where, "top level", _TOP_KEYS, ("model_mismatch", "router", "sketch"))
+        d = record(d, where, "top level", _TOP_KEYS, ("model_mismatch", "router", "sketch", "rows"))
         variants = tuple(text(v, where, f"variants[{i}]")
                          for i, v in enumerate(items(d["variants"], where, "variants")))
         if not variants:
@@ -220,7 +227,8 @@ class NoiseModel:
                    model=model, dtype=text(d["dtype"], where, "dtype", null=True),
                    model_mismatch=_mismatch_from_json(d.get("model_mismatch", []), set(variants), where),
                    router=router_noise_from_json(d.get("router", []), where), source=where,
-                   sketch=_sketch_from_json(d.get("sketch"), where))
+                   sketch=_sketch_from_json(d.get("sketch"), where),
+                   rows_ref=None if "rows" not in d else rows_ref_from_json(d["rows"], where, set(tensors)))
 
 
 def _sketch_from_json(v: Any, where: str) -> SketchSpec | None:

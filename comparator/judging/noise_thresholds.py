@@ -6,7 +6,10 @@ A tensor judged against its noise (:func:`noise_limits`, :class:`NoiseLimits`) f
     per-token rel_diff > max(floor, factor * noise per-token max)
 
 where the per-token max is that of the row's phase when the noise measured phases apart (a
-decode row against the decode rows' noise, a prompt row against the prompt rows').
+decode row against the decode rows' noise, a prompt row against the prompt rows'). A row the
+calibration covered row by row (:mod:`comparator.judging.row_noise`) is judged instead by
+
+    per-token rel_diff > max(floor, factor * max(its own noise, the tensor's row floor))
 
 with ``factor`` :data:`DEFAULT_FACTOR` (3) and ``floor`` :data:`DEFAULT_FLOOR` (``--noise-factor``,
 ``--noise-floor``); fixed thresholds given explicitly still apply on top. Each calibrated logprob
@@ -50,6 +53,7 @@ from comparator.judging.logprob_noise import (
 )
 from comparator.judging.logprob_thresholds import LogprobThresholds, explicit_thresholds
 from comparator.judging.noise import NoiseModel, TensorNoise
+from comparator.judging.row_noise import RowKeys, RowNoise
 from comparator.judging.values import parse_assignments, parse_threshold
 
 __all__ = ["DEFAULT_FACTOR", "DEFAULT_FLOOR", "NoiseLimits", "noise_limits", "noise_warnings", "check_noise_factor",
@@ -76,27 +80,55 @@ class NoiseLimits:
     noise: TensorNoise | None = None
     floor: float = DEFAULT_FLOOR
     decode_token_threshold: float | None = None
+    rows: RowNoise | None = None
+    """The tensor's row noise (None: pooled noise only)."""
+    cover: tuple[int, ...] = ()
+    """Per sequence, how many leading positions the calibration covers for this comparison (its token ids agree)."""
+    factor: float = DEFAULT_FACTOR
+    fixed_token: float | None = None
+    """An explicit per-token threshold that applies on top of the row thresholds too."""
 
-    def token_thresholds(self, decode_rows: np.ndarray | None) -> float | np.ndarray:
-        """The per-token threshold of each row (``decode_rows``: which rows are decode rows; None: none known)."""
+    def own_noise(self, keys: RowKeys | None) -> np.ndarray | None:
+        """Each row's own noise, at least the tensor's row floor; NaN where not covered (None: no row noise)."""
+        if self.rows is None or keys is None:
+            return None
+        return np.maximum(self.rows.own(keys, self.cover), self.rows.floor)  # NaN stays NaN
+
+    def token_thresholds(self, decode_rows: np.ndarray | None,
+                         keys: RowKeys | None = None) -> float | np.ndarray:
+        """The per-token threshold of each row (``decode_rows``: which rows are decode rows; None: none known;
+        ``keys``: each row's (sequence, position), for row noise)."""
         if decode_rows is None or self.decode_token_threshold is None:
-            return self.token_threshold
-        return np.where(decode_rows, self.decode_token_threshold, self.token_threshold)
+            pooled: float | np.ndarray = self.token_threshold
+        else:
+            pooled = np.where(decode_rows, self.decode_token_threshold, self.token_threshold)
+        own = self.own_noise(keys)
+        if own is None:
+            return pooled
+        by_row = np.maximum(self.floor, self.factor * own)
+        if self.fixed_token is not None:
+            by_row = np.minimum(by_row, self.fixed_token)
+        return np.where(np.isnan(own), pooled, by_row)
 
-    def ratios(self, rel_diff: float, token: np.ndarray,
-               decode_rows: np.ndarray | None = None) -> tuple[float | None, float | None]:
+    def ratios(self, rel_diff: float, token: np.ndarray, decode_rows: np.ndarray | None = None,
+               keys: RowKeys | None = None) -> tuple[float | None, float | None]:
         """``(noise_ratio, token_noise_ratio)``: the values as multiples of ``max(noise, floor)``; each row's
-        per-token value against its phase's noise (``decode_rows`` as in :meth:`token_thresholds`)."""
+        per-token value against its own noise where covered, else its phase's (arguments as in
+        :meth:`token_thresholds`)."""
         if self.noise is None:
             return None, None
-        token_noise = max(self.noise.token_max, self.floor)
-        if token.size == 0:
-            worst = 0.0
-        elif decode_rows is None or not self.noise.phases:
-            worst = _ratio(float(np.max(token)), token_noise)
-        else:
+        ref: float | np.ndarray = max(self.noise.token_max, self.floor)
+        if decode_rows is not None and self.noise.phases:
             ref = np.where(decode_rows, _phase_max(self.noise, DECODE, self.floor),
                            _phase_max(self.noise, PREFILL, self.floor))
+        own = self.own_noise(keys)
+        if own is not None:
+            ref = np.where(np.isnan(own), ref, np.maximum(own, self.floor))
+        if token.size == 0:
+            worst = 0.0
+        elif np.ndim(ref) == 0:
+            worst = _ratio(float(np.max(token)), float(ref))
+        else:
             with np.errstate(divide="ignore", invalid="ignore"):  # the rule of _ratio, row by row
                 rows = np.where(ref > 0, token / ref, np.where(token == 0, 0.0, np.inf))
             worst = float(np.where(np.isnan(token), np.inf, rows).max())
@@ -116,16 +148,18 @@ def _phase_max(noise: TensorNoise, phase: str, floor: float) -> float:
     return max(own.token_max if own is not None else noise.token_max, floor)
 
 
-def noise_limits(noise: TensorNoise, factor: float, floor: float, fixed: tuple[float, float] | None) -> NoiseLimits:
-    """Thresholds from one tensor's noise (per phase where it has phases); ``fixed`` (explicit thresholds) apply on
-    top."""
+def noise_limits(noise: TensorNoise, factor: float, floor: float, fixed: tuple[float, float] | None,
+                 rows: RowNoise | None = None, cover: tuple[int, ...] = ()) -> NoiseLimits:
+    """Thresholds from one tensor's noise (per phase where it has phases, per row where ``rows`` covers it under
+    ``cover``); ``fixed`` (explicit thresholds) apply on top."""
     threshold = max(floor, factor * noise.rel_diff)
     token = max(floor, factor * (_phase_max(noise, PREFILL, 0.0) if noise.phases else noise.token_max))
     decode = max(floor, factor * _phase_max(noise, DECODE, 0.0)) if noise.phases else None
     if fixed is not None:
         threshold, token = min(threshold, fixed[0]), min(token, fixed[1])
         decode = None if decode is None else min(decode, fixed[1])
-    return NoiseLimits(threshold, token, noise, floor, decode)
+    return NoiseLimits(threshold, token, noise, floor, decode, rows, cover, factor,
+                       fixed[1] if fixed is not None else None)
 
 
 def noise_warnings(noise: NoiseModel, limits: Mapping[str, NoiseLimits],

@@ -4,7 +4,9 @@ Each variant is a benign re-run of the baseline's inputs (another attention back
 batch layout or thread count, or a plain re-run). Every variant is compared with the baseline
 exactly as ``python -m comparator`` would; per captured tensor name the largest whole-tensor
 rel_diff and the pooled per-token rel_diff (max, p99.9, p99) become its noise (and, where a comparison
-had a decode part, the per-token rel_diff of prompt rows and decode rows apart: ``phases``), and the logprob
+had a decode part, the per-token rel_diff of prompt rows and decode rows apart: ``phases``), each row's
+largest per-token rel_diff its row noise (:mod:`comparator.judging.row_noise`: the rows of the
+baseline's prompts whose token ids the variant shares; none when the baseline records no token ids), and the logprob
 verdicts become the logprob noise (:mod:`comparator.noise.logprob_calibration`); where both dumps
 recorded MoE routing, each layer's largest router-score change, flip rate and combine-weight
 change become its routing noise (:class:`~comparator.judging.router_noise.RouterNoise`). The sources are those of
@@ -41,6 +43,7 @@ from comparator.hidden.types import TensorComparison
 from comparator.judging.identity import IDENTITY_FIELDS, IdentityDifference, check_variant
 from comparator.judging.noise import NoiseModel, PhaseNoise, TensorNoise
 from comparator.judging.router_noise import RouterNoise
+from comparator.judging.row_noise import RowKeys, RowNoiseSet, covered_prefix
 from comparator.logprobs.judge import compare_logprob_sources
 from comparator.logprobs.types import LogprobVerdict
 from comparator.noise.logprob_calibration import logprob_noise
@@ -62,6 +65,25 @@ class _Pool:
         self.meta: dict[str, tuple[int | None, str | None]] = {}
         self.by_variant: dict[str, dict[int, float]] = {}
         self.variant = 0
+        self.rows: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}  # name -> (packed keys, values) per comparison
+        self.cover: list[int] = []  # per sequence: the positions the current variant shares with the baseline
+
+    def add_rows(self, t: TensorComparison, token: np.ndarray, keys: RowKeys | None) -> None:
+        """Keep the rows of ``t`` that the current variant's token ids cover (replica ranks' rows are no other row)."""
+        if keys is None or t.replica_side is not None:
+            return
+        seq, pos = keys
+        limit = np.asarray(self.cover, dtype=np.int64)
+        ok = (seq >= 0) & (seq < limit.size) & (pos >= 0)
+        ok[ok] &= pos[ok] < limit[seq[ok]]
+        if ok.any():
+            self.rows.setdefault(t.name, []).append(((seq[ok] << 32) | pos[ok], token[ok].astype(np.float32)))
+
+    def row_noise(self, prompts: list[list[int]]) -> RowNoiseSet | None:
+        if not self.rows:
+            return None
+        return RowNoiseSet.build(prompts, {n: (np.concatenate([k for k, _ in parts]), np.concatenate([v for _, v in parts]))
+                                           for n, parts in self.rows.items()})
 
     def add(self, t: TensorComparison, token: np.ndarray, decode_rows: np.ndarray | None, point: str | None) -> None:
         if t.nonfinite_mismatches or not math.isfinite(t.rel_diff):
@@ -139,13 +161,17 @@ def calibrate(baseline: str | os.PathLike[str], variants: Sequence[str | os.Path
     sketch: SketchSpec | None = None  # the projection of the sketched comparisons, if any
     manifest = load_manifest(baseline) if _is_dump(baseline) else None
     mismatch: list[tuple[str, IdentityDifference]] = []
+    prompts = [list(p) for p in manifest.extra.get("input_ids") or []] if manifest is not None else []
     for i, variant in enumerate(variants):
         pool.variant = i
         if manifest is not None and _is_dump(variant):
+            other = load_manifest(variant)
             mismatch += [(str(variant), d) for d in check_variant(
-                manifest, load_manifest(variant), allow_mismatch=allow_model_mismatch, where=f"variant {variant}")]
+                manifest, other, allow_mismatch=allow_model_mismatch, where=f"variant {variant}")]
+            pool.cover = covered_prefix(prompts, other.extra.get("input_ids") or [])
             report = compare_dumps(baseline, variant, config,
-                                   token_sink=lambda t, tok, dec: pool.add(t, tok, dec, point_of(t.name)))
+                                   token_sink=lambda t, tok, dec: pool.add(t, tok, dec, point_of(t.name)),
+                                   row_sink=pool.add_rows)
             if report.logprobs is not None:
                 verdicts.append(report.logprobs)
             if report.router is not None:
@@ -166,4 +192,4 @@ def calibrate(baseline: str | os.PathLike[str], variants: Sequence[str | os.Path
     return NoiseModel(baseline=str(baseline), variants=tuple(str(v) for v in variants),
                       tensors=pool.tensors(len(variants)), logprobs=logprob_noise(verdicts) if verdicts else None,
                       model=model, dtype=dtype, model_mismatch=tuple(mismatch), router=_router_noise(routing),
-                      sketch=sketch)
+                      sketch=sketch, rows=pool.row_noise(prompts))

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from comparator.judging.noise import NoiseModel
+from comparator.judging.row_noise import RowsRef, rows_from_bytes, rows_to_bytes
 from comparator.store.errors import StoreError
 from comparator.store.fields import bad, check, is_int, show
 from comparator.store.runid import is_run_id, run_id_time
@@ -161,46 +162,68 @@ def _check_fields(d: dict[str, Any]) -> None:
         check(d, key, lambda v: v is None or isinstance(v, dict), "an object or null")
 
 
+ROWS_NAME = "noise.rows.safetensors"
+"""The run's row noise (:mod:`comparator.judging.row_noise`), beside its ``noise.json``, which names it."""
+
+
 def noise_bytes(noise: NoiseModel) -> bytes:
-    """``noise`` as ``noise.json`` bytes: exactly what ``python -m comparator calibrate --out`` writes."""
+    """``noise`` as ``noise.json`` bytes: what ``python -m comparator calibrate --out`` writes (its side file
+    named :data:`ROWS_NAME`)."""
     return json.dumps(noise.to_json(), indent=1, allow_nan=False).encode()
 
 
 @dataclass(frozen=True)
 class StoredNoise:
-    """A run's noise: ``noise.json``'s bytes, parsed, and the ``calibration`` of ``run.json`` vouching for them."""
+    """A run's noise: ``noise.json``'s bytes, parsed, the ``calibration`` of ``run.json`` vouching for them, and
+    the row-noise side file's bytes (None: pooled noise only; ``noise.json`` holds their SHA-256)."""
 
     noise: NoiseModel
     data: bytes
     calibration: Calibration
+    rows_data: bytes | None = None
 
     @classmethod
     def measured(cls, noise: NoiseModel, measured_on: str) -> StoredNoise:
         """Fresh noise of the run ``measured_on``: bytes and ``calibration`` (created now) to store."""
+        rows = rows_to_bytes(noise.rows) if noise.rows is not None else None
+        if rows is not None:
+            noise = replace(noise, rows_ref=RowsRef(ROWS_NAME, hashlib.sha256(rows).hexdigest(),
+                                                    dict(noise.rows.tables)))  # type: ignore[union-attr]
+        else:
+            noise = replace(noise, rows_ref=None)
         data = noise_bytes(noise)
-        return cls(noise, data, Calibration.of(data, variants=len(noise.variants), measured_on=measured_on))
+        return cls(noise, data, Calibration.of(data, variants=len(noise.variants), measured_on=measured_on), rows)
 
     @classmethod
-    def parse(cls, raw: bytes | None, calibration: Calibration, where: str) -> StoredNoise:
+    def parse(cls, raw: bytes | None, calibration: Calibration, where: str,
+              read_rows: Callable[[str], tuple[bytes | None, str]] | None = None) -> StoredNoise:
         """Validate stored ``noise.json`` bytes (``None``: missing) against their record; one-line :class:`StoreError`.
 
         The bytes must hash to ``calibration.sha256``: a ``noise.json`` replaced by an interrupted
         recalibration, or edited by hand, is refused instead of judging a run by thresholds nobody measured.
-        They are then read as ``--noise`` reads a file (:meth:`NoiseModel.from_json`), whatever they hold.
+        They are then read as ``--noise`` reads a file (:meth:`NoiseModel.from_json`), whatever they hold;
+        the side file they name is read by ``read_rows(name)`` (its bytes, None when missing, and where it
+        is) and checked against their hash (without ``read_rows``: pooled noise only).
         """
         if raw is None:
             raise StoreError(f"{where}: missing, but its run.json records a calibration")
         if hashlib.sha256(raw).hexdigest() != calibration.sha256:
             raise StoreError(f"{where}: does not match the calibration its run.json records (sha256 differs: "
                              "changed since, or a recalibration was interrupted)")
+        rows = None
         try:
             noise = NoiseModel.from_json(parse_json(raw, where, "noise file"), where)
+            if noise.rows_ref is not None and read_rows is not None:
+                rows, at = read_rows(noise.rows_ref.file)
+                if rows is None:
+                    raise StoreError(f"{at}: missing, but {where} names it")
+                noise = replace(noise, rows=rows_from_bytes(rows, noise.rows_ref, at))
         except DriftscopeError as e:
             raise StoreError(str(e)) from None
         if len(noise.variants) != calibration.variants:
             raise StoreError(f"{where}: holds {len(noise.variants)} variants, but its run.json records "
                              f"{calibration.variants}")
-        return cls(noise, raw, calibration)
+        return cls(noise, raw, calibration, rows)
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ JSON_KEYS = ["name", "layer", "forward_pass", "rank", "shape", *BUILTIN, "nan_ba
              "nan_target", "inf_target", "nonfinite_mismatches", "failing_tokens", "first_failing_token",
              "first_failing_row", "first_failing_sequence", "worst_token", "worst_row", "passed", "sequence",
              "failing_ranges", "note", "threshold", "token_threshold", "noise_ratio", "token_noise_ratio",
-             "decode_token_threshold", "replica_side", "point"]
+             "decode_token_threshold", "replica_side", "point", "own_noise_rows"]
 
 
 def _rms_diff(s: RowSums) -> float:

@@ -66,6 +66,7 @@ class World:
         assert o.code == 0, o.err
         self.json: dict[str, Any] = json.loads(self.noise.read_text())
         self.json["model_mismatch"] = []  # present, so that the fuzz can damage it too
+        del self.json["rows"]  # the row-noise side file and its reference: tests/comparator/noise/test_row_noise.py
         self.outside = root / "outside"  # valid copies: a reader that followed a path from the file would pass
         shutil.copytree(self.base, self.outside / "base")
         shutil.copy(self.noise, self.outside / "NOISE.json")
@@ -411,8 +412,9 @@ def test_the_store_reads_noise_with_the_same_reader(world: World) -> None:
             StoredNoise.parse(raw, Calibration.of(raw, variants=1, measured_on="r"), "store/runs/r/noise.json")
         assert str(e.value).startswith("store/runs/r/noise.json: ") and "\n" not in str(e.value), (label, e.value)
     raw = world.noise.read_bytes()
-    good = StoredNoise.parse(raw, Calibration.of(raw, variants=1, measured_on="r"), "noise.json")
-    assert good.noise == load_noise(world.noise)
+    good = StoredNoise.parse(raw, Calibration.of(raw, variants=1, measured_on="r"), "noise.json",
+                             lambda name: ((world.noise.parent / name).read_bytes(), name))
+    assert good.noise == load_noise(world.noise) and good.noise.rows is not None
 
 
 def test_calibrate_refuses_a_variant_with_other_weights(world: World, tmp_path: Path) -> None:

@@ -100,8 +100,13 @@ def test_bootstrap_stores_exactly_the_noise_calibrate_writes(calibrated):
     store, boot = calibrated["store"], calibrated["boot"]
     run_id = boot["run_id"]
     stored = store / "runs" / run_id / "noise.json"
-    assert stored.read_bytes() == calibrated["noise"].read_bytes()  # byte for byte
-    assert sorted(os.listdir(stored.parent)) == ["COMPLETE", "dump", "noise.json", "run.json"]
+    written = json.loads(calibrated["noise"].read_text())  # what calibrate wrote, its side file named as the store's
+    written["rows"]["file"] = "noise.rows.safetensors"
+    assert json.loads(stored.read_bytes()) == written
+    assert (stored.parent / "noise.rows.safetensors").read_bytes() == \
+        calibrated["noise"].with_name("n.rows.safetensors").read_bytes()  # byte for byte
+    assert sorted(os.listdir(stored.parent)) == ["COMPLETE", "dump", "noise.json", "noise.rows.safetensors",
+                                                 "run.json"]
     rec = RunStore(store).get(run_id)
     assert rec.label == "baseline" and rec.calibration.to_json() == boot["calibration"]
     assert rec.calibration.variants == 2 and rec.calibration.measured_on == run_id
@@ -204,7 +209,7 @@ def test_broken_stored_noise_is_one_line_and_changes_nothing(calibrated, dumps, 
         r = run_cli("comparator", "store", "show", store, base)
         assert r.returncode == 0 and "calibration: UNUSABLE" in r.stdout and "warning: " in r.stderr
         assert "Traceback" not in r.stderr
-    shutil.copy(calibrated["noise"], noise)
+    shutil.copy(calibrated["store"] / "runs" / base / "noise.json", noise)
     assert run_cli("comparator", "regress", dumps["held_out"], "--store", store, "--quiet").returncode == 0
 
 
@@ -278,7 +283,11 @@ def test_memory_store_round_trip_through_the_python_api(calibrated, dumps):
         boot = regress(dumps["base"], url, bootstrap=True, calibrate_from=[dumps["sdpa"], dumps["chunk"]])
         assert boot.label == "baseline" and boot.calibration.variants == 2
         st = RunStore(url)
-        assert st.noise(st.get(boot.run_id)).data == calibrated["noise"].read_bytes()
+        got = st.noise(st.get(boot.run_id))
+        written = json.loads(calibrated["noise"].read_text())
+        written["rows"]["file"] = "noise.rows.safetensors"
+        assert json.loads(got.data) == written and got.rows_data == \
+            calibrated["noise"].with_name("n.rows.safetensors").read_bytes()
         res = regress(dumps["held_out"], url)
         assert res.exit_code == 0 and res.noise == st.where(boot.run_id, "noise.json")
         assert res.report is not None and all(t.noise_ratio is not None for t in res.report.tensors)

@@ -1,0 +1,280 @@
+"""Per-row noise: the benign per-token rel_diff of every calibrated (sequence, position) row of each tensor.
+
+On a trained model a few rows (the first tokens, delimiters: the massive-activation rows) carry
+far more benign noise than the rest, so one number per tensor (the pooled per-token max) lets a
+single-token bug through on every other row. A calibration re-runs the baseline's own prompts, so
+each row's noise is known: ``python -m comparator calibrate`` keeps it (the largest value over the
+variants) in a side file next to NOISE.json, ``NOISE.rows.safetensors``, and a row it covered is
+judged against ``factor x max(its own noise, the tensor's floor)``.
+
+The floor is the median of the tensor's row noise (:data:`FLOOR_QUANTILE`). A row's maximum over
+a few variants is an estimate from a few draws: a row that happened to round the same way in every
+variant has noise 0, and another benign variant rounds it differently. The median is what a typical
+row of that tensor measured, so a row is never held tighter than that; the outlier rows above it
+keep their own, larger noise. (The ninetieth percentile was measured too: docs/calibration.md.)
+
+Rows are bound to the calibration's prompts: row ``(s, p)`` is covered only when the calibration's
+token ids of sequence ``s`` up to ``p`` equal the baseline's and the target's (a causal row depends
+on exactly those); any other row, and every decode row, is judged by the tensor's pooled noise.
+
+The side file is untrusted input, like NOISE.json: NOISE.json names it (a plain file name beside
+it) with its SHA-256, and :func:`rows_from_file` reads it bounded, checks the hash, and refuses
+any key, dtype, shape or value outside the format, naming the file.
+
+Layout (safetensors): ``ids.{s}`` int64 ``[n]``: the calibration's token ids of sequence ``s``;
+``rows.{k}`` int64 ``[n, 2]``: a row table of (sequence, position) pairs, strictly increasing;
+``noise.{name}`` float32 ``[n]``: one tensor's noise of each row of its table (NOISE.json's
+``rows.tensors`` says which table).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import numpy as np
+
+from dumper.errors import UsageError
+from dumper.format.files import is_plain_name, show
+
+from comparator.judging.fields import REL_DIFF_MAX, bad, integer, items, record, text
+
+__all__ = ["ROWS_SUFFIX", "FLOOR_QUANTILE", "RowNoise", "RowNoiseSet", "RowKeys", "row_keys", "rows_to_bytes",
+           "rows_from_bytes", "rows_ref_from_json", "RowsRef", "covered_prefix"]
+
+ROWS_SUFFIX: Final = ".rows.safetensors"
+"""The side file of ``NOISE.json`` is ``NOISE.rows.safetensors``."""
+FLOOR_QUANTILE: Final = 0.5
+"""A covered row's noise is at least this quantile (the median) of its tensor's row noise (the module doc)."""
+_REF_KEYS = ("file", "sha256", "tensors")
+
+RowKeys = tuple[np.ndarray, np.ndarray]
+"""Each row's (sequence ids, positions), int64."""
+
+
+def row_keys(positions: np.ndarray | None, sequences: np.ndarray | None, sequence: int | None) -> RowKeys | None:
+    """The (sequence, position) of each row of one comparison, or None when its rows carry no position."""
+    if positions is None:
+        return None
+    pos = np.asarray(positions, dtype=np.int64)
+    if sequences is not None:
+        return np.asarray(sequences, dtype=np.int64), pos
+    if sequence is None:
+        return None
+    return np.full(pos.shape, sequence, dtype=np.int64), pos
+
+
+def _packed(seq: np.ndarray, pos: np.ndarray) -> np.ndarray:
+    """One sortable int64 per (sequence, position); both are below 2^31 where it is used."""
+    return (seq.astype(np.int64) << 32) | pos.astype(np.int64)
+
+
+@dataclass(frozen=True, eq=False)
+class RowNoise:
+    """One tensor's row noise: the rows (packed and sorted) and each row's largest benign per-token rel_diff."""
+
+    keys: np.ndarray
+    values: np.ndarray
+    floor: float
+    """:data:`FLOOR_QUANTILE` of ``values``: no covered row is judged tighter than this."""
+
+    @classmethod
+    def of(cls, keys: np.ndarray, values: np.ndarray) -> RowNoise:
+        return cls(keys, values, float(np.quantile(values, FLOOR_QUANTILE)) if values.size else 0.0)
+
+    def own(self, keys: RowKeys, cover: Sequence[int]) -> np.ndarray:
+        """Each row's noise (float64), NaN where the calibration does not cover it (see the module doc)."""
+        seq, pos = keys
+        limit = np.asarray(cover, dtype=np.int64)
+        ok = (seq >= 0) & (seq < limit.size) & (pos >= 0)
+        ok[ok] &= pos[ok] < limit[seq[ok]]
+        out = np.full(seq.shape, np.nan)
+        if not ok.any() or not self.keys.size:
+            return out
+        packed = _packed(seq[ok], pos[ok])
+        at = np.minimum(np.searchsorted(self.keys, packed), self.keys.size - 1)
+        hit = self.keys[at] == packed
+        sub = np.full(packed.shape, np.nan)
+        sub[hit] = self.values[at[hit]]
+        out[ok] = sub
+        return out
+
+
+def covered_prefix(prompts: Sequence[Sequence[int]], *others: Sequence[Sequence[int]]) -> list[int]:
+    """Per sequence of ``prompts``, how many leading token ids every one of ``others`` shares with it."""
+    out = []
+    for s, ids in enumerate(prompts):
+        n = len(ids)
+        for other in others:
+            theirs = other[s] if s < len(other) else []
+            m = min(n, len(theirs))
+            a, b = np.asarray(ids[:m], dtype=np.int64), np.asarray(theirs[:m], dtype=np.int64)
+            diff = np.flatnonzero(a != b)
+            n = int(diff[0]) if diff.size else m
+        out.append(n)
+    return out
+
+
+@dataclass(frozen=True)
+class RowsRef:
+    """What NOISE.json says of its side file: its plain name, SHA-256, and each tensor's row table."""
+
+    file: str
+    sha256: str
+    tensors: Mapping[str, int]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"file": self.file, "sha256": self.sha256, "tensors": [[n, k] for n, k in self.tensors.items()]}
+
+
+def rows_ref_from_json(v: Any, where: str, names: set[str]) -> RowsRef:
+    """NOISE.json's ``rows`` entry, exact types; every tensor it lists is one of the file's ``names``."""
+    d = record(v, where, "rows", _REF_KEYS)
+    name = text(d["file"], where, "rows.file")
+    if not is_plain_name(name) or not name.endswith(ROWS_SUFFIX):
+        raise bad(where, "rows.file", f"a plain file name ending in {ROWS_SUFFIX} (beside the noise file)", name)
+    digest = text(d["sha256"], where, "rows.sha256")
+    if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+        raise bad(where, "rows.sha256", "64 lowercase hex digits", digest)
+    tensors: dict[str, int] = {}
+    for i, e in enumerate(items(d["tensors"], where, "rows.tensors")):
+        pair = items(e, where, f"rows.tensors[{i}]", length=None)
+        if len(pair) != 2:
+            raise bad(where, f"rows.tensors[{i}]", "[tensor name, row table]", e)
+        n = text(pair[0], where, f"rows.tensors[{i}][0]", name=True)
+        if n not in names or n in tensors:
+            raise bad(where, f"rows.tensors[{i}][0]", "a tensor of the file's tensors, listed once", n)
+        tensors[n] = integer(pair[1], where, f"rows.tensors[{i}][1]")
+    return RowsRef(name, digest, tensors)
+
+
+@dataclass(frozen=True, eq=False)
+class RowNoiseSet:
+    """Every tensor's row noise, and the token ids of the prompts the calibration ran."""
+
+    prompts: tuple[tuple[int, ...], ...]
+    tensors: Mapping[str, RowNoise]
+    tables: Mapping[str, int] = field(default_factory=dict)
+    """Which row table of the side file each tensor's rows are (tensors with the same rows share one)."""
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, RowNoiseSet):
+            return NotImplemented
+        return self.prompts == other.prompts and self.tensors.keys() == other.tensors.keys() and all(
+            np.array_equal(a.keys, other.tensors[n].keys) and np.array_equal(a.values, other.tensors[n].values)
+            for n, a in self.tensors.items())
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def bytes_per_row(self) -> float:
+        """Side-file bytes per (row, tensor): the noise value and the tensor's share of its row table."""
+        rows = sum(t.values.size for t in self.tensors.values())
+        return (4 * rows + 16 * sum(self._table_sizes().values())) / rows if rows else 0.0
+
+    def _table_sizes(self) -> dict[int, int]:
+        return {k: self.tensors[n].keys.size for n, k in self.tables.items()}
+
+    @classmethod
+    def build(cls, prompts: Sequence[Sequence[int]], rows: Mapping[str, tuple[np.ndarray, np.ndarray]]) -> RowNoiseSet:
+        """From each tensor's packed row keys and values (any order, duplicates: the largest value kept)."""
+        tensors: dict[str, RowNoise] = {}
+        tables: dict[str, int] = {}
+        seen: dict[bytes, int] = {}
+        for name, (keys, values) in rows.items():
+            order = np.lexsort((-values.astype(np.float64), keys))
+            k, v = keys[order], values[order].astype(np.float32)
+            first = np.ones(k.size, dtype=bool)
+            first[1:] = k[1:] != k[:-1]  # sorted by key, then largest value first: keep the first of each key
+            k, v = k[first], v[first]
+            tables[name] = seen.setdefault(k.tobytes(), len(seen))
+            tensors[name] = RowNoise.of(k, v)
+        return cls(tuple(tuple(int(t) for t in p) for p in prompts), tensors, tables)
+
+
+def rows_to_bytes(rows: RowNoiseSet) -> bytes:
+    """The side file's bytes (safetensors, the layout of the module doc)."""
+    from safetensors.numpy import save
+
+    arrays: dict[str, np.ndarray] = {f"ids.{s}": np.asarray(p, dtype=np.int64) for s, p in enumerate(rows.prompts)}
+    for name, k in rows.tables.items():
+        keys = rows.tensors[name].keys
+        arrays.setdefault(f"rows.{k}", np.stack([keys >> 32, keys & 0xFFFFFFFF], axis=1).astype(np.int64))
+        arrays[f"noise.{name}"] = rows.tensors[name].values.astype(np.float32)
+    return save(arrays)
+
+
+def _header_keys(data: bytes, where: str) -> list[str]:
+    """The tensor keys of safetensors bytes, read from its JSON header (bounded by the bytes themselves)."""
+    if len(data) < 8:
+        raise UsageError(f"{where}: truncated: {len(data)} bytes, not a safetensors file")
+    (n,) = struct.unpack("<Q", data[:8])
+    if n > len(data) - 8:
+        raise UsageError(f"{where}: truncated: its header claims {n} bytes, {len(data) - 8} follow")
+    try:
+        header = json.loads(data[8:8 + n])
+    except (ValueError, UnicodeDecodeError):
+        raise UsageError(f"{where}: not a safetensors file (its header is not JSON)") from None
+    if type(header) is not dict:
+        raise UsageError(f"{where}: not a safetensors file (its header is not an object)")
+    return [k for k in header if k != "__metadata__"]
+
+
+def rows_from_bytes(data: bytes, ref: RowsRef, where: str) -> RowNoiseSet:
+    """The side file's bytes checked against ``ref`` (hash, keys, dtypes, shapes, values); one-line UsageError."""
+    if hashlib.sha256(data).hexdigest() != ref.sha256:
+        raise UsageError(f"{where}: its SHA-256 is not the one the noise file records: another calibration's or "
+                         "a changed file; recalibrate (python -m comparator calibrate)")
+    keys = _header_keys(data, where)
+    from safetensors import SafetensorError
+    from safetensors.numpy import load
+
+    try:
+        arrays = load(data)
+    except (SafetensorError, ValueError, TypeError) as e:
+        raise UsageError(f"{where}: not a valid safetensors file ({str(e).splitlines()[0][:200]})") from None
+    tables = sorted(set(ref.tensors.values()))
+    expected = {f"rows.{k}" for k in tables} | {f"noise.{n}" for n in ref.tensors}
+    ids = sorted(k for k in keys if k.startswith("ids."))
+    prompts = []
+    for s in range(len(ids)):
+        a = arrays.get(f"ids.{s}")
+        if a is None or a.dtype != np.int64 or a.ndim != 1 or (a.size and a.min() < 0):
+            raise UsageError(f"{where}: ids.{s}: expected int64 token ids >= 0, one list per sequence 0..{len(ids) - 1}")
+        prompts.append(tuple(int(t) for t in a))
+    unknown = [k for k in keys if k not in expected and not k.startswith("ids.")]
+    missing = sorted(expected - set(keys))
+    if unknown or missing:
+        raise UsageError(f"{where}: keys {'unknown: ' + show(unknown[:3]) if unknown else ''}"
+                         f"{'; ' if unknown and missing else ''}{'missing: ' + show(missing[:3]) if missing else ''}"
+                         " (not the rows of this noise file)")
+    packed: dict[int, np.ndarray] = {}
+    for k in tables:
+        t = arrays[f"rows.{k}"]
+        if t.dtype != np.int64 or t.ndim != 2 or t.shape[1] != 2:
+            raise UsageError(f"{where}: rows.{k}: expected int64 of shape [rows, 2], got {t.dtype} {list(t.shape)}")
+        if t.size and (t.min() < 0 or t.max() >= 1 << 31):
+            raise UsageError(f"{where}: rows.{k}: sequence ids and positions must be in [0, 2^31)")
+        p = _packed(t[:, 0], t[:, 1])
+        if p.size > 1 and not np.all(p[1:] > p[:-1]):
+            raise UsageError(f"{where}: rows.{k}: rows must be strictly increasing (sequence, position) pairs")
+        if p.size and int(t[:, 0].max()) >= len(prompts):
+            raise UsageError(f"{where}: rows.{k}: a row of sequence {int(t[:, 0].max())}, but the file holds the "
+                             f"token ids of {len(prompts)} sequences")
+        if p.size and np.any(t[:, 1] >= np.asarray([len(prompts[s]) for s in t[:, 0]])):
+            raise UsageError(f"{where}: rows.{k}: a row past its sequence's token ids")
+        packed[k] = p
+    tensors = {}
+    for name, k in ref.tensors.items():
+        v = arrays[f"noise.{name}"]
+        if v.dtype != np.float32 or v.shape != (packed[k].size,):
+            raise UsageError(f"{where}: noise.{name}: expected float32 of shape [{packed[k].size}] (its row table), "
+                             f"got {v.dtype} {list(v.shape)}")
+        if not np.all((v >= 0) & (v <= REL_DIFF_MAX)):  # NaN fails this too
+            raise UsageError(f"{where}: noise.{name}: every value must be a rel_diff in [0, {REL_DIFF_MAX:g}] "
+                             "(NaN, Inf and negative values are not noise)")
+        tensors[name] = RowNoise.of(packed[k], v)
+    return RowNoiseSet(tuple(prompts), tensors, dict(ref.tensors))
