@@ -44,6 +44,11 @@ _EXPORTS = {
     "RegressResult": "comparator.store.regress",
     "RunStore": "comparator.store",
     "select_baseline": "comparator.store",
+    "calibrate": "comparator.noise.calibrate",
+    "NoiseModel": "comparator.judging.noise",
+    "load_noise": "comparator.noise.file",
+    "save_noise": "comparator.noise.file",
+    "BASELINE_NOISE": "comparator.noise.file",
 }
 """Public name -> the module that defines it, imported on first use (PEP 562), so that
 ``python -m comparator`` and a library user load only what they touch."""
@@ -69,6 +74,11 @@ __all__ = [
     "RegressResult",
     "RunStore",
     "select_baseline",
+    "calibrate",
+    "NoiseModel",
+    "load_noise",
+    "save_noise",
+    "BASELINE_NOISE",
 ]
 
 if TYPE_CHECKING:
@@ -78,6 +88,9 @@ if TYPE_CHECKING:
     from comparator.judging.logprob_thresholds import LogprobThresholds
     from comparator.logprobs import LogprobVerdict, SequenceLogprobs, compare_logprobs
     from comparator.logprobs.judge import compare_logprob_sources
+    from comparator.judging.noise import NoiseModel
+    from comparator.noise.calibrate import calibrate
+    from comparator.noise.file import BASELINE_NOISE, load_noise, save_noise
     from comparator.hidden.types import FirstDivergence, Heatmap, LayerSummary, ReplicaMismatch, Report, TensorComparison
     from comparator.store import RunStore, select_baseline
     from comparator.store.regress import RegressResult, regress

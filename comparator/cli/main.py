@@ -30,6 +30,7 @@ from comparator.cli.args import (compare_config, logprob_threshold_flags, logpro
 from comparator.cli.args import stdout_console as _console
 from comparator.cli.args import write_output as _write
 from comparator.judging.logprob_metrics import metric_names
+from comparator.noise.file import BASELINE_NOISE
 from comparator.reports.outputs import add_output_flags
 from comparator.cli.parser import CommandParser, add_command
 from comparator.cli.store import build_regress_parser, build_store_parser
@@ -105,8 +106,12 @@ def build_parser() -> CommandParser:
 
 def _compare_flags(p: argparse.ArgumentParser) -> None:
     """The arguments of the compare command (``python -m comparator BASELINE TARGET``)."""
-    p.add_argument("baseline", help="dump directory (or SGLang dumper directory) of the trusted run")
+    p.add_argument("baseline", help="dump directory (or SGLang dumper directory) of the trusted run; one recorded "
+                                    f"with dumper run --calibrate holds its noise ({BASELINE_NOISE}), which then "
+                                    "judges the target unless --noise or --ignore-baseline-noise is given")
     p.add_argument("target", help="dump directory (or SGLang dumper directory) of the run under test")
+    p.add_argument("--ignore-baseline-noise", action="store_true",
+                   help=f"judge by the fixed thresholds although the baseline holds its noise ({BASELINE_NOISE})")
     threshold_flags(p)
     output_flags(p, json="the report", csv=True)
     p.add_argument("--tensors", action="store_true", help="also print one row per tensor")
@@ -265,6 +270,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
     """
     from comparator.judging.identity import check_distinct
 
+    if args.noise is None and not args.ignore_baseline_noise:  # a calibrated baseline (dumper run --calibrate)
+        held = os.path.join(args.baseline, BASELINE_NOISE)
+        args.noise = held if not is_url(args.baseline) and os.path.isfile(held) else None
     config = compare_config(args)
     check_distinct(args.baseline, args.target)  # before an SGLang side is converted into a temporary dump
     if args.git_bisect:  # the baseline and the flags are checked first: their problems are no commit's

@@ -218,7 +218,8 @@ def compare_dumps(baseline: str | os.PathLike[str], target: str | os.PathLike[st
         unmatched_baseline=tuple(plan.unmatched_baseline), unmatched_target=tuple(plan.unmatched_target),
         first_divergent=fd, replica_mismatches=(*replicas_b, *replicas_t), logprobs=verdict,
         environment={"baseline": bm.environment, "target": tm.environment}, heatmap=heatmap,
-        notes=(*notes, *replay, *_noise_notes(config, results), *([sketch.note()] if sketch else [])),
+        notes=(*notes, *replay, *_noise_notes(config, results), *([sketch.note()] if sketch else []),
+               *_dtype_note(config, bm, tm)),
         empty_tensors=tuple(plan.empty), sketch=sketch.to_json() if sketch else None,
         warnings=(*config.noise_warnings(sorted({t.name for t in results})),
                   *phase_noise_warnings(decode, config, sorted({t.name for t in results})),
@@ -364,6 +365,22 @@ def _noise_notes(config: CompareConfig, results: list[TensorComparison]) -> tupl
                    "tensor's pooled noise (rows the calibration did not cover: other token ids, decode rows, "
                    "tensors without row noise)")
     return tuple(out)
+
+
+DTYPE_NOTE = ("fixed thresholds are dtype-blind: {dtype} rounding alone can exceed them on a trained model, and a "
+              "real bug can hide under them; judge by measured noise: python -m dumper run ... --calibrate (the "
+              "baseline keeps its noise), or python -m comparator calibrate BASELINE VARIANT... --out NOISE.json "
+              "and --noise NOISE.json")
+"""Said by a comparison of bfloat16 or float16 dumps judged without noise (docs/calibration.md)."""
+
+
+def _dtype_note(config: CompareConfig, bm: Manifest, tm: Manifest) -> tuple[str, ...]:
+    """:data:`DTYPE_NOTE` when either side holds bfloat16 or float16 rows and no noise judges them."""
+    if config.noise is not None:
+        return ()
+    low = sorted({r.dtype for m in (bm, tm) for r in m.tensors} & {"BF16", "F16"})
+    return (DTYPE_NOTE.format(dtype=" and ".join({"BF16": "bfloat16", "F16": "float16"}[d] for d in low)),) \
+        if low else ()
 
 
 def _replay_notes(manifest: Manifest) -> tuple[str, ...]:

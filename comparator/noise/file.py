@@ -33,7 +33,11 @@ from dumper.format.files import parse_json, read_regular_file, regular_file_in
 from comparator.judging.noise import NoiseModel
 from comparator.judging.row_noise import ROWS_SUFFIX, RowsRef, rows_from_bytes, rows_to_bytes
 
-__all__ = ["MAX_NOISE_BYTES", "MAX_ROWS_BYTES", "load_noise", "save_noise", "rows_file_name"]
+__all__ = ["MAX_NOISE_BYTES", "MAX_ROWS_BYTES", "BASELINE_NOISE", "load_noise", "save_noise", "rows_file_name"]
+
+BASELINE_NOISE: Final = "NOISE.json"
+"""The noise file a calibrated baseline holds in its own directory (``python -m dumper run --calibrate``), its row
+noise beside it; ``python -m comparator BASELINE TARGET`` judges by it without ``--noise``."""
 
 MAX_NOISE_BYTES: Final = 64 << 20
 """Largest noise file read (``--noise`` and the run store's ``noise.json``); a few KiB per tensor when sound."""

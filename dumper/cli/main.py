@@ -118,6 +118,10 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
                         "instead of whole (K/hidden of the bytes; per-token rel_diff estimated within ~sqrt(2/K))")
     r.add_argument("--sketch-seed", type=int, default=None, help="with --sketch: the projection's seed (default 0); "
                    "sketches compare only with the same --sketch and --sketch-seed")
+    r.add_argument("--calibrate", action="store_true",
+                   help="also re-run the prompts as the engine's benign variants (transformers: the other attention "
+                        "kernel, a chunked prefill, a padded batch) and store the baseline's noise in OUT/NOISE.json: "
+                        "python -m comparator OUT TARGET then judges by it (docs/calibration.md)")
     r.add_argument("--observer-check", action="store_true",
                    help="with --logprobs (transformers, vllm): run the job again with nothing of driftscope on the "
                         "model and check that its logprobs (and --save-logits rows) are bit-identical to the dump's; "
@@ -200,12 +204,25 @@ def _cmd_run(args: argparse.Namespace) -> int:
         raise UsageError("--top-k and --logprob-start-len must be >= 0")
     spec = LogprobSpec(top_k=args.top_k, start_len=args.logprob_start_len, save_logits=args.save_logits) \
         if args.logprobs else None
-    with writing(args.out) as out:  # a URL: made in a local staging directory, uploaded manifest last
-        manifest = _run_dump(args, prompts, ids, spec, out)
+    if args.calibrate:
+        if args.observer_check:
+            raise UsageError("--calibrate and --observer-check: run the observer check on its own")
+        from comparator import BASELINE_NOISE
+        from dumper.jobs.calibrated import record_calibrated
+
+        manifest, noise = record_calibrated(_run_config(args, prompts, ids, spec, args.out),
+                                            lambda cfg: _run_job(args, cfg),
+                                            say=(lambda _: None) if args.quiet else print)
+    else:
+        with writing(args.out) as out:  # a URL: made in a local staging directory, uploaded manifest last
+            manifest = _run_dump(args, prompts, ids, spec, out)
     layers = manifest.capture_signature.get("layers", [])
     if not args.quiet:
         print(f"wrote {args.out}: {len(manifest.tensors)} tensors, layers {layers}, "
               f"{len({t.forward_pass for t in manifest.tensors})} forward passes")
+        if args.calibrate:
+            print(f"calibrated from {len(noise.variants)} benign variants: {args.out}/{BASELINE_NOISE} (python -m "
+                  f"comparator {args.out} TARGET judges by it)")
     if not args.observer_check:
         return EXIT_OK
     observed = ObserverResult.from_json(manifest.extra[OBSERVER_KEY])
@@ -215,9 +232,21 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 def _run_dump(args: argparse.Namespace, prompts: tuple[str, ...], ids: Any, spec: Any, out: str) -> Any:
     """Dump as ``args`` says into ``out`` (a local directory); its manifest."""
+    return _run_job(args, _run_config(args, prompts, ids, spec, out))
+
+
+def _run_job(args: argparse.Namespace, cfg: Any) -> Any:
+    """Run the job ``cfg`` through its engine, with a progress bar unless ``--quiet``; its manifest."""
     from dumper.engines import run_engine
-    from dumper.hooks.layers import parse_points
     from dumper.progress import progress_bar
+
+    with progress_bar(not args.quiet, "dumping", unit="tokens") as progress:
+        return run_engine(cfg, engine=args.engine, progress=progress)
+
+
+def _run_config(args: argparse.Namespace, prompts: tuple[str, ...], ids: Any, spec: Any, out: str) -> Any:
+    """The job ``args`` describe, writing into ``out``."""
+    from dumper.hooks.layers import parse_points
     from dumper.jobs.run import RunConfig
 
     cfg = RunConfig(out=out, model=args.model, prompts=prompts, input_ids=ids, dtype=args.dtype,
@@ -231,8 +260,7 @@ def _run_dump(args: argparse.Namespace, prompts: tuple[str, ...], ids: Any, spec
         from dumper.jobs.run import tokens_from
 
         cfg = tokens_from(cfg, args.tokens_from)
-    with progress_bar(not args.quiet, "dumping", unit="tokens") as progress:
-        return run_engine(cfg, engine=args.engine, progress=progress)
+    return cfg
 
 
 def _cmd_replay(args: argparse.Namespace) -> int:

@@ -10,6 +10,7 @@ import pytest
 
 from comparator import CompareConfig, compare_dumps, regress
 from comparator.cli.main import main as comparator_main
+from comparator.hidden.compare import DTYPE_NOTE
 from comparator.judging.identity import IDENTITY_FIELDS, identity_differences
 from comparator.store import RunStore
 from dumper.errors import EXIT_DIVERGED, EXIT_OK, EXIT_UNUSABLE, ModelMismatchError, NotComparableError, UsageError
@@ -73,7 +74,7 @@ def test_run_settings_are_not_identity(dumps):
     """float32 reference vs bfloat16 candidate: the comparison this tool exists for."""
     assert identity_differences(load_manifest(dumps["llama"]), load_manifest(dumps["bf16"])) == []
     report = compare_dumps(dumps["llama"], dumps["bf16"])
-    assert report.matched > 0 and report.notes == ()
+    assert report.matched > 0 and report.notes == (DTYPE_NOTE.format(dtype="bfloat16"),)  # no identity note
 
 
 def test_different_weights_are_reported_not_fatal(dumps, capsys):
