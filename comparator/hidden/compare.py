@@ -43,7 +43,8 @@ from comparator.hidden.decode import (DecodePlan, decode_plan, fork_noise, judge
                                       with_phase)
 from comparator.hidden.heatmap import token_heatmap
 from comparator.judging.identity import check_distinct, check_identity
-from comparator.judging.row_noise import RowKeys, covered_prefix, row_keys
+from comparator.judging.row_noise import RowKeys, row_keys
+from comparator.hidden.notes import dtype_note, noise_notes, replay_notes, with_row_cover
 from comparator.hidden.judge import judge_tensor
 from comparator.hidden.localize import FailingTokens, first_divergence, layer_amplification, locate_onset
 from comparator.hidden.onset import rounding_floor
@@ -183,9 +184,8 @@ def compare_dumps(baseline: str | os.PathLike[str], target: str | os.PathLike[st
     aligned; a divergence is not an exception but ``report.passed == False``.
     """
     config = config or CompareConfig()
-    br, tr, notes = _open(baseline, target, config)
-    config = _with_row_cover(config, br.manifest, tr.manifest)
-    replay = _replay_notes(tr.manifest)
+    br, tr, notes, config = _open(baseline, target, config)
+    replay = replay_notes(tr.manifest)
     decode = decode_plan(br.manifest, tr.manifest, (str(br.directory), str(tr.directory)))
     verdict, parts_b, parts_t, base_logprobs = logprob_verdict(br, tr, config, decode)
     router = routing_verdict(br, tr, config)
@@ -218,8 +218,8 @@ def compare_dumps(baseline: str | os.PathLike[str], target: str | os.PathLike[st
         unmatched_baseline=tuple(plan.unmatched_baseline), unmatched_target=tuple(plan.unmatched_target),
         first_divergent=fd, replica_mismatches=(*replicas_b, *replicas_t), logprobs=verdict,
         environment={"baseline": bm.environment, "target": tm.environment}, heatmap=heatmap,
-        notes=(*notes, *replay, *_noise_notes(config, results), *([sketch.note()] if sketch else []),
-               *_dtype_note(config, bm, tm)),
+        notes=(*notes, *replay, *noise_notes(config, results), *([sketch.note()] if sketch else []),
+               *dtype_note(config, bm, tm)),
         empty_tensors=tuple(plan.empty), sketch=sketch.to_json() if sketch else None,
         warnings=(*config.noise_warnings(sorted({t.name for t in results})),
                   *phase_noise_warnings(decode, config, sorted({t.name for t in results})),
@@ -245,8 +245,9 @@ def _first_divergent(results: list[TensorComparison], kept: FailingTokens, confi
 
 
 def _open(baseline: str | os.PathLike[str], target: str | os.PathLike[str],
-          config: CompareConfig) -> tuple[DumpReader, DumpReader, list[str]]:
-    """Both dumps' readers, refused when they cannot be compared; the model-identity notes."""
+          config: CompareConfig) -> tuple[DumpReader, DumpReader, list[str], CompareConfig]:
+    """Both dumps' readers, refused when they cannot be compared; the model-identity notes; ``config`` with the rows
+    its row noise covers in these dumps."""
     check_distinct(baseline, target)
     br, tr = DumpReader(baseline), DumpReader(target)
     if config.sequence_map:  # the target ran some of the baseline's prompts (comparator.hidden.subset)
@@ -258,7 +259,8 @@ def _open(baseline: str | os.PathLike[str], target: str | os.PathLike[str],
                            where=f"{tr.directory} vs baseline {br.directory}")
     if config.noise is not None:
         config.noise.check_baseline(br.manifest, f"the baseline {br.directory}")
-    return br, tr, [*notes, *([SUBSET_NOTE] if config.subset else [])]
+    return br, tr, [*notes, *([SUBSET_NOTE] if config.subset else [])], with_row_cover(config, br.manifest,
+                                                                                        tr.manifest)
 
 
 def _plan(bm: Manifest, tm: Manifest, br: HiddenReader, tr: HiddenReader, empty: list[str]) -> _Plan:
@@ -329,75 +331,6 @@ def _compare_all(plan: _Plan, views: list[ReplicaView], br: HiddenReader, tr: Hi
                                 r.sequence if r.sequence is not None else -1, r.forward_pass,
                                 r.replica_side is not None, r.replica_side or "", r.rank))
     return results, kept
-
-
-def _with_row_cover(config: CompareConfig, bm: Manifest, tm: Manifest) -> CompareConfig:
-    """``config`` with the rows its row noise covers here: per sequence, the leading positions whose token ids the
-    calibration, the baseline and the target share (:mod:`comparator.judging.row_noise`)."""
-    if config.noise is None or config.noise.rows is None:
-        return config
-    ids = [m.extra.get("input_ids") or [] for m in (bm, tm)]
-    return replace(config, row_cover=tuple(covered_prefix(config.noise.rows.prompts, *ids)))
-
-
-def _rows(t: TensorComparison) -> int:
-    """How many rows (per-token values) one comparison judged."""
-    return math.prod(t.shape[:-1]) if len(t.shape) > 1 else 1
-
-
-def _noise_notes(config: CompareConfig, results: list[TensorComparison]) -> tuple[str, ...]:
-    """Say which tensors a noise file did not cover (they were judged by the fixed thresholds), and how many rows
-    each rule judged where it has row noise."""
-    if config.noise is None:
-        return ()
-    results = [t for t in results if t.replica_side is None]  # a replica rank's comparison is not another tensor
-    missing = [t.name for t in results if t.noise_ratio is None]
-    out = []
-    if missing:
-        out.append(f"{len(missing)} of {len(results)} tensors have no calibrated noise (e.g. {missing[0]}): "
-                   f"fixed thresholds rel_diff <= {config.threshold:g}, per-token <= {config.token_threshold:g}")
-    if config.noise.rows is not None:
-        calibrated = [t for t in results if t.noise_ratio is not None]
-        own = sum(t.own_noise_rows or 0 for t in calibrated)
-        total = sum(_rows(t) for t in calibrated)
-        out.append(f"row noise: {own} of {total} rows judged against their own calibrated noise "
-                   f"(x{config.noise_factor:g}, at least the tensor's median row), {total - own} against the "
-                   "tensor's pooled noise (rows the calibration did not cover: other token ids, decode rows, "
-                   "tensors without row noise)")
-    return tuple(out)
-
-
-DTYPE_NOTE = ("fixed thresholds are dtype-blind: {dtype} rounding alone can exceed them on a trained model, and a "
-              "real bug can hide under them; judge by measured noise: python -m dumper run ... --calibrate (the "
-              "baseline keeps its noise), or python -m comparator calibrate BASELINE VARIANT... --out NOISE.json "
-              "and --noise NOISE.json")
-"""Said by a comparison of bfloat16 or float16 dumps judged without noise (docs/calibration.md)."""
-
-
-def _dtype_note(config: CompareConfig, bm: Manifest, tm: Manifest) -> tuple[str, ...]:
-    """:data:`DTYPE_NOTE` when either side holds bfloat16 or float16 rows and no noise judges them."""
-    if config.noise is not None:
-        return ()
-    low = sorted({r.dtype for m in (bm, tm) for r in m.tensors} & {"BF16", "F16"})
-    return (DTYPE_NOTE.format(dtype=" and ".join({"BF16": "bfloat16", "F16": "float16"}[d] for d in low)),) \
-        if low else ()
-
-
-def _replay_notes(manifest: Manifest) -> tuple[str, ...]:
-    """A replay dump (``python -m dumper replay``) holds each layer's own error one layer up: say so (and if forced)."""
-    replay = manifest.extra.get("replay")
-    if not isinstance(replay, dict):
-        return ()
-    forced = {"ids": "ids; weights by the target's router", "all": "ids and weights"}.get(replay.get("force_routing"))
-    what = ("split replay dump: layer k's attention and MLP outputs are each that half run on the baseline's own "
-            "input of it, so their rel_diff is the error that half introduces by itself, nothing inherited (the "
-            "inputs, only in the baseline, are expected)" if replay.get("split") else
-            "replay dump: the residual of layer k+1 is layer k run on the baseline's own input, so its "
-            "rel_diff is the error layer k introduces by itself, nothing inherited (tensors only in the "
-            "baseline, such as layer 0's residual and the input point, are expected)")
-    return (what,
-            *([f"replay with the baseline's expert choices forced ({forced}): no routing flips by construction; what "
-               "an MoE layer still adds is the same experts' math, not a different expert"] if forced else []))
 
 
 def _hidden(manifest: Manifest) -> tuple[Manifest, list[str]]:

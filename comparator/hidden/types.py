@@ -1,11 +1,9 @@
 """The hidden-state result types: frozen dataclasses whose JSON keys are a public contract.
 
 One JSON codec: every ``to_json`` has a ``from_json`` that reads it back equal (round trips in
-``tests/comparator/test_results.py``). Non-finite floats (a NaN/Inf mismatch makes rel_diff
-infinite) are written as ``null`` so the JSON stays standard, by the one rule of
-:mod:`comparator.jsonfloat`; ``passed`` is always explicit. A leaf of :mod:`comparator.hidden`:
-the comparison modules build these, :mod:`comparator.results` re-exports them, and the files
-are written by :mod:`comparator.reports.files` (the types carry no renderer).
+``tests/comparator/test_results.py``); non-finite floats are ``null`` (:mod:`comparator.jsonfloat`);
+``passed`` is always explicit. A leaf: the comparison modules build these, :mod:`comparator.results`
+re-exports them, :mod:`comparator.reports.files` writes them (the types carry no renderer).
 """
 
 from __future__ import annotations
@@ -75,7 +73,7 @@ class TensorComparison(BuiltinMetrics):
     noise_ratio: float | None = None
     """rel_diff as a multiple of its calibrated noise, ``max(noise, floor)`` (None: no noise file)."""
     token_noise_ratio: float | None = None
-    """Largest per-token rel_diff as a multiple of the calibrated per-token noise (of the row's phase)."""
+    """Largest per-token rel_diff as a multiple of its row's calibrated noise (row noise), else its phase's."""
     decode_token_threshold: float | None = None
     """The per-token threshold of the decode rows, where the noise measured them apart (``token_threshold``
     then judges the prompt rows); None: one per-token threshold for every row."""
@@ -86,8 +84,7 @@ class TensorComparison(BuiltinMetrics):
     point: str | None = None
     """The capture point (:mod:`dumper.format.points`: ``input``, ``attn_output``, ``mlp_output``...)."""
     own_noise_rows: int | None = None
-    """How many of its rows were judged against their own calibrated noise (row noise); the others by the
-    tensor's pooled noise. None: the noise file has no row noise for this tensor."""
+    """Rows judged against their own calibrated noise (the rest by the pooled noise); None: no row noise."""
 
     def __post_init__(self) -> None:
         clash = sorted(self.metrics.keys() & {f.name for f in fields(self)})

@@ -39,7 +39,7 @@ from comparator.judging.fields import REL_DIFF_MAX, bad, integer, items, number,
 from comparator.judging.identity import IDENTITY_FIELDS, REPORTED_FIELDS, IdentityDifference
 from comparator.judging.logprob_noise import LogprobNoise
 from comparator.judging.router_noise import RouterNoise, router_noise_from_json, router_noise_to_json
-from comparator.judging.row_noise import RowNoiseSet, RowsRef, rows_ref_from_json
+from comparator.judging.row_noise import RowNoiseSet, RowsRef
 
 __all__ = ["NOISE_FORMAT", "PhaseNoise", "TensorNoise", "NoiseModel"]
 
@@ -228,7 +228,7 @@ class NoiseModel:
                    model_mismatch=_mismatch_from_json(d.get("model_mismatch", []), set(variants), where),
                    router=router_noise_from_json(d.get("router", []), where), source=where,
                    sketch=_sketch_from_json(d.get("sketch"), where),
-                   rows_ref=None if "rows" not in d else rows_ref_from_json(d["rows"], where, set(tensors)))
+                   rows_ref=None if "rows" not in d else RowsRef.from_json(d["rows"], where, set(tensors)))
 
 
 def _sketch_from_json(v: Any, where: str) -> SketchSpec | None:

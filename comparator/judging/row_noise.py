@@ -44,7 +44,7 @@ from dumper.format.files import is_plain_name, show
 from comparator.judging.fields import REL_DIFF_MAX, bad, integer, items, record, text
 
 __all__ = ["ROWS_SUFFIX", "FLOOR_QUANTILE", "RowNoise", "RowNoiseSet", "RowKeys", "row_keys", "rows_to_bytes",
-           "rows_from_bytes", "rows_ref_from_json", "RowsRef", "covered_prefix"]
+           "rows_from_bytes", "RowsRef", "covered_prefix"]
 
 ROWS_SUFFIX: Final = ".rows.safetensors"
 """The side file of ``NOISE.json`` is ``NOISE.rows.safetensors``."""
@@ -130,26 +130,26 @@ class RowsRef:
     def to_json(self) -> dict[str, Any]:
         return {"file": self.file, "sha256": self.sha256, "tensors": [[n, k] for n, k in self.tensors.items()]}
 
-
-def rows_ref_from_json(v: Any, where: str, names: set[str]) -> RowsRef:
-    """NOISE.json's ``rows`` entry, exact types; every tensor it lists is one of the file's ``names``."""
-    d = record(v, where, "rows", _REF_KEYS)
-    name = text(d["file"], where, "rows.file")
-    if not is_plain_name(name) or not name.endswith(ROWS_SUFFIX):
-        raise bad(where, "rows.file", f"a plain file name ending in {ROWS_SUFFIX} (beside the noise file)", name)
-    digest = text(d["sha256"], where, "rows.sha256")
-    if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
-        raise bad(where, "rows.sha256", "64 lowercase hex digits", digest)
-    tensors: dict[str, int] = {}
-    for i, e in enumerate(items(d["tensors"], where, "rows.tensors")):
-        pair = items(e, where, f"rows.tensors[{i}]", length=None)
-        if len(pair) != 2:
-            raise bad(where, f"rows.tensors[{i}]", "[tensor name, row table]", e)
-        n = text(pair[0], where, f"rows.tensors[{i}][0]", name=True)
-        if n not in names or n in tensors:
-            raise bad(where, f"rows.tensors[{i}][0]", "a tensor of the file's tensors, listed once", n)
-        tensors[n] = integer(pair[1], where, f"rows.tensors[{i}][1]")
-    return RowsRef(name, digest, tensors)
+    @classmethod
+    def from_json(cls, v: Any, where: str, names: set[str]) -> RowsRef:
+        """NOISE.json's ``rows`` entry, exact types; every tensor it lists is one of the file's ``names``."""
+        d = record(v, where, "rows", _REF_KEYS)
+        name = text(d["file"], where, "rows.file")
+        if not is_plain_name(name) or not name.endswith(ROWS_SUFFIX):
+            raise bad(where, "rows.file", f"a plain file name ending in {ROWS_SUFFIX} (beside the noise file)", name)
+        digest = text(d["sha256"], where, "rows.sha256")
+        if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+            raise bad(where, "rows.sha256", "64 lowercase hex digits", digest)
+        tensors: dict[str, int] = {}
+        for i, e in enumerate(items(d["tensors"], where, "rows.tensors")):
+            pair = items(e, where, f"rows.tensors[{i}]", length=None)
+            if len(pair) != 2:
+                raise bad(where, f"rows.tensors[{i}]", "[tensor name, row table]", e)
+            n = text(pair[0], where, f"rows.tensors[{i}][0]", name=True)
+            if n not in names or n in tensors:
+                raise bad(where, f"rows.tensors[{i}][0]", "a tensor of the file's tensors, listed once", n)
+            tensors[n] = integer(pair[1], where, f"rows.tensors[{i}][1]")
+        return cls(name, digest, tensors)
 
 
 @dataclass(frozen=True, eq=False)

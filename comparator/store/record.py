@@ -194,6 +194,22 @@ class StoredNoise:
         data = noise_bytes(noise)
         return cls(noise, data, Calibration.of(data, variants=len(noise.variants), measured_on=measured_on), rows)
 
+    def write(self, backend: Any, folder: str) -> None:
+        """Write the side file (if any), then the ``noise.json`` that names it, into ``folder`` of ``backend``."""
+        if self.rows_data is not None:
+            backend.write_bytes(f"{folder}/{ROWS_NAME}", self.rows_data)
+        backend.write_bytes(f"{folder}/noise.json", self.data)
+
+    @classmethod
+    def read(cls, backend: Any, folder: str, calibration: Calibration, where: Callable[[str], str]) -> StoredNoise:
+        """The noise stored in ``folder`` of ``backend`` (``where(name)``: a file's place, for messages), as
+        :meth:`parse` checks it."""
+        from comparator.noise.file import MAX_NOISE_BYTES, MAX_ROWS_BYTES
+
+        raw = backend.read_bytes(f"{folder}/noise.json", max_bytes=MAX_NOISE_BYTES)
+        return cls.parse(raw, calibration, where("noise.json"),
+                         lambda name: (backend.read_bytes(f"{folder}/{name}", max_bytes=MAX_ROWS_BYTES), where(name)))
+
     @classmethod
     def parse(cls, raw: bytes | None, calibration: Calibration, where: str,
               read_rows: Callable[[str], tuple[bytes | None, str]] | None = None) -> StoredNoise:

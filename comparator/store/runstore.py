@@ -35,10 +35,9 @@ from dumper.format.files import parse_json, printable
 from dumper.format.validate import MAX_MANIFEST_BYTES
 
 from comparator.judging.noise import NoiseModel
-from comparator.noise.file import MAX_NOISE_BYTES, MAX_ROWS_BYTES
 from comparator.store.backend import Backend, EntryKind, ReadResult, open_backend, plain_name
 from comparator.store.errors import CorruptRunError, StoreError
-from comparator.store.record import ROWS_NAME, RunEntry, RunRecord, StoredNoise, signature_key
+from comparator.store.record import RunEntry, RunRecord, StoredNoise, signature_key
 from comparator.store.runid import is_run_id, new_run_id
 from comparator.store.select import current_baselines
 from comparator.store.labels import LABELS, Label
@@ -225,9 +224,7 @@ class RunStore:
                 self.backend.write_bytes(f"{staging}/{REPORT_JSON}",
                                          json.dumps(report, indent=1, allow_nan=False).encode())
             if stored is not None:
-                if stored.rows_data is not None:  # the side file before the noise.json that names it
-                    self.backend.write_bytes(f"{staging}/{ROWS_NAME}", stored.rows_data)
-                self.backend.write_bytes(f"{staging}/{NOISE_JSON}", stored.data)
+                stored.write(self.backend, staging)
             self.backend.write_bytes(f"{staging}/{RUN_JSON}", record.dumps())
             self.backend.write_bytes(f"{staging}/{COMPLETE}", f"{run_id}\n".encode())
             self.backend.publish(staging, f"{RUNS}/{run_id}")
@@ -249,9 +246,7 @@ class RunStore:
         if noise is not None:
             stored = StoredNoise.measured(noise, new.run_id)
             new = replace(new, calibration=stored.calibration)
-            if stored.rows_data is not None:
-                self.backend.write_bytes(f"{RUNS}/{new.run_id}/{ROWS_NAME}", stored.rows_data)
-            self.backend.write_bytes(f"{RUNS}/{new.run_id}/{NOISE_JSON}", stored.data)
+            stored.write(self.backend, f"{RUNS}/{new.run_id}")
         self.backend.write_bytes(f"{RUNS}/{new.run_id}/{RUN_JSON}", new.dumps())  # a crash before: old record holds
         return new
 
@@ -263,13 +258,8 @@ class RunStore:
         if record.calibration is None:
             return None
         try:
-            raw = self.backend.read_bytes(f"{RUNS}/{record.run_id}/{NOISE_JSON}", max_bytes=MAX_NOISE_BYTES)
-
-            def rows(name: str) -> tuple[bytes | None, str]:
-                return (self.backend.read_bytes(f"{RUNS}/{record.run_id}/{name}", max_bytes=MAX_ROWS_BYTES),
-                        self.where(record.run_id, name))
-
-            return StoredNoise.parse(raw, record.calibration, self.where(record.run_id, NOISE_JSON), rows)
+            return StoredNoise.read(self.backend, f"{RUNS}/{record.run_id}", record.calibration,
+                                    lambda name: self.where(record.run_id, name))
         except StoreError as e:
             raise StoreError(f"{e}; recalibrate it: python -m comparator store promote {self.url} "
                              f"{record.run_id} --calibrate VARIANT [VARIANT ...]") from None

@@ -12,9 +12,9 @@ from typing import Any
 from dumper.cli.common import Parser, guarded_main
 from dumper.cli.common import split_debug
 from dumper.cli.collect import add_collect, cmd_collect
+from dumper.cli.run import add_run, cmd_run
 from dumper.cli.sweep import add_sweep, cmd_sweep
-from dumper.cli.values import check_device, engine_args, seed_value, sketch_spec
-from dumper.engines import ENGINES
+from dumper.cli.values import check_device, seed_value
 from dumper.errors import EXIT_DIVERGED, EXIT_OK, UsageError
 from dumper.format import load_manifest
 from dumper.format.describe import describe_lines
@@ -63,70 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     accepts exactly the command lines :func:`main` runs."""
     p = _DumperParser(prog="python -m dumper", description="Capture hidden states of a model into a dump directory.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
-    for add in (_add_run, _add_selfcheck, _add_replay, add_sweep, add_collect, _add_ls):
+    for add in (add_run, _add_selfcheck, _add_replay, add_sweep, add_collect, _add_ls):
         add(sub)
     return p
-
-
-def _add_run(sub: argparse._SubParsersAction) -> None:
-    """``run``: the flags of :class:`dumper.jobs.run.RunConfig`."""
-    r = sub.add_parser("run", help="teacher-forced prefill of prompts with capture on")
-    r.add_argument("--model", default="tiny-llama",
-                   help="local HF model directory or preset (tiny-llama, tiny-qwen2); a .gguf file for llama.cpp, "
-                        "an ONNX Runtime GenAI model directory for onnxruntime-genai")
-    r.add_argument("--engine", default="transformers", choices=list(ENGINES),
-                   help="inference engine that runs the job (default transformers, in this process)")
-    r.add_argument("--engine-arg", action="append", default=None, metavar="KEY=VALUE",
-                   help="engine-specific setting (repeatable); see each engine's section in docs/engines.md")
-    r.add_argument("--out", required=True, help="dump directory to create")
-    src = r.add_mutually_exclusive_group()
-    src.add_argument("--prompt", action="append", default=None, help="prompt text (repeatable)")
-    src.add_argument("--prompts", metavar="FILE.jsonl", help='JSONL: {"text": ...} or {"input_ids": [...]} per line')
-    src.add_argument("--input-ids", action="append", default=None, help="comma-separated token ids (repeatable)")
-    r.add_argument("--dtype", default="float32", choices=list(MODEL_DTYPES))
-    r.add_argument("--attn", default="eager", choices=["eager", "sdpa"], help="attention implementation")
-    r.add_argument("--layers", default=None,
-                   help="layer spec: all, first, last, every:N, 3, -1, 2..5, -3..-1 (default first,last,every:8)")
-    r.add_argument("--modules", default=None, help="fnmatch pattern of modules to hook instead of self-attention")
-    r.add_argument("--points", default="input",
-                   help="capture points, comma-separated: input (self-attention input, after the layer's norm; "
-                        "default), residual (decoder layer input, before its norm, and the final norm's input), "
-                        "attn_output (what attention adds, before the residual add), mlp_input (after the "
-                        "post-attention norm), mlp_output (what the MLP or MoE block adds), "
-                        "router (MoE layers' gate logits, chosen experts and their weights)")
-    r.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
-    r.add_argument("--seed", type=seed_value, default=0, help="seed for preset weights (default 0)")
-    r.add_argument("--chunk-size", type=int, default=None,
-                   help="prefill in chunks of N tokens through the KV cache (one forward pass per chunk)")
-    r.add_argument("--batch-size", type=int, default=1, help="prompts per forward pass, padded (default 1)")
-    r.add_argument("--padding-side", default="right", choices=["right", "left"], help="where batches are padded")
-    r.add_argument("--new-tokens", type=int, default=0, metavar="N",
-                   help="after each prompt pass, greedy-decode N tokens (temperature 0, no stop at EOS) and record "
-                        "every decode step's rows at their positions (docs/decode.md; transformers, vllm, llama.cpp)")
-    r.add_argument("--tokens-from", metavar="DUMP", default=None,
-                   help="the prefill counterpart of a --new-tokens dump: each of its prompts plus the tokens its "
-                        "decode fed back, so the two dumps hold the same positions (any engine)")
-    r.add_argument("--logprobs", action="store_true", help="also record input-token logprobs")
-    r.add_argument("--top-k", type=int, default=0, help="with --logprobs: record the top-K logprobs per position")
-    r.add_argument("--logprob-start-len", type=int, default=0,
-                   help="with --logprobs: first input position to return (SGLang's logprob_start_len)")
-    r.add_argument("--save-logits", action="store_true", help="with --logprobs: also dump the full logits rows")
-    r.add_argument("--compile", action="store_true",
-                   help="transformers: run the model under torch.compile, captured through driftscope's tap")
-    r.add_argument("--sketch", type=int, default=None, metavar="K",
-                   help="store each hidden-state row as a K-dim seeded random projection plus its exact squared norm "
-                        "instead of whole (K/hidden of the bytes; per-token rel_diff estimated within ~sqrt(2/K))")
-    r.add_argument("--sketch-seed", type=int, default=None, help="with --sketch: the projection's seed (default 0); "
-                   "sketches compare only with the same --sketch and --sketch-seed")
-    r.add_argument("--calibrate", action="store_true",
-                   help="also re-run the prompts as the engine's benign variants (transformers: the other attention "
-                        "kernel, a chunked prefill, a padded batch) and store the baseline's noise in OUT/NOISE.json: "
-                        "python -m comparator OUT TARGET then judges by it (docs/calibration.md)")
-    r.add_argument("--observer-check", action="store_true",
-                   help="with --logprobs (transformers, vllm): run the job again with nothing of driftscope on the "
-                        "model and check that its logprobs (and --save-logits rows) are bit-identical to the dump's; "
-                        "prints one line, records extra.observer in the manifest, exits 1 when capture changed them")
-    r.add_argument("--quiet", action="store_true", help="no progress bar and no summary line")
 
 
 def _add_selfcheck(sub: argparse._SubParsersAction) -> None:
@@ -185,82 +124,6 @@ def _add_ls(sub: argparse._SubParsersAction) -> None:
     ls = sub.add_parser("ls", help="show what a dump holds")
     ls.add_argument("dir", help="dump directory")
     ls.add_argument("--tensors", action="store_true", help="list every tensor")
-
-
-def _cmd_run(args: argparse.Namespace) -> int:
-    from dumper.format.remote import writing
-    from dumper.jobs.observer import OBSERVER_KEY, ObserverResult
-    from dumper.jobs.run import LogprobSpec, parse_input_ids, read_prompts_file
-
-    prompts: tuple[str, ...] = tuple(args.prompt or ())
-    ids = parse_input_ids(args.input_ids or ())
-    if args.prompts:
-        texts, file_ids = read_prompts_file(args.prompts)
-        prompts, ids = tuple(texts), tuple(tuple(s) for s in file_ids)
-    check_device(args.device)
-    if (args.top_k or args.logprob_start_len or args.save_logits) and not args.logprobs:
-        raise UsageError("--top-k, --logprob-start-len and --save-logits need --logprobs")
-    if args.top_k < 0 or args.logprob_start_len < 0:
-        raise UsageError("--top-k and --logprob-start-len must be >= 0")
-    spec = LogprobSpec(top_k=args.top_k, start_len=args.logprob_start_len, save_logits=args.save_logits) \
-        if args.logprobs else None
-    if args.calibrate:
-        if args.observer_check:
-            raise UsageError("--calibrate and --observer-check: run the observer check on its own")
-        from comparator import BASELINE_NOISE
-        from dumper.jobs.calibrated import record_calibrated
-
-        manifest, noise = record_calibrated(_run_config(args, prompts, ids, spec, args.out),
-                                            lambda cfg: _run_job(args, cfg),
-                                            say=(lambda _: None) if args.quiet else print)
-    else:
-        with writing(args.out) as out:  # a URL: made in a local staging directory, uploaded manifest last
-            manifest = _run_dump(args, prompts, ids, spec, out)
-    layers = manifest.capture_signature.get("layers", [])
-    if not args.quiet:
-        print(f"wrote {args.out}: {len(manifest.tensors)} tensors, layers {layers}, "
-              f"{len({t.forward_pass for t in manifest.tensors})} forward passes")
-        if args.calibrate:
-            print(f"calibrated from {len(noise.variants)} benign variants: {args.out}/{BASELINE_NOISE} (python -m "
-                  f"comparator {args.out} TARGET judges by it)")
-    if not args.observer_check:
-        return EXIT_OK
-    observed = ObserverResult.from_json(manifest.extra[OBSERVER_KEY])
-    print(observed.summary())  # the verdict asked for: printed with --quiet too
-    return EXIT_OK if observed else EXIT_DIVERGED
-
-
-def _run_dump(args: argparse.Namespace, prompts: tuple[str, ...], ids: Any, spec: Any, out: str) -> Any:
-    """Dump as ``args`` says into ``out`` (a local directory); its manifest."""
-    return _run_job(args, _run_config(args, prompts, ids, spec, out))
-
-
-def _run_job(args: argparse.Namespace, cfg: Any) -> Any:
-    """Run the job ``cfg`` through its engine, with a progress bar unless ``--quiet``; its manifest."""
-    from dumper.engines import run_engine
-    from dumper.progress import progress_bar
-
-    with progress_bar(not args.quiet, "dumping", unit="tokens") as progress:
-        return run_engine(cfg, engine=args.engine, progress=progress)
-
-
-def _run_config(args: argparse.Namespace, prompts: tuple[str, ...], ids: Any, spec: Any, out: str) -> Any:
-    """The job ``args`` describe, writing into ``out``."""
-    from dumper.hooks.layers import parse_points
-    from dumper.jobs.run import RunConfig
-
-    cfg = RunConfig(out=out, model=args.model, prompts=prompts, input_ids=ids, dtype=args.dtype,
-                    attn=args.attn, layers=args.layers, modules=args.modules, points=parse_points(args.points),
-                    device=args.device, seed=args.seed,
-                    chunk_size=args.chunk_size, batch_size=args.batch_size, padding_side=args.padding_side,
-                    logprobs=spec, engine=args.engine, engine_args=engine_args(args.engine_arg or ()),
-                    compile=args.compile, observer_check=args.observer_check,
-                    sketch=sketch_spec(args.sketch, args.sketch_seed), new_tokens=args.new_tokens)
-    if args.tokens_from is not None:
-        from dumper.jobs.run import tokens_from
-
-        cfg = tokens_from(cfg, args.tokens_from)
-    return cfg
 
 
 def _cmd_replay(args: argparse.Namespace) -> int:
@@ -386,7 +249,7 @@ def _cmd_ls(args: argparse.Namespace) -> int:
 def run(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(join_dash_values(sys.argv[1:] if argv is None else argv))
     if args.command == "run":
-        return _cmd_run(args)
+        return cmd_run(args)
     if args.command == "selfcheck":
         return _cmd_selfcheck(args)
     if args.command == "replay":

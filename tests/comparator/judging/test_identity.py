@@ -10,7 +10,7 @@ import pytest
 
 from comparator import CompareConfig, compare_dumps, regress
 from comparator.cli.main import main as comparator_main
-from comparator.hidden.compare import DTYPE_NOTE
+from comparator.hidden.notes import DTYPE_NOTE
 from comparator.judging.identity import IDENTITY_FIELDS, identity_differences
 from comparator.store import RunStore
 from dumper.errors import EXIT_DIVERGED, EXIT_OK, EXIT_UNUSABLE, ModelMismatchError, NotComparableError, UsageError
