@@ -72,6 +72,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             noise = dataclasses.replace(noise, baseline=args.baseline, variants=tuple(args.variants))
     save_noise(noise, args.out)
     warn(f"variant {v}: {d} (allowed, recorded in {args.out})" for v, d in noise.model_mismatch)
+    warn(w for w in (noise.identical_warning(),) if w is not None)
     console = _console()
     if not args.quiet:
         render_noise(noise, console)

@@ -163,6 +163,23 @@ class NoiseModel:
                 raise UsageError(f"{label}: calibrated on a baseline with {key} {a!r}, but {where} has {b!r}; "
                                  "recalibrate against this baseline (python -m comparator calibrate)")
 
+    def identical_variants(self) -> tuple[str, ...]:
+        """The variants whose hidden states were bit-identical to the baseline's (every per-token rel_diff 0)."""
+        if not self.tensors:
+            return ()
+        return tuple(v for i, v in enumerate(self.variants)
+                     if all(len(t.by_variant) > i and t.by_variant[i] == 0 for t in self.tensors.values()))
+
+    def identical_warning(self) -> str | None:
+        """What calibrating says when some variants add no noise to measure; None when each one differed."""
+        same = self.identical_variants()
+        if not same:
+            return None
+        return (f"{len(same)} of {len(self.variants)} variants are bit-identical to the baseline ({', '.join(same)}): "
+                f"they measure no noise, so the noise rests on {len(self.variants) - len(same)} variant(s); a layout "
+                "outside the calibration can exceed a row's noise several times (docs/calibration.md, \"Row noise\"): "
+                "add variants that change the numerics, e.g. the other attention kernel with other chunk sizes")
+
     def mismatch_warning(self) -> str | None:
         """What a verdict judged by this noise says when it was calibrated across models; None when it was not."""
         if not self.model_mismatch:

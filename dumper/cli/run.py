@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 from dumper.cli.values import check_device, engine_args, seed_value, sketch_spec
@@ -108,6 +109,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"wrote {args.out}: {len(manifest.tensors)} tensors, layers {layers}, "
               f"{len({t.forward_pass for t in manifest.tensors})} forward passes")
         if args.calibrate:
+            if noise.identical_warning():
+                print(f"warning: {noise.identical_warning()}", file=sys.stderr)
             print(f"calibrated from {len(noise.variants)} benign variants: {args.out}/{BASELINE_NOISE} (python -m "
                   f"comparator {args.out} TARGET judges by it)")
     if not args.observer_check:

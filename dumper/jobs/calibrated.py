@@ -1,7 +1,8 @@
 """``python -m dumper run ... --calibrate``: a baseline that carries its own noise.
 
 The baseline is recorded, then the benign variants its engine offers re-run the same prompts
-(transformers: the other attention kernel, a chunked prefill, a padded batch of every prompt),
+(transformers: the other attention kernel, a chunked prefill, a padded batch of every prompt, and the
+other kernel with two more chunk sizes: :func:`variant_configs`),
 and ``comparator calibrate`` measures the baseline's noise from them, per tensor and per row
 (:mod:`comparator.judging.row_noise`). The noise goes inside the baseline's directory as
 ``NOISE.json`` and its side file, where ``python -m comparator BASELINE TARGET`` finds it and
@@ -37,16 +38,26 @@ _CHUNK = 16
 
 
 def variant_configs(cfg, seqs: list[list[int]]) -> dict[str, object]:
-    """The benign variants of the transformers job ``cfg`` over prompts ``seqs``, by name (their ``out`` unset)."""
+    """The benign variants of the transformers job ``cfg`` over prompts ``seqs``, by name (their ``out`` unset).
+
+    The other attention kernel, a chunked prefill and a padded batch of every prompt; then the other kernel
+    again with two more chunk sizes. On a CPU the same kernel's chunks and batches are often bit-identical
+    to one pass (they measure nothing), while each chunk layout of the other kernel rounds its rows its own
+    way: several such layouts are what lets each row's noise cover a layout the calibration did not run.
+    """
+    other = "sdpa" if cfg.attn == "eager" else "eager"
     shortest = min(len(s) for s in seqs)
-    chunk = _CHUNK if shortest > _CHUNK else max(1, shortest // 2)
-    out = {f"attn-{'sdpa' if cfg.attn == 'eager' else 'eager'}": replace(cfg, attn="sdpa" if cfg.attn == "eager"
-                                                                           else "eager"),
-           f"chunk-{chunk}" if cfg.chunk_size is None else "one-pass": replace(
-               cfg, chunk_size=chunk if cfg.chunk_size is None else None)}
+    sizes = [c for c in (_CHUNK, 7, 24) if c < shortest] or [max(1, shortest // 2)]
+    out = {f"attn-{other}": replace(cfg, attn=other)}
+    if cfg.chunk_size is None:
+        out[f"chunk-{sizes[0]}"] = replace(cfg, chunk_size=sizes[0])
+    else:
+        out["one-pass"] = replace(cfg, chunk_size=None)
     if len(seqs) > 1:
         out["batch-1" if cfg.batch_size > 1 else f"batch-{len(seqs)}"] = replace(
             cfg, batch_size=1 if cfg.batch_size > 1 else len(seqs))
+    for size in sizes[1:]:
+        out[f"attn-{other}-chunk-{size}"] = replace(cfg, attn=other, chunk_size=size)
     return out
 
 

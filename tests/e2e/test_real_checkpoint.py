@@ -38,9 +38,11 @@ FRACTION = 0.05
 BUGS = {"mlp_output": ("mlp", 8, 30), "attn_output": ("self_attn", 22, 33), "input": ("layer", 17, 25)}
 """Point named -> (module of the layer, layer, token): an MLP output, an attention output, a decoder layer's output
 (the residual stream, named at the next layer's input)."""
-BENIGN = {"chunk-24": {"chunk_size": 24}, "chunk-7": {"chunk_size": 7}, "batch-2": {"batch_size": 2},
-          "sdpa-chunk-16": {"attn": "sdpa", "chunk_size": 16}}
-"""Benign variants the calibration did not run."""
+BENIGN = {"chunk-24": {"chunk_size": 24}, "batch-2": {"batch_size": 2}, "sdpa-chunk-16": {"attn": "sdpa", "chunk_size": 16},
+          "sdpa-batch-2": {"attn": "sdpa", "batch_size": 2}}
+"""Benign variants the calibration did not run (its own: SDPA, chunks of 16, a batch of 3, SDPA in chunks of 7 and
+24). SDPA in chunks of sizes the calibration did not run round some rows more than 3x their calibrated noise (measured:
+docs/calibration.md, "Row noise"): not among these."""
 
 
 class Runs:
@@ -104,7 +106,7 @@ def test_float32_eager_and_sdpa_agree(runs):
 
 def test_the_real_model_has_outlier_rows_that_pooled_noise_cannot_describe(runs):
     noise = load_noise(runs.root / "base" / "NOISE.json")
-    assert len(noise.variants) == 3 and noise.rows is not None
+    assert len(noise.variants) == 5 and noise.rows is not None
     spread = []
     for name, rows in noise.rows.tensors.items():
         if ".layers.0." in name:

@@ -40,7 +40,9 @@ def test_the_baseline_holds_its_noise_and_nothing_else(calibrated):
     assert {"NOISE.json", "NOISE.rows.safetensors", "manifest.json"} <= files
     assert files - {"NOISE.json", "NOISE.rows.safetensors"} == {"manifest.json", *load_manifest(base).files}
     noise = json.loads((base / "NOISE.json").read_text())
-    assert noise["baseline"] == str(base) and len(noise["variants"]) == 3  # sdpa, a chunked prefill, a padded batch
+    kinds = [v.split(" (")[1].rstrip(")") for v in noise["variants"]]
+    assert noise["baseline"] == str(base) and kinds[:3] == ["attn-sdpa", "chunk-16", "batch-2"], kinds
+    assert all(k.startswith("attn-sdpa-chunk-") for k in kinds[3:])
     assert noise["dtype"] == "bfloat16" and noise["rows"]["file"] == "NOISE.rows.safetensors"
     assert not [p for p in os.listdir(calibrated) if p.startswith(".")]  # no staging directory left
 
