@@ -36,6 +36,7 @@ HEAVY: tuple[str, ...] = (
     "tests/dumper/format/test_remote_s3.py",
     "tests/dumper/hooks/test_tap.py",
     "tests/dumper/engines/test_engine_llama_cpp.py",
+    "tests/e2e/test_real_checkpoint.py",
 )
 """Work units to deal first, longest first (the engine-start report and ``--durations`` say which)."""
 

@@ -30,6 +30,7 @@ from comparator.cli.args import (compare_config, logprob_threshold_flags, logpro
 from comparator.cli.args import stdout_console as _console
 from comparator.cli.args import write_output as _write
 from comparator.judging.logprob_metrics import metric_names
+from comparator.judging.noise_thresholds import DEFAULT_FACTOR
 from comparator.noise.file import BASELINE_NOISE
 from comparator.reports.outputs import add_output_flags
 from comparator.cli.parser import CommandParser, add_command
@@ -72,7 +73,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             noise = dataclasses.replace(noise, baseline=args.baseline, variants=tuple(args.variants))
     save_noise(noise, args.out)
     warn(f"variant {v}: {d} (allowed, recorded in {args.out})" for v, d in noise.model_mismatch)
-    warn(w for w in (noise.identical_warning(),) if w is not None)
+    warn(w for w in (noise.identical_warning(), noise.holdout_warning(DEFAULT_FACTOR)) if w is not None)
     console = _console()
     if not args.quiet:
         render_noise(noise, console)

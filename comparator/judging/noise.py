@@ -180,6 +180,17 @@ class NoiseModel:
                 "outside the calibration can exceed a row's noise several times (docs/calibration.md, \"Row noise\"): "
                 "add variants that change the numerics, e.g. the other attention kernel with other chunk sizes")
 
+    def holdout_warning(self, factor: float) -> str | None:
+        """What calibrating says when a variant held out of the others exceeds ``factor`` x their row noise (a layout
+        outside the calibration can then fail by row noise); None when none does, or none could be held out."""
+        held = self.rows.holdout if self.rows is not None else None
+        if held is None or held.ratio <= factor:
+            return None
+        return (f"variant {self.variants[held.variant]}, held out of the others, reaches {held.ratio:.3g}x their row "
+                f"noise ({held.tensor}, sequence {held.sequence}, position {held.position}), over the factor "
+                f"{factor:g}: a layout outside the calibration can fail by row noise; calibrate with the layouts your "
+                "candidates run (docs/calibration.md, \"Row noise\")")
+
     def mismatch_warning(self) -> str | None:
         """What a verdict judged by this noise says when it was calibrated across models; None when it was not."""
         if not self.model_mismatch:
@@ -245,7 +256,7 @@ class NoiseModel:
                    model_mismatch=_mismatch_from_json(d.get("model_mismatch", []), set(variants), where),
                    router=router_noise_from_json(d.get("router", []), where), source=where,
                    sketch=_sketch_from_json(d.get("sketch"), where),
-                   rows_ref=None if "rows" not in d else RowsRef.from_json(d["rows"], where, set(tensors)))
+                   rows_ref=None if "rows" not in d else RowsRef.from_json(d["rows"], where, set(tensors), len(variants)))
 
 
 def _sketch_from_json(v: Any, where: str) -> SketchSpec | None:

@@ -43,7 +43,8 @@ from dumper.format.files import is_plain_name, show
 
 from comparator.judging.fields import REL_DIFF_MAX, bad, integer, items, record, text
 
-__all__ = ["ROWS_SUFFIX", "FLOOR_QUANTILE", "RowNoise", "RowNoiseSet", "RowKeys", "row_keys", "rows_to_bytes",
+__all__ = ["ROWS_SUFFIX", "FLOOR_QUANTILE", "Holdout", "holdout", "RowNoise", "RowNoiseSet", "RowKeys", "row_keys",
+           "rows_to_bytes",
            "rows_from_bytes", "RowsRef", "covered_prefix"]
 
 ROWS_SUFFIX: Final = ".rows.safetensors"
@@ -51,6 +52,67 @@ ROWS_SUFFIX: Final = ".rows.safetensors"
 FLOOR_QUANTILE: Final = 0.5
 """A covered row's noise is at least this quantile (the median) of its tensor's row noise (the module doc)."""
 _REF_KEYS = ("file", "sha256", "tensors")
+_HOLDOUT_KEYS = ("ratio", "tensor", "sequence", "position", "variant")
+
+
+@dataclass(frozen=True)
+class Holdout:
+    """The calibration's own test of its row noise: each variant held out against the row noise of the others.
+
+    ``ratio`` is the largest held-out row's per-token rel_diff over ``max(the others' noise of that row, the
+    tensor's row floor)``, at ``tensor``, ``sequence``, ``position``, of the variant with index ``variant``. Over
+    the noise factor, a layout outside the calibration can fail by row noise (docs/calibration.md, "Row noise").
+    Only variants that differ from the baseline are held out, and only with another such variant."""
+
+    ratio: float
+    tensor: str
+    sequence: int
+    position: int
+    variant: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"ratio": self.ratio, "tensor": self.tensor, "sequence": self.sequence, "position": self.position,
+                "variant": self.variant}
+
+    @classmethod
+    def from_json(cls, v: Any, where: str, names: set[str], variants: int) -> Holdout:
+        d = record(v, where, "rows.holdout", _HOLDOUT_KEYS)
+        tensor = text(d["tensor"], where, "rows.holdout.tensor", name=True)
+        if tensor not in names:
+            raise bad(where, "rows.holdout.tensor", "a tensor of the file's tensors", tensor)
+        variant = integer(d["variant"], where, "rows.holdout.variant")
+        if variant >= variants:
+            raise bad(where, "rows.holdout.variant", f"a variant index below {variants}", variant)
+        from comparator.judging.fields import number
+
+        return cls(number(d["ratio"], where, "rows.holdout.ratio"), tensor,
+                   integer(d["sequence"], where, "rows.holdout.sequence"),
+                   integer(d["position"], where, "rows.holdout.position"), variant)
+
+
+def holdout(parts: Mapping[str, Sequence[tuple[np.ndarray, np.ndarray, int]]]) -> Holdout | None:
+    """:class:`Holdout` from each tensor's (packed keys, values, variant index) parts; None without two variants
+    that differ from the baseline."""
+    best: Holdout | None = None
+    for name, chunks in parts.items():
+        differ = [(k, v, i) for k, v, i in chunks if v.any()]  # a bit-identical variant measures nothing
+        variants = sorted({i for _, _, i in differ})
+        if len(variants) < 2:
+            continue
+        keys = np.unique(np.concatenate([k for k, _, _ in differ]))
+        table = np.zeros((len(variants), keys.size))  # each variant's value of each row (0: not there)
+        for k, v, i in differ:
+            np.maximum.at(table[variants.index(i)], np.searchsorted(keys, k), v)
+        for j, held in enumerate(variants):
+            others = np.delete(table, j, axis=0).max(axis=0)
+            ref = np.maximum(others, float(np.quantile(others, FLOOR_QUANTILE)))
+            with np.errstate(divide="ignore", invalid="ignore"):
+                ratio = np.where(ref > 0, table[j] / ref, np.where(table[j] == 0, 0.0, np.inf))
+            r = int(np.argmax(ratio))
+            if best is None or ratio[r] > best.ratio:
+                key = int(keys[r])
+                best = Holdout(float(min(ratio[r], 1e300)), name, key >> 32, key & 0xFFFFFFFF, held)
+    return best
 
 RowKeys = tuple[np.ndarray, np.ndarray]
 """Each row's (sequence ids, positions), int64."""
@@ -126,14 +188,16 @@ class RowsRef:
     file: str
     sha256: str
     tensors: Mapping[str, int]
+    holdout: Holdout | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"file": self.file, "sha256": self.sha256, "tensors": [[n, k] for n, k in self.tensors.items()]}
+        return {"file": self.file, "sha256": self.sha256, "tensors": [[n, k] for n, k in self.tensors.items()],
+                **({"holdout": self.holdout.to_json()} if self.holdout is not None else {})}
 
     @classmethod
-    def from_json(cls, v: Any, where: str, names: set[str]) -> RowsRef:
+    def from_json(cls, v: Any, where: str, names: set[str], variants: int) -> RowsRef:
         """NOISE.json's ``rows`` entry, exact types; every tensor it lists is one of the file's ``names``."""
-        d = record(v, where, "rows", _REF_KEYS)
+        d = record(v, where, "rows", _REF_KEYS, ("holdout",))
         name = text(d["file"], where, "rows.file")
         if not is_plain_name(name) or not name.endswith(ROWS_SUFFIX):
             raise bad(where, "rows.file", f"a plain file name ending in {ROWS_SUFFIX} (beside the noise file)", name)
@@ -149,7 +213,8 @@ class RowsRef:
             if n not in names or n in tensors:
                 raise bad(where, f"rows.tensors[{i}][0]", "a tensor of the file's tensors, listed once", n)
             tensors[n] = integer(pair[1], where, f"rows.tensors[{i}][1]")
-        return cls(name, digest, tensors)
+        held = None if "holdout" not in d else Holdout.from_json(d["holdout"], where, names, variants)
+        return cls(name, digest, tensors, held)
 
 
 @dataclass(frozen=True, eq=False)
@@ -160,6 +225,8 @@ class RowNoiseSet:
     tensors: Mapping[str, RowNoise]
     tables: Mapping[str, int] = field(default_factory=dict)
     """Which row table of the side file each tensor's rows are (tensors with the same rows share one)."""
+    holdout: Holdout | None = None
+    """The calibration's held-out test of its own row noise (kept in NOISE.json)."""
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, RowNoiseSet):
@@ -179,7 +246,8 @@ class RowNoiseSet:
         return {k: self.tensors[n].keys.size for n, k in self.tables.items()}
 
     @classmethod
-    def build(cls, prompts: Sequence[Sequence[int]], rows: Mapping[str, tuple[np.ndarray, np.ndarray]]) -> RowNoiseSet:
+    def build(cls, prompts: Sequence[Sequence[int]], rows: Mapping[str, tuple[np.ndarray, np.ndarray]],
+              held: Holdout | None = None) -> RowNoiseSet:
         """From each tensor's packed row keys and values (any order, duplicates: the largest value kept)."""
         tensors: dict[str, RowNoise] = {}
         tables: dict[str, int] = {}
@@ -192,7 +260,7 @@ class RowNoiseSet:
             k, v = k[first], v[first]
             tables[name] = seen.setdefault(k.tobytes(), len(seen))
             tensors[name] = RowNoise.of(k, v)
-        return cls(tuple(tuple(int(t) for t in p) for p in prompts), tensors, tables)
+        return cls(tuple(tuple(int(t) for t in p) for p in prompts), tensors, tables, held)
 
 
 def rows_to_bytes(rows: RowNoiseSet) -> bytes:
@@ -277,4 +345,4 @@ def rows_from_bytes(data: bytes, ref: RowsRef, where: str) -> RowNoiseSet:
             raise UsageError(f"{where}: noise.{name}: every value must be a rel_diff in [0, {REL_DIFF_MAX:g}] "
                              "(NaN, Inf and negative values are not noise)")
         tensors[name] = RowNoise.of(packed[k], v)
-    return RowNoiseSet(tuple(prompts), tensors, dict(ref.tensors))
+    return RowNoiseSet(tuple(prompts), tensors, dict(ref.tensors), ref.holdout)

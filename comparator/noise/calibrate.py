@@ -43,7 +43,7 @@ from comparator.hidden.types import TensorComparison
 from comparator.judging.identity import IDENTITY_FIELDS, IdentityDifference, check_variant
 from comparator.judging.noise import NoiseModel, PhaseNoise, TensorNoise
 from comparator.judging.router_noise import RouterNoise
-from comparator.judging.row_noise import RowKeys, RowNoiseSet, covered_prefix
+from comparator.judging.row_noise import RowKeys, RowNoiseSet, covered_prefix, holdout
 from comparator.logprobs.judge import compare_logprob_sources
 from comparator.logprobs.types import LogprobVerdict
 from comparator.noise.logprob_calibration import logprob_noise
@@ -65,7 +65,7 @@ class _Pool:
         self.meta: dict[str, tuple[int | None, str | None]] = {}
         self.by_variant: dict[str, dict[int, float]] = {}
         self.variant = 0
-        self.rows: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}  # name -> (packed keys, values) per comparison
+        self.rows: dict[str, list[tuple[np.ndarray, np.ndarray, int]]] = {}  # name -> (keys, values, variant) parts
         self.cover: list[int] = []  # per sequence: the positions the current variant shares with the baseline
 
     def add_rows(self, t: TensorComparison, token: np.ndarray, keys: RowKeys | None) -> None:
@@ -77,13 +77,15 @@ class _Pool:
         ok = (seq >= 0) & (seq < limit.size) & (pos >= 0)
         ok[ok] &= pos[ok] < limit[seq[ok]]
         if ok.any():
-            self.rows.setdefault(t.name, []).append(((seq[ok] << 32) | pos[ok], token[ok].astype(np.float32)))
+            self.rows.setdefault(t.name, []).append(((seq[ok] << 32) | pos[ok], token[ok].astype(np.float32),
+                                                     self.variant))
 
     def row_noise(self, prompts: list[list[int]]) -> RowNoiseSet | None:
         if not self.rows:
             return None
-        return RowNoiseSet.build(prompts, {n: (np.concatenate([k for k, _ in parts]), np.concatenate([v for _, v in parts]))
-                                           for n, parts in self.rows.items()})
+        rows = {n: (np.concatenate([k for k, _, _ in parts]), np.concatenate([v for _, v, _ in parts]))
+                for n, parts in self.rows.items()}
+        return RowNoiseSet.build(prompts, rows, holdout(self.rows))
 
     def add(self, t: TensorComparison, token: np.ndarray, decode_rows: np.ndarray | None, point: str | None) -> None:
         if t.nonfinite_mismatches or not math.isfinite(t.rel_diff):

@@ -79,7 +79,7 @@ def save_noise(noise: NoiseModel, path: str | os.PathLike[str]) -> None:
             name = rows_file_name(path)
             with atomic_path(Path(path).parent / name) as tmp:
                 tmp.write_bytes(data)
-            ref = RowsRef(name, hashlib.sha256(data).hexdigest(), dict(noise.rows.tables))
+            ref = RowsRef(name, hashlib.sha256(data).hexdigest(), dict(noise.rows.tables), noise.rows.holdout)
             noise = dataclasses.replace(noise, rows_ref=ref)
         else:
             noise = dataclasses.replace(noise, rows_ref=None)

@@ -187,8 +187,8 @@ class StoredNoise:
         """Fresh noise of the run ``measured_on``: bytes and ``calibration`` (created now) to store."""
         rows = rows_to_bytes(noise.rows) if noise.rows is not None else None
         if rows is not None:
-            noise = replace(noise, rows_ref=RowsRef(ROWS_NAME, hashlib.sha256(rows).hexdigest(),
-                                                    dict(noise.rows.tables)))  # type: ignore[union-attr]
+            noise = replace(noise, rows_ref=RowsRef(ROWS_NAME, hashlib.sha256(rows).hexdigest(),  # type: ignore[union-attr]
+                                                    dict(noise.rows.tables), noise.rows.holdout))  # type: ignore[union-attr]
         else:
             noise = replace(noise, rows_ref=None)
         data = noise_bytes(noise)

@@ -101,6 +101,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         manifest, noise = record_calibrated(_run_config(args, prompts, ids, spec, args.out),
                                             lambda cfg: _run_job(args, cfg),
                                             say=(lambda _: None) if args.quiet else print)
+        for line in (noise.identical_warning(), noise.holdout_warning(3.0)):  # 3: the comparator's default factor
+            if line:
+                print(f"warning: {line}", file=sys.stderr)
     else:
         with writing(args.out) as out:  # a URL: made in a local staging directory, uploaded manifest last
             manifest = _run_dump(args, prompts, ids, spec, out)
@@ -109,8 +112,6 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"wrote {args.out}: {len(manifest.tensors)} tensors, layers {layers}, "
               f"{len({t.forward_pass for t in manifest.tensors})} forward passes")
         if args.calibrate:
-            if noise.identical_warning():
-                print(f"warning: {noise.identical_warning()}", file=sys.stderr)
             print(f"calibrated from {len(noise.variants)} benign variants: {args.out}/{BASELINE_NOISE} (python -m "
                   f"comparator {args.out} TARGET judges by it)")
     if not args.observer_check:

@@ -26,9 +26,11 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +44,7 @@ from dumper.engines.base import (
     hf_identity,
     job_sequences,
 )
-from dumper.engines.held_output import held_stderr
+from dumper.engines.held_output import Relay, held_stderr
 from dumper.engines.vllm_parts import join_dump, new_token, remove_spool, spool_root, wait_parts
 from dumper.engines.vllm_serve import CPU_DEFAULTS
 from dumper.engines.vllm_spool import marker, token_dir
@@ -89,6 +91,8 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"
 
 _LLM: tuple[str, Any] | None = None
 """The engine of the last :func:`load_llm` call and its settings, kept for the next call with the same ones."""
+_STDERR: weakref.WeakKeyDictionary[Any, Relay] = weakref.WeakKeyDictionary()
+"""Each engine :func:`load_llm` started: the relay of its processes' stderr (:mod:`dumper.engines.held_output`)."""
 
 
 def env_defaults(device: str) -> None:
@@ -167,8 +171,9 @@ def load_llm(kwargs: dict[str, Any], *, device: str = "cpu") -> Any:
         return _LLM[1]
     _LLM = None
     env_defaults(device)
-    with held_stderr():  # vLLM's import notes and a failed start's tracebacks give way to driftscope's one line
+    with held_stderr() as relay:  # vLLM's import notes and a failed start's tracebacks give way to driftscope's line
         llm = _start(kwargs)
+    _STDERR[llm] = relay
     _LLM = (key, llm)
     return llm
 
@@ -264,19 +269,32 @@ def _generate(llm: Any, cfg: RunConfig, seqs: list[list[int]], *, token: str | N
                              ignore_eos=True, logprobs=spec.top_k if spec is not None and cfg.new_tokens else None,
                              extra_args=None if token is None else marker(token, i, len(seqs), new))
               for i in range(len(seqs))]
-    try:
-        outs = llm.generate([TokensPrompt(prompt_token_ids=s) for s in seqs], params, use_tqdm=False)
-    except (DriftscopeError, InternalError):
-        raise
-    except Exception as e:  # noqa: BLE001 - the engine's boundary: a prompt or setting it refuses mid-run
-        global _LLM
-        if _LLM is not None and _LLM[1] is llm:
-            _LLM = None  # it may be dead (a killed engine process): the next job starts a new one
-        raise ModelError(f"{cfg.model}: vLLM's generate failed ({error_reason(e)})") from None
+    # the engine's stderr while it runs: written out after, dropped with a failure's one line (held_output)
+    with held_stderr(_STDERR.get(llm)):
+        try:
+            outs = llm.generate([TokensPrompt(prompt_token_ids=s) for s in seqs], params, use_tqdm=False)
+        except (DriftscopeError, InternalError):
+            raise
+        except Exception as e:  # noqa: BLE001 - the engine's boundary: a prompt or setting it refuses mid-run
+            _stop(llm)  # it may be dead (a killed engine process): the next job starts a new one
+            raise ModelError(f"{cfg.model}: vLLM's generate failed ({error_reason(e)})") from None
     for i, o in enumerate(outs):
         if list(o.prompt_token_ids or ()) != seqs[i]:
             raise InternalError(f"vLLM returned the prompts in another order than given (output {i})")
     return outs
+
+
+def _stop(llm: Any) -> None:
+    """Shut ``llm``'s engine down now, inside the failed run's hold: its surviving processes fail and stop there
+    (the engine core's traceback when a worker was killed), not after driftscope's error line, as they would at
+    exit when vLLM's finalizers stop them. The engine is forgotten; a next job starts a new one."""
+    global _LLM
+    if _LLM is not None and _LLM[1] is llm:
+        _LLM = None
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)  # vLLM's client of its engine core
+    if core is not None:
+        with contextlib.suppress(Exception):  # best effort: the job fails either way, with its own message
+            core.shutdown()
 
 
 def dump_llm(llm: Any, cfg: RunConfig, seqs: list[list[int]], checkpoint: Path, *,

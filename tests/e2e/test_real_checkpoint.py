@@ -51,6 +51,7 @@ class Runs:
     def __init__(self, root: Path) -> None:
         self.root, self.dir, self.ids = root, smollm2_dir(), real_prompt_ids()
         self._models: dict[tuple[str, str], torch.nn.Module] = {}
+        self.calibrate_stderr = ""
 
     def model(self, dtype: str, attn: str) -> torch.nn.Module:
         if (dtype, attn) not in self._models:
@@ -95,6 +96,7 @@ def runs(tmp_path_factory) -> Runs:
     done = run_cli("dumper", "run", "--model", r.dir, "--prompts", prompts, "--dtype", "bfloat16", "--layers", "all",
                    "--points", ",".join(POINTS), "--out", r.root / "base", "--calibrate", "--quiet")
     assert done.returncode == 0, done.stderr
+    r.calibrate_stderr = done.stderr
     return r
 
 
@@ -115,6 +117,9 @@ def test_the_real_model_has_outlier_rows_that_pooled_noise_cannot_describe(runs)
     # a typical tensor's worst row is several times its median row, and some tensors' far more (measured here:
     # median 3.6x, largest 163x, an MLP output): the pooled noise (the worst row) is loose for every other row
     assert np.median(spread) > 2 and max(spread) > 10, sorted(spread)
+    held = noise.rows.holdout  # the calibration's own test: each variant that differs, held out of the others
+    assert held is not None and held.ratio > 1  # measured here: 11x, an SDPA chunk layout against the others
+    assert ("held out of the others" in runs.calibrate_stderr) == (held.ratio > 3), runs.calibrate_stderr
 
 
 @pytest.mark.parametrize("name", list(BENIGN))

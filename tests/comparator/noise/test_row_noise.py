@@ -209,3 +209,26 @@ def test_a_side_file_of_another_calibration_truncated_missing_or_outside_is_refu
         o = run_main(compare_main, [world["base"], world["benign"], "--noise", case / "NOISE.json", "--quiet"])
         assert check_outcome(o) == 2, (label, o.err)
         assert str(case / "NOISE.rows.safetensors") in o.err, (label, o.err)
+
+
+def test_the_calibration_holds_each_variant_out_against_the_others(world):
+    held = world["noise"].rows.holdout
+    assert held is not None and held.variant in (0, 1, 2)
+    # three draws of the same seeded noise: a held-out one stays near the others' rows (chi-square spread of 64 values)
+    assert 1.0 < held.ratio < 3.0 and world["noise"].holdout_warning(3.0) is None
+    assert "reaches" in world["noise"].holdout_warning(held.ratio / 2)
+    single = calibrate(world["base"], [world["root"] / "v1"])
+    assert single.rows.holdout is None  # one variant: nothing to hold out
+
+
+def test_a_damaged_holdout_record_is_one_line(world, tmp_path):
+    d = json.loads((world["root"] / "NOISE.json").read_text())
+    for field, value in (("tensor", "model.layers.99.self_attn.input"), ("variant", 3), ("ratio", -1.0)):
+        case = tmp_path / field
+        case.mkdir()
+        shutil.copy(world["root"] / "NOISE.rows.safetensors", case)
+        bad = json.loads(json.dumps(d))
+        bad["rows"]["holdout"][field] = value
+        (case / "NOISE.json").write_text(json.dumps(bad))
+        o = run_main(compare_main, [world["base"], world["benign"], "--noise", case / "NOISE.json", "--quiet"])
+        assert check_outcome(o) == 2 and "rows.holdout" in o.err, (field, o.err)
