@@ -67,6 +67,17 @@ def _few_threads() -> None:
     torch.set_num_threads(2)
 
 
+@contextlib.contextmanager
+def forward_hook(module: torch.nn.Module | None, hook: Callable) -> Iterator[None]:
+    """Inside: ``hook`` runs after every forward of ``module`` (None: nothing is hooked); removed on the way out."""
+    handle = module.register_forward_hook(hook) if module is not None else None
+    try:
+        yield
+    finally:
+        if handle is not None:
+            handle.remove()
+
+
 def tiny_llama(attn: str = "eager", dtype: str = "float32"):
     from dumper.jobs.presets import load_model
 

@@ -27,7 +27,7 @@ import torch
 from comparator import CompareConfig, compare_dumps, load_noise
 from dumper.jobs.presets import load_model
 from dumper.jobs.run import RunConfig, dump_sequences
-from tests.conftest import run_cli
+from tests.conftest import forward_hook, run_cli
 from tests.real_model import need, real_prompt_ids, smollm2_dir, write_prompts
 
 pytestmark = pytest.mark.slow
@@ -62,29 +62,23 @@ class Runs:
              **kw: object) -> Path:
         out = self.root / name
         model = self.model(dtype, attn)
-        handle = None
+        block = hook = None
         if bug is not None:
             where, layer, token = bug
-            block = model.model.layers[layer]
-            gen = torch.Generator().manual_seed(layer)
-            direction = torch.randn(model.config.hidden_size, generator=gen)
+            block = model.model.layers[layer] if where == "layer" else getattr(model.model.layers[layer], where)
+            direction = torch.randn(model.config.hidden_size, generator=torch.Generator().manual_seed(layer))
             direction /= direction.norm()
 
             def hook(module, args, output):  # plain tensor code: one row gets FRACTION of its norm added
                 hidden = output[0] if isinstance(output, tuple) else output  # [1, seq, hidden]
                 rows = torch.arange(hidden.shape[1]) == token
-                norm = hidden.float().norm(dim=-1, keepdim=True)
-                add = FRACTION * norm * direction * rows[None, :, None]
+                add = FRACTION * hidden.float().norm(dim=-1, keepdim=True) * direction * rows[None, :, None]
                 hidden.copy_((hidden.float() + add).to(hidden.dtype))
                 return output
 
-            handle = (block if where == "layer" else getattr(block, where)).register_forward_hook(hook)
-        try:
+        with forward_hook(block, hook):
             dump_sequences(model, self.ids, RunConfig(out=str(out), model=str(self.dir), layers="all", points=POINTS,
                                                       dtype=dtype, attn=attn, **kw))  # type: ignore[arg-type]
-        finally:
-            if handle is not None:
-                handle.remove()
         return out
 
 

@@ -28,7 +28,7 @@ from comparator.cli.main import main as compare_main
 from comparator.noise.calibrate import calibrate
 from comparator.noise.file import load_noise, save_noise
 from dumper.jobs.run import BUILTIN_PROMPTS, RunConfig, dump_sequences
-from tests.conftest import tiny_llama
+from tests.conftest import forward_hook, tiny_llama
 from tests.fuzzing import check_outcome, run_main
 
 pytestmark = pytest.mark.slow
@@ -55,12 +55,8 @@ def _dump(out: Path, seed: int | None, *, bug: bool = False) -> Path:
         hidden.add_(noise * rms)
         return output
 
-    handle = model.model.layers[LAYER].register_forward_hook(hook) if seed is not None else None
-    try:
+    with forward_hook(model.model.layers[LAYER] if seed is not None else None, hook):
         dump_sequences(model, [tok.encode(p) for p in BUILTIN_PROMPTS], RunConfig(out=str(out), layers="all"))
-    finally:
-        if handle is not None:
-            handle.remove()
     return out
 
 

@@ -17,7 +17,7 @@ import pytest
 
 from dumper.format import load_manifest
 from dumper.jobs.run import BUILTIN_PROMPTS, RunConfig, dump_sequences
-from tests.conftest import run_cli, tiny_llama
+from tests.conftest import forward_hook, run_cli, tiny_llama
 
 pytestmark = pytest.mark.slow
 
@@ -70,12 +70,9 @@ def _bug_dump(out, *, layer: int, token: int):
         row.add_(0.05 * row.float().norm().to(row.dtype) / math.sqrt(row.numel()))
         return output
 
-    handle = model.model.layers[layer].register_forward_hook(hook)
-    try:
+    with forward_hook(model.model.layers[layer], hook):
         dump_sequences(model, [tok.encode(p) for p in BUILTIN_PROMPTS],
                        RunConfig(out=str(out), layers="all", dtype="bfloat16", points=("input", "mlp_output")))
-    finally:
-        handle.remove()
 
 
 def test_a_one_token_bug_fails_against_the_baselines_noise(calibrated, tmp_path):
