@@ -239,7 +239,7 @@ def test_noise_json_vouched_for_but_malformed_is_refused(calibrated, tmp_path, p
 def test_noise_json_over_the_size_limit_is_not_read(calibrated, tmp_path, monkeypatch):
     store = _copy(calibrated["store"], tmp_path / "store")
     base = calibrated["boot"]["run_id"]
-    monkeypatch.setattr("comparator.store.runstore.MAX_NOISE_BYTES", 100)
+    monkeypatch.setattr("comparator.noise.file.MAX_NOISE_BYTES", 100)  # the bound StoredNoise.read takes
     st = RunStore(store)
     with pytest.raises(StoreError, match="over the 100 bytes"):
         st.noise(st.get(base))
