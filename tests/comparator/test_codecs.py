@@ -7,6 +7,8 @@ The objects come from a real calibration and a real logprob comparison of two ti
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 
 import numpy as np
@@ -55,7 +57,8 @@ def verdict(dumps: tuple[str, str]) -> LogprobVerdict:
 @pytest.mark.slow
 def test_a_noise_file_reads_back_as_written(noise: NoiseModel) -> None:
     back = NoiseModel.from_json(_text(noise), "noise.json")
-    assert back == noise
+    assert noise.rows is not None and back.rows is None  # row noise lives in the side file (test_row_noise.py)
+    assert back == dataclasses.replace(noise, rows=None)
     assert back.to_json() == noise.to_json()
 
 
