@@ -44,6 +44,7 @@ from dumper.format.files import is_plain_name, show
 from comparator.judging.fields import REL_DIFF_MAX, bad, integer, items, record, text
 
 __all__ = ["ROWS_SUFFIX", "FLOOR_QUANTILE", "Holdout", "holdout", "RowNoise", "RowNoiseSet", "RowKeys", "row_keys",
+           "packed", "covered",
            "rows_to_bytes",
            "rows_from_bytes", "RowsRef", "covered_prefix"]
 
@@ -130,9 +131,18 @@ def row_keys(positions: np.ndarray | None, sequences: np.ndarray | None, sequenc
     return np.full(pos.shape, sequence, dtype=np.int64), pos
 
 
-def _packed(seq: np.ndarray, pos: np.ndarray) -> np.ndarray:
+def packed(seq: np.ndarray, pos: np.ndarray) -> np.ndarray:
     """One sortable int64 per (sequence, position); both are below 2^31 where it is used."""
     return (seq.astype(np.int64) << 32) | pos.astype(np.int64)
+
+
+def covered(keys: RowKeys, cover: Sequence[int]) -> np.ndarray:
+    """Which rows ``cover`` (per sequence, the leading positions whose token ids agree) covers."""
+    seq, pos = keys
+    limit = np.asarray(cover, dtype=np.int64)
+    ok = (seq >= 0) & (seq < limit.size) & (pos >= 0)
+    ok[ok] &= pos[ok] < limit[seq[ok]]
+    return ok
 
 
 @dataclass(frozen=True, eq=False)
@@ -151,16 +161,14 @@ class RowNoise:
     def own(self, keys: RowKeys, cover: Sequence[int]) -> np.ndarray:
         """Each row's noise (float64), NaN where the calibration does not cover it (see the module doc)."""
         seq, pos = keys
-        limit = np.asarray(cover, dtype=np.int64)
-        ok = (seq >= 0) & (seq < limit.size) & (pos >= 0)
-        ok[ok] &= pos[ok] < limit[seq[ok]]
+        ok = covered(keys, cover)
         out = np.full(seq.shape, np.nan)
         if not ok.any() or not self.keys.size:
             return out
-        packed = _packed(seq[ok], pos[ok])
-        at = np.minimum(np.searchsorted(self.keys, packed), self.keys.size - 1)
-        hit = self.keys[at] == packed
-        sub = np.full(packed.shape, np.nan)
+        wanted = packed(seq[ok], pos[ok])
+        at = np.minimum(np.searchsorted(self.keys, wanted), self.keys.size - 1)
+        hit = self.keys[at] == wanted
+        sub = np.full(wanted.shape, np.nan)
         sub[hit] = self.values[at[hit]]
         out[ok] = sub
         return out
@@ -319,14 +327,14 @@ def rows_from_bytes(data: bytes, ref: RowsRef, where: str) -> RowNoiseSet:
         raise UsageError(f"{where}: keys {'unknown: ' + show(unknown[:3]) if unknown else ''}"
                          f"{'; ' if unknown and missing else ''}{'missing: ' + show(missing[:3]) if missing else ''}"
                          " (not the rows of this noise file)")
-    packed: dict[int, np.ndarray] = {}
+    table_keys: dict[int, np.ndarray] = {}
     for k in tables:
         t = arrays[f"rows.{k}"]
         if t.dtype != np.int64 or t.ndim != 2 or t.shape[1] != 2:
             raise UsageError(f"{where}: rows.{k}: expected int64 of shape [rows, 2], got {t.dtype} {list(t.shape)}")
         if t.size and (t.min() < 0 or t.max() >= 1 << 31):
             raise UsageError(f"{where}: rows.{k}: sequence ids and positions must be in [0, 2^31)")
-        p = _packed(t[:, 0], t[:, 1])
+        p = packed(t[:, 0], t[:, 1])
         if p.size > 1 and not np.all(p[1:] > p[:-1]):
             raise UsageError(f"{where}: rows.{k}: rows must be strictly increasing (sequence, position) pairs")
         if p.size and int(t[:, 0].max()) >= len(prompts):
@@ -334,15 +342,15 @@ def rows_from_bytes(data: bytes, ref: RowsRef, where: str) -> RowNoiseSet:
                              f"token ids of {len(prompts)} sequences")
         if p.size and np.any(t[:, 1] >= np.asarray([len(prompts[s]) for s in t[:, 0]])):
             raise UsageError(f"{where}: rows.{k}: a row past its sequence's token ids")
-        packed[k] = p
+        table_keys[k] = p
     tensors = {}
     for name, k in ref.tensors.items():
         v = arrays[f"noise.{name}"]
-        if v.dtype != np.float32 or v.shape != (packed[k].size,):
-            raise UsageError(f"{where}: noise.{name}: expected float32 of shape [{packed[k].size}] (its row table), "
+        if v.dtype != np.float32 or v.shape != (table_keys[k].size,):
+            raise UsageError(f"{where}: noise.{name}: expected float32 of shape [{table_keys[k].size}] (its row table), "
                              f"got {v.dtype} {list(v.shape)}")
         if not np.all((v >= 0) & (v <= REL_DIFF_MAX)):  # NaN fails this too
             raise UsageError(f"{where}: noise.{name}: every value must be a rel_diff in [0, {REL_DIFF_MAX:g}] "
                              "(NaN, Inf and negative values are not noise)")
-        tensors[name] = RowNoise.of(packed[k], v)
+        tensors[name] = RowNoise.of(table_keys[k], v)
     return RowNoiseSet(tuple(prompts), tensors, dict(ref.tensors), ref.holdout)

@@ -43,7 +43,7 @@ from comparator.hidden.types import TensorComparison
 from comparator.judging.identity import IDENTITY_FIELDS, IdentityDifference, check_variant
 from comparator.judging.noise import NoiseModel, PhaseNoise, TensorNoise
 from comparator.judging.router_noise import RouterNoise
-from comparator.judging.row_noise import RowKeys, RowNoiseSet, covered_prefix, holdout
+from comparator.judging.row_noise import RowKeys, RowNoiseSet, covered, covered_prefix, holdout, packed
 from comparator.logprobs.judge import compare_logprob_sources
 from comparator.logprobs.types import LogprobVerdict
 from comparator.noise.logprob_calibration import logprob_noise
@@ -73,11 +73,9 @@ class _Pool:
         if keys is None or t.replica_side is not None:
             return
         seq, pos = keys
-        limit = np.asarray(self.cover, dtype=np.int64)
-        ok = (seq >= 0) & (seq < limit.size) & (pos >= 0)
-        ok[ok] &= pos[ok] < limit[seq[ok]]
+        ok = covered(keys, self.cover)
         if ok.any():
-            self.rows.setdefault(t.name, []).append(((seq[ok] << 32) | pos[ok], token[ok].astype(np.float32),
+            self.rows.setdefault(t.name, []).append((packed(seq[ok], pos[ok]), token[ok].astype(np.float32),
                                                      self.variant))
 
     def row_noise(self, prompts: list[list[int]]) -> RowNoiseSet | None:
