@@ -37,6 +37,7 @@ HEAVY: tuple[str, ...] = (
     "tests/dumper/hooks/test_tap.py",
     "tests/dumper/engines/test_engine_llama_cpp.py",
     "tests/e2e/test_real_checkpoint.py",
+    "tests/e2e/test_real_checkpoint_vllm.py",
 )
 """Work units to deal first, longest first (the engine-start report and ``--durations`` say which)."""
 

@@ -22,6 +22,10 @@ never imported by this file). Keys (each optional, but one of ``layer``/``chunk_
                                step that holds a request marked for driftscope's capture ("rank" too),
                                saying so on stdout (driftscope holds the engine's stderr, and drops it
                                with a failed run's)
+    {"switches": {"mlp": [L, T], "attn": [L, T]}}   LlamaMLP / LlamaAttention of layer L add a switchable
+                               amount at row T of the step / position T: a buffer of the module, 0 (the
+                               same numbers, bit for bit) until ``llm.collective_rpc(SWITCH, args=(where,
+                               add))`` sets it, so one compiled engine runs a baseline and each bug in turn
     "slow_dead": S             ... and the engine core, failing on it, waits S seconds after telling the
                                client it is dead (an engine core slowed down on a busy machine): the client
                                fails and exits meanwhile, and the engine core, not yet stopped, ends its
@@ -50,7 +54,9 @@ from typing import Any
 
 SEED_ENV = "DRIFTSCOPE_TEST_SEED"
 CONFIG_KEY = "test_seeded_bug"
-_KEYS = {"layer", "token", "add", "rank", "tapped_only", "die_after", "chunk_layer", "where", "slow_dead"}
+_KEYS = {"layer", "token", "add", "rank", "tapped_only", "die_after", "chunk_layer", "where", "slow_dead", "switches"}
+SWITCH = "driftscope_test_switch"
+"""The worker method (``LLM.collective_rpc(SWITCH, args=(where, add))``) that sets a ``switches`` seed's amount."""
 
 
 def seed_config(seed: dict[str, Any]) -> dict[str, Any]:
@@ -163,6 +169,55 @@ def _patch_mixtral_router(module: Any, seed: dict[str, Any]) -> None:
     cls.__init__, cls.forward = _seeded_init(cls.__init__, seed), seeded_forward
 
 
+def _patch_switches(module: Any, switches: dict[str, list[int]]) -> None:
+    """LlamaMLP / LlamaAttention of the layers ``switches`` names add a buffer's amount (0 until switched on) at
+    their row / position: the bug is a graph input, so one compiled graph serves the baseline and each bug."""
+    import torch
+    from vllm.config import get_current_vllm_config
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    def patch(cls: Any, where: str) -> None:
+        init, forward = cls.__init__, cls.forward
+        layer, token = switches[where]
+
+        def switched_init(self: Any, *args: Any, **kwargs: Any) -> None:
+            init(self, *args, **kwargs)
+            self.driftscope_test_bug = where if extract_layer_index(kwargs.get("prefix", "")) == layer else None
+            self.register_buffer("driftscope_test_add", torch.zeros(()), persistent=False)
+            config = get_current_vllm_config()
+            extra = config.additional_config if isinstance(config.additional_config, dict) else {}
+            if not config.model_config.enforce_eager and extra.get(CONFIG_KEY) != {"switches": switches}:
+                raise RuntimeError(f"{SEED_ENV}: a compiled engine needs additional_config[{CONFIG_KEY!r}] == "
+                                   f"{{'switches': {switches}}}")
+
+        def switched(self: Any, out: Any, rows: Any) -> Any:
+            if self.driftscope_test_bug:  # fixed per layer at construction: no branch on data
+                out = out + self.driftscope_test_add.to(out.dtype) * (rows == token)[:, None].to(out.dtype)
+            return out
+
+        def mlp_forward(self: Any, x: Any) -> Any:
+            out = forward(self, x)
+            return switched(self, out, torch.arange(out.shape[0], device=out.device))
+
+        def attn_forward(self: Any, positions: Any, hidden_states: Any, *args: Any, **kwargs: Any) -> Any:
+            return switched(self, forward(self, positions, hidden_states, *args, **kwargs), positions)
+
+        cls.__init__, cls.forward = switched_init, mlp_forward if where == "mlp" else attn_forward
+
+    for where in switches:
+        patch(module.LlamaMLP if where == "mlp" else module.LlamaAttention, where)
+
+
+def _switch(self: Any, where: str, add: float) -> int:
+    """Worker method :data:`SWITCH`: set the amount of the ``where`` switches of this worker's model; how many."""
+    n = 0
+    for m in self.model_runner.get_model().modules():
+        if getattr(m, "driftscope_test_bug", None) == where and hasattr(m, "driftscope_test_add"):
+            m.driftscope_test_add.fill_(add)
+            n += 1
+    return n
+
+
 def _marked(runner: Any) -> bool:
     """Whether the runner's batch holds a request marked for driftscope's capture."""
     for rid in getattr(runner.input_batch, "req_ids", None) or ():
@@ -227,9 +282,14 @@ def _install() -> None:
 
 def _seed_patches(raw: str, patches: dict[str, Callable[[Any], None]]) -> None:
     seed = json.loads(raw)
-    if not isinstance(seed, dict) or not seed.keys() <= _KEYS or not seed.keys() & {"layer", "die_after", "chunk_layer"}:
-        raise SystemExit(f"{SEED_ENV}={raw}: expected a JSON object of {sorted(_KEYS)} with layer, die_after or "
-                         "chunk_layer")
+    if not isinstance(seed, dict) or not seed.keys() <= _KEYS or not seed.keys() & {"layer", "die_after", "chunk_layer",
+                                                                                   "switches"}:
+        raise SystemExit(f"{SEED_ENV}={raw}: expected a JSON object of {sorted(_KEYS)} with layer, die_after, "
+                         "chunk_layer or switches")
+    if "switches" in seed:
+        switches = seed["switches"]
+        patches["vllm.model_executor.models.llama"] = lambda m: _patch_switches(m, switches)
+        patches["vllm.v1.worker.cpu_worker"] = lambda m: setattr(m.CPUWorker, SWITCH, _switch)
     if seed.get("where") == "router":
         patches["vllm.model_executor.models.mixtral"] = lambda m: _patch_mixtral_router(m, seed)
     elif "layer" in seed:
