@@ -218,7 +218,7 @@ def compare_dumps(baseline: str | os.PathLike[str], target: str | os.PathLike[st
         unmatched_baseline=tuple(plan.unmatched_baseline), unmatched_target=tuple(plan.unmatched_target),
         first_divergent=fd, replica_mismatches=(*replicas_b, *replicas_t), logprobs=verdict,
         environment={"baseline": bm.environment, "target": tm.environment}, heatmap=heatmap,
-        notes=(*notes, *replay, *noise_notes(config, results), *([sketch.note()] if sketch else []),
+        notes=(*notes, *replay, *noise_notes(config, results, tm), *([sketch.note()] if sketch else []),
                *dtype_note(config, bm, tm)),
         empty_tensors=tuple(plan.empty), sketch=sketch.to_json() if sketch else None,
         warnings=(*config.noise_warnings(sorted({t.name for t in results})),

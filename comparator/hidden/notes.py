@@ -15,6 +15,7 @@ from dumper.format import Manifest
 
 from comparator.config import CompareConfig
 from comparator.hidden.types import TensorComparison
+from comparator.judging.noise import layout, layout_change
 from comparator.judging.row_noise import covered_prefix
 
 __all__ = ["DTYPE_NOTE", "with_row_cover", "noise_notes", "dtype_note", "replay_notes"]
@@ -34,9 +35,10 @@ def _rows(t: TensorComparison) -> int:
     return math.prod(t.shape[:-1]) if len(t.shape) > 1 else 1
 
 
-def noise_notes(config: CompareConfig, results: list[TensorComparison]) -> tuple[str, ...]:
-    """Say which tensors a noise file did not cover (they were judged by the fixed thresholds), and how many rows
-    each rule judged where it has row noise."""
+def noise_notes(config: CompareConfig, results: list[TensorComparison], target: Manifest | None = None) -> tuple[str, ...]:
+    """Say which tensors a noise file did not cover (they were judged by the fixed thresholds), how many rows
+    each rule judged where it has row noise, and when rows fail by it on a ``target`` whose layout the calibration
+    did not run."""
     if config.noise is None:
         return ()
     results = [t for t in results if t.replica_side is None]  # a replica rank's comparison is not another tensor
@@ -59,6 +61,13 @@ def noise_notes(config: CompareConfig, results: list[TensorComparison]) -> tuple
             out.append(f"rows fail by less than the {held.ratio:.3g}x their noise that the calibration's own held-out "
                        "variant reached: that may be a layout the calibration did not run, not a bug "
                        "(docs/calibration.md, \"Row noise\")")
+        theirs = layout(target) if target is not None else None
+        if theirs is not None and not config.noise.covers_layout(theirs) and any(
+                not t.passed and t.own_noise_rows for t in calibrated):
+            change = layout_change(config.noise.layouts[0], theirs)
+            out.append(f"the target's layout is none the calibration ran ({change} against the baseline): its own rounding can take rows past their calibrated noise (up to 6x "
+                       "on a trained model, docs/calibration.md, \"Row noise\"); if that layout is the change under "
+                       "test, not a suspect, calibrate with a run of it as a variant")
     return tuple(out)
 
 

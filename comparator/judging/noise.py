@@ -41,11 +41,37 @@ from comparator.judging.logprob_noise import LogprobNoise
 from comparator.judging.router_noise import RouterNoise, router_noise_from_json, router_noise_to_json
 from comparator.judging.row_noise import RowNoiseSet, RowsRef
 
-__all__ = ["NOISE_FORMAT", "PhaseNoise", "TensorNoise", "NoiseModel"]
+__all__ = ["NOISE_FORMAT", "PhaseNoise", "TensorNoise", "NoiseModel", "layout", "layout_change"]
 
 NOISE_FORMAT = "driftscope-noise/1"
 _MATCH_FIELDS = ("architecture", "num_layers", "hidden_size", "config_hash", "weights_hash")
 _TOP_KEYS = ("format", "baseline", "variants", "model", "dtype", "tensors", "logprobs")
+_LAYOUT_KEYS = ("attn", "compiled", "chunk_size", "batch_size", "padding_side")
+"""The run settings in a dump's manifest (``extra``) that decide how its rows are rounded, beside the engine's."""
+
+
+def layout(manifest: Manifest) -> dict[str, Any]:
+    """How a dump's rows were computed, as far as rounding goes: the engine, its settings but the dtype (vLLM's
+    attention backend, chunked prefill budget, compile mode...) and the run's attention kernel, chunk size and
+    batch. Two runs with the same layout round alike; a layout the calibration did not run can round some rows
+    beyond their calibrated noise (docs/calibration.md, "Row noise")."""
+    extra = manifest.extra
+    engine = extra.get("engine") if isinstance(extra.get("engine"), dict) else {}
+    settings = engine.get("settings") if isinstance(engine.get("settings"), dict) else {}
+    out: dict[str, Any] = {"engine": engine.get("name", "transformers")}
+    out.update({k: v for k, v in settings.items() if k != "dtype" and _scalar(v)})
+    out.update({k: extra[k] for k in _LAYOUT_KEYS if k in extra and _scalar(extra[k])})
+    return out
+
+
+def _scalar(v: Any) -> bool:
+    return v is None or type(v) in (str, int, float, bool)
+
+
+def layout_change(base: Mapping[str, Any], other: Mapping[str, Any]) -> str:
+    """``other``'s settings where they differ from ``base``'s, as ``key=value`` words (``"attn=sdpa chunk_size=11"``)."""
+    keys = [k for k in {**base, **other} if base.get(k) != other.get(k)]
+    return " ".join(f"{k}={other.get(k)}" for k in keys) or "the same settings"
 _TENSOR_KEYS = ("name", "layer", "point", "rel_diff", "token_max", "token_p999", "token_p99", "positions",
                 "by_variant")
 _NOISE_VALUES = ("rel_diff", "token_max", "token_p999", "token_p99")
@@ -142,6 +168,9 @@ class NoiseModel:
     rows: RowNoiseSet | None = None
     """Each tensor's noise row by row (:mod:`comparator.judging.row_noise`), from the side file NOISE.json names;
     None: pooled noise only."""
+    layouts: tuple[Mapping[str, Any], ...] = ()
+    """The :func:`layout` of the baseline and of each variant, in that order (empty: not recorded, or not every
+    source was a dump)."""
     rows_ref: RowsRef | None = field(default=None, compare=False)
     """NOISE.json's reference to its side file (set by :func:`comparator.noise.file.save_noise` and on reading)."""
     source: str | None = field(default=None, compare=False)
@@ -210,7 +239,12 @@ class NoiseModel:
                                    for v, d in self.model_mismatch],
                 **({"router": router_noise_to_json(self.router)} if self.router else {}),
                 **({"sketch": self.sketch.to_json()} if self.sketch is not None else {}),
-                **({"rows": self.rows_ref.to_json()} if self.rows_ref is not None else {})}
+                **({"rows": self.rows_ref.to_json()} if self.rows_ref is not None else {}),
+                **({"layouts": [dict(x) for x in self.layouts]} if self.layouts else {})}
+
+    def covers_layout(self, target: Mapping[str, Any]) -> bool:
+        """Whether ``target`` (a :func:`layout`) is the baseline's or a variant's; True when none were recorded."""
+        return not self.layouts or any(dict(x) == dict(target) for x in self.layouts)
 
     def sketch_warning(self, sketch: SketchSpec | None) -> str | None:
         """What a verdict says when this noise was measured on other dumps than it judges: full vs sketched."""
@@ -232,7 +266,7 @@ class NoiseModel:
         if type(d) is not dict or d.get("format") != NOISE_FORMAT:
             raise UsageError(f"{where}: not a driftscope noise file (expected \"format\": {NOISE_FORMAT!r}); "
                              "write one with python -m comparator calibrate")
-        d = record(d, where, "top level", _TOP_KEYS, ("model_mismatch", "router", "sketch", "rows"))
+        d = record(d, where, "top level", _TOP_KEYS, ("model_mismatch", "router", "sketch", "rows", "layouts"))
         variants = tuple(text(v, where, f"variants[{i}]")
                          for i, v in enumerate(items(d["variants"], where, "variants")))
         if not variants:
@@ -256,7 +290,21 @@ class NoiseModel:
                    model_mismatch=_mismatch_from_json(d.get("model_mismatch", []), set(variants), where),
                    router=router_noise_from_json(d.get("router", []), where), source=where,
                    sketch=_sketch_from_json(d.get("sketch"), where),
-                   rows_ref=None if "rows" not in d else RowsRef.from_json(d["rows"], where, set(tensors), len(variants)))
+                   rows_ref=None if "rows" not in d else RowsRef.from_json(d["rows"], where, set(tensors), len(variants)),
+                   layouts=_layouts_from_json(d.get("layouts", []), where, len(variants)))
+
+
+def _layouts_from_json(v: Any, where: str, variants: int) -> tuple[dict[str, Any], ...]:
+    """``layouts``: absent, or one flat object of scalars for the baseline and each variant."""
+    out = []
+    for i, x in enumerate(items(v, where, "layouts")):
+        if type(x) is not dict or not all(type(k) is str and _scalar(e) for k, e in x.items()) or len(x) > 64:
+            raise bad(where, f"layouts[{i}]", "an object of up to 64 settings, each a string, number, bool or null",
+                      x)
+        out.append(x)
+    if out and len(out) != variants + 1:
+        raise bad(where, "layouts", f"{variants + 1} layouts (the baseline's and each variant's)", len(out))
+    return tuple(out)
 
 
 def _sketch_from_json(v: Any, where: str) -> SketchSpec | None:

@@ -41,7 +41,7 @@ from comparator.hidden.compare import compare_dumps
 from comparator.hidden.onset import point_of
 from comparator.hidden.types import TensorComparison
 from comparator.judging.identity import IDENTITY_FIELDS, IdentityDifference, check_variant
-from comparator.judging.noise import NoiseModel, PhaseNoise, TensorNoise
+from comparator.judging.noise import NoiseModel, PhaseNoise, TensorNoise, layout
 from comparator.judging.router_noise import RouterNoise
 from comparator.judging.row_noise import RowKeys, RowNoiseSet, covered, covered_prefix, holdout, packed
 from comparator.logprobs.judge import compare_logprob_sources
@@ -162,6 +162,7 @@ def calibrate(baseline: str | os.PathLike[str], variants: Sequence[str | os.Path
     manifest = load_manifest(baseline) if _is_dump(baseline) else None
     mismatch: list[tuple[str, IdentityDifference]] = []
     prompts = [list(p) for p in manifest.extra.get("input_ids") or []] if manifest is not None else []
+    layouts = [layout(manifest)] if manifest is not None else []
     for i, variant in enumerate(variants):
         pool.variant = i
         if manifest is not None and _is_dump(variant):
@@ -169,6 +170,7 @@ def calibrate(baseline: str | os.PathLike[str], variants: Sequence[str | os.Path
             mismatch += [(str(variant), d) for d in check_variant(
                 manifest, other, allow_mismatch=allow_model_mismatch, where=f"variant {variant}")]
             pool.cover = covered_prefix(prompts, other.extra.get("input_ids") or [])
+            layouts.append(layout(other))
             report = compare_dumps(baseline, variant, config,
                                    token_sink=lambda t, tok, dec: pool.add(t, tok, dec, point_of(t.name)),
                                    row_sink=pool.add_rows)
@@ -192,4 +194,5 @@ def calibrate(baseline: str | os.PathLike[str], variants: Sequence[str | os.Path
     return NoiseModel(baseline=str(baseline), variants=tuple(str(v) for v in variants),
                       tensors=pool.tensors(len(variants)), logprobs=logprob_noise(verdicts) if verdicts else None,
                       model=model, dtype=dtype, model_mismatch=tuple(mismatch), router=_router_noise(routing),
-                      sketch=sketch, rows=pool.row_noise(prompts))
+                      sketch=sketch, rows=pool.row_noise(prompts),
+                      layouts=tuple(layouts) if len(layouts) == len(variants) + 1 else ())

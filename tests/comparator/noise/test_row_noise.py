@@ -39,9 +39,9 @@ SMALL, LARGE, BUG = 1e-3, 3e-2, 1e-2
 """Relative sizes (to each row's RMS) of the benign noise, the outlier row's, and the bug."""
 
 
-def _dump(out: Path, seed: int | None, *, bug: bool = False) -> Path:
+def _dump(out: Path, seed: int | None, *, bug: bool = False, **run: object) -> Path:
     """The built-in prompts through tiny-llama, layer ``LAYER``'s output perturbed by seeded benign noise."""
-    model, tok = tiny_llama()
+    model, tok = tiny_llama(attn=str(run.get("attn", "eager")))
     gen = torch.Generator().manual_seed(seed or 0)
 
     def hook(module, args, output):
@@ -56,7 +56,7 @@ def _dump(out: Path, seed: int | None, *, bug: bool = False) -> Path:
         return output
 
     with forward_hook(model.model.layers[LAYER] if seed is not None else None, hook):
-        dump_sequences(model, [tok.encode(p) for p in BUILTIN_PROMPTS], RunConfig(out=str(out), layers="all"))
+        dump_sequences(model, [tok.encode(p) for p in BUILTIN_PROMPTS], RunConfig(out=str(out), layers="all", **run))  # type: ignore[arg-type]
     return out
 
 
@@ -228,3 +228,35 @@ def test_a_damaged_holdout_record_is_one_line(world, tmp_path):
         (case / "NOISE.json").write_text(json.dumps(bad))
         o = run_main(compare_main, [world["base"], world["benign"], "--noise", case / "NOISE.json", "--quiet"])
         assert check_outcome(o) == 2 and "rows.holdout" in o.err, (field, o.err)
+
+
+def test_the_calibration_records_each_runs_layout(world, tmp_path):
+    layouts = world["noise"].layouts
+    assert len(layouts) == 4 and all(x == layouts[0] for x in layouts)  # the baseline's and three variants'
+    assert layouts[0]["engine"] == "transformers" and layouts[0]["chunk_size"] is None
+    save_noise(world["noise"], tmp_path / "again.json")
+    assert load_noise(tmp_path / "again.json").layouts == layouts
+
+
+def test_rows_failing_on_a_layout_the_calibration_did_not_run_say_so(world):
+    chunked = _dump(world["root"] / "bug-chunked", 8, bug=True, attn="sdpa")
+    notes = {}
+    for name, target in (("same layout", world["bug"]), ("chunked", chunked)):
+        report = compare_dumps(world["base"], target, CompareConfig(noise=world["noise"]))
+        assert not report.passed and report.first_divergent.token == BUG_TOKEN
+        notes[name] = [n for n in report.notes if "layout is none the calibration ran" in n]
+    assert notes["same layout"] == [] and len(notes["chunked"]) == 1
+    assert "(attn=sdpa against the baseline)" in notes["chunked"][0]
+    passing = compare_dumps(world["base"], _dump(world["root"] / "benign-chunked", 7, attn="sdpa"),
+                            CompareConfig(noise=world["noise"]))
+    assert passing.passed and not any("layout" in n for n in passing.notes)  # said only of failing rows
+
+
+@pytest.mark.parametrize("value", [[{"engine": "transformers"}], "x", [{"a": [1]}] * 4, [{"a": {"b": 1}}] * 4])
+def test_a_damaged_layouts_record_is_one_line(world, tmp_path, value):
+    d = json.loads((world["root"] / "NOISE.json").read_text())
+    shutil.copy(world["root"] / "NOISE.rows.safetensors", tmp_path)
+    d["layouts"] = value
+    (tmp_path / "NOISE.json").write_text(json.dumps(d))
+    o = run_main(compare_main, [world["base"], world["benign"], "--noise", tmp_path / "NOISE.json", "--quiet"])
+    assert check_outcome(o) == 2 and "layouts" in o.err and str(tmp_path / "NOISE.json") in o.err, o.err
