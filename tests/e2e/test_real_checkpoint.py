@@ -11,13 +11,16 @@ against its own. On three real prompts (prose, code, science) with the real toke
 * 5% single-token bugs seeded inside the model (forward hooks: plain tensor code) are named at
   their layer, point and token: the residual stream (at layer L+1's input), an attention output
   and an MLP output; the pooled noise misses the last two, which is what row noise is for;
-* a greedy decode of the real prompts agrees with its ``--tokens-from`` prefill.
+* a greedy decode of the real prompts agrees with its ``--tokens-from`` prefill;
+* llama.cpp runs the Q4_1 GGUF file itself (real CLI) on the real shapes, and its verdict against HF float32
+  says that it computes with other weights' format.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +31,8 @@ from comparator import CompareConfig, compare_dumps, load_noise
 from dumper.jobs.presets import load_model
 from dumper.jobs.run import RunConfig, dump_sequences
 from tests.conftest import forward_hook, run_cli
-from tests.real_model import need, real_prompt_ids, smollm2_dir, write_prompts
+from tests.engine_models import engine_missing
+from tests.real_model import need, real_prompt_ids, smollm2_dir, smollm2_gguf, write_prompts
 
 pytestmark = pytest.mark.slow
 
@@ -61,6 +65,8 @@ class Runs:
     def dump(self, name: str, *, dtype: str = "bfloat16", attn: str = "eager", bug: tuple[str, int, int] | None = None,
              **kw: object) -> Path:
         out = self.root / name
+        if (out / "manifest.json").is_file():  # another test's dump of the same name (and settings)
+            return out
         model = self.model(dtype, attn)
         block = hook = None
         if bug is not None:
@@ -161,3 +167,22 @@ def test_a_greedy_decode_of_real_text_agrees_with_its_prefill(runs):
     report = json.loads((runs.root / "d.json").read_text())
     assert done.returncode == 0, done.stdout
     assert report["decode"] is not None and report["tensors"]
+
+
+@pytest.mark.engine
+def test_llama_cpp_on_the_gguf_file_is_judged_against_the_float32_reference(runs):
+    why = engine_missing("llama.cpp")
+    if why:
+        pytest.fail(why) if os.environ.get("CI") == "true" else pytest.skip(why)
+    prompts = write_prompts(runs.root / "llama-prompts.jsonl")
+    done = run_cli("dumper", "run", "--engine", "llama.cpp", "--model", smollm2_gguf(), "--engine-arg",
+                   f"hf_dir={runs.dir}", "--prompts", prompts, "--layers", "all", "--points", ",".join(POINTS),
+                   "--quiet", "--out", runs.root / "llama-cpp")
+    assert done.returncode == 0, done.stderr
+    ref = runs.dump("f32-eager", dtype="float32")
+    done = run_cli("comparator", ref, runs.root / "llama-cpp", "--json", runs.root / "llama.json", "--quiet")
+    report = json.loads((runs.root / "llama.json").read_text())
+    assert report["matched"] == 4 * 30 * 3  # every real shape: hidden 576, 9 heads, 3 KV heads, tied embeddings
+    # it computes with the Q4_1 blocks (and quantized activations), not the dequantized float32 weights: it
+    # diverges, and says where the weights differ
+    assert done.returncode == 1 and any("gguf:Q4_1" in n for n in report["notes"] + report["warnings"]), report["notes"]

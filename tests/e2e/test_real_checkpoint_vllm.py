@@ -16,6 +16,8 @@ real prompts, every layer at ``input,attn_output,mlp_input,mlp_output``:
 
 Judged against that calibration, each 5% single-token bug is named at its layer, point and
 token by row noise, and missed by the pooled noise (the worst row of a trained model's tensor).
+Against the HF float32 reference, vLLM's bfloat16 baseline is judged by the fixed thresholds, and
+the verdict says those are dtype-blind.
 """
 
 from __future__ import annotations
@@ -32,10 +34,10 @@ import numpy as np
 import pytest
 
 from comparator import CompareConfig, calibrate, compare_dumps
-from tests.conftest import ROOT
+from tests.conftest import ROOT, run_cli
 from tests.dumper.engines.test_engine_vllm import assert_worker_done, finish_worker, need, worker_env
 from tests.real_model import need as need_real
-from tests.real_model import real_prompt_ids, smollm2_dir
+from tests.real_model import real_prompt_ids, smollm2_dir, write_prompts
 
 pytestmark = pytest.mark.engine
 
@@ -132,3 +134,15 @@ def test_a_five_percent_bug_inside_compiled_vllm_is_named_at_its_layer_point_and
     pooled = compare_dumps(root / "base", root / f"bug-{where}",
                            CompareConfig(noise=dataclasses.replace(noise, rows=None)))
     assert pooled.passed or (pooled.first_divergent.layer, pooled.first_divergent.point) != (layer, point)
+
+
+def test_vllm_bf16_against_the_hf_float32_reference_says_the_fixed_thresholds_are_dtype_blind(runs):
+    root, _ = runs
+    prompts = write_prompts(root / "prompts.jsonl")
+    done = run_cli("dumper", "run", "--model", smollm2_dir(), "--prompts", prompts, "--dtype", "float32",
+                   "--layers", "all", "--points", ",".join(POINTS), "--quiet", "--out", root / "hf-fp32")
+    assert done.returncode == 0, done.stderr
+    done = run_cli("comparator", root / "hf-fp32", root / "base", "--json", root / "ref.json", "--quiet")
+    report = json.loads((root / "ref.json").read_text())
+    assert report["matched"] == 4 * 30 * 3  # vLLM's rows of the real shapes, aligned with HF's
+    assert done.returncode in (0, 1) and any("fixed thresholds are dtype-blind" in n for n in report["notes"])
