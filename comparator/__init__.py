@@ -49,6 +49,20 @@ _EXPORTS = {
     "load_noise": "comparator.noise.file",
     "save_noise": "comparator.noise.file",
     "BASELINE_NOISE": "comparator.noise.file",
+    "TopK": "comparator.logprobs.types",
+    "parse_record": "comparator.logprobs.sources.engine_json",
+    "score_prompt": "comparator.logprobs.sources.collect",
+    "k3_summary": "comparator.logprobs.metrics",
+    "GREEDY_K3_NOTE": "comparator.logprobs.metrics",
+    "Outcome": "comparator.outcome",
+    "status": "comparator.outcome",
+    "clause": "comparator.outcome",
+    "format_float": "comparator.outcome",
+    "PASS": "comparator.outcome",
+    "DIVERGED": "comparator.outcome",
+    "write_json": "comparator.reports.files",
+    "threshold_flags": "comparator.cli.args",
+    "stdout_console": "comparator.cli.args",
 }
 """Public name -> the module that defines it, imported on first use (PEP 562), so that
 ``python -m comparator`` and a library user load only what they touch."""
@@ -79,6 +93,20 @@ __all__ = [
     "load_noise",
     "save_noise",
     "BASELINE_NOISE",
+    "TopK",
+    "parse_record",
+    "score_prompt",
+    "k3_summary",
+    "GREEDY_K3_NOTE",
+    "Outcome",
+    "status",
+    "clause",
+    "format_float",
+    "PASS",
+    "DIVERGED",
+    "write_json",
+    "threshold_flags",
+    "stdout_console",
 ]
 
 if TYPE_CHECKING:
@@ -94,6 +122,13 @@ if TYPE_CHECKING:
     from comparator.hidden.types import FirstDivergence, Heatmap, LayerSummary, ReplicaMismatch, Report, TensorComparison
     from comparator.store import RunStore, select_baseline
     from comparator.store.regress import RegressResult, regress
+    from comparator.cli.args import stdout_console, threshold_flags
+    from comparator.logprobs.metrics import GREEDY_K3_NOTE, k3_summary
+    from comparator.logprobs.sources.collect import score_prompt
+    from comparator.logprobs.sources.engine_json import parse_record
+    from comparator.logprobs.types import TopK
+    from comparator.outcome import DIVERGED, PASS, Outcome, clause, format_float, status
+    from comparator.reports.files import write_json
 
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

@@ -25,7 +25,7 @@ MAX_FUNCTION_LINES = 60
 
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("core", ("dumper.errors", "dumper.settings", "dumper.progress", "dumper.prompts", "dumper.tokenizers",
-              "dumper.modeldir", "dumper.resources", "dumper.version", "dumper.format.*", "comparator.jsonfloat",
+              "dumper.modeldir", "dumper.resources", "dumper.version", "dumper.format.*", "dumper.server.*",
               "comparator.exports", "dumper.cli.common")),
     ("comparator.judging", ("comparator.judging.*", "comparator.settings")),
     ("comparator.config", ("comparator.config",)),
@@ -334,6 +334,14 @@ def test_the_comparator_imports_only_the_shared_part_of_the_dumper() -> None:
     bad = [f"{i.where}: imports {i.target}" for i in _here().imports if _within(i.src, ("comparator",))
            and _within(i.target, ("dumper",)) and i.target != "dumper" and not _within(i.target, SHARED)
            and _exception(i) is None]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_dumper_uses_the_comparator_only_through_its_public_api() -> None:
+    """``from comparator import ...`` (what ``comparator/__init__.py`` exports) and nothing deeper, no exception."""
+    bad = [f"{i.where}: imports {i.target}; export it from comparator/__init__.py and import it from there"
+           for i in _here().imports if _within(i.src, ("dumper",)) and _within(i.target, ("comparator",))
+           and i.target != "comparator"]
     assert not bad, "\n".join(bad)
 
 

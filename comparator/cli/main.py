@@ -153,7 +153,7 @@ def build_logprobs_parser(sub: argparse._SubParsersAction | None = None) -> argp
 
 def build_collect_parser(sub: argparse._SubParsersAction | None = None) -> argparse.ArgumentParser:
     """``collect --server URL --api API --out FILE.jsonl``: a subparser of ``sub``, or a parser of its own."""
-    from comparator.logprobs.sources.server_flags import API_NAMES, retries_arg, timeout_arg
+    from dumper.server.flags import API_NAMES, retries_arg, timeout_arg
 
     p = add_command(sub, "collect", "Score prompts on a live server into logprob JSONL. The server is vLLM, SGLang "
                     "or OpenAI-compatible; the prompt logprobs are written as JSONL for `python -m comparator "
@@ -180,8 +180,9 @@ def build_collect_parser(sub: argparse._SubParsersAction | None = None) -> argpa
 def cmd_collect(args: argparse.Namespace) -> int:
     from dumper.prompts import BUILTIN_PROMPTS, parse_input_ids, read_prompts_file
 
-    from comparator.logprobs.sources.collect import collect, prompts_from
-    from comparator.logprobs.sources.server_http import ServerClient
+    from comparator.logprobs.sources.collect import collect
+    from dumper.server.api import prompts_from
+    from dumper.server.client import ServerClient
 
     texts, ids = list(args.prompt or ()), [list(s) for s in parse_input_ids(args.input_ids or ())]
     if args.prompts:

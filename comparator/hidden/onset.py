@@ -39,7 +39,7 @@ import numpy as np
 
 from dumper.format.dtypes import DTYPES, FLOAT_CODES
 
-from comparator.jsonfloat import from_json_float, to_json_float
+from dumper.format.jsonfloat import from_json_float, to_json_float
 
 __all__ = ["MIN_DECADES", "INTRODUCED_FACTOR", "change_point", "token_onset", "Amplification", "amplification",
            "layer_onset", "point_of", "rounding_floor"]

@@ -1,7 +1,7 @@
 """The hidden-state result types: frozen dataclasses whose JSON keys are a public contract.
 
 One JSON codec: every ``to_json`` has a ``from_json`` that reads it back equal (round trips in
-``tests/comparator/test_results.py``); non-finite floats are ``null`` (:mod:`comparator.jsonfloat`);
+``tests/comparator/test_results.py``); non-finite floats are ``null`` (:mod:`dumper.format.jsonfloat`);
 ``passed`` is always explicit. A leaf: the comparison modules build these, :mod:`comparator.results`
 re-exports them, :mod:`comparator.reports.files` writes them (the types carry no renderer).
 """
@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from comparator.hidden.decode_types import DecodeComparison, DecodeFork
-from comparator.jsonfloat import from_json_float, to_json_float
+from dumper.format.jsonfloat import from_json_float, to_json_float
 from comparator.hidden.onset import Amplification
 from comparator.hidden.registry import BuiltinMetrics
 from comparator.hidden.registry import lookup as lookup_metric

@@ -1,6 +1,6 @@
 """What decides pass or fail: threshold values, the logprob metric table, fixed logprob thresholds, the
 noise value types and the thresholds derived from noise, and model identity (a leaf: it imports only the
-shared core, :mod:`comparator.jsonfloat` and :mod:`comparator.settings`).
+shared core, :mod:`dumper.format.jsonfloat` and :mod:`comparator.settings`).
 
 - :mod:`~comparator.judging.values`: the one parser of threshold values (flags, env vars, tables);
 - :mod:`~comparator.judging.logprob_metrics`: the checked logprob metrics, one spec each (add one there);

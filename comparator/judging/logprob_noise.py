@@ -20,7 +20,7 @@ from typing import Any, Final
 
 from dumper.errors import UsageError
 
-from comparator.jsonfloat import from_json_float, to_json_float
+from dumper.format.jsonfloat import from_json_float, to_json_float
 from comparator.judging.fields import integer, items, number, record
 from comparator.judging.logprob_metrics import metric_names, tested_means
 

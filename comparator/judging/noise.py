@@ -34,7 +34,7 @@ from dumper.format.files import show
 from dumper.format.sketch import SketchSpec, check_spec
 from dumper.format.validate import check_model
 
-from comparator.jsonfloat import to_json_float
+from dumper.format.jsonfloat import to_json_float
 from comparator.judging.fields import REL_DIFF_MAX, bad, integer, items, number, record, text
 from comparator.judging.identity import IDENTITY_FIELDS, REPORTED_FIELDS, IdentityDifference
 from comparator.judging.logprob_noise import LogprobNoise

@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from comparator.jsonfloat import to_json_float
+from dumper.format.jsonfloat import to_json_float
 from comparator.judging.fields import bad, integer, items, number, record
 
 __all__ = ["RouterNoise", "MARGIN_RULE", "WEIGHT_RULE", "SCORE_FLOOR", "WEIGHT_FLOOR", "margin_rule", "weight_rule",

@@ -36,7 +36,7 @@ from typing import Any, Final
 
 import numpy as np
 
-from comparator.jsonfloat import from_json_float, to_json_float
+from dumper.format.jsonfloat import from_json_float, to_json_float
 
 __all__ = ["LlamaStats", "llama_stats", "mean_se", "percentiles", "DELTA_P_PERCENTILES", "KL_PERCENTILES",
            "stats_rows"]

@@ -16,7 +16,7 @@ from typing import Any, Final
 
 import numpy as np
 
-from comparator.jsonfloat import from_json_float, to_json_float
+from dumper.format.jsonfloat import from_json_float, to_json_float
 from comparator.judging.logprob_metrics import LogprobMetric, MetricValue, logprob_metric, logprob_metrics, metric_names
 from comparator.judging.logprob_noise import NoiseCheck
 from comparator.judging.logprob_thresholds import LogprobThresholds, judged_failures

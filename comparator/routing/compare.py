@@ -37,7 +37,7 @@ from dumper.format.dtypes import DTYPES
 
 from comparator.judging.fields import EXCESSIVE
 from comparator.judging.router_noise import SCORE_FLOOR, WEIGHT_FLOOR, RouterNoise, margin_rule, weight_rule
-from comparator.routing.read import LayerRecords, LayerRows, key_parts, read_layer, router_records, row_key
+from dumper.format.routing import LayerRecords, LayerRows, key_parts, read_layer, router_records, row_key
 from comparator.routing.types import CALIBRATED, MARGIN_RULE_BASIS, Flip, RankRouting, RouterComparison, RouterLayer
 
 __all__ = ["RUN_NOISE", "SHOWN_FLIPS", "compare_routing"]

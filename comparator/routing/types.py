@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from comparator.jsonfloat import from_json_float, to_json_float
+from dumper.format.jsonfloat import from_json_float, to_json_float
 
 __all__ = ["Flip", "RouterLayer", "RouterComparison", "RankRouting", "CALIBRATED", "MARGIN_RULE_BASIS"]
 

@@ -17,7 +17,7 @@ __all__ = ["add_collect", "cmd_collect"]
 
 def add_collect(sub: argparse._SubParsersAction) -> None:
     """``collect``: the server, its spool, the prompts and what to record."""
-    from comparator.logprobs.sources.server_flags import retries_arg, timeout_arg
+    from dumper.server.flags import retries_arg, timeout_arg
     from dumper.jobs.collect import MAX_CONCURRENCY, PART_WAIT_S
 
     c = sub.add_parser("collect", help="dump the requests this client sends to a live vllm serve (started with the "

@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_selfcheck(sub: argparse._SubParsersAction) -> None:
     """``selfcheck``: a local model, or a live server with ``--server``."""
-    from comparator.logprobs.sources.server_flags import API_NAMES, retries_arg, timeout_arg
+    from dumper.server.flags import API_NAMES, retries_arg, timeout_arg
 
     sc = sub.add_parser("selfcheck", help="decode <-> prefill logprob self-consistency of a model")
     sc.add_argument("--model", default="tiny-llama", help="local HF model directory or preset")
@@ -166,7 +166,7 @@ def _cmd_selfcheck(args: argparse.Namespace) -> int:
     from dumper.prompts import BUILTIN_PROMPTS, parse_input_ids
     from dumper.jobs.selfcheck import DEFAULT_K3_THRESHOLD, GREEDY_K3_NOTE, MODES, check_inputs, selfcheck, vocab_size_of
 
-    from comparator.outcome import status  # the words every verdict uses (the CLI may import the comparator)
+    from comparator import status  # the words every verdict uses
 
     threshold = DEFAULT_K3_THRESHOLD if args.threshold is None else args.threshold
     if not threshold >= 0:
@@ -205,13 +205,12 @@ def _cmd_selfcheck(args: argparse.Namespace) -> int:
 
 def _cmd_server_selfcheck(args: argparse.Namespace, threshold: float) -> int:
     """``selfcheck --server URL --api API``: :func:`dumper.jobs.server_selfcheck.server_selfcheck` per prompt."""
-    from comparator.logprobs.sources.collect import prompts_from, served_model
-    from comparator.logprobs.sources.server_http import ServerClient
+    from dumper.server.api import prompts_from, served_model
+    from dumper.server.client import ServerClient
 
     from dumper.format import write_json_atomic
     from dumper.prompts import BUILTIN_PROMPTS, parse_input_ids
-    from comparator.logprobs import GREEDY_K3_NOTE
-    from comparator.outcome import status
+    from comparator import GREEDY_K3_NOTE, status
 
     from dumper.jobs.server_selfcheck import server_selfcheck
 

@@ -15,7 +15,7 @@ __all__ = ["add_sweep", "cmd_sweep"]
 
 def add_sweep(sub: argparse._SubParsersAction) -> None:
     """``sweep``: the grid, the baseline, and ``run``'s flags that are fixed across cells."""
-    from comparator.cli.args import threshold_flags
+    from comparator import threshold_flags
 
     s = sub.add_parser("sweep", help="one capture per cell of a grid of settings, each compared with a baseline")
     s.add_argument("--model", default="tiny-llama", help="local HF model directory or preset, as for run")
@@ -54,8 +54,7 @@ def add_sweep(sub: argparse._SubParsersAction) -> None:
 
 def cmd_sweep(args: argparse.Namespace) -> int:
     """Build the :class:`~dumper.jobs.sweep.SweepConfig`, run it, print a line per cell and the table."""
-    from comparator.cli.args import stdout_console
-    from comparator.config import CompareConfig
+    from comparator import CompareConfig, stdout_console
     from dumper.format import write_json_atomic
     from dumper.jobs.run import LogprobSpec, RunConfig
     from dumper.hooks.layers import parse_points

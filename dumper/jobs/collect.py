@@ -37,10 +37,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from comparator.logprobs.sources.collect import first_choice, served_model
-from comparator.logprobs.sources.engine_json import parse_record
-from comparator.logprobs.sources.server_http import ServerClient, ServerError
-from comparator.logprobs.types import SequenceLogprobs, TopK
+from comparator import SequenceLogprobs, TopK, parse_record
+from dumper.server.api import first_choice, served_model
+from dumper.server.client import ServerClient, ServerError
 
 from dumper.engines.base import EngineInfo, hf_identity
 from dumper.engines.vllm_parts import RankParts, join_dump, new_token, remove_spool, wait_parts

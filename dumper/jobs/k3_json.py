@@ -1,7 +1,7 @@
 """The JSON of the k3 verdict that ``selfcheck`` and its server variant share (torch-free).
 
 Both results carry the same trailing fields (``k3_mean`` .. ``k3_tokens``): this module writes
-them (a non-finite k3 or error as ``null``, by :mod:`comparator.jsonfloat`, and the constant
+them (a non-finite k3 or error as ``null``, by :mod:`dumper.format.jsonfloat`, and the constant
 ``k3_note``) and reads them back, so the two codecs cannot drift apart.
 
 Example::
@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Final
 
-from comparator.jsonfloat import from_json_float, to_json_float
-from comparator.logprobs.metrics import GREEDY_K3_NOTE
+from dumper.format.jsonfloat import from_json_float, to_json_float
+from comparator import GREEDY_K3_NOTE
 
 __all__ = ["K3_FLOATS", "k3_to_json", "k3_from_json"]
 

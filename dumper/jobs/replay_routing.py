@@ -38,8 +38,8 @@ from dumper.hooks.router_weights import combine_weights
 from dumper.hooks.routing import Reader, find_routers, has_router, known_families, router_meta
 from dumper.jobs.presets import model_label
 
-from comparator.routing.read import LayerRecords, LayerRows, key_parts, read_layer, row_key
-from comparator.routing.read import router_records as baseline_router_records
+from dumper.format.routing import LayerRecords, LayerRows, key_parts, read_layer, row_key
+from dumper.format.routing import router_records as baseline_router_records
 
 __all__ = ["FORCE_MODES", "check_force", "check_model_routes", "baseline_routing", "routed_layers", "check_baseline_rows",
            "LayerRouting", "layer_routing"]

@@ -56,7 +56,7 @@ from dumper.jobs.replay_routing import (LayerRecords, LayerRows, baseline_routin
                                         check_model_routes, layer_routing, routed_layers)
 from dumper.progress import ProgressFn
 
-from comparator.hidden.metrics import pair_stats
+from comparator import pair_stats
 
 __all__ = ["HALVES", "REFERENCES", "CAUSE_FACTOR", "HalfError", "split_replay", "split_replay_model", "rel_diff"]
 

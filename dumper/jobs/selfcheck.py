@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from comparator.logprobs.metrics import GREEDY_K3_NOTE, k3_summary
+from comparator import GREEDY_K3_NOTE, k3_summary
 
 from dumper.errors import InternalError, ModelError, UsageError
 from dumper.jobs.logprobs import input_token_logprobs

@@ -18,8 +18,8 @@ What "pure" means per API:
 
 Example::
 
-    from comparator.logprobs.sources.collect import Prompt
-    from comparator.logprobs.sources.server_http import ServerClient
+    from dumper.server.api import Prompt
+    from dumper.server.client import ServerClient
     from dumper.jobs.server_selfcheck import server_selfcheck
     r = server_selfcheck(ServerClient("http://127.0.0.1:8000"), "vllm", Prompt("0", ids=(1, 5, 9)), new_tokens=8)
     r.passed, r.k3
@@ -31,11 +31,10 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from comparator.logprobs.sources.collect import Prompt, first_choice, score
-from comparator.logprobs.sources.engine_json import parse_record
-from comparator.jsonfloat import from_json_float, to_json_float
-from comparator.logprobs.metrics import k3_summary
-from comparator.logprobs.sources.server_http import ServerClient, ServerError
+from comparator import k3_summary, parse_record, score_prompt
+from dumper.server.api import Prompt, first_choice
+from dumper.format.jsonfloat import from_json_float, to_json_float
+from dumper.server.client import ServerClient, ServerError
 
 from dumper.errors import UsageError
 from dumper.jobs.k3_json import k3_from_json, k3_to_json
@@ -175,13 +174,13 @@ def _prefill(client: ServerClient, api: str, prompt: Prompt, gen: Generation,
     if gen.output_ids is not None and gen.prompt_ids is not None:
         if api == "sglang":
             client.post_text("/flush_cache")
-        seq = score(client, api, Prompt(rid, ids=gen.prompt_ids + gen.output_ids), model=model).sequence
+        seq = score_prompt(client, api, Prompt(rid, ids=gen.prompt_ids + gen.output_ids), model=model).sequence
         return list(seq.logprobs[-len(gen.output_ids):]), len(gen.prompt_ids)
     text = f"{prompt.text}{gen.text}"
     other = "\n" if not text.startswith("\n") else "."
     client.post("/v1/completions", {"prompt": other, "max_tokens": 1, "temperature": 0.0}
                 | ({"model": model} if model else {}))  # evicts a single-slot cache (see the module doc)
-    seq = score(client, api, Prompt(rid, text=text), model=model).sequence
+    seq = score_prompt(client, api, Prompt(rid, text=text), model=model).sequence
     n = len(gen.logprobs)
     texts = seq.token_texts or ()
     if len(texts) < n or tuple(texts[-n:]) != gen.output_texts:

@@ -43,11 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from comparator.config import CompareConfig
-from comparator.hidden.compare import compare_dumps
-from comparator.outcome import Outcome, clause, status
-from comparator.reports.files import write_json
-from comparator.results import Report
+from comparator import CompareConfig, Outcome, Report, clause, compare_dumps, status, write_json
 from dumper.engines import RunDump, engine_runner
 from dumper.errors import DriftscopeError, UsageError
 from dumper.format import LOGITS_POINT, LOGPROB_POINT, PAD_SEQUENCE, Manifest, load_manifest, write_json_atomic

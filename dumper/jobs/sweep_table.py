@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from comparator.outcome import DIVERGED, PASS, format_float
+from comparator import DIVERGED, PASS, format_float
 from dumper.jobs.sweep_grid import describe
 from dumper.jobs.sweep_types import CellResult, SweepResult
 

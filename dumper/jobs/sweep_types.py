@@ -14,8 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from comparator.jsonfloat import from_json_float, to_json_float
-from comparator.results import FirstDivergence
+from dumper.format.jsonfloat import from_json_float, to_json_float
+from comparator import FirstDivergence
 
 __all__ = ["CellLogprobs", "CellResult", "SweepResult", "PREFIX_CACHE_NOTE", "ZERO_HITS"]
 

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 import dumper
 from comparator import CompareConfig, compare_dumps
 from comparator.hidden.onset import Amplification
-from comparator.jsonfloat import from_json_float, to_json_float
+from dumper.format.jsonfloat import from_json_float, to_json_float
 from comparator.logprobs import LogprobVerdict
 from comparator.noise.calibrate import calibrate
 from comparator.reports.files import json_text

@@ -23,7 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from comparator.cli.main import main as comparator_main
-from comparator.logprobs.sources.server_http import (MAX_RETRIES, MAX_TIMEOUT_S, ServerClient, ServerError,
+from dumper.server.client import (MAX_RETRIES, MAX_TIMEOUT_S, ServerClient, ServerError,
                                                      check_retries, check_timeout)
 from dumper.cli.main import main as dumper_main
 from dumper.errors import UsageError

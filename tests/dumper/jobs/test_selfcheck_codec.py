@@ -19,8 +19,8 @@ from typing import Any, ClassVar
 import pytest
 import torch
 
-from comparator.logprobs.sources.collect import Prompt
-from comparator.logprobs.sources.server_http import ServerClient
+from dumper.server.api import Prompt
+from dumper.server.client import ServerClient
 from dumper.jobs.logprobs import input_token_logprobs
 from dumper.jobs.selfcheck import MODES, SelfCheckResult, greedy_decode, selfcheck
 from dumper.jobs.server_selfcheck import ServerSelfCheck, server_selfcheck

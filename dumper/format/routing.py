@@ -19,8 +19,9 @@ from typing import Any
 import numpy as np
 
 from dumper.errors import CorruptDumpError, NotComparableError
-from dumper.format import (PAD_SEQUENCE, ROUTER_IDS, ROUTER_LOGITS, ROUTER_POINTS, ROUTER_SCORES, ROUTER_WEIGHTS,
-                           DumpReader, TensorRecord, to_float64)
+from dumper.format.manifest import (PAD_SEQUENCE, ROUTER_IDS, ROUTER_LOGITS, ROUTER_POINTS, ROUTER_SCORES,
+                                    ROUTER_WEIGHTS, TensorRecord)
+from dumper.format.reader import DumpReader, to_float64
 
 __all__ = ["PARTS", "LayerRecords", "LayerRows", "RankDifference", "row_key", "key_parts", "router_records",
            "read_layer"]

@@ -14,7 +14,7 @@ failure is a :class:`ServerError` (exit 2) of one printable line that names the 
 
 Example::
 
-    from comparator.logprobs.sources.server_http import ServerClient
+    from dumper.server.client import ServerClient
     client = ServerClient("http://127.0.0.1:8000", timeout=30, retries=2)
     client.get("/v1/models")["data"][0]["id"]
 """
@@ -34,8 +34,8 @@ from typing import Any, Final
 from dumper.errors import DriftscopeError, UsageError
 from dumper.format.files import check_json_memory
 
-from comparator.logprobs.sources.server_flags import MAX_RETRIES, MAX_TIMEOUT_S, check_retries, check_timeout
-from comparator.logprobs.sources.http_wire import (
+from dumper.server.flags import MAX_RETRIES, MAX_TIMEOUT_S, check_retries, check_timeout
+from dumper.server.wire import (
     PIECE,
     Answer,
     DeadlineRaw,

@@ -1,5 +1,5 @@
 """The flags of a command that talks to a server (``--api``, ``--timeout``, ``--retries``), checked as they
-are parsed, without loading the HTTP client (:mod:`comparator.logprobs.sources.server_http`, which
+are parsed, without loading the HTTP client (:mod:`dumper.server.client`, which
 checks a client's settings by the same bounds): both CLIs build every subcommand's parser at start-up.
 """
 
