@@ -2,7 +2,7 @@
 
 Synthetic float32 logits of ``--rows`` x ``--vocab`` (default 32k x 150k, ~19.7 GB: more than
 this machine can hold) are streamed in chunks of ``--chunk-rows`` rows; each chunk goes through
-:func:`dumper.jobs.logprobs.row_logprobs` (target logprob + top-k). Peak extra anonymous memory is
+:func:`dumper.prefill.logprobs.row_logprobs` (target logprob + top-k). Peak extra anonymous memory is
 sampled every 2 ms and reported against the bound chunk_rows x V x 4 B x 3 (the chunk itself,
 which a real engine already holds, is not counted as extra). The naive full log_softmax
 materializes [rows, V] float32 and cannot run at 32k x 150k here; it is measured on
@@ -19,7 +19,7 @@ import time
 import torch
 from anonpeak import AnonPeak  # bench/ is on sys.path when run as a script
 
-from dumper.jobs.logprobs import row_logprobs
+from dumper.prefill.logprobs import row_logprobs
 
 
 def chunks(rows: int, vocab: int, chunk_rows: int, seed: int = 0):

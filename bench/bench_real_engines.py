@@ -59,8 +59,8 @@ FRACTION = 0.05
 def _worker(spec: dict) -> None:
     """One vLLM job in this process: time ``LLM(...)`` and the capture; print them (or a one-line error)."""
     from dumper.engines.base import hf_identity, job_sequences
-    from dumper.engines.vllm import dump_llm, engine_kwargs, load_llm, release_llm
-    from dumper.jobs.run import RunConfig
+    from dumper.engines.vllm.engine import dump_llm, engine_kwargs, load_llm, release_llm
+    from dumper.prefill.run import RunConfig
 
     try:
         ckpt = Path(spec["model"])

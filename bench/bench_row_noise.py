@@ -28,8 +28,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from comparator import CompareConfig, calibrate, compare_dumps, load_noise, save_noise  # noqa: E402
-from dumper.jobs.presets import load_model  # noqa: E402
-from dumper.jobs.run import RunConfig, dump_sequences  # noqa: E402
+from dumper.prefill.presets import load_model  # noqa: E402
+from dumper.prefill.run import RunConfig, dump_sequences  # noqa: E402
 from tests.real_model import real_prompt_ids, smollm2_dir  # noqa: E402
 
 POINTS = ("input", "attn_output", "mlp_input", "mlp_output")

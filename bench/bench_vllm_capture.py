@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import dumper  # noqa: E402
-from dumper.engines.vllm import env_defaults  # noqa: E402
+from dumper.engines.vllm.engine import env_defaults  # noqa: E402
 from tests.engine_models import build_checkpoint  # noqa: E402
 
 

@@ -65,8 +65,8 @@ def worker(spec: dict[str, Any]) -> None:
     import torch
 
     import dumper
-    from dumper.engines.vllm import engine_kwargs, load_llm
-    from dumper.jobs.run import RunConfig
+    from dumper.engines.vllm.engine import engine_kwargs, load_llm
+    from dumper.prefill.run import RunConfig
 
     ckpt, tokens = Path(spec["ckpt"]), spec["tokens"]
     eager = (("enforce_eager", "true"),) if spec["eager"] else ()

@@ -73,9 +73,9 @@ def _prompts(count: int, tokens: int) -> list[list[int]]:
 
 def worker(spec: dict[str, Any]) -> None:
     """Build one engine (timed), then answer ``{"run": "captured"|"generate"}`` lines with one timed job each."""
-    from dumper.engines.vllm import _generate, _join, engine_kwargs, load_llm
-    from dumper.engines.vllm_parts import new_token, remove_spool, spool_root, wait_parts
-    from dumper.jobs.run import RunConfig
+    from dumper.engines.vllm.engine import _generate, _join, engine_kwargs, load_llm
+    from dumper.engines.vllm.parts import new_token, remove_spool, spool_root, wait_parts
+    from dumper.prefill.run import RunConfig
 
     ckpt, seqs, out = Path(spec["ckpt"]), _prompts(spec["prompts"], spec["tokens"]), Path(spec["out"])
     args = (("tensor_parallel_size", str(spec["tp"])),)

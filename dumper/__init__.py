@@ -3,7 +3,7 @@
 Example::
 
     import dumper
-    from dumper.jobs.presets import load_model
+    from dumper.prefill.presets import load_model
 
     model, tokenizer = load_model("tiny-llama")
     with dumper.capture(model, "dumps/a", layers="all"):

@@ -1,6 +1,6 @@
 """The job's inputs without torch: the built-in prompts, ``--prompts`` JSONL files and ``--input-ids``.
 
-Kept apart from :mod:`dumper.jobs.run` so that clients that only send prompts (``python -m
+Kept apart from :mod:`dumper.prefill.run` so that clients that only send prompts (``python -m
 comparator collect``, ``selfcheck --server``) start without importing torch.
 """
 

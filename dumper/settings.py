@@ -8,7 +8,7 @@
 | ``DRIFTSCOPE_JSON_MEMORY_MIB``| memory one JSON text may take to parse, a whole number of |
 |                               | MiB >= 1 (default 432)                                    |
 | ``DRIFTSCOPE_VLLM_SPOOL``     | where vLLM's processes record the requests driftscope     |
-|                               | marks (:mod:`dumper.engines.vllm_spool`)                  |
+|                               | marks (:mod:`dumper.engines.vllm.spool`)                  |
 
 An empty variable counts as unset; a bad value is a one-line :class:`~dumper.errors.UsageError`
 naming the variable. The comparator's thresholds (``DRIFTSCOPE_DIFF_THRESHOLD``,

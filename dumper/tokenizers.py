@@ -14,7 +14,7 @@ from dumper.errors import UsageError
 __all__ = ["PRESETS", "Tokenizer", "ByteTokenizer", "load_tokenizer"]
 
 PRESETS = ("tiny-llama", "tiny-qwen2", "tiny-mixtral")
-"""The built-in models (``configs/<name>.json``), built by :func:`dumper.jobs.presets.load_model`."""
+"""The built-in models (``configs/<name>.json``), built by :func:`dumper.prefill.presets.load_model`."""
 
 
 class Tokenizer(Protocol):

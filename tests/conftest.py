@@ -79,7 +79,7 @@ def forward_hook(module: torch.nn.Module | None, hook: Callable) -> Iterator[Non
 
 
 def tiny_llama(attn: str = "eager", dtype: str = "float32"):
-    from dumper.jobs.presets import load_model
+    from dumper.prefill.presets import load_model
 
     model, tok = load_model("tiny-llama", attn=attn, dtype=dtype)
     return model, tok

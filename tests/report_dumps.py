@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from dumper.jobs.run import BUILTIN_PROMPTS, LogprobSpec, RunConfig, dump_sequences, run_dump
+from dumper.prefill.run import BUILTIN_PROMPTS, LogprobSpec, RunConfig, dump_sequences, run_dump
 from tests.conftest import tiny_llama
 
 SPEC = LogprobSpec(top_k=5, save_logits=True)

@@ -70,7 +70,7 @@ def test_the_four_checks(tree: Path) -> None:
 def test_the_most_specific_pattern_places_a_module_and_a_tie_is_no_place(tree: Path) -> None:
     table = linear(LAYERS)
     assert _place("dumper.cli.common", table)[0] == "core"  # beats dumper.cli.*
-    assert _place("dumper.jobs.presets", table)[0] == "dumper.jobs.prefill"  # beats dumper.jobs.*
+    assert _place("dumper.prefill.presets", table)[0] == "dumper.prefill"
     assert _place("dumper.jobs.sweep", table)[0] == "dumper.jobs"
     twice = (("a", ("comparator.*",), ()), ("b", ("comparator.*",), ()), ("c", ("dumper.*",), ()))
     assert "comparator/results.py: comparator.results matches comparator.* (a) and comparator.* (b)" \

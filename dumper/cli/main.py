@@ -1,4 +1,4 @@
-"""``python -m dumper run|replay|selfcheck|sweep|collect|ls``: thin CLI over :func:`dumper.jobs.run.run_dump`,
+"""``python -m dumper run|replay|selfcheck|sweep|collect|ls``: thin CLI over :func:`dumper.prefill.run.run_dump`,
 :func:`dumper.jobs.replay.replay`, :func:`dumper.jobs.sweep.sweep` (:mod:`dumper.cli.sweep`) and :mod:`dumper.format`."""
 
 from __future__ import annotations
@@ -162,7 +162,7 @@ def _cmd_split_replay(args: argparse.Namespace, cfg: Any) -> int:
 
 def _cmd_selfcheck(args: argparse.Namespace) -> int:
     from dumper.format import write_json_atomic
-    from dumper.jobs.presets import load_model
+    from dumper.prefill.presets import load_model
     from dumper.prompts import BUILTIN_PROMPTS, parse_input_ids
     from dumper.jobs.selfcheck import DEFAULT_K3_THRESHOLD, GREEDY_K3_NOTE, MODES, check_inputs, selfcheck, vocab_size_of
 

@@ -15,7 +15,7 @@ __all__ = ["add_run", "cmd_run"]
 
 
 def add_run(sub: argparse._SubParsersAction) -> None:
-    """``run``: the flags of :class:`dumper.jobs.run.RunConfig`."""
+    """``run``: the flags of :class:`dumper.prefill.run.RunConfig`."""
     r = sub.add_parser("run", help="teacher-forced prefill of prompts with capture on")
     r.add_argument("--model", default="tiny-llama",
                    help="local HF model directory or preset (tiny-llama, tiny-qwen2); a .gguf file for llama.cpp, "
@@ -77,8 +77,8 @@ def add_run(sub: argparse._SubParsersAction) -> None:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from dumper.format.remote import writing
-    from dumper.jobs.observer import OBSERVER_KEY, ObserverResult
-    from dumper.jobs.run import LogprobSpec, parse_input_ids, read_prompts_file
+    from dumper.prefill.observer import OBSERVER_KEY, ObserverResult
+    from dumper.prefill.run import LogprobSpec, parse_input_ids, read_prompts_file
 
     prompts: tuple[str, ...] = tuple(args.prompt or ())
     ids = parse_input_ids(args.input_ids or ())
@@ -138,7 +138,7 @@ def _run_job(args: argparse.Namespace, cfg: Any) -> Any:
 def _run_config(args: argparse.Namespace, prompts: tuple[str, ...], ids: Any, spec: Any, out: str) -> Any:
     """The job ``args`` describe, writing into ``out``."""
     from dumper.hooks.layers import parse_points
-    from dumper.jobs.run import RunConfig
+    from dumper.prefill.run import RunConfig
 
     cfg = RunConfig(out=out, model=args.model, prompts=prompts, input_ids=ids, dtype=args.dtype,
                     attn=args.attn, layers=args.layers, modules=args.modules, points=parse_points(args.points),
@@ -148,7 +148,7 @@ def _run_config(args: argparse.Namespace, prompts: tuple[str, ...], ids: Any, sp
                     compile=args.compile, observer_check=args.observer_check,
                     sketch=sketch_spec(args.sketch, args.sketch_seed), new_tokens=args.new_tokens)
     if args.tokens_from is not None:
-        from dumper.jobs.run import tokens_from
+        from dumper.prefill.run import tokens_from
 
         cfg = tokens_from(cfg, args.tokens_from)
     return cfg

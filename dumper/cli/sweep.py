@@ -56,7 +56,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     """Build the :class:`~dumper.jobs.sweep.SweepConfig`, run it, print a line per cell and the table."""
     from comparator import CompareConfig, stdout_console
     from dumper.format import write_json_atomic
-    from dumper.jobs.run import LogprobSpec, RunConfig
+    from dumper.prefill.run import LogprobSpec, RunConfig
     from dumper.hooks.layers import parse_points
     from dumper.jobs.sweep import SweepConfig, baseline_defaults, baseline_prompts, parse_grid, sweep
     from dumper.jobs.sweep_grid import MAX_CELLS

@@ -13,7 +13,7 @@ __all__ = ["seed_value", "positive_int", "check_device", "engine_args", "sketch_
 
 def seed_value(text: str) -> int:
     """``--seed`` value: an integer in 0..2^63-1 (what ``torch.manual_seed`` and the manifest's int64 hold)."""
-    from dumper.jobs.run import MAX_SEED
+    from dumper.prefill.run import MAX_SEED
 
     try:
         seed = int(text)

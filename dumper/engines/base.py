@@ -35,9 +35,9 @@ from dumper.hooks.capture import Capture
 from dumper.hooks.fingerprint import config_identity
 from dumper.hooks.layers import ATTN_INPUT, parse_layer_spec
 from dumper.format.decode import GENERATED_IDS, NEW_TOKENS
-from dumper.jobs.decode import decode_meta
-from dumper.jobs.logprob_records import record_logprobs, record_next_logprobs, record_token_logprobs
-from dumper.jobs.run import RunConfig, check_scored_positions, prompt_token_ids
+from dumper.prefill.decode import decode_meta
+from dumper.prefill.logprob_records import record_logprobs, record_next_logprobs, record_token_logprobs
+from dumper.prefill.run import RunConfig, check_scored_positions, prompt_token_ids
 
 __all__ = ["EngineInfo", "EngineDump", "EngineArg", "attn_input_name", "point_name", "hf_identity", "job_sequences",
            "check_checkpoint_dir", "check_engine_args"]
@@ -234,13 +234,13 @@ class EngineDump:
         self._cap.step()
 
     def decode_step(self, step: int | None) -> None:
-        """The following records belong to decode step ``step`` (``None``: no longer; :mod:`dumper.jobs.decode`)."""
+        """The following records belong to decode step ``step`` (``None``: no longer; :mod:`dumper.prefill.decode`)."""
         self._cap.set_pass_meta(None if step is None else decode_meta(step))
 
     def next_logprobs(self, logits: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor,
                       sequence_ids: Sequence[int]) -> None:
         """Record the logprob (and top-k) of each ``targets[r]`` at ``positions[r]`` from ``logits[r]``: the tokens a
-        greedy decode chose (:func:`dumper.jobs.logprob_records.record_next_logprobs`)."""
+        greedy decode chose (:func:`dumper.prefill.logprob_records.record_next_logprobs`)."""
         if self.spec is not None:
             record_next_logprobs(self._cap, logits, targets, positions, sequence_ids, self.spec)
 
@@ -272,7 +272,7 @@ class EngineDump:
 
         Row ``r`` (position ``p = first + r``) is the distribution of token ``p + 1``; rows past
         the prompt's end or at/below ``--logprob-start-len`` are dropped, as in the HF job
-        (:func:`dumper.jobs.run.record_logprobs` does the work for both).
+        (:func:`dumper.prefill.run.record_logprobs` does the work for both).
         """
         if self.spec is None:
             return
@@ -283,7 +283,7 @@ class EngineDump:
 
     def token_logprobs(self, seq_id: int, positions: Any, token_ids: Any, logprobs: Any,
                        top_ids: Any = None, top_logprobs: Any = None) -> None:
-        """Record logprobs the engine computed itself (see :func:`dumper.jobs.run.record_token_logprobs`)."""
+        """Record logprobs the engine computed itself (see :func:`dumper.prefill.run.record_token_logprobs`)."""
         positions = torch.as_tensor(positions, dtype=torch.int64).reshape(-1)
         record_token_logprobs(self._cap, positions, torch.full_like(positions, seq_id), token_ids, logprobs,
                               top_ids, top_logprobs)

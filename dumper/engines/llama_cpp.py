@@ -9,7 +9,7 @@ routing as ``model.layers.{i}.router.{logits,ids,weights}`` (see
 Prompts go ``--batch-size`` at a time as separate sequences of one batch, each batch in one
 decode or in ``--chunk-size`` token chunks through the KV cache. ``--new-tokens N`` then
 greedy-decodes N tokens per prompt, one ``llama_decode`` of one token per sequence a step, each
-step recorded (:mod:`dumper.jobs.decode`).
+step recorded (:mod:`dumper.prefill.decode`).
 
 ``--engine-arg`` keys (:data:`ENGINE_ARGS`): ``kv=f32|f16|bf16`` (KV-cache dtype, default f32 so
 that a clean run is clean), ``threads=N`` (default torch's thread count), ``flash_attn=off|on|auto``
@@ -36,7 +36,7 @@ from dumper.format import ROUTER_POINT, Manifest
 from dumper.format.points import order_in_layer
 from dumper.hooks.layers import parse_layer_spec
 from dumper.progress import ProgressFn
-from dumper.jobs.run import RunConfig
+from dumper.prefill.run import RunConfig
 from dumper.engines.base import (
     EngineArg,
     EngineDump,
@@ -46,7 +46,7 @@ from dumper.engines.base import (
     hf_identity,
     job_sequences,
 )
-from dumper.jobs.decode import greedy_loop
+from dumper.prefill.decode import greedy_loop
 from dumper.engines.llama_cpp_ggml import (FLASH_ATTN, GGML_NODES, GGML_TYPE, GgufSession, check_gguf_file,
                                            file_type_name)
 
@@ -133,7 +133,7 @@ def _record_pass(out: EngineDump, got: Any, positions: torch.Tensor, seq_ids: to
 def _decode_steps(s: GgufSession, out: EngineDump, batch: list[list[int]], first: int, last: torch.Tensor,
                   sets: tuple[set[tuple[str, int]], set[int]]) -> list[list[int]]:
     """Greedy-decode ``--new-tokens`` tokens per prompt after the batch's prefill (``last``: each row's last logits
-    row, :func:`~dumper.jobs.decode.greedy_loop`); each step is one ``llama_decode`` of one token per sequence.
+    row, :func:`~dumper.prefill.decode.greedy_loop`); each step is one ``llama_decode`` of one token per sequence.
     Returns the tokens."""
     rows = list(range(len(batch)))
     seq_ids = torch.tensor(rows, dtype=torch.int64) + first

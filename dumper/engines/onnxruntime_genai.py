@@ -38,7 +38,7 @@ from dumper.engines.onnxruntime_genai_graph import (
 from dumper.errors import ModelError, UsageError, error_reason
 from dumper.format import Manifest
 from dumper.hooks.layers import parse_layer_spec
-from dumper.jobs.run import RunConfig
+from dumper.prefill.run import RunConfig
 from dumper.progress import ProgressFn
 
 __all__ = ["ENGINE_ARGS", "run_dump"]

@@ -1,12 +1,12 @@
-"""The reference engine: HF transformers in this process (:func:`dumper.jobs.run.run_dump`)."""
+"""The reference engine: HF transformers in this process (:func:`dumper.prefill.run.run_dump`)."""
 
 from __future__ import annotations
 
 from dumper.format import Manifest
 from dumper.engines.base import EngineArg, check_engine_args
 from dumper.progress import ProgressFn
-from dumper.jobs.run import RunConfig
-from dumper.jobs.run import run_dump as _run_dump
+from dumper.prefill.run import RunConfig
+from dumper.prefill.run import run_dump as _run_dump
 
 __all__ = ["ENGINE_ARGS", "run_dump"]
 
@@ -15,6 +15,6 @@ ENGINE_ARGS: dict[str, EngineArg] = {}
 
 
 def run_dump(cfg: RunConfig, *, progress: ProgressFn | None = None) -> Manifest:
-    """Teacher-forced prefill under the hook API (see :func:`dumper.jobs.run.run_dump`)."""
+    """Teacher-forced prefill under the hook API (see :func:`dumper.prefill.run.run_dump`)."""
     check_engine_args(cfg, ENGINE_ARGS)
     return _run_dump(cfg, progress=progress)

@@ -29,7 +29,7 @@ def capture(model: nn.Module | Any | None, out_dir: str | Path, *, layers: str |
 
     Args:
         model: a HF causal LM (decoder layers found automatically), a vLLM model or ``vllm.LLM`` in this process
-            (:mod:`dumper.engines.vllm_hooks`), a model of a family in :mod:`dumper.hooks.families`, any module
+            (:mod:`dumper.engines.vllm.hooks`), a model of a family in :mod:`dumper.hooks.families`, any module
             with ``modules=`` given, or ``None`` to record only explicit :func:`dumper.dump` calls.
         out_dir: the dump directory, or an fsspec URL (:mod:`dumper.hooks.remote`); it must not already hold a dump.
         layers: layer spec (default ``"first,last,every:8"``), see :func:`dumper.hooks.layers.parse_layer_spec`.

@@ -9,7 +9,7 @@ their residual-stream input is (:meth:`FamilyAdapter.residual_input`, where
 :attr:`FamilyAdapter.residual` is set: HF yes, vLLM no, as its layers take the stream split
 in two). :class:`HFFamily` (transformers, the default) reads ``position_ids`` / ``cache_position`` /
 the attention mask / the KV-cache length of a ``[batch, seq]`` call; the vLLM family
-(:mod:`dumper.engines.vllm_hooks`, loaded only for a model whose class lives in ``vllm.``)
+(:mod:`dumper.engines.vllm.hooks`, loaded only for a model whose class lives in ``vllm.``)
 reads vLLM's flattened ``[tokens]`` batch and its request metadata.
 
 Every name the hooks read is an attribute of the adapter, so model code that spells them
@@ -173,7 +173,7 @@ class FamilyAdapter:
 
 
 _REGISTRY: list[type[FamilyAdapter]] = []
-_LAZY: list[tuple[str, str]] = [("vllm.", "dumper.engines.vllm_hooks")]
+_LAZY: list[tuple[str, str]] = [("vllm.", "dumper.engines.vllm.hooks")]
 """(module prefix of a model class, module that registers its family): no engine is imported until needed."""
 
 

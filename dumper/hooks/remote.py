@@ -6,7 +6,7 @@ at once), the manifest last (:mod:`dumper.format.remote`): a reader never takes 
 its manifest for a dump. Under ``torch.distributed`` every rank sends its own data files and
 then its part (``index-r{rank}.json``) straight to the URL, so ranks on other hosts need no
 shared disk; after a barrier rank 0 reads the parts there and writes the one manifest. An
-engine's worker (``part=True``, :mod:`dumper.engines.vllm_spool` with a URL spool) sends its
+engine's worker (``part=True``, :mod:`dumper.engines.vllm.spool` with a URL spool) sends its
 files and then its part, for the client that joins them. A capture that fails or records
 nothing sends nothing that looks complete; the staging directory is removed either way.
 Credentials come from fsspec's usual places (``AWS_ENDPOINT_URL``, ``~/.aws``, ...).

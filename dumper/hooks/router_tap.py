@@ -9,7 +9,7 @@ pass, :meth:`RouterTap.parts` reads them back, outside the graph.
 
 Who calls the probe is the engine's: HF routers get a forward hook (:func:`hook_router`, installed
 by :func:`dumper.hooks.tap.install_tap` for the ``router`` point), vLLM's fused-MoE routers a
-wrapped ``select_experts`` (:mod:`dumper.engines.vllm_tap`). The probe only reads.
+wrapped ``select_experts`` (:mod:`dumper.engines.vllm.tap`). The probe only reads.
 """
 
 from __future__ import annotations

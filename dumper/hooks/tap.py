@@ -13,7 +13,7 @@ the pass's row metadata (:mod:`dumper.hooks.capture`).
 
 The tap is installed by :func:`install_tap` *before* the model is compiled (``dumper.tap``
 for a model of your own, ``python -m dumper run --compile``; vLLM's loader for a vLLM
-model: :mod:`dumper.engines.vllm_tap`). It only reads its input: the model's outputs are
+model: :mod:`dumper.engines.vllm.tap`). It only reads its input: the model's outputs are
 those of the same build without it, which ``--observer-check`` verifies bit for bit.
 
 Example::

@@ -1,9 +1,9 @@
 """Capture from a live ``vllm serve``: the requests this client sends, recorded where the server runs its model.
 
 A server started with driftscope's tap and a spool directory records, on every rank, exactly the
-requests marked with a capture token (:mod:`dumper.engines.vllm_spool`)::
+requests marked with a capture token (:mod:`dumper.engines.vllm.spool`)::
 
-    DRIFTSCOPE_VLLM_SPOOL=/tmp/ds-spool python -m dumper.engines.vllm_serve CKPT --port 8000 \\
+    DRIFTSCOPE_VLLM_SPOOL=/tmp/ds-spool python -m dumper.engines.vllm.serve CKPT --port 8000 \\
         --additional-config '{"driftscope": {"layers": "all"}}'
 
 :func:`collect_dump` sends each prompt as one ``POST /v1/completions`` (the token ids as the
@@ -12,7 +12,7 @@ prompt, ``max_tokens=1``, greedy, ``prompt_logprobs`` = top-k with ``--logprobs`
 ``ignore_eos``, the generated tokens' ``logprobs`` as token ids, and the marker asks for the N-1
 decode steps too), records the prompt (and generated) logprobs of the answers, waits
 for every rank's part in ``SPOOL/TOKEN`` and joins them into one dump
-(:func:`dumper.engines.vllm_parts.join_dump`, the manifest last); ``SPOOL/TOKEN`` is removed
+(:func:`dumper.engines.vllm.parts.join_dump`, the manifest last); ``SPOOL/TOKEN`` is removed
 either way. Anyone else's requests (unmarked, or marked with another token) are never in it.
 
 vLLM computes every position of a request that asks ``prompt_logprobs``; without ``--logprobs`` the
@@ -42,16 +42,16 @@ from dumper.server.api import first_choice, served_model
 from dumper.server.client import ServerClient, ServerError
 
 from dumper.engines.base import EngineInfo, hf_identity
-from dumper.engines.vllm_parts import RankParts, join_dump, new_token, remove_spool, wait_parts
-from dumper.engines.vllm_spool import marker
+from dumper.engines.vllm.parts import RankParts, join_dump, new_token, remove_spool, wait_parts
+from dumper.engines.vllm.spool import marker
 from dumper.settings import VLLM_SPOOL_ENV
-from dumper.engines.vllm_tap import tap_config
+from dumper.engines.vllm.tap import tap_config
 from dumper.errors import DumpError, UsageError
 from dumper.format import MANIFEST_NAME, Manifest
 from dumper.format.decode import GENERATED_IDS, NEW_TOKENS
 from dumper.hooks.capture import Capture
 from dumper.hooks.layers import ATTN_INPUT
-from dumper.jobs.logprob_records import LogprobSpec, record_token_logprobs
+from dumper.prefill.logprob_records import LogprobSpec, record_token_logprobs
 from dumper.modeldir import check_model_dir
 from dumper.progress import ProgressFn
 from dumper.prompts import BUILTIN_PROMPTS
@@ -320,7 +320,7 @@ def _wait(directory: Path, spool: Path, cfg: CollectConfig) -> RankParts:
             raise  # a rank said why it dropped the capture, or some ranks wrote theirs
         raise DumpError(f"--spool {spool}: no capture part of the {cfg.server} requests appeared within "
                         f"{cfg.part_timeout:g} s (--part-timeout): the server runs without the driftscope tap or records "
-                        f"into another spool; start it as {VLLM_SPOOL_ENV}={spool} python -m dumper.engines.vllm_serve "
+                        f"into another spool; start it as {VLLM_SPOOL_ENV}={spool} python -m dumper.engines.vllm.serve "
                         f"CKPT --additional-config '{_TAP_CONFIG}' (or vllm serve, the same flags)") from None
 
 

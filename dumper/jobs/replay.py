@@ -53,7 +53,7 @@ from dumper.hooks.capture import Capture
 from dumper.hooks.families import family_for
 from dumper.hooks.fingerprint import environment_fingerprint, model_identity
 from dumper.hooks.layers import RESIDUAL, ROUTER, find_decoder_layers
-from dumper.jobs.presets import load_model, model_label
+from dumper.prefill.presets import load_model, model_label
 from dumper.jobs.replay_routing import (LayerRecords, LayerRows, baseline_routing, check_baseline_rows, check_force,
                                         check_model_routes, layer_routing, routed_layers)
 from dumper.progress import ProgressFn

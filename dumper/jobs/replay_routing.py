@@ -36,7 +36,7 @@ from dumper.hooks.capture import Capture
 from dumper.hooks.layers import RESIDUAL, ROUTER
 from dumper.hooks.router_weights import combine_weights
 from dumper.hooks.routing import Reader, find_routers, has_router, known_families, router_meta
-from dumper.jobs.presets import model_label
+from dumper.prefill.presets import model_label
 
 from dumper.format.routing import LayerRecords, LayerRows, key_parts, read_layer, row_key
 from dumper.format.routing import router_records as baseline_router_records

@@ -49,7 +49,7 @@ from dumper.hooks.capture import Capture
 from dumper.hooks.families import family_for
 from dumper.hooks.fingerprint import environment_fingerprint, model_identity
 from dumper.hooks.layers import find_decoder_layers, named_child
-from dumper.jobs.presets import load_model, model_label
+from dumper.prefill.presets import load_model, model_label
 from dumper.jobs.replay import (ReplayConfig, check_replay_model, layer_kwargs, layer_parts, point_plan,
                                 sequence_lengths, sequence_rows)
 from dumper.jobs.replay_routing import (LayerRecords, LayerRows, baseline_routing, check_baseline_rows, check_force,

@@ -12,7 +12,7 @@ KV; they assert the cache was really hit, so an empty run cannot pass.
 
 Example::
 
-    from dumper.jobs.presets import load_model
+    from dumper.prefill.presets import load_model
     from dumper.jobs.selfcheck import selfcheck
     model, tok = load_model("tiny-llama")
     result = selfcheck(model, tok.encode("The quick brown fox"), new_tokens=16, mode="prefill-hit")
@@ -30,10 +30,10 @@ import torch
 from comparator import GREEDY_K3_NOTE, k3_summary
 
 from dumper.errors import InternalError, ModelError, UsageError
-from dumper.jobs.logprobs import input_token_logprobs
+from dumper.prefill.logprobs import input_token_logprobs
 from dumper.jobs.k3_json import k3_from_json, k3_to_json
-from dumper.jobs.presets import model_label
-from dumper.jobs.forward import cache_kwarg, cache_length, call_model
+from dumper.prefill.presets import model_label
+from dumper.prefill.forward import cache_kwarg, cache_length, call_model
 
 __all__ = ["MODES", "SelfCheckResult", "check_inputs", "greedy_decode", "selfcheck", "vocab_size_of",
            "DEFAULT_K3_THRESHOLD", "GREEDY_K3_NOTE"]

@@ -18,14 +18,14 @@ only (``CompareConfig(subset=True)``, :mod:`comparator.hidden.subset`):
   pass), and such a cell records no logprobs (vLLM never reads the cache for a request that
   asks for ``prompt_logprobs``).
 
-A ``new_tokens=N`` cell (N > 0) decodes N tokens per prompt (:mod:`dumper.jobs.decode`); its
+A ``new_tokens=N`` cell (N > 0) decodes N tokens per prompt (:mod:`dumper.prefill.decode`); its
 generated tokens are its own, so it is judged not against the baseline but against the
 transformers prefill of the tokens it fed (``--tokens-from``), made with the baseline's model,
 dtype, seed and attention into ``OUT/cell-NNN/prefill``.
 
 Example::
 
-    from dumper.jobs.run import RunConfig
+    from dumper.prefill.run import RunConfig
     from dumper.jobs.sweep import SweepConfig, parse_grid, sweep
 
     result = sweep(SweepConfig(baseline="dumps/base", out="sweep", template=RunConfig(out="sweep", layers="all"),
@@ -48,7 +48,7 @@ from dumper.engines import RunDump, engine_runner
 from dumper.errors import DriftscopeError, UsageError
 from dumper.format import LOGITS_POINT, LOGPROB_POINT, PAD_SEQUENCE, Manifest, load_manifest, write_json_atomic
 from dumper.format.points import INPUT
-from dumper.jobs.run import RunConfig, tokens_from
+from dumper.prefill.run import RunConfig, tokens_from
 from dumper.jobs.sweep_engine import engine_block_size, held_engine, pinned_engine_args, preflight
 from dumper.jobs.sweep_grid import BLOCK, LENGTHS, Axis, Cell, describe, parse_grid, plan_cells
 from dumper.jobs.sweep_types import PREFIX_CACHE_NOTE, ZERO_HITS, CellLogprobs, CellResult, SweepResult

@@ -20,7 +20,7 @@ from typing import Any
 
 from dumper.engines import engine_adapter
 from dumper.errors import UsageError
-from dumper.jobs.run import RunConfig
+from dumper.prefill.run import RunConfig
 
 __all__ = ["HF_BLOCK_SIZE", "engine_block_size", "pinned_engine_args", "preflight", "held_engine"]
 
@@ -33,7 +33,7 @@ _MAX_MODEL_LEN = "max_model_len"
 def _vllm_kwargs(cfg: RunConfig) -> dict[str, Any]:
     """``vllm.LLM(**kwargs)`` of ``cfg`` (its prompts are ``cfg.input_ids``), with vLLM's adapter's checks."""
     from dumper.engines.base import check_checkpoint_dir
-    from dumper.engines.vllm import engine_kwargs
+    from dumper.engines.vllm.engine import engine_kwargs
 
     checkpoint = check_checkpoint_dir(cfg.model, "vllm")
     return engine_kwargs(cfg, checkpoint, [list(s) for s in cfg.input_ids])
@@ -45,7 +45,7 @@ def engine_block_size(cfg: RunConfig) -> int:
     if cfg.engine == "transformers":
         return HF_BLOCK_SIZE
     if cfg.engine == "vllm":
-        from dumper.engines.vllm import load_llm
+        from dumper.engines.vllm.engine import load_llm
 
         llm = load_llm(_vllm_kwargs(cfg), device=cfg.device)
         return int(llm.llm_engine.vllm_config.cache_config.block_size)
@@ -82,11 +82,10 @@ def held_engine(engine: str) -> Callable[[], Any] | None:
     """
     if engine != "vllm":
         return None
-    held = getattr(engine_adapter(engine), "_LLM", None)  # load_llm's (settings, engine) pair
-    if held is None:
+    llm = engine_adapter(engine).ENGINE.llm  # the engine load_llm keeps
+    if llm is None:
         return None
     try:
-        return weakref.ref(held[1])
+        return weakref.ref(llm)
     except TypeError:
-        obj = held[1]
-        return lambda: obj
+        return lambda: llm

@@ -5,7 +5,7 @@ Grid keys are the engine's ``--engine-arg`` keys (its ``ENGINE_ARGS`` table), th
 ``block`` for ``block-1, block, block+1, 2*block-1, 2*block, 2*block+1`` (KV-cache bugs show
 by prompt length modulo the engine's KV block size). Every value goes through the checks the
 ``run`` command applies (:func:`dumper.engines.base.check_engine_args`,
-:class:`~dumper.jobs.run.RunConfig`), so a bad grid fails before any engine starts.
+:class:`~dumper.prefill.run.RunConfig`), so a bad grid fails before any engine starts.
 
 Cells are the cartesian product of the axes, ``lengths`` innermost: cells with the same engine
 settings come one after another, so an engine that is kept between runs (vLLM's
@@ -34,7 +34,7 @@ from dumper.engines import engine_adapter
 from dumper.engines.base import EngineArg, check_engine_args
 from dumper.errors import DriftscopeError, UsageError
 from dumper.format.files import printable
-from dumper.jobs.run import RunConfig, check_scored_positions
+from dumper.prefill.run import RunConfig, check_scored_positions
 
 __all__ = ["Axis", "Cell", "RUN_KEYS", "LENGTHS", "BLOCK", "PREFIX_CACHING", "MAX_CELLS", "parse_grid",
            "plan_cells", "block_lengths", "describe", "axis_size", "check_cell_count"]

@@ -28,8 +28,8 @@ import pytest
 import torch
 
 from comparator import CompareConfig, compare_dumps, load_noise
-from dumper.jobs.presets import load_model
-from dumper.jobs.run import RunConfig, dump_sequences
+from dumper.prefill.presets import load_model
+from dumper.prefill.run import RunConfig, dump_sequences
 from tests.conftest import forward_hook, run_cli
 from tests.engine_models import engine_missing
 from tests.real_model import need, real_prompt_ids, smollm2_dir, smollm2_gguf, write_prompts

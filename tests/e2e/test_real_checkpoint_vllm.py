@@ -67,8 +67,8 @@ def _row_norm(dump: Path, layer: int, point: str, position: int) -> float:
 def _worker(out: str) -> None:
     """Both engines, one after the other: every dump under ``out``, then ``out/results.json`` (start times)."""
     from dumper.engines.base import hf_identity, job_sequences
-    from dumper.engines.vllm import dump_llm, engine_kwargs, load_llm, release_llm
-    from dumper.jobs.run import RunConfig
+    from dumper.engines.vllm.engine import dump_llm, engine_kwargs, load_llm, release_llm
+    from dumper.prefill.run import RunConfig
 
     root, ckpt = Path(out), smollm2_dir()
     results: dict[str, object] = {}

@@ -14,7 +14,7 @@ import torch
 
 import dumper
 from comparator import compare_dumps
-from dumper.jobs.run import RunConfig, cache_kwarg, pad_batch, prefill, run_dump
+from dumper.prefill.run import RunConfig, cache_kwarg, pad_batch, prefill, run_dump
 from tests.conftest import tiny_llama
 
 PROMPTS = (

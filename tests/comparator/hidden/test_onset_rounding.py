@@ -19,9 +19,9 @@ import torch
 import dumper
 from comparator import CompareConfig, compare_dumps
 from comparator.hidden.onset import rounding_floor
-from dumper.jobs.forward import cache_kwarg, cache_length, call_model
-from dumper.jobs.presets import load_model
-from dumper.jobs.run import RunConfig, prompt_token_ids
+from dumper.prefill.forward import cache_kwarg, cache_length, call_model
+from dumper.prefill.presets import load_model
+from dumper.prefill.run import RunConfig, prompt_token_ids
 
 pytestmark = pytest.mark.slow
 

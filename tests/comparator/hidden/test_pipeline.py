@@ -11,7 +11,7 @@ import torch
 import dumper
 from comparator import CompareConfig, compare_dumps
 from comparator.hidden.pipeline import in_order
-from dumper.jobs.run import RunConfig, pad_batch, prefill, run_dump
+from dumper.prefill.run import RunConfig, pad_batch, prefill, run_dump
 from tests.conftest import tiny_llama
 
 PROMPTS = ("The quick brown fox jumps over the lazy dog, then naps in the warm afternoon sun. " * 2,

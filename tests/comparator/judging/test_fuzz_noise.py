@@ -46,7 +46,7 @@ from comparator.store.record import StoredNoise
 from comparator.store.types import Calibration
 from dumper.format import load_manifest
 from dumper.format.files import JSON_MEMORY_BUDGET, is_text, json_memory_bound, printable
-from dumper.jobs.run import LogprobSpec, RunConfig, run_dump
+from dumper.prefill.run import LogprobSpec, RunConfig, run_dump
 from tests.fuzzing import FUZZ, LIMIT, Outcome, check_outcome, deadline, get_path, json_paths, run_child, run_main
 
 INF, NAN = math.inf, math.nan

@@ -1,6 +1,6 @@
 """The live-server client against real servers on 127.0.0.1, started and stopped here.
 
-One ``vllm serve`` (through ``python -m dumper.engines.vllm_serve``) and one llama-cpp-python
+One ``vllm serve`` (through ``python -m dumper.engines.vllm.serve``) and one llama-cpp-python
 OpenAI-compatible server serve the tiny checkpoint for the whole module; a stdlib HTTP server
 in a thread plays the servers that answer wrongly (no logprobs, HTML, 503).
 """
@@ -91,7 +91,7 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def vllm_server(ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[_Server]:
     need(engine_missing("vllm"))
     port = _free_port()
-    cmd = [sys.executable, "-m", "dumper.engines.vllm_serve", str(ckpt), "--host", "127.0.0.1", "--port", str(port),
+    cmd = [sys.executable, "-m", "dumper.engines.vllm.serve", str(ckpt), "--host", "127.0.0.1", "--port", str(port),
            "--dtype", "float32", "--enforce-eager", "--max-model-len", "512", "--distributed-executor-backend", "uni"]
     server = _Server(cmd, f"http://127.0.0.1:{port}", "/health", tmp_path_factory.mktemp("vllm") / "serve.log")
     yield server

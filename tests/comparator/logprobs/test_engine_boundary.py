@@ -25,8 +25,8 @@ from comparator.logprobs.judge import compare_logprob_sources
 from comparator.logprobs.sources import one_sided_parts, read_logprob_source
 from dumper.errors import UsageError
 from dumper.format import LOGITS, LOGPROB_TOKEN_ID, LOGPROB_TOP_VALUE, LOGPROB_VALUE
-from dumper.jobs.presets import load_model
-from dumper.jobs.run import LogprobSpec, RunConfig, run_dump
+from dumper.prefill.presets import load_model
+from dumper.prefill.run import LogprobSpec, RunConfig, run_dump
 from tests.conftest import run_cli
 from tests.comparator.logprobs import test_engines as engines
 from tests.comparator.logprobs.test_engines import write_jsonl

@@ -10,7 +10,7 @@ import torch
 from comparator import compare_dumps
 from comparator.logprobs.sources import read_logprob_source
 from comparator.reports.files import json_text
-from dumper.jobs.run import LogprobSpec, RunConfig, dump_sequences, run_dump
+from dumper.prefill.run import LogprobSpec, RunConfig, dump_sequences, run_dump
 from tests.conftest import tiny_llama
 
 LOGPROB_KEYS = {"mse", "rmse", "max_abs_err", "k3_mean", "k3_max", "kl_mean", "kl_max", "kl_percentiles",

@@ -18,7 +18,7 @@ from comparator.judging.noise_thresholds import DEFAULT_FACTOR, noise_limits
 from comparator.noise.calibrate import calibrate
 from comparator.noise.file import load_noise, save_noise
 from dumper.format.decode import DECODE, PREFILL
-from dumper.jobs.run import dump_sequences, run_dump
+from dumper.prefill.run import dump_sequences, run_dump
 from tests.conftest import run_cli, tiny_llama
 from tests.dumper.jobs.test_decode import BUG_AT, BUG_LAYER, PROMPTS, _counterpart, _decode, _decode_bug
 

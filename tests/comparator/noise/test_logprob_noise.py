@@ -25,8 +25,8 @@ from comparator.noise.file import load_noise
 from comparator.outcome import format_float
 from comparator.logprobs.judge import compare_logprob_sources
 from dumper.errors import UsageError
-from dumper.jobs.presets import load_model
-from dumper.jobs.run import LogprobSpec, RunConfig, dump_sequences, prompt_token_ids, run_dump
+from dumper.prefill.presets import load_model
+from dumper.prefill.run import LogprobSpec, RunConfig, dump_sequences, prompt_token_ids, run_dump
 from tests.conftest import run_cli
 
 SPEC = LogprobSpec(top_k=5, save_logits=True)

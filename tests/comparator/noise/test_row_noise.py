@@ -27,7 +27,7 @@ from comparator import CompareConfig, compare_dumps
 from comparator.cli.main import main as compare_main
 from comparator.noise.calibrate import calibrate
 from comparator.noise.file import load_noise, save_noise
-from dumper.jobs.run import BUILTIN_PROMPTS, RunConfig, dump_sequences
+from dumper.prefill.run import BUILTIN_PROMPTS, RunConfig, dump_sequences
 from tests.conftest import forward_hook, tiny_llama
 from tests.fuzzing import check_outcome, run_main
 

@@ -33,7 +33,7 @@ from comparator.reports.amplification import FROM_ZERO, amplification_cell
 from comparator.reports.markdown import to_markdown
 from comparator.results import Report
 from dumper.format import load_manifest
-from dumper.jobs.run import BUILTIN_PROMPTS, RunConfig, dump_sequences
+from dumper.prefill.run import BUILTIN_PROMPTS, RunConfig, dump_sequences
 from tests.conftest import ROOT, run_cli, tiny_llama
 
 P = 40

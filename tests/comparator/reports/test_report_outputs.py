@@ -26,7 +26,7 @@ from comparator.reports.plots import save_layer_plot
 from comparator.results import Report
 from dumper.errors import UsageError
 from dumper.format import load_manifest
-from dumper.jobs.presets import ByteTokenizer
+from dumper.prefill.presets import ByteTokenizer
 from dumper.progress import progress_bar
 from tests.report_dumps import N_LAYERS, clean_dump, one_token_bug_dump
 
@@ -256,7 +256,7 @@ def test_chunk_boundary_bug_is_a_vertical_edge(tmp_path):
     import torch
 
     import dumper
-    from dumper.jobs.run import cache_kwarg
+    from dumper.prefill.run import cache_kwarg
     from tests.conftest import tiny_llama
 
     prompt = "The quick brown fox jumps over the lazy dog, then naps in the warm afternoon sun. " * 2

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from dumper.jobs.run import RunConfig, run_dump
+from dumper.prefill.run import RunConfig, run_dump
 from tests.conftest import ROOT
 from tests.storeutil import synth_dump
 

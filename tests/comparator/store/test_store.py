@@ -20,7 +20,7 @@ from comparator.store.record import RunRecord
 from comparator.store.runid import new_run_id, run_id_time
 from dumper.errors import EXIT_DIVERGED, EXIT_OK, EXIT_UNUSABLE, UsageError
 from dumper.format import load_manifest
-from dumper.jobs.run import RunConfig, run_dump
+from dumper.prefill.run import RunConfig, run_dump
 from tests.storeutil import OTHER_GPU, edited_copy, synth_dump
 
 PROMPTS = ("Inference engines change daily; each change can shift numerics.",)

@@ -4,7 +4,7 @@ Real tiny-llama dumps: the baseline from ``python -m dumper run`` in a subproces
 variants to calibrate from (SDPA attention, 50-token chunks), a third benign layout held out
 (SDPA with 32-token chunks) and a real change (layer 1's MLP down-projection scaled by 1 + 1e-3,
 in float32, which the fixed 1e-3 thresholds pass), dumped meanwhile in this process through the
-functions the CLI calls (:mod:`dumper.jobs.run`: each costs a fraction of a second there, against
+functions the CLI calls (:mod:`dumper.prefill.run`: each costs a fraction of a second there, against
 seconds of imports in a subprocess). The CLIs run in subprocesses on local stores; a
 ``memory://`` store goes through the Python API."""
 
@@ -39,8 +39,8 @@ def _dump(out: Path, *, perturb: bool = False, **settings: object) -> None:
 
     ``perturb``: layer 1's MLP output weights scaled by 1 + 1e-3 (fp32), a change far below 1e-3.
     """
-    from dumper.jobs.presets import load_model
-    from dumper.jobs.run import RunConfig, dump_sequences, prompt_token_ids
+    from dumper.prefill.presets import load_model
+    from dumper.prefill.run import RunConfig, dump_sequences, prompt_token_ids
 
     cfg = RunConfig(out=str(out), layers="all", **settings)  # type: ignore[arg-type]
     model, tok = load_model(cfg.model, dtype=cfg.dtype, attn=cfg.attn, seed=cfg.seed)

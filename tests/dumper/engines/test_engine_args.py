@@ -17,7 +17,7 @@ import pytest
 from dumper.engines import ENGINES, engine_adapter
 from dumper.engines.base import EngineArg, check_engine_args
 from dumper.errors import UsageError
-from dumper.jobs.run import RunConfig
+from dumper.prefill.run import RunConfig
 from tests.conftest import ROOT, subprocess_env
 
 PACKAGES = ("vllm", "llama_cpp", "onnxruntime_genai", "onnxruntime", "onnx", "transformers")

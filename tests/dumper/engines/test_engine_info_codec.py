@@ -17,7 +17,7 @@ import pytest
 
 from dumper.engines import run_engine
 from dumper.engines.base import EngineInfo
-from dumper.jobs.run import RunConfig
+from dumper.prefill.run import RunConfig
 from tests.engine_models import build_checkpoint, engine_missing, to_gguf
 
 

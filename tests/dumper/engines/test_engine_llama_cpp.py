@@ -21,7 +21,7 @@ import pytest
 from comparator import CompareConfig, compare_dumps
 from dumper.engines import run_engine
 from dumper.errors import ModelError, UsageError
-from dumper.jobs.run import LogprobSpec, RunConfig, run_dump
+from dumper.prefill.run import LogprobSpec, RunConfig, run_dump
 from tests.conftest import run_cli
 from tests.engine_models import build_checkpoint, engine_missing, to_gguf
 

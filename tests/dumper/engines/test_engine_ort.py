@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from dumper.errors import ModelError, UsageError
-from dumper.jobs.run import RunConfig
+from dumper.prefill.run import RunConfig
 from tests.conftest import run_cli
 from tests.engine_models import build_checkpoint, engine_missing
 

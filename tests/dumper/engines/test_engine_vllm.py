@@ -35,7 +35,7 @@ import pytest
 from comparator import compare_dumps
 from dumper.errors import UsageError
 from dumper.format import load_manifest
-from dumper.jobs.run import LogprobSpec, RunConfig
+from dumper.prefill.run import LogprobSpec, RunConfig
 from tests.conftest import ROOT, run_cli
 from tests.engine_models import build_checkpoint, engine_missing
 
@@ -154,7 +154,7 @@ def _user_script(kwargs: str, out: str) -> None:
     import torch
 
     import dumper
-    from dumper.engines.vllm_hooks import model_of
+    from dumper.engines.vllm.hooks import model_of
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -187,11 +187,11 @@ def finish(proc: subprocess.Popen, start: float, done: Path) -> dict:
 
 def _model_here() -> bool:
     """Whether the engine :func:`~dumper.engines.vllm.load_llm` keeps runs its model in this process."""
-    from dumper.engines import vllm
-    from dumper.engines.vllm_hooks import model_runner_of
+    from dumper.engines.vllm.engine import ENGINE
+    from dumper.engines.vllm.hooks import model_runner_of
 
     try:
-        model_runner_of(vllm._LLM[1])
+        model_runner_of(ENGINE.llm)
     except UsageError:
         return False
     return True
@@ -200,7 +200,7 @@ def _model_here() -> bool:
 def _worker(ckpt: str, prompts: str, out: str) -> None:
     """All vLLM jobs in one process; writes ``out/results.json`` (exit code, seconds, stderr per job)."""
     from dumper.cli.main import main
-    from dumper.engines.vllm import dump_llm, engine_kwargs, load_llm
+    from dumper.engines.vllm.engine import dump_llm, engine_kwargs, load_llm
 
     base, results = Path(out), {}
 
@@ -485,7 +485,7 @@ def test_a_checkpoint_vllm_cannot_load_is_one_error_line(runs):
 
 def test_engine_args_are_checked_before_vllm_starts(tmp_path):
     """``--engine-arg`` parsing needs no engine: unknown keys and bad values are one-line usage errors."""
-    from dumper.engines.vllm import engine_kwargs
+    from dumper.engines.vllm.engine import engine_kwargs
 
     ckpt = tmp_path / "c"
     ckpt.mkdir()

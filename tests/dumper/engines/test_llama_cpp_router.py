@@ -27,7 +27,7 @@ from dumper.format import (
     DumpReader,
     load_manifest,
 )
-from dumper.jobs.run import RunConfig
+from dumper.prefill.run import RunConfig
 from tests.conftest import run_cli
 from tests.dumper.engines.test_engine_llama_cpp import need
 from tests.engine_models import MOE_CONFIG, build_checkpoint, build_moe_checkpoint, to_gguf

@@ -80,7 +80,7 @@ def _raw_prompt_logprobs(outs, prompts, top_k: int) -> dict[str, list]:
 def _plain_engine(ckpt: Path, dtype: str, out: Path) -> dict:
     """The compiled engine of ``dtype`` without the tap: its raw prompt logprobs, and what ``dumper.capture`` says."""
     import dumper
-    from dumper.engines.vllm import engine_kwargs, load_llm
+    from dumper.engines.vllm.engine import engine_kwargs, load_llm
     from dumper.errors import DriftscopeError
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -112,8 +112,8 @@ def _plain_engines(ckpt: str, out: str) -> None:
 
 def _user_script(ckpt: Path, out: Path) -> dict:
     """The user script in its own process, vLLM's engine core in another (``VLLM_ENABLE_V1_MULTIPROCESSING=1``)."""
-    from dumper.engines.vllm import engine_kwargs
-    from dumper.engines.vllm_serve import CPU_DEFAULTS
+    from dumper.engines.vllm.engine import engine_kwargs
+    from dumper.engines.vllm.serve import CPU_DEFAULTS
 
     kw = {**engine_kwargs(_cfg(ckpt, out), ckpt, PROMPTS), "additional_config": {"driftscope": {"layers": "all"}}}
     # vLLM's CPU settings as a CPU user sets them (its KV cache space, else vLLM wants 92% of free memory)
@@ -127,7 +127,7 @@ def _user_script(ckpt: Path, out: Path) -> dict:
 def _worker(ckpt: str, prompts: str, out: str) -> None:
     """All vLLM jobs in one process; writes ``out/results.json``."""
     from dumper.cli.main import main
-    from dumper.engines.vllm import engine_kwargs, load_llm
+    from dumper.engines.vllm.engine import engine_kwargs, load_llm
     from dumper.errors import DriftscopeError
 
     base, results = Path(out), {}
@@ -330,7 +330,7 @@ def test_a_bad_driftscope_entry_is_one_error_line(runs, name, says):
 
 def test_the_driftscope_entry_is_checked_before_any_engine():
     """``tap_config`` writes what ``tap_spec`` reads; anything else is one line naming the key (no vLLM needed)."""
-    from dumper.engines.vllm_tap import sketch_of, tap_config, tap_spec
+    from dumper.engines.vllm.tap import sketch_of, tap_config, tap_spec
     from dumper.errors import UsageError
     from dumper.format.sketch import SketchSpec
 
@@ -355,4 +355,4 @@ def test_the_vllm_plugin_entry_point_is_installed():
     from importlib.metadata import entry_points
 
     found = [e.value for e in entry_points(group="vllm.general_plugins") if e.name == "driftscope"]
-    assert found == ["dumper.engines.vllm_tap:register"]
+    assert found == ["dumper.engines.vllm.tap:register"]

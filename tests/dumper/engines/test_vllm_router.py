@@ -28,7 +28,7 @@ from torch import nn
 from dumper.errors import UsageError
 from dumper.format import ROUTER_CHOICE_POINT, ROUTER_IDS, ROUTER_LOGITS, ROUTER_POINT, ROUTER_WEIGHTS, load_manifest
 from dumper.format.reader import DumpReader
-from dumper.jobs.run import LogprobSpec, RunConfig
+from dumper.prefill.run import LogprobSpec, RunConfig
 from tests.conftest import ROOT
 from tests.dumper.engines.test_engine_vllm import (assert_worker_done, finish_worker, need, seeded, shared_checkpoint,
                                                    worker_env)
@@ -58,8 +58,8 @@ def _cfg(ckpt: Path, out: Path, engine_args: tuple) -> RunConfig:
 def _worker(ckpt: str, out: str) -> None:
     """Every vLLM job, one engine each; writes ``out/results.json`` (seconds to load and to dump, per job)."""
     from dumper.engines.base import hf_identity
-    from dumper.engines.vllm import dump_llm, engine_kwargs, load_llm, observe_llm, release_llm
-    from dumper.engines.vllm_tap import tap_config
+    from dumper.engines.vllm.engine import dump_llm, engine_kwargs, load_llm, observe_llm, release_llm
+    from dumper.engines.vllm.tap import tap_config
 
     base, results = Path(out), {}
     for name, args in JOBS.items():
@@ -245,7 +245,7 @@ class _Model(nn.Module):
 
 
 def test_the_probe_records_what_select_experts_returned_and_changes_nothing():
-    from dumper.engines.vllm_tap import install_router_tap
+    from dumper.engines.vllm.tap import install_router_tap
 
     torch.manual_seed(0)
     model = _Model((False, True))
@@ -267,12 +267,12 @@ def test_the_probe_records_what_select_experts_returned_and_changes_nothing():
 
 
 def test_the_router_point_of_a_model_without_moe_layers_is_refused():
-    from dumper.engines.vllm_tap import install_router_tap
+    from dumper.engines.vllm.tap import install_router_tap
 
     with pytest.raises(UsageError, match=r"_Model has no MoE layer among layers \[0\]"):
         install_router_tap(_Model((False, True)), layers=[0], capacity=8)
     with pytest.raises(UsageError, match="vLLM records it beside the 'input' point"):
-        from dumper.engines.vllm_tap import split_points
+        from dumper.engines.vllm.tap import split_points
 
         split_points(ROUTER_POINT)
 

@@ -1,6 +1,6 @@
 """Capture from a live ``vllm serve``: one real server (driftscope's tap, a spool) for the module, judged against HF.
 
-The server is ``python -m dumper.engines.vllm_serve`` on the shared test checkpoint, compiled (vLLM's
+The server is ``python -m dumper.engines.vllm.serve`` on the shared test checkpoint, compiled (vLLM's
 default), started once by a module fixture and its process group killed at the end. The client is
 ``python -m dumper collect`` in a subprocess; while it runs, a thread sends other traffic to the same
 server: requests without a marker and requests marked with other tokens, which must never be in
@@ -104,7 +104,7 @@ def server(tmp_path_factory: pytest.TempPathFactory):
     prompts = root / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in PROMPTS))
     port = _free_port()
-    cmd = [sys.executable, "-m", "dumper.engines.vllm_serve", str(ckpt), "--host", "127.0.0.1", "--port", str(port),
+    cmd = [sys.executable, "-m", "dumper.engines.vllm.serve", str(ckpt), "--host", "127.0.0.1", "--port", str(port),
            "--dtype", "float32", "--max-model-len", "512", "--additional-config", TAP]
     with pytest.MonkeyPatch.context() as mp:  # _Server passes this process's environment on
         mp.setenv("DRIFTSCOPE_VLLM_SPOOL", str(spool))
@@ -260,7 +260,7 @@ def test_text_prompts_are_tokenized_as_dumper_run_tokenizes_them(tmp_path: Path)
     checkpoint, no text."""
     from dumper.engines.base import job_sequences
     from dumper.jobs.collect import CollectConfig, served_sequences
-    from dumper.jobs.run import RunConfig
+    from dumper.prefill.run import RunConfig
 
     ckpt, texts, ids = shared_checkpoint(), ("The quick brown fox", "def fib(n):"), ((1, 5, 9),)
     cfg = CollectConfig(server="http://127.0.0.1:1", spool=str(tmp_path), out=str(tmp_path / "d"), prompts=texts,

@@ -56,7 +56,7 @@ CLI_JOBS = {  # name -> (seed or None, `python -m dumper run --engine vllm` args
 def _worker(ckpt: str, prompts: str, out: str) -> None:
     """All vLLM jobs in one process; writes ``out/results.json`` (exit code, seconds, stderr per job)."""
     from dumper.cli.main import main
-    from dumper.engines.vllm import dump_llm, engine_kwargs, load_llm
+    from dumper.engines.vllm.engine import dump_llm, engine_kwargs, load_llm
 
     base, results = Path(out), {}
 

@@ -16,7 +16,7 @@ import dumper
 from comparator import compare_dumps
 from dumper.hooks import families, rows
 from dumper.format import load_manifest
-from dumper.jobs.presets import load_model
+from dumper.prefill.presets import load_model
 from tests.conftest import ROOT, run_cli
 
 PROMPTS = [[1, 17, 43, 88, 9, 120, 77, 5, 64, 31, 200, 12, 150, 3, 99, 41],
@@ -96,7 +96,7 @@ def test_decode_steps_continue_the_prompt(tiny, tmp_path):
 
 def test_padded_rows_that_end_early_still_continue(tiny, tmp_path):
     """Right padding: the short row has no real token in the last chunk, the long one continues."""
-    from dumper.jobs.run import pad_batch
+    from dumper.prefill.run import pad_batch
 
     seqs = [PROMPTS[0], PROMPTS[1][:6]]
     ids, mask = pad_batch(seqs, side="right")
@@ -187,7 +187,7 @@ def test_a_registered_family_hooks_its_own_modules_and_rows(tmp_path):
 
 @pytest.mark.slow
 def test_an_hf_capture_does_not_import_an_engine(tmp_path):
-    code = ("import sys, torch, dumper\nfrom dumper.jobs.presets import load_model\n"
+    code = ("import sys, torch, dumper\nfrom dumper.prefill.presets import load_model\n"
             "m, _ = load_model('tiny-llama')\n"
             f"with torch.no_grad(), dumper.capture(m, {str(tmp_path / 'd')!r}, layers='first'):\n"
             "    m(input_ids=torch.tensor([[1, 2, 3]]))\n"

@@ -154,7 +154,7 @@ def test_parts_sent_to_a_url_spool_join_into_the_dump_a_local_capture_writes(mod
     """What vLLM's workers do with ``DRIFTSCOPE_VLLM_SPOOL=URL`` (one rank here): data, then the part, at the URL;
     the client waits for the part there, streams the files down and writes the manifest."""
     from dumper.engines.base import EngineInfo
-    from dumper.engines.vllm_parts import join_dump, remove_spool, wait_parts
+    from dumper.engines.vllm.parts import join_dump, remove_spool, wait_parts
     from dumper.hooks.remote import RemoteCapture
 
     m, tok = model
@@ -178,7 +178,7 @@ def test_parts_sent_to_a_url_spool_join_into_the_dump_a_local_capture_writes(mod
 
 def test_a_part_at_a_url_spool_that_names_a_file_outside_is_refused(url, tmp_path):
     from dumper.engines.base import EngineInfo
-    from dumper.engines.vllm_parts import join_dump, wait_parts
+    from dumper.engines.vllm.parts import join_dump, wait_parts
     from dumper.errors import CorruptDumpError
 
     spool = f"{url}/spool/c0bad"
@@ -194,8 +194,8 @@ def test_a_part_at_a_url_spool_that_names_a_file_outside_is_refused(url, tmp_pat
 
 
 def test_a_rank_that_failed_at_a_url_spool_is_one_line(url):
-    from dumper.engines.vllm_parts import wait_parts
-    from dumper.engines.vllm_spool import leave_failure
+    from dumper.engines.vllm.parts import wait_parts
+    from dumper.engines.vllm.spool import leave_failure
 
     spool = f"{url}/spool/c0fail"
     leave_failure(spool, 1, "OSError: [Errno 28] No space left on device")

@@ -17,7 +17,7 @@ import dumper
 from dumper.errors import UsageError
 from dumper.format import (ROUTER_CHOICE_POINT, ROUTER_IDS, ROUTER_LOGITS, ROUTER_POINT, ROUTER_SCORES,
                            ROUTER_WEIGHTS, DumpReader, load_manifest, router_name)
-from dumper.jobs.run import pad_batch
+from dumper.prefill.run import pad_batch
 from tests.conftest import run_cli, tiny_llama
 from tests.moe_models import FAMILIES, build_moe
 

@@ -20,7 +20,7 @@ from comparator import compare_dumps
 from dumper.format import load_manifest
 from dumper.format.reader import DumpReader
 from dumper.format.sketch import SketchSpec
-from dumper.jobs.run import RunConfig, dump_sequences
+from dumper.prefill.run import RunConfig, dump_sequences
 from tests.conftest import prompt_ids, run_cli, tiny_llama
 
 SUBLAYER = "input,residual,attn_output,mlp_input,mlp_output"

@@ -16,7 +16,7 @@ import os
 import pytest
 
 from dumper.format import load_manifest
-from dumper.jobs.run import BUILTIN_PROMPTS, RunConfig, dump_sequences
+from dumper.prefill.run import BUILTIN_PROMPTS, RunConfig, dump_sequences
 from tests.conftest import forward_hook, run_cli, tiny_llama
 
 pytestmark = pytest.mark.slow

@@ -20,7 +20,7 @@ import dumper
 from comparator import compare_dumps
 from dumper.format import load_manifest
 from dumper.format.reader import DumpReader
-from dumper.jobs.decode import decode_meta
+from dumper.prefill.decode import decode_meta
 from tests.conftest import run_cli, tiny_llama
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow,

@@ -26,7 +26,7 @@ from dumper.cli.main import join_dash_values, main
 from dumper.errors import DumpError, InternalError, ModelError, UsageError
 from dumper.format import MANIFEST_NAME, load_manifest
 from dumper.hooks.layers import parse_layer_spec
-from dumper.jobs.run import RunConfig, dump_sequences, pad_batch, prefill
+from dumper.prefill.run import RunConfig, dump_sequences, pad_batch, prefill
 from dumper.jobs.selfcheck import selfcheck
 from tests.conftest import ROOT, run_cli, subprocess_env, tiny_llama
 
@@ -287,7 +287,7 @@ def test_a_capture_that_records_nothing_leaves_no_dump(tmp_path):
 
 _ENV_SCRIPT = textwrap.dedent("""
     import torch, dumper
-    from dumper.jobs.presets import load_model
+    from dumper.prefill.presets import load_model
 
     model, tok = load_model("tiny-llama")
 

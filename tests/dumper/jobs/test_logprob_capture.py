@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from dumper.format import LOGITS, LOGPROB_TOKEN_ID, LOGPROB_TOP_ID, LOGPROB_VALUE, DumpReader, load_manifest
-from dumper.jobs.logprobs import input_token_logprobs, row_logprobs
-from dumper.jobs.run import LogprobSpec, RunConfig, run_dump
+from dumper.prefill.logprobs import input_token_logprobs, row_logprobs
+from dumper.prefill.run import LogprobSpec, RunConfig, run_dump
 from dumper.jobs.selfcheck import MODES, selfcheck
 from tests.conftest import tiny_llama
 

@@ -27,8 +27,8 @@ import dumper
 from dumper.errors import InternalError, UsageError
 from dumper.format import LOGITS, LOGITS_POINT, LOGPROB_POINT, LOGPROB_TOP_VALUE, LOGPROB_VALUE, load_manifest
 from dumper.hooks.capture import Capture
-from dumper.jobs.observer import NON_FINITE_DIFF, ObserverCheck, ObserverResult, mark_observer
-from dumper.jobs.run import LogprobSpec, RunConfig, dump_sequences
+from dumper.prefill.observer import NON_FINITE_DIFF, ObserverCheck, ObserverResult, mark_observer
+from dumper.prefill.run import LogprobSpec, RunConfig, dump_sequences
 from tests.conftest import ROOT, run_cli, tiny_llama
 from tests.dumper.engines.test_engine_vllm import assert_worker_done, finish_worker, shared_checkpoint, worker_env
 from tests.engine_models import engine_missing
@@ -163,7 +163,7 @@ def test_hf_a_perturbation_only_under_capture_is_caught(tmp_path, always):
 
 def test_hf_cli_exits_1_when_capture_changed_the_logprobs(tmp_path, monkeypatch, capsys):
     """The CLI in this process, its model loader wrapped to add the perturbation: exit 1 and one line."""
-    import dumper.jobs.run as run_module
+    import dumper.prefill.run as run_module
     from dumper.cli.main import main
 
     load = run_module.load_model

@@ -12,7 +12,7 @@ import dumper
 from dumper.errors import ModelMismatchError, NotComparableError, UsageError
 from dumper.format import PAD_SEQUENCE, DumpReader, to_float64
 from dumper.jobs.replay import ReplayConfig, replay, replay_model
-from dumper.jobs.run import RunConfig, dump_sequences
+from dumper.prefill.run import RunConfig, dump_sequences
 from tests.conftest import run_cli, tiny_llama
 
 TEXT = "Inference engines change daily; each change can shift numerics without an error. " * 2

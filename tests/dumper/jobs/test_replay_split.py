@@ -14,9 +14,9 @@ import pytest
 from comparator import compare_dumps
 from comparator.hidden.onset import rounding_floor
 from dumper.errors import ModelMismatchError
-from dumper.jobs.presets import load_model
+from dumper.prefill.presets import load_model
 from dumper.jobs.replay_split import split_replay_model
-from dumper.jobs.run import RunConfig, dump_sequences
+from dumper.prefill.run import RunConfig, dump_sequences
 from tests.conftest import run_cli, tiny_llama
 from tests.moe_models import moved_gate_checkpoints
 

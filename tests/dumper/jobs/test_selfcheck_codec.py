@@ -21,7 +21,7 @@ import torch
 
 from dumper.server.api import Prompt
 from dumper.server.client import ServerClient
-from dumper.jobs.logprobs import input_token_logprobs
+from dumper.prefill.logprobs import input_token_logprobs
 from dumper.jobs.selfcheck import MODES, SelfCheckResult, greedy_decode, selfcheck
 from dumper.jobs.server_selfcheck import ServerSelfCheck, server_selfcheck
 from tests.conftest import run_cli, serve_in_thread, tiny_llama

@@ -13,7 +13,7 @@ from comparator.config import CompareConfig
 from comparator.hidden.compare import compare_dumps
 from dumper.errors import NotComparableError, UsageError
 from dumper.format import load_manifest
-from dumper.jobs.run import LogprobSpec, RunConfig, dump_sequences
+from dumper.prefill.run import LogprobSpec, RunConfig, dump_sequences
 from dumper.jobs.sweep import SweepConfig, SweepResult, baseline_prompts, parse_grid, plan_sweep, run_cell, sweep
 from dumper.jobs.sweep_grid import block_lengths
 from dumper.jobs.sweep_types import ZERO_HITS

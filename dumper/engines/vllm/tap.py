@@ -16,7 +16,7 @@ cache key, so a tapped and an untapped engine never share a compiled graph. With
 Keys of ``additional_config["driftscope"]``: ``layers`` (a layer spec, default
 :data:`~dumper.hooks.layers.DEFAULT_LAYERS`) and ``points`` (default ``input``). With
 ``DRIFTSCOPE_VLLM_SPOOL`` set as well, the tapped model records the requests driftscope's client
-marks, in whichever process it runs (:mod:`dumper.engines.vllm_spool`), and an entry the model
+marks, in whichever process it runs (:mod:`dumper.engines.vllm.spool`), and an entry the model
 refuses is also left in that directory, for the client that started the engine to raise
 (:func:`take_load_failure`): vLLM reports a failed engine process only as "initialization failed".
 """
@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from dumper import errors
-from dumper.engines.vllm_hooks import VllmFamily
+from dumper.engines.vllm.hooks import VllmFamily
 from dumper.errors import DriftscopeError, UsageError
 from dumper.format import ROUTER_POINT
 from dumper.format.remote import is_url, listed, read_small, remove_prefix, write_small
@@ -201,7 +201,7 @@ def register() -> None:
             spec = tap_spec(getattr(vllm_config, "additional_config", None))
             if spec is not None and model_config is vllm_config.model_config:  # the served model, not a drafter
                 install_engine_tap(model, vllm_config, spec)
-                from dumper.engines.vllm_spool import install_recorder
+                from dumper.engines.vllm.spool import install_recorder
 
                 # with DRIFTSCOPE_VLLM_SPOOL set: record marked requests (the router beside the hidden-state points)
                 install_recorder(model, {**spec, "points": split_points(spec.get("points"))[0]}, vllm_config,

@@ -2,7 +2,7 @@
 
 Example::
 
-    from dumper.jobs.run import RunConfig, run_dump
+    from dumper.prefill.run import RunConfig, run_dump
     manifest = run_dump(RunConfig(out="dumps/a", model="tiny-llama", attn="sdpa"))
 """
 
@@ -23,11 +23,11 @@ from dumper.format.points import SUBLAYER_POINTS
 from dumper.hooks.capture import Capture
 from dumper.hooks.layers import ATTN_INPUT, ROUTER, parse_points
 from dumper.hooks.tap import install_tap, remove_tap, tap_of
-from dumper.jobs.decode import LastLogits, greedy_steps
-from dumper.jobs.forward import cache_kwarg, cache_length, call_model, pad_batch, prefill
-from dumper.jobs.logprob_records import LogprobSpec, record_logprobs, record_next_logprobs, record_token_logprobs
-from dumper.jobs.observer import LogprobSink, ObserverCheck, mark_observer
-from dumper.jobs.presets import load_model
+from dumper.prefill.decode import LastLogits, greedy_steps
+from dumper.prefill.forward import cache_kwarg, cache_length, call_model, pad_batch, prefill
+from dumper.prefill.logprob_records import LogprobSpec, record_logprobs, record_next_logprobs, record_token_logprobs
+from dumper.prefill.observer import LogprobSink, ObserverCheck, mark_observer
+from dumper.prefill.presets import load_model
 from dumper.progress import ProgressFn
 from dumper.prompts import BUILTIN_PROMPTS, parse_input_ids, read_prompts_file  # noqa: F401 - re-exported
 
@@ -82,7 +82,7 @@ class RunConfig:
     """``--sketch K``: hidden-state rows stored as projections (:mod:`dumper.format.sketch`)."""
     new_tokens: int = 0
     """``--new-tokens N``: greedy-decode N tokens per prompt after its prompt pass, recording every decode step
-    (:mod:`dumper.jobs.decode`)."""
+    (:mod:`dumper.prefill.decode`)."""
     next_ids: tuple[int, ...] = ()
     """Per prompt, a token after it whose logprob ``--logprobs`` records too (``--tokens-from``: the decode dump's
     last generated token, chosen but never fed)."""
@@ -184,7 +184,7 @@ def dump_sequences(model: torch.nn.Module, seqs: list[list[int]], cfg: RunConfig
     ``cfg`` gives the output, layout, layers and logprob settings; ``cfg.model`` only names the
     model in the manifest. With ``cfg.observer_check`` the job runs again without capture
     (:func:`reference_sequences`) and the manifest returned carries ``extra["observer"]``
-    (:mod:`dumper.jobs.observer`).
+    (:mod:`dumper.prefill.observer`).
     """
     check_scored_positions(cfg, seqs)
     if cfg.next_ids and len(cfg.next_ids) != len(seqs):
@@ -229,7 +229,7 @@ def reference_sequences(model: torch.nn.Module, seqs: list[list[int]], cfg: RunC
 def _prefill_job(model: torch.nn.Module, run_model: torch.nn.Module, seqs: list[list[int]], cfg: RunConfig,
                  sink: LogprobSink, progress: ProgressFn | None) -> list[list[int]]:
     """Prefill ``seqs`` through ``run_model`` in ``cfg``'s batches and chunks, logprobs into ``sink``, then
-    decode ``cfg.new_tokens`` per sequence (:mod:`dumper.jobs.decode`); returns the tokens generated.
+    decode ``cfg.new_tokens`` per sequence (:mod:`dumper.prefill.decode`); returns the tokens generated.
 
     ``sink`` is the capture (or the observer check): it is told each batch's sequence ids.
     """

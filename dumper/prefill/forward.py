@@ -21,7 +21,7 @@ import torch
 from dumper.errors import DriftscopeError, InternalError, ModelError, error_reason
 from dumper.hooks.families import HFFamily
 from dumper.hooks.tap import unwrap_compiled
-from dumper.jobs.presets import model_label
+from dumper.prefill.presets import model_label
 
 __all__ = ["cache_kwarg", "call_model", "cache_length", "pad_batch", "prefill"]
 

@@ -8,7 +8,7 @@ sends (``SamplingParams.extra_args``, which ``vllm serve`` takes as ``vllm_xargs
     {"driftscope_capture": TOKEN, "driftscope_seq": i, "driftscope_n": N[, "driftscope_new": T]}
 
 and a model loaded with the tap (``additional_config={"driftscope": {...}}``, see
-:mod:`dumper.engines.vllm_tap`) in a process whose environment names a spool directory
+:mod:`dumper.engines.vllm.tap`) in a process whose environment names a spool directory
 (``DRIFTSCOPE_VLLM_SPOOL=DIR``) records, on every rank, the prompt rows of exactly those
 requests, and with ``T`` > 1 their first ``T - 1`` decode steps, into ``DIR/TOKEN/``: rank ``r``
 writes its data files and, once all ``N`` requests are complete, its part ``index-r{r}.json``
@@ -17,7 +17,7 @@ records into a local staging directory and sends its data files, then its part, 
 ``URL/TOKEN/`` (:mod:`dumper.hooks.remote`), so ranks on hosts that share no disk (vLLM's Ray
 executor across nodes) need only the URL. Rows of requests without the token (anyone else's
 traffic) are never recorded. The client joins the parts into one dump and writes its manifest
-(:mod:`dumper.engines.vllm_parts`); a part alone never looks complete.
+(:mod:`dumper.engines.vllm.parts`); a part alone never looks complete.
 
 A capture's last writes and its part are made in a thread of their own, so that the engine
 step that completed it does not wait for the disk; the client waits for the part instead.
@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dumper.engines.vllm_hooks import VllmFamily, runner_on_stack
+from dumper.engines.vllm.hooks import VllmFamily, runner_on_stack
 from dumper.format.sketch import SketchSpec
 from dumper.format.remote import is_url, write_small
 from dumper.hooks.capture import Capture

@@ -16,10 +16,10 @@ import torch
 
 from dumper.format import LOGITS, LOGITS_POINT, LOGPROB_POINT, LOGPROB_TOKEN_ID, LOGPROB_TOP_ID, LOGPROB_TOP_VALUE, \
     LOGPROB_VALUE
-from dumper.jobs.logprobs import LOGPROB_CHUNK_ROWS, row_logprobs
+from dumper.prefill.logprobs import LOGPROB_CHUNK_ROWS, row_logprobs
 
 if TYPE_CHECKING:
-    from dumper.jobs.observer import LogprobSink
+    from dumper.prefill.observer import LogprobSink
 
 __all__ = ["LogprobSpec", "record_logprobs", "record_token_logprobs", "record_next_logprobs"]
 

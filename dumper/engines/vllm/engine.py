@@ -4,8 +4,8 @@ vLLM's default engine: multiprocess (the model in the engine core process, or on
 tensor-parallel rank) and compiled. Every prompt of the job goes into one ``LLM.generate`` call
 (vLLM batches them itself), fed as token ids (``TokensPrompt``), with ``max_tokens=1``: a
 prefill of each prompt, each request marked for driftscope's capture. The capture runs where
-the model runs (:mod:`dumper.engines.vllm_spool`, installed by vLLM's own plugin loader), each
-rank writes its part, and this process joins them into one dump (:mod:`dumper.engines.vllm_parts`):
+the model runs (:mod:`dumper.engines.vllm.spool`, installed by vLLM's own plugin loader), each
+rank writes its part, and this process joins them into one dump (:mod:`dumper.engines.vllm.parts`):
 ``model.layers.{i}.self_attn.input`` rows at absolute positions, sequence ids in prompt order,
 on every rank, as the HF dump of the same checkpoint holds them. ``--logprobs`` asks vLLM for
 ``prompt_logprobs`` (top ``--top-k``);
@@ -45,9 +45,9 @@ from dumper.engines.base import (
     job_sequences,
 )
 from dumper.engines.held_output import Relay, held_stderr
-from dumper.engines.vllm_parts import join_dump, new_token, remove_spool, spool_root, wait_parts
-from dumper.engines.vllm_serve import CPU_DEFAULTS
-from dumper.engines.vllm_spool import marker, token_dir
+from dumper.engines.vllm.parts import join_dump, new_token, remove_spool, spool_root, wait_parts
+from dumper.engines.vllm.serve import CPU_DEFAULTS
+from dumper.engines.vllm.spool import marker, token_dir
 from dumper.errors import (
     DriftscopeError,
     InternalError,
@@ -57,13 +57,13 @@ from dumper.errors import (
 )
 from dumper.format import Manifest
 from dumper.format.decode import GENERATED_IDS, NEW_TOKENS
-from dumper.engines.vllm_tap import register, take_load_failure, tap_config
+from dumper.engines.vllm.tap import register, take_load_failure, tap_config
 from dumper.hooks.capture import Capture
 from dumper.hooks.layers import ATTN_INPUT, DEFAULT_LAYERS
 from dumper.modeldir import check_model_dir
-from dumper.jobs.observer import LogprobSink, ObserverCheck, mark_observer
-from dumper.jobs.logprob_records import record_logprobs, record_token_logprobs
-from dumper.jobs.run import RunConfig
+from dumper.prefill.observer import LogprobSink, ObserverCheck, mark_observer
+from dumper.prefill.logprob_records import record_logprobs, record_token_logprobs
+from dumper.prefill.run import RunConfig
 from dumper.progress import ProgressFn
 
 __all__ = ["run_dump", "dump_llm", "observe_llm", "reference_llm", "load_llm", "release_llm", "engine_kwargs",
@@ -89,10 +89,41 @@ ENGINE_ARGS = {
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 """A checkpoint with none of these has no tokenizer: vLLM is told not to load one (ids go in anyway)."""
 
-_LLM: tuple[str, Any] | None = None
-"""The engine of the last :func:`load_llm` call and its settings, kept for the next call with the same ones."""
-_STDERR: weakref.WeakKeyDictionary[Any, Relay] = weakref.WeakKeyDictionary()
-"""Each engine :func:`load_llm` started: the relay of its processes' stderr (:mod:`dumper.engines.held_output`)."""
+class KeptEngine:
+    """The one vLLM engine a process keeps between jobs with the same settings (a GPU fits one), and the relay of
+    each started engine's stderr (:mod:`dumper.engines.held_output`)."""
+
+    def __init__(self) -> None:
+        self.llm: Any = None
+        """The kept ``vllm.LLM`` (None: none)."""
+        self._key: str | None = None
+        self._stderr: weakref.WeakKeyDictionary[Any, Relay] = weakref.WeakKeyDictionary()
+
+    def load(self, kwargs: dict[str, Any], *, device: str = "cpu") -> Any:
+        """A ``vllm.LLM(**kwargs)``: the kept one when its settings are the same, else a new one, kept."""
+        key = json.dumps(kwargs, sort_keys=True)
+        if self.llm is not None and self._key == key:
+            return self.llm
+        self.forget()
+        env_defaults(device)
+        with held_stderr() as relay:  # vLLM's import notes and a failed start's tracebacks give way to our line
+            llm = _start(kwargs)
+        self._stderr[llm] = relay
+        self.llm, self._key = llm, key
+        return llm
+
+    def stderr(self, llm: Any) -> Relay | None:
+        """The relay of ``llm``'s stderr, if this process started it."""
+        return self._stderr.get(llm)
+
+    def forget(self, llm: Any = None) -> None:
+        """Keep no engine (only if it is ``llm``, when given); the next :meth:`load` starts one."""
+        if llm is None or llm is self.llm:
+            self.llm, self._key = None, None
+
+
+ENGINE = KeptEngine()
+"""This process's kept engine (:func:`load_llm`, :func:`release_llm`)."""
 
 
 def env_defaults(device: str) -> None:
@@ -106,7 +137,7 @@ def env_defaults(device: str) -> None:
 def engine_kwargs(cfg: RunConfig, checkpoint: Path, seqs: list[list[int]], *, tap: bool = True) -> dict[str, Any]:
     """The ``vllm.LLM(**kwargs)`` that runs ``cfg``'s job: vLLM's default (compiled) mode, token ids in.
 
-    The capture is the tap (:mod:`dumper.engines.vllm_tap`), asked for in ``additional_config``
+    The capture is the tap (:mod:`dumper.engines.vllm.tap`), asked for in ``additional_config``
     so that vLLM's loader installs it before vLLM compiles the model; ``tap=False`` gives the
     same engine without it (the observer check's reference). The checkpoint's code never runs
     (``trust_remote_code=False``; :func:`check_model_dir` refuses it first).
@@ -164,18 +195,8 @@ def carry_env_to_ray() -> None:
 
 
 def load_llm(kwargs: dict[str, Any], *, device: str = "cpu") -> Any:
-    """A ``vllm.LLM(**kwargs)``; the previous one when its settings are the same (one engine is kept)."""
-    global _LLM
-    key = json.dumps(kwargs, sort_keys=True)
-    if _LLM is not None and _LLM[0] == key:
-        return _LLM[1]
-    _LLM = None
-    env_defaults(device)
-    with held_stderr() as relay:  # vLLM's import notes and a failed start's tracebacks give way to driftscope's line
-        llm = _start(kwargs)
-    _STDERR[llm] = relay
-    _LLM = (key, llm)
-    return llm
+    """A ``vllm.LLM(**kwargs)``; the previous one when its settings are the same (:data:`ENGINE` keeps one)."""
+    return ENGINE.load(kwargs, device=device)
 
 
 def _start(kwargs: dict[str, Any]) -> Any:
@@ -199,7 +220,7 @@ def _start(kwargs: dict[str, Any]) -> Any:
 
 
 def _engine_info(checkpoint: Path, dtype: str, settings: dict[str, Any]) -> EngineInfo:
-    """The engine as its worker described it (:func:`~dumper.engines.vllm_spool.engine_settings`)."""
+    """The engine as its worker described it (:func:`~dumper.engines.vllm.spool.engine_settings`)."""
     import vllm
 
     return EngineInfo("vllm", vllm.__version__, str(checkpoint), {"dtype": dtype, **settings})
@@ -270,7 +291,7 @@ def _generate(llm: Any, cfg: RunConfig, seqs: list[list[int]], *, token: str | N
                              extra_args=None if token is None else marker(token, i, len(seqs), new))
               for i in range(len(seqs))]
     # the engine's stderr while it runs: written out after, dropped with a failure's one line (held_output)
-    with held_stderr(_STDERR.get(llm)):
+    with held_stderr(ENGINE.stderr(llm)):
         try:
             outs = llm.generate([TokensPrompt(prompt_token_ids=s) for s in seqs], params, use_tqdm=False)
         except (DriftscopeError, InternalError):
@@ -288,9 +309,7 @@ def _stop(llm: Any) -> None:
     """Shut ``llm``'s engine down now, inside the failed run's hold: its surviving processes fail and stop there
     (the engine core's traceback when a worker was killed), not after driftscope's error line, as they would at
     exit when vLLM's finalizers stop them. The engine is forgotten; a next job starts a new one."""
-    global _LLM
-    if _LLM is not None and _LLM[1] is llm:
-        _LLM = None
+    ENGINE.forget(llm)
     core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)  # vLLM's client of its engine core
     if core is not None:
         with contextlib.suppress(Exception):  # best effort: the job fails either way, with its own message
@@ -324,7 +343,7 @@ def dump_llm(llm: Any, cfg: RunConfig, seqs: list[list[int]], checkpoint: Path, 
 
 def _join(cfg: RunConfig, seqs: list[list[int]], checkpoint: Path, parts: Any, outs: list[Any],
           identity: dict[str, Any] | None) -> Manifest:
-    """Write ``cfg.out`` (:func:`~dumper.engines.vllm_parts.join_dump`): the ranks' records, the prompt logprobs
+    """Write ``cfg.out`` (:func:`~dumper.engines.vllm.parts.join_dump`): the ranks' records, the prompt logprobs
     vLLM returned, and the manifest last."""
     spec = cfg.logprobs
     info = _engine_info(checkpoint, cfg.dtype, parts.engine_settings)
@@ -358,8 +377,7 @@ def reference_llm(llm: Any, cfg: RunConfig, seqs: list[list[int]], sink: Logprob
 
 def release_llm() -> None:
     """Let go of the engine :func:`load_llm` keeps, so that the next one gets its memory (a GPU fits one)."""
-    global _LLM
-    _LLM = None
+    ENGINE.forget()
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -370,7 +388,7 @@ def observe_llm(cfg: RunConfig, checkpoint: Path, seqs: list[list[int]], *, voca
 
     Eager or compiled alike, the reference is a second engine (the tapped one's graph holds the
     tap); the one :func:`load_llm` keeps is let go first. Returns the manifest with
-    ``extra["observer"]`` (:mod:`dumper.jobs.observer`).
+    ``extra["observer"]`` (:mod:`dumper.prefill.observer`).
     """
     assert cfg.logprobs is not None  # RunConfig refuses --observer-check without --logprobs
     release_llm()

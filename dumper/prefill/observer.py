@@ -11,7 +11,7 @@ rewritten atomically; the captured dump is kept either way.
 
 Example::
 
-    from dumper.jobs.observer import ObserverCheck, mark_observer
+    from dumper.prefill.observer import ObserverCheck, mark_observer
     check = ObserverCheck("dumps/a", logits=False)   # a dump written with --logprobs
     ...                                              # the job again, recording into check
     manifest = mark_observer("dumps/a", check.result())
@@ -58,7 +58,7 @@ _BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 class LogprobSink(Protocol):
     """Where a job's logprobs go: a :class:`~dumper.hooks.capture.Capture`, or an :class:`ObserverCheck`
-    for the run without capture (:func:`dumper.jobs.run.record_logprobs` writes to either)."""
+    for the run without capture (:func:`dumper.prefill.run.record_logprobs` writes to either)."""
 
     def set_sequence_ids(self, ids: Sequence[int] | None) -> None: ...
 

@@ -6,7 +6,7 @@ have run, :func:`wait_parts` waits for every rank's part of the token's director
 that lags its output by a moment, or one that dropped the capture and says why), and
 :func:`take_parts` moves the parts' data files into the dump being written and hands their
 records to its :class:`~dumper.hooks.capture.Capture`, whose manifest, written last, is the
-only thing that makes the dump complete (:mod:`dumper.engines.vllm_spool` is the worker side).
+only thing that makes the dump complete (:mod:`dumper.engines.vllm.spool` is the worker side).
 :func:`join_dump` is the one join: the parts, the caller's own records (prompt logprobs, from
 vLLM's ``RequestOutput``s or a server's answers) and the manifest, written last.
 """
@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from dumper.engines.base import EngineInfo
-from dumper.engines.vllm_spool import check_token
+from dumper.engines.vllm.spool import check_token
 from dumper.errors import DumpError, UsageError
 from dumper.format import Manifest, TensorRecord, load_manifest
 from dumper.format.atomic import atomic_path
@@ -64,7 +64,7 @@ class RankParts:
 
     @property
     def engine_settings(self) -> dict[str, Any]:
-        """How the engine ran the model, as rank 0's worker said (:func:`dumper.engines.vllm_spool.engine_settings`)."""
+        """How the engine ran the model, as rank 0's worker said (:func:`dumper.engines.vllm.spool.engine_settings`)."""
         return dict((self.info.get("extra") or {}).get("engine_settings") or {})
 
 

