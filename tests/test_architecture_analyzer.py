@@ -71,7 +71,7 @@ def test_the_most_specific_pattern_places_a_module_and_a_tie_is_no_place(tree: P
     table = linear(LAYERS)
     assert _place("dumper.cli.common", table)[0] == "core"  # beats dumper.cli.*
     assert _place("dumper.prefill.presets", table)[0] == "dumper.prefill"
-    assert _place("dumper.jobs.sweep", table)[0] == "dumper.jobs"
+    assert _place("dumper.jobs.sweep.run", table)[0] == "dumper.jobs"
     twice = (("a", ("comparator.*",), ()), ("b", ("comparator.*",), ()), ("c", ("dumper.*",), ()))
     assert "comparator/results.py: comparator.results matches comparator.* (a) and comparator.* (b)" \
         in analyze(tree, twice).unplaced

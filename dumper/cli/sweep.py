@@ -1,4 +1,4 @@
-"""``python -m dumper sweep``: thin CLI over :func:`dumper.jobs.sweep.sweep`: its flags, a line per cell, the table."""
+"""``python -m dumper sweep``: thin CLI over :func:`dumper.jobs.sweep.run.sweep`: its flags, a line per cell, the table."""
 
 from __future__ import annotations
 
@@ -53,14 +53,14 @@ def add_sweep(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    """Build the :class:`~dumper.jobs.sweep.SweepConfig`, run it, print a line per cell and the table."""
+    """Build the :class:`~dumper.jobs.sweep.run.SweepConfig`, run it, print a line per cell and the table."""
     from comparator import CompareConfig, stdout_console
     from dumper.format import write_json_atomic
     from dumper.prefill.run import LogprobSpec, RunConfig
     from dumper.hooks.layers import parse_points
-    from dumper.jobs.sweep import SweepConfig, baseline_defaults, baseline_prompts, parse_grid, sweep
-    from dumper.jobs.sweep_grid import MAX_CELLS
-    from dumper.jobs.sweep_table import cell_line, render_sweep
+    from dumper.jobs.sweep.run import SweepConfig, baseline_defaults, baseline_prompts, parse_grid, sweep
+    from dumper.jobs.sweep.grid import MAX_CELLS
+    from dumper.jobs.sweep.table import cell_line, render_sweep
 
     check_device(args.device)
     if (args.top_k or args.save_logits) and not args.logprobs:

@@ -514,7 +514,7 @@ def test_engine_args_are_checked_before_vllm_starts(tmp_path):
     assert kwargs(("max_model_len", "1024"), ("max_num_seqs", "3"))["max_model_len"] == 1024
     # the context holds the longest prompt and what it generates, within the model's positions
     assert kwargs(new_tokens=600)["max_model_len"] == 603 and kwargs(new_tokens=4000)["max_model_len"] == 2048
-    from dumper.jobs.sweep_engine import pinned_engine_args  # a sweep's engine holds its longest decode cell
+    from dumper.jobs.sweep.engine import pinned_engine_args  # a sweep's engine holds its longest decode cell
 
     pinned = pinned_engine_args(RunConfig(out="x", model=str(ckpt), engine="vllm", input_ids=((1, 2, 3),)),
                                 {"new_tokens"}, new_tokens=600)

@@ -5,7 +5,7 @@ Each case builds a list of ``--grid`` items from hostile parts (engine-arg keys,
 keys of 10,000 characters; empty, repeated, ``none``, negative, 10**30, float, ``block``,
 unicode and control-character values; up to 60 axes; axes of up to 10,000 values, products of
 10**12 cells and far past; keys given twice) and a cap (``max_cells``), and checks
-:func:`dumper.jobs.sweep_grid.parse_grid` in-process against an oracle written from its
+:func:`dumper.jobs.sweep.grid.parse_grid` in-process against an oracle written from its
 contract:
 
 * an item is ``KEY=V1,V2,...`` (split at the first ``=``, key and values stripped) with no empty
@@ -43,7 +43,7 @@ from hypothesis import strategies as st
 from dumper.cli.main import main as dumper_main
 from dumper.errors import UsageError
 from dumper.format.files import printable
-from dumper.jobs.sweep_grid import MAX_CELLS, parse_grid
+from dumper.jobs.sweep.grid import MAX_CELLS, parse_grid
 from tests.fuzzing import FUZZ, LIMIT, check_outcome, deadline, has_control, run_child, run_main
 
 ENGINE_KEYS = ["enable_prefix_caching", "kv_cache_dtype", "max_num_seqs", "max_model_len", "enforce_eager",

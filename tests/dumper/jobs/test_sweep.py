@@ -14,9 +14,9 @@ from comparator.hidden.compare import compare_dumps
 from dumper.errors import NotComparableError, UsageError
 from dumper.format import load_manifest
 from dumper.prefill.run import LogprobSpec, RunConfig, dump_sequences
-from dumper.jobs.sweep import SweepConfig, SweepResult, baseline_prompts, parse_grid, plan_sweep, run_cell, sweep
-from dumper.jobs.sweep_grid import block_lengths
-from dumper.jobs.sweep_types import ZERO_HITS
+from dumper.jobs.sweep.run import SweepConfig, SweepResult, baseline_prompts, parse_grid, plan_sweep, run_cell, sweep
+from dumper.jobs.sweep.grid import block_lengths
+from dumper.jobs.sweep.results import ZERO_HITS
 from tests.conftest import run_cli, tiny_llama
 
 SHORT = "A short prompt, twenty-four."  # prompt 0: shorter than the longest length, so that cell drops it

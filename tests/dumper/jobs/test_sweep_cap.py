@@ -11,7 +11,7 @@ import pytest
 
 from dumper.cli.main import build_parser, main
 from dumper.errors import UsageError
-from dumper.jobs.sweep_grid import MAX_CELLS, Axis, axis_size, parse_grid
+from dumper.jobs.sweep.grid import MAX_CELLS, Axis, axis_size, parse_grid
 from tests.conftest import subprocess_env
 
 HUNDRED = ",".join(map(str, range(1, 101)))

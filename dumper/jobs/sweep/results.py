@@ -1,4 +1,4 @@
-"""The results of an invariance sweep (:mod:`dumper.jobs.sweep`): one :class:`CellResult` per cell, one
+"""The results of an invariance sweep (:mod:`dumper.jobs.sweep.run`): one :class:`CellResult` per cell, one
 :class:`SweepResult`; each ``to_json`` has its ``from_json``, and the JSON keys are a public contract.
 
 ``SweepResult.to_json()`` is ``{"passed", "baseline", "out", "engine", "block_size", "wall_s",

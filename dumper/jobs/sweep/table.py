@@ -13,8 +13,8 @@ from rich.table import Table
 from rich.text import Text
 
 from comparator import DIVERGED, PASS, format_float
-from dumper.jobs.sweep_grid import describe
-from dumper.jobs.sweep_types import CellResult, SweepResult
+from dumper.jobs.sweep.grid import describe
+from dumper.jobs.sweep.results import CellResult, SweepResult
 
 __all__ = ["render_sweep", "cell_line", "summary_line"]
 

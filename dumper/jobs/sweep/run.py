@@ -2,9 +2,9 @@
 
 The job is the baseline dump's own (its manifest's ``extra.input_ids``). Each cell runs it
 through the engine's ``run_dump`` (what ``python -m dumper run`` calls) with the cell's
-settings (:mod:`dumper.jobs.sweep_grid`), writes ``OUT/cell-NNN/dump``, compares it with
+settings (:mod:`dumper.jobs.sweep.grid`), writes ``OUT/cell-NNN/dump``, compares it with
 :func:`comparator.compare_dumps` and writes ``OUT/cell-NNN/report.json``; ``OUT/sweep.json``
-holds the :class:`~dumper.jobs.sweep_types.SweepResult`.
+holds the :class:`~dumper.jobs.sweep.results.SweepResult`.
 
 Two kinds of cell record part of the baseline's rows by design, and are judged on those rows
 only (``CompareConfig(subset=True)``, :mod:`comparator.hidden.subset`):
@@ -26,7 +26,7 @@ dtype, seed and attention into ``OUT/cell-NNN/prefill``.
 Example::
 
     from dumper.prefill.run import RunConfig
-    from dumper.jobs.sweep import SweepConfig, parse_grid, sweep
+    from dumper.jobs.sweep.run import SweepConfig, parse_grid, sweep
 
     result = sweep(SweepConfig(baseline="dumps/base", out="sweep", template=RunConfig(out="sweep", layers="all"),
                                grid=parse_grid(["chunk_size=none,5,16", "lengths=block"])))
@@ -49,9 +49,9 @@ from dumper.errors import DriftscopeError, UsageError
 from dumper.format import LOGITS_POINT, LOGPROB_POINT, PAD_SEQUENCE, Manifest, load_manifest, write_json_atomic
 from dumper.format.points import INPUT
 from dumper.prefill.run import RunConfig, tokens_from
-from dumper.jobs.sweep_engine import engine_block_size, held_engine, pinned_engine_args, preflight
-from dumper.jobs.sweep_grid import BLOCK, LENGTHS, Axis, Cell, describe, parse_grid, plan_cells
-from dumper.jobs.sweep_types import PREFIX_CACHE_NOTE, ZERO_HITS, CellLogprobs, CellResult, SweepResult
+from dumper.jobs.sweep.engine import engine_block_size, held_engine, pinned_engine_args, preflight
+from dumper.jobs.sweep.grid import BLOCK, LENGTHS, Axis, Cell, describe, parse_grid, plan_cells
+from dumper.jobs.sweep.results import PREFIX_CACHE_NOTE, ZERO_HITS, CellLogprobs, CellResult, SweepResult
 from dumper.progress import ProgressFn
 
 __all__ = ["SweepConfig", "sweep", "plan_sweep", "run_cell", "baseline_prompts", "baseline_defaults",
@@ -70,7 +70,7 @@ class SweepConfig:
         out: a new directory: ``cell-NNN/dump``, ``cell-NNN/report.json`` and ``sweep.json``.
         template: the run settings fixed across cells (model, engine, layers, dtype, logprobs,
             ``--engine-arg``); its ``out``, ``prompts`` and ``input_ids`` are replaced per cell.
-        grid: the axes (:func:`~dumper.jobs.sweep_grid.parse_grid`).
+        grid: the axes (:func:`~dumper.jobs.sweep.grid.parse_grid`).
         block_size: the KV block size ``lengths=block`` expands with (None: the engine's).
         compare: the comparison's thresholds.
     """
@@ -144,7 +144,7 @@ def plan_sweep(cfg: SweepConfig) -> tuple[list[Cell], int | None]:
 
 
 def _preflight(cells: list[Cell]) -> list[Cell]:
-    """``cells``, each passed by its engine adapter's own checks (:func:`~dumper.jobs.sweep_engine.preflight`)."""
+    """``cells``, each passed by its engine adapter's own checks (:func:`~dumper.jobs.sweep.engine.preflight`)."""
     for cell in cells:
         try:
             preflight(cell.config)
