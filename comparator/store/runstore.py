@@ -286,9 +286,11 @@ class RunStore:
         return raw, d
 
     def report_json(self, run_id: str) -> dict[str, Any] | None:
-        """The stored comparison report (``None`` for a run that was not compared)."""
+        """The stored comparison report (``None`` for a run not compared), refused over the limit of any report."""
+        from comparator.results import MAX_REPORT_BYTES  # here: listing a store loads no report types
+
         where = self.where(run_id, REPORT_JSON)
-        raw = self.backend.read_bytes(f"{RUNS}/{run_id}/{REPORT_JSON}", max_bytes=MAX_MANIFEST_BYTES)
+        raw = self.backend.read_bytes(f"{RUNS}/{run_id}/{REPORT_JSON}", max_bytes=MAX_REPORT_BYTES)
         if raw is None:
             return None
         try:

@@ -27,13 +27,14 @@ import pytest
 
 from comparator import regress
 from comparator.cli.main import main
+from comparator.results import MAX_REPORT_BYTES, load_report
 from comparator.store import RunStatus, RunStore, StoreError
 from comparator.store.backend import LocalBackend
 from comparator.store.fsspec_backend import FsspecBackend
 from comparator.store.errors import CorruptRunError, UnsafePathError
 from comparator.store.record import RunRecord
 from comparator.store.runid import new_run_id
-from dumper.errors import EXIT_OK
+from dumper.errors import EXIT_OK, UsageError
 from dumper.format import MANIFEST_NAME, load_manifest
 from tests.conftest import ROOT, run_cli, subprocess_env
 from tests.storeutil import synth_dump
@@ -508,6 +509,20 @@ def test_missing_keys_and_folder_mismatch_are_named(world):
         RunRecord.from_json(d, folder=world["base"])
     rec = RunRecord.from_json(d, folder=world["passed"])
     assert RunRecord.from_json(json.loads(rec.dumps()), folder=rec.run_id) == rec
+
+
+def test_a_stored_report_has_the_limit_of_any_report(world):
+    """``report.json`` in a store is refused over the size ``load_report`` refuses, unread (sparse: no disk used)."""
+    run = world["passed"]
+    path = world["runs"] / run / "report.json"
+    assert RunStore(world["store"]).report_json(run) is not None
+    with open(path, "r+b") as f:
+        f.truncate(MAX_REPORT_BYTES + 1)
+    with pytest.raises(StoreError, match=f"{run}/report.json: {MAX_REPORT_BYTES + 1} bytes, over the "
+                                         f"{MAX_REPORT_BYTES} bytes"):
+        RunStore(world["store"]).report_json(run)
+    with pytest.raises(UsageError, match=f"exceeds the {MAX_REPORT_BYTES >> 20} MiB limit"):
+        load_report(path)
 
 
 def test_run_ids_are_exact(world):
