@@ -36,7 +36,8 @@ __all__ = ["TensorComparison", "FirstDivergence", "ReplicaMismatch", "LayerSumma
 __getattr__, __dir__ = lazy_exports(__name__, {"LogprobVerdict": "comparator.logprobs.types"}, globals())
 
 MAX_REPORT_BYTES = 1 << 30
-"""The largest report file :func:`load_report` reads (its JSON is also bounded in memory before parsing)."""
+"""The largest report file read, by :func:`load_report` and from a run store (``report.json``); its JSON is also
+bounded in memory before parsing."""
 
 
 def report_from_json(d: Mapping[str, Any], where: str = "report") -> Report:

@@ -168,7 +168,7 @@ def _ls(store: RunStore, console: Console, *, run_group: str | None, label: str 
                       "-", Text(e.problem or ""))
     console.print(table)
     console.print(f"{len(recs)} runs shown; {len(broken)} incomplete, corrupt or staging entries")
-    warn([e.problem for e in broken if e.status in ("incomplete", "corrupt") and e.problem])
+    warn([e.problem for e in broken if e.status.warned and e.problem])
 
 
 def _show(store: RunStore, run_id: str, console: Console) -> None:

@@ -27,7 +27,8 @@ Names. In this package a **run** is one dump stored in a store, in its folder ``
 * :class:`RunRecord` is its ``run.json`` (label, run group, baseline, verdict summary): its
   :class:`Label` (:mod:`~comparator.store.labels`) and the typed parts in
   :mod:`~comparator.store.types`, :class:`RunSummary`, :class:`Calibration`, :class:`Promotion`;
-* :class:`RunEntry` is one listed folder under ``runs/``, complete or not, with its record if readable;
+* :class:`RunEntry` is one listed folder under ``runs/``, with its record if readable and its
+  :class:`RunStatus` (complete, incomplete, corrupt or staging);
 * a run's **model** (``RunRecord.model``, ``regress(model=...)``, ``--model`` of ``regress`` and
   ``store ls``) is its *run group*: the name runs are filed under and baselines picked from. It is
   not the *threshold row* that ``python -m comparator A B --model`` names in
@@ -53,6 +54,7 @@ _EXPORTS = {
     "NoBaselineError": "comparator.store.errors",
     "StoreError": "comparator.store.errors",
     "RunEntry": "comparator.store.record",
+    "RunStatus": "comparator.store.record",
     "RunRecord": "comparator.store.record",
     "StoredNoise": "comparator.store.record",
     "STAGING_GRACE_S": "comparator.store.runstore",
@@ -74,6 +76,7 @@ __all__ = [
     "RunStore",
     "RunRecord",
     "RunEntry",
+    "RunStatus",
     "Label",
     "RunSummary",
     "Calibration",
@@ -96,7 +99,7 @@ __all__ = [
 if TYPE_CHECKING:
     from comparator.store.environment import COMPARED_ENV_FIELDS, EnvDifference, env_differences
     from comparator.store.errors import EnvMismatchError, NoBaselineError, StoreError
-    from comparator.store.record import RunEntry, RunRecord, StoredNoise
+    from comparator.store.record import RunEntry, RunRecord, RunStatus, StoredNoise
     from comparator.store.runstore import STAGING_GRACE_S, PruneResult, RunStore
     from comparator.store.select import candidates, current_baselines, select_baseline
     from comparator.store.labels import LABELS, Label

@@ -12,6 +12,7 @@ import hashlib
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
+from enum import Enum
 from typing import Any
 
 from comparator.judging.noise import NoiseModel
@@ -30,6 +31,7 @@ __all__ = [
     "noise_bytes",
     "RunRecord",
     "RunEntry",
+    "RunStatus",
     "signature_key",
 ]
 
@@ -242,24 +244,53 @@ class StoredNoise:
         return cls(noise, raw, calibration, rows)
 
 
+class RunStatus(str, Enum):
+    """What one folder under ``runs/`` is, found when the store is listed (:attr:`RunEntry.status`); never stored.
+
+    A ``str``: ``RunStatus.CORRUPT == "corrupt"``, and it prints as its value (``store ls`` shows it upper-cased).
+    """
+
+    COMPLETE = "complete"
+    """A whole run: its ``COMPLETE`` marker and a valid ``run.json`` (the entry's ``record``)."""
+    INCOMPLETE = "incomplete"
+    """No ``COMPLETE`` marker: an upload that did not finish, or is still running."""
+    CORRUPT = "corrupt"
+    """An unusable marker, an unreadable or inconsistent ``run.json``, or not a run folder at all: never selected,
+    never pruned (a human should look)."""
+    STAGING = "staging"
+    """A local writer's temporary folder (``.tmp-`` or ``.trash-``), in progress or abandoned."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def unfinished(self) -> bool:
+        """An upload or deletion that did not finish (or is running): pruned once older than the grace period."""
+        return self in (RunStatus.INCOMPLETE, RunStatus.STAGING)
+
+    @property
+    def warned(self) -> bool:
+        """Whether ``store ls`` and ``regress`` warn about such an entry: incomplete and corrupt runs (a staging
+        folder is a writer's own business)."""
+        return self in (RunStatus.INCOMPLETE, RunStatus.CORRUPT)
+
+
 @dataclass(frozen=True)
 class RunEntry:
     """One folder under ``runs/``: a complete run, or something that must never be selected.
 
-    ``status`` is ``complete`` (``record`` is set), ``incomplete`` (no ``COMPLETE`` marker: an
-    upload that did not finish or is still running), ``corrupt`` (unreadable or inconsistent
-    ``run.json``, or not a run folder at all) or ``staging`` (a local writer's temporary folder,
-    in progress or abandoned). ``problem`` says what is wrong, naming the folder.
+    ``status`` (:class:`RunStatus`) is complete (``record`` is set), incomplete, corrupt or staging;
+    ``problem`` says what is wrong, naming the folder.
     """
 
     name: str
-    status: str
+    status: RunStatus
     record: RunRecord | None = None
     problem: str | None = None
 
     @property
     def complete(self) -> bool:
-        return self.status == "complete"
+        return self.status == RunStatus.COMPLETE
 
     @property
     def started(self) -> float | None:

@@ -140,7 +140,7 @@ def regress(run_dir: str | os.PathLike[str], store: str | os.PathLike[str] | Run
         raise UsageError(f"{run_dir}: the dump records no model name; pass --model NAME")
     st = store if isinstance(store, RunStore) else RunStore(store)
     entries = st.runs()
-    warnings = tuple(e.problem for e in entries if e.status in ("incomplete", "corrupt") and e.problem)
+    warnings = tuple(e.problem for e in entries if e.status.warned and e.problem)
     base, why, diffs = _select(entries, model, manifest, allow_env_mismatch=allow_env_mismatch, bootstrap=bootstrap)
     if base is None:
         if not bootstrap or build is not None:

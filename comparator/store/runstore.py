@@ -37,7 +37,7 @@ from dumper.format.validate import MAX_MANIFEST_BYTES
 from comparator.judging.noise import NoiseModel
 from comparator.store.backend import Backend, EntryKind, ReadResult, open_backend, plain_name
 from comparator.store.errors import CorruptRunError, StoreError
-from comparator.store.record import RunEntry, RunRecord, StoredNoise, signature_key
+from comparator.store.record import RunEntry, RunRecord, RunStatus, StoredNoise, signature_key
 from comparator.store.runid import is_run_id, new_run_id
 from comparator.store.select import current_baselines
 from comparator.store.labels import LABELS, Label
@@ -124,10 +124,10 @@ class RunStore:
         out = []
         for name, kind in listed:
             if kind != "dir" or not (is_run_id(name) or name.startswith(STAGING_PREFIXES)):
-                out.append(RunEntry(name, "corrupt", problem=self._not_a_run(name, kind)))
+                out.append(RunEntry(name, RunStatus.CORRUPT, problem=self._not_a_run(name, kind)))
             elif name.startswith(STAGING_PREFIXES):
-                out.append(RunEntry(name, "staging", problem=f"{self.where(name)}: unfinished upload or deletion "
-                                                            "(in progress, or its writer died)"))
+                out.append(RunEntry(name, RunStatus.STAGING, problem=f"{self.where(name)}: unfinished upload or "
+                                                                   "deletion (in progress, or its writer died)"))
             else:
                 entry = self._entry(name, blobs[f"{RUNS}/{name}/{COMPLETE}"], blobs[f"{RUNS}/{name}/{RUN_JSON}"])
                 out.append(self._with_dump_checked(entry))
@@ -141,33 +141,32 @@ class RunStore:
     def _entry(self, name: str, marker: ReadResult, raw: ReadResult) -> RunEntry:
         """The entry of the run folder ``name`` from the bytes of its marker and record (or why they are unreadable)."""
         if isinstance(marker, StoreError):
-            return RunEntry(name, "corrupt", problem=f"{self.where(name, COMPLETE)}: unusable marker "
-                                                     f"({_detail(marker, self.where(name, COMPLETE))})")
+            return RunEntry(name, RunStatus.CORRUPT, problem=f"{self.where(name, COMPLETE)}: unusable marker "
+                                                               f"({_detail(marker, self.where(name, COMPLETE))})")
         if marker is None:
-            return RunEntry(name, "incomplete", problem=f"{self.where(name)}: incomplete run (no {COMPLETE} marker: "
-                                                         "the upload did not finish, or is still running)")
+            why = f"no {COMPLETE} marker: the upload did not finish, or is still running"
+            return RunEntry(name, RunStatus.INCOMPLETE, problem=f"{self.where(name)}: incomplete run ({why})")
         where = self.where(name, RUN_JSON)
         if raw is None:
-            return RunEntry(name, "corrupt", problem=f"{where}: missing")
+            return RunEntry(name, RunStatus.CORRUPT, problem=f"{where}: missing")
         try:
             if isinstance(raw, StoreError):
                 raise raw
             rec = RunRecord.from_json(parse_json(raw, where, "JSON"), folder=name)
         except (StoreError, DumpError, ValueError) as e:
-            return RunEntry(name, "corrupt", problem=f"{where}: corrupt run record ({_detail(e, where)})")
-        return RunEntry(name, "complete", record=rec)
+            return RunEntry(name, RunStatus.CORRUPT, problem=f"{where}: corrupt run record ({_detail(e, where)})")
+        return RunEntry(name, RunStatus.COMPLETE, record=rec)
 
     def _with_dump_checked(self, entry: RunEntry) -> RunEntry:
         """A complete entry of a store read in place whose dump folder is missing or leaves the store is corrupt."""
         if not entry.complete:
             return entry
-        rel = f"{RUNS}/{entry.name}/{DUMP}"
         try:
-            local = self.backend.local_path(rel)
+            local = self.backend.local_path(f"{RUNS}/{entry.name}/{DUMP}")  # refuses a dump folder leaving the store
+            if local is not None and not local.is_dir():
+                raise StoreError(f"{self.where(entry.name, DUMP)}: missing or not a folder")
         except StoreError as e:
-            return RunEntry(entry.name, "corrupt", problem=str(e))
-        if local is not None and not local.is_dir():
-            return RunEntry(entry.name, "corrupt", problem=f"{self.where(entry.name, DUMP)}: missing or not a folder")
+            return RunEntry(entry.name, RunStatus.CORRUPT, problem=str(e))
         return entry
 
     def get(self, run_id: str) -> RunRecord:
@@ -184,7 +183,7 @@ class RunStore:
         blobs = self.backend.read_many([marker_rel, record_rel], max_bytes=MAX_RECORD_BYTES)
         entry = self._with_dump_checked(self._entry(run_id, blobs[marker_rel], blobs[record_rel]))
         if entry.record is None:
-            error = CorruptRunError if entry.status == "corrupt" else StoreError
+            error = CorruptRunError if entry.status == RunStatus.CORRUPT else StoreError
             raise error(entry.problem or f"{self.where(run_id)}: unusable run")
         return entry.record
 
@@ -287,9 +286,11 @@ class RunStore:
         return raw, d
 
     def report_json(self, run_id: str) -> dict[str, Any] | None:
-        """The stored comparison report (``None`` for a run that was not compared)."""
+        """The stored comparison report (``None`` for a run not compared), refused over the limit of any report."""
+        from comparator.results import MAX_REPORT_BYTES  # here: listing a store loads no report types
+
         where = self.where(run_id, REPORT_JSON)
-        raw = self.backend.read_bytes(f"{RUNS}/{run_id}/{REPORT_JSON}", max_bytes=MAX_MANIFEST_BYTES)
+        raw = self.backend.read_bytes(f"{RUNS}/{run_id}/{REPORT_JSON}", max_bytes=MAX_REPORT_BYTES)
         if raw is None:
             return None
         try:
@@ -382,9 +383,9 @@ class RunStore:
                 else:
                     deleted.append(r.run_id)
         for e in entries:
-            if e.status == "corrupt":
+            if e.status == RunStatus.CORRUPT:
                 skipped.append(f"{printable(e.name)}: {e.problem}")
-            elif e.status in ("incomplete", "staging"):
+            elif e.status.unfinished:
                 times = [t for t in (e.started, self.backend.newest_mtime(f"{RUNS}/{e.name}")) if t is not None]
                 if not times:
                     skipped.append(f"{printable(e.name)}: unfinished upload of unknown age")

@@ -20,7 +20,8 @@ crash, a hang, a huge allocation or a read outside the folder it belongs to. The
 Example::
 
     from dumper.format.files import parse_json, read_regular_file
-    obj = parse_json(read_regular_file(path, 1 << 20, "noise file"), str(path), "noise file")
+    from dumper.format.validate import MAX_MANIFEST_BYTES  # each kind of file has its one limit
+    obj = parse_json(read_regular_file(path, MAX_MANIFEST_BYTES, "manifest"), str(path), "manifest")
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from comparator import regress
-from comparator.store import Calibration, Label, RunRecord, RunStore, RunSummary, select_baseline
+from comparator.store import Calibration, Label, RunRecord, RunStatus, RunStore, RunSummary, select_baseline
 from comparator.store.types import SUMMARY_KEYS
 from dumper.errors import EXIT_DIVERGED, EXIT_OK, EXIT_UNUSABLE
 from dumper.format import load_manifest
@@ -83,7 +83,7 @@ def _raw(store: Path, run_id: str) -> dict[str, Any]:
 def test_an_old_store_lists_with_typed_records(old_store: tuple[Path, dict[str, str]]) -> None:
     store, ids = old_store
     entries = RunStore(store).runs()
-    assert [e.status for e in entries] == ["complete"] * 5
+    assert [e.status for e in entries] == [RunStatus.COMPLETE] * 5
     rec = {role: RunStore(store).get(run_id) for role, run_id in ids.items()}
     cal = rec["calibrated"]
     assert cal.label is Label.BASELINE and cal.summary is None and cal.promoted is None

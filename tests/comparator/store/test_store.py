@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 import dumper
 from comparator import CompareConfig, regress
-from comparator.store import EnvMismatchError, NoBaselineError, RunStore, StoreError, select_baseline
+from comparator.store import EnvMismatchError, NoBaselineError, RunStatus, RunStore, StoreError, select_baseline
 from comparator.store.environment import env_differences
 from comparator.store.record import RunRecord
 from comparator.store.runid import new_run_id, run_id_time
@@ -180,7 +180,7 @@ def test_corrupt_and_incomplete_runs_are_reported_and_never_selected(synth, tmp_
     newer = regress(synth["a2"], store)
     (tmp_path / "store" / "runs" / newer.run_id / "run.json").write_text('{"format_version": 1, "run_id": ')
     entries = {e.name: e for e in store.runs()}
-    assert entries[newer.run_id].status == "corrupt"
+    assert entries[newer.run_id].status is RunStatus.CORRUPT
     assert f"runs/{newer.run_id}/run.json" in entries[newer.run_id].problem
     assert select_baseline(store, "synth", m.capture_signature, m.environment).run_id == base.run_id
     # a run folder without its COMPLETE marker (an upload that never finished) is incomplete
@@ -195,7 +195,7 @@ def test_corrupt_and_incomplete_runs_are_reported_and_never_selected(synth, tmp_
     # run.json whose id does not match its folder (a copied folder) is corrupt too
     other = tmp_path / "store" / "runs" / r.run_id / "run.json"
     other.write_text(json.dumps({**json.loads(other.read_text()), "run_id": base.run_id}))
-    assert {e.name: e.status for e in store.runs()}[r.run_id] == "corrupt"
+    assert {e.name: e.status for e in store.runs()}[r.run_id] is RunStatus.CORRUPT
 
 
 def test_unalignable_run_is_stored_failed_exit_2(synth, tmp_path):
@@ -236,7 +236,7 @@ def test_remote_store_through_fsspec_memory(synth, tmp_path, memory_url):
     run_id, _ = new_run_id()
     fs.pipe_file(f"{root}/runs/{run_id}/run.json", RunStore(memory_url).get(ok.run_id).dumps()
                  .replace(ok.run_id.encode(), run_id.encode()))
-    assert {e.name: e.status for e in store.runs()}[run_id] == "incomplete"
+    assert {e.name: e.status for e in store.runs()}[run_id] is RunStatus.INCOMPLETE
     again = regress(synth["a2"], memory_url)  # no cache_dir: a temporary download
     assert again.baseline_run == ok.run_id and any("incomplete" in w for w in again.warnings)
     # promote rewrites the record in place; prune deletes remotely (marker first)
@@ -311,7 +311,7 @@ def test_any_run_record_bytes_list_as_complete_or_corrupt(raw):
     """The record reader never raises: whatever run.json holds, the run lists as complete or corrupt."""
     run_id, _ = new_run_id(1_700_000_000_000_000_000)
     entry = RunStore("unused-store")._entry(run_id, b"x", raw)
-    assert entry.status in ("complete", "corrupt")
-    assert (entry.record is not None) == (entry.status == "complete")
+    assert entry.status in (RunStatus.COMPLETE, RunStatus.CORRUPT)
+    assert (entry.record is not None) == (entry.status is RunStatus.COMPLETE)
     if entry.record is not None:
         assert isinstance(entry.record.verdict(), str)

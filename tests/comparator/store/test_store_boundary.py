@@ -27,13 +27,14 @@ import pytest
 
 from comparator import regress
 from comparator.cli.main import main
-from comparator.store import RunStore, StoreError
+from comparator.results import MAX_REPORT_BYTES, load_report
+from comparator.store import RunStatus, RunStore, StoreError
 from comparator.store.backend import LocalBackend
 from comparator.store.fsspec_backend import FsspecBackend
 from comparator.store.errors import CorruptRunError, UnsafePathError
 from comparator.store.record import RunRecord
 from comparator.store.runid import new_run_id
-from dumper.errors import EXIT_OK
+from dumper.errors import EXIT_OK, UsageError
 from dumper.format import MANIFEST_NAME, load_manifest
 from tests.conftest import ROOT, run_cli, subprocess_env
 from tests.storeutil import synth_dump
@@ -161,7 +162,7 @@ def world(dumps, tmp_path):
             "run": dumps["a3"]}
 
 
-def status_of(store: Path, name: str) -> tuple[str, str]:
+def status_of(store: Path, name: str) -> tuple[RunStatus, str]:
     e = {e.name: e for e in RunStore(store).runs()}[name]
     return e.status, e.problem or ""
 
@@ -197,7 +198,7 @@ def test_run_folder_symlinked_out_is_skipped_never_followed(world):
     become(world["runs"] / new, "symlink-out", world["outside"])
     with opens_under(world["outside"]) as opened:
         status, problem = status_of(world["store"], new)
-        assert status == "corrupt" and new in problem and "symlink" in problem
+        assert status is RunStatus.CORRUPT and new in problem and "symlink" in problem
         assert regress_picks(world) == world["passed"]
         with pytest.raises(CorruptRunError, match="symlink"):
             RunStore(world["store"]).get(new)
@@ -229,7 +230,7 @@ def test_record_or_marker_symlinked_out_is_refused(world, name):
     with opens_under(world["outside"]) as opened:
         status, problem = status_of(world["store"], new)
         assert regress_picks(world) == world["passed"]
-    assert status == "corrupt" and f"{new}/{name}" in problem and "outside the store" in problem
+    assert status is RunStatus.CORRUPT and f"{new}/{name}" in problem and "outside the store" in problem
     assert opened == []
 
 
@@ -239,7 +240,7 @@ def test_symlink_that_stays_inside_the_store_is_followed(world):
     (world["store"] / "records").mkdir()
     shutil.move(world["runs"] / new / "run.json", world["store"] / "records" / "r.json")
     os.symlink(world["store"] / "records" / "r.json", world["runs"] / new / "run.json")
-    assert status_of(world["store"], new) == ("complete", "")
+    assert status_of(world["store"], new) == (RunStatus.COMPLETE, "")
     assert regress_picks(world) == new
 
 
@@ -248,7 +249,7 @@ def test_dump_folder_symlinked_out_is_refused(world, capsys):
     become(world["runs"] / new / "dump", "symlink-out", world["outside"])
     with opens_under(world["outside"]) as opened:
         status, problem = status_of(world["store"], new)
-        assert status == "corrupt" and f"{new}/dump" in problem and "outside the store" in problem
+        assert status is RunStatus.CORRUPT and f"{new}/dump" in problem and "outside the store" in problem
         assert regress_picks(world) == world["passed"]
         with pytest.raises(UnsafePathError, match="outside the store"):
             with RunStore(world["store"]).local_dump(new):
@@ -265,7 +266,7 @@ def test_dump_file_symlinked_out_is_refused_when_read_in_place(world, capsys):
     (data,) = load_manifest(dump).files
     become(dump / data, "symlink-out", world["outside"])  # identical bytes: only containment can refuse it
     with opens_under(world["outside"]) as opened:
-        assert status_of(world["store"], new)[0] == "complete"  # listings do not read manifests
+        assert status_of(world["store"], new)[0] is RunStatus.COMPLETE  # listings do not read manifests
         with pytest.raises(UnsafePathError, match=f"{data}: resolves to .*outside"):
             with RunStore(world["store"]).local_dump(new):
                 pass
@@ -343,7 +344,7 @@ def test_run_folder_of_another_kind_is_reported_and_skipped(world, kind):
         status, problem = status_of(world["store"], new)
         assert regress_picks(world) == world["passed"]
         res = RunStore(world["store"]).prune(0, grace_s=0)
-    assert status == "corrupt" and new in problem and "where a run folder belongs" in problem
+    assert status is RunStatus.CORRUPT and new in problem and "where a run folder belongs" in problem
     assert new not in res.deleted and os.path.lexists(world["runs"] / new)
 
 
@@ -358,7 +359,7 @@ def test_record_or_marker_that_is_not_a_regular_file_is_never_opened(world, name
         assert main(["store", "show", str(world["store"]), new]) == 2
         assert main(["store", "promote", str(world["store"]), new]) == 2
         assert main(["store", "ls", str(world["store"])]) == 0
-    assert status == "corrupt" and f"{new}/{name}" in problem and "where a file belongs" in problem
+    assert status is RunStatus.CORRUPT and f"{new}/{name}" in problem and "where a file belongs" in problem
     assert opened == []
     err = capsys.readouterr().err
     assert "Traceback" not in err and f"error: {problem}" in err
@@ -385,8 +386,8 @@ def test_prune_never_deletes_outside_or_through_a_symlink(world):
     os.utime(world["runs"] / old, (1_600_000_000, 1_600_000_000), follow_symlinks=False)
     # a "staging folder" that is a symlink out
     os.symlink(outside / "keep", world["runs"] / f".tmp-{old}-0badc0de")
-    assert status_of(world["store"], old)[0] == "incomplete"
-    assert status_of(world["store"], f".tmp-{old}-0badc0de")[0] == "corrupt"
+    assert status_of(world["store"], old)[0] is RunStatus.INCOMPLETE
+    assert status_of(world["store"], f".tmp-{old}-0badc0de")[0] is RunStatus.CORRUPT
     res = RunStore(world["store"]).prune(5, grace_s=0)
     assert res.deleted == (old,) and not os.path.lexists(world["runs"] / old)
     assert (outside / "keep" / "data").read_text() == "precious" and (outside / "secret").exists()
@@ -417,7 +418,7 @@ def test_garbage_run_json_is_corrupt(world, kind):
         assert b"NaN" in raw
     path.write_bytes(raw)
     status, problem = status_of(world["store"], new)
-    assert status == "corrupt" and f"{new}/run.json: corrupt run record" in problem and "\n" not in problem
+    assert status is RunStatus.CORRUPT and f"{new}/run.json: corrupt run record" in problem and "\n" not in problem
     assert regress_picks(world) == world["passed"]
 
 
@@ -469,11 +470,34 @@ def test_type_confusion_in_run_json_names_the_field(world, field, value, named):
     d = {**_sound_record(world), "run_id": new, field: value}
     (world["runs"] / new / "run.json").write_text(json.dumps(d))
     status, problem = status_of(world["store"], new)
-    assert status == "corrupt" and f"{new}/run.json" in problem and named in problem, problem
+    assert status is RunStatus.CORRUPT and f"{new}/run.json" in problem and named in problem, problem
     assert "\n" not in problem
     with pytest.raises(ValueError, match=named.replace(".", r"\.")):
         RunRecord.from_json(d, folder=new)
     assert regress_picks(world) == world["passed"]
+
+
+def test_unknown_label_in_run_json_is_one_line_exit_2(world):
+    """A record whose stored label is none this version knows: the run lists as corrupt, and reading it is exit 2
+    with one line naming its run.json and the field."""
+    new = clone_run(world["store"], world["passed"])
+    record = world["runs"] / new / "run.json"
+    record.write_text(json.dumps({**_sound_record(world), "run_id": new, "pass_label": "golden"}))
+    r = cli("store", "show", world["store"], new)
+    assert r.returncode == 2 and r.stderr.startswith("error: ") and r.stderr.count("\n") == 1, r.stderr
+    assert f"{new}/run.json: corrupt run record" in r.stderr and "pass_label" in r.stderr, r.stderr
+    r = cli("store", "ls", world["store"])
+    assert r.returncode == 0 and "CORRUPT" in r.stdout and f"{new}/run.json" in r.stderr, r.stdout + r.stderr
+    assert status_of(world["store"], new)[0] is RunStatus.CORRUPT
+
+
+def test_run_status_prints_and_serializes_as_its_word():
+    """``store ls`` and anything that writes a status show the same words as before the enum."""
+    assert [s.value for s in RunStatus] == ["complete", "incomplete", "corrupt", "staging"]
+    for s in RunStatus:
+        assert s == s.value and str(s) == f"{s}" == s.value and json.dumps(s) == f'"{s.value}"'
+    assert [s for s in RunStatus if s.warned] == [RunStatus.INCOMPLETE, RunStatus.CORRUPT]
+    assert [s for s in RunStatus if s.unfinished] == [RunStatus.INCOMPLETE, RunStatus.STAGING]
 
 
 def test_missing_keys_and_folder_mismatch_are_named(world):
@@ -485,6 +509,20 @@ def test_missing_keys_and_folder_mismatch_are_named(world):
         RunRecord.from_json(d, folder=world["base"])
     rec = RunRecord.from_json(d, folder=world["passed"])
     assert RunRecord.from_json(json.loads(rec.dumps()), folder=rec.run_id) == rec
+
+
+def test_a_stored_report_has_the_limit_of_any_report(world):
+    """``report.json`` in a store is refused over the size ``load_report`` refuses, unread (sparse: no disk used)."""
+    run = world["passed"]
+    path = world["runs"] / run / "report.json"
+    assert RunStore(world["store"]).report_json(run) is not None
+    with open(path, "r+b") as f:
+        f.truncate(MAX_REPORT_BYTES + 1)
+    with pytest.raises(StoreError, match=f"{run}/report.json: {MAX_REPORT_BYTES + 1} bytes, over the "
+                                         f"{MAX_REPORT_BYTES} bytes"):
+        RunStore(world["store"]).report_json(run)
+    with pytest.raises(UsageError, match=f"exceeds the {MAX_REPORT_BYTES >> 20} MiB limit"):
+        load_report(path)
 
 
 def test_run_ids_are_exact(world):

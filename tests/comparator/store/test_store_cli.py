@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from comparator.store import RunStore
+from comparator.store import RunStatus, RunStore
 from tests.conftest import ROOT, run_cli, subprocess_env
 from tests.storeutil import OTHER_GPU, edited_copy, synth_dump
 
@@ -83,7 +83,7 @@ def test_two_concurrent_writers_both_land_whole(dumps, tmp_path):
     outs = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [0, 1], outs
     entries = RunStore(store).runs()
-    assert [e.status for e in entries] == ["complete"] * 3
+    assert [e.status for e in entries] == [RunStatus.COMPLETE] * 3
     assert sorted(e.record.label for e in entries) == ["baseline", "failed", "passed"]
     for e in entries:
         assert (store / "runs" / e.name / "run.json").is_file() and (store / "runs" / e.name / "COMPLETE").is_file()
@@ -104,15 +104,15 @@ def test_sigkilled_writer_leaves_no_complete_run(tmp_path):
     assert proc.returncode == -signal.SIGKILL, "the upload finished before it could be killed"
     entries = RunStore(store).runs()
     assert not [e for e in entries if e.complete]
-    assert [e.status for e in entries] == ["staging"]
+    assert [e.status for e in entries] == [RunStatus.STAGING]
     r = run_cli("comparator", "store", "ls", store)
     assert "STAGING" in r.stdout and "0 runs shown" in r.stdout
     r = run_cli("comparator", "regress", big, "--store", store)  # the dead writer left no baseline
     assert r.returncode == 2 and "no comparable baseline" in r.stderr
     r = run_cli("comparator", "regress", big, "--store", store, "--bootstrap")
     assert r.returncode == 0, r.stdout + r.stderr
-    assert [e.status for e in RunStore(store).runs()] == ["staging", "complete"]
+    assert [e.status for e in RunStore(store).runs()] == [RunStatus.STAGING, RunStatus.COMPLETE]
     r = run_cli("comparator", "store", "prune", store, "--keep", "1")  # a young staging folder may be running
     assert r.returncode == 0 and "younger than" in r.stderr
     assert RunStore(store).prune(1, grace_s=0).deleted[0].startswith(".tmp-")
-    assert [e.status for e in RunStore(store).runs()] == ["complete"]
+    assert [e.status for e in RunStore(store).runs()] == [RunStatus.COMPLETE]
