@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import html
 import io
 import json
@@ -281,15 +282,28 @@ def test_progress_bar_appears_only_on_a_terminal_after_the_delay():
     assert buf.getvalue() == ""
 
 
-def test_progress_callback_drives_compare_dumps(dumps):
+def test_progress_callback_drives_compare_dumps(dumps, monkeypatch, capsys):
     base, bad, _ = dumps
     seen: list[tuple[int, int]] = []
     compare_dumps(base, bad, progress=lambda done, total: seen.append((done, total)))
     assert seen[-1][0] == seen[-1][1] == 2 * N_LAYERS
-    from comparator.reports.outputs import progress_callback
+    from comparator.reports import outputs
 
-    with progress_callback(True) as progress:  # stderr is not a TTY under pytest: a silent no-op
+    # on a terminal, the CLI's callback draws the "comparing" bar and compare_dumps fills it to its total
+    # (drawn at once: no delay to wait out)
+    console, buf = _terminal()
+    monkeypatch.setattr(outputs, "progress_bar", functools.partial(progress_bar, delay=0, console=console))
+    with outputs.progress_callback(True) as progress:
+        time.sleep(0.2)  # the bar's timer thread starts it before the work
         compare_dumps(base, bad, progress=progress)
+    shown = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", buf.getvalue())  # without the terminal's escape codes
+    assert "comparing" in shown and f"{2 * N_LAYERS}/{2 * N_LAYERS} tensors" in shown
+    # stderr is not a TTY under pytest: the callback draws nothing there, even with no delay
+    monkeypatch.setattr(outputs, "progress_bar", functools.partial(progress_bar, delay=0))
+    capsys.readouterr()
+    with outputs.progress_callback(True) as progress:
+        compare_dumps(base, bad, progress=progress)
+    assert capsys.readouterr().err == ""
 
 
 def test_chunk_boundary_bug_is_a_vertical_edge(tmp_path):
