@@ -15,6 +15,7 @@ from dataclasses import replace
 
 import matplotlib.image
 import numpy as np
+import pandas as pd
 import pytest
 from matplotlib.colors import to_rgb
 from rich.console import Console
@@ -236,8 +237,15 @@ def test_cli_helpers_write_every_output(report, dumps, tmp_path):
     write_outputs(report, args, base, bad, stdout=out)
     assert json.loads(out.getvalue()) == report.to_json()
     assert (tmp_path / "r.md").read_text() == to_markdown(report)
-    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
-    assert "<svg" in (tmp_path / "r.html").read_text() and (tmp_path / "t.parquet").stat().st_size > 0
+    # each file is this report's: the plot its layer chart, the page its HTML with both manifests, the table its tensors
+    save_layer_plot(report, tmp_path / "direct.png")
+    plot, direct = matplotlib.image.imread(tmp_path / "p.png"), matplotlib.image.imread(tmp_path / "direct.png")
+    assert plot.shape == direct.shape and np.array_equal(plot, direct) and plot.std() > 0
+    page = render_html(report, baseline_manifest=load_manifest(base), target_manifest=load_manifest(bad))
+    assert (tmp_path / "r.html").read_text(encoding="utf-8") == page
+    table = pd.read_parquet(tmp_path / "t.parquet")
+    assert list(table["name"]) == [t.name for t in report.tensors]
+    assert list(table["rel_diff"]) == [t.rel_diff for t in report.tensors]
     args = _parse([str(base), str(bad), "--markdown"])
     assert args.format == "table"
     out = io.StringIO()
