@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import mmap
 from collections.abc import Iterator
 
@@ -89,10 +90,60 @@ def test_reference_semantics_by_hand() -> None:
     assert (s.nan_x, s.inf_x, s.nan_y, s.inf_y) == (2, 3, 1, 2)
 
 
-def test_fallback_without_extension(monkeypatch: pytest.MonkeyPatch) -> None:
-    x, y = make_pair(5, 9, "F32", 0, specials=[(3, (NAN, None))])
+def widen(v: np.ndarray, dtype: str) -> np.ndarray:
+    """Raw storage -> float64 by torch (bf16 bits read as torch.bfloat16), apart from the library's to_float64."""
+    if dtype == "BF16":
+        return torch.from_numpy(v.view(np.int16)).view(torch.bfloat16).double().numpy()
+    return v.astype(np.float64)
+
+
+def by_definition(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, list[float]]:
+    """Per row of two float64 arrays: exact sums (math.fsum) of d^2, a^2, b^2, a*b over the pairs where both
+    sides are finite, and the count of the other pairs that are not equal (NaN/NaN and equal infinities are);
+    and every |d| of a finite pair."""
+    rows, diffs = [], []
+    for ra, rb in zip(a.tolist(), b.tolist(), strict=True):
+        pairs = [(p, q) for p, q in zip(ra, rb, strict=True) if math.isfinite(p) and math.isfinite(q)]
+        others = [(p, q) for p, q in zip(ra, rb, strict=True) if not (math.isfinite(p) and math.isfinite(q))]
+        unequal = [1 for p, q in others if not (p == q or (math.isnan(p) and math.isnan(q)))]
+        rows.append([math.fsum((p - q) ** 2 for p, q in pairs), math.fsum(p * p for p, _ in pairs),
+                     math.fsum(q * q for _, q in pairs), math.fsum(p * q for p, q in pairs), len(unequal)])
+        diffs += [abs(p - q) for p, q in pairs]
+    return np.array(rows), diffs
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fallback_without_extension(monkeypatch: pytest.MonkeyPatch, dtype: str) -> None:
+    """Without the extension, row_stats gives the statistics their definition gives: sums over finite pairs,
+    hence rel_diff = |x-y|^2 / (|x|^2 + |y|^2) per token and per tensor; NaN/Inf left out and counted."""
+    rows, cols = 7, 33
+    # every special pair, and one more NaN and Inf in x: the four counts differ (rows 0..4)
+    extra = [(NAN, None), (INF, None)]
+    specials = list(zip([0, 17, 34, 40, 45, 70, 88, 99, 120, 131, 150, 160], SPECIALS + extra, strict=True))
+    x, y = make_pair(rows, cols, dtype, seed=11, specials=specials)
+    x[5] = y[5] = 0  # a row of zeros on both sides
+    x[6] = 0  # a row of zeros on one side only: rel_diff 1 by the definition
     monkeypatch.setattr(kernels, "_kernels", None)
-    assert_same(row_stats(x, y, "F32"), row_stats_reference(x, y, "F32"))
+    s = row_stats(x, y, dtype)
+    a, b = widen(x, dtype), widen(y, dtype)
+    want, diffs = by_definition(a, b)
+    assert s.row.shape == (rows, 5)
+    np.testing.assert_allclose(s.row[:, :3], want[:, :3], rtol=1e-12, atol=0)
+    # sum a*b may cancel: its error against sqrt(sum a^2 * sum b^2) (Cauchy-Schwarz)
+    assert np.all(np.abs(s.row[:, 3] - want[:, 3]) <= 1e-12 * np.sqrt(want[:, 1] * want[:, 2]))
+    np.testing.assert_array_equal(s.row[:, 4], want[:, 4])
+    assert want[:5, 4].sum() > 0 and not want[5:, 4].any()  # the specials made mismatches, where they were put
+    np.testing.assert_array_equal(s.row[5, :4], 0.0)
+    # rel_diff per token and per tensor, from the fallback's sums and from the definition
+    live = want[:, 1] + want[:, 2] > 0
+    token = s.row[live, 0] / (s.row[live, 1] + s.row[live, 2])
+    np.testing.assert_allclose(token, want[live, 0] / (want[live, 1] + want[live, 2]), rtol=1e-12)
+    assert token[-1] == pytest.approx(1.0, rel=1e-12) and (token[:-1] < 0.5).all()  # y near x elsewhere
+    tensor = s.row[:, 0].sum() / (s.row[:, 1].sum() + s.row[:, 2].sum())
+    assert tensor == pytest.approx(want[:, 0].sum() / (want[:, 1].sum() + want[:, 2].sum()), rel=1e-12)
+    assert s.max_abs == max(diffs) and s.sum_abs == pytest.approx(math.fsum(diffs), rel=1e-12)
+    counts = (np.isnan(a).sum(), np.isinf(a).sum(), np.isnan(b).sum(), np.isinf(b).sum())
+    assert (s.nan_x, s.inf_x, s.nan_y, s.inf_y) == counts and len(set(counts)) == 4
 
 
 def test_empty_blocks() -> None:

@@ -13,10 +13,14 @@ import subprocess
 from dataclasses import replace
 from pathlib import Path
 
+import matplotlib.image
+import numpy as np
 import pytest
+from matplotlib.colors import to_rgb
 
 from comparator import compare_dumps
 from comparator.reports.html import write_html
+from comparator.reports.plots import layer_figure
 from dumper.format import load_manifest
 from tests.report_dumps import clean_dump, one_token_bug_dump
 
@@ -82,10 +86,26 @@ def test_table_lists_every_tensor_and_sorts(page):
     assert seen["ariaSort"] == "ascending"
 
 
+def _near(rgb: np.ndarray, color: str) -> np.ndarray:
+    """Pixels within 3/255 of ``color`` per channel."""
+    return (np.abs(rgb - np.asarray(to_rgb(color))) <= 3 / 255).all(axis=-1)
+
+
 def test_screenshot(page):
-    _, _, shot = page
+    """The screenshot is the viewport (1200 x 900) showing the report: the failing verdict box at the top (its
+    background and red left border, no passing one), the per-layer chart's two series below it."""
+    report, _, shot = page
     data = shot.read_bytes()
-    assert data[:8] == b"\x89PNG\r\n\x1a\n" and 10_000 < len(data) < SCREENSHOT_BYTES
+    assert len(data) < SCREENSHOT_BYTES  # small enough for docs/report.png
+    rgb = matplotlib.image.imread(shot)[..., :3]  # [rows, cols, rgb], floats in 0..1
+    assert rgb.shape == (900, 1200, 3)
+    fail_bg, border = _near(rgb, "#fdecea"), _near(rgb, "#c0392b")  # .fail in the page's CSS
+    assert fail_bg.mean() > 0.1 and not _near(rgb, "#e8f6ec").any()  # .pass background nowhere
+    box_end = int(np.nonzero(fail_bg.any(axis=1))[0].max())
+    assert box_end < 450 and border[:box_end, :40].sum(axis=0).max() > 100  # a tall red stripe at the left
+    lines = {line.get_label(): line.get_color() for line in layer_figure(report).axes[0].lines}
+    for label in ("max per-token rel_diff", "rel_diff (whole tensor)"):
+        assert _near(rgb[box_end:], lines[label]).sum() > 100, label
     if os.environ.get("DRIFTSCOPE_UPDATE_SCREENSHOT") == "1":
         (ROOT / "docs").mkdir(exist_ok=True)
         shutil.copyfile(shot, ROOT / "docs" / "report.png")

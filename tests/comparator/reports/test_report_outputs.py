@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import html
 import io
 import json
@@ -12,14 +13,18 @@ import shutil
 import time
 from dataclasses import replace
 
+import matplotlib.image
 import numpy as np
+import pandas as pd
 import pytest
+from matplotlib.colors import to_rgb
 from rich.console import Console
 
 from comparator import compare_dumps
 from comparator.hidden.heatmap import BEFORE, WINDOW
 from comparator.reports.html import render_html, write_html
 from comparator.reports.files import json_text, write_parquet
+from comparator.reports import plots
 from comparator.reports.markdown import to_markdown
 from comparator.reports.outputs import add_output_flags, check_output_flags, write_outputs
 from comparator.reports.plots import save_layer_plot
@@ -131,10 +136,51 @@ def test_parquet_without_pyarrow_is_a_usage_error(report, tmp_path, monkeypatch)
     assert not (tmp_path / "t.parquet").exists()
 
 
-def test_plot_is_written_as_png(report, tmp_path):
+def test_plot_is_written_as_png(report, tmp_path, monkeypatch):
+    """The PNG is the per-layer chart: its lines are the report's per-layer values (zeros at the floor, failing
+    layers ringed, the first divergence marked), and the decoded image has the chart's size and draws each
+    series' points in that series' colour where the axes put them."""
+    built = []
+    real = plots.layer_figure
+
+    def layer_figure(r):  # the figure save_layer_plot renders, kept to look at
+        built.append(real(r))
+        return built[-1]
+
+    monkeypatch.setattr(plots, "layer_figure", layer_figure)
     save_layer_plot(report, tmp_path / "layers.png")
-    data = (tmp_path / "layers.png").read_bytes()
-    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    (fig,) = built
+    ax = fig.axes[0]
+    lines = {line.get_label(): line for line in ax.lines}
+    layers = report.layers()
+    x = np.arange(len(layers))
+    tok = np.asarray([s.max_token_rel_diff for s in layers])
+    rel = np.asarray([s.max_rel_diff for s in layers])
+    assert (tok[: LAYER + 1] == 0).all() and (tok[LAYER + 1:] > 0).all()  # bit-identical up to the bug
+    floor, _ = plots.log_range([rel, tok], [report.threshold, report.token_threshold])
+    assert ax.get_yscale() == "log" and floor < rel[rel > 0].min()
+    per_token, whole = lines["max per-token rel_diff"], lines["rel_diff (whole tensor)"]
+    for line, values in ((per_token, tok), (whole, rel)):
+        np.testing.assert_array_equal(line.get_xdata(), x)
+        np.testing.assert_array_equal(line.get_ydata(), np.where(values > 0, values, floor))
+    ringed = lines["failing layer"]
+    failing = [i for i, s in enumerate(layers) if not s.passed]
+    assert list(ringed.get_xdata()) == failing == list(range(LAYER + 1, N_LAYERS))
+    np.testing.assert_array_equal(ringed.get_ydata(), tok[LAYER + 1:])
+    assert list(lines[f"first divergence: layer {LAYER + 1}"].get_xdata()) == [LAYER + 1] * 2
+    assert f"{2 * (LAYER + 1)} zero value(s) drawn at the floor" in ax.get_title(loc="left")
+
+    image = matplotlib.image.imread(tmp_path / "layers.png")  # [rows, cols, rgba], floats in 0..1
+    fig.set_dpi(110)  # what figure_bytes renders at: the axes' transform now maps data to the PNG's pixels
+    height, width = (fig.get_size_inches()[::-1] * 110).round().astype(int)
+    assert image.shape == (height, width, 4)
+    # the per-token points of the failing layers, and every whole-tensor point (drawn over the per-token ones
+    # at the floor), where no line crosses them: not the first divergent layer's, under its vertical line
+    shown = [(per_token, i) for i in range(LAYER + 2, N_LAYERS)] + [(whole, i) for i in x if i != LAYER + 1]
+    for line, i in shown:
+        col, row = ax.transData.transform((x[i], line.get_ydata()[i]))
+        pixel = image[int(height - row), int(col), :3]
+        np.testing.assert_allclose(pixel, to_rgb(line.get_color()), atol=4 / 255, err_msg=f"{line.get_label()} {i}")
     with pytest.raises(UsageError, match=r"\.txt"):
         save_layer_plot(report, tmp_path / "layers.txt")
 
@@ -191,8 +237,15 @@ def test_cli_helpers_write_every_output(report, dumps, tmp_path):
     write_outputs(report, args, base, bad, stdout=out)
     assert json.loads(out.getvalue()) == report.to_json()
     assert (tmp_path / "r.md").read_text() == to_markdown(report)
-    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
-    assert "<svg" in (tmp_path / "r.html").read_text() and (tmp_path / "t.parquet").stat().st_size > 0
+    # each file is this report's: the plot its layer chart, the page its HTML with both manifests, the table its tensors
+    save_layer_plot(report, tmp_path / "direct.png")
+    plot, direct = matplotlib.image.imread(tmp_path / "p.png"), matplotlib.image.imread(tmp_path / "direct.png")
+    assert plot.shape == direct.shape and np.array_equal(plot, direct) and plot.std() > 0
+    page = render_html(report, baseline_manifest=load_manifest(base), target_manifest=load_manifest(bad))
+    assert (tmp_path / "r.html").read_text(encoding="utf-8") == page
+    table = pd.read_parquet(tmp_path / "t.parquet")
+    assert list(table["name"]) == [t.name for t in report.tensors]
+    assert list(table["rel_diff"]) == [t.rel_diff for t in report.tensors]
     args = _parse([str(base), str(bad), "--markdown"])
     assert args.format == "table"
     out = io.StringIO()
@@ -237,15 +290,28 @@ def test_progress_bar_appears_only_on_a_terminal_after_the_delay():
     assert buf.getvalue() == ""
 
 
-def test_progress_callback_drives_compare_dumps(dumps):
+def test_progress_callback_drives_compare_dumps(dumps, monkeypatch, capsys):
     base, bad, _ = dumps
     seen: list[tuple[int, int]] = []
     compare_dumps(base, bad, progress=lambda done, total: seen.append((done, total)))
     assert seen[-1][0] == seen[-1][1] == 2 * N_LAYERS
-    from comparator.reports.outputs import progress_callback
+    from comparator.reports import outputs
 
-    with progress_callback(True) as progress:  # stderr is not a TTY under pytest: a silent no-op
+    # on a terminal, the CLI's callback draws the "comparing" bar and compare_dumps fills it to its total
+    # (drawn at once: no delay to wait out)
+    console, buf = _terminal()
+    monkeypatch.setattr(outputs, "progress_bar", functools.partial(progress_bar, delay=0, console=console))
+    with outputs.progress_callback(True) as progress:
+        time.sleep(0.2)  # the bar's timer thread starts it before the work
         compare_dumps(base, bad, progress=progress)
+    shown = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", buf.getvalue())  # without the terminal's escape codes
+    assert "comparing" in shown and f"{2 * N_LAYERS}/{2 * N_LAYERS} tensors" in shown
+    # stderr is not a TTY under pytest: the callback draws nothing there, even with no delay
+    monkeypatch.setattr(outputs, "progress_bar", functools.partial(progress_bar, delay=0))
+    capsys.readouterr()
+    with outputs.progress_callback(True) as progress:
+        compare_dumps(base, bad, progress=progress)
+    assert capsys.readouterr().err == ""
 
 
 def test_chunk_boundary_bug_is_a_vertical_edge(tmp_path):
