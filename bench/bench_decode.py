@@ -43,7 +43,8 @@ def measure(engine: str, model: str, dtype: str, new: int, sketch: int, root: Pa
     common = ("--model", model, "--dtype", dtype, "--layers", "all", "--logprobs", "--top-k", "5", "--quiet")
     _cli("dumper", "run", "--engine", engine, *common, "--new-tokens", str(new), "--out", str(decode))
     _cli("dumper", "run", *common, "--tokens-from", str(decode), "--out", str(prefill))
-    lengths = [len(p) for p in load_manifest(decode).extra["input_ids"]]
+    m = load_manifest(decode)
+    lengths = [len(p) for p in m.extra["input_ids"]]
     tokens: dict[str, float] = {"decode": 0.0, "prompt": 0.0}
 
     def sink(comparison, token_rel, decode_rows):  # every tensor's per-token rel_diff, split by phase
