@@ -237,10 +237,10 @@ class NoiseModel:
                 "logprobs": self.logprobs.to_json() if self.logprobs is not None else None,
                 "model_mismatch": [{"variant": v, "field": d.field, "baseline": d.baseline, "target": d.target}
                                    for v, d in self.model_mismatch],
+                **({"layouts": [dict(x) for x in self.layouts]} if self.layouts else {}),
                 **({"router": router_noise_to_json(self.router)} if self.router else {}),
                 **({"sketch": self.sketch.to_json()} if self.sketch is not None else {}),
-                **({"rows": self.rows_ref.to_json()} if self.rows_ref is not None else {}),
-                **({"layouts": [dict(x) for x in self.layouts]} if self.layouts else {})}
+                **({"rows": self.rows_ref.to_json()} if self.rows_ref is not None else {})}
 
     def covers_layout(self, target: Mapping[str, Any]) -> bool:
         """Whether ``target`` (a :func:`layout`) is the baseline's or a variant's; True when none were recorded."""
