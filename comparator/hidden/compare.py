@@ -43,6 +43,7 @@ from comparator.hidden.decode import (DecodePlan, decode_plan, fork_noise, judge
                                       with_phase)
 from comparator.hidden.heatmap import token_heatmap
 from comparator.judging.identity import check_distinct, check_identity
+from comparator.judging.reldiff import rel_diff_of
 from comparator.judging.row_noise import RowKeys, row_keys
 from comparator.hidden.notes import dtype_note, noise_notes, replay_notes, with_row_cover
 from comparator.hidden.judge import judge_tensor
@@ -114,7 +115,7 @@ def _logical_stats(base: LogicalTensor, target: LogicalTensor, br: HiddenReader,
         err[0] += dd
         err[1] += norm
     # name the target rank whose shard differs most (all ranks are one piece when unsharded)
-    rank = max(per_rank, key=lambda r: per_rank[r][0] / per_rank[r][1] if per_rank[r][1] else 0.0)
+    rank = max(per_rank, key=lambda r: rel_diff_of(per_rank[r][0], per_rank[r][1]))
     if rank < 0:
         rank = target.rows[0].rec.rank
     return (acc.finish() if norms is None else sketch_stats(acc, norms[:, 0], norms[:, 1])), positions, rank

@@ -4,7 +4,7 @@ rel_diff = ||x - y||^2 / (||x||^2 + ||y||^2) is computed in the difference form,
 exact for bit-level differences (``1 - 2<x,y>/(...)`` loses its last digits there); 0/0 for two
 all-zero tensors is 0. The per-token rel_diff is the same formula over each row (the hidden
 dim). A row where one side is NaN/Inf and the other differs gets an infinite rel_diff: a NaN
-never passes a threshold.
+never passes a threshold (the ratio and these two rules: :func:`comparator.judging.reldiff.rel_diff_of`).
 
 The metrics themselves are small functions over those sums, registered by name in
 :mod:`comparator.hidden.registry`; this module streams the sums and evaluates them.
@@ -34,6 +34,7 @@ from dumper.format.dtypes import FLOAT_CODES, STORAGE_DTYPES
 
 from comparator.hidden.kernels import MIN_SCALE_EXP, col_exps, row_stats_many, sum_scaled
 from comparator.hidden.registry import BuiltinMetrics, RowSums, evaluate
+from comparator.judging.reldiff import rel_diff_of
 
 __all__ = ["PairStats", "StatsAccumulator", "pair_stats", "rel_diff", "row_sums_of", "stats_of", "BLOCK_BYTES"]
 
@@ -232,10 +233,7 @@ def row_sums_of(sums: np.ndarray, exps: np.ndarray | None, max_abs: float, sum_a
     if exps is not None:  # bring ||x||^2 and ||y||^2 to the scale of ||x-y||^2, per row
         ce = col_exps(exps)
         xx, yy = np.ldexp(xx, ce[:, 1] - ce[:, 0]), np.ldexp(yy, ce[:, 2] - ce[:, 0])
-    denom = xx + yy
-    with np.errstate(divide="ignore", invalid="ignore"):
-        token = np.where(denom > 0, dd / np.where(denom > 0, denom, 1.0), 0.0)
-    token[bad > 0] = np.inf
+    token = rel_diff_of(dd, xx + yy, mismatched=bad > 0)
     tdd, txx, tyy, txy = _column_totals(sums, exps)
     return RowSums(rows=sums, exps=exps, token=token, dd=tdd, xx=txx, yy=tyy, xy=txy, max_abs=max_abs,
                    sum_abs=sum_abs, elements=n, mismatches=int(bad.sum()))

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from comparator.hidden.kernels import ldexp_or_inf
+from comparator.judging.reldiff import rel_diff_of
 
 __all__ = ["Metric", "RowSums", "metric", "register", "unregister", "registered", "metrics", "get", "lookup",
            "columns", "evaluate", "BuiltinMetrics"]
@@ -186,13 +187,12 @@ def evaluate(sums: RowSums, *, from_norms: bool = False) -> dict[str, float]:
 
 @metric("rel_diff", short="rel_diff", from_norms=True)
 def rel_diff(s: RowSums) -> float:
-    """||x-y||^2 / (||x||^2 + ||y||^2): 0 for two all-zero tensors, inf with a NaN/Inf mismatch."""
-    if s.mismatches:
-        return math.inf
+    """||x-y||^2 / (||x||^2 + ||y||^2) (:func:`~comparator.judging.reldiff.rel_diff_of`): 0 for two all-zero
+    tensors, inf with a NaN/Inf mismatch."""
     (dd, edd), (xx, exx), (yy, eyy) = s.dd, s.xx, s.yy
     top = max(edd, exx, eyy)  # every term only shrinks: nothing can overflow
-    norm = math.ldexp(xx, exx - top) + math.ldexp(yy, eyy - top)
-    return math.ldexp(dd / norm, edd - top) if norm > 0 else 0.0
+    norms = math.ldexp(xx, exx - top) + math.ldexp(yy, eyy - top)
+    return math.ldexp(rel_diff_of(dd, norms, mismatched=s.mismatches > 0), edd - top)
 
 
 @metric("max_token_rel_diff", label="max token rel_diff", short="max token", from_norms=True)

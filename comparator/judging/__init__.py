@@ -2,6 +2,7 @@
 noise value types and the thresholds derived from noise, and model identity (a leaf: it imports only the
 shared core, :mod:`dumper.format.jsonfloat` and :mod:`comparator.settings`).
 
+- :mod:`~comparator.judging.reldiff`: the one rel_diff ratio, from the sums each caller accumulates;
 - :mod:`~comparator.judging.values`: the one parser of threshold values (flags, env vars, tables);
 - :mod:`~comparator.judging.logprob_metrics`: the checked logprob metrics, one spec each (add one there);
 - :mod:`~comparator.judging.logprob_thresholds`: fixed logprob thresholds, ``configs/logprob_thresholds.json``;

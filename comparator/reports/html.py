@@ -2,7 +2,7 @@
 
 The page holds the verdict (where the divergence starts, then where it first fails), both runs' model, capture
 and environment side by side (what differs is highlighted), the per-layer rel_diff chart and table (multiples of
-the calibrated noise, each layer's amplification as :mod:`comparator.reports.amplification` writes it, the layer
+the calibrated noise, each layer's amplification as :mod:`comparator.reports.layer_table` writes it, the layer
 that introduces error highlighted), the amplification chart, the token x layer heatmap from the onset to the first
 failing token, the logprob plots with the worst positions and their tokens, the MoE routing per layer with its
 first failing flips (:mod:`comparator.reports.html_routing`), and every tensor in a table sortable by
@@ -39,7 +39,6 @@ from comparator.reports.logprob_table import metric_rows
 from comparator.reports.plots import amplification_figure, figure_svg, heatmap_figure, layer_figure, logprob_figure
 from comparator.outcome import (
     Outcome,
-    format_available,
     format_float,
     format_located,
     format_ratio,
@@ -49,7 +48,7 @@ from comparator.outcome import (
     threshold_summary,
     verdict_notes,
 )
-from comparator.reports.amplification import FROM_ZERO_LEGEND, amplification_cell, has_from_zero
+from comparator.reports.layer_table import FIRST_DIVERGENCE, ONSET, layer_table
 from comparator.reports.html_parts import escape as _e
 from comparator.reports.html_parts import num_cell as _num
 from comparator.reports.html_parts import table as _table
@@ -138,28 +137,18 @@ def _verdict_section(report: Report) -> str:
 
 
 def _layer_table(report: Report) -> str:
-    """A row per layer with its multiple of noise and amplification; first divergent, onset, introducing ones marked."""
-    fd, calibrated = report.first_divergent, report.noise is not None
-    head = [("layer", "num"), ("tensors", "num"), ("rel_diff", "num")] + ([("x noise", "num")] if calibrated else [])
-    head += [("max token rel_diff", "num"), ("max |diff|", "num"), ("min cosine", "num"), ("amplification", "num"),
-             ("first failing token", "num"), ("worst token", "num"), ("verdict", "str")]
-    rows = []
-    for s in report.layers():
-        (amp, introduced), verdict = amplification_cell(report, s), status(s.passed, s.failed)
-        first = fd is not None and s.layer is not None and s.layer == fd.layer
-        onset = fd is not None and not first and s.layer is not None and s.layer == fd.onset_layer
-        marks = [(m, c) for m, c, on in (("FIRST DIVERGENCE", "first", first), ("ONSET", "onset", onset),
-                                         ("INTRODUCES ERROR", "introduced", introduced)) if on]
-        cls = " ".join(["bad"] * (not s.passed) + [c for _, c in marks])
-        cells = [_num(s.layer), _num(s.tensors), _num(s.max_rel_diff)]
-        cells += [_num(s.noise_ratio, format_ratio(s.noise_ratio))] if calibrated else []
-        cells += [_num(s.max_token_rel_diff), _num(s.max_abs_diff, format_available(s.max_abs_diff)),
-                  _num(s.min_cosine, format_available(s.min_cosine, ".6f")),
-                  _num(s.amplification, amp), _num(s.first_failing_token),
-                  _num(s.worst_token), f"<td>{_e(' '.join([verdict] + [m for m, _ in marks]))}</td>"]
+    """A row per layer with its multiple of noise and amplification; first divergent, onset, introducing ones marked
+    (a class on the row, a word in the verdict cell)."""
+    layers, rows = layer_table(report), []
+    for row in layers.rows:
+        marks = [(m, c) for m, c, on in ((FIRST_DIVERGENCE, "first", row.first), (ONSET, "onset", row.onset),
+                                         ("INTRODUCES ERROR", "introduced", row.introduced)) if on]
+        cls = " ".join(["bad"] * (not row.passed) + [c for _, c in marks])
+        cells = [_num(c.value, c.text) for c in row.cells[:-1]]
+        cells.append(f"<td>{_e(' '.join([row.cells[-1].text] + [m for m, _ in marks]))}</td>")
         rows.append(f'<tr class="{cls}">' + "".join(cells) + "</tr>")
-    legend = f'<p class="muted" id="amplification-legend">{_e(FROM_ZERO_LEGEND)}</p>' if has_from_zero(report) else ""
-    return _table(head, rows, table_id="layer-table") + legend
+    legend = "" if layers.legend is None else f'<p class="muted" id="amplification-legend">{_e(layers.legend)}</p>'
+    return _table(layers.head, rows, table_id="layer-table") + legend
 
 
 def _layers(report: Report) -> str:

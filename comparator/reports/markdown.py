@@ -22,17 +22,14 @@ from dumper.format import atomic_path
 
 from comparator.outcome import (
     Outcome,
-    format_available,
     clause,
     describe_decode,
-    format_float,
-    format_ratio,
     reaches_output,
     sentence,
     status,
     threshold_summary,
 )
-from comparator.reports.amplification import FROM_ZERO_LEGEND, amplification_cell, has_from_zero
+from comparator.reports.layer_table import FIRST_DIVERGENCE, ONSET, layer_table
 from comparator.reports.logprob_table import metric_rows
 from comparator.reports.routing_table import (
     flip_rows,
@@ -43,7 +40,7 @@ from comparator.reports.routing_table import (
     routing_summary,
     routing_title,
 )
-from comparator.results import LayerSummary, Report
+from comparator.results import Report
 from comparator.routing.types import RouterComparison
 
 __all__ = ["to_markdown", "write_markdown"]
@@ -100,36 +97,31 @@ def _routing(router: RouterComparison) -> list[str]:
     return lines + [line for n in routing_notes(router) for line in ("", _md(n))]
 
 
-def _layer_cells(report: Report, s: LayerSummary) -> list[str]:
-    """One Markdown table row's cells: the first divergent layer in bold, the onset layer named in
-    the verdict cell (as in the terminal), the amplification of a layer that introduces error in bold."""
-    fd = report.first_divergent
-    first = fd is not None and s.layer == fd.layer
-    verdict = "**FIRST DIVERGENCE**" if first else status(s.passed, s.failed)
-    if fd is not None and s.layer is not None and s.layer == fd.onset_layer and not first:
-        verdict += " ONSET"
-    layer = "-" if s.layer is None else str(s.layer)
-    amp, introduced = amplification_cell(report, s)
-    cells = [_bold(layer, first), str(s.tensors), format_float(s.max_rel_diff)]
-    cells += [format_ratio(s.noise_ratio)] if report.noise is not None else []
-    return cells + [format_float(s.max_token_rel_diff), format_available(s.max_abs_diff),
-                    format_available(s.min_cosine, ".6f"),
-                    _bold(amp, introduced),
-                    "-" if s.first_failing_token is None else str(s.first_failing_token),
-                    "-" if s.worst_token is None else str(s.worst_token), verdict]
+def _layer_lines(report: Report) -> list[str]:
+    """The per-layer table as Markdown lines: the first divergence's layer and verdict in bold, the onset
+    layer named in the verdict cell (as in the terminal), the amplification of a layer that introduces error
+    in bold; then the legend, if any. The cells are numbers and words of ours, so they are not escaped."""
+    layers = layer_table(report)
+    amp = layers.column("amplification")
+    lines = ["| " + " | ".join(label.replace("|", "\\|") for label, _ in layers.head) + " |",
+             "|" + "|".join("---:" if kind == "num" else ":---" for _, kind in layers.head) + "|"]
+    for row in layers.rows:
+        cells = [c.text for c in row.cells]
+        cells[0], cells[amp] = _bold(cells[0], row.first), _bold(cells[amp], row.introduced)
+        if row.first:
+            cells[-1] = _bold(FIRST_DIVERGENCE, True)
+        elif row.onset:
+            cells[-1] += f" {ONSET}"
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+    return lines + ([_md(layers.legend), ""] if layers.legend is not None else [])
 
 
 def to_markdown(report: Report) -> str:
     """The verdict line, a per-layer table (first divergent layer in bold) and the thresholds, as Markdown."""
     lines = [_verdict_line(report), ""]
     if report.tensors:
-        noise = " x noise |" if report.noise is not None else ""
-        lines += [f"| layer | tensors | rel_diff |{noise} max token rel_diff | max \\|diff\\| | min cosine "
-                  "| amplification | first failing token | worst token | verdict |",
-                  "|---:" * (9 + bool(noise)) + "|:---|"]
-        lines += ["| " + " | ".join(_layer_cells(report, s)) + " |" for s in report.layers()]
-        lines.append("")
-        lines += [_md(FROM_ZERO_LEGEND), ""] if has_from_zero(report) else []
+        lines += _layer_lines(report)
     summary = (f"target {_code(report.target)} vs baseline {_code(report.baseline)}; matched {report.matched} "
                f"tensors; {threshold_summary(report, quote=_code)}")
     if report.unmatched_baseline or report.unmatched_target:

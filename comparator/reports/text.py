@@ -15,7 +15,6 @@ from comparator.logprobs import LogprobVerdict
 from comparator.judging.noise import NoiseModel
 from comparator.outcome import (
     Outcome,
-    format_available,
     clause,
     format_float,
     format_located,
@@ -25,7 +24,7 @@ from comparator.outcome import (
     threshold_summary,
     verdict_notes,
 )
-from comparator.reports.amplification import FROM_ZERO_LEGEND, amplification_cell, has_from_zero
+from comparator.reports.layer_table import FIRST_DIVERGENCE, ONSET, layer_table
 from comparator.reports.logprob_table import metric_label, metric_rows
 from comparator.reports.routing_table import (
     FLIP_HEAD,
@@ -173,33 +172,7 @@ def render_report(report: Report, console: Console, *, tensors: bool = False) ->
         render_routing(report.router, console)
     if not report.tensors:
         return
-    table = Table(title=Text(f"{report.target}  vs  baseline {report.baseline}"), title_justify="left",
-                  caption=Text(FROM_ZERO_LEGEND) if has_from_zero(report) else None, caption_justify="left")
-    calibrated = report.noise is not None
-    cols = [("layer", "right"), ("tensors", "right"), ("rel_diff", "right")]
-    cols += [("x noise", "right")] if calibrated else []
-    cols += [("max token rel_diff", "right"), ("max |diff|", "right"), ("min cosine", "right"),
-             ("amplification", "right"), ("first failing token", "right"), ("worst token", "right"),
-             ("verdict", "left")]
-    for col, justify in cols:
-        table.add_column(col, justify=justify)
-    for s in report.layers():
-        first = fd is not None and s.layer == fd.layer
-        verdict = Text(status(s.passed, s.failed), style="green" if s.passed else "bold red")
-        if first:
-            verdict = Text("FIRST DIVERGENCE", style="bold white on red")
-        elif fd is not None and s.layer is not None and s.layer == fd.onset_layer:
-            verdict = Text.assemble(verdict, (" ONSET", "bold yellow"))
-        ratio = [format_ratio(s.noise_ratio)] if calibrated else []
-        amp_text, introduced = amplification_cell(report, s)
-        amp = Text(amp_text, style="bold yellow" if introduced else "")
-        table.add_row(
-            "-" if s.layer is None else str(s.layer), str(s.tensors), format_float(s.max_rel_diff), *ratio,
-            format_float(s.max_token_rel_diff), format_available(s.max_abs_diff), format_available(s.min_cosine, ".6f"), amp,
-            _token(s.first_failing_token), _token(s.worst_token), verdict,
-            style="bold" if first else None,
-        )
-    console.print(table)
+    console.print(_layer_table(report))
     if tensors:
         _render_tensors(report, console)
     for side, names in (("baseline", report.unmatched_baseline), ("target", report.unmatched_target)):
@@ -223,6 +196,28 @@ def render_report(report: Report, console: Console, *, tensors: bool = False) ->
         console.print(Text.assemble(word, f"{' ' if why else ''}{why}: {summary}"))
     if report.logprobs is not None:
         console.print(Text(reaches_output(report)))
+
+
+def _layer_table(report: Report) -> Table:
+    """The per-layer table: the first divergence's row in bold with its verdict on red, the onset
+    layer named, the amplification of a layer that introduces error in yellow."""
+    layers = layer_table(report)
+    table = Table(title=Text(f"{report.target}  vs  baseline {report.baseline}"), title_justify="left",
+                  caption=None if layers.legend is None else Text(layers.legend), caption_justify="left")
+    for label, kind in layers.head:
+        table.add_column(label, justify="right" if kind == "num" else "left")
+    amp = layers.column("amplification")
+    for row in layers.rows:
+        cells: list[str | Text] = [c.text for c in row.cells]
+        cells[amp] = Text(row.cells[amp].text, style="bold yellow" if row.introduced else "")
+        if row.first:
+            cells[-1] = Text(FIRST_DIVERGENCE, style="bold white on red")
+        else:
+            cells[-1] = Text(row.cells[-1].text, style="green" if row.passed else "bold red")
+            if row.onset:
+                cells[-1] = Text.assemble(cells[-1], (f" {ONSET}", "bold yellow"))
+        table.add_row(*cells, style="bold" if row.first else None)
+    return table
 
 
 def _replica_divergence(report: Report) -> str:

@@ -36,6 +36,7 @@ from dumper.format import DumpReader
 from dumper.format.dtypes import DTYPES
 
 from comparator.judging.fields import EXCESSIVE
+from comparator.judging.reldiff import rel_diff_of
 from comparator.judging.router_noise import SCORE_FLOOR, WEIGHT_FLOOR, RouterNoise, margin_rule, weight_rule
 from dumper.format.routing import LayerRecords, LayerRows, key_parts, read_layer, router_records, row_key
 from comparator.routing.types import CALIBRATED, MARGIN_RULE_BASIS, Flip, RankRouting, RouterComparison, RouterLayer
@@ -177,11 +178,6 @@ def _noise_notes(flips: list[Flip], noise: Mapping[int, RouterNoise] | None, fac
             "the calibrated score noise of their layer"]
 
 
-def _rel_diff(x: np.ndarray, y: np.ndarray) -> float:
-    den = float(np.sum(x * x) + np.sum(y * y))
-    return float(np.sum((x - y) ** 2)) / den if den > 0 else 0.0
-
-
 def _compare_layer(entry_b: LayerRecords, b: LayerRows, t: LayerRows, judge: _Judge, benign_rate: float | None,
                    earlier: dict[int, int]) -> tuple[RouterLayer, list[Flip]]:
     _, ib, it = np.intersect1d(b.keys, t.keys, assume_unique=True, return_indices=True)
@@ -199,11 +195,12 @@ def _compare_layer(entry_b: LayerRecords, b: LayerRows, t: LayerRows, judge: _Ju
     order = int(np.count_nonzero(same & (b.ids[ib_f] != t.ids[it_f]).any(axis=1)))
     failing = [f for f in flips if not f.benign]
     worst = max(flips, key=lambda f: f.noise_ratio, default=None)
+    lb, lt = b.logits[ib_f], t.logits[it_f]  # float64 (comparator.routing.read), plain numpy sums
     return RouterLayer(
         layer=entry_b.layer, name=entry_b.prefix, tokens=int(ib.size), experts=int(b.logits.shape[1]),
         top_k=int(b.ids.shape[1]), flips=len(flips), failing_flips=len(failing), order_differences=order,
         score_delta_max=float(delta.max()) if delta.size else 0.0,
-        logits_rel_diff=_rel_diff(b.logits[ib_f], t.logits[it_f]),
+        logits_rel_diff=rel_diff_of(float(np.sum((lb - lt) ** 2)), float(np.sum(lb * lb) + np.sum(lt * lt))),
         weight_max_err=float(dw.max()) if dw.size else 0.0, weight_mean_err=float(dw.mean()) if dw.size else 0.0,
         weight_limit=judge.weight_limit, unit=judge.unit, limit_ratio=judge.limit_ratio, basis=judge.basis,
         benign_flip_rate=benign_rate, nonfinite=int(np.count_nonzero(~finite)), worst_flip=worst,

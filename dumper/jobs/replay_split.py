@@ -56,9 +56,9 @@ from dumper.jobs.replay_routing import (LayerRecords, LayerRows, baseline_routin
                                         check_model_routes, layer_routing, routed_layers)
 from dumper.progress import ProgressFn
 
-from comparator import pair_stats
+from comparator import rel_diff
 
-__all__ = ["HALVES", "REFERENCES", "CAUSE_FACTOR", "HalfError", "split_replay", "split_replay_model", "rel_diff"]
+__all__ = ["HALVES", "REFERENCES", "CAUSE_FACTOR", "HalfError", "split_replay", "split_replay_model"]
 
 HALVES = (("attention", INPUT, ATTN_OUTPUT), ("MLP", MLP_INPUT, MLP_OUTPUT))
 """Each half of a layer: its name, the point holding its input and the point holding its output."""
@@ -96,11 +96,9 @@ class HalfError:
         return text
 
 
-def rel_diff(x: torch.Tensor, y: torch.Tensor) -> float:
-    """The comparator's whole-tensor rel_diff of two ``[rows, hidden]`` tensors (:func:`comparator.hidden.metrics.
-    pair_stats`, float64 on the host)."""
-    return pair_stats(x.detach().to("cpu", torch.float64).numpy(), y.detach().to("cpu", torch.float64).numpy(),
-                      "F64").rel_diff
+def _float64(t: torch.Tensor) -> np.ndarray:
+    """``t`` as a float64 array on the host, for the comparator's whole-tensor :func:`comparator.rel_diff`."""
+    return t.detach().to("cpu", torch.float64).numpy()
 
 
 def _halves_of(layer: nn.Module, model: nn.Module) -> dict[str, nn.Module]:
@@ -226,10 +224,11 @@ def _replay_half(cap: Capture, reader: DumpReader, plans: dict[str, Any], job: t
     for r in routers:
         r.record(cap, pos, seq)
     cap.step()
-    ref_out = torch.cat(refs) if refs else None
-    return HalfError(layer=k, half=half, name=plans[o][k][0], rel_diff=rel_diff(got, want),
-                     baseline_vs_reference=None if ref_out is None else rel_diff(want, ref_out),
-                     target_vs_reference=None if ref_out is None else rel_diff(got, ref_out),
+    got64, want64 = _float64(got), _float64(want)
+    ref64 = _float64(torch.cat(refs)) if refs else None
+    return HalfError(layer=k, half=half, name=plans[o][k][0], rel_diff=rel_diff(got64, want64),
+                     baseline_vs_reference=None if ref64 is None else rel_diff(want64, ref64),
+                     target_vs_reference=None if ref64 is None else rel_diff(got64, ref64),
                      forced=mode if routers else None)
 
 

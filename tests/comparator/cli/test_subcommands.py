@@ -20,7 +20,7 @@ import pytest
 
 from comparator.cli.main import build_parser
 from comparator.cli.parser import summary
-from comparator.reports.amplification import FROM_ZERO, FROM_ZERO_LEGEND
+from comparator.reports.layer_table import FROM_ZERO, FROM_ZERO_LEGEND
 from comparator.results import load_report
 from dumper.cli.main import build_parser as build_dumper_parser
 from dumper.errors import UsageError

@@ -29,7 +29,7 @@ from comparator.hidden.heatmap import BEFORE, WINDOW, window_positions, window_r
 from comparator.reports.files import write_json
 from comparator.reports.html import render_html, write_html
 from comparator.outcome import describe_divergence, format_ratio
-from comparator.reports.amplification import FROM_ZERO, amplification_cell
+from comparator.reports.layer_table import FROM_ZERO, amplification_cell
 from comparator.reports.markdown import to_markdown
 from comparator.results import Report
 from dumper.format import load_manifest
