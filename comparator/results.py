@@ -26,7 +26,7 @@ from dumper.errors import CorruptDumpError, DumpError, UsageError
 from dumper.format.files import parse_json, read_regular_file
 
 from comparator.exports import lazy_exports
-from comparator.hidden.decode_types import DecodeComparison, DecodeFork
+from comparator.hidden.types import DecodeComparison, DecodeFork
 from comparator.hidden.types import FirstDivergence, Heatmap, LayerSummary, ReplicaMismatch, Report, TensorComparison
 
 __all__ = ["TensorComparison", "FirstDivergence", "ReplicaMismatch", "LayerSummary", "Heatmap", "Report",

@@ -32,7 +32,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("comparator.hidden", ("comparator.hidden.*",)),
     ("comparator.noise", ("comparator.noise.*",)),
     ("comparator.results", ("comparator.results", "comparator.outcome", "comparator.formatting",
-                            "comparator.routing_words")),
+                            )),
     ("comparator.reports", ("comparator.reports.*",)),
     ("comparator.store", ("comparator.store.*",)),
     ("comparator.bisect", ("comparator.bisect.*",)),

@@ -36,7 +36,7 @@ from dumper.format.decode import (DECODE, GENERATED_IDS, NEW_TOKENS, NEXT_IDS, P
 from comparator.config import CompareConfig
 from comparator.hidden.align import LogicalKey, LogicalTensor
 from comparator.hidden.subset import Interval, coverage, cut_tensor
-from comparator.hidden.decode_types import DecodeComparison, DecodeFork
+from comparator.hidden.types import DecodeComparison, DecodeFork
 from comparator.hidden.types import FirstDivergence
 
 if TYPE_CHECKING:
