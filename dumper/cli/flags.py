@@ -16,8 +16,9 @@ from dumper.engines import ENGINES
 from dumper.errors import UsageError
 from dumper.format.dtypes import MODEL_DTYPES
 
-__all__ = ["model_flag", "model_setting_flags", "engine_flags", "layers_flag", "points_flag", "padding_side_flag",
-           "logprob_flags", "save_logits_flag", "check_logprob_options", "NEEDS_LOGPROBS", "MODEL_HELP"]
+__all__ = ["model_flag", "model_setting_flags", "baseline_flag", "engine_flags", "layers_flag", "points_flag",
+           "padding_side_flag", "logprob_flags", "save_logits_flag", "check_logprob_options", "NEEDS_LOGPROBS",
+           "MODEL_HELP"]
 
 MODEL_HELP = "local HF model directory or preset (tiny-llama, tiny-qwen2)"
 """``--model``'s help where the model is loaded here (``run`` adds the files of its other engines)."""
@@ -45,6 +46,11 @@ def model_setting_flags(p: argparse.ArgumentParser, *, from_baseline: bool = Fal
                    help="attention implementation (default eager)")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (default cpu)")
     p.add_argument("--seed", type=seed_value, default=seed, help=f"seed for preset weights ({seed_text})")
+
+
+def baseline_flag(p: argparse.ArgumentParser, help: str) -> None:
+    """``--baseline DUMP`` (required): the trusted dump the command works from; ``help`` says what it needs to hold."""
+    p.add_argument("--baseline", required=True, help=help)
 
 
 def engine_flags(p: argparse.ArgumentParser, engine_arg_help: str) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 from dumper.cli.common import Parser, guarded_main
 from dumper.cli.common import input_ids_flag, json_flag, out_flag, prompt_flag, quiet_flag, split_debug
 from dumper.cli.collect import add_collect, cmd_collect
-from dumper.cli.flags import MODEL_HELP, model_flag, model_setting_flags
+from dumper.cli.flags import MODEL_HELP, baseline_flag, model_flag, model_setting_flags
 from dumper.cli.run import add_run, cmd_run
 from dumper.cli.sweep import add_sweep, cmd_sweep
 from dumper.cli.values import check_device
@@ -96,7 +96,7 @@ def _add_replay(sub: argparse._SubParsersAction) -> None:
     """``replay``: the flags of :class:`dumper.jobs.replay.ReplayConfig`."""
     rp = sub.add_parser("replay", help="run each decoder layer on the baseline's residual input: per-layer local error")
     model_flag(rp, help=f"the model under test: {MODEL_HELP}")
-    rp.add_argument("--baseline", required=True, help="dump holding the residual point (dumper run --points residual)")
+    baseline_flag(rp, help="dump holding the residual point (dumper run --points residual)")
     out_flag(rp)
     model_setting_flags(rp)
     rp.add_argument("--force-routing", choices=["ids", "all"], default=None,

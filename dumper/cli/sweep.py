@@ -6,8 +6,9 @@ import argparse
 import sys
 
 from dumper.cli.common import json_flag, out_flag, quiet_flag
-from dumper.cli.flags import (MODEL_HELP, check_logprob_options, engine_flags, layers_flag, logprob_flags, model_flag,
-                              model_setting_flags, padding_side_flag, points_flag, save_logits_flag)
+from dumper.cli.flags import (MODEL_HELP, baseline_flag, check_logprob_options, engine_flags, layers_flag,
+                              logprob_flags, model_flag, model_setting_flags, padding_side_flag, points_flag,
+                              save_logits_flag)
 from dumper.cli.values import check_device, engine_args, positive_int
 from dumper.errors import EXIT_DIVERGED, EXIT_OK, UsageError
 
@@ -21,7 +22,7 @@ def add_sweep(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser("sweep", help="one capture per cell of a grid of settings, each compared with a baseline")
     model_flag(s, help=f"{MODEL_HELP}, as for run")
     engine_flags(s, engine_arg_help="engine setting fixed across cells (repeatable)")
-    s.add_argument("--baseline", required=True, help="dump every cell is compared with; its prompts are the job")
+    baseline_flag(s, help="dump every cell is compared with; its prompts are the job")
     s.add_argument("--grid", action="append", required=True, metavar="KEY=V1,V2,...",
                    help="an axis (repeatable; cells are the cartesian product): an --engine-arg key, chunk_size "
                         "(none allowed), batch_size, new_tokens (decode cells, judged against their own prefill), "
