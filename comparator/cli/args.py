@@ -8,7 +8,13 @@ Each flag is defined once, here, and added by every subcommand that takes it:
 * :func:`noise_flags`: ``--noise``, ``--noise-factor``, ``--noise-floor``;
 * :func:`output_flags`: ``--json``, ``--csv`` (the report files ``--html``, ``--plot``, ``--markdown``,
   ``--format`` are :func:`comparator.reports.outputs.add_output_flags`);
-* :func:`run_group_flag`: ``--model`` as a *run group* of a store (``regress``, ``store ls``).
+* :func:`run_group_flag`: ``--model`` as a *run group* of a store (``regress``, ``store ls``);
+  :func:`run_store_flags`: ``--store`` and how its baseline is found (``regress``, ``bisect``);
+* :func:`threads_flag`, :func:`allow_model_mismatch_flag`, :func:`tensors_flag`, :func:`calibrate_flag`
+  (``--calibrate VARIANT...``), :func:`git_bisect_flag`: one flag each, taken by several subcommands.
+
+Flags the dumper's commands take too (``--out``, ``--quiet``, ``--json``, the prompt flags) are
+:mod:`dumper.cli.common`'s, a live server's :mod:`dumper.server.flags`'.
 
 ``--model`` spells two concepts: a row of ``configs/logprob_thresholds.json`` in ``comparator``
 (``args.threshold_row``), and the model name a store files runs under in ``regress`` (``args.run_group``).
@@ -23,7 +29,7 @@ import sys
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from dumper.cli.common import silence_stdout
+from dumper.cli.common import json_flag, silence_stdout
 from dumper.errors import UsageError
 from dumper.format.files import printable
 
@@ -37,8 +43,13 @@ if TYPE_CHECKING:  # rich, the noise file and the report formats load only when 
     from rich.console import Console
 
 __all__ = ["logprob_thresholds", "write_output", "warn", "stdout_console", "noise_flags", "noise_args",
-           "threshold_flags", "logprob_threshold_flags", "output_flags", "run_group_flag", "parse_args",
-           "compare_config", "print_line"]
+           "threshold_flags", "logprob_threshold_flags", "output_flags", "run_group_flag", "run_store_flags",
+           "threads_flag", "allow_model_mismatch_flag", "tensors_flag", "calibrate_flag", "git_bisect_flag",
+           "parse_args", "compare_config", "print_line", "VERDICT_ONLY"]
+
+VERDICT_ONLY = "print only the verdict line"
+"""``--quiet``'s help where a command ends with a verdict line (``comparator A B``, ``logprobs``, ``regress``)."""
+
 
 def _threshold_value(flag: str) -> Callable[[str], float]:
     """An argparse ``type`` that checks a threshold as it is parsed: NaN or < 0 is one line naming ``flag``."""
@@ -81,9 +92,46 @@ def run_group_flag(p: argparse.ArgumentParser, help_text: str) -> None:
     p.add_argument("--model", dest="run_group", default=None, metavar="MODEL", help=help_text)
 
 
+def run_store_flags(p: argparse.ArgumentParser, *, required: bool, store_help: str, run_group_help: str,
+                    when: str = "") -> None:
+    """``--store URL``, ``--model`` (:func:`run_group_flag`), ``--allow-env-mismatch``, ``--cache-dir``: the run
+    store and how its baseline is found; ``when`` prefixes the help of flags that need ``--store``."""
+    p.add_argument("--store", required=required, default=None, metavar="URL", help=store_help)
+    run_group_flag(p, f"{when}{run_group_help}")
+    p.add_argument("--allow-env-mismatch", action="store_true",
+                   help=f"{when}take a baseline from another environment (torch, CUDA, GPU...) if none matches")
+    p.add_argument("--cache-dir", metavar="DIR", default=None,
+                   help=f"{when}keep downloaded baselines of a remote store here (default: a temporary directory)")
+
+
+def threads_flag(p: argparse.ArgumentParser, when: str = "") -> None:
+    """``--threads N``: metric worker threads (default 2, :class:`~comparator.config.CompareConfig`'s)."""
+    p.add_argument("--threads", type=int, default=2, help=f"{when}metric worker threads (default 2)")
+
+
+def allow_model_mismatch_flag(p: argparse.ArgumentParser, help: str) -> None:
+    """``--allow-model-mismatch``: accept dumps of another model; ``help`` says what the command does with them."""
+    p.add_argument("--allow-model-mismatch", action="store_true", help=help)
+
+
+def tensors_flag(p: argparse.ArgumentParser) -> None:
+    """``--tensors``: the report's table of one row per tensor, after the per-layer one."""
+    p.add_argument("--tensors", action="store_true", help="also print one row per tensor")
+
+
+def calibrate_flag(p: argparse.ArgumentParser, help: str) -> None:
+    """``--calibrate VARIANT...``: dumps of benign re-runs whose noise is measured and stored with the run."""
+    p.add_argument("--calibrate", nargs="+", default=[], metavar="VARIANT", help=help)
+
+
+def git_bisect_flag(p: argparse.ArgumentParser, help: str) -> None:
+    """``--git-bisect``: exit as ``git bisect run`` reads it (:func:`comparator.cli.bisect.git_bisect_exit`)."""
+    p.add_argument("--git-bisect", action="store_true", help=help)
+
+
 def output_flags(p: argparse.ArgumentParser, *, json: str, csv: bool = False) -> None:
     """``--json FILE`` (writes ``json``, e.g. "the report") and, with ``csv``, ``--csv FILE``."""
-    p.add_argument("--json", metavar="FILE", help=f"write {json} as JSON")
+    json_flag(p, json)
     if csv:
         p.add_argument("--csv", metavar="FILE", help="write the per-tensor table as CSV")
 

@@ -16,13 +16,14 @@ import contextlib
 import sys
 from pathlib import Path
 
+from dumper.cli.common import quiet_flag
 from dumper.errors import EXIT_DIVERGED, EXIT_OK, DriftscopeError, UsageError
 from dumper.format import write_json_atomic
 from dumper.format.remote import fetched
 from dumper.format.files import printable
 
-from comparator.cli.args import (compare_config, logprob_threshold_flags, noise_flags, output_flags, run_group_flag,
-                                 threshold_flags)
+from comparator.cli.args import (allow_model_mismatch_flag, compare_config, logprob_threshold_flags, noise_flags,
+                                 output_flags, run_store_flags, threads_flag, threshold_flags)
 from comparator.cli.parser import add_command
 
 __all__ = ["GIT_GOOD", "GIT_BAD", "GIT_SKIP", "GIT_ABORT", "build_bisect_parser", "cmd_bisect", "git_bisect_exit",
@@ -52,21 +53,18 @@ def build_bisect_parser(sub: argparse._SubParsersAction | None = None) -> argpar
     p.add_argument("--resume", action="store_true", help="go on with the bisection in --work after an interruption")
     p.add_argument("--timeout", type=float, default=None, metavar="S",
                    help="seconds a build's command may run before it is killed and the build skipped")
-    p.add_argument("--store", metavar="URL", default=None,
-                   help="judge against this run store's current baseline, and store every judged build there "
-                        "labelled bisect (never a baseline unless promoted)")
-    run_group_flag(p, "with --store: the model name the store files runs under (default: the first dump's)")
-    p.add_argument("--allow-env-mismatch", action="store_true",
-                   help="with --store: take a baseline from another environment if none matches")
-    p.add_argument("--cache-dir", metavar="DIR", default=None, help="with --store: keep a remote baseline here")
+    run_store_flags(p, required=False, when="with --store: ",
+                    store_help="judge against this run store's current baseline, and store every judged build there "
+                               "labelled bisect (never a baseline unless promoted)",
+                    run_group_help="the model name the store files runs under (default: the first dump's)")
     output_flags(p, json="the result (first_bad, last_good, candidates, tested, verdict)")
     threshold_flags(p)
     logprob_threshold_flags(p, threshold_row=False, noise_from="with --noise")
     noise_flags(p)
-    p.add_argument("--threads", type=int, default=None, help="metric worker threads (default 2)")
-    p.add_argument("--allow-model-mismatch", action="store_true",
-                   help="judge dumps of another model than the baseline's (the differences are reported)")
-    p.add_argument("--quiet", action="store_true", help="no progress lines; print only the answer")
+    threads_flag(p)
+    allow_model_mismatch_flag(p, help="judge dumps of another model than the baseline's (the differences are "
+                                      "reported)")
+    quiet_flag(p, help="no progress lines; print only the answer")
     return p
 
 

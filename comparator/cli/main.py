@@ -18,15 +18,17 @@ import os
 import sys
 from collections.abc import Iterator, Sequence
 
-from dumper.cli.common import add_import_sglang_flags, guarded_main
+from dumper.cli.common import (add_import_sglang_flags, guarded_main, out_flag, prompt_source_flags, quiet_flag,
+                               top_k_flag)
 from dumper.errors import EXIT_DIVERGED, EXIT_OK, DriftscopeError, UsageError
 from dumper.format import MANIFEST_NAME, write_json_atomic
 from dumper.format.remote import fetched, is_url
 from dumper.format.remote_read import dump_manifest
 
 from comparator.config import CompareConfig
-from comparator.cli.args import (compare_config, logprob_threshold_flags, logprob_thresholds, noise_args, noise_flags,
-                                 output_flags, parse_args, print_line, threshold_flags, warn)
+from comparator.cli.args import (VERDICT_ONLY, allow_model_mismatch_flag, compare_config, git_bisect_flag,
+                                 logprob_threshold_flags, logprob_thresholds, noise_args, noise_flags, output_flags,
+                                 parse_args, print_line, tensors_flag, threads_flag, threshold_flags, warn)
 from comparator.cli.args import stdout_console as _console
 from comparator.cli.args import write_output as _write
 from comparator.judging.logprob_metrics import metric_names
@@ -40,6 +42,9 @@ from comparator.cli.bisect import build_bisect_parser, cmd_bisect, git_bisect_ex
 __all__ = ["main", "run", "build_parser", "build_logprobs_parser", "build_collect_parser", "build_calibrate_parser",
            "build_import_sglang_parser", "COMMANDS"]
 
+_MODEL_MISMATCH = "compare dumps of different models (architecture, layer count, hidden size, config hash)"
+"""``--allow-model-mismatch``'s help where two dumps are compared."""
+
 
 def build_calibrate_parser(sub: argparse._SubParsersAction | None = None) -> argparse.ArgumentParser:
     """``calibrate BASELINE VARIANT... --out NOISE.json``: a subparser of ``sub``, or a parser of its own."""
@@ -48,13 +53,12 @@ def build_calibrate_parser(sub: argparse._SubParsersAction | None = None) -> arg
                     "as NOISE.json for `python -m comparator BASELINE TARGET --noise NOISE.json`.")
     p.add_argument("baseline", help="dump directory, engine JSONL file or llama.cpp KL-divergence base file")
     p.add_argument("variants", nargs="+", metavar="VARIANT", help="benign re-runs of the baseline's inputs")
-    p.add_argument("--out", required=True, metavar="NOISE.json", help="noise file to write (atomically)")
-    p.add_argument("--threads", type=int, default=2, help="metric worker threads (default 2)")
-    p.add_argument("--allow-model-mismatch", action="store_true",
-                   help="calibrate from variants that are not re-runs of the baseline's model (another model "
-                        "spelling in cross-engine runs, other weights); the differences are recorded in the noise "
-                        "file and every verdict judged by it warns about them")
-    p.add_argument("--quiet", action="store_true", help="print only the summary line")
+    out_flag(p, help="noise file to write (atomically)", metavar="NOISE.json")
+    threads_flag(p)
+    allow_model_mismatch_flag(p, help="calibrate from variants that are not re-runs of the baseline's model (another "
+                                      "model spelling in cross-engine runs, other weights); the differences are "
+                                      "recorded in the noise file and every verdict judged by it warns about them")
+    quiet_flag(p, help="print only the summary line")
     return p
 
 
@@ -116,18 +120,16 @@ def _compare_flags(p: argparse.ArgumentParser) -> None:
                    help=f"judge by the fixed thresholds although the baseline holds its noise ({BASELINE_NOISE})")
     threshold_flags(p)
     output_flags(p, json="the report", csv=True)
-    p.add_argument("--tensors", action="store_true", help="also print one row per tensor")
-    p.add_argument("--threads", type=int, default=None, help="metric worker threads (default 2)")
-    p.add_argument("--quiet", action="store_true", help="print only the verdict line")
+    tensors_flag(p)
+    threads_flag(p)
+    quiet_flag(p, help=VERDICT_ONLY)
     p.add_argument("--require-all", action="store_true",
                    help="exit 2 when either dump holds tensors the other lacks (default: compare the common "
                         "ones and say so in the verdict)")
-    p.add_argument("--allow-model-mismatch", action="store_true",
-                   help="compare dumps of different models (architecture, layer count, hidden size, config "
-                        "hash), e.g. cross-engine or quantized runs; the differences are reported")
-    p.add_argument("--git-bisect", action="store_true",
-                   help="exit as `git bisect run` reads it: 0 good, 1 bad, 125 when the target cannot be judged "
-                        "(skip), 128 when the baseline or the flags are unusable (git stops)")
+    allow_model_mismatch_flag(p, help=f"{_MODEL_MISMATCH}, e.g. cross-engine or quantized runs; the differences "
+                                      "are reported")
+    git_bisect_flag(p, help="exit as `git bisect run` reads it: 0 good, 1 bad, 125 when the target cannot be judged "
+                            "(skip), 128 when the baseline or the flags are unusable (git stops)")
     logprob_threshold_flags(p, threshold_row=True, noise_from="with --noise")
     noise_flags(p)
     add_output_flags(p)
@@ -143,9 +145,8 @@ def build_logprobs_parser(sub: argparse._SubParsersAction | None = None) -> argp
     p.add_argument("target", help="dump directory, engine JSONL file or llama.cpp KL-divergence base file "
                                   "of the run under test")
     output_flags(p, json="the verdict")
-    p.add_argument("--quiet", action="store_true", help="print only the verdict line")
-    p.add_argument("--allow-model-mismatch", action="store_true",
-                   help="compare dumps of different models (architecture, layer count, hidden size, config hash)")
+    quiet_flag(p, help=VERDICT_ONLY)
+    allow_model_mismatch_flag(p, help=_MODEL_MISMATCH)
     logprob_threshold_flags(p, threshold_row=True, noise_from="with --noise")
     noise_flags(p)
     return p
@@ -153,27 +154,19 @@ def build_logprobs_parser(sub: argparse._SubParsersAction | None = None) -> argp
 
 def build_collect_parser(sub: argparse._SubParsersAction | None = None) -> argparse.ArgumentParser:
     """``collect --server URL --api API --out FILE.jsonl``: a subparser of ``sub``, or a parser of its own."""
-    from dumper.server.flags import API_NAMES, retries_arg, timeout_arg
+    from dumper.server.flags import api_flag, request_flags, served_model_flag, server_flag
 
     p = add_command(sub, "collect", "Score prompts on a live server into logprob JSONL. The server is vLLM, SGLang "
                     "or OpenAI-compatible; the prompt logprobs are written as JSONL for `python -m comparator "
                     "logprobs`.")
-    p.add_argument("--server", required=True, metavar="URL", help="server base URL, e.g. http://127.0.0.1:8000")
-    p.add_argument("--api", required=True, choices=API_NAMES,
-                   help="vllm (/v1/completions with prompt_logprobs), sglang (/generate), openai (echo + logprobs)")
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--prompt", action="append", default=None, help="prompt text (repeatable)")
-    src.add_argument("--prompts", metavar="FILE.jsonl", help='JSONL: {"text": ...} or {"input_ids": [...]} per line')
-    src.add_argument("--input-ids", action="append", default=None, help="comma-separated token ids (repeatable)")
-    p.add_argument("--top-k", type=int, default=0, help="top-K logprobs per position besides the actual token")
-    p.add_argument("--model", default=None, help="served model name (default: the first one /v1/models lists)")
-    p.add_argument("--out", required=True, metavar="FILE.jsonl", help="JSONL file to write (one line per prompt)")
-    p.add_argument("--timeout", type=timeout_arg, default=60.0,
-                   help="seconds per request: connect, send and the whole answer (default 60, at most 86400)")
-    p.add_argument("--retries", type=retries_arg, default=3,
-                   help="retries on connection errors, timeouts, cut answers and HTTP 429/5xx, with backoff "
-                        "(default 3, at most 100)")
-    p.add_argument("--quiet", action="store_true", help="no summary line")
+    server_flag(p, required=True, help="server base URL, e.g. http://127.0.0.1:8000")
+    api_flag(p, required=True)
+    prompt_source_flags(p)
+    top_k_flag(p, help="top-K logprobs per position besides the actual token")
+    served_model_flag(p, flag="--model")  # this command's name for it; dumper collect and selfcheck: --served-model
+    out_flag(p, help="JSONL file to write (one line per prompt)", metavar="FILE.jsonl")
+    request_flags(p)
+    quiet_flag(p, help="no summary line")
     return p
 
 

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import argparse
 
-from comparator.cli.args import logprob_threshold_flags, noise_flags, output_flags, run_group_flag, threshold_flags
+from comparator.cli.args import (VERDICT_ONLY, allow_model_mismatch_flag, calibrate_flag, git_bisect_flag,
+                                 logprob_threshold_flags, noise_flags, output_flags, run_group_flag, run_store_flags,
+                                 tensors_flag, threads_flag, threshold_flags)
 from comparator.cli.parser import add_command
 from comparator.store.labels import LABELS
-from dumper.cli.common import Parser
+from dumper.cli.common import Parser, quiet_flag
 
 __all__ = ["build_regress_parser", "build_store_parser"]
 
@@ -23,36 +25,30 @@ def build_regress_parser(sub: argparse._SubParsersAction | None = None) -> argpa
                     "the run is stored labelled passed or failed. Exit 0 passed (or bootstrapped), 1 divergence, "
                     "2 unusable.")
     p.add_argument("run_dir", help="dump directory of the run under test")
-    p.add_argument("--store", required=True, metavar="URL",
-                   help="run store: a local directory, or an fsspec URL (file://, s3://, gcs://, hf://, memory://)")
-    run_group_flag(p, "run group: the model name the store files this run under and picks its baseline from "
-                      "(default: the dump's model name); not a row of the logprob threshold table")
+    run_store_flags(p, required=True,
+                    store_help="run store: a local directory, or an fsspec URL (file://, s3://, gcs://, hf://, "
+                               "memory://)",
+                    run_group_help="run group: the model name the store files this run under and picks its baseline "
+                                   "from (default: the dump's model name); not a row of the logprob threshold table")
     p.add_argument("--bootstrap", action="store_true",
                    help="when no comparable baseline exists, store this run as the first baseline (exit 0)")
-    p.add_argument("--allow-env-mismatch", action="store_true",
-                   help="compare against a baseline from another environment (torch, CUDA, GPU...) if none matches")
     p.add_argument("--allow-missing", action="store_true",
                    help="compare a run that lacks tensors of its baseline (or holds extra ones) on the common ones "
                         "instead of exit 2; the verdict says what was not compared")
-    p.add_argument("--allow-model-mismatch", action="store_true",
-                   help="compare against a baseline of another model (architecture, sizes, config hash)")
-    p.add_argument("--cache-dir", metavar="DIR", default=None,
-                   help="keep downloaded baselines of a remote store here (default: a temporary directory)")
+    allow_model_mismatch_flag(p, help="compare against a baseline of another model (architecture, sizes, config hash)")
     output_flags(p, json="the result (run id, label, baseline, report)")
     threshold_flags(p)
     logprob_threshold_flags(p, threshold_row=False, noise_from="against a calibrated baseline")
-    p.add_argument("--threads", type=int, default=None, help="metric worker threads (default 2)")
-    p.add_argument("--calibrate", nargs="+", default=[], metavar="VARIANT",
-                   help="dumps of benign re-runs of this run's inputs (another --attn, --chunk-size, --batch-size, "
-                        "thread count): measure the run's noise from them first and store it with the run, so runs "
-                        "judged against it are judged by its noise (use it when bootstrapping a baseline)")
+    threads_flag(p)
+    calibrate_flag(p, help="dumps of benign re-runs of this run's inputs (another --attn, --chunk-size, --batch-size, "
+                           "thread count): measure the run's noise from them first and store it with the run, so runs "
+                           "judged against it are judged by its noise (use it when bootstrapping a baseline)")
     noise_flags(p, noise_file=False)
-    p.add_argument("--tensors", action="store_true", help="also print one row per tensor")
-    p.add_argument("--quiet", action="store_true", help="print only the verdict line")
-    p.add_argument("--git-bisect", action="store_true",
-                   help="one step of `git bisect run`: store the run labelled bisect (never a baseline unless "
-                        "promoted) and exit 0 good, 1 bad, 125 when the run cannot be judged, 128 when the store or "
-                        "its baseline cannot be used (git stops)")
+    tensors_flag(p)
+    quiet_flag(p, help=VERDICT_ONLY)
+    git_bisect_flag(p, help="one step of `git bisect run`: store the run labelled bisect (never a baseline unless "
+                            "promoted) and exit 0 good, 1 bad, 125 when the run cannot be judged, 128 when the store "
+                            "or its baseline cannot be used (git stops)")
     p.add_argument("--build", metavar="LABEL", default=None,
                    help="with --git-bisect: the build label stored with the run (default: 'git bisect')")
     return p
@@ -75,12 +71,11 @@ def build_store_parser(commands: argparse._SubParsersAction | None = None) -> ar
                           "its noise is measured first and stored with it.")
     promote.add_argument("url", help="run store location")
     promote.add_argument("run_id")
-    promote.add_argument("--calibrate", nargs="+", default=[], metavar="VARIANT",
-                         help="dumps of benign re-runs of the run's inputs: compare each with the stored dump and "
-                              "store the measured noise with the run (replacing any earlier calibration)")
-    promote.add_argument("--threads", type=int, default=2, help="with --calibrate: metric worker threads (default 2)")
-    promote.add_argument("--allow-model-mismatch", action="store_true",
-                         help="with --calibrate: accept variants of another model spelling (cross-engine runs)")
+    calibrate_flag(promote, help="dumps of benign re-runs of the run's inputs: compare each with the stored dump and "
+                                 "store the measured noise with the run (replacing any earlier calibration)")
+    threads_flag(promote, when="with --calibrate: ")
+    allow_model_mismatch_flag(promote, help="with --calibrate: accept variants of another model spelling "
+                                            "(cross-engine runs)")
     prune = add_command(sub, "prune", "Delete all but the newest N runs per model and signature. Current "
                         "baselines are always kept.")
     prune.add_argument("url", help="run store location")

@@ -10,47 +10,41 @@ from __future__ import annotations
 import argparse
 import sys
 
-from dumper.errors import EXIT_OK, UsageError
+from dumper.cli.common import out_flag, prompt_source_flags, quiet_flag
+from dumper.cli.flags import check_logprob_options, logprob_flags
+from dumper.errors import EXIT_OK
 
 __all__ = ["add_collect", "cmd_collect"]
 
 
 def add_collect(sub: argparse._SubParsersAction) -> None:
     """``collect``: the server, its spool, the prompts and what to record."""
-    from dumper.server.flags import retries_arg, timeout_arg
+    from dumper.server.flags import request_flags, served_model_flag, server_flag
     from dumper.jobs.collect import MAX_CONCURRENCY, PART_WAIT_S
 
     c = sub.add_parser("collect", help="dump the requests this client sends to a live vllm serve (started with the "
                                        "driftscope tap and DRIFTSCOPE_VLLM_SPOOL)")
-    c.add_argument("--server", required=True, metavar="URL", help="the vLLM server (http://HOST:PORT)")
+    server_flag(c, required=True, help="the vLLM server (http://HOST:PORT)")
     c.add_argument("--spool", required=True, metavar="DIR",
                    help="the directory the server records into: its DRIFTSCOPE_VLLM_SPOOL (on this machine)")
-    c.add_argument("--out", required=True, help="dump directory to create")
+    out_flag(c)
     c.add_argument("--model", default=None, metavar="CKPT",
                    help="the HF checkpoint directory the server serves: the dump's model identity and the tokenizer "
                         "of text prompts (default: the identity the server reports; token-id prompts only)")
-    src = c.add_mutually_exclusive_group()
-    src.add_argument("--prompt", action="append", default=None, help="prompt text (repeatable; needs --model)")
-    src.add_argument("--prompts", metavar="FILE.jsonl", help='JSONL: {"text": ...} or {"input_ids": [...]} per line')
-    src.add_argument("--input-ids", action="append", default=None, help="comma-separated token ids (repeatable)")
-    c.add_argument("--logprobs", action="store_true",
-                   help="also record the prompt logprobs the server returns (vLLM then computes every position, "
-                        "never reading its prefix cache)")
-    c.add_argument("--top-k", type=int, default=0, help="with --logprobs: record the top-K logprobs per position")
+    prompt_source_flags(c, prompt_help="prompt text (repeatable; needs --model)")
+    logprob_flags(c, help="also record the prompt logprobs the server returns (vLLM then computes every position, "
+                          "never reading its prefix cache)")
     c.add_argument("--new-tokens", type=int, default=0, metavar="N",
                    help="ask for N greedy tokens per prompt (no stop at EOS) and record the decode steps that feed "
                         "them (docs/decode.md); with --logprobs also each generated token's logprob")
-    c.add_argument("--served-model", default=None, help="model name to request (default: the first /v1/models lists)")
-    c.add_argument("--timeout", type=timeout_arg, default=120.0,
-                   help="seconds per request: connect, send and the whole answer (default 120, at most 86400)")
+    served_model_flag(c)
+    request_flags(c)
     c.add_argument("--part-timeout", type=float, default=PART_WAIT_S, metavar="SECONDS",
                    help="seconds to wait for the server's capture parts after the last answer "
                         f"(default {PART_WAIT_S:g}); none in time: the server has no tap or another spool, exit 2")
-    c.add_argument("--retries", type=retries_arg, default=3,
-                   help="retries on connection errors, timeouts, cut answers and HTTP 429/5xx (default 3)")
     c.add_argument("--concurrency", type=int, default=8,
                    help=f"requests in flight at once, batched by the server (default 8, at most {MAX_CONCURRENCY})")
-    c.add_argument("--quiet", action="store_true", help="no progress bar and no summary line")
+    quiet_flag(c)
 
 
 def cmd_collect(args: argparse.Namespace) -> int:
@@ -65,8 +59,7 @@ def cmd_collect(args: argparse.Namespace) -> int:
     if args.prompts:
         texts, file_ids = read_prompts_file(args.prompts)
         prompts, ids = tuple(texts), tuple(tuple(s) for s in file_ids)
-    if args.top_k and not args.logprobs:
-        raise UsageError("--top-k needs --logprobs")
+    check_logprob_options(args, "--top-k")
     cfg = CollectConfig(server=args.server, spool=args.spool, out=args.out, model=args.model, prompts=prompts,
                         input_ids=ids, logprobs=LogprobSpec(top_k=args.top_k) if args.logprobs else None,
                         served_model=args.served_model, part_timeout=args.part_timeout,

@@ -1,4 +1,10 @@
-"""What both CLIs share: an argument parser whose errors are one line, and the error-to-exit mapping."""
+"""What both CLIs share: an argument parser whose errors are one line, the error-to-exit mapping, and the flags
+both CLIs take (``--out``, ``--quiet``, ``--json``, the prompt flags, ``--top-k``), each defined once here.
+
+Flags only the dumper's commands take are :mod:`dumper.cli.flags`'s, only the comparator's
+:mod:`comparator.cli.args`', and a live server's (``--server``, ``--api``, ``--timeout``, ...)
+:mod:`dumper.server.flags`', next to the checks of their values.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +21,8 @@ from dumper.format.files import printable
 from dumper.settings import env_settings
 
 __all__ = ["Parser", "guarded_main", "DEBUG_FLAG", "silence_stdout", "EXIT_BROKEN_PIPE", "add_import_sglang_flags",
-           "split_debug"]
+           "split_debug", "out_flag", "quiet_flag", "json_flag", "prompt_flag", "input_ids_flag", "prompt_source_flags",
+           "top_k_flag", "DUMP_OUT_HELP", "QUIET_HELP"]
 
 EXIT_BROKEN_PIPE = 141
 """What a shell reports for a process killed by SIGPIPE (128 + 13): the reader of stdout went away."""
@@ -142,8 +149,53 @@ def add_import_sglang_flags(p: argparse.ArgumentParser) -> None:
     """The flags of ``python -m comparator import-sglang``, defined once: the comparator's parser lists
     them (torch-free ``--help``), :func:`dumper.engines.sglang.main_import` parses them to run it."""
     p.add_argument("src", help="SGLang dump directory (DUMPER_DIR/EXP_NAME, holding the .pt files)")
-    p.add_argument("--out", required=True, help="driftscope dump directory to create")
+    out_flag(p, help="driftscope dump directory to create")
     p.add_argument("--name", action="append", default=[], metavar="SGLANG=DRIFTSCOPE",
                    help="map an SGLang tensor name to a driftscope name, {layer} = its layer_id (repeatable), "
                         "e.g. attn_in=model.layers.{layer}.self_attn.input")
     p.add_argument("--checkpoint", help="HF checkpoint directory of the run: its config gives the model identity")
+
+
+DUMP_OUT_HELP = "dump directory to create"
+"""``--out``'s help where the command writes a dump (``dumper run``, ``replay``, ``collect``)."""
+QUIET_HELP = "no progress bar and no summary line"
+"""``--quiet``'s help where the command draws a progress bar and ends with a summary line."""
+
+
+def out_flag(p: argparse._ActionsContainer, help: str = DUMP_OUT_HELP, metavar: str | None = None) -> None:
+    """``--out`` (required): what the command writes, which ``help`` names (a dump, a noise file, a JSONL file)."""
+    p.add_argument("--out", required=True, metavar=metavar, help=help)
+
+
+def quiet_flag(p: argparse._ActionsContainer, help: str = QUIET_HELP) -> None:
+    """``--quiet``: print less; ``help`` says what the command still prints."""
+    p.add_argument("--quiet", action="store_true", help=help)
+
+
+def json_flag(p: argparse._ActionsContainer, what: str) -> None:
+    """``--json FILE``: also write ``what`` (e.g. "the report") as JSON to FILE."""
+    p.add_argument("--json", metavar="FILE", help=f"write {what} as JSON")
+
+
+def prompt_flag(p: argparse._ActionsContainer, help: str = "prompt text (repeatable)") -> None:
+    """``--prompt TEXT`` (repeatable; ``None`` when not given, so a command can tell its own default apart)."""
+    p.add_argument("--prompt", action="append", default=None, help=help)
+
+
+def input_ids_flag(p: argparse._ActionsContainer) -> None:
+    """``--input-ids 1,2,3`` (repeatable): prompts given as token ids, for a model without a tokenizer."""
+    p.add_argument("--input-ids", action="append", default=None, help="comma-separated token ids (repeatable)")
+
+
+def prompt_source_flags(p: argparse.ArgumentParser, prompt_help: str = "prompt text (repeatable)") -> None:
+    """One of ``--prompt``, ``--prompts FILE.jsonl``, ``--input-ids``: where a job's prompts come from."""
+    src = p.add_mutually_exclusive_group()
+    prompt_flag(src, help=prompt_help)
+    src.add_argument("--prompts", metavar="FILE.jsonl", help='JSONL: {"text": ...} or {"input_ids": [...]} per line')
+    input_ids_flag(src)
+
+
+def top_k_flag(p: argparse._ActionsContainer,
+               help: str = "with --logprobs: record the top-K logprobs per position") -> None:
+    """``--top-k K`` (default 0): how many of each position's top logprobs to record besides the actual token."""
+    p.add_argument("--top-k", type=int, default=0, help=help)

@@ -10,21 +10,23 @@ from collections.abc import Sequence
 from typing import Any
 
 from dumper.cli.common import Parser, guarded_main
-from dumper.cli.common import split_debug
+from dumper.cli.common import input_ids_flag, json_flag, out_flag, prompt_flag, quiet_flag, split_debug
 from dumper.cli.collect import add_collect, cmd_collect
+from dumper.cli.flags import MODEL_HELP, baseline_flag, model_flag, model_setting_flags
 from dumper.cli.run import add_run, cmd_run
 from dumper.cli.sweep import add_sweep, cmd_sweep
-from dumper.cli.values import check_device, seed_value
+from dumper.cli.values import check_device
 from dumper.errors import EXIT_DIVERGED, EXIT_OK, UsageError
 from dumper.format import load_manifest
 from dumper.format.describe import describe_lines
-from dumper.format.dtypes import MODEL_DTYPES
 
 __all__ = ["main", "build_parser"]
 
 _DASH_VALUE_OPTIONS = ("--layers", "--input-ids")
 """Options whose value may start with a minus: ``--layers -3..-1``, ``--layers -1,-2``."""
 _DASH_VALUE = re.compile(r"-[0-9]")
+_WITH_SERVER = "with --server: "
+"""The help prefix of ``selfcheck``'s flags that apply only to a live server."""
 
 
 def join_dash_values(argv: Sequence[str]) -> list[str]:
@@ -70,43 +72,33 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_selfcheck(sub: argparse._SubParsersAction) -> None:
     """``selfcheck``: a local model, or a live server with ``--server``."""
-    from dumper.server.flags import API_NAMES, retries_arg, timeout_arg
+    from dumper.server.flags import api_flag, request_flags, served_model_flag, server_flag
 
     sc = sub.add_parser("selfcheck", help="decode <-> prefill logprob self-consistency of a model")
-    sc.add_argument("--model", default="tiny-llama", help="local HF model directory or preset")
-    sc.add_argument("--prompt", action="append", default=None, help="prompt text (repeatable; default: built-in)")
-    sc.add_argument("--input-ids", action="append", default=None, help="comma-separated token ids (repeatable)")
+    model_flag(sc)
+    prompt_flag(sc, help="prompt text (repeatable; default: built-in)")
+    input_ids_flag(sc)
     sc.add_argument("--new-tokens", type=int, default=16, help="greedy tokens to generate (default 16)")
     sc.add_argument("--mode", default="all", choices=["all", "no-cache", "prefill-hit", "decode-hit"],
                     help="no-cache, the cache-hit variants, or all three (default)")
     sc.add_argument("--threshold", type=float, default=None, help="max mean k3 (default 1e-3)")
-    sc.add_argument("--dtype", default="float32", choices=list(MODEL_DTYPES))
-    sc.add_argument("--attn", default="eager", choices=["eager", "sdpa"])
-    sc.add_argument("--device", default="cpu")
-    sc.add_argument("--seed", type=seed_value, default=0)
-    sc.add_argument("--json", metavar="FILE", help="write the results as JSON")
-    sc.add_argument("--server", metavar="URL", default=None,
-                    help="check a live server instead of a local model (http://HOST:PORT); needs --api")
-    sc.add_argument("--api", default=None, choices=API_NAMES,
-                    help="with --server: vllm (/v1/completions), sglang (/generate), openai (text prompts only)")
-    sc.add_argument("--served-model", default=None, help="with --server: model name to request "
-                    "(default: the first one /v1/models lists)")
-    sc.add_argument("--timeout", type=timeout_arg, default=120.0, help="with --server: seconds per request: "
-                    "connect, send and the whole answer (default 120, at most 86400)")
-    sc.add_argument("--retries", type=retries_arg, default=3, help="with --server: retries on connection errors, "
-                    "timeouts, cut answers and HTTP 429/5xx (default 3, at most 100)")
+    model_setting_flags(sc)
+    json_flag(sc, "the results")
+    server_flag(sc, required=False,
+                help="check a live server instead of a local model (http://HOST:PORT); needs --api")
+    api_flag(sc, required=False,
+             help=f"{_WITH_SERVER}vllm (/v1/completions), sglang (/generate), openai (text prompts only)")
+    served_model_flag(sc, when=_WITH_SERVER)
+    request_flags(sc, when=_WITH_SERVER)
 
 
 def _add_replay(sub: argparse._SubParsersAction) -> None:
     """``replay``: the flags of :class:`dumper.jobs.replay.ReplayConfig`."""
     rp = sub.add_parser("replay", help="run each decoder layer on the baseline's residual input: per-layer local error")
-    rp.add_argument("--model", default="tiny-llama", help="the model under test: local HF model directory or preset")
-    rp.add_argument("--baseline", required=True, help="dump holding the residual point (dumper run --points residual)")
-    rp.add_argument("--out", required=True, help="dump directory to create")
-    rp.add_argument("--dtype", default="float32", choices=list(MODEL_DTYPES))
-    rp.add_argument("--attn", default="eager", choices=["eager", "sdpa"], help="attention implementation")
-    rp.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
-    rp.add_argument("--seed", type=seed_value, default=0, help="seed for preset weights (default 0)")
+    model_flag(rp, help=f"the model under test: {MODEL_HELP}")
+    baseline_flag(rp, help="dump holding the residual point (dumper run --points residual)")
+    out_flag(rp)
+    model_setting_flags(rp)
     rp.add_argument("--force-routing", choices=["ids", "all"], default=None,
                     help="MoE models: replay each MoE layer (with --split: each MoE block) with the baseline's expert "
                          "choice for the same token (the baseline needs the router point too): ids = its expert ids, "
@@ -116,7 +108,7 @@ def _add_replay(sub: argparse._SubParsersAction) -> None:
                          "baseline needs --points input,attn_output,mlp_input,mlp_output): what each half adds")
     rp.add_argument("--reference", choices=["float64"], default=None,
                     help="with --split: also run each half in float64 and measure both sides against it")
-    rp.add_argument("--quiet", action="store_true", help="no progress bar and no summary line")
+    quiet_flag(rp)
 
 
 def _add_ls(sub: argparse._SubParsersAction) -> None:

@@ -6,10 +6,11 @@ import argparse
 import sys
 from typing import Any
 
-from dumper.cli.values import check_device, engine_args, seed_value, sketch_spec
-from dumper.engines import ENGINES
+from dumper.cli.common import out_flag, prompt_source_flags, quiet_flag
+from dumper.cli.flags import (MODEL_HELP, check_logprob_options, engine_flags, layers_flag, logprob_flags, model_flag,
+                              model_setting_flags, padding_side_flag, points_flag, save_logits_flag)
+from dumper.cli.values import check_device, engine_args, sketch_spec
 from dumper.errors import EXIT_DIVERGED, EXIT_OK, UsageError
-from dumper.format.dtypes import MODEL_DTYPES
 
 __all__ = ["add_run", "cmd_run"]
 
@@ -17,46 +18,30 @@ __all__ = ["add_run", "cmd_run"]
 def add_run(sub: argparse._SubParsersAction) -> None:
     """``run``: the flags of :class:`dumper.prefill.run.RunConfig`."""
     r = sub.add_parser("run", help="teacher-forced prefill of prompts with capture on")
-    r.add_argument("--model", default="tiny-llama",
-                   help="local HF model directory or preset (tiny-llama, tiny-qwen2); a .gguf file for llama.cpp, "
-                        "an ONNX Runtime GenAI model directory for onnxruntime-genai")
-    r.add_argument("--engine", default="transformers", choices=list(ENGINES),
-                   help="inference engine that runs the job (default transformers, in this process)")
-    r.add_argument("--engine-arg", action="append", default=None, metavar="KEY=VALUE",
-                   help="engine-specific setting (repeatable); see each engine's section in docs/engines.md")
-    r.add_argument("--out", required=True, help="dump directory to create")
-    src = r.add_mutually_exclusive_group()
-    src.add_argument("--prompt", action="append", default=None, help="prompt text (repeatable)")
-    src.add_argument("--prompts", metavar="FILE.jsonl", help='JSONL: {"text": ...} or {"input_ids": [...]} per line')
-    src.add_argument("--input-ids", action="append", default=None, help="comma-separated token ids (repeatable)")
-    r.add_argument("--dtype", default="float32", choices=list(MODEL_DTYPES))
-    r.add_argument("--attn", default="eager", choices=["eager", "sdpa"], help="attention implementation")
-    r.add_argument("--layers", default=None,
-                   help="layer spec: all, first, last, every:N, 3, -1, 2..5, -3..-1 (default first,last,every:8)")
+    model_flag(r, help=f"{MODEL_HELP}; a .gguf file for llama.cpp, an ONNX Runtime GenAI model directory for "
+                       "onnxruntime-genai")
+    engine_flags(r, engine_arg_help="engine-specific setting (repeatable); see each engine's section in "
+                                    "docs/engines.md")
+    out_flag(r)
+    prompt_source_flags(r)
+    model_setting_flags(r)
+    layers_flag(r)
     r.add_argument("--modules", default=None, help="fnmatch pattern of modules to hook instead of self-attention")
-    r.add_argument("--points", default="input",
-                   help="capture points, comma-separated: input (self-attention input, after the layer's norm; "
-                        "default), residual (decoder layer input, before its norm, and the final norm's input), "
-                        "attn_output (what attention adds, before the residual add), mlp_input (after the "
-                        "post-attention norm), mlp_output (what the MLP or MoE block adds), "
-                        "router (MoE layers' gate logits, chosen experts and their weights)")
-    r.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
-    r.add_argument("--seed", type=seed_value, default=0, help="seed for preset weights (default 0)")
+    points_flag(r)
     r.add_argument("--chunk-size", type=int, default=None,
                    help="prefill in chunks of N tokens through the KV cache (one forward pass per chunk)")
     r.add_argument("--batch-size", type=int, default=1, help="prompts per forward pass, padded (default 1)")
-    r.add_argument("--padding-side", default="right", choices=["right", "left"], help="where batches are padded")
+    padding_side_flag(r)
     r.add_argument("--new-tokens", type=int, default=0, metavar="N",
                    help="after each prompt pass, greedy-decode N tokens (temperature 0, no stop at EOS) and record "
                         "every decode step's rows at their positions (docs/decode.md; transformers, vllm, llama.cpp)")
     r.add_argument("--tokens-from", metavar="DUMP", default=None,
                    help="the prefill counterpart of a --new-tokens dump: each of its prompts plus the tokens its "
                         "decode fed back, so the two dumps hold the same positions (any engine)")
-    r.add_argument("--logprobs", action="store_true", help="also record input-token logprobs")
-    r.add_argument("--top-k", type=int, default=0, help="with --logprobs: record the top-K logprobs per position")
+    logprob_flags(r, help="also record input-token logprobs")
     r.add_argument("--logprob-start-len", type=int, default=0,
                    help="with --logprobs: first input position to return (SGLang's logprob_start_len)")
-    r.add_argument("--save-logits", action="store_true", help="with --logprobs: also dump the full logits rows")
+    save_logits_flag(r)
     r.add_argument("--compile", action="store_true",
                    help="transformers: run the model under torch.compile, captured through driftscope's tap")
     r.add_argument("--sketch", type=int, default=None, metavar="K",
@@ -72,7 +57,7 @@ def add_run(sub: argparse._SubParsersAction) -> None:
                    help="with --logprobs (transformers, vllm): run the job again with nothing of driftscope on the "
                         "model and check that its logprobs (and --save-logits rows) are bit-identical to the dump's; "
                         "prints one line, records extra.observer in the manifest, exits 1 when capture changed them")
-    r.add_argument("--quiet", action="store_true", help="no progress bar and no summary line")
+    quiet_flag(r)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -86,8 +71,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         texts, file_ids = read_prompts_file(args.prompts)
         prompts, ids = tuple(texts), tuple(tuple(s) for s in file_ids)
     check_device(args.device)
-    if (args.top_k or args.logprob_start_len or args.save_logits) and not args.logprobs:
-        raise UsageError("--top-k, --logprob-start-len and --save-logits need --logprobs")
+    check_logprob_options(args, "--top-k", "--logprob-start-len", "--save-logits")
     if args.top_k < 0 or args.logprob_start_len < 0:
         raise UsageError("--top-k and --logprob-start-len must be >= 0")
     spec = LogprobSpec(top_k=args.top_k, start_len=args.logprob_start_len, save_logits=args.save_logits) \

@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from dumper.cli.values import check_device, engine_args, positive_int, seed_value
-from dumper.engines import ENGINES
+from dumper.cli.common import json_flag, out_flag, quiet_flag
+from dumper.cli.flags import (MODEL_HELP, baseline_flag, check_logprob_options, engine_flags, layers_flag,
+                              logprob_flags, model_flag, model_setting_flags, padding_side_flag, points_flag,
+                              save_logits_flag)
+from dumper.cli.values import check_device, engine_args, positive_int
 from dumper.errors import EXIT_DIVERGED, EXIT_OK, UsageError
-from dumper.format.dtypes import MODEL_DTYPES
 
 __all__ = ["add_sweep", "cmd_sweep"]
 
@@ -18,10 +20,9 @@ def add_sweep(sub: argparse._SubParsersAction) -> None:
     from comparator import threshold_flags
 
     s = sub.add_parser("sweep", help="one capture per cell of a grid of settings, each compared with a baseline")
-    s.add_argument("--model", default="tiny-llama", help="local HF model directory or preset, as for run")
-    s.add_argument("--engine", default="transformers", choices=list(ENGINES), help="inference engine (default "
-                   "transformers)")
-    s.add_argument("--baseline", required=True, help="dump every cell is compared with; its prompts are the job")
+    model_flag(s, help=f"{MODEL_HELP}, as for run")
+    engine_flags(s, engine_arg_help="engine setting fixed across cells (repeatable)")
+    baseline_flag(s, help="dump every cell is compared with; its prompts are the job")
     s.add_argument("--grid", action="append", required=True, metavar="KEY=V1,V2,...",
                    help="an axis (repeatable; cells are the cartesian product): an --engine-arg key, chunk_size "
                         "(none allowed), batch_size, new_tokens (decode cells, judged against their own prefill), "
@@ -30,26 +31,19 @@ def add_sweep(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--max-cells", type=positive_int, default=None, metavar="N",
                    help="refuse a grid of more than N cells, the product of its axes' value counts (default "
                         "4096), before anything is planned")
-    s.add_argument("--out", required=True, help="new directory: cell-NNN/dump, cell-NNN/report.json, sweep.json")
-    s.add_argument("--json", metavar="FILE", help="also write the sweep's results as JSON here")
+    out_flag(s, help="new directory: cell-NNN/dump, cell-NNN/report.json, sweep.json")
+    json_flag(s, "the sweep's results")
     s.add_argument("--block-size", type=int, default=None,
                    help="KV block size for lengths=block (default: the engine's; vLLM's after it loads, 16 for "
                         "transformers)")
-    s.add_argument("--engine-arg", action="append", default=None, metavar="KEY=VALUE",
-                   help="engine setting fixed across cells (repeatable)")
-    s.add_argument("--layers", default=None, help="layer spec (default: the baseline's layers)")
-    s.add_argument("--points", default=None, help="capture points, as dumper run's (default: the baseline's)")
-    s.add_argument("--dtype", default=None, choices=list(MODEL_DTYPES), help="default: the baseline's")
-    s.add_argument("--attn", default="eager", choices=["eager", "sdpa"], help="attention implementation")
-    s.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
-    s.add_argument("--seed", type=seed_value, default=None, help="seed for preset weights (default: the baseline's)")
-    s.add_argument("--padding-side", default="right", choices=["right", "left"], help="where batches are padded")
-    s.add_argument("--logprobs", action="store_true", help="also record and compare input-token logprobs "
-                   "(not in prefix-caching cells)")
-    s.add_argument("--top-k", type=int, default=0, help="with --logprobs: record the top-K logprobs per position")
-    s.add_argument("--save-logits", action="store_true", help="with --logprobs: also dump logits rows (for KL)")
+    layers_flag(s, from_baseline=True)
+    points_flag(s, from_baseline=True)
+    model_setting_flags(s, from_baseline=True)
+    padding_side_flag(s)
+    logprob_flags(s, help="also record and compare input-token logprobs (not in prefix-caching cells)")
+    save_logits_flag(s)
     threshold_flags(s)
-    s.add_argument("--quiet", action="store_true", help="no line per cell; the table and the verdict only")
+    quiet_flag(s, help="no line per cell; the table and the verdict only")
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
@@ -63,8 +57,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     from dumper.jobs.sweep.table import cell_line, render_sweep
 
     check_device(args.device)
-    if (args.top_k or args.save_logits) and not args.logprobs:
-        raise UsageError("--top-k and --save-logits need --logprobs")
+    check_logprob_options(args, "--top-k", "--save-logits")
     if args.top_k < 0:
         raise UsageError("--top-k must be >= 0")
     axes = parse_grid(args.grid, max_cells=MAX_CELLS if args.max_cells is None else args.max_cells)

@@ -40,6 +40,7 @@ from typing import Any
 from comparator import SequenceLogprobs, TopK, parse_record
 from dumper.server.api import first_choice, served_model
 from dumper.server.client import ServerClient, ServerError
+from dumper.server.flags import DEFAULT_RETRIES, DEFAULT_TIMEOUT_S
 
 from dumper.engines.base import EngineInfo, hf_identity
 from dumper.engines.vllm.parts import RankParts, join_dump, new_token, remove_spool, wait_parts
@@ -85,8 +86,8 @@ class CollectConfig:
     served_model: str | None = None
     """The model name requests carry (default: the first one ``/v1/models`` lists)."""
     part_timeout: float = PART_WAIT_S
-    request_timeout: float = 120.0
-    retries: int = 3
+    request_timeout: float = DEFAULT_TIMEOUT_S
+    retries: int = DEFAULT_RETRIES
     concurrency: int = 8
     new_tokens: int = 0
     """``--new-tokens N``: N greedy tokens per prompt, their decode steps recorded (:mod:`dumper.format.decode`)."""

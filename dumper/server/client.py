@@ -34,7 +34,8 @@ from typing import Any, Final
 from dumper.errors import DriftscopeError, UsageError
 from dumper.format.files import check_json_memory
 
-from dumper.server.flags import MAX_RETRIES, MAX_TIMEOUT_S, check_retries, check_timeout
+from dumper.server.flags import (DEFAULT_RETRIES, DEFAULT_TIMEOUT_S, MAX_RETRIES, MAX_TIMEOUT_S, check_retries,
+                                 check_timeout)
 from dumper.server.wire import (
     PIECE,
     Answer,
@@ -119,13 +120,13 @@ def _server_message(body: bytes) -> str:
 @dataclass(frozen=True)
 class ServerClient:
     """One server: ``base_url`` (see :func:`normalize_base_url`), a per-request deadline ``timeout``
-    in seconds (default 60; connect, send and the whole answer) and ``retries`` after the first
-    try (default 3, backoff 0.5 s doubling up to 8 s) for connection errors, timeouts, cut answers
-    and HTTP 429/5xx."""
+    in seconds (default 120, as ``--timeout``; connect, send and the whole answer) and ``retries`` after
+    the first try (default 3, backoff 0.5 s doubling up to 8 s) for connection errors, timeouts, cut
+    answers and HTTP 429/5xx."""
 
     base_url: str
-    timeout: float = 60.0
-    retries: int = 3
+    timeout: float = DEFAULT_TIMEOUT_S
+    retries: int = DEFAULT_RETRIES
     backoff: float = 0.5
 
     def __post_init__(self) -> None:
