@@ -29,8 +29,24 @@ from tests.bisect_ladder import PROMPT, dump_command, ladder  # noqa: E402
 
 
 def _gold(root: Path) -> Path:
-    subprocess.run([sys.executable, "-m", "dumper", "run", "--model", "tiny-llama", "--layers", "all", "--input-ids",
-                    PROMPT, "--out", str(root / "gold"), "--quiet"], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dumper",
+            "run",
+            "--model",
+            "tiny-llama",
+            "--layers",
+            "all",
+            "--input-ids",
+            PROMPT,
+            "--out",
+            str(root / "gold"),
+            "--quiet",
+        ],
+        check=True,
+    )
     return root / "gold"
 
 
@@ -45,8 +61,14 @@ def one_ladder(root: Path, gold: Path, n: int, bad_from: int) -> dict[str, float
     commands = [b - a for a, b in zip(stamps[::2], stamps[1::2], strict=True)]
     assert result.first_bad == bad_from, result.to_json()
     overhead = (wall - sum(commands)) / result.runs
-    return {"n": n, "runs": result.runs, "bound": run_bound(n), "wall": wall,
-            "command": statistics.median(commands), "overhead": overhead}
+    return {
+        "n": n,
+        "runs": result.runs,
+        "bound": run_bound(n),
+        "wall": wall,
+        "command": statistics.median(commands),
+        "overhead": overhead,
+    }
 
 
 def main() -> None:
@@ -60,8 +82,10 @@ def main() -> None:
         print(f"{'builds':>6} {'runs':>5} {'bound':>5} {'wall s':>7} {'run s':>6} {'loop s/run':>10} {'loop/run':>8}")
         for n in args.ladders:
             r = one_ladder(root, gold, n, max(1, int(args.bad_from * n)))
-            print(f"{r['n']:>6} {r['runs']:>5} {r['bound']:>5} {r['wall']:>7.1f} {r['command']:>6.2f} "
-                  f"{r['overhead']:>10.3f} {r['overhead'] / r['command']:>8.3f}")
+            print(
+                f"{r['n']:>6} {r['runs']:>5} {r['bound']:>5} {r['wall']:>7.1f} {r['command']:>6.2f} "
+                f"{r['overhead']:>10.3f} {r['overhead'] / r['command']:>8.3f}"
+            )
 
 
 if __name__ == "__main__":

@@ -39,8 +39,26 @@ VARIANTS = [
 
 
 def dump(out: Path, model: str, dtype: str, args: list[str], env: dict[str, str]) -> Path:
-    cmd = [sys.executable, "-m", "dumper", "run", "--model", model, "--dtype", dtype, "--layers", "all",
-           "--logprobs", "--top-k", "5", "--save-logits", "--quiet", "--out", str(out), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "dumper",
+        "run",
+        "--model",
+        model,
+        "--dtype",
+        dtype,
+        "--layers",
+        "all",
+        "--logprobs",
+        "--top-k",
+        "5",
+        "--save-logits",
+        "--quiet",
+        "--out",
+        str(out),
+        *args,
+    ]
     subprocess.run(cmd, check=True, env={**os.environ, **env})
     return out
 
@@ -49,8 +67,12 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="tiny-llama,tiny-qwen2")
     ap.add_argument("--dtypes", default="float32,bfloat16")
-    ap.add_argument("--timing-gib", type=float, default=None,
-                    help="only time calibrate against plain comparisons on synthetic dumps of this size")
+    ap.add_argument(
+        "--timing-gib",
+        type=float,
+        default=None,
+        help="only time calibrate against plain comparisons on synthetic dumps of this size",
+    )
     args = ap.parse_args()
     if args.timing_gib:
         return timing(args.timing_gib)
@@ -78,10 +100,11 @@ def report(model: str, dtype: str, base: Path, variants: list[tuple[str, Path]])
     for t in noise.tensors.values():
         print(f"| {t.layer} | {t.rel_diff:.2e} | {t.token_max:.2e} | {t.token_p99:.2e} |")
     if noise.logprobs is not None:
-        print("logprob noise: " + ", ".join(f"{k} {v:.2e}" for k, v in noise.logprobs.metrics.items()
-                                           if v is not None))
-    print(f"calibrate: {t_cal:.2f} s for {len(paths)} variants; {len(paths)} plain comparisons: {t_cmp:.2f} s "
-          f"(ratio {t_cal / t_cmp:.2f}x per variant)")
+        print("logprob noise: " + ", ".join(f"{k} {v:.2e}" for k, v in noise.logprobs.metrics.items() if v is not None))
+    print(
+        f"calibrate: {t_cal:.2f} s for {len(paths)} variants; {len(paths)} plain comparisons: {t_cmp:.2f} s "
+        f"(ratio {t_cal / t_cmp:.2f}x per variant)"
+    )
     for order, vs in (("listed order", variants), ("reversed order", variants[::-1])):
         held_out(base, vs, order)
 
@@ -116,8 +139,10 @@ def timing(gib: float) -> None:
         base, same, chunked, _ = make_dumps(Path(tmp), gib, 4096, 1024, 8)
         plain = min(_timed(lambda: [compare_dumps(base, t) for t in (same, chunked)]) for _ in range(3))
         cal = min(_timed(lambda: calibrate(base, [same, chunked])) for _ in range(3))
-        print(f"{gib:g} GiB baseline, 2 variants: calibrate {cal:.2f} s, 2 plain comparisons {plain:.2f} s "
-              f"(ratio {cal / plain:.2f}x per variant)")
+        print(
+            f"{gib:g} GiB baseline, 2 variants: calibrate {cal:.2f} s, 2 plain comparisons {plain:.2f} s "
+            f"(ratio {cal / plain:.2f}x per variant)"
+        )
 
 
 def _timed(fn) -> float:

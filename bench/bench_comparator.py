@@ -43,8 +43,17 @@ def compare_only(base: str, target: str) -> None:
         t = time.perf_counter()
         report = compare_dumps(base, target)
         elapsed = time.perf_counter() - t
-    print(json.dumps({"seconds": elapsed, "peak_anon_kib": mem.peak // 1024, "start_anon_kib": start_rss // 1024,
-                      "matched": report.matched, "passed": report.passed}))
+    print(
+        json.dumps(
+            {
+                "seconds": elapsed,
+                "peak_anon_kib": mem.peak // 1024,
+                "start_anon_kib": start_rss // 1024,
+                "matched": report.matched,
+                "passed": report.passed,
+            }
+        )
+    )
 
 
 def make_dumps(root: Path, gib: float, tokens: int, hidden: int, chunks: int) -> tuple[Path, Path, Path, int]:
@@ -69,14 +78,21 @@ def make_dumps(root: Path, gib: float, tokens: int, hidden: int, chunks: int) ->
                 y = x + 1e-4 * torch.randn(tokens, hidden, generator=gen)
                 name, seq = f"model.layers.{i % layers}.self_attn.input", group // layers
                 for cap, t in ((cb, x), (cs, y)):
-                    cap.record(name, t, layer=i % layers, point="input", positions=range(tokens),
-                               sequence_ids=[seq] * tokens)
+                    cap.record(
+                        name, t, layer=i % layers, point="input", positions=range(tokens), sequence_ids=[seq] * tokens
+                    )
                 pending.append((name, i % layers, seq, y))
             for start in range(0, tokens, step):  # chunk k of every layer is forward pass k
                 for name, layer, seq, y in pending:
                     stop = min(tokens, start + step)
-                    cc.record(name, y[start:stop], layer=layer, point="input", positions=range(start, stop),
-                              sequence_ids=[seq] * (stop - start))
+                    cc.record(
+                        name,
+                        y[start:stop],
+                        layer=layer,
+                        point="input",
+                        positions=range(start, stop),
+                        sequence_ids=[seq] * (stop - start),
+                    )
                 cc.step()
             cb.step()
             cs.step()
@@ -91,8 +107,10 @@ def cli_env(tree: Path, pycache: Path) -> dict[str, str]:
     """The environment of a ``python -m comparator`` run from ``tree`` (first on ``PYTHONPATH``), bytecode cached
     under ``pycache`` (as an installed wheel has it), even where ``PYTHONDONTWRITEBYTECODE`` is set."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
-    env.update(PYTHONPYCACHEPREFIX=str(pycache),
-               PYTHONPATH=os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH")) if p))
+    env.update(
+        PYTHONPYCACHEPREFIX=str(pycache),
+        PYTHONPATH=os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH")) if p),
+    )
     return env
 
 
@@ -111,9 +129,11 @@ def time_rounds(commands: dict[str, tuple[list[str], dict[str, str] | None]], ro
 def ratio_line(times: dict[str, list[float]], label: str) -> str:
     """``label``'s speed as a fraction of cat's: the median of the per-round ratios, and of the best times."""
     per_round = sorted(c / t for c, t in zip(times["cat"], times[label], strict=True))
-    return (f"{label}: best {min(times[label]):.3f}s, median {statistics.median(times[label]):.3f}s; "
-            f"{statistics.median(per_round):.2f}x of cat (median of {len(per_round)} rounds), "
-            f"{min(times['cat']) / min(times[label]):.2f}x best to best")
+    return (
+        f"{label}: best {min(times[label]):.3f}s, median {statistics.median(times[label]):.3f}s; "
+        f"{statistics.median(per_round):.2f}x of cat (median of {len(per_round)} rounds), "
+        f"{min(times['cat']) / min(times[label]):.2f}x best to best"
+    )
 
 
 def main() -> None:
@@ -147,43 +167,62 @@ def main() -> None:
     for label, target in (("same layout", same), (f"{args.chunks} chunks", chunked)):
         runs = []
         for _ in range(3):
-            out = subprocess.run([sys.executable, __file__, "--compare-only", str(base), str(target)],
-                                 capture_output=True, text=True, check=True)
+            out = subprocess.run(
+                [sys.executable, __file__, "--compare-only", str(base), str(target)],
+                capture_output=True,
+                text=True,
+                check=True,
+            )
             runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
         results[label] = runs
     cli = ["-m", "comparator", str(base), str(same), "--quiet"]
-    commands = {"cat": (["cat", *files], None),
-                "python -m comparator": ([sys.executable, *cli], cli_env(ROOT, root / "pycache"))}
+    commands = {
+        "cat": (["cat", *files], None),
+        "python -m comparator": ([sys.executable, *cli], cli_env(ROOT, root / "pycache")),
+    }
     if args.baseline_tree:  # an older checkout (its kernel built in place), timed in the same rounds
         commands["baseline tree"] = ([sys.executable, *cli], cli_env(Path(args.baseline_tree), root / "pycache-base"))
     times = time_rounds(commands, args.rounds)
     cat_s = min(times["cat"])
-    start = time_rounds({"python -c pass": ([sys.executable, "-c", "pass"], cli_env(ROOT, root / "pycache")),
-                         "import": ([sys.executable, "-c", "import comparator.cli.main"], cli_env(ROOT, root / "pycache"))},
-                        5)
+    start = time_rounds(
+        {
+            "python -c pass": ([sys.executable, "-c", "pass"], cli_env(ROOT, root / "pycache")),
+            "import": ([sys.executable, "-c", "import comparator.cli.main"], cli_env(ROOT, root / "pycache")),
+        },
+        5,
+    )
     python_s, import_s = min(start["python -c pass"]), min(start["import"])
     bound_mb = 2 * tensor_bytes / 2**20 + 300
-    print(f"data: {total / 2**30:.2f} GiB in {len(files)} files (baseline + same-layout target), "
-          f"tensors of {tensor_bytes / 2**20:.0f} MiB")
-    print(f"cat FILES > /dev/null (warm): best {cat_s:.3f}s of {args.rounds}, median {statistics.median(times['cat']):.3f}s "
-          f"= {total / cat_s / 1e9:.2f} GB/s")
+    print(
+        f"data: {total / 2**30:.2f} GiB in {len(files)} files (baseline + same-layout target), "
+        f"tensors of {tensor_bytes / 2**20:.0f} MiB"
+    )
+    print(
+        f"cat FILES > /dev/null (warm): best {cat_s:.3f}s of {args.rounds}, median {statistics.median(times['cat']):.3f}s "
+        f"= {total / cat_s / 1e9:.2f} GB/s"
+    )
     best = {}
     for label, runs in results.items():
         b = best[label] = min(runs, key=lambda r: r["seconds"])
         peak_mb = max(r["peak_anon_kib"] for r in runs) / 1024
-        print(f"compare_dumps, {label}: best {b['seconds']:.3f}s of {[round(r['seconds'], 3) for r in runs]} "
-              f"= {total / b['seconds'] / 1e9:.2f} GB/s, {cat_s / b['seconds']:.2f}x of cat; "
-              f"{b['matched']} comparisons, passed={b['passed']}; peak anonymous RSS {peak_mb:.0f} MiB")
+        print(
+            f"compare_dumps, {label}: best {b['seconds']:.3f}s of {[round(r['seconds'], 3) for r in runs]} "
+            f"= {total / b['seconds'] / 1e9:.2f} GB/s, {cat_s / b['seconds']:.2f}x of cat; "
+            f"{b['matched']} comparisons, passed={b['passed']}; peak anonymous RSS {peak_mb:.0f} MiB"
+        )
     print("BASE TARGET --quiet, same layout, with start-up (goal >= 0.9x of cat):")
     for label in commands:
         if label != "cat":
             print(f"  {ratio_line(times, label)}")
     print(f"  of it python -c pass {python_s:.3f}s, + import comparator.cli.main {import_s - python_s:.3f}s")
     labels = list(best)
-    print(f"chunked / same-layout speed: {best[labels[0]]['seconds'] / best[labels[1]]['seconds']:.2f}x "
-          "(target >= 0.8x)")
-    print(f"memory bound 2 x largest tensor + 300 MB = {bound_mb:.0f} MiB "
-          f"(process start {results[labels[0]][0]['start_anon_kib'] / 1024:.0f} MiB)")
+    print(
+        f"chunked / same-layout speed: {best[labels[0]]['seconds'] / best[labels[1]]['seconds']:.2f}x (target >= 0.8x)"
+    )
+    print(
+        f"memory bound 2 x largest tensor + 300 MB = {bound_mb:.0f} MiB "
+        f"(process start {results[labels[0]][0]['start_anon_kib'] / 1024:.0f} MiB)"
+    )
     if not args.keep:
         shutil.rmtree(root, ignore_errors=True)
 

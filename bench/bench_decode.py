@@ -57,14 +57,28 @@ def measure(engine: str, model: str, dtype: str, new: int, sketch: int, root: Pa
 
     report = compare_dumps(prefill, decode, token_sink=sink)
     lp = _logprob_split(prefill, decode, lengths)
-    step_rows = [t for t in m.tensors if t.point == "input" and t.layer == 0 and t.row_positions() is not None
-                 and int(t.row_positions().min()) >= min(lengths)]
+    step_rows = [
+        t
+        for t in m.tensors
+        if t.point == "input"
+        and t.layer == 0
+        and t.row_positions() is not None
+        and int(t.row_positions().min()) >= min(lengths)
+    ]
     hidden = int(m.model.get("hidden_size") or 0)
     width = 4 if dtype == "float32" else 2
-    return {"engine": engine, "dtype": dtype, "passed": report.passed, "steps": report.decode.steps,
-            "decode_rel": tokens["decode"], "prompt_rel": tokens["prompt"], **lp,
-            "bytes_step_layer": hidden * width, "bytes_step_layer_sketch": sketch * 4 + 8,
-            "records": len(step_rows)}
+    return {
+        "engine": engine,
+        "dtype": dtype,
+        "passed": report.passed,
+        "steps": report.decode.steps,
+        "decode_rel": tokens["decode"],
+        "prompt_rel": tokens["prompt"],
+        **lp,
+        "bytes_step_layer": hidden * width,
+        "bytes_step_layer_sketch": sketch * 4 + 8,
+        "records": len(step_rows),
+    }
 
 
 def _logprob_split(prefill: Path, decode: Path, lengths: list[int]) -> dict:
@@ -109,12 +123,16 @@ def main() -> None:
         if not args.dir:
             shutil.rmtree(root, ignore_errors=True)
     print(f"\n{args.engine} decode of {args.new_tokens} tokens vs the HF prefill of the same tokens ({model})")
-    print(f"{'dtype':9} {'pass':>5} {'steps':>6} {'decode rel_diff':>16} {'prompt rel_diff':>16} "
-          f"{'decode |dlp|':>13} {'prompt |dlp|':>13} {'B/step/layer':>13} {'sketch B':>9}")
+    print(
+        f"{'dtype':9} {'pass':>5} {'steps':>6} {'decode rel_diff':>16} {'prompt rel_diff':>16} "
+        f"{'decode |dlp|':>13} {'prompt |dlp|':>13} {'B/step/layer':>13} {'sketch B':>9}"
+    )
     for r in rows:
-        print(f"{r['dtype']:9} {str(r['passed']):>5} {r['steps']:6d} {r['decode_rel']:16.3e} {r['prompt_rel']:16.3e} "
-              f"{r['decode_lp']:13.3e} {r['prompt_lp']:13.3e} {r['bytes_step_layer']:13d} "
-              f"{r['bytes_step_layer_sketch']:9d}")
+        print(
+            f"{r['dtype']:9} {str(r['passed']):>5} {r['steps']:6d} {r['decode_rel']:16.3e} {r['prompt_rel']:16.3e} "
+            f"{r['decode_lp']:13.3e} {r['prompt_lp']:13.3e} {r['bytes_step_layer']:13d} "
+            f"{r['bytes_step_layer_sketch']:9d}"
+        )
     print(json.dumps(rows))
 
 

@@ -29,9 +29,15 @@ import dumper
 
 def build(hidden: int, layers: int, vocab: int) -> torch.nn.Module:
     config = AutoConfig.for_model(
-        "llama", vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
-        num_hidden_layers=layers, num_attention_heads=hidden // 64, num_key_value_heads=hidden // 128,
-        max_position_embeddings=8192)
+        "llama",
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=hidden * 11 // 4,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 64,
+        num_key_value_heads=hidden // 128,
+        max_position_embeddings=8192,
+    )
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
 
@@ -92,18 +98,26 @@ def main() -> None:
             shutil.rmtree(out)
     mib = len(points) * args.layers * args.tokens * args.hidden * 4 / 2**20
     med = statistics.median
-    print(f"model: llama hidden={args.hidden} layers={args.layers} tokens={args.tokens} float32; points {args.points}: capture {mib:.0f} MiB/pass")
+    print(
+        f"model: llama hidden={args.hidden} layers={args.layers} tokens={args.tokens} float32; points {args.points}: capture {mib:.0f} MiB/pass"
+    )
     print(f"plain    forward: median {med(plain):.3f}s  runs {[round(x, 3) for x in plain]}")
     print(f"captured forward: median {med(captured):.3f}s  runs {[round(x, 3) for x in captured]}")
     print(f"  then closing the capture (drain the writer, fsync, manifest): median {med(closing):.3f}s")
     hook_s = sum(in_hooks) / (args.reps + 3 * max(1, args.reps // 3))
-    print(f"time inside the hooks (snapshot + enqueue): {hook_s * 1e3:.1f} ms a pass = "
-          f"{hook_s / med(plain):.2%} of a plain forward")
+    print(
+        f"time inside the hooks (snapshot + enqueue): {hook_s * 1e3:.1f} ms a pass = "
+        f"{hook_s / med(plain):.2%} of a plain forward"
+    )
     print(f"fastest runs: captured / plain {min(captured) / min(plain):.3f}x")
-    print(f"forward overhead (captured / plain): {med(captured) / med(plain):.3f}x; "
-          f"including the final drain: {(med(captured) + med(closing)) / med(plain):.3f}x")
-    print(f"3 passes in one capture (writes overlap later forwards): plain {med(multi_plain):.3f}s, "
-          f"captured incl. close {med(multi_captured):.3f}s = {med(multi_captured) / med(multi_plain):.3f}x")
+    print(
+        f"forward overhead (captured / plain): {med(captured) / med(plain):.3f}x; "
+        f"including the final drain: {(med(captured) + med(closing)) / med(plain):.3f}x"
+    )
+    print(
+        f"3 passes in one capture (writes overlap later forwards): plain {med(multi_plain):.3f}s, "
+        f"captured incl. close {med(multi_captured):.3f}s = {med(multi_captured) / med(multi_plain):.3f}x"
+    )
     if args.dir is None:
         shutil.rmtree(root, ignore_errors=True)
 

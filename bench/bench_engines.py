@@ -36,16 +36,31 @@ def modes(work: Path, ckpt: Path) -> dict[str, tuple[str, list[str], str]]:
     return {
         "vllm fp32": ("vllm", ["--model", str(ckpt)], ""),
         "vllm bf16": ("vllm", ["--model", str(ckpt), "--dtype", "bfloat16"], ""),
-        "llama.cpp f32, f32 KV": ("llama.cpp", ["--model", str(work / "f32.gguf"), "--engine-arg", f"hf_dir={ckpt}"],
-                                  "gguf:f32"),
-        "llama.cpp f32, f16 KV": ("llama.cpp", ["--model", str(work / "f32.gguf"), "--engine-arg", f"hf_dir={ckpt}",
-                                                "--engine-arg", "kv=f16"], "gguf:f32"),
-        "llama.cpp q8_0": ("llama.cpp", ["--model", str(work / "q8_0.gguf"), "--engine-arg", f"hf_dir={ckpt}"],
-                           "gguf:q8_0"),
-        "onnxruntime-genai fp32": ("onnxruntime-genai", ["--model", str(work / "ort-fp32"), "--engine-arg",
-                                                         f"hf_dir={ckpt}"], "onnx:fp32"),
-        "onnxruntime-genai int8": ("onnxruntime-genai", ["--model", str(work / "ort-int8"), "--engine-arg",
-                                                         f"hf_dir={ckpt}"], "onnx:int8"),
+        "llama.cpp f32, f32 KV": (
+            "llama.cpp",
+            ["--model", str(work / "f32.gguf"), "--engine-arg", f"hf_dir={ckpt}"],
+            "gguf:f32",
+        ),
+        "llama.cpp f32, f16 KV": (
+            "llama.cpp",
+            ["--model", str(work / "f32.gguf"), "--engine-arg", f"hf_dir={ckpt}", "--engine-arg", "kv=f16"],
+            "gguf:f32",
+        ),
+        "llama.cpp q8_0": (
+            "llama.cpp",
+            ["--model", str(work / "q8_0.gguf"), "--engine-arg", f"hf_dir={ckpt}"],
+            "gguf:q8_0",
+        ),
+        "onnxruntime-genai fp32": (
+            "onnxruntime-genai",
+            ["--model", str(work / "ort-fp32"), "--engine-arg", f"hf_dir={ckpt}"],
+            "onnx:fp32",
+        ),
+        "onnxruntime-genai int8": (
+            "onnxruntime-genai",
+            ["--model", str(work / "ort-int8"), "--engine-arg", f"hf_dir={ckpt}"],
+            "onnx:int8",
+        ),
     }
 
 
@@ -54,15 +69,36 @@ def prepare(what: str, work: Path, ckpt: Path) -> None:
     if kind == "gguf" and not (work / f"{arg}.gguf").exists():
         to_gguf(ckpt, work / f"{arg}.gguf", arg)
     elif kind == "onnx" and not (work / f"ort-{arg}").exists():
-        subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(ckpt), "-o",
-                        str(work / f"ort-{arg}"), "-p", arg, "-e", "cpu", "-c", str(work / "ort-cache")],
-                       check=True, capture_output=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "onnxruntime_genai.models.builder",
+                "-i",
+                str(ckpt),
+                "-o",
+                str(work / f"ort-{arg}"),
+                "-p",
+                arg,
+                "-e",
+                "cpu",
+                "-c",
+                str(work / "ort-cache"),
+            ],
+            check=True,
+            capture_output=True,
+            env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        )
 
 
 def dump(args: list[str], out: Path) -> float:
     start = time.perf_counter()
-    r = subprocess.run([sys.executable, "-m", "dumper", "run", *args, *JOB, "--out", str(out)], capture_output=True,
-                       text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    r = subprocess.run(
+        [sys.executable, "-m", "dumper", "run", *args, *JOB, "--out", str(out)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     if r.returncode != 0:
         raise SystemExit(f"dump failed: {' '.join(args)}\n{r.stderr[-2000:]}")
     return time.perf_counter() - start
@@ -70,16 +106,22 @@ def dump(args: list[str], out: Path) -> float:
 
 def judge(ref: Path, target: Path) -> dict:
     report = target.with_suffix(".json")
-    subprocess.run([sys.executable, "-m", "comparator", str(ref), str(target), "--json", str(report), "--quiet"],
-                   capture_output=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    subprocess.run(
+        [sys.executable, "-m", "comparator", str(ref), str(target), "--json", str(report), "--quiet"],
+        capture_output=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     d = json.loads(report.read_text())
     layers: dict[int, list[float]] = {}
     for t in d["tensors"]:
         layers.setdefault(t["layer"], []).append(t["rel_diff"])
-    return {"layers": {k: (min(v), max(v)) for k, v in sorted(layers.items())},
-            "token_max": max(t["max_token_rel_diff"] for t in d["tensors"]),
-            "max_dlogprob": ((d.get("logprobs") or {}).get("max_abs_err") or {}).get("value"), "passed": d["passed"],
-            "first": d.get("first_divergent")}
+    return {
+        "layers": {k: (min(v), max(v)) for k, v in sorted(layers.items())},
+        "token_max": max(t["max_token_rel_diff"] for t in d["tensors"]),
+        "max_dlogprob": ((d.get("logprobs") or {}).get("max_abs_err") or {}).get("value"),
+        "passed": d["passed"],
+        "first": d.get("first_divergent"),
+    }
 
 
 def main() -> None:
@@ -95,8 +137,10 @@ def main() -> None:
     wanted = set(a.engines.split(","))
     base = dump(["--model", str(ckpt)], work / "hf")
     print(f"checkpoint {ckpt} (std {a.init}); HF fp32 dump {base:.1f} s (baseline)")
-    print(f"{'mode':26} {'dump s':>7} {'x HF':>5}  {'rel_diff per layer (min..max)':58} {'token max':>9} "
-          f"{'max|dlp|':>9}  verdict")
+    print(
+        f"{'mode':26} {'dump s':>7} {'x HF':>5}  {'rel_diff per layer (min..max)':58} {'token max':>9} "
+        f"{'max|dlp|':>9}  verdict"
+    )
     for name, (engine, args, what) in modes(work, ckpt).items():
         if engine not in wanted:
             continue
@@ -111,8 +155,10 @@ def main() -> None:
         span = " ".join(f"{lo:.1e}..{hi:.1e}" for lo, hi in r["layers"].values())
         verdict = "PASS" if r["passed"] else f"DIVERGED at layer {(r['first'] or {}).get('layer')}"
         dlp = r["max_dlogprob"]
-        print(f"{name:26} {secs:7.1f} {secs / base:5.2f}  {span:58} {r['token_max']:9.1e} "
-              f"{dlp if dlp is None else format(dlp, '9.1e')}  {verdict}")
+        print(
+            f"{name:26} {secs:7.1f} {secs / base:5.2f}  {span:58} {r['token_max']:9.1e} "
+            f"{dlp if dlp is None else format(dlp, '9.1e')}  {verdict}"
+        )
 
 
 if __name__ == "__main__":

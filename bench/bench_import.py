@@ -20,11 +20,13 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PROBE = ("import contextlib, io, runpy, sys; sys.argv = ['comparator', '--help']\n"
-         "with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
-         "    runpy.run_module('comparator', run_name='__main__')\n"
-         "mods = [m for m in sys.modules if m.split('.')[0] in ('comparator', 'dumper')]\n"
-         "print(len(mods), 'torch' in sys.modules)")
+PROBE = (
+    "import contextlib, io, runpy, sys; sys.argv = ['comparator', '--help']\n"
+    "with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
+    "    runpy.run_module('comparator', run_name='__main__')\n"
+    "mods = [m for m in sys.modules if m.split('.')[0] in ('comparator', 'dumper')]\n"
+    "print(len(mods), 'torch' in sys.modules)"
+)
 """Runs ``python -m comparator --help`` in-process, then counts what it loaded."""
 
 
@@ -34,8 +36,9 @@ def _env(tree: Path) -> dict[str, str]:
 
 def _wall(tree: Path) -> float:
     start = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "comparator", "--help"], env=_env(tree), cwd="/", check=True,
-                   stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [sys.executable, "-m", "comparator", "--help"], env=_env(tree), cwd="/", check=True, stdout=subprocess.DEVNULL
+    )
     return time.perf_counter() - start
 
 
@@ -50,10 +53,13 @@ def main() -> None:
         for name, tree in trees.items():
             times[name].append(_wall(tree))
     for name, tree in trees.items():
-        probe = subprocess.run([sys.executable, "-c", PROBE], env=_env(tree), cwd="/", check=True,
-                               capture_output=True, text=True).stdout.split()
-        print(f"{name:10s} best {min(times[name]):.3f} s  median {statistics.median(times[name]):.3f} s  "
-              f"driftscope modules {probe[0]}  torch imported: {probe[1]}   ({tree})")
+        probe = subprocess.run(
+            [sys.executable, "-c", PROBE], env=_env(tree), cwd="/", check=True, capture_output=True, text=True
+        ).stdout.split()
+        print(
+            f"{name:10s} best {min(times[name]):.3f} s  median {statistics.median(times[name]):.3f} s  "
+            f"driftscope modules {probe[0]}  torch imported: {probe[1]}   ({tree})"
+        )
     base, this = (statistics.median(times[n]) for n in trees)
     print(f"ratio this/baseline (median): {this / base:.2f}x")
 

@@ -136,8 +136,9 @@ def make_blocks(dtype: str, rows: int, cols: int, total_gb: float, scale: float 
     return xs, ys, n_blocks * pair_bytes / 1e9
 
 
-def contenders(xs: list, ys: list, dtype: str, threads: int,
-               baseline: types.ModuleType | None) -> dict[str, Callable[[], object]]:
+def contenders(
+    xs: list, ys: list, dtype: str, threads: int, baseline: types.ModuleType | None
+) -> dict[str, Callable[[], object]]:
     """The timed functions for one dtype and thread count (current, and baseline if given)."""
     pairs = list(zip(xs, ys, strict=True))
     fns: dict[str, Callable[[], object]] = {
@@ -167,8 +168,10 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
 
     baseline = load_baseline(args.baseline) if args.baseline else None
-    print(f"extension={'yes' if kernels.HAVE_EXTENSION else 'NO (numpy fallback)'}"
-          f"{f', baseline={args.baseline}' if baseline else ''}")
+    print(
+        f"extension={'yes' if kernels.HAVE_EXTENSION else 'NO (numpy fallback)'}"
+        f"{f', baseline={args.baseline}' if baseline else ''}"
+    )
     print(f"{'dtype':<5} {'impl':<17} {'threads':>7} {'time s':>8} {'GB/s':>7} {'vs base':>8} {'vs torch':>8}")
     for dtype in args.dtypes:
         xs, ys, gb = make_blocks(dtype, args.rows, args.cols, args.total_gb, args.f64_scale)

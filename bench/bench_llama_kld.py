@@ -46,9 +46,20 @@ def compare_only(base: str, target: str) -> None:
         t = time.perf_counter()
         v = compare_logprob_sources(base, target)
         seconds = time.perf_counter() - t
-    print(json.dumps({"seconds": seconds, "anon_before": before_anon, "anon_peak": mem.peak,
-                      "hwm_before": before_hwm, "hwm_after": _status("VmHWM"), "positions": v.compared_positions,
-                      "kl_mean": v.kl_mean, "same_top": v.llama.same_top_rate if v.llama else None}))
+    print(
+        json.dumps(
+            {
+                "seconds": seconds,
+                "anon_before": before_anon,
+                "anon_peak": mem.peak,
+                "hwm_before": before_hwm,
+                "hwm_after": _status("VmHWM"),
+                "positions": v.compared_positions,
+                "kl_mean": v.kl_mean,
+                "same_top": v.llama.same_top_rate if v.llama else None,
+            }
+        )
+    )
 
 
 def _blocks(rows: int, vocab: int, seed: int, noise: float, block: int = 256) -> Iterator:
@@ -109,16 +120,22 @@ def main() -> None:
         runs = [json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout) for _ in range(3)]
         r = min(runs, key=lambda x: x["seconds"])
         rows = args.chunks * (args.n_ctx - 1 - args.n_ctx // 2)
-        mib = 2 ** 20
-        print(f"two base files: {rows} rows x {args.vocab} vocab each, {size / 2 ** 30:.2f} GiB together "
-              f"(written in {write_s:.1f}s)")
-        print(f"cat (warm page cache): {cat_s:.2f}s, {size / cat_s / 2 ** 30:.2f} GiB/s")
-        print(f"compare_logprob_sources: {r['seconds']:.2f}s, {size / r['seconds'] / 2 ** 30:.2f} GiB/s, "
-              f"{2 * rows / r['seconds']:.0f} rows/s; {r['seconds'] / cat_s:.1f}x cat")
-        print(f"  peak anonymous RSS {r['anon_peak'] / mib:.0f} MiB ({(r['anon_peak'] - r['anon_before']) / mib:.0f} "
-              f"MiB over the {r['anon_before'] / mib:.0f} MiB after imports); peak RSS (VmHWM) "
-              f"{r['hwm_after'] / mib:.0f} MiB ({(r['hwm_after'] - r['hwm_before']) / mib:.0f} MiB over imports) "
-              f"against {size / mib:.0f} MiB of files ({(r['hwm_after'] - r['hwm_before']) / size:.1%})")
+        mib = 2**20
+        print(
+            f"two base files: {rows} rows x {args.vocab} vocab each, {size / 2**30:.2f} GiB together "
+            f"(written in {write_s:.1f}s)"
+        )
+        print(f"cat (warm page cache): {cat_s:.2f}s, {size / cat_s / 2**30:.2f} GiB/s")
+        print(
+            f"compare_logprob_sources: {r['seconds']:.2f}s, {size / r['seconds'] / 2**30:.2f} GiB/s, "
+            f"{2 * rows / r['seconds']:.0f} rows/s; {r['seconds'] / cat_s:.1f}x cat"
+        )
+        print(
+            f"  peak anonymous RSS {r['anon_peak'] / mib:.0f} MiB ({(r['anon_peak'] - r['anon_before']) / mib:.0f} "
+            f"MiB over the {r['anon_before'] / mib:.0f} MiB after imports); peak RSS (VmHWM) "
+            f"{r['hwm_after'] / mib:.0f} MiB ({(r['hwm_after'] - r['hwm_before']) / mib:.0f} MiB over imports) "
+            f"against {size / mib:.0f} MiB of files ({(r['hwm_after'] - r['hwm_before']) / size:.1%})"
+        )
         print(f"  verdict: {r['positions']} positions, KL mean {r['kl_mean']:.4g}, same top {r['same_top']:.4f}")
     finally:
         if not args.keep:

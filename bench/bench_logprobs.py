@@ -51,8 +51,10 @@ def main() -> None:
         del logits, out
     bound = 3 * chunk_bytes
     print(f"chunked: {args.rows} x {args.vocab} float32 logits in chunks of {args.chunk_rows} rows, top-{args.top_k}")
-    print(f"  compute time {compute_s:.2f}s ({args.rows / compute_s:.0f} rows/s); peak extra anonymous memory "
-          f"{extra_peak / 2**30:.2f} GiB (bound chunk x V x 4 B x 3 = {bound / 2**30:.2f} GiB)")
+    print(
+        f"  compute time {compute_s:.2f}s ({args.rows / compute_s:.0f} rows/s); peak extra anonymous memory "
+        f"{extra_peak / 2**30:.2f} GiB (bound chunk x V x 4 B x 3 = {bound / 2**30:.2f} GiB)"
+    )
     # naive: a full log_softmax over every row, measured on fewer rows and extrapolated
     gen = torch.Generator().manual_seed(1)
     logits = 4 * torch.randn(args.naive_rows, args.vocab, generator=gen)
@@ -66,9 +68,11 @@ def main() -> None:
         naive_s = time.perf_counter() - t
     del full, lp, top
     scale = args.rows / args.naive_rows
-    print(f"naive full log_softmax on {args.naive_rows} rows: {naive_s:.2f}s, peak extra "
-          f"{(mem.peak - base) / 2**30:.2f} GiB; extrapolated to {args.rows} rows: {naive_s * scale:.1f}s, "
-          f"{(mem.peak - base) * scale / 2**30:.1f} GiB")
+    print(
+        f"naive full log_softmax on {args.naive_rows} rows: {naive_s:.2f}s, peak extra "
+        f"{(mem.peak - base) / 2**30:.2f} GiB; extrapolated to {args.rows} rows: {naive_s * scale:.1f}s, "
+        f"{(mem.peak - base) * scale / 2**30:.1f} GiB"
+    )
     print(f"chunked / naive time (same rows): {compute_s / (naive_s * scale):.2f}x")
 
 

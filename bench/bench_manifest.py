@@ -33,14 +33,35 @@ def build(d: Path, n: int) -> None:
     """A dump of ``n`` [2, 4] float32 tensors in one data file, with a dumper-shaped manifest."""
     d.mkdir(parents=True, exist_ok=True)
     save_file({f"t{i}": np.full((2, 4), i, dtype=np.float32) for i in range(n)}, str(d / DATA))
-    recs = [{"name": f"model.layers.{i % 32}.self_attn.input", "file": DATA, "key": f"t{i}", "shape": [2, 4],
-             "dtype": "F32", "forward_pass": i // 32, "rank": 0, "call": 0, "layer": i % 32, "point": "input",
-             "positions": [[0, 2]], "sequence_ids": [[i // 32, 2]], "shard_dim": None, "meta": {}}
-            for i in range(n)]
-    m = {"format_version": 1, "created_at": "2026-12-01T00:00:00+00:00",
-         "model": {"name": "bench", "config_hash": None, "weights_hash": None},
-         "capture_signature": {}, "environment": {}, "files": {DATA: (d / DATA).stat().st_size}, "extra": {},
-         "tensors": recs}
+    recs = [
+        {
+            "name": f"model.layers.{i % 32}.self_attn.input",
+            "file": DATA,
+            "key": f"t{i}",
+            "shape": [2, 4],
+            "dtype": "F32",
+            "forward_pass": i // 32,
+            "rank": 0,
+            "call": 0,
+            "layer": i % 32,
+            "point": "input",
+            "positions": [[0, 2]],
+            "sequence_ids": [[i // 32, 2]],
+            "shard_dim": None,
+            "meta": {},
+        }
+        for i in range(n)
+    ]
+    m = {
+        "format_version": 1,
+        "created_at": "2026-12-01T00:00:00+00:00",
+        "model": {"name": "bench", "config_hash": None, "weights_hash": None},
+        "capture_signature": {},
+        "environment": {},
+        "files": {DATA: (d / DATA).stat().st_size},
+        "extra": {},
+        "tensors": recs,
+    }
     (d / MANIFEST_NAME).write_text(json.dumps(m, indent=1))
 
 
@@ -83,8 +104,10 @@ def main() -> None:
     print(f"{args.records} records, manifest {path.stat().st_size / 2**20:.1f} MiB, best of {args.repeat}")
     for k in best:
         print(f"  {k:14s} {best[k]:7.3f} s   traced peak {peaks[k] / 2**20:6.0f} MiB")
-    print(f"  load_manifest / json.loads: time {best['load_manifest'] / best['json.loads']:.2f}x, "
-          f"peak {peaks['load_manifest'] / peaks['json.loads']:.2f}x")
+    print(
+        f"  load_manifest / json.loads: time {best['load_manifest'] / best['json.loads']:.2f}x, "
+        f"peak {peaks['load_manifest'] / peaks['json.loads']:.2f}x"
+    )
 
 
 if __name__ == "__main__":

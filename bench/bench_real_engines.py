@@ -64,10 +64,17 @@ def _worker(spec: dict) -> None:
 
     try:
         ckpt = Path(spec["model"])
-        cfg = RunConfig(out=spec["out"], model=str(ckpt), input_ids=tuple(map(tuple, spec["ids"])), layers="all",
-                        points=tuple(POINTS.split(",")), dtype="bfloat16", engine="vllm",
-                        chunk_size=spec.get("chunk_size"), engine_args=tuple(
-                            (k, str(spec[k])) for k in ("max_num_seqs", "enforce_eager") if k in spec))
+        cfg = RunConfig(
+            out=spec["out"],
+            model=str(ckpt),
+            input_ids=tuple(map(tuple, spec["ids"])),
+            layers="all",
+            points=tuple(POINTS.split(",")),
+            dtype="bfloat16",
+            engine="vllm",
+            chunk_size=spec.get("chunk_size"),
+            engine_args=tuple((k, str(spec[k])) for k in ("max_num_seqs", "enforce_eager") if k in spec),
+        )
         identity = hf_identity(ckpt, cfg.model)
         seqs = job_sequences(cfg, ckpt, int(identity.get("vocab_size") or 0))
         kw = engine_kwargs(cfg, ckpt, seqs)
@@ -82,8 +89,10 @@ def _worker(spec: dict) -> None:
         release_llm()
     except Exception as e:  # noqa: BLE001 - reported as one line by the parent
         line = (str(e) or type(e).__name__).strip().splitlines()[0]
-        print(MARK + json.dumps({"error": f"{type(e).__name__}: {line}", "trace": traceback.format_exc()[-2000:]}),
-              flush=True)
+        print(
+            MARK + json.dumps({"error": f"{type(e).__name__}: {line}", "trace": traceback.format_exc()[-2000:]}),
+            flush=True,
+        )
 
 
 def vllm_job(out: Path, name: str, model: Path, ids: list, **spec: object) -> dict:
@@ -93,21 +102,29 @@ def vllm_job(out: Path, name: str, model: Path, ids: list, **spec: object) -> di
         return {"reused": True}
     env = dict(os.environ)
     if "seed" in spec:
-        env.update(PYTHONPATH=os.pathsep.join(filter(None, (str(ROOT), str(SEED_DIR), env.get("PYTHONPATH")))),
-                   DRIFTSCOPE_TEST_SEED=json.dumps(spec["seed"]))
+        env.update(
+            PYTHONPATH=os.pathsep.join(filter(None, (str(ROOT), str(SEED_DIR), env.get("PYTHONPATH")))),
+            DRIFTSCOPE_TEST_SEED=json.dumps(spec["seed"]),
+        )
     job = json.dumps({"out": str(out / name), "model": str(model), "ids": ids, **spec})
     t = time.perf_counter()
-    r = subprocess.run([sys.executable, __file__, "--vllm-job", job], env=env, capture_output=True, text=True,
-                       check=False)
+    r = subprocess.run(
+        [sys.executable, __file__, "--vllm-job", job], env=env, capture_output=True, text=True, check=False
+    )
     wall = time.perf_counter() - t
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith(MARK)]
-    res = json.loads(lines[-1][len(MARK):]) if lines else {
-        "error": f"exit {r.returncode}: {(r.stderr.strip().splitlines() or ['no output'])[-1]}"}
+    res = (
+        json.loads(lines[-1][len(MARK) :])
+        if lines
+        else {"error": f"exit {r.returncode}: {(r.stderr.strip().splitlines() or ['no output'])[-1]}"}
+    )
     if "error" in res:
         print(f"vllm {name:14} FAILED after {wall:.1f}s: {res['error']}")
     else:
-        print(f"vllm {name:14} engine start {res['start']:6.1f}s  capture {res['dump']:5.1f}s  "
-              f"process {wall:6.1f}s (rc {r.returncode})")
+        print(
+            f"vllm {name:14} engine start {res['start']:6.1f}s  capture {res['dump']:5.1f}s  "
+            f"process {wall:6.1f}s (rc {r.returncode})"
+        )
     return {**res, "wall": wall}
 
 
@@ -154,14 +171,17 @@ def calibrated(out: Path, model: Path, ids: list, hidden: int) -> None:
         return print("vLLM cannot run the real model: part 1 skipped")
     ok = [out / n for n in CALIBRATION if "error" not in results[n]]
     (out / "N").mkdir(exist_ok=True)
-    rc, text, took = cli("comparator", "calibrate", str(out / "base"), *map(str, ok),
-                         "--out", str(out / "N" / "NOISE.json"), "--quiet")
+    rc, text, took = cli(
+        "comparator", "calibrate", str(out / "base"), *map(str, ok), "--out", str(out / "N" / "NOISE.json"), "--quiet"
+    )
     print(f"calibrate ({len(ok)} variants): exit {rc}, {took:.1f}s" + (f": {text}" if rc else ""))
     if rc:
         return
     tensors = json.loads((out / "N" / "NOISE.json").read_text())["tensors"]
-    print("  largest per-token rel_diff vs base: " + ", ".join(
-        f"{p.name} {max(t['by_variant'][i] for t in tensors):.2e}" for i, p in enumerate(ok)))
+    print(
+        "  largest per-token rel_diff vs base: "
+        + ", ".join(f"{p.name} {max(t['by_variant'][i] for t in tensors):.2e}" for i, p in enumerate(ok))
+    )
     noise = load_noise(out / "N" / "NOISE.json")
     rules = {"row noise": noise, "pooled noise": dataclasses.replace(noise, rows=None)}
     for name, spec in BENIGN.items():
@@ -176,8 +196,10 @@ def calibrated(out: Path, model: Path, ids: list, hidden: int) -> None:
         seed = {"layer": layer, "token": token, "add": round(add, 6), "where": kind}
         share = ", ".join(f"seq {s}: {add * math.sqrt(hidden) / v:.1%}" for s, v in sorted(norms.items()))
         name = f"bug-{kind}-L{layer}"
-        print(f"{name}: add {seed['add']} per element = fraction of the row norm at {point} token {token}: "
-              f"{share if kind == 'attn' else share.split(',')[0]}")
+        print(
+            f"{name}: add {seed['add']} per element = fraction of the row norm at {point} token {token}: "
+            f"{share if kind == 'attn' else share.split(',')[0]}"
+        )
         if "error" in vllm_job(out, name, model, ids, seed=seed):
             continue
         for rule, n in rules.items():
@@ -186,8 +208,10 @@ def calibrated(out: Path, model: Path, ids: list, hidden: int) -> None:
             named = fd is not None and (fd.layer, fd.point, fd.token) == (layer, point, token)
             hit = [t for t in report.tensors if t.layer == layer and t.point == point and t.token_noise_ratio]
             ratio = max((t.token_noise_ratio for t in hit), default=math.nan)
-            print(f"  by {rule:12}: {'NAMED' if named else 'MISSED' if fd is None else 'OTHER'} "
-                  f"(first divergence: {where(fd)}); its tensor's token_noise_ratio {ratio:.1f}")
+            print(
+                f"  by {rule:12}: {'NAMED' if named else 'MISSED' if fd is None else 'OTHER'} "
+                f"(first divergence: {where(fd)}); its tensor's token_noise_ratio {ratio:.1f}"
+            )
 
 
 def main() -> None:
@@ -211,15 +235,26 @@ def main() -> None:
     calibrated(out, model, ids, hidden)
 
     print("\n== 2. against HF float32, fixed thresholds")
-    dumps = {"hf-fp32": ("dumper", "run", "--model", str(model), "--dtype", "float32"),
-             "llama-cpp": ("dumper", "run", "--engine", "llama.cpp", "--model", str(gguf),
-                           "--engine-arg", f"hf_dir={model}")}
+    dumps = {
+        "hf-fp32": ("dumper", "run", "--model", str(model), "--dtype", "float32"),
+        "llama-cpp": (
+            "dumper",
+            "run",
+            "--engine",
+            "llama.cpp",
+            "--model",
+            str(gguf),
+            "--engine-arg",
+            f"hf_dir={model}",
+        ),
+    }
     for name, cmd in dumps.items():
         if (out / name / "manifest.json").is_file():
             print(f"{name:14} reused {out / name}")
             continue
-        rc, text, took = cli(*cmd, "--prompts", str(prompts), "--layers", "all", "--points", POINTS, "--quiet",
-                             "--out", str(out / name))
+        rc, text, took = cli(
+            *cmd, "--prompts", str(prompts), "--layers", "all", "--points", POINTS, "--quiet", "--out", str(out / name)
+        )
         print(f"{name:14} dump {took:.1f}s" + (f" FAILED (exit {rc}): {text.splitlines()[-1]}" if rc else ""))
     for name in ("base", "llama-cpp"):
         if not (out / name / "manifest.json").is_file() or not (out / "hf-fp32" / "manifest.json").is_file():

@@ -46,26 +46,38 @@ def compare_child(base: str, target: str, copy: bool = False) -> None:
 
     with AnonPeak() as mem:
         t = time.perf_counter()
-        with (fetched(base) if copy else contextlib.nullcontext(base)) as b, \
-                (fetched(target) if copy else contextlib.nullcontext(target)) as g:
+        with (
+            fetched(base) if copy else contextlib.nullcontext(base) as b,
+            fetched(target) if copy else contextlib.nullcontext(target) as g,
+        ):
             report = compare_dumps(b, g)
         elapsed = time.perf_counter() - t
     print(json.dumps({"seconds": elapsed, "peak_anon_mib": mem.peak / 2**20, "passed": report.passed}))
 
 
 def _child(base: str, target: str, env: dict[str, str], copy: bool = False) -> dict:
-    code = (f"import sys; sys.path.insert(0, {str(ROOT / 'bench')!r}); import bench_remote; "
-            f"bench_remote.compare_child({base!r}, {target!r}, {copy!r})")
-    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env, "PYTHONPATH": str(ROOT)},
-                         capture_output=True, text=True, check=True)
+    code = (
+        f"import sys; sys.path.insert(0, {str(ROOT / 'bench')!r}); import bench_remote; "
+        f"bench_remote.compare_child({base!r}, {target!r}, {copy!r})"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, **env, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def _dump(out: str, tokens: int, env: dict[str, str]) -> float:
     ids = ",".join(str(3 + i % 250) for i in range(tokens))
     t = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "dumper", "run", "--layers", "all", "--input-ids", ids, "--out", out,
-                    "--quiet"], env={**os.environ, **env, "PYTHONPATH": str(ROOT)}, check=True)
+    subprocess.run(
+        [sys.executable, "-m", "dumper", "run", "--layers", "all", "--input-ids", ids, "--out", out, "--quiet"],
+        env={**os.environ, **env, "PYTHONPATH": str(ROOT)},
+        check=True,
+    )
     return time.perf_counter() - t
 
 
@@ -105,10 +117,14 @@ def main() -> None:
         tl = statistics.median(x["seconds"] for x in runs["local"])
         for what, done in runs.items():
             t = statistics.median(x["seconds"] for x in done)
-            print(f"comparator {what + ':':11} {gb / t:.2f} GB/s ({t:.2f} s), peak anon "
-                  f"{max(x['peak_anon_mib'] for x in done):.0f} MiB; speed {tl / t:.2f}x of local")
+            print(
+                f"comparator {what + ':':11} {gb / t:.2f} GB/s ({t:.2f} s), peak anon "
+                f"{max(x['peak_anon_mib'] for x in done):.0f} MiB; speed {tl / t:.2f}x of local"
+            )
         cl, cs = statistics.median(cap_local), statistics.median(cap_s3)
-        print(f"capture --out DIR {cl:.2f} s, --out s3:// {cs:.2f} s: {cs / cl:.2f}x ({args.tokens} tokens, tiny-llama)")
+        print(
+            f"capture --out DIR {cl:.2f} s, --out s3:// {cs:.2f} s: {cs / cl:.2f}x ({args.tokens} tokens, tiny-llama)"
+        )
 
 
 if __name__ == "__main__":

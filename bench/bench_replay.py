@@ -72,8 +72,10 @@ def main() -> None:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     d, r = statistics.median(dump_s), statistics.median(replay_s)
-    print(f"{args.tokens} tokens, hidden {args.hidden}, {args.layers} layers, {torch.get_num_threads()} threads: "
-          f"captured forward {d:.2f} s, replay {r:.2f} s ({r / d:.2f}x); max |replay - baseline| {worst:g}")
+    print(
+        f"{args.tokens} tokens, hidden {args.hidden}, {args.layers} layers, {torch.get_num_threads()} threads: "
+        f"captured forward {d:.2f} s, replay {r:.2f} s ({r / d:.2f}x); max |replay - baseline| {worst:g}"
+    )
 
 
 def split(model: torch.nn.Module, ids: torch.Tensor, args: argparse.Namespace) -> None:
@@ -104,18 +106,21 @@ def split(model: torch.nn.Module, ids: torch.Tensor, args: argparse.Namespace) -
         shutil.rmtree(root, ignore_errors=True)
     fwd = statistics.median(plain)
     worst = max(h.rel_diff for h in halves)
-    print(f"{args.tokens} tokens, hidden {args.hidden}, {args.layers} layers, {torch.get_num_threads()} threads: "
-          f"plain forward {fwd:.2f} s; split replay, all layers: attention {statistics.median(spent['attention']):.2f} s "
-          f"({statistics.median(spent['attention']) / fwd:.2f}x a forward), MLP {statistics.median(spent['MLP']):.2f} s "
-          f"({statistics.median(spent['MLP']) / fwd:.2f}x); largest half rel_diff {worst:g}")
+    print(
+        f"{args.tokens} tokens, hidden {args.hidden}, {args.layers} layers, {torch.get_num_threads()} threads: "
+        f"plain forward {fwd:.2f} s; split replay, all layers: attention {statistics.median(spent['attention']):.2f} s "
+        f"({statistics.median(spent['attention']) / fwd:.2f}x a forward), MLP {statistics.median(spent['MLP']):.2f} s "
+        f"({statistics.median(spent['MLP']) / fwd:.2f}x); largest half rel_diff {worst:g}"
+    )
 
 
 def _timer(module: torch.nn.Module, per: dict[str, float], key: str) -> _Handles:
     """Add the wall time of ``module``'s forwards to ``per[key]`` (a pre-hook starts the clock, a hook stops it)."""
     start: list[float] = []
     pre = module.register_forward_pre_hook(lambda m, a: start.append(time.perf_counter()))
-    post = module.register_forward_hook(lambda m, a, o: per.__setitem__(key, per[key] + time.perf_counter()
-                                                                        - start.pop()))
+    post = module.register_forward_hook(
+        lambda m, a, o: per.__setitem__(key, per[key] + time.perf_counter() - start.pop())
+    )
     return _Handles(pre, post)
 
 

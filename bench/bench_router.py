@@ -30,8 +30,9 @@ from dumper.format import ROUTER_CHOICE_POINT, ROUTER_POINT, load_manifest  # no
 
 def _bytes(out: Path, points: tuple[str, ...]) -> int:
     m = load_manifest(out)
-    return sum(math.prod(r.shape) * {"F32": 4, "BF16": 2, "F16": 2, "I64": 8}[r.dtype]
-               for r in m.tensors if r.point in points)
+    return sum(
+        math.prod(r.shape) * {"F32": 4, "BF16": 2, "F16": 2, "I64": 8}[r.dtype] for r in m.tensors if r.point in points
+    )
 
 
 def main() -> None:
@@ -48,10 +49,17 @@ def main() -> None:
     from transformers import MixtralConfig, MixtralForCausalLM
 
     torch.manual_seed(0)
-    config = MixtralConfig(vocab_size=1024, hidden_size=args.hidden, intermediate_size=args.hidden,
-                           num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=8,
-                           num_local_experts=args.experts, num_experts_per_tok=args.top_k,
-                           max_position_embeddings=max(4096, args.tokens))
+    config = MixtralConfig(
+        vocab_size=1024,
+        hidden_size=args.hidden,
+        intermediate_size=args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        num_local_experts=args.experts,
+        num_experts_per_tok=args.top_k,
+        max_position_embeddings=max(4096, args.tokens),
+    )
     config._attn_implementation = "sdpa"
     model = MixtralForCausalLM(config).to(getattr(torch, args.dtype)).eval()
     ids = torch.randint(3, 1024, (args.batch, args.tokens), generator=torch.Generator().manual_seed(1))
@@ -80,12 +88,16 @@ def main() -> None:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     rows = args.batch * args.tokens * args.layers
-    print(f"Mixtral hidden {args.hidden}, {args.layers} layers, {args.experts} experts, top-{args.top_k}, "
-          f"{args.dtype}; batch {args.batch} x {args.tokens} tokens; {args.reps} reps, torch threads "
-          f"{torch.get_num_threads()}")
-    print(f"{'bytes per token per layer':<28} input {sizes['input'] / rows:.0f}, router {sizes['router only'] / rows:.0f} "
-          f"(logits {args.experts} x {4 if args.dtype == 'float32' else 2} B, ids {args.top_k} x 8 B, weights "
-          f"{args.top_k} x 4 B), input+router {sizes['input,router'] / rows:.0f}")
+    print(
+        f"Mixtral hidden {args.hidden}, {args.layers} layers, {args.experts} experts, top-{args.top_k}, "
+        f"{args.dtype}; batch {args.batch} x {args.tokens} tokens; {args.reps} reps, torch threads "
+        f"{torch.get_num_threads()}"
+    )
+    print(
+        f"{'bytes per token per layer':<28} input {sizes['input'] / rows:.0f}, router {sizes['router only'] / rows:.0f} "
+        f"(logits {args.experts} x {4 if args.dtype == 'float32' else 2} B, ids {args.top_k} x 8 B, weights "
+        f"{args.top_k} x 4 B), input+router {sizes['input,router'] / rows:.0f}"
+    )
     base = statistics.median(times["plain"])
     for name, ts in times.items():
         med = statistics.median(ts)

@@ -58,23 +58,31 @@ def main() -> None:
     ids = torch.randint(3, 256, (args.batch, args.tokens), generator=torch.Generator().manual_seed(3))
     root = Path(tempfile.mkdtemp(prefix="driftscope-bench-router-noise-"))
     print(f"{args.batch} x {args.tokens} tokens, router weights x {args.router_scale:g}")
-    print(f"{'family':<12} {'variant':<14} {'flips':>7} {'flip rate':>10} {'max |Δscore|':>13} {'max |Δw|':>10} "
-          f"{'margin rule':>12}")
+    print(
+        f"{'family':<12} {'variant':<14} {'flips':>7} {'flip rate':>10} {'max |Δscore|':>13} {'max |Δw|':>10} "
+        f"{'margin rule':>12}"
+    )
     for family in args.families.split(","):
         base = _dump(_model(family, args.router_scale), ids, root / f"{family}-base", False)
-        variants = {"fp32 sdpa": (dict(attn="sdpa"), False), "fp32 1-by-1": ({}, True),
-                    "bf16 eager": (dict(dtype=torch.bfloat16), False)}
+        variants = {
+            "fp32 sdpa": (dict(attn="sdpa"), False),
+            "fp32 1-by-1": ({}, True),
+            "bf16 eager": (dict(dtype=torch.bfloat16), False),
+        }
         for name, (kw, split) in variants.items():
             if family == "gpt_oss" and kw.get("attn") == "sdpa":
                 print(f"{family:<12} {name:<14} {'(transformers has no SDPA for GPT-OSS)':>56}")
                 continue
-            out = _dump(_model(family, args.router_scale, **kw), ids, root / f"{family}-{name.replace(' ', '_')}",
-                        split)
+            out = _dump(
+                _model(family, args.router_scale, **kw), ids, root / f"{family}-{name.replace(' ', '_')}", split
+            )
             r = compare_dumps(base, out).router
             tokens = sum(la.tokens for la in r.layers)
-            print(f"{family:<12} {name:<14} {r.flips:>7} {r.flips / tokens:>10.2%} "
-                  f"{max(la.score_delta_max for la in r.layers):>13.3e} "
-                  f"{max(la.weight_max_err for la in r.layers):>10.3e} {'pass' if r.passed else 'FAIL':>12}")
+            print(
+                f"{family:<12} {name:<14} {r.flips:>7} {r.flips / tokens:>10.2%} "
+                f"{max(la.score_delta_max for la in r.layers):>13.3e} "
+                f"{max(la.weight_max_err for la in r.layers):>10.3e} {'pass' if r.passed else 'FAIL':>12}"
+            )
 
 
 if __name__ == "__main__":

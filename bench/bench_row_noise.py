@@ -33,16 +33,31 @@ from dumper.prefill.run import RunConfig, dump_sequences  # noqa: E402
 from tests.real_model import real_prompt_ids, smollm2_dir  # noqa: E402
 
 POINTS = ("input", "attn_output", "mlp_input", "mlp_output")
-BUGS = {"input": ("layer", 17, 25), "attn_output": ("self_attn", 22, 33),
-        "mlp_input": ("post_attention_layernorm", 12, 28), "mlp_output": ("mlp", 8, 30)}
+BUGS = {
+    "input": ("layer", 17, 25),
+    "attn_output": ("self_attn", 22, 33),
+    "mlp_input": ("post_attention_layernorm", 12, 28),
+    "mlp_output": ("mlp", 8, 30),
+}
 """Point -> (module of the layer whose output the bug changes, layer, token)."""
 FRACTIONS = (0.0025, 0.005, 0.01, 0.02, 0.05, 0.1)
-CALIBRATION = {"sdpa": {"attn": "sdpa"}, "chunk-16": {"chunk_size": 16}, "batch-3": {"batch_size": 3},
-               "sdpa-chunk-7": {"attn": "sdpa", "chunk_size": 7}, "sdpa-chunk-24": {"attn": "sdpa", "chunk_size": 24}}
+CALIBRATION = {
+    "sdpa": {"attn": "sdpa"},
+    "chunk-16": {"chunk_size": 16},
+    "batch-3": {"batch_size": 3},
+    "sdpa-chunk-7": {"attn": "sdpa", "chunk_size": 7},
+    "sdpa-chunk-24": {"attn": "sdpa", "chunk_size": 24},
+}
 SETS = {"--calibrate's five": list(CALIBRATION), "sdpa, chunk-16, batch-3": ["sdpa", "chunk-16", "batch-3"]}
-BENIGN = {"chunk-24": {"chunk_size": 24}, "batch-2": {"batch_size": 2}, "sdpa-chunk-16": {"attn": "sdpa", "chunk_size": 16},
-          "sdpa-batch-2": {"attn": "sdpa", "batch_size": 2}, "sdpa-chunk-11": {"attn": "sdpa", "chunk_size": 11},
-          "sdpa-chunk-5": {"attn": "sdpa", "chunk_size": 5}, "sdpa-chunk-32": {"attn": "sdpa", "chunk_size": 32}}
+BENIGN = {
+    "chunk-24": {"chunk_size": 24},
+    "batch-2": {"batch_size": 2},
+    "sdpa-chunk-16": {"attn": "sdpa", "chunk_size": 16},
+    "sdpa-batch-2": {"attn": "sdpa", "batch_size": 2},
+    "sdpa-chunk-11": {"attn": "sdpa", "chunk_size": 11},
+    "sdpa-chunk-5": {"attn": "sdpa", "chunk_size": 5},
+    "sdpa-chunk-32": {"attn": "sdpa", "chunk_size": 32},
+}
 
 
 def main() -> None:
@@ -76,8 +91,13 @@ def main() -> None:
 
             handle = (block if where == "layer" else getattr(block, where)).register_forward_hook(hook)
         try:
-            dump_sequences(m, ids, RunConfig(out=str(out), model=str(model_dir), layers="all", points=POINTS,
-                                             dtype="bfloat16", attn=attn, **kw))  # type: ignore[arg-type]
+            dump_sequences(
+                m,
+                ids,
+                RunConfig(
+                    out=str(out), model=str(model_dir), layers="all", points=POINTS, dtype="bfloat16", attn=attn, **kw
+                ),
+            )  # type: ignore[arg-type]
         finally:
             if handle is not None:
                 handle.remove()
@@ -100,9 +120,11 @@ def judge(root: Path, base: Path, variants: list[Path], dump, tag: str) -> None:
     noise = load_noise(path)
     side = path.with_name(path.name[:-5] + ".rows.safetensors").stat().st_size
     rows = sum(r.values.size for r in noise.rows.tensors.values())
-    print(f"calibrate ({len(variants)} variants, {len(noise.identical_variants())} bit-identical to the baseline; "
-          f"{len(noise.tensors)} tensors, {rows // len(noise.tensors)} rows each): {took:.1f} s; side file {side} bytes "
-          f"= {side / rows:.2f} bytes per row per tensor")
+    print(
+        f"calibrate ({len(variants)} variants, {len(noise.identical_variants())} bit-identical to the baseline; "
+        f"{len(noise.tensors)} tensors, {rows // len(noise.tensors)} rows each): {took:.1f} s; side file {side} bytes "
+        f"= {side / rows:.2f} bytes per row per tensor"
+    )
     rules = {"pooled": dataclasses.replace(noise, rows=None), "rows": noise}
     for name, kw in BENIGN.items():
         target = dump(name, **kw)  # type: ignore[arg-type]
@@ -124,8 +146,11 @@ def judge(root: Path, base: Path, variants: list[Path], dump, tag: str) -> None:
                 marks.append("named" if named else "-" if fd is None else "other")
                 if named and smallest is None:
                     smallest = frac
-            print(f"{point:12s} {f'L{layer} tok {token} {rule}':18s} " + " ".join(f"{m:>7s}" for m in marks)
-                  + f"   {'-' if smallest is None else f'{smallest:.2%}'}")
+            print(
+                f"{point:12s} {f'L{layer} tok {token} {rule}':18s} "
+                + " ".join(f"{m:>7s}" for m in marks)
+                + f"   {'-' if smallest is None else f'{smallest:.2%}'}"
+            )
 
 
 if __name__ == "__main__":

@@ -62,8 +62,9 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -80,7 +81,7 @@ from dumper.format.sketch import SketchSpec, hash_keys, mix32, project  # noqa: 
 from dumper.hooks.sketch import Sketcher, sign_matrix  # noqa: E402
 from dumper.hooks.writer import ShardWriter, snapshot  # noqa: E402
 
-U64 = 2.0 ** -53
+U64 = 2.0**-53
 REF = "reference x.double().square().sum(-1)"
 med = statistics.median
 
@@ -93,11 +94,18 @@ def _llama(hidden: int, layers: int, *, vocab: int, narrow: bool = False, attn: 
     """A seeded HF Llama from a config; ``narrow``: one attention head of 64 and an MLP of 64 (cheap at any hidden)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    kw: dict[str, Any] = (dict(intermediate_size=64, num_attention_heads=1, num_key_value_heads=1, head_dim=64)
-                          if narrow else dict(intermediate_size=hidden * 11 // 4, num_attention_heads=hidden // 64,
-                                              num_key_value_heads=max(1, hidden // 128)))
-    config = AutoConfig.for_model("llama", vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
-                                  max_position_embeddings=8192, **kw)
+    kw: dict[str, Any] = (
+        dict(intermediate_size=64, num_attention_heads=1, num_key_value_heads=1, head_dim=64)
+        if narrow
+        else dict(
+            intermediate_size=hidden * 11 // 4,
+            num_attention_heads=hidden // 64,
+            num_key_value_heads=max(1, hidden // 128),
+        )
+    )
+    config = AutoConfig.for_model(
+        "llama", vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, max_position_embeddings=8192, **kw
+    )
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config, attn_implementation=attn).eval()
 
@@ -134,8 +142,9 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
-def _timeit(fns: dict[str, Callable[[], Any]], reps: int, *, fastest: dict[str, float] | None = None
-            ) -> dict[str, float]:
+def _timeit(
+    fns: dict[str, Callable[[], Any]], reps: int, *, fastest: dict[str, float] | None = None
+) -> dict[str, float]:
     """Median seconds of each function, the functions interleaved (one warm-up call each first); ``fastest``, if
     given, receives each one's minimum (the least disturbed by other processes)."""
     for f in fns.values():
@@ -169,18 +178,39 @@ def section_bytes(args: argparse.Namespace, root: Path) -> list[dict[str, Any]]:
                 computed = hidden * torch.finfo(_dtype(dname)).bits // 8 if k is None else 4 * k + 8
                 manifest_bytes = (out / "manifest.json").stat().st_size
                 full = measured if k is None else full
-                r = dict(hidden=hidden, dtype=dname, k=k, tokens=tokens, layers=layers, data_bytes=data,
-                         measured_per_token_layer=measured, computed_per_token_layer=computed,
-                         manifest_json_bytes=manifest_bytes, full_over_this=full / measured)
+                r = dict(
+                    hidden=hidden,
+                    dtype=dname,
+                    k=k,
+                    tokens=tokens,
+                    layers=layers,
+                    data_bytes=data,
+                    measured_per_token_layer=measured,
+                    computed_per_token_layer=computed,
+                    manifest_json_bytes=manifest_bytes,
+                    full_over_this=full / measured,
+                )
                 results.append(r)
-                rows.append([str(hidden), dname, "full" if k is None else f"K={k}", measured, computed,
-                             measured - computed, r["full_over_this"], manifest_bytes])
+                rows.append(
+                    [
+                        str(hidden),
+                        dname,
+                        "full" if k is None else f"K={k}",
+                        measured,
+                        computed,
+                        measured - computed,
+                        r["full_over_this"],
+                        manifest_bytes,
+                    ]
+                )
                 shutil.rmtree(out, ignore_errors=True)
         del base, model
-    _table(f"1. bytes per token per layer, one capture point (input), {tokens} tokens x {layers} layers "
-           "(data files from manifest.files; header bytes included)",
-           ["hidden", "dtype", "dump", "measured B", "computed B", "header B", "full / this", "manifest.json B"],
-           rows)
+    _table(
+        f"1. bytes per token per layer, one capture point (input), {tokens} tokens x {layers} layers "
+        "(data files from manifest.files; header bytes included)",
+        ["hidden", "dtype", "dump", "measured B", "computed B", "header B", "full / this", "manifest.json B"],
+        rows,
+    )
     return results
 
 
@@ -189,7 +219,7 @@ def _pairs(n: int, hidden: int, gen: torch.Generator) -> tuple[torch.Tensor, tor
     """Rows shaped like hidden states and perturbed copies; returns (x, y, dense) with dense: which pairs' difference
     is spread over every channel (the rest differ on 1-8 channels only)."""
     scale = torch.ones(hidden)
-    scale[torch.randperm(hidden, generator=gen)[:max(1, hidden // 512)]] = 30.0  # massive-activation channels
+    scale[torch.randperm(hidden, generator=gen)[: max(1, hidden // 512)]] = 30.0  # massive-activation channels
     x = torch.randn(n, hidden, generator=gen) * scale
     eps = 10 ** (torch.rand(n, 1, generator=gen) * (math.log10(3e-2) + 4) - 4)  # relative difference 1e-4..3e-2
     dense = torch.rand(n, generator=gen) < 0.8
@@ -231,18 +261,42 @@ def section_spread(args: argparse.Namespace) -> list[dict[str, Any]]:
         spread = math.sqrt(2 / k)
         # Var(||R d||^2 / ||d||^2) = (2/K) (1 - sum d^4 / ||d||^4) for independent signs: below 2/K when d is peaked
         predicted = math.sqrt(float(np.mean(2 / k * (1 - kurt))))
-        res = dict(k=k, pairs=n, hidden=hidden, sqrt_2_over_k=spread, predicted_std=predicted, std=float(r.std()),
-                   mean=float(r.mean()),
-                   std_dense=float(r[dense_m].std()), std_sparse=float(r[~dense_m].std()),
-                   p1=float(np.percentile(r, 1)), p99=float(np.percentile(r, 99)),
-                   max_abs_dev=float(np.abs(r - 1).max()))
+        res = dict(
+            k=k,
+            pairs=n,
+            hidden=hidden,
+            sqrt_2_over_k=spread,
+            predicted_std=predicted,
+            std=float(r.std()),
+            mean=float(r.mean()),
+            std_dense=float(r[dense_m].std()),
+            std_sparse=float(r[~dense_m].std()),
+            p1=float(np.percentile(r, 1)),
+            p99=float(np.percentile(r, 99)),
+            max_abs_dev=float(np.abs(r - 1).max()),
+        )
         results.append(res)
-        rows.append([str(k), res["sqrt_2_over_k"], predicted, res["std"], res["std"] / spread, res["std_dense"],
-                     res["std_sparse"], res["mean"], res["p1"], res["p99"]])
-    _table(f"2. per-token estimate / true rel_diff, {n} pairs, hidden {hidden} (true rel_diff "
-           f"{np.percentile(true_v, 1):.1e}..{np.percentile(true_v, 99):.1e}; "
-           f"{dense_m.mean():.0%} dense differences, the rest on 1-8 channels)",
-           ["K", "sqrt(2/K)", "predicted std", "std", "std/sqrt(2/K)", "std dense", "std sparse", "mean", "p1", "p99"], rows)
+        rows.append(
+            [
+                str(k),
+                res["sqrt_2_over_k"],
+                predicted,
+                res["std"],
+                res["std"] / spread,
+                res["std_dense"],
+                res["std_sparse"],
+                res["mean"],
+                res["p1"],
+                res["p99"],
+            ]
+        )
+    _table(
+        f"2. per-token estimate / true rel_diff, {n} pairs, hidden {hidden} (true rel_diff "
+        f"{np.percentile(true_v, 1):.1e}..{np.percentile(true_v, 99):.1e}; "
+        f"{dense_m.mean():.0%} dense differences, the rest on 1-8 channels)",
+        ["K", "sqrt(2/K)", "predicted std", "std", "std/sqrt(2/K)", "std dense", "std sparse", "mean", "p1", "p99"],
+        rows,
+    )
     return results
 
 
@@ -258,8 +312,14 @@ class _Probe:
         self.sums: dict[str, float] = {}
         self.lock = threading.Lock()
         self.inside = threading.local()
-        self.saved = (dumper.Capture.record, ShardWriter._write, hooks_sketch.sign_matrix, Sketcher.__call__,
-                      torch.mm, torch.linalg.vector_norm)
+        self.saved = (
+            dumper.Capture.record,
+            ShardWriter._write,
+            hooks_sketch.sign_matrix,
+            Sketcher.__call__,
+            torch.mm,
+            torch.linalg.vector_norm,
+        )
         record, write, sign, call, mm, vn = self.saved
         dumper.Capture.record = self._timed("record", record)
         ShardWriter._write = self._timed("writer", write)
@@ -283,11 +343,18 @@ class _Probe:
                 self.add(name, time.perf_counter() - t0)
                 if sets_inside:
                     inside.on = False
+
         return wrapper
 
     def remove(self) -> None:
-        (dumper.Capture.record, ShardWriter._write, hooks_sketch.sign_matrix, Sketcher.__call__, torch.mm,
-         torch.linalg.vector_norm) = self.saved
+        (
+            dumper.Capture.record,
+            ShardWriter._write,
+            hooks_sketch.sign_matrix,
+            Sketcher.__call__,
+            torch.mm,
+            torch.linalg.vector_norm,
+        ) = self.saved
 
     def add(self, name: str, dt: float) -> None:
         with self.lock:
@@ -305,10 +372,12 @@ def _vn(x: torch.Tensor) -> torch.Tensor:
 
 def _blocked(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
     """``fn`` over row blocks of about ``BLOCK_BYTES`` float32 bytes, as the library's Sketcher on a CPU."""
+
     def run(x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
         step = max(1, hooks_sketch.BLOCK_BYTES // (4 * x2.shape[1]))
         return torch.cat([fn(c) for c in x2.split(step)]).reshape(x.shape[:-1])
+
     return run
 
 
@@ -340,7 +409,7 @@ def _near_exact_sq(x: torch.Tensor) -> np.ndarray:
 def _hidden_like(rows: int, hidden: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     scale = torch.ones(hidden)
-    scale[torch.randperm(hidden, generator=gen)[:max(1, hidden // 512)]] = 30.0
+    scale[torch.randperm(hidden, generator=gen)[: max(1, hidden // 512)]] = 30.0
     return (torch.randn(1, rows, hidden, generator=gen) * scale).to(dtype)
 
 
@@ -361,19 +430,53 @@ def section_norms(args: argparse.Namespace, hiddens: list[int], rows_n: int, rec
                 err = float(np.max(np.abs(out.astype(np.longdouble) - exact) / exact) / U64)
                 vs_ref = float(np.max(np.abs(out - ref_out) / ref_out) / U64)
                 ok = err <= hidden - 1
-                r = dict(hidden=hidden, dtype=dname, rows=rows_n, method=name,
-                         ms_per_record=times[name] * 1e3 / records,
-                         vs_reference=times[name] / times[REF], min_ms_per_record=mins[name] * 1e3 / records,
-                         min_vs_reference=mins[name] / mins[REF], max_err_u=err, max_diff_from_reference_u=vs_ref,
-                         bound_u=hidden - 1, exact_enough=ok)
+                r = dict(
+                    hidden=hidden,
+                    dtype=dname,
+                    rows=rows_n,
+                    method=name,
+                    ms_per_record=times[name] * 1e3 / records,
+                    vs_reference=times[name] / times[REF],
+                    min_ms_per_record=mins[name] * 1e3 / records,
+                    min_vs_reference=mins[name] / mins[REF],
+                    max_err_u=err,
+                    max_diff_from_reference_u=vs_ref,
+                    bound_u=hidden - 1,
+                    exact_enough=ok,
+                )
                 results.append(r)
-                rows.append([str(hidden), dname, name, r["ms_per_record"], r["vs_reference"], r["min_ms_per_record"],
-                             r["min_vs_reference"], err, vs_ref, "yes" if ok else "NO"])
-    _table(f"3b. squared norms alone, ms per record of {rows_n} rows ({records} distinct records a pass, {reps} "
-           "interleaved reps: median and min); error vs a near-exact sum in units of u = 2^-53; exact enough = within "
-           "(hidden-1) u. In the library the blocks come straight after their projection, still in cache (3c)",
-           ["hidden", "dtype", "norm computation", "median ms", "x reference", "min ms", "x reference", "max err (u)",
-            "vs reference (u)", "exact enough"], rows)
+                rows.append(
+                    [
+                        str(hidden),
+                        dname,
+                        name,
+                        r["ms_per_record"],
+                        r["vs_reference"],
+                        r["min_ms_per_record"],
+                        r["min_vs_reference"],
+                        err,
+                        vs_ref,
+                        "yes" if ok else "NO",
+                    ]
+                )
+    _table(
+        f"3b. squared norms alone, ms per record of {rows_n} rows ({records} distinct records a pass, {reps} "
+        "interleaved reps: median and min); error vs a near-exact sum in units of u = 2^-53; exact enough = within "
+        "(hidden-1) u. In the library the blocks come straight after their projection, still in cache (3c)",
+        [
+            "hidden",
+            "dtype",
+            "norm computation",
+            "median ms",
+            "x reference",
+            "min ms",
+            "x reference",
+            "max err (u)",
+            "vs reference (u)",
+            "exact enough",
+        ],
+        rows,
+    )
     return results
 
 
@@ -382,8 +485,16 @@ def _settings(ks: list[int]) -> dict[str, int | None]:
     return {"plain": None, "full": None, **{f"K={k}": k for k in ks}}
 
 
-def _capture_runs(model: torch.nn.Module, hidden: int, dname: str, ids: torch.Tensor, reps: int, ks: list[int],
-                  root: Path, probe: _Probe) -> tuple[dict[str, list[float]], dict[str, list[dict[str, float]]]]:
+def _capture_runs(
+    model: torch.nn.Module,
+    hidden: int,
+    dname: str,
+    ids: torch.Tensor,
+    reps: int,
+    ks: list[int],
+    root: Path,
+    probe: _Probe,
+) -> tuple[dict[str, list[float]], dict[str, list[dict[str, float]]]]:
     """Wall times of the settings, rotated each rep, and the captures' parts (the probe's sums, ``close`` and
     ``bytes``). One small capture of each setting first: the forward warmed and R built (cached for the process)."""
     settings = _settings(ks)
@@ -464,8 +575,9 @@ def _pass_parts(xs: list[torch.Tensor], path: Path, how: str, k: int | None, pro
     return t
 
 
-def section_parts(args: argparse.Namespace, hiddens: list[int], ks: list[int], rows_n: int, records: int,
-                  root: Path, probe: _Probe) -> list[dict[str, Any]]:
+def section_parts(
+    args: argparse.Namespace, hiddens: list[int], ks: list[int], rows_n: int, records: int, root: Path, probe: _Probe
+) -> list[dict[str, Any]]:
     """A capture pass's own work without the forward (see :func:`_pass_parts`), full vs sketch, rotated."""
     reps = 3 if args.quick else 5
     results, rows = [], []
@@ -488,18 +600,41 @@ def section_parts(args: argparse.Namespace, hiddens: list[int], ks: list[int], r
                 full_total = f([p["total"] for p in parts["full"]])
                 for v in names:
                     q = {key: f([p[key] for p in parts[v]]) * 1e3 for key in parts[v][0]}
-                    r = dict(hidden=hidden, dtype=dname, rows=rows_n, records=records, stat=stat, variant=v, **q,
-                             over_full=q["total"] / (full_total * 1e3))
+                    r = dict(
+                        hidden=hidden,
+                        dtype=dname,
+                        rows=rows_n,
+                        records=records,
+                        stat=stat,
+                        variant=v,
+                        **q,
+                        over_full=q["total"] / (full_total * 1e3),
+                    )
                     results.append(r)
-                    rows.append([str(hidden), dname, stat, v, q["project"], q["norm"], q["other"], q["snapshot"],
-                                 q["write"], q["total"], r["over_full"]])
-    _table(f"3c. a capture pass's own work without the forward: {records} records of {rows_n} rows (ms; {reps} "
-           "rotated reps, median and min): full = snapshot each + one fsynced file; K = the library's Sketcher "
-           "(project = its torch.mm calls, norm = its vector_norm calls, other = the rest of the call: widening, "
-           "allocation, squaring) + snapshot of what it keeps + one fsynced file; previous = the Sketcher before "
-           "row blocks and vector_norm (x.float() @ R^T, then x.double().square().sum(-1)); R cached, as in a capture",
-           ["hidden", "dtype", "stat", "capture", "project", "norm", "other", "snapshot", "write", "total", "/ full"],
-           rows)
+                    rows.append(
+                        [
+                            str(hidden),
+                            dname,
+                            stat,
+                            v,
+                            q["project"],
+                            q["norm"],
+                            q["other"],
+                            q["snapshot"],
+                            q["write"],
+                            q["total"],
+                            r["over_full"],
+                        ]
+                    )
+    _table(
+        f"3c. a capture pass's own work without the forward: {records} records of {rows_n} rows (ms; {reps} "
+        "rotated reps, median and min): full = snapshot each + one fsynced file; K = the library's Sketcher "
+        "(project = its torch.mm calls, norm = its vector_norm calls, other = the rest of the call: widening, "
+        "allocation, squaring) + snapshot of what it keeps + one fsynced file; previous = the Sketcher before "
+        "row blocks and vector_norm (x.float() @ R^T, then x.double().square().sum(-1)); R cached, as in a capture",
+        ["hidden", "dtype", "stat", "capture", "project", "norm", "other", "snapshot", "write", "total", "/ full"],
+        rows,
+    )
     return results
 
 
@@ -519,42 +654,109 @@ def section_capture(args: argparse.Namespace, root: Path) -> dict[str, Any]:
                 model = model.to(_dtype(dname))
                 times, parts = _capture_runs(model, hidden, dname, ids, reps, ks, root, probe)
                 m = {s: med(v) for s, v in times.items()}
-                pm = {s: {key: med([p.get(key, 0.0) for p in parts[s]]) for key in
-                          ("record", "sketch", "mm", "norm", "sign", "close", "writer", "bytes")} for s in parts}
-                r = dict(hidden=hidden, dtype=dname, tokens=tokens, layers=layers, ks=ks, reps=reps,
-                         seconds=m, full_over_plain=m["full"] / m["plain"],
-                         over_full={s: m[s] / m["full"] for s in sketches},
-                         min_over_min_full={s: min(times[s]) / min(times["full"]) for s in sketches},
-                         over_plain={s: m[s] / m["plain"] for s in list(settings)[1:]}, times=times, parts=pm)
+                pm = {
+                    s: {
+                        key: med([p.get(key, 0.0) for p in parts[s]])
+                        for key in ("record", "sketch", "mm", "norm", "sign", "close", "writer", "bytes")
+                    }
+                    for s in parts
+                }
+                r = dict(
+                    hidden=hidden,
+                    dtype=dname,
+                    tokens=tokens,
+                    layers=layers,
+                    ks=ks,
+                    reps=reps,
+                    seconds=m,
+                    full_over_plain=m["full"] / m["plain"],
+                    over_full={s: m[s] / m["full"] for s in sketches},
+                    min_over_min_full={s: min(times[s]) / min(times["full"]) for s in sketches},
+                    over_plain={s: m[s] / m["plain"] for s in list(settings)[1:]},
+                    times=times,
+                    parts=pm,
+                )
                 results.append(r)
-                rows.append([str(hidden), dname, *(m[s] for s in settings), *r["over_full"].values(),
-                             r["full_over_plain"], *r["min_over_min_full"].values()])
+                rows.append(
+                    [
+                        str(hidden),
+                        dname,
+                        *(m[s] for s in settings),
+                        *r["over_full"].values(),
+                        r["full_over_plain"],
+                        *r["min_over_min_full"].values(),
+                    ]
+                )
                 for s in list(settings)[1:]:
                     q = pm[s]
                     if settings[s] and q["sketch"] > 0 and q["mm"] == 0:
-                        print("  warning: the probe saw no torch.mm inside Sketcher calls (3a's project/norm are "
-                              "not measured)", flush=True)
-                    parts_rows.append([str(hidden), dname, s, q["bytes"] / 2 ** 20, q["record"] * 1e3,
-                                       q["sketch"] * 1e3, q["mm"] * 1e3, q["norm"] * 1e3,
-                                       (q["sketch"] - q["mm"] - q["norm"]) * 1e3, q["sign"] * 1e3, q["close"] * 1e3,
-                                       q["writer"] * 1e3, (q["record"] + q["close"]) * 1e3,
-                                       (q["record"] + q["close"]) / m["plain"]])
-                print(f"  [capture] hidden {hidden} {dname}: " + ", ".join(f"{s} {v:.3f}s" for s, v in m.items()),
-                      flush=True)
+                        print(
+                            "  warning: the probe saw no torch.mm inside Sketcher calls (3a's project/norm are "
+                            "not measured)",
+                            flush=True,
+                        )
+                    parts_rows.append(
+                        [
+                            str(hidden),
+                            dname,
+                            s,
+                            q["bytes"] / 2**20,
+                            q["record"] * 1e3,
+                            q["sketch"] * 1e3,
+                            q["mm"] * 1e3,
+                            q["norm"] * 1e3,
+                            (q["sketch"] - q["mm"] - q["norm"]) * 1e3,
+                            q["sign"] * 1e3,
+                            q["close"] * 1e3,
+                            q["writer"] * 1e3,
+                            (q["record"] + q["close"]) * 1e3,
+                            (q["record"] + q["close"]) / m["plain"],
+                        ]
+                    )
+                print(
+                    f"  [capture] hidden {hidden} {dname}: " + ", ".join(f"{s} {v:.3f}s" for s, v in m.items()),
+                    flush=True,
+                )
             del model
-        _table(f"3. capture time end to end (seconds, median of {reps}; the whole `with dumper.capture(...)` block, "
-               f"closing included; points input,residual, layers all, {tokens} tokens, {layers} layers, SDPA; torch "
-               f"threads {torch.get_num_threads()}; R already cached, as for every capture after a process's first)",
-               ["hidden", "dtype", *(f"{s} s" for s in settings), *(f"{s}/full" for s in sketches), "full/plain",
-                *(f"min: {s}/full" for s in sketches)], rows)
-        _table("3a. where the time goes (ms a capture, medians, same runs): record = inside Capture.record on the "
-               "forward path (sketch: the Sketcher call + the small copies; full: the copy); sketch call = "
-               "Sketcher.__call__, of which mm = its torch.mm (projection), norm = its vector_norm, other = the rest "
-               "(widening bf16, allocation, squaring); sign R = building R (0: cached); close = after the forward "
-               "(writer drain, fsync, manifest); writer = the writer thread's file writes (overlaps the forward); "
-               "hooks+close = what the capture adds at least",
-               ["hidden", "dtype", "capture", "MiB", "record", "sketch call", "mm", "norm", "other", "sign R", "close",
-                "writer", "hooks+close", "/ plain"], parts_rows)
+        _table(
+            f"3. capture time end to end (seconds, median of {reps}; the whole `with dumper.capture(...)` block, "
+            f"closing included; points input,residual, layers all, {tokens} tokens, {layers} layers, SDPA; torch "
+            f"threads {torch.get_num_threads()}; R already cached, as for every capture after a process's first)",
+            [
+                "hidden",
+                "dtype",
+                *(f"{s} s" for s in settings),
+                *(f"{s}/full" for s in sketches),
+                "full/plain",
+                *(f"min: {s}/full" for s in sketches),
+            ],
+            rows,
+        )
+        _table(
+            "3a. where the time goes (ms a capture, medians, same runs): record = inside Capture.record on the "
+            "forward path (sketch: the Sketcher call + the small copies; full: the copy); sketch call = "
+            "Sketcher.__call__, of which mm = its torch.mm (projection), norm = its vector_norm, other = the rest "
+            "(widening bf16, allocation, squaring); sign R = building R (0: cached); close = after the forward "
+            "(writer drain, fsync, manifest); writer = the writer thread's file writes (overlaps the forward); "
+            "hooks+close = what the capture adds at least",
+            [
+                "hidden",
+                "dtype",
+                "capture",
+                "MiB",
+                "record",
+                "sketch call",
+                "mm",
+                "norm",
+                "other",
+                "sign R",
+                "close",
+                "writer",
+                "hooks+close",
+                "/ plain",
+            ],
+            parts_rows,
+        )
         parts = section_parts(args, hiddens, ks, tokens, 2 * layers + 1, root, probe)
     finally:
         probe.remove()
@@ -599,8 +801,9 @@ class SRHT:
         self.hb = _hadamard(self.b)
         ha = _hadamard(self.a)
         ia, jb = self.idx // self.b, self.idx % self.b
-        self.groups = [(int(j), (jb == j).nonzero().view(-1), ha[ia[jb == j]].T.contiguous())
-                       for j in jb.unique().tolist()]  # inner column j: the kept coordinates on it, H_a's rows [a, m]
+        self.groups = [
+            (int(j), (jb == j).nonzero().view(-1), ha[ia[jb == j]].T.contiguous()) for j in jb.unique().tolist()
+        ]  # inner column j: the kept coordinates on it, H_a's rows [a, m]
         self.scale = 1.0 / math.sqrt(k)
 
     def _padded(self, x: torch.Tensor) -> torch.Tensor:
@@ -620,7 +823,7 @@ class SRHT:
 
     def matrix(self) -> torch.Tensor:
         """The explicit [K, hidden] matrix (for the correctness check)."""
-        return (_hadamard(self.p)[self.idx][:, :self.hidden] * self.signs) * self.scale
+        return (_hadamard(self.p)[self.idx][:, : self.hidden] * self.signs) * self.scale
 
 
 def section_projection(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -640,29 +843,75 @@ def section_projection(args: argparse.Namespace) -> list[dict[str, Any]]:
                 assert torch.allclose(f(x[:8]).double(), ref, rtol=1e-4, atol=1e-3 * ref.abs().max().item())
             m64 = m.double()
             fast: dict[str, float] = {}
-            t = _timeit({"dense": lambda: x @ m, "dense blocked": lambda: [b @ m for b in x.split(step)],
-                         "butterfly": lambda: s.butterfly(x), "kronecker": lambda: s.kronecker(x),
-                         "dense64": lambda: x.double() @ m64}, reps, fastest=fast)
+            t = _timeit(
+                {
+                    "dense": lambda: x @ m,
+                    "dense blocked": lambda: [b @ m for b in x.split(step)],
+                    "butterfly": lambda: s.butterfly(x),
+                    "kronecker": lambda: s.kronecker(x),
+                    "dense64": lambda: x.double() @ m64,
+                },
+                reps,
+                fastest=fast,
+            )
             per_k = {name: v * 1e3 * 1000 / rows_n for name, v in t.items()}
-            r = dict(hidden=hidden, k=k, rows=rows_n, padded=s.p, dense_ms_per_1k=per_k["dense"],
-                     dense_blocked_ms_per_1k=per_k["dense blocked"],
-                     srht_butterfly_ms_per_1k=per_k["butterfly"], srht_kronecker_ms_per_1k=per_k["kronecker"],
-                     butterfly_over_dense=per_k["butterfly"] / per_k["dense"],
-                     kronecker_over_dense=per_k["kronecker"] / per_k["dense"],
-                     dense_gflops=2 * hidden * k * rows_n / t["dense"] / 1e9, sign_matrix_ms=sign_s * 1e3,
-                     dense_float64_ms_per_1k=per_k["dense64"],
-                     min_ms_per_1k={name: v * 1e3 * 1000 / rows_n for name, v in fast.items()})
+            r = dict(
+                hidden=hidden,
+                k=k,
+                rows=rows_n,
+                padded=s.p,
+                dense_ms_per_1k=per_k["dense"],
+                dense_blocked_ms_per_1k=per_k["dense blocked"],
+                srht_butterfly_ms_per_1k=per_k["butterfly"],
+                srht_kronecker_ms_per_1k=per_k["kronecker"],
+                butterfly_over_dense=per_k["butterfly"] / per_k["dense"],
+                kronecker_over_dense=per_k["kronecker"] / per_k["dense"],
+                dense_gflops=2 * hidden * k * rows_n / t["dense"] / 1e9,
+                sign_matrix_ms=sign_s * 1e3,
+                dense_float64_ms_per_1k=per_k["dense64"],
+                min_ms_per_1k={name: v * 1e3 * 1000 / rows_n for name, v in fast.items()},
+            )
             results.append(r)
-            rows.append([str(hidden), str(k), str(s.p), per_k["dense"], per_k["dense blocked"], per_k["butterfly"],
-                         per_k["kronecker"], r["butterfly_over_dense"], r["kronecker_over_dense"],
-                         fast["butterfly"] / fast["dense"], fast["kronecker"] / fast["dense"], r["dense_gflops"],
-                         r["sign_matrix_ms"], per_k["dense64"]])
-    _table(f"4. projection alone, float32 CPU, {rows_n} rows, ms per 1k rows (median of {reps}); dense blocked = in "
-           "2 MiB row blocks, as the library; sign R = generating the dense K x hidden signs (once per process, K and "
-           "width); dense f64 = the same matmul in float64",
-           ["hidden", "K", "P", "dense", "dense blocked", "SRHT butterfly", "SRHT kronecker", "butterfly/dense",
-            "kronecker/dense", "min: butterfly/dense", "min: kronecker/dense", "dense GFLOP/s", "sign R ms",
-            "dense f64"], rows)
+            rows.append(
+                [
+                    str(hidden),
+                    str(k),
+                    str(s.p),
+                    per_k["dense"],
+                    per_k["dense blocked"],
+                    per_k["butterfly"],
+                    per_k["kronecker"],
+                    r["butterfly_over_dense"],
+                    r["kronecker_over_dense"],
+                    fast["butterfly"] / fast["dense"],
+                    fast["kronecker"] / fast["dense"],
+                    r["dense_gflops"],
+                    r["sign_matrix_ms"],
+                    per_k["dense64"],
+                ]
+            )
+    _table(
+        f"4. projection alone, float32 CPU, {rows_n} rows, ms per 1k rows (median of {reps}); dense blocked = in "
+        "2 MiB row blocks, as the library; sign R = generating the dense K x hidden signs (once per process, K and "
+        "width); dense f64 = the same matmul in float64",
+        [
+            "hidden",
+            "K",
+            "P",
+            "dense",
+            "dense blocked",
+            "SRHT butterfly",
+            "SRHT kronecker",
+            "butterfly/dense",
+            "kronecker/dense",
+            "min: butterfly/dense",
+            "min: kronecker/dense",
+            "dense GFLOP/s",
+            "sign R ms",
+            "dense f64",
+        ],
+        rows,
+    )
     return results
 
 
@@ -671,10 +920,14 @@ def _token_stats(baseline: Path, target: Path) -> dict[str, Any]:
     tokens: list[np.ndarray] = []
     report = compare_dumps(baseline, target, token_sink=lambda c, t, _: tokens.append(np.asarray(t, dtype=np.float64)))
     allt = np.concatenate(tokens) if tokens else np.zeros(0)
-    return dict(max=float(allt.max()), median=float(np.median(allt)), rows=int(allt.size),
-                tensors=len(report.tensors), max_token_rel_diff=max(t.metrics["max_token_rel_diff"]
-                                                                    for t in report.tensors),
-                max_tensor_rel_diff=max(t.metrics["rel_diff"] for t in report.tensors))
+    return dict(
+        max=float(allt.max()),
+        median=float(np.median(allt)),
+        rows=int(allt.size),
+        tensors=len(report.tensors),
+        max_token_rel_diff=max(t.metrics["max_token_rel_diff"] for t in report.tensors),
+        max_tensor_rel_diff=max(t.metrics["rel_diff"] for t in report.tensors),
+    )
 
 
 def section_floor(args: argparse.Namespace, root: Path) -> list[dict[str, Any]]:
@@ -685,34 +938,67 @@ def section_floor(args: argparse.Namespace, root: Path) -> list[dict[str, Any]]:
         d = {}
         for attn in ("eager", "sdpa"):
             model = _llama(hidden, layers, vocab=vocab, attn=attn).to(_dtype(dname))
-            runs = (("full", None), ("full2", None), ("sketch", k), ("sketch2", k)) if attn == "eager" else \
-                (("full", None), ("sketch", k))
+            runs = (
+                (("full", None), ("full2", None), ("sketch", k), ("sketch2", k))
+                if attn == "eager"
+                else (("full", None), ("sketch", k))
+            )
             for tag, kk in runs:
-                d[f"{attn}-{tag}"] = _capture(model, ids, root / f"floor-{dname}-{attn}-{tag}",
-                                              points="input,residual", sketch=kk)
+                d[f"{attn}-{tag}"] = _capture(
+                    model, ids, root / f"floor-{dname}-{attn}-{tag}", points="input,residual", sketch=kk
+                )
             del model
-        pairs = [("full vs full (eager, run twice)", "eager-full", "eager-full2"),
-                 ("full vs sketch (eager, run twice)", "eager-full", "eager-sketch"),
-                 ("sketch vs full (eager, run twice)", "eager-sketch", "eager-full"),
-                 ("sketch vs sketch (eager, run twice)", "eager-sketch", "eager-sketch2"),
-                 ("benign: full eager vs full sdpa", "eager-full", "sdpa-full"),
-                 ("benign: sketch eager vs sketch sdpa", "eager-sketch", "sdpa-sketch")]
+        pairs = [
+            ("full vs full (eager, run twice)", "eager-full", "eager-full2"),
+            ("full vs sketch (eager, run twice)", "eager-full", "eager-sketch"),
+            ("sketch vs full (eager, run twice)", "eager-sketch", "eager-full"),
+            ("sketch vs sketch (eager, run twice)", "eager-sketch", "eager-sketch2"),
+            ("benign: full eager vs full sdpa", "eager-full", "sdpa-full"),
+            ("benign: sketch eager vs sketch sdpa", "eager-sketch", "sdpa-sketch"),
+        ]
         stats = {name: _token_stats(d[a], d[b]) for name, a, b in pairs}
         benign = stats["benign: full eager vs full sdpa"]
         for name, _, _ in pairs:
             s = stats[name]
-            r = dict(dtype=dname, hidden=hidden, layers=layers, tokens=tokens, k=k, pair=name, **s,
-                     max_over_benign_max=s["max"] / benign["max"] if benign["max"] > 0 else math.nan,
-                     median_over_benign_median=s["median"] / benign["median"] if benign["median"] > 0 else math.nan)
+            r = dict(
+                dtype=dname,
+                hidden=hidden,
+                layers=layers,
+                tokens=tokens,
+                k=k,
+                pair=name,
+                **s,
+                max_over_benign_max=s["max"] / benign["max"] if benign["max"] > 0 else math.nan,
+                median_over_benign_median=s["median"] / benign["median"] if benign["median"] > 0 else math.nan,
+            )
             results.append(r)
-            rows.append([dname, name, s["max"], s["median"], r["max_over_benign_max"],
-                         r["median_over_benign_median"], s["max_tensor_rel_diff"]])
+            rows.append(
+                [
+                    dname,
+                    name,
+                    s["max"],
+                    s["median"],
+                    r["max_over_benign_max"],
+                    r["median_over_benign_median"],
+                    s["max_tensor_rel_diff"],
+                ]
+            )
         for p in d.values():
             shutil.rmtree(p, ignore_errors=True)
-    _table(f"5. precision floor: per-token rel_diff over every hidden-state row (input, residual; {layers} layers, "
-           f"{tokens} tokens, hidden {hidden}, K={k}); ratios against the benign eager-vs-sdpa noise (full vs full)",
-           ["dtype", "pair", "max token", "median token", "max / benign max", "median / benign median",
-            "max tensor rel_diff"], rows)
+    _table(
+        f"5. precision floor: per-token rel_diff over every hidden-state row (input, residual; {layers} layers, "
+        f"{tokens} tokens, hidden {hidden}, K={k}); ratios against the benign eager-vs-sdpa noise (full vs full)",
+        [
+            "dtype",
+            "pair",
+            "max token",
+            "median token",
+            "max / benign max",
+            "median / benign median",
+            "max tensor rel_diff",
+        ],
+        rows,
+    )
     return dict(dumps=results, projection_floor=_projection_floor(args, k))
 
 
@@ -731,15 +1017,26 @@ def _projection_floor(args: argparse.Namespace, k: int) -> list[dict[str, Any]]:
             m64 = (sign_matrix(SketchSpec(k=k), hidden).double() / math.sqrt(k)).T.contiguous()
             proj64 = x.reshape(-1, hidden).double() @ m64
             tok64 = ((proj64 - p64).square().sum(-1) / (2 * sq.reshape(-1))).numpy()
-            r = dict(hidden=hidden, dtype=dname, k=k, rows=rows_n, max=float(tok.max()),
-                     median=float(np.median(tok)), float64_capture_max=float(tok64.max()),
-                     float64_capture_median=float(np.median(tok64)))
+            r = dict(
+                hidden=hidden,
+                dtype=dname,
+                k=k,
+                rows=rows_n,
+                max=float(tok.max()),
+                median=float(np.median(tok)),
+                float64_capture_max=float(tok64.max()),
+                float64_capture_median=float(np.median(tok64)),
+            )
             results.append(r)
-            rows.append([str(hidden), dname, r["max"], r["median"], r["float64_capture_max"],
-                         r["float64_capture_median"]])
-    _table(f"5b. floor of the float32 projection alone ({rows_n} hidden-like rows, K={k}): per-token rel_diff of "
-           "the capture's float32 projection vs the comparator's float64 one; and were the capture to project in float64",
-           ["hidden", "dtype", "max token", "median token", "f64 capture: max", "f64 capture: median"], rows)
+            rows.append(
+                [str(hidden), dname, r["max"], r["median"], r["float64_capture_max"], r["float64_capture_median"]]
+            )
+    _table(
+        f"5b. floor of the float32 projection alone ({rows_n} hidden-like rows, K={k}): per-token rel_diff of "
+        "the capture's float32 projection vs the comparator's float64 one; and were the capture to project in float64",
+        ["hidden", "dtype", "max token", "median token", "f64 capture: max", "f64 capture: median"],
+        rows,
+    )
     return results
 
 
@@ -770,26 +1067,65 @@ def section_compare(args: argparse.Namespace, root: Path) -> list[dict[str, Any]
 
         def run(name: str, a: str, b: str) -> None:
             reports[name] = compare_dumps(d[a], d[b], config)
-        t = _timeit({name: (lambda n=name, a=a, b=b: run(n, a, b)) for name, (a, b) in pairs.items()}, reps,
-                    fastest=mins)
+
+        t = _timeit(
+            {name: (lambda n=name, a=a, b=b: run(n, a, b)) for name, (a, b) in pairs.items()}, reps, fastest=mins
+        )
         for name, (a, b) in pairs.items():
             read = sum(sum(load_manifest(d[x]).files.values()) for x in (a, b))
-            r = dict(dtype=dname, hidden=hidden, tokens=tokens, layers=layers, threads=config.threads, pair=name,
-                     seconds=t[name], min_seconds=mins[name], full_dump_bytes=full_bytes, bytes_read=read,
-                     full_gb_per_s=full_bytes / t[name] / 1e9, over_full_vs_full=t[name] / t["full vs full"],
-                     min_over_full_vs_full=mins[name] / mins["full vs full"], tensors=len(reports[name].tensors),
-                     max_rel_diff=max(x.metrics["rel_diff"] for x in reports[name].tensors))
+            r = dict(
+                dtype=dname,
+                hidden=hidden,
+                tokens=tokens,
+                layers=layers,
+                threads=config.threads,
+                pair=name,
+                seconds=t[name],
+                min_seconds=mins[name],
+                full_dump_bytes=full_bytes,
+                bytes_read=read,
+                full_gb_per_s=full_bytes / t[name] / 1e9,
+                over_full_vs_full=t[name] / t["full vs full"],
+                min_over_full_vs_full=mins[name] / mins["full vs full"],
+                tensors=len(reports[name].tensors),
+                max_rel_diff=max(x.metrics["rel_diff"] for x in reports[name].tensors),
+            )
             results.append(r)
-            rows.append([dname, name, full_bytes / 2 ** 20, read / 2 ** 20, t[name], r["full_gb_per_s"],
-                         r["over_full_vs_full"], r["min_over_full_vs_full"], r["tensors"], r["max_rel_diff"]])
+            rows.append(
+                [
+                    dname,
+                    name,
+                    full_bytes / 2**20,
+                    read / 2**20,
+                    t[name],
+                    r["full_gb_per_s"],
+                    r["over_full_vs_full"],
+                    r["min_over_full_vs_full"],
+                    r["tensors"],
+                    r["max_rel_diff"],
+                ]
+            )
         for p in d.values():
             shutil.rmtree(p, ignore_errors=True)
-    _table(f"6. comparator throughput: compare_dumps wall time (median of {reps} after one warm-up, dumps in the page "
-           f"cache; {config.threads} comparator threads), hidden {hidden}, {tokens} tokens, {layers} layers, points "
-           f"input,residual; full MiB = one full dump's data; MiB read = both sides' data; GB/s = one full "
-           "dump's data bytes / wall time; full vs K = the full baseline projected in float64 on the fly",
-           ["dtype", "pair", "full MiB", "MiB read", "seconds", "full GB/s", "/ full vs full", "min: / full vs full",
-            "tensors", "max rel_diff"], rows)
+    _table(
+        f"6. comparator throughput: compare_dumps wall time (median of {reps} after one warm-up, dumps in the page "
+        f"cache; {config.threads} comparator threads), hidden {hidden}, {tokens} tokens, {layers} layers, points "
+        f"input,residual; full MiB = one full dump's data; MiB read = both sides' data; GB/s = one full "
+        "dump's data bytes / wall time; full vs K = the full baseline projected in float64 on the fly",
+        [
+            "dtype",
+            "pair",
+            "full MiB",
+            "MiB read",
+            "seconds",
+            "full GB/s",
+            "/ full vs full",
+            "min: / full vs full",
+            "tensors",
+            "max rel_diff",
+        ],
+        rows,
+    )
     return results
 
 
@@ -809,8 +1145,12 @@ def main() -> None:
     ap.add_argument("--cmp-tokens", type=int, default=2048, help="section 6: prefill tokens")
     ap.add_argument("--cmp-layers", type=int, default=4, help="section 6: decoder layers")
     ap.add_argument("--cmp-dtypes", default="fp32,bf16", help="section 6: dump dtypes (fp32, bf16; comma-separated)")
-    ap.add_argument("--cmp-threads", type=int, default=None,
-                    help="section 6: comparator threads (default: --threads if given, else CompareConfig's 2)")
+    ap.add_argument(
+        "--cmp-threads",
+        type=int,
+        default=None,
+        help="section 6: comparator threads (default: --threads if given, else CompareConfig's 2)",
+    )
     ap.add_argument("--dir", type=Path, default=None, help="where dumps are written (default: a temporary folder)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
     args = ap.parse_args()
@@ -821,11 +1161,14 @@ def main() -> None:
     out: dict[str, Any] = dict(quick=args.quick, torch=torch.__version__, threads=torch.get_num_threads())
     t_all = time.perf_counter()
     try:
-        for n, key, fn in ((1, "bytes", lambda: section_bytes(args, root)), (2, "spread", lambda: section_spread(args)),
-                           (3, "capture", lambda: section_capture(args, root)),
-                           (4, "projection", lambda: section_projection(args)),
-                           (5, "floor", lambda: section_floor(args, root)),
-                           (6, "compare", lambda: section_compare(args, root))):
+        for n, key, fn in (
+            (1, "bytes", lambda: section_bytes(args, root)),
+            (2, "spread", lambda: section_spread(args)),
+            (3, "capture", lambda: section_capture(args, root)),
+            (4, "projection", lambda: section_projection(args)),
+            (5, "floor", lambda: section_floor(args, root)),
+            (6, "compare", lambda: section_compare(args, root)),
+        ):
             if n in sections:
                 t0 = time.perf_counter()
                 out[key] = fn()

@@ -40,8 +40,9 @@ def main() -> None:
     ap.add_argument("--dir", default=None, help="where to write the checkpoint and dumps (default: a temp dir)")
     args = ap.parse_args()
     root = Path(args.dir or tempfile.mkdtemp(prefix="driftscope-bench-vllm-"))
-    ckpt = build_checkpoint(root / "ckpt", hidden_size=args.hidden, intermediate_size=2 * args.hidden,
-                            num_hidden_layers=args.layers)
+    ckpt = build_checkpoint(
+        root / "ckpt", hidden_size=args.hidden, intermediate_size=2 * args.hidden, num_hidden_layers=args.layers
+    )
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the in-process hook API measured here
     env_defaults("cpu")
     import numpy as np
@@ -51,8 +52,9 @@ def main() -> None:
 
     llm = LLM(model=str(ckpt), dtype=args.dtype, enforce_eager=True, max_model_len=max(512, args.tokens + 1))
     rng = np.random.default_rng(0)
-    prompts = [TokensPrompt(prompt_token_ids=[1] + rng.integers(3, 300, args.tokens - 1).tolist())
-               for _ in range(args.prompts)]
+    prompts = [
+        TokensPrompt(prompt_token_ids=[1] + rng.integers(3, 300, args.tokens - 1).tolist()) for _ in range(args.prompts)
+    ]
     params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
 
     def plain() -> float:
@@ -78,8 +80,10 @@ def main() -> None:
         c.append(captured(i))
     mp, mc = statistics.median(p), statistics.median(c)
     mib = args.prompts * args.tokens * args.hidden * args.layers * (4 if args.dtype == "float32" else 2) / 2**20
-    print(f"vLLM {args.dtype}, {args.layers} layers x hidden {args.hidden}, {args.prompts} prompts x "
-          f"{args.tokens} tokens ({mib:.1f} MiB captured), threads {os.environ.get('OMP_NUM_THREADS', 'vLLM default')}")
+    print(
+        f"vLLM {args.dtype}, {args.layers} layers x hidden {args.hidden}, {args.prompts} prompts x "
+        f"{args.tokens} tokens ({mib:.1f} MiB captured), threads {os.environ.get('OMP_NUM_THREADS', 'vLLM default')}"
+    )
     print(f"plain generate    median {mp * 1e3:8.1f} ms, min {min(p) * 1e3:8.1f} ms")
     print(f"captured generate median {mc * 1e3:8.1f} ms, min {min(c) * 1e3:8.1f} ms")
     print(f"captured/plain    {mc / mp:.2f}x (medians), {min(c) / min(p):.2f}x (minima)")

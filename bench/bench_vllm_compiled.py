@@ -53,6 +53,7 @@ MARK = "@@bench "
 
 # -- worker (one engine per process) ----------------------------------------------------------
 
+
 def _prompts(count: int, tokens: int) -> list[list[int]]:
     import numpy as np
 
@@ -109,17 +110,27 @@ class Worker:
     def __init__(self, spec: dict[str, Any], root: Path, *, reuse_cache: bool = False) -> None:
         name = f"cache-{'eager' if spec['eager'] else 'compiled'}-{'tap' if spec['tap'] else 'plain'}"
         fresh = root / name if reuse_cache else Path(tempfile.mkdtemp(prefix=f"{name}-", dir=root))
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_CACHE_ROOT": str(fresh / "vllm"),
-               "TORCHINDUCTOR_CACHE_DIR": str(fresh / "inductor")}
-        self.proc = subprocess.Popen([sys.executable, __file__, "--worker", json.dumps(spec)], env=env, text=True,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        env = {
+            **os.environ,
+            "PYTHONPATH": str(ROOT),
+            "VLLM_CACHE_ROOT": str(fresh / "vllm"),
+            "TORCHINDUCTOR_CACHE_DIR": str(fresh / "inductor"),
+        }
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--worker", json.dumps(spec)],
+            env=env,
+            text=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+        )
         self.construct_s = self._read()["construct_s"]
 
     def _read(self) -> dict[str, Any]:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             if line.startswith(MARK):
-                return json.loads(line[len(MARK):])
+                return json.loads(line[len(MARK) :])
         raise RuntimeError(f"worker exited with {self.proc.wait()} before answering")
 
     def run(self, prompts: int, *, capture: bool = True) -> dict[str, Any]:
@@ -135,6 +146,7 @@ class Worker:
 
 
 # -- (a) and (b) ------------------------------------------------------------------------------
+
 
 def overhead(args: argparse.Namespace, root: Path, ckpt: Path) -> tuple[list[tuple], dict[str, float]]:
     """Rows (mode, MiB, prompts, plain s, tapped s, captured s, captured/plain, ratio of minima), construct s."""
@@ -159,8 +171,10 @@ def overhead(args: argparse.Namespace, root: Path, ckpt: Path) -> tuple[list[tup
                     got = res["bytes"]
                 mp, mt, mc = statistics.median(p), statistics.median(t), statistics.median(c)
                 rows.append((mode, got / 2**20, n, mp, mt, mc, mc / mp, min(c) / min(p)))
-                print(f"  {mode} {got / 2**20:.0f} MiB, seconds: plain {_fmt(p)}; tapped {_fmt(t)}; "
-                      f"captured {_fmt(c)}", flush=True)
+                print(
+                    f"  {mode} {got / 2**20:.0f} MiB, seconds: plain {_fmt(p)}; tapped {_fmt(t)}; captured {_fmt(c)}",
+                    flush=True,
+                )
         finally:
             plain.close(), tapped.close()
     return rows, construct
@@ -171,21 +185,28 @@ def _fmt(samples: list[float]) -> str:
 
 
 def print_overhead(args: argparse.Namespace, rows: list[tuple], construct: dict[str, float]) -> None:
-    print(f"\n(a) capture overhead, vLLM {args.dtype}, {args.layers} layers x hidden {HIDDEN}, "
-          f"prompts of {args.tokens} tokens, median of {args.reps} (tapped: the tapped engine, no capture)")
-    print(f"{'mode':9} {'MiB':>6} {'prompts':>7} {'plain s':>8} {'tapped s':>8} {'capt. s':>8} "
-          f"{'capt/plain':>10} {'of minima':>9}")
+    print(
+        f"\n(a) capture overhead, vLLM {args.dtype}, {args.layers} layers x hidden {HIDDEN}, "
+        f"prompts of {args.tokens} tokens, median of {args.reps} (tapped: the tapped engine, no capture)"
+    )
+    print(
+        f"{'mode':9} {'MiB':>6} {'prompts':>7} {'plain s':>8} {'tapped s':>8} {'capt. s':>8} "
+        f"{'capt/plain':>10} {'of minima':>9}"
+    )
     for mode, mib, n, mp, mt, mc, ratio, rmin in rows:
         print(f"{mode:9} {mib:6.1f} {n:7d} {mp:8.3f} {mt:8.3f} {mc:8.3f} {ratio:10.3f} {rmin:9.3f}")
     cached = " (REUSED caches: not compile times)" if args.reuse_cache else ", nothing cached (fresh VLLM_CACHE_ROOT)"
     print(f"\n(b) LLM() construction{cached}")
     for name, sec in construct.items():
         print(f"{name:16} {sec:7.1f} s")
-    print(f"tap's compile cost: {construct['compiled tapped'] - construct['compiled plain']:+.1f} s "
-          f"({construct['compiled tapped'] / construct['compiled plain']:.2f}x)")
+    print(
+        f"tap's compile cost: {construct['compiled tapped'] - construct['compiled plain']:+.1f} s "
+        f"({construct['compiled tapped'] / construct['compiled plain']:.2f}x)"
+    )
 
 
 # -- (c) --------------------------------------------------------------------------------------
+
 
 def drift(root: Path) -> dict[str, Any]:
     """Dump bf16 eager and compiled vLLM on the default checkpoint and summarize the comparator's JSON."""
@@ -193,20 +214,58 @@ def drift(root: Path) -> dict[str, Any]:
     prompts = root / "drift-prompts.jsonl"
     prompts.write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in _prompts(2, 96)))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    job = [sys.executable, "-m", "dumper", "run", "--engine", "vllm", "--model", str(ckpt), "--dtype", "bfloat16",
-           "--layers", "all", "--logprobs", "--prompts", str(prompts), "--quiet"]
+    job = [
+        sys.executable,
+        "-m",
+        "dumper",
+        "run",
+        "--engine",
+        "vllm",
+        "--model",
+        str(ckpt),
+        "--dtype",
+        "bfloat16",
+        "--layers",
+        "all",
+        "--logprobs",
+        "--prompts",
+        str(prompts),
+        "--quiet",
+    ]
     for name, extra in (("eager", ["--engine-arg", "enforce_eager=true"]), ("compiled", [])):
         with open(root / f"{name}.log", "w") as log:
-            subprocess.run([*job, *extra, "--out", str(root / name)], env=env, check=True, cwd=ROOT,
-                           stdout=log, stderr=subprocess.STDOUT)
+            subprocess.run(
+                [*job, *extra, "--out", str(root / name)],
+                env=env,
+                check=True,
+                cwd=ROOT,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
     report = root / "drift.json"
-    res = subprocess.run([sys.executable, "-m", "comparator", "--json", str(report), "--quiet", str(root / "eager"),
-                          str(root / "compiled")], env=env, cwd=ROOT, capture_output=True, text=True, check=False)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "comparator",
+            "--json",
+            str(report),
+            "--quiet",
+            str(root / "eager"),
+            str(root / "compiled"),
+        ],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if res.returncode not in (0, 1):
         raise RuntimeError(res.stdout + res.stderr)
     summary = summarize(json.loads(report.read_text()))
-    summary["first_differing_token"] = first_differing_token(root / "eager", root / "compiled",
-                                                             summary["first_nonzero_layer"])
+    summary["first_differing_token"] = first_differing_token(
+        root / "eager", root / "compiled", summary["first_nonzero_layer"]
+    )
     return summary
 
 
@@ -239,15 +298,25 @@ def summarize(r: dict[str, Any]) -> dict[str, Any]:
     fd = r.get("first_divergent") or {}
     worst = max(by_layer, key=by_layer.get) if by_layer else None
     lp = (r.get("logprobs") or {}).get("max_abs_err") or {}
-    return {"passed": r["passed"], "first_divergent_layer": fd.get("layer"), "token": fd.get("token"),
-            "onset": fd.get("onset"), "first_nonzero_layer": next((k for k in sorted(by_layer) if by_layer[k] > 0), None),
-            "worst_layer": worst, "worst_rel_diff": by_layer.get(worst),
-            "worst_token": max((t for t in r["tensors"] if t["layer"] == worst), key=lambda t: t["rel_diff"],
-                               default={}).get("worst_token"), "max_abs_dlogprob": lp.get("value"),
-            "dlogprob_at": (lp.get("sample"), lp.get("position")), "per_layer": by_layer}
+    return {
+        "passed": r["passed"],
+        "first_divergent_layer": fd.get("layer"),
+        "token": fd.get("token"),
+        "onset": fd.get("onset"),
+        "first_nonzero_layer": next((k for k in sorted(by_layer) if by_layer[k] > 0), None),
+        "worst_layer": worst,
+        "worst_rel_diff": by_layer.get(worst),
+        "worst_token": max(
+            (t for t in r["tensors"] if t["layer"] == worst), key=lambda t: t["rel_diff"], default={}
+        ).get("worst_token"),
+        "max_abs_dlogprob": lp.get("value"),
+        "dlogprob_at": (lp.get("sample"), lp.get("position")),
+        "per_layer": by_layer,
+    }
 
 
 # -- main -------------------------------------------------------------------------------------
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -259,8 +328,11 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--skip-overhead", action="store_true")
     ap.add_argument("--skip-drift", action="store_true")
-    ap.add_argument("--reuse-cache", action="store_true",
-                    help="keep each engine's compile cache under --dir between runs (then (b) is not a compile time)")
+    ap.add_argument(
+        "--reuse-cache",
+        action="store_true",
+        help="keep each engine's compile cache under --dir between runs (then (b) is not a compile time)",
+    )
     ap.add_argument("--dir", default=None, help="where to write checkpoints, caches and dumps (default: a temp dir)")
     args = ap.parse_args()
     if args.worker:
@@ -269,15 +341,26 @@ def main() -> None:
     root.mkdir(parents=True, exist_ok=True)
     try:
         if not args.skip_overhead:
-            ckpt = build_checkpoint(root / "ckpt", hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
-                                    num_hidden_layers=args.layers)
+            ckpt = build_checkpoint(
+                root / "ckpt", hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=args.layers
+            )
             print_overhead(args, *overhead(args, root, ckpt))
         if not args.skip_drift:
             d = drift(root)
             print("\n(c) vLLM bf16: eager (baseline) vs compiled (target), default test checkpoint")
-            for key in ("passed", "first_divergent_layer", "token", "onset", "first_nonzero_layer",
-                        "first_differing_token", "worst_layer", "worst_rel_diff", "worst_token", "max_abs_dlogprob",
-                        "dlogprob_at"):
+            for key in (
+                "passed",
+                "first_divergent_layer",
+                "token",
+                "onset",
+                "first_nonzero_layer",
+                "first_differing_token",
+                "worst_layer",
+                "worst_rel_diff",
+                "worst_token",
+                "max_abs_dlogprob",
+                "dlogprob_at",
+            ):
                 print(f"{key:22} {d[key]}")
             print("per-layer max rel_diff: " + ", ".join(f"{k}: {v:.3g}" for k, v in sorted(d["per_layer"].items())))
     finally:

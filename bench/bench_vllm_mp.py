@@ -64,6 +64,7 @@ KV_GIB = "4"
 
 # -- worker (one engine per process) ----------------------------------------------------------
 
+
 def _prompts(count: int, tokens: int) -> list[list[int]]:
     import numpy as np
 
@@ -79,8 +80,16 @@ def worker(spec: dict[str, Any]) -> None:
 
     ckpt, seqs, out = Path(spec["ckpt"]), _prompts(spec["prompts"], spec["tokens"]), Path(spec["out"])
     args = (("tensor_parallel_size", str(spec["tp"])),)
-    cfg = RunConfig(out="unused", model=str(ckpt), dtype=spec["dtype"], layers="all", engine="vllm", engine_args=args,
-                    new_tokens=spec.get("new_tokens", 0), points=tuple(spec.get("points", "input").split(",")))
+    cfg = RunConfig(
+        out="unused",
+        model=str(ckpt),
+        dtype=spec["dtype"],
+        layers="all",
+        engine="vllm",
+        engine_args=args,
+        new_tokens=spec.get("new_tokens", 0),
+        points=tuple(spec.get("points", "input").split(",")),
+    )
     start = time.perf_counter()
     llm = load_llm(engine_kwargs(cfg, ckpt, seqs, tap=spec["tap"]))
     _reply({"construct_s": time.perf_counter() - start})
@@ -99,8 +108,11 @@ def worker(spec: dict[str, Any]) -> None:
             remove_spool(directory)
             dt = time.perf_counter() - t0
             rows = [t for t in m.tensors if t.point == "input"]
-            got = {"bytes": sum(t.nbytes for t in rows), "ranks": len({t.rank for t in rows}),
-                   "phases": (t1 - t0, t2 - t1, dt - (t2 - t0))}
+            got = {
+                "bytes": sum(t.nbytes for t in rows),
+                "ranks": len({t.rank for t in rows}),
+                "phases": (t1 - t0, t2 - t1, dt - (t2 - t0)),
+            }
             shutil.rmtree(target)
             cached = sum(m.extra["prefix_cache_hits"])
         else:
@@ -129,15 +141,21 @@ class Worker:
         if fresh_cache is not None:  # nothing compiled before: the engine start includes compiling
             cache = Path(tempfile.mkdtemp(prefix="cache-", dir=fresh_cache))
             env.update(VLLM_CACHE_ROOT=str(cache / "vllm"), TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"))
-        self.proc = subprocess.Popen([sys.executable, __file__, "--worker", json.dumps(spec)], env=env, text=True,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--worker", json.dumps(spec)],
+            env=env,
+            text=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+        )
         self.construct_s = self._read()["construct_s"]
 
     def _read(self) -> dict[str, Any]:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             if line.startswith(MARK):
-                return json.loads(line[len(MARK):])
+                return json.loads(line[len(MARK) :])
         raise RuntimeError(f"worker exited with {self.proc.wait()} before answering")
 
     def run(self, what: str) -> dict[str, Any]:
@@ -153,6 +171,7 @@ class Worker:
 
 
 # -- (a) and (b) ------------------------------------------------------------------------------
+
 
 def _median_of(worker: Worker, what: str, reps: int) -> tuple[float, list[float], dict[str, Any]]:
     samples, last = [], {}
@@ -182,9 +201,16 @@ def overhead(args: argparse.Namespace, base: dict[str, Any]) -> tuple[dict[str, 
     finally:
         plain.close()
     print(f"  seconds: plain {_fmt(p)}; tapped {_fmt(t)}; captured {_fmt(c)}", flush=True)
-    return {"plain": p, "tapped": t, "captured": c, "bytes": got["bytes"], "first_captured": first["seconds"],
-            "phases": [statistics.median(x) for x in zip(*phases, strict=True)],
-            "construct": tapped.construct_s, "construct_plain": plain.construct_s}, tapped
+    return {
+        "plain": p,
+        "tapped": t,
+        "captured": c,
+        "bytes": got["bytes"],
+        "first_captured": first["seconds"],
+        "phases": [statistics.median(x) for x in zip(*phases, strict=True)],
+        "construct": tapped.construct_s,
+        "construct_plain": plain.construct_s,
+    }, tapped
 
 
 def tensor_parallel(args: argparse.Namespace, base: dict[str, Any], tp1: Worker, res: dict[str, Any]) -> dict:
@@ -200,9 +226,14 @@ def tensor_parallel(args: argparse.Namespace, base: dict[str, Any], tp1: Worker,
     finally:
         tp2.close()
     print(f"  captured seconds: TP=1 {_fmt(c1)}; TP=2 {_fmt(c2)}", flush=True)
-    return {"construct": (res["construct"], tp2.construct_s), "first": (res["first_captured"], first2["seconds"]),
-            "median": (statistics.median(c1), statistics.median(c2)), "minimum": (min(c1), min(c2)),
-            "bytes2": got["bytes"], "ranks2": got["ranks"]}
+    return {
+        "construct": (res["construct"], tp2.construct_s),
+        "first": (res["first_captured"], first2["seconds"]),
+        "median": (statistics.median(c1), statistics.median(c2)),
+        "minimum": (min(c1), min(c2)),
+        "bytes2": got["bytes"],
+        "ranks2": got["ranks"],
+    }
 
 
 def _fmt(samples: list[float]) -> str:
@@ -213,31 +244,43 @@ def report(args: argparse.Namespace, n: int, res: dict[str, Any], tp: dict[str, 
     mp, mt, mc = (statistics.median(res[k]) for k in ("plain", "tapped", "captured"))
     lp, lt, lc = (min(res[k]) for k in ("plain", "tapped", "captured"))
     decode = f", then {args.new_tokens} greedy tokens each" if args.new_tokens else ""
-    print(f"\nvLLM {args.dtype}, multiprocess engine, compiled; {n} prompts x {args.tokens} tokens{decode}; "
-          f"{res['bytes'] / 2**20:.1f} MiB of captured rows per job (TP=1); {os.cpu_count()} CPUs")
+    print(
+        f"\nvLLM {args.dtype}, multiprocess engine, compiled; {n} prompts x {args.tokens} tokens{decode}; "
+        f"{res['bytes'] / 2**20:.1f} MiB of captured rows per job (TP=1); {os.cpu_count()} CPUs"
+    )
     print(f"\n(b) capture overhead, TP=1, {args.reps} runs each (minima: the runs least disturbed by the machine)")
-    print(f"{'':8} {'plain s':>8} {'tapped s':>8} {'capt. s':>8} {'capt/tapped':>11} {'capt/plain':>10} "
-          f"{'tapped/plain':>12}")
+    print(
+        f"{'':8} {'plain s':>8} {'tapped s':>8} {'capt. s':>8} {'capt/tapped':>11} {'capt/plain':>10} "
+        f"{'tapped/plain':>12}"
+    )
     for name, (a, b, c) in (("median", (mp, mt, mc)), ("minimum", (lp, lt, lc))):
         print(f"{name:8} {a:8.3f} {b:8.3f} {c:8.3f} {c / b:11.3f} {c / a:10.3f} {b / a:12.3f}")
     gen, wait, join = res["phases"]
-    print(f"captured job (medians): generate {gen:.3f} s (outputs back), parts {wait:.3f} s (the ranks' last "
-          f"writes), join {join:.3f} s (data files moved in, manifest)")
+    print(
+        f"captured job (medians): generate {gen:.3f} s (outputs back), parts {wait:.3f} s (the ranks' last "
+        f"writes), join {join:.3f} s (data files moved in, manifest)"
+    )
     cache = "each compiling anew (--fresh-cache)" if args.fresh_cache else "vLLM's compile cache as it was"
     print(f"engine start ({cache}): tapped {res['construct']:.1f} s, plain {res['construct_plain']:.1f} s")
     if tp is None:
         return
-    print(f"\n(a) TP=2 vs TP=1, tapped engine, captured job (TP=2: {tp['bytes2'] / 2**20:.1f} MiB on "
-          f"{tp['ranks2']} ranks)")
+    print(
+        f"\n(a) TP=2 vs TP=1, tapped engine, captured job (TP=2: {tp['bytes2'] / 2**20:.1f} MiB on "
+        f"{tp['ranks2']} ranks)"
+    )
     print(f"{'':26} {'TP=1 s':>8} {'TP=2 s':>8} {'TP2/TP1':>8}")
-    rows = (("engine start", tp["construct"]), ("captured job (median)", tp["median"]),
-            ("captured job (minimum)", tp["minimum"]),
-            ("start + first captured job", tuple(a + b for a, b in zip(tp["construct"], tp["first"], strict=True))))
+    rows = (
+        ("engine start", tp["construct"]),
+        ("captured job (median)", tp["median"]),
+        ("captured job (minimum)", tp["minimum"]),
+        ("start + first captured job", tuple(a + b for a, b in zip(tp["construct"], tp["first"], strict=True))),
+    )
     for name, (one, two) in rows:
         print(f"{name:26} {one:8.2f} {two:8.2f} {two / one:8.2f}")
 
 
 # -- main -------------------------------------------------------------------------------------
+
 
 def checkpoint(hidden: int, layers: int) -> Path:
     """The tests' checkpoint, or a random Llama of ``hidden`` x ``layers`` (built once, at a fixed path)."""
@@ -247,8 +290,14 @@ def checkpoint(hidden: int, layers: int) -> Path:
     if (hidden, layers) == (HIDDEN, LAYERS):
         return shared_checkpoint()
     heads = max(1, hidden // 64)
-    size = {"hidden_size": hidden, "num_hidden_layers": layers, "intermediate_size": hidden * 11 // 4,
-            "num_attention_heads": heads, "num_key_value_heads": max(1, heads // 2), "head_dim": hidden // heads}
+    size = {
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "intermediate_size": hidden * 11 // 4,
+        "num_attention_heads": heads,
+        "num_key_value_heads": max(1, heads // 2),
+        "head_dim": hidden // heads,
+    }
     return shared_checkpoint(f"bench-h{hidden}-l{layers}", lambda out: build_checkpoint(out, **size))
 
 
@@ -260,27 +309,46 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=512, help="tokens per prompt (default 512)")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--skip-tp", action="store_true", help="only (b)")
-    ap.add_argument("--fresh-cache", action="store_true",
-                    help="each engine compiles anew (its own empty VLLM_CACHE_ROOT); default: vLLM's usual cache")
+    ap.add_argument(
+        "--fresh-cache",
+        action="store_true",
+        help="each engine compiles anew (its own empty VLLM_CACHE_ROOT); default: vLLM's usual cache",
+    )
     ap.add_argument("--dir", default=None, help="where to write dumps (default: a temp dir)")
     ap.add_argument("--hidden", type=int, default=HIDDEN, help=f"hidden size (default {HIDDEN}: the tests' model)")
     ap.add_argument("--layers", type=int, default=LAYERS, help=f"decoder layers (default {LAYERS})")
     ap.add_argument("--prompts", type=int, default=None, help="prompts per job (default: as many as --mib makes)")
-    ap.add_argument("--points", default="input", help="capture points, comma-separated (default input; "
-                    "input,attn_output,mlp_input,mlp_output: the points inside a layer too)")
-    ap.add_argument("--new-tokens", type=int, default=0, help="greedy tokens per prompt, decode steps captured too "
-                    "(default 0: a prefill, max_tokens=1)")
+    ap.add_argument(
+        "--points",
+        default="input",
+        help="capture points, comma-separated (default input; "
+        "input,attn_output,mlp_input,mlp_output: the points inside a layer too)",
+    )
+    ap.add_argument(
+        "--new-tokens",
+        type=int,
+        default=0,
+        help="greedy tokens per prompt, decode steps captured too (default 0: a prefill, max_tokens=1)",
+    )
     args = ap.parse_args()
     if args.worker:
         return worker(json.loads(args.worker))
     root = Path(args.dir or tempfile.mkdtemp(prefix="driftscope-bench-mp-"))
     root.mkdir(parents=True, exist_ok=True)
-    per_prompt = (len(args.points.split(",")) * args.tokens * args.layers * args.hidden
-                  * (4 if args.dtype == "float32" else 2))
+    per_prompt = (
+        len(args.points.split(",")) * args.tokens * args.layers * args.hidden * (4 if args.dtype == "float32" else 2)
+    )
     n = args.prompts or max(1, round(args.mib * 2**20 / per_prompt))
-    base = {"ckpt": str(checkpoint(args.hidden, args.layers)), "tokens": args.tokens, "prompts": n,
-            "dtype": args.dtype, "out": str(root), "hidden": args.hidden, "new_tokens": args.new_tokens,
-            "points": args.points}
+    base = {
+        "ckpt": str(checkpoint(args.hidden, args.layers)),
+        "tokens": args.tokens,
+        "prompts": n,
+        "dtype": args.dtype,
+        "out": str(root),
+        "hidden": args.hidden,
+        "new_tokens": args.new_tokens,
+        "points": args.points,
+    }
     args.fresh = root if args.fresh_cache else None
     try:
         res, tp1 = overhead(args, base)

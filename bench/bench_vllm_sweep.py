@@ -71,9 +71,15 @@ def _times(result: dict[str, Any]) -> dict[str, float]:
     started = [c["wall_s"] for c in result["cells"] if not c["engine_reused"]]
     reused = [c["wall_s"] for c in result["cells"] if c["engine_reused"]]
     mean_start = statistics.mean(started) if started else 0.0
-    return {"cells": len(result["cells"]), "engine_starts": len(started), "reused": len(reused),
-            "mean_start_cell_s": mean_start, "mean_reused_cell_s": statistics.mean(reused) if reused else 0.0,
-            "saved_s": len(reused) * mean_start - sum(reused), "sweep_wall_s": result["wall_s"]}
+    return {
+        "cells": len(result["cells"]),
+        "engine_starts": len(started),
+        "reused": len(reused),
+        "mean_start_cell_s": mean_start,
+        "mean_reused_cell_s": statistics.mean(reused) if reused else 0.0,
+        "saved_s": len(reused) * mean_start - sum(reused),
+        "sweep_wall_s": result["wall_s"],
+    }
 
 
 def run(dtype: str, work: Path, eager: bool, grid: tuple[str, ...] = GRID) -> dict[str, Any]:
@@ -82,18 +88,61 @@ def run(dtype: str, work: Path, eager: bool, grid: tuple[str, ...] = GRID) -> di
     prompts.write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in PROMPTS))
     mode = ("--engine-arg", "enforce_eager=true") if eager else ()
     base = work / f"base-{dtype}"
-    _cli("dumper", "run", "--engine", "vllm", "--model", ckpt, "--prompts", prompts, "--layers", "all",
-         "--logprobs", "--top-k", "5", "--dtype", dtype, "--engine-arg", "enable_prefix_caching=false", *mode,
-         "--out", base, "--quiet")
+    _cli(
+        "dumper",
+        "run",
+        "--engine",
+        "vllm",
+        "--model",
+        ckpt,
+        "--prompts",
+        prompts,
+        "--layers",
+        "all",
+        "--logprobs",
+        "--top-k",
+        "5",
+        "--dtype",
+        dtype,
+        "--engine-arg",
+        "enable_prefix_caching=false",
+        *mode,
+        "--out",
+        base,
+        "--quiet",
+    )
     out = work / f"sweep-{dtype}"
     start = time.perf_counter()
-    r = _cli("dumper", "sweep", "--engine", "vllm", "--model", ckpt, "--baseline", base, "--logprobs", "--top-k",
-             "5", *mode, *(a for g in grid for a in ("--grid", g)), "--out", out, "--json", work / f"{dtype}.json",
-             "--quiet")
+    r = _cli(
+        "dumper",
+        "sweep",
+        "--engine",
+        "vllm",
+        "--model",
+        ckpt,
+        "--baseline",
+        base,
+        "--logprobs",
+        "--top-k",
+        "5",
+        *mode,
+        *(a for g in grid for a in ("--grid", g)),
+        "--out",
+        out,
+        "--json",
+        work / f"{dtype}.json",
+        "--quiet",
+    )
     result = json.loads((work / f"{dtype}.json").read_text())
-    return {"dtype": dtype, "exit": r.returncode, "passed": result["passed"], "wall_s": time.perf_counter() - start,
-            "failing": [c["name"] for c in result["cells"] if not c["passed"]],
-            "noise": _noise(result), "times": _times(result)}
+    return {
+        "dtype": dtype,
+        "exit": r.returncode,
+        "passed": result["passed"],
+        "wall_s": time.perf_counter() - start,
+        "failing": [c["name"] for c in result["cells"] if not c["passed"]],
+        "noise": _noise(result),
+        "times": _times(result),
+    }
 
 
 def main() -> None:
@@ -108,13 +157,17 @@ def main() -> None:
     for dtype in args.dtypes.split(","):
         res = run(dtype, work, args.eager, tuple(args.grid) if args.grid else GRID)
         t = res["times"]
-        print(f"{dtype}: exit {res['exit']}, {t['cells']} cells in {t['sweep_wall_s']:.0f} s; "
-              f"{t['engine_starts']} engine starts ({t['mean_start_cell_s']:.1f} s/cell), {t['reused']} reused "
-              f"({t['mean_reused_cell_s']:.2f} s/cell): reuse saved {t['saved_s']:.0f} s; failing: {res['failing']}")
+        print(
+            f"{dtype}: exit {res['exit']}, {t['cells']} cells in {t['sweep_wall_s']:.0f} s; "
+            f"{t['engine_starts']} engine starts ({t['mean_start_cell_s']:.1f} s/cell), {t['reused']} reused "
+            f"({t['mean_reused_cell_s']:.2f} s/cell): reuse saved {t['saved_s']:.0f} s; failing: {res['failing']}"
+        )
         for axis, row in sorted(res["noise"].items()):
             lp = row["max_abs_logprob"]
-            print(f"  {axis:32s} max per-token rel_diff {row['max_token_rel_diff']:.3e}   "
-                  f"max |dlogprob| {'n/a' if lp is None else f'{lp:.3e}'}")
+            print(
+                f"  {axis:32s} max per-token rel_diff {row['max_token_rel_diff']:.3e}   "
+                f"max |dlogprob| {'n/a' if lp is None else f'{lp:.3e}'}"
+            )
         (work / f"summary-{dtype}.json").write_text(json.dumps(res, indent=1))
 
 

@@ -32,14 +32,19 @@ from comparator import CompareConfig, compare_dumps
 
 CALIBRATION = ("sdpa", "chunk16", "batch3", "sdpa-c7", "sdpa-c24")
 """The variants of ``--calibrate`` (dumper.jobs.calibrated.variant_configs) for an eager baseline."""
-VARIANTS: dict[str, dict] = {"sdpa": {"attn": "sdpa"}, "chunk16": {"chunk_size": 16}, "batch3": {"batch_size": 3},
-                             "sdpa-batch3": {"attn": "sdpa", "batch_size": 3},
-                             "sdpa-batch2": {"attn": "sdpa", "batch_size": 2},
-                             **{f"sdpa-c{c}": {"attn": "sdpa", "chunk_size": c}
-                                for c in (3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 16, 20, 24, 32)}}
-BUGS = {"mlp8": (("mlp", 8, 30), "model.layers.8.mlp.output"),
-        "attn22": (("self_attn", 22, 33), "model.layers.22.self_attn.output"),
-        "res17": (("layer", 17, 25), "model.layers.18.self_attn.input")}
+VARIANTS: dict[str, dict] = {
+    "sdpa": {"attn": "sdpa"},
+    "chunk16": {"chunk_size": 16},
+    "batch3": {"batch_size": 3},
+    "sdpa-batch3": {"attn": "sdpa", "batch_size": 3},
+    "sdpa-batch2": {"attn": "sdpa", "batch_size": 2},
+    **{f"sdpa-c{c}": {"attn": "sdpa", "chunk_size": c} for c in (3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 16, 20, 24, 32)},
+}
+BUGS = {
+    "mlp8": (("mlp", 8, 30), "model.layers.8.mlp.output"),
+    "attn22": (("self_attn", 22, 33), "model.layers.22.self_attn.output"),
+    "res17": (("layer", 17, 25), "model.layers.18.self_attn.input"),
+}
 """Name -> (the seed of tests/e2e/test_real_checkpoint.py: module, layer, token; the tensor it is named at)."""
 
 
@@ -80,8 +85,13 @@ def thresholds(res: dict, cal: tuple[str, ...], quantile: float, smooth: int) ->
         near = {}
         for (name, s), v in noise.items():
             layer = _layer(name)
-            near[name, s] = np.max([noise.get((name.replace(f"layers.{layer}.", f"layers.{layer + d}."), s), v)
-                                    for d in range(-smooth, smooth + 1)], axis=0)
+            near[name, s] = np.max(
+                [
+                    noise.get((name.replace(f"layers.{layer}.", f"layers.{layer + d}."), s), v)
+                    for d in range(-smooth, smooth + 1)
+                ],
+                axis=0,
+            )
         noise = near
     out = {}
     for name in {k[0] for k in keys}:
@@ -98,26 +108,36 @@ def main() -> None:
     root.mkdir(parents=True, exist_ok=True)
     t = time.perf_counter()
     dumps(root)
-    res = {p.name: per_token(root, p.name) for p in sorted(root.iterdir()) if (p / "manifest.json").is_file()
-           and p.name != "base"}
+    res = {
+        p.name: per_token(root, p.name)
+        for p in sorted(root.iterdir())
+        if (p / "manifest.json").is_file() and p.name != "base"
+    }
     wide = ("sdpa", "chunk16", "batch3", "sdpa-c5", "sdpa-c7", "sdpa-c11", "sdpa-c16", "sdpa-c24")
-    rules = [("--calibrate's variants, median floor (the default)", CALIBRATION, 0.5, 0),
-             ("the same, p90 floor", CALIBRATION, 0.9, 0),
-             ("the same, each row's noise the max over layers L-1..L+1", CALIBRATION, 0.5, 1),
-             ("8 variants (SDPA chunks 5, 7, 11, 16, 24), median floor", wide, 0.5, 0)]
+    rules = [
+        ("--calibrate's variants, median floor (the default)", CALIBRATION, 0.5, 0),
+        ("the same, p90 floor", CALIBRATION, 0.9, 0),
+        ("the same, each row's noise the max over layers L-1..L+1", CALIBRATION, 0.5, 1),
+        ("8 variants (SDPA chunks 5, 7, 11, 16, 24), median floor", wide, 0.5, 0),
+    ]
     for label, cal, quantile, smooth in rules:
         thr = thresholds(res, cal, quantile, smooth)
         held = [v for v in res if v not in cal and not v.startswith("bug-")]
-        worst = {v: max(float(np.max(res[v][k] / thr[k])) for k in thr if ".layers.0.self_attn.input" not in k[0])
-                 for v in held}
+        worst = {
+            v: max(float(np.max(res[v][k] / thr[k])) for k in thr if ".layers.0.self_attn.input" not in k[0])
+            for v in held
+        }
         alarms = sorted((v for v in held if worst[v] > 1), key=lambda v: -worst[v])
-        print(f"\n{label}\n  false alarms: {len(alarms)} of {len(held)} held-out benign variants, worst "
-              f"{max(worst.values()):.2f}x the threshold: " + ", ".join(f"{v} {worst[v]:.2f}" for v in alarms))
+        print(
+            f"\n{label}\n  false alarms: {len(alarms)} of {len(held)} held-out benign variants, worst "
+            f"{max(worst.values()):.2f}x the threshold: " + ", ".join(f"{v} {worst[v]:.2f}" for v in alarms)
+        )
         named = []
         for bug, ((_, _, token), tensor) in BUGS.items():
             for fraction in ("0.02", "0.05"):
-                ratio = max(float(res[f"bug-{bug}-{fraction}"][tensor, s][token] / thr[tensor, s][token])
-                            for s in range(3))
+                ratio = max(
+                    float(res[f"bug-{bug}-{fraction}"][tensor, s][token] / thr[tensor, s][token]) for s in range(3)
+                )
                 named.append(f"{bug} {float(fraction):.0%} {ratio:.2f}")
         print("  bugs (ratio to the threshold at the bug's row, best sequence): " + ", ".join(named))
     print(f"\nbench wall time {time.perf_counter() - t:.0f}s")

@@ -62,16 +62,36 @@ SINK_FACTOR = 5.0
 """A row counts as an outlier in a layer when its value exceeds this multiple of the layer's median row."""
 
 
-def dump(root: Path, name: str, args: list[str], env: dict[str, str], model: Path, prompts: Path, dtype: str,
-         fresh: bool) -> float:
+def dump(
+    root: Path, name: str, args: list[str], env: dict[str, str], model: Path, prompts: Path, dtype: str, fresh: bool
+) -> float:
     """Dump one run into ``root/name`` through the CLI; its wall time (0 when an earlier dump is reused).
 
     A dump is reused only when ``root/name.cmd`` says the same command (with the same prompts) wrote it.
     """
     out, stamp = root / name, root / f"{name}.cmd"
-    cmd = [sys.executable, "-m", "dumper", "run", "--model", str(model), "--dtype", dtype, "--layers", "all",
-           "--points", ",".join(POINTS), "--prompts", str(prompts), "--quiet", "--out", str(out), "--attn", "eager",
-           *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "dumper",
+        "run",
+        "--model",
+        str(model),
+        "--dtype",
+        dtype,
+        "--layers",
+        "all",
+        "--points",
+        ",".join(POINTS),
+        "--prompts",
+        str(prompts),
+        "--quiet",
+        "--out",
+        str(out),
+        "--attn",
+        "eager",
+        *args,
+    ]
     key = "\n".join([*cmd, *(f"{k}={v}" for k, v in env.items()), prompts.read_text()])
     if not fresh and (out / "manifest.json").is_file() and stamp.is_file() and stamp.read_text() == key:
         return 0.0
@@ -93,15 +113,18 @@ def rows_of(base: Path, target: Path, lengths: list[int], layers: int) -> tuple[
         seq = t.sequence  # one comparison per (name, sequence); its rows are positions 0..n-1 of that prompt
         assert seq is not None and t.layer is not None and t.shape[0] == lengths[seq], t.name
         assert t.worst_token is None or t.worst_token == t.worst_row, f"{t.name}: rows are not positions 0.."
-        out[POINTS.index(t.point or ""), t.layer, offsets[seq]:offsets[seq + 1]] = tokens
+        out[POINTS.index(t.point or ""), t.layer, offsets[seq] : offsets[seq + 1]] = tokens
 
     t0 = time.perf_counter()
     report = compare_dumps(base, target, CompareConfig(threads=2), token_sink=sink)
     took = time.perf_counter() - t0
     assert not np.isnan(out).any(), f"{target}: rows missing from the comparison"
     fd = report.first_divergent
-    verdict = "PASS" if report.passed else (
-        f"DIVERGED at layer {fd.layer} {fd.point}, seq {fd.sequence} token {fd.token}" if fd else "DIVERGED")
+    verdict = (
+        "PASS"
+        if report.passed
+        else (f"DIVERGED at layer {fd.layer} {fd.point}, seq {fd.sequence} token {fd.token}" if fd else "DIVERGED")
+    )
     return out, verdict, took
 
 
@@ -133,17 +156,21 @@ def spread(v: np.ndarray) -> str:
     return f"{q[0]:8.2e} {q[1]:8.2e} {q[2]:8.2e} {v.max():8.2e} {v.max() / q[0] if q[0] else np.inf:7.1f}"
 
 
-HEAD = f"{'':24} {'median':>8} {'p90':>8} {'p99':>8} {'max':>8} {'max/med':>7}  top rows (x layer median / layers >" \
-       f"{SINK_FACTOR:g}x)"
+HEAD = (
+    f"{'':24} {'median':>8} {'p90':>8} {'p99':>8} {'max':>8} {'max/med':>7}  top rows (x layer median / layers >"
+    f"{SINK_FACTOR:g}x)"
+)
 
 
 def stability(data: dict[str, np.ndarray]) -> None:
     """Per variant (and per point): value / max over the other variants, quantiles and exceedance rates."""
     names = list(data)
     stack = np.stack([data[n] for n in names])  # [variant, point, layer, row]
-    print("\ncross-variant stability: a row's value in variant k / its max over the other variants "
-          "(=1: equal to another variant's, bit for bit; >Fx: rows a per-row threshold of F x the others' max "
-          "would fail; 3x is the default noise factor)")
+    print(
+        "\ncross-variant stability: a row's value in variant k / its max over the other variants "
+        "(=1: equal to another variant's, bit for bit; >Fx: rows a per-row threshold of F x the others' max "
+        "would fail; 3x is the default noise factor)"
+    )
     rates = " ".join(f"{f'>{f}x':>6}" for f in (1, *FACTORS))
     print(f"{'':24} {'p50':>6} {'p90':>6} {'p99':>6} {'max':>7} {'=1':>6} {rates} {'rows':>6}")
     for p_i, point in enumerate((*POINTS, "all")):
@@ -155,8 +182,10 @@ def stability(data: dict[str, np.ndarray]) -> None:
             r = mine[keep] / others[keep]
             q = np.quantile(r, [0.5, 0.9, 0.99])
             rate = " ".join(f"{100 * np.mean(r > f):5.1f}%" for f in (1, *FACTORS))
-            print(f"{point + ' ' + name:24} {q[0]:6.2f} {q[1]:6.2f} {q[2]:6.2f} {r.max():7.1f} "
-                  f"{100 * np.mean(r == 1):5.1f}% {rate} {r.size:6d}")
+            print(
+                f"{point + ' ' + name:24} {q[0]:6.2f} {q[1]:6.2f} {q[2]:6.2f} {r.max():7.1f} "
+                f"{100 * np.mean(r == 1):5.1f}% {rate} {r.size:6d}"
+            )
 
 
 def main() -> None:
@@ -176,8 +205,10 @@ def main() -> None:
     lengths = [len(s) for s in real_prompt_ids(model)]
     labels = row_labels(model)
     layers = json.loads((model / "config.json").read_text())["num_hidden_layers"]
-    print(f"prompts: {lengths} tokens; {args.dtype}; points {','.join(POINTS)}; all {layers} layers; "
-          f"baseline {BASELINE} (one pass per prompt)")
+    print(
+        f"prompts: {lengths} tokens; {args.dtype}; points {','.join(POINTS)}; all {layers} layers; "
+        f"baseline {BASELINE} (one pass per prompt)"
+    )
     for name, extra, env in ((BASELINE, [], {}), *VARIANTS):
         took = dump(args.out, name, extra, env, model, prompts, args.dtype, args.fresh)
         what = " ".join([*extra, *(f"{k}={v}" for k, v in env.items())]) or "--attn eager"

@@ -110,25 +110,32 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
+    from comparator.cli.args import stdout_console, threshold_flags
     from comparator.config import CompareConfig
     from comparator.hidden.compare import compare_dumps
     from comparator.hidden.metrics import PairStats, pair_stats, rel_diff
+    from comparator.hidden.types import (
+        FirstDivergence,
+        Heatmap,
+        LayerSummary,
+        ReplicaMismatch,
+        Report,
+        TensorComparison,
+    )
     from comparator.judging.logprob_thresholds import LogprobThresholds
+    from comparator.judging.noise import NoiseModel
     from comparator.logprobs import LogprobVerdict, SequenceLogprobs, compare_logprobs
     from comparator.logprobs.judge import compare_logprob_sources
-    from comparator.judging.noise import NoiseModel
-    from comparator.noise.calibrate import calibrate
-    from comparator.noise.file import BASELINE_NOISE, load_noise, save_noise
-    from comparator.hidden.types import FirstDivergence, Heatmap, LayerSummary, ReplicaMismatch, Report, TensorComparison
-    from comparator.store import RunStore, select_baseline
-    from comparator.store.regress import RegressResult, regress
-    from comparator.cli.args import stdout_console, threshold_flags
     from comparator.logprobs.metrics import GREEDY_K3_NOTE, k3_summary
     from comparator.logprobs.sources.collect import score_prompt
     from comparator.logprobs.sources.engine_json import parse_record
     from comparator.logprobs.types import TopK
+    from comparator.noise.calibrate import calibrate
+    from comparator.noise.file import BASELINE_NOISE, load_noise, save_noise
     from comparator.outcome import DIVERGED, PASS, Outcome, clause, format_float, status
     from comparator.reports.files import write_json
+    from comparator.store import RunStore, select_baseline
+    from comparator.store.regress import RegressResult, regress
 
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

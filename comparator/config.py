@@ -6,8 +6,6 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from dumper.errors import UsageError
-
 from comparator.judging.noise_thresholds import (
     DEFAULT_FACTOR,
     DEFAULT_FLOOR,
@@ -18,6 +16,7 @@ from comparator.judging.noise_thresholds import (
 )
 from comparator.judging.values import is_threshold
 from comparator.settings import comparator_settings
+from dumper.errors import UsageError
 
 if TYPE_CHECKING:  # a noise file's model loads only with --noise
     from comparator.judging.noise import NoiseModel
@@ -91,8 +90,9 @@ class CompareConfig:
         without noise."""
         if self.noise is None:
             return ()
-        return noise_warnings(self.noise, {n: self.noise_limits_of(n) for n in names},
-                              (self.threshold, self.token_threshold))
+        return noise_warnings(
+            self.noise, {n: self.noise_limits_of(n) for n in names}, (self.threshold, self.token_threshold)
+        )
 
     def __post_init__(self) -> None:
         for name in ("threshold", "token_threshold"):
@@ -106,12 +106,21 @@ class CompareConfig:
             raise UsageError(f"threads must be between 1 and {MAX_THREADS}, got {self.threads}")
 
     @classmethod
-    def resolve(cls, *, threshold: float | None = None, token_threshold: float | None = None,
-                threads: int | None = None, env: Mapping[str, str] | None = None,
-                logprob_thresholds: Mapping[str, float | None] | None = None, model: str | None = None,
-                require_all: bool = False, allow_model_mismatch: bool = False, noise: NoiseModel | None = None,
-                noise_factor: float | None = None, noise_floors: Mapping[str, float] | None = None,
-                ) -> CompareConfig:
+    def resolve(
+        cls,
+        *,
+        threshold: float | None = None,
+        token_threshold: float | None = None,
+        threads: int | None = None,
+        env: Mapping[str, str] | None = None,
+        logprob_thresholds: Mapping[str, float | None] | None = None,
+        model: str | None = None,
+        require_all: bool = False,
+        allow_model_mismatch: bool = False,
+        noise: NoiseModel | None = None,
+        noise_factor: float | None = None,
+        noise_floors: Mapping[str, float] | None = None,
+    ) -> CompareConfig:
         """Flags win over ``DRIFTSCOPE_DIFF_THRESHOLD`` / ``DRIFTSCOPE_TOKEN_THRESHOLD``, which win over defaults.
 
         ``noise_floors``: as parsed by :func:`comparator.judging.noise_thresholds.parse_noise_floor` (``rel_diff`` and
@@ -121,10 +130,12 @@ class CompareConfig:
         floors = dict(noise_floors or {})
         explicit = any(v is not None for v in (threshold, token_threshold, s.diff_threshold, s.token_threshold))
         return cls(
-            threshold=threshold if threshold is not None else (s.diff_threshold if s.diff_threshold is not None
-                                                               else DEFAULT_THRESHOLD),
-            token_threshold=token_threshold if token_threshold is not None else (
-                s.token_threshold if s.token_threshold is not None else DEFAULT_TOKEN_THRESHOLD),
+            threshold=threshold
+            if threshold is not None
+            else (s.diff_threshold if s.diff_threshold is not None else DEFAULT_THRESHOLD),
+            token_threshold=token_threshold
+            if token_threshold is not None
+            else (s.token_threshold if s.token_threshold is not None else DEFAULT_TOKEN_THRESHOLD),
             threads=threads if threads is not None else 2,
             logprob_thresholds=tuple((logprob_thresholds or {}).items()),
             model=model,

@@ -18,8 +18,11 @@ from typing import Any
 __all__ = ["lazy_exports"]
 
 
-def lazy_exports(package: str, exports: Mapping[str, str], namespace: dict[str, Any],
-                 ) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
+def lazy_exports(
+    package: str,
+    exports: Mapping[str, str],
+    namespace: dict[str, Any],
+) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
     """The ``__getattr__`` and ``__dir__`` of ``package``, whose public name -> defining module map is
     ``exports``; a name once imported is kept in ``namespace`` (the package's ``globals()``)."""
 

@@ -24,21 +24,43 @@ import math
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+from comparator.formatting import format_available, format_float, format_located, format_ratio
 from dumper.format import ROUTER_LOGITS, router_name
 from dumper.format.points import SUBLAYER_POINTS
 
-from comparator.formatting import format_available, format_float, format_located, format_ratio
-
 if TYPE_CHECKING:
+    from comparator.hidden.types import DecodeFork, FirstDivergence, Report, TensorComparison
     from comparator.logprobs import LogprobVerdict
-    from comparator.hidden.types import DecodeFork
-    from comparator.hidden.types import FirstDivergence, Report, TensorComparison
     from comparator.routing.types import Flip, RankRouting, RouterComparison, RouterLayer
 
-__all__ = ["PASS", "FAIL", "DIVERGED", "UNUSABLE", "BOOTSTRAP", "Outcome", "status", "headline", "clause",
-           "sentence", "assertion_head", "describe_divergence", "describe_decode", "describe_routing",
-           "routing_failures", "describe_rank", "judged_by", "flip_ratio", "flip_margin", "threshold_summary",
-           "verdict_notes", "reaches_output", "format_float", "format_available", "format_ratio", "format_located"]
+__all__ = [
+    "PASS",
+    "FAIL",
+    "DIVERGED",
+    "UNUSABLE",
+    "BOOTSTRAP",
+    "Outcome",
+    "status",
+    "headline",
+    "clause",
+    "sentence",
+    "assertion_head",
+    "describe_divergence",
+    "describe_decode",
+    "describe_routing",
+    "routing_failures",
+    "describe_rank",
+    "judged_by",
+    "flip_ratio",
+    "flip_margin",
+    "threshold_summary",
+    "verdict_notes",
+    "reaches_output",
+    "format_float",
+    "format_available",
+    "format_ratio",
+    "format_located",
+]
 
 PASS = "PASS"
 """Every compared value is within its threshold (exit 0)."""
@@ -226,8 +248,11 @@ def sentence(report: Report) -> str:
         return "every matched tensor passed" + _routing_passed(report.router)
     if outcome is Outcome.DECODE:
         return _decode_failure(report)
-    return {Outcome.PASSED: "every matched tensor passed", Outcome.REPLICAS: "replicas differ" + _routing_tail(report),
-            Outcome.LOGPROBS: "the logprobs fail their thresholds"}[outcome]
+    return {
+        Outcome.PASSED: "every matched tensor passed",
+        Outcome.REPLICAS: "replicas differ" + _routing_tail(report),
+        Outcome.LOGPROBS: "the logprobs fail their thresholds",
+    }[outcome]
 
 
 def assertion_head(report: Report) -> str:
@@ -252,12 +277,20 @@ def _ranges(ranges: Sequence[Sequence[int]]) -> str:
     return ", ".join(f"{a}" if a == b else f"{a}..{b}" for a, b in ranges)
 
 
-_METHOD = {"calibrated": "over its calibrated noise", "change-point": "estimated from the run: change point",
-           "threshold": "first over the threshold"}
+_METHOD = {
+    "calibrated": "over its calibrated noise",
+    "change-point": "estimated from the run: change point",
+    "threshold": "first over the threshold",
+}
 
 
-_POINT_WORDS = {"attn_output": "attention output", "mlp_input": "MLP input", "mlp_output": "MLP output",
-                "input": "attention input", "residual": "residual input"}
+_POINT_WORDS = {
+    "attn_output": "attention output",
+    "mlp_input": "MLP input",
+    "mlp_output": "MLP output",
+    "input": "attention input",
+    "residual": "residual input",
+}
 """How a verdict names a capture point inside a layer (:mod:`dumper.format.points`)."""
 
 
@@ -289,18 +322,17 @@ def describe_divergence(fd: FirstDivergence) -> str:
     if len(fd.failing_sequences) > 1:
         text += f"; failing sequences {fd.failing_sequences}"
     if fd.onset_layer is not None and fd.onset_layer != fd.layer:
-        text += (f"; first departs from noise at layer {fd.onset_layer} "
-                 f"({_METHOD[fd.onset_layer_method or 'threshold']})")
+        text += (
+            f"; first departs from noise at layer {fd.onset_layer} ({_METHOD[fd.onset_layer_method or 'threshold']})"
+        )
     return text + f"; rel_diff {format_float(fd.rel_diff)}"
 
 
 def threshold_summary(report: Report, *, quote: Callable[[str], str] = str) -> str:
     """What the tensors were judged by: fixed thresholds, or the noise file (``quote``-d) with its factor and floor."""
     if report.noise is None:
-        return (f"thresholds rel_diff <= {report.threshold:g}, "
-                f"per-token rel_diff <= {report.token_threshold:g}")
-    return (f"thresholds {report.noise_factor:g} x the noise in {quote(report.noise)} "
-            f"(floor {report.noise_floor:g})")
+        return f"thresholds rel_diff <= {report.threshold:g}, per-token rel_diff <= {report.token_threshold:g}"
+    return f"thresholds {report.noise_factor:g} x the noise in {quote(report.noise)} (floor {report.noise_floor:g})"
 
 
 def verdict_notes(report: Report) -> list[str]:
@@ -315,21 +347,30 @@ def describe_decode(report: Report) -> list[str]:
     if d is None:
         return []
     forked = f"; {len(d.forks)} forked (rows and logprobs from each fork on not compared)" if d.forks else ""
-    return [f"decode: {d.steps} decode steps compared over {d.sequences} sequences{forked}",
-            *(f"decode fork: {_fork(f)}" for f in d.forks)]
+    return [
+        f"decode: {d.steps} decode steps compared over {d.sequences} sequences{forked}",
+        *(f"decode fork: {_fork(f)}" for f in d.forks),
+    ]
 
 
 def _fork(f: DecodeFork) -> str:
     """``sequence 0 at step 4 (position 44): baseline token 5, target token 17; a near-tie: ...``."""
     if f.near_tie is None:
-        why = "not judged: " + ("no top-2 logprobs in the baseline (--logprobs --top-k 2)" if f.gap is None
-                                else "no logprob noise to judge by")
+        why = "not judged: " + (
+            "no top-2 logprobs in the baseline (--logprobs --top-k 2)"
+            if f.gap is None
+            else "no logprob noise to judge by"
+        )
     else:
-        why = (f"{'a near-tie' if f.near_tie else 'a real divergence'}: baseline logprob gap "
-               f"{'>= ' if f.gap_is_bound else ''}{format_float(f.gap)} vs {format_ratio(f.factor)} noise "
-               f"{format_float(f.noise)}")
-    return (f"sequence {f.sequence} at step {f.step} (position {f.position}): baseline token {f.baseline_token}, "
-            f"target token {f.target_token}; {why}")
+        why = (
+            f"{'a near-tie' if f.near_tie else 'a real divergence'}: baseline logprob gap "
+            f"{'>= ' if f.gap_is_bound else ''}{format_float(f.gap)} vs {format_ratio(f.factor)} noise "
+            f"{format_float(f.noise)}"
+        )
+    return (
+        f"sequence {f.sequence} at step {f.step} (position {f.position}): baseline token {f.baseline_token}, "
+        f"target token {f.target_token}; {why}"
+    )
 
 
 def reaches_output(report: Report) -> str:
@@ -374,17 +415,30 @@ def flip_margin(flip: Flip, basis: str) -> str:
 def routing_failures(layer: RouterLayer) -> list[str]:
     """Why one MoE layer's routing fails, in words (``NaN/Inf``, ``flips``, ``flip rate``, ``weights``,
     ``no tokens``); empty when it passes."""
-    return [word for word, failed in (("NaN/Inf", layer.nonfinite), ("flips", layer.failing_flips),
-                                      ("flip rate", not layer.flip_rate_passed), ("weights", not layer.weights_passed),
-                                      ("no tokens", layer.tokens == 0)) if failed]
+    return [
+        word
+        for word, failed in (
+            ("NaN/Inf", layer.nonfinite),
+            ("flips", layer.failing_flips),
+            ("flip rate", not layer.flip_rate_passed),
+            ("weights", not layer.weights_passed),
+            ("no tokens", layer.tokens == 0),
+        )
+        if failed
+    ]
 
 
 def describe_rank(r: RankRouting) -> str:
     """``target rank 1 routes layer 1 unlike rank 0: token 5 of sequence 0 to experts [3, 1], rank 0 [3, 6] ...``."""
-    what = (f"to experts {list(r.ids)}, rank {r.reference_rank} {list(r.reference_ids)}" if r.ids != r.reference_ids
-            else f"with other {', '.join(p.removeprefix('router.') for p in r.parts)}")
-    return (f"{r.side} rank {r.rank} routes layer {r.layer} ({r.name}) unlike rank {r.reference_rank}: token {r.token} "
-            f"of sequence {r.sequence} {what} ({r.rows} rows differ, max |Δw| {format_float(r.weight_max_diff)})")
+    what = (
+        f"to experts {list(r.ids)}, rank {r.reference_rank} {list(r.reference_ids)}"
+        if r.ids != r.reference_ids
+        else f"with other {', '.join(p.removeprefix('router.') for p in r.parts)}"
+    )
+    return (
+        f"{r.side} rank {r.rank} routes layer {r.layer} ({r.name}) unlike rank {r.reference_rank}: token {r.token} "
+        f"of sequence {r.sequence} {what} ({r.rows} rows differ, max |Δw| {format_float(r.weight_max_diff)})"
+    )
 
 
 def describe_routing(router: RouterComparison) -> str:
@@ -399,12 +453,18 @@ def describe_routing(router: RouterComparison) -> str:
     if la.nonfinite:
         return f"routing has NaN/Inf at layer {la.layer} ({la.nonfinite} of {la.tokens} tokens)"
     if la.failing_flips and flip is not None:
-        return (f"routing first flips at layer {flip.layer}, token {flip.token} of sequence {flip.sequence} "
-                f"({flip_margin(flip, la.basis)})")
+        return (
+            f"routing first flips at layer {flip.layer}, token {flip.token} of sequence {flip.sequence} "
+            f"({flip_margin(flip, la.basis)})"
+        )
     if not la.flip_rate_passed:
-        return (f"routing flips too often at layer {la.layer}: {la.flips} of {la.tokens} tokens "
-                f"(rate {format_float(la.flip_rate)} > {format_float(la.flip_rate_limit)})")
+        return (
+            f"routing flips too often at layer {la.layer}: {la.flips} of {la.tokens} tokens "
+            f"(rate {format_float(la.flip_rate)} > {format_float(la.flip_rate_limit)})"
+        )
     if not la.weights_passed:
-        return (f"routing weights differ at layer {la.layer} with the same experts "
-                f"(max |Δw| {format_float(la.weight_max_err)} > {format_float(la.weight_limit)})")
+        return (
+            f"routing weights differ at layer {la.layer} with the same experts "
+            f"(max |Δw| {format_float(la.weight_max_err)} > {format_float(la.weight_limit)})"
+        )
     return f"routing compared no tokens at layer {la.layer}"

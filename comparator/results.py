@@ -22,15 +22,34 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from comparator.exports import lazy_exports
+from comparator.hidden.types import (
+    DecodeComparison,
+    DecodeFork,
+    FirstDivergence,
+    Heatmap,
+    LayerSummary,
+    ReplicaMismatch,
+    Report,
+    TensorComparison,
+)
 from dumper.errors import CorruptDumpError, DumpError, UsageError
 from dumper.format.files import parse_json, read_regular_file
 
-from comparator.exports import lazy_exports
-from comparator.hidden.types import DecodeComparison, DecodeFork
-from comparator.hidden.types import FirstDivergence, Heatmap, LayerSummary, ReplicaMismatch, Report, TensorComparison
-
-__all__ = ["TensorComparison", "FirstDivergence", "ReplicaMismatch", "LayerSummary", "Heatmap", "Report",
-           "DecodeComparison", "DecodeFork", "LogprobVerdict", "MAX_REPORT_BYTES", "report_from_json", "load_report"]
+__all__ = [
+    "TensorComparison",
+    "FirstDivergence",
+    "ReplicaMismatch",
+    "LayerSummary",
+    "Heatmap",
+    "Report",
+    "DecodeComparison",
+    "DecodeFork",
+    "LogprobVerdict",
+    "MAX_REPORT_BYTES",
+    "report_from_json",
+    "load_report",
+]
 
 # the logprob verdict's module (and comparator.logprobs with it) loads on first use, not with every comparison
 __getattr__, __dir__ = lazy_exports(__name__, {"LogprobVerdict": "comparator.logprobs.types"}, globals())
@@ -58,7 +77,8 @@ def load_report(path: str | os.PathLike[str]) -> Report:
     over :data:`MAX_REPORT_BYTES` before it is read."""
     where = str(path)
     try:
-        return report_from_json(parse_json(read_regular_file(Path(path), MAX_REPORT_BYTES, "report"), where,
-                                           "report"), where)
+        return report_from_json(
+            parse_json(read_regular_file(Path(path), MAX_REPORT_BYTES, "report"), where, "report"), where
+        )
     except DumpError as e:
         raise UsageError(str(e)) from None

@@ -48,6 +48,7 @@ def comparator_settings(env: Mapping[str, str] | None = None) -> ComparatorSetti
     return ComparatorSettings(
         diff_threshold=_threshold(env, "DRIFTSCOPE_DIFF_THRESHOLD"),
         token_threshold=_threshold(env, "DRIFTSCOPE_TOKEN_THRESHOLD"),
-        logprob_thresholds={k[len(_LOGPROB):].lower(): v.strip() for k, v in env.items()
-                            if k.startswith(_LOGPROB) and v.strip()},
+        logprob_thresholds={
+            k[len(_LOGPROB) :].lower(): v.strip() for k, v in env.items() if k.startswith(_LOGPROB) and v.strip()
+        },
     )

@@ -21,12 +21,12 @@ from typing import Any
 
 from rich.console import Console
 
-from comparator.hidden.compare import compare_dumps
 from comparator.config import CompareConfig
-from comparator.store.regress import RegressResult, regress
+from comparator.hidden.compare import compare_dumps
 from comparator.outcome import assertion_head
 from comparator.reports.text import render_report
 from comparator.results import Report
+from comparator.store.regress import RegressResult, regress
 
 __all__ = ["assert_dumps_match", "regress", "RegressResult", "render_to_string"]
 
@@ -39,8 +39,14 @@ def render_to_string(report: Report, *, tensors: bool = False, width: int = 160)
     return buf.getvalue()
 
 
-def assert_dumps_match(baseline: str | os.PathLike[str], target: str | os.PathLike[str], *,
-                       threshold: float | None = None, token_threshold: float | None = None, **kw: Any) -> Report:
+def assert_dumps_match(
+    baseline: str | os.PathLike[str],
+    target: str | os.PathLike[str],
+    *,
+    threshold: float | None = None,
+    token_threshold: float | None = None,
+    **kw: Any,
+) -> Report:
     """Compare two dumps; return the :class:`Report` when they match, raise ``AssertionError`` when not.
 
     Args:

@@ -42,8 +42,18 @@ from dumper.errors import CorruptDumpError, ModelError, error_reason
 from dumper.format.files import READ_FLAGS, file_kind, parse_json, printable, read_regular_file, show
 from dumper.format.reader import read_safetensors_header
 
-__all__ = ["CONFIG_LIMIT", "METADATA_LIMIT", "HF_LOAD", "TOKENIZER_FILES", "check_model_dir", "has_tokenizer",
-           "load_config", "load_causal_lm", "load_hf_tokenizer", "held_transformers_logs"]
+__all__ = [
+    "CONFIG_LIMIT",
+    "METADATA_LIMIT",
+    "HF_LOAD",
+    "TOKENIZER_FILES",
+    "check_model_dir",
+    "has_tokenizer",
+    "load_config",
+    "load_causal_lm",
+    "load_hf_tokenizer",
+    "held_transformers_logs",
+]
 
 CONFIG_LIMIT = 16 << 20
 """Largest ``config.json`` read (real ones are a few KB)."""
@@ -51,8 +61,16 @@ METADATA_LIMIT = 64 << 20
 """Largest tokenizer or other metadata file in a model directory (the largest real ``tokenizer.json`` is ~35 MB)."""
 HF_LOAD: dict[str, Any] = {"local_files_only": True, "trust_remote_code": False}
 """What every ``from_pretrained``/``from_config`` call passes: no network, never the directory's code."""
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
-                   "merges.txt", "spiece.model", "special_tokens_map.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "spiece.model",
+    "special_tokens_map.json",
+)
 """A directory with none of these has no tokenizer."""
 NO_CODE = "driftscope never runs code from a model directory"
 
@@ -80,7 +98,7 @@ def check_model_dir(path: str | os.PathLike[str], *, config_required: bool = Tru
     if os.path.lexists(config_path):
         config = _read_object(config_path, CONFIG_LIMIT, "model config")
         if not isinstance(config.get("model_type"), str) or not config["model_type"]:
-            raise ModelError(f"{config_path}: no \"model_type\" string (the architecture family, e.g. \"llama\")")
+            raise ModelError(f'{config_path}: no "model_type" string (the architecture family, e.g. "llama")')
         _check_values(config_path, config)
     elif config_required:
         raise ModelError(f"{path}: not a HF model directory (no config.json)")
@@ -108,8 +126,10 @@ def _check_paths(root: Path, path: Path, obj: dict[str, Any]) -> None:
         except (OSError, RuntimeError, ValueError):
             continue
         if exists and not real.is_relative_to(inside):
-            raise ModelError(f"{path}: {printable(dotted)} names {printable(value)!r}, outside the model directory; "
-                             "driftscope reads nothing outside the directory it was given (remove the entry)")
+            raise ModelError(
+                f"{path}: {printable(dotted)} names {printable(value)!r}, outside the model directory; "
+                "driftscope reads nothing outside the directory it was given (remove the entry)"
+            )
 
 
 def has_tokenizer(path: str | os.PathLike[str]) -> bool:
@@ -128,11 +148,15 @@ def _check_entries(root: Path) -> None:
                     continue  # a dangling link: the loader names it if it needs the file
                 where = root / entry.name
                 if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
-                    raise ModelError(f"{printable(str(where))}: {file_kind(st.st_mode)} in the model directory; "
-                                     "refusing to load it (only regular files are read)")
+                    raise ModelError(
+                        f"{printable(str(where))}: {file_kind(st.st_mode)} in the model directory; "
+                        "refusing to load it (only regular files are read)"
+                    )
                 if stat.S_ISREG(st.st_mode) and entry.name.endswith(_METADATA) and st.st_size > METADATA_LIMIT:
-                    raise ModelError(f"{printable(str(where))}: {st.st_size} bytes, over the {METADATA_LIMIT >> 20} "
-                                     "MiB limit of a model directory's metadata file")
+                    raise ModelError(
+                        f"{printable(str(where))}: {st.st_size} bytes, over the {METADATA_LIMIT >> 20} "
+                        "MiB limit of a model directory's metadata file"
+                    )
     except OSError as e:
         raise ModelError(f"{root}: cannot list the model directory ({e.strerror})") from None
 
@@ -163,8 +187,10 @@ def _check_values(path: Path, obj: dict[str, Any]) -> None:
     """Refuse custom code anywhere in ``obj``, and a negative size or count (reported deep in a layer otherwise)."""
     for dotted, key, value in _walk(obj):
         if key in _CODE_KEYS and value:
-            raise ModelError(f"{path}: names custom code ({printable(dotted)}: {show(value)}); {NO_CODE} (remove "
-                             f"\"{key}\" to load the architecture transformers ships, if it has one)")
+            raise ModelError(
+                f"{path}: names custom code ({printable(dotted)}: {show(value)}); {NO_CODE} (remove "
+                f'"{key}" to load the architecture transformers ships, if it has one)'
+            )
         if isinstance(value, int) and not isinstance(value, bool) and value < 0 and _SIZE_KEY.search(key):
             raise ModelError(f"{path}: {printable(dotted)} is {value}; a size or count must be >= 0")
 
@@ -199,8 +225,11 @@ def _safetensors_size(path: Path) -> tuple[int, int]:
         raise ModelError(f"{path}: cannot read the weights ({e.strerror})") from None
     except CorruptDumpError as e:
         raise ModelError(str(e)) from None
-    shapes = [v.get("shape") for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)] \
-        if isinstance(header, dict) else []
+    shapes = (
+        [v.get("shape") for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)]
+        if isinstance(header, dict)
+        else []
+    )
     shapes = [s for s in shapes if isinstance(s, list) and all(type(d) is int and d >= 0 for d in s)]
     return len(shapes), sum(math.prod(s) for s in shapes)
 
@@ -218,13 +247,17 @@ def _check_fits(root: Path, raw: dict[str, Any], skeleton: Any) -> None:
     packed = 8 if raw.get("quantization_config") else 1  # a quantized file packs up to 8 values in one (int4 in int32)
     for dotted, key, value in _walk(raw):
         if type(value) is int and _MODULE_COUNT.search(key) and value > max(256, tensors):
-            raise ModelError(f"{root / 'config.json'}: {printable(dotted)} is {value}, but the weight files hold "
-                             f"{tensors} tensors; refusing to build a model the weights cannot fill")
+            raise ModelError(
+                f"{root / 'config.json'}: {printable(dotted)} is {value}, but the weight files hold "
+                f"{tensors} tensors; refusing to build a model the weights cannot fill"
+            )
     model = skeleton()
     described = sum(p.numel() for p in model.parameters()) + sum(b.numel() for b in model.buffers())
     if described > packed * values + values // 4 + _SLACK:
-        raise ModelError(f"{root / 'config.json'}: describes a model of {described:,} values, but the weight files "
-                         f"hold {values:,}; refusing to allocate it (a size edited by hand?)")
+        raise ModelError(
+            f"{root / 'config.json'}: describes a model of {described:,} values, but the weight files "
+            f"hold {values:,}; refusing to allocate it (a size edited by hand?)"
+        )
 
 
 @contextlib.contextmanager
@@ -295,8 +328,9 @@ def load_causal_lm(path: str | os.PathLike[str], *, dtype: Any, attn: str) -> An
                     return AutoModelForCausalLM.from_config(copy.deepcopy(config), trust_remote_code=False)
 
             _check_fits(Path(path), raw, skeleton)
-            return AutoModelForCausalLM.from_pretrained(str(path), config=config, dtype=dtype,
-                                                        attn_implementation=attn, **HF_LOAD)
+            return AutoModelForCausalLM.from_pretrained(
+                str(path), config=config, dtype=dtype, attn_implementation=attn, **HF_LOAD
+            )
     except ModelError:
         raise
     except Exception as e:  # noqa: BLE001 - the load boundary: no driftscope code runs inside
@@ -315,8 +349,9 @@ def load_hf_tokenizer(path: str | os.PathLike[str]) -> Any | None:
         with held_transformers_logs([]):
             return AutoTokenizer.from_pretrained(str(path), **HF_LOAD)
     except Exception as e:  # noqa: BLE001 - the load boundary, as for the model
-        raise ModelError(f"{path}: cannot load its tokenizer ({error_reason(e)}); "
-                         "fix or remove the tokenizer files") from None
+        raise ModelError(
+            f"{path}: cannot load its tokenizer ({error_reason(e)}); fix or remove the tokenizer files"
+        ) from None
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")

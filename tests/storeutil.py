@@ -13,9 +13,18 @@ import dumper
 from dumper.format import MANIFEST_NAME, write_json_atomic
 
 
-def synth_dump(out: Path, *, seed: int = 0, layers: int = 3, rows: int = 12, hidden: int = 16,
-               bump: tuple[int, int] | None = None, model_name: str = "synth", passes: int = 1,
-               shard_bytes: int = 512 << 20) -> Path:
+def synth_dump(
+    out: Path,
+    *,
+    seed: int = 0,
+    layers: int = 3,
+    rows: int = 12,
+    hidden: int = 16,
+    bump: tuple[int, int] | None = None,
+    model_name: str = "synth",
+    passes: int = 1,
+    shard_bytes: int = 512 << 20,
+) -> Path:
     """A dump of ``layers`` self-attention inputs with positions; ``bump=(layer, token)`` perturbs one row."""
     g = torch.Generator().manual_seed(seed)
     with dumper.capture(None, out, model_name=model_name, shard_bytes=shard_bytes):
@@ -24,8 +33,14 @@ def synth_dump(out: Path, *, seed: int = 0, layers: int = 3, rows: int = 12, hid
                 x = torch.randn(rows, hidden, generator=g)  # [tokens, hidden]
                 if bump is not None and bump[0] == layer:
                     x[bump[1]] += 10.0
-                dumper.dump(f"model.layers.{layer}.self_attn.input", x, layer=layer, point="input",
-                            positions=range(p * rows, (p + 1) * rows), sequence_ids=[0] * rows)
+                dumper.dump(
+                    f"model.layers.{layer}.self_attn.input",
+                    x,
+                    layer=layer,
+                    point="input",
+                    positions=range(p * rows, (p + 1) * rows),
+                    sequence_ids=[0] * rows,
+                )
             dumper.step()
     return out
 

@@ -16,23 +16,41 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("dumper", "comparator")
 
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("core", ("dumper.errors", "dumper.settings", "dumper.progress", "dumper.prompts", "dumper.tokenizers",
-              "dumper.modeldir", "dumper.resources", "dumper.version", "dumper.format.*", "dumper.server.*",
-              "comparator.exports", "dumper.cli.common")),
+    (
+        "core",
+        (
+            "dumper.errors",
+            "dumper.settings",
+            "dumper.progress",
+            "dumper.prompts",
+            "dumper.tokenizers",
+            "dumper.modeldir",
+            "dumper.resources",
+            "dumper.version",
+            "dumper.format.*",
+            "dumper.server.*",
+            "comparator.exports",
+            "dumper.cli.common",
+        ),
+    ),
     ("comparator.judging", ("comparator.judging.*", "comparator.settings")),
     ("comparator.config", ("comparator.config",)),
     ("comparator.logprobs", ("comparator.logprobs.*",)),
     ("comparator.routing", ("comparator.routing.*",)),
     ("comparator.hidden", ("comparator.hidden.*",)),
     ("comparator.noise", ("comparator.noise.*",)),
-    ("comparator.results", ("comparator.results", "comparator.outcome", "comparator.formatting",
-                            )),
+    (
+        "comparator.results",
+        (
+            "comparator.results",
+            "comparator.outcome",
+            "comparator.formatting",
+        ),
+    ),
     ("comparator.reports", ("comparator.reports.*",)),
     ("comparator.store", ("comparator.store.*",)),
     ("comparator.bisect", ("comparator.bisect.*",)),
@@ -52,8 +70,11 @@ the model presets and the prefill job the engines build on (``RunConfig``, forwa
 decode steps)."""
 
 EXCEPTIONS: tuple[tuple[str, str, str], ...] = (
-    ("comparator.cli.*", "dumper.engines.sglang",
-     "lazily, inside a function: the CLI converts an SGLang dumper directory it is given"),
+    (
+        "comparator.cli.*",
+        "dumper.engines.sglang",
+        "lazily, inside a function: the CLI converts an SGLang dumper directory it is given",
+    ),
 )
 """Upward imports the rules allow: (importer pattern, imported pattern, reason); each must be lazy."""
 
@@ -62,25 +83,58 @@ CYCLES: tuple[tuple[frozenset[str], str], ...] = ()
 
 Table = tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...]
 OLD_TABLE: Table = (
-    ("core", tuple(f"dumper.{m}" for m in ("errors", "settings", "progress", "prompts", "tokenizers", "modeldir",
-                                             "resources")), ()),
+    (
+        "core",
+        tuple(
+            f"dumper.{m}" for m in ("errors", "settings", "progress", "prompts", "tokenizers", "modeldir", "resources")
+        ),
+        (),
+    ),
     ("dumper.format", ("dumper.format.*",), ("core",)),
     ("dumper.hooks", ("dumper.hooks.*",), ("dumper.format", "core")),
     ("dumper.engines", ("dumper.engines.*",), ("dumper.hooks", "dumper.format", "core", "dumper.prefill.presets")),
-    ("comparator top", tuple(f"comparator.{m}" for m in ("results", "outcome", "config", "settings", "thresholds",
-                                                         "jsonfloat", "testing")), ("dumper.format", "core")),
+    (
+        "comparator top",
+        tuple(
+            f"comparator.{m}"
+            for m in ("results", "outcome", "config", "settings", "thresholds", "jsonfloat", "testing")
+        ),
+        ("dumper.format", "core"),
+    ),
     ("comparator.logprobs", ("comparator.logprobs.*",), ("comparator top",)),
-    ("comparator.hidden", ("comparator.hidden.*",),
-     ("comparator top", "comparator.noise.model", "comparator.logprobs")),
+    (
+        "comparator.hidden",
+        ("comparator.hidden.*",),
+        ("comparator top", "comparator.noise.model", "comparator.logprobs"),
+    ),
     ("comparator.noise", ("comparator.noise.*",), ("comparator.hidden", "comparator.logprobs")),
-    ("comparator.reports", ("comparator.reports.*",),
-     ("comparator.results", "comparator.outcome", "dumper.format", "core")),
-    ("comparator.store", ("comparator.store.*",),
-     ("comparator top", "comparator.logprobs", "comparator.hidden", "comparator.noise", "comparator.reports")),
+    (
+        "comparator.reports",
+        ("comparator.reports.*",),
+        ("comparator.results", "comparator.outcome", "dumper.format", "core"),
+    ),
+    (
+        "comparator.store",
+        ("comparator.store.*",),
+        ("comparator top", "comparator.logprobs", "comparator.hidden", "comparator.noise", "comparator.reports"),
+    ),
     ("comparator.cli", ("comparator.cli.*", "comparator", "comparator.__main__"), ("*",)),
-    ("dumper.jobs", ("dumper.jobs.*",), ("core", "dumper.format", "dumper.hooks", "dumper.engines", "comparator top",
-                                         "comparator.logprobs", "comparator.hidden", "comparator.noise",
-                                         "comparator.reports", "comparator.store")),
+    (
+        "dumper.jobs",
+        ("dumper.jobs.*",),
+        (
+            "core",
+            "dumper.format",
+            "dumper.hooks",
+            "dumper.engines",
+            "comparator top",
+            "comparator.logprobs",
+            "comparator.hidden",
+            "comparator.noise",
+            "comparator.reports",
+            "comparator.store",
+        ),
+    ),
     ("dumper.cli", ("dumper.cli.*", "dumper", "dumper.__main__"), ("*",)),
 )
 """docs/ARCHITECTURE.md's table before issue 21, as written, for ``--report --old-table``: (group,
@@ -120,8 +174,12 @@ def _imports(path: Path, root: Path, modules: frozenset[str]) -> Iterator[Import
     """Every import in ``path``, also external ones; ``from a.b import c`` is ``a.b.c`` when that is a module."""
     rel, src = path.relative_to(root).as_posix(), _dotted(path, root)
     tree = ast.parse(path.read_text(), filename=str(path))
-    deferred = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
-                or (isinstance(n, ast.If) and "TYPE_CHECKING" in ast.unparse(n.test))]
+    deferred = [
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+        or (isinstance(n, ast.If) and "TYPE_CHECKING" in ast.unparse(n.test))
+    ]
     lazy = {id(n) for f in deferred for n in ast.walk(f)}
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.level:
@@ -129,8 +187,9 @@ def _imports(path: Path, root: Path, modules: frozenset[str]) -> Iterator[Import
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module:
-            targets = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
-                       for a in node.names]
+            targets = [
+                f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module for a in node.names
+            ]
         else:
             continue
         for target in dict.fromkeys(targets):
@@ -147,8 +206,12 @@ def _matches(pattern: str, module: str) -> bool:
 
 def _place(module: str, table: Table) -> tuple[str | None, str]:
     """The layer of ``module`` by its most specific pattern, or ``None`` and why it has no one place."""
-    hits = [(not pat.endswith(".*"), len(pat), name, pat) for name, pats, _ in table for pat in pats
-            if _matches(pat, module)]
+    hits = [
+        (not pat.endswith(".*"), len(pat), name, pat)
+        for name, pats, _ in table
+        for pat in pats
+        if _matches(pat, module)
+    ]
     if not hits:
         return None, "matches no layer pattern"
     best = [h for h in hits if h[:2] == max(hits)[:2]]
@@ -205,8 +268,8 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
                 if work:
                     low[work[-1][0]] = min(low[work[-1][0]], low[node])
                 if low[node] == index[node]:
-                    comp = stack[stack.index(node):]
-                    del stack[stack.index(node):]
+                    comp = stack[stack.index(node) :]
+                    del stack[stack.index(node) :]
                     if len(comp) > 1:
                         out.append(sorted(comp))
     return sorted(out)
@@ -230,8 +293,14 @@ class Analysis:
 
 
 def _exception(imp: Import) -> int | None:
-    return next((k for k, (src, dst, _) in enumerate(EXCEPTIONS)
-                 if imp.lazy and _matches(src, imp.src) and _matches(dst, imp.target)), None)
+    return next(
+        (
+            k
+            for k, (src, dst, _) in enumerate(EXCEPTIONS)
+            if imp.lazy and _matches(src, imp.src) and _matches(dst, imp.target)
+        ),
+        None,
+    )
 
 
 def analyze(root: Path, table: Table | None = None) -> Analysis:
@@ -239,16 +308,24 @@ def analyze(root: Path, table: Table | None = None) -> Analysis:
     table = linear(LAYERS) if table is None else table
     files = {_dotted(p, root): p for p in _module_files(root)}
     modules = {m: p.relative_to(root).as_posix() for m, p in files.items()}
-    compiled = {_dotted(p.parent, root) + "." + p.name.split(".")[0] for pkg in PACKAGES
-                for ext in ("c", "so", "pyd") for p in (root / pkg).rglob(f"*.{ext}")}
+    compiled = {
+        _dotted(p.parent, root) + "." + p.name.split(".")[0]
+        for pkg in PACKAGES
+        for ext in ("c", "so", "pyd")
+        for p in (root / pkg).rglob(f"*.{ext}")
+    }
     imports = [i for p in files.values() for i in _imports(p, root, frozenset(files) | compiled)]
     placed = {m: _place(m, table) for m in modules}
     allowed, used = _allowed(table), set()
     upward = []
     for imp in imports:
         src, dst = placed[imp.src][0], placed.get(imp.target, (None, ""))[0]
-        if src is None or dst is None or dst in allowed[src][0] or any(_matches(p, imp.target)
-                                                                      for p in allowed[src][1]):
+        if (
+            src is None
+            or dst is None
+            or dst in allowed[src][0]
+            or any(_matches(p, imp.target) for p in allowed[src][1])
+        ):
             continue
         if (k := _exception(imp)) is not None:
             used.add(k)
@@ -289,8 +366,11 @@ def test_every_module_has_exactly_one_layer() -> None:
 
 def test_no_module_imports_a_higher_layer() -> None:
     """(a) Imports point down the layers; an upward one is named in EXCEPTIONS with its reason."""
-    bad = [f"{imp.where}: {imp.src} (layer {src}) imports {imp.target} (layer {dst}), a higher layer"
-           f"{' (inside a function)' if imp.lazy else ''}" for imp, src, dst in _here().upward]
+    bad = [
+        f"{imp.where}: {imp.src} (layer {src}) imports {imp.target} (layer {dst}), a higher layer"
+        f"{' (inside a function)' if imp.lazy else ''}"
+        for imp, src, dst in _here().upward
+    ]
     assert not bad, "\n".join(bad)
 
 
@@ -311,36 +391,52 @@ def test_no_import_cycle() -> None:
 
 def test_no_module_imports_its_own_package() -> None:
     """(c) ``from pkg import x`` inside ``pkg`` runs ``pkg/__init__``, which imports its modules: a hidden cycle."""
-    bad = [f"{i.where}: {i.src} imports {i.target}, the __init__ of its own package (import the defining module)"
-           for i in _here().own_package]
+    bad = [
+        f"{i.where}: {i.src} imports {i.target}, the __init__ of its own package (import the defining module)"
+        for i in _here().own_package
+    ]
     assert not bad, "\n".join(bad)
 
 
 def test_the_comparator_imports_only_the_shared_part_of_the_dumper() -> None:
-    bad = [f"{i.where}: imports {i.target}" for i in _here().imports if _within(i.src, ("comparator",))
-           and _within(i.target, ("dumper",)) and i.target != "dumper" and not _within(i.target, SHARED)
-           and _exception(i) is None]
+    bad = [
+        f"{i.where}: imports {i.target}"
+        for i in _here().imports
+        if _within(i.src, ("comparator",))
+        and _within(i.target, ("dumper",))
+        and i.target != "dumper"
+        and not _within(i.target, SHARED)
+        and _exception(i) is None
+    ]
     assert not bad, "\n".join(bad)
 
 
 def test_the_dumper_uses_the_comparator_only_through_its_public_api() -> None:
     """``from comparator import ...`` (what ``comparator/__init__.py`` exports) and nothing deeper, no exception."""
-    bad = [f"{i.where}: imports {i.target}; export it from comparator/__init__.py and import it from there"
-           for i in _here().imports if _within(i.src, ("dumper",)) and _within(i.target, ("comparator",))
-           and i.target != "comparator"]
+    bad = [
+        f"{i.where}: imports {i.target}; export it from comparator/__init__.py and import it from there"
+        for i in _here().imports
+        if _within(i.src, ("dumper",)) and _within(i.target, ("comparator",)) and i.target != "comparator"
+    ]
     assert not bad, "\n".join(bad)
 
 
 def test_the_capture_side_never_imports_the_comparator() -> None:
-    bad = [f"{i.where}: imports {i.target}" for i in _here().imports
-           if _within(i.src, CAPTURE_SIDE + SHARED) and _within(i.target, ("comparator",))]
+    bad = [
+        f"{i.where}: imports {i.target}"
+        for i in _here().imports
+        if _within(i.src, CAPTURE_SIDE + SHARED) and _within(i.target, ("comparator",))
+    ]
     assert not bad, "\n".join(bad)
 
 
 def test_the_shared_part_and_the_renderers_never_import_torch_at_module_level() -> None:
     """Torch only inside functions there; the end-to-end check runs the CLI (tests/comparator/reports)."""
-    bad = [f"{i.where}: imports {i.target} at module level" for i in _here().imports
-           if _within(i.src, SHARED + ("comparator",)) and _within(i.target, ("torch", "transformers")) and not i.lazy]
+    bad = [
+        f"{i.where}: imports {i.target} at module level"
+        for i in _here().imports
+        if _within(i.src, SHARED + ("comparator",)) and _within(i.target, ("torch", "transformers")) and not i.lazy
+    ]
     assert not bad, "\n".join(bad)
 
 
@@ -355,10 +451,14 @@ def test_every_package_directory_is_a_declared_package() -> None:
 
 def test_every_to_json_has_a_from_json() -> None:
     """One JSON codec: whatever a result writes, it reads back (round trips in tests/*/test_*codec*, test_results)."""
-    bad = [f"{_rel(p)}:{c.lineno}: {c.name}.to_json has no from_json" for p in _module_files(ROOT)
-           for c in ast.walk(ast.parse(p.read_text())) if isinstance(c, ast.ClassDef)
-           and "to_json" in (names := {n.name for n in c.body if isinstance(n, ast.FunctionDef)})
-           and "from_json" not in names]
+    bad = [
+        f"{_rel(p)}:{c.lineno}: {c.name}.to_json has no from_json"
+        for p in _module_files(ROOT)
+        for c in ast.walk(ast.parse(p.read_text()))
+        if isinstance(c, ast.ClassDef)
+        and "to_json" in (names := {n.name for n in c.body if isinstance(n, ast.FunctionDef)})
+        and "from_json" not in names
+    ]
     assert not bad, "\n".join(bad)
 
 
@@ -366,14 +466,18 @@ def report(root: Path, table: Table | None = None) -> str:
     """The analysis of ``root`` as text: modules, edges, circles and their members, upward imports by layer pair."""
     a = analyze(root, table)
     edges = {(i.src, i.target) for i in a.internal}
-    lines = [f"{root}: {len(a.modules)} modules, {len(edges)} import edges ({len(a.internal)} imports)",
-             f"import circles: {len(a.circles)}"]
+    lines = [
+        f"{root}: {len(a.modules)} modules, {len(edges)} import edges ({len(a.internal)} imports)",
+        f"import circles: {len(a.circles)}",
+    ]
     lines += [f"  {len(c)} modules: {_circle_text(a, c)}" for c in a.circles]
     pairs: dict[tuple[str, str], list[Import]] = {}
     for imp, src, dst in a.upward:
         pairs.setdefault((src, dst), []).append(imp)
-    lines.append(f"upward imports: {len(a.upward)} ({sum(not i.lazy for i, _, _ in a.upward)} at module level; "
-                 f"{len({(i.src, i.target) for i, _, _ in a.upward})} module edges)")
+    lines.append(
+        f"upward imports: {len(a.upward)} ({sum(not i.lazy for i, _, _ in a.upward)} at module level; "
+        f"{len({(i.src, i.target) for i, _, _ in a.upward})} module edges)"
+    )
     for (src, dst), imps in sorted(pairs.items()):
         lines.append(f"  {src} -> {dst}: {len(imps)}")
         lines += [f"    {i.where}: {i.src} -> {i.target}{' (lazy)' if i.lazy else ''}" for i in imps]

@@ -73,8 +73,10 @@ def test_the_most_specific_pattern_places_a_module_and_a_tie_is_no_place(tree: P
     assert _place("dumper.prefill.presets", table)[0] == "dumper.prefill"
     assert _place("dumper.jobs.sweep.run", table)[0] == "dumper.jobs"
     twice = (("a", ("comparator.*",), ()), ("b", ("comparator.*",), ()), ("c", ("dumper.*",), ()))
-    assert "comparator/results.py: comparator.results matches comparator.* (a) and comparator.* (b)" \
+    assert (
+        "comparator/results.py: comparator.results matches comparator.* (a) and comparator.* (b)"
         in analyze(tree, twice).unplaced
+    )
 
 
 def test_the_old_table_allows_what_it_lists_transitively(tree: Path) -> None:

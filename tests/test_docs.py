@@ -30,7 +30,7 @@ PAGES = (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")))
 
 UNRESOLVABLE = {
     "${v%%:*}": "a bash pattern expansion of a for-loop variable: each iteration of the loop passes other "
-                "flags, which only bash computes (the loop's values are the plain flags listed in its `for` line)",
+    "flags, which only bash computes (the loop's values are the plain flags listed in its `for` line)",
 }
 """Shell substitutions a command may hold that this test cannot resolve, and why; a command holding one
 is skipped, one holding any other unresolved ``$`` fails."""
@@ -190,8 +190,12 @@ def block_commands(page: Path, body: list[tuple[int, str]]) -> Iterator[Command]
 
 
 def doc_commands() -> list[Command]:
-    return [c for page in PAGES for _, body in bash_blocks(page.read_text(encoding="utf-8"))
-            for c in block_commands(page, body)]
+    return [
+        c
+        for page in PAGES
+        for _, body in bash_blocks(page.read_text(encoding="utf-8"))
+        for c in block_commands(page, body)
+    ]
 
 
 COMMANDS = doc_commands()
@@ -213,10 +217,17 @@ def test_the_quick_start_is_among_the_commands() -> None:
 
 def test_ci_runs_the_readme_test_command() -> None:
     """``.ci/run`` runs exactly the README's test command (the bash block that runs pytest)."""
-    ci = [line for line in (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines() if "pytest" in line
-          and not line.startswith("#")]
-    readme = [line for _, body in bash_blocks(PAGES[0].read_text(encoding="utf-8")) for _, line in body
-              if "python -m pytest" in line]
+    ci = [
+        line
+        for line in (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()
+        if "pytest" in line and not line.startswith("#")
+    ]
+    readme = [
+        line
+        for _, body in bash_blocks(PAGES[0].read_text(encoding="utf-8"))
+        for _, line in body
+        if "python -m pytest" in line
+    ]
     assert len(ci) == 1 and ci == readme, f".ci/run runs {ci}, the README says {readme}"
 
 

@@ -9,8 +9,11 @@ from tests.xdist_schedule import GROUPS, HEAVY, unit_of
 
 
 def test_a_module_is_one_unit_and_a_group_of_modules_is_one() -> None:
-    assert unit_of("tests/a/test_x.py::test_one") == unit_of("tests/a/test_x.py::TestC::test_two[1]") \
+    assert (
+        unit_of("tests/a/test_x.py::test_one")
+        == unit_of("tests/a/test_x.py::TestC::test_two[1]")
         == "tests/a/test_x.py"
+    )
     for group, modules in GROUPS.items():
         assert {unit_of(f"{m}::test_any") for m in modules} == {group}
 

@@ -36,8 +36,9 @@ class RowParallelLinear(nn.Linear):
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group=None) -> None:
-        super().__init__(weight.shape[1], weight.shape[0], bias=bias is not None,
-                         device=weight.device, dtype=weight.dtype)
+        super().__init__(
+            weight.shape[1], weight.shape[0], bias=bias is not None, device=weight.device, dtype=weight.dtype
+        )
         with torch.no_grad():
             self.weight.copy_(weight)
             if bias is not None:
@@ -117,6 +118,7 @@ def record_q_proj(model: nn.Module, *, sharded: bool | None = None) -> list:
         sharded = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     handles = []
     for i, layer in enumerate(model.model.layers):
+
         def hook(module, args, out, i=i):
             if sharded:
                 dumper.dump(q_proj_name(i), out, layer=i, shard_dim=-1)

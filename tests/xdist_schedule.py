@@ -19,8 +19,11 @@ import pytest
 
 GROUPS: dict[str, tuple[str, ...]] = {
     # the vllm_base session fixture (tests/dumper/engines/conftest.py): one vLLM worker's dense jobs
-    "vllm_base": ("tests/dumper/engines/test_engine_vllm.py", "tests/dumper/engines/test_vllm_compiled.py",
-                  "tests/dumper/engines/test_vllm_tp.py"),
+    "vllm_base": (
+        "tests/dumper/engines/test_engine_vllm.py",
+        "tests/dumper/engines/test_vllm_compiled.py",
+        "tests/dumper/engines/test_vllm_tp.py",
+    ),
 }
 """Modules that must share a worker, named by the group they form."""
 

@@ -36,10 +36,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from dumper.errors import DriftscopeError, UsageError
-from dumper.format import Manifest, load_manifest, write_json_atomic
-from dumper.format.files import printable
-
 from comparator.bisect.search import bisect
 from comparator.bisect.state import Plan, log_path, open_work, out_dir, report_path, save_state
 from comparator.bisect.types import BAD, GOOD, SKIP, BisectResult, BuildRun
@@ -50,6 +46,9 @@ from comparator.results import Report
 from comparator.store import Label, RunStore
 from comparator.store.select import select_baseline
 from comparator.store.types import RunSummary
+from dumper.errors import DriftscopeError, UsageError
+from dumper.format import Manifest, load_manifest, write_json_atomic
+from dumper.format.files import printable
 
 __all__ = ["render", "run_command", "bisect_builds"]
 
@@ -73,8 +72,9 @@ def run_command(command: str, log: Path, timeout: float | None) -> tuple[int | N
     the last line it printed). The whole group is killed at the timeout, and on an interrupt before re-raising."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "wb") as f:
-        proc = subprocess.Popen(command, shell=True, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            command, shell=True, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+        )
         try:
             code: int | None = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -116,12 +116,19 @@ class _Baseline:
         assert self.store is not None
         if self.run_id is None:
             model = self.model or manifest.model.get("name")
-            base = select_baseline(self.store, str(model), manifest.capture_signature, manifest.environment,
-                                   allow_env_mismatch=self.allow_env_mismatch)
+            base = select_baseline(
+                self.store,
+                str(model),
+                manifest.capture_signature,
+                manifest.environment,
+                allow_env_mismatch=self.allow_env_mismatch,
+            )
             if base is None:
-                raise UsageError(f"{self.store.url}: no baseline of model {model!r} with the capture signature of "
-                                 f"{dump}; bootstrap one with python -m comparator regress DUMP --store "
-                                 f"{self.store.url} --bootstrap")
+                raise UsageError(
+                    f"{self.store.url}: no baseline of model {model!r} with the capture signature of "
+                    f"{dump}; bootstrap one with python -m comparator regress DUMP --store "
+                    f"{self.store.url} --bootstrap"
+                )
             self.run_id = base.run_id
         record = self.store.get(self.run_id)
         self.model = self.model or record.model
@@ -166,15 +173,30 @@ class _Judge:
         write_json_atomic(report_path(self.work, index), report.to_json())
         fd = report.first_divergent
         run_id = self._store(out, report, build)
-        return BuildRun(index, build, GOOD if report.passed else BAD, code, time.perf_counter() - start,
-                        first_divergent=None if fd is None else fd.to_json(), headline=headline(report), run_id=run_id)
+        return BuildRun(
+            index,
+            build,
+            GOOD if report.passed else BAD,
+            code,
+            time.perf_counter() - start,
+            first_divergent=None if fd is None else fd.to_json(),
+            headline=headline(report),
+            run_id=run_id,
+        )
 
     def _store(self, out: Path, report: Report, build: str) -> str | None:
         st, b = self.baseline.store, self.baseline
         if st is None or b.model is None:
             return None
-        rec = st.put(out, model=b.model, label=Label.BISECT, baseline_run=b.run_id, build=build,
-                     summary=RunSummary.of_report(report), report=report.to_json())
+        rec = st.put(
+            out,
+            model=b.model,
+            label=Label.BISECT,
+            baseline_run=b.run_id,
+            build=build,
+            summary=RunSummary.of_report(report),
+            report=report.to_json(),
+        )
         return rec.run_id
 
 
@@ -185,11 +207,21 @@ def _read_builds(builds: Sequence[str]) -> tuple[str, ...]:
     return out
 
 
-def bisect_builds(baseline: str | os.PathLike[str] | None, builds: Sequence[str], command: str,
-                  work: str | os.PathLike[str], *, store: str | RunStore | None = None, model: str | None = None,
-                  config: CompareConfig | None = None, timeout: float | None = None, resume: bool = False,
-                  allow_env_mismatch: bool = False, cache_dir: str | None = None,
-                  on_run: Callable[[BuildRun, int], None] | None = None) -> BisectResult:
+def bisect_builds(
+    baseline: str | os.PathLike[str] | None,
+    builds: Sequence[str],
+    command: str,
+    work: str | os.PathLike[str],
+    *,
+    store: str | RunStore | None = None,
+    model: str | None = None,
+    config: CompareConfig | None = None,
+    timeout: float | None = None,
+    resume: bool = False,
+    allow_env_mismatch: bool = False,
+    cache_dir: str | None = None,
+    on_run: Callable[[BuildRun, int], None] | None = None,
+) -> BisectResult:
     """Bisect ``builds`` (oldest first) with ``command`` against ``baseline`` (a dump directory) or ``store``'s
     current baseline; judged builds are kept in ``work`` (and ``resume`` goes on from there). The result's
     ``verdict`` is the first bad build's whole report JSON."""
@@ -207,8 +239,9 @@ def bisect_builds(baseline: str | os.PathLike[str] | None, builds: Sequence[str]
     root = Path(work)
     done, run_id = open_work(root, plan, resume=resume)
     with contextlib.ExitStack() as stack:
-        base = _Baseline(Path(baseline) if baseline is not None else None, st, model, run_id, stack,
-                         allow_env_mismatch, cache_dir)
+        base = _Baseline(
+            Path(baseline) if baseline is not None else None, st, model, run_id, stack, allow_env_mismatch, cache_dir
+        )
         judge = _Judge(plan, root, base, config, timeout)
         tested = list(done.values())
 
@@ -223,6 +256,3 @@ def bisect_builds(baseline: str | os.PathLike[str] | None, builds: Sequence[str]
     if result.first_bad is not None and report_path(root, result.first_bad).is_file():
         verdict = json.loads(report_path(root, result.first_bad).read_text(encoding="utf-8"))
     return replace(result, verdict=verdict)
-
-
-

@@ -23,9 +23,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 
-from dumper.errors import DriftscopeError, UsageError
-
 from comparator.bisect.types import BAD, GOOD, SKIP, BisectResult, BuildRun
+from dumper.errors import DriftscopeError, UsageError
 
 __all__ = ["EndpointError", "run_bound", "runs_left", "bisect"]
 
@@ -49,9 +48,11 @@ def _endpoint(builds: Sequence[str], run: BuildRun, want: str) -> None:
     if run.outcome == want:
         return
     why = f" ({run.headline})" if run.headline else ""
-    raise EndpointError(f"the {which} build {builds[run.index]!r} (line {run.index + 1}) is {run.outcome}{why}; the "
-                        f"{which} build must be {want}: list the builds oldest first, from a known good one to a "
-                        "known bad one")
+    raise EndpointError(
+        f"the {which} build {builds[run.index]!r} (line {run.index + 1}) is {run.outcome}{why}; the "
+        f"{which} build must be {want}: list the builds oldest first, from a known good one to a "
+        "known bad one"
+    )
 
 
 def _untested(known: Mapping[int, BuildRun], lo: int, hi: int) -> list[int]:
@@ -64,8 +65,13 @@ def _middle(candidates: list[int], lo: int, hi: int) -> int:
     return min(candidates, key=lambda i: (abs(i - mid), i))
 
 
-def bisect(builds: Sequence[str], judge: Callable[[int], BuildRun], *, done: Mapping[int, BuildRun] | None = None,
-           on_run: Callable[[BuildRun, int], None] | None = None) -> BisectResult:
+def bisect(
+    builds: Sequence[str],
+    judge: Callable[[int], BuildRun],
+    *,
+    done: Mapping[int, BuildRun] | None = None,
+    on_run: Callable[[BuildRun, int], None] | None = None,
+) -> BisectResult:
     """Find the first bad build among ``builds`` (oldest first) with ``judge``.
 
     ``done``: builds judged before (by index), reused as they are. ``on_run(run, left)`` is called
@@ -99,7 +105,20 @@ def bisect(builds: Sequence[str], judge: Callable[[int], BuildRun], *, done: Map
     while candidates := _untested(known, lo, hi):
         get(_middle(candidates, lo, hi))
     skipped = tuple(i for i in range(lo + 1, hi) if known[i].outcome == SKIP)
-    notes = () if not skipped else (f"{len(skipped)} skipped build{'s' * (len(skipped) > 1)} between the last good and "
-                                    f"the first bad one hide which of the {len(skipped) + 1} candidates broke it",)
-    return BisectResult(builds=tuple(builds), tested=tuple(tested), last_good=lo, first_bad=None if skipped else hi,
-                        candidates=(*skipped, hi), bound=run_bound(n), notes=notes)
+    notes = (
+        ()
+        if not skipped
+        else (
+            f"{len(skipped)} skipped build{'s' * (len(skipped) > 1)} between the last good and "
+            f"the first bad one hide which of the {len(skipped) + 1} candidates broke it",
+        )
+    )
+    return BisectResult(
+        builds=tuple(builds),
+        tested=tuple(tested),
+        last_good=lo,
+        first_bad=None if skipped else hi,
+        candidates=(*skipped, hi),
+        bound=run_bound(n),
+        notes=notes,
+    )

@@ -19,11 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from comparator.bisect.types import BuildRun
 from dumper.errors import UsageError
 from dumper.format import write_json_atomic
 from dumper.format.files import printable
-
-from comparator.bisect.types import BuildRun
 
 __all__ = ["STATE_NAME", "Plan", "open_work", "save_state", "out_dir", "log_path", "report_path"]
 
@@ -60,8 +59,10 @@ def report_path(work: Path, index: int) -> Path:
 
 def save_state(work: Path, plan: Plan, tested: list[BuildRun], baseline_run: str | None = None) -> None:
     """Write the state (atomically): the plan, the store baseline chosen (if any) and every judged build."""
-    write_json_atomic(work / STATE_NAME, {"version": _VERSION, **plan.fields(), "baseline_run": baseline_run,
-                                         "tested": [r.to_json() for r in tested]})
+    write_json_atomic(
+        work / STATE_NAME,
+        {"version": _VERSION, **plan.fields(), "baseline_run": baseline_run, "tested": [r.to_json() for r in tested]},
+    )
 
 
 def _load(path: Path) -> dict[str, Any]:
@@ -79,8 +80,10 @@ def _load(path: Path) -> dict[str, Any]:
 def _resumed(path: Path, d: dict[str, Any], plan: Plan) -> tuple[dict[int, BuildRun], str | None]:
     for key, want in plan.fields().items():
         if d.get(key) != want:
-            raise UsageError(f"{path}: the bisection there has other {key} than this one asks for; resume it with "
-                             f"the same --builds, --run and baseline, or choose another --work")
+            raise UsageError(
+                f"{path}: the bisection there has other {key} than this one asks for; resume it with "
+                f"the same --builds, --run and baseline, or choose another --work"
+            )
     done: dict[int, BuildRun] = {}
     for item in d["tested"]:
         try:
@@ -103,8 +106,10 @@ def open_work(work: Path, plan: Plan, *, resume: bool) -> tuple[dict[int, BuildR
     path = work / STATE_NAME
     if path.is_file():
         if not resume:
-            raise UsageError(f"{work}: holds a bisection already ({STATE_NAME}); pass --resume to go on with it, "
-                             "or choose another --work")
+            raise UsageError(
+                f"{work}: holds a bisection already ({STATE_NAME}); pass --resume to go on with it, "
+                "or choose another --work"
+            )
         return _resumed(path, _load(path), plan)
     if resume:
         raise UsageError(f"{work}: no bisection to resume (no {STATE_NAME})")

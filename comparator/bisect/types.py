@@ -44,9 +44,16 @@ class BuildRun:
     """The run store's id of this build's stored run (``--store``); None when not stored."""
 
     def to_json(self) -> dict[str, Any]:
-        return {"index": self.index, "build": self.build, "outcome": self.outcome, "exit_code": self.exit_code,
-                "seconds": to_json_float(self.seconds), "first_divergent": self.first_divergent,
-                "headline": self.headline, "run_id": self.run_id}
+        return {
+            "index": self.index,
+            "build": self.build,
+            "outcome": self.outcome,
+            "exit_code": self.exit_code,
+            "seconds": to_json_float(self.seconds),
+            "first_divergent": self.first_divergent,
+            "headline": self.headline,
+            "run_id": self.run_id,
+        }
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> BuildRun:
@@ -54,10 +61,16 @@ class BuildRun:
         if outcome not in OUTCOMES or not isinstance(d["build"], str) or type(d["index"]) is not int:
             raise ValueError(f"not a tested build: {d!r:.200}")
         code = d.get("exit_code")
-        return cls(index=d["index"], build=d["build"], outcome=outcome,
-                   exit_code=code if type(code) is int else None, seconds=from_json_float(d["seconds"]),
-                   first_divergent=d.get("first_divergent"), headline=str(d.get("headline", "")),
-                   run_id=d.get("run_id"))
+        return cls(
+            index=d["index"],
+            build=d["build"],
+            outcome=outcome,
+            exit_code=code if type(code) is int else None,
+            seconds=from_json_float(d["seconds"]),
+            first_divergent=d.get("first_divergent"),
+            headline=str(d.get("headline", "")),
+            run_id=d.get("run_id"),
+        )
 
 
 @dataclass(frozen=True)
@@ -88,15 +101,31 @@ class BisectResult:
 
     def to_json(self) -> dict[str, Any]:
         name = lambda i: None if i is None else self.builds[i]  # noqa: E731
-        return {"builds": list(self.builds), "first_bad": name(self.first_bad), "first_bad_index": self.first_bad,
-                "last_good": name(self.last_good), "last_good_index": self.last_good,
-                "candidates": [self.builds[i] for i in self.candidates], "candidate_indices": list(self.candidates),
-                "runs": self.runs, "bound": self.bound, "skipped": self.skipped,
-                "tested": [r.to_json() for r in self.tested], "verdict": self.verdict, "notes": list(self.notes)}
+        return {
+            "builds": list(self.builds),
+            "first_bad": name(self.first_bad),
+            "first_bad_index": self.first_bad,
+            "last_good": name(self.last_good),
+            "last_good_index": self.last_good,
+            "candidates": [self.builds[i] for i in self.candidates],
+            "candidate_indices": list(self.candidates),
+            "runs": self.runs,
+            "bound": self.bound,
+            "skipped": self.skipped,
+            "tested": [r.to_json() for r in self.tested],
+            "verdict": self.verdict,
+            "notes": list(self.notes),
+        }
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> BisectResult:
-        return cls(builds=tuple(d["builds"]), tested=tuple(BuildRun.from_json(r) for r in d["tested"]),
-                   last_good=d["last_good_index"], first_bad=d["first_bad_index"],
-                   candidates=tuple(d["candidate_indices"]), verdict=d.get("verdict"), bound=int(d["bound"]),
-                   notes=tuple(d.get("notes", ())))
+        return cls(
+            builds=tuple(d["builds"]),
+            tested=tuple(BuildRun.from_json(r) for r in d["tested"]),
+            last_good=d["last_good_index"],
+            first_bad=d["first_bad_index"],
+            candidates=tuple(d["candidate_indices"]),
+            verdict=d.get("verdict"),
+            bound=int(d["bound"]),
+            notes=tuple(d.get("notes", ())),
+        )

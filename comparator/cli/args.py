@@ -29,23 +29,40 @@ import sys
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from dumper.cli.common import json_flag, silence_stdout
-from dumper.errors import UsageError
-from dumper.format.files import printable
-
 from comparator.config import CompareConfig
 from comparator.judging.logprob_metrics import metric_names
 from comparator.judging.logprob_thresholds import LogprobThresholds
 from comparator.judging.noise_thresholds import DEFAULT_FACTOR, DEFAULT_FLOOR, check_noise_factor, parse_noise_floor
 from comparator.judging.values import parse_assignments, parse_threshold
+from dumper.cli.common import json_flag, silence_stdout
+from dumper.errors import UsageError
+from dumper.format.files import printable
 
 if TYPE_CHECKING:  # rich, the noise file and the report formats load only when a command uses them
     from rich.console import Console
 
-__all__ = ["logprob_thresholds", "write_output", "warn", "stdout_console", "noise_flags", "noise_args",
-           "threshold_flags", "logprob_threshold_flags", "output_flags", "run_group_flag", "run_store_flags",
-           "threads_flag", "allow_model_mismatch_flag", "tensors_flag", "calibrate_flag", "git_bisect_flag",
-           "parse_args", "compare_config", "print_line", "VERDICT_ONLY"]
+__all__ = [
+    "logprob_thresholds",
+    "write_output",
+    "warn",
+    "stdout_console",
+    "noise_flags",
+    "noise_args",
+    "threshold_flags",
+    "logprob_threshold_flags",
+    "output_flags",
+    "run_group_flag",
+    "run_store_flags",
+    "threads_flag",
+    "allow_model_mismatch_flag",
+    "tensors_flag",
+    "calibrate_flag",
+    "git_bisect_flag",
+    "parse_args",
+    "compare_config",
+    "print_line",
+    "VERDICT_ONLY",
+]
 
 VERDICT_ONLY = "print only the verdict line"
 """``--quiet``'s help where a command ends with a verdict line (``comparator A B``, ``logprobs``, ``regress``)."""
@@ -53,21 +70,31 @@ VERDICT_ONLY = "print only the verdict line"
 
 def _threshold_value(flag: str) -> Callable[[str], float]:
     """An argparse ``type`` that checks a threshold as it is parsed: NaN or < 0 is one line naming ``flag``."""
+
     def parse(raw: str) -> float:
         float(raw)  # a non-number: argparse's own "invalid float value" line, as for type=float
         value = parse_threshold(raw, where=flag)
         assert value is not None  # off is not allowed here
         return value
+
     parse.__name__ = "float"
     return parse
 
 
 def threshold_flags(p: argparse.ArgumentParser) -> None:
     """``--threshold`` and ``--token-threshold``: the fixed rel_diff thresholds of the hidden-state comparison."""
-    p.add_argument("--threshold", type=_threshold_value("--threshold"), default=None,
-                   help="whole-tensor rel_diff threshold (default 1e-3, env DRIFTSCOPE_DIFF_THRESHOLD)")
-    p.add_argument("--token-threshold", type=_threshold_value("--token-threshold"), default=None,
-                   help="per-token rel_diff threshold (default 1e-3, env DRIFTSCOPE_TOKEN_THRESHOLD)")
+    p.add_argument(
+        "--threshold",
+        type=_threshold_value("--threshold"),
+        default=None,
+        help="whole-tensor rel_diff threshold (default 1e-3, env DRIFTSCOPE_DIFF_THRESHOLD)",
+    )
+    p.add_argument(
+        "--token-threshold",
+        type=_threshold_value("--token-threshold"),
+        default=None,
+        help="per-token rel_diff threshold (default 1e-3, env DRIFTSCOPE_TOKEN_THRESHOLD)",
+    )
 
 
 def logprob_threshold_flags(p: argparse.ArgumentParser, *, threshold_row: bool, noise_from: str) -> None:
@@ -76,15 +103,25 @@ def logprob_threshold_flags(p: argparse.ArgumentParser, *, threshold_row: bool, 
     ``noise_from`` says when a noise-derived threshold exists (``"with --noise"``, ``"against a
     calibrated baseline"``). ``--model`` here is the threshold-table row (``args.threshold_row``).
     """
-    p.add_argument("--logprob-threshold", action="append", default=[], metavar="NAME=VALUE",
-                   help=f"logprob threshold ({', '.join(metric_names())}; VALUE 'off' disables); repeatable; wins over "
-                        f"DRIFTSCOPE_LOGPROB_* and the per-model table, and {noise_from} applies on top of the "
-                        "noise-derived one (the smaller wins)")
+    p.add_argument(
+        "--logprob-threshold",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help=f"logprob threshold ({', '.join(metric_names())}; VALUE 'off' disables); repeatable; wins over "
+        f"DRIFTSCOPE_LOGPROB_* and the per-model table, and {noise_from} applies on top of the "
+        "noise-derived one (the smaller wins)",
+    )
     if threshold_row:
-        p.add_argument("--model", dest="threshold_row", default=None, metavar="NAME[@DTYPE]",
-                       help="threshold row: the row of configs/logprob_thresholds.json whose logprob thresholds "
-                            "apply (default: the baseline dump's model, judged at the coarser dtype of the two "
-                            "dumps); NAME@DTYPE judges as DTYPE, e.g. default@bfloat16")
+        p.add_argument(
+            "--model",
+            dest="threshold_row",
+            default=None,
+            metavar="NAME[@DTYPE]",
+            help="threshold row: the row of configs/logprob_thresholds.json whose logprob thresholds "
+            "apply (default: the baseline dump's model, judged at the coarser dtype of the two "
+            "dumps); NAME@DTYPE judges as DTYPE, e.g. default@bfloat16",
+        )
 
 
 def run_group_flag(p: argparse.ArgumentParser, help_text: str) -> None:
@@ -92,16 +129,24 @@ def run_group_flag(p: argparse.ArgumentParser, help_text: str) -> None:
     p.add_argument("--model", dest="run_group", default=None, metavar="MODEL", help=help_text)
 
 
-def run_store_flags(p: argparse.ArgumentParser, *, required: bool, store_help: str, run_group_help: str,
-                    when: str = "") -> None:
+def run_store_flags(
+    p: argparse.ArgumentParser, *, required: bool, store_help: str, run_group_help: str, when: str = ""
+) -> None:
     """``--store URL``, ``--model`` (:func:`run_group_flag`), ``--allow-env-mismatch``, ``--cache-dir``: the run
     store and how its baseline is found; ``when`` prefixes the help of flags that need ``--store``."""
     p.add_argument("--store", required=required, default=None, metavar="URL", help=store_help)
     run_group_flag(p, f"{when}{run_group_help}")
-    p.add_argument("--allow-env-mismatch", action="store_true",
-                   help=f"{when}take a baseline from another environment (torch, CUDA, GPU...) if none matches")
-    p.add_argument("--cache-dir", metavar="DIR", default=None,
-                   help=f"{when}keep downloaded baselines of a remote store here (default: a temporary directory)")
+    p.add_argument(
+        "--allow-env-mismatch",
+        action="store_true",
+        help=f"{when}take a baseline from another environment (torch, CUDA, GPU...) if none matches",
+    )
+    p.add_argument(
+        "--cache-dir",
+        metavar="DIR",
+        default=None,
+        help=f"{when}keep downloaded baselines of a remote store here (default: a temporary directory)",
+    )
 
 
 def threads_flag(p: argparse.ArgumentParser, when: str = "") -> None:
@@ -153,11 +198,16 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse
 
 def compare_config(args: argparse.Namespace) -> CompareConfig:
     """The config of the parsed threshold, logprob-threshold and noise groups: flags > env vars > defaults."""
-    return CompareConfig.resolve(threshold=args.threshold, token_threshold=args.token_threshold,
-                                 threads=args.threads, logprob_thresholds=logprob_thresholds(args.logprob_threshold),
-                                 model=getattr(args, "threshold_row", None),
-                                 require_all=getattr(args, "require_all", False),
-                                 allow_model_mismatch=args.allow_model_mismatch, **noise_args(args))
+    return CompareConfig.resolve(
+        threshold=args.threshold,
+        token_threshold=args.token_threshold,
+        threads=args.threads,
+        logprob_thresholds=logprob_thresholds(args.logprob_threshold),
+        model=getattr(args, "threshold_row", None),
+        require_all=getattr(args, "require_all", False),
+        allow_model_mismatch=args.allow_model_mismatch,
+        **noise_args(args),
+    )
 
 
 def logprob_thresholds(pairs: Sequence[str]) -> dict[str, float | None]:
@@ -172,15 +222,29 @@ def noise_flags(p: argparse.ArgumentParser, *, noise_file: bool = True) -> None:
     """
     when = "with --noise" if noise_file else "against a calibrated baseline"
     if noise_file:
-        p.add_argument("--noise", metavar="NOISE.json", default=None,
-                       help="judge each tensor (and the logprobs) against its measured noise, from `python -m "
-                            "comparator calibrate`; explicit --threshold/--token-threshold still apply on top")
-    p.add_argument("--noise-factor", type=float, default=None, metavar="F",
-                   help=f"{when}: fail above F x noise (default {DEFAULT_FACTOR:g})")
-    p.add_argument("--noise-floor", action="append", default=[], metavar="[NAME=]VALUE",
-                   help=f"{when}: absolute floor of a derived threshold; VALUE alone is rel_diff's "
-                        f"(default {DEFAULT_FLOOR:g}), NAME=VALUE a logprob metric's ({', '.join(metric_names())}); "
-                        "repeatable")
+        p.add_argument(
+            "--noise",
+            metavar="NOISE.json",
+            default=None,
+            help="judge each tensor (and the logprobs) against its measured noise, from `python -m "
+            "comparator calibrate`; explicit --threshold/--token-threshold still apply on top",
+        )
+    p.add_argument(
+        "--noise-factor",
+        type=float,
+        default=None,
+        metavar="F",
+        help=f"{when}: fail above F x noise (default {DEFAULT_FACTOR:g})",
+    )
+    p.add_argument(
+        "--noise-floor",
+        action="append",
+        default=[],
+        metavar="[NAME=]VALUE",
+        help=f"{when}: absolute floor of a derived threshold; VALUE alone is rel_diff's "
+        f"(default {DEFAULT_FLOOR:g}), NAME=VALUE a logprob metric's ({', '.join(metric_names())}); "
+        "repeatable",
+    )
 
 
 def noise_args(args: argparse.Namespace) -> dict[str, Any]:
@@ -191,7 +255,8 @@ def noise_args(args: argparse.Namespace) -> dict[str, Any]:
         raise UsageError("--noise-factor and --noise-floor need --noise NOISE.json")
     out: dict[str, Any] = {
         "noise_factor": None if args.noise_factor is None else check_noise_factor(args.noise_factor),
-        "noise_floors": parse_noise_floor(args.noise_floor)}
+        "noise_floors": parse_noise_floor(args.noise_floor),
+    }
     if with_file and args.noise:
         from comparator.noise.file import load_noise
 

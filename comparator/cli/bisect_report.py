@@ -12,10 +12,9 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from dumper.format.files import printable
-
 from comparator.bisect.types import BAD, GOOD, BisectResult, BuildRun
 from comparator.cli.args import stdout_console
+from dumper.format.files import printable
 
 __all__ = ["progress_line", "print_result", "describe_run", "answer"]
 
@@ -67,9 +66,14 @@ def _table(result: BisectResult) -> Table:
     for col in ("line", "build", "outcome", "exit", "seconds", "stored run"):
         table.add_column(col, justify="right" if col in ("line", "exit", "seconds") else "left")
     for run in sorted(result.tested, key=lambda r: r.index):
-        table.add_row(str(run.index + 1), Text(printable(run.build)),
-                      Text(printable(describe_run(run))[:200], style=_STYLE.get(run.outcome, "yellow")),
-                      "-" if run.exit_code is None else str(run.exit_code), f"{run.seconds:.1f}", run.run_id or "-")
+        table.add_row(
+            str(run.index + 1),
+            Text(printable(run.build)),
+            Text(printable(describe_run(run))[:200], style=_STYLE.get(run.outcome, "yellow")),
+            "-" if run.exit_code is None else str(run.exit_code),
+            f"{run.seconds:.1f}",
+            run.run_id or "-",
+        )
     return table
 
 

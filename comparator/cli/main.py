@@ -18,29 +18,56 @@ import os
 import sys
 from collections.abc import Iterator, Sequence
 
-from dumper.cli.common import (add_import_sglang_flags, guarded_main, out_flag, prompt_source_flags, quiet_flag,
-                               top_k_flag)
+from comparator.cli.args import (
+    VERDICT_ONLY,
+    allow_model_mismatch_flag,
+    compare_config,
+    git_bisect_flag,
+    logprob_threshold_flags,
+    logprob_thresholds,
+    noise_args,
+    noise_flags,
+    output_flags,
+    parse_args,
+    print_line,
+    tensors_flag,
+    threads_flag,
+    threshold_flags,
+    warn,
+)
+from comparator.cli.args import stdout_console as _console
+from comparator.cli.args import write_output as _write
+from comparator.cli.bisect import build_bisect_parser, cmd_bisect, git_bisect_exit, git_skip
+from comparator.cli.parser import CommandParser, add_command
+from comparator.cli.store import build_regress_parser, build_store_parser
+from comparator.config import CompareConfig
+from comparator.judging.logprob_metrics import metric_names
+from comparator.judging.noise_thresholds import DEFAULT_FACTOR
+from comparator.noise.file import BASELINE_NOISE
+from comparator.reports.outputs import add_output_flags
+from dumper.cli.common import (
+    add_import_sglang_flags,
+    guarded_main,
+    out_flag,
+    prompt_source_flags,
+    quiet_flag,
+    top_k_flag,
+)
 from dumper.errors import EXIT_DIVERGED, EXIT_OK, DriftscopeError, UsageError
 from dumper.format import MANIFEST_NAME, write_json_atomic
 from dumper.format.remote import fetched, is_url
 from dumper.format.remote_read import dump_manifest
 
-from comparator.config import CompareConfig
-from comparator.cli.args import (VERDICT_ONLY, allow_model_mismatch_flag, compare_config, git_bisect_flag,
-                                 logprob_threshold_flags, logprob_thresholds, noise_args, noise_flags, output_flags,
-                                 parse_args, print_line, tensors_flag, threads_flag, threshold_flags, warn)
-from comparator.cli.args import stdout_console as _console
-from comparator.cli.args import write_output as _write
-from comparator.judging.logprob_metrics import metric_names
-from comparator.judging.noise_thresholds import DEFAULT_FACTOR
-from comparator.noise.file import BASELINE_NOISE
-from comparator.reports.outputs import add_output_flags
-from comparator.cli.parser import CommandParser, add_command
-from comparator.cli.store import build_regress_parser, build_store_parser
-from comparator.cli.bisect import build_bisect_parser, cmd_bisect, git_bisect_exit, git_skip
-
-__all__ = ["main", "run", "build_parser", "build_logprobs_parser", "build_collect_parser", "build_calibrate_parser",
-           "build_import_sglang_parser", "COMMANDS"]
+__all__ = [
+    "main",
+    "run",
+    "build_parser",
+    "build_logprobs_parser",
+    "build_collect_parser",
+    "build_calibrate_parser",
+    "build_import_sglang_parser",
+    "COMMANDS",
+]
 
 _MODEL_MISMATCH = "compare dumps of different models (architecture, layer count, hidden size, config hash)"
 """``--allow-model-mismatch``'s help where two dumps are compared."""
@@ -48,16 +75,23 @@ _MODEL_MISMATCH = "compare dumps of different models (architecture, layer count,
 
 def build_calibrate_parser(sub: argparse._SubParsersAction | None = None) -> argparse.ArgumentParser:
     """``calibrate BASELINE VARIANT... --out NOISE.json``: a subparser of ``sub``, or a parser of its own."""
-    p = add_command(sub, "calibrate", "Measure a baseline's noise from benign re-runs. The variants re-run its inputs "
-                    "with another attention backend, chunk size, batch layout or thread count; the noise is written "
-                    "as NOISE.json for `python -m comparator BASELINE TARGET --noise NOISE.json`.")
+    p = add_command(
+        sub,
+        "calibrate",
+        "Measure a baseline's noise from benign re-runs. The variants re-run its inputs "
+        "with another attention backend, chunk size, batch layout or thread count; the noise is written "
+        "as NOISE.json for `python -m comparator BASELINE TARGET --noise NOISE.json`.",
+    )
     p.add_argument("baseline", help="dump directory, engine JSONL file or llama.cpp KL-divergence base file")
     p.add_argument("variants", nargs="+", metavar="VARIANT", help="benign re-runs of the baseline's inputs")
     out_flag(p, help="noise file to write (atomically)", metavar="NOISE.json")
     threads_flag(p)
-    allow_model_mismatch_flag(p, help="calibrate from variants that are not re-runs of the baseline's model (another "
-                                      "model spelling in cross-engine runs, other weights); the differences are "
-                                      "recorded in the noise file and every verdict judged by it warns about them")
+    allow_model_mismatch_flag(
+        p,
+        help="calibrate from variants that are not re-runs of the baseline's model (another "
+        "model spelling in cross-engine runs, other weights); the differences are "
+        "recorded in the noise file and every verdict judged by it warns about them",
+    )
     quiet_flag(p, help="print only the summary line")
     return p
 
@@ -69,10 +103,12 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from comparator.reports.text import render_noise
 
     with progress_callback(not args.quiet) as progress, contextlib.ExitStack() as sides:
-        base, *variants = (sides.enter_context(_fetched_str(p)) if is_url(p) else p
-                           for p in (args.baseline, *args.variants))
-        noise = calibrate(base, variants, threads=args.threads, allow_model_mismatch=args.allow_model_mismatch,
-                          progress=progress)
+        base, *variants = (
+            sides.enter_context(_fetched_str(p)) if is_url(p) else p for p in (args.baseline, *args.variants)
+        )
+        noise = calibrate(
+            base, variants, threads=args.threads, allow_model_mismatch=args.allow_model_mismatch, progress=progress
+        )
         if any(is_url(p) for p in (args.baseline, *args.variants)):  # the URLs, not the local copies, in the file
             noise = dataclasses.replace(noise, baseline=args.baseline, variants=tuple(args.variants))
     save_noise(noise, args.out)
@@ -89,8 +125,12 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         parts.append(f"logprobs ({noise.logprobs.positions} positions per variant)")
     if noise.router:
         parts.append(f"the routing of {len(noise.router)} MoE layers")
-    console.print(f"wrote {args.out}: noise of {' and '.join(parts)} from {len(noise.variants)} variants",
-                  markup=False, highlight=False, soft_wrap=True)  # one line, however long the path
+    console.print(
+        f"wrote {args.out}: noise of {' and '.join(parts)} from {len(noise.variants)} variants",
+        markup=False,
+        highlight=False,
+        soft_wrap=True,
+    )  # one line, however long the path
     return EXIT_OK
 
 
@@ -98,38 +138,61 @@ def build_parser() -> CommandParser:
     """The parser of every ``python -m comparator`` command line: ``BASELINE TARGET [options]`` (compare),
     or a subcommand named by the first word; ``args.subcommand`` says which (``"compare"``)."""
     prog = "python -m comparator"
-    p = CommandParser(prog=prog, default="compare",
-                      usage=f"{prog} BASELINE TARGET [options]\n       {prog} COMMAND ...",
-                      description="Compare two driftscope dumps layer by layer (and their logprobs), or run the "
-                                  "command the first word names: `python -m comparator logprobs BASE TARGET` compares "
-                                  "logprobs only, of dumps or engine JSONL files.")
+    p = CommandParser(
+        prog=prog,
+        default="compare",
+        usage=f"{prog} BASELINE TARGET [options]\n       {prog} COMMAND ...",
+        description="Compare two driftscope dumps layer by layer (and their logprobs), or run the "
+        "command the first word names: `python -m comparator logprobs BASE TARGET` compares "
+        "logprobs only, of dumps or engine JSONL files.",
+    )
     _compare_flags(p)
-    for add in (build_bisect_parser, build_calibrate_parser, build_collect_parser, build_import_sglang_parser,
-                build_logprobs_parser, build_regress_parser, build_store_parser):
+    for add in (
+        build_bisect_parser,
+        build_calibrate_parser,
+        build_collect_parser,
+        build_import_sglang_parser,
+        build_logprobs_parser,
+        build_regress_parser,
+        build_store_parser,
+    ):
         add(p.commands)
     return p
 
 
 def _compare_flags(p: argparse.ArgumentParser) -> None:
     """The arguments of the compare command (``python -m comparator BASELINE TARGET``)."""
-    p.add_argument("baseline", help="dump directory (or SGLang dumper directory) of the trusted run; one recorded "
-                                    f"with dumper run --calibrate holds its noise ({BASELINE_NOISE}), which then "
-                                    "judges the target unless --noise or --ignore-baseline-noise is given")
+    p.add_argument(
+        "baseline",
+        help="dump directory (or SGLang dumper directory) of the trusted run; one recorded "
+        f"with dumper run --calibrate holds its noise ({BASELINE_NOISE}), which then "
+        "judges the target unless --noise or --ignore-baseline-noise is given",
+    )
     p.add_argument("target", help="dump directory (or SGLang dumper directory) of the run under test")
-    p.add_argument("--ignore-baseline-noise", action="store_true",
-                   help=f"judge by the fixed thresholds although the baseline holds its noise ({BASELINE_NOISE})")
+    p.add_argument(
+        "--ignore-baseline-noise",
+        action="store_true",
+        help=f"judge by the fixed thresholds although the baseline holds its noise ({BASELINE_NOISE})",
+    )
     threshold_flags(p)
     output_flags(p, json="the report", csv=True)
     tensors_flag(p)
     threads_flag(p)
     quiet_flag(p, help=VERDICT_ONLY)
-    p.add_argument("--require-all", action="store_true",
-                   help="exit 2 when either dump holds tensors the other lacks (default: compare the common "
-                        "ones and say so in the verdict)")
-    allow_model_mismatch_flag(p, help=f"{_MODEL_MISMATCH}, e.g. cross-engine or quantized runs; the differences "
-                                      "are reported")
-    git_bisect_flag(p, help="exit as `git bisect run` reads it: 0 good, 1 bad, 125 when the target cannot be judged "
-                            "(skip), 128 when the baseline or the flags are unusable (git stops)")
+    p.add_argument(
+        "--require-all",
+        action="store_true",
+        help="exit 2 when either dump holds tensors the other lacks (default: compare the common "
+        "ones and say so in the verdict)",
+    )
+    allow_model_mismatch_flag(
+        p, help=f"{_MODEL_MISMATCH}, e.g. cross-engine or quantized runs; the differences are reported"
+    )
+    git_bisect_flag(
+        p,
+        help="exit as `git bisect run` reads it: 0 good, 1 bad, 125 when the target cannot be judged "
+        "(skip), 128 when the baseline or the flags are unusable (git stops)",
+    )
     logprob_threshold_flags(p, threshold_row=True, noise_from="with --noise")
     noise_flags(p)
     add_output_flags(p)
@@ -137,13 +200,19 @@ def _compare_flags(p: argparse.ArgumentParser) -> None:
 
 def build_logprobs_parser(sub: argparse._SubParsersAction | None = None) -> argparse.ArgumentParser:
     """``logprobs BASE TARGET``: a subparser of ``sub``, or a parser of its own."""
-    p = add_command(sub, "logprobs", "Compare the per-token logprobs of two sources. A source is a driftscope dump "
-                    "recorded with --logprobs, a JSONL file of SGLang /generate, vLLM prompt_logprobs or OpenAI "
-                    "completions responses, or a llama.cpp KL-divergence base file.")
-    p.add_argument("baseline", help="dump directory, engine JSONL file or llama.cpp KL-divergence base file "
-                                    "of the trusted run")
-    p.add_argument("target", help="dump directory, engine JSONL file or llama.cpp KL-divergence base file "
-                                  "of the run under test")
+    p = add_command(
+        sub,
+        "logprobs",
+        "Compare the per-token logprobs of two sources. A source is a driftscope dump "
+        "recorded with --logprobs, a JSONL file of SGLang /generate, vLLM prompt_logprobs or OpenAI "
+        "completions responses, or a llama.cpp KL-divergence base file.",
+    )
+    p.add_argument(
+        "baseline", help="dump directory, engine JSONL file or llama.cpp KL-divergence base file of the trusted run"
+    )
+    p.add_argument(
+        "target", help="dump directory, engine JSONL file or llama.cpp KL-divergence base file of the run under test"
+    )
     output_flags(p, json="the verdict")
     quiet_flag(p, help=VERDICT_ONLY)
     allow_model_mismatch_flag(p, help=_MODEL_MISMATCH)
@@ -156,9 +225,13 @@ def build_collect_parser(sub: argparse._SubParsersAction | None = None) -> argpa
     """``collect --server URL --api API --out FILE.jsonl``: a subparser of ``sub``, or a parser of its own."""
     from dumper.server.flags import api_flag, request_flags, served_model_flag, server_flag
 
-    p = add_command(sub, "collect", "Score prompts on a live server into logprob JSONL. The server is vLLM, SGLang "
-                    "or OpenAI-compatible; the prompt logprobs are written as JSONL for `python -m comparator "
-                    "logprobs`.")
+    p = add_command(
+        sub,
+        "collect",
+        "Score prompts on a live server into logprob JSONL. The server is vLLM, SGLang "
+        "or OpenAI-compatible; the prompt logprobs are written as JSONL for `python -m comparator "
+        "logprobs`.",
+    )
     server_flag(p, required=True, help="server base URL, e.g. http://127.0.0.1:8000")
     api_flag(p, required=True)
     prompt_source_flags(p)
@@ -171,9 +244,8 @@ def build_collect_parser(sub: argparse._SubParsersAction | None = None) -> argpa
 
 
 def cmd_collect(args: argparse.Namespace) -> int:
-    from dumper.prompts import BUILTIN_PROMPTS, parse_input_ids, read_prompts_file
-
     from comparator.logprobs.sources.collect import collect
+    from dumper.prompts import BUILTIN_PROMPTS, parse_input_ids, read_prompts_file
     from dumper.server.api import prompts_from
     from dumper.server.client import ServerClient
 
@@ -181,11 +253,19 @@ def cmd_collect(args: argparse.Namespace) -> int:
     if args.prompts:
         texts, ids = read_prompts_file(args.prompts)
     client = ServerClient(args.server, timeout=args.timeout, retries=args.retries)
-    results = collect(client, args.api, prompts_from(texts or ([] if ids else list(BUILTIN_PROMPTS)), ids),
-                      args.out, top_k=args.top_k, model=args.model)
+    results = collect(
+        client,
+        args.api,
+        prompts_from(texts or ([] if ids else list(BUILTIN_PROMPTS)), ids),
+        args.out,
+        top_k=args.top_k,
+        model=args.model,
+    )
     if not args.quiet:
-        print(f"wrote {args.out}: {len(results)} requests, {sum(len(r.sequence) for r in results)} prompt positions "
-              f"scored, top-k {args.top_k} ({args.api} at {client.base_url})")
+        print(
+            f"wrote {args.out}: {len(results)} requests, {sum(len(r.sequence) for r in results)} prompt positions "
+            f"scored, top-k {args.top_k} ({args.api} at {client.base_url})"
+        )
     return EXIT_OK
 
 
@@ -196,21 +276,31 @@ def cmd_logprobs(args: argparse.Namespace) -> int:
 
     noise = noise_args(args)
     if "rel_diff" in noise["noise_floors"]:
-        raise UsageError("--noise-floor: comparator logprobs takes NAME=VALUE with NAME a logprob metric "
-                         f"({', '.join(metric_names())})")
-    verdict = compare_logprob_sources(args.baseline, args.target, model=args.threshold_row,  # a URL: read in place
-                                      explicit=logprob_thresholds(args.logprob_threshold),
-                                      allow_model_mismatch=args.allow_model_mismatch, **noise)
+        raise UsageError(
+            "--noise-floor: comparator logprobs takes NAME=VALUE with NAME a logprob metric "
+            f"({', '.join(metric_names())})"
+        )
+    verdict = compare_logprob_sources(
+        args.baseline,
+        args.target,
+        model=args.threshold_row,  # a URL: read in place
+        explicit=logprob_thresholds(args.logprob_threshold),
+        allow_model_mismatch=args.allow_model_mismatch,
+        **noise,
+    )
     warn(verdict.noise.warnings if verdict.noise is not None else ())
     console = _console()
     if args.quiet:
-        sides = [f"only in the {side}: {', '.join(map(repr, names[:3]))}"
-                 f"{f' and {len(names) - 3} more' if len(names) > 3 else ''}"
-                 for side, names in (("baseline", verdict.unmatched_baseline), ("target", verdict.unmatched_target))
-                 if names]
+        sides = [
+            f"only in the {side}: {', '.join(map(repr, names[:3]))}"
+            f"{f' and {len(names) - 3} more' if len(names) > 3 else ''}"
+            for side, names in (("baseline", verdict.unmatched_baseline), ("target", verdict.unmatched_target))
+            if names
+        ]
         note = f" (not compared, {'; '.join(sides)})" if sides else ""
-        console.print(status(verdict.passed, ", ".join(verdict.failures())) + note,
-                      markup=False, emoji=False, highlight=False)
+        console.print(
+            status(verdict.passed, ", ".join(verdict.failures())) + note, markup=False, emoji=False, highlight=False
+        )
     else:
         render_logprobs(verdict, console)
     _write(args.json, lambda p: write_json_atomic(p, verdict.to_json()))
@@ -220,8 +310,11 @@ def cmd_logprobs(args: argparse.Namespace) -> int:
 def build_import_sglang_parser(sub: argparse._SubParsersAction | None = None) -> argparse.ArgumentParser:
     """``import-sglang SRC --out DST``: the flags of :func:`dumper.engines.sglang.main_import` (which runs it),
     here so that parsing and ``--help`` never load torch."""
-    p = add_command(sub, "import-sglang", "Convert an SGLang dump into a driftscope dump. The source is a directory "
-                    "of SGLang dumper .pt files.")
+    p = add_command(
+        sub,
+        "import-sglang",
+        "Convert an SGLang dump into a driftscope dump. The source is a directory of SGLang dumper .pt files.",
+    )
     add_import_sglang_flags(p)
     return p
 
@@ -240,8 +333,14 @@ def cmd_store(args: argparse.Namespace) -> int:
     return run_store(args)
 
 
-COMMANDS = {"bisect": cmd_bisect, "calibrate": cmd_calibrate, "collect": cmd_collect, "logprobs": cmd_logprobs, "regress": cmd_regress,
-            "store": cmd_store}
+COMMANDS = {
+    "bisect": cmd_bisect,
+    "calibrate": cmd_calibrate,
+    "collect": cmd_collect,
+    "logprobs": cmd_logprobs,
+    "regress": cmd_regress,
+    "store": cmd_store,
+}
 """The subcommands run here by their parsed arguments (``import-sglang`` runs in :mod:`dumper.engines.sglang`)."""
 
 

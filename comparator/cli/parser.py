@@ -23,8 +23,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from dumper.cli.common import Parser
-from dumper.cli.common import split_debug
+from dumper.cli.common import Parser, split_debug
 
 __all__ = ["CommandParser", "add_command", "summary", "COMMAND_DEST"]
 
@@ -39,8 +38,9 @@ def summary(description: str) -> str:
     return re.split(r"(?<=\.)\s", description.strip(), maxsplit=1)[0].removesuffix(".")
 
 
-def add_command(sub: argparse._SubParsersAction | None, name: str, description: str, *,
-                prefix: str = "python -m comparator") -> argparse.ArgumentParser:
+def add_command(
+    sub: argparse._SubParsersAction | None, name: str, description: str, *, prefix: str = "python -m comparator"
+) -> argparse.ArgumentParser:
     """The parser of subcommand ``name``: a subparser of ``sub`` (listed by :func:`summary` of its
     description), or with ``sub`` None a parser of its own, ``prog`` ``"{prefix} {name}"``."""
     if sub is None:
@@ -56,13 +56,17 @@ class CommandParser(Parser):
         self.default = default
         group = self.add_argument_group("commands", f"{prog} COMMAND --help shows a command's options")
         self.commands = Parser(prog=prog, add_help=False).add_subparsers(
-            dest=COMMAND_DEST, metavar="COMMAND", prog=prog, parser_class=Parser)
+            dest=COMMAND_DEST, metavar="COMMAND", prog=prog, parser_class=Parser
+        )
         # listed in --help, never parsed as a positional argument of the default command
         group._group_actions.append(self.commands)
         self._action_groups.insert(0, self._action_groups.pop())  # the commands first
 
-    def _route(self, args: Sequence[str] | None, namespace: argparse.Namespace | None,
-               ) -> tuple[argparse.ArgumentParser | None, list[str], argparse.Namespace]:
+    def _route(
+        self,
+        args: Sequence[str] | None,
+        namespace: argparse.Namespace | None,
+    ) -> tuple[argparse.ArgumentParser | None, list[str], argparse.Namespace]:
         """(the subcommand's parser or None for the default command, the rest of ``args``, the namespace)."""
         argv, _ = split_debug(list(sys.argv[1:] if args is None else args))
         namespace = argparse.Namespace() if namespace is None else namespace
@@ -72,12 +76,17 @@ class CommandParser(Parser):
             return command, argv[1:], namespace
         if argv and _WORD.match(argv[0]) and not os.path.exists(argv[0]):
             close = difflib.get_close_matches(argv[0], list(self.commands.choices), n=1)
-            self.error(f"{argv[0]!r} is neither a command ({', '.join(self.commands.choices)}) nor an existing "
-                       f"dump directory{f'; did you mean {close[0]!r}?' if close else ''}")
+            self.error(
+                f"{argv[0]!r} is neither a command ({', '.join(self.commands.choices)}) nor an existing "
+                f"dump directory{f'; did you mean {close[0]!r}?' if close else ''}"
+            )
         return None, argv, namespace
 
-    def parse_known_args(self, args: Sequence[str] | None = None, namespace: Any = None,
-                         ) -> tuple[argparse.Namespace, list[str]]:
+    def parse_known_args(
+        self,
+        args: Sequence[str] | None = None,
+        namespace: Any = None,
+    ) -> tuple[argparse.Namespace, list[str]]:
         command, rest, namespace = self._route(args, namespace)
         if command is None:
             return super().parse_known_args(rest, namespace)

@@ -31,10 +31,10 @@ from comparator.store.regress import RegressResult, regress
 from comparator.store.select import current_baselines
 from dumper.errors import EXIT_UNUSABLE, CorruptDumpError, DriftscopeError, UsageError
 from dumper.format import MANIFEST_NAME, load_manifest, write_json_atomic
-from dumper.format.remote import fetched
 from dumper.format.describe import describe_lines
 from dumper.format.files import printable
 from dumper.format.manifest import parse_manifest
+from dumper.format.remote import fetched
 
 __all__ = ["cmd_regress", "cmd_store"]
 
@@ -53,10 +53,18 @@ def cmd_regress(args: argparse.Namespace) -> int:
         except DriftscopeError as e:
             return git_skip(e)
     with fetched(args.run_dir) as run_dir:  # a dump at a URL: judged and stored from a local copy
-        result = regress(run_dir, args.store, model=args.run_group, bootstrap=args.bootstrap,
-                         allow_env_mismatch=args.allow_env_mismatch, config=config, cache_dir=args.cache_dir,
-                         require_all=not args.allow_missing, calibrate_from=args.calibrate,
-                         build=(args.build or "git bisect") if args.git_bisect else None)
+        result = regress(
+            run_dir,
+            args.store,
+            model=args.run_group,
+            bootstrap=args.bootstrap,
+            allow_env_mismatch=args.allow_env_mismatch,
+            config=config,
+            cache_dir=args.cache_dir,
+            require_all=not args.allow_missing,
+            calibrate_from=args.calibrate,
+            build=(args.build or "git bisect") if args.git_bisect else None,
+        )
     warn(result.warnings)
     _print_result(result, stdout_console(), quiet=args.quiet, tensors=args.tensors)
     write_output(args.json, lambda p: write_json_atomic(p, result.to_json()))
@@ -73,8 +81,10 @@ def _print_result(result: RegressResult, console: Console, *, quiet: bool, tenso
 def _open(url: str) -> RunStore:
     store = RunStore(url)
     if not store.exists():
-        raise StoreError(f"{url}: no run store here (no runs/ folder); python -m comparator regress RUN_DIR "
-                         f"--store {url} --bootstrap creates one")
+        raise StoreError(
+            f"{url}: no run store here (no runs/ folder); python -m comparator regress RUN_DIR "
+            f"--store {url} --bootstrap creates one"
+        )
     return store
 
 
@@ -107,16 +117,19 @@ def _promote(store: RunStore, args: argparse.Namespace, console: Console) -> Non
     if args.calibrate:
         CompareConfig(threads=args.threads)  # checks the thread count before any work
         with store.local_dump(rec.run_id) as dump:
-            noise = calibrate(dump, args.calibrate, threads=args.threads,
-                              allow_model_mismatch=args.allow_model_mismatch)
+            noise = calibrate(
+                dump, args.calibrate, threads=args.threads, allow_model_mismatch=args.allow_model_mismatch
+            )
         noise = replace(noise, baseline=store.where(rec.run_id, "dump"))  # not the temporary copy of a remote dump
     new = store.promote(rec.run_id, noise)
     line = f"run {new.run_id} of model {printable(repr(new.model))} is a baseline now (was {rec.label})"
     if noise is not None:
         line += f"; calibrated from {len(noise.variants)} variants ({store.where(new.run_id, 'noise.json')})"
     elif new.calibration is None:
-        line += ("; not calibrated: runs are judged against it by the fixed thresholds (--calibrate VARIANT ... "
-                 "measures its noise)")
+        line += (
+            "; not calibrated: runs are judged against it by the fixed thresholds (--calibrate VARIANT ... "
+            "measures its noise)"
+        )
     else:
         line += f"; it keeps its noise from {new.calibration.variants} variants"
     console.print(Text(line))
@@ -135,8 +148,10 @@ def _calibration(store: RunStore, rec: RunRecord) -> str:
     cal = stored.calibration
     on = "this run" if cal.measured_on == rec.run_id else f"run {cal.measured_on} (inherited)"
     lp = f", logprobs over {stored.noise.logprobs.positions} positions" if stored.noise.logprobs is not None else ""
-    return (f"calibration: noise of {len(stored.noise.tensors)} tensors{lp} from {cal.variants} variants, "
-            f"measured on {on} at {printable(_created(cal.created_at))} ({store.where(rec.run_id, 'noise.json')})")
+    return (
+        f"calibration: noise of {len(stored.noise.tensors)} tensors{lp} from {cal.variants} variants, "
+        f"measured on {on} at {printable(_created(cal.created_at))} ({store.where(rec.run_id, 'noise.json')})"
+    )
 
 
 def _created(rec_created: str) -> str:
@@ -150,8 +165,13 @@ def _created(rec_created: str) -> str:
 def _ls(store: RunStore, console: Console, *, run_group: str | None, label: str | None) -> None:
     entries = store.runs()
     current = current_baselines(entries)
-    recs = [e.record for e in entries if e.record is not None and (not run_group or e.record.model == run_group)
-            and (not label or e.record.label == label)]
+    recs = [
+        e.record
+        for e in entries
+        if e.record is not None
+        and (not run_group or e.record.model == run_group)
+        and (not label or e.record.label == label)
+    ]
     builds = any(r.build is not None for r in recs)  # a build column only where a bisection stored runs
     table = Table(title=Text(f"runs in {store.url}"), title_justify="left")
     for col in ("run id", "created (UTC)", "model", "label", *("build",) * builds, "baseline", "verdict"):
@@ -160,12 +180,26 @@ def _ls(store: RunStore, console: Console, *, run_group: str | None, label: str 
         tag = rec.label.value + (" (current)" if rec.run_id in current else "")
         style = {Label.FAILED: "red", Label.BASELINE: "bold", Label.BISECT: "dim"}.get(rec.label)
         build = [Text(printable(rec.build or "-"))] * builds
-        table.add_row(rec.run_id, Text(printable(_created(rec.created_at))), Text(printable(rec.model)),
-                      Text(tag, style=style or ""), *build, rec.baseline_run or "-", Text(printable(rec.verdict())))
+        table.add_row(
+            rec.run_id,
+            Text(printable(_created(rec.created_at))),
+            Text(printable(rec.model)),
+            Text(tag, style=style or ""),
+            *build,
+            rec.baseline_run or "-",
+            Text(printable(rec.verdict())),
+        )
     broken: list[RunEntry] = [e for e in entries if not e.complete]
     for e in broken:
-        table.add_row(Text(printable(e.name)), "-", "-", Text(e.status.upper(), style="bold yellow"), *["-"] * builds,
-                      "-", Text(e.problem or ""))
+        table.add_row(
+            Text(printable(e.name)),
+            "-",
+            "-",
+            Text(e.status.upper(), style="bold yellow"),
+            *["-"] * builds,
+            "-",
+            Text(e.problem or ""),
+        )
     console.print(table)
     console.print(f"{len(recs)} runs shown; {len(broken)} incomplete, corrupt or staging entries")
     warn([e.problem for e in broken if e.status.warned and e.problem])
@@ -180,8 +214,12 @@ def _show(store: RunStore, run_id: str, console: Console) -> None:
     report = store.report_json(run_id)
     if report is not None:
         matched = report.get("matched")
-        console.print(Text(f"report: {matched if type(matched) is int else '?'} tensors compared against baseline "
-                           f"{rec.baseline_run}; {status(report.get('passed') is True)}"))
+        console.print(
+            Text(
+                f"report: {matched if type(matched) is int else '?'} tensors compared against baseline "
+                f"{rec.baseline_run}; {status(report.get('passed') is True)}"
+            )
+        )
 
 
 def _dump_lines(store: RunStore, run_id: str) -> list[str]:

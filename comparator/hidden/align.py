@@ -23,8 +23,21 @@ import numpy as np
 from dumper.errors import CorruptDumpError, NotComparableError
 from dumper.format import PAD_SEQUENCE, Manifest, TensorRecord
 
-__all__ = ["Segment", "LogicalTensor", "RowRun", "Piece", "logical_tensors", "match_rows", "column_pieces",
-           "fallback_pairs", "split_by_mode", "positions_of", "replica_view", "LogicalKey", "FallbackKey"]
+__all__ = [
+    "Segment",
+    "LogicalTensor",
+    "RowRun",
+    "Piece",
+    "logical_tensors",
+    "match_rows",
+    "column_pieces",
+    "fallback_pairs",
+    "split_by_mode",
+    "positions_of",
+    "replica_view",
+    "LogicalKey",
+    "FallbackKey",
+]
 
 LogicalKey = tuple[str, int, int]
 """(name, call, sequence id)."""
@@ -130,8 +143,15 @@ def replica_view(lt: LogicalTensor, rank: int) -> LogicalTensor:
             cursor = hi
         if cursor < end:
             rows.append(_sub(seg, cursor, end))
-    return LogicalTensor(lt.name, lt.call, lt.sequence, lt.layer, lt.sharded, by_rank=lt.by_rank,
-                         rows=sorted(rows + mine, key=lambda s: s.pos))
+    return LogicalTensor(
+        lt.name,
+        lt.call,
+        lt.sequence,
+        lt.layer,
+        lt.sharded,
+        by_rank=lt.by_rank,
+        rows=sorted(rows + mine, key=lambda s: s.pos),
+    )
 
 
 @dataclass(frozen=True)
@@ -169,8 +189,9 @@ def _segments(rec: TensorRecord) -> list[tuple[int, Segment]]:
     """
     pos_runs, seq_runs = rec.positions or [], rec.sequence_ids or []
     if sum(c for _, c in pos_runs) != rec.rows or sum(c for _, c in seq_runs) != rec.rows:
-        raise CorruptDumpError(f"{rec.file}: tensor {rec.name!r} has row metadata for another number of rows "
-                               f"than its {rec.rows} rows")
+        raise CorruptDumpError(
+            f"{rec.file}: tensor {rec.name!r} has row metadata for another number of rows than its {rec.rows} rows"
+        )
     out: list[tuple[int, Segment]] = []
     i = j = used_p = used_s = row = 0
     while i < len(pos_runs) and j < len(seq_runs):
@@ -214,16 +235,21 @@ def logical_tensors(manifest: Manifest, names: set[str], where: str) -> dict[Log
                 if b.pos < a.pos + a.count:
                     raise NotComparableError(
                         f"{where}: {lt.describe()} holds token position {b.pos} twice on rank {rank} "
-                        f"(passes {a.rec.forward_pass} and {b.rec.forward_pass}); cannot align")
+                        f"(passes {a.rec.forward_pass} and {b.rec.forward_pass}); cannot align"
+                    )
             if lt.sharded and segs[0].rec.shard_dim != len(segs[0].rec.shape) - 1:
-                raise NotComparableError(f"{where}: {lt.name!r} is sharded along dim {segs[0].rec.shard_dim}; "
-                                         "only the last (hidden) dim can be reassembled row by row")
+                raise NotComparableError(
+                    f"{where}: {lt.name!r} is sharded along dim {segs[0].rec.shard_dim}; "
+                    "only the last (hidden) dim can be reassembled row by row"
+                )
         if lt.sharded:
             ref = lt.by_rank[lt.ranks[0]]
             for rank in lt.ranks[1:]:
                 if _coverage(ref) != _coverage(lt.by_rank[rank]):
-                    raise NotComparableError(f"{where}: shards of {lt.describe()} hold different token positions "
-                                             f"on ranks {lt.ranks[0]} and {rank}; cannot join them")
+                    raise NotComparableError(
+                        f"{where}: shards of {lt.describe()} hold different token positions "
+                        f"on ranks {lt.ranks[0]} and {rank}; cannot join them"
+                    )
             lt.rows = ref
         else:
             _merge_ranks(lt)
@@ -255,8 +281,9 @@ def match_rows(base: list[Segment], target: list[Segment], what: str) -> list[Ro
     """Pair two position-sorted segment lists row by row; their position sets must be equal."""
     cb, ct = _coverage(base), _coverage(target)
     if cb != ct:
-        raise NotComparableError(f"{what}: positions {_describe(cb)} in the baseline but {_describe(ct)} in the "
-                                 "target; cannot align")
+        raise NotComparableError(
+            f"{what}: positions {_describe(cb)} in the baseline but {_describe(ct)} in the target; cannot align"
+        )
     runs: list[RowRun] = []
     i = j = 0
     ob = ot = 0  # rows of base[i] / target[j] already consumed
@@ -278,8 +305,10 @@ def column_pieces(base: LogicalTensor, target: LogicalTensor) -> list[Piece]:
     bc, tc = base.columns(), target.columns()
     bw, tw = sum(w for _, _, w in bc), sum(w for _, _, w in tc)
     if bw != tw:
-        raise NotComparableError(f"{base.describe()}: hidden size {bw} in the baseline but {tw} in the target "
-                                 "(after joining shards); cannot align")
+        raise NotComparableError(
+            f"{base.describe()}: hidden size {bw} in the baseline but {tw} in the target "
+            "(after joining shards); cannot align"
+        )
     pieces: list[Piece] = []
     i = j = 0
     col = 0
@@ -295,9 +324,11 @@ def column_pieces(base: LogicalTensor, target: LogicalTensor) -> list[Piece]:
     return pieces
 
 
-def fallback_pairs(baseline: Manifest, target: Manifest, names: set[str]) -> tuple[
-        list[tuple[TensorRecord, TensorRecord]], list[FallbackKey], list[FallbackKey]]:
+def fallback_pairs(
+    baseline: Manifest, target: Manifest, names: set[str]
+) -> tuple[list[tuple[TensorRecord, TensorRecord]], list[FallbackKey], list[FallbackKey]]:
     """Match the remaining records by (name, forward pass, rank, call)."""
+
     def key(r: TensorRecord) -> FallbackKey:
         return (r.name, r.forward_pass, r.rank, r.call)
 
@@ -305,4 +336,3 @@ def fallback_pairs(baseline: Manifest, target: Manifest, names: set[str]) -> tup
     targ = {key(r): r for r in target.tensors if r.name in names}
     pairs = [(base[k], targ[k]) for k in base if k in targ]
     return pairs, [k for k in base if k not in targ], [k for k in targ if k not in base]
-

@@ -28,23 +28,40 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from dumper.errors import NotComparableError
-from dumper.format import LOGITS_POINT, LOGPROB_POINT, ROUTER_CHOICE_POINT, Manifest
-from dumper.format.decode import (DECODE, GENERATED_IDS, NEW_TOKENS, NEXT_IDS, PREFILL, PROMPT_LENGTHS, generated_ids,
-                                  prompt_lengths, record_phase)
-
 from comparator.config import CompareConfig
 from comparator.hidden.align import LogicalKey, LogicalTensor
 from comparator.hidden.subset import Interval, coverage, cut_tensor
-from comparator.hidden.types import DecodeComparison, DecodeFork
-from comparator.hidden.types import FirstDivergence
+from comparator.hidden.types import DecodeComparison, DecodeFork, FirstDivergence
+from dumper.errors import NotComparableError
+from dumper.format import LOGITS_POINT, LOGPROB_POINT, ROUTER_CHOICE_POINT, Manifest
+from dumper.format.decode import (
+    DECODE,
+    GENERATED_IDS,
+    NEW_TOKENS,
+    NEXT_IDS,
+    PREFILL,
+    PROMPT_LENGTHS,
+    generated_ids,
+    prompt_lengths,
+    record_phase,
+)
 
 if TYPE_CHECKING:
     from comparator.logprobs.sources.source import LogprobSource
     from comparator.logprobs.types import LogprobVerdict, SequenceLogprobs
 
-__all__ = ["NEAR_TIE", "DecodePlan", "decode_plan", "with_phase", "cut_plan", "cut_to_common", "cut_logprobs",
-           "fork_noise", "judge_forks", "phase_noise_warnings"]
+__all__ = [
+    "NEAR_TIE",
+    "DecodePlan",
+    "decode_plan",
+    "with_phase",
+    "cut_plan",
+    "cut_to_common",
+    "cut_logprobs",
+    "fork_noise",
+    "judge_forks",
+    "phase_noise_warnings",
+]
 
 NEAR_TIE = 10.0
 """A fork is a near-tie when the baseline's logprob gap between the two tokens is within this many times the noise."""
@@ -68,16 +85,18 @@ class DecodePlan:
         self.lengths: dict[int, int] = {}
         self.steps: dict[int, int] = {}
 
-    def cut(self, base: dict[LogicalKey, LogicalTensor], target: dict[LogicalKey, LogicalTensor]
-            ) -> tuple[dict[LogicalKey, LogicalTensor], dict[LogicalKey, LogicalTensor]]:
+    def cut(
+        self, base: dict[LogicalKey, LogicalTensor], target: dict[LogicalKey, LogicalTensor]
+    ) -> tuple[dict[LogicalKey, LogicalTensor], dict[LogicalKey, LogicalTensor]]:
         """Both sides' tensors cut to what is compared: positions below each sequence's limit, and where a
         coverage failure left a hole, the positions both sides hold."""
         if self.limits:
             base, target = cut_plan(base, self.limits), cut_plan(target, self.limits)
         return cut_to_common(base, target) if self.missing else (base, target)
 
-    def decode_rows(self, positions: np.ndarray | None, sequences: np.ndarray | None,
-                    sequence: int | None) -> np.ndarray | None:
+    def decode_rows(
+        self, positions: np.ndarray | None, sequences: np.ndarray | None, sequence: int | None
+    ) -> np.ndarray | None:
         """Which of a comparison's rows are decode rows: at or past their sequence's prompt length (the rule of
         :func:`coverage_failures`); ``sequences`` per row, else every row is of ``sequence``. None without positions."""
         if positions is None:
@@ -91,8 +110,10 @@ class DecodePlan:
         return (starts >= 0) & (positions >= starts)
 
     def summary(self, forks: tuple[DecodeFork, ...]) -> DecodeComparison:
-        compared = sum(min(self.steps[s], max(self.limits.get(s, self.lengths[s] + self.steps[s]) - self.lengths[s], 0))
-                       for s in self.steps)
+        compared = sum(
+            min(self.steps[s], max(self.limits.get(s, self.lengths[s] + self.steps[s]) - self.lengths[s], 0))
+            for s in self.steps
+        )
         return DecodeComparison(sequences=len(self.steps), steps=compared, forks=forks, missing=tuple(self.missing))
 
 
@@ -117,8 +138,9 @@ def decode_plan(bm: Manifest, tm: Manifest, where: tuple[str, str]) -> DecodePla
         decode, other = (bm, tm) if sides[0][0] is bm else (tm, bm)
         _check_counterpart(decode, other, where[1] if other is tm else where[0], sides[0][1])
         scores_last = other.extra.get(NEXT_IDS) is not None  # else an engine that scores no token past its input
-        for s, (n, g) in enumerate(zip(prompt_lengths(decode.extra) or [], generated_ids(decode.extra) or [],
-                                       strict=True)):
+        for s, (n, g) in enumerate(
+            zip(prompt_lengths(decode.extra) or [], generated_ids(decode.extra) or [], strict=True)
+        ):
             plan.lengths[s], plan.steps[s] = n, max(len(g) - 1, 0)
             if not scores_last and other.extra.get(PROMPT_LENGTHS) is not None and g:
                 plan.limits[s] = n + len(g) - 1  # the last generated token's logprob has no counterpart
@@ -136,15 +158,19 @@ def _check_counterpart(decode: Manifest, other: Manifest, where: str, decode_whe
     fed = [list(p) + list(g[:-1]) for p, g in zip(prompts, generated, strict=True)]
     if other.extra.get(PROMPT_LENGTHS) is None:
         if any(len(b) < len(a) for a, b in zip(fed, inputs, strict=False)):
-            raise NotComparableError(f"{where}: holds no rows of the decode steps of {decode_where} (a prefill of the "
-                                     "prompts only); make the prefill counterpart with python -m dumper run "
-                                     f"--tokens-from {decode_where} ...")
+            raise NotComparableError(
+                f"{where}: holds no rows of the decode steps of {decode_where} (a prefill of the "
+                "prompts only); make the prefill counterpart with python -m dumper run "
+                f"--tokens-from {decode_where} ..."
+            )
         return
     for s, (a, b) in enumerate(zip(fed, inputs, strict=False)):
         if list(a) != list(b):
             i = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
-            raise NotComparableError(f"{where}: sequence {s} differs at position {i} from the tokens the decode "
-                                     "dump fed back: it was not made with --tokens-from that dump")
+            raise NotComparableError(
+                f"{where}: sequence {s} differs at position {i} from the tokens the decode "
+                "dump fed back: it was not made with --tokens-from that dump"
+            )
 
 
 def _forks(plan: DecodePlan, bm: Manifest, tm: Manifest) -> None:
@@ -183,8 +209,10 @@ def coverage_failures(m: Manifest, where: str) -> list[str]:
             names[s].add(rec.name)
             at = pos[seq == s]
             if phase == DECODE and step is not None and not np.all(at == lengths[s] + step):
-                wrong.append(f"{where}: {rec.name} labels rows of sequence {s} at positions {sorted(set(at.tolist()))} "
-                             f"decode step {step}, which feeds position {lengths[s] + step}")
+                wrong.append(
+                    f"{where}: {rec.name} labels rows of sequence {s} at positions {sorted(set(at.tolist()))} "
+                    f"decode step {step}, which feeds position {lengths[s] + step}"
+                )
             have[rec.name, s].update(at[at >= lengths[s]].tolist())
     out = wrong[:1]
     for s, name_set in sorted(names.items()):
@@ -192,8 +220,10 @@ def coverage_failures(m: Manifest, where: str) -> list[str]:
         for name in sorted(name_set):
             lacking = [p for p in want if p not in have[name, s]]
             if lacking:
-                out.append(f"{where}: decode step {lacking[0] - lengths[s]} of sequence {s} (position {lacking[0]}) "
-                           f"has no rows at {name}" + (f" ({len(lacking)} steps missing)" if len(lacking) > 1 else ""))
+                out.append(
+                    f"{where}: decode step {lacking[0] - lengths[s]} of sequence {s} (position {lacking[0]}) "
+                    f"has no rows at {name}" + (f" ({len(lacking)} steps missing)" if len(lacking) > 1 else "")
+                )
     return out
 
 
@@ -208,8 +238,13 @@ def with_phase(fd: FirstDivergence | None, bm: Manifest, tm: Manifest) -> FirstD
         step = fd.token - lengths[fd.sequence]
         side, m = ("target", tm) if _is_decode(tm) or not _is_decode(bm) else ("baseline", bm)
         found = _pass_of(m, fd.name, fd.rank, fd.sequence, fd.token)
-        return replace(fd, phase=DECODE, decode_step=step, forward_pass=fd.forward_pass if found is None else found,
-                       note=f"token {fd.token} = decode step {step} of the {side}")
+        return replace(
+            fd,
+            phase=DECODE,
+            decode_step=step,
+            forward_pass=fd.forward_pass if found is None else found,
+            note=f"token {fd.token} = decode step {step} of the {side}",
+        )
     return replace(fd, phase=PREFILL)
 
 
@@ -242,8 +277,9 @@ def _intersect(a: list[Interval], b: list[Interval]) -> list[Interval]:
     return out
 
 
-def cut_to_common(base: dict[LogicalKey, LogicalTensor], target: dict[LogicalKey, LogicalTensor]
-                  ) -> tuple[dict[LogicalKey, LogicalTensor], dict[LogicalKey, LogicalTensor]]:
+def cut_to_common(
+    base: dict[LogicalKey, LogicalTensor], target: dict[LogicalKey, LogicalTensor]
+) -> tuple[dict[LogicalKey, LogicalTensor], dict[LogicalKey, LogicalTensor]]:
     """Both sides with each tensor they share cut to the positions both hold: a decode dump that lacks a
     step already fails by its coverage, and the rows it has are still compared."""
     b, t = dict(base), dict(target)
@@ -256,12 +292,18 @@ def cut_to_common(base: dict[LogicalKey, LogicalTensor], target: dict[LogicalKey
 
 
 def _cut_sequence(s: SequenceLogprobs, n: int) -> SequenceLogprobs:
-    return replace(s, token_ids=s.token_ids[:n], logprobs=s.logprobs[:n], top=None if s.top is None else s.top[:n],
-                   token_texts=None if s.token_texts is None else s.token_texts[:n])
+    return replace(
+        s,
+        token_ids=s.token_ids[:n],
+        logprobs=s.logprobs[:n],
+        top=None if s.top is None else s.top[:n],
+        token_texts=None if s.token_texts is None else s.token_texts[:n],
+    )
 
 
 def cut_logprobs(src: LogprobSource, limits: dict[int, int]) -> LogprobSource:
     """``src`` with each sequence's logprobs (and logits rows) cut to positions below its limit."""
+
     def limit(request: str) -> int | None:
         return limits.get(int(request)) if request.isdigit() else None
 
@@ -306,9 +348,20 @@ def judge_forks(plan: DecodePlan, base: LogprobSource | None, noise: float | Non
             in_top = t_tok in lp and b_tok in lp
             gap = (lp[b_tok] - lp[t_tok]) if in_top else (top[0][1] - top[-1][1])
         near = None if gap is None or noise is None else bool(in_top and gap <= NEAR_TIE * noise)
-        out.append(DecodeFork(sequence=s, step=step, position=pos, baseline_token=b_tok, target_token=t_tok,
-                              gap=gap, gap_is_bound=gap is not None and not in_top, noise=noise, near_tie=near,
-                              factor=NEAR_TIE))
+        out.append(
+            DecodeFork(
+                sequence=s,
+                step=step,
+                position=pos,
+                baseline_token=b_tok,
+                target_token=t_tok,
+                gap=gap,
+                gap_is_bound=gap is not None and not in_top,
+                noise=noise,
+                near_tie=near,
+                factor=NEAR_TIE,
+            )
+        )
     return tuple(out)
 
 
@@ -320,6 +373,8 @@ def phase_noise_warnings(plan: DecodePlan | None, config: CompareConfig, names: 
     covered, blind = len(entries), [e.name for e in entries if not e.phases]
     if not blind:
         return ()
-    return (f"{config.noise.source or 'the noise'}: calibrated without decode rows ({len(blind)} of {covered} "
-            f"calibrated tensors, e.g. {blind[0]}): their decode rows are judged by noise measured on prompt rows, "
-            "and decode runs kernels of its own; calibrate with decode dumps (--new-tokens) for noise per phase",)
+    return (
+        f"{config.noise.source or 'the noise'}: calibrated without decode rows ({len(blind)} of {covered} "
+        f"calibrated tensors, e.g. {blind[0]}): their decode rows are judged by noise measured on prompt rows, "
+        "and decode runs kernels of its own; calibrate with decode dumps (--new-tokens) for noise per phase",
+    )

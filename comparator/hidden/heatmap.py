@@ -57,8 +57,9 @@ def clip_logical(lt: LogicalTensor, lo: int, hi: int) -> LogicalTensor | None:
     return LogicalTensor(lt.name, lt.call, lt.sequence, lt.layer, lt.sharded, by_rank=by_rank, rows=rows)
 
 
-def window_runs(positions: np.ndarray, token: int | None, *, onset: int | None = None, before: int = BEFORE,
-                width: int = WINDOW) -> list[np.ndarray]:
+def window_runs(
+    positions: np.ndarray, token: int | None, *, onset: int | None = None, before: int = BEFORE, width: int = WINDOW
+) -> list[np.ndarray]:
     """The runs of the sorted ``positions`` a heatmap shows: at most ``width`` positions in all.
 
     One run from ``before`` positions ahead of ``onset`` (or of ``token`` without an earlier
@@ -71,16 +72,17 @@ def window_runs(positions: np.ndarray, token: int | None, *, onset: int | None =
     at = int(np.searchsorted(positions, token))
     start = max(0, at - before)
     if onset is None or onset >= token:
-        return [positions[start:start + width]]
+        return [positions[start : start + width]]
     first = max(0, int(np.searchsorted(positions, onset)) - before)
     if at + before <= first + width:
-        return [positions[first:first + width]]
-    head = positions[first:min(first + width // 2, start)]
-    return [head, positions[start:start + width - head.size]]
+        return [positions[first : first + width]]
+    head = positions[first : min(first + width // 2, start)]
+    return [head, positions[start : start + width - head.size]]
 
 
-def window_positions(positions: np.ndarray, token: int | None, *, onset: int | None = None,
-                     before: int = BEFORE, width: int = WINDOW) -> np.ndarray:
+def window_positions(
+    positions: np.ndarray, token: int | None, *, onset: int | None = None, before: int = BEFORE, width: int = WINDOW
+) -> np.ndarray:
     """The positions of :func:`window_runs`, concatenated (a jump between runs is the gap)."""
     return np.concatenate(window_runs(positions, token, onset=onset, before=before, width=width))
 
@@ -99,9 +101,15 @@ def _row(pair_stats: StatsFn, b: LogicalTensor, t: LogicalTensor, runs: list[np.
     return out
 
 
-def token_heatmap(fd: FirstDivergence | None, base: Mapping[LogicalKey, LogicalTensor],
-                  target: Mapping[LogicalKey, LogicalTensor], stats: StatsFn, *, before: int = BEFORE,
-                  width: int = WINDOW) -> Heatmap | None:
+def token_heatmap(
+    fd: FirstDivergence | None,
+    base: Mapping[LogicalKey, LogicalTensor],
+    target: Mapping[LogicalKey, LogicalTensor],
+    stats: StatsFn,
+    *,
+    before: int = BEFORE,
+    width: int = WINDOW,
+) -> Heatmap | None:
     """Per-token rel_diff of the first divergent sequence's tensors from the onset to the first failing token.
 
     None when nothing diverged or the divergent tensor was not aligned by position (tensors
@@ -110,14 +118,24 @@ def token_heatmap(fd: FirstDivergence | None, base: Mapping[LogicalKey, LogicalT
     """
     if fd is None or fd.sequence is None:
         return None
-    keys = sorted((k for k in base.keys() & target.keys() if k[2] == fd.sequence),
-                  key=lambda k: (base[k].layer is None, base[k].layer or 0, k[0], k[1]))
+    keys = sorted(
+        (k for k in base.keys() & target.keys() if k[2] == fd.sequence),
+        key=lambda k: (base[k].layer is None, base[k].layer or 0, k[0], k[1]),
+    )
     anchor = next((k for k in keys if k[0] == fd.name), None)
     if anchor is None:
         return None
-    runs = [r for r in window_runs(positions_of(base[anchor].rows),
-                                   fd.token if fd.token is not None else fd.worst_token,
-                                   onset=fd.onset, before=before, width=width) if r.size]
+    runs = [
+        r
+        for r in window_runs(
+            positions_of(base[anchor].rows),
+            fd.token if fd.token is not None else fd.worst_token,
+            onset=fd.onset,
+            before=before,
+            width=width,
+        )
+        if r.size
+    ]
     if not runs:
         return None
     names, layers, values = [], [], []
@@ -130,5 +148,10 @@ def token_heatmap(fd: FirstDivergence | None, base: Mapping[LogicalKey, LogicalT
         values.append(tuple(row))
     if not values:
         return None
-    return Heatmap(sequence=fd.sequence, positions=tuple(int(p) for r in runs for p in r), layers=tuple(layers),
-                   names=tuple(names), values=tuple(values))
+    return Heatmap(
+        sequence=fd.sequence,
+        positions=tuple(int(p) for r in runs for p in r),
+        layers=tuple(layers),
+        names=tuple(names),
+        values=tuple(values),
+    )

@@ -11,12 +11,11 @@ from collections.abc import Callable
 
 import numpy as np
 
-from dumper.format import encode_runs
-
 from comparator.config import CompareConfig
 from comparator.hidden.metrics import PairStats
 from comparator.hidden.types import TensorComparison
 from comparator.judging.row_noise import row_keys
+from dumper.format import encode_runs
 
 __all__ = ["judge_tensor", "MAX_RANGES"]
 
@@ -29,10 +28,22 @@ def _ranges(values: np.ndarray) -> list[list[int]]:
     return [[start, start + count - 1] for start, count in encode_runs(values, step=1)[:MAX_RANGES]]
 
 
-def judge_tensor(stats: PairStats, config: CompareConfig, *, name: str, layer: int | None, forward_pass: int,
-             rank: int, shape: tuple[int, ...], positions: np.ndarray | None, sequences: np.ndarray | None,
-             sequence: int | None, notes: Callable[[int], str | None] | None = None,
-             decode_rows: np.ndarray | None = None, point: str | None = None) -> TensorComparison:
+def judge_tensor(
+    stats: PairStats,
+    config: CompareConfig,
+    *,
+    name: str,
+    layer: int | None,
+    forward_pass: int,
+    rank: int,
+    shape: tuple[int, ...],
+    positions: np.ndarray | None,
+    sequences: np.ndarray | None,
+    sequence: int | None,
+    notes: Callable[[int], str | None] | None = None,
+    decode_rows: np.ndarray | None = None,
+    point: str | None = None,
+) -> TensorComparison:
     """``decode_rows``: which rows are decode rows (None: no decode part), for noise measured per phase."""
     token = stats.token_rel_diff
     limits = config.noise_limits_of(name)
@@ -56,14 +67,32 @@ def judge_tensor(stats: PairStats, config: CompareConfig, *, name: str, layer: i
             note = notes(first_tok)
     noise_ratio, token_noise_ratio = limits.ratios(stats.rel_diff, token, decode_rows, keys)
     return TensorComparison(
-        name=name, layer=layer, forward_pass=forward_pass, rank=rank, shape=shape, sequence=sequence,
-        metrics=dict(stats.metrics), nan_baseline=stats.nan_x, inf_baseline=stats.inf_x, nan_target=stats.nan_y,
-        inf_target=stats.inf_y, nonfinite_mismatches=stats.nonfinite_mismatches, failing_tokens=int(failing.size),
-        first_failing_token=first_tok, first_failing_row=first_row, first_failing_sequence=first_seq,
-        failing_ranges=ranges, worst_token=worst_tok, worst_row=worst_row, note=note,
+        name=name,
+        layer=layer,
+        forward_pass=forward_pass,
+        rank=rank,
+        shape=shape,
+        sequence=sequence,
+        metrics=dict(stats.metrics),
+        nan_baseline=stats.nan_x,
+        inf_baseline=stats.inf_x,
+        nan_target=stats.nan_y,
+        inf_target=stats.inf_y,
+        nonfinite_mismatches=stats.nonfinite_mismatches,
+        failing_tokens=int(failing.size),
+        first_failing_token=first_tok,
+        first_failing_row=first_row,
+        first_failing_sequence=first_seq,
+        failing_ranges=ranges,
+        worst_token=worst_tok,
+        worst_row=worst_row,
+        note=note,
         passed=bool(stats.rel_diff <= limits.threshold) and not failing.size,
-        threshold=limits.threshold, token_threshold=limits.token_threshold,
+        threshold=limits.threshold,
+        token_threshold=limits.token_threshold,
         decode_token_threshold=limits.decode_token_threshold if decode_rows is not None else None,
-        noise_ratio=noise_ratio, token_noise_ratio=token_noise_ratio, point=point,
+        noise_ratio=noise_ratio,
+        token_noise_ratio=token_noise_ratio,
+        point=point,
         own_noise_rows=None if own is None else int(np.count_nonzero(~np.isnan(own))),
     )

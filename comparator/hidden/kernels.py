@@ -42,8 +42,18 @@ try:
 except ImportError:  # optional extension not built: numpy fallback
     _kernels = None
 
-__all__ = ["BlockStats", "HAVE_EXTENSION", "MIN_SCALE_EXP", "UNIT_BYTES", "col_exps", "ldexp_or_inf", "row_stats",
-           "row_stats_many", "row_stats_reference", "sum_scaled"]
+__all__ = [
+    "BlockStats",
+    "HAVE_EXTENSION",
+    "MIN_SCALE_EXP",
+    "UNIT_BYTES",
+    "col_exps",
+    "ldexp_or_inf",
+    "row_stats",
+    "row_stats_many",
+    "row_stats_reference",
+    "sum_scaled",
+]
 
 HAVE_EXTENSION: bool = _kernels is not None
 """Whether the C extension is importable (else :func:`row_stats` uses the numpy fallback)."""
@@ -57,6 +67,7 @@ MIN_SCALE_EXP = -1021
 UNIT_BYTES = 1 << 20
 """Bytes of one side per unit of work handed to a thread: small enough to balance two cores
 over a few blocks, big enough that the per-unit cost is noise."""
+
 
 @dataclass(frozen=True)
 class BlockStats:
@@ -82,8 +93,15 @@ class BlockStats:
             row = row.copy()
             with np.errstate(over="ignore"):
                 row[:, :4] = np.ldexp(row[:, :4], col_exps(self.exps))
-        return BlockStats(row, self.max_abs, ldexp_or_inf(self.sum_abs, self.sum_abs_exp),
-                          self.nan_x, self.inf_x, self.nan_y, self.inf_y)
+        return BlockStats(
+            row,
+            self.max_abs,
+            ldexp_or_inf(self.sum_abs, self.sum_abs_exp),
+            self.nan_x,
+            self.inf_x,
+            self.nan_y,
+            self.inf_y,
+        )
 
 
 def ldexp_or_inf(v: float, e: int) -> float:
@@ -155,9 +173,14 @@ def _check_outs(outs: Sequence[np.ndarray], checked: list, cols: int, dtype: typ
         raise ValueError(f"{what} must be one C-contiguous {np.dtype(dtype).name} [rows, {cols}] array per block")
 
 
-def row_stats_many(blocks: Sequence[tuple[np.ndarray, np.ndarray, str]], *, threads: int = 2,
-                   outs: Sequence[np.ndarray] | None = None, exps: Sequence[np.ndarray] | None = None,
-                   scaled: bool = False) -> list[BlockStats]:
+def row_stats_many(
+    blocks: Sequence[tuple[np.ndarray, np.ndarray, str]],
+    *,
+    threads: int = 2,
+    outs: Sequence[np.ndarray] | None = None,
+    exps: Sequence[np.ndarray] | None = None,
+    scaled: bool = False,
+) -> list[BlockStats]:
     """:func:`row_stats` of several block pairs at once, spread over ``threads`` together.
 
     Blocks are cut into row ranges of about :data:`UNIT_BYTES` that ``threads`` threads of the
@@ -193,12 +216,18 @@ def row_stats_many(blocks: Sequence[tuple[np.ndarray, np.ndarray, str]], *, thre
     elif scaled:
         exps = [np.empty((x.shape[0], 2), dtype=np.int32) for x, _, _ in checked]
     results = _run_units(checked, outs, exps, threads)
-    return [_merge_units(out, None if exps is None else exps[b], rs) for b, (out, rs) in enumerate(zip(outs, results,
-                                                                                                      strict=True))]
+    return [
+        _merge_units(out, None if exps is None else exps[b], rs)
+        for b, (out, rs) in enumerate(zip(outs, results, strict=True))
+    ]
 
 
-def _run_units(checked: list[tuple[np.ndarray, np.ndarray, str]], outs: Sequence[np.ndarray],
-               exps: Sequence[np.ndarray] | None, threads: int) -> list[list[tuple]]:
+def _run_units(
+    checked: list[tuple[np.ndarray, np.ndarray, str]],
+    outs: Sequence[np.ndarray],
+    exps: Sequence[np.ndarray] | None,
+    threads: int,
+) -> list[list[tuple]]:
     """Run the kernel on row ranges of about UNIT_BYTES; each block's list of kernel results.
 
     One ``_kernels.row_stats_many`` call runs them all on the extension's own threads: no
@@ -211,8 +240,11 @@ def _run_units(checked: list[tuple[np.ndarray, np.ndarray, str]], outs: Sequence
         parts = max(1, min(rows, -(-x.nbytes // UNIT_BYTES)))
         for i in range(parts):
             lo, hi = rows * i // parts, rows * (i + 1) // parts
-            args = (x, y, dtype, rows, cols, outs[b]) if parts == 1 else \
-                (x[lo:hi], y[lo:hi], dtype, hi - lo, cols, outs[b][lo:hi])
+            args = (
+                (x, y, dtype, rows, cols, outs[b])
+                if parts == 1
+                else (x[lo:hi], y[lo:hi], dtype, hi - lo, cols, outs[b][lo:hi])
+            )
             if exps is not None:
                 args += (exps[b] if parts == 1 else exps[b][lo:hi],)
             units.append(args)
@@ -233,10 +265,18 @@ def _merge_units(out: np.ndarray, exps: np.ndarray | None, rs: list[tuple]) -> B
         scaled_rows = sum(r[7] for r in rs)
     else:
         sum_abs, sum_exp, scaled_rows = float(sum(r[1] for r in rs)), 0, 0
-    return BlockStats(row=out, max_abs=max(r[0] for r in rs), sum_abs=sum_abs,
-                      nan_x=sum(r[2] for r in rs), inf_x=sum(r[3] for r in rs),
-                      nan_y=sum(r[4] for r in rs), inf_y=sum(r[5] for r in rs), exps=exps, sum_abs_exp=sum_exp,
-                      scaled_rows=scaled_rows)
+    return BlockStats(
+        row=out,
+        max_abs=max(r[0] for r in rs),
+        sum_abs=sum_abs,
+        nan_x=sum(r[2] for r in rs),
+        inf_x=sum(r[3] for r in rs),
+        nan_y=sum(r[4] for r in rs),
+        inf_y=sum(r[5] for r in rs),
+        exps=exps,
+        sum_abs_exp=sum_exp,
+        scaled_rows=scaled_rows,
+    )
 
 
 def _row_exps(v: np.ndarray) -> np.ndarray:
@@ -274,8 +314,10 @@ def row_stats_reference(x: np.ndarray, y: np.ndarray, dtype: str, *, scaled: boo
         a, b = np.ldexp(a, -exps[:, :1]), np.ldexp(b, -exps[:, 1:])
     else:
         d = a - b
-    row = np.stack([(d * d).sum(1), (a * a).sum(1), (b * b).sum(1), (a * b).sum(1),
-                    (~finite & ~equal).sum(1).astype(np.float64)], axis=1)
+    row = np.stack(
+        [(d * d).sum(1), (a * a).sum(1), (b * b).sum(1), (a * b).sum(1), (~finite & ~equal).sum(1).astype(np.float64)],
+        axis=1,
+    )
     # |d| unscaled is exact (inf only past float64's range); a row whose sum |d| overflows
     # takes it from the scaled d instead
     with np.errstate(over="ignore", invalid="ignore"):
@@ -283,14 +325,20 @@ def row_stats_reference(x: np.ndarray, y: np.ndarray, dtype: str, *, scaled: boo
         row_abs = e.sum(1)
     ok = np.isfinite(row_abs)
     scaled_abs = np.abs(d).sum(1)
-    sum_abs, sum_exp = sum_scaled(zip(np.where(ok, row_abs, scaled_abs).tolist(),
-                                      np.where(ok, 0, k[:, 0]).tolist(), strict=True))
+    sum_abs, sum_exp = sum_scaled(
+        zip(np.where(ok, row_abs, scaled_abs).tolist(), np.where(ok, 0, k[:, 0]).tolist(), strict=True)
+    )
     max_abs = float(e.max(initial=0.0))
     stats = BlockStats(
         row=np.ascontiguousarray(row, dtype=np.float64).reshape(rows, 5),
-        max_abs=max_abs, sum_abs=sum_abs,
-        nan_x=int(nan_a.sum()), inf_x=int(np.isinf(wa).sum()),
-        nan_y=int(nan_b.sum()), inf_y=int(np.isinf(wb).sum()),
-        exps=exps, sum_abs_exp=sum_exp, scaled_rows=int(np.count_nonzero(exps.any(axis=1))),
+        max_abs=max_abs,
+        sum_abs=sum_abs,
+        nan_x=int(nan_a.sum()),
+        inf_x=int(np.isinf(wa).sum()),
+        nan_y=int(nan_b.sum()),
+        inf_y=int(np.isinf(wb).sum()),
+        exps=exps,
+        sum_abs_exp=sum_exp,
+        scaled_rows=int(np.count_nonzero(exps.any(axis=1))),
     )
     return stats if scaled else stats.unscaled()

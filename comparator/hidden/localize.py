@@ -12,13 +12,12 @@ from dataclasses import replace
 
 import numpy as np
 
-from dumper.format.points import order_in_layer
-
 from comparator.config import CompareConfig
-from comparator.judging.noise_thresholds import NoiseLimits, noise_limits
-from comparator.judging.row_noise import row_keys
 from comparator.hidden.onset import Amplification, amplification, layer_onset, point_of, token_onset
 from comparator.hidden.types import FirstDivergence, TensorComparison
+from comparator.judging.noise_thresholds import NoiseLimits, noise_limits
+from comparator.judging.row_noise import row_keys
+from dumper.format.points import order_in_layer
 
 __all__ = ["FailingTokens", "first_divergence", "locate_onset", "layer_amplification"]
 
@@ -64,10 +63,16 @@ def _departs(t: TensorComparison, config: CompareConfig) -> bool | None:
     if lim is None:
         return None
     if t.own_noise_rows:  # the ratios were taken against each row's own noise
-        return not (t.noise_ratio is not None and t.noise_ratio <= config.noise_factor
-                    and t.token_noise_ratio is not None and t.token_noise_ratio <= config.noise_factor)
-    return not (t.rel_diff <= lim.threshold
-                and t.max_token_rel_diff <= max(lim.token_threshold, lim.decode_token_threshold or 0.0))
+        return not (
+            t.noise_ratio is not None
+            and t.noise_ratio <= config.noise_factor
+            and t.token_noise_ratio is not None
+            and t.token_noise_ratio <= config.noise_factor
+        )
+    return not (
+        t.rel_diff <= lim.threshold
+        and t.max_token_rel_diff <= max(lim.token_threshold, lim.decode_token_threshold or 0.0)
+    )
 
 
 def _onset_token(t: TensorComparison, tokens: Tokens, config: CompareConfig, floor: float) -> tuple[int | None, str]:
@@ -89,8 +94,9 @@ def _onset_token(t: TensorComparison, tokens: Tokens, config: CompareConfig, flo
     return (int(pos[row]) if pos is not None else None), method
 
 
-def _onset_layer(fd: FirstDivergence, results: Sequence[TensorComparison], config: CompareConfig,
-                 floor: float) -> tuple[int, str]:
+def _onset_layer(
+    fd: FirstDivergence, results: Sequence[TensorComparison], config: CompareConfig, floor: float
+) -> tuple[int, str]:
     assert fd.layer is not None
     layers: dict[int, tuple[float, bool | None]] = {}
     for t in results:
@@ -126,26 +132,51 @@ def first_divergence(tensors: list[TensorComparison]) -> tuple[FirstDivergence, 
 
     def order(t: TensorComparison) -> tuple:
         tok = t.first_failing_token
-        return (order_in_layer(t.point), tok is None, tok if tok is not None else 0,
-                t.sequence if t.sequence is not None else -1, t.forward_pass, t.replica_side is not None, t.rank,
-                t.name)
+        return (
+            order_in_layer(t.point),
+            tok is None,
+            tok if tok is not None else 0,
+            t.sequence if t.sequence is not None else -1,
+            t.forward_pass,
+            t.replica_side is not None,
+            t.rank,
+            t.name,
+        )
 
     first = min(in_layer, key=order)
-    before = {t.point for t in tensors if t.layer == low and t.point is not None
-              and order_in_layer(t.point) < order_in_layer(first.point)}
+    before = {
+        t.point
+        for t in tensors
+        if t.layer == low and t.point is not None and order_in_layer(t.point) < order_in_layer(first.point)
+    }
     agreeing = sorted(before - {t.point for t in in_layer}, key=order_in_layer)
     worst = max(in_layer, key=lambda t: t.max_token_rel_diff)
     sequences = sorted({t.first_failing_sequence for t in in_layer if t.first_failing_sequence is not None})
     return FirstDivergence(
-        name=first.name, layer=low, rel_diff=max(t.rel_diff for t in in_layer), token=first.first_failing_token,
-        worst_token=worst.worst_token, sequence=first.first_failing_sequence, forward_pass=first.forward_pass,
-        rank=first.rank, failing_sequences=sequences, failing_ranges=first.failing_ranges, note=first.note,
-        replica_side=first.replica_side, point=first.point, agreeing=agreeing), first
+        name=first.name,
+        layer=low,
+        rel_diff=max(t.rel_diff for t in in_layer),
+        token=first.first_failing_token,
+        worst_token=worst.worst_token,
+        sequence=first.first_failing_sequence,
+        forward_pass=first.forward_pass,
+        rank=first.rank,
+        failing_sequences=sequences,
+        failing_ranges=first.failing_ranges,
+        note=first.note,
+        replica_side=first.replica_side,
+        point=first.point,
+        agreeing=agreeing,
+    ), first
 
 
-def locate_onset(found: tuple[FirstDivergence, TensorComparison] | None, results: Sequence[TensorComparison],
-                 tokens_of: Callable[[TensorComparison], Tokens | None], config: CompareConfig,
-                 floor: float = 0.0) -> FirstDivergence | None:
+def locate_onset(
+    found: tuple[FirstDivergence, TensorComparison] | None,
+    results: Sequence[TensorComparison],
+    tokens_of: Callable[[TensorComparison], Tokens | None],
+    config: CompareConfig,
+    floor: float = 0.0,
+) -> FirstDivergence | None:
     """The first divergence (of ``found``: it and its first failing tensor) with its onset token and
     onset layer (see :mod:`comparator.hidden.onset`); ``floor``: the dumps' rounding floor
     (:func:`~comparator.hidden.onset.rounding_floor`), under which an uncalibrated estimate sees no step."""
@@ -156,13 +187,16 @@ def locate_onset(found: tuple[FirstDivergence, TensorComparison] | None, results
     tokens = tokens_of(first)
     if tokens is not None and first.first_failing_row is not None and fd.token is not None:
         onset, method = _onset_token(first, tokens, config, floor)
-    onset_layer, layer_method = (fd.layer, "threshold") if fd.layer is None else _onset_layer(fd, results, config,
-                                                                                            floor)
+    onset_layer, layer_method = (
+        (fd.layer, "threshold") if fd.layer is None else _onset_layer(fd, results, config, floor)
+    )
     return replace(fd, onset=onset, onset_method=method, onset_layer=onset_layer, onset_layer_method=layer_method)
 
 
-def layer_amplification(results: Sequence[TensorComparison], config: CompareConfig | None = None,
-                        ) -> list[Amplification]:
+def layer_amplification(
+    results: Sequence[TensorComparison],
+    config: CompareConfig | None = None,
+) -> list[Amplification]:
     """Per-layer amplification at each capture point (see :func:`comparator.hidden.onset.amplification`).
 
     With calibrated noise, a layer introduces error only when what it hands on (the next layer's
@@ -176,5 +210,8 @@ def layer_amplification(results: Sequence[TensorComparison], config: CompareConf
         if out is not None:
             key = (t.layer, point_of(t.name))
             departs[key] = departs.get(key, False) or out
-    return amplification([(t.layer, point_of(t.name), t.rel_diff) for t in layered], departs=departs,
-                         order={point_of(t.name): order_in_layer(t.point) for t in layered})
+    return amplification(
+        [(t.layer, point_of(t.name), t.rel_diff) for t in layered],
+        departs=departs,
+        order={point_of(t.name): order_in_layer(t.point) for t in layered},
+    )

@@ -29,12 +29,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dumper.format import to_float64
-from dumper.format.dtypes import FLOAT_CODES, STORAGE_DTYPES
-
 from comparator.hidden.kernels import MIN_SCALE_EXP, col_exps, row_stats_many, sum_scaled
 from comparator.hidden.registry import BuiltinMetrics, RowSums, evaluate
 from comparator.judging.reldiff import rel_diff_of
+from dumper.format import to_float64
+from dumper.format.dtypes import FLOAT_CODES, STORAGE_DTYPES
 
 __all__ = ["PairStats", "StatsAccumulator", "pair_stats", "rel_diff", "row_sums_of", "stats_of", "BLOCK_BYTES"]
 
@@ -83,7 +82,9 @@ class StatsAccumulator:
         self.counts = [0, 0, 0, 0]  # nan_x, inf_x, nan_y, inf_y
         self.elements = 0
 
-    def add(self, row: int, x: np.ndarray, y: np.ndarray, dtype: str, dtype_y: str | None = None) -> tuple[float, float]:
+    def add(
+        self, row: int, x: np.ndarray, y: np.ndarray, dtype: str, dtype_y: str | None = None
+    ) -> tuple[float, float]:
         """Add two same-shape 2-D blocks (raw storage dtypes) whose rows start at ``row``.
 
         ``dtype_y`` (default: ``dtype``) lets a float32 reference meet a bfloat16 target; then
@@ -92,8 +93,13 @@ class StatsAccumulator:
         """
         return self.add_many([(row, x, y, dtype, dtype_y or dtype)], piece_sums=True)[0]
 
-    def add_many(self, items: list[tuple[int, np.ndarray, np.ndarray, str, str]], *, exclusive: bool = False,
-                 piece_sums: bool = False) -> list[tuple[float, float]]:
+    def add_many(
+        self,
+        items: list[tuple[int, np.ndarray, np.ndarray, str, str]],
+        *,
+        exclusive: bool = False,
+        piece_sums: bool = False,
+    ) -> list[tuple[float, float]]:
         """:meth:`add` for several pieces ``(row, x, y, dtype, dtype_y)``, run on the threads together.
 
         Pieces are cut into blocks of at most ``block_bytes`` and handed to the kernels in
@@ -126,8 +132,13 @@ class StatsAccumulator:
             self._run(batch, per_item, exclusive, piece_sums)
         return _common_scale(per_item)
 
-    def _run(self, batch: list[tuple[int, int, np.ndarray, np.ndarray, str, str]],
-             per_item: list[list[tuple[float, int]]], exclusive: bool, piece_sums: bool) -> None:
+    def _run(
+        self,
+        batch: list[tuple[int, int, np.ndarray, np.ndarray, str, str]],
+        per_item: list[list[tuple[float, int]]],
+        exclusive: bool,
+        piece_sums: bool,
+    ) -> None:
         blocks = []
         for _, _, xb, yb, dtype, dtype_y in batch:
             if dtype != dtype_y or dtype not in FLOAT_CODES:  # integers, bools, mixed floats: compare in float64
@@ -136,8 +147,8 @@ class StatsAccumulator:
                 blocks.append((xb, yb, dtype))
         outs = exps = None
         if exclusive:
-            outs = [self.sums[row:row + xb.shape[0]] for _, row, xb, _, _, _ in batch]
-            exps = [self.exps[row:row + xb.shape[0]] for _, row, xb, _, _, _ in batch]
+            outs = [self.sums[row : row + xb.shape[0]] for _, row, xb, _, _, _ in batch]
+            exps = [self.exps[row : row + xb.shape[0]] for _, row, xb, _, _, _ in batch]
         stats = row_stats_many(blocks, threads=self.threads, outs=outs, exps=exps, scaled=True)
         for (k, row, xb, _, _, _), s in zip(batch, stats, strict=True):
             rows = slice(row, row + xb.shape[0])
@@ -159,8 +170,14 @@ class StatsAccumulator:
 
     def finish(self) -> PairStats:
         c = self.counts
-        return _finish(self.sums, self.exps if self.scaled else None, self.max_abs, self.sum_abs,
-                       (c[0], c[1], c[2], c[3]), self.elements)
+        return _finish(
+            self.sums,
+            self.exps if self.scaled else None,
+            self.max_abs,
+            self.sum_abs,
+            (c[0], c[1], c[2], c[3]),
+            self.elements,
+        )
 
 
 def _add_rows(sums: np.ndarray, exps: np.ndarray, row: np.ndarray, row_exps: np.ndarray, *, scaled: bool) -> None:
@@ -172,8 +189,9 @@ def _add_rows(sums: np.ndarray, exps: np.ndarray, row: np.ndarray, row_exps: np.
         sums += row
         return
     # a side with all-zero x (y) sets no scale for x (y): only the sums that exist do
-    new = np.maximum(np.where(sums[:, 1:3] == 0, MIN_SCALE_EXP, exps),
-                     np.where(row[:, 1:3] == 0, MIN_SCALE_EXP, row_exps))
+    new = np.maximum(
+        np.where(sums[:, 1:3] == 0, MIN_SCALE_EXP, exps), np.where(row[:, 1:3] == 0, MIN_SCALE_EXP, row_exps)
+    )
     target = col_exps(new)
     sums[:, :4] = np.ldexp(sums[:, :4], col_exps(exps) - target) + np.ldexp(row[:, :4], col_exps(row_exps) - target)
     sums[:, 4] += row[:, 4]
@@ -205,8 +223,15 @@ def _common_scale(pairs: list[list[tuple[float, int]]]) -> list[tuple[float, flo
     return [(math.ldexp(a, ea - top), math.ldexp(b, eb - top)) for (a, ea), (b, eb) in pairs]
 
 
-def pair_stats(x: np.ndarray, y: np.ndarray, dtype: str, dtype_y: str | None = None, *, threads: int = 2,
-               block_bytes: int = BLOCK_BYTES) -> PairStats:
+def pair_stats(
+    x: np.ndarray,
+    y: np.ndarray,
+    dtype: str,
+    dtype_y: str | None = None,
+    *,
+    threads: int = 2,
+    block_bytes: int = BLOCK_BYTES,
+) -> PairStats:
     """Metrics of two same-shape arrays in raw storage dtype ``dtype`` (e.g. memory-mapped).
 
     Viewed as ``[rows, last dim]``; streams over blocks of rows so that only one block of each
@@ -220,14 +245,21 @@ def pair_stats(x: np.ndarray, y: np.ndarray, dtype: str, dtype_y: str | None = N
     return acc.finish()
 
 
-def _finish(sums: np.ndarray, exps: np.ndarray | None, max_abs: float, sum_abs: tuple[float, int],
-            counts: tuple[int, int, int, int], n: int) -> PairStats:
+def _finish(
+    sums: np.ndarray,
+    exps: np.ndarray | None,
+    max_abs: float,
+    sum_abs: tuple[float, int],
+    counts: tuple[int, int, int, int],
+    n: int,
+) -> PairStats:
     """The registered metrics of row sums scaled by ``exps`` (None: not scaled) over ``n`` elements."""
     return stats_of(row_sums_of(sums, exps, max_abs, sum_abs, n), counts)
 
 
-def row_sums_of(sums: np.ndarray, exps: np.ndarray | None, max_abs: float, sum_abs: tuple[float, int],
-              n: int) -> RowSums:
+def row_sums_of(
+    sums: np.ndarray, exps: np.ndarray | None, max_abs: float, sum_abs: tuple[float, int], n: int
+) -> RowSums:
     """The accumulated sums as the metrics see them, with the per-token rel_diff derived."""
     dd, xx, yy, bad = sums[:, 0], sums[:, 1], sums[:, 2], sums[:, 4]
     if exps is not None:  # bring ||x||^2 and ||y||^2 to the scale of ||x-y||^2, per row
@@ -235,15 +267,33 @@ def row_sums_of(sums: np.ndarray, exps: np.ndarray | None, max_abs: float, sum_a
         xx, yy = np.ldexp(xx, ce[:, 1] - ce[:, 0]), np.ldexp(yy, ce[:, 2] - ce[:, 0])
     token = rel_diff_of(dd, xx + yy, mismatched=bad > 0)
     tdd, txx, tyy, txy = _column_totals(sums, exps)
-    return RowSums(rows=sums, exps=exps, token=token, dd=tdd, xx=txx, yy=tyy, xy=txy, max_abs=max_abs,
-                   sum_abs=sum_abs, elements=n, mismatches=int(bad.sum()))
+    return RowSums(
+        rows=sums,
+        exps=exps,
+        token=token,
+        dd=tdd,
+        xx=txx,
+        yy=tyy,
+        xy=txy,
+        max_abs=max_abs,
+        sum_abs=sum_abs,
+        elements=n,
+        mismatches=int(bad.sum()),
+    )
 
 
 def stats_of(s: RowSums, counts: tuple[int, int, int, int], *, from_norms: bool = False) -> PairStats:
     """The result of sums ``s`` and NaN/Inf ``counts``: every registered metric (``from_norms``: only those a
     sketch can estimate, :func:`comparator.hidden.registry.evaluate`)."""
-    return PairStats(metrics=evaluate(s, from_norms=from_norms), token_rel_diff=s.token, nan_x=counts[0],
-                     inf_x=counts[1], nan_y=counts[2], inf_y=counts[3], nonfinite_mismatches=s.mismatches)
+    return PairStats(
+        metrics=evaluate(s, from_norms=from_norms),
+        token_rel_diff=s.token,
+        nan_x=counts[0],
+        inf_x=counts[1],
+        nan_y=counts[2],
+        inf_y=counts[3],
+        nonfinite_mismatches=s.mismatches,
+    )
 
 
 def rel_diff(x: np.ndarray, y: np.ndarray) -> float:

@@ -38,11 +38,19 @@ from typing import Any
 import numpy as np
 
 from dumper.format.dtypes import DTYPES, FLOAT_CODES
-
 from dumper.format.jsonfloat import from_json_float, to_json_float
 
-__all__ = ["MIN_DECADES", "INTRODUCED_FACTOR", "change_point", "token_onset", "Amplification", "amplification",
-           "layer_onset", "point_of", "rounding_floor"]
+__all__ = [
+    "MIN_DECADES",
+    "INTRODUCED_FACTOR",
+    "change_point",
+    "token_onset",
+    "Amplification",
+    "amplification",
+    "layer_onset",
+    "point_of",
+    "rounding_floor",
+]
 
 MIN_DECADES = 1.0
 """How far apart (in decades of rel_diff) the runs before and after a change point must sit."""
@@ -78,7 +86,7 @@ def change_point(values: np.ndarray, *, min_decades: float = MIN_DECADES, floor:
     lo_n, hi_n = k, n - k
     lo_s, hi_s = c1[k - 1], c1[-1] - c1[k - 1]
     lo_q, hi_q = c2[k - 1], c2[-1] - c2[k - 1]
-    sse = (lo_q - lo_s ** 2 / lo_n) + (hi_q - hi_s ** 2 / hi_n)
+    sse = (lo_q - lo_s**2 / lo_n) + (hi_q - hi_s**2 / hi_n)
     best = int(np.argmin(sse))
     split = int(k[best])
     if hi_s[best] / hi_n[best] - lo_s[best] / lo_n[best] < min_decades:
@@ -89,8 +97,13 @@ def change_point(values: np.ndarray, *, min_decades: float = MIN_DECADES, floor:
     return split + int(above[0]) if above.size else split
 
 
-def token_onset(token: np.ndarray, positions: np.ndarray | None, first_row: int,
-                noise_threshold: float | np.ndarray | None, floor: float = _LOG_FLOOR) -> tuple[int, str]:
+def token_onset(
+    token: np.ndarray,
+    positions: np.ndarray | None,
+    first_row: int,
+    noise_threshold: float | np.ndarray | None,
+    floor: float = _LOG_FLOOR,
+) -> tuple[int, str]:
     """``(onset, method)``: the row index where the divergence of one tensor starts.
 
     ``noise_threshold``: the tensor's calibrated per-token threshold, or each row's (row noise; None: estimate
@@ -111,8 +124,9 @@ def token_onset(token: np.ndarray, positions: np.ndarray | None, first_row: int,
     return int(upto[cp]), "change-point"
 
 
-def layer_onset(values: Sequence[tuple[int, float, bool | None]], first_layer: int,
-                floor: float = _LOG_FLOOR) -> tuple[int, str]:
+def layer_onset(
+    values: Sequence[tuple[int, float, bool | None]], first_layer: int, floor: float = _LOG_FLOOR
+) -> tuple[int, str]:
     """``(onset_layer, method)`` from ``(layer, largest rel_diff, departs from calibrated noise or None)``.
 
     Layers up to ``first_layer`` are considered, in order; uncalibrated, values under ``floor`` count as it.
@@ -155,8 +169,14 @@ class Amplification:
     def from_json(cls, d: dict[str, Any]) -> Amplification:
         before, after, ratio = from_json_float(d["before"]), from_json_float(d["after"]), d.get("ratio")
         # a null ratio is "none" or non-finite: the ratio of what was read back tells which
-        return cls(layer=int(d["layer"]), point=d.get("point"), before=before, after=after,
-                   ratio=_ratio(before, after) if ratio is None else float(ratio), introduced=bool(d["introduced"]))
+        return cls(
+            layer=int(d["layer"]),
+            point=d.get("point"),
+            before=before,
+            after=after,
+            ratio=_ratio(before, after) if ratio is None else float(ratio),
+            introduced=bool(d["introduced"]),
+        )
 
 
 def _ratio(before: float, after: float) -> float | None:
@@ -169,9 +189,11 @@ def _ratio(before: float, after: float) -> float | None:
     return after / before
 
 
-def amplification(values: Sequence[tuple[int, str | None, float]],
-                  departs: Mapping[tuple[int, str | None], bool] | None = None,
-                  order: Mapping[str | None, int] | None = None) -> list[Amplification]:
+def amplification(
+    values: Sequence[tuple[int, str | None, float]],
+    departs: Mapping[tuple[int, str | None], bool] | None = None,
+    order: Mapping[str | None, int] | None = None,
+) -> list[Amplification]:
     """Per-layer amplification from ``(layer, point, rel_diff)`` of consecutive captured layers.
 
     Only layers k whose next layer k+1 is captured at the same point get a value; a ratio is
@@ -204,5 +226,5 @@ def point_of(name: str) -> str:
     parts = name.split(".")
     for i, part in enumerate(parts):
         if part.isdigit():
-            return ".".join(parts[i + 1:]) or name
+            return ".".join(parts[i + 1 :]) or name
     return name

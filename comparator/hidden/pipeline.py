@@ -41,4 +41,3 @@ def in_order(jobs: Sequence[Callable[[int], T]], threads: int) -> Iterator[T]:
             yield running.popleft().result()
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
-

@@ -31,8 +31,20 @@ import numpy as np
 from comparator.hidden.kernels import ldexp_or_inf
 from comparator.judging.reldiff import rel_diff_of
 
-__all__ = ["Metric", "RowSums", "metric", "register", "unregister", "registered", "metrics", "get", "lookup",
-           "columns", "evaluate", "BuiltinMetrics"]
+__all__ = [
+    "Metric",
+    "RowSums",
+    "metric",
+    "register",
+    "unregister",
+    "registered",
+    "metrics",
+    "get",
+    "lookup",
+    "columns",
+    "evaluate",
+    "BuiltinMetrics",
+]
 
 Scaled = tuple[float, int]
 """A sum ``s * 2**e`` (``e`` is 0 unless float64 inputs near its limits make the plain sum overflow)."""
@@ -120,13 +132,21 @@ def register(m: Metric) -> Metric:
     return m
 
 
-def metric(name: str, *, label: str | None = None, short: str | None = None,
-           fmt: Callable[[float], str] | None = None, higher_is_worse: bool = True,
-           from_norms: bool = False) -> Callable[[MetricFn], MetricFn]:
+def metric(
+    name: str,
+    *,
+    label: str | None = None,
+    short: str | None = None,
+    fmt: Callable[[float], str] | None = None,
+    higher_is_worse: bool = True,
+    from_norms: bool = False,
+) -> Callable[[MetricFn], MetricFn]:
     """Decorator: register the function as the metric ``name`` (``label`` defaults to the name)."""
+
     def deco(fn: MetricFn) -> MetricFn:
         register(Metric(name, fn, label or name, short, fmt, higher_is_worse, from_norms))
         return fn
+
     return deco
 
 
@@ -178,8 +198,9 @@ def columns(carried: Iterable[Mapping[str, float]]) -> list[Metric]:
 def evaluate(sums: RowSums, *, from_norms: bool = False) -> dict[str, float]:
     """Every registered metric of ``sums`` (``from_norms``: only those registered so), by name, in registration
     order."""
-    return {m.name: float(m.fn(sums)) for m in _REGISTRY.values()
-            if m.fn is not None and (m.from_norms or not from_norms)}
+    return {
+        m.name: float(m.fn(sums)) for m in _REGISTRY.values() if m.fn is not None and (m.from_norms or not from_norms)
+    }
 
 
 # --------------------------------------------------------------------------- the built-in metrics

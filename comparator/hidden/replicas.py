@@ -48,8 +48,8 @@ def _first_differences(reader: HiddenReader, lt: LogicalTensor, config: CompareC
     largest per-token rel_diff). Reads one replica segment pair at a time."""
     worst: dict[int, tuple[int, float]] = {}
     for ref, other in lt.replicas:
-        x = reader.rows(ref.rec)[ref.row:ref.row + ref.count]
-        y = reader.rows(other.rec)[other.row:other.row + other.count]
+        x = reader.rows(ref.rec)[ref.row : ref.row + ref.count]
+        y = reader.rows(other.rec)[other.row : other.row + other.count]
         stats = pair_stats(x, y, ref.rec.dtype, other.rec.dtype, threads=config.threads)
         bad = np.flatnonzero(~(stats.token_rel_diff == 0))  # NaN counts as different
         if bad.size:
@@ -59,25 +59,39 @@ def _first_differences(reader: HiddenReader, lt: LogicalTensor, config: CompareC
     return worst
 
 
-def check_replicas(side: str, reader: HiddenReader, lts: Mapping[LogicalKey, LogicalTensor],
-                   config: CompareConfig) -> tuple[list[ReplicaMismatch], list[ReplicaView]]:
+def check_replicas(
+    side: str, reader: HiddenReader, lts: Mapping[LogicalKey, LogicalTensor], config: CompareConfig
+) -> tuple[list[ReplicaMismatch], list[ReplicaView]]:
     """Rows that several ranks of ``side`` hold must be bit-identical: the mismatches (sorted by
     layer, rank, token), and a view of each (logical tensor, rank) that differs, to compare it too."""
     found: list[ReplicaMismatch] = []
     views: list[ReplicaView] = []
     for key, lt in lts.items():
         for rank, (pos, rd) in sorted(_first_differences(reader, lt, config).items()):
-            found.append(ReplicaMismatch(side=side, name=lt.name, layer=lt.layer, sequence=lt.sequence,
-                                         rank=rank, reference_rank=lt.rows[0].rec.rank if lt.rows else 0,
-                                         first_token=pos, max_token_rel_diff=rd))
+            found.append(
+                ReplicaMismatch(
+                    side=side,
+                    name=lt.name,
+                    layer=lt.layer,
+                    sequence=lt.sequence,
+                    rank=rank,
+                    reference_rank=lt.rows[0].rec.rank if lt.rows else 0,
+                    first_token=pos,
+                    max_token_rel_diff=rd,
+                )
+            )
             views.append(ReplicaView(side=side, key=key, rank=rank, tensor=replica_view(lt, rank)))
     found.sort(key=lambda m: (m.layer is None, m.layer or 0, m.rank, m.first_token))
     return found, views
 
 
-def as_rank(base: Mapping[LogicalKey, LogicalTensor], target: Mapping[LogicalKey, LogicalTensor],
-            views: Iterable[ReplicaView], side: str | None, rank: int) -> tuple[
-                Mapping[LogicalKey, LogicalTensor], Mapping[LogicalKey, LogicalTensor]]:
+def as_rank(
+    base: Mapping[LogicalKey, LogicalTensor],
+    target: Mapping[LogicalKey, LogicalTensor],
+    views: Iterable[ReplicaView],
+    side: str | None,
+    rank: int,
+) -> tuple[Mapping[LogicalKey, LogicalTensor], Mapping[LogicalKey, LogicalTensor]]:
     """Both sides' logical tensors with ``side``'s as rank ``rank`` holds them (its views in place of the
     representatives where it has one); unchanged for ``side`` None (the heatmap of a divergence there)."""
     mine = {v.key: v.tensor for v in views if v.side == side and v.rank == rank}

@@ -22,16 +22,22 @@ from typing import Any
 
 import numpy as np
 
+from comparator.hidden.kernels import col_exps
+from comparator.hidden.metrics import PairStats, StatsAccumulator, row_sums_of, stats_of
 from dumper.errors import CorruptDumpError, NotComparableError
 from dumper.format import DumpReader, Manifest, TensorRecord, to_float64
 from dumper.format.dtypes import FLOAT_CODES
 from dumper.format.sketch import NORM_SUFFIX, SKETCHED_POINTS, SketchSpec, project
 
-from comparator.hidden.kernels import col_exps
-from comparator.hidden.metrics import PairStats, StatsAccumulator, row_sums_of, stats_of
-
-__all__ = ["HiddenReader", "SketchInfo", "SketchView", "sketch_readers", "sketch_stats", "is_sketched",
-           "record_sketch_stats"]
+__all__ = [
+    "HiddenReader",
+    "SketchInfo",
+    "SketchView",
+    "sketch_readers",
+    "sketch_stats",
+    "is_sketched",
+    "record_sketch_stats",
+]
 
 PROJECT_BYTES = 64 << 20
 """Bytes of float64 rows projected at once (bounds the comparator's memory whatever a record's size)."""
@@ -52,11 +58,16 @@ class SketchInfo:
         return "both sides" if self.baseline and self.target else "the baseline" if self.baseline else "the target"
 
     def note(self) -> str:
-        projected = "" if self.baseline and self.target else \
-            f"; the {'target' if self.baseline else 'baseline'}'s full rows were projected with the same matrix"
-        return (f"sketch comparison ({self.sides} sketched, {self.spec.describe()}{projected}): rel_diff values are "
-                f"estimates with a relative spread of about {self.spec.spread:.1%} (sqrt(2/K)); "
-                "max |diff| and cosine need the full tensors and are not available")
+        projected = (
+            ""
+            if self.baseline and self.target
+            else f"; the {'target' if self.baseline else 'baseline'}'s full rows were projected with the same matrix"
+        )
+        return (
+            f"sketch comparison ({self.sides} sketched, {self.spec.describe()}{projected}): rel_diff values are "
+            f"estimates with a relative spread of about {self.spec.spread:.1%} (sqrt(2/K)); "
+            "max |diff| and cosine need the full tensors and are not available"
+        )
 
     def to_json(self) -> dict[str, Any]:
         return {**self.spec.to_json(), "baseline": self.baseline, "target": self.target, "spread": self.spec.spread}
@@ -77,8 +88,14 @@ def is_sketched(rec: TensorRecord) -> bool:
 
 def _projectable(rec: TensorRecord, spec: SketchSpec) -> bool:
     """A full record of a hidden-state point the other side sketched (its rows wide enough to project)."""
-    return (rec.sketch is None and rec.point in SKETCHED_POINTS and rec.shard_dim is None and rec.dtype in FLOAT_CODES
-            and len(rec.shape) >= 1 and rec.shape[-1] >= spec.k)
+    return (
+        rec.sketch is None
+        and rec.point in SKETCHED_POINTS
+        and rec.shard_dim is None
+        and rec.dtype in FLOAT_CODES
+        and len(rec.shape) >= 1
+        and rec.shape[-1] >= spec.k
+    )
 
 
 class SketchView:
@@ -95,8 +112,12 @@ class SketchView:
         for rec in reader.manifest.tensors:
             if _projectable(rec, spec):
                 self._full[(rec.file, rec.key)] = rec
-                rec = replace(rec, shape=(*rec.shape[:-1], spec.k), dtype="F64",
-                              sketch={"hidden": rec.shape[-1], "dtype": rec.dtype})
+                rec = replace(
+                    rec,
+                    shape=(*rec.shape[:-1], spec.k),
+                    dtype="F64",
+                    sketch={"hidden": rec.shape[-1], "dtype": rec.dtype},
+                )
             records.append(rec)
         self.manifest: Manifest = replace(reader.manifest, tensors=tuple(records))
         self._cache: dict[tuple[str, str], tuple[np.ndarray, np.ndarray]] = {}
@@ -114,9 +135,9 @@ class SketchView:
             proj = np.empty((rows.shape[0], self.spec.k), dtype=np.float64)
             norms = np.empty(rows.shape[0], dtype=np.float64)
             for start in range(0, rows.shape[0], block):
-                x = to_float64(rows[start:start + block], full.dtype)
-                proj[start:start + block] = project(x, self.spec)
-                norms[start:start + block] = np.einsum("ij,ij->i", x, x)
+                x = to_float64(rows[start : start + block], full.dtype)
+                proj[start : start + block] = project(x, self.spec)
+                norms[start : start + block] = np.einsum("ij,ij->i", x, x)
             with self._lock:
                 if len(self._cache) >= _CACHE:
                     self._cache.pop(next(iter(self._cache)))
@@ -141,8 +162,10 @@ class SketchView:
         norms = self.reader.sq_norms(rec)
         if (norms < 0).any():  # NaN compares False: a NaN norm is not refused here but fails its row (sketch_stats)
             row = int(np.flatnonzero(norms < 0)[0])
-            raise CorruptDumpError(f"{self.directory / rec.file}: {rec.key}{NORM_SUFFIX} row {row} is "
-                                   f"{float(norms[row])!r}; a squared norm is >= 0")
+            raise CorruptDumpError(
+                f"{self.directory / rec.file}: {rec.key}{NORM_SUFFIX} row {row} is "
+                f"{float(norms[row])!r}; a squared norm is >= 0"
+            )
         return norms
 
 
@@ -161,7 +184,8 @@ def sketch_readers(br: DumpReader, tr: DumpReader) -> tuple[HiddenReader, Hidden
     if sb is not None and st is not None and sb != st:
         raise NotComparableError(
             f"{tr.directory}: sketched with {st.describe()} but the baseline {br.directory} with {sb.describe()}; "
-            "two sketches compare only under the same projection (dump both with the same --sketch and --sketch-seed)")
+            "two sketches compare only under the same projection (dump both with the same --sketch and --sketch-seed)"
+        )
     spec = sb or st
     assert spec is not None
     vb, vt = SketchView(br, spec), SketchView(tr, spec)
@@ -177,7 +201,8 @@ def _check_widths(vb: SketchView, vt: SketchView) -> None:
         if r.sketch is not None and r.name in wide and wide[r.name][0] != r.sketch["hidden"]:
             raise NotComparableError(
                 f"{vt.directory}: {r.name} rows are {r.sketch['hidden']} wide ({vt.held(r)}) but the baseline "
-                f"{vb.directory}'s are {wide[r.name][0]} ({wide[r.name][1]}); different hidden sizes do not compare")
+                f"{vb.directory}'s are {wide[r.name][0]} ({wide[r.name][1]}); different hidden sizes do not compare"
+            )
 
 
 def sketch_stats(acc: StatsAccumulator, norms_x: np.ndarray, norms_y: np.ndarray) -> PairStats:
@@ -196,12 +221,14 @@ def sketch_stats(acc: StatsAccumulator, norms_x: np.ndarray, norms_y: np.ndarray
     sums[:, 4] += ~(np.isfinite(norms_x) & np.isfinite(norms_y))
     sums[:, 3] = (norms_x + norms_y - sums[:, 0]) / 2  # <x, y> as estimated (no metric given reads it)
     c = acc.counts
-    return stats_of(row_sums_of(sums, None, math.nan, (math.nan, 0), acc.elements), (c[0], c[1], c[2], c[3]),
-                    from_norms=True)
+    return stats_of(
+        row_sums_of(sums, None, math.nan, (math.nan, 0), acc.elements), (c[0], c[1], c[2], c[3]), from_norms=True
+    )
 
 
-def record_sketch_stats(b: TensorRecord, t: TensorRecord, br: HiddenReader, tr: HiddenReader,
-                        threads: int) -> PairStats:
+def record_sketch_stats(
+    b: TensorRecord, t: TensorRecord, br: HiddenReader, tr: HiddenReader, threads: int
+) -> PairStats:
     """:func:`sketch_stats` of one pair of sketched records matched by pass (no row positions), of the same shape
     (the caller refuses others)."""
     x, y = br.rows(b), tr.rows(t)

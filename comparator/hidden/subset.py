@@ -29,10 +29,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from comparator.hidden.align import LogicalKey, LogicalTensor, Segment
 from dumper.errors import NotComparableError
 from dumper.format import PAD_SEQUENCE, DumpReader
-
-from comparator.hidden.align import LogicalKey, LogicalTensor, Segment
 
 if TYPE_CHECKING:  # a comparison without logprobs never loads them
     from comparator.logprobs.sources.source import LogprobSource
@@ -40,8 +39,10 @@ if TYPE_CHECKING:  # a comparison without logprobs never loads them
 
 __all__ = ["SUBSET_NOTE", "relabel_sequences", "subset_baseline", "subset_logprobs", "cut_tensor", "coverage"]
 
-SUBSET_NOTE = ("subset comparison: only the target's rows were judged, each against the baseline's row of the "
-               "same sequence and position; the baseline's other rows were not compared")
+SUBSET_NOTE = (
+    "subset comparison: only the target's rows were judged, each against the baseline's row of the "
+    "same sequence and position; the baseline's other rows were not compared"
+)
 
 Interval = tuple[int, int]
 """Positions ``[start, end)``."""
@@ -62,15 +63,17 @@ def relabel_sequences(reader: DumpReader, sequence_map: Sequence[int]) -> DumpRe
             return None
         bad = next((v for v, _ in runs if v != PAD_SEQUENCE and not 0 <= v < len(mapping)), None)
         if bad is not None:
-            raise NotComparableError(f"{reader.directory}: sequence {bad} has no baseline sequence in the "
-                                     f"sequence map ({len(mapping)} entries)")
+            raise NotComparableError(
+                f"{reader.directory}: sequence {bad} has no baseline sequence in the "
+                f"sequence map ({len(mapping)} entries)"
+            )
         return [[v if v == PAD_SEQUENCE else mapping[v], c] for v, c in runs]
 
     m = reader.manifest
     tensors = tuple(replace(r, sequence_ids=renamed(r.sequence_ids)) for r in m.tensors)
     inputs = list(m.extra.get("input_ids") or [])
     ids: list[list[int]] = [[] for _ in range(max(mapping, default=-1) + 1)]
-    for i, s in enumerate(mapping[:len(inputs)]):
+    for i, s in enumerate(mapping[: len(inputs)]):
         ids[s] = list(inputs[i])
     extra = {**m.extra, "input_ids": ids}
     return DumpReader(reader.directory, replace(m, tensors=tensors, extra=extra), max_open=reader.max_open)
@@ -100,16 +103,26 @@ def _cut(segs: Sequence[Segment], cover: Sequence[Interval]) -> list[Segment]:
 
 def cut_tensor(base: LogicalTensor, cover: Sequence[Interval]) -> LogicalTensor:
     """``base`` with only its rows at positions inside ``cover`` (``[start, end)`` intervals), replicas cut alike."""
-    out = LogicalTensor(base.name, base.call, base.sequence, base.layer, base.sharded,
-                        by_rank={r: _cut(segs, cover) for r, segs in base.by_rank.items()}, rows=_cut(base.rows, cover))
+    out = LogicalTensor(
+        base.name,
+        base.call,
+        base.sequence,
+        base.layer,
+        base.sharded,
+        by_rank={r: _cut(segs, cover) for r, segs in base.by_rank.items()},
+        rows=_cut(base.rows, cover),
+    )
     for ref, other in base.replicas:  # both hold the same positions: cut alike
         out.replicas.extend(zip(_cut([ref], cover), _cut([other], cover), strict=True))
     return out
 
 
-def subset_baseline(base: dict[LogicalKey, LogicalTensor], target: dict[LogicalKey, LogicalTensor],
-                    unmatched_baseline: Sequence[str], label: Callable[[LogicalKey], str],
-                    ) -> tuple[dict[LogicalKey, LogicalTensor], list[str]]:
+def subset_baseline(
+    base: dict[LogicalKey, LogicalTensor],
+    target: dict[LogicalKey, LogicalTensor],
+    unmatched_baseline: Sequence[str],
+    label: Callable[[LogicalKey], str],
+) -> tuple[dict[LogicalKey, LogicalTensor], list[str]]:
     """The baseline's logical tensors that the target holds, each cut to the target's positions,
     and ``unmatched_baseline`` without the (``label``-ed) ones the target does not hold."""
     kept = {k: cut_tensor(b, coverage(target[k].rows)) for k, b in base.items() if k in target}
@@ -123,8 +136,13 @@ def _cut_sequence(s: SequenceLogprobs, t: SequenceLogprobs) -> SequenceLogprobs:
     keep = [v is not None for v in t.logprobs]
     lp = [v if k else None for v, k in zip(s.logprobs[:n], keep, strict=False)]
     top = None if s.top is None else [v if k else None for v, k in zip(s.top[:n], keep, strict=False)]
-    return replace(s, token_ids=s.token_ids[:n], logprobs=lp, top=top,
-                   token_texts=None if s.token_texts is None else s.token_texts[:n])
+    return replace(
+        s,
+        token_ids=s.token_ids[:n],
+        logprobs=lp,
+        top=top,
+        token_texts=None if s.token_texts is None else s.token_texts[:n],
+    )
 
 
 def subset_logprobs(base: LogprobSource, targ: LogprobSource) -> LogprobSource:

@@ -14,17 +14,25 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
-from dumper.format.jsonfloat import from_json_float, to_json_float
 from comparator.hidden.onset import Amplification
 from comparator.hidden.registry import BuiltinMetrics
 from comparator.hidden.registry import lookup as lookup_metric
+from dumper.format.jsonfloat import from_json_float, to_json_float
 
 if TYPE_CHECKING:  # loaded by a report that holds them (Report.from_json), not by every comparison
     from comparator.logprobs.types import LogprobVerdict
     from comparator.routing.types import RouterComparison
 
-__all__ = ["TensorComparison", "FirstDivergence", "DecodeFork", "DecodeComparison", "ReplicaMismatch", "LayerSummary",
-           "Heatmap", "Report"]
+__all__ = [
+    "TensorComparison",
+    "FirstDivergence",
+    "DecodeFork",
+    "DecodeComparison",
+    "ReplicaMismatch",
+    "LayerSummary",
+    "Heatmap",
+    "Report",
+]
 
 
 @dataclass(frozen=True)
@@ -76,14 +84,22 @@ class DecodeComparison:
         return not self.missing and not any(f.near_tie is False for f in self.forks)
 
     def to_json(self) -> dict[str, Any]:
-        return {"passed": self.passed, "sequences": self.sequences, "steps": self.steps,
-                "forks": [f.to_json() for f in self.forks], "missing": list(self.missing)}
+        return {
+            "passed": self.passed,
+            "sequences": self.sequences,
+            "steps": self.steps,
+            "forks": [f.to_json() for f in self.forks],
+            "missing": list(self.missing),
+        }
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> DecodeComparison:
-        return cls(sequences=int(d["sequences"]), steps=int(d["steps"]),
-                   forks=tuple(DecodeFork.from_json(f) for f in d.get("forks", ())),
-                   missing=tuple(d.get("missing", ())))
+        return cls(
+            sequences=int(d["sequences"]),
+            steps=int(d["steps"]),
+            forks=tuple(DecodeFork.from_json(f) for f in d.get("forks", ())),
+            missing=tuple(d.get("missing", ())),
+        )
 
 
 _OPTIONAL_FLOATS = ("threshold", "token_threshold", "decode_token_threshold", "noise_ratio", "token_noise_ratio")
@@ -178,14 +194,18 @@ class TensorComparison(BuiltinMetrics):
         """
         names = {f.name for f in fields(cls)}
         d = {k: v for k, v in d.items() if k in names} | {
-            "metrics": {k: lookup_metric(k).null if v is None else float(v) for k, v in d.items() if k not in names}}
+            "metrics": {k: lookup_metric(k).null if v is None else float(v) for k, v in d.items() if k not in names}
+        }
         d["shape"] = tuple(d["shape"])
         for k in ("threshold", "token_threshold", "decode_token_threshold"):  # finite when set (absent: older ones)
             d[k] = None if d.get(k) is None else float(d[k])
         # a ratio is null without noise, and null for an infinite one: infinite only when its value is
         for k, of in (("noise_ratio", "rel_diff"), ("token_noise_ratio", "max_token_rel_diff")):
-            d[k] = float(d[k]) if d.get(k) is not None else (
-                math.inf if calibrated and k in d and math.isinf(d["metrics"][of]) else None)
+            d[k] = (
+                float(d[k])
+                if d.get(k) is not None
+                else (math.inf if calibrated and k in d and math.isinf(d["metrics"][of]) else None)
+            )
         return cls(**d)
 
 
@@ -300,14 +320,23 @@ class Heatmap:
     values: tuple[tuple[float, ...], ...]
 
     def to_json(self) -> dict[str, Any]:
-        return {"sequence": self.sequence, "positions": list(self.positions), "layers": list(self.layers),
-                "names": list(self.names), "values": [[to_json_float(v) for v in row] for row in self.values]}
+        return {
+            "sequence": self.sequence,
+            "positions": list(self.positions),
+            "layers": list(self.layers),
+            "names": list(self.names),
+            "values": [[to_json_float(v) for v in row] for row in self.values],
+        }
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Heatmap:
-        return cls(sequence=int(d["sequence"]), positions=tuple(int(p) for p in d["positions"]),
-                   layers=tuple(None if v is None else int(v) for v in d["layers"]), names=tuple(d["names"]),
-                   values=tuple(tuple(from_json_float(v) for v in row) for row in d["values"]))
+        return cls(
+            sequence=int(d["sequence"]),
+            positions=tuple(int(p) for p in d["positions"]),
+            layers=tuple(None if v is None else int(v) for v in d["layers"]),
+            names=tuple(d["names"]),
+            values=tuple(tuple(from_json_float(v) for v in row) for row in d["values"]),
+        )
 
 
 @dataclass(frozen=True)
@@ -360,9 +389,14 @@ class Report:
     @property
     def passed(self) -> bool:
         """Something was compared, every tensor passed, replicas agree, and logprobs and routing (if any) pass."""
-        return ((self.matched > 0 or self.logprobs is not None) and all(t.passed for t in self.tensors)
-                and not self.replica_mismatches and (self.logprobs is None or self.logprobs.passed)
-                and (self.router is None or self.router.passed) and (self.decode is None or self.decode.passed))
+        return (
+            (self.matched > 0 or self.logprobs is not None)
+            and all(t.passed for t in self.tensors)
+            and not self.replica_mismatches
+            and (self.logprobs is None or self.logprobs.passed)
+            and (self.router is None or self.router.passed)
+            and (self.decode is None or self.decode.passed)
+        )
 
     def __bool__(self) -> bool:
         return self.passed
@@ -387,18 +421,24 @@ class Report:
             ts = groups[layer]
             failing = [t for t in ts if t.first_failing_token is not None]
             worst = max(ts, key=lambda t: t.max_token_rel_diff)
-            out.append(LayerSummary(
-                layer=layer, tensors=len(ts), failed=sum(not t.passed for t in ts),
-                max_rel_diff=max(t.rel_diff for t in ts),
-                max_token_rel_diff=worst.max_token_rel_diff,
-                max_abs_diff=max((t.metrics["max_abs_diff"] for t in ts if "max_abs_diff" in t.metrics), default=None),
-                min_cosine=min((t.metrics["cosine"] for t in ts if "cosine" in t.metrics), default=None),
-                first_failing_token=min((t.first_failing_token for t in failing), default=None),
-                worst_token=worst.worst_token if worst.max_token_rel_diff > 0 else None,
-                noise_ratio=max((t.noise_ratio for t in ts if t.noise_ratio is not None), default=None),
-                amplification=amp[layer].ratio if layer in amp else None,
-                introduced=layer in amp and amp[layer].introduced,
-            ))
+            out.append(
+                LayerSummary(
+                    layer=layer,
+                    tensors=len(ts),
+                    failed=sum(not t.passed for t in ts),
+                    max_rel_diff=max(t.rel_diff for t in ts),
+                    max_token_rel_diff=worst.max_token_rel_diff,
+                    max_abs_diff=max(
+                        (t.metrics["max_abs_diff"] for t in ts if "max_abs_diff" in t.metrics), default=None
+                    ),
+                    min_cosine=min((t.metrics["cosine"] for t in ts if "cosine" in t.metrics), default=None),
+                    first_failing_token=min((t.first_failing_token for t in failing), default=None),
+                    worst_token=worst.worst_token if worst.max_token_rel_diff > 0 else None,
+                    noise_ratio=max((t.noise_ratio for t in ts if t.noise_ratio is not None), default=None),
+                    amplification=amp[layer].ratio if layer in amp else None,
+                    introduced=layer in amp and amp[layer].introduced,
+                )
+            )
         return out
 
     def to_json(self) -> dict[str, Any]:
@@ -438,10 +478,13 @@ class Report:
         # judged against noise: a noise file, or an in-memory noise model (no file name, but its factor)
         calibrated = d.get("noise") is not None or d.get("noise_factor") is not None
         return cls(
-            baseline=d["baseline"], target=d["target"], threshold=float(d["threshold"]),
+            baseline=d["baseline"],
+            target=d["target"],
+            threshold=float(d["threshold"]),
             token_threshold=float(d["token_threshold"]),
             tensors=tuple(TensorComparison.from_json(t, calibrated=calibrated) for t in d["tensors"]),
-            unmatched_baseline=tuple(d["unmatched_baseline"]), unmatched_target=tuple(d["unmatched_target"]),
+            unmatched_baseline=tuple(d["unmatched_baseline"]),
+            unmatched_target=tuple(d["unmatched_target"]),
             first_divergent=FirstDivergence.from_json(fd) if fd else None,
             replica_mismatches=tuple(ReplicaMismatch.from_json(m) for m in d.get("replica_mismatches", [])),
             logprobs=LogprobVerdict.from_json(d["logprobs"]) if d.get("logprobs") else None,
@@ -449,7 +492,9 @@ class Report:
             heatmap=Heatmap.from_json(d["heatmap"]) if d.get("heatmap") else None,
             notes=tuple(d.get("notes", ())),
             empty_tensors=tuple(d.get("empty_tensors", ())),
-            noise=d.get("noise"), noise_factor=d.get("noise_factor"), noise_floor=d.get("noise_floor"),
+            noise=d.get("noise"),
+            noise_factor=d.get("noise_factor"),
+            noise_floor=d.get("noise_floor"),
             amplification=tuple(Amplification.from_json(a) for a in d.get("amplification", ())),
             warnings=tuple(d.get("warnings", ())),
             router=RouterComparison.from_json(d["router"]) if d.get("router") else None,

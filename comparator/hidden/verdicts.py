@@ -9,11 +9,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from dumper.format import LOGPROB_NAMES, LOGPROB_POINT, ROUTER_POINTS, DumpReader, Manifest, TensorRecord
-
 from comparator.config import CompareConfig
 from comparator.hidden.decode import DecodePlan, cut_logprobs
 from comparator.hidden.subset import subset_logprobs
+from dumper.format import LOGPROB_NAMES, LOGPROB_POINT, ROUTER_POINTS, DumpReader, Manifest, TensorRecord
 
 if TYPE_CHECKING:
     from comparator.logprobs import LogprobVerdict
@@ -27,8 +26,9 @@ def has_logprobs(manifest: Manifest) -> bool:
     return any(r.point == LOGPROB_POINT for r in manifest.tensors)
 
 
-def logprob_verdict(br: DumpReader, tr: DumpReader, config: CompareConfig, decode: DecodePlan | None) -> tuple[
-        LogprobVerdict | None, list[str], list[str], LogprobSource | None]:
+def logprob_verdict(
+    br: DumpReader, tr: DumpReader, config: CompareConfig, decode: DecodePlan | None
+) -> tuple[LogprobVerdict | None, list[str], list[str], LogprobSource | None]:
     """The logprob verdict when both dumps recorded logprobs (else None), the logprob parts (logits
     rows, top-k lists) that only one side recorded, so were not compared, and the baseline's logprobs
     as read (a decode fork's gap is read from them)."""
@@ -45,9 +45,15 @@ def logprob_verdict(br: DumpReader, tr: DumpReader, config: CompareConfig, decod
         base, targ = cut_logprobs(base, decode.limits), cut_logprobs(targ, decode.limits)
     if config.subset:
         base = subset_logprobs(base, targ)
-    judged = judge_sources(base, targ, model=config.model, explicit=dict(config.logprob_thresholds),
-                           noise=config.noise.logprobs if config.noise is not None else None,
-                           noise_factor=config.noise_factor, noise_floors=dict(config.noise_floors))
+    judged = judge_sources(
+        base,
+        targ,
+        model=config.model,
+        explicit=dict(config.logprob_thresholds),
+        noise=config.noise.logprobs if config.noise is not None else None,
+        noise_factor=config.noise_factor,
+        noise_floors=dict(config.noise_floors),
+    )
     return judged.verdict, list(judged.only_baseline), list(judged.only_target), read
 
 
@@ -57,8 +63,9 @@ def routing_verdict(br: DumpReader, tr: DumpReader, config: CompareConfig) -> Ro
         return None  # what compare_routing says of two dumps without routing, without importing it
     from comparator.routing.compare import compare_routing
 
-    return compare_routing(br, tr, noise=config.noise.router if config.noise is not None else None,
-                           factor=config.noise_factor)
+    return compare_routing(
+        br, tr, noise=config.noise.router if config.noise is not None else None, factor=config.noise_factor
+    )
 
 
 def holds(br: DumpReader, tr: DumpReader, wanted: Callable[[TensorRecord], bool]) -> bool:

@@ -54,7 +54,9 @@ def record(v: Any, where: str, field: str, required: Iterable[str], optional: It
     if missing or unknown:
         parts = ([f"missing keys {missing}"] if missing else []) + (
             [f"unknown keys {', '.join(show(k) for k in unknown[:3])}{' ...' if len(unknown) > 3 else ''}"]
-            if unknown else [])
+            if unknown
+            else []
+        )
         raise UsageError(f"{where}: {field}: {'; '.join(parts)}")
     return v
 
@@ -74,8 +76,12 @@ def text(v: Any, where: str, field: str, *, null: bool = False, name: bool = Fal
         return None
     if is_text(v) and (not name or v and v.isprintable()):
         return v
-    raise bad(where, field, ("a non-empty string of printable characters" if name else "a string")
-              + (" or null" if null else ""), v)
+    raise bad(
+        where,
+        field,
+        ("a non-empty string of printable characters" if name else "a string") + (" or null" if null else ""),
+        v,
+    )
 
 
 def integer(v: Any, where: str, field: str, *, low: int | None = 0, null: bool = False) -> Any:
@@ -98,6 +104,11 @@ def number(v: Any, where: str, field: str, *, high: float | None = None, null: b
     top = _FLOAT_MAX if high is None else high
     if (type(v) is float or type(v) is int) and 0 <= v <= top:
         return float(v)
-    what = (f"a number in [0, {high:g}] (a rel_diff is at most {REL_DIFF_MAX:g})" if high == REL_DIFF_MAX
-            else "a finite number >= 0" if high is None else f"a number in [0, {high:g}]")
+    what = (
+        f"a number in [0, {high:g}] (a rel_diff is at most {REL_DIFF_MAX:g})"
+        if high == REL_DIFF_MAX
+        else "a finite number >= 0"
+        if high is None
+        else f"a number in [0, {high:g}]"
+    )
     raise bad(where, field, what + (" or null" if null else ""), v)

@@ -27,20 +27,26 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from comparator.judging.runmode import run_mode_notes
 from dumper.errors import ModelMismatchError, UsageError
 from dumper.format import Manifest
 from dumper.format.remote import is_url
 
-from comparator.judging.runmode import run_mode_notes
-
-__all__ = ["IDENTITY_FIELDS", "REPORTED_FIELDS", "IdentityDifference", "identity_differences", "weights_differences",
-           "check_identity", "check_variant", "check_distinct"]
+__all__ = [
+    "IDENTITY_FIELDS",
+    "REPORTED_FIELDS",
+    "IdentityDifference",
+    "identity_differences",
+    "weights_differences",
+    "check_identity",
+    "check_variant",
+    "check_distinct",
+]
 
 IDENTITY_FIELDS = ("architecture", "num_layers", "hidden_size", "config_hash")
 """Model fields that must agree (compared when both dumps record them)."""
 REPORTED_FIELDS = ("weights_hash",)
 """Model fields whose difference is reported in the verdict but does not stop the comparison."""
-
 
 
 @dataclass(frozen=True)
@@ -61,13 +67,17 @@ def _num_layers(m: Manifest) -> Any:
     return v if v is not None else m.capture_signature.get("num_layers")
 
 
-def identity_differences(baseline: Manifest, target: Manifest,
-                         fields: tuple[str, ...] = IDENTITY_FIELDS) -> list[IdentityDifference]:
+def identity_differences(
+    baseline: Manifest, target: Manifest, fields: tuple[str, ...] = IDENTITY_FIELDS
+) -> list[IdentityDifference]:
     """The ``fields`` that both manifests record (not null) and that differ."""
     out = []
     for f in fields:
-        b, t = (_num_layers(baseline), _num_layers(target)) if f == "num_layers" else \
-            (baseline.model.get(f), target.model.get(f))
+        b, t = (
+            (_num_layers(baseline), _num_layers(target))
+            if f == "num_layers"
+            else (baseline.model.get(f), target.model.get(f))
+        )
         if b is not None and t is not None and b != t:
             out.append(IdentityDifference(f, b, t))
     return out
@@ -81,8 +91,9 @@ def weights_differences(baseline: Manifest, target: Manifest) -> list[IdentityDi
     return identity_differences(baseline, target, REPORTED_FIELDS)
 
 
-def check_identity(baseline: Manifest, target: Manifest, *, allow_mismatch: bool = False,
-                   where: str = "target") -> tuple[str, ...]:
+def check_identity(
+    baseline: Manifest, target: Manifest, *, allow_mismatch: bool = False, where: str = "target"
+) -> tuple[str, ...]:
     """Raise :class:`ModelMismatchError` naming the differing fields; return notes for the verdict.
 
     With ``allow_mismatch`` the differences become notes instead. A different ``weights_hash``
@@ -93,7 +104,8 @@ def check_identity(baseline: Manifest, target: Manifest, *, allow_mismatch: bool
     if diffs and not allow_mismatch:
         raise ModelMismatchError(
             f"{where}: the dumps come from different models ({'; '.join(map(str, diffs))}); "
-            "pass --allow-model-mismatch to compare them anyway (cross-engine or quantized runs)")
+            "pass --allow-model-mismatch to compare them anyway (cross-engine or quantized runs)"
+        )
     notes = [f"model differs (allowed): {d}" for d in diffs]
     notes += [f"different weights: {d}" for d in weights_differences(baseline, target)]
     # how the weights are stored (gguf:Q8_0, onnx:int8; absent for HF safetensors): reported whatever the dtype
@@ -107,8 +119,9 @@ def check_identity(baseline: Manifest, target: Manifest, *, allow_mismatch: bool
     return (*notes, *run_mode_notes(baseline, target))
 
 
-def check_variant(baseline: Manifest, variant: Manifest, *, allow_mismatch: bool = False,
-                  where: str = "variant") -> list[IdentityDifference]:
+def check_variant(
+    baseline: Manifest, variant: Manifest, *, allow_mismatch: bool = False, where: str = "variant"
+) -> list[IdentityDifference]:
     """Refuse a calibration variant that is not a re-run of the baseline's model: an identity field
     or (same dtype) the weights differ. :class:`ModelMismatchError` names the fields; with
     ``allow_mismatch`` the differences are returned, for the noise file to record."""
@@ -117,7 +130,8 @@ def check_variant(baseline: Manifest, variant: Manifest, *, allow_mismatch: bool
         raise ModelMismatchError(
             f"{where}: not a benign re-run of the baseline's model ({'; '.join(map(str, diffs))}): the difference "
             "would be measured as noise and excuse real changes; calibrate from re-runs of the same model and "
-            "weights, or pass --allow-model-mismatch to record it in the noise file")
+            "weights, or pass --allow-model-mismatch to record it in the noise file"
+        )
     return diffs
 
 

@@ -25,13 +25,25 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Literal, Protocol
 
+from comparator.judging.values import parse_threshold
 from dumper.errors import UsageError
 
-from comparator.judging.values import parse_threshold
-
-__all__ = ["MEAN", "MAX", "Presence", "MetricValue", "MetricInputs", "LogprobMetric", "register_logprob_metric",
-           "unregister_logprob_metric", "logprob_metrics", "logprob_metric", "metric_names", "tested_means",
-           "default_floors", "check_metric_name"]
+__all__ = [
+    "MEAN",
+    "MAX",
+    "Presence",
+    "MetricValue",
+    "MetricInputs",
+    "LogprobMetric",
+    "register_logprob_metric",
+    "unregister_logprob_metric",
+    "logprob_metrics",
+    "logprob_metric",
+    "metric_names",
+    "tested_means",
+    "default_floors",
+    "check_metric_name",
+]
 
 MEAN: Final = "mean"
 """A mean over positions: is the whole run shifted? With a standard error it is z-tested against noise."""
@@ -124,8 +136,9 @@ class LogprobMetric:
         if self.se_key is not None and self.kind != MEAN:
             raise UsageError(f"logprob metric {self.name}: only a mean-type metric has a standard error")
         if self.presence not in ("always", "with_kl", "optional"):
-            raise UsageError(f"logprob metric {self.name}: presence {self.presence!r} is not one of always, "
-                             "with_kl, optional")
+            raise UsageError(
+                f"logprob metric {self.name}: presence {self.presence!r} is not one of always, with_kl, optional"
+            )
         parse_threshold(self.floor, where=f"logprob metric {self.name}: floor")
 
 
@@ -199,18 +212,30 @@ def _builtin() -> None:
     differently; docs/logprobs.md, "Thresholds from a calibration")."""
     for spec in (
         LogprobMetric("mse", "mse", MEAN, 1e-9, lambda c: MetricValue(c.errors.mse)),
-        LogprobMetric("mean_abs_err", "mean |Δlogprob|", MEAN, 1e-5,
-                      lambda c: MetricValue(c.errors.mean_abs_err, c.errors.mean_abs_err_se), se_key="mean_abs_err_se"),
+        LogprobMetric(
+            "mean_abs_err",
+            "mean |Δlogprob|",
+            MEAN,
+            1e-5,
+            lambda c: MetricValue(c.errors.mean_abs_err, c.errors.mean_abs_err_se),
+            se_key="mean_abs_err_se",
+        ),
         LogprobMetric("max_abs_err", "max |Δlogprob|", MAX, 1e-4, lambda c: _at(c.errors.max_abs_err), located=True),
-        LogprobMetric("k3_mean", "k3 mean", MEAN, 5e-10, lambda c: MetricValue(c.k3.mean, c.k3.se),
-                      se_key="k3_mean_se"),
+        LogprobMetric(
+            "k3_mean", "k3 mean", MEAN, 5e-10, lambda c: MetricValue(c.k3.mean, c.k3.se), se_key="k3_mean_se"
+        ),
         LogprobMetric("kl_mean", "KL mean", MEAN, 5e-10, _kl_mean, se_key="kl_mean_se", presence="with_kl"),
         LogprobMetric("kl_max", "KL max", MAX, 5e-9, lambda c: _at(c.kl_max), located=True, presence="with_kl"),
-        LogprobMetric("topk_max_err", "top-k max |Δ| (per-sample max)", MAX, 1e-4,
-                      lambda c: MetricValue(None if c.topk is None else c.topk.max_err), presence="optional"),
+        LogprobMetric(
+            "topk_max_err",
+            "top-k max |Δ| (per-sample max)",
+            MAX,
+            1e-4,
+            lambda c: MetricValue(None if c.topk is None else c.topk.max_err),
+            presence="optional",
+        ),
     ):
         register_logprob_metric(spec)
 
 
 _builtin()
-

@@ -18,11 +18,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from dumper.errors import UsageError
-
-from dumper.format.jsonfloat import from_json_float, to_json_float
 from comparator.judging.fields import integer, items, number, record
 from comparator.judging.logprob_metrics import metric_names, tested_means
+from dumper.errors import UsageError
+from dumper.format.jsonfloat import from_json_float, to_json_float
 
 __all__ = ["Z_SIGNIFICANT", "MeanNoise", "LogprobNoise", "NoiseBasis", "MetricNoise", "MeanTest", "NoiseCheck"]
 
@@ -45,8 +44,11 @@ class MeanNoise:
     def from_json(cls, d: Any, where: str = "noise file", field: str = "mean") -> MeanNoise:
         """Exact types (:mod:`comparator.judging.fields`): finite numbers >= 0 and an integer."""
         d = record(d, where, field, ("mean", "se", "positions"))
-        return cls(number(d["mean"], where, f"{field}.mean"), number(d["se"], where, f"{field}.se"),
-                   integer(d["positions"], where, f"{field}.positions"))
+        return cls(
+            number(d["mean"], where, f"{field}.mean"),
+            number(d["se"], where, f"{field}.se"),
+            integer(d["positions"], where, f"{field}.positions"),
+        )
 
 
 @dataclass(frozen=True)
@@ -65,10 +67,13 @@ class LogprobNoise:
     """The noise file it was read from (not stored)."""
 
     def to_json(self) -> dict[str, Any]:
-        return {"variants": self.variants, "positions": self.positions,
-                "metrics": {k: to_json_float(v) for k, v in self.metrics.items()},
-                "means": {k: m.to_json() for k, m in self.means.items()},
-                "by_variant": {k: [to_json_float(x) for x in v] for k, v in self.by_variant.items()}}
+        return {
+            "variants": self.variants,
+            "positions": self.positions,
+            "metrics": {k: to_json_float(v) for k, v in self.metrics.items()},
+            "means": {k: m.to_json() for k, m in self.means.items()},
+            "by_variant": {k: [to_json_float(x) for x in v] for k, v in self.by_variant.items()},
+        }
 
     @classmethod
     def from_json(cls, d: Any, where: str, *, variants: int | None = None) -> LogprobNoise:
@@ -79,15 +84,29 @@ class LogprobNoise:
         if variants is not None and count != variants:
             raise UsageError(f"{where}: logprobs.variants: {count}, but the file lists {variants} variants")
         names = metric_names()
-        metrics = {k: number(v, where, f"logprobs.metrics.{k}", null=True)
-                   for k, v in record(d["metrics"], where, "logprobs.metrics", (), names).items()}
-        means = {k: MeanNoise.from_json(v, where, f"logprobs.means.{k}")
-                 for k, v in record(d["means"], where, "logprobs.means", (), tested_means()).items()}
-        by_variant = {k: tuple(number(x, where, f"logprobs.by_variant.{k}[{j}]", null=True)
-                               for j, x in enumerate(items(v, where, f"logprobs.by_variant.{k}", length=count)))
-                      for k, v in record(d["by_variant"], where, "logprobs.by_variant", (), names).items()}
-        return cls(variants=count, positions=integer(d["positions"], where, "logprobs.positions", low=1),
-                   metrics=metrics, means=means, by_variant=by_variant, source=where)
+        metrics = {
+            k: number(v, where, f"logprobs.metrics.{k}", null=True)
+            for k, v in record(d["metrics"], where, "logprobs.metrics", (), names).items()
+        }
+        means = {
+            k: MeanNoise.from_json(v, where, f"logprobs.means.{k}")
+            for k, v in record(d["means"], where, "logprobs.means", (), tested_means()).items()
+        }
+        by_variant = {
+            k: tuple(
+                number(x, where, f"logprobs.by_variant.{k}[{j}]", null=True)
+                for j, x in enumerate(items(v, where, f"logprobs.by_variant.{k}", length=count))
+            )
+            for k, v in record(d["by_variant"], where, "logprobs.by_variant", (), names).items()
+        }
+        return cls(
+            variants=count,
+            positions=integer(d["positions"], where, "logprobs.positions", low=1),
+            metrics=metrics,
+            means=means,
+            by_variant=by_variant,
+            source=where,
+        )
 
 
 @dataclass(frozen=True)
@@ -114,8 +133,12 @@ class MetricNoise:
     """The threshold is the noise-derived one (else an explicit, stricter one)."""
 
     def to_json(self) -> dict[str, Any]:
-        return {"noise": to_json_float(self.noise), "floor": self.floor, "ratio": to_json_float(self.ratio),
-                "from_noise": self.from_noise}
+        return {
+            "noise": to_json_float(self.noise),
+            "floor": self.floor,
+            "ratio": to_json_float(self.ratio),
+            "from_noise": self.from_noise,
+        }
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> MetricNoise:
@@ -166,13 +189,27 @@ class NoiseCheck:
         return entry is not None and entry.from_noise and test is not None and not test.significant
 
     def to_json(self) -> dict[str, Any]:
-        return {"source": self.source, "factor": self.factor, "variants": self.variants, "positions": self.positions,
-                "z_significant": Z_SIGNIFICANT, "metrics": {k: m.to_json() for k, m in self.metrics.items()},
-                "means": {k: t.to_json() for k, t in self.means.items()}, "warnings": list(self.warnings)}
+        return {
+            "source": self.source,
+            "factor": self.factor,
+            "variants": self.variants,
+            "positions": self.positions,
+            "z_significant": Z_SIGNIFICANT,
+            "metrics": {k: m.to_json() for k, m in self.metrics.items()},
+            "means": {k: t.to_json() for k, t in self.means.items()},
+            "warnings": list(self.warnings),
+        }
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> NoiseCheck:
         metrics = {k: MetricNoise.from_json(m) for k, m in d["metrics"].items()}
         means = {k: MeanTest.from_json(t) for k, t in d["means"].items()}
-        return cls(d.get("source"), float(d["factor"]), int(d["variants"]), int(d["positions"]), metrics, means,
-                   tuple(d.get("warnings", ())))
+        return cls(
+            d.get("source"),
+            float(d["factor"]),
+            int(d["variants"]),
+            int(d["positions"]),
+            metrics,
+            means,
+            tuple(d.get("warnings", ())),
+        )

@@ -19,18 +19,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
+from comparator.judging.logprob_metrics import metric_names
+from comparator.judging.logprob_noise import NoiseBasis, NoiseCheck
+from comparator.judging.values import parse_threshold
+from comparator.settings import comparator_settings
 from dumper.errors import UsageError
 from dumper.format import Manifest
 from dumper.format.dtypes import FLOAT_NAMES, MANTISSA_BITS
 from dumper.resources import config_path
 
-from comparator.judging.logprob_metrics import metric_names
-from comparator.judging.logprob_noise import NoiseBasis, NoiseCheck
-from comparator.judging.values import parse_threshold
-from comparator.settings import comparator_settings
-
-__all__ = ["THRESHOLD_TABLE", "LogprobThresholds", "logprob_env_thresholds", "explicit_thresholds",
-           "load_threshold_table", "judged_failures", "threshold_dtype"]
+__all__ = [
+    "THRESHOLD_TABLE",
+    "LogprobThresholds",
+    "logprob_env_thresholds",
+    "explicit_thresholds",
+    "load_threshold_table",
+    "judged_failures",
+    "threshold_dtype",
+]
 
 THRESHOLD_TABLE: Final = config_path("logprob_thresholds.json")
 """Per-model threshold table: ``{"default": {...}, "default@float32": {...}, "<model>": {...},
@@ -48,14 +54,17 @@ def logprob_env_thresholds(env: Mapping[str, str] | None = None) -> dict[str, fl
     for name, raw in comparator_settings(env).logprob_thresholds.items():
         var = f"DRIFTSCOPE_LOGPROB_{name.upper()}"
         if name not in names:
-            raise UsageError(f"{var} is not a logprob threshold; known: "
-                             f"{', '.join('DRIFTSCOPE_LOGPROB_' + n.upper() for n in names)}")
+            raise UsageError(
+                f"{var} is not a logprob threshold; known: "
+                f"{', '.join('DRIFTSCOPE_LOGPROB_' + n.upper() for n in names)}"
+            )
         out[name] = parse_threshold(raw, where=var, allow_off=True)
     return out
 
 
-def explicit_thresholds(explicit: Mapping[str, float | None] | None = None,
-                        env: Mapping[str, str] | None = None) -> dict[str, float | None]:
+def explicit_thresholds(
+    explicit: Mapping[str, float | None] | None = None, env: Mapping[str, str] | None = None
+) -> dict[str, float | None]:
     """The thresholds a user set: ``DRIFTSCOPE_LOGPROB_*``, overridden by ``explicit`` (names checked)."""
     values = logprob_env_thresholds(env)
     for k, v in (explicit or {}).items():
@@ -111,8 +120,14 @@ class LogprobThresholds:
     source: str | None = field(default=None, compare=False)
     """Where they come from, for the verdict (table rows, noise file); not part of :meth:`to_json`."""
 
-    def __init__(self, values: Mapping[str, float | None] | None = None, *, basis: NoiseBasis | None = None,
-                 source: str | None = None, **by_name: float | None) -> None:
+    def __init__(
+        self,
+        values: Mapping[str, float | None] | None = None,
+        *,
+        basis: NoiseBasis | None = None,
+        source: str | None = None,
+        **by_name: float | None,
+    ) -> None:
         given = {**(values or {}), **by_name}
         names = metric_names()
         unknown = [k for k in given if k not in names]
@@ -131,10 +146,15 @@ class LogprobThresholds:
         return values.get(name)
 
     @classmethod
-    def resolve(cls, model: str | None = None, *, explicit: Mapping[str, float | None] | None = None,
-                env: Mapping[str, str] | None = None,
-                table: str | os.PathLike[str] | Mapping[str, Mapping[str, float | None]] | None = None,
-                dtype: str | None = None) -> LogprobThresholds:
+    def resolve(
+        cls,
+        model: str | None = None,
+        *,
+        explicit: Mapping[str, float | None] | None = None,
+        env: Mapping[str, str] | None = None,
+        table: str | os.PathLike[str] | Mapping[str, Mapping[str, float | None]] | None = None,
+        dtype: str | None = None,
+    ) -> LogprobThresholds:
         """Explicit values > ``DRIFTSCOPE_LOGPROB_*`` env vars > the table rows of ``model`` and ``dtype``.
 
         ``explicit`` maps threshold names to values; a name mapped to None turns that check off.
@@ -159,8 +179,10 @@ class LogprobThresholds:
             values.update(tab[r])
         chosen = explicit_thresholds(explicit, env)
         values.update(chosen)
-        source = f"{Path(table).name if isinstance(table, (str, os.PathLike)) else THRESHOLD_TABLE.name} " \
-                 f"{' < '.join(used)}" + (f"; set: {', '.join(chosen)}" if chosen else "")
+        source = (
+            f"{Path(table).name if isinstance(table, (str, os.PathLike)) else THRESHOLD_TABLE.name} "
+            f"{' < '.join(used)}" + (f"; set: {', '.join(chosen)}" if chosen else "")
+        )
         return cls(values, source=source)
 
     @staticmethod
@@ -175,8 +197,9 @@ class LogprobThresholds:
         names = {_split_row(k)[0] for k in tab}
         name, _ = _split_row(model)
         if model not in tab and name not in names and Path(name.rstrip("/")).name not in names:
-            raise UsageError(f"--model {model!r}: no such row in {table or THRESHOLD_TABLE}; "
-                             f"known: {', '.join(sorted(tab))}")
+            raise UsageError(
+                f"--model {model!r}: no such row in {table or THRESHOLD_TABLE}; known: {', '.join(sorted(tab))}"
+            )
 
     def failures(self, metrics: Mapping[str, float | None]) -> list[str]:
         """Names of set thresholds whose computed metric exceeds them (NaN exceeds everything)."""
@@ -197,8 +220,9 @@ class LogprobThresholds:
         return cls({name: d.get(name) for name in metric_names()})
 
 
-def judged_failures(thresholds: LogprobThresholds, metrics: Mapping[str, float | None],
-                    noise: NoiseCheck | None) -> list[str]:
+def judged_failures(
+    thresholds: LogprobThresholds, metrics: Mapping[str, float | None], noise: NoiseCheck | None
+) -> list[str]:
     """The thresholds failed: every exceeded one, except a noise-derived mean-type threshold whose
     mean is not significantly above the calibrated noise (:meth:`NoiseCheck.excused`)."""
     return [n for n in thresholds.failures(metrics) if noise is None or not noise.excused(n)]

@@ -27,19 +27,18 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from dumper.errors import CorruptDumpError, UsageError
-from dumper.format import Manifest
-from dumper.format.decode import PHASES
-from dumper.format.files import show
-from dumper.format.sketch import SketchSpec, check_spec
-from dumper.format.validate import check_model
-
-from dumper.format.jsonfloat import to_json_float
 from comparator.judging.fields import REL_DIFF_MAX, bad, integer, items, number, record, text
 from comparator.judging.identity import IDENTITY_FIELDS, REPORTED_FIELDS, IdentityDifference
 from comparator.judging.logprob_noise import LogprobNoise
 from comparator.judging.router_noise import RouterNoise, router_noise_from_json, router_noise_to_json
 from comparator.judging.row_noise import RowNoiseSet, RowsRef
+from dumper.errors import CorruptDumpError, UsageError
+from dumper.format import Manifest
+from dumper.format.decode import PHASES
+from dumper.format.files import show
+from dumper.format.jsonfloat import to_json_float
+from dumper.format.sketch import SketchSpec, check_spec
+from dumper.format.validate import check_model
 
 __all__ = ["NOISE_FORMAT", "PhaseNoise", "TensorNoise", "NoiseModel", "layout", "layout_change"]
 
@@ -72,8 +71,9 @@ def layout_change(base: Mapping[str, Any], other: Mapping[str, Any]) -> str:
     """``other``'s settings where they differ from ``base``'s, as ``key=value`` words (``"attn=sdpa chunk_size=11"``)."""
     keys = [k for k in {**base, **other} if base.get(k) != other.get(k)]
     return " ".join(f"{k}={other.get(k)}" for k in keys) or "the same settings"
-_TENSOR_KEYS = ("name", "layer", "point", "rel_diff", "token_max", "token_p999", "token_p99", "positions",
-                "by_variant")
+
+
+_TENSOR_KEYS = ("name", "layer", "point", "rel_diff", "token_max", "token_p999", "token_p99", "positions", "by_variant")
 _NOISE_VALUES = ("rel_diff", "token_max", "token_p999", "token_p99")
 _PHASE_KEYS = ("token_max", "token_p999", "token_p99", "positions")
 _MISMATCH_KEYS = ("variant", "field", "baseline", "target")
@@ -90,14 +90,20 @@ class PhaseNoise:
     positions: int
 
     def to_json(self) -> dict[str, Any]:
-        return {"token_max": to_json_float(self.token_max), "token_p999": to_json_float(self.token_p999),
-                "token_p99": to_json_float(self.token_p99), "positions": self.positions}
+        return {
+            "token_max": to_json_float(self.token_max),
+            "token_p999": to_json_float(self.token_p999),
+            "token_p99": to_json_float(self.token_p99),
+            "positions": self.positions,
+        }
 
     @classmethod
     def from_json(cls, d: Any, where: str, field: str) -> PhaseNoise:
         d = record(d, where, field, _PHASE_KEYS)
-        return cls(**{k: number(d[k], where, f"{field} {k}", high=REL_DIFF_MAX) for k in _PHASE_KEYS[:3]},
-                   positions=integer(d["positions"], where, f"{field} positions"))
+        return cls(
+            **{k: number(d[k], where, f"{field} {k}", high=REL_DIFF_MAX) for k in _PHASE_KEYS[:3]},
+            positions=integer(d["positions"], where, f"{field} positions"),
+        )
 
 
 @dataclass(frozen=True)
@@ -121,11 +127,18 @@ class TensorNoise:
     row was compared (the token values above are then all prompt rows)."""
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "layer": self.layer, "point": self.point,
-                "rel_diff": to_json_float(self.rel_diff), "token_max": to_json_float(self.token_max),
-                "token_p999": to_json_float(self.token_p999), "token_p99": to_json_float(self.token_p99),
-                "positions": self.positions, "by_variant": [to_json_float(v) for v in self.by_variant],
-                **({"phases": {k: v.to_json() for k, v in self.phases.items()}} if self.phases else {})}
+        return {
+            "name": self.name,
+            "layer": self.layer,
+            "point": self.point,
+            "rel_diff": to_json_float(self.rel_diff),
+            "token_max": to_json_float(self.token_max),
+            "token_p999": to_json_float(self.token_p999),
+            "token_p99": to_json_float(self.token_p99),
+            "positions": self.positions,
+            "by_variant": [to_json_float(v) for v in self.by_variant],
+            **({"phases": {k: v.to_json() for k, v in self.phases.items()}} if self.phases else {}),
+        }
 
     @classmethod
     def from_json(cls, d: Any, where: str, field: str = "tensor", *, variants: int | None = None) -> TensorNoise:
@@ -137,13 +150,15 @@ class TensorNoise:
         values = {k: number(d[k], where, f"{at} {k}", high=REL_DIFF_MAX) for k in _NOISE_VALUES}
         per = items(d["by_variant"], where, f"{at} by_variant", length=variants)
         phases = record(d.get("phases", {}), where, f"{at} phases", (), PHASES)
-        return cls(name=name, layer=integer(d["layer"], where, f"{at} layer", low=None, null=True),
-                   point=text(d["point"], where, f"{at} point", null=True), **values,
-                   positions=integer(d["positions"], where, f"{at} positions"),
-                   by_variant=tuple(number(v, where, f"{at} by_variant[{j}]", high=REL_DIFF_MAX)
-                                    for j, v in enumerate(per)),
-                   phases={k: PhaseNoise.from_json(phases[k], where, f"{at} phases.{k}") for k in PHASES
-                           if k in phases})
+        return cls(
+            name=name,
+            layer=integer(d["layer"], where, f"{at} layer", low=None, null=True),
+            point=text(d["point"], where, f"{at} point", null=True),
+            **values,
+            positions=integer(d["positions"], where, f"{at} positions"),
+            by_variant=tuple(number(v, where, f"{at} by_variant[{j}]", high=REL_DIFF_MAX) for j, v in enumerate(per)),
+            phases={k: PhaseNoise.from_json(phases[k], where, f"{at} phases.{k}") for k in PHASES if k in phases},
+        )
 
 
 @dataclass(frozen=True)
@@ -184,30 +199,39 @@ class NoiseModel:
         label = self.source or "the noise file"
         dtype = manifest.capture_signature.get("dtype")
         if self.dtype is not None and dtype is not None and dtype != self.dtype:
-            raise UsageError(f"{label}: calibrated on {self.dtype} dumps, but {where} is {dtype}; "
-                             "noise does not carry across dtypes: recalibrate")
+            raise UsageError(
+                f"{label}: calibrated on {self.dtype} dumps, but {where} is {dtype}; "
+                "noise does not carry across dtypes: recalibrate"
+            )
         for key in _MATCH_FIELDS:
             a, b = self.model.get(key), manifest.model.get(key)
             if a is not None and b is not None and a != b:
-                raise UsageError(f"{label}: calibrated on a baseline with {key} {a!r}, but {where} has {b!r}; "
-                                 "recalibrate against this baseline (python -m comparator calibrate)")
+                raise UsageError(
+                    f"{label}: calibrated on a baseline with {key} {a!r}, but {where} has {b!r}; "
+                    "recalibrate against this baseline (python -m comparator calibrate)"
+                )
 
     def identical_variants(self) -> tuple[str, ...]:
         """The variants whose hidden states were bit-identical to the baseline's (every per-token rel_diff 0)."""
         if not self.tensors:
             return ()
-        return tuple(v for i, v in enumerate(self.variants)
-                     if all(len(t.by_variant) > i and t.by_variant[i] == 0 for t in self.tensors.values()))
+        return tuple(
+            v
+            for i, v in enumerate(self.variants)
+            if all(len(t.by_variant) > i and t.by_variant[i] == 0 for t in self.tensors.values())
+        )
 
     def identical_warning(self) -> str | None:
         """What calibrating says when some variants add no noise to measure; None when each one differed."""
         same = self.identical_variants()
         if not same:
             return None
-        return (f"{len(same)} of {len(self.variants)} variants are bit-identical to the baseline ({', '.join(same)}): "
-                f"they measure no noise, so the noise rests on {len(self.variants) - len(same)} variant(s); a layout "
-                "outside the calibration can exceed a row's noise several times (docs/calibration.md, \"Row noise\"): "
-                "add variants that change the numerics, e.g. the other attention kernel with other chunk sizes")
+        return (
+            f"{len(same)} of {len(self.variants)} variants are bit-identical to the baseline ({', '.join(same)}): "
+            f"they measure no noise, so the noise rests on {len(self.variants) - len(same)} variant(s); a layout "
+            'outside the calibration can exceed a row\'s noise several times (docs/calibration.md, "Row noise"): '
+            "add variants that change the numerics, e.g. the other attention kernel with other chunk sizes"
+        )
 
     def holdout_warning(self, factor: float) -> str | None:
         """What calibrating says when a variant held out of the others exceeds ``factor`` x their row noise (a layout
@@ -215,10 +239,12 @@ class NoiseModel:
         held = self.rows.holdout if self.rows is not None else None
         if held is None or held.ratio <= factor:
             return None
-        return (f"variant {self.variants[held.variant]}, held out of the others, reaches {held.ratio:.3g}x their row "
-                f"noise ({held.tensor}, sequence {held.sequence}, position {held.position}), over the factor "
-                f"{factor:g}: a layout outside the calibration can fail by row noise; calibrate with the layouts your "
-                "candidates run (docs/calibration.md, \"Row noise\")")
+        return (
+            f"variant {self.variants[held.variant]}, held out of the others, reaches {held.ratio:.3g}x their row "
+            f"noise ({held.tensor}, sequence {held.sequence}, position {held.position}), over the factor "
+            f"{factor:g}: a layout outside the calibration can fail by row noise; calibrate with the layouts your "
+            'candidates run (docs/calibration.md, "Row noise")'
+        )
 
     def mismatch_warning(self) -> str | None:
         """What a verdict judged by this noise says when it was calibrated across models; None when it was not."""
@@ -226,21 +252,30 @@ class NoiseModel:
             return None
         shown = "; ".join(f"variant {v}: {d}" for v, d in self.model_mismatch[:3])
         more = f" and {len(self.model_mismatch) - 3} more" if len(self.model_mismatch) > 3 else ""
-        return (f"{self.source or 'the noise'}: calibrated with --allow-model-mismatch from variants that are not "
-                f"re-runs of the baseline's model ({shown}{more}): that difference was measured as noise and can "
-                "excuse a real change")
+        return (
+            f"{self.source or 'the noise'}: calibrated with --allow-model-mismatch from variants that are not "
+            f"re-runs of the baseline's model ({shown}{more}): that difference was measured as noise and can "
+            "excuse a real change"
+        )
 
     def to_json(self) -> dict[str, Any]:
-        return {"format": NOISE_FORMAT, "baseline": self.baseline, "variants": list(self.variants),
-                "model": dict(self.model), "dtype": self.dtype,
-                "tensors": [t.to_json() for t in self.tensors.values()],
-                "logprobs": self.logprobs.to_json() if self.logprobs is not None else None,
-                "model_mismatch": [{"variant": v, "field": d.field, "baseline": d.baseline, "target": d.target}
-                                   for v, d in self.model_mismatch],
-                **({"layouts": [dict(x) for x in self.layouts]} if self.layouts else {}),
-                **({"router": router_noise_to_json(self.router)} if self.router else {}),
-                **({"sketch": self.sketch.to_json()} if self.sketch is not None else {}),
-                **({"rows": self.rows_ref.to_json()} if self.rows_ref is not None else {})}
+        return {
+            "format": NOISE_FORMAT,
+            "baseline": self.baseline,
+            "variants": list(self.variants),
+            "model": dict(self.model),
+            "dtype": self.dtype,
+            "tensors": [t.to_json() for t in self.tensors.values()],
+            "logprobs": self.logprobs.to_json() if self.logprobs is not None else None,
+            "model_mismatch": [
+                {"variant": v, "field": d.field, "baseline": d.baseline, "target": d.target}
+                for v, d in self.model_mismatch
+            ],
+            **({"layouts": [dict(x) for x in self.layouts]} if self.layouts else {}),
+            **({"router": router_noise_to_json(self.router)} if self.router else {}),
+            **({"sketch": self.sketch.to_json()} if self.sketch is not None else {}),
+            **({"rows": self.rows_ref.to_json()} if self.rows_ref is not None else {}),
+        }
 
     def covers_layout(self, target: Mapping[str, Any]) -> bool:
         """Whether ``target`` (a :func:`layout`) is the baseline's or a variant's; True when none were recorded."""
@@ -252,23 +287,30 @@ class NoiseModel:
             return None
         label = self.source or "the noise"
         if self.sketch is None:
-            return (f"{label}: calibrated on full dumps but judging a sketch comparison ({sketch.describe()}): its "
-                    f"estimates spread by about {sketch.spread:.0%} more than the calibration saw; calibrate with "
-                    "sketch dumps of the same --sketch for noise that includes it")
+            return (
+                f"{label}: calibrated on full dumps but judging a sketch comparison ({sketch.describe()}): its "
+                f"estimates spread by about {sketch.spread:.0%} more than the calibration saw; calibrate with "
+                "sketch dumps of the same --sketch for noise that includes it"
+            )
         now = "full dumps" if sketch is None else f"a sketch of {sketch.describe()}"
-        return (f"{label}: calibrated on sketch comparisons ({self.sketch.describe()}) but judging {now}: "
-                "the thresholds were measured for another estimate; recalibrate with the same dumps")
+        return (
+            f"{label}: calibrated on sketch comparisons ({self.sketch.describe()}) but judging {now}: "
+            "the thresholds were measured for another estimate; recalibrate with the same dumps"
+        )
 
     @classmethod
     def from_json(cls, d: Any, where: str) -> NoiseModel:
         """The one reader of a noise file's JSON (:func:`comparator.noise.file.load_noise`, the run store), with the
         rules of the module doc."""
         if type(d) is not dict or d.get("format") != NOISE_FORMAT:
-            raise UsageError(f"{where}: not a driftscope noise file (expected \"format\": {NOISE_FORMAT!r}); "
-                             "write one with python -m comparator calibrate")
+            raise UsageError(
+                f'{where}: not a driftscope noise file (expected "format": {NOISE_FORMAT!r}); '
+                "write one with python -m comparator calibrate"
+            )
         d = record(d, where, "top level", _TOP_KEYS, ("model_mismatch", "router", "sketch", "rows", "layouts"))
-        variants = tuple(text(v, where, f"variants[{i}]")
-                         for i, v in enumerate(items(d["variants"], where, "variants")))
+        variants = tuple(
+            text(v, where, f"variants[{i}]") for i, v in enumerate(items(d["variants"], where, "variants"))
+        )
         if not variants:
             raise UsageError(f"{where}: variants: a noise file needs at least one variant")
         tensors: dict[str, TensorNoise] = {}
@@ -276,22 +318,30 @@ class NoiseModel:
         for i, entry in enumerate(items(d["tensors"], where, "tensors")):
             t = TensorNoise.from_json(entry, where, f"tensors[{i}]", variants=len(variants))
             if t.name in seen:
-                raise UsageError(f"{where}: tensors[{i}]: tensor {show(t.name)} is listed twice (also tensors"
-                                 f"[{seen[t.name]}]); a noise file holds one entry per tensor")
+                raise UsageError(
+                    f"{where}: tensors[{i}]: tensor {show(t.name)} is listed twice (also tensors"
+                    f"[{seen[t.name]}]); a noise file holds one entry per tensor"
+                )
             tensors[t.name], seen[t.name] = t, i
         lp = d["logprobs"]
         try:
             model = check_model(d["model"], where)
         except CorruptDumpError as e:
             raise UsageError(str(e)) from None
-        return cls(baseline=text(d["baseline"], where, "baseline"), variants=variants, tensors=tensors,
-                   logprobs=None if lp is None else LogprobNoise.from_json(lp, where, variants=len(variants)),
-                   model=model, dtype=text(d["dtype"], where, "dtype", null=True),
-                   model_mismatch=_mismatch_from_json(d.get("model_mismatch", []), set(variants), where),
-                   router=router_noise_from_json(d.get("router", []), where), source=where,
-                   sketch=_sketch_from_json(d.get("sketch"), where),
-                   rows_ref=None if "rows" not in d else RowsRef.from_json(d["rows"], where, set(tensors), len(variants)),
-                   layouts=_layouts_from_json(d.get("layouts", []), where, len(variants)))
+        return cls(
+            baseline=text(d["baseline"], where, "baseline"),
+            variants=variants,
+            tensors=tensors,
+            logprobs=None if lp is None else LogprobNoise.from_json(lp, where, variants=len(variants)),
+            model=model,
+            dtype=text(d["dtype"], where, "dtype", null=True),
+            model_mismatch=_mismatch_from_json(d.get("model_mismatch", []), set(variants), where),
+            router=router_noise_from_json(d.get("router", []), where),
+            source=where,
+            sketch=_sketch_from_json(d.get("sketch"), where),
+            rows_ref=None if "rows" not in d else RowsRef.from_json(d["rows"], where, set(tensors), len(variants)),
+            layouts=_layouts_from_json(d.get("layouts", []), where, len(variants)),
+        )
 
 
 def _layouts_from_json(v: Any, where: str, variants: int) -> tuple[dict[str, Any], ...]:
@@ -299,8 +349,7 @@ def _layouts_from_json(v: Any, where: str, variants: int) -> tuple[dict[str, Any
     out = []
     for i, x in enumerate(items(v, where, "layouts")):
         if type(x) is not dict or not all(type(k) is str and _scalar(e) for k, e in x.items()) or len(x) > 64:
-            raise bad(where, f"layouts[{i}]", "an object of up to 64 settings, each a string, number, bool or null",
-                      x)
+            raise bad(where, f"layouts[{i}]", "an object of up to 64 settings, each a string, number, bool or null", x)
         out.append(x)
     if out and len(out) != variants + 1:
         raise bad(where, "layouts", f"{variants + 1} layouts (the baseline's and each variant's)", len(out))
@@ -331,6 +380,14 @@ def _mismatch_from_json(v: Any, variants: set[str], where: str) -> tuple[tuple[s
             raise bad(where, f"{at}.variant", "one of the file's variants", variant)
         if e["field"] not in _MISMATCH_FIELDS:
             raise bad(where, f"{at}.field", f"one of {list(_MISMATCH_FIELDS)}", e["field"])
-        out.append((variant, IdentityDifference(e["field"], _identity_value(e["baseline"], where, f"{at}.baseline"),
-                                                _identity_value(e["target"], where, f"{at}.target"))))
+        out.append(
+            (
+                variant,
+                IdentityDifference(
+                    e["field"],
+                    _identity_value(e["baseline"], where, f"{at}.baseline"),
+                    _identity_value(e["target"], where, f"{at}.target"),
+                ),
+            )
+        )
     return tuple(out)

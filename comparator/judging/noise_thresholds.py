@@ -37,9 +37,6 @@ from typing import Final
 
 import numpy as np
 
-from dumper.errors import UsageError
-from dumper.format.decode import DECODE, PREFILL
-
 from comparator.judging.fields import EXCESSIVE
 from comparator.judging.logprob_metrics import MetricValue, default_floors, metric_names, tested_means
 from comparator.judging.logprob_noise import (
@@ -55,9 +52,20 @@ from comparator.judging.logprob_thresholds import LogprobThresholds, explicit_th
 from comparator.judging.noise import NoiseModel, TensorNoise
 from comparator.judging.row_noise import RowKeys, RowNoise
 from comparator.judging.values import parse_assignments, parse_threshold
+from dumper.errors import UsageError
+from dumper.format.decode import DECODE, PREFILL
 
-__all__ = ["DEFAULT_FACTOR", "DEFAULT_FLOOR", "NoiseLimits", "noise_limits", "noise_warnings", "check_noise_factor",
-           "parse_noise_floor", "resolve_logprob_thresholds", "noise_check"]
+__all__ = [
+    "DEFAULT_FACTOR",
+    "DEFAULT_FLOOR",
+    "NoiseLimits",
+    "noise_limits",
+    "noise_warnings",
+    "check_noise_factor",
+    "parse_noise_floor",
+    "resolve_logprob_thresholds",
+    "noise_check",
+]
 
 DEFAULT_FACTOR: Final = 3.0
 """Safety factor over the calibrated noise. A benign layout not used for calibration reached at
@@ -94,8 +102,7 @@ class NoiseLimits:
             return None
         return np.maximum(self.rows.own(keys, self.cover), self.rows.floor)  # NaN stays NaN
 
-    def token_thresholds(self, decode_rows: np.ndarray | None,
-                         keys: RowKeys | None = None) -> float | np.ndarray:
+    def token_thresholds(self, decode_rows: np.ndarray | None, keys: RowKeys | None = None) -> float | np.ndarray:
         """The per-token threshold of each row (``decode_rows``: which rows are decode rows; None: none known;
         ``keys``: each row's (sequence, position), for row noise)."""
         if decode_rows is None or self.decode_token_threshold is None:
@@ -110,8 +117,9 @@ class NoiseLimits:
             by_row = np.minimum(by_row, self.fixed_token)
         return np.where(np.isnan(own), pooled, by_row)
 
-    def ratios(self, rel_diff: float, token: np.ndarray, decode_rows: np.ndarray | None = None,
-               keys: RowKeys | None = None) -> tuple[float | None, float | None]:
+    def ratios(
+        self, rel_diff: float, token: np.ndarray, decode_rows: np.ndarray | None = None, keys: RowKeys | None = None
+    ) -> tuple[float | None, float | None]:
         """``(noise_ratio, token_noise_ratio)``: the values as multiples of ``max(noise, floor)``; each row's
         per-token value against its own noise where covered, else its phase's (arguments as in
         :meth:`token_thresholds`)."""
@@ -119,8 +127,9 @@ class NoiseLimits:
             return None, None
         ref: float | np.ndarray = max(self.noise.token_max, self.floor)
         if decode_rows is not None and self.noise.phases:
-            ref = np.where(decode_rows, _phase_max(self.noise, DECODE, self.floor),
-                           _phase_max(self.noise, PREFILL, self.floor))
+            ref = np.where(
+                decode_rows, _phase_max(self.noise, DECODE, self.floor), _phase_max(self.noise, PREFILL, self.floor)
+            )
         own = self.own_noise(keys)
         if own is not None:
             ref = np.where(np.isnan(own), ref, np.maximum(own, self.floor))
@@ -148,8 +157,14 @@ def _phase_max(noise: TensorNoise, phase: str, floor: float) -> float:
     return max(own.token_max if own is not None else noise.token_max, floor)
 
 
-def noise_limits(noise: TensorNoise, factor: float, floor: float, fixed: tuple[float, float] | None,
-                 rows: RowNoise | None = None, cover: tuple[int, ...] = ()) -> NoiseLimits:
+def noise_limits(
+    noise: TensorNoise,
+    factor: float,
+    floor: float,
+    fixed: tuple[float, float] | None,
+    rows: RowNoise | None = None,
+    cover: tuple[int, ...] = (),
+) -> NoiseLimits:
     """Thresholds from one tensor's noise (per phase where it has phases, per row where ``rows`` covers it under
     ``cover``); ``fixed`` (explicit thresholds) apply on top."""
     threshold = max(floor, factor * noise.rel_diff)
@@ -158,12 +173,12 @@ def noise_limits(noise: TensorNoise, factor: float, floor: float, fixed: tuple[f
     if fixed is not None:
         threshold, token = min(threshold, fixed[0]), min(token, fixed[1])
         decode = None if decode is None else min(decode, fixed[1])
-    return NoiseLimits(threshold, token, noise, floor, decode, rows, cover, factor,
-                       fixed[1] if fixed is not None else None)
+    return NoiseLimits(
+        threshold, token, noise, floor, decode, rows, cover, factor, fixed[1] if fixed is not None else None
+    )
 
 
-def noise_warnings(noise: NoiseModel, limits: Mapping[str, NoiseLimits],
-                   fixed: tuple[float, float]) -> tuple[str, ...]:
+def noise_warnings(noise: NoiseModel, limits: Mapping[str, NoiseLimits], fixed: tuple[float, float]) -> tuple[str, ...]:
     """What a verdict judged against ``noise`` must warn about.
 
     A calibration across models (:meth:`NoiseModel.mismatch_warning`), and the tensors whose
@@ -173,15 +188,20 @@ def noise_warnings(noise: NoiseModel, limits: Mapping[str, NoiseLimits],
     """
     out = [w for w in (noise.mismatch_warning(),) if w is not None]
     calibrated = {n: lim for n, lim in limits.items() if lim.noise is not None}
-    over = [(n, lim) for n, lim in calibrated.items()
-            if lim.threshold > EXCESSIVE * fixed[0]
-            or max(lim.token_threshold, lim.decode_token_threshold or 0.0) > EXCESSIVE * fixed[1]]
+    over = [
+        (n, lim)
+        for n, lim in calibrated.items()
+        if lim.threshold > EXCESSIVE * fixed[0]
+        or max(lim.token_threshold, lim.decode_token_threshold or 0.0) > EXCESSIVE * fixed[1]
+    ]
     if over:
         name, lim = over[0]
-        out.append(f"{noise.source or 'the noise'}: the noise-derived thresholds of {len(over)} of {len(calibrated)} "
-                   f"calibrated tensors are over {EXCESSIVE:g}x the fixed thresholds they replace (e.g. {name}: "
-                   f"rel_diff <= {lim.threshold:.3g}, per-token <= {lim.token_threshold:.3g}; fixed {fixed[0]:g} and "
-                   f"{fixed[1]:g}): differences the fixed thresholds fail pass; recalibrate from benign re-runs")
+        out.append(
+            f"{noise.source or 'the noise'}: the noise-derived thresholds of {len(over)} of {len(calibrated)} "
+            f"calibrated tensors are over {EXCESSIVE:g}x the fixed thresholds they replace (e.g. {name}: "
+            f"rel_diff <= {lim.threshold:.3g}, per-token <= {lim.token_threshold:.3g}; fixed {fixed[0]:g} and "
+            f"{fixed[1]:g}): differences the fixed thresholds fail pass; recalibrate from benign re-runs"
+        )
     return tuple(out)
 
 
@@ -209,10 +229,16 @@ def _floors(floors: Mapping[str, float] | None) -> dict[str, float]:
     return out
 
 
-def resolve_logprob_thresholds(model: str | None, *, explicit: Mapping[str, float | None] | None = None,
-                               noise: LogprobNoise | None = None, factor: float | None = None,
-                               floors: Mapping[str, float] | None = None, dtype: str | None = None,
-                               env: Mapping[str, str] | None = None) -> LogprobThresholds:
+def resolve_logprob_thresholds(
+    model: str | None,
+    *,
+    explicit: Mapping[str, float | None] | None = None,
+    noise: LogprobNoise | None = None,
+    factor: float | None = None,
+    floors: Mapping[str, float] | None = None,
+    dtype: str | None = None,
+    env: Mapping[str, str] | None = None,
+) -> LogprobThresholds:
     """The logprob thresholds of one comparison, for ``comparator logprobs`` and ``comparator A B`` alike.
 
     Without ``noise``: :meth:`LogprobThresholds.resolve` (explicit > env > table rows of ``model``
@@ -247,17 +273,23 @@ def resolve_logprob_thresholds(model: str | None, *, explicit: Mapping[str, floa
     return LogprobThresholds(values, basis=basis, source=source)
 
 
-def _excessive(noise: LogprobNoise, fixed: LogprobThresholds, values: Mapping[str, float | None],
-               derived: set[str]) -> tuple[str, ...]:
+def _excessive(
+    noise: LogprobNoise, fixed: LogprobThresholds, values: Mapping[str, float | None], derived: set[str]
+) -> tuple[str, ...]:
     """The warning for noise-derived thresholds over EXCESSIVE x the fixed ones they replace (none: ``()``)."""
     base = fixed.values
-    over = [f"{n} <= {values[n]:.3g} (fixed {base[n]:g})" for n in metric_names()
-            if n in derived and base.get(n) is not None and values[n] > EXCESSIVE * base[n]]  # type: ignore[operator]
+    over = [
+        f"{n} <= {values[n]:.3g} (fixed {base[n]:g})"
+        for n in metric_names()
+        if n in derived and base.get(n) is not None and values[n] > EXCESSIVE * base[n]
+    ]  # type: ignore[operator]
     if not over:
         return ()
-    return (f"{noise.source or 'the logprob noise'}: noise-derived logprob thresholds over {EXCESSIVE:g}x the fixed "
-            f"ones they replace ({fixed.source or 'fixed thresholds'}): {', '.join(over)}; differences the fixed "
-            "thresholds fail pass; recalibrate from benign re-runs",)
+    return (
+        f"{noise.source or 'the logprob noise'}: noise-derived logprob thresholds over {EXCESSIVE:g}x the fixed "
+        f"ones they replace ({fixed.source or 'fixed thresholds'}): {', '.join(over)}; differences the fixed "
+        "thresholds fail pass; recalibrate from benign re-runs",
+    )
 
 
 def _z(mean: float, se: float, noise: MeanNoise) -> float:

@@ -35,8 +35,9 @@ def rel_diff_of(dd: float, norms: float, *, mismatched: bool = False) -> float: 
 def rel_diff_of(dd: np.ndarray, norms: np.ndarray, *, mismatched: bool | np.ndarray = False) -> np.ndarray: ...
 
 
-def rel_diff_of(dd: float | np.ndarray, norms: float | np.ndarray, *,
-                mismatched: bool | np.ndarray = False) -> float | np.ndarray:
+def rel_diff_of(
+    dd: float | np.ndarray, norms: float | np.ndarray, *, mismatched: bool | np.ndarray = False
+) -> float | np.ndarray:
     """``dd / norms``, with ``dd`` the sum of ``(x-y)^2`` and ``norms`` the sum of ``x^2 + y^2`` at one scale:
     floats for one rel_diff, or arrays of one per row.
 

@@ -24,11 +24,20 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from dumper.format.jsonfloat import to_json_float
 from comparator.judging.fields import bad, integer, items, number, record
+from dumper.format.jsonfloat import to_json_float
 
-__all__ = ["RouterNoise", "MARGIN_RULE", "WEIGHT_RULE", "SCORE_FLOOR", "WEIGHT_FLOOR", "margin_rule", "weight_rule",
-           "router_noise_from_json", "router_noise_to_json"]
+__all__ = [
+    "RouterNoise",
+    "MARGIN_RULE",
+    "WEIGHT_RULE",
+    "SCORE_FLOOR",
+    "WEIGHT_FLOOR",
+    "margin_rule",
+    "weight_rule",
+    "router_noise_from_json",
+    "router_noise_to_json",
+]
 
 MARGIN_RULE: Mapping[str, float] = {"float64": 1e-6, "float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2}
 """Fixed margin rule: a flip is benign when margin <= this x RMS(the token's router scores), by dtype."""
@@ -73,17 +82,24 @@ class RouterNoise:
     """Tokens compared, all variants together."""
 
     def to_json(self) -> dict[str, Any]:
-        return {"layer": self.layer, "score": to_json_float(self.score), "flip_rate": to_json_float(self.flip_rate),
-                "weight": to_json_float(self.weight), "tokens": self.tokens}
+        return {
+            "layer": self.layer,
+            "score": to_json_float(self.score),
+            "flip_rate": to_json_float(self.flip_rate),
+            "weight": to_json_float(self.weight),
+            "tokens": self.tokens,
+        }
 
     @classmethod
     def from_json(cls, d: Any, where: str, field: str) -> RouterNoise:
         d = record(d, where, field, _KEYS)
-        return cls(layer=integer(d["layer"], where, f"{field}.layer"),
-                   score=number(d["score"], where, f"{field}.score"),
-                   flip_rate=number(d["flip_rate"], where, f"{field}.flip_rate", high=1.0),
-                   weight=number(d["weight"], where, f"{field}.weight", high=2.0),
-                   tokens=integer(d["tokens"], where, f"{field}.tokens"))
+        return cls(
+            layer=integer(d["layer"], where, f"{field}.layer"),
+            score=number(d["score"], where, f"{field}.score"),
+            flip_rate=number(d["flip_rate"], where, f"{field}.flip_rate", high=1.0),
+            weight=number(d["weight"], where, f"{field}.weight", high=2.0),
+            tokens=integer(d["tokens"], where, f"{field}.tokens"),
+        )
 
 
 def router_noise_to_json(noise: Mapping[int, RouterNoise]) -> list[dict[str, Any]]:

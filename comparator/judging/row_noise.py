@@ -38,15 +38,26 @@ from typing import Any, Final
 
 import numpy as np
 
+from comparator.judging.fields import REL_DIFF_MAX, bad, integer, items, record, text
 from dumper.errors import UsageError
 from dumper.format.files import is_plain_name, show
 
-from comparator.judging.fields import REL_DIFF_MAX, bad, integer, items, record, text
-
-__all__ = ["ROWS_SUFFIX", "FLOOR_QUANTILE", "Holdout", "holdout", "RowNoise", "RowNoiseSet", "RowKeys", "row_keys",
-           "packed", "covered",
-           "rows_to_bytes",
-           "rows_from_bytes", "RowsRef", "covered_prefix"]
+__all__ = [
+    "ROWS_SUFFIX",
+    "FLOOR_QUANTILE",
+    "Holdout",
+    "holdout",
+    "RowNoise",
+    "RowNoiseSet",
+    "RowKeys",
+    "row_keys",
+    "packed",
+    "covered",
+    "rows_to_bytes",
+    "rows_from_bytes",
+    "RowsRef",
+    "covered_prefix",
+]
 
 ROWS_SUFFIX: Final = ".rows.safetensors"
 """The side file of ``NOISE.json`` is ``NOISE.rows.safetensors``."""
@@ -72,8 +83,13 @@ class Holdout:
     variant: int
 
     def to_json(self) -> dict[str, Any]:
-        return {"ratio": self.ratio, "tensor": self.tensor, "sequence": self.sequence, "position": self.position,
-                "variant": self.variant}
+        return {
+            "ratio": self.ratio,
+            "tensor": self.tensor,
+            "sequence": self.sequence,
+            "position": self.position,
+            "variant": self.variant,
+        }
 
     @classmethod
     def from_json(cls, v: Any, where: str, names: set[str], variants: int) -> Holdout:
@@ -86,9 +102,13 @@ class Holdout:
             raise bad(where, "rows.holdout.variant", f"a variant index below {variants}", variant)
         from comparator.judging.fields import number
 
-        return cls(number(d["ratio"], where, "rows.holdout.ratio"), tensor,
-                   integer(d["sequence"], where, "rows.holdout.sequence"),
-                   integer(d["position"], where, "rows.holdout.position"), variant)
+        return cls(
+            number(d["ratio"], where, "rows.holdout.ratio"),
+            tensor,
+            integer(d["sequence"], where, "rows.holdout.sequence"),
+            integer(d["position"], where, "rows.holdout.position"),
+            variant,
+        )
 
 
 def holdout(parts: Mapping[str, Sequence[tuple[np.ndarray, np.ndarray, int]]]) -> Holdout | None:
@@ -114,6 +134,7 @@ def holdout(parts: Mapping[str, Sequence[tuple[np.ndarray, np.ndarray, int]]]) -
                 key = int(keys[r])
                 best = Holdout(float(min(ratio[r], 1e300)), name, key >> 32, key & 0xFFFFFFFF, held)
     return best
+
 
 RowKeys = tuple[np.ndarray, np.ndarray]
 """Each row's (sequence ids, positions), int64."""
@@ -199,8 +220,12 @@ class RowsRef:
     holdout: Holdout | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"file": self.file, "sha256": self.sha256, "tensors": [[n, k] for n, k in self.tensors.items()],
-                **({"holdout": self.holdout.to_json()} if self.holdout is not None else {})}
+        return {
+            "file": self.file,
+            "sha256": self.sha256,
+            "tensors": [[n, k] for n, k in self.tensors.items()],
+            **({"holdout": self.holdout.to_json()} if self.holdout is not None else {}),
+        }
 
     @classmethod
     def from_json(cls, v: Any, where: str, names: set[str], variants: int) -> RowsRef:
@@ -239,9 +264,14 @@ class RowNoiseSet:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, RowNoiseSet):
             return NotImplemented
-        return self.prompts == other.prompts and self.tensors.keys() == other.tensors.keys() and all(
-            np.array_equal(a.keys, other.tensors[n].keys) and np.array_equal(a.values, other.tensors[n].values)
-            for n, a in self.tensors.items())
+        return (
+            self.prompts == other.prompts
+            and self.tensors.keys() == other.tensors.keys()
+            and all(
+                np.array_equal(a.keys, other.tensors[n].keys) and np.array_equal(a.values, other.tensors[n].values)
+                for n, a in self.tensors.items()
+            )
+        )
 
     __hash__ = None  # type: ignore[assignment]
 
@@ -254,8 +284,12 @@ class RowNoiseSet:
         return {k: self.tensors[n].keys.size for n, k in self.tables.items()}
 
     @classmethod
-    def build(cls, prompts: Sequence[Sequence[int]], rows: Mapping[str, tuple[np.ndarray, np.ndarray]],
-              held: Holdout | None = None) -> RowNoiseSet:
+    def build(
+        cls,
+        prompts: Sequence[Sequence[int]],
+        rows: Mapping[str, tuple[np.ndarray, np.ndarray]],
+        held: Holdout | None = None,
+    ) -> RowNoiseSet:
         """From each tensor's packed row keys and values (any order, duplicates: the largest value kept)."""
         tensors: dict[str, RowNoise] = {}
         tables: dict[str, int] = {}
@@ -291,7 +325,7 @@ def _header_keys(data: bytes, where: str) -> list[str]:
     if n > len(data) - 8:
         raise UsageError(f"{where}: truncated: its header claims {n} bytes, {len(data) - 8} follow")
     try:
-        header = json.loads(data[8:8 + n])
+        header = json.loads(data[8 : 8 + n])
     except (ValueError, UnicodeDecodeError):
         raise UsageError(f"{where}: not a safetensors file (its header is not JSON)") from None
     if type(header) is not dict:
@@ -302,8 +336,10 @@ def _header_keys(data: bytes, where: str) -> list[str]:
 def rows_from_bytes(data: bytes, ref: RowsRef, where: str) -> RowNoiseSet:
     """The side file's bytes checked against ``ref`` (hash, keys, dtypes, shapes, values); one-line UsageError."""
     if hashlib.sha256(data).hexdigest() != ref.sha256:
-        raise UsageError(f"{where}: its SHA-256 is not the one the noise file records: another calibration's or "
-                         "a changed file; recalibrate (python -m comparator calibrate)")
+        raise UsageError(
+            f"{where}: its SHA-256 is not the one the noise file records: another calibration's or "
+            "a changed file; recalibrate (python -m comparator calibrate)"
+        )
     keys = _header_keys(data, where)
     from safetensors import SafetensorError
     from safetensors.numpy import load
@@ -319,14 +355,18 @@ def rows_from_bytes(data: bytes, ref: RowsRef, where: str) -> RowNoiseSet:
     for s in range(len(ids)):
         a = arrays.get(f"ids.{s}")
         if a is None or a.dtype != np.int64 or a.ndim != 1 or (a.size and a.min() < 0):
-            raise UsageError(f"{where}: ids.{s}: expected int64 token ids >= 0, one list per sequence 0..{len(ids) - 1}")
+            raise UsageError(
+                f"{where}: ids.{s}: expected int64 token ids >= 0, one list per sequence 0..{len(ids) - 1}"
+            )
         prompts.append(tuple(int(t) for t in a))
     unknown = [k for k in keys if k not in expected and not k.startswith("ids.")]
     missing = sorted(expected - set(keys))
     if unknown or missing:
-        raise UsageError(f"{where}: keys {'unknown: ' + show(unknown[:3]) if unknown else ''}"
-                         f"{'; ' if unknown and missing else ''}{'missing: ' + show(missing[:3]) if missing else ''}"
-                         " (not the rows of this noise file)")
+        raise UsageError(
+            f"{where}: keys {'unknown: ' + show(unknown[:3]) if unknown else ''}"
+            f"{'; ' if unknown and missing else ''}{'missing: ' + show(missing[:3]) if missing else ''}"
+            " (not the rows of this noise file)"
+        )
     table_keys: dict[int, np.ndarray] = {}
     for k in tables:
         t = arrays[f"rows.{k}"]
@@ -338,8 +378,10 @@ def rows_from_bytes(data: bytes, ref: RowsRef, where: str) -> RowNoiseSet:
         if p.size > 1 and not np.all(p[1:] > p[:-1]):
             raise UsageError(f"{where}: rows.{k}: rows must be strictly increasing (sequence, position) pairs")
         if p.size and int(t[:, 0].max()) >= len(prompts):
-            raise UsageError(f"{where}: rows.{k}: a row of sequence {int(t[:, 0].max())}, but the file holds the "
-                             f"token ids of {len(prompts)} sequences")
+            raise UsageError(
+                f"{where}: rows.{k}: a row of sequence {int(t[:, 0].max())}, but the file holds the "
+                f"token ids of {len(prompts)} sequences"
+            )
         if p.size and np.any(t[:, 1] >= np.asarray([len(prompts[s]) for s in t[:, 0]])):
             raise UsageError(f"{where}: rows.{k}: a row past its sequence's token ids")
         table_keys[k] = p
@@ -347,10 +389,14 @@ def rows_from_bytes(data: bytes, ref: RowsRef, where: str) -> RowNoiseSet:
     for name, k in ref.tensors.items():
         v = arrays[f"noise.{name}"]
         if v.dtype != np.float32 or v.shape != (table_keys[k].size,):
-            raise UsageError(f"{where}: noise.{name}: expected float32 of shape [{table_keys[k].size}] (its row table), "
-                             f"got {v.dtype} {list(v.shape)}")
+            raise UsageError(
+                f"{where}: noise.{name}: expected float32 of shape [{table_keys[k].size}] (its row table), "
+                f"got {v.dtype} {list(v.shape)}"
+            )
         if not np.all((v >= 0) & (v <= REL_DIFF_MAX)):  # NaN fails this too
-            raise UsageError(f"{where}: noise.{name}: every value must be a rel_diff in [0, {REL_DIFF_MAX:g}] "
-                             "(NaN, Inf and negative values are not noise)")
+            raise UsageError(
+                f"{where}: noise.{name}: every value must be a rel_diff in [0, {REL_DIFF_MAX:g}] "
+                "(NaN, Inf and negative values are not noise)"
+            )
         tensors[name] = RowNoise.of(table_keys[k], v)
     return RowNoiseSet(tuple(prompts), tensors, dict(ref.tensors), ref.holdout)

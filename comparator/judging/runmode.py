@@ -70,8 +70,9 @@ def run_mode(manifest: Manifest) -> RunMode:
     if isinstance(engine, Mapping):
         settings = engine.get("settings")
         settings = settings if isinstance(settings, Mapping) else {}
-        return RunMode(_bool(settings.get("compiled")), _bool(settings.get("cuda_graphs")),
-                       _engine_name(engine.get("name")))
+        return RunMode(
+            _bool(settings.get("compiled")), _bool(settings.get("cuda_graphs")), _engine_name(engine.get("name"))
+        )
     compiled = _bool(extra.get("compiled"))
     return RunMode(compiled, None if compiled is None else False, "torch.compile")
 
@@ -100,17 +101,24 @@ def observer_note(side: str, manifest: Manifest) -> str | None:
     if observer is None or (isinstance(observer, Mapping) and observer.get("checked") is False):
         if not run_mode(manifest).compiled:
             return None
-        return (f"{side} ran compiled and its capture was never checked against a probe-free run "
-                "(dumper run --observer-check)")
+        return (
+            f"{side} ran compiled and its capture was never checked against a probe-free run "
+            "(dumper run --observer-check)"
+        )
     exact = observer.get("bit_exact") if isinstance(observer, Mapping) else None
     if exact is True:
         return None
     if exact is False:
         where = _where(observer)
-        return (f"{side}: capture changed its own numbers (observer check{f': {where}' if where else ''}); "
-                "its hidden states may not be what the engine computes without the probe")
-    field, value = ("extra.observer.bit_exact", observer.get("bit_exact")) if isinstance(observer, Mapping) \
+        return (
+            f"{side}: capture changed its own numbers (observer check{f': {where}' if where else ''}); "
+            "its hidden states may not be what the engine computes without the probe"
+        )
+    field, value = (
+        ("extra.observer.bit_exact", observer.get("bit_exact"))
+        if isinstance(observer, Mapping)
         else ("extra.observer", observer)
+    )
     return f"{side}: unreadable observer check ({field} is {_value(value)}); its capture is not proven harmless"
 
 
@@ -121,16 +129,25 @@ def _mode_note(baseline: RunMode, target: RunMode) -> str | None:
     causes = []
     if baseline.compiled != target.compiled:
         causes.append("compilation")
-    if baseline.cuda_graphs is not None and target.cuda_graphs is not None and baseline.cuda_graphs != target.cuda_graphs:
+    if (
+        baseline.cuda_graphs is not None
+        and target.cuda_graphs is not None
+        and baseline.cuda_graphs != target.cuda_graphs
+    ):
         causes.append("CUDA graphs")
     if not causes:
         return None
-    return (f"baseline ran {baseline.describe()}, target {target.describe()}; "
-            f"differences may come from {' and '.join(causes)}")
+    return (
+        f"baseline ran {baseline.describe()}, target {target.describe()}; "
+        f"differences may come from {' and '.join(causes)}"
+    )
 
 
 def run_mode_notes(baseline: Manifest, target: Manifest) -> tuple[str, ...]:
     """The verdict's notes on how the sides ran and whether each capture was proven harmless."""
-    notes = [_mode_note(run_mode(baseline), run_mode(target)),
-             observer_note("baseline", baseline), observer_note("target", target)]
+    notes = [
+        _mode_note(run_mode(baseline), run_mode(target)),
+        observer_note("baseline", baseline),
+        observer_note("target", target),
+    ]
     return tuple(n for n in notes if n is not None)

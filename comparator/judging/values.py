@@ -54,8 +54,9 @@ def parse_threshold(raw: object, *, where: str, allow_off: bool = False) -> floa
     return float(raw)
 
 
-def parse_assignments(items: Iterable[str], *, flag: str, default_name: str | None = None,
-                      allow_off: bool = False) -> dict[str, float | None]:
+def parse_assignments(
+    items: Iterable[str], *, flag: str, default_name: str | None = None, allow_off: bool = False
+) -> dict[str, float | None]:
     """``NAME=VALUE`` items of a repeated flag as ``{name: value}``; later items win.
 
     With ``default_name``, a bare ``VALUE`` sets that name (``--noise-floor 1e-9`` is rel_diff's).

@@ -11,11 +11,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from comparator.logprobs.types import UNKNOWN_TOKEN, AlignedSample, Alignment, SequenceLogprobs
 from dumper.errors import NotComparableError, UsageError
 
-from comparator.logprobs.types import UNKNOWN_TOKEN, AlignedSample, Alignment, SequenceLogprobs
-
 __all__ = ["align_samples", "check_lengths"]
+
 
 def _index(side: Sequence[SequenceLogprobs], name: str) -> dict[str, SequenceLogprobs]:
     out: dict[str, SequenceLogprobs] = {}
@@ -37,15 +37,18 @@ def _check_tokens(a: SequenceLogprobs, b: SequenceLogprobs) -> None:
             i = int(bad[0])
             raise NotComparableError(
                 f"request {a.request!r}: token mismatch at position {i}: baseline token id {int(x[i])}, "
-                f"target token id {int(y[i])}")
+                f"target token id {int(y[i])}"
+            )
     elif a.token_texts is not None and b.token_texts is not None:
         for i, (s, t) in enumerate(zip(a.token_texts[:n], b.token_texts[:n], strict=True)):
             if s != t:
                 raise NotComparableError(
-                    f"request {a.request!r}: token mismatch at position {i}: baseline token {s!r}, target token {t!r}")
+                    f"request {a.request!r}: token mismatch at position {i}: baseline token {s!r}, target token {t!r}"
+                )
     elif n:
         raise NotComparableError(
-            f"request {a.request!r}: cannot check token agreement: one side has ids, the other only text")
+            f"request {a.request!r}: cannot check token agreement: one side has ids, the other only text"
+        )
 
 
 def align_samples(base: Sequence[SequenceLogprobs], target: Sequence[SequenceLogprobs]) -> Alignment:
@@ -64,22 +67,26 @@ def align_samples(base: Sequence[SequenceLogprobs], target: Sequence[SequenceLog
             continue
         _check_tokens(a, c)
         n = min(len(a), len(c))
-        pos = np.asarray([i for i in range(n) if a.logprobs[i] is not None and c.logprobs[i] is not None],
-                         dtype=np.int64)
-        samples.append(AlignedSample(
-            request=rid, positions=pos,
-            ref=np.asarray([a.logprobs[i] for i in pos], dtype=np.float64),
-            tgt=np.asarray([c.logprobs[i] for i in pos], dtype=np.float64),
-            ref_top=None if a.top is None else tuple(a.top[i] for i in pos),
-            tgt_top=None if c.top is None else tuple(c.top[i] for i in pos),
-        ))
+        pos = np.asarray(
+            [i for i in range(n) if a.logprobs[i] is not None and c.logprobs[i] is not None], dtype=np.int64
+        )
+        samples.append(
+            AlignedSample(
+                request=rid,
+                positions=pos,
+                ref=np.asarray([a.logprobs[i] for i in pos], dtype=np.float64),
+                tgt=np.asarray([c.logprobs[i] for i in pos], dtype=np.float64),
+                ref_top=None if a.top is None else tuple(a.top[i] for i in pos),
+                tgt_top=None if c.top is None else tuple(c.top[i] for i in pos),
+            )
+        )
     out = Alignment(tuple(samples), tuple(r for r in b if r not in t), tuple(r for r in t if r not in b))
     if not samples:
         raise NotComparableError(
-            f"no request id in common ({len(b)} baseline, {len(t)} target requests): nothing to compare")
+            f"no request id in common ({len(b)} baseline, {len(t)} target requests): nothing to compare"
+        )
     if out.compared_positions == 0:
-        raise NotComparableError(
-            f"{len(samples)} matched requests but no position where both sides have a logprob")
+        raise NotComparableError(f"{len(samples)} matched requests but no position where both sides have a logprob")
     return out
 
 
@@ -95,5 +102,5 @@ def check_lengths(base: Sequence[SequenceLogprobs], target: Sequence[SequenceLog
         if n is not None and n != len(a):
             raise NotComparableError(
                 f"request {a.request!r}: the baseline covers {len(a)} positions, the target {n}; both sides must "
-                "score the same tokens (the same prompt, and the same output if any)")
-
+                "score the same tokens (the same prompt, and the same output if any)"
+            )

@@ -14,21 +14,22 @@ from typing import Final
 
 import numpy as np
 
-from dumper.errors import NotComparableError, UsageError
-
 from comparator.logprobs.types import AlignedSample, KlResult, LogitsByRequest
+from dumper.errors import NotComparableError, UsageError
 
 __all__ = ["kl_rows", "top1_agreement", "kl_percentiles", "log_softmax_inplace", "logits_kl"]
 
 _KL_PERCENTILES: Final = ("99.9", "99", "95", "90", "50")
+
 
 def _float_rows(a: np.ndarray, name: str) -> np.ndarray:
     a = np.asarray(a)
     if a.ndim != 2:
         raise UsageError(f"{name} must be [rows, vocab], got shape {a.shape}")
     if not np.issubdtype(a.dtype, np.floating):
-        raise UsageError(f"{name} must be a float array, got {a.dtype} (widen bfloat16 bits with "
-                         "dumper.format.to_float64 first)")
+        raise UsageError(
+            f"{name} must be a float array, got {a.dtype} (widen bfloat16 bits with dumper.format.to_float64 first)"
+        )
     return a
 
 
@@ -115,8 +116,11 @@ def kl_percentiles(values: np.ndarray) -> dict[str, float]:
     return out
 
 
-def _common_rows(rid: str, ref: tuple[np.ndarray, np.ndarray], tgt: tuple[np.ndarray, np.ndarray],
-                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _common_rows(
+    rid: str,
+    ref: tuple[np.ndarray, np.ndarray],
+    tgt: tuple[np.ndarray, np.ndarray],
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Positions both sides have, and the two sides' rows there (row order = position order)."""
     out = []
     for side, (pos, rows) in (("baseline", ref), ("target", tgt)):
@@ -132,8 +136,13 @@ def _common_rows(rid: str, ref: tuple[np.ndarray, np.ndarray], tgt: tuple[np.nda
     return common, ra[ia], rb[ib]
 
 
-def logits_kl(samples: Sequence[AlignedSample], ref_logits: LogitsByRequest, tgt_logits: LogitsByRequest, *,
-              chunk_rows: int = 2048) -> KlResult:
+def logits_kl(
+    samples: Sequence[AlignedSample],
+    ref_logits: LogitsByRequest,
+    tgt_logits: LogitsByRequest,
+    *,
+    chunk_rows: int = 2048,
+) -> KlResult:
     """Exact KL (:func:`kl_rows`) and top-1 agreement over the positions of matched requests that
     have logits rows on both sides."""
     per: list[tuple[str, np.ndarray, np.ndarray]] = []
@@ -150,4 +159,3 @@ def logits_kl(samples: Sequence[AlignedSample], ref_logits: LogitsByRequest, tgt
     if not per:
         raise NotComparableError("logits given, but no position of a matched request has logits on both sides")
     return KlResult(tuple(per), agree, total)
-

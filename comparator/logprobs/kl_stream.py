@@ -21,10 +21,9 @@ from typing import Final
 
 import numpy as np
 
-from dumper.errors import CorruptDumpError, NotComparableError
-
 from comparator.logprobs.kl import log_softmax_inplace
 from comparator.logprobs.types import AlignedSample, KlResult
+from dumper.errors import CorruptDumpError, NotComparableError
 
 __all__ = ["Distributions", "LogitsDistributions", "kl_from_logprobs", "stream_kl", "BLOCK_ELEMENTS"]
 
@@ -70,8 +69,10 @@ class LogitsDistributions(Distributions):
         pos, rows = self._logits[request]
         p = np.asarray(pos, dtype=np.int64).reshape(-1)
         if np.ndim(rows) != 2 or p.size != np.shape(rows)[0] or (p.size > 1 and bool(np.any(np.diff(p) <= 0))):
-            raise CorruptDumpError(f"{self._where}: logits of request {request!r}: {p.size} positions, not one "
-                                   f"increasing position per row of {list(np.shape(rows))}")
+            raise CorruptDumpError(
+                f"{self._where}: logits of request {request!r}: {p.size} positions, not one "
+                f"increasing position per row of {list(np.shape(rows))}"
+            )
         return p
 
     def rows(self, request: str, index: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
@@ -84,8 +85,9 @@ class LogitsDistributions(Distributions):
         return log_softmax_inplace(out)
 
 
-def kl_from_logprobs(lp: np.ndarray, lq: np.ndarray, *, floor: float | None = None,
-                     work: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
+def kl_from_logprobs(
+    lp: np.ndarray, lq: np.ndarray, *, floor: float | None = None, work: tuple[np.ndarray, np.ndarray] | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """``(KL(P || Q) per row, whether the top tokens agree)`` of two [n, V] log-probability arrays.
 
     ``sum_i p_i (log p_i - log q_i)`` without renormalizing either side, as llama-perplexity
@@ -109,8 +111,9 @@ def kl_from_logprobs(lp: np.ndarray, lq: np.ndarray, *, floor: float | None = No
     return kl, np.argmax(lp, axis=1) == np.argmax(lq, axis=1)
 
 
-def _pair(ref: Distributions, tgt: Distributions, request: str, block: int,
-          bufs: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray, int]:
+def _pair(
+    ref: Distributions, tgt: Distributions, request: str, block: int, bufs: list[np.ndarray]
+) -> tuple[np.ndarray, np.ndarray, int]:
     """(common positions, KL there, agreeing top tokens) of one request, ``block`` rows at a time
     through the four [block, V] float64 buffers ``bufs``."""
     pa, pb = ref.positions(request), tgt.positions(request)
@@ -128,13 +131,15 @@ def _pair(ref: Distributions, tgt: Distributions, request: str, block: int,
     return common, kl, agree
 
 
-def stream_kl(ref: Distributions, tgt: Distributions, samples: Sequence[AlignedSample], *,
-              block_elements: int = BLOCK_ELEMENTS) -> KlResult:
+def stream_kl(
+    ref: Distributions, tgt: Distributions, samples: Sequence[AlignedSample], *, block_elements: int = BLOCK_ELEMENTS
+) -> KlResult:
     """KL(P_ref || P_target) and top-token agreement at every position of the matched requests
     that both sides have a distribution for (a :data:`comparator.logprobs.KlPass`)."""
     if ref.vocab_size != tgt.vocab_size:
-        raise NotComparableError(f"the distributions have different vocabularies: baseline {ref.vocab_size} "
-                                 f"tokens, target {tgt.vocab_size}")
+        raise NotComparableError(
+            f"the distributions have different vocabularies: baseline {ref.vocab_size} tokens, target {tgt.vocab_size}"
+        )
     block = max(1, block_elements // ref.vocab_size)
     per: list[tuple[str, np.ndarray, np.ndarray]] = []
     agree = total = 0

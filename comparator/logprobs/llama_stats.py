@@ -38,16 +38,24 @@ import numpy as np
 
 from dumper.format.jsonfloat import from_json_float, to_json_float
 
-__all__ = ["LlamaStats", "llama_stats", "mean_se", "percentiles", "DELTA_P_PERCENTILES", "KL_PERCENTILES",
-           "stats_rows"]
+__all__ = ["LlamaStats", "llama_stats", "mean_se", "percentiles", "DELTA_P_PERCENTILES", "KL_PERCENTILES", "stats_rows"]
 
 DELTA_P_PERCENTILES: Final = ("99.9", "99", "95", "90", "75", "50", "25", "10", "5", "1", "0.1")
 """The Δp percentiles llama-perplexity prints, with ``max`` before and ``min`` after them."""
 KL_PERCENTILES: Final = ("99.9", "99", "95", "90", "50", "10", "5", "1", "0.1")
 """The KLD percentiles llama-perplexity prints, with ``max`` before and ``min`` after them."""
 
-_PPL_KEYS: Final = ("ppl_base", "ppl_base_se", "ppl_target", "ppl_target_se", "ln_ppl_ratio", "ln_ppl_ratio_se",
-                    "ppl_ratio", "ppl_ratio_se", "ppl_correlation")
+_PPL_KEYS: Final = (
+    "ppl_base",
+    "ppl_base_se",
+    "ppl_target",
+    "ppl_target_se",
+    "ln_ppl_ratio",
+    "ln_ppl_ratio_se",
+    "ppl_ratio",
+    "ppl_ratio_se",
+    "ppl_correlation",
+)
 
 
 def _inf_if_nan(v: float) -> float:
@@ -117,16 +125,23 @@ class LlamaStats:
         out: dict[str, Any] = {k: to_json_float(getattr(self, k)) for k in _PPL_KEYS}
         out["delta_p"] = {k: to_json_float(v) for k, v in self.delta_p.items()}
         out["kl_mean_se"] = to_json_float(self.kl_mean_se)
-        out["kl_quantiles"] = None if self.kl_quantiles is None else {
-            k: to_json_float(v) for k, v in self.kl_quantiles.items()}
+        out["kl_quantiles"] = (
+            None if self.kl_quantiles is None else {k: to_json_float(v) for k, v in self.kl_quantiles.items()}
+        )
         out.update({k: to_json_float(getattr(self, k)) for k in ("same_top_rate", "same_top_se")})
         return out
 
     @staticmethod
     def empty_json() -> dict[str, Any]:
         """The keys of :meth:`to_json`, all null: a verdict without these statistics (none compared)."""
-        return {**dict.fromkeys(_PPL_KEYS), "delta_p": None, "kl_mean_se": None, "kl_quantiles": None,
-                "same_top_rate": None, "same_top_se": None}
+        return {
+            **dict.fromkeys(_PPL_KEYS),
+            "delta_p": None,
+            "kl_mean_se": None,
+            "kl_quantiles": None,
+            "same_top_rate": None,
+            "same_top_se": None,
+        }
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> LlamaStats | None:
@@ -136,11 +151,14 @@ class LlamaStats:
             return None
         has_kl = d.get("kl_quantiles") is not None
         kl = (lambda k: from_json_float(d.get(k))) if has_kl else (lambda k: None)
-        return cls(**{k: from_json_float(d.get(k)) for k in _PPL_KEYS},
-                   delta_p={k: from_json_float(v) for k, v in d["delta_p"].items()},
-                   kl_mean_se=kl("kl_mean_se"),
-                   kl_quantiles={k: from_json_float(v) for k, v in d["kl_quantiles"].items()} if has_kl else None,
-                   same_top_rate=kl("same_top_rate"), same_top_se=kl("same_top_se"))
+        return cls(
+            **{k: from_json_float(d.get(k)) for k in _PPL_KEYS},
+            delta_p={k: from_json_float(v) for k, v in d["delta_p"].items()},
+            kl_mean_se=kl("kl_mean_se"),
+            kl_quantiles={k: from_json_float(v) for k, v in d["kl_quantiles"].items()} if has_kl else None,
+            same_top_rate=kl("same_top_rate"),
+            same_top_se=kl("same_top_se"),
+        )
 
 
 def _ppl(nll_base: np.ndarray, nll: np.ndarray) -> dict[str, float]:
@@ -155,11 +173,17 @@ def _ppl(nll_base: np.ndarray, nll: np.ndarray) -> dict[str, float]:
         ppl_b = math.exp(mb) if mb < 700 else math.inf
         ppl_q = math.exp(mq) if mq < 700 else math.inf
         corr = cov / (sq * sb) if sq > 0 and sb > 0 else 0.0
-    return {"ppl_base": _inf_if_nan(ppl_b), "ppl_base_se": _inf_if_nan(ppl_b * sb),
-            "ppl_target": _inf_if_nan(ppl_q), "ppl_target_se": _inf_if_nan(ppl_q * sq),
-            "ln_ppl_ratio": _inf_if_nan(ln_ratio), "ln_ppl_ratio_se": _inf_if_nan(ln_se),
-            "ppl_ratio": _inf_if_nan(ratio), "ppl_ratio_se": _inf_if_nan(ratio * ln_se),
-            "ppl_correlation": _inf_if_nan(corr)}
+    return {
+        "ppl_base": _inf_if_nan(ppl_b),
+        "ppl_base_se": _inf_if_nan(ppl_b * sb),
+        "ppl_target": _inf_if_nan(ppl_q),
+        "ppl_target_se": _inf_if_nan(ppl_q * sq),
+        "ln_ppl_ratio": _inf_if_nan(ln_ratio),
+        "ln_ppl_ratio_se": _inf_if_nan(ln_se),
+        "ppl_ratio": _inf_if_nan(ratio),
+        "ppl_ratio_se": _inf_if_nan(ratio * ln_se),
+        "ppl_correlation": _inf_if_nan(corr),
+    }
 
 
 def _delta_p(dp: np.ndarray) -> dict[str, float]:
@@ -167,12 +191,12 @@ def _delta_p(dp: np.ndarray) -> dict[str, float]:
     msq, msq_se = mean_se(dp * dp)
     rms = math.sqrt(msq) if math.isfinite(msq) else math.inf
     rms_se = 0.5 / rms * msq_se if rms > 0 else 0.0
-    return {"mean": m, "mean_se": se, "rms": rms, "rms_se": _inf_if_nan(rms_se),
-            **percentiles(dp, DELTA_P_PERCENTILES)}
+    return {"mean": m, "mean_se": se, "rms": rms, "rms_se": _inf_if_nan(rms_se), **percentiles(dp, DELTA_P_PERCENTILES)}
 
 
-def llama_stats(ref: np.ndarray, tgt: np.ndarray, *, kl: np.ndarray | None = None,
-                same_top: tuple[int, int] | None = None) -> LlamaStats:
+def llama_stats(
+    ref: np.ndarray, tgt: np.ndarray, *, kl: np.ndarray | None = None, same_top: tuple[int, int] | None = None
+) -> LlamaStats:
     """The statistics of a comparison: ``ref`` / ``tgt`` are the correct-token logprobs [n] of the
     baseline and target at every compared position (pooled over requests), ``kl`` the per-token
     KL(base || target) and ``same_top`` ``(agreeing rows, rows)`` where both sides had full
@@ -193,8 +217,14 @@ def llama_stats(ref: np.ndarray, tgt: np.ndarray, *, kl: np.ndarray | None = Non
         agree, n = same_top
         rate = agree / n
         se = math.sqrt(rate * (1.0 - rate) / (n - 1)) if n > 1 else 0.0
-    return LlamaStats(**_ppl(-ref, -tgt), delta_p=_delta_p(dp), kl_mean_se=kl_se, kl_quantiles=kl_q,
-                      same_top_rate=rate, same_top_se=se)
+    return LlamaStats(
+        **_ppl(-ref, -tgt),
+        delta_p=_delta_p(dp),
+        kl_mean_se=kl_se,
+        kl_quantiles=kl_q,
+        same_top_rate=rate,
+        same_top_se=se,
+    )
 
 
 def _f(v: float | None) -> str:
@@ -209,18 +239,28 @@ def stats_rows(s: LlamaStats, kl_mean: float | None = None) -> list[tuple[str, s
     """(label, value) rows of the text report (``kl_mean``: the verdict's), in llama-perplexity's
     units: Δp and rates in %."""
     dp = s.delta_p
-    rows = [("PPL base", f"{_f(s.ppl_base)} ± {_f(s.ppl_base_se)}"),
-            ("PPL target", f"{_f(s.ppl_target)} ± {_f(s.ppl_target_se)}"),
-            ("PPL(Q)/PPL(base)", f"{_f(s.ppl_ratio)} ± {_f(s.ppl_ratio_se)}"),
-            ("ln(PPL(Q)/PPL(base))", f"{_f(s.ln_ppl_ratio)} ± {_f(s.ln_ppl_ratio_se)}")]
+    rows = [
+        ("PPL base", f"{_f(s.ppl_base)} ± {_f(s.ppl_base_se)}"),
+        ("PPL target", f"{_f(s.ppl_target)} ± {_f(s.ppl_target_se)}"),
+        ("PPL(Q)/PPL(base)", f"{_f(s.ppl_ratio)} ± {_f(s.ppl_ratio_se)}"),
+        ("ln(PPL(Q)/PPL(base))", f"{_f(s.ln_ppl_ratio)} ± {_f(s.ln_ppl_ratio_se)}"),
+    ]
     if s.kl_quantiles is not None:
-        rows += [("KL mean ± SE", f"{_f(kl_mean)} ± {_f(s.kl_mean_se)}"),
-                 ("KL p10 / p5 / p1 / p0.1 / min",
-                  " / ".join(_f(s.kl_quantiles[k]) for k in ("10", "5", "1", "0.1", "min")))]
-    rows += [("Δp mean ± SE (%)", f"{_pct(dp['mean'])} ± {_pct(dp['mean_se'])}"),
-             ("Δp RMS ± SE (%)", f"{_pct(dp['rms'])} ± {_pct(dp['rms_se'])}"),
-             ("Δp max / p99 / p90 / median / p10 / p1 / min (%)",
-              " / ".join(_pct(dp[k]) for k in ("max", "99", "90", "50", "10", "1", "min")))]
+        rows += [
+            ("KL mean ± SE", f"{_f(kl_mean)} ± {_f(s.kl_mean_se)}"),
+            (
+                "KL p10 / p5 / p1 / p0.1 / min",
+                " / ".join(_f(s.kl_quantiles[k]) for k in ("10", "5", "1", "0.1", "min")),
+            ),
+        ]
+    rows += [
+        ("Δp mean ± SE (%)", f"{_pct(dp['mean'])} ± {_pct(dp['mean_se'])}"),
+        ("Δp RMS ± SE (%)", f"{_pct(dp['rms'])} ± {_pct(dp['rms_se'])}"),
+        (
+            "Δp max / p99 / p90 / median / p10 / p1 / min (%)",
+            " / ".join(_pct(dp[k]) for k in ("max", "99", "90", "50", "10", "1", "min")),
+        ),
+    ]
     if s.same_top_rate is not None:
         rows.append(("same top token (%)", f"{_pct(s.same_top_rate)} ± {_pct(s.same_top_se)}"))
     return rows

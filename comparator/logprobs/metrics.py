@@ -16,17 +16,30 @@ from typing import Final
 
 import numpy as np
 
-from dumper.errors import NotComparableError
-
 from comparator.logprobs.llama_stats import mean_se
 from comparator.logprobs.types import AlignedSample, Located, logprob_delta
+from dumper.errors import NotComparableError
 
-__all__ = ["GREEDY_K3_NOTE", "ErrorStats", "K3Stats", "TopKStats", "K3Summary", "k3", "k3_summary", "logprob_errors",
-           "k3_stats", "topk_errors", "argmax_located"]
+__all__ = [
+    "GREEDY_K3_NOTE",
+    "ErrorStats",
+    "K3Stats",
+    "TopKStats",
+    "K3Summary",
+    "k3",
+    "k3_summary",
+    "logprob_errors",
+    "k3_stats",
+    "topk_errors",
+    "argmax_located",
+]
 
-GREEDY_K3_NOTE: Final = ("k3 over greedy tokens: they are not samples of the distribution, so mean k3 is a biased "
-                         "estimate of KL (a decode-vs-prefill consistency measure)")
+GREEDY_K3_NOTE: Final = (
+    "k3 over greedy tokens: they are not samples of the distribution, so mean k3 is a biased "
+    "estimate of KL (a decode-vs-prefill consistency measure)"
+)
 """Said wherever k3 is computed from greedy tokens (``selfcheck`` results' ``k3_note``, the printed summary)."""
+
 
 @dataclass(frozen=True)
 class ErrorStats:
@@ -103,8 +116,13 @@ def logprob_errors(samples: Sequence[AlignedSample]) -> ErrorStats:
     with np.errstate(over="ignore"):
         mse = float(np.mean(allv * allv))
     mean_abs, mean_abs_se = mean_se(np.abs(allv))
-    return ErrorStats(mse=mse, rmse=math.sqrt(mse), max_abs_err=argmax_located(samples, [np.abs(d) for d in deltas]),
-                      mean_abs_err=mean_abs, mean_abs_err_se=mean_abs_se)
+    return ErrorStats(
+        mse=mse,
+        rmse=math.sqrt(mse),
+        max_abs_err=argmax_located(samples, [np.abs(d) for d in deltas]),
+        mean_abs_err=mean_abs,
+        mean_abs_err_se=mean_abs_se,
+    )
 
 
 def _mean_of_means_se(values: Sequence[np.ndarray]) -> float:
@@ -160,7 +178,6 @@ def topk_errors(samples: Sequence[AlignedSample]) -> TopKStats | None:
     return TopKStats(max_err=max(maxes), mean_err=float(np.mean(means)), samples=len(maxes))
 
 
-
 @dataclass(frozen=True, eq=False)
 class K3Summary:
     """k3 of paired logprobs of the same tokens (one request): per position, mean, max and where."""
@@ -182,9 +199,16 @@ def k3_summary(ref: Sequence[float], tgt: Sequence[float]) -> K3Summary:
     """
     p, q = np.asarray(ref, dtype=np.float64), np.asarray(tgt, dtype=np.float64)
     if p.shape != q.shape or p.size == 0:
-        raise NotComparableError(f"k3 needs the same positive number of logprobs on both sides, got {p.size} "
-                                 f"and {q.size}")
+        raise NotComparableError(
+            f"k3 needs the same positive number of logprobs on both sides, got {p.size} and {q.size}"
+        )
     d = q - p
     vals = k3(d)
-    return K3Summary(delta=d, values=vals, mean=float(vals.mean()), max=float(vals.max()),
-                     argmax=int(np.argmax(np.nan_to_num(vals, nan=np.inf))), max_abs_err=float(np.abs(d).max()))
+    return K3Summary(
+        delta=d,
+        values=vals,
+        mean=float(vals.mean()),
+        max=float(vals.max()),
+        argmax=int(np.argmax(np.nan_to_num(vals, nan=np.inf))),
+        max_abs_err=float(np.abs(d).max()),
+    )

@@ -16,14 +16,26 @@ from typing import Any, Final
 
 import numpy as np
 
-from dumper.format.jsonfloat import from_json_float, to_json_float
 from comparator.judging.logprob_metrics import LogprobMetric, MetricValue, logprob_metric, logprob_metrics, metric_names
 from comparator.judging.logprob_noise import NoiseCheck
 from comparator.judging.logprob_thresholds import LogprobThresholds, judged_failures
 from comparator.logprobs.llama_stats import LlamaStats
+from dumper.format.jsonfloat import from_json_float, to_json_float
 
-__all__ = ["UNKNOWN_TOKEN", "TopK", "SequenceLogprobs", "AlignedSample", "Alignment", "Located", "PositionSeries",
-           "LogitsByRequest", "KlResult", "KlPass", "LogprobVerdict", "logprob_delta"]
+__all__ = [
+    "UNKNOWN_TOKEN",
+    "TopK",
+    "SequenceLogprobs",
+    "AlignedSample",
+    "Alignment",
+    "Located",
+    "PositionSeries",
+    "LogitsByRequest",
+    "KlResult",
+    "KlPass",
+    "LogprobVerdict",
+    "logprob_delta",
+]
 
 UNKNOWN_TOKEN: Final = -1
 """Token id of a position whose token an engine did not report (before SGLang's
@@ -31,6 +43,7 @@ UNKNOWN_TOKEN: Final = -1
 
 TopK = tuple[tuple[int, float], ...]
 """Top-k ``(token_id, logprob)`` pairs of one distribution, most likely first."""
+
 
 @dataclass(frozen=True)
 class SequenceLogprobs:
@@ -61,8 +74,9 @@ class SequenceLogprobs:
         object.__setattr__(self, "token_ids", tuple(int(t) for t in self.token_ids))
         object.__setattr__(self, "logprobs", tuple(None if v is None else float(v) for v in self.logprobs))
         if self.top is not None:
-            object.__setattr__(self, "top", tuple(
-                None if t is None else tuple((int(i), float(v)) for i, v in t) for t in self.top))
+            object.__setattr__(
+                self, "top", tuple(None if t is None else tuple((int(i), float(v)) for i, v in t) for t in self.top)
+            )
         if self.token_texts is not None:
             object.__setattr__(self, "token_texts", tuple(self.token_texts))
         n = len(self)
@@ -277,7 +291,8 @@ class LogprobVerdict:
         details = {
             "rmse": to_json_float(self.rmse),
             "k3_max": self.k3_max.to_json(),
-            "kl_percentiles": None if self.kl_percentiles is None
+            "kl_percentiles": None
+            if self.kl_percentiles is None
             else {k: to_json_float(v) for k, v in self.kl_percentiles.items()},
             "top1_agreement": to_json_float(self.top1_agreement),
             "topk_mean_err": to_json_float(self.topk_mean_err),
@@ -304,11 +319,15 @@ class LogprobVerdict:
         thresholds = LogprobThresholds.from_json(d["thresholds"])
         return cls(
             values={m.name: _read_metric(m, d, has_kl) for m in logprob_metrics()},
-            rmse=from_json_float(d["rmse"]), k3_max=Located.from_json(d["k3_max"], computed=True),
-            compared_positions=int(d["compared_positions"]), requests=int(d["requests"]),
-            thresholds=replace(thresholds, source=d.get("threshold_source")), passed=bool(d["passed"]),
+            rmse=from_json_float(d["rmse"]),
+            k3_max=Located.from_json(d["k3_max"], computed=True),
+            compared_positions=int(d["compared_positions"]),
+            requests=int(d["requests"]),
+            thresholds=replace(thresholds, source=d.get("threshold_source")),
+            passed=bool(d["passed"]),
             kl_percentiles={k: from_json_float(v) for k, v in d["kl_percentiles"].items()} if has_kl else None,
-            top1_agreement=optional(d.get("top1_agreement")), topk_mean_err=optional(d.get("topk_mean_err")),
+            top1_agreement=optional(d.get("top1_agreement")),
+            topk_mean_err=optional(d.get("topk_mean_err")),
             llama=LlamaStats.from_json(d),
             unmatched_baseline=tuple(d.get("unmatched_baseline", ())),
             unmatched_target=tuple(d.get("unmatched_target", ())),

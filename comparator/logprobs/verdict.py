@@ -15,8 +15,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dumper.errors import NotComparableError, UsageError
-
 from comparator.judging.logprob_metrics import LogprobMetric, MetricValue, logprob_metrics
 from comparator.judging.logprob_thresholds import LogprobThresholds, judged_failures
 from comparator.judging.noise_thresholds import noise_check
@@ -43,6 +41,7 @@ from comparator.logprobs.types import (
     PositionSeries,
     SequenceLogprobs,
 )
+from dumper.errors import NotComparableError, UsageError
 
 __all__ = ["VerdictInputs", "compare_logprobs"]
 
@@ -62,10 +61,16 @@ class VerdictInputs:
     kl: KlResult | None = None
 
 
-def compare_logprobs(base: Sequence[SequenceLogprobs], target: Sequence[SequenceLogprobs],
-                     thresholds: LogprobThresholds, *, ref_logits: LogitsByRequest | None = None,
-                     tgt_logits: LogitsByRequest | None = None, chunk_rows: int = 2048,
-                     kl_pass: KlPass | None = None) -> LogprobVerdict:
+def compare_logprobs(
+    base: Sequence[SequenceLogprobs],
+    target: Sequence[SequenceLogprobs],
+    thresholds: LogprobThresholds,
+    *,
+    ref_logits: LogitsByRequest | None = None,
+    tgt_logits: LogitsByRequest | None = None,
+    chunk_rows: int = 2048,
+    kl_pass: KlPass | None = None,
+) -> LogprobVerdict:
     """Align, compute every metric, decide.
 
     Matched requests must cover the same positions on both sides (:func:`check_lengths`).
@@ -99,12 +104,19 @@ def _inputs(samples: tuple[AlignedSample, ...], kl: KlResult | None) -> VerdictI
     if kl is not None:
         kl_all = np.concatenate([v for _, _, v in kl.per_request])
         pct = kl_percentiles(kl_all)
-        kl_max = argmax_located([AlignedSample(r, pos, np.empty(0), np.empty(0)) for r, pos, _ in kl.per_request],
-                                [v for _, _, v in kl.per_request])
-    llama = llama_stats(np.concatenate([s.ref for s in samples]), np.concatenate([s.tgt for s in samples]),
-                        kl=kl_all, same_top=None if kl is None else (kl.agree, kl.total))
-    return VerdictInputs(samples, logprob_errors(samples), k3_stats(samples), topk_errors(samples), pct, kl_max,
-                         llama, kl)
+        kl_max = argmax_located(
+            [AlignedSample(r, pos, np.empty(0), np.empty(0)) for r, pos, _ in kl.per_request],
+            [v for _, _, v in kl.per_request],
+        )
+    llama = llama_stats(
+        np.concatenate([s.ref for s in samples]),
+        np.concatenate([s.tgt for s in samples]),
+        kl=kl_all,
+        same_top=None if kl is None else (kl.agree, kl.total),
+    )
+    return VerdictInputs(
+        samples, logprob_errors(samples), k3_stats(samples), topk_errors(samples), pct, kl_max, llama, kl
+    )
 
 
 def _computed(m: LogprobMetric, inputs: VerdictInputs) -> MetricValue:
@@ -120,12 +132,22 @@ def _decide(al: Alignment, thresholds: LogprobThresholds, kl: KlResult | None) -
     check = noise_check(thresholds, values)
     kl_at = {r: (pos, v) for r, pos, v in kl.per_request} if kl is not None else {}
     return LogprobVerdict(
-        values=values, rmse=c.errors.rmse, k3_max=c.k3.max, compared_positions=al.compared_positions,
-        requests=len(al.samples), thresholds=thresholds,
+        values=values,
+        rmse=c.errors.rmse,
+        k3_max=c.k3.max,
+        compared_positions=al.compared_positions,
+        requests=len(al.samples),
+        thresholds=thresholds,
         passed=not judged_failures(thresholds, {n: v.value for n, v in values.items()}, check),
-        kl_percentiles=c.kl_percentiles, top1_agreement=kl.agree / kl.total if kl is not None and kl.total else None,
-        topk_mean_err=c.topk.mean_err if c.topk else None, llama=c.llama,
-        unmatched_baseline=al.unmatched_baseline, unmatched_target=al.unmatched_target, noise=check,
-        series=tuple(PositionSeries(s.request, s.positions, s.ref, s.tgt, *kl_at.get(s.request, (None, None)))
-                     for s in al.samples),
+        kl_percentiles=c.kl_percentiles,
+        top1_agreement=kl.agree / kl.total if kl is not None and kl.total else None,
+        topk_mean_err=c.topk.mean_err if c.topk else None,
+        llama=c.llama,
+        unmatched_baseline=al.unmatched_baseline,
+        unmatched_target=al.unmatched_target,
+        noise=check,
+        series=tuple(
+            PositionSeries(s.request, s.positions, s.ref, s.tgt, *kl_at.get(s.request, (None, None)))
+            for s in al.samples
+        ),
     )

@@ -25,16 +25,11 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import asdict
 from collections.abc import Callable, Sequence
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
-
-from dumper.errors import NotComparableError, UsageError
-from dumper.format import MANIFEST_NAME, load_manifest
-from dumper.format.decode import DECODE, PREFILL
-from dumper.format.sketch import SketchSpec
 
 from comparator.config import CompareConfig
 from comparator.hidden.compare import compare_dumps
@@ -48,6 +43,10 @@ from comparator.logprobs.judge import compare_logprob_sources
 from comparator.logprobs.types import LogprobVerdict
 from comparator.noise.logprob_calibration import logprob_noise
 from comparator.routing.types import RouterComparison
+from dumper.errors import NotComparableError, UsageError
+from dumper.format import MANIFEST_NAME, load_manifest
+from dumper.format.decode import DECODE, PREFILL
+from dumper.format.sketch import SketchSpec
 
 __all__ = ["calibrate"]
 
@@ -75,23 +74,29 @@ class _Pool:
         seq, pos = keys
         ok = covered(keys, self.cover)
         if ok.any():
-            self.rows.setdefault(t.name, []).append((packed(seq[ok], pos[ok]), token[ok].astype(np.float32),
-                                                     self.variant))
+            self.rows.setdefault(t.name, []).append(
+                (packed(seq[ok], pos[ok]), token[ok].astype(np.float32), self.variant)
+            )
 
     def row_noise(self, prompts: list[list[int]]) -> RowNoiseSet | None:
         if not self.rows:
             return None
-        rows = {n: (np.concatenate([k for k, _, _ in parts]), np.concatenate([v for _, v, _ in parts]))
-                for n, parts in self.rows.items()}
+        rows = {
+            n: (np.concatenate([k for k, _, _ in parts]), np.concatenate([v for _, v, _ in parts]))
+            for n, parts in self.rows.items()
+        }
         return RowNoiseSet.build(prompts, rows, holdout(self.rows))
 
     def add(self, t: TensorComparison, token: np.ndarray, decode_rows: np.ndarray | None, point: str | None) -> None:
         if t.nonfinite_mismatches or not math.isfinite(t.rel_diff):
-            raise NotComparableError(f"variant {self.variant + 1}: {t.name} has NaN/Inf where the baseline does "
-                                     "not; that is not benign noise, so it cannot calibrate")
+            raise NotComparableError(
+                f"variant {self.variant + 1}: {t.name} has NaN/Inf where the baseline does "
+                "not; that is not benign noise, so it cannot calibrate"
+            )
         self.tokens.setdefault(t.name, []).append(token.astype(np.float32))
-        self.decode.setdefault(t.name, []).append(np.zeros(token.shape, dtype=bool) if decode_rows is None
-                                                  else decode_rows)
+        self.decode.setdefault(t.name, []).append(
+            np.zeros(token.shape, dtype=bool) if decode_rows is None else decode_rows
+        )
         self.rel[t.name] = max(self.rel.get(t.name, 0.0), t.rel_diff)
         self.meta[t.name] = (t.layer, point)
         per = self.by_variant.setdefault(t.name, {})
@@ -104,18 +109,24 @@ class _Pool:
             decode = np.concatenate(self.decode[name])
             whole = _spread(v)
             phases = {PREFILL: _spread(v[~decode]), DECODE: _spread(v[decode])} if decode.any() else {}
-            out[name] = TensorNoise(name=name, layer=self.meta[name][0], point=self.meta[name][1],
-                                    rel_diff=self.rel[name], **asdict(whole),
-                                    by_variant=tuple(self.by_variant[name].get(i, 0.0) for i in range(variants)),
-                                    phases=phases)
+            out[name] = TensorNoise(
+                name=name,
+                layer=self.meta[name][0],
+                point=self.meta[name][1],
+                rel_diff=self.rel[name],
+                **asdict(whole),
+                by_variant=tuple(self.by_variant[name].get(i, 0.0) for i in range(variants)),
+                phases=phases,
+            )
         return dict(sorted(out.items(), key=lambda kv: (kv[1].layer is None, kv[1].layer or 0, kv[0])))
 
 
 def _spread(v: np.ndarray) -> PhaseNoise:
     """The per-token distribution of ``v`` (max, p99.9, p99; zeros for no values)."""
     q999, q99 = np.quantile(v, [0.999, 0.99]) if v.size else (0.0, 0.0)
-    return PhaseNoise(token_max=float(v.max()) if v.size else 0.0, token_p999=float(q999), token_p99=float(q99),
-                      positions=int(v.size))
+    return PhaseNoise(
+        token_max=float(v.max()) if v.size else 0.0, token_p999=float(q999), token_p99=float(q99), positions=int(v.size)
+    )
 
 
 def _router_noise(found: list[RouterComparison]) -> dict[int, RouterNoise]:
@@ -124,13 +135,18 @@ def _router_noise(found: list[RouterComparison]) -> dict[int, RouterNoise]:
     for comparison in found:
         for la in comparison.layers:
             if la.nonfinite:
-                raise NotComparableError(f"{la.name}: router values are NaN/Inf where the baseline's are not; "
-                                         "that is not benign noise, so it cannot calibrate")
+                raise NotComparableError(
+                    f"{la.name}: router values are NaN/Inf where the baseline's are not; "
+                    "that is not benign noise, so it cannot calibrate"
+                )
             old = out.get(la.layer)
             out[la.layer] = RouterNoise(
-                layer=la.layer, score=max(la.score_delta_max, old.score if old else 0.0),
+                layer=la.layer,
+                score=max(la.score_delta_max, old.score if old else 0.0),
                 flip_rate=max(la.flip_rate, old.flip_rate if old else 0.0),
-                weight=max(la.weight_max_err, old.weight if old else 0.0), tokens=la.tokens + (old.tokens if old else 0))
+                weight=max(la.weight_max_err, old.weight if old else 0.0),
+                tokens=la.tokens + (old.tokens if old else 0),
+            )
     return dict(sorted(out.items()))
 
 
@@ -138,8 +154,14 @@ def _is_dump(path: str | os.PathLike[str]) -> bool:
     return Path(path).is_dir() and (Path(path) / MANIFEST_NAME).is_file()
 
 
-def calibrate(baseline: str | os.PathLike[str], variants: Sequence[str | os.PathLike[str]], *,
-              threads: int = 2, allow_model_mismatch: bool = False, progress: ProgressFn | None = None) -> NoiseModel:
+def calibrate(
+    baseline: str | os.PathLike[str],
+    variants: Sequence[str | os.PathLike[str]],
+    *,
+    threads: int = 2,
+    allow_model_mismatch: bool = False,
+    progress: ProgressFn | None = None,
+) -> NoiseModel:
     """The noise of ``baseline`` measured against each benign ``variant``.
 
     Dumps contribute hidden-state noise (every tensor both sides hold) and, when both recorded
@@ -167,13 +189,19 @@ def calibrate(baseline: str | os.PathLike[str], variants: Sequence[str | os.Path
         pool.variant = i
         if manifest is not None and _is_dump(variant):
             other = load_manifest(variant)
-            mismatch += [(str(variant), d) for d in check_variant(
-                manifest, other, allow_mismatch=allow_model_mismatch, where=f"variant {variant}")]
+            mismatch += [
+                (str(variant), d)
+                for d in check_variant(manifest, other, allow_mismatch=allow_model_mismatch, where=f"variant {variant}")
+            ]
             pool.cover = covered_prefix(prompts, other.extra.get("input_ids") or [])
             layouts.append(layout(other))
-            report = compare_dumps(baseline, variant, config,
-                                   token_sink=lambda t, tok, dec: pool.add(t, tok, dec, point_of(t.name)),
-                                   row_sink=pool.add_rows)
+            report = compare_dumps(
+                baseline,
+                variant,
+                config,
+                token_sink=lambda t, tok, dec: pool.add(t, tok, dec, point_of(t.name)),
+                row_sink=pool.add_rows,
+            )
             if report.logprobs is not None:
                 verdicts.append(report.logprobs)
             if report.router is not None:
@@ -189,10 +217,20 @@ def calibrate(baseline: str | os.PathLike[str], variants: Sequence[str | os.Path
         model = {k: manifest.model[k] for k in (*IDENTITY_FIELDS, "weights_hash", "name") if k in manifest.model}
         dtype = manifest.capture_signature.get("dtype")
     if len(verdicts) not in (0, len(variants)):
-        raise UsageError(f"{baseline}: only {len(verdicts)} of {len(variants)} variants recorded logprobs; "
-                         "calibrate logprobs from variants that all record them")
-    return NoiseModel(baseline=str(baseline), variants=tuple(str(v) for v in variants),
-                      tensors=pool.tensors(len(variants)), logprobs=logprob_noise(verdicts) if verdicts else None,
-                      model=model, dtype=dtype, model_mismatch=tuple(mismatch), router=_router_noise(routing),
-                      sketch=sketch, rows=pool.row_noise(prompts),
-                      layouts=tuple(layouts) if len(layouts) == len(variants) + 1 else ())
+        raise UsageError(
+            f"{baseline}: only {len(verdicts)} of {len(variants)} variants recorded logprobs; "
+            "calibrate logprobs from variants that all record them"
+        )
+    return NoiseModel(
+        baseline=str(baseline),
+        variants=tuple(str(v) for v in variants),
+        tensors=pool.tensors(len(variants)),
+        logprobs=logprob_noise(verdicts) if verdicts else None,
+        model=model,
+        dtype=dtype,
+        model_mismatch=tuple(mismatch),
+        router=_router_noise(routing),
+        sketch=sketch,
+        rows=pool.row_noise(prompts),
+        layouts=tuple(layouts) if len(layouts) == len(variants) + 1 else (),
+    )

@@ -25,13 +25,12 @@ import os
 from pathlib import Path
 from typing import Final
 
+from comparator.judging.noise import NoiseModel
+from comparator.judging.row_noise import ROWS_SUFFIX, RowsRef, rows_from_bytes, rows_to_bytes
 from dumper.errors import DumpError, UsageError
 from dumper.format import write_json_atomic
 from dumper.format.atomic import atomic_path
 from dumper.format.files import parse_json, read_regular_file, regular_file_in
-
-from comparator.judging.noise import NoiseModel
-from comparator.judging.row_noise import ROWS_SUFFIX, RowsRef, rows_from_bytes, rows_to_bytes
 
 __all__ = ["MAX_NOISE_BYTES", "MAX_ROWS_BYTES", "BASELINE_NOISE", "load_noise", "save_noise", "rows_file_name"]
 

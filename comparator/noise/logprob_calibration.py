@@ -16,11 +16,10 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from dumper.errors import UsageError
-
 from comparator.judging.logprob_metrics import metric_names, tested_means
 from comparator.judging.logprob_noise import LogprobNoise, MeanNoise
 from comparator.logprobs.types import LogprobVerdict
+from dumper.errors import UsageError
 
 __all__ = ["logprob_noise"]
 
@@ -39,8 +38,10 @@ def logprob_noise(verdicts: Sequence[LogprobVerdict]) -> LogprobNoise:
         values = tuple(v.value_of(name).value for v in verdicts)
         for i, x in enumerate(values):
             if x is not None and not math.isfinite(x):
-                raise UsageError(f"variant {i + 1}: logprob {name} is not finite (a NaN or Inf differs from the "
-                                 "baseline): not a benign variant")
+                raise UsageError(
+                    f"variant {i + 1}: logprob {name} is not finite (a NaN or Inf differs from the "
+                    "baseline): not a benign variant"
+                )
         by_variant[name] = values
         metrics[name] = None if any(x is None for x in values) else max(values)  # type: ignore[type-var]
     means: dict[str, MeanNoise] = {}
@@ -49,5 +50,10 @@ def logprob_noise(verdicts: Sequence[LogprobVerdict]) -> LogprobNoise:
         if all(m is not None and s is not None for m, s, _ in pairs):
             m, s, n = max(pairs, key=lambda p: p[0])  # type: ignore[arg-type, return-value]
             means[name] = MeanNoise(float(m), float(s), int(n))  # type: ignore[arg-type]
-    return LogprobNoise(variants=len(verdicts), positions=min(v.compared_positions for v in verdicts),
-                        metrics=metrics, means=means, by_variant=by_variant)
+    return LogprobNoise(
+        variants=len(verdicts),
+        positions=min(v.compared_positions for v in verdicts),
+        metrics=metrics,
+        means=means,
+        by_variant=by_variant,
+    )

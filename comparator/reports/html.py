@@ -30,13 +30,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dumper.version import __version__
-from dumper.format import Manifest, atomic_path
-
 from comparator.hidden.registry import columns as metric_columns
 from comparator.logprobs import LogprobVerdict, PositionSeries
-from comparator.reports.logprob_table import metric_rows
-from comparator.reports.plots import amplification_figure, figure_svg, heatmap_figure, layer_figure, logprob_figure
 from comparator.outcome import (
     Outcome,
     format_float,
@@ -48,13 +43,17 @@ from comparator.outcome import (
     threshold_summary,
     verdict_notes,
 )
-from comparator.reports.layer_table import FIRST_DIVERGENCE, ONSET, layer_table
 from comparator.reports.html_parts import escape as _e
 from comparator.reports.html_parts import num_cell as _num
 from comparator.reports.html_parts import table as _table
 from comparator.reports.html_routing import routing_section
-from comparator.results import FirstDivergence, Report
+from comparator.reports.layer_table import FIRST_DIVERGENCE, ONSET, layer_table
+from comparator.reports.logprob_table import metric_rows
+from comparator.reports.plots import amplification_figure, figure_svg, heatmap_figure, layer_figure, logprob_figure
 from comparator.reports.tokens import TokenLookup, show_text
+from comparator.results import FirstDivergence, Report
+from dumper.format import Manifest, atomic_path
+from dumper.version import __version__
 
 if TYPE_CHECKING:
     from dumper.tokenizers import Tokenizer
@@ -105,34 +104,50 @@ document.querySelectorAll("table.sortable").forEach(function (t) {
 """
 
 
-_METHODS = {"calibrated": "over its calibrated noise", "change-point": "change point estimated from the run",
-            "threshold": "no earlier departure stood out: the first over the threshold"}
+_METHODS = {
+    "calibrated": "over its calibrated noise",
+    "change-point": "change point estimated from the run",
+    "threshold": "no earlier departure stood out: the first over the threshold",
+}
 
 
 def _onset(fd: FirstDivergence) -> str:
     """Where the divergence starts: onset token and onset layer with their methods (see :mod:`comparator.hidden.onset`)."""
     seq = f" of sequence {fd.sequence}" if fd.sequence is not None else ""
-    parts = [f"{what} <strong>{_e(at)}</strong>{_e(where)} ({_e(_METHODS.get(how or '', how))})"
-             for what, at, how, where in (("token", fd.onset, fd.onset_method, seq),
-                                          ("layer", fd.onset_layer, fd.onset_layer_method, "")) if at is not None]
+    parts = [
+        f"{what} <strong>{_e(at)}</strong>{_e(where)} ({_e(_METHODS.get(how or '', how))})"
+        for what, at, how, where in (
+            ("token", fd.onset, fd.onset_method, seq),
+            ("layer", fd.onset_layer, fd.onset_layer_method, ""),
+        )
+        if at is not None
+    ]
     if not parts:
         return ""
     first = [f"token {fd.token}"] * (fd.token is not None) + [f"layer {fd.layer}"] * (fd.layer is not None)
-    return (f'<p id="onset">Divergence starts at {" in ".join(parts)}; first over the threshold at '
-            f"{_e(', '.join(first) or '-')}.</p>")
+    return (
+        f'<p id="onset">Divergence starts at {" in ".join(parts)}; first over the threshold at '
+        f"{_e(', '.join(first) or '-')}.</p>"
+    )
 
 
 def _verdict_section(report: Report) -> str:
     fd = report.first_divergent
-    summary = "; ".join(_e(x) for x in [f"matched {report.matched} tensors", threshold_summary(report),
-                                        *verdict_notes(report)])
+    summary = "; ".join(
+        _e(x) for x in [f"matched {report.matched} tensors", threshold_summary(report), *verdict_notes(report)]
+    )
     head, line = Outcome.of(report).word, sentence(report)
-    out = [f'<section class="verdict {"pass" if report.passed else "fail"}" id="verdict"><h1>{head}</h1>',
-           _onset(fd) if fd is not None and not report.passed else "", f"<p>{_e(line)}</p>"]
+    out = [
+        f'<section class="verdict {"pass" if report.passed else "fail"}" id="verdict"><h1>{head}</h1>',
+        _onset(fd) if fd is not None and not report.passed else "",
+        f"<p>{_e(line)}</p>",
+    ]
     if report.logprobs is not None:
         out.append(f"<p>{_e(reaches_output(report))}</p>")
-    out.append(f'<p class="muted">target <code>{_e(report.target)}</code> vs baseline '
-               f"<code>{_e(report.baseline)}</code>; {summary}</p></section>")
+    out.append(
+        f'<p class="muted">target <code>{_e(report.target)}</code> vs baseline '
+        f"<code>{_e(report.baseline)}</code>; {summary}</p></section>"
+    )
     return "".join(out)
 
 
@@ -141,8 +156,15 @@ def _layer_table(report: Report) -> str:
     (a class on the row, a word in the verdict cell)."""
     layers, rows = layer_table(report), []
     for row in layers.rows:
-        marks = [(m, c) for m, c, on in ((FIRST_DIVERGENCE, "first", row.first), (ONSET, "onset", row.onset),
-                                         ("INTRODUCES ERROR", "introduced", row.introduced)) if on]
+        marks = [
+            (m, c)
+            for m, c, on in (
+                (FIRST_DIVERGENCE, "first", row.first),
+                (ONSET, "onset", row.onset),
+                ("INTRODUCES ERROR", "introduced", row.introduced),
+            )
+            if on
+        ]
         cls = " ".join(["bad"] * (not row.passed) + [c for _, c in marks])
         cells = [_num(c.value, c.text) for c in row.cells[:-1]]
         cells.append(f"<td>{_e(' '.join([row.cells[-1].text] + [m for m, _ in marks]))}</td>")
@@ -153,12 +175,17 @@ def _layer_table(report: Report) -> str:
 
 def _layers(report: Report) -> str:
     """The per-layer chart, table and amplification chart."""
-    out = ['<section id="layers"><h2>rel_diff per layer</h2>',
-           f'<figure class="chart" id="layer-chart">{figure_svg(layer_figure(report))}</figure>', _layer_table(report)]
+    out = [
+        '<section id="layers"><h2>rel_diff per layer</h2>',
+        f'<figure class="chart" id="layer-chart">{figure_svg(layer_figure(report))}</figure>',
+        _layer_table(report),
+    ]
     if (fig := amplification_figure(report)) is not None:
-        out.append('<h3>Amplification</h3><p class="muted">the growth of the error across each layer; far above the '
-                   "others: that layer introduces error, near the usual growth: it passes inherited error on.</p>"
-                   f'<figure class="chart" id="amplification-chart">{figure_svg(fig)}</figure>')
+        out.append(
+            '<h3>Amplification</h3><p class="muted">the growth of the error across each layer; far above the '
+            "others: that layer introduces error, near the usual growth: it passes inherited error on.</p>"
+            f'<figure class="chart" id="amplification-chart">{figure_svg(fig)}</figure>'
+        )
     return "".join(out) + "</section>"
 
 
@@ -193,29 +220,46 @@ def _runs(report: Report, base: Manifest | None, target: Manifest | None) -> str
         x, y = a.get(k, "-"), b.get(k, "-")
         cls = ' class="diff"' if x != y else ""
         rows.append(f"<tr{cls}><td>{_e(k)}</td><td>{_e(x[:300])}</td><td>{_e(y[:300])}</td></tr>")
-    return ('<section id="runs"><h2>The two runs</h2><p class="muted">highlighted: what differs</p>'
-            + _table([("", "str"), ("baseline", "str"), ("target", "str")], rows) + "</section>")
+    return (
+        '<section id="runs"><h2>The two runs</h2><p class="muted">highlighted: what differs</p>'
+        + _table([("", "str"), ("baseline", "str"), ("target", "str")], rows)
+        + "</section>"
+    )
 
 
 def _heatmap(report: Report, tokens: TokenLookup) -> str:
     hm, fd = report.heatmap, report.first_divergent
     out = ['<section id="heatmap"><h2>Token &times; layer heatmap</h2>']
     if hm is None:
-        out.append('<p class="muted">no heatmap: nothing diverged, or the divergent tensor has no token positions.'
-                   "</p></section>")
+        out.append(
+            '<p class="muted">no heatmap: nothing diverged, or the divergent tensor has no token positions.'
+            "</p></section>"
+        )
         return "".join(out)
     first, onset, layer = (fd.token, fd.onset, fd.onset_layer) if fd is not None else (None, None, None)
     pos = hm.positions
     cuts = [0, *(j for j in range(1, len(pos)) if pos[j] - pos[j - 1] > 1), len(pos)]
     shown = ", ".join(f"{pos[a]}..{pos[b - 1]}" for a, b in itertools.pairwise(cuts))
-    out.append(f'<p class="muted">per-token rel_diff of sequence {_e(hm.sequence)}, positions {_e(shown)}'
-               + (f" (onset {_e(onset)}, first failing token {_e(first)}; the positions between are left out)"
-                  if len(cuts) > 2 else "")
-               + ". A bug that starts at one token shows as a column; a chunk-boundary bug as a vertical edge.</p>")
-    decode_from = fd.token - fd.decode_step if fd is not None and fd.token is not None and fd.decode_step is not None \
-        else None  # the prompt part and the decode part, apart
-    fig = heatmap_figure(hm, token_threshold=report.token_threshold, first_token=first, onset=onset, onset_layer=layer,
-                         decode_from=decode_from)
+    out.append(
+        f'<p class="muted">per-token rel_diff of sequence {_e(hm.sequence)}, positions {_e(shown)}'
+        + (
+            f" (onset {_e(onset)}, first failing token {_e(first)}; the positions between are left out)"
+            if len(cuts) > 2
+            else ""
+        )
+        + ". A bug that starts at one token shows as a column; a chunk-boundary bug as a vertical edge.</p>"
+    )
+    decode_from = (
+        fd.token - fd.decode_step if fd is not None and fd.token is not None and fd.decode_step is not None else None
+    )  # the prompt part and the decode part, apart
+    fig = heatmap_figure(
+        hm,
+        token_threshold=report.token_threshold,
+        first_token=first,
+        onset=onset,
+        onset_layer=layer,
+        decode_from=decode_from,
+    )
     out.append(f'<figure class="chart" id="heatmap-chart">{figure_svg(fig)}</figure>')
     spans = []
     for i, p in enumerate(hm.positions):
@@ -228,8 +272,9 @@ def _heatmap(report: Report, tokens: TokenLookup) -> str:
         cls = "tok hit" if p == first else "tok onset" if p == onset else "tok"
         spans.append(f'<code class="{cls}" title="position {p}, token id {tid}">{_e(label)}</code>')
     if spans:
-        out.append('<p class="muted">tokens of the window (onset and first failing token marked):</p>'
-                   f'<p>{"".join(spans)}</p>')
+        out.append(
+            f'<p class="muted">tokens of the window (onset and first failing token marked):</p><p>{"".join(spans)}</p>'
+        )
     return "".join(out) + "</section>"
 
 
@@ -267,13 +312,30 @@ def _worst(series: Sequence[PositionSeries], by: str, tokens: TokenLookup, n: in
         tid, text = tokens.token(s.request, p)
         ref, tgt = _at(s.positions, s.ref, p), _at(s.positions, s.tgt, p)
         ctx = tokens.context(s.request, p)
-        rows.append("<tr>" + f"<td>{_e(s.request)}</td>" + _num(p) + _num(tid)
-                    + f"<td><code>{_e(show_text(text) if text is not None else '?')}</code></td>"
-                    + f"<td class=\"muted\">{_e(show_text(ctx)) if ctx is not None else '-'}</td>"
-                    + _num(ref) + _num(tgt) + _num(None if ref is None or tgt is None else tgt - ref)
-                    + _num(_at(s.kl_positions, s.kl, p)) + "</tr>")
-    head = [("request", "str"), ("position", "num"), ("token id", "num"), ("token", "str"), ("text before", "str"),
-            ("baseline logprob", "num"), ("target logprob", "num"), ("Δ", "num"), ("KL", "num")]
+        rows.append(
+            "<tr>"
+            + f"<td>{_e(s.request)}</td>"
+            + _num(p)
+            + _num(tid)
+            + f"<td><code>{_e(show_text(text) if text is not None else '?')}</code></td>"
+            + f'<td class="muted">{_e(show_text(ctx)) if ctx is not None else "-"}</td>'
+            + _num(ref)
+            + _num(tgt)
+            + _num(None if ref is None or tgt is None else tgt - ref)
+            + _num(_at(s.kl_positions, s.kl, p))
+            + "</tr>"
+        )
+    head = [
+        ("request", "str"),
+        ("position", "num"),
+        ("token id", "num"),
+        ("token", "str"),
+        ("text before", "str"),
+        ("baseline logprob", "num"),
+        ("target logprob", "num"),
+        ("Δ", "num"),
+        ("KL", "num"),
+    ]
     return _table(head, rows, sortable=True)
 
 
@@ -281,12 +343,17 @@ def _logprobs(report: Report, tokens: TokenLookup) -> str:
     v = report.logprobs
     if v is None:
         return ""
-    out = [f'<section id="logprobs"><h2>Logprobs: {status(v.passed)}</h2>'
-           f'<p class="muted">{v.compared_positions} positions in {v.requests} requests</p>', _logprob_metrics(v)]
+    out = [
+        f'<section id="logprobs"><h2>Logprobs: {status(v.passed)}</h2>'
+        f'<p class="muted">{v.compared_positions} positions in {v.requests} requests</p>',
+        _logprob_metrics(v),
+    ]
     fig = logprob_figure(v)
     if fig is None:
-        out.append('<p class="muted">per-position series are kept in memory only (not in the JSON report); '
-                   "render the HTML from a fresh comparison to see them.</p>")
+        out.append(
+            '<p class="muted">per-position series are kept in memory only (not in the JSON report); '
+            "render the HTML from a fresh comparison to see them.</p>"
+        )
     else:
         out.append(f'<figure class="chart" id="logprob-chart">{figure_svg(fig)}</figure>')
         out.append(f"<h3>Worst positions by |Δ logprob|</h3>{_worst(v.series, 'delta', tokens, WORST_POSITIONS)}")
@@ -297,42 +364,77 @@ def _logprobs(report: Report, tokens: TokenLookup) -> str:
 
 def _tensors(report: Report, max_rows: int) -> str:
     shown = metric_columns(t.metrics for t in report.tensors)  # the metrics the tensors carry
-    head = [("name", "str"), ("layer", "num"), ("sequence", "num"), ("pass", "num"), ("rank", "num"),
-            *((m.label, "num") for m in shown), ("NaN/Inf baseline", "num"), ("NaN/Inf target", "num"),
-            ("failing tokens", "num"), ("first failing token", "num"), ("worst token", "num"), ("verdict", "str"),
-            ("note", "str")]
+    head = [
+        ("name", "str"),
+        ("layer", "num"),
+        ("sequence", "num"),
+        ("pass", "num"),
+        ("rank", "num"),
+        *((m.label, "num") for m in shown),
+        ("NaN/Inf baseline", "num"),
+        ("NaN/Inf target", "num"),
+        ("failing tokens", "num"),
+        ("first failing token", "num"),
+        ("worst token", "num"),
+        ("verdict", "str"),
+        ("note", "str"),
+    ]
     calibrated = any(t.noise_ratio is not None or t.token_noise_ratio is not None for t in report.tensors)
     if calibrated:  # right after the first metric (rel_diff)
         head[6:6] = [("x noise", "num"), ("token x noise", "num")]
     rows = []
     for t in report.tensors[:max_rows]:
-        cells = [f"<td>{_e(t.name)}</td>", _num(t.layer), _num(t.sequence), _num(t.forward_pass), _num(t.rank),
-                 *(_num(t.metrics.get(m.name), m.text(t.metrics.get(m.name), format_float)) for m in shown),
-                 _num(t.nan_baseline + t.inf_baseline, f"{t.nan_baseline}/{t.inf_baseline}"),
-                 _num(t.nan_target + t.inf_target, f"{t.nan_target}/{t.inf_target}"), _num(t.failing_tokens),
-                 _num(t.first_failing_token), _num(t.worst_token),
-                 f"<td>{status(t.passed)}</td>", f"<td>{_e(t.note or '')}</td>"]
+        cells = [
+            f"<td>{_e(t.name)}</td>",
+            _num(t.layer),
+            _num(t.sequence),
+            _num(t.forward_pass),
+            _num(t.rank),
+            *(_num(t.metrics.get(m.name), m.text(t.metrics.get(m.name), format_float)) for m in shown),
+            _num(t.nan_baseline + t.inf_baseline, f"{t.nan_baseline}/{t.inf_baseline}"),
+            _num(t.nan_target + t.inf_target, f"{t.nan_target}/{t.inf_target}"),
+            _num(t.failing_tokens),
+            _num(t.first_failing_token),
+            _num(t.worst_token),
+            f"<td>{status(t.passed)}</td>",
+            f"<td>{_e(t.note or '')}</td>",
+        ]
         if calibrated:
-            cells[6:6] = [_num(t.noise_ratio, format_ratio(t.noise_ratio)),
-                          _num(t.token_noise_ratio, format_ratio(t.token_noise_ratio))]
+            cells[6:6] = [
+                _num(t.noise_ratio, format_ratio(t.noise_ratio)),
+                _num(t.token_noise_ratio, format_ratio(t.token_noise_ratio)),
+            ]
         rows.append(("<tr>" if t.passed else '<tr class="bad">') + "".join(cells) + "</tr>")
     left = len(report.tensors) - len(rows)
     more = f'<p class="muted">{left} more tensors not shown; write them all with --csv.</p>' if left > 0 else ""
-    return (f'<section id="tensors"><h2>Tensors ({len(report.tensors)})</h2><p class="muted">click a header to sort</p>'
-            f'<div class="scroll">{_table(head, rows, sortable=True, table_id="tensor-table")}</div>{more}</section>')
+    return (
+        f'<section id="tensors"><h2>Tensors ({len(report.tensors)})</h2><p class="muted">click a header to sort</p>'
+        f'<div class="scroll">{_table(head, rows, sortable=True, table_id="tensor-table")}</div>{more}</section>'
+    )
 
 
 def _problems(report: Report) -> str:
-    items = [f"<li>only in the {side}: {len(names)} tensors, e.g. <code>{_e(', '.join(names[:5]))}</code></li>"
-             for side, names in (("baseline", report.unmatched_baseline), ("target", report.unmatched_target)) if names]
-    items += [f"<li>replica mismatch in the {_e(m.side)}: <code>{_e(m.name)}</code> (sequence {m.sequence}) differs "
-              f"between rank {m.reference_rank} and rank {m.rank} from token {m.first_token}</li>"
-              for m in report.replica_mismatches[:50]]
+    items = [
+        f"<li>only in the {side}: {len(names)} tensors, e.g. <code>{_e(', '.join(names[:5]))}</code></li>"
+        for side, names in (("baseline", report.unmatched_baseline), ("target", report.unmatched_target))
+        if names
+    ]
+    items += [
+        f"<li>replica mismatch in the {_e(m.side)}: <code>{_e(m.name)}</code> (sequence {m.sequence}) differs "
+        f"between rank {m.reference_rank} and rank {m.rank} from token {m.first_token}</li>"
+        for m in report.replica_mismatches[:50]
+    ]
     return f'<section id="problems"><h2>Also found</h2><ul>{"".join(items)}</ul></section>' if items else ""
 
 
-def render_html(report: Report, *, baseline_manifest: Manifest | None = None, target_manifest: Manifest | None = None,
-                tokenizer: Tokenizer | None = None, max_rows: int = MAX_ROWS) -> str:
+def render_html(
+    report: Report,
+    *,
+    baseline_manifest: Manifest | None = None,
+    target_manifest: Manifest | None = None,
+    tokenizer: Tokenizer | None = None,
+    max_rows: int = MAX_ROWS,
+) -> str:
     """The whole report as one self-contained HTML document.
 
     Args:
@@ -345,17 +447,24 @@ def render_html(report: Report, *, baseline_manifest: Manifest | None = None, ta
         max_rows: most tensor-table rows (default :data:`MAX_ROWS`).
     """
     tokens = TokenLookup.from_manifest(baseline_manifest or target_manifest, tokenizer)
-    body = [_verdict_section(report), *((_layers(report), _heatmap(report, tokens)) if report.tensors else ()),
-            _logprobs(report, tokens), routing_section(report.router) if report.router is not None else "",
-            _runs(report, baseline_manifest, target_manifest),
-            _tensors(report, max_rows) if report.tensors else "", _problems(report)]
+    body = [
+        _verdict_section(report),
+        *((_layers(report), _heatmap(report, tokens)) if report.tensors else ()),
+        _logprobs(report, tokens),
+        routing_section(report.router) if report.router is not None else "",
+        _runs(report, baseline_manifest, target_manifest),
+        _tensors(report, max_rows) if report.tensors else "",
+        _problems(report),
+    ]
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     title = f"driftscope: {Outcome.of(report).word}: {report.target} vs {report.baseline}"
-    return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
-            '<meta name="viewport" content="width=device-width, initial-scale=1">'
-            f"<title>{_e(title)}</title><style>{_CSS}</style></head><body>{''.join(body)}"
-            f'<footer class="muted"><p>driftscope {_e(__version__)}, {stamp}</p></footer>'
-            f"<script>{_JS}</script></body></html>\n")
+    return (
+        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+        '<meta name="viewport" content="width=device-width, initial-scale=1">'
+        f"<title>{_e(title)}</title><style>{_CSS}</style></head><body>{''.join(body)}"
+        f'<footer class="muted"><p>driftscope {_e(__version__)}, {stamp}</p></footer>'
+        f"<script>{_JS}</script></body></html>\n"
+    )
 
 
 def write_html(report: Report, path: str | os.PathLike[str], **kwargs: Any) -> None:

@@ -32,8 +32,10 @@ __all__ = ["routing_section"]
 
 
 def _cells(cells: tuple[str, ...], head: tuple[tuple[str, str], ...]) -> str:
-    return "".join(f'<td class="n">{escape(c)}</td>' if kind == "num" else f"<td>{escape(c)}</td>"
-                   for c, (_, kind) in zip(cells, head, strict=True))
+    return "".join(
+        f'<td class="n">{escape(c)}</td>' if kind == "num" else f"<td>{escape(c)}</td>"
+        for c, (_, kind) in zip(cells, head, strict=True)
+    )
 
 
 def routing_section(router: RouterComparison) -> str:
@@ -44,12 +46,13 @@ def routing_section(router: RouterComparison) -> str:
     for row in layer_rows(router):
         cls = " ".join(["bad"] * (not row.passed) + ["first"] * row.first)
         rows.append(f'<tr class="{cls}">{_cells(row.cells, head)}</tr>')
-    out = [f'<section id="routing"><h2>Routing: {status(router.passed)}</h2>',
-           f'<p class="muted">{escape(routing_title(router))}: {escape(routing_summary(router))}</p>',
-           table(head, rows, table_id="routing-table") if rows else ""]
+    out = [
+        f'<section id="routing"><h2>Routing: {status(router.passed)}</h2>',
+        f'<p class="muted">{escape(routing_title(router))}: {escape(routing_summary(router))}</p>',
+        table(head, rows, table_id="routing-table") if rows else "",
+    ]
     if flips := flip_rows(router):
         listed = [("<tr>" if f.benign else '<tr class="bad">') + _cells(f.cells, FLIP_HEAD) + "</tr>" for f in flips]
         out.append(f"<h3>{escape(flips_title(router))}</h3>" + table(FLIP_HEAD, listed, table_id="routing-flips"))
     out += [f'<p class="muted">{escape(n)}</p>' for n in routing_notes(router)]
     return "".join(out) + "</section>"
-

@@ -31,22 +31,42 @@ from dataclasses import dataclass
 from comparator.outcome import format_available, format_float, format_ratio, status
 from comparator.results import LayerSummary, Report
 
-__all__ = ["FROM_ZERO", "FROM_ZERO_LEGEND", "FIRST_DIVERGENCE", "ONSET", "Cell", "LayerRow", "LayerTable",
-           "amplification_cell", "layer_table"]
+__all__ = [
+    "FROM_ZERO",
+    "FROM_ZERO_LEGEND",
+    "FIRST_DIVERGENCE",
+    "ONSET",
+    "Cell",
+    "LayerRow",
+    "LayerTable",
+    "amplification_cell",
+    "layer_table",
+]
 
 FROM_ZERO = "from 0"
 """The amplification cell of a layer whose input matches exactly while the next layer's does not."""
-FROM_ZERO_LEGEND = (f"amplification {FROM_ZERO!r}: rel_diff 0 at the layer's input, not at the next layer's, so no "
-                    "ratio exists (in a run that passes: not an introduced error)")
+FROM_ZERO_LEGEND = (
+    f"amplification {FROM_ZERO!r}: rel_diff 0 at the layer's input, not at the next layer's, so no "
+    "ratio exists (in a run that passes: not an introduced error)"
+)
 FIRST_DIVERGENCE = "FIRST DIVERGENCE"
 """The mark of the row that holds the report's first divergence."""
 ONSET = "ONSET"
 """The mark of the onset layer (where the divergence starts), when it is not the first divergence's row."""
 
 _HEAD: tuple[tuple[str, str], ...] = (
-    ("layer", "num"), ("tensors", "num"), ("rel_diff", "num"), ("x noise", "num"), ("max token rel_diff", "num"),
-    ("max |diff|", "num"), ("min cosine", "num"), ("amplification", "num"), ("first failing token", "num"),
-    ("worst token", "num"), ("verdict", "str"))
+    ("layer", "num"),
+    ("tensors", "num"),
+    ("rel_diff", "num"),
+    ("x noise", "num"),
+    ("max token rel_diff", "num"),
+    ("max |diff|", "num"),
+    ("min cosine", "num"),
+    ("amplification", "num"),
+    ("first failing token", "num"),
+    ("worst token", "num"),
+    ("verdict", "str"),
+)
 """Every column, (label, ``"num"`` right-aligned or ``"str"``); ``x noise`` only with a noise file."""
 
 
@@ -108,12 +128,18 @@ def _row(report: Report, s: LayerSummary, calibrated: bool) -> LayerRow:
     first = fd is not None and s.layer == fd.layer
     onset = fd is not None and not first and s.layer is not None and s.layer == fd.onset_layer
     amp, introduced = amplification_cell(report, s)
-    cells = [Cell(s.layer, "-" if s.layer is None else str(s.layer)), Cell(s.tensors, str(s.tensors)),
-             Cell(s.max_rel_diff, format_float(s.max_rel_diff))]
+    cells = [
+        Cell(s.layer, "-" if s.layer is None else str(s.layer)),
+        Cell(s.tensors, str(s.tensors)),
+        Cell(s.max_rel_diff, format_float(s.max_rel_diff)),
+    ]
     cells += [Cell(s.noise_ratio, format_ratio(s.noise_ratio))] if calibrated else []
-    cells += [Cell(s.max_token_rel_diff, format_float(s.max_token_rel_diff)),
-              Cell(s.max_abs_diff, format_available(s.max_abs_diff)),
-              Cell(s.min_cosine, format_available(s.min_cosine, ".6f")), Cell(s.amplification, amp)]
+    cells += [
+        Cell(s.max_token_rel_diff, format_float(s.max_token_rel_diff)),
+        Cell(s.max_abs_diff, format_available(s.max_abs_diff)),
+        Cell(s.min_cosine, format_available(s.min_cosine, ".6f")),
+        Cell(s.amplification, amp),
+    ]
     cells += [Cell(t, "-" if t is None else str(t)) for t in (s.first_failing_token, s.worst_token)]
     cells.append(Cell(None, status(s.passed, s.failed)))
     return LayerRow(cells=tuple(cells), passed=s.passed, first=first, onset=onset, introduced=introduced)

@@ -16,8 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from comparator.judging.logprob_metrics import logprob_metric, logprob_metrics
-from comparator.logprobs.types import Located
-from comparator.logprobs.types import LogprobVerdict
+from comparator.logprobs.types import Located, LogprobVerdict
 from comparator.outcome import format_float, format_located
 
 __all__ = ["LogprobRow", "metric_rows", "metric_label"]
@@ -54,6 +53,13 @@ def metric_rows(v: LogprobVerdict) -> list[LogprobRow]:
         else:
             text = format_float(val.value) + ("" if val.se is None else f" ± {format_float(val.se)}")
         limit = th.get(m.name)
-        rows.append(LogprobRow(m.name, m.label + (" ± SE" if m.se_key is not None else ""), text,
-                               "-" if limit is None else f"{limit:g}", m.name in failing))
+        rows.append(
+            LogprobRow(
+                m.name,
+                m.label + (" ± SE" if m.se_key is not None else ""),
+                text,
+                "-" if limit is None else f"{limit:g}",
+                m.name in failing,
+            )
+        )
     return rows

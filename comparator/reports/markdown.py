@@ -18,8 +18,6 @@ import html
 import os
 import re
 
-from dumper.format import atomic_path
-
 from comparator.outcome import (
     Outcome,
     clause,
@@ -42,6 +40,7 @@ from comparator.reports.routing_table import (
 )
 from comparator.results import Report
 from comparator.routing.types import RouterComparison
+from dumper.format import atomic_path
 
 __all__ = ["to_markdown", "write_markdown"]
 
@@ -84,16 +83,25 @@ def _routing(router: RouterComparison) -> list[str]:
     flips and the notes, as Markdown lines."""
     head, rows = layer_head(router), layer_rows(router)
     lines = [f"{_md(routing_title(router))}: {_md(routing_summary(router))}"]
-    lines += ["", "| " + " | ".join(_md(label) for label, _ in head) + " |",
-              "|" + "|".join("---:" if kind == "num" else ":---" for _, kind in head) + "|"] if rows else []
+    lines += (
+        [
+            "",
+            "| " + " | ".join(_md(label) for label, _ in head) + " |",
+            "|" + "|".join("---:" if kind == "num" else ":---" for _, kind in head) + "|",
+        ]
+        if rows
+        else []
+    )
     for row in rows:
         cells = [_md(c) for c in row.cells]
         cells[0], cells[-1] = _bold(cells[0], row.first), _bold(cells[-1], row.first)
         lines.append("| " + " | ".join(cells) + " |")
     if flips := flip_rows(router):
         lines += ["", f"{_md(flips_title(router))}:", ""]
-        lines += [f"- layer {c[0]}, sequence {c[1]}, token {c[2]}: experts {_md(c[3])}, margin {c[4]} "
-                  f"({_md(c[5])}), {c[6]}" for c in (f.cells for f in flips)]
+        lines += [
+            f"- layer {c[0]}, sequence {c[1]}, token {c[2]}: experts {_md(c[3])}, margin {c[4]} ({_md(c[5])}), {c[6]}"
+            for c in (f.cells for f in flips)
+        ]
     return lines + [line for n in routing_notes(router) for line in ("", _md(n))]
 
 
@@ -103,8 +111,10 @@ def _layer_lines(report: Report) -> list[str]:
     in bold; then the legend, if any. The cells are numbers and words of ours, so they are not escaped."""
     layers = layer_table(report)
     amp = layers.column("amplification")
-    lines = ["| " + " | ".join(label.replace("|", "\\|") for label, _ in layers.head) + " |",
-             "|" + "|".join("---:" if kind == "num" else ":---" for _, kind in layers.head) + "|"]
+    lines = [
+        "| " + " | ".join(label.replace("|", "\\|") for label, _ in layers.head) + " |",
+        "|" + "|".join("---:" if kind == "num" else ":---" for _, kind in layers.head) + "|",
+    ]
     for row in layers.rows:
         cells = [c.text for c in row.cells]
         cells[0], cells[amp] = _bold(cells[0], row.first), _bold(cells[amp], row.introduced)
@@ -122,11 +132,15 @@ def to_markdown(report: Report) -> str:
     lines = [_verdict_line(report), ""]
     if report.tensors:
         lines += _layer_lines(report)
-    summary = (f"target {_code(report.target)} vs baseline {_code(report.baseline)}; matched {report.matched} "
-               f"tensors; {threshold_summary(report, quote=_code)}")
+    summary = (
+        f"target {_code(report.target)} vs baseline {_code(report.baseline)}; matched {report.matched} "
+        f"tensors; {threshold_summary(report, quote=_code)}"
+    )
     if report.unmatched_baseline or report.unmatched_target:
-        summary += (f"; {len(report.unmatched_baseline)} tensors only in the baseline, "
-                    f"{len(report.unmatched_target)} only in the target")
+        summary += (
+            f"; {len(report.unmatched_baseline)} tensors only in the baseline, "
+            f"{len(report.unmatched_target)} only in the target"
+        )
     lines.append(summary)
     lines += [line for n in describe_decode(report) for line in ("", _md(n))]  # steps compared, forks
     if report.router is not None:
@@ -134,9 +148,15 @@ def to_markdown(report: Report) -> str:
     if report.logprobs is not None:
         v = report.logprobs
         verdict = status(v.passed, ", ".join(v.failures()))
-        lines += ["", f"logprobs: {verdict}: {_md(reaches_output(report))}", "",
-                  "logprob metrics: " + "; ".join(f"{_bold(_md(r.label), r.failing)} {_md(r.value)} (threshold "
-                                                  f"{r.threshold})" for r in metric_rows(v))]
+        lines += [
+            "",
+            f"logprobs: {verdict}: {_md(reaches_output(report))}",
+            "",
+            "logprob metrics: "
+            + "; ".join(
+                f"{_bold(_md(r.label), r.failing)} {_md(r.value)} (threshold {r.threshold})" for r in metric_rows(v)
+            ),
+        ]
     return "\n".join(lines) + "\n"
 
 

@@ -30,16 +30,24 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, TextIO
 
+from comparator.reports.files import json_text, need_pyarrow, write_parquet
+from comparator.results import Report
 from dumper.errors import UsageError
 from dumper.format import Manifest
 from dumper.format.remote_read import dump_manifest
 from dumper.progress import ProgressFn, progress_bar
 
-from comparator.reports.files import json_text, need_pyarrow, write_parquet
-from comparator.results import Report
-
-__all__ = ["OutputFormat", "Dumps", "OUTPUT_FORMATS", "register_output", "add_output_flags", "check_output_flags",
-           "write_outputs", "progress_callback", "STDOUT"]
+__all__ = [
+    "OutputFormat",
+    "Dumps",
+    "OUTPUT_FORMATS",
+    "register_output",
+    "add_output_flags",
+    "check_output_flags",
+    "write_outputs",
+    "progress_callback",
+    "STDOUT",
+]
 
 STDOUT = "-"
 """A format's flag without a file (``--markdown``): write to stdout."""
@@ -100,8 +108,12 @@ def add_output_flags(parser: argparse.ArgumentParser) -> None:
     for fmt in OUTPUT_FORMATS.values():
         optional: dict[str, Any] = {"nargs": "?", "const": STDOUT} if fmt.to_stdout is not None else {}
         g.add_argument(f"--{fmt.name}", metavar=fmt.metavar, help=fmt.help, **optional)
-    g.add_argument("--format", choices=("table", "json"), default="table",
-                   help="what stdout gets: the table (default), or the JSON report for piping (then no table)")
+    g.add_argument(
+        "--format",
+        choices=("table", "json"),
+        default="table",
+        help="what stdout gets: the table (default), or the JSON report for piping (then no table)",
+    )
 
 
 def check_output_flags(args: argparse.Namespace) -> None:
@@ -111,8 +123,9 @@ def check_output_flags(args: argparse.Namespace) -> None:
         if value and fmt.check is not None:
             fmt.check()
         if value == STDOUT and fmt.to_stdout is not None and getattr(args, "format", "table") == "json":
-            raise UsageError(f"--{fmt.name} without FILE writes to stdout, which --format json already uses; "
-                             "give a FILE")
+            raise UsageError(
+                f"--{fmt.name} without FILE writes to stdout, which --format json already uses; give a FILE"
+            )
 
 
 def _write(path: str, what: str, write: Callable[[str], None]) -> None:
@@ -122,8 +135,14 @@ def _write(path: str, what: str, write: Callable[[str], None]) -> None:
         raise UsageError(f"{path}: cannot write the {what} ({e.strerror})") from None
 
 
-def write_outputs(report: Report, args: argparse.Namespace, baseline_dir: str | os.PathLike[str],
-                  target_dir: str | os.PathLike[str], *, stdout: TextIO | None = None) -> None:
+def write_outputs(
+    report: Report,
+    args: argparse.Namespace,
+    baseline_dir: str | os.PathLike[str],
+    target_dir: str | os.PathLike[str],
+    *,
+    stdout: TextIO | None = None,
+) -> None:
     """Write what the flags of :func:`add_output_flags` ask for.
 
     ``--format json`` prints the JSON report to ``stdout`` (the caller then prints no table); a
@@ -179,15 +198,39 @@ def _plot(report: Report, path: str, dumps: Dumps) -> None:
     save_layer_plot(report, path)
 
 
-register_output(OutputFormat(
-    "html", "HTML report", _html, metavar="FILE",
-    help="write a self-contained HTML report: per-layer chart, token heatmap, logprob plots, MoE routing, "
-         "sortable tensor table"))
-register_output(OutputFormat("plot", "plot", _plot, metavar="FILE.png",
-                             help="write the per-layer rel_diff chart (.png, .svg or .pdf)"))
-register_output(OutputFormat("parquet", "Parquet table", lambda report, path, dumps: write_parquet(report, path),
-                             metavar="FILE", help="write the per-tensor table as Parquet (needs pyarrow)",
-                             check=need_pyarrow))
-register_output(OutputFormat("markdown", "Markdown report", _markdown, metavar="FILE", to_stdout=_markdown_text,
-                             help="write the verdict and per-layer Markdown tables (hidden states, MoE routing) "
-                                  "for a PR; to stdout without FILE"))
+register_output(
+    OutputFormat(
+        "html",
+        "HTML report",
+        _html,
+        metavar="FILE",
+        help="write a self-contained HTML report: per-layer chart, token heatmap, logprob plots, MoE routing, "
+        "sortable tensor table",
+    )
+)
+register_output(
+    OutputFormat(
+        "plot", "plot", _plot, metavar="FILE.png", help="write the per-layer rel_diff chart (.png, .svg or .pdf)"
+    )
+)
+register_output(
+    OutputFormat(
+        "parquet",
+        "Parquet table",
+        lambda report, path, dumps: write_parquet(report, path),
+        metavar="FILE",
+        help="write the per-tensor table as Parquet (needs pyarrow)",
+        check=need_pyarrow,
+    )
+)
+register_output(
+    OutputFormat(
+        "markdown",
+        "Markdown report",
+        _markdown,
+        metavar="FILE",
+        to_stdout=_markdown_text,
+        help="write the verdict and per-layer Markdown tables (hidden states, MoE routing) "
+        "for a PR; to stdout without FILE",
+    )
+)

@@ -28,14 +28,22 @@ from matplotlib import colormaps, rc_context
 from matplotlib.colors import LogNorm
 from matplotlib.figure import Figure
 
+from comparator.logprobs import LogprobVerdict, PositionSeries, k3
+from comparator.results import Heatmap, LayerSummary, Report
 from dumper.errors import UsageError
 from dumper.format import atomic_path
 
-from comparator.logprobs import LogprobVerdict, PositionSeries, k3
-from comparator.results import Heatmap, LayerSummary, Report
-
-__all__ = ["layer_figure", "amplification_figure", "heatmap_figure", "logprob_figure", "figure_svg", "figure_bytes",
-           "save_layer_plot", "log_range", "MAX_AMPLIFICATION_POINTS"]
+__all__ = [
+    "layer_figure",
+    "amplification_figure",
+    "heatmap_figure",
+    "logprob_figure",
+    "figure_svg",
+    "figure_bytes",
+    "save_layer_plot",
+    "log_range",
+    "MAX_AMPLIFICATION_POINTS",
+]
 
 MAX_POINTS = 3000
 """Points per logprob line; longer series are max-pooled so that spikes stay visible."""
@@ -99,14 +107,27 @@ def _threshold_lines(ax, report: Report, x: np.ndarray, noise: tuple[np.ndarray,
     if report.threshold == report.token_threshold:
         ax.axhline(report.threshold, color="0.3", ls="--", lw=1, label=f"{fixed}thresholds = {report.threshold:g}")
     else:
-        ax.axhline(report.threshold, color="0.3", ls="--", lw=1,
-                   label=f"{fixed}rel_diff threshold {report.threshold:g}")
-        ax.axhline(report.token_threshold, color="0.3", ls=":", lw=1,
-                   label=f"{fixed}per-token threshold {report.token_threshold:g}")
+        ax.axhline(
+            report.threshold, color="0.3", ls="--", lw=1, label=f"{fixed}rel_diff threshold {report.threshold:g}"
+        )
+        ax.axhline(
+            report.token_threshold,
+            color="0.3",
+            ls=":",
+            lw=1,
+            label=f"{fixed}per-token threshold {report.token_threshold:g}",
+        )
     if noise is not None:
         rel, tok = noise
-        (line,) = ax.step(x, rel, where="mid", color=_OK, lw=1.2, alpha=0.6,
-                          label=f"noise threshold ({report.noise_factor:g} x noise)")
+        (line,) = ax.step(
+            x,
+            rel,
+            where="mid",
+            color=_OK,
+            lw=1.2,
+            alpha=0.6,
+            label=f"noise threshold ({report.noise_factor:g} x noise)",
+        )
         line.set_gid("layer-noise-threshold")
         ax.step(x, tok, where="mid", color=_MARK, lw=1.2, alpha=0.6, ls=(0, (1, 1)), label="per-token noise threshold")
 
@@ -117,11 +138,21 @@ def _divergence_lines(ax, report: Report, layers: Sequence[LayerSummary]) -> Non
         return
     index = {s.layer: i for i, s in enumerate(layers)}
     if fd.layer in index:
-        ax.axvline(index[fd.layer], color=_FAIL, lw=1.5, alpha=0.7,
-                   label=f"first divergence: layer {'-' if fd.layer is None else fd.layer}")
+        ax.axvline(
+            index[fd.layer],
+            color=_FAIL,
+            lw=1.5,
+            alpha=0.7,
+            label=f"first divergence: layer {'-' if fd.layer is None else fd.layer}",
+        )
     if fd.onset_layer is not None and fd.onset_layer != fd.layer and fd.onset_layer in index:
-        line = ax.axvline(index[fd.onset_layer], color=_ONSET, lw=1.5, ls="-.",
-                          label=f"onset: layer {fd.onset_layer} ({fd.onset_layer_method})")
+        line = ax.axvline(
+            index[fd.onset_layer],
+            color=_ONSET,
+            lw=1.5,
+            ls="-.",
+            label=f"onset: layer {fd.onset_layer} ({fd.onset_layer_method})",
+        )
         line.set_gid("layer-onset")
 
 
@@ -141,7 +172,9 @@ def layer_figure(report: Report) -> Figure:
     ax.plot(x, _clip(rel, floor, ceiling), "s-", color=_OK, ms=4, label="rel_diff (whole tensor)")
     failed = np.asarray([not s.passed for s in layers], dtype=bool)
     if failed.any():
-        ax.plot(x[failed], _clip(tok, floor, ceiling)[failed], "o", color=_FAIL, ms=7, mfc="none", label="failing layer")
+        ax.plot(
+            x[failed], _clip(tok, floor, ceiling)[failed], "o", color=_FAIL, ms=7, mfc="none", label="failing layer"
+        )
     _threshold_lines(ax, report, x, noise)
     _divergence_lines(ax, report, layers)
     ax.set_yscale("log")
@@ -179,9 +212,16 @@ def amplification_figure(report: Report) -> Figure | None:
         ax.plot(np.arange(len(layers)), np.clip(ys, floor, ceiling), "o-", ms=4, lw=1, label=_literal(point or "-"))
     hot = [a for a in amps if a.introduced and (a.point or "") in shown]
     if hot:
-        (mark,) = ax.plot([index[a.layer] for a in hot], [min(max(a.ratio or ceiling, floor), ceiling) for a in hot],
-                          "o", color=_FAIL, ms=11, mfc="none", mew=2,
-                          label="introduces error: layer " + ", ".join(sorted({str(a.layer) for a in hot}, key=int)))
+        (mark,) = ax.plot(
+            [index[a.layer] for a in hot],
+            [min(max(a.ratio or ceiling, floor), ceiling) for a in hot],
+            "o",
+            color=_FAIL,
+            ms=11,
+            mfc="none",
+            mew=2,
+            label="introduces error: layer " + ", ".join(sorted({str(a.layer) for a in hot}, key=int)),
+        )
         mark.set_gid("amplification-introduced")
     ax.axhline(1.0, color="0.4", ls=":", lw=1, label="1 (no growth)")
     ax.set_yscale("log")
@@ -196,8 +236,12 @@ def amplification_figure(report: Report) -> Figure | None:
     notes = [f"{infs} infinite (error from exact zero) drawn at {ceiling:.0e}"] if infs else []
     notes += ["blank: exact on both sides"] if any(a.ratio is None for a in amps) else []
     notes += [f"{left} more capture points not drawn"] if left > 0 else []
-    ax.set_title("amplification: rel_diff(input of layer k+1) / rel_diff(input of layer k)"
-                 + (f"\n{'; '.join(notes)}" if notes else ""), fontsize=9, loc="left")
+    ax.set_title(
+        "amplification: rel_diff(input of layer k+1) / rel_diff(input of layer k)"
+        + (f"\n{'; '.join(notes)}" if notes else ""),
+        fontsize=9,
+        loc="left",
+    )
     return fig
 
 
@@ -211,17 +255,23 @@ def _row_labels(hm: Heatmap) -> list[str]:
     per_layer: dict[int | None, int] = {}
     for layer in hm.layers:
         per_layer[layer] = per_layer.get(layer, 0) + 1
-    return [_literal(("-" if layer is None else str(layer)) if per_layer[layer] == 1 else
-                     f"{'-' if layer is None else layer} {name.rsplit('.', 2)[-2] if name.count('.') >= 2 else name}")
-            for layer, name in zip(hm.layers, hm.names, strict=True)]
+    return [
+        _literal(
+            ("-" if layer is None else str(layer))
+            if per_layer[layer] == 1
+            else f"{'-' if layer is None else layer} {name.rsplit('.', 2)[-2] if name.count('.') >= 2 else name}"
+        )
+        for layer, name in zip(hm.layers, hm.names, strict=True)
+    ]
 
 
 def _column(positions: Sequence[int], position: int | None) -> int | None:
     return positions.index(position) if position is not None and position in positions else None
 
 
-def _heatmap_marks(ax, hm: Heatmap, first_token: int | None, onset: int | None, onset_layer: int | None,
-                   decode_from: int | None = None) -> list[str]:
+def _heatmap_marks(
+    ax, hm: Heatmap, first_token: int | None, onset: int | None, onset_layer: int | None, decode_from: int | None = None
+) -> list[str]:
     """Lines at the onset (solid), the first failing token (dashed) and where decode steps begin (dotted, orange),
     white bars at gaps between runs of positions, triangles on the onset layer's rows; returns the title's words."""
     positions, words = list(hm.positions), []
@@ -240,9 +290,11 @@ def _heatmap_marks(ax, hm: Heatmap, first_token: int | None, onset: int | None, 
         words.insert(0, f"solid: onset, token {onset}")
     if first is not None:
         ax.axvline(first - 0.5, color="white", lw=1.2, ls="--").set_gid("heatmap-first-failing")
-        words.insert(1 if start is not None and onset != first_token else 0,
-                     f"dashed: first failing token {first_token}"
-                     + (" = onset" if onset == first_token and onset is not None else ""))
+        words.insert(
+            1 if start is not None and onset != first_token else 0,
+            f"dashed: first failing token {first_token}"
+            + (" = onset" if onset == first_token and onset is not None else ""),
+        )
     rows = [i for i, layer in enumerate(hm.layers) if onset_layer is not None and layer == onset_layer]
     if rows:
         (mark,) = ax.plot([-0.5] * len(rows), rows, ">", color=_ONSET, ms=8, mec="black", clip_on=False, ls="none")
@@ -251,8 +303,15 @@ def _heatmap_marks(ax, hm: Heatmap, first_token: int | None, onset: int | None, 
     return words
 
 
-def heatmap_figure(hm: Heatmap, *, token_threshold: float, first_token: int | None = None,
-                   onset: int | None = None, onset_layer: int | None = None, decode_from: int | None = None) -> Figure:
+def heatmap_figure(
+    hm: Heatmap,
+    *,
+    token_threshold: float,
+    first_token: int | None = None,
+    onset: int | None = None,
+    onset_layer: int | None = None,
+    decode_from: int | None = None,
+) -> Figure:
     """Tensors (by layer, bottom to top) x token positions of per-token rel_diff, log colour scale;
     the onset, the first failing token and the first decode position (``decode_from``: the prompt's
     length) are vertical lines, the onset layer's rows marked."""
@@ -264,8 +323,9 @@ def heatmap_figure(hm: Heatmap, *, token_threshold: float, first_token: int | No
     ax = fig.add_subplot()
     shown = np.where(np.isfinite(values), np.where(values > 0, np.maximum(values, floor), floor / 10), ceiling * 10)
     vmax = max(float(np.max(values[np.isfinite(values)], initial=floor * 10)), token_threshold * 10)
-    img = ax.imshow(shown, aspect="auto", origin="lower", interpolation="nearest", cmap=cmap,
-                    norm=LogNorm(vmin=floor, vmax=vmax))
+    img = ax.imshow(
+        shown, aspect="auto", origin="lower", interpolation="nearest", cmap=cmap, norm=LogNorm(vmin=floor, vmax=vmax)
+    )
     bar = fig.colorbar(img, ax=ax, extend="both", pad=0.01)
     bar.set_label("per-token rel_diff")
     bar.ax.axhline(token_threshold, color="white", lw=2)
@@ -280,7 +340,7 @@ def heatmap_figure(hm: Heatmap, *, token_threshold: float, first_token: int | No
     ax.set_ylabel("layer")
     words += ["grey: exactly 0"] if (values == 0).any() else []
     words += ["magenta: infinite (NaN/Inf mismatch)"] if (~np.isfinite(values)).any() else []
-    lines = ["; ".join(words[i:i + 3]) for i in range(0, len(words), 3)]  # three marks a line
+    lines = ["; ".join(words[i : i + 3]) for i in range(0, len(words), 3)]  # three marks a line
     ax.set_title("\n".join(["per-token rel_diff from the onset of the divergence", *lines]), fontsize=9, loc="left")
     return fig
 
@@ -340,8 +400,10 @@ def logprob_figure(v: LogprobVerdict) -> Figure | None:
     if not v.series:
         return None
     has_kl = any(s.kl is not None for s in v.series)
-    panels = [("|Δ logprob| (nats)", "delta", v.thresholds.max_abs_err),
-              ("KL(P_base ‖ P_target)", "kl", v.thresholds.kl_max) if has_kl else ("k3 (KL estimate)", "k3", None)]
+    panels = [
+        ("|Δ logprob| (nats)", "delta", v.thresholds.max_abs_err),
+        ("KL(P_base ‖ P_target)", "kl", v.thresholds.kl_max) if has_kl else ("k3 (KL estimate)", "k3", None),
+    ]
     fig = Figure(figsize=(9, 4.8), layout="constrained")
     axes = fig.subplots(len(panels), 1, sharex=True)
     for ax, (label, what, limit) in zip(axes, panels, strict=True):
@@ -352,8 +414,14 @@ def logprob_figure(v: LogprobVerdict) -> Figure | None:
         axes[-1].set_xlabel("position, requests laid end to end (grey lines: request starts)")
         if len(segs) <= 12:
             for x, _, rid in segs:
-                axes[0].annotate(_literal(f"request {rid}"), (x[0], 1), xycoords=("data", "axes fraction"),
-                                 fontsize=7, va="top", color="0.35")
+                axes[0].annotate(
+                    _literal(f"request {rid}"),
+                    (x[0], 1),
+                    xycoords=("data", "axes fraction"),
+                    fontsize=7,
+                    va="top",
+                    color="0.35",
+                )
     else:
         axes[-1].set_xlabel(_literal(f"position (request {segs[0][2]})") if segs else "position")
     return fig
@@ -371,7 +439,7 @@ def figure_bytes(fig: Figure, fmt: str) -> bytes:
 def figure_svg(fig: Figure) -> str:
     """The figure as an ``<svg>`` element to inline into HTML (no XML prolog, no DOCTYPE)."""
     text = figure_bytes(fig, "svg").decode("utf-8")
-    text = text[text.index("<svg"):]
+    text = text[text.index("<svg") :]
     return re.sub(r"\s*<metadata>.*?</metadata>", "", text, count=1, flags=re.S)
 
 

@@ -17,21 +17,57 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from comparator.outcome import (FAIL, describe_rank, flip_ratio, format_float, format_ratio, judged_by, routing_failures,
-                                status)
+from comparator.outcome import (
+    FAIL,
+    describe_rank,
+    flip_ratio,
+    format_float,
+    format_ratio,
+    judged_by,
+    routing_failures,
+    status,
+)
 from comparator.routing.types import Flip, RouterComparison
 
-__all__ = ["FLIP_HEAD", "FIRST_FAILURE", "SHOWN_FLIPS", "LayerRow", "FlipRow", "layer_head", "layer_rows",
-           "routing_title", "flip_rows", "flips_title", "routing_notes", "routing_summary"]
+__all__ = [
+    "FLIP_HEAD",
+    "FIRST_FAILURE",
+    "SHOWN_FLIPS",
+    "LayerRow",
+    "FlipRow",
+    "layer_head",
+    "layer_rows",
+    "routing_title",
+    "flip_rows",
+    "flips_title",
+    "routing_notes",
+    "routing_summary",
+]
 
 _HEAD: tuple[tuple[str, str], ...] = (
-    ("layer", "num"), ("tokens", "num"), ("experts / top-k", "num"), ("flips (rate)", "num"), ("failing flips", "num"),
-    ("order diffs", "num"), ("worst flip (seq/token margin, x unit)", "str"), ("max |Δw| vs limit", "str"),
-    ("mean |Δw|", "num"), ("logits rel_diff", "num"), ("basis", "str"), ("verdict", "str"))
+    ("layer", "num"),
+    ("tokens", "num"),
+    ("experts / top-k", "num"),
+    ("flips (rate)", "num"),
+    ("failing flips", "num"),
+    ("order diffs", "num"),
+    ("worst flip (seq/token margin, x unit)", "str"),
+    ("max |Δw| vs limit", "str"),
+    ("mean |Δw|", "num"),
+    ("logits rel_diff", "num"),
+    ("basis", "str"),
+    ("verdict", "str"),
+)
 """Every per-layer column; ``basis`` only when the layers were judged on different bases."""
 FLIP_HEAD: tuple[tuple[str, str], ...] = (
-    ("layer", "num"), ("sequence", "num"), ("token", "num"), ("experts baseline -> target", "str"),
-    ("margin", "num"), ("x unit", "num"), ("verdict", "str"))
+    ("layer", "num"),
+    ("sequence", "num"),
+    ("token", "num"),
+    ("experts baseline -> target", "str"),
+    ("margin", "num"),
+    ("x unit", "num"),
+    ("verdict", "str"),
+)
 """The flip list's columns: (label, ``"num"`` right-aligned or ``"str"``)."""
 FIRST_FAILURE = "FIRST FAILURE"
 """The verdict cell's mark on the first layer whose routing fails."""
@@ -85,9 +121,18 @@ def layer_rows(router: RouterComparison) -> list[LayerRow]:
         why = ", ".join(routing_failures(la) + router.rank_failures(la.layer))
         passed = la.passed and not router.rank_failures(la.layer)
         is_first = first is not None and la.layer == first.layer
-        cells = [str(la.layer), str(la.tokens), f"{la.experts} / {la.top_k}", f"{la.flips} ({la.flip_rate:.2%})",
-                 str(la.failing_flips), str(la.order_differences), worst, weights, format_float(la.weight_mean_err),
-                 format_float(la.logits_rel_diff)] + [la.basis] * mixed
+        cells = [
+            str(la.layer),
+            str(la.tokens),
+            f"{la.experts} / {la.top_k}",
+            f"{la.flips} ({la.flip_rate:.2%})",
+            str(la.failing_flips),
+            str(la.order_differences),
+            worst,
+            weights,
+            format_float(la.weight_mean_err),
+            format_float(la.logits_rel_diff),
+        ] + [la.basis] * mixed
         cells.append(f"{FIRST_FAILURE} ({why})" if is_first else status(passed, why))
         rows.append(LayerRow(cells=tuple(cells), passed=passed, first=is_first))
     return rows
@@ -114,9 +159,20 @@ def flip_rows(router: RouterComparison) -> list[FlipRow]:
     rows = []
     for f in _listed(router):
         ids = f"{list(f.baseline_ids)} -> {list(f.target_ids)}"
-        rows.append(FlipRow(cells=(str(f.layer), str(f.sequence), str(f.token), ids, f"{f.margin:.3g}",
-                                   flip_ratio(f, basis.get(f.layer, "")),
-                                   "benign" if f.benign else FAIL), benign=f.benign))
+        rows.append(
+            FlipRow(
+                cells=(
+                    str(f.layer),
+                    str(f.sequence),
+                    str(f.token),
+                    ids,
+                    f"{f.margin:.3g}",
+                    flip_ratio(f, basis.get(f.layer, "")),
+                    "benign" if f.benign else FAIL,
+                ),
+                benign=f.benign,
+            )
+        )
     return rows
 
 
@@ -125,8 +181,10 @@ def routing_summary(router: RouterComparison) -> str:
     failing = [la.layer for la in router.layers if not la.passed or router.rank_failures(la.layer)]
     why = f"layer{'s' * (len(failing) > 1)} {', '.join(map(str, failing))}" if failing else None
     flips = f"{router.flips} flip{'s' * (router.flips != 1)}"
-    return (f"{status(router.passed, why)}: {flips} ({router.failing_flips} failing) over "
-            f"{sum(la.tokens for la in router.layers)} tokens in {len(router.layers)} MoE layers")
+    return (
+        f"{status(router.passed, why)}: {flips} ({router.failing_flips} failing) over "
+        f"{sum(la.tokens for la in router.layers)} tokens in {len(router.layers)} MoE layers"
+    )
 
 
 def routing_notes(router: RouterComparison) -> list[str]:
@@ -139,4 +197,3 @@ def routing_notes(router: RouterComparison) -> list[str]:
     if not router.layers:
         out.append("no MoE layer routed on both sides: the routing was not compared")
     return out
-

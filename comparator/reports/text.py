@@ -8,11 +8,9 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from dumper.format.decode import DECODE, PREFILL
-
 from comparator.hidden.registry import columns as metric_columns
-from comparator.logprobs import LogprobVerdict
 from comparator.judging.noise import NoiseModel
+from comparator.logprobs import LogprobVerdict
 from comparator.outcome import (
     Outcome,
     clause,
@@ -38,6 +36,7 @@ from comparator.reports.routing_table import (
 )
 from comparator.results import Report
 from comparator.routing.types import RouterComparison
+from dumper.format.decode import DECODE, PREFILL
 
 __all__ = ["render_report", "render_logprobs", "render_routing", "render_noise"]
 
@@ -63,9 +62,14 @@ def _logprob_rows(v: LogprobVerdict) -> list[tuple[str, str, str | None]]:
     rows += [("rmse", format_float(v.rmse), None), ("k3 max", format_located(v.k3_max), None)]
     if v.kl_percentiles is not None:
         pct = v.kl_percentiles
-        rows += [("KL p99.9 / p99 / p95 / p90 / median",
-                  " / ".join(format_float(pct[k]) for k in ("99.9", "99", "95", "90", "50")), None),
-                 ("top-1 agreement", "-" if v.top1_agreement is None else f"{v.top1_agreement:.4%}", None)]
+        rows += [
+            (
+                "KL p99.9 / p99 / p95 / p90 / median",
+                " / ".join(format_float(pct[k]) for k in ("99.9", "99", "95", "90", "50")),
+                None,
+            ),
+            ("top-1 agreement", "-" if v.top1_agreement is None else f"{v.top1_agreement:.4%}", None),
+        ]
     if v.topk_mean_err is not None:
         rows += [("top-k mean |Δ| (per-sample mean)", format_float(v.topk_mean_err), None)]
     if v.llama is not None:  # llama-perplexity's statistics, in its wording
@@ -81,18 +85,24 @@ def _noise_lines(v: LogprobVerdict) -> list[str]:
     if v.noise is None:
         return out
     n = v.noise
-    out.append(f"logprob noise of {n.source or 'the calibration'}: {n.variants} variants, {n.positions} positions "
-               f"each; thresholds max(floor, {n.factor:g} x noise)")
+    out.append(
+        f"logprob noise of {n.source or 'the calibration'}: {n.variants} variants, {n.positions} positions "
+        f"each; thresholds max(floor, {n.factor:g} x noise)"
+    )
     if n.metrics and all(m.noise == 0 for m in n.metrics.values()):
-        out.append("the calibration's variants were bit-identical to the baseline, so the thresholds are the floors: "
-                   "calibrate with a variant that computes differently (another attention backend)")
+        out.append(
+            "the calibration's variants were bit-identical to the baseline, so the thresholds are the floors: "
+            "calibrate with a variant that computes differently (another attention backend)"
+        )
     exceeded = set(v.thresholds.failures(v.metrics()))
     for key, t in n.means.items():
         verdict = "significantly above the noise" if t.significant else "not significantly above the noise"
         if key in exceeded and n.excused(key):
             verdict += ": over its threshold, but not failed"
-        out.append(f"{metric_label(key)} {format_float(t.mean)} ± {format_float(t.se)} vs noise "
-                    f"{format_float(t.noise_mean)} ± {format_float(t.noise_se)}: z = {t.z:.3g}, {verdict}")
+        out.append(
+            f"{metric_label(key)} {format_float(t.mean)} ± {format_float(t.se)} vs noise "
+            f"{format_float(t.noise_mean)} ± {format_float(t.noise_se)}: z = {t.z:.3g}, {verdict}"
+        )
     return out
 
 
@@ -101,7 +111,8 @@ def render_logprobs(v: LogprobVerdict, console: Console) -> None:
     noise file, each checked value as a multiple of its noise and each mean's z-score against it."""
     table = Table(title=f"logprobs: {v.compared_positions} positions in {v.requests} requests", title_justify="left")
     for col, justify in (("metric", "left"), ("value", "right"), ("threshold", "right")) + (
-            (("vs noise", "right"),) if v.noise is not None else ()):
+        (("vs noise", "right"),) if v.noise is not None else ()
+    ):
         table.add_column(col, justify=justify)  # type: ignore[arg-type]
     th = v.thresholds.to_json()
     failing = set(v.failures())
@@ -115,10 +126,15 @@ def render_logprobs(v: LogprobVerdict, console: Console) -> None:
         console.print(Text(line))
     for side, names in (("baseline", v.unmatched_baseline), ("target", v.unmatched_target)):
         if names:
-            console.print(Text.assemble((f"only in the {side}, not compared ({len(names)}):", "yellow"),
-                                        f" {', '.join(names[:5])}"))
-    verdict = Text.assemble((status(v.passed), "bold green" if v.passed else "bold red"),
-                            "" if v.passed else f" ({', '.join(_failure(v, k) for k in v.failures())})")
+            console.print(
+                Text.assemble(
+                    (f"only in the {side}, not compared ({len(names)}):", "yellow"), f" {', '.join(names[:5])}"
+                )
+            )
+    verdict = Text.assemble(
+        (status(v.passed), "bold green" if v.passed else "bold red"),
+        "" if v.passed else f" ({', '.join(_failure(v, k) for k in v.failures())})",
+    )
     console.print(Text.assemble("logprobs: ", verdict))
 
 
@@ -182,10 +198,14 @@ def render_report(report: Report, console: Console, *, tensors: bool = False) ->
     summary = f"matched {report.matched} tensors; " + threshold_summary(report)
     summary += "".join(f"; {n}" for n in verdict_notes(report))
     for m in report.replica_mismatches[:10]:
-        console.print(Text.assemble(
-            ("replica mismatch", "bold red"), f" in the {m.side}: {m.name} (layer {m.layer}, sequence {m.sequence}) "
-            f"differs between rank {m.reference_rank} and rank {m.rank} from token {m.first_token} "
-            f"(max per-token rel_diff {format_float(m.max_token_rel_diff)})"))
+        console.print(
+            Text.assemble(
+                ("replica mismatch", "bold red"),
+                f" in the {m.side}: {m.name} (layer {m.layer}, sequence {m.sequence}) "
+                f"differs between rank {m.reference_rank} and rank {m.rank} from token {m.first_token} "
+                f"(max per-token rel_diff {format_float(m.max_token_rel_diff)})",
+            )
+        )
     if fd is not None and fd.replica_side is not None:
         console.print(Text.assemble(("divergence on a replica rank", "bold red"), f": {_replica_divergence(report)}"))
     outcome, why = Outcome.of(report), clause(report, detail=False)
@@ -202,8 +222,12 @@ def _layer_table(report: Report) -> Table:
     """The per-layer table: the first divergence's row in bold with its verdict on red, the onset
     layer named, the amplification of a layer that introduces error in yellow."""
     layers = layer_table(report)
-    table = Table(title=Text(f"{report.target}  vs  baseline {report.baseline}"), title_justify="left",
-                  caption=None if layers.legend is None else Text(layers.legend), caption_justify="left")
+    table = Table(
+        title=Text(f"{report.target}  vs  baseline {report.baseline}"),
+        title_justify="left",
+        caption=None if layers.legend is None else Text(layers.legend),
+        caption_justify="left",
+    )
     for label, kind in layers.head:
         table.add_column(label, justify="right" if kind == "num" else "left")
     amp = layers.column("amplification")
@@ -225,12 +249,24 @@ def _replica_divergence(report: Report) -> str:
     fd = report.first_divergent
     assert fd is not None and fd.replica_side is not None
     token = fd.onset if fd.onset is not None else fd.token
-    text = (f"rank {fd.rank} of the {fd.replica_side} diverges first, at layer {fd.layer} ({fd.name}"
-            f"{'' if fd.sequence is None else f', sequence {fd.sequence}'}) from token {_token(token)}")
-    ref = next((m.reference_rank for m in report.replica_mismatches
-                if (m.side, m.name, m.rank, m.sequence) == (fd.replica_side, fd.name, fd.rank, fd.sequence)), None)
-    same = [t for t in report.tensors if t.replica_side is None and (t.name, t.layer, t.sequence, t.forward_pass)
-            == (fd.name, fd.layer, fd.sequence, fd.forward_pass)]
+    text = (
+        f"rank {fd.rank} of the {fd.replica_side} diverges first, at layer {fd.layer} ({fd.name}"
+        f"{'' if fd.sequence is None else f', sequence {fd.sequence}'}) from token {_token(token)}"
+    )
+    ref = next(
+        (
+            m.reference_rank
+            for m in report.replica_mismatches
+            if (m.side, m.name, m.rank, m.sequence) == (fd.replica_side, fd.name, fd.rank, fd.sequence)
+        ),
+        None,
+    )
+    same = [
+        t
+        for t in report.tensors
+        if t.replica_side is None
+        and (t.name, t.layer, t.sequence, t.forward_pass) == (fd.name, fd.layer, fd.sequence, fd.forward_pass)
+    ]
     if ref is not None and same and all(t.passed for t in same):
         text += f"; the representative rank {ref} still agrees with the other side there"
     return text
@@ -240,14 +276,31 @@ def render_noise(noise: NoiseModel, console: Console) -> None:
     """The measured noise per tensor (and of the routing and the logprobs): what a comparison will be judged against."""
     table = Table(title=Text(f"noise of {noise.baseline} from {len(noise.variants)} variants"), title_justify="left")
     phased = any(t.phases for t in noise.tensors.values())  # decode dumps: prompt and decode rows apart
-    for col in ("layer", "tensor", "rel_diff", "token max", "token p99.9", "token p99", "positions",
-                *(("prompt token max", "decode token max") if phased else ()), "token max by variant"):
+    for col in (
+        "layer",
+        "tensor",
+        "rel_diff",
+        "token max",
+        "token p99.9",
+        "token p99",
+        "positions",
+        *(("prompt token max", "decode token max") if phased else ()),
+        "token max by variant",
+    ):
         table.add_column(col, justify="left" if col == "tensor" else "right")
     for t in noise.tensors.values():
         phases = [format_float(t.phases[p].token_max) if p in t.phases else "-" for p in (PREFILL, DECODE)]
-        table.add_row("-" if t.layer is None else str(t.layer), Text(t.name), format_float(t.rel_diff),
-                      format_float(t.token_max), format_float(t.token_p999), format_float(t.token_p99),
-                      str(t.positions), *(phases if phased else ()), " ".join(format_float(v) for v in t.by_variant))
+        table.add_row(
+            "-" if t.layer is None else str(t.layer),
+            Text(t.name),
+            format_float(t.rel_diff),
+            format_float(t.token_max),
+            format_float(t.token_p999),
+            format_float(t.token_p99),
+            str(t.positions),
+            *(phases if phased else ()),
+            " ".join(format_float(v) for v in t.by_variant),
+        )
     if noise.tensors:
         console.print(table)
     if noise.router:
@@ -255,8 +308,9 @@ def render_noise(noise: NoiseModel, console: Console) -> None:
         for col in ("layer", "score", "flip rate", "weight", "tokens"):
             routing.add_column(col, justify="right")
         for n in (noise.router[k] for k in sorted(noise.router)):
-            routing.add_row(str(n.layer), format_float(n.score), f"{n.flip_rate:.2%}", format_float(n.weight),
-                            str(n.tokens))
+            routing.add_row(
+                str(n.layer), format_float(n.score), f"{n.flip_rate:.2%}", format_float(n.weight), str(n.tokens)
+            )
         console.print(routing)
     if noise.logprobs is not None:
         lp = noise.logprobs
@@ -268,16 +322,32 @@ def _render_tensors(report: Report, console: Console) -> None:
     """One row per tensor; its metric columns are the carried metrics with a terminal label."""
     shown = [m for m in metric_columns(t.metrics for t in report.tensors) if m.short is not None]
     table = Table(title="tensors", title_justify="left")
-    for col in ("name", "layer", "seq", "pass", "rank", *(m.short or m.name for m in shown),
-                "nan/inf b", "nan/inf t", "failing tokens", "first token", "verdict"):
+    for col in (
+        "name",
+        "layer",
+        "seq",
+        "pass",
+        "rank",
+        *(m.short or m.name for m in shown),
+        "nan/inf b",
+        "nan/inf t",
+        "failing tokens",
+        "first token",
+        "verdict",
+    ):
         table.add_column(col)
     for t in report.tensors:
         table.add_row(
-            Text(t.name), "-" if t.layer is None else str(t.layer), "-" if t.sequence is None else str(t.sequence),
-            str(t.forward_pass), str(t.rank) + (f" ({t.replica_side} replica)" if t.replica_side else ""),
+            Text(t.name),
+            "-" if t.layer is None else str(t.layer),
+            "-" if t.sequence is None else str(t.sequence),
+            str(t.forward_pass),
+            str(t.rank) + (f" ({t.replica_side} replica)" if t.replica_side else ""),
             *(m.text(t.metrics.get(m.name), format_float) for m in shown),
-            f"{t.nan_baseline}/{t.inf_baseline}", f"{t.nan_target}/{t.inf_target}",
-            str(t.failing_tokens), _token(t.first_failing_token),
+            f"{t.nan_baseline}/{t.inf_baseline}",
+            f"{t.nan_target}/{t.inf_target}",
+            str(t.failing_tokens),
+            _token(t.first_failing_token),
             Text(status(t.passed), style="green" if t.passed else "bold red"),
         )
     console.print(table)

@@ -74,7 +74,7 @@ class TokenLookup:
             return None
         try:
             seq = int(sequence)
-            ids = [int(t) for t in self._ids[seq][max(0, position - before):position]]
+            ids = [int(t) for t in self._ids[seq][max(0, position - before) : position]]
             return self.tokenizer.decode(ids)
         except (TypeError, ValueError, IndexError):
             return None

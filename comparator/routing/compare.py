@@ -31,15 +31,14 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from dumper.errors import NotComparableError
-from dumper.format import DumpReader
-from dumper.format.dtypes import DTYPES
-
 from comparator.judging.fields import EXCESSIVE
 from comparator.judging.reldiff import rel_diff_of
 from comparator.judging.router_noise import SCORE_FLOOR, WEIGHT_FLOOR, RouterNoise, margin_rule, weight_rule
-from dumper.format.routing import LayerRecords, LayerRows, key_parts, read_layer, router_records, row_key
 from comparator.routing.types import CALIBRATED, MARGIN_RULE_BASIS, Flip, RankRouting, RouterComparison, RouterLayer
+from dumper.errors import NotComparableError
+from dumper.format import DumpReader
+from dumper.format.dtypes import DTYPES
+from dumper.format.routing import LayerRecords, LayerRows, key_parts, read_layer, router_records, row_key
 
 __all__ = ["RUN_NOISE", "SHOWN_FLIPS", "compare_routing"]
 
@@ -76,8 +75,9 @@ def _margins(scores: np.ndarray, ids: np.ndarray, groups: tuple[int, int] | None
         kept = np.zeros(group_score.shape, dtype=bool)
         np.put_along_axis(kept, order[:, :keep], True, axis=1)
         if keep < n:
-            group_margin = (np.where(kept, group_score, np.inf).min(axis=1)
-                            - np.where(kept, -np.inf, group_score).max(axis=1))
+            group_margin = np.where(kept, group_score, np.inf).min(axis=1) - np.where(kept, -np.inf, group_score).max(
+                axis=1
+            )
         eligible = np.repeat(kept, scores.shape[1] // n, axis=1)
     low = np.where(chosen, scores, np.inf).min(axis=1)
     high = np.where(chosen | ~eligible, -np.inf, scores).max(axis=1)
@@ -131,18 +131,37 @@ class _Judge:
         return np.where(margins < 0, np.inf, ratio)
 
 
-def _flips(layer: int, b: LayerRows, t: LayerRows, rb: np.ndarray, rt: np.ndarray, judge: _Judge,
-           use_scores: bool, earlier: dict[int, int], run_noise: float) -> list[Flip]:
+def _flips(
+    layer: int,
+    b: LayerRows,
+    t: LayerRows,
+    rb: np.ndarray,
+    rt: np.ndarray,
+    judge: _Judge,
+    use_scores: bool,
+    earlier: dict[int, int],
+    run_noise: float,
+) -> list[Flip]:
     """The flips of one layer; a token that already flipped at a layer before (``earlier``: key -> layer)
     was sent through other experts there, so its flip here follows from that one (benign, ``after`` it)."""
     keys = b.keys[rb]
     scores = (b.scores if use_scores else b.logits)[rb]  # type: ignore[index]
     margins = _margins(scores, b.ids[rb], b.groups if use_scores else None)
     ratios = judge.ratios(margins, scores, run_noise)
-    return [Flip(layer=layer, sequence=key_parts(k)[0], token=key_parts(k)[1], baseline_ids=tuple(int(i) for i in bi),
-                 target_ids=tuple(int(i) for i in ti), margin=float(m), noise_ratio=float(r),
-                 benign=bool(r <= judge.limit_ratio) or int(k) in earlier, after=earlier.get(int(k)))
-            for k, bi, ti, m, r in zip(keys, b.ids[rb], t.ids[rt], margins, ratios, strict=True)]
+    return [
+        Flip(
+            layer=layer,
+            sequence=key_parts(k)[0],
+            token=key_parts(k)[1],
+            baseline_ids=tuple(int(i) for i in bi),
+            target_ids=tuple(int(i) for i in ti),
+            margin=float(m),
+            noise_ratio=float(r),
+            benign=bool(r <= judge.limit_ratio) or int(k) in earlier,
+            after=earlier.get(int(k)),
+        )
+        for k, bi, ti, m, r in zip(keys, b.ids[rb], t.ids[rt], margins, ratios, strict=True)
+    ]
 
 
 def _excessive(layer: int, judge: _Judge, b: LayerRows) -> list[str]:
@@ -155,16 +174,22 @@ def _excessive(layer: int, judge: _Judge, b: LayerRows) -> list[str]:
     rule = judge.rule * float(np.median(np.sqrt(np.mean(scores * scores, axis=1)))) if scores.size else 0.0
     out = []
     if judge.limit_ratio * judge.unit > EXCESSIVE * rule:
-        out.append(f"layer {layer}: routing noise excuses flips with margins up to {judge.limit_ratio * judge.unit:.3g}, "
-                   f"over {EXCESSIVE:g}x the margin rule's {rule:.3g} at its median token: a real routing bug there "
-                   "would pass (recalibrate, or compare without --noise)")
+        out.append(
+            f"layer {layer}: routing noise excuses flips with margins up to {judge.limit_ratio * judge.unit:.3g}, "
+            f"over {EXCESSIVE:g}x the margin rule's {rule:.3g} at its median token: a real routing bug there "
+            "would pass (recalibrate, or compare without --noise)"
+        )
     if judge.weight_limit > EXCESSIVE * judge.weight_rule:
-        out.append(f"layer {layer}: routing noise excuses combine-weight errors up to {judge.weight_limit:.3g}, "
-                   f"over {EXCESSIVE:g}x the fixed weight limit {judge.weight_rule:.3g}: a real weight bug there "
-                   "would pass")
+        out.append(
+            f"layer {layer}: routing noise excuses combine-weight errors up to {judge.weight_limit:.3g}, "
+            f"over {EXCESSIVE:g}x the fixed weight limit {judge.weight_rule:.3g}: a real weight bug there "
+            "would pass"
+        )
     if judge.flip_rate_limit is not None and judge.flip_rate_limit >= 1.0:
-        out.append(f"layer {layer}: routing noise lets every token flip (flip rate limit "
-                   f"{judge.flip_rate_limit:.3g}): a real routing bug there would pass")
+        out.append(
+            f"layer {layer}: routing noise lets every token flip (flip rate limit "
+            f"{judge.flip_rate_limit:.3g}): a real routing bug there would pass"
+        )
     return out
 
 
@@ -174,49 +199,92 @@ def _noise_notes(flips: list[Flip], noise: Mapping[int, RouterNoise] | None, fac
     if not excused:
         return []
     layers = ", ".join(map(str, sorted({f.layer for f in excused})))
-    return [f"routing noise decided: {len(excused)} flips at layers {layers} passed as within {factor:g}x "
-            "the calibrated score noise of their layer"]
+    return [
+        f"routing noise decided: {len(excused)} flips at layers {layers} passed as within {factor:g}x "
+        "the calibrated score noise of their layer"
+    ]
 
 
-def _compare_layer(entry_b: LayerRecords, b: LayerRows, t: LayerRows, judge: _Judge, benign_rate: float | None,
-                   earlier: dict[int, int]) -> tuple[RouterLayer, list[Flip]]:
+def _compare_layer(
+    entry_b: LayerRecords, b: LayerRows, t: LayerRows, judge: _Judge, benign_rate: float | None, earlier: dict[int, int]
+) -> tuple[RouterLayer, list[Flip]]:
     _, ib, it = np.intersect1d(b.keys, t.keys, assume_unique=True, return_indices=True)
     use_scores = b.scores is not None and t.scores is not None
     sb = (b.scores if use_scores else b.logits)[ib]  # type: ignore[index]
     st = (t.scores if use_scores else t.logits)[it]  # type: ignore[index]
-    finite = (np.isfinite(sb).all(1) & np.isfinite(st).all(1) & np.isfinite(b.weights[ib]).all(1)
-              & np.isfinite(t.weights[it]).all(1))
+    finite = (
+        np.isfinite(sb).all(1)
+        & np.isfinite(st).all(1)
+        & np.isfinite(b.weights[ib]).all(1)
+        & np.isfinite(t.weights[it]).all(1)
+    )
     ib_f, it_f = ib[finite], it[finite]
     same = _same_set(b.ids[ib_f], t.ids[it_f])
     delta = np.abs(sb[finite] - st[finite]).max(axis=1) if finite.any() else np.zeros(0)
-    flips = _flips(entry_b.layer, b, t, ib_f[~same], it_f[~same], judge, use_scores, earlier,
-                   float(np.median(delta)) if delta.size else 0.0)
+    flips = _flips(
+        entry_b.layer,
+        b,
+        t,
+        ib_f[~same],
+        it_f[~same],
+        judge,
+        use_scores,
+        earlier,
+        float(np.median(delta)) if delta.size else 0.0,
+    )
     dw = _weight_errors(b, t, ib_f[same], it_f[same])
     order = int(np.count_nonzero(same & (b.ids[ib_f] != t.ids[it_f]).any(axis=1)))
     failing = [f for f in flips if not f.benign]
     worst = max(flips, key=lambda f: f.noise_ratio, default=None)
     lb, lt = b.logits[ib_f], t.logits[it_f]  # float64 (comparator.routing.read), plain numpy sums
     return RouterLayer(
-        layer=entry_b.layer, name=entry_b.prefix, tokens=int(ib.size), experts=int(b.logits.shape[1]),
-        top_k=int(b.ids.shape[1]), flips=len(flips), failing_flips=len(failing), order_differences=order,
+        layer=entry_b.layer,
+        name=entry_b.prefix,
+        tokens=int(ib.size),
+        experts=int(b.logits.shape[1]),
+        top_k=int(b.ids.shape[1]),
+        flips=len(flips),
+        failing_flips=len(failing),
+        order_differences=order,
         score_delta_max=float(delta.max()) if delta.size else 0.0,
         logits_rel_diff=rel_diff_of(float(np.sum((lb - lt) ** 2)), float(np.sum(lb * lb) + np.sum(lt * lt))),
-        weight_max_err=float(dw.max()) if dw.size else 0.0, weight_mean_err=float(dw.mean()) if dw.size else 0.0,
-        weight_limit=judge.weight_limit, unit=judge.unit, limit_ratio=judge.limit_ratio, basis=judge.basis,
-        benign_flip_rate=benign_rate, nonfinite=int(np.count_nonzero(~finite)), worst_flip=worst,
-        flip_rate_limit=judge.flip_rate_limit), flips
+        weight_max_err=float(dw.max()) if dw.size else 0.0,
+        weight_mean_err=float(dw.mean()) if dw.size else 0.0,
+        weight_limit=judge.weight_limit,
+        unit=judge.unit,
+        limit_ratio=judge.limit_ratio,
+        basis=judge.basis,
+        benign_flip_rate=benign_rate,
+        nonfinite=int(np.count_nonzero(~finite)),
+        worst_flip=worst,
+        flip_rate_limit=judge.flip_rate_limit,
+    ), flips
 
 
 def _ranks(side: str, entry: LayerRecords, rows: LayerRows) -> list[RankRouting]:
     """The ranks of one side whose replicated routing of ``entry``'s layer differs from the lowest rank's."""
-    return [RankRouting(side=side, layer=entry.layer, name=entry.prefix, rank=d.rank, reference_rank=d.reference_rank,
-                        sequence=key_parts(d.key)[0], token=key_parts(d.key)[1], ids=d.ids,
-                        reference_ids=d.reference_ids, rows=d.rows, parts=d.parts, weight_max_diff=d.weight_max_diff)
-            for d in rows.rank_differences]
+    return [
+        RankRouting(
+            side=side,
+            layer=entry.layer,
+            name=entry.prefix,
+            rank=d.rank,
+            reference_rank=d.reference_rank,
+            sequence=key_parts(d.key)[0],
+            token=key_parts(d.key)[1],
+            ids=d.ids,
+            reference_ids=d.reference_ids,
+            rows=d.rows,
+            parts=d.parts,
+            weight_max_diff=d.weight_max_diff,
+        )
+        for d in rows.rank_differences
+    ]
 
 
-def compare_routing(baseline: DumpReader, target: DumpReader, *, noise: Mapping[int, RouterNoise] | None = None,
-                    factor: float = 3.0) -> RouterComparison | None:
+def compare_routing(
+    baseline: DumpReader, target: DumpReader, *, noise: Mapping[int, RouterNoise] | None = None, factor: float = 3.0
+) -> RouterComparison | None:
     """The routing comparison of two dumps; None when either recorded no routing.
 
     ``noise``: calibrated routing noise by layer (a noise file's ``router``); a layer without an
@@ -233,14 +301,16 @@ def compare_routing(baseline: DumpReader, target: DumpReader, *, noise: Mapping[
             raise NotComparableError(
                 f"{target.directory}: layer {layer} routes over {rt[layer].experts} experts (top-{rt[layer].top_k}), "
                 f"the baseline {baseline.directory} over {rb[layer].experts} (top-{rb[layer].top_k}); routing is "
-                "compared between runs of the same experts")
+                "compared between runs of the same experts"
+            )
         n = (noise or {}).get(layer)
         judge = _Judge(n, factor, (*_dtype_names(rb[layer], baseline), *_dtype_names(rt[layer], target)))
         rows_b, rows_t = read_layer(baseline, rb[layer]), read_layer(target, rt[layer])
         excessive += _excessive(layer, judge, rows_b)
         ranks += _ranks("baseline", rb[layer], rows_b) + _ranks("target", rt[layer], rows_t)
-        result, found = _compare_layer(rb[layer], rows_b, rows_t, judge, n.flip_rate if n is not None else None,
-                                       earlier)
+        result, found = _compare_layer(
+            rb[layer], rows_b, rows_t, judge, n.flip_rate if n is not None else None, earlier
+        )
         layers.append(result)
         flips += found
         for f in found:
@@ -248,15 +318,25 @@ def compare_routing(baseline: DumpReader, target: DumpReader, *, noise: Mapping[
     flips.sort(key=lambda f: (f.layer, f.sequence, f.token))
     notes = _noise_notes(flips, noise, factor)
     if any(la.basis == MARGIN_RULE_BASIS for la in layers):
-        notes.append("routing judged by the margin rule (no calibrated routing noise): a flip is benign when the "
-                     "baseline's margin is within the rule's unit x RMS of the token's router scores")
+        notes.append(
+            "routing judged by the margin rule (no calibrated routing noise): a flip is benign when the "
+            "baseline's margin is within the rule's unit x RMS of the token's router scores"
+        )
     unexplained = sum(f.margin < 0 for f in flips)
     if unexplained:
-        notes.append(f"{unexplained} flips at tokens whose baseline choice is not the top-k of its recorded router "
-                     "scores (a biased or grouped selection recorded without its selection scores): their margin "
-                     "cannot be measured, so they fail")
+        notes.append(
+            f"{unexplained} flips at tokens whose baseline choice is not the top-k of its recorded router "
+            "scores (a biased or grouped selection recorded without its selection scores): their margin "
+            "cannot be measured, so they fail"
+        )
     return RouterComparison(
-        layers=tuple(layers), first_flip=flips[0] if flips else None,
-        first_failing_flip=next((f for f in flips if not f.benign), None), flips_shown=tuple(flips[:SHOWN_FLIPS]),
-        only_baseline=tuple(sorted(rb.keys() - rt.keys())), only_target=tuple(sorted(rt.keys() - rb.keys())),
-        notes=tuple(notes), warnings=tuple(excessive), ranks=tuple(ranks))
+        layers=tuple(layers),
+        first_flip=flips[0] if flips else None,
+        first_failing_flip=next((f for f in flips if not f.benign), None),
+        flips_shown=tuple(flips[:SHOWN_FLIPS]),
+        only_baseline=tuple(sorted(rb.keys() - rt.keys())),
+        only_target=tuple(sorted(rt.keys() - rb.keys())),
+        notes=tuple(notes),
+        warnings=tuple(excessive),
+        ranks=tuple(ranks),
+    )

@@ -39,18 +39,31 @@ class Flip:
     """The earlier layer where this token's experts first flipped (this flip follows from it: benign); None: first."""
 
     def to_json(self) -> dict[str, Any]:
-        return {"layer": self.layer, "sequence": self.sequence, "token": self.token,
-                "baseline_ids": list(self.baseline_ids), "target_ids": list(self.target_ids),
-                "margin": to_json_float(self.margin), "noise_ratio": to_json_float(self.noise_ratio),
-                "benign": self.benign, "after": self.after}
+        return {
+            "layer": self.layer,
+            "sequence": self.sequence,
+            "token": self.token,
+            "baseline_ids": list(self.baseline_ids),
+            "target_ids": list(self.target_ids),
+            "margin": to_json_float(self.margin),
+            "noise_ratio": to_json_float(self.noise_ratio),
+            "benign": self.benign,
+            "after": self.after,
+        }
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Flip:
-        return cls(layer=int(d["layer"]), sequence=int(d["sequence"]), token=int(d["token"]),
-                   baseline_ids=tuple(int(i) for i in d["baseline_ids"]),
-                   target_ids=tuple(int(i) for i in d["target_ids"]),
-                   margin=from_json_float(d["margin"]), noise_ratio=from_json_float(d["noise_ratio"]),
-                   benign=bool(d["benign"]), after=None if d.get("after") is None else int(d["after"]))
+        return cls(
+            layer=int(d["layer"]),
+            sequence=int(d["sequence"]),
+            token=int(d["token"]),
+            baseline_ids=tuple(int(i) for i in d["baseline_ids"]),
+            target_ids=tuple(int(i) for i in d["target_ids"]),
+            margin=from_json_float(d["margin"]),
+            noise_ratio=from_json_float(d["noise_ratio"]),
+            benign=bool(d["benign"]),
+            after=None if d.get("after") is None else int(d["after"]),
+        )
 
 
 @dataclass(frozen=True)
@@ -81,18 +94,37 @@ class RankRouting:
     weight_max_diff: float
 
     def to_json(self) -> dict[str, Any]:
-        return {"side": self.side, "layer": self.layer, "name": self.name, "rank": self.rank,
-                "reference_rank": self.reference_rank, "sequence": self.sequence, "token": self.token,
-                "ids": list(self.ids), "reference_ids": list(self.reference_ids), "rows": self.rows,
-                "parts": list(self.parts), "weight_max_diff": to_json_float(self.weight_max_diff)}
+        return {
+            "side": self.side,
+            "layer": self.layer,
+            "name": self.name,
+            "rank": self.rank,
+            "reference_rank": self.reference_rank,
+            "sequence": self.sequence,
+            "token": self.token,
+            "ids": list(self.ids),
+            "reference_ids": list(self.reference_ids),
+            "rows": self.rows,
+            "parts": list(self.parts),
+            "weight_max_diff": to_json_float(self.weight_max_diff),
+        }
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> RankRouting:
-        return cls(side=str(d["side"]), layer=int(d["layer"]), name=str(d["name"]), rank=int(d["rank"]),
-                   reference_rank=int(d["reference_rank"]), sequence=int(d["sequence"]), token=int(d["token"]),
-                   ids=tuple(int(i) for i in d["ids"]), reference_ids=tuple(int(i) for i in d["reference_ids"]),
-                   rows=int(d["rows"]), parts=tuple(str(p) for p in d["parts"]),
-                   weight_max_diff=from_json_float(d["weight_max_diff"]))
+        return cls(
+            side=str(d["side"]),
+            layer=int(d["layer"]),
+            name=str(d["name"]),
+            rank=int(d["rank"]),
+            reference_rank=int(d["reference_rank"]),
+            sequence=int(d["sequence"]),
+            token=int(d["token"]),
+            ids=tuple(int(i) for i in d["ids"]),
+            reference_ids=tuple(int(i) for i in d["reference_ids"]),
+            rows=int(d["rows"]),
+            parts=tuple(str(p) for p in d["parts"]),
+            weight_max_diff=from_json_float(d["weight_max_diff"]),
+        )
 
 
 @dataclass(frozen=True)
@@ -146,35 +178,70 @@ class RouterLayer:
 
     @property
     def passed(self) -> bool:
-        return (self.tokens > 0 and not self.failing_flips and self.weights_passed and not self.nonfinite
-                and self.flip_rate_passed)
+        return (
+            self.tokens > 0
+            and not self.failing_flips
+            and self.weights_passed
+            and not self.nonfinite
+            and self.flip_rate_passed
+        )
 
     def to_json(self) -> dict[str, Any]:
-        return {"layer": self.layer, "name": self.name, "passed": self.passed, "tokens": self.tokens,
-                "experts": self.experts, "top_k": self.top_k, "flips": self.flips, "flip_rate": self.flip_rate,
-                "failing_flips": self.failing_flips, "order_differences": self.order_differences,
-                "score_delta_max": to_json_float(self.score_delta_max),
-                "logits_rel_diff": to_json_float(self.logits_rel_diff),
-                "weight_max_err": to_json_float(self.weight_max_err),
-                "weight_mean_err": to_json_float(self.weight_mean_err),
-                "weight_limit": to_json_float(self.weight_limit), "unit": to_json_float(self.unit),
-                "limit_ratio": to_json_float(self.limit_ratio), "basis": self.basis,
-                "benign_flip_rate": to_json_float(self.benign_flip_rate) if self.benign_flip_rate is not None else None,
-                "nonfinite": self.nonfinite,
-                "flip_rate_limit": to_json_float(self.flip_rate_limit) if self.flip_rate_limit is not None else None,
-                "worst_flip": self.worst_flip.to_json() if self.worst_flip is not None else None}
+        return {
+            "layer": self.layer,
+            "name": self.name,
+            "passed": self.passed,
+            "tokens": self.tokens,
+            "experts": self.experts,
+            "top_k": self.top_k,
+            "flips": self.flips,
+            "flip_rate": self.flip_rate,
+            "failing_flips": self.failing_flips,
+            "order_differences": self.order_differences,
+            "score_delta_max": to_json_float(self.score_delta_max),
+            "logits_rel_diff": to_json_float(self.logits_rel_diff),
+            "weight_max_err": to_json_float(self.weight_max_err),
+            "weight_mean_err": to_json_float(self.weight_mean_err),
+            "weight_limit": to_json_float(self.weight_limit),
+            "unit": to_json_float(self.unit),
+            "limit_ratio": to_json_float(self.limit_ratio),
+            "basis": self.basis,
+            "benign_flip_rate": to_json_float(self.benign_flip_rate) if self.benign_flip_rate is not None else None,
+            "nonfinite": self.nonfinite,
+            "flip_rate_limit": to_json_float(self.flip_rate_limit) if self.flip_rate_limit is not None else None,
+            "worst_flip": self.worst_flip.to_json() if self.worst_flip is not None else None,
+        }
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> RouterLayer:
-        f = {k: from_json_float(d[k]) for k in ("score_delta_max", "logits_rel_diff", "weight_max_err",
-                                                   "weight_mean_err", "weight_limit", "unit", "limit_ratio")}
-        return cls(layer=int(d["layer"]), name=str(d["name"]), tokens=int(d["tokens"]), experts=int(d["experts"]),
-                   top_k=int(d["top_k"]), flips=int(d["flips"]), failing_flips=int(d["failing_flips"]),
-                   order_differences=int(d["order_differences"]), basis=str(d["basis"]), **f,
-                   benign_flip_rate=None if d.get("benign_flip_rate") is None else from_json_float(d["benign_flip_rate"]),
-                   nonfinite=int(d.get("nonfinite", 0)),
-                   flip_rate_limit=None if d.get("flip_rate_limit") is None else from_json_float(d["flip_rate_limit"]),
-                   worst_flip=Flip.from_json(d["worst_flip"]) if d.get("worst_flip") else None)
+        f = {
+            k: from_json_float(d[k])
+            for k in (
+                "score_delta_max",
+                "logits_rel_diff",
+                "weight_max_err",
+                "weight_mean_err",
+                "weight_limit",
+                "unit",
+                "limit_ratio",
+            )
+        }
+        return cls(
+            layer=int(d["layer"]),
+            name=str(d["name"]),
+            tokens=int(d["tokens"]),
+            experts=int(d["experts"]),
+            top_k=int(d["top_k"]),
+            flips=int(d["flips"]),
+            failing_flips=int(d["failing_flips"]),
+            order_differences=int(d["order_differences"]),
+            basis=str(d["basis"]),
+            **f,
+            benign_flip_rate=None if d.get("benign_flip_rate") is None else from_json_float(d["benign_flip_rate"]),
+            nonfinite=int(d.get("nonfinite", 0)),
+            flip_rate_limit=None if d.get("flip_rate_limit") is None else from_json_float(d["flip_rate_limit"]),
+            worst_flip=Flip.from_json(d["worst_flip"]) if d.get("worst_flip") else None,
+        )
 
 
 @dataclass(frozen=True)
@@ -226,23 +293,33 @@ class RouterComparison:
         return " and ".join(kinds) if kinds else MARGIN_RULE_BASIS
 
     def to_json(self) -> dict[str, Any]:
-        return {"passed": self.passed, "flips": self.flips, "failing_flips": self.failing_flips,
-                "basis": self.basis,
-                "first_flip": self.first_flip.to_json() if self.first_flip is not None else None,
-                "first_failing_flip": self.first_failing_flip.to_json() if self.first_failing_flip else None,
-                "flips_shown": [f.to_json() for f in self.flips_shown],
-                "layers": [la.to_json() for la in self.layers],
-                "only_baseline": list(self.only_baseline), "only_target": list(self.only_target),
-                "notes": list(self.notes), "warnings": list(self.warnings),
-                "ranks": [r.to_json() for r in self.ranks]}
+        return {
+            "passed": self.passed,
+            "flips": self.flips,
+            "failing_flips": self.failing_flips,
+            "basis": self.basis,
+            "first_flip": self.first_flip.to_json() if self.first_flip is not None else None,
+            "first_failing_flip": self.first_failing_flip.to_json() if self.first_failing_flip else None,
+            "flips_shown": [f.to_json() for f in self.flips_shown],
+            "layers": [la.to_json() for la in self.layers],
+            "only_baseline": list(self.only_baseline),
+            "only_target": list(self.only_target),
+            "notes": list(self.notes),
+            "warnings": list(self.warnings),
+            "ranks": [r.to_json() for r in self.ranks],
+        }
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> RouterComparison:
         ff, fx = d.get("first_flip"), d.get("first_failing_flip")
-        return cls(layers=tuple(RouterLayer.from_json(la) for la in d["layers"]),
-                   first_flip=Flip.from_json(ff) if ff else None, first_failing_flip=Flip.from_json(fx) if fx else None,
-                   flips_shown=tuple(Flip.from_json(f) for f in d.get("flips_shown", ())),
-                   only_baseline=tuple(int(i) for i in d.get("only_baseline", ())),
-                   only_target=tuple(int(i) for i in d.get("only_target", ())), notes=tuple(d.get("notes", ())),
-                   warnings=tuple(d.get("warnings", ())),
-                   ranks=tuple(RankRouting.from_json(r) for r in d.get("ranks", ())))
+        return cls(
+            layers=tuple(RouterLayer.from_json(la) for la in d["layers"]),
+            first_flip=Flip.from_json(ff) if ff else None,
+            first_failing_flip=Flip.from_json(fx) if fx else None,
+            flips_shown=tuple(Flip.from_json(f) for f in d.get("flips_shown", ())),
+            only_baseline=tuple(int(i) for i in d.get("only_baseline", ())),
+            only_target=tuple(int(i) for i in d.get("only_target", ())),
+            notes=tuple(d.get("notes", ())),
+            warnings=tuple(d.get("warnings", ())),
+            ranks=tuple(RankRouting.from_json(r) for r in d.get("ranks", ())),
+        )

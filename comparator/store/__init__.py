@@ -99,10 +99,10 @@ __all__ = [
 if TYPE_CHECKING:
     from comparator.store.environment import COMPARED_ENV_FIELDS, EnvDifference, env_differences
     from comparator.store.errors import EnvMismatchError, NoBaselineError, StoreError
+    from comparator.store.labels import LABELS, Label
     from comparator.store.record import RunEntry, RunRecord, RunStatus, StoredNoise
     from comparator.store.runstore import STAGING_GRACE_S, PruneResult, RunStore
     from comparator.store.select import candidates, current_baselines, select_baseline
-    from comparator.store.labels import LABELS, Label
     from comparator.store.types import Calibration, Promotion, RunSummary
 
 

@@ -31,16 +31,32 @@ import stat
 from pathlib import Path
 from typing import IO
 
+from comparator.store.backend_base import (
+    CHUNK,
+    MAX_SMALL_FILE,
+    Backend,
+    EntryKind,
+    ReadResult,
+    check_rel,
+    copy_limited,
+    plain_name,
+    too_big,
+)
+from comparator.store.errors import StoreError, UnsafePathError
+from comparator.store.fsspec_backend import FsspecBackend
 from dumper.format import atomic_path, fsync_dir
 from dumper.format.files import file_kind
 
-from comparator.store.backend_base import (CHUNK, MAX_SMALL_FILE, Backend, EntryKind, ReadResult, check_rel,
-                                           copy_limited, plain_name, too_big)
-from comparator.store.errors import StoreError, UnsafePathError
-from comparator.store.fsspec_backend import FsspecBackend
-
-__all__ = ["Backend", "LocalBackend", "open_backend", "check_rel", "plain_name", "EntryKind",
-           "ReadResult", "MAX_SMALL_FILE"]
+__all__ = [
+    "Backend",
+    "LocalBackend",
+    "open_backend",
+    "check_rel",
+    "plain_name",
+    "EntryKind",
+    "ReadResult",
+    "MAX_SMALL_FILE",
+]
 
 _OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 
@@ -119,8 +135,15 @@ class LocalBackend(Backend):
             return None
         except OSError as e:
             raise StoreError(f"{path}: cannot stat ({e.strerror or e})") from None
-        return ("symlink" if stat.S_ISLNK(mode) else "dir" if stat.S_ISDIR(mode)
-                else "file" if stat.S_ISREG(mode) else "other")
+        return (
+            "symlink"
+            if stat.S_ISLNK(mode)
+            else "dir"
+            if stat.S_ISDIR(mode)
+            else "file"
+            if stat.S_ISREG(mode)
+            else "other"
+        )
 
     def list_entries(self, rel: str) -> list[tuple[str, EntryKind]]:
         path, real = self._resolve(rel)

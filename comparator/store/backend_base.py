@@ -13,12 +13,20 @@ import abc
 from pathlib import Path
 from typing import IO, Any, Literal, Union
 
+from comparator.store.errors import StoreError, UnsafePathError
 from dumper.format.files import is_plain_name
 
-from comparator.store.errors import StoreError, UnsafePathError
-
-__all__ = ["Backend", "check_rel", "plain_name", "too_big", "copy_limited", "EntryKind", "ReadResult", "CHUNK",
-           "MAX_SMALL_FILE"]
+__all__ = [
+    "Backend",
+    "check_rel",
+    "plain_name",
+    "too_big",
+    "copy_limited",
+    "EntryKind",
+    "ReadResult",
+    "CHUNK",
+    "MAX_SMALL_FILE",
+]
 
 
 CHUNK = 8 << 20

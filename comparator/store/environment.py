@@ -84,8 +84,11 @@ def env_key(env: Mapping[str, Any]) -> tuple[Any, ...]:
 
 def env_differences(baseline: Mapping[str, Any], run: Mapping[str, Any]) -> list[EnvDifference]:
     """The compared fields that differ (after normalization), in :data:`COMPARED_ENV_FIELDS` order."""
-    return [EnvDifference(name, baseline.get(name), run.get(name)) for name, norm in COMPARED_ENV_FIELDS.items()
-            if norm(baseline.get(name)) != norm(run.get(name))]
+    return [
+        EnvDifference(name, baseline.get(name), run.get(name))
+        for name, norm in COMPARED_ENV_FIELDS.items()
+        if norm(baseline.get(name)) != norm(run.get(name))
+    ]
 
 
 def describe_differences(diffs: list[EnvDifference] | tuple[EnvDifference, ...]) -> str:

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from dumper.errors import DriftscopeError
-
 from comparator.store.environment import EnvDifference
+from dumper.errors import DriftscopeError
 
 __all__ = ["StoreError", "UnsafePathError", "CorruptRunError", "NoBaselineError", "EnvMismatchError"]
 

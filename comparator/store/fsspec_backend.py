@@ -13,8 +13,16 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from comparator.store.backend_base import (CHUNK, MAX_SMALL_FILE, Backend, EntryKind, ReadResult, check_rel,
-                                           copy_limited, too_big)
+from comparator.store.backend_base import (
+    CHUNK,
+    MAX_SMALL_FILE,
+    Backend,
+    EntryKind,
+    ReadResult,
+    check_rel,
+    copy_limited,
+    too_big,
+)
 from comparator.store.errors import StoreError, UnsafePathError
 
 __all__ = ["FsspecBackend"]

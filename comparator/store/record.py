@@ -19,8 +19,8 @@ from comparator.judging.noise import NoiseModel
 from comparator.judging.row_noise import RowsRef, rows_from_bytes, rows_to_bytes
 from comparator.store.errors import StoreError
 from comparator.store.fields import bad, check, is_int, show
-from comparator.store.runid import is_run_id, run_id_time
 from comparator.store.labels import LABELS, Label, is_label
+from comparator.store.runid import is_run_id, run_id_time
 from comparator.store.types import Calibration, Promotion, RunSummary, check_tree
 from dumper.errors import DriftscopeError
 from dumper.format.files import parse_json, printable
@@ -36,9 +36,23 @@ __all__ = [
 ]
 
 RUN_FORMAT_VERSION = 1
-_KEYS = ("format_version", "run_id", "created_at", "model", "pass_label", "baseline_run", "summary",
-         "capture_signature", "environment", "model_identity", "dump_format_version", "dump_created_at", "promoted",
-         "calibration", "build")
+_KEYS = (
+    "format_version",
+    "run_id",
+    "created_at",
+    "model",
+    "pass_label",
+    "baseline_run",
+    "summary",
+    "capture_signature",
+    "environment",
+    "model_identity",
+    "dump_format_version",
+    "dump_created_at",
+    "promoted",
+    "calibration",
+    "build",
+)
 _REQUIRED = ("run_id", "created_at", "model", "pass_label", "capture_signature", "environment")
 _SCALAR = (str, int, float, bool, type(None))
 
@@ -112,8 +126,9 @@ class RunRecord:
         if not isinstance(d, dict):
             raise ValueError(f"expected a JSON object, got {show(d)}")
         if type(d.get("format_version")) is not int or d["format_version"] != RUN_FORMAT_VERSION:
-            raise ValueError(f"run format version {show(d.get('format_version'))} is not supported "
-                             f"(expected {RUN_FORMAT_VERSION})")
+            raise ValueError(
+                f"run format version {show(d.get('format_version'))} is not supported (expected {RUN_FORMAT_VERSION})"
+            )
         unknown = sorted(set(d) - set(_KEYS))
         if unknown:
             more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
@@ -123,16 +138,27 @@ class RunRecord:
             raise ValueError(f"missing key {missing[0]!r}")
         check_tree(d)
         _check_fields(d)
-        promoted, summary, calibration = (_optional(kind, d.get(key)) for kind, key in (
-            (Promotion, "promoted"), (RunSummary, "summary"), (Calibration, "calibration")))
+        promoted, summary, calibration = (
+            _optional(kind, d.get(key))
+            for kind, key in ((Promotion, "promoted"), (RunSummary, "summary"), (Calibration, "calibration"))
+        )
         if folder is not None and d["run_id"] != folder:
             raise ValueError(f"field 'run_id': says run id {d['run_id']!r}, but the folder is {printable(folder)!r}")
         return cls(
-            run_id=d["run_id"], created_at=d["created_at"], model=d["model"],
-            capture_signature=d["capture_signature"], environment=d["environment"], label=Label(d["pass_label"]),
-            baseline_run=d.get("baseline_run"), summary=summary, model_identity=d.get("model_identity", {}),
-            dump_format_version=d.get("dump_format_version", 1), dump_created_at=d.get("dump_created_at"),
-            promoted=promoted, calibration=calibration, build=d.get("build"),
+            run_id=d["run_id"],
+            created_at=d["created_at"],
+            model=d["model"],
+            capture_signature=d["capture_signature"],
+            environment=d["environment"],
+            label=Label(d["pass_label"]),
+            baseline_run=d.get("baseline_run"),
+            summary=summary,
+            model_identity=d.get("model_identity", {}),
+            dump_format_version=d.get("dump_format_version", 1),
+            dump_created_at=d.get("dump_created_at"),
+            promoted=promoted,
+            calibration=calibration,
+            build=d.get("build"),
         )
 
     def verdict(self) -> str:
@@ -189,8 +215,15 @@ class StoredNoise:
         """Fresh noise of the run ``measured_on``: bytes and ``calibration`` (created now) to store."""
         rows = rows_to_bytes(noise.rows) if noise.rows is not None else None
         if rows is not None:
-            noise = replace(noise, rows_ref=RowsRef(ROWS_NAME, hashlib.sha256(rows).hexdigest(),  # type: ignore[union-attr]
-                                                    dict(noise.rows.tables), noise.rows.holdout))  # type: ignore[union-attr]
+            noise = replace(
+                noise,
+                rows_ref=RowsRef(
+                    ROWS_NAME,
+                    hashlib.sha256(rows).hexdigest(),  # type: ignore[union-attr]
+                    dict(noise.rows.tables),
+                    noise.rows.holdout,
+                ),
+            )  # type: ignore[union-attr]
         else:
             noise = replace(noise, rows_ref=None)
         data = noise_bytes(noise)
@@ -209,12 +242,21 @@ class StoredNoise:
         from comparator.noise.file import MAX_NOISE_BYTES, MAX_ROWS_BYTES
 
         raw = backend.read_bytes(f"{folder}/noise.json", max_bytes=MAX_NOISE_BYTES)
-        return cls.parse(raw, calibration, where("noise.json"),
-                         lambda name: (backend.read_bytes(f"{folder}/{name}", max_bytes=MAX_ROWS_BYTES), where(name)))
+        return cls.parse(
+            raw,
+            calibration,
+            where("noise.json"),
+            lambda name: (backend.read_bytes(f"{folder}/{name}", max_bytes=MAX_ROWS_BYTES), where(name)),
+        )
 
     @classmethod
-    def parse(cls, raw: bytes | None, calibration: Calibration, where: str,
-              read_rows: Callable[[str], tuple[bytes | None, str]] | None = None) -> StoredNoise:
+    def parse(
+        cls,
+        raw: bytes | None,
+        calibration: Calibration,
+        where: str,
+        read_rows: Callable[[str], tuple[bytes | None, str]] | None = None,
+    ) -> StoredNoise:
         """Validate stored ``noise.json`` bytes (``None``: missing) against their record; one-line :class:`StoreError`.
 
         The bytes must hash to ``calibration.sha256``: a ``noise.json`` replaced by an interrupted
@@ -226,8 +268,10 @@ class StoredNoise:
         if raw is None:
             raise StoreError(f"{where}: missing, but its run.json records a calibration")
         if hashlib.sha256(raw).hexdigest() != calibration.sha256:
-            raise StoreError(f"{where}: does not match the calibration its run.json records (sha256 differs: "
-                             "changed since, or a recalibration was interrupted)")
+            raise StoreError(
+                f"{where}: does not match the calibration its run.json records (sha256 differs: "
+                "changed since, or a recalibration was interrupted)"
+            )
         rows = None
         try:
             noise = NoiseModel.from_json(parse_json(raw, where, "noise file"), where)
@@ -239,8 +283,9 @@ class StoredNoise:
         except DriftscopeError as e:
             raise StoreError(str(e)) from None
         if len(noise.variants) != calibration.variants:
-            raise StoreError(f"{where}: holds {len(noise.variants)} variants, but its run.json records "
-                             f"{calibration.variants}")
+            raise StoreError(
+                f"{where}: holds {len(noise.variants)} variants, but its run.json records {calibration.variants}"
+            )
         return cls(noise, raw, calibration, rows)
 
 
@@ -298,5 +343,5 @@ class RunEntry:
         name = self.name
         for prefix in (".tmp-", ".trash-"):
             if name.startswith(prefix):
-                name = name[len(prefix):].rsplit("-", 1)[0]
+                name = name[len(prefix) :].rsplit("-", 1)[0]
         return run_id_time(name)

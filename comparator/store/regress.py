@@ -27,22 +27,21 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from dumper.errors import EXIT_DIVERGED, EXIT_OK, EXIT_UNUSABLE, NotComparableError, UsageError
-from dumper.format import Manifest, load_manifest
-
-from comparator.noise.calibrate import calibrate
-from comparator.hidden.compare import compare_dumps
 from comparator.config import CompareConfig
+from comparator.hidden.compare import compare_dumps
 from comparator.judging.noise import NoiseModel
+from comparator.noise.calibrate import calibrate
 from comparator.outcome import BOOTSTRAP, FAIL, PASS, UNUSABLE
 from comparator.results import Report
 from comparator.store.environment import EnvDifference, describe_differences, env_differences
 from comparator.store.errors import EnvMismatchError, NoBaselineError
+from comparator.store.labels import Label
 from comparator.store.record import RunEntry, RunRecord, StoredNoise, signature_key
 from comparator.store.runstore import RunStore
 from comparator.store.select import select_baseline
-from comparator.store.labels import Label
 from comparator.store.types import Calibration, RunSummary
+from dumper.errors import EXIT_DIVERGED, EXIT_OK, EXIT_UNUSABLE, NotComparableError, UsageError
+from dumper.format import Manifest, load_manifest
 
 __all__ = ["regress", "RegressResult"]
 
@@ -76,10 +75,16 @@ class RegressResult:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "store": self.store, "run_id": self.run_id, "label": Label(self.label).value,
-            "baseline_run": self.baseline_run, "exit_code": self.exit_code, "message": self.message,
-            "env_differences": [d.to_json() for d in self.env_differences], "warnings": list(self.warnings),
-            "noise": self.noise, "calibration": self.calibration.to_json() if self.calibration is not None else None,
+            "store": self.store,
+            "run_id": self.run_id,
+            "label": Label(self.label).value,
+            "baseline_run": self.baseline_run,
+            "exit_code": self.exit_code,
+            "message": self.message,
+            "env_differences": [d.to_json() for d in self.env_differences],
+            "warnings": list(self.warnings),
+            "noise": self.noise,
+            "calibration": self.calibration.to_json() if self.calibration is not None else None,
             "report": self.report.to_json() if self.report is not None else None,
         }
 
@@ -87,18 +92,34 @@ class RegressResult:
     def from_json(cls, d: Mapping[str, Any]) -> RegressResult:
         """Inverse of :meth:`to_json` (the report through :meth:`Report.from_json`)."""
         report, cal = d.get("report"), d.get("calibration")
-        return cls(store=str(d["store"]), run_id=str(d["run_id"]), label=Label(str(d["label"])),
-                   baseline_run=d.get("baseline_run"), exit_code=int(d["exit_code"]), message=str(d["message"]),
-                   report=None if report is None else Report.from_json(report),
-                   env_differences=tuple(EnvDifference.from_json(e) for e in d.get("env_differences") or ()),
-                   warnings=tuple(str(w) for w in d.get("warnings") or ()), noise=d.get("noise"),
-                   calibration=None if cal is None else Calibration.from_json(cal))
+        return cls(
+            store=str(d["store"]),
+            run_id=str(d["run_id"]),
+            label=Label(str(d["label"])),
+            baseline_run=d.get("baseline_run"),
+            exit_code=int(d["exit_code"]),
+            message=str(d["message"]),
+            report=None if report is None else Report.from_json(report),
+            env_differences=tuple(EnvDifference.from_json(e) for e in d.get("env_differences") or ()),
+            warnings=tuple(str(w) for w in d.get("warnings") or ()),
+            noise=d.get("noise"),
+            calibration=None if cal is None else Calibration.from_json(cal),
+        )
 
 
-def regress(run_dir: str | os.PathLike[str], store: str | os.PathLike[str] | RunStore, *, model: str | None = None,
-            bootstrap: bool = False, allow_env_mismatch: bool = False, config: CompareConfig | None = None,
-            cache_dir: str | os.PathLike[str] | None = None, require_all: bool = True,
-            calibrate_from: Sequence[str | os.PathLike[str]] = (), build: str | None = None) -> RegressResult:
+def regress(
+    run_dir: str | os.PathLike[str],
+    store: str | os.PathLike[str] | RunStore,
+    *,
+    model: str | None = None,
+    bootstrap: bool = False,
+    allow_env_mismatch: bool = False,
+    config: CompareConfig | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+    require_all: bool = True,
+    calibrate_from: Sequence[str | os.PathLike[str]] = (),
+    build: str | None = None,
+) -> RegressResult:
     """Compare the dump ``run_dir`` against its baseline in ``store`` and store it, labelled.
 
     Args:
@@ -153,19 +174,33 @@ def regress(run_dir: str | os.PathLike[str], store: str | os.PathLike[str] | Run
     config = replace(config, require_all=require_all, noise=base_noise.noise if base_noise else None)
     if base_noise is None:
         warnings += (_uncalibrated(st, base, config),)
-    return _compare_and_store(st, run_dir, manifest, model, base, config, cache_dir, warnings, diffs,
-                              base_noise=base_noise, own=own, build=build)
+    return _compare_and_store(
+        st,
+        run_dir,
+        manifest,
+        model,
+        base,
+        config,
+        cache_dir,
+        warnings,
+        diffs,
+        base_noise=base_noise,
+        own=own,
+        build=build,
+    )
 
 
-def _select(entries: list[RunEntry], model: str, manifest: Manifest, *, allow_env_mismatch: bool,
-            bootstrap: bool) -> tuple[RunRecord | None, str, tuple[EnvDifference, ...]]:
+def _select(
+    entries: list[RunEntry], model: str, manifest: Manifest, *, allow_env_mismatch: bool, bootstrap: bool
+) -> tuple[RunRecord | None, str, tuple[EnvDifference, ...]]:
     """The run's baseline (``None``: none), why there is none, and the environment differences that left none.
 
     An environment mismatch raises unless ``bootstrap``, which then stores the run as a new baseline.
     """
     try:
-        base = select_baseline(entries, model, manifest.capture_signature, manifest.environment,
-                               allow_env_mismatch=allow_env_mismatch)
+        base = select_baseline(
+            entries, model, manifest.capture_signature, manifest.environment, allow_env_mismatch=allow_env_mismatch
+        )
     except EnvMismatchError as e:
         if not bootstrap:
             raise
@@ -175,13 +210,16 @@ def _select(entries: list[RunEntry], model: str, manifest: Manifest, *, allow_en
 
 def _uncalibrated(st: RunStore, base: RunRecord, config: CompareConfig) -> str:
     """The notice for a baseline without noise: what the run is judged by instead, and how to calibrate it."""
-    return (f"baseline {base.run_id} is not calibrated: judged by the fixed thresholds (rel_diff {config.threshold:g}, "
-            f"per-token {config.token_threshold:g}); measure its noise with python -m comparator store promote "
-            f"{st.url} {base.run_id} --calibrate VARIANT [VARIANT ...]")
+    return (
+        f"baseline {base.run_id} is not calibrated: judged by the fixed thresholds (rel_diff {config.threshold:g}, "
+        f"per-token {config.token_threshold:g}); measure its noise with python -m comparator store promote "
+        f"{st.url} {base.run_id} --calibrate VARIANT [VARIANT ...]"
+    )
 
 
-def _measure(run_dir: str | os.PathLike[str], variants: Sequence[str | os.PathLike[str]],
-             config: CompareConfig) -> NoiseModel | None:
+def _measure(
+    run_dir: str | os.PathLike[str], variants: Sequence[str | os.PathLike[str]], config: CompareConfig
+) -> NoiseModel | None:
     """The run's noise from benign variants (``None`` without any); a variant that cannot be compared raises."""
     if not variants:
         return None
@@ -197,8 +235,9 @@ def _judged(base: RunRecord, base_noise: StoredNoise | None) -> str:
     return f"judged against the noise of baseline {base.run_id} ({cal.variants} variants{measured})"
 
 
-def _kept_noise(own: NoiseModel | None, base_noise: StoredNoise | None, passed: bool,
-                manifest: Manifest) -> NoiseModel | StoredNoise | None:
+def _kept_noise(
+    own: NoiseModel | None, base_noise: StoredNoise | None, passed: bool, manifest: Manifest
+) -> NoiseModel | StoredNoise | None:
     """The noise stored with the run: its own, else (when it passed) its baseline's, if it fits the run."""
     if own is not None or base_noise is None or not passed:
         return own
@@ -209,10 +248,21 @@ def _kept_noise(own: NoiseModel | None, base_noise: StoredNoise | None, passed: 
     return base_noise
 
 
-def _compare_and_store(st: RunStore, run_dir: str | os.PathLike[str], manifest: Manifest, model: str,
-                       base: RunRecord, config: CompareConfig, cache_dir: str | os.PathLike[str] | None,
-                       warnings: tuple[str, ...], diffs: tuple[EnvDifference, ...], *,
-                       base_noise: StoredNoise | None, own: NoiseModel | None, build: str | None) -> RegressResult:
+def _compare_and_store(
+    st: RunStore,
+    run_dir: str | os.PathLike[str],
+    manifest: Manifest,
+    model: str,
+    base: RunRecord,
+    config: CompareConfig,
+    cache_dir: str | os.PathLike[str] | None,
+    warnings: tuple[str, ...],
+    diffs: tuple[EnvDifference, ...],
+    *,
+    base_noise: StoredNoise | None,
+    own: NoiseModel | None,
+    build: str | None,
+) -> RegressResult:
     noise_at = st.where(base.run_id, "noise.json") if base_noise is not None else None
     with st.local_dump(base.run_id, cache_dir) as base_dir:
         try:
@@ -220,34 +270,72 @@ def _compare_and_store(st: RunStore, run_dir: str | os.PathLike[str], manifest: 
         except NotComparableError as e:
             # zero compared tensors is a failure, never a pass: keep the run as evidence, never as a baseline
             label = Label.FAILED if build is None else Label.BISECT
-            rec = st.put(run_dir, model=model, label=label, baseline_run=base.run_id, manifest=manifest,
-                         summary=RunSummary.unusable(str(e)), noise=own, build=build)
-            return RegressResult(store=st.url, run_id=rec.run_id, label=label, baseline_run=base.run_id,
-                                 exit_code=EXIT_UNUSABLE, env_differences=diffs, warnings=warnings,
-                                 noise=noise_at, calibration=rec.calibration,
-                                 message=f"{UNUSABLE}: {e}; stored run {rec.run_id} as {label} (evidence); "
-                                         f"the baseline stays {base.run_id}")
+            rec = st.put(
+                run_dir,
+                model=model,
+                label=label,
+                baseline_run=base.run_id,
+                manifest=manifest,
+                summary=RunSummary.unusable(str(e)),
+                noise=own,
+                build=build,
+            )
+            return RegressResult(
+                store=st.url,
+                run_id=rec.run_id,
+                label=label,
+                baseline_run=base.run_id,
+                exit_code=EXIT_UNUSABLE,
+                env_differences=diffs,
+                warnings=warnings,
+                noise=noise_at,
+                calibration=rec.calibration,
+                message=f"{UNUSABLE}: {e}; stored run {rec.run_id} as {label} (evidence); "
+                f"the baseline stays {base.run_id}",
+            )
     report = replace(report, baseline=st.where(base.run_id, "dump"))
     rj = report.to_json()
     label = Label.of_verdict(report.passed) if build is None else Label.BISECT
-    rec = st.put(run_dir, model=model, label=label, baseline_run=base.run_id, summary=RunSummary.of_report(report),
-                 report=rj, manifest=manifest, noise=_kept_noise(own, base_noise, report.passed, manifest), build=build)
+    rec = st.put(
+        run_dir,
+        model=model,
+        label=label,
+        baseline_run=base.run_id,
+        summary=RunSummary.of_report(report),
+        report=rj,
+        manifest=manifest,
+        noise=_kept_noise(own, base_noise, report.passed, manifest),
+        build=build,
+    )
     if build is not None:
-        msg = (f"{PASS if report.passed else FAIL}: stored run {rec.run_id} as bisect (build {build!r}; it never "
-               f"becomes a baseline unless promoted) against baseline {base.run_id}")
+        msg = (
+            f"{PASS if report.passed else FAIL}: stored run {rec.run_id} as bisect (build {build!r}; it never "
+            f"becomes a baseline unless promoted) against baseline {base.run_id}"
+        )
     elif report.passed:
         msg = f"{PASS}: stored run {rec.run_id} as passed (baseline {base.run_id})"
     else:
-        msg = (f"{FAIL}: stored run {rec.run_id} as failed (evidence; it never becomes a baseline); "
-               f"the baseline stays {base.run_id}")
+        msg = (
+            f"{FAIL}: stored run {rec.run_id} as failed (evidence; it never becomes a baseline); "
+            f"the baseline stays {base.run_id}"
+        )
     msg += f"; {_judged(base, base_noise)}" + _stored_noise(rec, own)
     if diffs:
         msg += f"; compared across environments: {describe_differences(diffs)}"
     msg += "".join(f"; {n}" for n in report.notes)
-    return RegressResult(store=st.url, run_id=rec.run_id, label=label, baseline_run=base.run_id,
-                         exit_code=EXIT_OK if report.passed else EXIT_DIVERGED, message=msg, report=report,
-                         env_differences=diffs, warnings=(*warnings, *report.warnings), noise=noise_at,
-                         calibration=rec.calibration)
+    return RegressResult(
+        store=st.url,
+        run_id=rec.run_id,
+        label=label,
+        baseline_run=base.run_id,
+        exit_code=EXIT_OK if report.passed else EXIT_DIVERGED,
+        message=msg,
+        report=report,
+        env_differences=diffs,
+        warnings=(*warnings, *report.warnings),
+        noise=noise_at,
+        calibration=rec.calibration,
+    )
 
 
 def _stored_noise(rec: RunRecord, own: NoiseModel | None) -> str:
@@ -258,17 +346,36 @@ def _stored_noise(rec: RunRecord, own: NoiseModel | None) -> str:
     return ""
 
 
-def _bootstrap(st: RunStore, run_dir: str | os.PathLike[str], manifest: Manifest, model: str,
-               warnings: tuple[str, ...], *, why: str, diffs: tuple[EnvDifference, ...] = (),
-               noise: NoiseModel | None = None) -> RegressResult:
+def _bootstrap(
+    st: RunStore,
+    run_dir: str | os.PathLike[str],
+    manifest: Manifest,
+    model: str,
+    warnings: tuple[str, ...],
+    *,
+    why: str,
+    diffs: tuple[EnvDifference, ...] = (),
+    noise: NoiseModel | None = None,
+) -> RegressResult:
     rec = st.put(run_dir, model=model, label=Label.BASELINE, manifest=manifest, noise=noise)
-    calibrated = (f"calibrated from {len(noise.variants)} variants" if noise is not None else
-                  f"not calibrated: runs are judged against it by the fixed thresholds until python -m comparator "
-                  f"store promote {st.url} {rec.run_id} --calibrate VARIANT [VARIANT ...] measures its noise")
-    return RegressResult(store=st.url, run_id=rec.run_id, label=Label.BASELINE, baseline_run=None, exit_code=EXIT_OK,
-                         message=f"{BOOTSTRAP}: {why} for model {model!r}; stored run {rec.run_id} as the baseline "
-                                 f"(nothing compared); {calibrated}", env_differences=diffs, warnings=warnings,
-                         calibration=rec.calibration)
+    calibrated = (
+        f"calibrated from {len(noise.variants)} variants"
+        if noise is not None
+        else f"not calibrated: runs are judged against it by the fixed thresholds until python -m comparator "
+        f"store promote {st.url} {rec.run_id} --calibrate VARIANT [VARIANT ...] measures its noise"
+    )
+    return RegressResult(
+        store=st.url,
+        run_id=rec.run_id,
+        label=Label.BASELINE,
+        baseline_run=None,
+        exit_code=EXIT_OK,
+        message=f"{BOOTSTRAP}: {why} for model {model!r}; stored run {rec.run_id} as the baseline "
+        f"(nothing compared); {calibrated}",
+        env_differences=diffs,
+        warnings=warnings,
+        calibration=rec.calibration,
+    )
 
 
 def _no_baseline(st: RunStore, entries: list[RunEntry], model: str, manifest: Manifest) -> str:
@@ -277,8 +384,9 @@ def _no_baseline(st: RunStore, entries: list[RunEntry], model: str, manifest: Ma
     same_sig = [r for r in recs if signature_key(r.capture_signature) == sig]
     why = []
     if same_sig:
-        why.append(f"{len(same_sig)} runs with this signature are all labelled failed or bisect and never become "
-                   "baselines")
+        why.append(
+            f"{len(same_sig)} runs with this signature are all labelled failed or bisect and never become baselines"
+        )
     if len(recs) > len(same_sig):
         why.append(f"{len(recs) - len(same_sig)} runs of this model have another capture signature")
     detail = f" ({'; '.join(why)})" if why else " (no runs of this model)"

@@ -29,19 +29,18 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from comparator.judging.noise import NoiseModel
+from comparator.store.backend import Backend, EntryKind, ReadResult, open_backend, plain_name
+from comparator.store.errors import CorruptRunError, StoreError
+from comparator.store.labels import LABELS, Label
+from comparator.store.record import RunEntry, RunRecord, RunStatus, StoredNoise, signature_key
+from comparator.store.runid import is_run_id, new_run_id
+from comparator.store.select import current_baselines
+from comparator.store.types import Promotion, RunSummary
 from dumper.errors import DumpError
 from dumper.format import MANIFEST_NAME, Manifest, dir_mode, load_manifest
 from dumper.format.files import parse_json, printable
 from dumper.format.validate import MAX_MANIFEST_BYTES
-
-from comparator.judging.noise import NoiseModel
-from comparator.store.backend import Backend, EntryKind, ReadResult, open_backend, plain_name
-from comparator.store.errors import CorruptRunError, StoreError
-from comparator.store.record import RunEntry, RunRecord, RunStatus, StoredNoise, signature_key
-from comparator.store.runid import is_run_id, new_run_id
-from comparator.store.select import current_baselines
-from comparator.store.labels import LABELS, Label
-from comparator.store.types import Promotion, RunSummary
 
 __all__ = ["RunStore", "PruneResult", "STAGING_GRACE_S"]
 
@@ -62,7 +61,7 @@ _KIND_WORDS = {"file": "a file", "symlink": "a symlink (not followed)", "other":
 def _detail(e: Exception, where: str) -> str:
     """An error's message without the leading ``where: `` it repeats."""
     text = str(e)
-    return text[len(where) + 2:] if text.startswith(f"{where}: ") else text
+    return text[len(where) + 2 :] if text.startswith(f"{where}: ") else text
 
 
 def _loads(dump: Path) -> bool:
@@ -119,15 +118,21 @@ class RunStore:
         """
         listed = self.backend.list_entries(RUNS)
         ids = [n for n, kind in listed if kind == "dir" and is_run_id(n)]
-        blobs = self.backend.read_many([f"{RUNS}/{n}/{f}" for n in ids for f in (COMPLETE, RUN_JSON)],
-                                       max_bytes=MAX_RECORD_BYTES)
+        blobs = self.backend.read_many(
+            [f"{RUNS}/{n}/{f}" for n in ids for f in (COMPLETE, RUN_JSON)], max_bytes=MAX_RECORD_BYTES
+        )
         out = []
         for name, kind in listed:
             if kind != "dir" or not (is_run_id(name) or name.startswith(STAGING_PREFIXES)):
                 out.append(RunEntry(name, RunStatus.CORRUPT, problem=self._not_a_run(name, kind)))
             elif name.startswith(STAGING_PREFIXES):
-                out.append(RunEntry(name, RunStatus.STAGING, problem=f"{self.where(name)}: unfinished upload or "
-                                                                   "deletion (in progress, or its writer died)"))
+                out.append(
+                    RunEntry(
+                        name,
+                        RunStatus.STAGING,
+                        problem=f"{self.where(name)}: unfinished upload or deletion (in progress, or its writer died)",
+                    )
+                )
             else:
                 entry = self._entry(name, blobs[f"{RUNS}/{name}/{COMPLETE}"], blobs[f"{RUNS}/{name}/{RUN_JSON}"])
                 out.append(self._with_dump_checked(entry))
@@ -141,8 +146,12 @@ class RunStore:
     def _entry(self, name: str, marker: ReadResult, raw: ReadResult) -> RunEntry:
         """The entry of the run folder ``name`` from the bytes of its marker and record (or why they are unreadable)."""
         if isinstance(marker, StoreError):
-            return RunEntry(name, RunStatus.CORRUPT, problem=f"{self.where(name, COMPLETE)}: unusable marker "
-                                                               f"({_detail(marker, self.where(name, COMPLETE))})")
+            return RunEntry(
+                name,
+                RunStatus.CORRUPT,
+                problem=f"{self.where(name, COMPLETE)}: unusable marker "
+                f"({_detail(marker, self.where(name, COMPLETE))})",
+            )
         if marker is None:
             why = f"no {COMPLETE} marker: the upload did not finish, or is still running"
             return RunEntry(name, RunStatus.INCOMPLETE, problem=f"{self.where(name)}: incomplete run ({why})")
@@ -172,8 +181,10 @@ class RunStore:
     def get(self, run_id: str) -> RunRecord:
         """The record of one complete run; :class:`StoreError` (:class:`CorruptRunError`) for anything else."""
         if not is_run_id(run_id):
-            raise StoreError(f"{printable(repr(run_id))} is not a run id (like 20261130T094716.302031123Z-a1b2c3); "
-                             f"see python -m comparator store ls {self.url}")
+            raise StoreError(
+                f"{printable(repr(run_id))} is not a run id (like 20261130T094716.302031123Z-a1b2c3); "
+                f"see python -m comparator store ls {self.url}"
+            )
         kind = self.backend.entry_kind(f"{RUNS}/{run_id}")
         if kind is None:
             raise StoreError(f"{self.where(run_id)}: no such run")
@@ -187,9 +198,19 @@ class RunStore:
             raise error(entry.problem or f"{self.where(run_id)}: unusable run")
         return entry.record
 
-    def put(self, dump_dir: str | os.PathLike[str], *, model: str, label: Label | str, baseline_run: str | None = None,
-            summary: RunSummary | None = None, report: Mapping[str, Any] | None = None, manifest: Manifest | None = None,
-            noise: NoiseModel | StoredNoise | None = None, build: str | None = None) -> RunRecord:
+    def put(
+        self,
+        dump_dir: str | os.PathLike[str],
+        *,
+        model: str,
+        label: Label | str,
+        baseline_run: str | None = None,
+        summary: RunSummary | None = None,
+        report: Mapping[str, Any] | None = None,
+        manifest: Manifest | None = None,
+        noise: NoiseModel | StoredNoise | None = None,
+        build: str | None = None,
+    ) -> RunRecord:
         """Store the dump at ``dump_dir`` whole, as a new run labelled ``label``; return its record.
 
         Data files go first, the dump's manifest after them, then ``report.json`` (if given),
@@ -204,11 +225,20 @@ class RunStore:
         run_id, created = new_run_id()
         stored = StoredNoise.measured(noise, run_id) if isinstance(noise, NoiseModel) else noise
         record = RunRecord(
-            run_id=run_id, created_at=created, model=model, capture_signature=manifest.capture_signature,
-            environment=manifest.environment, label=Label(label), baseline_run=baseline_run,
-            summary=summary, model_identity=manifest.model,
-            dump_format_version=manifest.format_version, dump_created_at=manifest.created_at,
-            calibration=stored.calibration if stored is not None else None, build=build)
+            run_id=run_id,
+            created_at=created,
+            model=model,
+            capture_signature=manifest.capture_signature,
+            environment=manifest.environment,
+            label=Label(label),
+            baseline_run=baseline_run,
+            summary=summary,
+            model_identity=manifest.model,
+            dump_format_version=manifest.format_version,
+            dump_created_at=manifest.created_at,
+            calibration=stored.calibration if stored is not None else None,
+            build=build,
+        )
         try:  # what is written must read back: a record that would list as corrupt is never stored
             RunRecord.from_json(json.loads(record.dumps()), folder=run_id)
         except ValueError as e:
@@ -220,8 +250,9 @@ class RunStore:
                 self.backend.upload(src / name, f"{staging}/{DUMP}/{name}")
             self.backend.upload(src / MANIFEST_NAME, f"{staging}/{DUMP}/{MANIFEST_NAME}")
             if report is not None:
-                self.backend.write_bytes(f"{staging}/{REPORT_JSON}",
-                                         json.dumps(report, indent=1, allow_nan=False).encode())
+                self.backend.write_bytes(
+                    f"{staging}/{REPORT_JSON}", json.dumps(report, indent=1, allow_nan=False).encode()
+                )
             if stored is not None:
                 stored.write(self.backend, staging)
             self.backend.write_bytes(f"{staging}/{RUN_JSON}", record.dumps())
@@ -240,8 +271,11 @@ class RunStore:
         if rec.label == Label.BASELINE and noise is None:
             return rec
         now = datetime.now(timezone.utc).isoformat()
-        new = rec if rec.label == Label.BASELINE else replace(rec, label=Label.BASELINE,
-                                                              promoted=Promotion(at=now, previous=rec.label))
+        new = (
+            rec
+            if rec.label == Label.BASELINE
+            else replace(rec, label=Label.BASELINE, promoted=Promotion(at=now, previous=rec.label))
+        )
         if noise is not None:
             stored = StoredNoise.measured(noise, new.run_id)
             new = replace(new, calibration=stored.calibration)
@@ -257,11 +291,17 @@ class RunStore:
         if record.calibration is None:
             return None
         try:
-            return StoredNoise.read(self.backend, f"{RUNS}/{record.run_id}", record.calibration,
-                                    lambda name: self.where(record.run_id, name))
+            return StoredNoise.read(
+                self.backend,
+                f"{RUNS}/{record.run_id}",
+                record.calibration,
+                lambda name: self.where(record.run_id, name),
+            )
         except StoreError as e:
-            raise StoreError(f"{e}; recalibrate it: python -m comparator store promote {self.url} "
-                             f"{record.run_id} --calibrate VARIANT [VARIANT ...]") from None
+            raise StoreError(
+                f"{e}; recalibrate it: python -m comparator store promote {self.url} "
+                f"{record.run_id} --calibrate VARIANT [VARIANT ...]"
+            ) from None
 
     def manifest_json(self, run_id: str) -> dict[str, Any]:
         """The stored dump's raw manifest (for summaries; not validated against the data files)."""
@@ -278,7 +318,7 @@ class RunStore:
         except DumpError as e:
             raise StoreError(str(e)) from None
         if not isinstance(d, dict) or not isinstance(d.get("files"), dict):
-            raise StoreError(f"{where}: not a dump manifest (no \"files\" object)")
+            raise StoreError(f'{where}: not a dump manifest (no "files" object)')
         for name, size in d["files"].items():
             plain_name(name, f"{where}: files")
             if type(size) is not int or size < 0:
@@ -351,12 +391,14 @@ class RunStore:
         try:
             load_manifest(path)
         except DumpError as e:
-            raise StoreError(f"stored run {run_id} of {self.url} has a broken dump ({e}); promote another run "
-                             "or remove it") from None
+            raise StoreError(
+                f"stored run {run_id} of {self.url} has a broken dump ({e}); promote another run or remove it"
+            ) from None
         return path
 
-    def prune(self, keep: int, *, dry_run: bool = False, grace_s: float = STAGING_GRACE_S,
-              now: float | None = None) -> PruneResult:
+    def prune(
+        self, keep: int, *, dry_run: bool = False, grace_s: float = STAGING_GRACE_S, now: float | None = None
+    ) -> PruneResult:
         """Delete all but the newest ``keep`` runs of each (model, signature).
 
         Never deletes the current baseline (the run :func:`select_baseline` picks) of any model,
@@ -390,8 +432,9 @@ class RunStore:
                 if not times:
                     skipped.append(f"{printable(e.name)}: unfinished upload of unknown age")
                 elif now - max(times) < grace_s:
-                    skipped.append(f"{printable(e.name)}: unfinished upload younger than {grace_s:g} s "
-                                   "(may be running)")
+                    skipped.append(
+                        f"{printable(e.name)}: unfinished upload younger than {grace_s:g} s (may be running)"
+                    )
                 else:
                     deleted.append(e.name)
         if not dry_run:

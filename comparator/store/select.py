@@ -20,7 +20,6 @@ from typing import Any, Protocol, runtime_checkable
 from comparator.store.environment import describe_differences, env_differences, env_key
 from comparator.store.errors import EnvMismatchError
 from comparator.store.record import RunEntry, RunRecord, signature_key
-from comparator.store.labels import Label
 
 __all__ = ["select_baseline", "candidates", "current_baselines", "Listable"]
 
@@ -40,12 +39,20 @@ def candidates(store: Listable | Iterable[RunEntry], model: str, signature: Mapp
     """Complete ``baseline`` and ``passed`` runs of ``model`` with exactly this capture signature, oldest first."""
     sig = signature_key(signature)
     recs = [e.record for e in _entries(store) if e.complete and e.record is not None]
-    return sorted((r for r in recs if r.model == model and r.label.selectable
-                   and signature_key(r.capture_signature) == sig), key=lambda r: r.run_id)
+    return sorted(
+        (r for r in recs if r.model == model and r.label.selectable and signature_key(r.capture_signature) == sig),
+        key=lambda r: r.run_id,
+    )
 
 
-def select_baseline(store: Listable | Iterable[RunEntry], model: str, signature: Mapping[str, Any],
-                    environment: Mapping[str, Any], *, allow_env_mismatch: bool = False) -> RunRecord | None:
+def select_baseline(
+    store: Listable | Iterable[RunEntry],
+    model: str,
+    signature: Mapping[str, Any],
+    environment: Mapping[str, Any],
+    *,
+    allow_env_mismatch: bool = False,
+) -> RunRecord | None:
     """The run a new run of ``model`` with ``signature`` from ``environment`` is compared against.
 
     Args:
@@ -78,7 +85,9 @@ def select_baseline(store: Listable | Iterable[RunEntry], model: str, signature:
         f"no baseline of model {model!r} from this environment: the latest comparable run {latest.run_id} "
         f"differs in {describe_differences(diffs)}; a baseline from other hardware or software is meaningless, "
         f"so record a new baseline for this environment with --bootstrap, or compare anyway with "
-        f"--allow-env-mismatch", tuple(diffs))
+        f"--allow-env-mismatch",
+        tuple(diffs),
+    )
 
 
 def current_baselines(store: Listable | Iterable[RunEntry]) -> dict[str, RunRecord]:

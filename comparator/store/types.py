@@ -96,9 +96,14 @@ class RunSummary:
     def of_report(cls, report: Report) -> RunSummary:
         """The summary of a comparison report."""
         fd = report.first_divergent
-        return cls(passed=report.passed, matched=report.matched, first_divergent=None if fd is None else fd.to_json(),
-                   logprobs_passed=None if report.logprobs is None else report.logprobs.passed,
-                   threshold=report.threshold, token_threshold=report.token_threshold)
+        return cls(
+            passed=report.passed,
+            matched=report.matched,
+            first_divergent=None if fd is None else fd.to_json(),
+            logprobs_passed=None if report.logprobs is None else report.logprobs.passed,
+            threshold=report.threshold,
+            token_threshold=report.token_threshold,
+        )
 
     @classmethod
     def unusable(cls, error: str) -> RunSummary:
@@ -118,9 +123,16 @@ class RunSummary:
         return status(False, "logprobs" if self.logprobs_passed is False else None)
 
     def to_json(self) -> dict[str, Any]:
-        return {"passed": self.passed, "matched": self.matched, "first_divergent": self.first_divergent,
-                "logprobs_passed": self.logprobs_passed, "threshold": self.threshold,
-                "token_threshold": self.token_threshold, "error": self.error, **self.extra}
+        return {
+            "passed": self.passed,
+            "matched": self.matched,
+            "first_divergent": self.first_divergent,
+            "logprobs_passed": self.logprobs_passed,
+            "threshold": self.threshold,
+            "token_threshold": self.token_threshold,
+            "error": self.error,
+            **self.extra,
+        }
 
     @classmethod
     def from_json(cls, d: Any, where: str | None = None) -> RunSummary:
@@ -130,10 +142,16 @@ class RunSummary:
             _check_summary(s)
         except ValueError as e:
             raise where_prefixed(e, where) from None
-        return cls(passed=s["passed"], matched=s["matched"], first_divergent=s.get("first_divergent"),
-                   logprobs_passed=s.get("logprobs_passed"), threshold=s.get("threshold"),
-                   token_threshold=s.get("token_threshold"), error=s.get("error"),
-                   extra={k: v for k, v in s.items() if k not in SUMMARY_KEYS})
+        return cls(
+            passed=s["passed"],
+            matched=s["matched"],
+            first_divergent=s.get("first_divergent"),
+            logprobs_passed=s.get("logprobs_passed"),
+            threshold=s.get("threshold"),
+            token_threshold=s.get("token_threshold"),
+            error=s.get("error"),
+            extra={k: v for k, v in s.items() if k not in SUMMARY_KEYS},
+        )
 
 
 def _check_summary(s: dict[str, Any]) -> None:
@@ -178,12 +196,20 @@ class Calibration:
     @classmethod
     def of(cls, data: bytes, *, variants: int, measured_on: str) -> Calibration:
         """The calibration vouching for the ``noise.json`` bytes ``data``, created now."""
-        return cls(variants=variants, created_at=datetime.now(timezone.utc).isoformat(),
-                   sha256=hashlib.sha256(data).hexdigest(), measured_on=measured_on)
+        return cls(
+            variants=variants,
+            created_at=datetime.now(timezone.utc).isoformat(),
+            sha256=hashlib.sha256(data).hexdigest(),
+            measured_on=measured_on,
+        )
 
     def to_json(self) -> dict[str, Any]:
-        return {"variants": self.variants, "created_at": self.created_at, "sha256": self.sha256,
-                "measured_on": self.measured_on}
+        return {
+            "variants": self.variants,
+            "created_at": self.created_at,
+            "sha256": self.sha256,
+            "measured_on": self.measured_on,
+        }
 
     @classmethod
     def from_json(cls, d: Any, where: str | None = None) -> Calibration:
@@ -195,13 +221,17 @@ class Calibration:
             p = "calibration."
             check(c, "variants", lambda v: is_int(v) and v >= 1, "a positive integer", prefix=p)
             check(c, "created_at", is_str, "a string (ISO time)", prefix=p)
-            check(c, "sha256", lambda v: is_str(v) and _SHA256.fullmatch(v) is not None, "64 lowercase hex digits",
-                  prefix=p)
+            check(
+                c,
+                "sha256",
+                lambda v: is_str(v) and _SHA256.fullmatch(v) is not None,
+                "64 lowercase hex digits",
+                prefix=p,
+            )
             check(c, "measured_on", is_run_id, "a run id", prefix=p)
         except ValueError as e:
             raise where_prefixed(e, where) from None
-        return cls(variants=c["variants"], created_at=c["created_at"], sha256=c["sha256"],
-                   measured_on=c["measured_on"])
+        return cls(variants=c["variants"], created_at=c["created_at"], sha256=c["sha256"], measured_on=c["measured_on"])
 
 
 @dataclass(frozen=True)

@@ -20,9 +20,24 @@ from dumper.errors import EXIT_INTERNAL, EXIT_UNUSABLE, DriftscopeError, UsageEr
 from dumper.format.files import printable
 from dumper.settings import env_settings
 
-__all__ = ["Parser", "guarded_main", "DEBUG_FLAG", "silence_stdout", "EXIT_BROKEN_PIPE", "add_import_sglang_flags",
-           "split_debug", "out_flag", "quiet_flag", "json_flag", "prompt_flag", "input_ids_flag", "prompt_source_flags",
-           "top_k_flag", "DUMP_OUT_HELP", "QUIET_HELP"]
+__all__ = [
+    "Parser",
+    "guarded_main",
+    "DEBUG_FLAG",
+    "silence_stdout",
+    "EXIT_BROKEN_PIPE",
+    "add_import_sglang_flags",
+    "split_debug",
+    "out_flag",
+    "quiet_flag",
+    "json_flag",
+    "prompt_flag",
+    "input_ids_flag",
+    "prompt_source_flags",
+    "top_k_flag",
+    "DUMP_OUT_HELP",
+    "QUIET_HELP",
+]
 
 EXIT_BROKEN_PIPE = 141
 """What a shell reports for a process killed by SIGPIPE (128 + 13): the reader of stdout went away."""
@@ -37,8 +52,9 @@ class Parser(argparse.ArgumentParser):
         raise UsageError(f"{self.prog}: {message}")
 
     def format_help(self) -> str:
-        return super().format_help() + (f"\n{DEBUG_FLAG} (anywhere): print the traceback of an internal error "
-                                        "(also DRIFTSCOPE_DEBUG=1)\n")
+        return super().format_help() + (
+            f"\n{DEBUG_FLAG} (anywhere): print the traceback of an internal error (also DRIFTSCOPE_DEBUG=1)\n"
+        )
 
 
 def split_debug(argv: Sequence[str]) -> tuple[list[str], bool]:
@@ -130,8 +146,11 @@ def _internal(e: BaseException, debug: bool) -> int:
     if debug:
         traceback.print_exc()
     detail = printable(" ".join(str(e).split())[:300])
-    print(f"internal error: {type(e).__name__}{': ' + detail if detail else ''} -- this is a bug in driftscope; "
-          f"please report it{'' if debug else ' (rerun with --debug for the traceback)'}", file=sys.stderr)
+    print(
+        f"internal error: {type(e).__name__}{': ' + detail if detail else ''} -- this is a bug in driftscope; "
+        f"please report it{'' if debug else ' (rerun with --debug for the traceback)'}",
+        file=sys.stderr,
+    )
     return EXIT_INTERNAL
 
 
@@ -150,9 +169,14 @@ def add_import_sglang_flags(p: argparse.ArgumentParser) -> None:
     them (torch-free ``--help``), :func:`dumper.engines.sglang.main_import` parses them to run it."""
     p.add_argument("src", help="SGLang dump directory (DUMPER_DIR/EXP_NAME, holding the .pt files)")
     out_flag(p, help="driftscope dump directory to create")
-    p.add_argument("--name", action="append", default=[], metavar="SGLANG=DRIFTSCOPE",
-                   help="map an SGLang tensor name to a driftscope name, {layer} = its layer_id (repeatable), "
-                        "e.g. attn_in=model.layers.{layer}.self_attn.input")
+    p.add_argument(
+        "--name",
+        action="append",
+        default=[],
+        metavar="SGLANG=DRIFTSCOPE",
+        help="map an SGLang tensor name to a driftscope name, {layer} = its layer_id (repeatable), "
+        "e.g. attn_in=model.layers.{layer}.self_attn.input",
+    )
     p.add_argument("--checkpoint", help="HF checkpoint directory of the run: its config gives the model identity")
 
 
@@ -195,7 +219,8 @@ def prompt_source_flags(p: argparse.ArgumentParser, prompt_help: str = "prompt t
     input_ids_flag(src)
 
 
-def top_k_flag(p: argparse._ActionsContainer,
-               help: str = "with --logprobs: record the top-K logprobs per position") -> None:
+def top_k_flag(
+    p: argparse._ActionsContainer, help: str = "with --logprobs: record the top-K logprobs per position"
+) -> None:
     """``--top-k K`` (default 0): how many of each position's top logprobs to record besides the actual token."""
     p.add_argument("--top-k", type=int, default=0, help=help)

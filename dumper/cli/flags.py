@@ -16,9 +16,20 @@ from dumper.engines import ENGINES
 from dumper.errors import UsageError
 from dumper.format.dtypes import MODEL_DTYPES
 
-__all__ = ["model_flag", "model_setting_flags", "baseline_flag", "engine_flags", "layers_flag", "points_flag",
-           "padding_side_flag", "logprob_flags", "save_logits_flag", "check_logprob_options", "NEEDS_LOGPROBS",
-           "MODEL_HELP"]
+__all__ = [
+    "model_flag",
+    "model_setting_flags",
+    "baseline_flag",
+    "engine_flags",
+    "layers_flag",
+    "points_flag",
+    "padding_side_flag",
+    "logprob_flags",
+    "save_logits_flag",
+    "check_logprob_options",
+    "NEEDS_LOGPROBS",
+    "MODEL_HELP",
+]
 
 MODEL_HELP = "local HF model directory or preset (tiny-llama, tiny-qwen2)"
 """``--model``'s help where the model is loaded here (``run`` adds the files of its other engines)."""
@@ -42,8 +53,9 @@ def model_setting_flags(p: argparse.ArgumentParser, *, from_baseline: bool = Fal
     dtype, dtype_text = _default("float32", from_baseline)
     seed, seed_text = _default(0, from_baseline)
     p.add_argument("--dtype", default=dtype, choices=list(MODEL_DTYPES), help=f"model dtype ({dtype_text})")
-    p.add_argument("--attn", default="eager", choices=["eager", "sdpa"],
-                   help="attention implementation (default eager)")
+    p.add_argument(
+        "--attn", default="eager", choices=["eager", "sdpa"], help="attention implementation (default eager)"
+    )
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (default cpu)")
     p.add_argument("--seed", type=seed_value, default=seed, help=f"seed for preset weights ({seed_text})")
 
@@ -55,33 +67,42 @@ def baseline_flag(p: argparse.ArgumentParser, help: str) -> None:
 
 def engine_flags(p: argparse.ArgumentParser, engine_arg_help: str) -> None:
     """``--engine`` (default transformers) and ``--engine-arg KEY=VALUE``, whose help says what a setting applies to."""
-    p.add_argument("--engine", default="transformers", choices=list(ENGINES),
-                   help="inference engine that runs the job (default transformers, in this process)")
+    p.add_argument(
+        "--engine",
+        default="transformers",
+        choices=list(ENGINES),
+        help="inference engine that runs the job (default transformers, in this process)",
+    )
     p.add_argument("--engine-arg", action="append", default=None, metavar="KEY=VALUE", help=engine_arg_help)
 
 
 def layers_flag(p: argparse.ArgumentParser, *, from_baseline: bool = False) -> None:
     """``--layers SPEC``: the decoder layers captured (unset: ``first,last,every:8``, or the baseline's)."""
     text = _FROM_BASELINE if from_baseline else "default first,last,every:8"  # unset either way: the job picks them
-    p.add_argument("--layers", default=None,
-                   help=f"layer spec: all, first, last, every:N, 3, -1, 2..5, -3..-1 ({text})")
+    p.add_argument(
+        "--layers", default=None, help=f"layer spec: all, first, last, every:N, 3, -1, 2..5, -3..-1 ({text})"
+    )
 
 
 def points_flag(p: argparse.ArgumentParser, *, from_baseline: bool = False) -> None:
     """``--points``: the capture points, comma-separated (default ``input``, or the baseline's)."""
     points, text = _default("input", from_baseline)
-    p.add_argument("--points", default=points,
-                   help=f"capture points, comma-separated ({text}): input (self-attention input, after the "
-                        "layer's norm), residual (decoder layer input, before its norm, and the final norm's input), "
-                        "attn_output (what attention adds, before the residual add), mlp_input (after the "
-                        "post-attention norm), mlp_output (what the MLP or MoE block adds), "
-                        "router (MoE layers' gate logits, chosen experts and their weights)")
+    p.add_argument(
+        "--points",
+        default=points,
+        help=f"capture points, comma-separated ({text}): input (self-attention input, after the "
+        "layer's norm), residual (decoder layer input, before its norm, and the final norm's input), "
+        "attn_output (what attention adds, before the residual add), mlp_input (after the "
+        "post-attention norm), mlp_output (what the MLP or MoE block adds), "
+        "router (MoE layers' gate logits, chosen experts and their weights)",
+    )
 
 
 def padding_side_flag(p: argparse.ArgumentParser) -> None:
     """``--padding-side right|left``: where a batch's shorter prompts are padded (default right)."""
-    p.add_argument("--padding-side", default="right", choices=["right", "left"],
-                   help="where batches are padded (default right)")
+    p.add_argument(
+        "--padding-side", default="right", choices=["right", "left"], help="where batches are padded (default right)"
+    )
 
 
 def logprob_flags(p: argparse.ArgumentParser, help: str) -> None:
@@ -92,8 +113,9 @@ def logprob_flags(p: argparse.ArgumentParser, help: str) -> None:
 
 def save_logits_flag(p: argparse.ArgumentParser) -> None:
     """``--save-logits``: with ``--logprobs``, the full logits rows too (what a full-distribution KL reads)."""
-    p.add_argument("--save-logits", action="store_true",
-                   help="with --logprobs: also dump the full logits rows (for KL)")
+    p.add_argument(
+        "--save-logits", action="store_true", help="with --logprobs: also dump the full logits rows (for KL)"
+    )
 
 
 def check_logprob_options(args: argparse.Namespace, *flags: str) -> None:

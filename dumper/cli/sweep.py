@@ -6,9 +6,19 @@ import argparse
 import sys
 
 from dumper.cli.common import json_flag, out_flag, quiet_flag
-from dumper.cli.flags import (MODEL_HELP, baseline_flag, check_logprob_options, engine_flags, layers_flag,
-                              logprob_flags, model_flag, model_setting_flags, padding_side_flag, points_flag,
-                              save_logits_flag)
+from dumper.cli.flags import (
+    MODEL_HELP,
+    baseline_flag,
+    check_logprob_options,
+    engine_flags,
+    layers_flag,
+    logprob_flags,
+    model_flag,
+    model_setting_flags,
+    padding_side_flag,
+    points_flag,
+    save_logits_flag,
+)
 from dumper.cli.values import check_device, engine_args, positive_int
 from dumper.errors import EXIT_DIVERGED, EXIT_OK, UsageError
 
@@ -23,19 +33,32 @@ def add_sweep(sub: argparse._SubParsersAction) -> None:
     model_flag(s, help=f"{MODEL_HELP}, as for run")
     engine_flags(s, engine_arg_help="engine setting fixed across cells (repeatable)")
     baseline_flag(s, help="dump every cell is compared with; its prompts are the job")
-    s.add_argument("--grid", action="append", required=True, metavar="KEY=V1,V2,...",
-                   help="an axis (repeatable; cells are the cartesian product): an --engine-arg key, chunk_size "
-                        "(none allowed), batch_size, new_tokens (decode cells, judged against their own prefill), "
-                        "or lengths (prompt lengths, or 'block' for block-1, block, block+1, 2*block-1, 2*block, "
-                        "2*block+1)")
-    s.add_argument("--max-cells", type=positive_int, default=None, metavar="N",
-                   help="refuse a grid of more than N cells, the product of its axes' value counts (default "
-                        "4096), before anything is planned")
+    s.add_argument(
+        "--grid",
+        action="append",
+        required=True,
+        metavar="KEY=V1,V2,...",
+        help="an axis (repeatable; cells are the cartesian product): an --engine-arg key, chunk_size "
+        "(none allowed), batch_size, new_tokens (decode cells, judged against their own prefill), "
+        "or lengths (prompt lengths, or 'block' for block-1, block, block+1, 2*block-1, 2*block, "
+        "2*block+1)",
+    )
+    s.add_argument(
+        "--max-cells",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="refuse a grid of more than N cells, the product of its axes' value counts (default "
+        "4096), before anything is planned",
+    )
     out_flag(s, help="new directory: cell-NNN/dump, cell-NNN/report.json, sweep.json")
     json_flag(s, "the sweep's results")
-    s.add_argument("--block-size", type=int, default=None,
-                   help="KV block size for lengths=block (default: the engine's; vLLM's after it loads, 16 for "
-                        "transformers)")
+    s.add_argument(
+        "--block-size",
+        type=int,
+        default=None,
+        help="KV block size for lengths=block (default: the engine's; vLLM's after it loads, 16 for transformers)",
+    )
     layers_flag(s, from_baseline=True)
     points_flag(s, from_baseline=True)
     model_setting_flags(s, from_baseline=True)
@@ -50,11 +73,11 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     """Build the :class:`~dumper.jobs.sweep.run.SweepConfig`, run it, print a line per cell and the table."""
     from comparator import CompareConfig, stdout_console
     from dumper.format import write_json_atomic
-    from dumper.prefill.run import LogprobSpec, RunConfig
     from dumper.hooks.layers import parse_points
-    from dumper.jobs.sweep.run import SweepConfig, baseline_defaults, baseline_prompts, parse_grid, sweep
     from dumper.jobs.sweep.grid import MAX_CELLS
+    from dumper.jobs.sweep.run import SweepConfig, baseline_defaults, baseline_prompts, parse_grid, sweep
     from dumper.jobs.sweep.table import cell_line, render_sweep
+    from dumper.prefill.run import LogprobSpec, RunConfig
 
     check_device(args.device)
     check_logprob_options(args, "--top-k", "--save-logits")
@@ -63,14 +86,24 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     axes = parse_grid(args.grid, max_cells=MAX_CELLS if args.max_cells is None else args.max_cells)
     defaults = baseline_defaults(baseline_prompts(args.baseline)[0])
     spec = LogprobSpec(top_k=args.top_k, save_logits=args.save_logits) if args.logprobs else None
-    template = RunConfig(out=args.out, model=args.model, dtype=args.dtype or defaults["dtype"], attn=args.attn,
-                         layers=args.layers if args.layers is not None else defaults["layers"], device=args.device,
-                         seed=defaults["seed"] if args.seed is None else args.seed, padding_side=args.padding_side,
-                         logprobs=spec, engine=args.engine, engine_args=engine_args(args.engine_arg or ()),
-                         points=parse_points(args.points) if args.points is not None else defaults["points"])
+    template = RunConfig(
+        out=args.out,
+        model=args.model,
+        dtype=args.dtype or defaults["dtype"],
+        attn=args.attn,
+        layers=args.layers if args.layers is not None else defaults["layers"],
+        device=args.device,
+        seed=defaults["seed"] if args.seed is None else args.seed,
+        padding_side=args.padding_side,
+        logprobs=spec,
+        engine=args.engine,
+        engine_args=engine_args(args.engine_arg or ()),
+        points=parse_points(args.points) if args.points is not None else defaults["points"],
+    )
     compare = CompareConfig.resolve(threshold=args.threshold, token_threshold=args.token_threshold)
-    cfg = SweepConfig(baseline=args.baseline, out=args.out, template=template, grid=axes, block_size=args.block_size,
-                      compare=compare)
+    cfg = SweepConfig(
+        baseline=args.baseline, out=args.out, template=template, grid=axes, block_size=args.block_size, compare=compare
+    )
 
     def line(cell, total):  # one line per finished cell, on stderr: stdout carries the table
         print(cell_line(cell, total), file=sys.stderr, flush=True)

@@ -39,8 +39,8 @@ from dumper.errors import UsageError
 
 if TYPE_CHECKING:
     from dumper.format import Manifest
-    from dumper.progress import ProgressFn
     from dumper.prefill.run import RunConfig
+    from dumper.progress import ProgressFn
 
 __all__ = ["ENGINES", "RunDump", "engine_adapter", "engine_runner", "engine_available", "run_engine"]
 
@@ -54,6 +54,7 @@ class RunDump(Protocol):
     """
 
     def __call__(self, cfg: RunConfig, *, progress: ProgressFn | None = None) -> Manifest: ...
+
 
 ENGINES: dict[str, tuple[str, str | None, str]] = {
     "transformers": ("transformers", None, "pip install transformers"),

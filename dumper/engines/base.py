@@ -29,18 +29,27 @@ import torch
 
 from dumper.errors import UsageError
 from dumper.format import Manifest, load_manifest
+from dumper.format.decode import GENERATED_IDS, NEW_TOKENS
 from dumper.format.files import printable
 from dumper.format.points import MLP_INPUT, MLP_OUTPUT, record_name
 from dumper.hooks.capture import Capture
 from dumper.hooks.fingerprint import config_identity
 from dumper.hooks.layers import ATTN_INPUT, parse_layer_spec
-from dumper.format.decode import GENERATED_IDS, NEW_TOKENS
 from dumper.prefill.decode import decode_meta
 from dumper.prefill.logprob_records import record_logprobs, record_next_logprobs, record_token_logprobs
 from dumper.prefill.run import RunConfig, check_scored_positions, prompt_token_ids
 
-__all__ = ["EngineInfo", "EngineDump", "EngineArg", "attn_input_name", "point_name", "hf_identity", "job_sequences",
-           "check_checkpoint_dir", "check_engine_args"]
+__all__ = [
+    "EngineInfo",
+    "EngineDump",
+    "EngineArg",
+    "attn_input_name",
+    "point_name",
+    "hf_identity",
+    "job_sequences",
+    "check_checkpoint_dir",
+    "check_engine_args",
+]
 
 EngineValue = str | int | bool
 
@@ -66,8 +75,11 @@ class EngineArg:
         if self.kind == "bool":
             return "true or false"
         if self.kind == "int":
-            return f"a positive integer (at most {self.high})" if self.low == 1 else \
-                f"an integer from {self.low} to {self.high}"
+            return (
+                f"a positive integer (at most {self.high})"
+                if self.low == 1
+                else f"an integer from {self.low} to {self.high}"
+            )
         return "a path"
 
     def parse(self, key: str, value: str) -> EngineValue:
@@ -95,8 +107,9 @@ def check_engine_args(cfg: RunConfig, table: dict[str, EngineArg]) -> dict[str, 
     for key, value in cfg.engine_args:
         if key not in table:
             takes = "; ".join(f"{k}={a.allowed()} ({a.help})" for k, a in table.items()) or "none"
-            raise UsageError(f"--engine-arg {printable(key)}: --engine {cfg.engine} does not take it "
-                             f"(it takes: {takes})")
+            raise UsageError(
+                f"--engine-arg {printable(key)}: --engine {cfg.engine} does not take it (it takes: {takes})"
+            )
         values[key] = table[key].parse(key, value)
     return values
 
@@ -131,19 +144,30 @@ class EngineInfo:
     settings: dict[str, str | int | float | bool | None] = field(default_factory=dict)
 
     def environment(self) -> dict[str, Any]:
-        return {"engine": self.name, "engine_version": self.version,
-                **{f"engine_{k}": v for k, v in self.settings.items()}}
+        return {
+            "engine": self.name,
+            "engine_version": self.version,
+            **{f"engine_{k}": v for k, v in self.settings.items()},
+        }
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "version": self.version, "checkpoint": self.checkpoint,
-                "settings": dict(self.settings)}
+        return {
+            "name": self.name,
+            "version": self.version,
+            "checkpoint": self.checkpoint,
+            "settings": dict(self.settings),
+        }
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> EngineInfo:
         """Inverse of :meth:`to_json`: the ``engine`` entry of a dump manifest's ``extra``."""
         version = d.get("version")
-        return cls(name=str(d["name"]), version=None if version is None else str(version),
-                   checkpoint=str(d["checkpoint"]), settings=dict(d.get("settings") or {}))
+        return cls(
+            name=str(d["name"]),
+            version=None if version is None else str(version),
+            checkpoint=str(d["checkpoint"]),
+            settings=dict(d.get("settings") or {}),
+        )
 
 
 def check_checkpoint_dir(path: str, engine: str) -> Path:
@@ -198,21 +222,49 @@ class EngineDump:
     so adapters may offer every layer. Logprobs follow ``cfg.logprobs``: none when it is None.
     """
 
-    def __init__(self, cfg: RunConfig, info: EngineInfo, identity: dict[str, Any], *, num_layers: int,
-                 seqs: Sequence[Sequence[int]], extra: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        info: EngineInfo,
+        identity: dict[str, Any],
+        *,
+        num_layers: int,
+        seqs: Sequence[Sequence[int]],
+        extra: dict[str, Any] | None = None,
+    ) -> None:
         self.cfg = cfg
         self.layers = parse_layer_spec(cfg.layers, num_layers)
         self._keep = set(self.layers)
         self.spec = cfg.logprobs
-        job = {"job": "prefill", "input_ids": [list(s) for s in seqs], "dtype": cfg.dtype,
-               "chunk_size": cfg.chunk_size, "batch_size": cfg.batch_size,
-               "logprobs": None if cfg.logprobs is None else vars(cfg.logprobs), "engine": info.to_json(),
-               **(extra or {}), **cfg.extra}
-        signature = {"layers": self.layers, "modules": [attn_input_name(i)[:-len(ATTN_INPUT) - 1] for i in self.layers],
-                     "points": [ATTN_INPUT], "num_layers": num_layers, "world_size": 1, "dtype": cfg.dtype}
-        self._cap = Capture(None, cfg.out, model_name=identity.get("name"), extra=json.loads(json.dumps(job)),
-                            identity=identity, signature=signature, environment=info.environment(),
-                            sketch=cfg.sketch)
+        job = {
+            "job": "prefill",
+            "input_ids": [list(s) for s in seqs],
+            "dtype": cfg.dtype,
+            "chunk_size": cfg.chunk_size,
+            "batch_size": cfg.batch_size,
+            "logprobs": None if cfg.logprobs is None else vars(cfg.logprobs),
+            "engine": info.to_json(),
+            **(extra or {}),
+            **cfg.extra,
+        }
+        signature = {
+            "layers": self.layers,
+            "modules": [attn_input_name(i)[: -len(ATTN_INPUT) - 1] for i in self.layers],
+            "points": [ATTN_INPUT],
+            "num_layers": num_layers,
+            "world_size": 1,
+            "dtype": cfg.dtype,
+        }
+        self._cap = Capture(
+            None,
+            cfg.out,
+            model_name=identity.get("name"),
+            extra=json.loads(json.dumps(job)),
+            identity=identity,
+            signature=signature,
+            environment=info.environment(),
+            sketch=cfg.sketch,
+        )
         self._cap.world_size, self._cap.rank = 1, 0
 
     def __enter__(self) -> EngineDump:
@@ -237,8 +289,9 @@ class EngineDump:
         """The following records belong to decode step ``step`` (``None``: no longer; :mod:`dumper.prefill.decode`)."""
         self._cap.set_pass_meta(None if step is None else decode_meta(step))
 
-    def next_logprobs(self, logits: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor,
-                      sequence_ids: Sequence[int]) -> None:
+    def next_logprobs(
+        self, logits: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor, sequence_ids: Sequence[int]
+    ) -> None:
         """Record the logprob (and top-k) of each ``targets[r]`` at ``positions[r]`` from ``logits[r]``: the tokens a
         greedy decode chose (:func:`dumper.prefill.logprob_records.record_next_logprobs`)."""
         if self.spec is not None:
@@ -246,26 +299,35 @@ class EngineDump:
 
     def generated(self, generated: Sequence[Sequence[int]]) -> None:
         """Say in the manifest what a ``--new-tokens`` job generated, per sequence (:mod:`dumper.format.decode`)."""
-        self._cap.extra.update({"job": "decode", NEW_TOKENS: self.cfg.new_tokens,
-                                GENERATED_IDS: [list(map(int, g)) for g in generated]})
+        self._cap.extra.update(
+            {"job": "decode", NEW_TOKENS: self.cfg.new_tokens, GENERATED_IDS: [list(map(int, g)) for g in generated]}
+        )
 
-    def hidden(self, layer: int, x: torch.Tensor, positions: Any, sequence_ids: Any, *,
-               point: str = ATTN_INPUT) -> None:
+    def hidden(
+        self, layer: int, x: torch.Tensor, positions: Any, sequence_ids: Any, *, point: str = ATTN_INPUT
+    ) -> None:
         """Record layer ``layer``'s ``point`` ``x`` [tokens, hidden] of the current pass (default: its self-attention
         input), under the HF capture's name for it (:func:`point_name`).
 
         ``positions`` and ``sequence_ids`` give each row's absolute position and prompt index.
         """
         if layer in self._keep:
-            self._cap.record(point_name(layer, point), x.detach().reshape(-1, x.shape[-1]), layer=layer,
-                             point=point, positions=positions, sequence_ids=sequence_ids)
+            self._cap.record(
+                point_name(layer, point),
+                x.detach().reshape(-1, x.shape[-1]),
+                layer=layer,
+                point=point,
+                positions=positions,
+                sequence_ids=sequence_ids,
+            )
 
     def router(self, layer: int, parts: dict[str, torch.Tensor], positions: Any, sequence_ids: Any) -> None:
         """Record MoE layer ``layer``'s routing ``parts`` (``{ROUTER_LOGITS: [tokens, E], ...}``) of the current pass,
         rows as :meth:`hidden`'s (:meth:`dumper.hooks.capture.Capture.record_router` names and casts them)."""
         if layer in self._keep:
-            self._cap.record_router(f"{LAYER_PREFIX}.{layer}", layer, parts, positions=positions,
-                                    sequence_ids=sequence_ids)
+            self._cap.record_router(
+                f"{LAYER_PREFIX}.{layer}", layer, parts, positions=positions, sequence_ids=sequence_ids
+            )
 
     def logits(self, seq_id: int, ids: Sequence[int], logits: torch.Tensor, first: int = 0) -> None:
         """Record the logprobs of prompt ``seq_id`` from logits rows for positions ``first .. first+n-1``.
@@ -276,14 +338,24 @@ class EngineDump:
         """
         if self.spec is None:
             return
-        rows = logits[:max(0, len(ids) - first)]  # no row at or past the prompt's end
+        rows = logits[: max(0, len(ids) - first)]  # no row at or past the prompt's end
         ids_t = torch.as_tensor([list(ids)], dtype=torch.int64, device=logits.device)
-        record_logprobs(self._cap, rows[None], ids_t, torch.ones_like(ids_t),
-                        torch.arange(len(ids), device=logits.device)[None], first, [seq_id], self.spec)
+        record_logprobs(
+            self._cap,
+            rows[None],
+            ids_t,
+            torch.ones_like(ids_t),
+            torch.arange(len(ids), device=logits.device)[None],
+            first,
+            [seq_id],
+            self.spec,
+        )
 
-    def token_logprobs(self, seq_id: int, positions: Any, token_ids: Any, logprobs: Any,
-                       top_ids: Any = None, top_logprobs: Any = None) -> None:
+    def token_logprobs(
+        self, seq_id: int, positions: Any, token_ids: Any, logprobs: Any, top_ids: Any = None, top_logprobs: Any = None
+    ) -> None:
         """Record logprobs the engine computed itself (see :func:`dumper.prefill.run.record_token_logprobs`)."""
         positions = torch.as_tensor(positions, dtype=torch.int64).reshape(-1)
-        record_token_logprobs(self._cap, positions, torch.full_like(positions, seq_id), token_ids, logprobs,
-                              top_ids, top_logprobs)
+        record_token_logprobs(
+            self._cap, positions, torch.full_like(positions, seq_id), token_ids, logprobs, top_ids, top_logprobs
+        )

@@ -31,12 +31,6 @@ from typing import Any
 
 import torch
 
-from dumper.errors import UsageError
-from dumper.format import ROUTER_POINT, Manifest
-from dumper.format.points import order_in_layer
-from dumper.hooks.layers import parse_layer_spec
-from dumper.progress import ProgressFn
-from dumper.prefill.run import RunConfig
 from dumper.engines.base import (
     EngineArg,
     EngineDump,
@@ -46,9 +40,21 @@ from dumper.engines.base import (
     hf_identity,
     job_sequences,
 )
+from dumper.engines.llama_cpp_ggml import (
+    FLASH_ATTN,
+    GGML_NODES,
+    GGML_TYPE,
+    GgufSession,
+    check_gguf_file,
+    file_type_name,
+)
+from dumper.errors import UsageError
+from dumper.format import ROUTER_POINT, Manifest
+from dumper.format.points import order_in_layer
+from dumper.hooks.layers import parse_layer_spec
 from dumper.prefill.decode import greedy_loop
-from dumper.engines.llama_cpp_ggml import (FLASH_ATTN, GGML_NODES, GGML_TYPE, GgufSession, check_gguf_file,
-                                           file_type_name)
+from dumper.prefill.run import RunConfig
+from dumper.progress import ProgressFn
 
 __all__ = ["ENGINE_ARGS", "HF_ARCHITECTURES", "run_dump"]
 
@@ -62,11 +68,21 @@ ENGINE_ARGS = {
 """``--engine-arg`` keys ``--engine llama.cpp`` takes, and their values."""
 
 HF_ARCHITECTURES = {
-    "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-    "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM", "mistral3": "Mistral3ForConditionalGeneration",
-    "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
-    "phi3": "Phi3ForCausalLM", "granite": "GraniteForCausalLM", "olmo": "OlmoForCausalLM", "olmo2": "Olmo2ForCausalLM",
-    "smollm3": "SmolLM3ForCausalLM", "deepseek2": "DeepseekV3ForCausalLM",
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
+    "mistral3": "Mistral3ForConditionalGeneration",
+    "gemma": "GemmaForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "granite": "GraniteForCausalLM",
+    "olmo": "OlmoForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
+    "deepseek2": "DeepseekV3ForCausalLM",
 }
 """GGUF ``general.architecture`` -> the HF class it was converted from (where one name is known)."""
 
@@ -76,14 +92,22 @@ def _settings(cfg: RunConfig) -> dict[str, Any]:
     opts = check_engine_args(cfg, ENGINE_ARGS)
     kv, fa = str(opts.get("kv", "f32")), str(opts.get("flash_attn", "off"))
     if cfg.dtype not in ("float32", "fp32"):
-        raise UsageError(f"--dtype {cfg.dtype}: llama.cpp computes with the GGUF file's types; pick the precision "
-                         "when converting (convert_hf_to_gguf.py --outtype f32|f16|q8_0)")
+        raise UsageError(
+            f"--dtype {cfg.dtype}: llama.cpp computes with the GGUF file's types; pick the precision "
+            "when converting (convert_hf_to_gguf.py --outtype f32|f16|q8_0)"
+        )
     if cfg.modules:
         raise UsageError("--modules: --engine llama.cpp captures the layers' self_attn inputs only (use --layers)")
     hf_dir = opts.get("hf_dir")
-    return {"kv": kv, "kv_type": GGML_TYPE[kv], "flash_attn": fa, "flash_attn_type": FLASH_ATTN[fa],
-            "threads": int(opts.get("threads") or torch.get_num_threads()), "verbose": bool(opts.get("verbose")),
-            "hf_dir": str(check_checkpoint_dir(str(hf_dir), "llama.cpp")) if hf_dir else None}
+    return {
+        "kv": kv,
+        "kv_type": GGML_TYPE[kv],
+        "flash_attn": fa,
+        "flash_attn_type": FLASH_ATTN[fa],
+        "threads": int(opts.get("threads") or torch.get_num_threads()),
+        "verbose": bool(opts.get("verbose")),
+        "hf_dir": str(check_checkpoint_dir(str(hf_dir), "llama.cpp")) if hf_dir else None,
+    }
 
 
 def _identity(s: GgufSession, hf_dir: str | None) -> dict[str, Any]:
@@ -91,21 +115,32 @@ def _identity(s: GgufSession, hf_dir: str | None) -> dict[str, Any]:
     ftype, arch = file_type_name(s.ftype), s.meta("general.architecture") or "unknown"
     facts = {"weights_format": f"gguf:{ftype}", "gguf_architecture": arch, "gguf_file_type": ftype}
     if hf_dir is None:
-        return {"name": str(s.path), "architecture": HF_ARCHITECTURES.get(arch, f"gguf:{arch}"),
-                "num_layers": s.n_layer, "hidden_size": s.n_embd, "vocab_size": s.n_vocab, "config_hash": None,
-                "weights_hash": None, **facts}
+        return {
+            "name": str(s.path),
+            "architecture": HF_ARCHITECTURES.get(arch, f"gguf:{arch}"),
+            "num_layers": s.n_layer,
+            "hidden_size": s.n_embd,
+            "vocab_size": s.n_vocab,
+            "config_hash": None,
+            "weights_hash": None,
+            **facts,
+        }
     ident = hf_identity(hf_dir, name=str(s.path), **facts)
     for key, gguf in (("num_layers", s.n_layer), ("hidden_size", s.n_embd), ("vocab_size", s.n_vocab)):
         if ident.get(key) is not None and ident[key] != gguf:
-            raise UsageError(f"--engine-arg hf_dir={hf_dir}: not the checkpoint of {s.path} "
-                             f"({key} {ident[key]} in its config.json, {gguf} in the GGUF)")
+            raise UsageError(
+                f"--engine-arg hf_dir={hf_dir}: not the checkpoint of {s.path} "
+                f"({key} {ident[key]} in its config.json, {gguf} in the GGUF)"
+            )
     return ident
 
 
 def _sequences(cfg: RunConfig, s: GgufSession, hf_dir: str | None) -> list[list[int]]:
     if hf_dir is None and (cfg.prompts or not cfg.input_ids):
-        raise UsageError(f"{cfg.model}: text prompts need --engine-arg hf_dir=DIR (the HF tokenizer; llama.cpp's "
-                         "own splits text differently), or pass --input-ids")
+        raise UsageError(
+            f"{cfg.model}: text prompts need --engine-arg hf_dir=DIR (the HF tokenizer; llama.cpp's "
+            "own splits text differently), or pass --input-ids"
+        )
     return job_sequences(cfg, hf_dir, s.n_vocab)
 
 
@@ -113,14 +148,17 @@ def _decodes(batch: Sequence[Sequence[int]], chunk: int | None) -> list[list[tup
     """The decodes of one prompt batch: lists of (batch row, start, end) token ranges, chunk by chunk."""
     longest = max(map(len, batch))
     step = chunk or longest
-    return [[(row, start, min(start + step, len(ids))) for row, ids in enumerate(batch) if start < len(ids)]
-            for start in range(0, longest, step)]
+    return [
+        [(row, start, min(start + step, len(ids))) for row, ids in enumerate(batch) if start < len(ids)]
+        for start in range(0, longest, step)
+    ]
 
 
 def _no_moe(cfg: RunConfig, layers: Sequence[int], why: str) -> UsageError:
     """The one-line error of ``--points router`` on a model with no MoE layer among ``layers``."""
-    return UsageError(f"--points {ROUTER_POINT}: {cfg.model} has no MoE layer among layers "
-                      f"{','.join(map(str, layers))} ({why})")
+    return UsageError(
+        f"--points {ROUTER_POINT}: {cfg.model} has no MoE layer among layers {','.join(map(str, layers))} ({why})"
+    )
 
 
 def _record_pass(out: EngineDump, got: Any, positions: torch.Tensor, seq_ids: torch.Tensor) -> None:
@@ -130,8 +168,14 @@ def _record_pass(out: EngineDump, got: Any, positions: torch.Tensor, seq_ids: to
         out.router(layer, parts, positions, seq_ids)
 
 
-def _decode_steps(s: GgufSession, out: EngineDump, batch: list[list[int]], first: int, last: torch.Tensor,
-                  sets: tuple[set[tuple[str, int]], set[int]]) -> list[list[int]]:
+def _decode_steps(
+    s: GgufSession,
+    out: EngineDump,
+    batch: list[list[int]],
+    first: int,
+    last: torch.Tensor,
+    sets: tuple[set[tuple[str, int]], set[int]],
+) -> list[list[int]]:
     """Greedy-decode ``--new-tokens`` tokens per prompt after the batch's prefill (``last``: each row's last logits
     row, :func:`~dumper.prefill.decode.greedy_loop`); each step is one ``llama_decode`` of one token per sequence.
     Returns the tokens."""
@@ -146,13 +190,18 @@ def _decode_steps(s: GgufSession, out: EngineDump, batch: list[list[int]], first
         out.decode_step(None)
         return got.logits
 
-    return greedy_loop(last, torch.tensor([len(p) - 1 for p in batch], dtype=torch.int64), out.cfg.new_tokens,
-                       lambda logits, token, positions: out.next_logprobs(logits, token, positions, seq_ids.tolist()),
-                       feed)
+    return greedy_loop(
+        last,
+        torch.tensor([len(p) - 1 for p in batch], dtype=torch.int64),
+        out.cfg.new_tokens,
+        lambda logits, token, positions: out.next_logprobs(logits, token, positions, seq_ids.tolist()),
+        feed,
+    )
 
 
-def _run_batch(s: GgufSession, out: EngineDump, batch: list[list[int]], first: int, chunk: int | None,
-               points: tuple[str, ...]) -> list[list[int]]:
+def _run_batch(
+    s: GgufSession, out: EngineDump, batch: list[list[int]], first: int, chunk: int | None, points: tuple[str, ...]
+) -> list[list[int]]:
     """Prefill prompts ``first ..`` as KV sequences 0.. of one batch; record hidden states, routing, logprobs; then
     its ``--new-tokens`` decode steps. Returns the tokens each prompt generated."""
     keep = [layer for layer in range(s.n_layer) if out.wants(layer)]
@@ -170,7 +219,7 @@ def _run_batch(s: GgufSession, out: EngineDump, batch: list[list[int]], first: i
         _record_pass(out, got, positions, torch.tensor(rows, dtype=torch.int64) + first)
         offset = 0
         for row, a, b in ranges:
-            out.logits(first + row, batch[row], got.logits[offset:offset + b - a], first=a)
+            out.logits(first + row, batch[row], got.logits[offset : offset + b - a], first=a)
             if b == len(batch[row]):
                 last[row] = got.logits[offset + b - a - 1]
             offset += b - a
@@ -189,13 +238,26 @@ def run_dump(cfg: RunConfig, *, progress: ProgressFn | None = None) -> Manifest:
             raise _no_moe(cfg, parse_layer_spec(cfg.layers, s.n_layer), f"GGUF {s.arch}.expert_count is 0")
         ident = _identity(s, opts["hf_dir"])
         seqs = _sequences(cfg, s, opts["hf_dir"])
-        batches = [seqs[i:i + cfg.batch_size] for i in range(0, len(seqs), cfg.batch_size)]
+        batches = [seqs[i : i + cfg.batch_size] for i in range(0, len(seqs), cfg.batch_size)]
         n_ctx = max(sum(len(p) + cfg.new_tokens for p in b) for b in batches)
         n_batch = max(sum(b - a for _, a, b in r) for bt in batches for r in _decodes(bt, cfg.chunk_size))
-        s.new_context(n_ctx=n_ctx, n_batch=n_batch, n_seqs=min(cfg.batch_size, len(seqs)), threads=opts["threads"],
-                      kv_type=opts["kv_type"], flash_attn=opts["flash_attn_type"])
-        settings = {"file_type": file_type_name(s.ftype), "kv_cache_dtype": opts["kv"], "threads": opts["threads"],
-                    "flash_attn": opts["flash_attn"], "n_ctx": n_ctx, "n_batch": n_batch, "extra_bufts": False}
+        s.new_context(
+            n_ctx=n_ctx,
+            n_batch=n_batch,
+            n_seqs=min(cfg.batch_size, len(seqs)),
+            threads=opts["threads"],
+            kv_type=opts["kv_type"],
+            flash_attn=opts["flash_attn_type"],
+        )
+        settings = {
+            "file_type": file_type_name(s.ftype),
+            "kv_cache_dtype": opts["kv"],
+            "threads": opts["threads"],
+            "flash_attn": opts["flash_attn"],
+            "n_ctx": n_ctx,
+            "n_batch": n_batch,
+            "extra_bufts": False,
+        }
         info = EngineInfo("llama.cpp", getattr(llama_cpp, "__version__", None), str(s.path), settings)
         done, total = 0, sum(map(len, seqs))
         with EngineDump(cfg, info, ident, num_layers=s.n_layer, seqs=seqs, extra={"hf_dir": opts["hf_dir"]}) as out:

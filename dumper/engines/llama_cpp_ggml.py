@@ -39,8 +39,16 @@ from dumper.format import ROUTER_IDS, ROUTER_LOGITS, ROUTER_SCORES, ROUTER_WEIGH
 from dumper.format.files import READ_FLAGS, file_kind
 from dumper.format.points import ATTN_OUTPUT, INPUT, MLP_INPUT, MLP_OUTPUT
 
-__all__ = ["FLASH_ATTN", "GGML_TYPE", "GGML_NODES", "ROUTER_STAGES", "Decoded", "GgufSession", "check_gguf_file",
-           "file_type_name"]
+__all__ = [
+    "FLASH_ATTN",
+    "GGML_TYPE",
+    "GGML_NODES",
+    "ROUTER_STAGES",
+    "Decoded",
+    "GgufSession",
+    "check_gguf_file",
+    "file_type_name",
+]
 
 GGML_TYPE = {"f32": 0, "f16": 1, "bf16": 30}
 """KV-cache dtypes this adapter offers (``--engine-arg kv=``) -> ggml type id."""
@@ -48,8 +56,12 @@ FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}
 """``--engine-arg flash_attn=`` -> llama_flash_attn_type."""
 _NUMPY = {0: np.float32, 1: np.float16, 26: np.int32}
 """ggml types of captured tensors we can read (F32, F16, I32) -> numpy dtype."""
-GGML_NODES: dict[str, tuple[str, ...]] = {INPUT: ("attn_norm",), ATTN_OUTPUT: ("attn_out",), MLP_INPUT: ("ffn_norm",),
-                                          MLP_OUTPUT: ("ffn_out", "ffn_moe_out")}
+GGML_NODES: dict[str, tuple[str, ...]] = {
+    INPUT: ("attn_norm",),
+    ATTN_OUTPUT: ("attn_out",),
+    MLP_INPUT: ("ffn_norm",),
+    MLP_OUTPUT: ("ffn_out", "ffn_moe_out"),
+}
 """The graph nodes (``{node}-{layer}``) each hidden-state capture point reads, the first the graph has: the RMSNorm
 output before attention (HF's ``self_attn`` input), the attention output after ``wo`` (before the residual add),
 the FFN norm's output and the FFN (or MoE block: ``ffn_moe_out`` where no shared expert adds an ``ffn_out``)
@@ -79,8 +91,12 @@ class Decoded(NamedTuple):
 class _TensorHead(ctypes.Structure):
     """The leading fields of ``struct ggml_tensor`` (ggml.h): type, buffer, ne[4], nb[4]."""
 
-    _fields_ = [("type", ctypes.c_int), ("buffer", ctypes.c_void_p), ("ne", ctypes.c_int64 * 4),
-                ("nb", ctypes.c_size_t * 4)]
+    _fields_ = [
+        ("type", ctypes.c_int),
+        ("buffer", ctypes.c_void_p),
+        ("ne", ctypes.c_int64 * 4),
+        ("nb", ctypes.c_size_t * 4),
+    ]
 
 
 def check_gguf_file(path: str) -> Path:
@@ -94,19 +110,24 @@ def check_gguf_file(path: str) -> Path:
         try:
             mode = os.fstat(fd).st_mode
             if stat.S_ISDIR(mode):
-                raise UsageError(f"{path}: a directory; --engine llama.cpp loads one .gguf file (convert an HF "
-                                 "checkpoint with llama.cpp's convert_hf_to_gguf.py)")
+                raise UsageError(
+                    f"{path}: a directory; --engine llama.cpp loads one .gguf file (convert an HF "
+                    "checkpoint with llama.cpp's convert_hf_to_gguf.py)"
+                )
             if not stat.S_ISREG(mode):
-                raise UsageError(f"{path}: {file_kind(mode)}, not a regular file; --engine llama.cpp loads one "
-                                 ".gguf file")
+                raise UsageError(
+                    f"{path}: {file_kind(mode)}, not a regular file; --engine llama.cpp loads one .gguf file"
+                )
             magic = os.read(fd, 4)
         finally:
             os.close(fd)
     except OSError as e:
         raise UsageError(f"{path}: cannot read the model file ({e.strerror or e})") from None
     if magic != b"GGUF":
-        raise UsageError(f"{path}: not a GGUF file (--engine llama.cpp loads a .gguf; convert an HF checkpoint "
-                         "with llama.cpp's convert_hf_to_gguf.py)")
+        raise UsageError(
+            f"{path}: not a GGUF file (--engine llama.cpp loads a .gguf; convert an HF checkpoint "
+            "with llama.cpp's convert_hf_to_gguf.py)"
+        )
     return p
 
 
@@ -164,8 +185,11 @@ class _Capture:
     def start(self, n_tokens: int, hidden: set[tuple[str, int]], router: set[int]) -> None:
         """Ask for the ``(point, layer)`` nodes ``hidden`` (:data:`GGML_NODES`) and layers ``router``'s routing
         tensors in the next decode."""
-        self.names = {f"{node}-{i}": ("hidden", (point, rank), i) for point, i in hidden
-                      for rank, node in enumerate(GGML_NODES[point])}
+        self.names = {
+            f"{node}-{i}": ("hidden", (point, rank), i)
+            for point, i in hidden
+            for rank, node in enumerate(GGML_NODES[point])
+        }
         self.ranks = {}
         for part, stages in ROUTER_STAGES.items():
             self.names.update({f"{name}-{i}": (part, rank, i) for rank, name in enumerate(stages) for i in router})
@@ -179,8 +203,9 @@ class _Capture:
         outer = max([d for d in range(4) if ne[d] != 1], default=0)
         item = np.dtype(dtype).itemsize if dtype is not None else 1
         if dtype is None or any(b % item for b in nb) or (self.n_tokens > 1 and ne[outer] != self.n_tokens):
-            raise ValueError(f"{name}: ggml type {head.type}, shape {ne} is not an f32/f16/i32 tensor "
-                             f"[..., {self.n_tokens} tokens]")
+            raise ValueError(
+                f"{name}: ggml type {head.type}, shape {ne} is not an f32/f16/i32 tensor [..., {self.n_tokens} tokens]"
+            )
         raw = np.empty(self.lib.ggml_nbytes(t) // item, dtype=dtype)
         self.lib.ggml_backend_tensor_get(t, raw.ctypes.data, 0, raw.nbytes)
         view = np.lib.stride_tricks.as_strided(raw, shape=tuple(reversed(ne)), strides=tuple(reversed(nb)))
@@ -210,8 +235,10 @@ class _Capture:
         for layer, parts in sorted(self.routed.items()):
             missing = [p for p in _REQUIRED if p not in parts]
             if missing:
-                raise ModelError(f"{path}: llama.cpp's graph has no tensor {ROUTER_STAGES[missing[0]][0]}-{layer} "
-                                 "beside that layer's other MoE routing tensors (this architecture routes differently)")
+                raise ModelError(
+                    f"{path}: llama.cpp's graph has no tensor {ROUTER_STAGES[missing[0]][0]}-{layer} "
+                    "beside that layer's other MoE routing tensors (this architecture routes differently)"
+                )
             out[layer] = {p: torch.from_numpy(a) for p, (_, a) in parts.items()}
         return out
 
@@ -249,8 +276,9 @@ class GgufSession:
         params.use_extra_bufts = False  # ggml's repacked (AMX) q8_0 path dies with SIGILL on some CPUs
         model = llama_cpp.llama_model_load_from_file(os.fsencode(p), params)
         if not model:
-            raise ModelError(f"{path}: llama.cpp cannot load this GGUF model (run with --engine-arg verbose=true "
-                             "to see its log)")
+            raise ModelError(
+                f"{path}: llama.cpp cannot load this GGUF model (run with --engine-arg verbose=true to see its log)"
+            )
         return cls(p, model)
 
     def meta(self, key: str) -> str | None:
@@ -259,8 +287,17 @@ class GgufSession:
         n = self._ll.llama_model_meta_val_str(self.model, key.encode(), buf, len(buf))
         return None if n < 0 else buf.value.decode(errors="replace")
 
-    def new_context(self, *, n_ctx: int, n_batch: int, n_seqs: int, threads: int, kv_type: int,
-                    flash_attn: int, capture: bool = True) -> None:
+    def new_context(
+        self,
+        *,
+        n_ctx: int,
+        n_batch: int,
+        n_seqs: int,
+        threads: int,
+        kv_type: int,
+        flash_attn: int,
+        capture: bool = True,
+    ) -> None:
         """Make the context: every decode of up to ``n_batch`` tokens is one graph (``n_ubatch = n_batch``).
 
         ``capture=False`` leaves ``cb_eval`` unset: llama.cpp runs each graph whole, as without this tool
@@ -277,15 +314,24 @@ class GgufSession:
             p.cb_eval, p.cb_eval_user_data = self._cb, None
         self.ctx = ll.llama_init_from_model(self.model, p)
         if not self.ctx:
-            raise ModelError(f"{self.path}: llama.cpp cannot make a context (n_ctx {n_ctx}, n_batch {n_batch}, "
-                             f"KV type {kv_type}, flash_attn {flash_attn})")
+            raise ModelError(
+                f"{self.path}: llama.cpp cannot make a context (n_ctx {n_ctx}, n_batch {n_batch}, "
+                f"KV type {kv_type}, flash_attn {flash_attn})"
+            )
 
     def clear(self) -> None:
         """Empty the KV cache (between prompt batches)."""
         self._ll.llama_memory_clear(self._ll.llama_get_memory(self.ctx), True)
 
-    def decode(self, tokens: Sequence[int], positions: Sequence[int], seqs: Sequence[int], *,
-               want: set[tuple[str, int]], router: set[int] | frozenset[int] = frozenset()) -> Decoded:
+    def decode(
+        self,
+        tokens: Sequence[int],
+        positions: Sequence[int],
+        seqs: Sequence[int],
+        *,
+        want: set[tuple[str, int]],
+        router: set[int] | frozenset[int] = frozenset(),
+    ) -> Decoded:
         """Decode one batch (token ``i`` at ``positions[i]`` of KV sequence ``seqs[i]``), logits for all.
 
         Copies the nodes [n, hidden] of the ``(point, layer)`` pairs in ``want`` (:data:`GGML_NODES`)
@@ -309,8 +355,10 @@ class GgufSession:
             ll.llama_batch_free(batch)
         missing = sorted(set(want) - set(self._cap.got))
         if missing:
-            raise ModelError(f"{self.path}: llama.cpp's graph has no tensor {GGML_NODES[missing[0][0]][0]}-"
-                             f"{missing[0][1]} (this architecture names its layer's nodes differently)")
+            raise ModelError(
+                f"{self.path}: llama.cpp's graph has no tensor {GGML_NODES[missing[0][0]][0]}-"
+                f"{missing[0][1]} (this architecture names its layer's nodes differently)"
+            )
         got = {k: torch.from_numpy(v).to(torch.float32) for k, v in self._cap.got.items()}
         return Decoded(got, torch.from_numpy(logits), self._cap.router_parts(self.path))
 

@@ -44,31 +44,43 @@ from dumper.progress import ProgressFn
 __all__ = ["ENGINE_ARGS", "run_dump"]
 
 ENGINE = "onnxruntime-genai"
-ENGINE_ARGS = {"hf_dir": EngineArg("the HF checkpoint the ONNX model was built from: its config is the dump's identity "
-                                   "and its tokenizer encodes text prompts; default the tokenizer the builder copied",
-                                   "path")}
+ENGINE_ARGS = {
+    "hf_dir": EngineArg(
+        "the HF checkpoint the ONNX model was built from: its config is the dump's identity "
+        "and its tokenizer encodes text prompts; default the tokenizer the builder copied",
+        "path",
+    )
+}
 """``--engine-arg`` keys ``--engine onnxruntime-genai`` takes, and their values."""
 
 
 def _check_job(cfg: RunConfig, model: OrtModel) -> None:
     """Refuse the run options this engine cannot honour, each with the reason."""
     if cfg.dtype != model.activation_dtype:
-        raise UsageError(f"--dtype {cfg.dtype}: {model.onnx_path} computes in {model.activation_dtype} (its precision "
-                         f"is fixed when the builder writes it, -p fp32|int8|int4); pass --dtype "
-                         f"{model.activation_dtype} or rebuild the model")
+        raise UsageError(
+            f"--dtype {cfg.dtype}: {model.onnx_path} computes in {model.activation_dtype} (its precision "
+            f"is fixed when the builder writes it, -p fp32|int8|int4); pass --dtype "
+            f"{model.activation_dtype} or rebuild the model"
+        )
     if cfg.batch_size != 1:
-        raise UsageError(f"--batch-size {cfg.batch_size}: --engine {ENGINE} runs one prompt per generator (ORT GenAI "
-                         "infers padding from pad_token_id, which would mask real tokens of that id); use --batch-size 1")
+        raise UsageError(
+            f"--batch-size {cfg.batch_size}: --engine {ENGINE} runs one prompt per generator (ORT GenAI "
+            "infers padding from pad_token_id, which would mask real tokens of that id); use --batch-size 1"
+        )
     if cfg.modules is not None:
-        raise UsageError(f"--modules: --engine {ENGINE} captures the self-attention input only (the graph's "
-                         "input_layernorm outputs); other modules need the HF hook API")
+        raise UsageError(
+            f"--modules: --engine {ENGINE} captures the self-attention input only (the graph's "
+            "input_layernorm outputs); other modules need the HF hook API"
+        )
     if cfg.attn != "eager":
         raise UsageError(f"--attn {cfg.attn}: the ONNX graph fixes its attention op; --engine {ENGINE} takes no --attn")
     wanted = "cuda" if cfg.device.startswith("cuda") else cfg.device
     if wanted not in model.providers:
-        raise UsageError(f"--device {cfg.device}: {model.dir} was built for execution provider "
-                         f"{', '.join(model.providers)}; rebuild it with -e {wanted} or pass --device "
-                         f"{model.providers[0]}")
+        raise UsageError(
+            f"--device {cfg.device}: {model.dir} was built for execution provider "
+            f"{', '.join(model.providers)}; rebuild it with -e {wanted} or pass --device "
+            f"{model.providers[0]}"
+        )
 
 
 def _identity(cfg: RunConfig, model: OrtModel, hf_dir: str | None) -> dict[str, Any]:
@@ -76,18 +88,30 @@ def _identity(cfg: RunConfig, model: OrtModel, hf_dir: str | None) -> dict[str, 
     fmt = model.weights_format()
     source = hf_dir or (str(model.dir) if (model.dir / "config.json").is_file() else None)
     if source is None:
-        return {"name": cfg.model, "architecture": None, "num_layers": model.num_layers,
-                "hidden_size": int(model.decoder.get("hidden_size", 0)) or None, "vocab_size": model.vocab_size,
-                "config_hash": None, "weights_hash": None, "weights_format": fmt}
+        return {
+            "name": cfg.model,
+            "architecture": None,
+            "num_layers": model.num_layers,
+            "hidden_size": int(model.decoder.get("hidden_size", 0)) or None,
+            "vocab_size": model.vocab_size,
+            "config_hash": None,
+            "weights_hash": None,
+            "weights_format": fmt,
+        }
     if hf_dir is not None:
         check_checkpoint_dir(hf_dir, ENGINE)
     ident = hf_identity(source, name=cfg.model, weights_format=fmt)
-    ours = {"num_layers": model.num_layers, "hidden_size": model.decoder.get("hidden_size"),
-            "vocab_size": model.vocab_size}
+    ours = {
+        "num_layers": model.num_layers,
+        "hidden_size": model.decoder.get("hidden_size"),
+        "vocab_size": model.vocab_size,
+    }
     for key, value in ours.items():
         if ident.get(key) is not None and value is not None and int(ident[key]) != int(value):
-            raise UsageError(f"--engine-arg hf_dir={source}: its {key} is {ident[key]} but {model.dir}'s genai "
-                             f"config says {value}; pass the checkpoint this ONNX model was built from")
+            raise UsageError(
+                f"--engine-arg hf_dir={source}: its {key} is {ident[key]} but {model.dir}'s genai "
+                f"config says {value}; pass the checkpoint this ONNX model was built from"
+            )
     return ident
 
 
@@ -109,8 +133,9 @@ def _generator(og_model: Any, model: OrtModel, n_tokens: int) -> Any:
         params.set_search_options(max_length=n_tokens)
         return og.Generator(og_model, params)
     except Exception as e:  # noqa: BLE001 - e.g. a prompt longer than the model's context_length
-        raise ModelError(f"{model.dir}: ONNX Runtime GenAI cannot take a {n_tokens}-token prompt "
-                         f"({error_reason(e)})") from None
+        raise ModelError(
+            f"{model.dir}: ONNX Runtime GenAI cannot take a {n_tokens}-token prompt ({error_reason(e)})"
+        ) from None
 
 
 def _append(generator: Any, model: OrtModel, ids: list[int]) -> np.ndarray:
@@ -128,12 +153,18 @@ def _info(model: OrtModel, hf_dir: str | None) -> EngineInfo:
 
     quant = model.quantization()
     settings: dict[str, str | int | float | bool | None] = {
-        "precision": model.weights_format().split(":", 1)[1], "dtype": model.activation_dtype,
-        "execution_provider": ",".join(model.providers), "onnxruntime_version": onnxruntime.__version__,
-        "attention": _attention_op(model), "hidden_states": "onnxruntime.InferenceSession, input_layernorm outputs",
-        "hf_dir": hf_dir, **{f"quant_{k}": v for k, v in quant.items()}}
-    return EngineInfo(name=ENGINE, version=getattr(og, "__version__", None), checkpoint=str(model.dir),
-                      settings=settings)
+        "precision": model.weights_format().split(":", 1)[1],
+        "dtype": model.activation_dtype,
+        "execution_provider": ",".join(model.providers),
+        "onnxruntime_version": onnxruntime.__version__,
+        "attention": _attention_op(model),
+        "hidden_states": "onnxruntime.InferenceSession, input_layernorm outputs",
+        "hf_dir": hf_dir,
+        **{f"quant_{k}": v for k, v in quant.items()},
+    }
+    return EngineInfo(
+        name=ENGINE, version=getattr(og, "__version__", None), checkpoint=str(model.dir), settings=settings
+    )
 
 
 def _attention_op(model: OrtModel) -> str | None:
@@ -154,19 +185,22 @@ def run_dump(cfg: RunConfig, *, progress: ProgressFn | None = None) -> Manifest:
     info = _info(model, hf_dir)
     extra = {"onnx_model": str(model.onnx_path), "tokenizer": str(hf_dir or model.dir)}
     done, total = 0, sum(map(len, seqs))
-    with torch.inference_mode(), EngineDump(cfg, info, identity, num_layers=model.num_layers, seqs=seqs,
-                                            extra=extra) as out:
+    with (
+        torch.inference_mode(),
+        EngineDump(cfg, info, identity, num_layers=model.num_layers, seqs=seqs, extra=extra) as out,
+    ):
         for seq_id, ids in enumerate(seqs):
             generator = None if og_model is None else _generator(og_model, model, len(ids))
             step = cfg.chunk_size or len(ids)
             past = None
             for start in range(0, len(ids), step):
-                chunk = ids[start:start + step]
+                chunk = ids[start : start + step]
                 hidden, _, past = runner.run(chunk, start, past)
                 positions = torch.arange(start, start + len(chunk))
                 for layer, x in hidden.items():  # x [chunk, hidden]
-                    out.hidden(layer, torch.from_numpy(np.ascontiguousarray(x)), positions,
-                               torch.full((len(chunk),), seq_id))
+                    out.hidden(
+                        layer, torch.from_numpy(np.ascontiguousarray(x)), positions, torch.full((len(chunk),), seq_id)
+                    )
                 if generator is not None:
                     out.logits(seq_id, ids, torch.from_numpy(_append(generator, model, chunk)), first=start)
                 out.step()
@@ -174,4 +208,3 @@ def run_dump(cfg: RunConfig, *, progress: ProgressFn | None = None) -> Manifest:
             if progress is not None:
                 progress(done, total)
     return out.manifest()
-

@@ -35,12 +35,21 @@ from dumper.modeldir import CONFIG_LIMIT
 __all__ = ["GENAI_CONFIG", "HiddenRunner", "OrtModel", "attn_input_tensors", "read_ort_model"]
 
 GENAI_CONFIG = "genai_config.json"
-_NORM_OPS = ("SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization", "LayerNormalization",
-             "SkipLayerNormalization", "RMSNormalization")
+_NORM_OPS = (
+    "SimplifiedLayerNormalization",
+    "SkipSimplifiedLayerNormalization",
+    "LayerNormalization",
+    "SkipLayerNormalization",
+    "RMSNormalization",
+)
 _ONNX_DTYPES = {1: "float32", 10: "float16", 16: "bfloat16", 11: "float64"}
 _FORMAT = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "float64": "fp64"}
-_NUMPY = {"tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(float)": np.float32,
-          "tensor(float16)": np.float16}
+_NUMPY = {
+    "tensor(int64)": np.int64,
+    "tensor(int32)": np.int32,
+    "tensor(float)": np.float32,
+    "tensor(float16)": np.float16,
+}
 _PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 
 
@@ -96,17 +105,24 @@ def _read_config(path: Path) -> dict[str, Any]:
     """``genai_config.json``, read as untrusted (non-blocking, size-capped, bounded parse), its counts checked."""
     cfg_path = path / GENAI_CONFIG
     if not path.is_dir() or not os.path.lexists(cfg_path):
-        raise UsageError(f"{path}: not an ONNX Runtime GenAI model directory (no {GENAI_CONFIG}); build one with "
-                         "python -m onnxruntime_genai.models.builder -i HF_DIR -o OUT -p fp32 -e cpu")
+        raise UsageError(
+            f"{path}: not an ONNX Runtime GenAI model directory (no {GENAI_CONFIG}); build one with "
+            "python -m onnxruntime_genai.models.builder -i HF_DIR -o OUT -p fp32 -e cpu"
+        )
     try:
         cfg = parse_json(read_regular_file(cfg_path, CONFIG_LIMIT, GENAI_CONFIG), str(cfg_path), GENAI_CONFIG)
-        for field, value in (("model.decoder.num_hidden_layers", cfg["model"]["decoder"]["num_hidden_layers"]),
-                             ("model.vocab_size", cfg["model"]["vocab_size"])):
+        for field, value in (
+            ("model.decoder.num_hidden_layers", cfg["model"]["decoder"]["num_hidden_layers"]),
+            ("model.vocab_size", cfg["model"]["vocab_size"]),
+        ):
             if type(value) is not int or not 0 < value < 2**31:  # validate now, not mid-run
                 raise ValueError(f"{field}: a count {show(value)}, expected an integer in [1, 2^31)")
         filename = cfg["model"]["decoder"].get("filename", "model.onnx")
-        regular_file_in(path, check_plain_name(filename, str(cfg_path), "model.decoder.filename"),
-                        missing="the decoder graph genai_config.json names is not there")
+        regular_file_in(
+            path,
+            check_plain_name(filename, str(cfg_path), "model.decoder.filename"),
+            missing="the decoder graph genai_config.json names is not there",
+        )
         return cfg
     except DumpError as e:  # the untrusted-file helpers' one-line errors
         raise UsageError(str(e)) from None
@@ -139,16 +155,18 @@ def attn_input_tensors(model: OrtModel, layers: Sequence[int]) -> dict[int, tupl
         if node.op_type not in _NORM_OPS or "/input_layernorm/" not in node.name:
             continue
         head = node.name.split("/input_layernorm/")[0]
-        if not head.startswith("/model/layers.") or not head[len("/model/layers."):].isdigit():
+        if not head.startswith("/model/layers.") or not head[len("/model/layers.") :].isdigit():
             continue
-        layer = int(head[len("/model/layers."):])
+        layer = int(head[len("/model/layers.") :])
         scale = node.input[2] if node.op_type.startswith("Skip") else node.input[1]  # the gamma: the output's type
         found[layer] = (node.output[0], inits.get(scale, 1))
     missing = [i for i in layers if i not in found]
     if missing:
-        raise ModelError(f"{model.onnx_path}: no input_layernorm node for layer {missing[0]} (expected "
-                         f"/model/layers.{missing[0]}/input_layernorm/... as ONNX Runtime GenAI's builder names it); "
-                         "cannot capture its self-attention input")
+        raise ModelError(
+            f"{model.onnx_path}: no input_layernorm node for layer {missing[0]} (expected "
+            f"/model/layers.{missing[0]}/input_layernorm/... as ONNX Runtime GenAI's builder names it); "
+            "cannot capture its self-attention input"
+        )
     return {i: found[i] for i in layers}
 
 
@@ -168,13 +186,16 @@ class HiddenRunner:
             if name not in have:
                 graph.graph.output.append(onnx.helper.make_tensor_value_info(name, elem, None))
         opts = ort.SessionOptions()
-        opts.add_session_config_entry("session.model_external_initializers_file_folder_path",
-                                      str(model.onnx_path.parent))
+        opts.add_session_config_entry(
+            "session.model_external_initializers_file_folder_path", str(model.onnx_path.parent)
+        )
         providers = [_PROVIDERS[p] for p in model.providers if p in _PROVIDERS]
         unknown = [p for p in model.providers if p not in _PROVIDERS]
         if unknown:
-            raise UsageError(f"{model.dir}: execution provider {unknown[0]!r} in {GENAI_CONFIG}; hidden-state capture "
-                             f"runs the graph with plain onnxruntime, for {', '.join(_PROVIDERS)} only")
+            raise UsageError(
+                f"{model.dir}: execution provider {unknown[0]!r} in {GENAI_CONFIG}; hidden-state capture "
+                f"runs the graph with plain onnxruntime, for {', '.join(_PROVIDERS)} only"
+            )
         try:
             self.session = ort.InferenceSession(graph.SerializeToString(), opts, providers=providers)
         except Exception as e:  # noqa: BLE001 - onnxruntime refusing the user's graph
@@ -197,8 +218,12 @@ class HiddenRunner:
     def _empty_past(self, name: str) -> np.ndarray:
         """A zero-length KV input: [batch 1, kv heads, 0 past tokens, head size] from the declared shape."""
         arg = self.inputs[name]
-        fill = {0: 1, 1: int(self.model.decoder.get("num_key_value_heads", 0)), 2: 0,
-                3: int(self.model.decoder.get("head_size", 0))}
+        fill = {
+            0: 1,
+            1: int(self.model.decoder.get("num_key_value_heads", 0)),
+            2: 0,
+            3: int(self.model.decoder.get("head_size", 0)),
+        }
         shape = [d if isinstance(d, int) and k != 2 else fill.get(k, 0) for k, d in enumerate(arg.shape)]
         return np.zeros(shape, dtype=self._np_type(name))
 
@@ -222,12 +247,15 @@ class HiddenRunner:
             elif name in past_inputs:
                 feeds[name] = past[name] if past is not None else self._empty_past(name)
             else:
-                raise ModelError(f"{self.model.onnx_path}: graph input {name!r} is not one this adapter feeds "
-                                 "(input_ids, attention_mask, position_ids, past key/values)")
+                raise ModelError(
+                    f"{self.model.onnx_path}: graph input {name!r} is not one this adapter feeds "
+                    "(input_ids, attention_mask, position_ids, past key/values)"
+                )
         return feeds
 
-    def run(self, ids: Sequence[int], start: int, past: dict[str, np.ndarray] | None
-            ) -> tuple[dict[int, np.ndarray], np.ndarray, dict[str, np.ndarray]]:
+    def run(
+        self, ids: Sequence[int], start: int, past: dict[str, np.ndarray] | None
+    ) -> tuple[dict[int, np.ndarray], np.ndarray, dict[str, np.ndarray]]:
         """One pass over ``ids`` at positions ``start..``: (layer -> [n, hidden], logits [n, V], KV for the next)."""
         try:
             values = dict(zip(self.output_names, self.session.run(None, self._feeds(ids, start, past)), strict=True))

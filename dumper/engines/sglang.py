@@ -60,8 +60,6 @@ import numpy as np
 import torch
 
 from dumper.cli.common import Parser, add_import_sglang_flags, guarded_main
-from dumper.errors import EXIT_OK, CorruptDumpError, DriftscopeError, DumpError, UsageError
-from dumper.hooks.fingerprint import VERSION
 from dumper.engines.sglang_files import (
     AUX_NAMES,
     SglangFile,
@@ -72,6 +70,7 @@ from dumper.engines.sglang_files import (
     same_field,
     tensors_of,
 )
+from dumper.errors import EXIT_OK, CorruptDumpError, DriftscopeError, DumpError, UsageError
 from dumper.format import (
     FORMAT_VERSION,
     PAD_SEQUENCE,
@@ -85,12 +84,15 @@ from dumper.format import (
 from dumper.format.dtypes import DTYPES, torch_codes
 from dumper.format.files import printable
 from dumper.format.manifest import parse_manifest
+from dumper.hooks.fingerprint import VERSION
 from dumper.hooks.writer import ShardWriter
 
 __all__ = ["AUX_NAMES", "is_sglang_dump", "convert_sglang_dump", "open_dump_side", "main_import"]
 
-_ATTN_INPUT = re.compile(r"non_intrusive__(?P<prefix>(?:.+\.)?layers\.)(?P<layer>[0-9]+)"
-                         r"\.self_attn\.inputs\.hidden_states")
+_ATTN_INPUT = re.compile(
+    r"non_intrusive__(?P<prefix>(?:.+\.)?layers\.)(?P<layer>[0-9]+)"
+    r"\.self_attn\.inputs\.hidden_states"
+)
 _STORAGE_CODES = torch_codes()
 """torch dtype -> the dump format's dtype code (:mod:`dumper.format.dtypes`)."""
 _Rows = tuple[np.ndarray, np.ndarray]
@@ -105,9 +107,11 @@ def _segments(pos: np.ndarray, seq_lens: np.ndarray | None, where: str) -> list[
     out, row = [], 0
     for r, end in enumerate(seq_lens.tolist()):
         n = end - int(pos[row]) if row < pos.size else 0
-        if n < 1 or row + n > pos.size or not np.array_equal(pos[row:row + n], np.arange(end - n, end)):
-            raise CorruptDumpError(f"{where}: positions and seq_lens disagree at request {r} "
-                                   f"(seq_lens {seq_lens.tolist()[:8]}, {pos.size} positions)")
+        if n < 1 or row + n > pos.size or not np.array_equal(pos[row : row + n], np.arange(end - n, end)):
+            raise CorruptDumpError(
+                f"{where}: positions and seq_lens disagree at request {r} "
+                f"(seq_lens {seq_lens.tolist()[:8]}, {pos.size} positions)"
+            )
         out.append((row, n))
         row += n
     return out
@@ -147,11 +151,14 @@ class _Sequences:
         segs, taken = _segments(pos, aux.get("seq_lens"), where), set[int]()
         keys = [aux.get(k, [None] * len(segs)) for k in ("rids", "req_pool_indices")]
         if any(len(k) != len(segs) for k in keys):
-            raise CorruptDumpError(f"{where}: {len(segs)} requests in positions but {len(keys[0])} rids and "
-                                   f"{len(keys[1])} req_pool_indices")
+            raise CorruptDumpError(
+                f"{where}: {len(segs)} requests in positions but {len(keys[0])} rids and "
+                f"{len(keys[1])} req_pool_indices"
+            )
         for (row, n), rid, slot in zip(segs, *keys, strict=True):
-            ids[row:row + n] = self._assign(rank, rid, None if slot is None else int(slot), int(pos[row]),
-                                            int(pos[row + n - 1]), taken)
+            ids[row : row + n] = self._assign(
+                rank, rid, None if slot is None else int(slot), int(pos[row]), int(pos[row + n - 1]), taken
+            )
         tokens = aux.get("input_ids")
         if tokens is not None and tokens.size != pos.size:
             raise CorruptDumpError(f"{where}: {tokens.size} input_ids but {pos.size} positions")
@@ -163,9 +170,11 @@ class _Sequences:
     def input_ids(self) -> list[list[int]] | None:
         """Each sequence's token ids, when the dump holds every position of every sequence from 0."""
         whole = sorted(self.tokens) == list(range(len(self.tokens))) and all(
-            sorted(t) == list(range(len(t))) and min(t.values()) >= 0 for t in self.tokens.values())
-        return [[t[p] for p in range(len(t))] for _, t in sorted(self.tokens.items())] if whole and self.tokens \
-            else None
+            sorted(t) == list(range(len(t))) and min(t.values()) >= 0 for t in self.tokens.values()
+        )
+        return (
+            [[t[p] for p in range(len(t))] for _, t in sorted(self.tokens.items())] if whole and self.tokens else None
+        )
 
 
 def _canonical(name: str, layer: int | None, names: Mapping[str, str]) -> tuple[str, int | None, str | None]:
@@ -183,8 +192,9 @@ def _canonical(name: str, layer: int | None, names: Mapping[str, str]) -> tuple[
     return f"{m['prefix']}{layer}.self_attn.input", layer, "input"
 
 
-def _convert_pass(group: list[SglangFile], writer: ShardWriter, seqs: _Sequences,
-                  names: Mapping[str, str]) -> list[TensorRecord]:
+def _convert_pass(
+    group: list[SglangFile], writer: ShardWriter, seqs: _Sequences, names: Mapping[str, str]
+) -> list[TensorRecord]:
     """Write one (step, rank)'s tensors; return their records (file names filled in later)."""
     aux: dict[str, Any] = {}
     rows: _Rows | None = None
@@ -217,8 +227,16 @@ def _convert_pass(group: list[SglangFile], writer: ShardWriter, seqs: _Sequences
     return out
 
 
-def _put(writer: ShardWriter, f: SglangFile, name: str, t: torch.Tensor, layer: int | None, point: str | None,
-         rows: _Rows | None, calls: dict[str, int]) -> TensorRecord:
+def _put(
+    writer: ShardWriter,
+    f: SglangFile,
+    name: str,
+    t: torch.Tensor,
+    layer: int | None,
+    point: str | None,
+    rows: _Rows | None,
+    calls: dict[str, int],
+) -> TensorRecord:
     """Queue ``t`` into the writer and return its record; exotic float dtypes (float8) widen to float32."""
     meta: dict[str, Any] = {"sglang_dump_index": f.index}
     if t.dtype not in _STORAGE_CODES:
@@ -232,35 +250,83 @@ def _put(writer: ShardWriter, f: SglangFile, name: str, t: torch.Tensor, layer: 
     call = calls[name] = calls.get(name, -1) + 1
     key = name if call == 0 else f"{name}#{call}"
     writer.put(f.step, key, t)
-    runs = (encode_runs(rows[0], step=1), encode_runs(rows[1], step=0)) \
-        if rows is not None and len(shape) > 1 and n == rows[0].size else (None, None)
-    return TensorRecord(name=name, file="", key=key, shape=shape, dtype=_STORAGE_CODES[t.dtype], forward_pass=f.step,
-                        rank=f.rank, call=call, layer=layer, point=point, positions=runs[0], sequence_ids=runs[1],
-                        meta=meta)
+    runs = (
+        (encode_runs(rows[0], step=1), encode_runs(rows[1], step=0))
+        if rows is not None and len(shape) > 1 and n == rows[0].size
+        else (None, None)
+    )
+    return TensorRecord(
+        name=name,
+        file="",
+        key=key,
+        shape=shape,
+        dtype=_STORAGE_CODES[t.dtype],
+        forward_pass=f.step,
+        rank=f.rank,
+        call=call,
+        layer=layer,
+        point=point,
+        positions=runs[0],
+        sequence_ids=runs[1],
+        meta=meta,
+    )
 
 
-def _manifest(src: Path, records: list[TensorRecord], files: dict[str, int], seqs: _Sequences,
-              model: dict[str, Any] | None, n_files: int) -> Manifest:
+def _manifest(
+    src: Path,
+    records: list[TensorRecord],
+    files: dict[str, int],
+    seqs: _Sequences,
+    model: dict[str, Any] | None,
+    n_files: int,
+) -> Manifest:
     attn = [r for r in records if r.point == "input"]
     widths = {r.shape[-1] for r in attn if r.shape}
     width = widths.pop() if len(widths) == 1 else None
     if model is None:
-        model = {"name": f"sglang:{src.name}", "architecture": None, "num_layers": None, "hidden_size": width,
-                 "config_hash": None, "weights_hash": None}
+        model = {
+            "name": f"sglang:{src.name}",
+            "architecture": None,
+            "num_layers": None,
+            "hidden_size": width,
+            "config_hash": None,
+            "weights_hash": None,
+        }
     elif width is not None and model.get("hidden_size") not in (None, width):
-        raise UsageError(f"--checkpoint {model['name']}: hidden_size {model['hidden_size']}, but the dumped "
-                         f"self_attn inputs are {width} wide; it is not the checkpoint of this run")
-    signature = {"layers": sorted({r.layer for r in attn if r.layer is not None}),
-                 "modules": sorted({r.name[:-len(".input")] for r in attn}), "points": ["input"] if attn else [],
-                 "num_layers": model.get("num_layers"), "world_size": max(r.rank for r in records) + 1,
-                 "dtype": DTYPES[attn[0].dtype].torch_name if attn else None}
-    extra: dict[str, Any] = {"job": "sglang-dump", "source": str(src), "sglang": {
-        "files": n_files, "steps": len({r.forward_pass for r in records}), "per_layer_aux_skipped": seqs.layer_aux}}
+        raise UsageError(
+            f"--checkpoint {model['name']}: hidden_size {model['hidden_size']}, but the dumped "
+            f"self_attn inputs are {width} wide; it is not the checkpoint of this run"
+        )
+    signature = {
+        "layers": sorted({r.layer for r in attn if r.layer is not None}),
+        "modules": sorted({r.name[: -len(".input")] for r in attn}),
+        "points": ["input"] if attn else [],
+        "num_layers": model.get("num_layers"),
+        "world_size": max(r.rank for r in records) + 1,
+        "dtype": DTYPES[attn[0].dtype].torch_name if attn else None,
+    }
+    extra: dict[str, Any] = {
+        "job": "sglang-dump",
+        "source": str(src),
+        "sglang": {
+            "files": n_files,
+            "steps": len({r.forward_pass for r in records}),
+            "per_layer_aux_skipped": seqs.layer_aux,
+        },
+    }
     if (ids := seqs.input_ids()) is not None:
         extra["input_ids"] = ids
     env = {"engine": "sglang", "engine_version": None, "driftscope": VERSION, "converted_from": "sglang dumper"}
-    return Manifest(FORMAT_VERSION, _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), model,
-                    signature, env, dict(sorted(files.items())), tuple(records), extra)
+    return Manifest(
+        FORMAT_VERSION,
+        _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        model,
+        signature,
+        env,
+        dict(sorted(files.items())),
+        tuple(records),
+        extra,
+    )
 
 
 def _convert(src: Path, out: Path, names: Mapping[str, str], checkpoint: str | None) -> Manifest:
@@ -298,8 +364,13 @@ def _convert(src: Path, out: Path, names: Mapping[str, str], checkpoint: str | N
     return manifest
 
 
-def convert_sglang_dump(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
-                        names: Mapping[str, str] | None = None, checkpoint: str | None = None) -> Manifest:
+def convert_sglang_dump(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    names: Mapping[str, str] | None = None,
+    checkpoint: str | None = None,
+) -> Manifest:
     """Convert the SGLang dump ``src`` into a new driftscope dump ``dst``; return its manifest.
 
     ``names`` maps SGLang tensor names to driftscope names (``{layer}``: the ``layer_id`` tag);
@@ -328,8 +399,12 @@ def convert_sglang_dump(src: str | os.PathLike[str], dst: str | os.PathLike[str]
 
 
 @contextlib.contextmanager
-def open_dump_side(path: str | os.PathLike[str], *, names: Mapping[str, str] | None = None,
-                   workdir: str | os.PathLike[str] | None = None) -> Iterator[Path]:
+def open_dump_side(
+    path: str | os.PathLike[str],
+    *,
+    names: Mapping[str, str] | None = None,
+    workdir: str | os.PathLike[str] | None = None,
+) -> Iterator[Path]:
     """Yield a driftscope dump for ``path``: itself, or an SGLang dump converted into a temporary directory.
 
     The conversion copies the tensors, so it needs their size on disk in ``workdir`` (default:
@@ -374,15 +449,19 @@ def _name_map(pairs: Sequence[str]) -> dict[str, str]:
 
 def main_import(argv: Sequence[str] | None = None) -> int:
     """``python -m comparator import-sglang SRC --out DST``: convert an SGLang dump, print one line."""
-    p = Parser(prog="python -m comparator import-sglang",
-               description="Convert a directory of SGLang dumper .pt files into a driftscope dump.")
+    p = Parser(
+        prog="python -m comparator import-sglang",
+        description="Convert a directory of SGLang dumper .pt files into a driftscope dump.",
+    )
     add_import_sglang_flags(p)
     args = p.parse_args(list(sys.argv[1:] if argv is None else argv))
     m = convert_sglang_dump(args.src, args.out, names=_name_map(args.name), checkpoint=args.checkpoint)
     layers, info = m.capture_signature["layers"], m.extra["sglang"]
     attn = f", self_attn inputs of layers {layers[0]}..{layers[-1]}" if layers else ", no self_attn inputs"
-    print(f"{args.out}: {len(m.tensors)} tensors from {info['files']} SGLang files ({info['steps']} steps, "
-          f"{m.capture_signature['world_size']} ranks{attn})")
+    print(
+        f"{args.out}: {len(m.tensors)} tensors from {info['files']} SGLang files ({info['steps']} steps, "
+        f"{m.capture_signature['world_size']} ranks{attn})"
+    )
     return EXIT_OK
 
 

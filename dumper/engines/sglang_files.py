@@ -30,8 +30,16 @@ from dumper.errors import CorruptDumpError, DumpError
 from dumper.format import MANIFEST_NAME
 from dumper.format.files import printable, regular_file_in, show
 
-__all__ = ["AUX_NAMES", "SglangFile", "is_sglang_dump", "index_files", "load_value", "tensors_of", "aux_field",
-           "same_field"]
+__all__ = [
+    "AUX_NAMES",
+    "SglangFile",
+    "is_sglang_dump",
+    "index_files",
+    "load_value",
+    "tensors_of",
+    "aux_field",
+    "same_field",
+]
 
 AUX_NAMES = frozenset({"input_ids", "positions", "seq_lens", "req_pool_indices", "rids"})
 """Names SGLang's core mode dumps from each forward's batch: row metadata, not compared."""
@@ -89,11 +97,21 @@ def index_files(src: Path) -> list[SglangFile]:
     for name in names:
         tags = _tags(name)
         if tags is None or not tags["name"].isprintable():
-            raise CorruptDumpError(f"{printable(str(src / name))}: not an SGLang dumper file name "
-                                   "(step=S___rank=R___dump_index=I___name=NAME...pt)")
+            raise CorruptDumpError(
+                f"{printable(str(src / name))}: not an SGLang dumper file name "
+                "(step=S___rank=R___dump_index=I___name=NAME...pt)"
+            )
         layer = tags.get("layer_id", "")
-        out.append(SglangFile(src / name, int(tags["step"]), int(tags["rank"]), int(tags["dump_index"]), tags["name"],
-                         int(layer) if _INT.fullmatch(layer) else None))
+        out.append(
+            SglangFile(
+                src / name,
+                int(tags["step"]),
+                int(tags["rank"]),
+                int(tags["dump_index"]),
+                tags["name"],
+                int(layer) if _INT.fullmatch(layer) else None,
+            )
+        )
     if not out:
         runs = sorted(d.name for d in src.iterdir() if d.is_dir() and is_sglang_dump(d, depth=0))
         hint = f"; it holds SGLang runs, pass one of: {printable(', '.join(runs[:5]))}" if runs else ""
@@ -111,8 +129,9 @@ def load_value(f: SglangFile) -> Any:
             obj = torch.load(f.path, map_location="cpu", weights_only=True, mmap=True)
         after = os.stat(f.path)
     except Exception as e:  # noqa: BLE001 - the trust boundary: any failure to load is a refused file
-        raise CorruptDumpError(f"{f.shown}: not a file torch.load(weights_only=True) accepts "
-                               f"({printable(_reason(e))})") from None
+        raise CorruptDumpError(
+            f"{f.shown}: not a file torch.load(weights_only=True) accepts ({printable(_reason(e))})"
+        ) from None
     if _identity(before) != _identity(after):
         raise CorruptDumpError(f"{f.shown}: changed while it was read; refusing it")
     if not (isinstance(obj, dict) and "value" in obj and set(obj) <= {"value", "meta"}):
@@ -132,16 +151,24 @@ def _identity(st: os.stat_result) -> tuple[int, ...]:
 
 def _reason(e: Exception) -> str:
     """The line of a ``torch.load`` error that says what is wrong, without its advice to unpickle anyway."""
-    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip() and not ln.startswith(
-        ("Weights only load failed", "Check the documentation"))]
+    lines = [
+        ln.strip()
+        for ln in str(e).splitlines()
+        if ln.strip() and not ln.startswith(("Weights only load failed", "Check the documentation"))
+    ]
     text = lines[0] if lines else type(e).__name__
     return text.split(". ")[0].rstrip(".")[:200]
 
 
 def tensors_of(value: Any, f: SglangFile) -> list[tuple[str, torch.Tensor]]:
     """(name, tensor) pairs of a value: a tensor, or a dict or list of tensors; anything else is refused."""
-    items = list(value.items()) if isinstance(value, dict) else list(enumerate(value)) \
-        if isinstance(value, (list, tuple)) and value else [(None, value)]
+    items = (
+        list(value.items())
+        if isinstance(value, dict)
+        else list(enumerate(value))
+        if isinstance(value, (list, tuple)) and value
+        else [(None, value)]
+    )
     for key, t in items:
         if key is not None and not str(key).isprintable():
             raise CorruptDumpError(f"{f.shown}: holds a dict key {show(str(key))} that cannot name a tensor")

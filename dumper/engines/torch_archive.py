@@ -47,8 +47,15 @@ import torch
 from dumper.errors import CorruptDumpError
 from dumper.format.files import READ_FLAGS, file_kind, printable, show
 
-__all__ = ["MAX_RECORDS", "MAX_CENTRAL_BYTES", "MAX_PICKLE_BYTES", "Record", "check_archive", "read_records",
-           "pickled_storages"]
+__all__ = [
+    "MAX_RECORDS",
+    "MAX_CENTRAL_BYTES",
+    "MAX_PICKLE_BYTES",
+    "Record",
+    "check_archive",
+    "read_records",
+    "pickled_storages",
+]
 
 MAX_RECORDS = 1 << 14
 """Most zip records a file may hold (a tensor is one; torch.save adds six)."""
@@ -106,11 +113,14 @@ def _directory(fd: int, size: int, where: str) -> tuple[int, int, int]:
             raise CorruptDumpError(f"{where}: {_NOT_ZIP} (its zip64 end record is missing or misplaced)")
         _, _, _, _, disk, cd_disk, here, count, cd_size, cd_offset = _END64.unpack(rec)
     if comment or disk or cd_disk or here != count or cd_offset + cd_size != stop:
-        raise CorruptDumpError(f"{where}: {_NOT_ZIP} (its zip end record does not describe one central directory "
-                               "right before it)")
+        raise CorruptDumpError(
+            f"{where}: {_NOT_ZIP} (its zip end record does not describe one central directory right before it)"
+        )
     if count > MAX_RECORDS or cd_size > MAX_CENTRAL_BYTES:
-        raise CorruptDumpError(f"{where}: a zip of {count} records in a {cd_size}-byte directory (at most "
-                               f"{MAX_RECORDS} records in {MAX_CENTRAL_BYTES >> 20} MiB); not a torch.save file")
+        raise CorruptDumpError(
+            f"{where}: a zip of {count} records in a {cd_size}-byte directory (at most "
+            f"{MAX_RECORDS} records in {MAX_CENTRAL_BYTES >> 20} MiB); not a torch.save file"
+        )
     return count, cd_offset, cd_size
 
 
@@ -120,7 +130,7 @@ def _zip64(extra: bytes, fields: list[int], wide: list[bool]) -> list[int] | Non
     while pos + 4 <= len(extra):
         tag, n = struct.unpack_from("<2H", extra, pos)
         if tag == 1:
-            data, out, at = extra[pos + 4:pos + 4 + n], list(fields), 0
+            data, out, at = extra[pos + 4 : pos + 4 + n], list(fields), 0
             for i, w in enumerate(wide):
                 if w:
                     if at + 8 > len(data):
@@ -136,12 +146,12 @@ def read_records(fd: int, size: int, where: str) -> dict[bytes, Record]:
     count, cd_offset, cd_size = _directory(fd, size, where)
     central, pos, out, spans, prefix = _pread(fd, cd_size, cd_offset), 0, dict[bytes, Record](), [], None
     for _ in range(count):
-        head = central[pos:pos + _CENTRAL.size]
+        head = central[pos : pos + _CENTRAL.size]
         if len(head) < _CENTRAL.size or head[:4] != b"PK\x01\x02":
             raise CorruptDumpError(f"{where}: its zip central directory is cut or garbled at byte {cd_offset + pos}")
         (_, _, _, flags, method, _, _, crc, csize, usize, nlen, elen, clen, disk, _, _, offset) = _CENTRAL.unpack(head)
-        name = central[pos + 46:pos + 46 + nlen]
-        extra = central[pos + 46 + nlen:pos + 46 + nlen + elen]
+        name = central[pos + 46 : pos + 46 + nlen]
+        extra = central[pos + 46 + nlen : pos + 46 + nlen + elen]
         pos += 46 + nlen + elen + clen
         folder = name.partition(b"/")[0].lower()
         prefix = folder if prefix is None else prefix
@@ -152,12 +162,19 @@ def read_records(fd: int, size: int, where: str) -> dict[bytes, Record]:
             raise CorruptDumpError(f"{shown}: its central directory entry is cut or garbled")
         usize, csize, offset = sizes
         if flags & _ENCRYPTED or method != 0 or csize != usize:
-            what = "encrypted" if flags & _ENCRYPTED else f"compressed (method {method})" if method else \
-                f"stored with {csize} bytes for {usize}"
+            what = (
+                "encrypted"
+                if flags & _ENCRYPTED
+                else f"compressed (method {method})"
+                if method
+                else f"stored with {csize} bytes for {usize}"
+            )
             raise CorruptDumpError(f"{shown}: {what}; torch.save writes plain stored records, refusing to map it")
         if not inside or name.lower() in out:
-            raise CorruptDumpError(f"{shown}: {'named twice' if name.lower() in out else 'outside the archive folder'}"
-                                   " (torch.save writes each record once, under one folder)")
+            raise CorruptDumpError(
+                f"{shown}: {'named twice' if name.lower() in out else 'outside the archive folder'}"
+                " (torch.save writes each record once, under one folder)"
+            )
         data, end = _local(fd, offset, name, flags, (crc, usize), shown)
         if end > cd_offset:
             raise CorruptDumpError(f"{shown}: its {usize} bytes at {data} run past the records into the directory")
@@ -189,18 +206,20 @@ def _local(fd: int, offset: int, name: bytes, flags: int, crc_size: tuple[int, i
     declared, want = [lcrc, *(lsizes or [])], [crc, size, size]
     agree = declared == want or (flags & _DESCRIPTOR and all(v in (0, w) for v, w in zip(declared, want)))
     if lname != name or lflags != flags or lmethod != 0 or lsizes is None or not agree:
-        raise CorruptDumpError(f"{shown}: its local header disagrees with the zip central directory "
-                               "(name, flags, method or sizes)")
+        raise CorruptDumpError(
+            f"{shown}: its local header disagrees with the zip central directory (name, flags, method or sizes)"
+        )
     data = end = offset + 30 + nlen + elen
     end += size
     if flags & _DESCRIPTOR:  # signature, CRC-32, then both sizes in 4 bytes each, or 8 in zip64
         tail = _pread(fd, 24, end)
         forms = [struct.pack("<4s3L", b"PK\x07\x08", crc, size, size)] if size < _U32 else []
         forms.append(struct.pack("<4sL2Q", b"PK\x07\x08", crc, size, size))
-        n = next((len(f) for f in forms if tail[:len(f)] == f), 0)
+        n = next((len(f) for f in forms if tail[: len(f)] == f), 0)
         if not n:
-            raise CorruptDumpError(f"{shown}: its data descriptor does not follow its {size} bytes "
-                                   "(misframed record); refusing to map it")
+            raise CorruptDumpError(
+                f"{shown}: its data descriptor does not follow its {size} bytes (misframed record); refusing to map it"
+            )
         end += n
     return data, end
 
@@ -215,8 +234,9 @@ def _check_crc(fd: int, rec: Record, where: str) -> None:
             break
         crc, pos = zlib.crc32(chunk, crc), pos + len(chunk)
     if crc != rec.crc or pos != end:
-        raise CorruptDumpError(f"{where}: zip record {rec.name}: its bytes do not match their CRC-32 "
-                               "(damaged on disk or in transfer)")
+        raise CorruptDumpError(
+            f"{where}: zip record {rec.name}: its bytes do not match their CRC-32 (damaged on disk or in transfer)"
+        )
 
 
 @functools.cache
@@ -267,10 +287,21 @@ class _Lister(pickle.Unpickler):
         return _Inert if size is None else _StorageType(size)
 
     def persistent_load(self, pid: Any) -> Any:
-        kind = pid[0].decode("ascii", "replace") if type(pid) is tuple and pid and type(pid[0]) is bytes else \
-            pid[0] if type(pid) is tuple and pid else None
-        if kind != "storage" or len(pid) != 5 or not isinstance(pid[1], _StorageType) or type(pid[2]) is not str \
-                or type(pid[4]) is not int or pid[4] < 0:
+        kind = (
+            pid[0].decode("ascii", "replace")
+            if type(pid) is tuple and pid and type(pid[0]) is bytes
+            else pid[0]
+            if type(pid) is tuple and pid
+            else None
+        )
+        if (
+            kind != "storage"
+            or len(pid) != 5
+            or not isinstance(pid[1], _StorageType)
+            or type(pid[2]) is not str
+            or type(pid[4]) is not int
+            or pid[4] < 0
+        ):
             raise pickle.UnpicklingError(f"a persistent id that is not a storage: {show(pid)[:60]}")
         seen = self.storages.setdefault(pid[2], (pid[4], pid[1].itemsize, repr(pid[1])))
         if seen[:2] != (pid[4], pid[1].itemsize):
@@ -284,8 +315,9 @@ def pickled_storages(data: bytes, where: str) -> dict[str, int]:
     try:
         lister.load()
     except Exception as e:  # noqa: BLE001 - any failure of the inert pass is a refused file
-        raise CorruptDumpError(f"{where}: {_NOT_ZIP} (its pickle: {printable(' '.join(str(e).split())[:120])})") \
-            from None
+        raise CorruptDumpError(
+            f"{where}: {_NOT_ZIP} (its pickle: {printable(' '.join(str(e).split())[:120])})"
+        ) from None
     return {k: n * size for k, (n, size, _) in lister.storages.items()}
 
 
@@ -311,8 +343,9 @@ def check_archive(path: Path, where: str) -> os.stat_result:
             rec = records.get(folder + b"/data/" + key.encode("utf-8", "surrogatepass").lower())
             if rec is None or rec.size != nbytes:
                 have = "no such record" if rec is None else f"its record holds {rec.size}"
-                raise CorruptDumpError(f"{where}: storage {show(key)} needs {nbytes} bytes but {have}; "
-                                       "refusing to map it")
+                raise CorruptDumpError(
+                    f"{where}: storage {show(key)} needs {nbytes} bytes but {have}; refusing to map it"
+                )
         return st
     finally:
         os.close(fd)

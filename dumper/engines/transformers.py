@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from dumper.format import Manifest
 from dumper.engines.base import EngineArg, check_engine_args
-from dumper.progress import ProgressFn
+from dumper.format import Manifest
 from dumper.prefill.run import RunConfig
 from dumper.prefill.run import run_dump as _run_dump
+from dumper.progress import ProgressFn
 
 __all__ = ["ENGINE_ARGS", "run_dump"]
 

@@ -26,9 +26,24 @@ from typing import Any
 
 from dumper.format.files import bad_field
 
-__all__ = ["PHASE_KEY", "DECODE_STEP_KEY", "PREFILL", "DECODE", "PHASES", "NEW_TOKENS", "GENERATED_IDS", "NEXT_IDS",
-           "PROMPT_LENGTHS", "TOKENS_FROM", "check_decode_extra", "check_decode_meta", "scored_tokens", "generated_ids",
-           "prompt_lengths", "record_phase"]
+__all__ = [
+    "PHASE_KEY",
+    "DECODE_STEP_KEY",
+    "PREFILL",
+    "DECODE",
+    "PHASES",
+    "NEW_TOKENS",
+    "GENERATED_IDS",
+    "NEXT_IDS",
+    "PROMPT_LENGTHS",
+    "TOKENS_FROM",
+    "check_decode_extra",
+    "check_decode_meta",
+    "scored_tokens",
+    "generated_ids",
+    "prompt_lengths",
+    "record_phase",
+]
 
 PHASE_KEY = "phase"
 """Record meta key: the phase of the forward pass that wrote the rows (absent: ``prefill``)."""
@@ -98,8 +113,12 @@ def check_decode_extra(extra: dict, where: str) -> None:
         if type(lists) is not list or len(lists) != len(inputs):
             raise bad_field(where, f"extra.{key}", f"a list of {len(inputs)} token id lists (one per input)", lists)
         for s, seq in enumerate(lists):
-            if type(seq) is not list or not all(type(t) is int and t >= 0 for t in seq) \
-                    or size is not None and len(seq) != size:
+            if (
+                type(seq) is not list
+                or not all(type(t) is int and t >= 0 for t in seq)
+                or size is not None
+                and len(seq) != size
+            ):
                 want = "" if size is None else f"{size} "
                 raise bad_field(where, f"extra.{key}[{s}]", f"a list of {want}integers >= 0", seq)
     lengths = extra.get(PROMPT_LENGTHS)

@@ -38,8 +38,11 @@ def describe(manifest: Manifest) -> list[tuple[str, str]]:
     names = Counter(t.name for t in ts)
     shown = ", ".join(f"{n} (x{c})" for n, c in sorted(names.items())[:NAMES_SHOWN])
     return [
-        ("dump", f"{len(ts)} tensors in {len(manifest.files)} files ({size / 2**20:.1f} MiB), "
-                 f"format {manifest.format_version}, created {printable(manifest.created_at)}"),
+        (
+            "dump",
+            f"{len(ts)} tensors in {len(manifest.files)} files ({size / 2**20:.1f} MiB), "
+            f"format {manifest.format_version}, created {printable(manifest.created_at)}",
+        ),
         ("model", printable(repr(manifest.model))),
         ("capture_signature", printable(repr(manifest.capture_signature))),
         ("environment", printable(repr(manifest.environment))),
@@ -54,8 +57,10 @@ def tensor_line(rec: TensorRecord) -> str:
     """One tensor: name, pass, rank, layer, dtype and shape, the token positions it spans, and its file."""
     pos = rec.row_positions()
     span = f"tokens {pos.min()}..{pos.max()}" if pos is not None and pos.size else "no positions"
-    return (f"  {rec.name}  pass={rec.forward_pass} rank={rec.rank} layer={rec.layer} "
-            f"{rec.dtype}{list(rec.shape)} {span}  [{printable(rec.file)}]")
+    return (
+        f"  {rec.name}  pass={rec.forward_pass} rank={rec.rank} layer={rec.layer} "
+        f"{rec.dtype}{list(rec.shape)} {span}  [{printable(rec.file)}]"
+    )
 
 
 def describe_lines(manifest: Manifest, *, tensors: bool = False) -> Iterator[str]:

@@ -16,8 +16,19 @@ import numpy as np
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DType", "DTYPES", "STORAGE_DTYPES", "ITEMSIZES", "FLOAT_CODES", "INT_CODES", "MODEL_DTYPES", "FLOAT_NAMES",
-           "MANTISSA_BITS", "torch_codes", "torch_dtype"]
+__all__ = [
+    "DType",
+    "DTYPES",
+    "STORAGE_DTYPES",
+    "ITEMSIZES",
+    "FLOAT_CODES",
+    "INT_CODES",
+    "MODEL_DTYPES",
+    "FLOAT_NAMES",
+    "MANTISSA_BITS",
+    "torch_codes",
+    "torch_dtype",
+]
 
 
 @dataclass(frozen=True)
@@ -40,18 +51,21 @@ class DType:
         return self.torch_name.startswith(("float", "bfloat"))
 
 
-DTYPES: Final[dict[str, DType]] = {d.code: d for d in (
-    DType("F64", np.dtype("<f8"), "float64", 53),
-    DType("F32", np.dtype("<f4"), "float32", 24),
-    DType("F16", np.dtype("<f2"), "float16", 11),
-    DType("BF16", np.dtype("<u2"), "bfloat16", 8),
-    DType("I64", np.dtype("<i8"), "int64"),
-    DType("I32", np.dtype("<i4"), "int32"),
-    DType("I16", np.dtype("<i2"), "int16"),
-    DType("I8", np.dtype("i1"), "int8"),
-    DType("U8", np.dtype("u1"), "uint8"),
-    DType("BOOL", np.dtype("?"), "bool"),
-)}
+DTYPES: Final[dict[str, DType]] = {
+    d.code: d
+    for d in (
+        DType("F64", np.dtype("<f8"), "float64", 53),
+        DType("F32", np.dtype("<f4"), "float32", 24),
+        DType("F16", np.dtype("<f2"), "float16", 11),
+        DType("BF16", np.dtype("<u2"), "bfloat16", 8),
+        DType("I64", np.dtype("<i8"), "int64"),
+        DType("I32", np.dtype("<i4"), "int32"),
+        DType("I16", np.dtype("<i2"), "int16"),
+        DType("I8", np.dtype("i1"), "int8"),
+        DType("U8", np.dtype("u1"), "uint8"),
+        DType("BOOL", np.dtype("?"), "bool"),
+    )
+}
 """Every dtype a dump can store, by safetensors code."""
 
 STORAGE_DTYPES: Final[dict[str, np.dtype]] = {code: d.storage for code, d in DTYPES.items()}

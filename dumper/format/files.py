@@ -75,8 +75,14 @@ def json_memory_bound(data: bytes) -> int:
     """
     n = len(data)
     text = (7 * n) // 2 if data.isascii() else (21 * n) // 2
-    return (text + 192 * data.count(b"{") + 60 * data.count(b"[") + 52 * data.count(b",")
-            + 8 * data.count(b":") + 27 * data.count(b'"'))
+    return (
+        text
+        + 192 * data.count(b"{")
+        + 60 * data.count(b"[")
+        + 52 * data.count(b",")
+        + 8 * data.count(b":")
+        + 27 * data.count(b'"')
+    )
 
 
 def json_memory_budget() -> int:
@@ -89,9 +95,11 @@ def check_json_memory(data: bytes, where: str, what: str) -> None:
     """Raise unless building the JSON objects of ``data`` fits :func:`json_memory_budget`."""
     need, budget = json_memory_bound(data), json_memory_budget()
     if need > budget:
-        raise CorruptDumpError(f"{where}: {what} of {len(data)} bytes holds too many JSON values to parse safely "
-                               f"(~{need >> 20} MiB to build, limit {budget >> 20} MiB; real input this large "
-                               "can raise it with DRIFTSCOPE_JSON_MEMORY_MIB)")
+        raise CorruptDumpError(
+            f"{where}: {what} of {len(data)} bytes holds too many JSON values to parse safely "
+            f"(~{need >> 20} MiB to build, limit {budget >> 20} MiB; real input this large "
+            "can raise it with DRIFTSCOPE_JSON_MEMORY_MIB)"
+        )
 
 
 def parse_json(data: bytes, where: str, what: str) -> Any:
@@ -153,17 +161,29 @@ def is_plain_name(name: Any) -> bool:
 def check_plain_name(name: Any, where: str, field: str) -> str:
     """``name`` if :func:`is_plain_name`, else raise :class:`CorruptDumpError`."""
     if not is_plain_name(name):
-        raise CorruptDumpError(f"{where}: {field}: expected a plain file name inside the dump directory, "
-                               f"got {show(name)}")
+        raise CorruptDumpError(
+            f"{where}: {field}: expected a plain file name inside the dump directory, got {show(name)}"
+        )
     return name
 
 
 def file_kind(mode: int) -> str:
     """What an ``os.stat`` mode is, for messages: ``"a FIFO"``, ``"a directory"``, ``"a symlink"``, ..."""
-    return ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else
-            "a socket" if stat.S_ISSOCK(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
-            else "a symlink" if stat.S_ISLNK(mode) else "a regular file" if stat.S_ISREG(mode)
-            else "a special file")
+    return (
+        "a directory"
+        if stat.S_ISDIR(mode)
+        else "a FIFO"
+        if stat.S_ISFIFO(mode)
+        else "a socket"
+        if stat.S_ISSOCK(mode)
+        else "a device"
+        if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+        else "a symlink"
+        if stat.S_ISLNK(mode)
+        else "a regular file"
+        if stat.S_ISREG(mode)
+        else "a special file"
+    )
 
 
 def regular_file_in(root: Path, name: str, *, missing: str) -> os.stat_result:
@@ -181,8 +201,9 @@ def regular_file_in(root: Path, name: str, *, missing: str) -> os.stat_result:
         if stat.S_ISLNK(st.st_mode):
             real, real_root = os.path.realpath(path), os.path.realpath(root)
             if os.path.commonpath([real, real_root]) != real_root:
-                raise CorruptDumpError(f"{shown}: symlink to {printable(real)}, outside the dump directory; "
-                                       "refusing to read it")
+                raise CorruptDumpError(
+                    f"{shown}: symlink to {printable(real)}, outside the dump directory; refusing to read it"
+                )
             st = os.stat(real)
     except FileNotFoundError:
         raise CorruptDumpError(f"{shown}: {missing}") from None

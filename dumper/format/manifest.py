@@ -202,8 +202,10 @@ class TensorRecord:
         """
         keys = d.keys()
         if not _RECORD_REQUIRED <= keys <= _RECORD_FIELDS:
-            raise TypeError(f"tensor record: missing keys {sorted(_RECORD_REQUIRED - keys)}, "
-                            f"unknown keys {sorted(keys - _RECORD_FIELDS)}")
+            raise TypeError(
+                f"tensor record: missing keys {sorted(_RECORD_REQUIRED - keys)}, "
+                f"unknown keys {sorted(keys - _RECORD_FIELDS)}"
+            )
         rec = object.__new__(cls)
         put, get = object.__setattr__, d.get
         for name, default in _RECORD_DEFAULTS:
@@ -215,8 +217,9 @@ class TensorRecord:
 
 
 _RECORD_FIELDS = frozenset(f.name for f in fields(TensorRecord))
-_RECORD_REQUIRED = frozenset(f.name for f in fields(TensorRecord) if f.default is MISSING
-                             and f.default_factory is MISSING)
+_RECORD_REQUIRED = frozenset(
+    f.name for f in fields(TensorRecord) if f.default is MISSING and f.default_factory is MISSING
+)
 _RECORD_DEFAULTS = tuple((f.name, None if f.default is MISSING else f.default) for f in fields(TensorRecord))
 """(field, default) of every field in declaration order (required fields are always present)."""
 
@@ -278,9 +281,7 @@ def parse_manifest(raw: Any, where: str) -> Manifest:
     """
     found = raw.get("format_version") if isinstance(raw, dict) else None
     if type(found) is not int or found != FORMAT_VERSION:
-        raise CorruptDumpError(
-            f"{where}: format version {found!r} is not supported (expected {FORMAT_VERSION})"
-        )
+        raise CorruptDumpError(f"{where}: format version {found!r} is not supported (expected {FORMAT_VERSION})")
     check_manifest(raw, where, ITEMSIZES)
     return Manifest.from_json(raw)
 
@@ -300,9 +301,7 @@ def load_manifest(directory: str | os.PathLike[str]) -> Manifest:
         raise DumpError(f"{directory}: no such dump directory")
     path = directory / MANIFEST_NAME
     if not os.path.lexists(path):
-        raise IncompleteDumpError(
-            f"{directory}: incomplete dump (no {MANIFEST_NAME}; the run did not finish)"
-        )
+        raise IncompleteDumpError(f"{directory}: incomplete dump (no {MANIFEST_NAME}; the run did not finish)")
     regular_file_in(directory, MANIFEST_NAME, missing="manifest is a dangling symlink")
     raw = parse_json(read_regular_file(path, MAX_MANIFEST_BYTES, "manifest"), str(path), "manifest")
     manifest = parse_manifest(raw, str(path))

@@ -25,8 +25,20 @@ from __future__ import annotations
 
 from typing import Final
 
-__all__ = ["INPUT", "RESIDUAL", "ATTN_OUTPUT", "MLP_INPUT", "MLP_OUTPUT", "ROUTER", "SUBLAYER_POINTS", "OUTPUT_POINTS",
-           "RECORD_SUFFIX", "ORDER", "order_in_layer", "record_name"]
+__all__ = [
+    "INPUT",
+    "RESIDUAL",
+    "ATTN_OUTPUT",
+    "MLP_INPUT",
+    "MLP_OUTPUT",
+    "ROUTER",
+    "SUBLAYER_POINTS",
+    "OUTPUT_POINTS",
+    "RECORD_SUFFIX",
+    "ORDER",
+    "order_in_layer",
+    "record_name",
+]
 
 INPUT: Final = "input"
 RESIDUAL: Final = "residual"
@@ -39,8 +51,13 @@ SUBLAYER_POINTS: Final = (ATTN_OUTPUT, MLP_INPUT, MLP_OUTPUT)
 """The points inside a layer past its attention input (issue 34): which kernel, attention or MLP."""
 OUTPUT_POINTS: Final = frozenset({ATTN_OUTPUT, MLP_OUTPUT})
 """Points read from a module's output (a forward hook) rather than its input."""
-RECORD_SUFFIX: Final[dict[str, str]] = {INPUT: "input", RESIDUAL: "residual", ATTN_OUTPUT: "output",
-                                        MLP_INPUT: "input", MLP_OUTPUT: "output"}
+RECORD_SUFFIX: Final[dict[str, str]] = {
+    INPUT: "input",
+    RESIDUAL: "residual",
+    ATTN_OUTPUT: "output",
+    MLP_INPUT: "input",
+    MLP_OUTPUT: "output",
+}
 """What follows the module's name in a point's record name."""
 ORDER: Final = (RESIDUAL, INPUT, ATTN_OUTPUT, MLP_INPUT, ROUTER, MLP_OUTPUT)
 """The points in the order data flows through one decoder layer."""

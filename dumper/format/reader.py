@@ -136,8 +136,12 @@ class _RemoteFile(_TensorFile):
         self.path = dump.url / name
         dump.check_size(name, size)
         n = _header_length(dump.read(name, 0, 8) if size >= 8 else b"", size, self.path)
-        self.entries = check_header(parse_json(dump.read(name, 8, 8 + n), str(self.path), "safetensors header"),
-                                    str(self.path), size - 8 - n, ITEMSIZES)
+        self.entries = check_header(
+            parse_json(dump.read(name, 8, 8 + n), str(self.path), "safetensors header"),
+            str(self.path),
+            size - 8 - n,
+            ITEMSIZES,
+        )
         self._dump, self._name, self._data_start = dump, name, 8 + n
 
     def _values(self, dtype: np.dtype, count: int, offset: int) -> np.ndarray:
@@ -163,8 +167,14 @@ class DumpReader:
     are in flight together).
     """
 
-    def __init__(self, directory: str | os.PathLike[str], manifest: Manifest | None = None, *,
-                 max_open: int = 256, cache_bytes: int = CACHE_BYTES) -> None:
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        manifest: Manifest | None = None,
+        *,
+        max_open: int = 256,
+        cache_bytes: int = CACHE_BYTES,
+    ) -> None:
         self.max_open = max_open
         self._rows: dict[tuple[str, str], np.ndarray] = {}
         self._open: dict[str, _SafetensorsFile] = {}
@@ -196,8 +206,9 @@ class DumpReader:
         remote = self._remote
         if remote is None:
             return self._file(name).array(key, dtype, shape)
-        return self._arrays.get((name, key, dtype, shape),
-                                lambda: self._remote_file(remote, name).array(key, dtype, shape))
+        return self._arrays.get(
+            (name, key, dtype, shape), lambda: self._remote_file(remote, name).array(key, dtype, shape)
+        )
 
     def array(self, rec: TensorRecord) -> np.ndarray:
         """The raw stored values of ``rec`` (read-only, storage dtype; memory-mapped for a local dump)."""

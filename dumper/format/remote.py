@@ -39,9 +39,24 @@ from dumper.format.files import parse_json
 from dumper.format.manifest import MANIFEST_NAME, Manifest, load_manifest, parse_manifest
 from dumper.format.validate import MAX_MANIFEST_BYTES
 
-__all__ = ["is_url", "fetched", "writing", "upload_dump", "upload_files", "check_free", "read_small", "write_small",
-           "listed", "download", "remove_prefix", "url_fs", "remote_error", "read_manifest_at", "IN_FLIGHT",
-           "CHUNK_BYTES"]
+__all__ = [
+    "is_url",
+    "fetched",
+    "writing",
+    "upload_dump",
+    "upload_files",
+    "check_free",
+    "read_small",
+    "write_small",
+    "listed",
+    "download",
+    "remove_prefix",
+    "url_fs",
+    "remote_error",
+    "read_manifest_at",
+    "IN_FLIGHT",
+    "CHUNK_BYTES",
+]
 
 IN_FLIGHT = 4
 """Files transferred at once."""
@@ -66,8 +81,9 @@ def url_fs(url: str) -> tuple[Any, str]:
     try:
         fs, root = fsspec.core.url_to_fs(url)
     except (ImportError, ValueError) as e:
-        raise DumpError(f"{url}: no filesystem for this URL ({e}); install its fsspec package (s3fs for s3://, "
-                        "gcsfs for gcs://)") from None
+        raise DumpError(
+            f"{url}: no filesystem for this URL ({e}); install its fsspec package (s3fs for s3://, gcsfs for gcs://)"
+        ) from None
     return fs, root.rstrip("/")
 
 
@@ -84,8 +100,9 @@ def read_manifest_at(fs: Any, root: str, url: str) -> tuple[bytes, Manifest]:
         with fs.open(f"{root}/{MANIFEST_NAME}", "rb") as f:
             raw = f.read(MAX_MANIFEST_BYTES + 1)
     except FileNotFoundError:
-        raise IncompleteDumpError(f"{url}: no {MANIFEST_NAME} there: not a complete dump (its writer is still "
-                                  "running, or died)") from None
+        raise IncompleteDumpError(
+            f"{url}: no {MANIFEST_NAME} there: not a complete dump (its writer is still running, or died)"
+        ) from None
     except OSError as e:
         raise remote_error(url, e) from None
     if len(raw) > MAX_MANIFEST_BYTES:
@@ -134,16 +151,19 @@ def fetched(path: str | os.PathLike[str], *, in_flight: int = IN_FLIGHT) -> Iter
         local = Path(tmp) / "dump"
         local.mkdir()
         with ThreadPoolExecutor(max_workers=max(1, in_flight)) as pool:
-            for f in [pool.submit(_download, fs, root, url, name, size, local)
-                      for name, size in sorted(manifest.files.items())]:
+            for f in [
+                pool.submit(_download, fs, root, url, name, size, local)
+                for name, size in sorted(manifest.files.items())
+            ]:
                 f.result()
         (local / MANIFEST_NAME).write_bytes(raw)
         load_manifest(local)  # every check of a local dump, on the copy
         yield local
 
 
-def upload_files(local: str | os.PathLike[str], url: str, names: Any, *, last: str | None = None,
-                 in_flight: int = IN_FLIGHT) -> None:
+def upload_files(
+    local: str | os.PathLike[str], url: str, names: Any, *, last: str | None = None, in_flight: int = IN_FLIGHT
+) -> None:
     """Upload the files ``names`` of the local directory ``local`` to ``url`` (several at once), then ``last``
     alone: what makes the upload mean something (a manifest, a rank's part) is only there once the rest is."""
     url = url.rstrip("/")

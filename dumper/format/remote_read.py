@@ -103,19 +103,27 @@ class RemoteDump:
         out = bytearray(end - start)
         bounds = [(s, min(s + _PART, end)) for s in range(start, end, _PART)]
         for i in range(0, len(bounds), IN_FLIGHT):
-            group = bounds[i:i + IN_FLIGHT]
-            parts = self._call(name, self._fs.cat_ranges, [path] * len(group), [s for s, _ in group],
-                               [e for _, e in group], on_error="raise")
+            group = bounds[i : i + IN_FLIGHT]
+            parts = self._call(
+                name,
+                self._fs.cat_ranges,
+                [path] * len(group),
+                [s for s, _ in group],
+                [e for _, e in group],
+                on_error="raise",
+            )
             for (s, e), part in zip(group, parts, strict=True):
-                out[s - start:e - start] = self._exact(name, part, s, e)
+                out[s - start : e - start] = self._exact(name, part, s, e)
             del parts
         return out
 
     def _exact(self, name: str, data: Any, start: int, end: int) -> bytes:
         if not isinstance(data, bytes) or len(data) != end - start:
             got = len(data) if isinstance(data, bytes) else type(data).__name__
-            raise CorruptDumpError(f"{self.url / name}: {got} bytes at offset {start}, {end - start} expected "
-                                   "(the object changed while it was read)")
+            raise CorruptDumpError(
+                f"{self.url / name}: {got} bytes at offset {start}, {end - start} expected "
+                "(the object changed while it was read)"
+            )
         return data
 
 

@@ -19,12 +19,27 @@ from typing import Any
 import numpy as np
 
 from dumper.errors import CorruptDumpError, NotComparableError
-from dumper.format.manifest import (PAD_SEQUENCE, ROUTER_IDS, ROUTER_LOGITS, ROUTER_POINTS, ROUTER_SCORES,
-                                    ROUTER_WEIGHTS, TensorRecord)
+from dumper.format.manifest import (
+    PAD_SEQUENCE,
+    ROUTER_IDS,
+    ROUTER_LOGITS,
+    ROUTER_POINTS,
+    ROUTER_SCORES,
+    ROUTER_WEIGHTS,
+    TensorRecord,
+)
 from dumper.format.reader import DumpReader, to_float64
 
-__all__ = ["PARTS", "LayerRecords", "LayerRows", "RankDifference", "row_key", "key_parts", "router_records",
-           "read_layer"]
+__all__ = [
+    "PARTS",
+    "LayerRecords",
+    "LayerRows",
+    "RankDifference",
+    "row_key",
+    "key_parts",
+    "router_records",
+    "read_layer",
+]
 
 PARTS = (ROUTER_LOGITS, ROUTER_IDS, ROUTER_WEIGHTS, ROUTER_SCORES)
 """The routing parts of a layer, in the order they are described in :mod:`dumper.format.manifest`."""
@@ -113,8 +128,10 @@ def router_records(reader: DumpReader) -> dict[int, LayerRecords]:
     for layer, entry in out.items():
         missing = [p for p in _REQUIRED if p not in entry.parts]
         if missing:
-            raise NotComparableError(f"{reader.directory}: layer {layer} records routing without {missing[0]} "
-                                     f"({entry.prefix}.{missing[0]}); a router capture records logits, ids and weights")
+            raise NotComparableError(
+                f"{reader.directory}: layer {layer} records routing without {missing[0]} "
+                f"({entry.prefix}.{missing[0]}); a router capture records logits, ids and weights"
+            )
         for part, recs in entry.parts.items():
             recs.sort(key=lambda r: (r.forward_pass, r.rank, r.call))
         _check_widths(entry, f"{reader.directory}: layer {layer} routing")
@@ -134,7 +151,8 @@ def _check_widths(entry: LayerRecords, where: str) -> None:
                 raise NotComparableError(
                     f"{where}: {part} has {first.shape[-1]} columns in pass {first.forward_pass} (rank {first.rank}) "
                     f"but {rec.shape[-1]} in pass {rec.forward_pass} (rank {rec.rank}); a layer's expert count "
-                    "and top-k are the same in every record")
+                    "and top-k are the same in every record"
+                )
         widths[part] = first.shape[-1]
     experts, k = widths[ROUTER_LOGITS], widths[ROUTER_IDS]
     for part, want in ((ROUTER_SCORES, experts), (ROUTER_WEIGHTS, k)):
@@ -158,8 +176,10 @@ def key_parts(key: Any) -> tuple[int, int]:
 def _keys(rec: TensorRecord, where: str) -> np.ndarray:
     pos, seq = rec.row_positions(), rec.row_sequence_ids()
     if pos is None or seq is None:
-        raise NotComparableError(f"{where}: {rec.name} (pass {rec.forward_pass}) records no positions or sequence "
-                                 "ids; routing is compared token by token")
+        raise NotComparableError(
+            f"{where}: {rec.name} (pass {rec.forward_pass}) records no positions or sequence "
+            "ids; routing is compared token by token"
+        )
     return np.where(seq == PAD_SEQUENCE, -1, row_key(seq, pos))
 
 
@@ -180,8 +200,9 @@ def _same_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return ((a == b) | (np.isnan(a) & np.isnan(b))).all(axis=1) if a.dtype.kind == "f" else (a == b).all(axis=1)
 
 
-def _rank_differences(keys: np.ndarray, ranks: np.ndarray, passes: np.ndarray,
-                      parts: dict[str, np.ndarray]) -> tuple[RankDifference, ...]:
+def _rank_differences(
+    keys: np.ndarray, ranks: np.ndarray, passes: np.ndarray, parts: dict[str, np.ndarray]
+) -> tuple[RankDifference, ...]:
     """Each rank's rows against the lowest rank's rows of the same (pass, sequence, position)."""
     real = np.flatnonzero(keys >= 0)
     order = real[np.lexsort((ranks[real], keys[real], passes[real]))]
@@ -199,12 +220,18 @@ def _rank_differences(keys: np.ndarray, ranks: np.ndarray, passes: np.ndarray,
         mine = bad & (ranks[rows] == rank)
         first = np.flatnonzero(mine)[np.argmin(keys[rows[mine]])]
         w = parts[ROUTER_WEIGHTS]
-        out.append(RankDifference(
-            rank=int(rank), reference_rank=int(ranks[refs[first]]), key=int(keys[rows[first]]),
-            ids=tuple(int(i) for i in parts[ROUTER_IDS][rows[first]]),
-            reference_ids=tuple(int(i) for i in parts[ROUTER_IDS][refs[first]]), rows=int(np.count_nonzero(mine)),
-            parts=tuple(part for part in PARTS if part in differs and differs[part][mine].any()),
-            weight_max_diff=float(np.max(np.abs(w[rows[mine]] - w[refs[mine]])))))
+        out.append(
+            RankDifference(
+                rank=int(rank),
+                reference_rank=int(ranks[refs[first]]),
+                key=int(keys[rows[first]]),
+                ids=tuple(int(i) for i in parts[ROUTER_IDS][rows[first]]),
+                reference_ids=tuple(int(i) for i in parts[ROUTER_IDS][refs[first]]),
+                rows=int(np.count_nonzero(mine)),
+                parts=tuple(part for part in PARTS if part in differs and differs[part][mine].any()),
+                weight_max_diff=float(np.max(np.abs(w[rows[mine]] - w[refs[mine]]))),
+            )
+        )
     return tuple(out)
 
 
@@ -212,13 +239,18 @@ def read_layer(reader: DumpReader, entry: LayerRecords) -> LayerRows:
     """The layer's rows, keyed, padding dropped, the first row of each key kept."""
     where = f"{reader.directory}: layer {entry.layer} routing"
     keys, ids, ranks, passes = _stack(reader, entry.parts[ROUTER_IDS], floats=False)
-    parts = {p: _stack(reader, entry.parts[p], floats=True)[:2]
-             for p in (ROUTER_WEIGHTS, ROUTER_LOGITS, ROUTER_SCORES) if p in entry.parts}
+    parts = {
+        p: _stack(reader, entry.parts[p], floats=True)[:2]
+        for p in (ROUTER_WEIGHTS, ROUTER_LOGITS, ROUTER_SCORES)
+        if p in entry.parts
+    }
     for p, (k, _rows) in parts.items():
         if not np.array_equal(k, keys):
             raise NotComparableError(f"{where}: {p} covers other rows than {ROUTER_IDS}")
     if parts[ROUTER_WEIGHTS][1].shape != ids.shape:
-        raise NotComparableError(f"{where}: weights {parts[ROUTER_WEIGHTS][1].shape} and ids {ids.shape} differ in shape")
+        raise NotComparableError(
+            f"{where}: weights {parts[ROUTER_WEIGHTS][1].shape} and ids {ids.shape} differ in shape"
+        )
     experts = parts[ROUTER_LOGITS][1].shape[1]
     if ids.size and (ids.min() < 0 or ids.max() >= experts):
         raise NotComparableError(f"{where}: an expert id outside 0..{experts - 1}")
@@ -227,11 +259,17 @@ def read_layer(reader: DumpReader, entry: LayerRecords) -> LayerRows:
     uniq, first = np.unique(keys[real], return_index=True)
     index = np.flatnonzero(real)[first]
     scores = parts.get(ROUTER_SCORES)
-    return LayerRows(keys=uniq, ids=ids[index], weights=parts[ROUTER_WEIGHTS][1][index],
-                     logits=parts[ROUTER_LOGITS][1][index], scores=scores[1][index] if scores else None,
-                     groups=_groups(entry, experts, where) if scores else None,
-                     rank_differences=_rank_differences(keys, ranks, passes,
-                                                        {ROUTER_IDS: ids, **{p: v for p, (_, v) in parts.items()}}))
+    return LayerRows(
+        keys=uniq,
+        ids=ids[index],
+        weights=parts[ROUTER_WEIGHTS][1][index],
+        logits=parts[ROUTER_LOGITS][1][index],
+        scores=scores[1][index] if scores else None,
+        groups=_groups(entry, experts, where) if scores else None,
+        rank_differences=_rank_differences(
+            keys, ranks, passes, {ROUTER_IDS: ids, **{p: v for p, (_, v) in parts.items()}}
+        ),
+    )
 
 
 def _check_distinct(keys: np.ndarray, ids: np.ndarray, real: np.ndarray, where: str) -> None:
@@ -246,9 +284,11 @@ def _check_distinct(keys: np.ndarray, ids: np.ndarray, real: np.ndarray, where: 
         r = rows[dup[0]]
         seq, pos = key_parts(keys[r])
         twice = int(s[dup[0], 1:][s[dup[0], 1:] == s[dup[0], :-1]][0])
-        raise CorruptDumpError(f"{where}: the row of sequence {seq}, position {pos} chooses expert {twice} twice "
-                               f"({ids[r].tolist()}; {dup.size} such row{'s' if dup.size > 1 else ''}); "
-                               "a top-k picks distinct experts")
+        raise CorruptDumpError(
+            f"{where}: the row of sequence {seq}, position {pos} chooses expert {twice} twice "
+            f"({ids[r].tolist()}; {dup.size} such row{'s' if dup.size > 1 else ''}); "
+            "a top-k picks distinct experts"
+        )
 
 
 def _groups(entry: LayerRecords, experts: int, where: str) -> tuple[int, int] | None:
@@ -257,8 +297,15 @@ def _groups(entry: LayerRecords, experts: int, where: str) -> tuple[int, int] | 
     if "n_group" not in meta and "topk_group" not in meta:
         return None
     groups, keep = meta.get("n_group"), meta.get("topk_group")
-    if (type(groups) is not int or type(keep) is not int or not 0 < keep <= groups or experts % groups
-            or experts // groups < 2):
-        raise NotComparableError(f"{where}: scores meta n_group={groups!r}, topk_group={keep!r} is not a grouped "
-                                 f"top-k over {experts} experts")
+    if (
+        type(groups) is not int
+        or type(keep) is not int
+        or not 0 < keep <= groups
+        or experts % groups
+        or experts // groups < 2
+    ):
+        raise NotComparableError(
+            f"{where}: scores meta n_group={groups!r}, topk_group={keep!r} is not a grouped "
+            f"top-k over {experts} experts"
+        )
     return groups, keep

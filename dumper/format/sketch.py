@@ -36,8 +36,21 @@ from dumper.errors import CorruptDumpError, UsageError
 from dumper.format.dtypes import FLOAT_CODES
 from dumper.format.points import INPUT, RESIDUAL, SUBLAYER_POINTS
 
-__all__ = ["SKETCH_KINDS", "SKETCHED_POINTS", "NORM_SUFFIX", "MAX_SKETCH_SEED", "HASH_MULTIPLIERS", "SketchSpec",
-           "sign_bits", "signs", "project", "check_spec", "check_record_sketch", "mix32", "hash_keys"]
+__all__ = [
+    "SKETCH_KINDS",
+    "SKETCHED_POINTS",
+    "NORM_SUFFIX",
+    "MAX_SKETCH_SEED",
+    "HASH_MULTIPLIERS",
+    "SketchSpec",
+    "sign_bits",
+    "signs",
+    "project",
+    "check_spec",
+    "check_record_sketch",
+    "mix32",
+    "hash_keys",
+]
 
 SKETCH_KINDS = ("rademacher",)
 """Projection kinds: ``rademacher`` is a dense matrix of random signs (see ``bench/bench_sketch.py`` for why
@@ -67,8 +80,9 @@ class SketchSpec:
         if type(self.k) is not int or self.k < 1:
             raise UsageError(f"sketch K (--sketch) must be an integer >= 1, got {self.k!r}")
         if type(self.seed) is not int or not 0 <= self.seed <= MAX_SKETCH_SEED:
-            raise UsageError(f"sketch seed (--sketch-seed) must be an integer in 0..{MAX_SKETCH_SEED}, "
-                             f"got {self.seed!r}")
+            raise UsageError(
+                f"sketch seed (--sketch-seed) must be an integer in 0..{MAX_SKETCH_SEED}, got {self.seed!r}"
+            )
         if self.kind not in SKETCH_KINDS:
             raise UsageError(f"sketch kind must be one of {', '.join(SKETCH_KINDS)}, got {self.kind!r}")
 
@@ -111,13 +125,20 @@ def check_spec(raw: Any, where: str, field: str = "capture_signature.sketch") ->
     if type(k) is not int or not 1 <= k <= 1 << 20:
         raise CorruptDumpError(f"{where}: {field}.k: expected an integer in 1..{1 << 20}, got {str(k)[:40]}")
     if type(seed) is not int or not 0 <= seed <= MAX_SKETCH_SEED:
-        raise CorruptDumpError(f"{where}: {field}.seed: expected an integer in 0..{MAX_SKETCH_SEED}, "
-                               f"got {str(seed)[:40]}")
+        raise CorruptDumpError(
+            f"{where}: {field}.seed: expected an integer in 0..{MAX_SKETCH_SEED}, got {str(seed)[:40]}"
+        )
     return SketchSpec(k=k, seed=seed, kind=kind)
 
 
-def check_record_sketch(d: dict[str, Any], spec: SketchSpec | None, i: int, where: str,
-                        locations: set[tuple[str, str]], hidden_size: Any = None) -> int:
+def check_record_sketch(
+    d: dict[str, Any],
+    spec: SketchSpec | None,
+    i: int,
+    where: str,
+    locations: set[tuple[str, str]],
+    hidden_size: Any = None,
+) -> int:
     """Validate the ``sketch`` field of record ``tensors[i]`` (``d``, its other fields checked) against the manifest's
     spec, its shape and dtype, and ``hidden_size`` (the model's, when the manifest says it); claim its norms'
     (file, key) in ``locations``. Returns the norms' bytes.
@@ -128,11 +149,18 @@ def check_record_sketch(d: dict[str, Any], spec: SketchSpec | None, i: int, wher
     """
     field, raw, shape, dtype = f"tensors[{i}].sketch", d.get("sketch"), d["shape"], d["dtype"]
     if raw is None:
-        if spec is not None and d.get("point") in SKETCHED_POINTS and d.get("shard_dim") is None \
-                and dtype in FLOAT_CODES and shape:
-            raise CorruptDumpError(f"{where}: tensors[{i}]: a full {d['point']} record ({dtype}{shape}) under "
-                                   "capture_signature.sketch; a sketching capture stores every whole hidden state "
-                                   "sketched")
+        if (
+            spec is not None
+            and d.get("point") in SKETCHED_POINTS
+            and d.get("shard_dim") is None
+            and dtype in FLOAT_CODES
+            and shape
+        ):
+            raise CorruptDumpError(
+                f"{where}: tensors[{i}]: a full {d['point']} record ({dtype}{shape}) under "
+                "capture_signature.sketch; a sketching capture stores every whole hidden state "
+                "sketched"
+            )
         return 0
     if spec is None:
         raise CorruptDumpError(f"{where}: {field}: a sketched record in a dump whose capture_signature has no sketch")
@@ -144,8 +172,9 @@ def check_record_sketch(d: dict[str, Any], spec: SketchSpec | None, i: int, wher
     if type(hidden_size) is int and hidden != hidden_size:
         raise CorruptDumpError(f"{where}: {field}.hidden: {hidden}, but the model's hidden_size is {hidden_size}")
     if source not in FLOAT_CODES:
-        raise CorruptDumpError(f"{where}: {field}.dtype: expected one of {sorted(FLOAT_CODES)}, "
-                               f"got {str(source)[:40]!r}")
+        raise CorruptDumpError(
+            f"{where}: {field}.dtype: expected one of {sorted(FLOAT_CODES)}, got {str(source)[:40]!r}"
+        )
     if dtype != "F32" or not shape or shape[-1] != spec.k:
         raise CorruptDumpError(f"{where}: {field}: a sketch is F32 [..., {spec.k}], the record is {dtype}{shape}")
     norms = (d["file"], d["key"] + NORM_SUFFIX)

@@ -64,11 +64,34 @@ MAX_NDIM = 32
 """Most dimensions a tensor may have (numpy's limit is 64; dumps hold 1 to 4)."""
 
 _I64_MIN, _I64_MAX = -(1 << 63), (1 << 63) - 1
-MANIFEST_KEYS = ("format_version", "created_at", "model", "capture_signature", "environment", "files", "tensors",
-                 "extra")
+MANIFEST_KEYS = (
+    "format_version",
+    "created_at",
+    "model",
+    "capture_signature",
+    "environment",
+    "files",
+    "tensors",
+    "extra",
+)
 """Top-level keys of a manifest; all but ``extra`` are required."""
-RECORD_KEYS = ("name", "file", "key", "shape", "dtype", "forward_pass", "rank", "call", "layer", "point",
-               "positions", "sequence_ids", "shard_dim", "meta", "sketch")
+RECORD_KEYS = (
+    "name",
+    "file",
+    "key",
+    "shape",
+    "dtype",
+    "forward_pass",
+    "rank",
+    "call",
+    "layer",
+    "point",
+    "positions",
+    "sequence_ids",
+    "shard_dim",
+    "meta",
+    "sketch",
+)
 """Keys of a tensor record; the first six are required, the others default."""
 _TOP_REQUIRED = frozenset(MANIFEST_KEYS[:-1])
 _TOP_ALLOWED = frozenset(MANIFEST_KEYS)
@@ -117,8 +140,10 @@ def _check_text(value: Any, where: str, field: str) -> None:
     """Raise naming the first string or key inside ``value`` that cannot be printed (see :func:`first_bad_text`)."""
     bad = first_bad_text(value, field)
     if bad is not None:
-        raise CorruptDumpError(f"{where}: {bad}: expected text, got a string that is not valid Unicode "
-                               "(a lone surrogate escape such as \\ud800)")
+        raise CorruptDumpError(
+            f"{where}: {bad}: expected text, got a string that is not valid Unicode "
+            "(a lone surrogate escape such as \\ud800)"
+        )
 
 
 # -- manifest ----------------------------------------------------------------------------------
@@ -149,8 +174,15 @@ def _object(v: Any, where: str, field: str) -> dict:
     return v
 
 
-def _fields(d: dict, where: str, field: str, ints: tuple[str, ...] = (), strs: tuple[str, ...] = (),
-            int_lists: tuple[str, ...] = (), str_lists: tuple[str, ...] = ()) -> None:
+def _fields(
+    d: dict,
+    where: str,
+    field: str,
+    ints: tuple[str, ...] = (),
+    strs: tuple[str, ...] = (),
+    int_lists: tuple[str, ...] = (),
+    str_lists: tuple[str, ...] = (),
+) -> None:
     """Type-check the named optional fields of a descriptive object (ints >= 0, strings, lists; null allowed)."""
     for k in ints:
         _int(d.get(k), where, f"{field}.{k}", null=True)
@@ -186,8 +218,13 @@ def check_extra(extra: Any, where: str) -> None:
 def check_model(model: Any, where: str, field: str = "model") -> dict:
     """Validate a model identity object (a manifest's ``model``, a noise file's): an object whose
     known fields have their types (null allowed) and whose every key and string is text; returned as is."""
-    _fields(_object(model, where, field), where, field, ints=("num_layers", "hidden_size"),
-            strs=("name", "architecture", "config_hash", "weights_hash", "weights_format"))
+    _fields(
+        _object(model, where, field),
+        where,
+        field,
+        ints=("num_layers", "hidden_size"),
+        strs=("name", "architecture", "config_hash", "weights_hash", "weights_format"),
+    )
     _check_text(model, where, field)
     return model
 
@@ -197,8 +234,15 @@ def _check_top(raw: dict, where: str) -> None:
     _str(raw["created_at"], where, "created_at")
     check_model(raw["model"], where)
     sig = _object(raw["capture_signature"], where, "capture_signature")
-    _fields(sig, where, "capture_signature", ints=("num_layers", "world_size"), strs=("dtype",),
-            int_lists=("layers",), str_lists=("modules", "points"))
+    _fields(
+        sig,
+        where,
+        "capture_signature",
+        ints=("num_layers", "world_size"),
+        strs=("dtype",),
+        int_lists=("layers",),
+        str_lists=("modules", "points"),
+    )
     for k, v in _object(raw["environment"], where, "environment").items():
         if not isinstance(v, _SCALARS) or type(v) is str and not is_text(v):
             raise bad_field(where, f"environment.{k}", "a string, number, boolean or null", v)
@@ -218,8 +262,13 @@ def _runs_total(runs: Any) -> int:
         if type(run) is not list or len(run) != 2:
             return -1
         start, count = run
-        if type(start) is not int or type(count) is not int or count < 0 or start < _I64_MIN \
-                or start > _I64_MAX - count:
+        if (
+            type(start) is not int
+            or type(count) is not int
+            or count < 0
+            or start < _I64_MIN
+            or start > _I64_MAX - count
+        ):
             return -1
         total += count
     return total
@@ -247,8 +296,14 @@ def _check_record(d: Any, i: int, where: str, files: Mapping[str, int], itemsize
         _keys(where, f"tensors[{i}]", d, _REC_REQUIRED, _REC_ALLOWED)
     get = d.get
     name, key, file, dtype, shape, fp = d["name"], d["key"], d["file"], d["dtype"], d["shape"], d["forward_pass"]
-    rank, call, layer, point, sd, meta = get("rank", 0), get("call", 0), get("layer"), get("point"), \
-        get("shard_dim"), get("meta", {})
+    rank, call, layer, point, sd, meta = (
+        get("rank", 0),
+        get("call", 0),
+        get("layer"),
+        get("point"),
+        get("shard_dim"),
+        get("meta", {}),
+    )
     # names are printed in terminals: no control characters (an ESC sequence would drive the terminal)
     if type(name) is not str or not name or not name.isprintable() or not name.isascii() and not is_text(name):
         raise bad_field(where, f"tensors[{i}].name", "a non-empty string of printable characters", name)
@@ -309,8 +364,10 @@ def check_manifest(raw: dict, where: str, itemsize: Mapping[str, int]) -> None:
         # a sketch's F64 norms beside it; a full hidden state under a sketch spec refused
         need += check_record_sketch(d, spec, i, where, locations, raw["model"].get("hidden_size"))
         if need > files[file]:
-            raise CorruptDumpError(f"{where}: tensors[{i}].shape: {d['dtype']}{d['shape']} needs {need} bytes but "
-                                   f"its file {file} holds {files[file]}")
+            raise CorruptDumpError(
+                f"{where}: tensors[{i}].shape: {d['dtype']}{d['shape']} needs {need} bytes but "
+                f"its file {file} holds {files[file]}"
+            )
         used[file] = used.get(file, 0) + need
         ident, location = (d["name"], d["forward_pass"], d.get("rank", 0), d.get("call", 0)), (file, d["key"])
         if ident in idents or location in locations:
@@ -320,8 +377,9 @@ def check_manifest(raw: dict, where: str, itemsize: Mapping[str, int]) -> None:
         locations.add(location)
     for name, need in used.items():
         if need > files[name]:
-            raise CorruptDumpError(f"{where}: files[{show(name)}]: its tensors need {need} bytes together but "
-                                   f"the file holds {files[name]}")
+            raise CorruptDumpError(
+                f"{where}: files[{show(name)}]: its tensors need {need} bytes together but the file holds {files[name]}"
+            )
 
 
 def _duplicate(tensors: list[dict], i: int, where: str) -> None:
@@ -333,11 +391,11 @@ def _duplicate(tensors: list[dict], i: int, where: str) -> None:
 
     for j, r in enumerate(tensors[:i]):
         if ident(r) == ident(d):
-            raise CorruptDumpError(f"{where}: tensors[{i}]: same (name, forward_pass, rank, call) "
-                                   f"{list(ident(d))} as tensors[{j}]")
+            raise CorruptDumpError(
+                f"{where}: tensors[{i}]: same (name, forward_pass, rank, call) {list(ident(d))} as tensors[{j}]"
+            )
         if (r["file"], r["key"]) == (d["file"], d["key"]):
-            raise CorruptDumpError(f"{where}: tensors[{i}]: same (file, key) {[d['file'], d['key']]} "
-                                   f"as tensors[{j}]")
+            raise CorruptDumpError(f"{where}: tensors[{i}]: same (file, key) {[d['file'], d['key']]} as tensors[{j}]")
 
 
 # -- safetensors headers -----------------------------------------------------------------------
@@ -367,18 +425,27 @@ def _header_entry(key: str, info: Any, where: str, data_size: int, itemsize: Map
     dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
     if type(dtype) is not str or dtype not in itemsize:
         raise bad_field(where, f"header[{show(key)}].dtype", f"one of {sorted(itemsize)}", dtype)
-    if type(shape) is not list or len(shape) > MAX_NDIM or \
-            not all(type(s) is int and 0 <= s <= _I64_MAX for s in shape):
+    if (
+        type(shape) is not list
+        or len(shape) > MAX_NDIM
+        or not all(type(s) is int and 0 <= s <= _I64_MAX for s in shape)
+    ):
         raise bad_field(where, f"header[{show(key)}].shape", "a list of integers >= 0", shape)
-    if type(offsets) is not list or len(offsets) != 2 or not all(type(o) is int for o in offsets) \
-            or not 0 <= offsets[0] <= offsets[1] <= data_size:
-        raise bad_field(where, f"header[{show(key)}].data_offsets",
-                   f"[begin, end] with 0 <= begin <= end <= {data_size}", offsets)
+    if (
+        type(offsets) is not list
+        or len(offsets) != 2
+        or not all(type(o) is int for o in offsets)
+        or not 0 <= offsets[0] <= offsets[1] <= data_size
+    ):
+        raise bad_field(
+            where, f"header[{show(key)}].data_offsets", f"[begin, end] with 0 <= begin <= end <= {data_size}", offsets
+        )
     begin, end = offsets
     need = math.prod(shape) * itemsize[dtype]
     if end - begin != need:
-        raise CorruptDumpError(f"{where}: header[{show(key)}]: data_offsets span {end - begin} bytes but "
-                               f"{dtype}{shape} needs {need}")
+        raise CorruptDumpError(
+            f"{where}: header[{show(key)}]: data_offsets span {end - begin} bytes but {dtype}{shape} needs {need}"
+        )
     return dtype, tuple(shape), begin, end
 
 
@@ -387,8 +454,9 @@ def _check_tiling(entries: Mapping[str, HeaderEntry], where: str, data_size: int
     cursor, prev = 0, None
     for key, (_, _, begin, end) in sorted(entries.items(), key=lambda kv: (kv[1][2], kv[1][3])):
         if begin < cursor:
-            raise CorruptDumpError(f"{where}: tensors {prev!r} and {key!r} overlap (bytes {begin}..{cursor} "
-                                   "of the data section)")
+            raise CorruptDumpError(
+                f"{where}: tensors {prev!r} and {key!r} overlap (bytes {begin}..{cursor} of the data section)"
+            )
         if begin > cursor:
             raise CorruptDumpError(f"{where}: bytes {cursor}..{begin} of the data section belong to no tensor")
         cursor, prev = end, key

@@ -51,8 +51,7 @@ def _env_capture() -> Capture | None:
     base, _ENV_DIR = Path(_ENV_DIR), None
     directory = _free_dump_dir(base, dist_rank_world()[0])
     if directory != base:
-        print(f"driftscope: DRIFTSCOPE_DUMP_DIR={base} already holds a dump; recording to {directory}",
-              file=sys.stderr)
+        print(f"driftscope: DRIFTSCOPE_DUMP_DIR={base} already holds a dump; recording to {directory}", file=sys.stderr)
     cap = Capture(None, directory)
     try:
         cap.__enter__()

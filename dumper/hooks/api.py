@@ -21,10 +21,19 @@ from dumper.hooks.remote import capture_class
 __all__ = ["capture"]
 
 
-def capture(model: nn.Module | Any | None, out_dir: str | Path, *, layers: str | Sequence[int] | None = None,
-            modules: str | None = None, points: str | Sequence[str] | None = None, model_name: str | None = None,
-            shard_bytes: int = 512 << 20, extra: dict[str, Any] | None = None, sketch: int | None = None,
-            sketch_seed: int | None = None) -> Capture:
+def capture(
+    model: nn.Module | Any | None,
+    out_dir: str | Path,
+    *,
+    layers: str | Sequence[int] | None = None,
+    modules: str | None = None,
+    points: str | Sequence[str] | None = None,
+    model_name: str | None = None,
+    shard_bytes: int = 512 << 20,
+    extra: dict[str, Any] | None = None,
+    sketch: int | None = None,
+    sketch_seed: int | None = None,
+) -> Capture:
     """Capture self-attention inputs (and, with ``points``, residual streams) of ``model`` into ``out_dir``.
 
     Args:
@@ -43,5 +52,14 @@ def capture(model: nn.Module | Any | None, out_dir: str | Path, *, layers: str |
     if sketch is None and sketch_seed is not None:
         raise UsageError("capture(sketch_seed=...) needs sketch=K")
     spec = SketchSpec(k=sketch, seed=sketch_seed or 0) if sketch is not None else None
-    return capture_class(out_dir)(model, out_dir, layers=layers, modules=modules, points=points,
-                                  model_name=model_name, shard_bytes=shard_bytes, extra=extra, sketch=spec)
+    return capture_class(out_dir)(
+        model,
+        out_dir,
+        layers=layers,
+        modules=modules,
+        points=points,
+        model_name=model_name,
+        shard_bytes=shard_bytes,
+        extra=extra,
+        sketch=spec,
+    )

@@ -34,8 +34,8 @@ from dumper.format import FORMAT_VERSION, MANIFEST_NAME, Manifest, TensorRecord,
 from dumper.format.dtypes import torch_codes
 from dumper.format.sketch import SketchSpec
 from dumper.format.validate import first_bad_text
-from dumper.hooks.current import Recorder, activate
 from dumper.hooks.checks import checked_extra, checked_record_args, hook_guard
+from dumper.hooks.current import Recorder, activate
 from dumper.hooks.families import FamilyAdapter, resolve_model
 from dumper.hooks.fingerprint import environment_fingerprint
 from dumper.hooks.layers import POINTS, ROUTER, HookTarget, hook_targets
@@ -64,16 +64,33 @@ class Capture:
     joins the parts starts its own records at ``first_pass`` and takes theirs with :meth:`adopt`.
     """
 
-    def __init__(self, model: nn.Module | Any | None, out_dir: str | Path, *, layers: str | Sequence[int] | None = None,
-                 modules: str | None = None, points: str | Sequence[str] | None = None,
-                 model_name: str | None = None, shard_bytes: int = 512 << 20, extra: dict[str, Any] | None = None,
-                 identity: dict[str, Any] | None = None, signature: dict[str, Any] | None = None,
-                 environment: dict[str, Any] | None = None, family: FamilyAdapter | None = None,
-                 hooks: bool = True, part: bool = False, first_pass: int = 0, sketch: SketchSpec | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module | Any | None,
+        out_dir: str | Path,
+        *,
+        layers: str | Sequence[int] | None = None,
+        modules: str | None = None,
+        points: str | Sequence[str] | None = None,
+        model_name: str | None = None,
+        shard_bytes: int = 512 << 20,
+        extra: dict[str, Any] | None = None,
+        identity: dict[str, Any] | None = None,
+        signature: dict[str, Any] | None = None,
+        environment: dict[str, Any] | None = None,
+        family: FamilyAdapter | None = None,
+        hooks: bool = True,
+        part: bool = False,
+        first_pass: int = 0,
+        sketch: SketchSpec | None = None,
+    ) -> None:
         # a torch.compile wrapper: passes start and end at its call, the capture points are its module's
         self._outer = model if isinstance(model, nn.Module) and is_compiled(model) else None
-        self.model, self._family = (model, family) if family is not None else \
-            resolve_model(unwrap_compiled(model) if self._outer is not None else model)
+        self.model, self._family = (
+            (model, family)
+            if family is not None
+            else resolve_model(unwrap_compiled(model) if self._outer is not None else model)
+        )
         self._hooked, self._part = hooks, part
         model = self.model
         # the manifest's model, capture and environment where no nn.Module is hooked (set by dumper.engines.base)
@@ -86,8 +103,11 @@ class Capture:
         if model_name is not None and first_bad_text(model_name, "model_name") is not None:
             raise UsageError(f"capture(model_name={model_name!r}): expected valid Unicode text")
         self._shard_bytes, self._sketcher = shard_bytes, Sketcher(sketch) if sketch is not None else None
-        self._targets, self._num_layers = (hook_targets(model, self._family, layers=layers, modules=modules,
-                                                        points=points) if model is not None else ([], 0))
+        self._targets, self._num_layers = (
+            hook_targets(model, self._family, layers=layers, modules=modules, points=points)
+            if model is not None
+            else ([], 0)
+        )
         self._tap = tap_of(model) if model is not None else None
         self._tapped = self._tap_points() if model is not None else []
         self._model_name = model_name
@@ -108,8 +128,10 @@ class Capture:
             return match_targets(self._tap, self._targets)
         check_router_hookable(self._targets, hooked=self._hooked, compiled=reason)
         if reason is not None:
-            raise UsageError(f"the model runs compiled ({reason}), where module hooks do not run; install "
-                             f"driftscope's tap before it compiles ({self._family.tap_hint()})")
+            raise UsageError(
+                f"the model runs compiled ({reason}), where module hooks do not run; install "
+                f"driftscope's tap before it compiles ({self._family.tap_hint()})"
+            )
         return []
 
     @property
@@ -127,8 +149,10 @@ class Capture:
             raise DumpError(f"{self.out_dir}: cannot create dump directory ({e.strerror})") from None
         stale = [p.name for p in self.out_dir.glob(f"r{self.rank}-p*.safetensors")]
         if stale:
-            raise DumpError(f"{self.out_dir}: holds data files of an unfinished dump ({stale[0]}, ...); "
-                            "delete them or choose another directory")
+            raise DumpError(
+                f"{self.out_dir}: holds data files of an unfinished dump ({stale[0]}, ...); "
+                "delete them or choose another directory"
+            )
         self._writer = ShardWriter(self.out_dir, self.rank, shard_bytes=self._shard_bytes)
         try:
             if self.model is not None and self._hooked:
@@ -136,9 +160,13 @@ class Capture:
                 self._handles.append(top.register_forward_pre_hook(self._on_model_start, with_kwargs=True))
                 self._handles.append(top.register_forward_hook(self._on_model_end, always_call=True))
                 for target in self._targets if self._tap is None else ():
-                    self._handles.append(target.module.register_forward_hook(
-                        functools.partial(self._on_router, target), with_kwargs=True) if target.point == ROUTER
-                        else self._hook(target))
+                    self._handles.append(
+                        target.module.register_forward_hook(
+                            functools.partial(self._on_router, target), with_kwargs=True
+                        )
+                        if target.point == ROUTER
+                        else self._hook(target)
+                    )
         except BaseException:
             self._remove_hooks()
             raise
@@ -171,20 +199,35 @@ class Capture:
         if not complete:  # no manifest; and no directory we made, where nothing was written
             self._remove_made_dir()
             return
-        records = tuple(replace(r, file=writer.locations[(r.forward_pass, r.key)]) for r in self._records) \
-            + tuple(self._adopted[1])
+        records = tuple(replace(r, file=writer.locations[(r.forward_pass, r.key)]) for r in self._records) + tuple(
+            self._adopted[1]
+        )
         files = {**writer.files, **self._adopted[0]}
         shared = self._family.shared_rows()
         if shared and records:  # the rows prefix-cache hits reused, as one extra pass of the hits' own
-            found, found_files = write_shared_rows(self.out_dir, records, shared, rank=self.rank,
-                                                   forward_pass=self._pass_count, shard_bytes=self._shard_bytes)
+            found, found_files = write_shared_rows(
+                self.out_dir,
+                records,
+                shared,
+                rank=self.rank,
+                forward_pass=self._pass_count,
+                shard_bytes=self._shard_bytes,
+            )
             self._pass_count += bool(found)
             records += found
             files.update(found_files)
         if self._part:
-            write_part(self.out_dir, self.rank, files, records, world_size=self.world_size,
-                       signature=self._signature_of(), identity=self._family.identity(self._model_name),
-                       environment=self._environment_of(), extra=self.extra)
+            write_part(
+                self.out_dir,
+                self.rank,
+                files,
+                records,
+                world_size=self.world_size,
+                signature=self._signature_of(),
+                identity=self._family.identity(self._model_name),
+                environment=self._environment_of(),
+                extra=self.extra,
+            )
         elif self.world_size > 1:
             if not self._join_ranks(files, records):
                 self._refuse_empty()
@@ -200,9 +243,11 @@ class Capture:
         """An exit that recorded nothing writes no manifest: leave no dump (and no directory we made)."""
         self._remove_made_dir()
         hooked = ", ".join(t.name for t in self._targets[:4]) + (" ..." if len(self._targets) > 4 else "")
-        raise DumpError(f"{self.out_dir}: the capture recorded no tensors "
-                        f"({'hooked ' + hooked + ' never ran' if hooked else 'no module hooked'} "
-                        "and nothing called dumper.dump()); no dump was written")
+        raise DumpError(
+            f"{self.out_dir}: the capture recorded no tensors "
+            f"({'hooked ' + hooked + ' never ran' if hooked else 'no module hooked'} "
+            "and nothing called dumper.dump()); no dump was written"
+        )
 
     def _remove_made_dir(self) -> None:
         if self._made_dir and self.rank == 0:
@@ -215,14 +260,25 @@ class Capture:
         self._adopted[1].extend(records)
 
     def _signature_of(self) -> dict[str, Any]:
-        dtype = next((str(p.dtype).replace("torch.", "") for p in self.model.parameters()), None) \
-            if self.model is not None else None
+        dtype = (
+            next((str(p.dtype).replace("torch.", "") for p in self.model.parameters()), None)
+            if self.model is not None
+            else None
+        )
         return {  # layers: decoder layers (the final norm's residual, at layer num_layers, is not one)
             "layers": sorted({t.layer for t in self._targets if t.layer is not None and t.layer < self._num_layers}),
             "modules": [t.name for t in self._targets if t.point != ROUTER],
-            "points": [p for p in POINTS if any(t.point == p for t in self._targets)  # and what an engine routed:
-                       or p == ROUTER and any(r.point == ROUTER for r in self._records)],
-            "num_layers": self._num_layers, "world_size": self.world_size, "dtype": dtype, **(self._signature or {}),
+            "points": [
+                p
+                for p in POINTS
+                if any(t.point == p for t in self._targets)  # and what an engine routed:
+                or p == ROUTER
+                and any(r.point == ROUTER for r in self._records)
+            ],
+            "num_layers": self._num_layers,
+            "world_size": self.world_size,
+            "dtype": dtype,
+            **(self._signature or {}),
             **({"sketch": self._sketcher.spec.to_json()} if self._sketcher is not None else {}),
         }
 
@@ -233,10 +289,19 @@ class Capture:
 
     def _write_manifest(self, files: dict[str, int], records: tuple[TensorRecord, ...]) -> None:
         model = self._identity if self._identity is not None else self._family.identity(self._model_name)
-        write_manifest(self.out_dir, Manifest(
-            format_version=FORMAT_VERSION, created_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            model=model, capture_signature=self._signature_of(), environment=self._environment_of(),
-            files=dict(sorted(files.items())), tensors=records, extra=self.extra))
+        write_manifest(
+            self.out_dir,
+            Manifest(
+                format_version=FORMAT_VERSION,
+                created_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+                model=model,
+                capture_signature=self._signature_of(),
+                environment=self._environment_of(),
+                files=dict(sorted(files.items())),
+                tensors=records,
+                extra=self.extra,
+            ),
+        )
 
     # -- forward passes --------------------------------------------------------------------
     def step(self) -> None:
@@ -324,11 +389,23 @@ class Capture:
     @hook_guard
     def _on_router(self, target: HookTarget, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         """A router's forward hook: record what ``target.read`` reads of its call; returns None (reads only)."""
-        self.record_router(target.name, target.layer, target.read(args, kwargs, output), scores_meta=router_meta(module))  # type: ignore[misc]
+        self.record_router(
+            target.name, target.layer, target.read(args, kwargs, output), scores_meta=router_meta(module)
+        )  # type: ignore[misc]
 
     # -- recording -------------------------------------------------------------------------
-    def record(self, name: str, tensor: torch.Tensor, *, layer: int | None = None, point: str | None = None,
-               positions: Any = None, sequence_ids: Any = None, shard_dim: int | None = None, **meta: Any) -> None:
+    def record(
+        self,
+        name: str,
+        tensor: torch.Tensor,
+        *,
+        layer: int | None = None,
+        point: str | None = None,
+        positions: Any = None,
+        sequence_ids: Any = None,
+        shard_dim: int | None = None,
+        **meta: Any,
+    ) -> None:
         """Record one tensor into the current forward pass (starting one if needed).
 
         Without explicit ``positions`` / ``sequence_ids``, a tensor shaped ``[*rows, hidden]`` by
@@ -348,27 +425,54 @@ class Capture:
         if positions is None and sequence_ids is None and ctx is not None and shape[:-1] == ctx.shape:
             if ctx.empty:
                 return
-            positions, sequence_ids, tensor, owned = ctx.positions, ctx.sequence_ids, ctx.select(tensor), ctx.keep is not None
+            positions, sequence_ids, tensor, owned = (
+                ctx.positions,
+                ctx.sequence_ids,
+                ctx.select(tensor),
+                ctx.keep is not None,
+            )
             shape = tuple(int(s) for s in tensor.shape)
         rows = math.prod(shape[:-1]) if len(shape) > 1 else 1
         forward_pass = self._cur_pass if self._cur_pass is not None else self._start_pass()
         call = self._calls.get(name, 0)
         self._calls[name] = call + 1
         key = name if call == 0 else f"{name}#{call}"
-        tensor, companions, sketched = sketch_for_record(self._sketcher, tensor, key, point=point, shard_dim=shard_dim,
-                                                         code=_STORAGE_CODES[tensor.dtype])
+        tensor, companions, sketched = sketch_for_record(
+            self._sketcher, tensor, key, point=point, shard_dim=shard_dim, code=_STORAGE_CODES[tensor.dtype]
+        )
         self._writer.put(forward_pass, key, tensor, companions=companions, owned=owned or sketched is not None)
-        self._records.append(TensorRecord(
-            name=name, file="", key=key, shape=tuple(int(s) for s in tensor.shape), dtype=_STORAGE_CODES[tensor.dtype],
-            forward_pass=forward_pass, rank=self.rank, call=call, layer=layer, point=point,
-            positions=as_runs(positions, rows, "positions"), sequence_ids=as_runs(sequence_ids, rows, "sequence_ids"),
-            shard_dim=shard_dim, meta=meta, sketch=sketched))
+        self._records.append(
+            TensorRecord(
+                name=name,
+                file="",
+                key=key,
+                shape=tuple(int(s) for s in tensor.shape),
+                dtype=_STORAGE_CODES[tensor.dtype],
+                forward_pass=forward_pass,
+                rank=self.rank,
+                call=call,
+                layer=layer,
+                point=point,
+                positions=as_runs(positions, rows, "positions"),
+                sequence_ids=as_runs(sequence_ids, rows, "sequence_ids"),
+                shard_dim=shard_dim,
+                meta=meta,
+                sketch=sketched,
+            )
+        )
 
-    def record_router(self, prefix: str, layer: int, parts: dict[str, torch.Tensor], *, positions: Any = None,
-                      sequence_ids: Any = None, scores_meta: dict[str, int] | None = None) -> None:
+    def record_router(
+        self,
+        prefix: str,
+        layer: int,
+        parts: dict[str, torch.Tensor],
+        *,
+        positions: Any = None,
+        sequence_ids: Any = None,
+        scores_meta: dict[str, int] | None = None,
+    ) -> None:
         """Record MoE layer ``layer``'s routing ``parts`` as ``{prefix}.router.*`` (``routing.router_records``; ``scores_meta``:
         ``routing.router_meta``), rows labelled by ``positions`` and ``sequence_ids``, else as :meth:`record` does."""
         shape = self._rows.shape if self._rows is not None and positions is None else None
         for name, point, tensor, meta in router_records(prefix, parts, shape, scores_meta):
             self.record(name, tensor, layer=layer, point=point, positions=positions, sequence_ids=sequence_ids, **meta)
-

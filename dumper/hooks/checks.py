@@ -8,10 +8,10 @@ writes a dump its own reader would refuse.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import operator
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -36,8 +36,9 @@ def checked_extra(extra: dict[str, Any] | None) -> dict[str, Any]:
     return out
 
 
-def checked_record_args(name: Any, shape: tuple[int, ...], layer: Any, point: Any, shard_dim: Any,
-                  meta: dict[str, Any]) -> tuple[int | None, int | None, dict[str, Any]]:
+def checked_record_args(
+    name: Any, shape: tuple[int, ...], layer: Any, point: Any, shard_dim: Any, meta: dict[str, Any]
+) -> tuple[int | None, int | None, dict[str, Any]]:
     """Validate what :meth:`Capture.record` stores beside the data; return (layer, shard_dim, meta) as stored.
 
     Refused here, in the caller's frame, is everything the reader would refuse in the manifest
@@ -49,8 +50,10 @@ def checked_record_args(name: Any, shape: tuple[int, ...], layer: Any, point: An
     if type(name) is not str or not name or not name.isprintable() or first_bad_text(name, "name") is not None:
         raise UsageError(f"dump({name!r}): the name must be a non-empty string of printable, valid Unicode")
     if len(shape) > 1 and shape[-1] == 0 and math.prod(shape[:-1]) > 0:
-        raise UsageError(f"dump({name!r}): shape {list(shape)} has rows but a last dim of 0; a dump cannot "
-                         "hold such a zero-width tensor (skip it: it holds no values)")
+        raise UsageError(
+            f"dump({name!r}): shape {list(shape)} has rows but a last dim of 0; a dump cannot "
+            "hold such a zero-width tensor (skip it: it holds no values)"
+        )
     layer, shard_dim = as_index(name, "layer", layer), as_index(name, "shard_dim", shard_dim)
     if point is not None and (type(point) is not str or first_bad_text(point, "point") is not None):
         raise UsageError(f"dump({name!r}): point must be a string or None, got {point!r}")
@@ -61,10 +64,16 @@ def checked_record_args(name: Any, shape: tuple[int, ...], layer: Any, point: An
     stored: dict[str, Any] = {}
     for k, v in meta.items():
         v = v if isinstance(v, (str, int, float, bool, type(None))) else str(v)
-        if isinstance(v, float) and not math.isfinite(v) or isinstance(v, str) and first_bad_text(v, k) is not None \
-                or first_bad_text(k, k) is not None:
-            raise UsageError(f"dump({name!r}): meta {k!r}={v!r} cannot be stored (JSON needs finite numbers "
-                             "and valid Unicode text)")
+        if (
+            isinstance(v, float)
+            and not math.isfinite(v)
+            or isinstance(v, str)
+            and first_bad_text(v, k) is not None
+            or first_bad_text(k, k) is not None
+        ):
+            raise UsageError(
+                f"dump({name!r}): meta {k!r}={v!r} cannot be stored (JSON needs finite numbers and valid Unicode text)"
+            )
         stored[k] = v
     return layer, shard_dim, stored
 
@@ -87,6 +96,7 @@ def as_index(name: str, what: str, v: Any) -> int | None:
 def hook_guard(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Run a hook; anything it raises that is not a :class:`DriftscopeError` is a driftscope bug (InternalError),
     so that the run's boundary does not call it "the model's forward failed" (exit 3, not 2)."""
+
     @functools.wraps(fn)
     def guarded(*args: Any, **kwargs: Any) -> Any:
         try:

@@ -133,8 +133,9 @@ class FamilyAdapter:
 
         The default knows no router: the family cannot capture the point.
         """
-        raise UsageError(f"capture point 'router': the {self.name} model family does not say where a layer's "
-                         "MoE router is")
+        raise UsageError(
+            f"capture point 'router': the {self.name} model family does not say where a layer's MoE router is"
+        )
 
     def pass_rows(self, args: tuple, kwargs: dict) -> PassRows | None:
         """Row metadata of a top-level forward pass from its inputs (``None``: rows stay unlabelled)."""
@@ -263,8 +264,10 @@ class HFFamily(FamilyAdapter):
         """The known transformers routers in ``layer`` (:mod:`dumper.hooks.routing`); a model with none is refused."""
         found = [RouterHook(module, read) for module, read in find_routers(layer)]
         if not found and self.model is not None and not has_router(self.model):
-            raise UsageError(f"capture point 'router': {type(self.model).__name__} has no MoE router driftscope "
-                             f"reads (known: {known_families()})")
+            raise UsageError(
+                f"capture point 'router': {type(self.model).__name__} has no MoE router driftscope "
+                f"reads (known: {known_families()})"
+            )
         return found
 
     def pass_rows(self, args: tuple, kwargs: dict) -> HFRows | None:
@@ -296,21 +299,28 @@ class HFFamily(FamilyAdapter):
             return np.asarray(self._explicit, dtype=np.int64)
         first, _, has = rows.bounds()
         prev, last = self._prev_ids, self._prev_last
-        if prev is not None and last is not None and len(prev) == batch and has.any() \
-                and bool(np.all(~has | (first == last + 1))):
+        if (
+            prev is not None
+            and last is not None
+            and len(prev) == batch
+            and has.any()
+            and bool(np.all(~has | (first == last + 1)))
+        ):
             return prev
         out = np.arange(self._next, self._next + batch, dtype=np.int64)
         self._next += batch
         return out
 
     def module_rows(self, rows: PassRows | None, kwargs: dict) -> PassRows | None:
-        return rows.with_position_ids(kwargs.get(self.module_position_kwarg)) if isinstance(rows, HFRows) \
-            else rows
+        return rows.with_position_ids(kwargs.get(self.module_position_kwarg)) if isinstance(rows, HFRows) else rows
 
     def end_pass(self, rows: PassRows | None) -> None:
         if not isinstance(rows, HFRows) or rows.row_ids is None:
             return
         _, last, has = rows.bounds()
-        before = self._prev_last if self._prev_ids is not None and np.array_equal(self._prev_ids, rows.row_ids) \
+        before = (
+            self._prev_last
+            if self._prev_ids is not None and np.array_equal(self._prev_ids, rows.row_ids)
             else np.full(len(last), -1, dtype=np.int64)
+        )
         self._prev_ids, self._prev_last = rows.row_ids, np.where(has, last, before)

@@ -19,8 +19,9 @@ from dumper.version import __version__ as VERSION
 __all__ = ["environment_fingerprint", "model_identity", "config_identity", "config_hash", "weights_hash", "VERSION"]
 
 
-
-def environment_fingerprint(device: torch.device | str | None = None, attn_implementation: str | None = None) -> dict[str, Any]:
+def environment_fingerprint(
+    device: torch.device | str | None = None, attn_implementation: str | None = None
+) -> dict[str, Any]:
     """Software and hardware facts that change numerics (torch, CUDA/cuDNN, device name, ...)."""
     dev = torch.device(device) if device is not None else torch.device("cpu")
     env: dict[str, Any] = {
@@ -55,8 +56,16 @@ def config_hash(config: Any) -> str | None:
     if config is None:
         return None
     d = config.to_dict() if hasattr(config, "to_dict") else dict(config)
-    for k in ("_name_or_path", "transformers_version", "_attn_implementation", "attn_implementation",
-              "torch_dtype", "dtype", "_commit_hash", "architectures"):
+    for k in (
+        "_name_or_path",
+        "transformers_version",
+        "_attn_implementation",
+        "attn_implementation",
+        "torch_dtype",
+        "dtype",
+        "_commit_hash",
+        "architectures",
+    ):
         d.pop(k, None)
     blob = json.dumps(d, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
@@ -108,9 +117,12 @@ def model_identity(model: torch.nn.Module | None, name: str | None = None) -> di
     if model is None:
         return {"name": name, "config_hash": None, "weights_hash": None}
     config = getattr(model, "config", None)
-    return {**config_identity(config, name or getattr(config, "_name_or_path", None) or type(model).__name__,
-                              type(model).__name__),
-            "weights_hash": weights_hash(model)}
+    return {
+        **config_identity(
+            config, name or getattr(config, "_name_or_path", None) or type(model).__name__, type(model).__name__
+        ),
+        "weights_hash": weights_hash(model),
+    }
 
 
 def config_identity(config: Any, name: str | None, architecture: str | None) -> dict[str, Any]:

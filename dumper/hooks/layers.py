@@ -18,12 +18,37 @@ from torch import nn
 
 from dumper.errors import UsageError
 from dumper.format.manifest import ROUTER_POINT
-from dumper.format.points import (ATTN_OUTPUT, INPUT, MLP_INPUT, MLP_OUTPUT, OUTPUT_POINTS, RESIDUAL,
-                                  SUBLAYER_POINTS, record_name)
+from dumper.format.points import (
+    ATTN_OUTPUT,
+    INPUT,
+    MLP_INPUT,
+    MLP_OUTPUT,
+    OUTPUT_POINTS,
+    RESIDUAL,
+    SUBLAYER_POINTS,
+    record_name,
+)
 
-__all__ = ["DEFAULT_LAYERS", "HookTarget", "parse_layer_spec", "find_decoder_layers", "find_targets",
-           "ATTN_INPUT", "RESIDUAL", "ATTN_OUTPUT", "MLP_INPUT", "MLP_OUTPUT", "ROUTER", "POINTS", "parse_points",
-           "find_residual_targets", "find_sublayer_targets", "find_router_targets", "hook_targets", "named_child"]
+__all__ = [
+    "DEFAULT_LAYERS",
+    "HookTarget",
+    "parse_layer_spec",
+    "find_decoder_layers",
+    "find_targets",
+    "ATTN_INPUT",
+    "RESIDUAL",
+    "ATTN_OUTPUT",
+    "MLP_INPUT",
+    "MLP_OUTPUT",
+    "ROUTER",
+    "POINTS",
+    "parse_points",
+    "find_residual_targets",
+    "find_sublayer_targets",
+    "find_router_targets",
+    "hook_targets",
+    "named_child",
+]
 
 DEFAULT_LAYERS = "first,last,every:8"
 """The seed's choice: first and last layer plus every 8th."""
@@ -77,9 +102,7 @@ def parse_layer_spec(spec: str | Sequence[int] | None, num_layers: int) -> list[
         raise UsageError("the model has no decoder layers to select from")
     if spec is None:
         spec = DEFAULT_LAYERS
-    tokens: list[str | int] = (
-        [t.strip() for t in spec.split(",") if t.strip()] if isinstance(spec, str) else list(spec)
-    )
+    tokens: list[str | int] = [t.strip() for t in spec.split(",") if t.strip()] if isinstance(spec, str) else list(spec)
     if not tokens:
         raise UsageError(f"empty layer spec {spec!r}")
     out: set[int] = set()
@@ -97,8 +120,10 @@ def _spec_token(tok: str | int, num_layers: int, spec: object) -> range | list[i
             raise UsageError(f"{where}: {tok!r} is not all, first, last, every:N, an integer or A..B")
         i = int(v) + num_layers if int(v) < 0 else int(v)
         if not 0 <= i < num_layers:
-            raise UsageError(f"{where}: layer {v} is out of range for a model with {num_layers} layers "
-                             f"(0..{num_layers - 1}, or -{num_layers}..-1 from the end)")
+            raise UsageError(
+                f"{where}: layer {v} is out of range for a model with {num_layers} layers "
+                f"(0..{num_layers - 1}, or -{num_layers}..-1 from the end)"
+            )
         return i
 
     if isinstance(tok, int) or _INT.fullmatch(tok):
@@ -106,7 +131,7 @@ def _spec_token(tok: str | int, num_layers: int, spec: object) -> range | list[i
     if tok in ("all", "first", "last"):
         return {"all": range(num_layers), "first": [0], "last": [num_layers - 1]}[tok]
     if tok.startswith("every:"):
-        n = tok[len("every:"):]
+        n = tok[len("every:") :]
         if not _INT.fullmatch(n) or int(n) <= 0:
             raise UsageError(f"{where}: every:N needs a positive integer N, got {tok!r}")
         return range(0, num_layers, int(n))
@@ -114,8 +139,9 @@ def _spec_token(tok: str | int, num_layers: int, spec: object) -> range | list[i
         a, _, b = tok.partition("..")
         lo, hi = index(a), index(b)
         if lo > hi:
-            raise UsageError(f"{where}: range {tok!r} is empty (layer {lo} comes after layer {hi}); "
-                             f"write it as {b}..{a}")
+            raise UsageError(
+                f"{where}: range {tok!r} is empty (layer {lo} comes after layer {hi}); write it as {b}..{a}"
+            )
         return range(lo, hi + 1)
     return [index(tok)]  # raises: not a spec
 
@@ -141,8 +167,9 @@ def find_decoder_layers(model: nn.Module, attention_names: Sequence[str]) -> tup
     for name, mod in model.named_modules():
         if isinstance(mod, nn.ModuleList) and len(mod) > 0:
             real = [not isinstance(layer, nn.Identity) for layer in mod]  # Identity: a layer on another stage
-            if any(real) and all(named_child(layer, attention_names) is not None
-                                 for layer, here in zip(mod, real, strict=True) if here):
+            if any(real) and all(
+                named_child(layer, attention_names) is not None for layer, here in zip(mod, real, strict=True) if here
+            ):
                 if best is None or len(mod) > len(best[1]):
                     best = (name, mod)
     if best is None:
@@ -160,7 +187,7 @@ def _layer_of(model: nn.Module, name: str) -> int | None:
         parent = model.get_submodule(".".join(parts[: cut - 1])) if cut > 1 else model
         container = getattr(parent, parts[cut - 1], None)
         if isinstance(container, nn.ModuleList):
-            item = model.get_submodule(".".join(parts[:cut + 1]))
+            item = model.get_submodule(".".join(parts[: cut + 1]))
             for i, child in enumerate(container):
                 if child is item:
                     return i
@@ -175,8 +202,13 @@ def _decoder_layer_count(model: nn.Module, attention_names: Sequence[str]) -> in
         return 0
 
 
-def find_targets(model: nn.Module, *, layers: str | Sequence[int] | None = None, modules: str | None = None,
-                 attention_names: Sequence[str]) -> tuple[list[HookTarget], int]:
+def find_targets(
+    model: nn.Module,
+    *,
+    layers: str | Sequence[int] | None = None,
+    modules: str | None = None,
+    attention_names: Sequence[str],
+) -> tuple[list[HookTarget], int]:
     """The self-attention modules to hook and the model's number of decoder layers.
 
     With ``modules`` (an fnmatch pattern over ``named_modules()`` names, comma-separated for
@@ -196,8 +228,10 @@ def find_targets(model: nn.Module, *, layers: str | Sequence[int] | None = None,
         keep = set(parse_layer_spec(layers, num_layers))
         kept = [t for t in found if t.layer is None or t.layer in keep]
         if not kept:
-            raise UsageError(f"module pattern {modules!r} matches modules only in layers "
-                             f"{sorted({t.layer for t in found})}, none of layer spec {layers!r} {sorted(keep)}")
+            raise UsageError(
+                f"module pattern {modules!r} matches modules only in layers "
+                f"{sorted({t.layer for t in found})}, none of layer spec {layers!r} {sorted(keep)}"
+            )
         return kept, num_layers
     list_name, layer_list = find_decoder_layers(model, attention_names)
     keep = parse_layer_spec(layers, len(layer_list))
@@ -219,14 +253,20 @@ def parse_points(points: str | Sequence[str] | None) -> tuple[str, ...]:
     names = [p.strip() for p in points.split(",")] if isinstance(points, str) else list(points)
     bad = [p for p in names if p not in POINTS]
     if bad or not names:
-        raise UsageError(f"capture points {points!r}: {'unknown ' + repr(bad[0]) if bad else 'none given'}; "
-                         f"choose from {', '.join(POINTS)} (comma-separated)")
+        raise UsageError(
+            f"capture points {points!r}: {'unknown ' + repr(bad[0]) if bad else 'none given'}; "
+            f"choose from {', '.join(POINTS)} (comma-separated)"
+        )
     return tuple(p for p in POINTS if p in names)
 
 
-def find_residual_targets(model: nn.Module, *, layers: str | Sequence[int] | None = None,
-                          attention_names: Sequence[str], norm_names: Sequence[str]
-                          ) -> tuple[list[HookTarget], int]:
+def find_residual_targets(
+    model: nn.Module,
+    *,
+    layers: str | Sequence[int] | None = None,
+    attention_names: Sequence[str],
+    norm_names: Sequence[str],
+) -> tuple[list[HookTarget], int]:
     """The decoder layers whose residual input to record, and the model's number of decoder layers.
 
     One target per selected layer (``model.layers.{i}``, layer ``i``), plus, when the last
@@ -250,8 +290,9 @@ def find_residual_targets(model: nn.Module, *, layers: str | Sequence[int] | Non
     return targets, len(layer_list)
 
 
-def find_sublayer_targets(model: nn.Module, family: _Family, point: str, *, layers: str | Sequence[int] | None = None
-                          ) -> tuple[list[HookTarget], int]:
+def find_sublayer_targets(
+    model: nn.Module, family: _Family, point: str, *, layers: str | Sequence[int] | None = None
+) -> tuple[list[HookTarget], int]:
     """The modules of the selected decoder layers that ``point`` (one of :data:`SUBLAYER_POINTS`) reads: the
     attention child (``attn_output``) or the MLP child, dense or MoE (``mlp_input``, ``mlp_output``), named by
     ``family.attention_names`` and ``family.mlp_names``. A layer without such a child is refused, naming it."""
@@ -262,14 +303,17 @@ def find_sublayer_targets(model: nn.Module, family: _Family, point: str, *, laye
     for i in (i for i in parse_layer_spec(layers, len(layer_list)) if not isinstance(layer_list[i], nn.Identity)):
         child = named_child(layer_list[i], names)
         if child is None:
-            raise UsageError(f"capture point {point!r}: layer {i} of {type(model).__name__} has none of the children "
-                             f"{', '.join(names)} ({family.name} model family); drop the point")
+            raise UsageError(
+                f"capture point {point!r}: layer {i} of {type(model).__name__} has none of the children "
+                f"{', '.join(names)} ({family.name} model family); drop the point"
+            )
         targets.append(HookTarget(f"{prefix}{i}.{child[0]}", child[1], i, point))
     return targets, len(layer_list)
 
 
-def find_router_targets(model: nn.Module, family: _Family, *, layers: str | Sequence[int] | None = None
-                        ) -> tuple[list[HookTarget], int]:
+def find_router_targets(
+    model: nn.Module, family: _Family, *, layers: str | Sequence[int] | None = None
+) -> tuple[list[HookTarget], int]:
     """The MoE routers of the selected decoder layers (``family.router_hooks``), and the model's number of layers.
 
     One target per router, named as its layer (``model.layers.{i}``); dense layers have none. A
@@ -278,13 +322,18 @@ def find_router_targets(model: nn.Module, family: _Family, *, layers: str | Sequ
     list_name, layer_list = find_decoder_layers(model, family.attention_names)
     keep = parse_layer_spec(layers, len(layer_list))
     prefix = f"{list_name}." if list_name else ""
-    targets = [HookTarget(f"{prefix}{i}", hook.module, i, ROUTER, hook.read)
-               for i in keep if not isinstance(layer_list[i], nn.Identity)
-               for hook in family.router_hooks(layer_list[i], i)]
+    targets = [
+        HookTarget(f"{prefix}{i}", hook.module, i, ROUTER, hook.read)
+        for i in keep
+        if not isinstance(layer_list[i], nn.Identity)
+        for hook in family.router_hooks(layer_list[i], i)
+    ]
     if not targets:
         shown = f"{keep[0]}..{keep[-1]}" if keep == list(range(keep[0], keep[-1] + 1)) and len(keep) > 2 else keep
-        raise UsageError(f"capture point {ROUTER!r}: {type(model).__name__} has no MoE layer among layers {shown}; "
-                         "select layers with a router, or drop the point")
+        raise UsageError(
+            f"capture point {ROUTER!r}: {type(model).__name__} has no MoE layer among layers {shown}; "
+            "select layers with a router, or drop the point"
+        )
     return targets, len(layer_list)
 
 
@@ -300,9 +349,14 @@ class _Family(Protocol):
     def router_hooks(self, layer: nn.Module, index: int) -> Sequence[Any]: ...
 
 
-def hook_targets(model: nn.Module, family: _Family, *, layers: str | Sequence[int] | None = None,
-                 modules: str | None = None, points: str | Sequence[str] | None = None
-                 ) -> tuple[list[HookTarget], int]:
+def hook_targets(
+    model: nn.Module,
+    family: _Family,
+    *,
+    layers: str | Sequence[int] | None = None,
+    modules: str | None = None,
+    points: str | Sequence[str] | None = None,
+) -> tuple[list[HookTarget], int]:
     """Every module :class:`dumper.hooks.capture.Capture` hooks for ``points`` (:func:`parse_points`), and the layer count.
 
     ``input`` hooks :func:`find_targets` (``modules`` chooses them); ``residual`` hooks
@@ -314,16 +368,23 @@ def hook_targets(model: nn.Module, family: _Family, *, layers: str | Sequence[in
     targets: list[HookTarget] = []
     num_layers = 0
     if ATTN_INPUT in chosen:
-        targets, num_layers = find_targets(model, layers=layers, modules=modules, attention_names=family.attention_names)
+        targets, num_layers = find_targets(
+            model, layers=layers, modules=modules, attention_names=family.attention_names
+        )
     elif modules:
-        raise UsageError(f"modules {modules!r} choose what the {ATTN_INPUT!r} point hooks; add {ATTN_INPUT!r} "
-                         "to the capture points or drop modules")
+        raise UsageError(
+            f"modules {modules!r} choose what the {ATTN_INPUT!r} point hooks; add {ATTN_INPUT!r} "
+            "to the capture points or drop modules"
+        )
     if RESIDUAL in chosen:
         if not family.residual:
-            raise UsageError(f"capture point {RESIDUAL!r}: the {family.name} model family does not say where a "
-                             f"decoder layer's residual stream is; capture the {ATTN_INPUT!r} point instead")
-        found, num_layers = find_residual_targets(model, layers=layers, attention_names=family.attention_names,
-                                                  norm_names=family.norm_names)
+            raise UsageError(
+                f"capture point {RESIDUAL!r}: the {family.name} model family does not say where a "
+                f"decoder layer's residual stream is; capture the {ATTN_INPUT!r} point instead"
+            )
+        found, num_layers = find_residual_targets(
+            model, layers=layers, attention_names=family.attention_names, norm_names=family.norm_names
+        )
         targets += found
     for point in (p for p in SUBLAYER_POINTS if p in chosen):
         found, num_layers = find_sublayer_targets(model, family, point, layers=layers)

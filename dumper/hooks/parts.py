@@ -22,8 +22,18 @@ import torch
 from dumper.format import TensorRecord, write_json_atomic
 from dumper.format.remote import read_small
 
-__all__ = ["dist_rank_world", "part_path", "write_part", "read_part", "parse_part", "read_parts",
-           "read_url_part", "join_under_barrier", "part_name", "PART_INFO_KEYS"]
+__all__ = [
+    "dist_rank_world",
+    "part_path",
+    "write_part",
+    "read_part",
+    "parse_part",
+    "read_parts",
+    "read_url_part",
+    "join_under_barrier",
+    "part_name",
+    "PART_INFO_KEYS",
+]
 
 PART_INFO_KEYS = ("world_size", "signature", "identity", "environment", "extra")
 """What a part may say about its rank beside its files and tensors (a worker's model, engine and capture)."""
@@ -50,8 +60,7 @@ def part_path(directory: Path, rank: int) -> Path:
     return directory / part_name(rank)
 
 
-def write_part(directory: Path, rank: int, files: dict[str, int], records: Sequence[TensorRecord],
-               **info: Any) -> Path:
+def write_part(directory: Path, rank: int, files: dict[str, int], records: Sequence[TensorRecord], **info: Any) -> Path:
     """Write rank ``rank``'s part atomically (its data files must already be in place)."""
     unknown = sorted(set(info) - set(PART_INFO_KEYS))
     if unknown:
@@ -90,8 +99,14 @@ def read_parts(directory: Path, world_size: int) -> tuple[dict[str, int], tuple[
     return files, tuple(records)
 
 
-def join_under_barrier(directory: Path, rank: int, world_size: int, files: dict[str, int],
-                       records: Sequence[TensorRecord], write_manifest: Any) -> bool:
+def join_under_barrier(
+    directory: Path,
+    rank: int,
+    world_size: int,
+    files: dict[str, int],
+    records: Sequence[TensorRecord],
+    write_manifest: Any,
+) -> bool:
     """Write this rank's part, wait for every rank's, and let rank 0 write the manifest of all.
 
     Every rank reads every part, so that every rank sees an empty run alike; returns whether

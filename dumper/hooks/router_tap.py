@@ -33,12 +33,24 @@ _MISMATCH = -1
 
 
 @torch.library.custom_op("driftscope::router_tap", mutates_args=("logits_sink", "ids_sink", "weights_sink", "count"))
-def _router_tap_op(logits: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, logits_sink: torch.Tensor,
-                   ids_sink: torch.Tensor, weights_sink: torch.Tensor, count: torch.Tensor) -> None:
+def _router_tap_op(
+    logits: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    logits_sink: torch.Tensor,
+    ids_sink: torch.Tensor,
+    weights_sink: torch.Tensor,
+    count: torch.Tensor,
+) -> None:
     """Copy one MoE layer's routing of a pass into its sinks and the row count into ``count`` (-1: it does not fit)."""
     rows, k = int(logits.shape[0]) if logits.dim() == 2 else -1, int(ids_sink.shape[-1])
-    if (rows < 0 or logits.shape[-1] != logits_sink.shape[-1] or logits.dtype != logits_sink.dtype
-            or tuple(ids.shape) != (rows, k) or tuple(weights.shape) != (rows, k)):
+    if (
+        rows < 0
+        or logits.shape[-1] != logits_sink.shape[-1]
+        or logits.dtype != logits_sink.dtype
+        or tuple(ids.shape) != (rows, k)
+        or tuple(weights.shape) != (rows, k)
+    ):
         count.fill_(_MISMATCH)
         return
     n = min(rows, int(logits_sink.shape[0]))
@@ -49,8 +61,15 @@ def _router_tap_op(logits: torch.Tensor, ids: torch.Tensor, weights: torch.Tenso
 
 
 @_router_tap_op.register_fake
-def _router_tap_fake(logits: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, logits_sink: torch.Tensor,
-                     ids_sink: torch.Tensor, weights_sink: torch.Tensor, count: torch.Tensor) -> None:
+def _router_tap_fake(
+    logits: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    logits_sink: torch.Tensor,
+    ids_sink: torch.Tensor,
+    weights_sink: torch.Tensor,
+    count: torch.Tensor,
+) -> None:
     return None
 
 
@@ -62,8 +81,15 @@ class RouterProbe(nn.Module):
     lifts them as the model's state.
     """
 
-    def __init__(self, experts: int, top_k: int, *, capacity: int, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        experts: int,
+        top_k: int,
+        *,
+        capacity: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
         super().__init__()
         self.experts, self.top_k, self.capacity = experts, top_k, capacity
         self.register_buffer("logits_sink", torch.zeros(capacity, experts, dtype=dtype, device=device), False)
@@ -72,8 +98,9 @@ class RouterProbe(nn.Module):
         self.register_buffer("count", torch.zeros(1, dtype=torch.int64, device=device), False)
 
     def forward(self, logits: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> None:
-        torch.ops.driftscope.router_tap(logits, ids, weights, self.logits_sink, self.ids_sink, self.weights_sink,
-                                        self.count)
+        torch.ops.driftscope.router_tap(
+            logits, ids, weights, self.logits_sink, self.ids_sink, self.weights_sink, self.count
+        )
 
 
 @dataclass(frozen=True)
@@ -112,8 +139,9 @@ class RouterTap:
         for e in self.probes:
             e.probe.count.zero_()
 
-    def parts(self, tokens: int | None = None, only: set[str] | None = None
-              ) -> list[tuple[str, int, dict[str, torch.Tensor], dict[str, int]]]:
+    def parts(
+        self, tokens: int | None = None, only: set[str] | None = None
+    ) -> list[tuple[str, int, dict[str, torch.Tensor], dict[str, int]]]:
         """(prefix, layer, parts as views of the sinks, scores meta) of every probed layer the last pass ran.
 
         ``tokens``: the pass's token count; a probe that saw another count (none: a compiled graph
@@ -126,19 +154,27 @@ class RouterTap:
         for e, n in zip(entries, counts):
             p = e.probe
             if n == _MISMATCH:
-                raise UsageError(f"{e.prefix}: its router output is not [tokens, {p.experts}] "
-                                 f"{str(p.logits_sink.dtype)[6:]} logits with [tokens, {p.top_k}] choices, "
-                                 "what the router tap stores")
+                raise UsageError(
+                    f"{e.prefix}: its router output is not [tokens, {p.experts}] "
+                    f"{str(p.logits_sink.dtype)[6:]} logits with [tokens, {p.top_k}] choices, "
+                    "what the router tap stores"
+                )
             if n > self.capacity:
-                raise UsageError(f"{e.prefix}: a pass of {n} tokens is more than the router tap's capacity "
-                                 f"of {self.capacity}")
+                raise UsageError(
+                    f"{e.prefix}: a pass of {n} tokens is more than the router tap's capacity of {self.capacity}"
+                )
             if tokens is not None and n != tokens:
-                raise DumpError(f"{e.prefix}: the router tap saw {n} of the pass's {tokens} tokens (the model "
-                                "routed them where the tap does not see it)")
+                raise DumpError(
+                    f"{e.prefix}: the router tap saw {n} of the pass's {tokens} tokens (the model "
+                    "routed them where the tap does not see it)"
+                )
             if n:
                 logits, ids, weights = p.logits_sink[:n], p.ids_sink[:n], p.weights_sink[:n]
-                parts = e.read((), {}, (logits, weights, ids)) if e.read is not None else {
-                    ROUTER_LOGITS: logits, ROUTER_IDS: ids, ROUTER_WEIGHTS: weights}
+                parts = (
+                    e.read((), {}, (logits, weights, ids))
+                    if e.read is not None
+                    else {ROUTER_LOGITS: logits, ROUTER_IDS: ids, ROUTER_WEIGHTS: weights}
+                )
                 out.append((e.prefix, e.layer, parts, e.meta))
         return out
 

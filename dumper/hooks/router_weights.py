@@ -78,6 +78,8 @@ def combine_weights(module: nn.Module, logits: torch.Tensor, ids: torch.Tensor) 
     """
     weigh = WEIGHTS.get(type(module).__name__)
     if weigh is None:
-        raise UsageError(f"{type(module).__name__}: driftscope does not know how this router weights its experts "
-                         f"(known: {', '.join(sorted(WEIGHTS))})")
+        raise UsageError(
+            f"{type(module).__name__}: driftscope does not know how this router weights its experts "
+            f"(known: {', '.join(sorted(WEIGHTS))})"
+        )
     return weigh(module, logits, ids)

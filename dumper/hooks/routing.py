@@ -26,11 +26,29 @@ import torch
 from torch import nn
 
 from dumper.errors import UsageError
-from dumper.format.manifest import (ROUTER_CHOICE_POINT, ROUTER_IDS, ROUTER_LOGITS, ROUTER_POINT, ROUTER_SCORES,
-                                    ROUTER_WEIGHTS, router_name)
+from dumper.format.manifest import (
+    ROUTER_CHOICE_POINT,
+    ROUTER_IDS,
+    ROUTER_LOGITS,
+    ROUTER_POINT,
+    ROUTER_SCORES,
+    ROUTER_WEIGHTS,
+    router_name,
+)
 
-__all__ = ["Reader", "ROUTERS", "GROUPS", "TOPK_GROUP", "known_families", "find_routers", "has_router",
-           "router_meta", "router_shape", "router_records", "check_router_hookable"]
+__all__ = [
+    "Reader",
+    "ROUTERS",
+    "GROUPS",
+    "TOPK_GROUP",
+    "known_families",
+    "find_routers",
+    "has_router",
+    "router_meta",
+    "router_shape",
+    "router_records",
+    "check_router_hookable",
+]
 
 GROUPS = "n_group"
 """Meta of a :data:`ROUTER_SCORES` record: the expert groups of a grouped top-k (DeepSeek-V3)."""
@@ -44,12 +62,16 @@ Reader = Callable[[tuple, dict, Any], dict[str, torch.Tensor]]
 def _triple(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> dict[str, torch.Tensor]:
     """``(router_logits, weights, indices)``, the return of every transformers 5.x ``*TopKRouter``."""
     if not (isinstance(output, tuple) and len(output) == 3 and all(isinstance(t, torch.Tensor) for t in output)):
-        raise UsageError(f"{type(module).__name__} returned {type(output).__name__}, not the (logits, weights, "
-                         "indices) of the transformers version driftscope reads (5.x)")
+        raise UsageError(
+            f"{type(module).__name__} returned {type(output).__name__}, not the (logits, weights, "
+            "indices) of the transformers version driftscope reads (5.x)"
+        )
     logits, weights, ids = output
     if logits.dim() != 2 or ids.shape != weights.shape or ids.shape[0] != logits.shape[0]:
-        raise UsageError(f"{type(module).__name__}: router output shapes {list(logits.shape)}, "
-                         f"{list(weights.shape)}, {list(ids.shape)} are not [tokens, E], [tokens, k], [tokens, k]")
+        raise UsageError(
+            f"{type(module).__name__}: router output shapes {list(logits.shape)}, "
+            f"{list(weights.shape)}, {list(ids.shape)} are not [tokens, E], [tokens, k], [tokens, k]"
+        )
     return {ROUTER_LOGITS: logits, ROUTER_IDS: ids, ROUTER_WEIGHTS: weights}
 
 
@@ -116,8 +138,12 @@ def router_shape(module: nn.Module) -> tuple[int, int, torch.dtype]:
     return int(weight.shape[0]), int(module.top_k), dtype
 
 
-def router_records(prefix: str, parts: dict[str, torch.Tensor], row_shape: tuple[int, ...] | None,
-                   scores_meta: dict[str, int] | None = None) -> list[tuple[str, str, torch.Tensor, dict[str, int]]]:
+def router_records(
+    prefix: str,
+    parts: dict[str, torch.Tensor],
+    row_shape: tuple[int, ...] | None,
+    scores_meta: dict[str, int] | None = None,
+) -> list[tuple[str, str, torch.Tensor, dict[str, int]]]:
     """(record name, point, tensor, meta) of each routing part of the MoE layer named ``prefix``, as stored.
 
     Logits keep their dtype, ids become int64, weights and scores float32; a flat ``[N, w]`` part
@@ -135,8 +161,14 @@ def router_records(prefix: str, parts: dict[str, torch.Tensor], row_shape: tuple
         t = tensor.detach() if cast[part] is None else tensor.detach().to(cast[part])
         if row_shape is not None and t.dim() == 2 and len(row_shape) > 1 and t.shape[0] == math.prod(row_shape):
             t = t.reshape(*row_shape, t.shape[-1])
-        out.append((router_name(prefix, part), ROUTER_POINT if part == ROUTER_LOGITS else ROUTER_CHOICE_POINT, t,
-                    dict(scores_meta or {}) if part == ROUTER_SCORES else {}))
+        out.append(
+            (
+                router_name(prefix, part),
+                ROUTER_POINT if part == ROUTER_LOGITS else ROUTER_CHOICE_POINT,
+                t,
+                dict(scores_meta or {}) if part == ROUTER_SCORES else {},
+            )
+        )
     return out
 
 
@@ -149,6 +181,8 @@ def check_router_hookable(targets: Sequence[Any], *, hooked: bool, compiled: str
     """
     if not hooked or not compiled or not any(t.point == ROUTER_POINT for t in targets):
         return
-    raise UsageError(f"capture point {ROUTER_POINT!r}: the model runs compiled ({compiled}), where module hooks do "
-                     f"not run; tap it with the router point before it compiles (dumper.tap(model, points="
-                     f"\"input,{ROUTER_POINT}\"), or python -m dumper run --compile)")
+    raise UsageError(
+        f"capture point {ROUTER_POINT!r}: the model runs compiled ({compiled}), where module hooks do "
+        f"not run; tap it with the router point before it compiles (dumper.tap(model, points="
+        f'"input,{ROUTER_POINT}"), or python -m dumper run --compile)'
+    )

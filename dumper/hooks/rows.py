@@ -38,8 +38,11 @@ def as_runs(values: Any, rows: int, what: str) -> list[list[int]] | None:
         return None
     if isinstance(values, Runs):
         return values.runs
-    arr = values.detach().reshape(-1).cpu().numpy() if isinstance(values, torch.Tensor) \
+    arr = (
+        values.detach().reshape(-1).cpu().numpy()
+        if isinstance(values, torch.Tensor)
         else np.asarray(values).reshape(-1)
+    )
     if arr.size != rows:
         raise UsageError(f"{what} has {arr.size} entries but the tensor has {rows} rows")
     return encode_runs(arr, step=1 if what == "positions" else 0)
@@ -102,14 +105,14 @@ class HFRows(PassRows):
     def set_sequences(self, ids: np.ndarray) -> None:
         self.row_ids = ids
         row_seq = np.repeat(ids, self.shape[1]).reshape(self.shape)
-        self.sequence_ids = Runs(encode_runs(row_seq if self.pad is None else np.where(self.pad, PAD_SEQUENCE, row_seq),
-                                             step=0))
+        self.sequence_ids = Runs(
+            encode_runs(row_seq if self.pad is None else np.where(self.pad, PAD_SEQUENCE, row_seq), step=0)
+        )
 
     def with_position_ids(self, value: Any) -> HFRows:
         """Positions from a ``position_ids`` kwarg seen by a hooked module (read once per tensor object)."""
         batch, seq = self.shape
-        if value is None or value is self.position_ids or not isinstance(value, torch.Tensor) \
-                or value.shape[-1] != seq:
+        if value is None or value is self.position_ids or not isinstance(value, torch.Tensor) or value.shape[-1] != seq:
             return self
         self.set_positions(value.detach().reshape(-1, seq).expand(batch, seq).cpu().numpy())
         self.position_ids = value
@@ -127,8 +130,9 @@ class HFRows(PassRows):
         return self.pos[rows, first], self.pos[rows, last], has
 
 
-def shared_row_tensors(out_dir: Path, records: Sequence[TensorRecord], shared: Sequence[SharedRows]
-                       ) -> list[tuple[TensorRecord, torch.Tensor, np.ndarray, np.ndarray]]:
+def shared_row_tensors(
+    out_dir: Path, records: Sequence[TensorRecord], shared: Sequence[SharedRows]
+) -> list[tuple[TensorRecord, torch.Tensor, np.ndarray, np.ndarray]]:
     """The rows each hit reused, read back from its source's records and labelled as the hit's own.
 
     Returns one entry per recorded (name, call): (a source record of it, rows [n, hidden],
@@ -163,8 +167,15 @@ def _read_rows(out_dir: Path, rec: TensorRecord, rows: np.ndarray) -> torch.Tens
     return t.reshape(-1, t.shape[-1]).index_select(0, torch.from_numpy(rows))
 
 
-def write_shared_rows(out_dir: Path, records: Sequence[TensorRecord], shared: Sequence[SharedRows], *, rank: int,
-                      forward_pass: int, shard_bytes: int) -> tuple[tuple[TensorRecord, ...], dict[str, int]]:
+def write_shared_rows(
+    out_dir: Path,
+    records: Sequence[TensorRecord],
+    shared: Sequence[SharedRows],
+    *,
+    rank: int,
+    forward_pass: int,
+    shard_bytes: int,
+) -> tuple[tuple[TensorRecord, ...], dict[str, int]]:
     """Write the rows prefix-cache hits reused as the hit sequences' own, in one extra pass ``forward_pass``.
 
     Returns the new records (``meta`` says ``shared_prefix``) and the data files they are in;
@@ -178,9 +189,16 @@ def write_shared_rows(out_dir: Path, records: Sequence[TensorRecord], shared: Se
     for rec, rows, pos, seq in found:
         key = rec.name if rec.call == 0 else f"{rec.name}#{rec.call}"
         writer.put(forward_pass, key, rows)
-        out.append(replace(rec, key=key, shape=tuple(int(s) for s in rows.shape), forward_pass=forward_pass,
-                           positions=as_runs(pos, len(pos), "positions"),
-                           sequence_ids=as_runs(seq, len(seq), "sequence_ids"),
-                           meta={**rec.meta, "shared_prefix": True}))
+        out.append(
+            replace(
+                rec,
+                key=key,
+                shape=tuple(int(s) for s in rows.shape),
+                forward_pass=forward_pass,
+                positions=as_runs(pos, len(pos), "positions"),
+                sequence_ids=as_runs(seq, len(seq), "sequence_ids"),
+                meta={**rec.meta, "shared_prefix": True},
+            )
+        )
     writer.close()
     return tuple(replace(r, file=writer.locations[(forward_pass, r.key)]) for r in out), dict(writer.files)

@@ -92,23 +92,28 @@ class Sketcher:
         step = rows.shape[0] if x.is_cuda else max(1, BLOCK_BYTES // (4 * max(1, hidden)))
         with _ieee_fp32(x.device):
             for a in range(0, rows.shape[0], step):
-                block = rows[a:a + step]
-                torch.mm(block.to(torch.float32), m, out=proj[a:a + step])
-                torch.linalg.vector_norm(block, dim=-1, dtype=torch.float64, out=sq[a:a + step])
+                block = rows[a : a + step]
+                torch.mm(block.to(torch.float32), m, out=proj[a : a + step])
+                torch.linalg.vector_norm(block, dim=-1, dtype=torch.float64, out=sq[a : a + step])
         sq.square_()
         return proj.reshape(*x.shape[:-1], self.spec.k), sq.reshape(x.shape[:-1])
 
 
-def sketch_for_record(sketcher: Sketcher | None, tensor: torch.Tensor, key: str, *, point: str | None,
-                      shard_dim: int | None, code: str) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None,
-                                                             dict[str, Any] | None]:
+def sketch_for_record(
+    sketcher: Sketcher | None, tensor: torch.Tensor, key: str, *, point: str | None, shard_dim: int | None, code: str
+) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None, dict[str, Any] | None]:
     """What a capture stores for ``tensor`` under ``key``: (tensor, companion tensors, the record's ``sketch`` field).
 
     Unchanged unless ``sketcher`` is set and ``tensor`` is a whole floating-point hidden state; then its
     projection, its norms under ``key + NORM_SUFFIX`` and ``{"hidden", "dtype"}`` (``code``: its dtype's code).
     """
-    if sketcher is None or point not in SKETCHED_POINTS or shard_dim is not None \
-            or not tensor.dtype.is_floating_point or tensor.dim() == 0:
+    if (
+        sketcher is None
+        or point not in SKETCHED_POINTS
+        or shard_dim is not None
+        or not tensor.dtype.is_floating_point
+        or tensor.dim() == 0
+    ):
         return tensor, None, None
     sketcher.spec.check_width(tensor.shape[-1], f"{key} ({code}{list(tensor.shape)})")
     proj, sq = sketcher(tensor)

@@ -41,8 +41,19 @@ from dumper.hooks.layers import ROUTER, HookTarget, hook_targets
 from dumper.hooks.router_tap import RouterEntry, RouterProbe, RouterTap, hook_router
 from dumper.hooks.routing import router_meta, router_shape
 
-__all__ = ["tap", "Tap", "TapPoint", "install_tap", "tap_of", "remove_tap", "is_compiled", "unwrap_compiled",
-           "available_bytes", "match_targets", "check_counts"]
+__all__ = [
+    "tap",
+    "Tap",
+    "TapPoint",
+    "install_tap",
+    "tap_of",
+    "remove_tap",
+    "is_compiled",
+    "unwrap_compiled",
+    "available_bytes",
+    "match_targets",
+    "check_counts",
+]
 
 _ATTR = "_driftscope_tap"
 """The attribute of a tapped model that holds its :class:`Tap`."""
@@ -89,8 +100,15 @@ class TapPoint:
 class Tap:
     """The sink, the row counts and the hooks of one tapped model; see :func:`install_tap`."""
 
-    def __init__(self, points: Sequence[TapPoint], capacity: int, hidden: int, num_layers: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        points: Sequence[TapPoint],
+        capacity: int,
+        hidden: int,
+        num_layers: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
         self.points = tuple(points)
         self.capacity, self.hidden, self.num_layers = capacity, hidden, num_layers
         self.sink = torch.zeros(len(self.points), capacity, hidden, dtype=dtype, device=device)
@@ -112,8 +130,9 @@ class Tap:
         if self.routers is not None:
             self.routers.clear()
 
-    def router_parts(self, targets: Sequence[HookTarget], tokens: int | None
-                     ) -> list[tuple[str, int, dict[str, torch.Tensor], dict[str, int]]]:
+    def router_parts(
+        self, targets: Sequence[HookTarget], tokens: int | None
+    ) -> list[tuple[str, int, dict[str, torch.Tensor], dict[str, int]]]:
         """The last pass's routing of the ``router`` targets among ``targets`` (:meth:`RouterTap.parts`)."""
         wanted = {t.name for t in targets if t.point == ROUTER}
         return self.routers.parts(tokens, only=wanted) if wanted and self.routers is not None else []
@@ -129,11 +148,15 @@ class Tap:
         """
         n = int(counts[point.slot])
         if n == _MISMATCH:
-            raise UsageError(f"{point.record}: its input is not [..., {self.hidden}] {str(self.sink.dtype)[6:]}, "
-                             "the model's hidden width and dtype the tap stores")
+            raise UsageError(
+                f"{point.record}: its input is not [..., {self.hidden}] {str(self.sink.dtype)[6:]}, "
+                "the model's hidden width and dtype the tap stores"
+            )
         if n > self.capacity:
-            raise UsageError(f"{point.record}: a forward pass of {n} rows is more than the tap's capacity of "
-                             f"{self.capacity} (install it with a larger max_tokens, or run smaller batches)")
+            raise UsageError(
+                f"{point.record}: a forward pass of {n} rows is more than the tap's capacity of "
+                f"{self.capacity} (install it with a larger max_tokens, or run smaller batches)"
+            )
         return self.sink[point.slot, :n]
 
 
@@ -183,8 +206,15 @@ def _hidden_size(model: nn.Module) -> int:
     raise UsageError(f"{type(model).__name__}: the tap needs the model's hidden size (config.hidden_size)")
 
 
-def install_tap(model: nn.Module, *, layers: str | Sequence[int] | None = None, modules: str | None = None,
-                points: str | Sequence[str] | None = None, max_tokens: int, family: Any = None) -> Tap:
+def install_tap(
+    model: nn.Module,
+    *,
+    layers: str | Sequence[int] | None = None,
+    modules: str | None = None,
+    points: str | Sequence[str] | None = None,
+    max_tokens: int,
+    family: Any = None,
+) -> Tap:
     """Tap ``model``'s capture points (chosen as :func:`dumper.capture` chooses them) before it is compiled.
 
     ``max_tokens`` is the most rows one forward pass feeds a tapped module (HF: batch × sequence;
@@ -194,8 +224,10 @@ def install_tap(model: nn.Module, *, layers: str | Sequence[int] | None = None, 
     was compiled would not see the change.
     """
     if is_compiled(model):
-        raise UsageError("dumper.tap(): call it on the model before torch.compile (the compiled graph would not "
-                         "see a tap added afterwards)")
+        raise UsageError(
+            "dumper.tap(): call it on the model before torch.compile (the compiled graph would not "
+            "see a tap added afterwards)"
+        )
     if tap_of(model) is not None:
         raise UsageError("dumper.tap(): this model is already tapped")
     if type(max_tokens) is not int or max_tokens <= 0:
@@ -211,27 +243,44 @@ def install_tap(model: nn.Module, *, layers: str | Sequence[int] | None = None, 
     tap_points = [TapPoint(t.name, t.layer, t.point, i) for i, t in enumerate(targets)]
     shapes = [router_shape(t.module) for t in routers]
     need = len(tap_points) * max_tokens * hidden * param.element_size() + sum(
-        max_tokens * (e * torch.finfo(dt).bits // 8 + 12 * k) for e, k, dt in shapes)
+        max_tokens * (e * torch.finfo(dt).bits // 8 + 12 * k) for e, k, dt in shapes
+    )
     free = available_bytes(param.device)
     if free is not None and need > free:
-        raise UsageError(f"the tap needs {need / 2**20:.0f} MiB ({len(tap_points)} points × {max_tokens} tokens × "
-                         f"{hidden} × {param.element_size()} B) on {param.device}, and {free / 2**20:.0f} MiB are "
-                         "free; select fewer layers or lower the token budget")
+        raise UsageError(
+            f"the tap needs {need / 2**20:.0f} MiB ({len(tap_points)} points × {max_tokens} tokens × "
+            f"{hidden} × {param.element_size()} B) on {param.device}, and {free / 2**20:.0f} MiB are "
+            "free; select fewer layers or lower the token budget"
+        )
     tap = Tap(tap_points, max_tokens, hidden, num_layers, param.dtype, param.device)
     for target, point in zip(targets, tap_points):
         tap.handles.append(_hook(target, point.slot, tap, adapter))
     if routers:
-        tap.routers = RouterTap([RouterEntry(t.name, t.layer, RouterProbe(e, k, capacity=max_tokens, dtype=dt,
-                                                                          device=param.device),  # type: ignore[arg-type]
-                                             t.read, router_meta(t.module)) for t, (e, k, dt) in zip(routers, shapes)],
-                                max_tokens)
+        tap.routers = RouterTap(
+            [
+                RouterEntry(
+                    t.name,
+                    t.layer,
+                    RouterProbe(e, k, capacity=max_tokens, dtype=dt, device=param.device),  # type: ignore[arg-type]
+                    t.read,
+                    router_meta(t.module),
+                )
+                for t, (e, k, dt) in zip(routers, shapes)
+            ],
+            max_tokens,
+        )
         tap.routers.handles += [hook_router(t.module, e.probe) for t, e in zip(routers, tap.routers.probes)]
     setattr(module, _ATTR, tap)
     return tap
 
 
-def tap(model: nn.Module, *, layers: str | Sequence[int] | None = None, points: str | Sequence[str] | None = None,
-        max_tokens: int = 8192) -> Tap:
+def tap(
+    model: nn.Module,
+    *,
+    layers: str | Sequence[int] | None = None,
+    points: str | Sequence[str] | None = None,
+    max_tokens: int = 8192,
+) -> Tap:
     """Tap ``model`` before ``torch.compile`` so that :func:`dumper.capture` can record inside the compiled model.
 
     ``layers`` and ``points`` choose as :func:`dumper.capture` does (a capture may then take any
@@ -282,10 +331,15 @@ def match_targets(tap: Tap, targets: Sequence[HookTarget]) -> list[tuple[HookTar
     by_name.update({(name, ROUTER): None for name in (tap.routers.names() if tap.routers else ())})  # type: ignore
     missing = [t.record for t in targets if (t.name, t.point) not in by_name]
     if missing:
-        held = ", ".join(p.record for p in tap.points[:3]) + (" ..." if len(tap.points) > 3 else "") + (
-            f" and the routers of {len(tap.routers.probes)} MoE layers" if tap.routers else "")
-        raise UsageError(f"{missing[0]}{' ...' if len(missing) > 1 else ''}: not tapped (the model's tap holds "
-                         f"{held}); capture a subset of those, or tap the others before the model compiles")
+        held = (
+            ", ".join(p.record for p in tap.points[:3])
+            + (" ..." if len(tap.points) > 3 else "")
+            + (f" and the routers of {len(tap.routers.probes)} MoE layers" if tap.routers else "")
+        )
+        raise UsageError(
+            f"{missing[0]}{' ...' if len(missing) > 1 else ''}: not tapped (the model's tap holds "
+            f"{held}); capture a subset of those, or tap the others before the model compiles"
+        )
     return [(t, by_name[(t.name, t.point)]) for t in targets if t.point != ROUTER]  # type: ignore[misc]
 
 

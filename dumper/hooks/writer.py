@@ -86,8 +86,9 @@ def _lower_priority() -> None:
 class ShardWriter:
     """Writes one rank's tensors to ``directory``; ``files`` maps written file -> byte size."""
 
-    def __init__(self, directory: Path, rank: int, *, shard_bytes: int = 512 << 20,
-                 max_queued_bytes: int = 2 << 30) -> None:
+    def __init__(
+        self, directory: Path, rank: int, *, shard_bytes: int = 512 << 20, max_queued_bytes: int = 2 << 30
+    ) -> None:
         self.directory = directory
         self.rank = rank
         self.shard_bytes = shard_bytes
@@ -103,8 +104,15 @@ class ShardWriter:
         self._thread = threading.Thread(target=self._run, name="driftscope-writer", daemon=True)
         self._thread.start()
 
-    def put(self, forward_pass: int, key: str, tensor: torch.Tensor, *,
-            companions: dict[str, torch.Tensor] | None = None, owned: bool = False) -> None:
+    def put(
+        self,
+        forward_pass: int,
+        key: str,
+        tensor: torch.Tensor,
+        *,
+        companions: dict[str, torch.Tensor] | None = None,
+        owned: bool = False,
+    ) -> None:
         """Snapshot ``tensor`` (and ``companions``, written to the same file under their keys) and queue it;
         blocks while too many bytes are queued. ``owned``: every one of them is private (see :func:`snapshot`).
 

@@ -55,22 +55,26 @@ def variant_configs(cfg, seqs: list[list[int]]) -> dict[str, object]:
         out["one-pass"] = replace(cfg, chunk_size=None)
     if len(seqs) > 1:
         out["batch-1" if cfg.batch_size > 1 else f"batch-{len(seqs)}"] = replace(
-            cfg, batch_size=1 if cfg.batch_size > 1 else len(seqs))
+            cfg, batch_size=1 if cfg.batch_size > 1 else len(seqs)
+        )
     for size in sizes[1:]:
         out[f"attn-{other}-chunk-{size}"] = replace(cfg, attn=other, chunk_size=size)
     return out
 
 
-def record_calibrated(cfg, run: Callable[[object], Manifest],
-                      say: Callable[[str], None] = lambda _: None) -> tuple[Manifest, object]:
+def record_calibrated(
+    cfg, run: Callable[[object], Manifest], say: Callable[[str], None] = lambda _: None
+) -> tuple[Manifest, object]:
     """Record ``cfg`` (through ``run``) and its benign variants, calibrate, and put the baseline with its noise at
     ``cfg.out``; the baseline's manifest and the noise."""
     from comparator import BASELINE_NOISE, calibrate, save_noise
 
     if cfg.engine != "transformers":
-        raise UsageError(f"--calibrate: the {cfg.engine} engine's variants are not built in yet; record them with "
-                         "--engine-arg (docs/engines.md) and run python -m comparator calibrate BASELINE VARIANT... "
-                         "--out NOISE.json")
+        raise UsageError(
+            f"--calibrate: the {cfg.engine} engine's variants are not built in yet; record them with "
+            "--engine-arg (docs/engines.md) and run python -m comparator calibrate BASELINE VARIANT... "
+            "--out NOISE.json"
+        )
     if is_url(cfg.out):
         raise UsageError(f"--calibrate: --out {cfg.out} is a URL; calibrate into a local directory, then upload it")
     if cfg.new_tokens or cfg.sketch is not None:

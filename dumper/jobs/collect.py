@@ -38,24 +38,23 @@ from pathlib import Path
 from typing import Any
 
 from comparator import SequenceLogprobs, TopK, parse_record
-from dumper.server.api import first_choice, served_model
-from dumper.server.client import ServerClient, ServerError
-from dumper.server.flags import DEFAULT_RETRIES, DEFAULT_TIMEOUT_S
-
 from dumper.engines.base import EngineInfo, hf_identity
 from dumper.engines.vllm.parts import RankParts, join_dump, new_token, remove_spool, wait_parts
 from dumper.engines.vllm.spool import marker
-from dumper.settings import VLLM_SPOOL_ENV
 from dumper.engines.vllm.tap import tap_config
 from dumper.errors import DumpError, UsageError
 from dumper.format import MANIFEST_NAME, Manifest
 from dumper.format.decode import GENERATED_IDS, NEW_TOKENS
 from dumper.hooks.capture import Capture
 from dumper.hooks.layers import ATTN_INPUT
-from dumper.prefill.logprob_records import LogprobSpec, record_token_logprobs
 from dumper.modeldir import check_model_dir
+from dumper.prefill.logprob_records import LogprobSpec, record_token_logprobs
 from dumper.progress import ProgressFn
 from dumper.prompts import BUILTIN_PROMPTS
+from dumper.server.api import first_choice, served_model
+from dumper.server.client import ServerClient, ServerError
+from dumper.server.flags import DEFAULT_RETRIES, DEFAULT_TIMEOUT_S
+from dumper.settings import VLLM_SPOOL_ENV
 
 __all__ = ["CollectConfig", "collect_dump", "served_sequences", "PART_WAIT_S", "MAX_CONCURRENCY"]
 
@@ -95,15 +94,18 @@ class CollectConfig:
     def __post_init__(self) -> None:
         if self.new_tokens < 0:
             raise UsageError(f"--new-tokens must be >= 0, got {self.new_tokens}")
-        if not (isinstance(self.part_timeout, (int, float)) and math.isfinite(self.part_timeout)
-                and self.part_timeout > 0):
+        if not (
+            isinstance(self.part_timeout, (int, float)) and math.isfinite(self.part_timeout) and self.part_timeout > 0
+        ):
             raise UsageError(f"--part-timeout must be a positive number of seconds, got {self.part_timeout!r}")
         if not 1 <= self.concurrency <= MAX_CONCURRENCY:
             raise UsageError(f"--concurrency must be in 1..{MAX_CONCURRENCY}, got {self.concurrency}")
         spec = self.logprobs
         if spec is not None and (spec.save_logits or spec.start_len):
-            raise UsageError("collect records the prompt logprobs the server sends (--logprobs, --top-k); "
-                             "full logits rows and a logprob start need a local run (python -m dumper run)")
+            raise UsageError(
+                "collect records the prompt logprobs the server sends (--logprobs, --top-k); "
+                "full logits rows and a logprob start need a local run (python -m dumper run)"
+            )
         if spec is not None and spec.top_k < 0:
             raise UsageError(f"--top-k must be >= 0, got {spec.top_k}")
 
@@ -121,8 +123,9 @@ def _checkpoint(model: str | None) -> tuple[Path | None, dict[str, Any] | None]:
         return None, None
     path = Path(model)
     if not path.is_dir() or not os.path.lexists(path / "config.json"):
-        raise UsageError(f"--model {model}: expected the local HF checkpoint directory the server serves "
-                         "(with config.json)")
+        raise UsageError(
+            f"--model {model}: expected the local HF checkpoint directory the server serves (with config.json)"
+        )
     check_model_dir(path)
     return path, hf_identity(path, model)
 
@@ -137,8 +140,10 @@ def served_sequences(cfg: CollectConfig, checkpoint: Path | None, vocab_size: in
     if texts:
         tok = load_tokenizer(str(checkpoint)) if checkpoint is not None else None
         if tok is None:
-            raise UsageError("text prompts are tokenized as the HF dump tokenizes them: give --model CKPT "
-                             "(a checkpoint with a tokenizer), or token ids (--input-ids, input_ids lines)")
+            raise UsageError(
+                "text prompts are tokenized as the HF dump tokenizes them: give --model CKPT "
+                "(a checkpoint with a tokenizer), or token ids (--input-ids, input_ids lines)"
+            )
         seqs = [tok.encode(t) for t in texts] + seqs
     for i, s in enumerate(seqs):
         if not s:
@@ -157,8 +162,11 @@ def _server_version(client: ServerClient) -> str:
         answer = client.get("/version")
     except ServerError as e:
         if e.status in (404, 405):
-            raise ServerError(f"{client.url('/version')}: HTTP {e.status}: not a vLLM server "
-                              "(python -m dumper collect talks to vllm serve)", status=e.status) from None
+            raise ServerError(
+                f"{client.url('/version')}: HTTP {e.status}: not a vLLM server "
+                "(python -m dumper collect talks to vllm serve)",
+                status=e.status,
+            ) from None
         raise
     version = answer.get("version") if isinstance(answer, dict) else None
     if not isinstance(version, str) or not version:
@@ -166,10 +174,16 @@ def _server_version(client: ServerClient) -> str:
     return version[:64]
 
 
-def _body(ids: list[int], model: str | None, token: str, seq: int, count: int,
-          spec: LogprobSpec | None, new: int = 0) -> dict[str, Any]:
-    body: dict[str, Any] = {"prompt": ids, "max_tokens": max(new, 1), "temperature": 0.0, "return_token_ids": True,
-                            "vllm_xargs": marker(token, seq, count, max(new, 1))}
+def _body(
+    ids: list[int], model: str | None, token: str, seq: int, count: int, spec: LogprobSpec | None, new: int = 0
+) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "prompt": ids,
+        "max_tokens": max(new, 1),
+        "temperature": 0.0,
+        "return_token_ids": True,
+        "vllm_xargs": marker(token, seq, count, max(new, 1)),
+    }
     if new:
         body["ignore_eos"] = True
     if spec is not None:
@@ -185,8 +199,10 @@ def _generated(url: str, seqs: list[list[int]], answers: list[Any], new: int) ->
     for i, a in enumerate(answers):
         ids = first_choice(url, a).get("token_ids")
         if type(ids) is not list or len(ids) != new or not all(type(t) is int and t >= 0 for t in ids):
-            raise ServerError(f"{url}: the answer to prompt {i} has no {new} generated token ids "
-                              "(choices[0].token_ids; the server is not vLLM, or stopped early)")
+            raise ServerError(
+                f"{url}: the answer to prompt {i} has no {new} generated token ids "
+                "(choices[0].token_ids; the server is not vLLM, or stopped early)"
+            )
         out.append(ids)
     return out
 
@@ -194,36 +210,50 @@ def _generated(url: str, seqs: list[list[int]], answers: list[Any], new: int) ->
 def _token_id(key: Any, url: str, i: int) -> int:
     text = key if isinstance(key, str) else ""
     if not text.startswith("token_id:") or not text[9:].isdigit():
-        raise ServerError(f"{url}: prompt {i}: a generated token's top logprob is keyed {key!r}, not token_id:N "
-                          "(the server ignores return_tokens_as_token_ids)")
+        raise ServerError(
+            f"{url}: prompt {i}: a generated token's top logprob is keyed {key!r}, not token_id:N "
+            "(the server ignores return_tokens_as_token_ids)"
+        )
     return int(text[9:])
 
 
-def _record_generated(cap: Capture, url: str, seqs: list[list[int]], answers: list[Any], generated: list[list[int]],
-                      top_k: int) -> None:
+def _record_generated(
+    cap: Capture, url: str, seqs: list[list[int]], answers: list[Any], generated: list[list[int]], top_k: int
+) -> None:
     """Record each generated token's logprob (and top ``top_k``) at its own position, as the vLLM engine's dump does."""
     for i, (prompt, a, gen) in enumerate(zip(seqs, answers, generated, strict=True)):
         lp = first_choice(url, a).get("logprobs") or {}
         values, tops = lp.get("token_logprobs"), lp.get("top_logprobs")
-        if not isinstance(values, list) or len(values) != len(gen) \
-                or not all(isinstance(v, (int, float)) for v in values):
+        if (
+            not isinstance(values, list)
+            or len(values) != len(gen)
+            or not all(isinstance(v, (int, float)) for v in values)
+        ):
             raise ServerError(f"{url}: the answer to prompt {i} has no logprob for each of its {len(gen)} tokens")
         top = None
         if top_k:
             if not isinstance(tops, list) or len(tops) != len(gen) or not all(isinstance(t, dict) for t in tops):
                 raise ServerError(f"{url}: the answer to prompt {i} has no top logprobs for each generated token")
-            ranked = [sorted(((_token_id(k, url, i), float(v)) for k, v in t.items()), key=lambda e: -e[1])
-                      for t in tops]
+            ranked = [
+                sorted(((_token_id(k, url, i), float(v)) for k, v in t.items()), key=lambda e: -e[1]) for t in tops
+            ]
             top = [_top(tuple(r), g, top_k) for r, g in zip(ranked, gen, strict=True)]
             if any(len(t) != top_k for t in top):
                 raise ServerError(f"prompt {i}: the server sent fewer than --top-k {top_k} generated-token logprobs")
-        record_token_logprobs(cap, [len(prompt) + s for s in range(len(gen))], [i] * len(gen), gen,
-                              [float(v) for v in values], None if top is None else [[t for t, _ in r] for r in top],
-                              None if top is None else [[v for _, v in r] for r in top])
+        record_token_logprobs(
+            cap,
+            [len(prompt) + s for s in range(len(gen))],
+            [i] * len(gen),
+            gen,
+            [float(v) for v in values],
+            None if top is None else [[t for t, _ in r] for r in top],
+            None if top is None else [[v for _, v in r] for r in top],
+        )
 
 
-def _send(client: ServerClient, bodies: list[dict[str, Any]], concurrency: int,
-          progress: ProgressFn | None) -> list[Any]:
+def _send(
+    client: ServerClient, bodies: list[dict[str, Any]], concurrency: int, progress: ProgressFn | None
+) -> list[Any]:
     """Every answer, in the order of ``bodies``; up to ``concurrency`` requests in flight (vLLM batches them)."""
     answers: list[Any] = [None] * len(bodies)
     total, done = sum(len(b["prompt"]) for b in bodies), 0
@@ -245,8 +275,10 @@ def _prompt_logprobs(url: str, i: int, ids: list[int], answer: Any) -> SequenceL
     """The prompt logprobs of answer ``i`` (vLLM's ``choices[0].prompt_logprobs``), checked against ``ids``."""
     choice = dict(first_choice(url, answer))
     if choice.get("prompt_logprobs") is None:
-        raise ServerError(f"{url}: the answer to prompt {i} has no choices[0].prompt_logprobs: the server is not "
-                          "vLLM, or ignores prompt_logprobs")
+        raise ServerError(
+            f"{url}: the answer to prompt {i} has no choices[0].prompt_logprobs: the server is not "
+            "vLLM, or ignores prompt_logprobs"
+        )
     choice.setdefault("prompt_token_ids", ids)
     choice.pop("logprobs", None)  # the generated token's: not a prompt position
     try:
@@ -254,8 +286,10 @@ def _prompt_logprobs(url: str, i: int, ids: list[int], answer: Any) -> SequenceL
     except UsageError as e:
         raise ServerError(f"{url}: prompt {i}: an answer that is not vLLM's prompt_logprobs: {e}") from None
     if list(seq.token_ids) != ids:
-        raise ServerError(f"{url}: prompt {i}: the server scored {len(seq.token_ids)} tokens that differ from the "
-                          f"{len(ids)} sent (it added or dropped tokens)")
+        raise ServerError(
+            f"{url}: prompt {i}: the server scored {len(seq.token_ids)} tokens that differ from the "
+            f"{len(ids)} sent (it added or dropped tokens)"
+        )
     return seq
 
 
@@ -284,9 +318,15 @@ def _record(cap: Capture, scored: Sequence[SequenceLogprobs], top_k: int) -> Non
         top = [_top(seq.top[j] or (), seq.token_ids[j], top_k) for j in keep] if top_k and seq.top else None
         if top is not None and any(len(t) != top_k for t in top):
             raise ServerError(f"prompt {s}: the server sent fewer than --top-k {top_k} prompt logprobs")
-        record_token_logprobs(cap, keep, [s] * len(keep), [seq.token_ids[j] for j in keep],
-                              [seq.logprobs[j] for j in keep], None if top is None else [[t for t, _ in r] for r in top],
-                              None if top is None else [[v for _, v in r] for r in top])
+        record_token_logprobs(
+            cap,
+            keep,
+            [s] * len(keep),
+            [seq.token_ids[j] for j in keep],
+            [seq.logprobs[j] for j in keep],
+            None if top is None else [[t for t, _ in r] for r in top],
+            None if top is None else [[v for _, v in r] for r in top],
+        )
 
 
 def _coverage(parts: RankParts, seqs: Sequence[Sequence[int]]) -> tuple[list[int], list[int]]:
@@ -319,10 +359,12 @@ def _wait(directory: Path, spool: Path, cfg: CollectConfig) -> RankParts:
     except DumpError:
         if directory.exists():
             raise  # a rank said why it dropped the capture, or some ranks wrote theirs
-        raise DumpError(f"--spool {spool}: no capture part of the {cfg.server} requests appeared within "
-                        f"{cfg.part_timeout:g} s (--part-timeout): the server runs without the driftscope tap or records "
-                        f"into another spool; start it as {VLLM_SPOOL_ENV}={spool} python -m dumper.engines.vllm.serve "
-                        f"CKPT --additional-config '{_TAP_CONFIG}' (or vllm serve, the same flags)") from None
+        raise DumpError(
+            f"--spool {spool}: no capture part of the {cfg.server} requests appeared within "
+            f"{cfg.part_timeout:g} s (--part-timeout): the server runs without the driftscope tap or records "
+            f"into another spool; start it as {VLLM_SPOOL_ENV}={spool} python -m dumper.engines.vllm.serve "
+            f"CKPT --additional-config '{_TAP_CONFIG}' (or vllm serve, the same flags)"
+        ) from None
 
 
 def collect_dump(cfg: CollectConfig, *, progress: ProgressFn | None = None) -> Manifest:
@@ -338,8 +380,9 @@ def collect_dump(cfg: CollectConfig, *, progress: ProgressFn | None = None) -> M
     name = cfg.served_model or served_model(client)
     directory = spool / new_token()
     try:
-        bodies = [_body(s, name, directory.name, i, len(seqs), cfg.logprobs, cfg.new_tokens)
-                  for i, s in enumerate(seqs)]
+        bodies = [
+            _body(s, name, directory.name, i, len(seqs), cfg.logprobs, cfg.new_tokens) for i, s in enumerate(seqs)
+        ]
         answers = _send(client, bodies, cfg.concurrency, progress)
         url = client.url("/v1/completions")
         scored = _scored(url, seqs, answers, logprobs=cfg.logprobs is not None)
@@ -350,18 +393,33 @@ def collect_dump(cfg: CollectConfig, *, progress: ProgressFn | None = None) -> M
         remove_spool(directory)
 
 
-def _join(cfg: CollectConfig, url: str, version: str, name: str | None, seqs: list[list[int]], parts: RankParts,
-          identity: dict[str, Any] | None, scored: list[SequenceLogprobs],
-          decoded: tuple[str, list[Any], list[list[int]]]) -> Manifest:
+def _join(
+    cfg: CollectConfig,
+    url: str,
+    version: str,
+    name: str | None,
+    seqs: list[list[int]],
+    parts: RankParts,
+    identity: dict[str, Any] | None,
+    scored: list[SequenceLogprobs],
+    decoded: tuple[str, list[Any], list[list[int]]],
+) -> Manifest:
     """Write the dump: the parts, the answers' prompt (and generated) logprobs, and a manifest that says it came from
     ``url``; ``decoded`` is (completions URL, answers, generated ids) of a ``--new-tokens`` collect."""
     dtype = (parts.info.get("signature") or {}).get("dtype")
     engine = EngineInfo("vllm", version, str(cfg.model or name or url), {"dtype": dtype, **parts.engine_settings})
     hits, missing = _coverage(parts, seqs)
     spec = cfg.logprobs
-    job: dict[str, Any] = {"job": "prefill", "input_ids": seqs, "dtype": dtype, "server": url, "served_model": name,
-                           "logprobs": None if spec is None else vars(spec), "prefix_cache_hits": hits,
-                           "missing_positions": missing}
+    job: dict[str, Any] = {
+        "job": "prefill",
+        "input_ids": seqs,
+        "dtype": dtype,
+        "server": url,
+        "served_model": name,
+        "logprobs": None if spec is None else vars(spec),
+        "prefix_cache_hits": hits,
+        "missing_positions": missing,
+    }
     if any(missing):
         job["note"] = missing_note(missing)
     if cfg.new_tokens:
@@ -374,13 +432,16 @@ def _join(cfg: CollectConfig, url: str, version: str, name: str | None, seqs: li
             if cfg.new_tokens:
                 _record_generated(cap, decoded[0], seqs, decoded[1], decoded[2], spec.top_k)
 
-    return join_dump(cfg.out, parts, model_name=cfg.model or name, identity=identity, engine=engine, job_extra=job,
-                     record=record)
+    return join_dump(
+        cfg.out, parts, model_name=cfg.model or name, identity=identity, engine=engine, job_extra=job, record=record
+    )
 
 
 def missing_note(missing: Sequence[int]) -> str:
     """What a dump lacks when the server read prompts' leading blocks from its prefix cache (one line)."""
     count = sum(1 for m in missing if m)
-    return (f"{sum(missing)} leading positions of {count} prompt(s) have no hidden states: the server read them from "
-            "its prefix cache, computed by requests outside this capture (collect with --logprobs, which vLLM "
-            "computes in full, or serve with --no-enable-prefix-caching)")
+    return (
+        f"{sum(missing)} leading positions of {count} prompt(s) have no hidden states: the server read them from "
+        "its prefix cache, computed by requests outside this capture (collect with --logprobs, which vLLM "
+        "computes in full, or serve with --no-enable-prefix-caching)"
+    )

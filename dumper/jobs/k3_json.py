@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Final
 
-from dumper.format.jsonfloat import from_json_float, to_json_float
 from comparator import GREEDY_K3_NOTE
+from dumper.format.jsonfloat import from_json_float, to_json_float
 
 __all__ = ["K3_FLOATS", "k3_to_json", "k3_from_json"]
 
@@ -35,5 +35,8 @@ def k3_to_json(d: dict[str, Any]) -> dict[str, Any]:
 def k3_from_json(d: Mapping[str, Any]) -> dict[str, Any]:
     """The shared fields read back from :func:`k3_to_json`'s output; a null float is infinite (it never passes)."""
     return {k: from_json_float(d[k]) for k in K3_FLOATS} | {
-        "k3_max_position": int(d["k3_max_position"]), "threshold": float(d["threshold"]),
-        "passed": bool(d["passed"]), "k3_tokens": str(d["k3_tokens"])}
+        "k3_max_position": int(d["k3_max_position"]),
+        "threshold": float(d["threshold"]),
+        "passed": bool(d["passed"]),
+        "k3_tokens": str(d["k3_tokens"]),
+    }

@@ -53,13 +53,32 @@ from dumper.hooks.capture import Capture
 from dumper.hooks.families import family_for
 from dumper.hooks.fingerprint import environment_fingerprint, model_identity
 from dumper.hooks.layers import RESIDUAL, ROUTER, find_decoder_layers
+from dumper.jobs.replay_routing import (
+    LayerRecords,
+    LayerRows,
+    baseline_routing,
+    check_baseline_rows,
+    check_force,
+    check_model_routes,
+    layer_routing,
+    routed_layers,
+)
 from dumper.prefill.presets import load_model, model_label
-from dumper.jobs.replay_routing import (LayerRecords, LayerRows, baseline_routing, check_baseline_rows, check_force,
-                                        check_model_routes, layer_routing, routed_layers)
 from dumper.progress import ProgressFn
 
-__all__ = ["ReplayConfig", "replay", "replay_model", "residual_plan", "point_plan", "sequence_lengths", "sequence_rows",
-           "layer_kwargs", "layer_parts", "check_replay_model"]
+__all__ = [
+    "ReplayConfig",
+    "replay",
+    "replay_model",
+    "residual_plan",
+    "point_plan",
+    "sequence_lengths",
+    "sequence_rows",
+    "layer_kwargs",
+    "layer_parts",
+    "check_replay_model",
+]
+
 
 @dataclass(frozen=True)
 class ReplayConfig:
@@ -95,12 +114,16 @@ def point_plan(manifest: Manifest, where: str, point: str, points: str) -> dict[
         if name != rec.name:
             raise NotComparableError(f"{where}: layer {rec.layer} holds two {point} tensors ({name}, {rec.name})")
         if rec.positions is None or rec.sequence_ids is None or rec.shard_dim is not None or rec.sketch is not None:
-            raise NotComparableError(f"{where}: {rec.name} (pass {rec.forward_pass}) has no row positions or is "
-                                     "sharded or sketched; replay needs whole rows labelled by position and sequence")
+            raise NotComparableError(
+                f"{where}: {rec.name} (pass {rec.forward_pass}) has no row positions or is "
+                "sharded or sketched; replay needs whole rows labelled by position and sequence"
+            )
         recs.append(rec)
     if not plan:
-        raise UsageError(f"{where}: the baseline holds no {point!r} point; re-run it with "
-                         f"`python -m dumper run ... {points} --layers all`")
+        raise UsageError(
+            f"{where}: the baseline holds no {point!r} point; re-run it with "
+            f"`python -m dumper run ... {points} --layers all`"
+        )
     return dict(sorted(plan.items()))
 
 
@@ -123,7 +146,8 @@ def sequence_lengths(where: str, name: str, recs: list[TensorRecord]) -> dict[in
             raise NotComparableError(
                 f"{where}: {name} holds positions {', '.join(f'{a}..{a + c - 1}' for a, c in runs[:4])}"
                 f"{' ...' if len(runs) > 4 else ''} of sequence {s}, not one prefill 0..{pos.size - 1}; replay runs "
-                "a layer on whole sequences from position 0 (a decode step or a partial capture cannot be replayed)")
+                "a layer on whole sequences from position 0 (a decode step or a partial capture cannot be replayed)"
+            )
         out[s] = pos.size
     return out
 
@@ -155,14 +179,20 @@ def layer_parts(stack: nn.Module, layer_index: int) -> tuple[nn.Module, Any]:
 
     rotary = getattr(stack, "rotary_emb", None)
     if not isinstance(rotary, nn.Module):
-        raise UsageError(f"replay: {type(stack).__name__} has no rotary_emb; replay supports transformers "
-                         "decoders with rotary position embeddings (Llama, Qwen2, Mistral, ...)")
+        raise UsageError(
+            f"replay: {type(stack).__name__} has no rotary_emb; replay supports transformers "
+            "decoders with rotary position embeddings (Llama, Qwen2, Mistral, ...)"
+        )
     kind = (getattr(stack.config, "layer_types", None) or ["full_attention"] * (layer_index + 1))[layer_index]
-    make = {"full_attention": masking_utils.create_causal_mask,
-            "sliding_attention": masking_utils.create_sliding_window_causal_mask}.get(kind)
+    make = {
+        "full_attention": masking_utils.create_causal_mask,
+        "sliding_attention": masking_utils.create_sliding_window_causal_mask,
+    }.get(kind)
     if make is None:
-        raise UsageError(f"replay: layer {layer_index} of {type(stack).__name__} uses {kind!r} attention; "
-                         "replay builds full and sliding-window causal masks only")
+        raise UsageError(
+            f"replay: layer {layer_index} of {type(stack).__name__} uses {kind!r} attention; "
+            "replay builds full and sliding-window causal masks only"
+        )
     return rotary, make
 
 
@@ -176,26 +206,38 @@ def layer_kwargs(stack: nn.Module, layer_index: int, hidden: torch.Tensor) -> di
     config = stack.config
     rotary, make = layer_parts(stack, layer_index)
     position_ids = torch.arange(hidden.shape[1], device=hidden.device)[None]  # [1, n]
-    mask = make(config=config, inputs_embeds=hidden, attention_mask=None, past_key_values=None,
-                position_ids=position_ids)
-    return {"attention_mask": mask, "position_ids": position_ids,
-            "position_embeddings": rotary(hidden, position_ids)}
+    mask = make(
+        config=config, inputs_embeds=hidden, attention_mask=None, past_key_values=None, position_ids=position_ids
+    )
+    return {"attention_mask": mask, "position_ids": position_ids, "position_embeddings": rotary(hidden, position_ids)}
 
 
 def check_replay_model(baseline: Manifest, model: nn.Module, num_layers: int, where: str) -> None:
     """Refuse a model whose layer count or hidden size differs from the baseline's (its rows would not fit)."""
     base_layers = baseline.model.get("num_layers", baseline.capture_signature.get("num_layers"))
     ident = model_identity(model)
-    for what, b, m in (("num_layers", base_layers, num_layers),
-                       ("hidden_size", baseline.model.get("hidden_size"), ident.get("hidden_size"))):
+    for what, b, m in (
+        ("num_layers", base_layers, num_layers),
+        ("hidden_size", baseline.model.get("hidden_size"), ident.get("hidden_size")),
+    ):
         if b is not None and m is not None and b != m:
-            raise ModelMismatchError(f"{where}: the baseline's model has {what} {b}, {model_label(model)} has {m}; "
-                                     "replay needs the model the baseline was dumped from (or a variant of it)")
+            raise ModelMismatchError(
+                f"{where}: the baseline's model has {what} {b}, {model_label(model)} has {m}; "
+                "replay needs the model the baseline was dumped from (or a variant of it)"
+            )
 
 
-def replay_model(model: nn.Module, baseline: str | Path, out: str | Path, *, model_name: str | None = None,
-                 dtype: str | None = None, attn: str | None = None, force_routing: str | None = None,
-                 progress: ProgressFn | None = None) -> Manifest:
+def replay_model(
+    model: nn.Module,
+    baseline: str | Path,
+    out: str | Path,
+    *,
+    model_name: str | None = None,
+    dtype: str | None = None,
+    attn: str | None = None,
+    force_routing: str | None = None,
+    progress: ProgressFn | None = None,
+) -> Manifest:
     """:func:`replay` with the model under test already in hand (say, one with a bug injected).
 
     Writes a dump whose ``model.layers.{k+1}.residual`` (layer ``k+1``, point ``residual``) is
@@ -215,8 +257,10 @@ def replay_model(model: nn.Module, baseline: str | Path, out: str | Path, *, mod
     check_replay_model(base, model, len(layer_list), f"{baseline}")
     run = [k for k in plan if k + 1 in plan and k < len(layer_list)]
     if not run:
-        raise UsageError(f"{baseline}: no layer has both its residual input and the next one's ({sorted(plan)}); "
-                         f"re-run the baseline with --points {RESIDUAL} --layers all")
+        raise UsageError(
+            f"{baseline}: no layer has both its residual input and the next one's ({sorted(plan)}); "
+            f"re-run the baseline with --points {RESIDUAL} --layers all"
+        )
     replayed = {k: layer_list[k] for k in run}
     check_model_routes(model, force_routing, routing, replayed, str(baseline))
     # everything a layer's replay would refuse, refused before any runs: its rows, its mask, its routing rows
@@ -226,27 +270,52 @@ def replay_model(model: nn.Module, baseline: str | Path, out: str | Path, *, mod
     routing_rows = check_baseline_rows(reader, routing, replayed, lengths if force_routing is not None else None)
     param = next(model.parameters())
     identity = model_identity(model, model_name)
-    signature = {"layers": sorted(k + 1 for k in run if k + 1 < len(layer_list)),
-                 "modules": [f"{stack_name}.{k}" for k in run],
-                 "points": [RESIDUAL, *([ROUTER] if routed_layers(routing, replayed) else [])],
-                 "num_layers": len(layer_list), "world_size": 1, "dtype": dtype or str(param.dtype)[6:]}
-    extra = {"job": "replay", "input_ids": base.extra.get("input_ids", []), "dtype": dtype, "attn": attn,
-             "replay": {"baseline": str(baseline), "layers": run, "force_routing": force_routing,
-                        "skipped": [k for k in plan if k not in run and k < len(layer_list)]}}
+    signature = {
+        "layers": sorted(k + 1 for k in run if k + 1 < len(layer_list)),
+        "modules": [f"{stack_name}.{k}" for k in run],
+        "points": [RESIDUAL, *([ROUTER] if routed_layers(routing, replayed) else [])],
+        "num_layers": len(layer_list),
+        "world_size": 1,
+        "dtype": dtype or str(param.dtype)[6:],
+    }
+    extra = {
+        "job": "replay",
+        "input_ids": base.extra.get("input_ids", []),
+        "dtype": dtype,
+        "attn": attn,
+        "replay": {
+            "baseline": str(baseline),
+            "layers": run,
+            "force_routing": force_routing,
+            "skipped": [k for k in plan if k not in run and k < len(layer_list)],
+        },
+    }
     env = environment_fingerprint(param.device, attn or getattr(model.config, "_attn_implementation", None))
-    with torch.inference_mode(), Capture(None, out, model_name=identity["name"], extra=extra, identity=identity,
-                                         signature=signature, environment=env) as cap:
+    with (
+        torch.inference_mode(),
+        Capture(
+            None, out, model_name=identity["name"], extra=extra, identity=identity, signature=signature, environment=env
+        ) as cap,
+    ):
         for done, k in enumerate(run, 1):
-            _replay_layer(cap, reader, plan, k, stack, layer_list[k], param,
-                          (routing.get(k), routing_rows.get(k), force_routing))
+            _replay_layer(
+                cap, reader, plan, k, stack, layer_list[k], param, (routing.get(k), routing_rows.get(k), force_routing)
+            )
             if progress is not None:
                 progress(done, len(run))
     return load_manifest(out)
 
 
-def _replay_layer(cap: Capture, reader: DumpReader, plan: dict[int, tuple[str, list[TensorRecord]]], k: int,
-                  stack: nn.Module, layer: nn.Module, param: torch.Tensor,
-                  routing: tuple[LayerRecords | None, LayerRows | None, str | None]) -> None:
+def _replay_layer(
+    cap: Capture,
+    reader: DumpReader,
+    plan: dict[int, tuple[str, list[TensorRecord]]],
+    k: int,
+    stack: nn.Module,
+    layer: nn.Module,
+    param: torch.Tensor,
+    routing: tuple[LayerRecords | None, LayerRows | None, str | None],
+) -> None:
     """Run decoder ``layer`` (index ``k``) on each baseline sequence and record its output as layer ``k+1``'s residual.
 
     ``routing``: the baseline's routing records of layer ``k`` and their rows (None: none), and the force mode;
@@ -263,8 +332,9 @@ def _replay_layer(cap: Capture, reader: DumpReader, plan: dict[int, tuple[str, l
             except DriftscopeError:  # a routing row the baseline lacks: already one line
                 raise
             except Exception as e:  # noqa: BLE001 - the model's own layer code
-                raise ModelError(f"{model_label(stack)}: decoder layer {k} failed on the baseline's rows "
-                                 f"({error_reason(e)})") from e
+                raise ModelError(
+                    f"{model_label(stack)}: decoder layer {k} failed on the baseline's rows ({error_reason(e)})"
+                ) from e
             y = y[0] if isinstance(y, tuple) else y
             outs.append(y.reshape(-1, y.shape[-1]))  # [n, hidden]
             positions.append(np.arange(rows.shape[0]))
@@ -286,5 +356,13 @@ def replay(cfg: ReplayConfig, *, progress: ProgressFn | None = None) -> Manifest
     residual_plan(base, cfg.baseline)
     check_force(base, cfg.baseline, cfg.force_routing)
     model, _ = load_model(cfg.model, dtype=cfg.dtype, attn=cfg.attn, device=cfg.device, seed=cfg.seed)
-    return replay_model(model, cfg.baseline, cfg.out, model_name=cfg.model, dtype=cfg.dtype, attn=cfg.attn,
-                        force_routing=cfg.force_routing, progress=progress)
+    return replay_model(
+        model,
+        cfg.baseline,
+        cfg.out,
+        model_name=cfg.model,
+        dtype=cfg.dtype,
+        attn=cfg.attn,
+        force_routing=cfg.force_routing,
+        progress=progress,
+    )

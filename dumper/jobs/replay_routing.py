@@ -32,17 +32,24 @@ from torch import nn
 
 from dumper.errors import NotComparableError, UsageError
 from dumper.format import ROUTER_CHOICE_POINT, ROUTER_IDS, ROUTER_LOGITS, ROUTER_WEIGHTS, DumpReader, Manifest
+from dumper.format.routing import LayerRecords, LayerRows, key_parts, read_layer, row_key
+from dumper.format.routing import router_records as baseline_router_records
 from dumper.hooks.capture import Capture
 from dumper.hooks.layers import RESIDUAL, ROUTER
 from dumper.hooks.router_weights import combine_weights
 from dumper.hooks.routing import Reader, find_routers, has_router, known_families, router_meta
 from dumper.prefill.presets import model_label
 
-from dumper.format.routing import LayerRecords, LayerRows, key_parts, read_layer, row_key
-from dumper.format.routing import router_records as baseline_router_records
-
-__all__ = ["FORCE_MODES", "check_force", "check_model_routes", "baseline_routing", "routed_layers", "check_baseline_rows",
-           "LayerRouting", "layer_routing"]
+__all__ = [
+    "FORCE_MODES",
+    "check_force",
+    "check_model_routes",
+    "baseline_routing",
+    "routed_layers",
+    "check_baseline_rows",
+    "LayerRouting",
+    "layer_routing",
+]
 
 FORCE_MODES = ("ids", "all")
 """``force_routing`` values: the baseline's ids (weights from the router under test), or its ids and weights."""
@@ -55,23 +62,30 @@ def check_force(manifest: Manifest, where: str, mode: str | None) -> None:
     if mode not in FORCE_MODES:
         raise UsageError(f"force_routing {mode!r}: expected one of {', '.join(FORCE_MODES)}")
     if not any(r.point == ROUTER_CHOICE_POINT for r in manifest.tensors):
-        raise UsageError(f"{where}: the baseline holds no {ROUTER!r} point, so there is no expert choice to force; "
-                         f"re-run it with `python -m dumper run ... --points {RESIDUAL},{ROUTER} --layers all`")
+        raise UsageError(
+            f"{where}: the baseline holds no {ROUTER!r} point, so there is no expert choice to force; "
+            f"re-run it with `python -m dumper run ... --points {RESIDUAL},{ROUTER} --layers all`"
+        )
 
 
-def check_model_routes(model: nn.Module, mode: str | None, routing: dict[int, LayerRecords],
-                       layers: dict[int, nn.Module], where: str) -> None:
+def check_model_routes(
+    model: nn.Module, mode: str | None, routing: dict[int, LayerRecords], layers: dict[int, nn.Module], where: str
+) -> None:
     """Refuse forcing (``mode``) on a dense model, or on a replayed MoE layer (of ``layers``, by index) whose
     routing the baseline (``where``) did not record (``routing``: :func:`baseline_routing`)."""
     if mode is None:
         return
     if not has_router(model):
-        raise UsageError(f"{model_label(model)}: --force-routing {mode}: {type(model).__name__} has no MoE router "
-                         f"driftscope reads (known: {known_families()}); replay a dense model without it")
+        raise UsageError(
+            f"{model_label(model)}: --force-routing {mode}: {type(model).__name__} has no MoE router "
+            f"driftscope reads (known: {known_families()}); replay a dense model without it"
+        )
     missing = [k for k, layer in layers.items() if find_routers(layer) and k not in routing]
     if missing:
-        raise UsageError(f"{where}: the baseline records no routing of MoE layer(s) {missing}; re-run it with "
-                         f"`--points {RESIDUAL},{ROUTER} --layers all` to force their experts")
+        raise UsageError(
+            f"{where}: the baseline records no routing of MoE layer(s) {missing}; re-run it with "
+            f"`--points {RESIDUAL},{ROUTER} --layers all` to force their experts"
+        )
 
 
 def baseline_routing(reader: DumpReader) -> dict[int, LayerRecords]:
@@ -84,8 +98,12 @@ def routed_layers(routing: dict[int, LayerRecords], layers: dict[int, nn.Module]
     return [k for k, layer in layers.items() if k in routing and find_routers(layer)]
 
 
-def check_baseline_rows(reader: DumpReader, routing: dict[int, LayerRecords], layers: dict[int, nn.Module],
-                        forced: dict[int, dict[int, int]] | None = None) -> dict[int, LayerRows]:
+def check_baseline_rows(
+    reader: DumpReader,
+    routing: dict[int, LayerRecords],
+    layers: dict[int, nn.Module],
+    forced: dict[int, dict[int, int]] | None = None,
+) -> dict[int, LayerRows]:
     """The routing rows of every replayed MoE layer (of ``layers``, by index) whose routing the baseline holds, read
     and checked before the replay runs anything, not partway through it: one router per layer, every row readable
     (expert ids distinct and in range, the parts covering the same rows) and, when forcing (``forced``: layer ->
@@ -93,15 +111,18 @@ def check_baseline_rows(reader: DumpReader, routing: dict[int, LayerRecords], la
     out = {}
     for k in routed_layers(routing, layers):
         if len(find_routers(layers[k])) > 1:
-            raise UsageError(f"replay: decoder layer {k} holds {len(find_routers(layers[k]))} routers; replay records "
-                             "one per layer")
+            raise UsageError(
+                f"replay: decoder layer {k} holds {len(find_routers(layers[k]))} routers; replay records one per layer"
+            )
         rows = read_layer(reader, routing[k])
         for s, n in (forced or {}).get(k, {}).items():
             lost = np.setdiff1d(row_key(s, np.arange(n)), rows.keys)
             if lost.size:
-                raise NotComparableError(f"{reader.directory}: the baseline's routing of layer {k} has no row for "
-                                         f"position {key_parts(lost[0])[1]} of sequence {s}; forcing needs one for "
-                                         "every replayed token")
+                raise NotComparableError(
+                    f"{reader.directory}: the baseline's routing of layer {k} has no row for "
+                    f"position {key_parts(lost[0])[1]} of sequence {s}; forcing needs one for "
+                    "every replayed token"
+                )
         out[k] = rows
     return out
 
@@ -113,8 +134,9 @@ class LayerRouting:
     router must see exactly that sequence's rows, in position order ``0..n-1`` (as replay feeds them).
     """
 
-    def __init__(self, module: nn.Module, read: Reader, entry: LayerRecords, base: LayerRows, mode: str | None,
-                 where: str) -> None:
+    def __init__(
+        self, module: nn.Module, read: Reader, entry: LayerRecords, base: LayerRows, mode: str | None, where: str
+    ) -> None:
         self.module, self.read, self.entry, self.base, self.mode, self.where = module, read, entry, base, mode, where
         self.parts: list[dict[str, torch.Tensor]] = []
         self._rows: np.ndarray | None = None  # indices into base of the current sequence's positions 0..n-1
@@ -143,9 +165,11 @@ class LayerRouting:
         assert self._rows is not None  # begin() found the sequence's baseline rows
         base_ids = self.base.ids[self._rows]  # [n, k] int64
         if base_ids.shape != tuple(ids.shape) or base_ids.max(initial=0) >= logits.shape[1]:
-            raise NotComparableError(f"{self.where}: layer {self.entry.layer} routes {list(ids.shape)} (tokens, top-k) "
-                                     f"over {logits.shape[1]} experts; the baseline's {list(base_ids.shape)} choice "
-                                     "does not fit it")
+            raise NotComparableError(
+                f"{self.where}: layer {self.entry.layer} routes {list(ids.shape)} (tokens, top-k) "
+                f"over {logits.shape[1]} experts; the baseline's {list(base_ids.shape)} choice "
+                "does not fit it"
+            )
         new_ids = torch.from_numpy(base_ids).to(ids.device, ids.dtype)
         if self.mode == "all":
             new_weights = torch.from_numpy(self.base.weights[self._rows]).to(weights.device, weights.dtype)
@@ -156,13 +180,20 @@ class LayerRouting:
     def record(self, cap: Capture, positions: np.ndarray, sequence_ids: np.ndarray) -> None:
         """Record every call's routing as the baseline names it, rows labelled as the replayed residual's."""
         joined = {name: torch.cat([p[name] for p in self.parts]) for name in self.parts[0]} if self.parts else {}
-        cap.record_router(self.entry.prefix, self.entry.layer, joined, positions=positions, sequence_ids=sequence_ids,
-                          scores_meta=router_meta(self.module))
+        cap.record_router(
+            self.entry.prefix,
+            self.entry.layer,
+            joined,
+            positions=positions,
+            sequence_ids=sequence_ids,
+            scores_meta=router_meta(self.module),
+        )
 
 
 @contextlib.contextmanager
-def layer_routing(reader: DumpReader, entry: LayerRecords | None, base: LayerRows | None, layer: nn.Module,
-                  mode: str | None) -> Iterator[list[LayerRouting]]:
+def layer_routing(
+    reader: DumpReader, entry: LayerRecords | None, base: LayerRows | None, layer: nn.Module, mode: str | None
+) -> Iterator[list[LayerRouting]]:
     """Hook the router of a replayed decoder ``layer`` whose routing the baseline recorded (``entry``, its rows
     ``base`` from :func:`check_baseline_rows`, which also refused a layer of several routers).
 

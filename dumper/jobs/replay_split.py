@@ -42,6 +42,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from comparator import rel_diff
 from dumper.errors import ModelError, UsageError, error_reason
 from dumper.format import DumpReader, Manifest, TensorRecord, load_manifest
 from dumper.format.points import ATTN_OUTPUT, INPUT, MLP_INPUT, MLP_OUTPUT, ROUTER
@@ -49,14 +50,27 @@ from dumper.hooks.capture import Capture
 from dumper.hooks.families import family_for
 from dumper.hooks.fingerprint import environment_fingerprint, model_identity
 from dumper.hooks.layers import find_decoder_layers, named_child
+from dumper.jobs.replay import (
+    ReplayConfig,
+    check_replay_model,
+    layer_kwargs,
+    layer_parts,
+    point_plan,
+    sequence_lengths,
+    sequence_rows,
+)
+from dumper.jobs.replay_routing import (
+    LayerRecords,
+    LayerRows,
+    baseline_routing,
+    check_baseline_rows,
+    check_force,
+    check_model_routes,
+    layer_routing,
+    routed_layers,
+)
 from dumper.prefill.presets import load_model, model_label
-from dumper.jobs.replay import (ReplayConfig, check_replay_model, layer_kwargs, layer_parts, point_plan,
-                                sequence_lengths, sequence_rows)
-from dumper.jobs.replay_routing import (LayerRecords, LayerRows, baseline_routing, check_baseline_rows, check_force,
-                                        check_model_routes, layer_routing, routed_layers)
 from dumper.progress import ProgressFn
-
-from comparator import rel_diff
 
 __all__ = ["HALVES", "REFERENCES", "CAUSE_FACTOR", "HalfError", "split_replay", "split_replay_model"]
 
@@ -90,8 +104,13 @@ class HalfError:
         text = f"{self.half}{forced} adds {self.rel_diff:.2g}" + (" (the cause)" if self.cause else "")
         b, t = self.baseline_vs_reference, self.target_vs_reference
         if b is not None and t is not None:
-            off = "target's" if t > 0 and t >= CAUSE_FACTOR * b else "baseline's" if b > 0 and b >= CAUSE_FACTOR * t \
+            off = (
+                "target's"
+                if t > 0 and t >= CAUSE_FACTOR * b
+                else "baseline's"
+                if b > 0 and b >= CAUSE_FACTOR * t
                 else None
+            )
             text += f" [vs float64: baseline {b:.2g}, target {t:.2g}" + (f": the {off} is off]" if off else "]")
         return text
 
@@ -108,8 +127,9 @@ def _halves_of(layer: nn.Module, model: nn.Module) -> dict[str, nn.Module]:
     for half, names in (("attention", family.attention_names), ("MLP", family.mlp_names)):
         child = named_child(layer, names)
         if child is None:
-            raise UsageError(f"replay --split: a decoder layer of {model_label(model)} has no {half} child "
-                             f"({', '.join(names)})")
+            raise UsageError(
+                f"replay --split: a decoder layer of {model_label(model)} has no {half} child ({', '.join(names)})"
+            )
         out[half] = child[1]
     return out
 
@@ -119,8 +139,9 @@ def _run_half(half: str, module: nn.Module, stack: nn.Module, k: int, hidden: to
     try:
         y = module(hidden_states=hidden, **layer_kwargs(stack, k, hidden)) if half == "attention" else module(hidden)
     except Exception as e:  # noqa: BLE001 - the model's own code
-        raise ModelError(f"{model_label(stack)}: layer {k}'s {half} failed on the baseline's rows "
-                         f"({error_reason(e)})") from e
+        raise ModelError(
+            f"{model_label(stack)}: layer {k}'s {half} failed on the baseline's rows ({error_reason(e)})"
+        ) from e
     y = y[0] if isinstance(y, tuple) else y
     return y.reshape(-1, y.shape[-1])
 
@@ -133,8 +154,14 @@ _Routing = tuple[LayerRecords | None, LayerRows | None, str | None]
 """One MLP half's routing: the baseline's records of its layer and their rows (None: none), and the force mode."""
 
 
-def _routing_plan(reader: DumpReader, where: str, model: nn.Module, layers: dict[int, nn.Module],
-                  plans: dict[str, Any], mode: str | None) -> dict[int, _Routing]:
+def _routing_plan(
+    reader: DumpReader,
+    where: str,
+    model: nn.Module,
+    layers: dict[int, nn.Module],
+    plans: dict[str, Any],
+    mode: str | None,
+) -> dict[int, _Routing]:
     """The routing of each MLP half (of ``layers``, by index) whose MoE block the baseline recorded the routing of,
     every row checked before any half runs (and, forcing, a row for every replayed token)."""
     routing = baseline_routing(reader)
@@ -144,9 +171,18 @@ def _routing_plan(reader: DumpReader, where: str, model: nn.Module, layers: dict
     return {k: (routing[k], rows[k], mode) for k in routed_layers(routing, layers)}
 
 
-def split_replay_model(model: nn.Module, baseline: str | Path, out: str | Path, *, reference: nn.Module | None = None,
-                       model_name: str | None = None, dtype: str | None = None, attn: str | None = None,
-                       force_routing: str | None = None, progress: ProgressFn | None = None) -> list[HalfError]:
+def split_replay_model(
+    model: nn.Module,
+    baseline: str | Path,
+    out: str | Path,
+    *,
+    reference: nn.Module | None = None,
+    model_name: str | None = None,
+    dtype: str | None = None,
+    attn: str | None = None,
+    force_routing: str | None = None,
+    progress: ProgressFn | None = None,
+) -> list[HalfError]:
     """Run each half of every layer the baseline holds both ends of on the baseline's input of that half; write
     the outputs to ``out`` (the baseline's names) and return each half's error, in layer order. ``reference``:
     the model whose halves, in float64, each side is measured against (the same architecture; None: none).
@@ -159,43 +195,87 @@ def split_replay_model(model: nn.Module, baseline: str | Path, out: str | Path, 
     stack_name, layer_list = find_decoder_layers(model, family_for(model).attention_names)
     stack = _stack(model)
     check_replay_model(base, model, len(layer_list), where)
-    jobs = [(k, half, i, o) for k in range(len(layer_list)) for half, i, o in HALVES
-            if k in plans[i] and k in plans[o]]
+    jobs = [(k, half, i, o) for k in range(len(layer_list)) for half, i, o in HALVES if k in plans[i] and k in plans[o]]
     if not jobs:
-        raise UsageError(f"{where}: no layer holds both the input and the output of its attention or MLP; re-run "
-                         f"the baseline with {_POINTS_FLAG} --layers all")
+        raise UsageError(
+            f"{where}: no layer holds both the input and the output of its attention or MLP; re-run "
+            f"the baseline with {_POINTS_FLAG} --layers all"
+        )
     for k, _, i, _ in jobs:  # whatever a half would refuse, refused before any runs
         sequence_lengths(where, *plans[i][k])
         layer_parts(stack, k)
-    routing = _routing_plan(reader, where, model, {k: layer_list[k] for k, half, *_ in jobs if half == "MLP"}, plans,
-                            force_routing)
+    routing = _routing_plan(
+        reader, where, model, {k: layer_list[k] for k, half, *_ in jobs if half == "MLP"}, plans, force_routing
+    )
     param = next(model.parameters())
     identity = model_identity(model, model_name)
-    signature = {"layers": sorted({k for k, *_ in jobs}),
-                 "points": [ATTN_OUTPUT, MLP_OUTPUT, *([ROUTER] if routing else [])], "num_layers": len(layer_list),
-                 "world_size": 1, "dtype": dtype or str(param.dtype)[6:],
-                 "modules": [f"{stack_name}.{k}" for k in sorted({k for k, *_ in jobs})]}
-    extra = {"job": "replay", "input_ids": base.extra.get("input_ids", []), "dtype": dtype, "attn": attn,
-             "replay": {"baseline": where, "split": True, "reference": None if reference is None else "float64",
-                        "layers": sorted({k for k, *_ in jobs}), "force_routing": force_routing}}
+    signature = {
+        "layers": sorted({k for k, *_ in jobs}),
+        "points": [ATTN_OUTPUT, MLP_OUTPUT, *([ROUTER] if routing else [])],
+        "num_layers": len(layer_list),
+        "world_size": 1,
+        "dtype": dtype or str(param.dtype)[6:],
+        "modules": [f"{stack_name}.{k}" for k in sorted({k for k, *_ in jobs})],
+    }
+    extra = {
+        "job": "replay",
+        "input_ids": base.extra.get("input_ids", []),
+        "dtype": dtype,
+        "attn": attn,
+        "replay": {
+            "baseline": where,
+            "split": True,
+            "reference": None if reference is None else "float64",
+            "layers": sorted({k for k, *_ in jobs}),
+            "force_routing": force_routing,
+        },
+    }
     env = environment_fingerprint(param.device, attn or getattr(model.config, "_attn_implementation", None))
     found: list[HalfError] = []
     ref_stack = None if reference is None else _stack(reference)
-    with torch.inference_mode(), Capture(None, out, model_name=identity["name"], extra=extra, identity=identity,
-                                         signature=signature, environment=env) as cap:
+    with (
+        torch.inference_mode(),
+        Capture(
+            None, out, model_name=identity["name"], extra=extra, identity=identity, signature=signature, environment=env
+        ) as cap,
+    ):
         for done, (k, half, i, o) in enumerate(jobs, 1):
-            exact = None if ref_stack is None else (
-                _float64_copy(_halves_of(_layer(reference, k), reference)[half]), ref_stack)
-            found.append(_replay_half(cap, reader, plans, (k, half, i, o), stack, layer_list[k], model, param, exact,
-                                      routing.get(k) if half == "MLP" else None))
+            exact = (
+                None
+                if ref_stack is None
+                else (_float64_copy(_halves_of(_layer(reference, k), reference)[half]), ref_stack)
+            )
+            found.append(
+                _replay_half(
+                    cap,
+                    reader,
+                    plans,
+                    (k, half, i, o),
+                    stack,
+                    layer_list[k],
+                    model,
+                    param,
+                    exact,
+                    routing.get(k) if half == "MLP" else None,
+                )
+            )
             if progress is not None:
                 progress(done, len(jobs))
     return _with_causes(found)
 
 
-def _replay_half(cap: Capture, reader: DumpReader, plans: dict[str, Any], job: tuple[int, str, str, str],
-                 stack: nn.Module, layer: nn.Module, model: nn.Module, param: torch.Tensor,
-                 exact: tuple[nn.Module, nn.Module] | None, routing: _Routing | None) -> HalfError:
+def _replay_half(
+    cap: Capture,
+    reader: DumpReader,
+    plans: dict[str, Any],
+    job: tuple[int, str, str, str],
+    stack: nn.Module,
+    layer: nn.Module,
+    model: nn.Module,
+    param: torch.Tensor,
+    exact: tuple[nn.Module, nn.Module] | None,
+    routing: _Routing | None,
+) -> HalfError:
     """One half of layer ``k`` on every baseline sequence: record its output, and measure it (and the baseline's)
     against the baseline's output and, given ``exact`` (the float64 reference half and its stack, whose rotary
     tables it uses), against that. ``routing``: an MoE block's routing, recorded (and forced, on the reference too)."""
@@ -205,16 +285,21 @@ def _replay_half(cap: Capture, reader: DumpReader, plans: dict[str, Any], job: t
     outs, refs, bases, positions, sequences = [], [], [], [], []
     entry, rows_b, mode = routing or (None, None, None)
     forced_ref = entry if exact is not None and mode is not None else None  # the reference takes the same experts
-    with layer_routing(reader, entry, rows_b, module, mode) as routers, \
-            layer_routing(reader, forced_ref, rows_b, exact[0] if exact else module, mode) as ref:
+    with (
+        layer_routing(reader, entry, rows_b, module, mode) as routers,
+        layer_routing(reader, forced_ref, rows_b, exact[0] if exact else module, mode) as ref,
+    ):
         for s, rows in inputs.items():
             for r in (*routers, *ref):
                 r.begin(s, rows.shape[0])
             hidden = rows.to(param.device, param.dtype, non_blocking=True)[None]  # [1, n, hidden]
             outs.append(_run_half(half, module, stack, k, hidden))
             if exact is not None:
-                refs.append(_run_half(half, exact[0], exact[1], k,
-                                      rows.to(param.device, torch.float64, non_blocking=True)[None]))
+                refs.append(
+                    _run_half(
+                        half, exact[0], exact[1], k, rows.to(param.device, torch.float64, non_blocking=True)[None]
+                    )
+                )
             bases.append(expected[s].to(param.device, non_blocking=True))
             positions.append(np.arange(rows.shape[0]))
             sequences.append(np.full(rows.shape[0], s))
@@ -226,10 +311,15 @@ def _replay_half(cap: Capture, reader: DumpReader, plans: dict[str, Any], job: t
     cap.step()
     got64, want64 = _float64(got), _float64(want)
     ref64 = _float64(torch.cat(refs)) if refs else None
-    return HalfError(layer=k, half=half, name=plans[o][k][0], rel_diff=rel_diff(got64, want64),
-                     baseline_vs_reference=None if ref64 is None else rel_diff(want64, ref64),
-                     target_vs_reference=None if ref64 is None else rel_diff(got64, ref64),
-                     forced=mode if routers else None)
+    return HalfError(
+        layer=k,
+        half=half,
+        name=plans[o][k][0],
+        rel_diff=rel_diff(got64, want64),
+        baseline_vs_reference=None if ref64 is None else rel_diff(want64, ref64),
+        target_vs_reference=None if ref64 is None else rel_diff(got64, ref64),
+        forced=mode if routers else None,
+    )
 
 
 def _layer(model: nn.Module, k: int) -> nn.Module:
@@ -264,8 +354,9 @@ def _with_causes(found: list[HalfError]) -> list[HalfError]:
     return out
 
 
-def split_replay(cfg: ReplayConfig, *, reference: str | None = None, progress: ProgressFn | None = None
-                 ) -> list[HalfError]:
+def split_replay(
+    cfg: ReplayConfig, *, reference: str | None = None, progress: ProgressFn | None = None
+) -> list[HalfError]:
     """Load ``cfg.model`` as ``dumper run`` does and :func:`split_replay_model` it; the baseline's points are checked
     first, so that a wrong baseline costs no model load."""
     if reference is not None and reference not in REFERENCES:
@@ -276,7 +367,19 @@ def split_replay(cfg: ReplayConfig, *, reference: str | None = None, progress: P
     model, _ = load_model(cfg.model, dtype=cfg.dtype, attn=cfg.attn, device=cfg.device, seed=cfg.seed)
     exact = None
     if reference is not None:  # full-precision weights: the checkpoint (or preset) in float32, run in float64
-        exact = model if cfg.dtype == "float32" else load_model(cfg.model, dtype="float32", attn="eager",
-                                                                 device=cfg.device, seed=cfg.seed)[0]
-    return split_replay_model(model, cfg.baseline, cfg.out, reference=exact, model_name=cfg.model,
-                              dtype=cfg.dtype, attn=cfg.attn, force_routing=cfg.force_routing, progress=progress)
+        exact = (
+            model
+            if cfg.dtype == "float32"
+            else load_model(cfg.model, dtype="float32", attn="eager", device=cfg.device, seed=cfg.seed)[0]
+        )
+    return split_replay_model(
+        model,
+        cfg.baseline,
+        cfg.out,
+        reference=exact,
+        model_name=cfg.model,
+        dtype=cfg.dtype,
+        attn=cfg.attn,
+        force_routing=cfg.force_routing,
+        progress=progress,
+    )

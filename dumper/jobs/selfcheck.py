@@ -28,15 +28,22 @@ from typing import Any
 import torch
 
 from comparator import GREEDY_K3_NOTE, k3_summary
-
 from dumper.errors import InternalError, ModelError, UsageError
-from dumper.prefill.logprobs import input_token_logprobs
 from dumper.jobs.k3_json import k3_from_json, k3_to_json
-from dumper.prefill.presets import model_label
 from dumper.prefill.forward import cache_kwarg, cache_length, call_model
+from dumper.prefill.logprobs import input_token_logprobs
+from dumper.prefill.presets import model_label
 
-__all__ = ["MODES", "SelfCheckResult", "check_inputs", "greedy_decode", "selfcheck", "vocab_size_of",
-           "DEFAULT_K3_THRESHOLD", "GREEDY_K3_NOTE"]
+__all__ = [
+    "MODES",
+    "SelfCheckResult",
+    "check_inputs",
+    "greedy_decode",
+    "selfcheck",
+    "vocab_size_of",
+    "DEFAULT_K3_THRESHOLD",
+    "GREEDY_K3_NOTE",
+]
 
 MODES = ("no-cache", "prefill-hit", "decode-hit")
 DEFAULT_K3_THRESHOLD = 1e-3
@@ -68,11 +75,15 @@ class SelfCheckResult:
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> SelfCheckResult:
         """Inverse of :meth:`to_json`; a null k3 or error reads back infinite (a NaN one too: it never passes)."""
-        return cls(mode=str(d["mode"]), prompt_tokens=int(d["prompt_tokens"]),
-                   output_ids=tuple(int(t) for t in d["output_ids"]),
-                   decode_logprobs=tuple(float(v) for v in d["decode_logprobs"]),
-                   prefill_logprobs=tuple(float(v) for v in d["prefill_logprobs"]),
-                   cache_hit_tokens=int(d["cache_hit_tokens"]), **k3_from_json(d))
+        return cls(
+            mode=str(d["mode"]),
+            prompt_tokens=int(d["prompt_tokens"]),
+            output_ids=tuple(int(t) for t in d["output_ids"]),
+            decode_logprobs=tuple(float(v) for v in d["decode_logprobs"]),
+            prefill_logprobs=tuple(float(v) for v in d["prefill_logprobs"]),
+            cache_hit_tokens=int(d["cache_hit_tokens"]),
+            **k3_from_json(d),
+        )
 
 
 def _step(model: torch.nn.Module, ids: torch.Tensor, cache: Any, kw: str, past: int) -> tuple[torch.Tensor, Any]:
@@ -81,14 +92,17 @@ def _step(model: torch.nn.Module, ids: torch.Tensor, cache: Any, kw: str, past: 
     out = call_model(model, input_ids=ids, position_ids=positions, use_cache=True, **{kw: cache})
     cache, length = cache_length(out)
     if length != past + ids.shape[1]:  # the model's cache does not keep every token: nothing to check against
-        raise ModelError(f"{model_label(model)}: selfcheck needs a KV cache that keeps every token; after "
-                         f"{past + ids.shape[1]} tokens the model's cache holds "
-                         f"{'none' if cache is None else 'an unknown number' if length is None else length}")
+        raise ModelError(
+            f"{model_label(model)}: selfcheck needs a KV cache that keeps every token; after "
+            f"{past + ids.shape[1]} tokens the model's cache holds "
+            f"{'none' if cache is None else 'an unknown number' if length is None else length}"
+        )
     return out.logits[0, -1], cache
 
 
-def greedy_decode(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int, *, cache: Any = None,
-                  cached: int = 0) -> tuple[list[int], list[float], Any]:
+def greedy_decode(
+    model: torch.nn.Module, ids: torch.Tensor, new_tokens: int, *, cache: Any = None, cached: int = 0
+) -> tuple[list[int], list[float], Any]:
     """Greedy decode (ignoring EOS) after ``ids`` [1, n], of which the first ``cached`` sit in ``cache``.
 
     Returns the output ids, the logprob of each under its raw logits row (temperature 0),
@@ -110,7 +124,9 @@ def greedy_decode(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int, *,
     return out_ids, logprobs, cache
 
 
-def _generate(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int, mode: str) -> tuple[list[int], list[float], int]:
+def _generate(
+    model: torch.nn.Module, ids: torch.Tensor, new_tokens: int, mode: str
+) -> tuple[list[int], list[float], int]:
     """Output ids and decode-path logprobs for ``mode``, and how many tokens came from the cache."""
     kw = cache_kwarg(model)
     n = ids.shape[1]
@@ -129,8 +145,10 @@ def _generate(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int, mode: 
         extra = int(cache.get_seq_length()) - hit
         if extra > 0:  # keep prompt + first outputs: the continuation must hit them
             if not callable(getattr(cache, "crop", None)):
-                raise ModelError(f"{model_label(model)}: decode-hit needs a KV cache that can be cropped; "
-                                 f"{type(cache).__name__} cannot")
+                raise ModelError(
+                    f"{model_label(model)}: decode-hit needs a KV cache that can be cropped; "
+                    f"{type(cache).__name__} cannot"
+                )
             cache.crop(-extra)
         cont = torch.cat([ids, torch.tensor([out1[:first]], device=ids.device)], dim=1)
         out2, lps2, _ = greedy_decode(model, cont, new_tokens - first, cache=cache, cached=hit)
@@ -155,8 +173,10 @@ def check_inputs(prompt_ids: Sequence[int], *, vocab_size: int | None, new_token
     if bad:
         raise UsageError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
     if mode == "prefill-hit" and len(prompt_ids) < 2:
-        raise UsageError(f"prefill-hit needs a prompt of at least 2 tokens, got {len(prompt_ids)} "
-                         "(--mode no-cache and decode-hit run on one token)")
+        raise UsageError(
+            f"prefill-hit needs a prompt of at least 2 tokens, got {len(prompt_ids)} "
+            "(--mode no-cache and decode-hit run on one token)"
+        )
     if mode == "decode-hit" and new_tokens < 2:
         raise UsageError(f"decode-hit needs --new-tokens >= 2, got {new_tokens}")
 
@@ -167,8 +187,14 @@ def vocab_size_of(model: torch.nn.Module) -> int | None:
     return int(emb.num_embeddings) if isinstance(emb, torch.nn.Embedding) else None
 
 
-def selfcheck(model: torch.nn.Module, prompt_ids: Sequence[int], *, new_tokens: int = 16, mode: str = "no-cache",
-              threshold: float = DEFAULT_K3_THRESHOLD) -> SelfCheckResult:
+def selfcheck(
+    model: torch.nn.Module,
+    prompt_ids: Sequence[int],
+    *,
+    new_tokens: int = 16,
+    mode: str = "no-cache",
+    threshold: float = DEFAULT_K3_THRESHOLD,
+) -> SelfCheckResult:
     """Compare decode-path and prefill-path logprobs of ``new_tokens`` greedy tokens (see module doc).
 
     Inputs are checked by :func:`check_inputs`; a model whose forward fails or whose cache does
@@ -186,8 +212,16 @@ def selfcheck(model: torch.nn.Module, prompt_ids: Sequence[int], *, new_tokens: 
         prefill_lps = input_token_logprobs(logits, full[0]).logprobs[-new_tokens:]
     k3 = k3_summary(prefill_lps, decode_lps)
     return SelfCheckResult(
-        mode=mode, prompt_tokens=ids.shape[1], output_ids=tuple(out_ids), decode_logprobs=tuple(decode_lps),
-        prefill_logprobs=tuple(float(v) for v in prefill_lps), cache_hit_tokens=hit, k3_mean=k3.mean,
-        k3_max=k3.max, k3_max_position=ids.shape[1] + k3.argmax, max_abs_err=k3.max_abs_err,
-        threshold=threshold, passed=bool(k3.mean <= threshold),
+        mode=mode,
+        prompt_tokens=ids.shape[1],
+        output_ids=tuple(out_ids),
+        decode_logprobs=tuple(decode_lps),
+        prefill_logprobs=tuple(float(v) for v in prefill_lps),
+        cache_hit_tokens=hit,
+        k3_mean=k3.mean,
+        k3_max=k3.max,
+        k3_max_position=ids.shape[1] + k3.argmax,
+        max_abs_err=k3.max_abs_err,
+        threshold=threshold,
+        passed=bool(k3.mean <= threshold),
     )

@@ -32,12 +32,11 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from comparator import k3_summary, parse_record, score_prompt
-from dumper.server.api import Prompt, first_choice
-from dumper.format.jsonfloat import from_json_float, to_json_float
-from dumper.server.client import ServerClient, ServerError
-
 from dumper.errors import UsageError
+from dumper.format.jsonfloat import from_json_float, to_json_float
 from dumper.jobs.k3_json import k3_from_json, k3_to_json
+from dumper.server.api import Prompt, first_choice
+from dumper.server.client import ServerClient, ServerError
 
 __all__ = ["ServerSelfCheck", "Generation", "generate", "server_selfcheck"]
 
@@ -87,47 +86,72 @@ class ServerSelfCheck:
     def from_json(cls, d: Mapping[str, Any]) -> ServerSelfCheck:
         """Inverse of :meth:`to_json`; a null k3 or error reads back infinite (a NaN one too: it never passes)."""
         texts = d.get("output_texts")
-        return cls(request=str(d["request"]), positions=tuple(int(p) for p in d["positions"]),
-                   output_ids=tuple(int(t) for t in d["output_ids"]),
-                   output_texts=None if texts is None else tuple(str(t) for t in texts),
-                   decode_logprobs=tuple(float(v) for v in d["decode_logprobs"]),
-                   prefill_logprobs=tuple(float(v) for v in d["prefill_logprobs"]),
-                   k3=tuple(from_json_float(v) for v in d["k3"]), **k3_from_json(d))
+        return cls(
+            request=str(d["request"]),
+            positions=tuple(int(p) for p in d["positions"]),
+            output_ids=tuple(int(t) for t in d["output_ids"]),
+            output_texts=None if texts is None else tuple(str(t) for t in texts),
+            decode_logprobs=tuple(float(v) for v in d["decode_logprobs"]),
+            prefill_logprobs=tuple(float(v) for v in d["prefill_logprobs"]),
+            k3=tuple(from_json_float(v) for v in d["k3"]),
+            **k3_from_json(d),
+        )
 
 
 def _numbers(url: str, values: Any, n: int, what: str) -> tuple[float, ...]:
-    if not isinstance(values, list) or len(values) != n or \
-            not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+    if (
+        not isinstance(values, list)
+        or len(values) != n
+        or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
+    ):
         raise ServerError(f"{url}: {what} must be {n} numbers, got {str(values)[:80]}")
     return tuple(float(v) for v in values)
 
 
 def _generate_vllm(client: ServerClient, p: Prompt, n: int, model: str | None) -> Generation:
-    body = {"prompt": p.value, "max_tokens": n, "temperature": 0.0, "logprobs": 0, "ignore_eos": True,
-            "return_token_ids": True} | ({"model": model} if model else {})
+    body = {
+        "prompt": p.value,
+        "max_tokens": n,
+        "temperature": 0.0,
+        "logprobs": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    } | ({"model": model} if model else {})
     url = client.url("/v1/completions")
     ch = first_choice(url, client.post("/v1/completions", body))
     out, prompt_ids = ch.get("token_ids"), ch.get("prompt_token_ids")
     if not isinstance(out, list) or not isinstance(prompt_ids, list):
-        raise ServerError(f"{url}: the server returned no token ids (return_token_ids): it is not vLLM, or an "
-                          "older one; use --api openai with --prompt")
+        raise ServerError(
+            f"{url}: the server returned no token ids (return_token_ids): it is not vLLM, or an "
+            "older one; use --api openai with --prompt"
+        )
     lp = ch.get("logprobs") if isinstance(ch.get("logprobs"), dict) else {}
-    return Generation(tuple(prompt_ids), tuple(out), None,
-                      _numbers(url, lp.get("token_logprobs"), len(out), "choices[0].logprobs.token_logprobs"))
+    return Generation(
+        tuple(prompt_ids),
+        tuple(out),
+        None,
+        _numbers(url, lp.get("token_logprobs"), len(out), "choices[0].logprobs.token_logprobs"),
+    )
 
 
 def _generate_sglang(client: ServerClient, p: Prompt, n: int) -> Generation:
     source = {"input_ids": list(p.ids)} if p.ids is not None else {"text": p.text}
-    body = source | {"sampling_params": {"temperature": 0.0, "max_new_tokens": n, "ignore_eos": True},
-                     "return_logprob": True, "logprob_start_len": 0, "rid": f"{p.request}-decode"}
+    body = source | {
+        "sampling_params": {"temperature": 0.0, "max_new_tokens": n, "ignore_eos": True},
+        "return_logprob": True,
+        "logprob_start_len": 0,
+        "rid": f"{p.request}-decode",
+    }
     url = client.url("/generate")
     client.post_text("/flush_cache")
     response = client.post("/generate", body)
     response = response[0] if isinstance(response, list) and len(response) == 1 else response
     meta = response.get("meta_info") if isinstance(response, dict) else None
     if not isinstance(meta, dict) or not meta.get("output_token_logprobs"):
-        raise ServerError(f"{url}: the server returned no output logprobs (meta_info.output_token_logprobs): "
-                          "is this SGLang's /generate?")
+        raise ServerError(
+            f"{url}: the server returned no output logprobs (meta_info.output_token_logprobs): "
+            "is this SGLang's /generate?"
+        )
     try:
         seq = parse_record(response, default_id=p.request)
     except UsageError as e:
@@ -141,22 +165,32 @@ def _generate_sglang(client: ServerClient, p: Prompt, n: int) -> Generation:
 
 def _generate_openai(client: ServerClient, p: Prompt, n: int, model: str | None) -> Generation:
     if p.text is None:
-        raise UsageError("--api openai re-scores text (the API returns the output as text, not ids): "
-                         "pass --prompt instead of --input-ids")
+        raise UsageError(
+            "--api openai re-scores text (the API returns the output as text, not ids): "
+            "pass --prompt instead of --input-ids"
+        )
     # repeat_penalty: llama-cpp-python's server penalizes repeats by default, which is not greedy
-    body = {"prompt": p.text, "max_tokens": n, "temperature": 0.0, "logprobs": 0, "repeat_penalty": 1.0} \
-        | ({"model": model} if model else {})
+    body = {"prompt": p.text, "max_tokens": n, "temperature": 0.0, "logprobs": 0, "repeat_penalty": 1.0} | (
+        {"model": model} if model else {}
+    )
     url = client.url("/v1/completions")
     ch = first_choice(url, client.post("/v1/completions", body))
     lp = ch.get("logprobs")
     if not isinstance(lp, dict) or not isinstance(lp.get("tokens"), list) or not lp["tokens"]:
         raise ServerError(f"{url}: the server returned no logprobs for the generated tokens (logprobs=0)")
     texts = tuple(str(t) for t in lp["tokens"])
-    return Generation(None, None, texts, _numbers(url, lp.get("token_logprobs"), len(texts),
-                                                  "choices[0].logprobs.token_logprobs"), str(ch.get("text", "")))
+    return Generation(
+        None,
+        None,
+        texts,
+        _numbers(url, lp.get("token_logprobs"), len(texts), "choices[0].logprobs.token_logprobs"),
+        str(ch.get("text", "")),
+    )
 
 
-def generate(client: ServerClient, api: str, prompt: Prompt, new_tokens: int, *, model: str | None = None) -> Generation:
+def generate(
+    client: ServerClient, api: str, prompt: Prompt, new_tokens: int, *, model: str | None = None
+) -> Generation:
     """Greedy ``new_tokens`` tokens after ``prompt`` with their decode-time logprobs (see the module doc)."""
     if api == "vllm":
         return _generate_vllm(client, prompt, new_tokens, model)
@@ -167,31 +201,42 @@ def generate(client: ServerClient, api: str, prompt: Prompt, new_tokens: int, *,
     raise UsageError(f"--api {api!r}: choose one of vllm, sglang, openai")
 
 
-def _prefill(client: ServerClient, api: str, prompt: Prompt, gen: Generation,
-             model: str | None) -> tuple[list[float | None], int]:
+def _prefill(
+    client: ServerClient, api: str, prompt: Prompt, gen: Generation, model: str | None
+) -> tuple[list[float | None], int]:
     """Prefill logprobs of the output tokens and the position of the first one, re-scoring prompt + output."""
     rid = f"{prompt.request}-prefill"
     if gen.output_ids is not None and gen.prompt_ids is not None:
         if api == "sglang":
             client.post_text("/flush_cache")
         seq = score_prompt(client, api, Prompt(rid, ids=gen.prompt_ids + gen.output_ids), model=model).sequence
-        return list(seq.logprobs[-len(gen.output_ids):]), len(gen.prompt_ids)
+        return list(seq.logprobs[-len(gen.output_ids) :]), len(gen.prompt_ids)
     text = f"{prompt.text}{gen.text}"
     other = "\n" if not text.startswith("\n") else "."
-    client.post("/v1/completions", {"prompt": other, "max_tokens": 1, "temperature": 0.0}
-                | ({"model": model} if model else {}))  # evicts a single-slot cache (see the module doc)
+    client.post(
+        "/v1/completions", {"prompt": other, "max_tokens": 1, "temperature": 0.0} | ({"model": model} if model else {})
+    )  # evicts a single-slot cache (see the module doc)
     seq = score_prompt(client, api, Prompt(rid, text=text), model=model).sequence
     n = len(gen.logprobs)
     texts = seq.token_texts or ()
     if len(texts) < n or tuple(texts[-n:]) != gen.output_texts:
-        raise ServerError(f"{client.base_url}: prompt {prompt.request}: re-scoring prompt + output text gives other "
-                          f"tokens than were generated ({list(texts[-n:])[:4]} vs {list(gen.output_texts or ())[:4]}): "
-                          "the server's text round trip does not preserve the tokens; use --api vllm or sglang with ids")
+        raise ServerError(
+            f"{client.base_url}: prompt {prompt.request}: re-scoring prompt + output text gives other "
+            f"tokens than were generated ({list(texts[-n:])[:4]} vs {list(gen.output_texts or ())[:4]}): "
+            "the server's text round trip does not preserve the tokens; use --api vllm or sglang with ids"
+        )
     return list(seq.logprobs[-n:]), len(texts) - n
 
 
-def server_selfcheck(client: ServerClient, api: str, prompt: Prompt, *, new_tokens: int = 16,
-                     threshold: float | None = None, model: str | None = None) -> ServerSelfCheck:
+def server_selfcheck(
+    client: ServerClient,
+    api: str,
+    prompt: Prompt,
+    *,
+    new_tokens: int = 16,
+    threshold: float | None = None,
+    model: str | None = None,
+) -> ServerSelfCheck:
     """Generate, re-score and compare one prompt (see the module doc); ``threshold`` on mean k3
     defaults to :data:`dumper.jobs.selfcheck.DEFAULT_K3_THRESHOLD`."""
     if threshold is None:
@@ -203,11 +248,22 @@ def server_selfcheck(client: ServerClient, api: str, prompt: Prompt, *, new_toke
     gen = generate(client, api, prompt, new_tokens, model=model)
     prefill, start = _prefill(client, api, prompt, gen, model)
     if any(v is None for v in prefill):
-        raise ServerError(f"{client.base_url}: prompt {prompt.request}: the prefill gave no logprob for an output token")
+        raise ServerError(
+            f"{client.base_url}: prompt {prompt.request}: the prefill gave no logprob for an output token"
+        )
     k3 = k3_summary(prefill, gen.logprobs)
     return ServerSelfCheck(
-        request=prompt.request, positions=tuple(range(start, start + len(gen.logprobs))),
-        output_ids=gen.output_ids or (), output_texts=gen.output_texts, decode_logprobs=gen.logprobs,
-        prefill_logprobs=tuple(float(v) for v in prefill), k3=tuple(k3.values.tolist()), k3_mean=k3.mean,
-        k3_max=k3.max, k3_max_position=start + k3.argmax, max_abs_err=k3.max_abs_err, threshold=threshold,
-        passed=bool(k3.mean <= threshold))
+        request=prompt.request,
+        positions=tuple(range(start, start + len(gen.logprobs))),
+        output_ids=gen.output_ids or (),
+        output_texts=gen.output_texts,
+        decode_logprobs=gen.logprobs,
+        prefill_logprobs=tuple(float(v) for v in prefill),
+        k3=tuple(k3.values.tolist()),
+        k3_mean=k3.mean,
+        k3_max=k3.max,
+        k3_max_position=start + k3.argmax,
+        max_abs_err=k3.max_abs_err,
+        threshold=threshold,
+        passed=bool(k3.mean <= threshold),
+    )

@@ -68,8 +68,9 @@ Feed = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
 """``feed(step, tokens, positions)``: run decode step ``step`` on one token per row; its logits [rows, V]."""
 
 
-def greedy_loop(logits: torch.Tensor, last_positions: torch.Tensor, new_tokens: int, score: Scored,
-                feed: Feed) -> list[list[int]]:
+def greedy_loop(
+    logits: torch.Tensor, last_positions: torch.Tensor, new_tokens: int, score: Scored, feed: Feed
+) -> list[list[int]]:
     """The decode rule, whatever runs the model: ``new_tokens`` times each row's argmax of ``logits``
     (temperature 0; the first of equal maxima) is chosen and scored at the position after the row's
     last one; all but the last choice are fed back as decode steps 0, 1, ... Returns each row's tokens."""
@@ -84,8 +85,16 @@ def greedy_loop(logits: torch.Tensor, last_positions: torch.Tensor, new_tokens: 
     return torch.stack(chosen, dim=1).tolist() if chosen else [[] for _ in range(logits.shape[0])]
 
 
-def greedy_steps(run_model: torch.nn.Module, sink: LogprobSink, cache: Any, last: LastLogits, mask: torch.Tensor,
-                 seq_ids: Sequence[int], new_tokens: int, spec: LogprobSpec | None) -> list[list[int]]:
+def greedy_steps(
+    run_model: torch.nn.Module,
+    sink: LogprobSink,
+    cache: Any,
+    last: LastLogits,
+    mask: torch.Tensor,
+    seq_ids: Sequence[int],
+    new_tokens: int,
+    spec: LogprobSpec | None,
+) -> list[list[int]]:
     """Greedy-decode ``new_tokens`` tokens per batch row after a prefill that left ``cache`` and ``last``
     (:func:`greedy_loop`); each step is one forward pass of one token per row through the KV cache,
     its rows labelled with :func:`decode_meta`. Returns each row's generated tokens."""
@@ -102,8 +111,14 @@ def greedy_steps(run_model: torch.nn.Module, sink: LogprobSink, cache: Any, last
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
         sink.set_pass_meta(decode_meta(step))
         try:
-            out = call_model(run_model, input_ids=token[:, None], attention_mask=mask if padded else None,
-                             position_ids=positions[:, None], use_cache=True, **{kw: cache})
+            out = call_model(
+                run_model,
+                input_ids=token[:, None],
+                attention_mask=mask if padded else None,
+                position_ids=positions[:, None],
+                use_cache=True,
+                **{kw: cache},
+            )
         finally:
             sink.set_pass_meta(None)
         cache, _ = cache_length(out)

@@ -37,8 +37,10 @@ def cache_kwarg(model: torch.nn.Module) -> str:
     for name in names:
         if name in params:
             return name
-    raise ModelError(f"{model_label(model)}: {type(model).__name__}.forward takes no KV cache argument "
-                     f"({' or '.join(n + '=' for n in names)}); --chunk-size and selfcheck need one")
+    raise ModelError(
+        f"{model_label(model)}: {type(model).__name__}.forward takes no KV cache argument "
+        f"({' or '.join(n + '=' for n in names)}); --chunk-size and selfcheck need one"
+    )
 
 
 def call_model(model: torch.nn.Module, **inputs: Any) -> Any:
@@ -83,9 +85,15 @@ def pad_batch(seqs: list[list[int]], *, side: str, pad_id: int = 0) -> tuple[tor
     return ids, mask
 
 
-def prefill(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, *, chunk_size: int | None,
-            on_logits: Callable[[torch.Tensor, int, torch.Tensor], None] | None = None,
-            keep_cache: bool = False) -> Any:
+def prefill(
+    model: torch.nn.Module,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    chunk_size: int | None,
+    on_logits: Callable[[torch.Tensor, int, torch.Tensor], None] | None = None,
+    keep_cache: bool = False,
+) -> Any:
     """Teacher-forced prefill of a padded batch: one forward pass, or one per chunk through the KV cache.
 
     Positions are ``cumsum(mask) - 1`` so that each real token has its absolute position in
@@ -96,8 +104,14 @@ def prefill(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, *, ch
     positions = (mask.cumsum(1) - 1).clamp(min=0)
     padded = bool((mask == 0).any())
     if chunk_size is None:
-        out = call_model(model, input_ids=ids, attention_mask=mask if padded else None, position_ids=positions,
-                         use_cache=keep_cache, **({cache_kwarg(model): None} if keep_cache else {}))
+        out = call_model(
+            model,
+            input_ids=ids,
+            attention_mask=mask if padded else None,
+            position_ids=positions,
+            use_cache=keep_cache,
+            **({cache_kwarg(model): None} if keep_cache else {}),
+        )
         if on_logits is not None:
             on_logits(out.logits, 0, positions)
         return cache_length(out)[0] if keep_cache else None
@@ -106,15 +120,26 @@ def prefill(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, *, ch
     length = ids.shape[1]
     for start in range(0, length, chunk_size):
         end = min(length, start + chunk_size)
-        out = call_model(model, input_ids=ids[:, start:end], attention_mask=mask[:, :end] if padded else None,
-                         position_ids=positions[:, start:end], use_cache=True, **{kw: cache})
+        out = call_model(
+            model,
+            input_ids=ids[:, start:end],
+            attention_mask=mask[:, :end] if padded else None,
+            position_ids=positions[:, start:end],
+            use_cache=True,
+            **{kw: cache},
+        )
         cache, grown = cache_length(out)
         if grown != end:  # the model's cache, not driftscope: a sliding window, a cache it ignores, none at all
-            held = "no KV cache" if cache is None else \
-                f"a {type(cache).__name__} holding {'an unknown number of' if grown is None else grown} tokens"
-            raise ModelError(f"{model_label(model)}: --chunk-size needs a KV cache that grows by each chunk; "
-                             f"after the chunk ending at token {end} the model returned {held} "
-                             f"(cache argument {kw!r})")
+            held = (
+                "no KV cache"
+                if cache is None
+                else f"a {type(cache).__name__} holding {'an unknown number of' if grown is None else grown} tokens"
+            )
+            raise ModelError(
+                f"{model_label(model)}: --chunk-size needs a KV cache that grows by each chunk; "
+                f"after the chunk ending at token {end} the model returned {held} "
+                f"(cache argument {kw!r})"
+            )
         if on_logits is not None:
             on_logits(out.logits, start, positions)
     return cache

@@ -41,16 +41,19 @@ class RowLogprobs:
     top_logprobs: torch.Tensor  # [rows, k] float32
 
 
-def row_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, top_k: int = 0,
-                 chunk_rows: int = LOGPROB_CHUNK_ROWS) -> RowLogprobs:
+def row_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, *, top_k: int = 0, chunk_rows: int = LOGPROB_CHUNK_ROWS
+) -> RowLogprobs:
     """``log p(targets[r] | row r)`` and the top-k of each row of ``logits`` ([rows, V], any float dtype).
 
     Works ``chunk_rows`` rows at a time in float32, so extra memory is a few
     ``chunk_rows x V x 4`` bytes whatever the number of rows.
     """
     if logits.dim() != 2 or targets.shape != logits.shape[:1]:
-        raise UsageError(f"row_logprobs needs logits [rows, V] and targets [rows], got {list(logits.shape)} "
-                         f"and {list(targets.shape)}")
+        raise UsageError(
+            f"row_logprobs needs logits [rows, V] and targets [rows], got {list(logits.shape)} "
+            f"and {list(targets.shape)}"
+        )
     rows, vocab = logits.shape
     if top_k < 0 or top_k > vocab:
         raise UsageError(f"top_k must be in [0, {vocab}], got {top_k}")
@@ -81,8 +84,14 @@ class InputLogprobs:
     top: tuple[tuple[tuple[int, float], ...] | None, ...]
 
 
-def input_token_logprobs(logits: torch.Tensor, input_ids: Sequence[int] | torch.Tensor, *, top_k: int = 0,
-                         logprob_start_len: int = 0, chunk_rows: int = LOGPROB_CHUNK_ROWS) -> InputLogprobs:
+def input_token_logprobs(
+    logits: torch.Tensor,
+    input_ids: Sequence[int] | torch.Tensor,
+    *,
+    top_k: int = 0,
+    logprob_start_len: int = 0,
+    chunk_rows: int = LOGPROB_CHUNK_ROWS,
+) -> InputLogprobs:
     """SGLang-style ``input_token_logprobs`` of one sequence from its prefill logits [N, V].
 
     Rows ``start .. N-2`` are scored against ``input_ids[start+1 .. N-1]``; the result is
@@ -95,8 +104,9 @@ def input_token_logprobs(logits: torch.Tensor, input_ids: Sequence[int] | torch.
         raise UsageError(f"logits {list(logits.shape)} do not match {n} input ids")
     if not 0 <= logprob_start_len < n:
         raise UsageError(f"logprob_start_len {logprob_start_len} must be in [0, {n})")
-    rows = row_logprobs(logits[logprob_start_len:n - 1], ids[logprob_start_len + 1:], top_k=top_k,
-                        chunk_rows=chunk_rows)
+    rows = row_logprobs(
+        logits[logprob_start_len : n - 1], ids[logprob_start_len + 1 :], top_k=top_k, chunk_rows=chunk_rows
+    )
     lps = [None] + [float(v) for v in rows.logprobs.cpu().tolist()]
     tops: list[tuple[tuple[int, float], ...] | None] = [None]
     if top_k:

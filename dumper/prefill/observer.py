@@ -64,8 +64,15 @@ class LogprobSink(Protocol):
 
     def set_pass_meta(self, meta: dict[str, Any] | None) -> None: ...
 
-    def record(self, name: str, tensor: torch.Tensor, *, point: str | None = None, positions: Any = None,
-               sequence_ids: Any = None) -> None: ...
+    def record(
+        self,
+        name: str,
+        tensor: torch.Tensor,
+        *,
+        point: str | None = None,
+        positions: Any = None,
+        sequence_ids: Any = None,
+    ) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -88,13 +95,26 @@ class ObserverResult:
         return self.bit_exact
 
     def to_json(self) -> dict[str, Any]:
-        return {"checked": True, "bit_exact": self.bit_exact, "compared": self.compared, "values": self.values,
-                "max_abs_diff": self.max_abs_diff, "sequence": self.sequence, "position": self.position}
+        return {
+            "checked": True,
+            "bit_exact": self.bit_exact,
+            "compared": self.compared,
+            "values": self.values,
+            "max_abs_diff": self.max_abs_diff,
+            "sequence": self.sequence,
+            "position": self.position,
+        }
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> ObserverResult:
-        return cls(bit_exact=bool(d["bit_exact"]), compared=str(d["compared"]), values=int(d["values"]),
-                   max_abs_diff=float(d["max_abs_diff"]), sequence=d.get("sequence"), position=d.get("position"))
+        return cls(
+            bit_exact=bool(d["bit_exact"]),
+            compared=str(d["compared"]),
+            values=int(d["values"]),
+            max_abs_diff=float(d["max_abs_diff"]),
+            sequence=d.get("sequence"),
+            position=d.get("position"),
+        )
 
     def summary(self) -> str:
         """One line for the CLI."""
@@ -102,8 +122,10 @@ class ObserverResult:
         if self.bit_exact:
             return f"observer check: bit-exact ({self.values} values: {what})"
         size = "a non-finite value" if self.max_abs_diff == NON_FINITE_DIFF else f"{self.max_abs_diff:.3g}"
-        return (f"observer check: capture changed the {what} (largest |Δ| {size} at sequence "
-                f"{self.sequence}, position {self.position}, of {self.values} values)")
+        return (
+            f"observer check: capture changed the {what} (largest |Δ| {size} at sequence "
+            f"{self.sequence}, position {self.position}, of {self.values} values)"
+        )
 
 
 class ObserverCheck:
@@ -136,8 +158,15 @@ class ObserverCheck:
     def set_pass_meta(self, meta: dict[str, Any] | None) -> None:
         """Nothing to do: rows are matched by sequence and position, whatever pass wrote them."""
 
-    def record(self, name: str, tensor: torch.Tensor, *, point: str | None = None, positions: Any = None,
-               sequence_ids: Any = None) -> None:
+    def record(
+        self,
+        name: str,
+        tensor: torch.Tensor,
+        *,
+        point: str | None = None,
+        positions: Any = None,
+        sequence_ids: Any = None,
+    ) -> None:
         """Compare the rows of ``tensor`` ([rows, k]) with the captured dump's rows of ``name``."""
         if name not in self._names:
             return
@@ -149,12 +178,16 @@ class ObserverCheck:
         for s, p in zip(seqs, pos, strict=True):
             hit = self._rows.pop((name, s, p), None)
             if hit is None:
-                raise InternalError(f"observer check: the run without capture recorded {name} at sequence {s}, "
-                                    f"position {p}, which the captured dump does not hold (or holds twice)")
+                raise InternalError(
+                    f"observer check: the run without capture recorded {name} at sequence {s}, "
+                    f"position {p}, which the captured dump does not hold (or holds twice)"
+                )
             rec, row = hit
             if rec.dtype != self._codes.get(ref.dtype) or rec.shape[-1] != ref.shape[1]:
-                raise InternalError(f"observer check: {name} is {rec.dtype} x {rec.shape[-1]} in the dump, "
-                                    f"{ref.dtype} x {ref.shape[1]} in the run without capture")
+                raise InternalError(
+                    f"observer check: {name} is {rec.dtype} x {rec.shape[-1]} in the dump, "
+                    f"{ref.dtype} x {ref.shape[1]} in the run without capture"
+                )
             got_rows.append(self._reader.rows(rec)[row])
         if got_rows:
             self._compare(ref, np.stack(got_rows), rec.dtype, seqs, pos)
@@ -178,8 +211,10 @@ class ObserverCheck:
         """The verdict once the reference run has recorded everything (every dump row must have been met)."""
         if self._rows:
             name, s, p = next(iter(self._rows))
-            raise InternalError(f"observer check: the run without capture recorded no {name} at sequence {s}, "
-                                f"position {p} ({len(self._rows)} rows of the dump unmatched)")
+            raise InternalError(
+                f"observer check: the run without capture recorded no {name} at sequence {s}, "
+                f"position {p} ({len(self._rows)} rows of the dump unmatched)"
+            )
         if self._worst is None:
             return ObserverResult(True, self.compared, self.values)
         diff, s, p = self._worst

@@ -42,8 +42,9 @@ def _preset_config(name: str, attn: str) -> Any:
     return config
 
 
-def load_model(name_or_dir: str, *, dtype: str = "float32", attn: str = "eager", device: str = "cpu",
-               seed: int = 0) -> tuple[nn.Module, Tokenizer | None]:
+def load_model(
+    name_or_dir: str, *, dtype: str = "float32", attn: str = "eager", device: str = "cpu", seed: int = 0
+) -> tuple[nn.Module, Tokenizer | None]:
     """Load a preset or a local HF model directory (offline), in eval mode, on ``device``.
 
     Returns the model and a tokenizer (``None`` for a local dir without one). A model that

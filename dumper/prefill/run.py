@@ -18,8 +18,8 @@ import torch
 from dumper.errors import UsageError
 from dumper.format import Manifest, load_manifest
 from dumper.format.decode import GENERATED_IDS, NEW_TOKENS, NEXT_IDS, PROMPT_LENGTHS, TOKENS_FROM
-from dumper.format.sketch import SketchSpec
 from dumper.format.points import SUBLAYER_POINTS
+from dumper.format.sketch import SketchSpec
 from dumper.hooks.capture import Capture
 from dumper.hooks.layers import ATTN_INPUT, ROUTER, parse_points
 from dumper.hooks.tap import install_tap, remove_tap, tap_of
@@ -31,10 +31,26 @@ from dumper.prefill.presets import load_model
 from dumper.progress import ProgressFn
 from dumper.prompts import BUILTIN_PROMPTS, parse_input_ids, read_prompts_file  # noqa: F401 - re-exported
 
-__all__ = ["RunConfig", "LogprobSpec", "run_dump", "dump_sequences", "prefill", "record_logprobs",
-           "record_token_logprobs", "reference_sequences", "pad_batch", "cache_kwarg", "call_model", "cache_length",
-           "prompt_token_ids", "check_scored_positions", "read_prompts_file",
-           "parse_input_ids", "BUILTIN_PROMPTS", "tokens_from"]
+__all__ = [
+    "RunConfig",
+    "LogprobSpec",
+    "run_dump",
+    "dump_sequences",
+    "prefill",
+    "record_logprobs",
+    "record_token_logprobs",
+    "reference_sequences",
+    "pad_batch",
+    "cache_kwarg",
+    "call_model",
+    "cache_length",
+    "prompt_token_ids",
+    "check_scored_positions",
+    "read_prompts_file",
+    "parse_input_ids",
+    "BUILTIN_PROMPTS",
+    "tokens_from",
+]
 
 OBSERVER_ENGINES = ("transformers", "vllm")
 """Engines whose capture runs in this process, so that ``--observer-check`` can tell what it changes."""
@@ -99,8 +115,10 @@ class RunConfig:
         if self.new_tokens < 0:
             raise UsageError(f"--new-tokens must be >= 0, got {self.new_tokens}")
         if self.new_tokens and self.engine not in DECODE_ENGINES:
-            raise UsageError(f"--new-tokens: engine {self.engine} records prompt passes only so far; the decode "
-                             f"path is recorded with --engine {' or '.join(DECODE_ENGINES)} (docs/decode.md)")
+            raise UsageError(
+                f"--new-tokens: engine {self.engine} records prompt passes only so far; the decode "
+                f"path is recorded with --engine {' or '.join(DECODE_ENGINES)} (docs/decode.md)"
+            )
         if not 0 <= self.seed <= MAX_SEED:
             raise UsageError(f"--seed must be in 0..{MAX_SEED} (a torch.manual_seed int64), got {self.seed}")
         if self.padding_side not in ("left", "right"):
@@ -108,17 +126,23 @@ class RunConfig:
         object.__setattr__(self, "points", parse_points(self.points))
         allowed = ENGINE_POINTS.get(self.engine, (ATTN_INPUT,))
         if self.engine != "transformers" and not set(self.points) <= set(allowed):
-            raise UsageError(f"--points {','.join(self.points)}: engine {self.engine} records the "
-                             f"{' and '.join(map(repr, allowed))} point{'s' if len(allowed) > 1 else ''} only; "
-                             "the others need --engine transformers")
+            raise UsageError(
+                f"--points {','.join(self.points)}: engine {self.engine} records the "
+                f"{' and '.join(map(repr, allowed))} point{'s' if len(allowed) > 1 else ''} only; "
+                "the others need --engine transformers"
+            )
         if self.compile and self.engine != "transformers":
-            raise UsageError(f"--compile: --engine {self.engine} runs its own default mode (vLLM: compiled; "
-                             "--engine-arg enforce_eager=true for eager); --compile is for --engine transformers")
+            raise UsageError(
+                f"--compile: --engine {self.engine} runs its own default mode (vLLM: compiled; "
+                "--engine-arg enforce_eager=true for eager); --compile is for --engine transformers"
+            )
         if self.observer_check and self.logprobs is None:
             raise UsageError("--observer-check compares the logprobs of a run with and without capture; add --logprobs")
         if self.observer_check and self.engine not in OBSERVER_ENGINES:
-            raise UsageError(f"--observer-check: engine {self.engine} runs outside this process, where capture adds "
-                             f"nothing to check; it is for --engine {' or '.join(OBSERVER_ENGINES)}")
+            raise UsageError(
+                f"--observer-check: engine {self.engine} runs outside this process, where capture adds "
+                f"nothing to check; it is for --engine {' or '.join(OBSERVER_ENGINES)}"
+            )
 
 
 def prompt_token_ids(cfg: RunConfig, tokenizer: Any, vocab_size: int) -> list[list[int]]:
@@ -143,8 +167,16 @@ def prompt_token_ids(cfg: RunConfig, tokenizer: Any, vocab_size: int) -> list[li
     return seqs
 
 
-def _record_pass_logprobs(cap: LogprobSink, ids: torch.Tensor, mask: torch.Tensor, seq_ids: Sequence[int],
-                          spec: LogprobSpec, logits: torch.Tensor, start: int, positions: torch.Tensor) -> None:
+def _record_pass_logprobs(
+    cap: LogprobSink,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    seq_ids: Sequence[int],
+    spec: LogprobSpec,
+    logits: torch.Tensor,
+    start: int,
+    positions: torch.Tensor,
+) -> None:
     record_logprobs(cap, logits, ids, mask, positions, start, seq_ids, spec)
 
 
@@ -164,9 +196,11 @@ def run_dump(cfg: RunConfig, *, progress: ProgressFn | None = None) -> Manifest:
 def check_scored_positions(cfg: RunConfig, seqs: Sequence[Sequence[int]]) -> None:
     """With ``--logprobs``, refuse prompts of which none has a position past ``--logprob-start-len`` to score."""
     if cfg.logprobs is not None and all(len(s) - 1 <= cfg.logprobs.start_len for s in seqs):
-        raise UsageError(f"--logprobs: no prompt has a position to score (the longest has {max(map(len, seqs))} "
-                         f"tokens; --logprob-start-len {cfg.logprobs.start_len} leaves none, scored positions are "
-                         "start_len+1 .. len-1)")
+        raise UsageError(
+            f"--logprobs: no prompt has a position to score (the longest has {max(map(len, seqs))} "
+            f"tokens; --logprob-start-len {cfg.logprobs.start_len} leaves none, scored positions are "
+            "start_len+1 .. len-1)"
+        )
 
 
 def compiled_model(model: torch.nn.Module, cfg: RunConfig, seqs: Sequence[Sequence[int]]) -> torch.nn.Module:
@@ -177,8 +211,9 @@ def compiled_model(model: torch.nn.Module, cfg: RunConfig, seqs: Sequence[Sequen
     return torch.compile(model)
 
 
-def dump_sequences(model: torch.nn.Module, seqs: list[list[int]], cfg: RunConfig, *,
-                   progress: ProgressFn | None = None) -> Manifest:
+def dump_sequences(
+    model: torch.nn.Module, seqs: list[list[int]], cfg: RunConfig, *, progress: ProgressFn | None = None
+) -> Manifest:
     """:func:`run_dump` with a model already in hand (say, one with a bug injected) and token ids.
 
     ``cfg`` gives the output, layout, layers and logprob settings; ``cfg.model`` only names the
@@ -189,14 +224,33 @@ def dump_sequences(model: torch.nn.Module, seqs: list[list[int]], cfg: RunConfig
     check_scored_positions(cfg, seqs)
     if cfg.next_ids and len(cfg.next_ids) != len(seqs):
         raise UsageError(f"next_ids: {len(cfg.next_ids)} tokens for {len(seqs)} prompts")
-    extra = {"job": "decode" if cfg.new_tokens else "prefill", "input_ids": seqs, "dtype": cfg.dtype, "attn": cfg.attn, "seed": cfg.seed,
-             "compiled": cfg.compile,
-             "chunk_size": cfg.chunk_size, "batch_size": cfg.batch_size, "padding_side": cfg.padding_side,
-             "logprobs": None if cfg.logprobs is None else vars(cfg.logprobs), **cfg.extra}
+    extra = {
+        "job": "decode" if cfg.new_tokens else "prefill",
+        "input_ids": seqs,
+        "dtype": cfg.dtype,
+        "attn": cfg.attn,
+        "seed": cfg.seed,
+        "compiled": cfg.compile,
+        "chunk_size": cfg.chunk_size,
+        "batch_size": cfg.batch_size,
+        "padding_side": cfg.padding_side,
+        "logprobs": None if cfg.logprobs is None else vars(cfg.logprobs),
+        **cfg.extra,
+    }
     run_model = compiled_model(model, cfg, seqs) if cfg.compile else model
-    with torch.inference_mode(), Capture(run_model, cfg.out, layers=cfg.layers, modules=cfg.modules,
-                                         points=cfg.points, model_name=cfg.model, extra=extra,
-                                         sketch=cfg.sketch) as cap:
+    with (
+        torch.inference_mode(),
+        Capture(
+            run_model,
+            cfg.out,
+            layers=cfg.layers,
+            modules=cfg.modules,
+            points=cfg.points,
+            model_name=cfg.model,
+            extra=extra,
+            sketch=cfg.sketch,
+        ) as cap,
+    ):
         generated = _prefill_job(model, run_model, seqs, cfg, cap, progress)
         if cfg.new_tokens:
             cap.extra.update({NEW_TOKENS: cfg.new_tokens, GENERATED_IDS: generated})
@@ -226,8 +280,14 @@ def reference_sequences(model: torch.nn.Module, seqs: list[list[int]], cfg: RunC
         _prefill_job(model, run_model, seqs, cfg, sink, None)
 
 
-def _prefill_job(model: torch.nn.Module, run_model: torch.nn.Module, seqs: list[list[int]], cfg: RunConfig,
-                 sink: LogprobSink, progress: ProgressFn | None) -> list[list[int]]:
+def _prefill_job(
+    model: torch.nn.Module,
+    run_model: torch.nn.Module,
+    seqs: list[list[int]],
+    cfg: RunConfig,
+    sink: LogprobSink,
+    progress: ProgressFn | None,
+) -> list[list[int]]:
     """Prefill ``seqs`` through ``run_model`` in ``cfg``'s batches and chunks, logprobs into ``sink``, then
     decode ``cfg.new_tokens`` per sequence (:mod:`dumper.prefill.decode`); returns the tokens generated.
 
@@ -238,19 +298,28 @@ def _prefill_job(model: torch.nn.Module, run_model: torch.nn.Module, seqs: list[
     done, total = 0, sum(map(len, seqs)) + len(seqs) * max(cfg.new_tokens - 1, 0)
     generated: list[list[int]] = []
     for first in range(0, len(seqs), cfg.batch_size):
-        batch = seqs[first:first + cfg.batch_size]
+        batch = seqs[first : first + cfg.batch_size]
         seq_ids = list(range(first, first + len(batch)))
         sink.set_sequence_ids(seq_ids)
         ids, mask = pad_batch(batch, side=cfg.padding_side, pad_id=pad_id)
         ids, mask = ids.to(device), mask.to(device)
-        on_logits = None if cfg.logprobs is None else functools.partial(
-            _record_pass_logprobs, sink, ids, mask, seq_ids, cfg.logprobs)
+        on_logits = (
+            None
+            if cfg.logprobs is None
+            else functools.partial(_record_pass_logprobs, sink, ids, mask, seq_ids, cfg.logprobs)
+        )
         last = LastLogits(mask) if cfg.new_tokens or cfg.next_ids else None
-        cache = prefill(run_model, ids, mask, chunk_size=cfg.chunk_size, keep_cache=bool(cfg.new_tokens),
-                        on_logits=_both(on_logits, last))
+        cache = prefill(
+            run_model,
+            ids,
+            mask,
+            chunk_size=cfg.chunk_size,
+            keep_cache=bool(cfg.new_tokens),
+            on_logits=_both(on_logits, last),
+        )
         if last is not None and cfg.next_ids and cfg.logprobs is not None:
             assert last.logits is not None and last.positions is not None
-            nxt = torch.as_tensor(cfg.next_ids[first:first + len(batch)], device=device)
+            nxt = torch.as_tensor(cfg.next_ids[first : first + len(batch)], device=device)
             record_next_logprobs(sink, last.logits, nxt, last.positions + 1, seq_ids, cfg.logprobs)
         if last is not None and cfg.new_tokens:
             generated += greedy_steps(run_model, sink, cache, last, mask, seq_ids, cfg.new_tokens, cfg.logprobs)
@@ -260,8 +329,9 @@ def _prefill_job(model: torch.nn.Module, run_model: torch.nn.Module, seqs: list[
     return generated
 
 
-def _both(*fns: Callable[[torch.Tensor, int, torch.Tensor], None] | None
-          ) -> Callable[[torch.Tensor, int, torch.Tensor], None] | None:
+def _both(
+    *fns: Callable[[torch.Tensor, int, torch.Tensor], None] | None,
+) -> Callable[[torch.Tensor, int, torch.Tensor], None] | None:
     """One ``on_logits`` callback calling each of ``fns`` that is not None (None: none is)."""
     live = [f for f in fns if f is not None]
     if not live:
@@ -285,8 +355,10 @@ def tokens_from(cfg: RunConfig, dump: str) -> RunConfig:
     generated = manifest.extra.get(GENERATED_IDS)
     prompts = manifest.extra.get("input_ids")
     if not generated or not prompts or not any(generated):
-        raise UsageError(f"{dump}: not a decode dump (its manifest lists no generated tokens: "
-                         "python -m dumper run --new-tokens N writes one)")
+        raise UsageError(
+            f"{dump}: not a decode dump (its manifest lists no generated tokens: "
+            "python -m dumper run --new-tokens N writes one)"
+        )
     inputs = tuple(tuple(p) + tuple(g[:-1]) for p, g in zip(prompts, generated, strict=True))
     extra = {**cfg.extra, TOKENS_FROM: str(dump), PROMPT_LENGTHS: [len(p) for p in prompts]}
     return replace(cfg, input_ids=inputs, next_ids=tuple(g[-1] for g in generated), extra=extra)

@@ -23,10 +23,10 @@ Example::
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
-import copy
 
 from dumper.errors import UsageError
 from dumper.server.client import ServerClient, ServerError
@@ -87,21 +87,34 @@ def first_choice(url: str, response: Any) -> dict[str, Any]:
 
 
 def _vllm_request(p: Prompt, top_k: int, model: str | None) -> tuple[str, dict[str, Any]]:
-    body = {"prompt": p.value, "max_tokens": 0, "echo": True, "logprobs": top_k, "prompt_logprobs": top_k,
-            "temperature": 0.0, "return_token_ids": True}
+    body = {
+        "prompt": p.value,
+        "max_tokens": 0,
+        "echo": True,
+        "logprobs": top_k,
+        "prompt_logprobs": top_k,
+        "temperature": 0.0,
+        "return_token_ids": True,
+    }
     return "/v1/completions", body | ({"model": model} if model else {})
 
 
 def _vllm_record(url: str, p: Prompt, response: Any) -> dict[str, Any]:
     ch = first_choice(url, response)
     if ch.get("prompt_logprobs") is None:
-        raise ServerError(f"{url}: the server returned no prompt logprobs (choices[0].prompt_logprobs): it is not "
-                          "vLLM or ignores prompt_logprobs; for another OpenAI-compatible server use --api openai")
+        raise ServerError(
+            f"{url}: the server returned no prompt logprobs (choices[0].prompt_logprobs): it is not "
+            "vLLM or ignores prompt_logprobs; for another OpenAI-compatible server use --api openai"
+        )
     if ch.get("prompt_token_ids") is None and p.ids is not None:  # a vLLM without return_token_ids
         ch["prompt_token_ids"] = list(p.ids)
     lp, prompt_ids = ch.get("logprobs"), ch.get("prompt_token_ids")
-    if (isinstance(lp, dict) and isinstance(lp.get("token_logprobs"), list) and isinstance(prompt_ids, list)
-            and len(lp["token_logprobs"]) == len(prompt_ids)):
+    if (
+        isinstance(lp, dict)
+        and isinstance(lp.get("token_logprobs"), list)
+        and isinstance(prompt_ids, list)
+        and len(lp["token_logprobs"]) == len(prompt_ids)
+    ):
         ch["token_ids"] = []  # max_tokens=0: vLLM lists the one token it generates anyway, with no logprob
     return response
 
@@ -109,9 +122,13 @@ def _vllm_record(url: str, p: Prompt, response: Any) -> dict[str, Any]:
 def _sglang_request(p: Prompt, top_k: int, model: str | None) -> tuple[str, dict[str, Any]]:
     del model  # SGLang serves one model
     source = {"input_ids": list(p.ids)} if p.ids is not None else {"text": p.text}
-    return "/generate", source | {"sampling_params": {"temperature": 0.0, "max_new_tokens": 0},
-                                  "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": top_k,
-                                  "rid": p.request}
+    return "/generate", source | {
+        "sampling_params": {"temperature": 0.0, "max_new_tokens": 0},
+        "return_logprob": True,
+        "logprob_start_len": 0,
+        "top_logprobs_num": top_k,
+        "rid": p.request,
+    }
 
 
 def _sglang_record(url: str, p: Prompt, response: Any) -> dict[str, Any]:
@@ -119,8 +136,10 @@ def _sglang_record(url: str, p: Prompt, response: Any) -> dict[str, Any]:
         response = response[0]
     meta = response.get("meta_info") if isinstance(response, dict) else None
     if not isinstance(meta, dict) or not meta.get("input_token_logprobs"):
-        raise ServerError(f"{url}: the server returned no prompt logprobs (meta_info.input_token_logprobs): "
-                          "is this SGLang's /generate? (it needs return_logprob and logprob_start_len=0)")
+        raise ServerError(
+            f"{url}: the server returned no prompt logprobs (meta_info.input_token_logprobs): "
+            "is this SGLang's /generate? (it needs return_logprob and logprob_start_len=0)"
+        )
     meta["id"] = p.request  # the prompt's index, as in a dump (SGLang echoes rid here too)
     return response
 
@@ -136,8 +155,10 @@ def _completion_tokens(url: str, response: dict[str, Any], ch: dict[str, Any]) -
     if n is None and isinstance(ch.get("token_ids"), list):
         n = len(ch["token_ids"])
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-        raise ServerError(f"{url}: the response gives no usage.completion_tokens, so the prompt's logprobs "
-                          "cannot be told from the completion's")
+        raise ServerError(
+            f"{url}: the response gives no usage.completion_tokens, so the prompt's logprobs "
+            "cannot be told from the completion's"
+        )
     return n
 
 
@@ -145,13 +166,17 @@ def _openai_record(url: str, p: Prompt, response: Any) -> dict[str, Any]:
     ch = first_choice(url, response)
     lp = ch.get("logprobs")
     if not isinstance(lp, dict) or not isinstance(lp.get("token_logprobs"), list):
-        raise ServerError(f"{url}: the server returned no logprobs for echo=true, logprobs=K (choices[0].logprobs "
-                          "is empty): it does not score prompts (transformers serve ignores logprob fields)")
+        raise ServerError(
+            f"{url}: the server returned no logprobs for echo=true, logprobs=K (choices[0].logprobs "
+            "is empty): it does not score prompts (transformers serve ignores logprob fields)"
+        )
     n_out = _completion_tokens(url, response, ch)
     n_echo = len(lp["token_logprobs"]) - n_out
     if n_echo < 1:
-        raise ServerError(f"{url}: the server echoed no prompt tokens ({len(lp['token_logprobs'])} logprobs for "
-                          f"{n_out} completion tokens): it ignores echo=true")
+        raise ServerError(
+            f"{url}: the server echoed no prompt tokens ({len(lp['token_logprobs'])} logprobs for "
+            f"{n_out} completion tokens): it ignores echo=true"
+        )
     for key, v in list(lp.items()):  # tokens, token_logprobs, top_logprobs, text_offset: prompt part only
         if isinstance(v, list) and len(v) == n_echo + n_out:
             lp[key] = v[:n_echo]
@@ -177,8 +202,9 @@ def check_api(api: str, top_k: int) -> None:
         raise UsageError(f"--top-k must be >= 0, got {top_k}")
 
 
-def ask(client: ServerClient, api: str, prompt: Prompt, *, top_k: int = 0,
-        model: str | None = None) -> tuple[str, dict[str, Any]]:
+def ask(
+    client: ServerClient, api: str, prompt: Prompt, *, top_k: int = 0, model: str | None = None
+) -> tuple[str, dict[str, Any]]:
     """Send one prompt for scoring: the URL asked and the answer as the JSONL record (``request_id`` first).
 
     Raises :class:`ServerError` when the server is down, refuses the request, or answers without prompt logprobs.

@@ -33,9 +33,14 @@ from typing import Any, Final
 
 from dumper.errors import DriftscopeError, UsageError
 from dumper.format.files import check_json_memory
-
-from dumper.server.flags import (DEFAULT_RETRIES, DEFAULT_TIMEOUT_S, MAX_RETRIES, MAX_TIMEOUT_S, check_retries,
-                                 check_timeout)
+from dumper.server.flags import (
+    DEFAULT_RETRIES,
+    DEFAULT_TIMEOUT_S,
+    MAX_RETRIES,
+    MAX_TIMEOUT_S,
+    check_retries,
+    check_timeout,
+)
 from dumper.server.wire import (
     PIECE,
     Answer,
@@ -48,8 +53,16 @@ from dumper.server.wire import (
     read_body,
 )
 
-__all__ = ["ServerClient", "ServerError", "normalize_base_url", "check_timeout", "check_retries",
-           "MAX_RESPONSE_BYTES", "MAX_TIMEOUT_S", "MAX_RETRIES"]
+__all__ = [
+    "ServerClient",
+    "ServerError",
+    "normalize_base_url",
+    "check_timeout",
+    "check_retries",
+    "MAX_RESPONSE_BYTES",
+    "MAX_TIMEOUT_S",
+    "MAX_RETRIES",
+]
 
 MAX_RESPONSE_BYTES: Final = 256 << 20
 """Largest response body read; a longer one is refused (a prompt-logprobs answer is far smaller)."""
@@ -133,8 +146,11 @@ class ServerClient:
         object.__setattr__(self, "base_url", normalize_base_url(self.base_url))
         object.__setattr__(self, "timeout", check_timeout(self.timeout))
         object.__setattr__(self, "retries", check_retries(self.retries))
-        if isinstance(self.backoff, bool) or not isinstance(self.backoff, (int, float)) \
-                or not 0 <= self.backoff <= _MAX_BACKOFF_S:
+        if (
+            isinstance(self.backoff, bool)
+            or not isinstance(self.backoff, (int, float))
+            or not 0 <= self.backoff <= _MAX_BACKOFF_S
+        ):
             raise UsageError(f"backoff {self.backoff!r}: expected seconds from 0 to {_MAX_BACKOFF_S:g}")
 
     def url(self, path: str) -> str:
@@ -161,8 +177,9 @@ class ServerClient:
             raise ServerError(str(e)) from None
         except (ValueError, RecursionError):
             shown = one_line(body[:4096].decode("utf-8", errors="replace"), 80) or "(empty body)"
-            raise ServerError(f"{self.url(path)}: the response is not JSON (content-type "
-                              f"{one_line(ctype, 60) or 'none'}): '{shown}'") from None
+            raise ServerError(
+                f"{self.url(path)}: the response is not JSON (content-type {one_line(ctype, 60) or 'none'}): '{shown}'"
+            ) from None
 
     def _request(self, method: str, path: str, payload: Any) -> tuple[str, bytes]:
         """(content type, body) of a 2xx answer, retrying what may pass on a later try."""
@@ -189,9 +206,12 @@ class ServerClient:
             if 200 <= status < 300:
                 return answer.ctype, answer.body
             if 300 <= status < 400 and answer.location:
-                raise ServerError(f"{url}: HTTP {status} redirects to {self._location(url, answer.location)}: "
-                                  "redirects are not followed (the answers must come from the URL given); "
-                                  "pass the final URL to --server", status=status)
+                raise ServerError(
+                    f"{url}: HTTP {status} redirects to {self._location(url, answer.location)}: "
+                    "redirects are not followed (the answers must come from the URL given); "
+                    "pass the final URL to --server",
+                    status=status,
+                )
             message = _server_message(answer.body)
             if status not in _RETRY_STATUS:
                 raise ServerError(f"{url}: HTTP {status}: {message}", status=status)
@@ -241,8 +261,13 @@ class ServerClient:
     def _request_bytes(method: str, parts: urllib.parse.SplitResult, path: str, data: bytes | None) -> bytes:
         host = str(parts.hostname)
         host = f"[{host}]" if ":" in host else host.encode("idna").decode("ascii")
-        head = [f"{method} {parts.path}{path} HTTP/1.1", f"Host: {host}{f':{parts.port}' if parts.port else ''}",
-                "Accept: application/json", "User-Agent: driftscope", "Connection: close"]
+        head = [
+            f"{method} {parts.path}{path} HTTP/1.1",
+            f"Host: {host}{f':{parts.port}' if parts.port else ''}",
+            "Accept: application/json",
+            "User-Agent: driftscope",
+            "Connection: close",
+        ]
         if data is not None:
             head.append("Content-Type: application/json")
         if data is not None or method == "POST":

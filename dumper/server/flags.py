@@ -15,9 +15,21 @@ from typing import Final
 
 from dumper.errors import UsageError
 
-__all__ = ["API_NAMES", "MAX_TIMEOUT_S", "MAX_RETRIES", "DEFAULT_TIMEOUT_S", "DEFAULT_RETRIES", "check_timeout",
-           "check_retries", "timeout_arg", "retries_arg", "server_flag", "api_flag", "served_model_flag",
-           "request_flags"]
+__all__ = [
+    "API_NAMES",
+    "MAX_TIMEOUT_S",
+    "MAX_RETRIES",
+    "DEFAULT_TIMEOUT_S",
+    "DEFAULT_RETRIES",
+    "check_timeout",
+    "check_retries",
+    "timeout_arg",
+    "retries_arg",
+    "server_flag",
+    "api_flag",
+    "served_model_flag",
+    "request_flags",
+]
 
 API_NAMES: Final = ("vllm", "sglang", "openai")
 """The server APIs ``collect`` speaks (:mod:`comparator.logprobs.sources.collect`)."""
@@ -43,8 +55,10 @@ def _shown(value: object) -> str:
 def check_timeout(value: float) -> float:
     """``value`` as a per-request timeout: a number of seconds in ``(0, MAX_TIMEOUT_S]``, else a UsageError."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= MAX_TIMEOUT_S:
-        raise UsageError(f"--timeout {_shown(value)}: expected seconds per request, more than 0 and at most "
-                         f"{MAX_TIMEOUT_S:g} (one day)")
+        raise UsageError(
+            f"--timeout {_shown(value)}: expected seconds per request, more than 0 and at most "
+            f"{MAX_TIMEOUT_S:g} (one day)"
+        )
     return float(value)
 
 
@@ -90,9 +104,17 @@ def served_model_flag(p: argparse.ArgumentParser, flag: str = "--served-model", 
 
 def request_flags(p: argparse.ArgumentParser, when: str = "") -> None:
     """``--timeout S`` and ``--retries N``: one request's deadline, and how often a failed one is tried again."""
-    p.add_argument("--timeout", type=timeout_arg, default=DEFAULT_TIMEOUT_S,
-                   help=f"{when}seconds per request: connect, send and the whole answer "
-                        f"(default {DEFAULT_TIMEOUT_S:g}, at most {MAX_TIMEOUT_S:g})")
-    p.add_argument("--retries", type=retries_arg, default=DEFAULT_RETRIES,
-                   help=f"{when}retries on connection errors, timeouts, cut answers and HTTP 429/5xx, with backoff "
-                        f"(default {DEFAULT_RETRIES}, at most {MAX_RETRIES})")
+    p.add_argument(
+        "--timeout",
+        type=timeout_arg,
+        default=DEFAULT_TIMEOUT_S,
+        help=f"{when}seconds per request: connect, send and the whole answer "
+        f"(default {DEFAULT_TIMEOUT_S:g}, at most {MAX_TIMEOUT_S:g})",
+    )
+    p.add_argument(
+        "--retries",
+        type=retries_arg,
+        default=DEFAULT_RETRIES,
+        help=f"{when}retries on connection errors, timeouts, cut answers and HTTP 429/5xx, with backoff "
+        f"(default {DEFAULT_RETRIES}, at most {MAX_RETRIES})",
+    )

@@ -134,8 +134,9 @@ def _read_chunked(fp: io.BufferedReader, limit: int, deadline: float, refuse_ove
             raise http.client.HTTPException("a chunk of a chunked body is longer than its size")
 
 
-def read_body(fp: io.BufferedReader, resp: http.client.HTTPResponse, limit: int, deadline: float,
-              refuse_over: bool) -> bytes:
+def read_body(
+    fp: io.BufferedReader, resp: http.client.HTTPResponse, limit: int, deadline: float, refuse_over: bool
+) -> bytes:
     """The body framed as ``resp``'s headers say: chunked, ``Content-Length`` bytes, or up to the close.
 
     At most ``limit`` bytes: a longer body is :class:`Refused` (before reading when declared) with
@@ -161,8 +162,10 @@ def read_body(fp: io.BufferedReader, resp: http.client.HTTPResponse, limit: int,
         n = min(declared, limit)
         got = _read_exact(fp, n, out, deadline)
         if got < n:
-            raise Incomplete(f"incomplete response: the connection closed after {got} of the {declared} bytes "
-                         "its Content-Length declares")
+            raise Incomplete(
+                f"incomplete response: the connection closed after {got} of the {declared} bytes "
+                "its Content-Length declares"
+            )
         return out.getvalue()
     while out.tell() <= limit:  # no length: the body ends when the server closes the connection
         left(deadline)

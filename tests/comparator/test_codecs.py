@@ -8,19 +8,18 @@ The objects come from a real calibration and a real logprob comparison of two ti
 from __future__ import annotations
 
 import dataclasses
-
 import json
 
 import numpy as np
 import pytest
 
-from comparator.judging.logprob_thresholds import LogprobThresholds
-from comparator.logprobs import Located, LogprobVerdict
-from comparator.logprobs.llama_stats import LlamaStats, llama_stats
-from comparator.logprobs.judge import compare_logprob_sources
-from comparator.noise.calibrate import calibrate
 from comparator.judging.logprob_noise import LogprobNoise, MeanNoise
+from comparator.judging.logprob_thresholds import LogprobThresholds
 from comparator.judging.noise import NoiseModel, TensorNoise
+from comparator.logprobs import Located, LogprobVerdict
+from comparator.logprobs.judge import compare_logprob_sources
+from comparator.logprobs.llama_stats import LlamaStats, llama_stats
+from comparator.noise.calibrate import calibrate
 from tests.conftest import run_cli
 
 
@@ -35,8 +34,9 @@ def dumps(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
     out = []
     for attn in ("eager", "sdpa"):
         path = root / attn
-        r = run_cli("dumper", "run", "--model", "tiny-llama", "--attn", attn, "--layers", "all", "--logprobs",
-                    "--out", path)
+        r = run_cli(
+            "dumper", "run", "--model", "tiny-llama", "--attn", attn, "--layers", "all", "--logprobs", "--out", path
+        )
         assert r.returncode == 0, r.stderr
         out.append(str(path))
     return out[0], out[1]

@@ -17,8 +17,9 @@ FIXED = ("DRIFTSCOPE_DIFF_THRESHOLD", "DRIFTSCOPE_TOKEN_THRESHOLD")
 
 
 def test_an_empty_environment_sets_nothing():
-    assert comparator_settings({}) == ComparatorSettings(diff_threshold=None, token_threshold=None,
-                                                         logprob_thresholds={})
+    assert comparator_settings({}) == ComparatorSettings(
+        diff_threshold=None, token_threshold=None, logprob_thresholds={}
+    )
 
 
 def test_it_reads_only_its_own_variables():
@@ -58,10 +59,15 @@ def test_every_logprob_metric_has_its_variable(name):
     assert logprob_env_thresholds({f"DRIFTSCOPE_LOGPROB_{name.upper()}": "0.25"}) == {name: 0.25}
 
 
-@pytest.mark.parametrize(("var", "raw", "says"), [("DRIFTSCOPE_LOGPROB_KL_MAX", "abc", "is not a number"),
-                                                  ("DRIFTSCOPE_LOGPROB_MSE", "-1", "finite number >= 0"),
-                                                  ("DRIFTSCOPE_LOGPROB_K3_MEAN", "nan", "finite number >= 0"),
-                                                  ("DRIFTSCOPE_LOGPROB_KLMAX", "1", "is not a logprob threshold")])
+@pytest.mark.parametrize(
+    ("var", "raw", "says"),
+    [
+        ("DRIFTSCOPE_LOGPROB_KL_MAX", "abc", "is not a number"),
+        ("DRIFTSCOPE_LOGPROB_MSE", "-1", "finite number >= 0"),
+        ("DRIFTSCOPE_LOGPROB_K3_MEAN", "nan", "finite number >= 0"),
+        ("DRIFTSCOPE_LOGPROB_KLMAX", "1", "is not a logprob threshold"),
+    ],
+)
 def test_a_bad_logprob_variable_is_one_line_naming_it(var, raw, says):
     with pytest.raises(UsageError) as e:
         logprob_env_thresholds({var: raw})

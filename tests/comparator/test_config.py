@@ -18,7 +18,11 @@ ENV = {"DRIFTSCOPE_DIFF_THRESHOLD": "0.25", "DRIFTSCOPE_TOKEN_THRESHOLD": "0.5"}
 def test_defaults_without_flags_or_env():
     c = CompareConfig.resolve(env={})
     assert (c.threshold, c.token_threshold, c.threads, c.fixed_explicit) == (
-        DEFAULT_THRESHOLD, DEFAULT_TOKEN_THRESHOLD, 2, False)
+        DEFAULT_THRESHOLD,
+        DEFAULT_TOKEN_THRESHOLD,
+        2,
+        False,
+    )
 
 
 def test_env_beats_default_and_flag_beats_env_for_each_threshold():
@@ -62,14 +66,17 @@ def test_a_bad_env_value_is_refused_even_when_a_flag_overrides_it():
         CompareConfig.resolve(threshold=0.1, env={"DRIFTSCOPE_DIFF_THRESHOLD": "oops"})
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"threshold": math.nan}, "threshold must be a finite number >= 0"),
-    ({"token_threshold": -1.0}, "token_threshold must be a finite number >= 0"),
-    ({"threshold": math.inf}, "threshold must be a finite number >= 0"),
-    ({"threads": 0}, f"threads must be between 1 and {MAX_THREADS}"),
-    ({"threads": MAX_THREADS + 1}, f"threads must be between 1 and {MAX_THREADS}"),
-    ({"noise_floor": -1e-9}, "noise_floor must be a finite number >= 0"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"threshold": math.nan}, "threshold must be a finite number >= 0"),
+        ({"token_threshold": -1.0}, "token_threshold must be a finite number >= 0"),
+        ({"threshold": math.inf}, "threshold must be a finite number >= 0"),
+        ({"threads": 0}, f"threads must be between 1 and {MAX_THREADS}"),
+        ({"threads": MAX_THREADS + 1}, f"threads must be between 1 and {MAX_THREADS}"),
+        ({"noise_floor": -1e-9}, "noise_floor must be a finite number >= 0"),
+    ],
+)
 def test_bad_values_are_refused_when_the_config_is_made(kwargs, message):
     with pytest.raises(UsageError, match=message):
         CompareConfig(**kwargs)

@@ -40,11 +40,27 @@ def reports(tmp_path_factory) -> dict[Outcome, Report]:
     bug = one_token_bug_dump(root / "bug", layer=2, token=57)
     passed = compare_dumps(a, same)
     # a replica mismatch needs a tensor-parallel run; the wording only needs the report to carry one
-    replicas = dataclasses.replace(passed, replica_mismatches=(ReplicaMismatch(
-        side="target", name="model.layers.1.self_attn.input", layer=1, sequence=0, rank=1, reference_rank=0,
-        first_token=3, max_token_rel_diff=0.5),))
-    return {Outcome.PASSED: passed, Outcome.TENSORS: compare_dumps(a, bump), Outcome.REPLICAS: replicas,
-            Outcome.LOGPROBS: compare_dumps(base, bug, CompareConfig.resolve(**LOOSE))}
+    replicas = dataclasses.replace(
+        passed,
+        replica_mismatches=(
+            ReplicaMismatch(
+                side="target",
+                name="model.layers.1.self_attn.input",
+                layer=1,
+                sequence=0,
+                rank=1,
+                reference_rank=0,
+                first_token=3,
+                max_token_rel_diff=0.5,
+            ),
+        ),
+    )
+    return {
+        Outcome.PASSED: passed,
+        Outcome.TENSORS: compare_dumps(a, bump),
+        Outcome.REPLICAS: replicas,
+        Outcome.LOGPROBS: compare_dumps(base, bug, CompareConfig.resolve(**LOOSE)),
+    }
 
 
 def test_each_report_has_its_outcome(reports):
@@ -59,7 +75,8 @@ def test_headlines(reports):
     assert headline(reports[Outcome.PASSED]) == "PASS" and clause(reports[Outcome.PASSED]) == ""
     assert headline(reports[Outcome.TENSORS]) == f"DIVERGED {describe_divergence(fd)}"
     assert headline(reports[Outcome.TENSORS]).startswith(
-        "DIVERGED at layer 1 (model.layers.1.self_attn.input, pass 0, rank 0), first failing token 5 of sequence 0")
+        "DIVERGED at layer 1 (model.layers.1.self_attn.input, pass 0, rank 0), first failing token 5 of sequence 0"
+    )
     assert headline(reports[Outcome.REPLICAS]) == "DIVERGED (replicas differ)"
     failures = reports[Outcome.LOGPROBS].logprobs.failures()
     assert failures and headline(reports[Outcome.LOGPROBS]) == f"DIVERGED (logprobs: {', '.join(failures)})"
@@ -69,7 +86,12 @@ def test_headlines(reports):
 
 def test_status_words():
     assert (status(True), status(True, "x"), status(False), status(False, 3), status(False, "mse, kl_max")) == (
-        PASS, PASS, FAIL, "FAIL (3)", "FAIL (mse, kl_max)")
+        PASS,
+        PASS,
+        FAIL,
+        "FAIL (3)",
+        "FAIL (mse, kl_max)",
+    )
 
 
 @pytest.mark.slow
@@ -82,10 +104,14 @@ def test_every_output_writes_the_same_words(reports):
         assert f"<h1>{outcome.word}</h1>" in page and f"<p>{html.escape(sentence(report))}</p>" in page
         assert re.search(rf"<title>driftscope: {outcome.word}: ", page)
         short = clause(report, detail=False)  # the terminal's table above already lists the failures
-        expected = f"{headline(report)}. matched " if outcome is Outcome.TENSORS else \
-            f"{outcome.word}{' ' * bool(short)}{short}: matched "
-        verdict = [line for line in render_to_string(report, width=400).splitlines()
-                   if line.startswith((PASS, DIVERGED))]
+        expected = (
+            f"{headline(report)}. matched "
+            if outcome is Outcome.TENSORS
+            else f"{outcome.word}{' ' * bool(short)}{short}: matched "
+        )
+        verdict = [
+            line for line in render_to_string(report, width=400).splitlines() if line.startswith((PASS, DIVERGED))
+        ]
         assert verdict and verdict[-1].startswith(expected), (verdict, expected)
     assert to_markdown(reports[Outcome.PASSED]).startswith("**driftscope: PASS** (every matched tensor passed)")
     assert sentence(reports[Outcome.LOGPROBS]) == "the logprobs fail their thresholds"

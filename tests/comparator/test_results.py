@@ -22,12 +22,12 @@ from hypothesis import strategies as st
 import dumper
 from comparator import CompareConfig, compare_dumps
 from comparator.hidden.onset import Amplification
-from dumper.format.jsonfloat import from_json_float, to_json_float
 from comparator.logprobs import LogprobVerdict
 from comparator.noise.calibrate import calibrate
 from comparator.reports.files import json_text
 from comparator.results import FirstDivergence, Heatmap, ReplicaMismatch, Report, TensorComparison
 from comparator.store.environment import EnvDifference
+from dumper.format.jsonfloat import from_json_float, to_json_float
 from tests.report_dumps import clean_dump, one_token_bug_dump
 
 LAYER, TOKEN = 2, 57
@@ -44,8 +44,14 @@ def _synth(out: Path, edit: Any = None, *, scale: float = 0.0) -> Path:
             x *= 1 + scale * torch.randn(x.shape, generator=jitter)
             if edit is not None:
                 edit(layer, x)
-            dumper.dump(f"model.layers.{layer}.self_attn.input", x, layer=layer, point="input",
-                        positions=range(ROWS), sequence_ids=[0] * ROWS)
+            dumper.dump(
+                f"model.layers.{layer}.self_attn.input",
+                x,
+                layer=layer,
+                point="input",
+                positions=range(ROWS),
+                sequence_ids=[0] * ROWS,
+            )
         dumper.step()
     return out
 
@@ -65,8 +71,11 @@ def reports(tmp_path_factory) -> dict[str, Report]:
     bad = one_token_bug_dump(root / "bad", layer=LAYER, token=TOKEN)
     synth, variant, broken = _synth(root / "s"), _synth(root / "v", scale=1e-6), _synth(root / "n", _nonfinite)
     noise = calibrate(synth, [variant], threads=1)
-    return {"pass": compare_dumps(base, root / "same"), "bug": compare_dumps(base, bad),
-            "nonfinite": compare_dumps(synth, broken, CompareConfig.resolve(noise=noise, threads=1))}
+    return {
+        "pass": compare_dumps(base, root / "same"),
+        "bug": compare_dumps(base, bad),
+        "nonfinite": compare_dumps(synth, broken, CompareConfig.resolve(noise=noise, threads=1)),
+    }
 
 
 def _wire(d: dict[str, Any]) -> dict[str, Any]:
@@ -115,19 +124,39 @@ def test_every_part_round_trips(reports):
 _metric = st.one_of(st.floats(min_value=0, allow_nan=False), st.just(math.inf))
 
 
-@given(side=st.sampled_from(["baseline", "target"]), name=st.text(max_size=20),
-       layer=st.one_of(st.none(), st.integers(0, 200)), seq=st.integers(0, 64), rank=st.integers(0, 7),
-       ref=st.integers(0, 7), token=st.integers(0, 10**6), value=_metric)
+@given(
+    side=st.sampled_from(["baseline", "target"]),
+    name=st.text(max_size=20),
+    layer=st.one_of(st.none(), st.integers(0, 200)),
+    seq=st.integers(0, 64),
+    rank=st.integers(0, 7),
+    ref=st.integers(0, 7),
+    token=st.integers(0, 10**6),
+    value=_metric,
+)
 def test_replica_mismatch_round_trips(side, name, layer, seq, rank, ref, token, value):
-    m = ReplicaMismatch(side=side, name=name, layer=layer, sequence=seq, rank=rank, reference_rank=ref,
-                        first_token=token, max_token_rel_diff=value)
+    m = ReplicaMismatch(
+        side=side,
+        name=name,
+        layer=layer,
+        sequence=seq,
+        rank=rank,
+        reference_rank=ref,
+        first_token=token,
+        max_token_rel_diff=value,
+    )
     assert ReplicaMismatch.from_json(_wire(m.to_json())) == m
 
 
-_json = st.recursive(st.none() | st.booleans() | st.integers(-2**53, 2**53) | st.text(max_size=8)
-                     | st.floats(allow_nan=False, allow_infinity=False),
-                     lambda kids: st.lists(kids, max_size=3) | st.dictionaries(st.text(max_size=5), kids, max_size=3),
-                     max_leaves=8)
+_json = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**53), 2**53)
+    | st.text(max_size=8)
+    | st.floats(allow_nan=False, allow_infinity=False),
+    lambda kids: st.lists(kids, max_size=3) | st.dictionaries(st.text(max_size=5), kids, max_size=3),
+    max_leaves=8,
+)
 
 
 @given(field=st.sampled_from(["torch", "cuda", "device_name", "python"]), baseline=_json, run=_json)

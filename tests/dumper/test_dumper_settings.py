@@ -34,9 +34,20 @@ def test_vllm_spool(raw, expected):
     assert env_settings({"DRIFTSCOPE_VLLM_SPOOL": raw}).vllm_spool == expected
 
 
-@pytest.mark.parametrize(("raw", "expected"), [("1", True), ("true", True), ("YES", True), (" on ", True),
-                                                ("0", False), ("false", False), ("off", False), ("no", False),
-                                                ("", False)])
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        ("1", True),
+        ("true", True),
+        ("YES", True),
+        (" on ", True),
+        ("0", False),
+        ("false", False),
+        ("off", False),
+        ("no", False),
+        ("", False),
+    ],
+)
 def test_debug(raw, expected):
     assert env_settings({"DRIFTSCOPE_DEBUG": raw}).debug is expected
 

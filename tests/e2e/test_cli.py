@@ -10,10 +10,27 @@ import pytest
 
 from dumper.format import MANIFEST_NAME
 
-CONTRACT_KEYS = {"passed", "threshold", "token_threshold", "matched", "unmatched_baseline", "unmatched_target",
-                 "first_divergent", "tensors"}
-TENSOR_KEYS = {"name", "layer", "forward_pass", "rank", "rel_diff", "max_token_rel_diff", "max_abs_diff",
-               "cosine", "passed"}
+CONTRACT_KEYS = {
+    "passed",
+    "threshold",
+    "token_threshold",
+    "matched",
+    "unmatched_baseline",
+    "unmatched_target",
+    "first_divergent",
+    "tensors",
+}
+TENSOR_KEYS = {
+    "name",
+    "layer",
+    "forward_pass",
+    "rank",
+    "rel_diff",
+    "max_token_rel_diff",
+    "max_abs_diff",
+    "cosine",
+    "passed",
+}
 
 
 @pytest.fixture(scope="module")
@@ -27,12 +44,26 @@ def eager_dump(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("preset,dtype", [("tiny-llama", "float32"), ("tiny-llama", "bfloat16"),
-                                          ("tiny-qwen2", "float32"), ("tiny-qwen2", "bfloat16")])
+@pytest.mark.parametrize(
+    "preset,dtype",
+    [("tiny-llama", "float32"), ("tiny-llama", "bfloat16"), ("tiny-qwen2", "float32"), ("tiny-qwen2", "bfloat16")],
+)
 def test_eager_vs_sdpa_passes(cli, tmp_path, preset, dtype):
     for attn in ("eager", "sdpa"):
-        r = cli("dumper", "run", "--model", preset, "--dtype", dtype, "--attn", attn, "--layers", "all",
-                "--out", tmp_path / attn)
+        r = cli(
+            "dumper",
+            "run",
+            "--model",
+            preset,
+            "--dtype",
+            dtype,
+            "--attn",
+            attn,
+            "--layers",
+            "all",
+            "--out",
+            tmp_path / attn,
+        )
         assert r.returncode == 0, r.stderr
     r = cli("comparator", tmp_path / "eager", tmp_path / "sdpa", "--json", tmp_path / "r.json")
     assert r.returncode == 0, r.stdout + r.stderr
@@ -56,8 +87,16 @@ def test_default_run_and_ls(cli, tmp_path, eager_dump):
 def test_diverging_run_exits_1_with_json_and_csv(cli, tmp_path, eager_dump):
     r = cli("dumper", "run", "--out", tmp_path / "other", "--layers", "all", "--seed", "1")
     assert r.returncode == 0, r.stderr
-    r = cli("comparator", eager_dump, tmp_path / "other", "--json", tmp_path / "r.json", "--csv", tmp_path / "r.csv",
-            "--tensors")
+    r = cli(
+        "comparator",
+        eager_dump,
+        tmp_path / "other",
+        "--json",
+        tmp_path / "r.json",
+        "--csv",
+        tmp_path / "r.csv",
+        "--tensors",
+    )
     assert r.returncode == 1, r.stdout + r.stderr
     assert "FIRST DIVERGENCE" in r.stdout and "DIVERGED at layer 0" in r.stdout
     report = json.loads((tmp_path / "r.json").read_text())
@@ -74,9 +113,18 @@ def test_diverging_run_exits_1_with_json_and_csv(cli, tmp_path, eager_dump):
 def test_threshold_flag_and_env(cli, tmp_path, eager_dump):
     r = cli("dumper", "run", "--out", tmp_path / "sdpa", "--layers", "all", "--attn", "sdpa")
     assert r.returncode == 0
-    assert cli("comparator", eager_dump, tmp_path / "sdpa", "--threshold", "0", "--token-threshold", "0").returncode == 1
-    assert cli("comparator", eager_dump, tmp_path / "sdpa",
-               env={"DRIFTSCOPE_DIFF_THRESHOLD": "0", "DRIFTSCOPE_TOKEN_THRESHOLD": "0"}).returncode == 1
+    assert (
+        cli("comparator", eager_dump, tmp_path / "sdpa", "--threshold", "0", "--token-threshold", "0").returncode == 1
+    )
+    assert (
+        cli(
+            "comparator",
+            eager_dump,
+            tmp_path / "sdpa",
+            env={"DRIFTSCOPE_DIFF_THRESHOLD": "0", "DRIFTSCOPE_TOKEN_THRESHOLD": "0"},
+        ).returncode
+        == 1
+    )
     bad = cli("comparator", eager_dump, tmp_path / "sdpa", env={"DRIFTSCOPE_DIFF_THRESHOLD": "nan"})
     assert bad.returncode == 2 and "DRIFTSCOPE_DIFF_THRESHOLD" in bad.stderr
 
@@ -132,23 +180,29 @@ def test_shape_mismatch_and_empty_dump_exit_2(cli, tmp_path, eager_dump):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("args,needle", [
-    (["--threshold", "abc"], "invalid float"),
-    (["--threshold", "-1"], "threshold"),
-    ([], "required"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--threshold", "abc"], "invalid float"),
+        (["--threshold", "-1"], "threshold"),
+        ([], "required"),
+    ],
+)
 def test_bad_comparator_arguments_exit_2(cli, eager_dump, args, needle):
     positional = [] if args == [] else [eager_dump, eager_dump]
     _single_line_error(cli("comparator", *positional, *args), needle)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("args,needle", [
-    (["--layers", "99"], "out of range"),
-    (["--model", "no-such-model"], "neither a preset"),
-    (["--input-ids", "1,2,999999"], "outside the vocabulary"),
-    (["--device", "cuda"], "CUDA is not available"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--layers", "99"], "out of range"),
+        (["--model", "no-such-model"], "neither a preset"),
+        (["--input-ids", "1,2,999999"], "outside the vocabulary"),
+        (["--device", "cuda"], "CUDA is not available"),
+    ],
+)
 def test_bad_dumper_arguments_exit_2(cli, tmp_path, args, needle):
     import torch
 
@@ -172,16 +226,26 @@ def test_prompts_file_and_input_ids(cli, tmp_path):
     assert a.extra["input_ids"] == [[1, 107, 104, 111, 111, 114], [1, 5, 9, 200]]
     assert [t.shape for t in a.tensors] == [(1, 6, 64), (1, 4, 64)] and b.tensors[0].shape == (1, 4, 64)
     (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\nnot json\n')
-    _single_line_error(cli("dumper", "run", "--out", tmp_path / "c", "--prompts", tmp_path / "bad.jsonl"),
-                       "bad.jsonl:2")
+    _single_line_error(
+        cli("dumper", "run", "--out", tmp_path / "c", "--prompts", tmp_path / "bad.jsonl"), "bad.jsonl:2"
+    )
 
 
 @pytest.mark.slow
 def test_report_outputs_through_the_cli(cli, tmp_path, eager_dump):
     copy = tmp_path / "copy"  # a dump is never compared with itself (exit 2): compare it with a copy
     shutil.copytree(eager_dump, copy)
-    r = cli("comparator", eager_dump, copy, "--format", "json", "--html", tmp_path / "r.html",
-            "--markdown", tmp_path / "r.md")
+    r = cli(
+        "comparator",
+        eager_dump,
+        copy,
+        "--format",
+        "json",
+        "--html",
+        tmp_path / "r.html",
+        "--markdown",
+        tmp_path / "r.md",
+    )
     assert r.returncode == 0, r.stderr
     report = json.loads(r.stdout)  # stdout carries the JSON report alone
     assert report["passed"] and report["matched"] == 16 and report["heatmap"] is None

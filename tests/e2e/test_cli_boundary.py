@@ -23,8 +23,14 @@ def _layer_pair(root: Path, layers: int) -> tuple[Path, Path]:
     with dumper.capture(None, a, model_name="odd"):
         for layer in range(layers):
             x = torch.randn(4, 8, generator=torch.Generator().manual_seed(layer))  # [tokens, hidden]
-            dumper.dump(f"model.layers.{layer}.self_attn.input", x, layer=layer, point="input",
-                        positions=range(4), sequence_ids=[0] * 4)
+            dumper.dump(
+                f"model.layers.{layer}.self_attn.input",
+                x,
+                layer=layer,
+                point="input",
+                positions=range(4),
+                sequence_ids=[0] * 4,
+            )
     shutil.copytree(a, root / "b")
     return a, root / "b"
 
@@ -80,8 +86,10 @@ def test_internal_errors_exit_3_with_one_line(capsys, monkeypatch):
     assert err.count("\n") == 1 and "bug in driftscope" in err and "--debug" in err and "Traceback" not in err
     monkeypatch.delenv("DRIFTSCOPE_DEBUG", raising=False)
     seen = []
-    assert guarded_main(lambda argv: seen.append(os.environ.get("DRIFTSCOPE_DEBUG")) or boom(argv),
-                        ["--debug"]) == EXIT_INTERNAL
+    assert (
+        guarded_main(lambda argv: seen.append(os.environ.get("DRIFTSCOPE_DEBUG")) or boom(argv), ["--debug"])
+        == EXIT_INTERNAL
+    )
     assert "Traceback" in capsys.readouterr().err
     assert seen == ["1"] and "DRIFTSCOPE_DEBUG" not in os.environ  # for the run (an engine's start), not after
     assert guarded_main(boom, []) == EXIT_INTERNAL and "Traceback" not in capsys.readouterr().err
@@ -95,6 +103,7 @@ def test_an_oserror_without_a_file_is_a_bug_not_bad_input(capsys):
         raise OSError("socket went away")
 
     assert guarded_main(boom, []) == EXIT_INTERNAL
+
     def missing(argv):
         open("/nonexistent/driftscope-input")  # noqa: SIM115 - the OSError is the point
 
@@ -113,11 +122,12 @@ def _first_line_then_close(*args: str | os.PathLike[str]) -> int:
     import subprocess
     import sys
 
-    from tests.conftest import ROOT, subprocess_env
+    from tests.conftest import subprocess_env
 
     env = subprocess_env()
-    p = subprocess.Popen([sys.executable, "-m", *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         env=env)
+    p = subprocess.Popen(
+        [sys.executable, "-m", *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
+    )
     assert p.stdout is not None and p.stdout.readline()
     p.stdout.close()
     _, err = p.communicate(timeout=120)
@@ -182,8 +192,9 @@ def test_a_library_warning_never_precedes_the_error_line(tmp_path, argv):
 
     from tests.conftest import subprocess_env
 
-    r = subprocess.run([sys.executable, "-c", _WARNS_THEN, *argv], capture_output=True, text=True, timeout=60,
-                       env=subprocess_env())
+    r = subprocess.run(
+        [sys.executable, "-c", _WARNS_THEN, *argv], capture_output=True, text=True, timeout=60, env=subprocess_env()
+    )
     if argv == ["fail"]:
         assert r.returncode == EXIT_UNUSABLE and r.stderr == "error: baseline: no router point\n", r.stderr
     elif argv == ["fail", "--debug"]:

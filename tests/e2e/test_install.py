@@ -27,14 +27,15 @@ import pytest
 from tests.conftest import ROOT
 
 IN_CI = os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
-_NOT_SOURCE = shutil.ignore_patterns(".git", "build", "dist", "*.egg-info", "__pycache__", "*.so", "dumps",
-                                     "node_modules", ".pytest_cache", "out")
+_NOT_SOURCE = shutil.ignore_patterns(
+    ".git", "build", "dist", "*.egg-info", "__pycache__", "*.so", "dumps", "node_modules", ".pytest_cache", "out"
+)
 
 
 def quick_start_commands() -> list[str]:
     """The README's quick start, less its ``pip install`` steps: what a user runs once it is installed."""
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    section = readme[readme.index("## Quick start"):]
+    section = readme[readme.index("## Quick start") :]
     block = re.search(r"```bash\n(.*?)\n```", section, re.S)
     assert block, "README.md: no bash block under '## Quick start'"
     steps = [s.strip() for s in block[1].split("&&")]
@@ -68,8 +69,20 @@ def venv(tmp_path_factory) -> Path:
     env_dir = tmp / "venv"
     _run([sys.executable, "-m", "venv", "--without-pip", str(env_dir)])
     _see_running_packages(env_dir)
-    _run([sys.executable, "-m", "pip", "--python", str(env_dir / "bin" / "python"), "install", "-q", "--no-deps",
-          "--no-index", str(wheel)])
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(env_dir / "bin" / "python"),
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-index",
+            str(wheel),
+        ]
+    )
     return env_dir
 
 
@@ -84,8 +97,9 @@ def running_site_dirs() -> list[str]:
 def _see_running_packages(env_dir: Path) -> None:
     """List :func:`running_site_dirs` in a ``.pth`` of the venv: plain paths, so their own ``.pth`` hooks
     (the checkout's editable-install finder among them) do not run, and after the venv's site-packages."""
-    (own,) = _run([str(env_dir / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"]
-                  ).stdout.split()
+    (own,) = _run(
+        [str(env_dir / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"]
+    ).stdout.split()
     (Path(own) / "zz_running_interpreter.pth").write_text("".join(f"{d}\n" for d in running_site_dirs()))
 
 
@@ -105,10 +119,15 @@ def _in_venv(path: str, venv: Path) -> bool:
 
 @pytest.mark.slow
 def test_wheel_install_shadows_the_checkout_and_ships_configs_and_kernel(venv, tmp_path):
-    init, preset, kernel = _probe(venv, tmp_path, (
-        "import dumper, comparator.hidden.kernels as k; from dumper.resources import config_path; "
-        "print(dumper.__file__); print(config_path('tiny-llama.json')); "
-        "print(k._kernels.__file__ if k.HAVE_EXTENSION else 'no kernel')"))
+    init, preset, kernel = _probe(
+        venv,
+        tmp_path,
+        (
+            "import dumper, comparator.hidden.kernels as k; from dumper.resources import config_path; "
+            "print(dumper.__file__); print(config_path('tiny-llama.json')); "
+            "print(k._kernels.__file__ if k.HAVE_EXTENSION else 'no kernel')"
+        ),
+    )
     assert _in_venv(init, venv), f"dumper imported from {init}, not from the wheel"
     assert _in_venv(preset, venv) and Path(preset).is_file(), preset
     from comparator.hidden.kernels import HAVE_EXTENSION
@@ -119,7 +138,9 @@ def test_wheel_install_shadows_the_checkout_and_ships_configs_and_kernel(venv, t
 
 @pytest.mark.slow
 def test_wheel_finds_the_logprob_threshold_table(venv, tmp_path):
-    (table,) = _probe(venv, tmp_path, "from comparator.judging.logprob_thresholds import THRESHOLD_TABLE; print(THRESHOLD_TABLE)")
+    (table,) = _probe(
+        venv, tmp_path, "from comparator.judging.logprob_thresholds import THRESHOLD_TABLE; print(THRESHOLD_TABLE)"
+    )
     assert _in_venv(table, venv) and Path(table).is_file(), f"{table}: not shipped where the comparator looks"
 
 

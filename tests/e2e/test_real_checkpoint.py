@@ -42,8 +42,12 @@ FRACTION = 0.05
 BUGS = {"mlp_output": ("mlp", 8, 30), "attn_output": ("self_attn", 22, 33), "input": ("layer", 17, 25)}
 """Point named -> (module of the layer, layer, token): an MLP output, an attention output, a decoder layer's output
 (the residual stream, named at the next layer's input)."""
-BENIGN = {"chunk-24": {"chunk_size": 24}, "batch-2": {"batch_size": 2}, "sdpa-chunk-16": {"attn": "sdpa", "chunk_size": 16},
-          "sdpa-batch-2": {"attn": "sdpa", "batch_size": 2}}
+BENIGN = {
+    "chunk-24": {"chunk_size": 24},
+    "batch-2": {"batch_size": 2},
+    "sdpa-chunk-16": {"attn": "sdpa", "chunk_size": 16},
+    "sdpa-batch-2": {"attn": "sdpa", "batch_size": 2},
+}
 """Benign variants the calibration did not run (its own: SDPA, chunks of 16, a batch of 3, SDPA in chunks of 7 and
 24). SDPA in chunks of sizes the calibration did not run round some rows more than 3x their calibrated noise (measured:
 docs/calibration.md, "Row noise"): not among these."""
@@ -62,8 +66,15 @@ class Runs:
             self._models[dtype, attn] = load_model(str(self.dir), dtype=dtype, attn=attn)[0]
         return self._models[dtype, attn]
 
-    def dump(self, name: str, *, dtype: str = "bfloat16", attn: str = "eager", bug: tuple[str, int, int] | None = None,
-             **kw: object) -> Path:
+    def dump(
+        self,
+        name: str,
+        *,
+        dtype: str = "bfloat16",
+        attn: str = "eager",
+        bug: tuple[str, int, int] | None = None,
+        **kw: object,
+    ) -> Path:
         out = self.root / name
         if (out / "manifest.json").is_file():  # another test's dump of the same name (and settings)
             return out
@@ -83,8 +94,11 @@ class Runs:
                 return output
 
         with forward_hook(block, hook):
-            dump_sequences(model, self.ids, RunConfig(out=str(out), model=str(self.dir), layers="all", points=POINTS,
-                                                      dtype=dtype, attn=attn, **kw))  # type: ignore[arg-type]
+            dump_sequences(
+                model,
+                self.ids,
+                RunConfig(out=str(out), model=str(self.dir), layers="all", points=POINTS, dtype=dtype, attn=attn, **kw),
+            )  # type: ignore[arg-type]
         return out
 
 
@@ -93,16 +107,31 @@ def runs(tmp_path_factory) -> Runs:
     need()
     r = Runs(tmp_path_factory.mktemp("real"))
     prompts = write_prompts(r.root / "prompts.jsonl")
-    done = run_cli("dumper", "run", "--model", r.dir, "--prompts", prompts, "--dtype", "bfloat16", "--layers", "all",
-                   "--points", ",".join(POINTS), "--out", r.root / "base", "--calibrate", "--quiet")
+    done = run_cli(
+        "dumper",
+        "run",
+        "--model",
+        r.dir,
+        "--prompts",
+        prompts,
+        "--dtype",
+        "bfloat16",
+        "--layers",
+        "all",
+        "--points",
+        ",".join(POINTS),
+        "--out",
+        r.root / "base",
+        "--calibrate",
+        "--quiet",
+    )
     assert done.returncode == 0, done.stderr
     r.calibrate_stderr = done.stderr
     return r
 
 
 def test_float32_eager_and_sdpa_agree(runs):
-    report = compare_dumps(runs.dump("f32-eager", dtype="float32"), runs.dump("f32-sdpa", dtype="float32",
-                                                                              attn="sdpa"))
+    report = compare_dumps(runs.dump("f32-eager", dtype="float32"), runs.dump("f32-sdpa", dtype="float32", attn="sdpa"))
     assert report.passed and report.matched == 4 * 30 * 3
 
 
@@ -140,8 +169,9 @@ def test_a_five_percent_single_token_bug_is_named_at_its_layer_point_and_token(r
     where, layer, token = BUGS[point]
     target = runs.dump(f"bug-{point}", bug=BUGS[point])
     named_layer = layer + 1 if where == "layer" else layer
-    truth = compare_dumps(runs.root / "base", target, CompareConfig(threshold=2.0, token_threshold=2.0),
-                          token_sink=None)  # by hand: where the seeded rows differ, with nothing judged
+    truth = compare_dumps(
+        runs.root / "base", target, CompareConfig(threshold=2.0, token_threshold=2.0), token_sink=None
+    )  # by hand: where the seeded rows differ, with nothing judged
     first = min((t.layer, t.worst_token) for t in truth.tensors if t.max_token_rel_diff > 1e-4 and t.layer >= layer)
     assert first == (named_layer, token)  # the truth: the bug's own row at its layer (residual: the next layer's)
     noise = load_noise(runs.root / "base" / "NOISE.json")
@@ -159,11 +189,21 @@ def test_a_greedy_decode_of_real_text_agrees_with_its_prefill(runs):
     common = ("--model", runs.dir, "--prompts", prompts, "--layers", "first,last,every:8", "--quiet")
     decode = run_cli("dumper", "run", *common, "--new-tokens", "4", "--out", runs.root / "decode")
     assert decode.returncode == 0, decode.stderr
-    prefill = run_cli("dumper", "run", "--model", runs.dir, "--layers", "first,last,every:8", "--quiet",
-                      "--tokens-from", runs.root / "decode", "--out", runs.root / "prefill")
+    prefill = run_cli(
+        "dumper",
+        "run",
+        "--model",
+        runs.dir,
+        "--layers",
+        "first,last,every:8",
+        "--quiet",
+        "--tokens-from",
+        runs.root / "decode",
+        "--out",
+        runs.root / "prefill",
+    )
     assert prefill.returncode == 0, prefill.stderr
-    done = run_cli("comparator", runs.root / "prefill", runs.root / "decode", "--json", runs.root / "d.json",
-                   "--quiet")
+    done = run_cli("comparator", runs.root / "prefill", runs.root / "decode", "--json", runs.root / "d.json", "--quiet")
     report = json.loads((runs.root / "d.json").read_text())
     assert done.returncode == 0, done.stdout
     assert report["decode"] is not None and report["tensors"]
@@ -175,9 +215,25 @@ def test_llama_cpp_on_the_gguf_file_is_judged_against_the_float32_reference(runs
     if why:
         pytest.fail(why) if os.environ.get("CI") == "true" else pytest.skip(why)
     prompts = write_prompts(runs.root / "llama-prompts.jsonl")
-    done = run_cli("dumper", "run", "--engine", "llama.cpp", "--model", smollm2_gguf(), "--engine-arg",
-                   f"hf_dir={runs.dir}", "--prompts", prompts, "--layers", "all", "--points", ",".join(POINTS),
-                   "--quiet", "--out", runs.root / "llama-cpp")
+    done = run_cli(
+        "dumper",
+        "run",
+        "--engine",
+        "llama.cpp",
+        "--model",
+        smollm2_gguf(),
+        "--engine-arg",
+        f"hf_dir={runs.dir}",
+        "--prompts",
+        prompts,
+        "--layers",
+        "all",
+        "--points",
+        ",".join(POINTS),
+        "--quiet",
+        "--out",
+        runs.root / "llama-cpp",
+    )
     assert done.returncode == 0, done.stderr
     ref = runs.dump("f32-eager", dtype="float32")
     done = run_cli("comparator", ref, runs.root / "llama-cpp", "--json", runs.root / "llama.json", "--quiet")

@@ -73,10 +73,18 @@ def _worker(out: str) -> None:
     root, ckpt = Path(out), smollm2_dir()
     results: dict[str, object] = {}
     for mode in ("compiled", "eager"):
+
         def cfg(name: str, mode: str = mode) -> RunConfig:
-            return RunConfig(out=str(root / name), model=str(ckpt), input_ids=tuple(map(tuple, real_prompt_ids())),
-                             layers="all", points=POINTS, dtype="bfloat16", engine="vllm",
-                             engine_args=(("enforce_eager", "true"),) if mode == "eager" else ())
+            return RunConfig(
+                out=str(root / name),
+                model=str(ckpt),
+                input_ids=tuple(map(tuple, real_prompt_ids())),
+                layers="all",
+                points=POINTS,
+                dtype="bfloat16",
+                engine="vllm",
+                engine_args=(("enforce_eager", "true"),) if mode == "eager" else (),
+            )
 
         first = cfg("base" if mode == "compiled" else "eager")
         identity = hf_identity(ckpt, first.model)
@@ -106,8 +114,16 @@ def runs(tmp_path_factory) -> tuple[Path, dict]:
     root = tmp_path_factory.mktemp("real-vllm")
     smollm2_dir()  # built here, not inside the engine's process
     code = f"from tests.e2e.test_real_checkpoint_vllm import _worker; _worker({str(root)!r})"
-    worker = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=worker_env(DRIFTSCOPE_TEST_SEED=json.dumps(SEED)),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900, check=False)
+    worker = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env=worker_env(DRIFTSCOPE_TEST_SEED=json.dumps(SEED)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=900,
+        check=False,
+    )
     assert_worker_done(worker.returncode, worker.stdout, root)
     return root, json.loads((root / "results.json").read_text())
 
@@ -131,16 +147,32 @@ def test_a_five_percent_bug_inside_compiled_vllm_is_named_at_its_layer_point_and
     report = compare_dumps(root / "base", root / f"bug-{where}", CompareConfig(noise=noise))
     fd = report.first_divergent
     assert not report.passed and (fd.layer, fd.point, fd.token) == (layer, point, token), fd
-    pooled = compare_dumps(root / "base", root / f"bug-{where}",
-                           CompareConfig(noise=dataclasses.replace(noise, rows=None)))
+    pooled = compare_dumps(
+        root / "base", root / f"bug-{where}", CompareConfig(noise=dataclasses.replace(noise, rows=None))
+    )
     assert pooled.passed or (pooled.first_divergent.layer, pooled.first_divergent.point) != (layer, point)
 
 
 def test_vllm_bf16_against_the_hf_float32_reference_says_the_fixed_thresholds_are_dtype_blind(runs):
     root, _ = runs
     prompts = write_prompts(root / "prompts.jsonl")
-    done = run_cli("dumper", "run", "--model", smollm2_dir(), "--prompts", prompts, "--dtype", "float32",
-                   "--layers", "all", "--points", ",".join(POINTS), "--quiet", "--out", root / "hf-fp32")
+    done = run_cli(
+        "dumper",
+        "run",
+        "--model",
+        smollm2_dir(),
+        "--prompts",
+        prompts,
+        "--dtype",
+        "float32",
+        "--layers",
+        "all",
+        "--points",
+        ",".join(POINTS),
+        "--quiet",
+        "--out",
+        root / "hf-fp32",
+    )
     assert done.returncode == 0, done.stderr
     done = run_cli("comparator", root / "hf-fp32", root / "base", "--json", root / "ref.json", "--quiet")
     report = json.loads((root / "ref.json").read_text())

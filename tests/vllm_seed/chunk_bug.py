@@ -26,8 +26,18 @@ def patch_cpu_attention(module: Any, seed: dict[str, Any]) -> None:
     forward = cls.forward
     layer_index, add = int(seed["chunk_layer"]), float(seed.get("add", 0.5))
 
-    def seeded_forward(self: Any, layer: Any, query: Any, key: Any, value: Any, kv_cache: Any, attn_metadata: Any,
-                       output: Any, *args: Any, **kwargs: Any) -> Any:
+    def seeded_forward(
+        self: Any,
+        layer: Any,
+        query: Any,
+        key: Any,
+        value: Any,
+        kv_cache: Any,
+        attn_metadata: Any,
+        output: Any,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
         out = forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
         if attn_metadata is None or extract_layer_index(layer.layer_name) != layer_index:  # warm-up; other layers
             return out

@@ -62,8 +62,18 @@ def install(patches: dict[str, Callable[[Any], None]]) -> None:
 
 
 def _record(engine: str, seconds: float, ok: bool) -> None:
-    line = json.dumps({"engine": engine, "test": os.environ.get("PYTEST_CURRENT_TEST", ""), "seconds": seconds,
-                       "ok": ok, "pid": os.getpid()}) + "\n"
+    line = (
+        json.dumps(
+            {
+                "engine": engine,
+                "test": os.environ.get("PYTEST_CURRENT_TEST", ""),
+                "seconds": seconds,
+                "ok": ok,
+                "pid": os.getpid(),
+            }
+        )
+        + "\n"
+    )
     fd = os.open(os.environ[LOG_ENV], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         os.write(fd, line.encode())

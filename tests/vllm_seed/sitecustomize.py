@@ -81,12 +81,16 @@ def _patch_llama(module: Any, seed: dict[str, Any]) -> None:
     def seeded_init(self: Any, vllm_config: Any, prefix: str = "", *args: Any, **kwargs: Any) -> None:
         init(self, vllm_config, prefix, *args, **kwargs)
         extra = vllm_config.additional_config if isinstance(vllm_config.additional_config, dict) else {}
-        self.driftscope_test_bug = (extract_layer_index(prefix) == seed["layer"]
-                                    and ("rank" not in seed or _rank() == seed["rank"])
-                                    and (not seed.get("tapped_only") or "driftscope" in extra))
+        self.driftscope_test_bug = (
+            extract_layer_index(prefix) == seed["layer"]
+            and ("rank" not in seed or _rank() == seed["rank"])
+            and (not seed.get("tapped_only") or "driftscope" in extra)
+        )
         if not vllm_config.model_config.enforce_eager and extra.get(CONFIG_KEY) != seed:
-            raise RuntimeError(f"{SEED_ENV}: a compiled engine needs additional_config[{CONFIG_KEY!r}] == {seed} "
-                               "(else vLLM loads the unseeded graph from its compile cache)")
+            raise RuntimeError(
+                f"{SEED_ENV}: a compiled engine needs additional_config[{CONFIG_KEY!r}] == {seed} "
+                "(else vLLM loads the unseeded graph from its compile cache)"
+            )
 
     def seeded_forward(self: Any, positions: Any, hidden_states: Any, residual: Any) -> Any:
         hidden, residual = forward(self, positions, hidden_states, residual)
@@ -107,8 +111,9 @@ def _seeded_init(init: Callable[..., None], seed: dict[str, Any]) -> Callable[..
         init(self, *args, **kwargs)
         config = get_current_vllm_config()
         extra = config.additional_config if isinstance(config.additional_config, dict) else {}
-        self.driftscope_test_bug = (extract_layer_index(kwargs.get("prefix", "")) == seed["layer"]
-                                    and ("rank" not in seed or _rank() == seed["rank"]))
+        self.driftscope_test_bug = extract_layer_index(kwargs.get("prefix", "")) == seed["layer"] and (
+            "rank" not in seed or _rank() == seed["rank"]
+        )
         if not config.model_config.enforce_eager and extra.get(CONFIG_KEY) != seed:
             raise RuntimeError(f"{SEED_ENV}: a compiled engine needs additional_config[{CONFIG_KEY!r}] == {seed}")
 
@@ -187,8 +192,10 @@ def _patch_switches(module: Any, switches: dict[str, list[int]]) -> None:
             config = get_current_vllm_config()
             extra = config.additional_config if isinstance(config.additional_config, dict) else {}
             if not config.model_config.enforce_eager and extra.get(CONFIG_KEY) != {"switches": switches}:
-                raise RuntimeError(f"{SEED_ENV}: a compiled engine needs additional_config[{CONFIG_KEY!r}] == "
-                                   f"{{'switches': {switches}}}")
+                raise RuntimeError(
+                    f"{SEED_ENV}: a compiled engine needs additional_config[{CONFIG_KEY!r}] == "
+                    f"{{'switches': {switches}}}"
+                )
 
         def switched(self: Any, out: Any, rows: Any) -> Any:
             if self.driftscope_test_bug:  # fixed per layer at construction: no branch on data
@@ -282,10 +289,15 @@ def _install() -> None:
 
 def _seed_patches(raw: str, patches: dict[str, Callable[[Any], None]]) -> None:
     seed = json.loads(raw)
-    if not isinstance(seed, dict) or not seed.keys() <= _KEYS or not seed.keys() & {"layer", "die_after", "chunk_layer",
-                                                                                   "switches"}:
-        raise SystemExit(f"{SEED_ENV}={raw}: expected a JSON object of {sorted(_KEYS)} with layer, die_after, "
-                         "chunk_layer or switches")
+    if (
+        not isinstance(seed, dict)
+        or not seed.keys() <= _KEYS
+        or not seed.keys() & {"layer", "die_after", "chunk_layer", "switches"}
+    ):
+        raise SystemExit(
+            f"{SEED_ENV}={raw}: expected a JSON object of {sorted(_KEYS)} with layer, die_after, "
+            "chunk_layer or switches"
+        )
     if "switches" in seed:
         switches = seed["switches"]
         patches["vllm.model_executor.models.llama"] = lambda m: _patch_switches(m, switches)

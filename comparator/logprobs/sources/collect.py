@@ -25,13 +25,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from dumper.errors import UsageError
-from dumper.format import atomic_path
-from dumper.server.api import API_NAMES, Prompt, ask, check_api, served_model
-from dumper.server.client import ServerClient, ServerError
-
 from comparator.logprobs.sources.engine_json import parse_record
 from comparator.logprobs.types import SequenceLogprobs
+from dumper.errors import UsageError
+from dumper.format import atomic_path
+from dumper.server.api import Prompt, ask, check_api, served_model
+from dumper.server.client import ServerClient, ServerError
 
 __all__ = ["Scored", "score_prompt", "collect"]
 
@@ -54,16 +53,26 @@ def score_prompt(client: ServerClient, api: str, prompt: Prompt, *, top_k: int =
     try:
         seq = parse_record(record, default_id=prompt.request)
     except UsageError as e:
-        raise ServerError(f"{url}: prompt {prompt.request}: the response is not one comparator logprobs reads: {e}") \
-            from None
+        raise ServerError(
+            f"{url}: prompt {prompt.request}: the response is not one comparator logprobs reads: {e}"
+        ) from None
     if prompt.ids is not None and seq.token_ids and tuple(seq.token_ids) != prompt.ids:
-        raise ServerError(f"{url}: prompt {prompt.request}: the server scored {len(seq.token_ids)} tokens that differ "
-                          f"from the {len(prompt.ids)} sent (it added or dropped tokens)")
+        raise ServerError(
+            f"{url}: prompt {prompt.request}: the server scored {len(seq.token_ids)} tokens that differ "
+            f"from the {len(prompt.ids)} sent (it added or dropped tokens)"
+        )
     return Scored(record, seq)
 
 
-def collect(client: ServerClient, api: str, prompts: Sequence[Prompt], out: str | os.PathLike[str], *,
-            top_k: int = 0, model: str | None = None) -> list[Scored]:
+def collect(
+    client: ServerClient,
+    api: str,
+    prompts: Sequence[Prompt],
+    out: str | os.PathLike[str],
+    *,
+    top_k: int = 0,
+    model: str | None = None,
+) -> list[Scored]:
     """Score every prompt on the server and write one JSONL line per prompt to ``out`` (atomically).
 
     ``model`` is the served model's name; by default the first one ``/v1/models`` lists (SGLang

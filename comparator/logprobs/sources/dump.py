@@ -15,6 +15,9 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from comparator.logprobs.sources.input_caps import MAX_POSITIONS, MAX_TOTAL_POSITIONS, TOKEN_ID_LIMIT
+from comparator.logprobs.sources.source import LogprobSource
+from comparator.logprobs.types import UNKNOWN_TOKEN, SequenceLogprobs, TopK
 from dumper.errors import CorruptDumpError, NotComparableError, UsageError
 from dumper.format import (
     LOGITS,
@@ -27,12 +30,8 @@ from dumper.format import (
     TensorRecord,
     to_float64,
 )
-from dumper.format.dtypes import FLOAT_CODES, INT_CODES
 from dumper.format.decode import scored_tokens
-
-from comparator.logprobs.sources.input_caps import MAX_POSITIONS, MAX_TOTAL_POSITIONS, TOKEN_ID_LIMIT
-from comparator.logprobs.sources.source import LogprobSource
-from comparator.logprobs.types import UNKNOWN_TOKEN, SequenceLogprobs, TopK
+from dumper.format.dtypes import FLOAT_CODES, INT_CODES
 
 __all__ = ["dump_logprobs"]
 
@@ -60,25 +59,32 @@ def _checked(reader: DumpReader, rec: TensorRecord, n: int, width: int | None, *
         raise CorruptDumpError(f"{_where(reader, rec)}: dtype {rec.dtype} is not {kind} type")
     rows = reader.rows(rec)
     if rows.shape[0] != n or (width is not None and rows.shape[1] != width):
-        raise CorruptDumpError(f"{_where(reader, rec)}: shape {list(rec.shape)} does not hold {n} rows"
-                               + (f" of {width}" if width is not None else ""))
+        raise CorruptDumpError(
+            f"{_where(reader, rec)}: shape {list(rec.shape)} does not hold {n} rows"
+            + (f" of {width}" if width is not None else "")
+        )
     if not ids:
         return to_float64(rows, rec.dtype)
     out = rows.astype(np.int64)
     bad = np.flatnonzero((out < 0) | (out >= TOKEN_ID_LIMIT))
     if bad.size:
-        raise CorruptDumpError(f"{_where(reader, rec)}: row {bad[0] // max(1, out.shape[1])}: token id "
-                               f"{int(out.flat[bad[0]])} is out of range [0, 2^31)")
+        raise CorruptDumpError(
+            f"{_where(reader, rec)}: row {bad[0] // max(1, out.shape[1])}: token id "
+            f"{int(out.flat[bad[0]])} is out of range [0, 2^31)"
+        )
     return out
 
 
-def _pass_rows(reader: DumpReader, recs: Mapping[str, Mapping[tuple[int, int, int], TensorRecord]],
-               key: tuple[int, int, int]) -> tuple[np.ndarray, np.ndarray, list[Row]]:
+def _pass_rows(
+    reader: DumpReader, recs: Mapping[str, Mapping[tuple[int, int, int], TensorRecord]], key: tuple[int, int, int]
+) -> tuple[np.ndarray, np.ndarray, list[Row]]:
     """(positions, sequence ids, rows) of one pass's logprob records, all checked against each other."""
     rec = recs[LOGPROB_VALUE][key]
     ids_rec = recs[LOGPROB_TOKEN_ID].get(key)
     if ids_rec is None or rec.positions is None or rec.sequence_ids is None:
-        raise NotComparableError(f"{reader.directory / rec.file}: logprobs of pass {key[0]} lack token ids or positions")
+        raise NotComparableError(
+            f"{reader.directory / rec.file}: logprobs of pass {key[0]} lack token ids or positions"
+        )
     pos, seq = rec.row_positions(), rec.row_sequence_ids()
     n = int(pos.size)
     values = _checked(reader, rec, n, 1, ids=False)[:, 0]
@@ -90,14 +96,20 @@ def _pass_rows(reader: DumpReader, recs: Mapping[str, Mapping[tuple[int, int, in
     if top_ids is not None and top_vals is not None:
         ti = _checked(reader, top_ids, n, None, ids=True)
         tv = _checked(reader, top_vals, n, ti.shape[1], ids=False)
-    rows = [(int(ids[r]), float(values[r]),
-             None if ti is None or tv is None else tuple(zip(ti[r].tolist(), tv[r].tolist(), strict=True)))
-            for r in range(n)]
+    rows = [
+        (
+            int(ids[r]),
+            float(values[r]),
+            None if ti is None or tv is None else tuple(zip(ti[r].tolist(), tv[r].tolist(), strict=True)),
+        )
+        for r in range(n)
+    ]
     return pos, seq, rows
 
 
-def _check_extent(reader: DumpReader, recs: Mapping[tuple[int, int, int], TensorRecord],
-                  inputs: list[list[int]]) -> None:
+def _check_extent(
+    reader: DumpReader, recs: Mapping[tuple[int, int, int], TensorRecord], inputs: list[list[int]]
+) -> None:
     """From the records' positions alone, before any row is read: each sequence's last position
     lies within its recorded prompt (``extra.input_ids``) and under MAX_POSITIONS, and the
     sequences built (every slot from 0 to the last position) hold MAX_TOTAL_POSITIONS at most."""
@@ -114,14 +126,19 @@ def _check_extent(reader: DumpReader, recs: Mapping[tuple[int, int, int], Tensor
         for s, hi in zip(ids.tolist(), last.tolist(), strict=True):
             limit = len(inputs[s]) if s < len(inputs) else MAX_POSITIONS
             if hi >= limit:
-                why = f"its {limit} tokens (extra.input_ids, and generated_ids or next_ids)" if s < len(inputs) \
+                why = (
+                    f"its {limit} tokens (extra.input_ids, and generated_ids or next_ids)"
+                    if s < len(inputs)
                     else f"{MAX_POSITIONS}"
+                )
                 raise CorruptDumpError(f"{_where(reader, rec)}: sequence {s}: logprob position {hi} is beyond {why}")
             ends[s] = max(ends.get(s, 0), hi + 1)
     total = sum(ends.values())
     if total > MAX_TOTAL_POSITIONS:
-        raise UsageError(f"{reader.directory}: the logprob rows of {len(ends)} sequences span {total} positions "
-                         f"(from 0), over the limit of {MAX_TOTAL_POSITIONS} one source may hold")
+        raise UsageError(
+            f"{reader.directory}: the logprob rows of {len(ends)} sequences span {total} positions "
+            f"(from 0), over the limit of {MAX_TOTAL_POSITIONS} one source may hold"
+        )
 
 
 def _sequence(reader: DumpReader, seq: int, rows: Mapping[int, Row], known: list[int]) -> SequenceLogprobs:
@@ -130,16 +147,20 @@ def _sequence(reader: DumpReader, seq: int, rows: Mapping[int, Row], known: list
     lo, hi = min(rows), max(rows)
     end = len(known) - 1 if known else hi
     if len(rows) != hi - lo + 1 or hi != end:
-        raise CorruptDumpError(f"{reader.directory}: sequence {seq}: logprob rows cover {len(rows)} positions in "
-                               f"{lo}..{hi}, expected every position from {lo} to {end}")
+        raise CorruptDumpError(
+            f"{reader.directory}: sequence {seq}: logprob rows cover {len(rows)} positions in "
+            f"{lo}..{hi}, expected every position from {lo} to {end}"
+        )
     n = hi + 1
     token_ids = [known[p] if p < len(known) else UNKNOWN_TOKEN for p in range(n)]
     logprobs: list[float | None] = [None] * n
     top: list[TopK | None] = [None] * n
     for p, (tid, lp, tk) in rows.items():
         if token_ids[p] not in (UNKNOWN_TOKEN, tid):
-            raise NotComparableError(f"{reader.directory}: sequence {seq} position {p}: logprob rows score "
-                                     f"token {tid} but the run's input has {token_ids[p]}")
+            raise NotComparableError(
+                f"{reader.directory}: sequence {seq} position {p}: logprob rows score "
+                f"token {tid} but the run's input has {token_ids[p]}"
+            )
         token_ids[p], logprobs[p], top[p] = tid, lp, tk
     has_top = any(t is not None for t in top)
     return SequenceLogprobs(str(seq), token_ids, logprobs, top if has_top else None)
@@ -163,14 +184,22 @@ def dump_logprobs(reader: DumpReader) -> LogprobSource | None:
             if pos in per_seq[seq]:
                 raise NotComparableError(f"{reader.directory}: sequence {seq} has two logprobs for position {pos}")
             per_seq[seq][pos] = row
-    sequences = [_sequence(reader, seq, rows, list(inputs[seq]) if seq < len(inputs) else [])
-                 for seq, rows in sorted(per_seq.items())]
+    sequences = [
+        _sequence(reader, seq, rows, list(inputs[seq]) if seq < len(inputs) else [])
+        for seq, rows in sorted(per_seq.items())
+    ]
     logit_recs = recs.get(LOGITS, {})
     for key, rec in logit_recs.items():
         _check_logits(reader, rec, recs[LOGPROB_VALUE].get(key))
-    return LogprobSource(str(reader.directory), reader.manifest.model.get("name"), tuple(sequences),
-                         _dump_logits(reader, logit_recs), _vocab_size(reader, logit_recs), reader.manifest,
-                         dtype=reader.manifest.capture_signature.get("dtype"))
+    return LogprobSource(
+        str(reader.directory),
+        reader.manifest.model.get("name"),
+        tuple(sequences),
+        _dump_logits(reader, logit_recs),
+        _vocab_size(reader, logit_recs),
+        reader.manifest,
+        dtype=reader.manifest.capture_signature.get("dtype"),
+    )
 
 
 def _check_logits(reader: DumpReader, rec: TensorRecord, lp: TensorRecord | None) -> None:
@@ -185,8 +214,10 @@ def _check_logits(reader: DumpReader, rec: TensorRecord, lp: TensorRecord | None
         raise CorruptDumpError(f"{where}: logits rows lack positions or sequence ids")
     if lp is None:
         raise CorruptDumpError(f"{where}: logits rows without logprob rows in the same pass")
-    if not (np.array_equal(rec.row_positions(), lp.row_positions())
-            and np.array_equal(rec.row_sequence_ids(), lp.row_sequence_ids())):
+    if not (
+        np.array_equal(rec.row_positions(), lp.row_positions())
+        and np.array_equal(rec.row_sequence_ids(), lp.row_sequence_ids())
+    ):
         raise CorruptDumpError(f"{where}: positions or sequence ids differ from those of {lp.name}")
 
 
@@ -201,8 +232,10 @@ def _vocab_size(reader: DumpReader, logit_recs: Mapping[tuple[int, int, int], Te
     return widths.pop() if widths else None
 
 
-def _dump_logits(reader: DumpReader, recs: Mapping[tuple[int, int, int], TensorRecord],
-                 ) -> dict[str, tuple[np.ndarray, np.ndarray]] | None:
+def _dump_logits(
+    reader: DumpReader,
+    recs: Mapping[tuple[int, int, int], TensorRecord],
+) -> dict[str, tuple[np.ndarray, np.ndarray]] | None:
     if not recs:
         return None
     pieces: dict[int, list[tuple[np.ndarray, np.ndarray]]] = defaultdict(list)
@@ -214,11 +247,11 @@ def _dump_logits(reader: DumpReader, recs: Mapping[tuple[int, int, int], TensorR
         for s in np.unique(seq):
             sel = np.flatnonzero(seq == s)
             contiguous = sel.size and sel[-1] - sel[0] + 1 == sel.size
-            pieces[int(s)].append((pos[sel], rows[sel[0]:sel[-1] + 1] if contiguous else rows[sel]))
+            pieces[int(s)].append((pos[sel], rows[sel[0] : sel[-1] + 1] if contiguous else rows[sel]))
     out = {}
     for s, ps in pieces.items():
         ps.sort(key=lambda p: int(p[0][0]))
-        out[str(s)] = ps[0] if len(ps) == 1 else (np.concatenate([p for p, _ in ps]),
-                                                 np.concatenate([r for _, r in ps]))
+        out[str(s)] = (
+            ps[0] if len(ps) == 1 else (np.concatenate([p for p, _ in ps]), np.concatenate([r for _, r in ps]))
+        )
     return out
-

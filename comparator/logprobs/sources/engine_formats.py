@@ -34,10 +34,9 @@ import re
 from collections.abc import Mapping
 from typing import Any, Final, Literal
 
-from dumper.errors import UsageError
-
 from comparator.logprobs.sources.input_caps import MAX_POSITIONS, TOKEN_ID_LIMIT, limit_text
 from comparator.logprobs.types import UNKNOWN_TOKEN, SequenceLogprobs, TopK
+from dumper.errors import UsageError
 
 __all__ = ["EngineFormat", "Parsed", "detect_format", "request_id", "parse_response", "show"]
 
@@ -149,8 +148,11 @@ def detect_format(obj: Mapping[str, Any]) -> EngineFormat:
 def request_id(obj: Mapping[str, Any], default_id: str) -> str:
     """``meta_info.id`` / ``request_id`` / ``id`` (a string or an integer), else ``default_id``."""
     meta = obj.get("meta_info")
-    for key, v in (("meta_info.id", meta.get("id") if isinstance(meta, dict) else None),
-                   ("request_id", obj.get("request_id")), ("id", obj.get("id"))):
+    for key, v in (
+        ("meta_info.id", meta.get("id") if isinstance(meta, dict) else None),
+        ("request_id", obj.get("request_id")),
+        ("id", obj.get("id")),
+    ):
         if v is None or v == "":
             continue
         if isinstance(v, bool) or not isinstance(v, (str, int)):
@@ -197,8 +199,9 @@ def _sglang_top(v: Any, n: int, what: str, *, first_may_be_null: bool) -> list[T
     return out
 
 
-def _sglang_prompt(obj: Mapping[str, Any], meta: Mapping[str, Any], in_ids: list[int], n_out: int,
-                   limit: int) -> tuple[int, list[int]]:
+def _sglang_prompt(
+    obj: Mapping[str, Any], meta: Mapping[str, Any], in_ids: list[int], n_out: int, limit: int
+) -> tuple[int, list[int]]:
     """(start, token ids of positions 0..start-1) for ``logprob_start_len = start``: SGLang returns
     positions ``start..`` only; the start comes from ``input_ids`` or ``meta_info.prompt_tokens``.
     A prompt and ``n_out`` output tokens over ``limit`` positions are refused before the unscored
@@ -206,8 +209,9 @@ def _sglang_prompt(obj: Mapping[str, Any], meta: Mapping[str, Any], in_ids: list
     prompt = _ids(obj["input_ids"], "input_ids") if obj.get("input_ids") is not None else None
     n_prompt: Any = len(prompt) if prompt is not None else meta.get("prompt_tokens", len(in_ids))
     if isinstance(n_prompt, bool) or not isinstance(n_prompt, int) or n_prompt < len(in_ids):
-        raise UsageError(f"prompt length {show(n_prompt)} is not an integer or shorter than the "
-                         f"{len(in_ids)} input_token_logprobs")
+        raise UsageError(
+            f"prompt length {show(n_prompt)} is not an integer or shorter than the {len(in_ids)} input_token_logprobs"
+        )
     if n_prompt + n_out > limit:
         raise UsageError(f"prompt length {n_prompt} and {n_out} output tokens are over {limit_text(limit)}")
     start = n_prompt - len(in_ids)
@@ -216,8 +220,6 @@ def _sglang_prompt(obj: Mapping[str, Any], meta: Mapping[str, Any], in_ids: list
     if prompt[start:] != in_ids:
         raise UsageError(f"input_ids[{start}:] differ from the ids in meta_info.input_token_logprobs")
     return start, prompt[:start]
-
-
 
 
 def _parse_sglang(obj: Mapping[str, Any], rid: str, limit: int = MAX_POSITIONS) -> Parsed:
@@ -233,10 +235,16 @@ def _parse_sglang(obj: Mapping[str, Any], rid: str, limit: int = MAX_POSITIONS) 
     top: list[TopK | None] | None = None
     in_top, out_top = meta.get("input_top_logprobs"), meta.get("output_top_logprobs")
     if in_top or out_top:
-        it = (_sglang_top(in_top, len(in_ids), "meta_info.input_top_logprobs", first_may_be_null=True)
-              if in_top else [None] * len(in_ids))
-        ot = (_sglang_top(out_top, len(out_ids), "meta_info.output_top_logprobs", first_may_be_null=not in_ids)
-              if out_top else [None] * len(out_ids))
+        it = (
+            _sglang_top(in_top, len(in_ids), "meta_info.input_top_logprobs", first_may_be_null=True)
+            if in_top
+            else [None] * len(in_ids)
+        )
+        ot = (
+            _sglang_top(out_top, len(out_ids), "meta_info.output_top_logprobs", first_may_be_null=not in_ids)
+            if out_top
+            else [None] * len(out_ids)
+        )
         top = [None] * start + it + ot
         if len({len(t) for t in top if t is not None}) > 1:
             raise UsageError("top logprobs lists differ in length: each position must list top_logprobs_num tokens")
@@ -281,8 +289,9 @@ def _vllm_outputs(obj: Mapping[str, Any]) -> list[tuple[int, float | None, TopK 
     olps = _list(out["logprobs"], "outputs[0].logprobs")
     if len(olps) != len(oids):
         raise UsageError(f"outputs[0].logprobs has {len(olps)} entries for {len(oids)} token_ids")
-    return [(t, *_vllm_position(e, t, f"outputs[0].logprobs[{j}]"))
-            for j, (e, t) in enumerate(zip(olps, oids, strict=True))]
+    return [
+        (t, *_vllm_position(e, t, f"outputs[0].logprobs[{j}]")) for j, (e, t) in enumerate(zip(olps, oids, strict=True))
+    ]
 
 
 def _vllm_server_outputs(ch: Mapping[str, Any], n_prompt: int) -> list[tuple[int, float | None, TopK | None]]:
@@ -297,8 +306,9 @@ def _vllm_server_outputs(ch: Mapping[str, Any], n_prompt: int) -> list[tuple[int
     skip = n_prompt if len(tl) == n_prompt + len(oids) else 0  # echo=True: prompt then output
     if len(tl) - skip != len(oids):
         raise UsageError(f"choices[0].logprobs.token_logprobs has {len(tl)} entries for {len(oids)} token_ids")
-    return [(t, _logprob(tl[skip + j], f"choices[0].logprobs.token_logprobs[{skip + j}]"), None)
-            for j, t in enumerate(oids)]
+    return [
+        (t, _logprob(tl[skip + j], f"choices[0].logprobs.token_logprobs[{skip + j}]"), None) for j, t in enumerate(oids)
+    ]
 
 
 def _parse_vllm(obj: Mapping[str, Any], rid: str) -> Parsed:
@@ -330,6 +340,7 @@ def _parse_vllm(obj: Mapping[str, Any], rid: str) -> Parsed:
 
 def _openai_ids(obj: Mapping[str, Any], ch: Mapping[str, Any], n: int) -> tuple[list[int], int] | None:
     """(token ids, number of prompt positions before the logprob tokens), or None if no ids given."""
+
     def get(key: str) -> list[int] | None:
         v = ch.get(key, obj.get(key))
         return None if v is None else _ids(v, key)
@@ -343,12 +354,15 @@ def _openai_ids(obj: Mapping[str, Any], ch: Mapping[str, Any], n: int) -> tuple[
         return (prompt or []) + toks, len(prompt or [])  # completion only: it starts after the prompt
     if prompt is None and toks is None:
         return None
-    raise UsageError(f"token ids (prompt_token_ids: {None if prompt is None else len(prompt)}, token_ids: "
-                     f"{None if toks is None else len(toks)}) do not cover the {n} logprob tokens")
+    raise UsageError(
+        f"token ids (prompt_token_ids: {None if prompt is None else len(prompt)}, token_ids: "
+        f"{None if toks is None else len(toks)}) do not cover the {n} logprob tokens"
+    )
 
 
-def _openai_sequence(obj: Mapping[str, Any], ch: Mapping[str, Any], rid: str, texts: list[str],
-                     lps: list[float | None], *, echo: bool) -> Parsed:
+def _openai_sequence(
+    obj: Mapping[str, Any], ch: Mapping[str, Any], rid: str, texts: list[str], lps: list[float | None], *, echo: bool
+) -> Parsed:
     """``echo``: the list may start with the prompt (completions), whose first token has no logprob."""
     got = _openai_ids(obj, ch, len(texts))
     if got is None:

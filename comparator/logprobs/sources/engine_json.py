@@ -34,12 +34,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from dumper.errors import UsageError
-from dumper.format.files import check_json_memory
-
 from comparator.logprobs.sources.engine_formats import detect_format, parse_response, request_id, show
 from comparator.logprobs.sources.input_caps import MAX_LINE_BYTES, MAX_POSITIONS, MAX_TOTAL_POSITIONS, limit_text
 from comparator.logprobs.types import SequenceLogprobs
+from dumper.errors import UsageError
+from dumper.format.files import check_json_memory
 
 __all__ = ["parse_record", "read_logprobs_jsonl"]
 
@@ -48,8 +47,10 @@ def _check_nulls(seq: SequenceLogprobs, required_from: int) -> None:
     """A null logprob where one must be given is missing data, never a position to skip."""
     for i in range(required_from, len(seq.logprobs)):
         if seq.logprobs[i] is None:
-            raise UsageError(f"null logprob at position {i}: only the first position the engine reports "
-                             "may have none (the prompt's first token)")
+            raise UsageError(
+                f"null logprob at position {i}: only the first position the engine reports "
+                "may have none (the prompt's first token)"
+            )
 
 
 def parse_record(obj: Any, *, default_id: str = "record", max_positions: int = MAX_POSITIONS) -> SequenceLogprobs:
@@ -95,7 +96,7 @@ def _lines(p: Path) -> Iterator[tuple[int, str]]:
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                raise UsageError(f"{p}:{lineno}: not UTF-8 (byte {e.start}: {raw[e.start:e.start + 1]!r})") from None
+                raise UsageError(f"{p}:{lineno}: not UTF-8 (byte {e.start}: {raw[e.start : e.start + 1]!r})") from None
             if lineno == 1:
                 text = text.removeprefix("\ufeff")  # a byte-order mark
             if text.strip():
@@ -142,8 +143,9 @@ def read_logprobs_jsonl(path: str | os.PathLike[str]) -> list[SequenceLogprobs]:
             raise UsageError(f"{p}:{lineno}: {e}") from None
         for seq in seqs:
             if seq.request in first_line:
-                raise UsageError(f"{p}:{lineno}: duplicate request id {seq.request!r} "
-                                 f"(first on line {first_line[seq.request]})")
+                raise UsageError(
+                    f"{p}:{lineno}: duplicate request id {seq.request!r} (first on line {first_line[seq.request]})"
+                )
             first_line[seq.request] = lineno
             left -= len(seq.logprobs)
             out.append(seq)

@@ -9,8 +9,15 @@ from __future__ import annotations
 
 from typing import Final
 
-__all__ = ["TOKEN_ID_LIMIT", "MAX_VOCAB", "MAX_POSITIONS", "MAX_TOTAL_POSITIONS", "MAX_KLD_POSITIONS",
-           "MAX_LINE_BYTES", "limit_text"]
+__all__ = [
+    "TOKEN_ID_LIMIT",
+    "MAX_VOCAB",
+    "MAX_POSITIONS",
+    "MAX_TOTAL_POSITIONS",
+    "MAX_KLD_POSITIONS",
+    "MAX_LINE_BYTES",
+    "limit_text",
+]
 
 TOKEN_ID_LIMIT: Final = 1 << 31
 """Token ids must lie in ``[0, TOKEN_ID_LIMIT)``: engines store them as int32, so anything else
@@ -40,5 +47,7 @@ shorter one too when building its JSON objects would take over
 
 def limit_text(limit: int) -> str:
     """The end of a "... are over the limit" message: ``limit`` positions left, and both limits."""
-    return (f"the limit: {limit} positions left for this response (at most {MAX_POSITIONS} per response "
-            f"and {MAX_TOTAL_POSITIONS} in all of a file's responses)")
+    return (
+        f"the limit: {limit} positions left for this response (at most {MAX_POSITIONS} per response "
+        f"and {MAX_TOTAL_POSITIONS} in all of a file's responses)"
+    )

@@ -57,15 +57,23 @@ from typing import Final
 
 import numpy as np
 
+from comparator.logprobs.kl_stream import Distributions
+from comparator.logprobs.sources.input_caps import MAX_KLD_POSITIONS, MAX_POSITIONS, MAX_VOCAB
+from comparator.logprobs.types import UNKNOWN_TOKEN, SequenceLogprobs
 from dumper.errors import CorruptDumpError, UsageError
 from dumper.format.files import READ_FLAGS, file_kind
 
-from comparator.logprobs.sources.input_caps import MAX_KLD_POSITIONS, MAX_POSITIONS, MAX_VOCAB
-from comparator.logprobs.kl_stream import Distributions
-from comparator.logprobs.types import UNKNOWN_TOKEN, SequenceLogprobs
-
-__all__ = ["MAGIC", "KLD_FLOOR", "READ_BYTES", "KldHeader", "KldFile", "is_kld_file", "read_header", "chunk_prompts",
-           "write_kld"]
+__all__ = [
+    "MAGIC",
+    "KLD_FLOOR",
+    "READ_BYTES",
+    "KldHeader",
+    "KldFile",
+    "is_kld_file",
+    "read_header",
+    "chunk_prompts",
+    "write_kld",
+]
 
 MAGIC: Final = b"_logits_"
 _HEADER = struct.Struct("<8sIii")
@@ -147,18 +155,23 @@ def is_kld_file(path: str | os.PathLike[str]) -> bool:
 def _check_header(p: Path, n_ctx: int, n_vocab: int, n_chunk: int) -> None:
     """The one place a header's sizes are bounded: before its layout is computed or anything sized from it."""
     if not 3 <= n_ctx <= MAX_POSITIONS:
-        raise CorruptDumpError(f"{p}: n_ctx {n_ctx} is outside [3, {MAX_POSITIONS}] (llama-perplexity scores "
-                               "the tokens after the first n_ctx/2 of each chunk)")
+        raise CorruptDumpError(
+            f"{p}: n_ctx {n_ctx} is outside [3, {MAX_POSITIONS}] (llama-perplexity scores "
+            "the tokens after the first n_ctx/2 of each chunk)"
+        )
     if n_vocab < 1:
         raise CorruptDumpError(f"{p}: n_vocab {n_vocab} is not a positive vocabulary size")
     if n_vocab > MAX_VOCAB:
-        raise CorruptDumpError(f"{p}: declares a vocabulary of {n_vocab}, over the limit {MAX_VOCAB} "
-                               "(real vocabularies reach about 262k)")
+        raise CorruptDumpError(
+            f"{p}: declares a vocabulary of {n_vocab}, over the limit {MAX_VOCAB} (real vocabularies reach about 262k)"
+        )
     if n_chunk < 1:
         raise CorruptDumpError(f"{p}: n_chunk {n_chunk} is not a positive number of chunks")
     if n_ctx * n_chunk > MAX_KLD_POSITIONS:
-        raise UsageError(f"{p}: {n_chunk} chunks of {n_ctx} tokens are {n_ctx * n_chunk} positions, over the "
-                         f"limit of {MAX_KLD_POSITIONS} a llama.cpp KL-divergence base file may hold")
+        raise UsageError(
+            f"{p}: {n_chunk} chunks of {n_ctx} tokens are {n_ctx * n_chunk} positions, over the "
+            f"limit of {MAX_KLD_POSITIONS} a llama.cpp KL-divergence base file may hold"
+        )
 
 
 def read_header(path: str | os.PathLike[str]) -> KldHeader:
@@ -175,7 +188,7 @@ def read_header(path: str | os.PathLike[str]) -> KldHeader:
         raw = os.pread(fd, _HEADER.size, 0)
     finally:
         os.close(fd)
-    if raw[:len(MAGIC)] != MAGIC:
+    if raw[: len(MAGIC)] != MAGIC:
         raise CorruptDumpError(f"{p}: not a llama.cpp KL-divergence base file (no {MAGIC.decode()} magic)")
     if len(raw) < _HEADER.size:
         raise CorruptDumpError(f"{p}: truncated llama.cpp KL-divergence base file: {size} bytes, no full header")
@@ -184,8 +197,10 @@ def read_header(path: str | os.PathLike[str]) -> KldHeader:
     h = KldHeader(str(p), n_ctx, n_vocab, n_chunk)
     if size != h.size:
         why = "truncated" if size < h.size else "trailing bytes"
-        raise CorruptDumpError(f"{p}: {why}: {size} bytes, but n_ctx {n_ctx}, n_vocab {n_vocab} and n_chunk "
-                               f"{n_chunk} make a llama.cpp KL-divergence base file of {h.size} bytes")
+        raise CorruptDumpError(
+            f"{p}: {why}: {size} bytes, but n_ctx {n_ctx}, n_vocab {n_vocab} and n_chunk "
+            f"{n_chunk} make a llama.cpp KL-divergence base file of {h.size} bytes"
+        )
     return h
 
 
@@ -221,9 +236,11 @@ class KldFile(Distributions):
         if bad.size:
             chunk, r = divmod(row + int(bad[0]), self.header.rows)
             scale, low = (float(x) for x in heads[bad[0]])
-            raise CorruptDumpError(f"{self.path}: chunk {chunk} row {r}: stored scale {scale} and min_log_prob "
-                                   f"{low} are not a log-probability row (NaN logits in the model that wrote it, or "
-                                   "a damaged file)")
+            raise CorruptDumpError(
+                f"{self.path}: chunk {chunk} row {r}: stored scale {scale} and min_log_prob "
+                f"{low} are not a log-probability row (NaN logits in the model that wrote it, or "
+                "a damaged file)"
+            )
 
     def _read_tokens(self) -> np.ndarray:
         h = self.header
@@ -231,8 +248,10 @@ class KldFile(Distributions):
         bad = np.flatnonzero((tok < 0) | (tok >= h.n_vocab))
         if bad.size:
             c, pos = divmod(int(bad[0]), h.n_ctx)
-            raise CorruptDumpError(f"{self.path}: chunk {c} position {pos}: token id {int(tok[bad[0]])} is outside "
-                                   f"the vocabulary [0, {h.n_vocab})")
+            raise CorruptDumpError(
+                f"{self.path}: chunk {c} position {pos}: token id {int(tok[bad[0]])} is outside "
+                f"the vocabulary [0, {h.n_vocab})"
+            )
         return tok.reshape(h.n_chunk, h.n_ctx)
 
     def _check_size(self, when: str) -> None:
@@ -271,8 +290,10 @@ class KldFile(Distributions):
         c = self._chunk(request)
         h = self.header
         if c is None or (index.size and not (0 <= int(index.min()) and int(index.max()) < h.rows)):
-            raise IndexError(f"{self.path}: request {request!r} rows {index.tolist()[:4]}... are not among its "
-                             f"{h.n_chunk} chunks of {h.rows} rows")
+            raise IndexError(
+                f"{self.path}: request {request!r} rows {index.tolist()[:4]}... are not among its "
+                f"{h.n_chunk} chunks of {h.rows} rows"
+            )
         if out is None:
             out = np.empty((index.size, h.n_vocab), dtype=np.float64)
         step = max(1, READ_BYTES // h.row_bytes)
@@ -284,7 +305,7 @@ class KldFile(Distributions):
                 head = np.ascontiguousarray(words[:, :4]).view("<f4").astype(np.float64)  # [n, 2]: scale, min_log_prob
                 self._check_heads(head, c * h.rows + lo)
                 block = out[a:b]
-                block[:] = words[:, 4:4 + h.n_vocab]
+                block[:] = words[:, 4 : 4 + h.n_vocab]
                 block *= head[:, :1]
                 block += head[:, 1:2]
         return out
@@ -297,7 +318,7 @@ class KldFile(Distributions):
         n = h.n_chunk * h.rows
         heads = np.empty((n, 2), dtype=np.float64)
         codes = np.zeros(n, dtype=np.float64)
-        scored = self.tokens[:, h.first + 1:].reshape(-1)  # the token each file row predicts
+        scored = self.tokens[:, h.first + 1 :].reshape(-1)  # the token each file row predicts
         step = READ_BYTES // h.row_bytes if h.row_bytes <= _PAGE else 1
         with self.open():
             for lo in range(0, n, step):
@@ -335,8 +356,10 @@ class KldFile(Distributions):
         objs = [UNKNOWN_TOKEN, *ids.tolist()]  # one int object per distinct id, shared by all its positions
         where = np.searchsorted(ids, self.tokens) + 1
         where[:, 0] = 0
-        return tuple(SequenceLogprobs(str(c), itemgetter(*where[c].tolist())(objs), lead + lp[c].tolist())
-                     for c in range(h.n_chunk))
+        return tuple(
+            SequenceLogprobs(str(c), itemgetter(*where[c].tolist())(objs), lead + lp[c].tolist())
+            for c in range(h.n_chunk)
+        )
 
 
 def chunk_prompts(kld: KldFile, bos: int | None) -> list[list[int]]:
@@ -361,7 +384,7 @@ def _quantize(logits: np.ndarray, words: int) -> np.ndarray:
     out = np.zeros((x.shape[0], words), dtype="<u2")
     out[:, :4] = np.stack([scale, low - top - lse], axis=1).astype("<f4").view("<u2")
     code = np.rint(inv[:, None] * (x - low[:, None]))
-    out[:, 4:4 + x.shape[1]] = np.where(x > low[:, None], np.clip(code, 0, 65535), 0)
+    out[:, 4 : 4 + x.shape[1]] = np.where(x > low[:, None], np.clip(code, 0, 65535), 0)
     return out
 
 

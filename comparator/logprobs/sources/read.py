@@ -9,15 +9,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from dumper.errors import UsageError
-from dumper.format import DumpReader
-from dumper.format.files import file_kind
-from dumper.format.remote import is_url
-
 from comparator.logprobs.sources.dump import dump_logprobs
 from comparator.logprobs.sources.engine_json import read_logprobs_jsonl
 from comparator.logprobs.sources.llama_kld import KldFile, is_kld_file
 from comparator.logprobs.sources.source import LogprobSource
+from dumper.errors import UsageError
+from dumper.format import DumpReader
+from dumper.format.files import file_kind
+from dumper.format.remote import is_url
 
 __all__ = ["read_logprob_source"]
 
@@ -29,8 +28,9 @@ def read_logprob_source(path: str | os.PathLike[str]) -> LogprobSource:
         reader = DumpReader(path)
         src = dump_logprobs(reader)
         if src is None:
-            raise UsageError(f"{reader.directory}: the dump holds no logprobs (record them with "
-                             "`python -m dumper run --logprobs`)")
+            raise UsageError(
+                f"{reader.directory}: the dump holds no logprobs (record them with `python -m dumper run --logprobs`)"
+            )
         return src
     if not p.is_file():
         try:
@@ -40,6 +40,7 @@ def read_logprob_source(path: str | os.PathLike[str]) -> LogprobSource:
         raise UsageError(f"{p}: {kind}, not a dump directory or a regular file; refusing to read it")
     if is_kld_file(p):
         kld = KldFile(p)
-        return LogprobSource(str(p), None, kld.sequences(), vocab_size=kld.vocab_size, distributions=kld,
-                             dtype="float16")
+        return LogprobSource(
+            str(p), None, kld.sequences(), vocab_size=kld.vocab_size, distributions=kld, dtype="float16"
+        )
     return LogprobSource(str(p), None, tuple(read_logprobs_jsonl(p)))

@@ -12,11 +12,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dumper.errors import UsageError
-from dumper.format import LOGITS, LOGPROB_TOP_VALUE, Manifest
-
 from comparator.logprobs.kl_stream import Distributions
 from comparator.logprobs.types import SequenceLogprobs
+from dumper.errors import UsageError
+from dumper.format import LOGITS, LOGPROB_TOP_VALUE, Manifest
 
 __all__ = ["LogprobSource", "check_vocabulary", "one_sided_parts"]
 
@@ -58,7 +57,6 @@ def one_sided_parts(base: LogprobSource, targ: LogprobSource) -> tuple[list[str]
     return b, t
 
 
-
 def check_vocabulary(*sources: LogprobSource) -> None:
     """Every token id of every source lies in the vocabulary of each source that knows its size.
 
@@ -78,6 +76,7 @@ def _check_vocab(src: LogprobSource, vocab: int, why: str) -> None:
         if bad is None and seq.top is not None:
             bad = next(((p, t) for p, tk in enumerate(seq.top) if tk for t, _ in tk if t >= vocab), None)
         if bad is not None:
-            raise UsageError(f"{src.path}: request {seq.request!r} position {bad[0]}: token id {bad[1]} is outside "
-                             f"the vocabulary [0, {vocab}) of {why}")
-
+            raise UsageError(
+                f"{src.path}: request {seq.request!r} position {bad[0]}: token id {bad[1]} is outside "
+                f"the vocabulary [0, {vocab}) of {why}"
+            )

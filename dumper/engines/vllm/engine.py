@@ -48,6 +48,7 @@ from dumper.engines.held_output import Relay, held_stderr
 from dumper.engines.vllm.parts import join_dump, new_token, remove_spool, spool_root, wait_parts
 from dumper.engines.vllm.serve import CPU_DEFAULTS
 from dumper.engines.vllm.spool import marker, token_dir
+from dumper.engines.vllm.tap import register, take_load_failure, tap_config
 from dumper.errors import (
     DriftscopeError,
     InternalError,
@@ -57,37 +58,52 @@ from dumper.errors import (
 )
 from dumper.format import Manifest
 from dumper.format.decode import GENERATED_IDS, NEW_TOKENS
-from dumper.engines.vllm.tap import register, take_load_failure, tap_config
 from dumper.hooks.capture import Capture
 from dumper.hooks.layers import ATTN_INPUT, DEFAULT_LAYERS
 from dumper.modeldir import check_model_dir
-from dumper.prefill.observer import LogprobSink, ObserverCheck, mark_observer
 from dumper.prefill.logprob_records import record_logprobs, record_token_logprobs
+from dumper.prefill.observer import LogprobSink, ObserverCheck, mark_observer
 from dumper.prefill.run import RunConfig
 from dumper.progress import ProgressFn
 
-__all__ = ["run_dump", "dump_llm", "observe_llm", "reference_llm", "load_llm", "release_llm", "engine_kwargs",
-           "env_defaults", "ENGINE_ARGS"]
+__all__ = [
+    "run_dump",
+    "dump_llm",
+    "observe_llm",
+    "reference_llm",
+    "load_llm",
+    "release_llm",
+    "engine_kwargs",
+    "env_defaults",
+    "ENGINE_ARGS",
+]
 
 ENGINE_ARGS = {
     "enable_prefix_caching": EngineArg("reuse KV blocks of shared prompt prefixes; default vLLM's, true", "bool"),
-    "kv_cache_dtype": EngineArg("the KV-cache dtype; default auto, the model dtype", "choice",
-                                ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "bfloat16", "float16")),
+    "kv_cache_dtype": EngineArg(
+        "the KV-cache dtype; default auto, the model dtype",
+        "choice",
+        ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "bfloat16", "float16"),
+    ),
     "max_num_seqs": EngineArg("requests per engine step; default vLLM's, at most --chunk-size", "int", high=1 << 16),
-    "max_model_len": EngineArg("the context vLLM reserves; default max(512, longest prompt + --new-tokens, at least "
-                               "+ 1)", "int"),
-    "enforce_eager": EngineArg("run the model eager (no torch.compile, no CUDA graphs); default vLLM's, false",
-                               "bool"),
+    "max_model_len": EngineArg(
+        "the context vLLM reserves; default max(512, longest prompt + --new-tokens, at least + 1)", "int"
+    ),
+    "enforce_eager": EngineArg("run the model eager (no torch.compile, no CUDA graphs); default vLLM's, false", "bool"),
     "tensor_parallel_size": EngineArg("tensor-parallel ranks (one worker process each); default 1", "int", high=64),
     "pipeline_parallel_size": EngineArg("pipeline stages (one worker process each); default 1", "int", high=64),
-    "distributed_executor_backend": EngineArg("how vLLM runs its ranks: mp (worker processes, the default) or ray "
-                                              "(Ray actors, placed on the nodes of a Ray cluster)", "choice",
-                                              ("mp", "ray")),
+    "distributed_executor_backend": EngineArg(
+        "how vLLM runs its ranks: mp (worker processes, the default) or ray "
+        "(Ray actors, placed on the nodes of a Ray cluster)",
+        "choice",
+        ("mp", "ray"),
+    ),
 }
 """``--engine-arg`` keys ``--engine vllm`` takes, and their values."""
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 """A checkpoint with none of these has no tokenizer: vLLM is told not to load one (ids go in anyway)."""
+
 
 class KeptEngine:
     """The one vLLM engine a process keeps between jobs with the same settings (a GPU fits one), and the relay of
@@ -144,37 +160,62 @@ def engine_kwargs(cfg: RunConfig, checkpoint: Path, seqs: list[list[int]], *, ta
     """
     opts = check_engine_args(cfg, ENGINE_ARGS)
     if cfg.batch_size != 1:
-        raise UsageError("--batch-size: --engine vllm batches every prompt itself; "
-                         "--engine-arg max_num_seqs=N bounds the requests of one engine step")
+        raise UsageError(
+            "--batch-size: --engine vllm batches every prompt itself; "
+            "--engine-arg max_num_seqs=N bounds the requests of one engine step"
+        )
     if cfg.attn != "eager":
-        raise UsageError(f"--attn {cfg.attn}: HF's attention setting; vLLM picks its own attention backend "
-                         "(recorded in the manifest as engine_attention_backend)")
+        raise UsageError(
+            f"--attn {cfg.attn}: HF's attention setting; vLLM picks its own attention backend "
+            "(recorded in the manifest as engine_attention_backend)"
+        )
     config = check_model_dir(checkpoint) or {}
     context = max(map(len, seqs)) + max(cfg.new_tokens, 1)  # the longest prompt and the tokens it generates
     positions = config.get("max_position_embeddings")
     kw: dict[str, Any] = {
-        "model": str(checkpoint), "dtype": cfg.dtype, "enforce_eager": bool(opts.get("enforce_eager", False)),
+        "model": str(checkpoint),
+        "dtype": cfg.dtype,
+        "enforce_eager": bool(opts.get("enforce_eager", False)),
         "trust_remote_code": False,
         "skip_tokenizer_init": not any((checkpoint / f).is_file() for f in _TOKENIZER_FILES),
-        "seed": cfg.seed, "max_model_len": opts.get("max_model_len") or
-        min(max(512, context), positions if type(positions) is int and positions > 0 else context),
+        "seed": cfg.seed,
+        "max_model_len": opts.get("max_model_len")
+        or min(max(512, context), positions if type(positions) is int and positions > 0 else context),
     }
-    kw.update((k, opts[k]) for k in ("enable_prefix_caching", "kv_cache_dtype", "max_num_seqs", "tensor_parallel_size",
-                                     "pipeline_parallel_size", "distributed_executor_backend") if k in opts)
+    kw.update(
+        (k, opts[k])
+        for k in (
+            "enable_prefix_caching",
+            "kv_cache_dtype",
+            "max_num_seqs",
+            "tensor_parallel_size",
+            "pipeline_parallel_size",
+            "distributed_executor_backend",
+        )
+        if k in opts
+    )
     if tap:
         points = None if tuple(cfg.points) == (ATTN_INPUT,) else ",".join(cfg.points)  # the default: as before
-        kw["additional_config"] = tap_config(cfg.layers if cfg.layers is not None else DEFAULT_LAYERS, points,
-                                             sketch=cfg.sketch)
+        kw["additional_config"] = tap_config(
+            cfg.layers if cfg.layers is not None else DEFAULT_LAYERS, points, sketch=cfg.sketch
+        )
     if cfg.chunk_size is not None:
         if kw.get("max_num_seqs", 0) > cfg.chunk_size:
-            raise UsageError(f"--engine-arg max_num_seqs={kw['max_num_seqs']} is more than --chunk-size "
-                             f"{cfg.chunk_size}; vLLM needs a step budget of at least one token per request")
-        kw.update(enable_chunked_prefill=True, max_num_batched_tokens=cfg.chunk_size,
-                  max_num_seqs=kw.get("max_num_seqs", min(cfg.chunk_size, 256)))
+            raise UsageError(
+                f"--engine-arg max_num_seqs={kw['max_num_seqs']} is more than --chunk-size "
+                f"{cfg.chunk_size}; vLLM needs a step budget of at least one token per request"
+            )
+        kw.update(
+            enable_chunked_prefill=True,
+            max_num_batched_tokens=cfg.chunk_size,
+            max_num_seqs=kw.get("max_num_seqs", min(cfg.chunk_size, 256)),
+        )
     spec = cfg.logprobs
     if spec is not None and spec.save_logits and cfg.new_tokens:
-        raise UsageError("--save-logits with --new-tokens: vLLM's logits rows of generated tokens are not recorded "
-                         "yet; drop --save-logits (the logprobs and --top-k are)")
+        raise UsageError(
+            "--save-logits with --new-tokens: vLLM's logits rows of generated tokens are not recorded "
+            "yet; drop --save-logits (the logprobs and --top-k are)"
+        )
     if spec is not None and spec.save_logits:
         kw.update(logprobs_mode="raw_logits", max_logprobs=-1)
     elif spec is not None and spec.top_k > 20:
@@ -226,8 +267,9 @@ def _engine_info(checkpoint: Path, dtype: str, settings: dict[str, Any]) -> Engi
     return EngineInfo("vllm", vllm.__version__, str(checkpoint), {"dtype": dtype, **settings})
 
 
-def _record_prompt_logprobs(cap: LogprobSink, seq_id: int, ids: list[int], entries: list[Any], cfg: RunConfig,
-                            vocab: int) -> None:
+def _record_prompt_logprobs(
+    cap: LogprobSink, seq_id: int, ids: list[int], entries: list[Any], cfg: RunConfig, vocab: int
+) -> None:
     """Record vLLM's ``prompt_logprobs`` of one prompt: entry ``j`` (``j >= 1``) scores token ``ids[j]``."""
     spec = cfg.logprobs
     assert spec is not None
@@ -241,11 +283,16 @@ def _record_prompt_logprobs(cap: LogprobSink, seq_id: int, ids: list[int], entri
         ids_t = torch.tensor([ids])
         record_logprobs(cap, rows[None], ids_t, torch.ones_like(ids_t), torch.arange(len(ids))[None], 0, [seq_id], spec)
         return
-    top = [sorted(entries[j].items(), key=lambda kv: kv[1].rank)[:spec.top_k] for j in keep] if spec.top_k else None
-    record_token_logprobs(cap, keep, [seq_id] * len(keep), [ids[j] for j in keep],
-                          [entries[j][ids[j]].logprob for j in keep],
-                          None if top is None else [[t for t, _ in row] for row in top],
-                          None if top is None else [[e.logprob for _, e in row] for row in top])
+    top = [sorted(entries[j].items(), key=lambda kv: kv[1].rank)[: spec.top_k] for j in keep] if spec.top_k else None
+    record_token_logprobs(
+        cap,
+        keep,
+        [seq_id] * len(keep),
+        [ids[j] for j in keep],
+        [entries[j][ids[j]].logprob for j in keep],
+        None if top is None else [[t for t, _ in row] for row in top],
+        None if top is None else [[e.logprob for _, e in row] for row in top],
+    )
 
 
 def _record_decode_logprobs(cap: LogprobSink, seq_id: int, prompt: list[int], out: Any, cfg: RunConfig) -> None:
@@ -258,11 +305,16 @@ def _record_decode_logprobs(cap: LogprobSink, seq_id: int, prompt: list[int], ou
         raise InternalError(f"vLLM returned {len(entries)} logprobs for {len(tokens)} generated tokens")
     if not keep:
         return
-    top = [sorted(entries[s].items(), key=lambda kv: kv[1].rank)[:spec.top_k] for s in keep] if spec.top_k else None
-    record_token_logprobs(cap, [len(prompt) + s for s in keep], [seq_id] * len(keep), [tokens[s] for s in keep],
-                          [entries[s][tokens[s]].logprob for s in keep],
-                          None if top is None else [[t for t, _ in row] for row in top],
-                          None if top is None else [[e.logprob for _, e in row] for row in top])
+    top = [sorted(entries[s].items(), key=lambda kv: kv[1].rank)[: spec.top_k] for s in keep] if spec.top_k else None
+    record_token_logprobs(
+        cap,
+        [len(prompt) + s for s in keep],
+        [seq_id] * len(keep),
+        [tokens[s] for s in keep],
+        [entries[s][tokens[s]].logprob for s in keep],
+        None if top is None else [[t for t, _ in row] for row in top],
+        None if top is None else [[e.logprob for _, e in row] for row in top],
+    )
 
 
 def _record_logprobs(cap: LogprobSink, cfg: RunConfig, seqs: list[list[int]], outs: list[Any], vocab: int) -> None:
@@ -273,8 +325,9 @@ def _record_logprobs(cap: LogprobSink, cfg: RunConfig, seqs: list[list[int]], ou
             _record_decode_logprobs(cap, i, seqs[i], o.outputs[0], cfg)
 
 
-def _generate(llm: Any, cfg: RunConfig, seqs: list[list[int]], *, token: str | None = None,
-              logprobs: bool = True) -> list[Any]:
+def _generate(
+    llm: Any, cfg: RunConfig, seqs: list[list[int]], *, token: str | None = None, logprobs: bool = True
+) -> list[Any]:
     """One ``llm.generate`` of every prompt as token ids: a greedy one-token prefill with ``cfg``'s prompt logprobs,
     or with ``cfg.new_tokens`` a greedy decode of that many tokens (no stop at EOS) with their logprobs.
 
@@ -286,10 +339,18 @@ def _generate(llm: Any, cfg: RunConfig, seqs: list[list[int]], *, token: str | N
     spec = cfg.logprobs if logprobs else None
     prompt_logprobs = None if spec is None else -1 if spec.save_logits else spec.top_k
     new = max(cfg.new_tokens, 1)
-    params = [SamplingParams(max_tokens=new, temperature=0.0, detokenize=False, prompt_logprobs=prompt_logprobs,
-                             ignore_eos=True, logprobs=spec.top_k if spec is not None and cfg.new_tokens else None,
-                             extra_args=None if token is None else marker(token, i, len(seqs), new))
-              for i in range(len(seqs))]
+    params = [
+        SamplingParams(
+            max_tokens=new,
+            temperature=0.0,
+            detokenize=False,
+            prompt_logprobs=prompt_logprobs,
+            ignore_eos=True,
+            logprobs=spec.top_k if spec is not None and cfg.new_tokens else None,
+            extra_args=None if token is None else marker(token, i, len(seqs), new),
+        )
+        for i in range(len(seqs))
+    ]
     # the engine's stderr while it runs: written out after, dropped with a failure's one line (held_output)
     with held_stderr(ENGINE.stderr(llm)):
         try:
@@ -316,8 +377,15 @@ def _stop(llm: Any) -> None:
             core.shutdown()
 
 
-def dump_llm(llm: Any, cfg: RunConfig, seqs: list[list[int]], checkpoint: Path, *,
-             identity: dict[str, Any] | None = None, progress: ProgressFn | None = None) -> Manifest:
+def dump_llm(
+    llm: Any,
+    cfg: RunConfig,
+    seqs: list[list[int]],
+    checkpoint: Path,
+    *,
+    identity: dict[str, Any] | None = None,
+    progress: ProgressFn | None = None,
+) -> Manifest:
     """Prefill ``seqs`` in one ``llm.generate`` call, marked for capture, and join the ranks' parts into ``cfg.out``.
 
     The prefix cache is emptied first, so that hits come from this job's own prompts (with
@@ -341,17 +409,33 @@ def dump_llm(llm: Any, cfg: RunConfig, seqs: list[list[int]], checkpoint: Path, 
     return manifest
 
 
-def _join(cfg: RunConfig, seqs: list[list[int]], checkpoint: Path, parts: Any, outs: list[Any],
-          identity: dict[str, Any] | None) -> Manifest:
+def _join(
+    cfg: RunConfig,
+    seqs: list[list[int]],
+    checkpoint: Path,
+    parts: Any,
+    outs: list[Any],
+    identity: dict[str, Any] | None,
+) -> Manifest:
     """Write ``cfg.out`` (:func:`~dumper.engines.vllm.parts.join_dump`): the ranks' records, the prompt logprobs
     vLLM returned, and the manifest last."""
     spec = cfg.logprobs
     info = _engine_info(checkpoint, cfg.dtype, parts.engine_settings)
-    job = {"job": "decode" if cfg.new_tokens else "prefill", "input_ids": seqs, "dtype": cfg.dtype,
-           "chunk_size": cfg.chunk_size, "batch_size": cfg.batch_size, "logprobs": None if spec is None else vars(spec),
-           "prefix_cache_hits": [int(o.num_cached_tokens or 0) for o in outs], **cfg.extra,
-           **({NEW_TOKENS: cfg.new_tokens, GENERATED_IDS: [list(o.outputs[0].token_ids) for o in outs]}
-              if cfg.new_tokens else {})}
+    job = {
+        "job": "decode" if cfg.new_tokens else "prefill",
+        "input_ids": seqs,
+        "dtype": cfg.dtype,
+        "chunk_size": cfg.chunk_size,
+        "batch_size": cfg.batch_size,
+        "logprobs": None if spec is None else vars(spec),
+        "prefix_cache_hits": [int(o.num_cached_tokens or 0) for o in outs],
+        **cfg.extra,
+        **(
+            {NEW_TOKENS: cfg.new_tokens, GENERATED_IDS: [list(o.outputs[0].token_ids) for o in outs]}
+            if cfg.new_tokens
+            else {}
+        ),
+    }
     identity = identity or hf_identity(checkpoint, cfg.model)
     vocab = int(identity.get("vocab_size") or 0)
 
@@ -359,8 +443,7 @@ def _join(cfg: RunConfig, seqs: list[list[int]], checkpoint: Path, parts: Any, o
         if spec is not None:
             _record_logprobs(cap, cfg, seqs, outs, vocab)
 
-    return join_dump(cfg.out, parts, model_name=cfg.model, identity=identity, engine=info, job_extra=job,
-                     record=record)
+    return join_dump(cfg.out, parts, model_name=cfg.model, identity=identity, engine=info, job_extra=job, record=record)
 
 
 def reference_llm(llm: Any, cfg: RunConfig, seqs: list[list[int]], sink: LogprobSink, vocab: int) -> None:

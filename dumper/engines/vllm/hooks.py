@@ -32,10 +32,10 @@ import torch
 from torch import nn
 
 from dumper.errors import UsageError
-from dumper.hooks.fingerprint import config_hash
-from dumper.hooks.families import FamilyAdapter, register
-from dumper.hooks.rows import PassRows, Runs, SharedRows
 from dumper.format import encode_runs
+from dumper.hooks.families import FamilyAdapter, register
+from dumper.hooks.fingerprint import config_hash
+from dumper.hooks.rows import PassRows, Runs, SharedRows
 
 __all__ = ["VllmFamily", "model_runner_of", "model_of", "runner_on_stack"]
 
@@ -48,8 +48,10 @@ def model_runner_of(llm: Any) -> Any:
     for attr in _RUNNER_PATH.split("."):
         obj = getattr(obj, attr, None)
         if obj is None:
-            raise UsageError("vLLM's model runs in another process; set VLLM_ENABLE_V1_MULTIPROCESSING=0 "
-                             "(and use one GPU / no tensor parallelism) to capture inside it")
+            raise UsageError(
+                "vLLM's model runs in another process; set VLLM_ENABLE_V1_MULTIPROCESSING=0 "
+                "(and use one GPU / no tensor parallelism) to capture inside it"
+            )
     return obj
 
 
@@ -135,7 +137,7 @@ class VllmFamily(FamilyAdapter):
         end (:meth:`_end`)."""
         seq = np.zeros(pos.shape[0], dtype=np.int64)
         keep = np.zeros(pos.shape[0], dtype=bool)
-        for i, rid in enumerate(runner.input_batch.req_ids[:len(starts) - 1]):
+        for i, rid in enumerate(runner.input_batch.req_ids[: len(starts) - 1]):
             a, b = int(starts[i]), int(starts[i + 1])
             if b <= a:
                 continue
@@ -147,9 +149,12 @@ class VllmFamily(FamilyAdapter):
             if keep[a:b].any():
                 self._done[s] = max(self._done[s], int(pos[a:b][keep[a:b]].max()) + 1)
         rows = np.flatnonzero(keep)
-        return PassRows((int(pos.shape[0]),), Runs(encode_runs(pos[rows], step=1)),
-                        Runs(encode_runs(seq[rows], step=0)),
-                        keep=None if rows.size == pos.shape[0] else torch.from_numpy(rows))
+        return PassRows(
+            (int(pos.shape[0]),),
+            Runs(encode_runs(pos[rows], step=1)),
+            Runs(encode_runs(seq[rows], step=0)),
+            keep=None if rows.size == pos.shape[0] else torch.from_numpy(rows),
+        )
 
     def _end(self, s: int) -> int:
         """The position after sequence ``s``'s last recorded row: its prompt, then the decode steps that feed
@@ -172,19 +177,25 @@ class VllmFamily(FamilyAdapter):
         self._start[s] = self._done[s] = first
         if first > 0:
             head = self._prompt[s][:first]
-            src = next((k for k in sorted(self._prompt) if k != s and self._start[k] == 0
-                        and self._prompt[k][:first] == head), None)
+            src = next(
+                (k for k in sorted(self._prompt) if k != s and self._start[k] == 0 and self._prompt[k][:first] == head),
+                None,
+            )
             if src is not None:
                 self._shared.append(SharedRows(s, src, first))
         return s
 
     def compiled_reason(self) -> str | None:
-        compiled = self.model is not None and any(getattr(m, "do_not_compile", True) is False for m in self.model.modules())
+        compiled = self.model is not None and any(
+            getattr(m, "do_not_compile", True) is False for m in self.model.modules()
+        )
         return "vLLM's torch.compile" if compiled else None
 
     def tap_hint(self) -> str:
-        return ('start vLLM with additional_config={"driftscope": {"layers": "all"}}, or --engine-arg '
-                "enforce_eager=true for module hooks; see docs/hooks.md, 'Compiled models: the tap'")
+        return (
+            'start vLLM with additional_config={"driftscope": {"layers": "all"}}, or --engine-arg '
+            "enforce_eager=true for module hooks; see docs/hooks.md, 'Compiled models: the tap'"
+        )
 
     def shared_rows(self) -> list[SharedRows]:
         return list(self._shared)
@@ -201,14 +212,22 @@ class VllmFamily(FamilyAdapter):
     def identity(self, name: str | None) -> dict[str, Any]:
         """The HF config vLLM loaded names the model; no weights hash (vLLM fuses and renames weights: qkv_proj)."""
         config = getattr(self.model, "config", None)
-        return {"name": name or getattr(config, "_name_or_path", None) or type(self.model).__name__,
-                "architecture": type(self.model).__name__, "num_layers": getattr(config, "num_hidden_layers", None),
-                "hidden_size": getattr(config, "hidden_size", None), "vocab_size": getattr(config, "vocab_size", None),
-                "config_hash": config_hash(config), "weights_hash": None}
+        return {
+            "name": name or getattr(config, "_name_or_path", None) or type(self.model).__name__,
+            "architecture": type(self.model).__name__,
+            "num_layers": getattr(config, "num_hidden_layers", None),
+            "hidden_size": getattr(config, "hidden_size", None),
+            "vocab_size": getattr(config, "vocab_size", None),
+            "config_hash": config_hash(config),
+            "weights_hash": None,
+        }
 
     def environment(self) -> dict[str, Any]:
         import vllm
 
-        backend = next((m.attn_backend.get_name() for m in self.model.modules() if hasattr(m, "attn_backend")), None) \
-            if self.model is not None else None
+        backend = (
+            next((m.attn_backend.get_name() for m in self.model.modules() if hasattr(m, "attn_backend")), None)
+            if self.model is not None
+            else None
+        )
         return {"engine": "vllm", "engine_version": vllm.__version__, "engine_attention_backend": backend}

@@ -31,14 +31,22 @@ from dumper.engines.vllm.spool import check_token
 from dumper.errors import DumpError, UsageError
 from dumper.format import Manifest, TensorRecord, load_manifest
 from dumper.format.atomic import atomic_path
-from dumper.hooks.capture import Capture
 from dumper.format.files import check_plain_name
 from dumper.format.remote import download, is_url, listed, read_small, remove_prefix
+from dumper.hooks.capture import Capture
 from dumper.hooks.parts import part_name, part_path, read_part, read_url_part
 from dumper.settings import VLLM_SPOOL_ENV, env_settings
 
-__all__ = ["RankParts", "spool_root", "new_token", "wait_parts", "take_parts", "join_dump", "remove_spool",
-           "PART_TIMEOUT_S"]
+__all__ = [
+    "RankParts",
+    "spool_root",
+    "new_token",
+    "wait_parts",
+    "take_parts",
+    "join_dump",
+    "remove_spool",
+    "PART_TIMEOUT_S",
+]
 
 PART_TIMEOUT_S = 120.0
 """How long after the last marked request returned the client waits for every rank's part."""
@@ -94,10 +102,10 @@ def _failure(directory: Path | str) -> str | None:
     if isinstance(directory, str):  # a URL spool
         for name in listed(directory, "failed-r*.txt"):
             text = (read_small(f"{directory}/{name}") or b"").decode(errors="replace")
-            return f"{name[len('failed-'):-len('.txt')]}: {text.strip()[:300]}"
+            return f"{name[len('failed-') : -len('.txt')]}: {text.strip()[:300]}"
         return None
     for path in sorted(directory.glob("failed-r*.txt")) if directory.is_dir() else ():
-        return f"{path.name[len('failed-'):-len('.txt')]}: {path.read_text(errors='replace').strip()[:300]}"
+        return f"{path.name[len('failed-') : -len('.txt')]}: {path.read_text(errors='replace').strip()[:300]}"
     return None
 
 
@@ -133,9 +141,11 @@ def wait_parts(directory: Path | str, *, timeout_s: float = PART_TIMEOUT_S, poll
             return parts
         if time.monotonic() > deadline:
             missing = [r for r in range(max(parts.world_size, 1)) if r not in parts.files]
-            raise DumpError(f"{directory}: no capture part from vLLM rank(s) {missing} within {timeout_s:.0f} s of "
-                            "the last request (a worker died, the server runs without the driftscope tap, or a pass "
-                            "ran where the tap is not read back, e.g. a full CUDA-graph replay); no dump was written")
+            raise DumpError(
+                f"{directory}: no capture part from vLLM rank(s) {missing} within {timeout_s:.0f} s of "
+                "the last request (a worker died, the server runs without the driftscope tap, or a pass "
+                "ran where the tap is not read back, e.g. a full CUDA-graph replay); no dump was written"
+            )
         time.sleep(poll_s)
 
 
@@ -171,9 +181,16 @@ def take_parts(capture: Any, parts: RankParts) -> None:
         capture.adopt(files, parts.records[rank])
 
 
-def join_dump(out: str | os.PathLike[str], parts: RankParts, *, model_name: str | None, identity: dict[str, Any],
-              engine: EngineInfo, job_extra: dict[str, Any],
-              record: Callable[[Capture], None] | None = None) -> Manifest:
+def join_dump(
+    out: str | os.PathLike[str],
+    parts: RankParts,
+    *,
+    model_name: str | None,
+    identity: dict[str, Any],
+    engine: EngineInfo,
+    job_extra: dict[str, Any],
+    record: Callable[[Capture], None] | None = None,
+) -> Manifest:
     """Write the dump at ``out``: every rank's records, ``record(capture)``'s own, and the manifest last.
 
     ``record`` adds what the caller holds (the prompt logprobs vLLM returned) into the capture,
@@ -181,8 +198,16 @@ def join_dump(out: str | os.PathLike[str], parts: RankParts, *, model_name: str 
     ``engine``; its environment is rank 0's, with the engine's settings as ``engine_*`` keys.
     """
     environment = {**dict(parts.info.get("environment") or {}), **engine.environment()}
-    cap = Capture(None, out, model_name=model_name, extra={**job_extra, "engine": engine.to_json()}, identity=identity,
-                  environment=environment, signature=parts.info.get("signature"), first_pass=parts.last_pass + 1)
+    cap = Capture(
+        None,
+        out,
+        model_name=model_name,
+        extra={**job_extra, "engine": engine.to_json()},
+        identity=identity,
+        environment=environment,
+        signature=parts.info.get("signature"),
+        first_pass=parts.last_pass + 1,
+    )
     with torch.inference_mode(), cap:
         take_parts(cap, parts)
         if record is not None:

@@ -40,15 +40,29 @@ import torch
 from torch import nn
 
 from dumper.engines.vllm.hooks import VllmFamily, runner_on_stack
-from dumper.format.sketch import SketchSpec
 from dumper.format.remote import is_url, write_small
+from dumper.format.sketch import SketchSpec
 from dumper.hooks.capture import Capture
-from dumper.hooks.remote import capture_class
 from dumper.hooks.parts import dist_rank_world
+from dumper.hooks.remote import capture_class
 from dumper.settings import env_settings
 
-__all__ = ["MARK_TOKEN", "MARK_SEQ", "MARK_COUNT", "MARK_NEW", "marker", "check_token", "failed_name", "failed_path",
-           "token_dir", "leave_failure", "MarkedFamily", "SpoolRecorder", "engine_settings", "install_recorder"]
+__all__ = [
+    "MARK_TOKEN",
+    "MARK_SEQ",
+    "MARK_COUNT",
+    "MARK_NEW",
+    "marker",
+    "check_token",
+    "failed_name",
+    "failed_path",
+    "token_dir",
+    "leave_failure",
+    "MarkedFamily",
+    "SpoolRecorder",
+    "engine_settings",
+    "install_recorder",
+]
 
 MARK_TOKEN, MARK_SEQ, MARK_COUNT = "driftscope_capture", "driftscope_seq", "driftscope_n"
 """``extra_args`` keys of a marked request: the capture's token, its sequence id, the capture's prompt count."""
@@ -70,8 +84,12 @@ def marker(token: str, seq: int, count: int, new_tokens: int = 1) -> dict[str, A
     its decode steps recorded when it generates ``new_tokens`` > 1."""
     if check_token(token) is None:
         raise ValueError(f"capture token {token!r}: expected 1-64 letters, digits, '_' or '-'")
-    return {MARK_TOKEN: token, MARK_SEQ: int(seq), MARK_COUNT: int(count),
-            **({MARK_NEW: int(new_tokens)} if new_tokens > 1 else {})}
+    return {
+        MARK_TOKEN: token,
+        MARK_SEQ: int(seq),
+        MARK_COUNT: int(count),
+        **({MARK_NEW: int(new_tokens)} if new_tokens > 1 else {}),
+    }
 
 
 def failed_name(rank: int) -> str:
@@ -139,8 +157,9 @@ def _abandon(token: str) -> None:
 class SpoolRecorder:
     """The top-level hooks of a tapped vLLM model: one worker-side :class:`Capture` per capture token in flight."""
 
-    def __init__(self, model: nn.Module, root: Path | str, spec: dict[str, Any], settings: dict[str, Any],
-                 router: Any = None) -> None:
+    def __init__(
+        self, model: nn.Module, root: Path | str, spec: dict[str, Any], settings: dict[str, Any], router: Any = None
+    ) -> None:
         self.model, self.root, self.spec, self.settings = model, root, spec, settings
         self.rank = dist_rank_world()[0]
         self.router = router  # the MoE layers' probes (dumper.hooks.router_tap.RouterTap), with the ``router`` point
@@ -188,10 +207,16 @@ class SpoolRecorder:
 
     def _begin(self, token: str, count: int) -> None:
         cap = capture_class(self.root)(
-            self.model, token_dir(self.root, token), layers=self.spec.get("layers"), points=self.spec.get("points"),
-            family=MarkedFamily(self.model, token, count, self._runner), hooks=False, part=True,
+            self.model,
+            token_dir(self.root, token),
+            layers=self.spec.get("layers"),
+            points=self.spec.get("points"),
+            family=MarkedFamily(self.model, token, count, self._runner),
+            hooks=False,
+            part=True,
             extra={"engine_settings": self.settings},
-            sketch=SketchSpec.from_json(self.spec["sketch"]) if self.spec.get("sketch") else None)
+            sketch=SketchSpec.from_json(self.spec["sketch"]) if self.spec.get("sketch") else None,
+        )
         cap.__enter__()
         self._open[token] = cap
 
@@ -226,17 +251,24 @@ def engine_settings(vllm_config: Any, model: nn.Module) -> dict[str, Any]:
     compiled = not vllm_config.model_config.enforce_eager and str(comp.mode).rsplit(".", 1)[-1] != "NONE"
     graphs = str(getattr(comp, "cudagraph_mode", None)).rsplit(".", 1)[-1] not in ("NONE", "None")
     return {
-        "kv_cache_dtype": str(cache.cache_dtype), "attention_backend": backend, "compiled": compiled,
+        "kv_cache_dtype": str(cache.cache_dtype),
+        "attention_backend": backend,
+        "compiled": compiled,
         "cuda_graphs": graphs and vllm_config.device_config.device.type == "cuda",
         "chunked_prefill": bool(sched.enable_chunked_prefill),
-        "max_num_batched_tokens": int(sched.max_num_batched_tokens), "max_num_seqs": int(sched.max_num_seqs),
-        "prefix_caching": bool(cache.enable_prefix_caching), "block_size": int(cache.block_size),
-        "tensor_parallel_size": int(par.tensor_parallel_size), "pipeline_parallel_size": int(par.pipeline_parallel_size),
-        "executor": str(getattr(par, "distributed_executor_backend", None) or "mp")}
+        "max_num_batched_tokens": int(sched.max_num_batched_tokens),
+        "max_num_seqs": int(sched.max_num_seqs),
+        "prefix_caching": bool(cache.enable_prefix_caching),
+        "block_size": int(cache.block_size),
+        "tensor_parallel_size": int(par.tensor_parallel_size),
+        "pipeline_parallel_size": int(par.pipeline_parallel_size),
+        "executor": str(getattr(par, "distributed_executor_backend", None) or "mp"),
+    }
 
 
-def install_recorder(model: nn.Module, spec: dict[str, Any], vllm_config: Any, *,
-                     router: Any = None) -> SpoolRecorder | None:
+def install_recorder(
+    model: nn.Module, spec: dict[str, Any], vllm_config: Any, *, router: Any = None
+) -> SpoolRecorder | None:
     """Add the marked-request recorder to a model tapped as ``spec`` says, when ``DRIFTSCOPE_VLLM_SPOOL`` is set.
 
     ``spec``'s points are the hidden-state tap's; ``router`` (a :class:`~dumper.hooks.router_tap.RouterTap`)
@@ -245,7 +277,8 @@ def install_recorder(model: nn.Module, spec: dict[str, Any], vllm_config: Any, *
     root = env_settings().vllm_spool
     if not root:
         return None
-    recorder = SpoolRecorder(model, root if is_url(root) else Path(root), spec, engine_settings(vllm_config, model),
-                             router)
+    recorder = SpoolRecorder(
+        model, root if is_url(root) else Path(root), spec, engine_settings(vllm_config, model), router
+    )
     _LOG.info("driftscope: recording marked requests into %s (rank %d)", root, recorder.rank)
     return recorder

@@ -44,8 +44,20 @@ from dumper.hooks.layers import find_decoder_layers, parse_layer_spec
 from dumper.hooks.router_tap import PROBE_NAME, RouterEntry, RouterProbe, RouterTap
 from dumper.settings import env_settings
 
-__all__ = ["TAP_KEY", "register", "tap_config", "tap_spec", "install_engine_tap", "take_load_failure",
-           "split_points", "sketch_of", "RouterTap", "install_router_tap", "router_tap_of", "moe_layers"]
+__all__ = [
+    "TAP_KEY",
+    "register",
+    "tap_config",
+    "tap_spec",
+    "install_engine_tap",
+    "take_load_failure",
+    "split_points",
+    "sketch_of",
+    "RouterTap",
+    "install_router_tap",
+    "router_tap_of",
+    "moe_layers",
+]
 
 TAP_KEY = "driftscope"
 """The ``additional_config`` key that asks vLLM's loader for the tap."""
@@ -57,8 +69,9 @@ _LOG = logging.getLogger("vllm.driftscope")
 """A child of vLLM's logger: printed by vLLM's handler, at vLLM's level (``VLLM_LOGGING_LEVEL``)."""
 
 
-def tap_config(layers: str | Sequence[int] | None, points: str | Sequence[str] | None = None, *,
-               sketch: SketchSpec | None = None) -> dict[str, Any]:
+def tap_config(
+    layers: str | Sequence[int] | None, points: str | Sequence[str] | None = None, *, sketch: SketchSpec | None = None
+) -> dict[str, Any]:
     """The ``additional_config`` entry that taps ``layers`` (and ``points``, stored as ``sketch``) of the model vLLM
     loads."""
     spec: dict[str, Any] = {"layers": layers if isinstance(layers, str) or layers is None else [int(i) for i in layers]}
@@ -75,19 +88,24 @@ def tap_spec(additional_config: Any) -> dict[str, Any] | None:
         return None
     spec = additional_config[TAP_KEY]
     if not isinstance(spec, dict):
-        raise UsageError(f"additional_config {TAP_KEY!r}: expected an object with keys {', '.join(_KEYS)}, "
-                         f"got {str(spec)[:80]!r}")
+        raise UsageError(
+            f"additional_config {TAP_KEY!r}: expected an object with keys {', '.join(_KEYS)}, got {str(spec)[:80]!r}"
+        )
     unknown = sorted(str(k) for k in spec if k not in _KEYS)
     if unknown:
         more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
-        raise UsageError(f"additional_config {TAP_KEY!r}: unknown key {unknown[0][:40]!r}{more}; "
-                         f"it takes {', '.join(_KEYS)}")
+        raise UsageError(
+            f"additional_config {TAP_KEY!r}: unknown key {unknown[0][:40]!r}{more}; it takes {', '.join(_KEYS)}"
+        )
     if spec.get("sketch") is not None:
         sketch_of(spec)
     for key in _KEYS[:2]:
         value = spec.get(key)
-        if value is not None and not isinstance(value, str) and not (
-                isinstance(value, list) and all(type(v) is (int if key == "layers" else str) for v in value)):
+        if (
+            value is not None
+            and not isinstance(value, str)
+            and not (isinstance(value, list) and all(type(v) is (int if key == "layers" else str) for v in value))
+        ):
             raise UsageError(f"additional_config {TAP_KEY!r}.{key}: expected a spec string or a list, got {value!r}")
     return spec
 
@@ -112,8 +130,9 @@ def split_points(points: str | Sequence[str] | None) -> tuple[str | list[str] | 
         return points, False
     rest = [p for p in names if p != ROUTER_POINT]
     if not rest:
-        raise UsageError(f"capture point {ROUTER_POINT!r}: vLLM records it beside the 'input' point; "
-                         f"ask for input,{ROUTER_POINT}")
+        raise UsageError(
+            f"capture point {ROUTER_POINT!r}: vLLM records it beside the 'input' point; ask for input,{ROUTER_POINT}"
+        )
     return rest, True
 
 
@@ -129,16 +148,21 @@ def install_engine_tap(model: Any, vllm_config: Any, spec: dict[str, Any]) -> An
     budget = int(vllm_config.scheduler_config.max_num_batched_tokens)
     try:
         points, router = split_points(spec.get("points"))
-        tap = install_tap(model, layers=spec.get("layers"), points=points, max_tokens=budget,
-                          family=VllmFamily(model))
+        tap = install_tap(model, layers=spec.get("layers"), points=points, max_tokens=budget, family=VllmFamily(model))
         routed = install_router_tap(model, layers=spec.get("layers"), capacity=budget) if router else None
     except UsageError as e:
         raise UsageError(f"additional_config {TAP_KEY!r}: {e}") from None
-    _LOG.info("driftscope: tapped %d points of %s (%.1f MiB sink, budget %d tokens)", len(tap.points),
-              type(model).__name__, tap.nbytes / 2**20, budget)
+    _LOG.info(
+        "driftscope: tapped %d points of %s (%.1f MiB sink, budget %d tokens)",
+        len(tap.points),
+        type(model).__name__,
+        tap.nbytes / 2**20,
+        budget,
+    )
     if routed is not None:
-        _LOG.info("driftscope: tapped the router of %d MoE layers (%.1f MiB sink)", len(routed.probes),
-                  routed.nbytes / 2**20)
+        _LOG.info(
+            "driftscope: tapped the router of %d MoE layers (%.1f MiB sink)", len(routed.probes), routed.nbytes / 2**20
+        )
     return tap
 
 
@@ -204,8 +228,12 @@ def register() -> None:
                 from dumper.engines.vllm.spool import install_recorder
 
                 # with DRIFTSCOPE_VLLM_SPOOL set: record marked requests (the router beside the hidden-state points)
-                install_recorder(model, {**spec, "points": split_points(spec.get("points"))[0]}, vllm_config,
-                                 router=router_tap_of(model))
+                install_recorder(
+                    model,
+                    {**spec, "points": split_points(spec.get("points"))[0]},
+                    vllm_config,
+                    router=router_tap_of(model),
+                )
         except DriftscopeError as e:
             _leave_load_failure(e)
             raise
@@ -230,6 +258,8 @@ def register() -> None:
 
 _ROUTER_ATTR = "_driftscope_router"
 """The attribute of a tapped model that holds its :class:`RouterTap`."""
+
+
 def _moe_runner(layer: nn.Module) -> tuple[str, nn.Module] | None:
     """(name in ``layer``, module) of the layer's first fused-MoE runner: a module whose ``router`` selects experts."""
     for name, m in layer.named_modules():
@@ -264,12 +294,16 @@ def moe_layers(model: nn.Module, layers: str | Sequence[int] | None) -> list[tup
             continue
         prefix = f"{list_name}.{i}" if list_name else str(i)
         if getattr(hit[1], "is_monolithic", False) or getattr(hit[1].router, "eplb_state", None) is not None:
-            raise UsageError(f"capture point {ROUTER_POINT!r}: {prefix} runs a fused-MoE kernel that chooses experts "
-                             "inside itself (monolithic) or remaps them (EPLB); its choice is not visible to capture")
+            raise UsageError(
+                f"capture point {ROUTER_POINT!r}: {prefix} runs a fused-MoE kernel that chooses experts "
+                "inside itself (monolithic) or remaps them (EPLB); its choice is not visible to capture"
+            )
         found.append((prefix, i, layer_list[i], hit[1]))
     if not found:
-        raise UsageError(f"capture point {ROUTER_POINT!r}: {type(model).__name__} has no MoE layer among layers "
-                         f"{keep} (no fused-MoE router there); capture the 'input' point instead")
+        raise UsageError(
+            f"capture point {ROUTER_POINT!r}: {type(model).__name__} has no MoE layer among layers "
+            f"{keep} (no fused-MoE router there); capture the 'input' point instead"
+        )
     return found
 
 
@@ -278,8 +312,13 @@ def _probe(layer: nn.Module, runner: nn.Module, capacity: int) -> RouterProbe:
     router = runner.router
     name = next(n for n, m in layer.named_modules() if m is runner)
     param = next(runner.parameters(), None)
-    probe = RouterProbe(int(router.global_num_experts), int(router.top_k), capacity=capacity,
-                        dtype=_logits_dtype(layer, name, runner), device=param.device if param is not None else "cpu")
+    probe = RouterProbe(
+        int(router.global_num_experts),
+        int(router.top_k),
+        capacity=capacity,
+        dtype=_logits_dtype(layer, name, runner),
+        device=param.device if param is not None else "cpu",
+    )
     runner.add_module(PROBE_NAME, probe)  # its buffers are the model's: compiled code lifts them as its state
     select = router.select_experts
 
@@ -296,8 +335,10 @@ def install_router_tap(model: nn.Module, *, layers: str | Sequence[int] | None, 
     """Probe every selected MoE layer of ``model`` before vLLM compiles it; ``capacity``: tokens per pass."""
     if router_tap_of(model) is not None:
         raise UsageError("the router point of this vLLM model is already tapped")
-    probes = [RouterEntry(prefix, i, _probe(layer, runner, capacity))
-              for prefix, i, layer, runner in moe_layers(model, layers)]
+    probes = [
+        RouterEntry(prefix, i, _probe(layer, runner, capacity))
+        for prefix, i, layer, runner in moe_layers(model, layers)
+    ]
     tap = RouterTap(probes, capacity)
     setattr(model, _ROUTER_ATTR, tap)
     return tap

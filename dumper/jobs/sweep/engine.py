@@ -49,8 +49,9 @@ def engine_block_size(cfg: RunConfig) -> int:
 
         llm = load_llm(_vllm_kwargs(cfg), device=cfg.device)
         return int(llm.llm_engine.vllm_config.cache_config.block_size)
-    raise UsageError(f"--grid lengths=block: the KV block size of --engine {cfg.engine} is not known; "
-                     "pass --block-size N")
+    raise UsageError(
+        f"--grid lengths=block: the KV block size of --engine {cfg.engine} is not known; pass --block-size N"
+    )
 
 
 def pinned_engine_args(cfg: RunConfig, grid_keys: Collection[str], *, new_tokens: int = 0) -> RunConfig:

@@ -36,8 +36,21 @@ from dumper.errors import DriftscopeError, UsageError
 from dumper.format.files import printable
 from dumper.prefill.run import RunConfig, check_scored_positions
 
-__all__ = ["Axis", "Cell", "RUN_KEYS", "LENGTHS", "BLOCK", "PREFIX_CACHING", "MAX_CELLS", "parse_grid",
-           "plan_cells", "block_lengths", "describe", "axis_size", "check_cell_count"]
+__all__ = [
+    "Axis",
+    "Cell",
+    "RUN_KEYS",
+    "LENGTHS",
+    "BLOCK",
+    "PREFIX_CACHING",
+    "MAX_CELLS",
+    "parse_grid",
+    "plan_cells",
+    "block_lengths",
+    "describe",
+    "axis_size",
+    "check_cell_count",
+]
 
 RUN_KEYS = ("chunk_size", "batch_size", "new_tokens")
 """Grid keys that are :class:`RunConfig` fields."""
@@ -80,6 +93,7 @@ class Cell:
 
 def describe(settings: dict[str, Any]) -> str:
     """``chunk_size=none batch_size=2 lengths=17``: a cell's settings as the grid spells them."""
+
     def word(v: Any) -> str:
         return "none" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
 
@@ -131,8 +145,10 @@ def check_cell_count(axes: Sequence[Axis], max_cells: int) -> None:
         counts = " x ".join(f"{printable(a.key)} {n}" for a, n in zip(axes, sizes, strict=True))
         # int -> str refuses past 4,300 digits (sys.set_int_max_str_digits): a number that long is shown as its size
         shown = str(cells) if cells.bit_length() < 14_000 else f"about 10^{int(math.log10(cells))}"
-        raise UsageError(f"--grid: {shown} cells ({counts}), more than --max-cells {max_cells}; "
-                         "narrow an axis, or raise the cap with --max-cells N")
+        raise UsageError(
+            f"--grid: {shown} cells ({counts}), more than --max-cells {max_cells}; "
+            "narrow an axis, or raise the cap with --max-cells N"
+        )
 
 
 def block_lengths(block: int) -> tuple[int, ...]:
@@ -153,8 +169,9 @@ def _lengths(values: Sequence[str], block_size: int | None) -> list[int]:
     for v in values:
         if v.lower() == BLOCK:
             if block_size is None:
-                raise UsageError(f"--grid {LENGTHS}={BLOCK}: the engine's KV block size is unknown; "
-                                 "pass --block-size N")
+                raise UsageError(
+                    f"--grid {LENGTHS}={BLOCK}: the engine's KV block size is unknown; pass --block-size N"
+                )
             out.update(dict.fromkeys(block_lengths(block_size)))
         else:
             n = _int(LENGTHS, v)
@@ -188,34 +205,55 @@ def _prefix_cache(settings: dict[str, Any], fixed: dict[str, Any]) -> bool:
     return bool(settings.get(PREFIX_CACHING, fixed.get(PREFIX_CACHING, False)))
 
 
-def _cell_config(template: RunConfig, settings: dict[str, Any], seqs: list[list[int]], out: Path,
-                 prefix: bool) -> RunConfig:
+def _cell_config(
+    template: RunConfig, settings: dict[str, Any], seqs: list[list[int]], out: Path, prefix: bool
+) -> RunConfig:
     """The run of one cell: the template with the cell's settings, prompts and directory."""
-    engine_args = tuple((k, str(v).lower() if isinstance(v, bool) else str(v))
-                        for k, v in settings.items() if k not in (*RUN_KEYS, LENGTHS))
+    engine_args = tuple(
+        (k, str(v).lower() if isinstance(v, bool) else str(v))
+        for k, v in settings.items()
+        if k not in (*RUN_KEYS, LENGTHS)
+    )
     run = {k: settings[k] for k in RUN_KEYS if k in settings}
-    cfg = replace(template, out=str(out), prompts=(), input_ids=tuple(tuple(s) for s in seqs),
-                  engine_args=template.engine_args + engine_args, warm_prefix_cache=prefix,
-                  logprobs=None if prefix else template.logprobs, **run)  # vLLM: no cache read with prompt_logprobs
+    cfg = replace(
+        template,
+        out=str(out),
+        prompts=(),
+        input_ids=tuple(tuple(s) for s in seqs),
+        engine_args=template.engine_args + engine_args,
+        warm_prefix_cache=prefix,
+        logprobs=None if prefix else template.logprobs,
+        **run,
+    )  # vLLM: no cache read with prompt_logprobs
     check_engine_args(cfg, engine_adapter(cfg.engine).ENGINE_ARGS)
     check_scored_positions(cfg, seqs)
     return cfg
 
 
-def _truncated(prompts: Sequence[Sequence[int]], length: int | None, baseline: str) -> tuple[list[list[int]],
-                                                                                            tuple[int, ...]]:
+def _truncated(
+    prompts: Sequence[Sequence[int]], length: int | None, baseline: str
+) -> tuple[list[list[int]], tuple[int, ...]]:
     """The prompts cut to ``length`` tokens (shorter ones left out) and the baseline index of each."""
     if length is None:
         return [list(p) for p in prompts], tuple(range(len(prompts)))
     kept = tuple(i for i, p in enumerate(prompts) if len(p) >= length)
     if not kept:
-        raise UsageError(f"--grid {LENGTHS}={length}: no prompt of the baseline {baseline} has {length} tokens "
-                         f"(the longest has {max(map(len, prompts))})")
+        raise UsageError(
+            f"--grid {LENGTHS}={length}: no prompt of the baseline {baseline} has {length} tokens "
+            f"(the longest has {max(map(len, prompts))})"
+        )
     return [list(prompts[i][:length]) for i in kept], kept
 
 
-def plan_cells(template: RunConfig, axes: Sequence[Axis], prompts: Sequence[Sequence[int]], *, out: str,
-               baseline: str, block_size: int | None) -> list[Cell]:
+def plan_cells(
+    template: RunConfig,
+    axes: Sequence[Axis],
+    prompts: Sequence[Sequence[int]],
+    *,
+    out: str,
+    baseline: str,
+    block_size: int | None,
+) -> list[Cell]:
     """Every cell of the grid, each one's run checked as ``run`` checks it, ``lengths`` the innermost axis.
 
     ``template`` holds what is fixed across cells; ``prompts`` are the baseline's token ids.

@@ -14,8 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from dumper.format.jsonfloat import from_json_float, to_json_float
 from comparator import FirstDivergence
+from dumper.format.jsonfloat import from_json_float, to_json_float
 
 __all__ = ["CellLogprobs", "CellResult", "SweepResult", "PREFIX_CACHE_NOTE", "ZERO_HITS"]
 
@@ -40,16 +40,27 @@ class CellLogprobs:
     note: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"passed": self.passed, "max_abs_err": to_json_float(self.max_abs_err),
-                "kl_mean": to_json_float(self.kl_mean), "kl_max": to_json_float(self.kl_max),
-                "compared_positions": self.compared_positions, "note": self.note}
+        return {
+            "passed": self.passed,
+            "max_abs_err": to_json_float(self.max_abs_err),
+            "kl_mean": to_json_float(self.kl_mean),
+            "kl_max": to_json_float(self.kl_max),
+            "compared_positions": self.compared_positions,
+            "note": self.note,
+        }
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> CellLogprobs:
         computed = d["passed"] is not None  # a computed max |dlogprob| that was not finite crossed as null
         err = from_json_float(d["max_abs_err"]) if computed else _float(d["max_abs_err"])
-        return cls(passed=d["passed"], max_abs_err=err, kl_mean=_float(d["kl_mean"]),
-                   kl_max=_float(d["kl_max"]), compared_positions=int(d["compared_positions"]), note=d["note"])
+        return cls(
+            passed=d["passed"],
+            max_abs_err=err,
+            kl_mean=_float(d["kl_mean"]),
+            kl_max=_float(d["kl_max"]),
+            compared_positions=int(d["compared_positions"]),
+            note=d["note"],
+        )
 
 
 @dataclass(frozen=True)
@@ -93,25 +104,45 @@ class CellResult:
         return None if fd is None else fd.onset if fd.onset is not None else fd.token
 
     def to_json(self) -> dict[str, Any]:
-        return {"index": self.index, "name": self.name, "settings": dict(self.settings), "passed": self.passed,
-                "verdict": self.verdict, "reasons": list(self.reasons),
-                "first_divergent": None if self.first_divergent is None else self.first_divergent.to_json(),
-                "logprobs": None if self.logprobs is None else self.logprobs.to_json(),
-                "cache_hits": self.cache_hits,
-                "cache_hits_by_sequence": None if self.cache_hits_by_sequence is None
-                else list(self.cache_hits_by_sequence),
-                "report": self.report, "dump": self.dump, "wall_s": self.wall_s, "run_s": self.run_s,
-                "engine_reused": self.engine_reused}
+        return {
+            "index": self.index,
+            "name": self.name,
+            "settings": dict(self.settings),
+            "passed": self.passed,
+            "verdict": self.verdict,
+            "reasons": list(self.reasons),
+            "first_divergent": None if self.first_divergent is None else self.first_divergent.to_json(),
+            "logprobs": None if self.logprobs is None else self.logprobs.to_json(),
+            "cache_hits": self.cache_hits,
+            "cache_hits_by_sequence": None
+            if self.cache_hits_by_sequence is None
+            else list(self.cache_hits_by_sequence),
+            "report": self.report,
+            "dump": self.dump,
+            "wall_s": self.wall_s,
+            "run_s": self.run_s,
+            "engine_reused": self.engine_reused,
+        }
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> CellResult:
         fd, lp, by_seq = d["first_divergent"], d["logprobs"], d["cache_hits_by_sequence"]
-        return cls(index=int(d["index"]), settings=dict(d["settings"]), passed=bool(d["passed"]),
-                   verdict=str(d["verdict"]), report=str(d["report"]), dump=str(d["dump"]),
-                   wall_s=float(d["wall_s"]), run_s=float(d["run_s"]), engine_reused=bool(d["engine_reused"]),
-                   reasons=tuple(d["reasons"]), first_divergent=None if fd is None else FirstDivergence.from_json(fd),
-                   logprobs=None if lp is None else CellLogprobs.from_json(lp), cache_hits=d["cache_hits"],
-                   cache_hits_by_sequence=None if by_seq is None else tuple(int(h) for h in by_seq))
+        return cls(
+            index=int(d["index"]),
+            settings=dict(d["settings"]),
+            passed=bool(d["passed"]),
+            verdict=str(d["verdict"]),
+            report=str(d["report"]),
+            dump=str(d["dump"]),
+            wall_s=float(d["wall_s"]),
+            run_s=float(d["run_s"]),
+            engine_reused=bool(d["engine_reused"]),
+            reasons=tuple(d["reasons"]),
+            first_divergent=None if fd is None else FirstDivergence.from_json(fd),
+            logprobs=None if lp is None else CellLogprobs.from_json(lp),
+            cache_hits=d["cache_hits"],
+            cache_hits_by_sequence=None if by_seq is None else tuple(int(h) for h in by_seq),
+        )
 
 
 @dataclass(frozen=True)
@@ -133,11 +164,23 @@ class SweepResult:
         return self.passed
 
     def to_json(self) -> dict[str, Any]:
-        return {"passed": self.passed, "baseline": self.baseline, "out": self.out, "engine": self.engine,
-                "block_size": self.block_size, "wall_s": self.wall_s, "cells": [c.to_json() for c in self.cells]}
+        return {
+            "passed": self.passed,
+            "baseline": self.baseline,
+            "out": self.out,
+            "engine": self.engine,
+            "block_size": self.block_size,
+            "wall_s": self.wall_s,
+            "cells": [c.to_json() for c in self.cells],
+        }
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> SweepResult:
-        return cls(baseline=str(d["baseline"]), out=str(d["out"]), engine=str(d["engine"]),
-                   block_size=d["block_size"], wall_s=float(d["wall_s"]),
-                   cells=tuple(CellResult.from_json(c) for c in d["cells"]))
+        return cls(
+            baseline=str(d["baseline"]),
+            out=str(d["out"]),
+            engine=str(d["engine"]),
+            block_size=d["block_size"],
+            wall_s=float(d["wall_s"]),
+            cells=tuple(CellResult.from_json(c) for c in d["cells"]),
+        )

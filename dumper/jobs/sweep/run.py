@@ -48,14 +48,23 @@ from dumper.engines import RunDump, engine_runner
 from dumper.errors import DriftscopeError, UsageError
 from dumper.format import LOGITS_POINT, LOGPROB_POINT, PAD_SEQUENCE, Manifest, load_manifest, write_json_atomic
 from dumper.format.points import INPUT
-from dumper.prefill.run import RunConfig, tokens_from
 from dumper.jobs.sweep.engine import engine_block_size, held_engine, pinned_engine_args, preflight
 from dumper.jobs.sweep.grid import BLOCK, LENGTHS, Axis, Cell, describe, parse_grid, plan_cells
 from dumper.jobs.sweep.results import PREFIX_CACHE_NOTE, ZERO_HITS, CellLogprobs, CellResult, SweepResult
+from dumper.prefill.run import RunConfig, tokens_from
 from dumper.progress import ProgressFn
 
-__all__ = ["SweepConfig", "sweep", "plan_sweep", "run_cell", "baseline_prompts", "baseline_defaults",
-           "parse_grid", "SweepResult", "CellResult"]
+__all__ = [
+    "SweepConfig",
+    "sweep",
+    "plan_sweep",
+    "run_cell",
+    "baseline_prompts",
+    "baseline_defaults",
+    "parse_grid",
+    "SweepResult",
+    "CellResult",
+]
 
 CellFn = Callable[[CellResult, int], None]
 """``on_cell(result, cells)``: called as each cell finishes, with the number of cells."""
@@ -87,10 +96,16 @@ def baseline_prompts(path: str) -> tuple[Manifest, list[list[int]]]:
     """The baseline's manifest and its job's token ids (``extra.input_ids`` of a ``dumper run`` dump)."""
     m = load_manifest(path)
     ids = m.extra.get("input_ids")
-    if m.extra.get("job") != "prefill" or not isinstance(ids, list) or not ids or not all(
-            isinstance(s, list) and s and all(type(t) is int and t >= 0 for t in s) for s in ids):
-        raise UsageError(f"{path}: not the dump of a prefill job with its prompts' token ids (extra.input_ids); "
-                         "sweep needs a baseline from `python -m dumper run`")
+    if (
+        m.extra.get("job") != "prefill"
+        or not isinstance(ids, list)
+        or not ids
+        or not all(isinstance(s, list) and s and all(type(t) is int and t >= 0 for t in s) for s in ids)
+    ):
+        raise UsageError(
+            f"{path}: not the dump of a prefill job with its prompts' token ids (extra.input_ids); "
+            "sweep needs a baseline from `python -m dumper run`"
+        )
     return m, ids
 
 
@@ -99,9 +114,12 @@ def baseline_defaults(manifest: Manifest) -> dict[str, Any]:
     cells match it (points inside a layer included)."""
     layers, points = manifest.capture_signature.get("layers"), manifest.capture_signature.get("points")
     seed = manifest.extra.get("seed")
-    return {"dtype": manifest.extra.get("dtype") or "float32", "seed": seed if type(seed) is int else 0,
-            "layers": ",".join(map(str, layers)) if layers else None,
-            "points": tuple(points) if points else (INPUT,)}
+    return {
+        "dtype": manifest.extra.get("dtype") or "float32",
+        "seed": seed if type(seed) is int else 0,
+        "layers": ",".join(map(str, layers)) if layers else None,
+        "points": tuple(points) if points else (INPUT,),
+    }
 
 
 def _without_block(axes: tuple[Axis, ...]) -> tuple[Axis, ...]:
@@ -120,8 +138,10 @@ def _check_inputs(cfg: SweepConfig, manifest: Manifest) -> None:
     if cfg.block_size is not None and cfg.block_size < 1:
         raise UsageError(f"--block-size must be >= 1, got {cfg.block_size}")
     if cfg.template.logprobs is not None and not any(r.point == LOGPROB_POINT for r in manifest.tensors):
-        raise UsageError(f"--logprobs: the baseline {cfg.baseline} recorded no logprobs to compare with; "
-                         "dump it with --logprobs, or sweep without")
+        raise UsageError(
+            f"--logprobs: the baseline {cfg.baseline} recorded no logprobs to compare with; "
+            "dump it with --logprobs, or sweep without"
+        )
 
 
 def plan_sweep(cfg: SweepConfig) -> tuple[list[Cell], int | None]:
@@ -153,8 +173,13 @@ def _preflight(cells: list[Cell]) -> list[Cell]:
     return cells
 
 
-def sweep(cfg: SweepConfig, *, runner: RunDump | None = None, on_cell: CellFn | None = None,
-          progress: ProgressFn | None = None) -> SweepResult:
+def sweep(
+    cfg: SweepConfig,
+    *,
+    runner: RunDump | None = None,
+    on_cell: CellFn | None = None,
+    progress: ProgressFn | None = None,
+) -> SweepResult:
     """Run every cell of ``cfg`` in order and compare it with the baseline; write ``OUT/sweep.json``.
 
     ``runner`` runs one cell's :class:`RunConfig` (default: the engine's ``run_dump``; a test
@@ -173,8 +198,14 @@ def sweep(cfg: SweepConfig, *, runner: RunDump | None = None, on_cell: CellFn | 
         results.append(result)
         if on_cell is not None:
             on_cell(result, len(cells))
-    out = SweepResult(baseline=cfg.baseline, out=cfg.out, engine=cfg.template.engine, block_size=block,
-                      wall_s=time.perf_counter() - start, cells=tuple(results))
+    out = SweepResult(
+        baseline=cfg.baseline,
+        out=cfg.out,
+        engine=cfg.template.engine,
+        block_size=block,
+        wall_s=time.perf_counter() - start,
+        cells=tuple(results),
+    )
     Path(cfg.out).mkdir(parents=True, exist_ok=True)
     write_json_atomic(Path(cfg.out) / "sweep.json", out.to_json())
     return out
@@ -203,8 +234,10 @@ def _cache_hits(cell: Cell, manifest: Manifest) -> tuple[list[int] | None, list[
     wrong = [(s, starts[s], h) for s, h in enumerate(hits) if s in starts and starts[s] != h]
     if wrong:
         s, first, h = wrong[0]
-        reasons.append(f"sequence {cell.sequence_map[s]}: rows recorded from position {first}, but the prefix "
-                       f"cache served {h} positions ({len(wrong)} sequences so)")
+        reasons.append(
+            f"sequence {cell.sequence_map[s]}: rows recorded from position {first}, but the prefix "
+            f"cache served {h} positions ({len(wrong)} sequences so)"
+        )
     return hits, reasons
 
 
@@ -223,18 +256,29 @@ def _logprobs(cell: Cell, cfg: SweepConfig, report: Report) -> CellLogprobs | No
     v = report.logprobs
     if v is None:
         return None
-    return CellLogprobs(passed=v.passed, max_abs_err=v.max_abs_err.value, kl_mean=v.kl_mean, kl_max=v.kl_max.value,
-                        compared_positions=v.compared_positions)
+    return CellLogprobs(
+        passed=v.passed,
+        max_abs_err=v.max_abs_err.value,
+        kl_mean=v.kl_mean,
+        kl_max=v.kl_max.value,
+        compared_positions=v.compared_positions,
+    )
 
 
 def _counterpart(cell: Cell, cfg: SweepConfig) -> str:
     """A ``new_tokens`` cell's reference: the transformers prefill of the tokens it fed, by the baseline's model."""
     m = load_manifest(cfg.baseline)
     out = Path(cfg.out) / cell.name / "prefill"
-    ref = RunConfig(out=str(out), model=str(m.model.get("name")), dtype=str(m.extra.get("dtype") or cfg.template.dtype),
-                    attn=str(m.extra.get("attn") or "eager"), seed=int(m.extra.get("seed") or 0),
-                    layers=cfg.template.layers, points=cfg.template.points,
-                    logprobs=None if cell.config.logprobs is None else cfg.template.logprobs)
+    ref = RunConfig(
+        out=str(out),
+        model=str(m.model.get("name")),
+        dtype=str(m.extra.get("dtype") or cfg.template.dtype),
+        attn=str(m.extra.get("attn") or "eager"),
+        seed=int(m.extra.get("seed") or 0),
+        layers=cfg.template.layers,
+        points=cfg.template.points,
+        logprobs=None if cell.config.logprobs is None else cfg.template.logprobs,
+    )
     engine_runner("transformers")(tokens_from(ref, cell.config.out))
     return str(out)
 
@@ -251,15 +295,26 @@ def run_cell(cell: Cell, cfg: SweepConfig, runner: RunDump, *, progress: Progres
     identity = tuple(range(len(cell.sequence_map)))
     decoded = bool(cell.config.new_tokens)  # its own tokens: judged against its prefill counterpart, ids as its own
     subset = cell.prefix_cache or any(hits or ()) or cell.length is not None and not decoded
-    compare = replace(cfg.compare, subset=subset,
-                      sequence_map=() if cell.sequence_map == identity or decoded else cell.sequence_map)
+    compare = replace(
+        cfg.compare, subset=subset, sequence_map=() if cell.sequence_map == identity or decoded else cell.sequence_map
+    )
     report = compare_dumps(_counterpart(cell, cfg) if decoded else cfg.baseline, cell.config.out, compare)
     path = Path(cfg.out) / cell.name / "report.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     write_json(report, path)
-    return CellResult(index=cell.index, settings=dict(cell.settings), passed=report.passed and not reasons,
-                      verdict=_cell_word(report, reasons), report=str(path), dump=str(cell.config.out),
-                      wall_s=time.perf_counter() - start, run_s=run_s, engine_reused=reused, reasons=tuple(reasons),
-                      first_divergent=report.first_divergent, logprobs=_logprobs(cell, cfg, report),
-                      cache_hits=None if hits is None else sum(hits),
-                      cache_hits_by_sequence=None if hits is None else tuple(hits))
+    return CellResult(
+        index=cell.index,
+        settings=dict(cell.settings),
+        passed=report.passed and not reasons,
+        verdict=_cell_word(report, reasons),
+        report=str(path),
+        dump=str(cell.config.out),
+        wall_s=time.perf_counter() - start,
+        run_s=run_s,
+        engine_reused=reused,
+        reasons=tuple(reasons),
+        first_divergent=report.first_divergent,
+        logprobs=_logprobs(cell, cfg, report),
+        cache_hits=None if hits is None else sum(hits),
+        cache_hits_by_sequence=None if hits is None else tuple(hits),
+    )

@@ -64,11 +64,18 @@ def render_sweep(result: SweepResult, console: Console) -> None:
         table.add_column(col, justify="left" if col == "engine" else "right", no_wrap=True)
     for c in result.cells:
         fd = c.first_divergent
-        table.add_row(c.name, *(_word(c.settings.get(k)) for k in keys),
-                      Text(c.verdict, style="green" if c.passed else "bold red"),
-                      _dash(None if fd is None else fd.layer), _dash(c.first_token), _dash(c.onset),
-                      *_logprob_cells(c), _dash(c.cache_hits), f"{c.wall_s:.2f}",
-                      "reused" if c.engine_reused else "loaded")
+        table.add_row(
+            c.name,
+            *(_word(c.settings.get(k)) for k in keys),
+            Text(c.verdict, style="green" if c.passed else "bold red"),
+            _dash(None if fd is None else fd.layer),
+            _dash(c.first_token),
+            _dash(c.onset),
+            *_logprob_cells(c),
+            _dash(c.cache_hits),
+            f"{c.wall_s:.2f}",
+            "reused" if c.engine_reused else "loaded",
+        )
     console.print(table)
     console.print(Text(summary_line(result), style="bold green" if result.passed else "bold red"))
 

@@ -30,8 +30,19 @@ LAYER, TOKEN = 2, 20
 def gold(tmp_path_factory):
     """The golden baseline: the tiny-llama preset dumped without any build on the path."""
     root = tmp_path_factory.mktemp("bisect-gold")
-    r = run_cli("dumper", "run", "--model", "tiny-llama", "--layers", "all", "--input-ids", PROMPT, "--out",
-                root / "gold", "--quiet")
+    r = run_cli(
+        "dumper",
+        "run",
+        "--model",
+        "tiny-llama",
+        "--layers",
+        "all",
+        "--input-ids",
+        PROMPT,
+        "--out",
+        root / "gold",
+        "--quiet",
+    )
     assert r.returncode == 0, r.stderr
     return root / "gold"
 
@@ -42,8 +53,20 @@ def _builds_file(path, builds) -> str:
 
 
 def _bisect(gold, tmp_path, builds, *extra, run=None):
-    r = run_cli("comparator", "bisect", gold, "--builds", _builds_file(tmp_path / "builds.txt", builds),
-                "--run", run or dump_command(), "--work", tmp_path / "work", "--json", tmp_path / "out.json", *extra)
+    r = run_cli(
+        "comparator",
+        "bisect",
+        gold,
+        "--builds",
+        _builds_file(tmp_path / "builds.txt", builds),
+        "--run",
+        run or dump_command(),
+        "--work",
+        tmp_path / "work",
+        "--json",
+        tmp_path / "out.json",
+        *extra,
+    )
     result = json.loads((tmp_path / "out.json").read_text()) if r.returncode == 0 else None
     return r, result
 
@@ -74,9 +97,14 @@ def test_skips_next_to_the_first_bad_build_leave_candidates(gold, tmp_path):
     assert "skipped builds hide which" in r.stdout
 
 
-@pytest.mark.parametrize("seeds,which", [([{"layer": 2, "token": 20}, {}], "first build"),
-                                         ([{}, {}], "last build"),
-                                         ([{"broken": "no such venv"}, {"layer": 2, "token": 20}], "first build")])
+@pytest.mark.parametrize(
+    "seeds,which",
+    [
+        ([{"layer": 2, "token": 20}, {}], "first build"),
+        ([{}, {}], "last build"),
+        ([{"broken": "no such venv"}, {"layer": 2, "token": 20}], "first build"),
+    ],
+)
 def test_endpoints_that_do_not_hold_are_exit_2_naming_which(gold, tmp_path, seeds, which):
     builds = [str(make_build(tmp_path / f"b{i}", s)) for i, s in enumerate(seeds)]
     r, _ = _bisect(gold, tmp_path, builds, "--quiet")
@@ -89,10 +117,27 @@ def test_resume_after_a_kill_does_not_rerun_finished_builds(gold, tmp_path):
     builds = ladder(tmp_path / "builds", 9, bad_from=6)
     ran = tmp_path / "ran.log"
     run = f"echo {{build}} >> {ran} && " + dump_command()
-    args = [sys.executable, "-m", "comparator", "bisect", str(gold), "--builds",
-            _builds_file(tmp_path / "builds.txt", builds), "--run", run, "--work", str(tmp_path / "work")]
-    proc = subprocess.Popen(args, env=subprocess_env(), cwd=ROOT, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+    args = [
+        sys.executable,
+        "-m",
+        "comparator",
+        "bisect",
+        str(gold),
+        "--builds",
+        _builds_file(tmp_path / "builds.txt", builds),
+        "--run",
+        run,
+        "--work",
+        str(tmp_path / "work"),
+    ]
+    proc = subprocess.Popen(
+        args,
+        env=subprocess_env(),
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     state = tmp_path / "work" / "bisect.json"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:  # kill it while its third build runs, after two were judged
@@ -104,8 +149,20 @@ def test_resume_after_a_kill_does_not_rerun_finished_builds(gold, tmp_path):
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     before = ran.read_text().splitlines()
-    r = run_cli("comparator", "bisect", gold, "--builds", tmp_path / "builds.txt", "--run", run,
-                "--work", tmp_path / "work", "--resume", "--json", tmp_path / "out.json")
+    r = run_cli(
+        "comparator",
+        "bisect",
+        gold,
+        "--builds",
+        tmp_path / "builds.txt",
+        "--run",
+        run,
+        "--work",
+        tmp_path / "work",
+        "--resume",
+        "--json",
+        tmp_path / "out.json",
+    )
     assert r.returncode == 0, r.stderr
     result = json.loads((tmp_path / "out.json").read_text())
     assert result["first_bad"] == builds[6]
@@ -113,8 +170,9 @@ def test_resume_after_a_kill_does_not_rerun_finished_builds(gold, tmp_path):
     assert lines[:3] == before and before[:2] == [builds[0], builds[-1]]
     assert not set(lines[3:]) & set(before[:2]), lines  # the two judged before the kill never ran again
     assert len(lines) == len(set(lines)) + 1 and lines.count(before[2]) == 2  # the one in flight ran again
-    again = run_cli("comparator", "bisect", gold, "--builds", tmp_path / "builds.txt", "--run", run,
-                    "--work", tmp_path / "work")
+    again = run_cli(
+        "comparator", "bisect", gold, "--builds", tmp_path / "builds.txt", "--run", run, "--work", tmp_path / "work"
+    )
     assert again.returncode == 2 and "--resume" in again.stderr  # a finished bisection is never overwritten
 
 
@@ -122,8 +180,10 @@ def test_a_settings_ladder_finds_the_first_chunk_size_that_breaks_it(gold, tmp_p
     """Bisection over engine settings: the same loop, each line a setting the command takes."""
     build = make_build(tmp_path / "chunk-bug", {"chunked": LAYER})
     sizes = ["64", "48", "40", "39", "32", "16", "8"]  # the prompt has 40 tokens: from 39 on it is cut
-    run = (f"PYTHONPATH={build}${{PYTHONPATH:+:$PYTHONPATH}} {sys.executable} -m dumper run --model tiny-llama "
-           f"--layers all --input-ids {PROMPT} --out {{out}} --quiet --chunk-size {{build}}")
+    run = (
+        f"PYTHONPATH={build}${{PYTHONPATH:+:$PYTHONPATH}} {sys.executable} -m dumper run --model tiny-llama "
+        f"--layers all --input-ids {PROMPT} --out {{out}} --quiet --chunk-size {{build}}"
+    )
     r, result = _bisect(gold, tmp_path, sizes, run=run)
     assert r.returncode == 0, r.stderr
     assert result["first_bad"] == "39" and result["last_good"] == "40"
@@ -132,13 +192,27 @@ def test_a_settings_ladder_finds_the_first_chunk_size_that_breaks_it(gold, tmp_p
 def test_git_bisect_exit_codes(gold, tmp_path):
     bug = make_build(tmp_path / "bug", {"layer": LAYER, "token": TOKEN})
     for name, path in (("good", ""), ("bad", str(bug))):
-        r = run_cli("dumper", "run", "--model", "tiny-llama", "--layers", "all", "--input-ids", PROMPT, "--out",
-                    tmp_path / name, "--quiet", env={"PYTHONPATH": os.pathsep.join(p for p in (path, str(ROOT)) if p)})
+        r = run_cli(
+            "dumper",
+            "run",
+            "--model",
+            "tiny-llama",
+            "--layers",
+            "all",
+            "--input-ids",
+            PROMPT,
+            "--out",
+            tmp_path / name,
+            "--quiet",
+            env={"PYTHONPATH": os.pathsep.join(p for p in (path, str(ROOT)) if p)},
+        )
         assert r.returncode == 0, r.stderr
     (tmp_path / "broken").mkdir()
     (tmp_path / "broken" / "manifest.json").write_text("{not json")
-    codes = {name: run_cli("comparator", gold, tmp_path / name, "--git-bisect", "--quiet").returncode
-             for name in ("good", "bad", "missing", "broken")}
+    codes = {
+        name: run_cli("comparator", gold, tmp_path / name, "--git-bisect", "--quiet").returncode
+        for name in ("good", "bad", "missing", "broken")
+    }
     assert codes == {"good": 0, "bad": 1, "missing": 125, "broken": 125}, codes
     r = run_cli("comparator", tmp_path / "missing", tmp_path / "good", "--git-bisect")  # no commit's fault: stop
     assert r.returncode == 128 and "git bisect: stopping" in r.stderr, r.stderr
@@ -152,15 +226,34 @@ def test_regress_git_bisect_stores_bisect_runs_that_never_become_baselines(gold,
     assert r.returncode == 0, r.stderr
     bug = make_build(tmp_path / "bug", {"layer": LAYER, "token": TOKEN})
     env = {"PYTHONPATH": os.pathsep.join((str(bug), str(ROOT)))}
-    r = run_cli("dumper", "run", "--model", "tiny-llama", "--layers", "all", "--input-ids", PROMPT, "--out",
-                tmp_path / "bad", "--quiet", env=env)
+    r = run_cli(
+        "dumper",
+        "run",
+        "--model",
+        "tiny-llama",
+        "--layers",
+        "all",
+        "--input-ids",
+        PROMPT,
+        "--out",
+        tmp_path / "bad",
+        "--quiet",
+        env=env,
+    )
     assert r.returncode == 0, r.stderr
-    codes = [run_cli("comparator", "regress", d, "--store", store, "--git-bisect", "--build", label,
-                     "--quiet").returncode for d, label in ((gold, "good-commit"), (tmp_path / "bad", "bad-commit"),
-                                                             (tmp_path / "nothing", "broken-commit"))]
+    codes = [
+        run_cli("comparator", "regress", d, "--store", store, "--git-bisect", "--build", label, "--quiet").returncode
+        for d, label in (
+            (gold, "good-commit"),
+            (tmp_path / "bad", "bad-commit"),
+            (tmp_path / "nothing", "broken-commit"),
+        )
+    ]
     assert codes == [0, 1, 125], codes
     ls = run_cli("comparator", "store", "ls", store, "--label", "bisect")
-    assert ls.returncode == 0 and "good-commit" in ls.stdout and "bad-commit" in ls.stdout and "2 runs shown" in ls.stdout
+    assert (
+        ls.returncode == 0 and "good-commit" in ls.stdout and "bad-commit" in ls.stdout and "2 runs shown" in ls.stdout
+    )
     # a later regress is judged against the bootstrapped baseline, never against a bisect run
     r = run_cli("comparator", "regress", tmp_path / "bad", "--store", store, "--json", tmp_path / "r.json", "--quiet")
     baseline = json.loads((tmp_path / "r.json").read_text())["baseline_run"]
@@ -172,8 +265,21 @@ def test_bisect_against_a_store_records_every_judged_build(gold, tmp_path):
     store = tmp_path / "store"
     assert run_cli("comparator", "regress", gold, "--store", store, "--bootstrap", "--quiet").returncode == 0
     builds = ladder(tmp_path / "builds", 4, bad_from=2)
-    r = run_cli("comparator", "bisect", "--store", store, "--builds", _builds_file(tmp_path / "b.txt", builds),
-                "--run", dump_command(), "--work", tmp_path / "work", "--json", tmp_path / "out.json", "--quiet")
+    r = run_cli(
+        "comparator",
+        "bisect",
+        "--store",
+        store,
+        "--builds",
+        _builds_file(tmp_path / "b.txt", builds),
+        "--run",
+        dump_command(),
+        "--work",
+        tmp_path / "work",
+        "--json",
+        tmp_path / "out.json",
+        "--quiet",
+    )
     assert r.returncode == 0, r.stderr
     result = json.loads((tmp_path / "out.json").read_text())
     assert result["first_bad"] == builds[2]

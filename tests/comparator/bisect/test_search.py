@@ -26,12 +26,16 @@ def _judge(outcomes: list[str], calls: list[int]):
     def judge(i: int) -> BuildRun:
         calls.append(i)
         return BuildRun(i, f"b{i}", outcomes[i], 0 if outcomes[i] != SKIP else 1, 0.0)
+
     return judge
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.integers(2, 200).flatmap(lambda n: st.tuples(st.just(n), st.integers(1, n - 1),
-                                                       st.sets(st.integers(0, n), max_size=n // 3))))
+@given(
+    st.integers(2, 200).flatmap(
+        lambda n: st.tuples(st.just(n), st.integers(1, n - 1), st.sets(st.integers(0, n), max_size=n // 3))
+    )
+)
 def test_the_first_bad_build_or_every_candidate_is_found(case):
     n, k, skips = case
     skips = {s for s in skips if 0 < s < n - 1}  # the endpoints run
@@ -50,15 +54,22 @@ def test_the_first_bad_build_or_every_candidate_is_found(case):
 
 def test_the_bound_is_met_exactly_and_skips_cost_one_run_each():
     for n in (2, 3, 16, 17, 64, 1000):
-        worst = max(len(bisect([str(i) for i in range(n)], _judge([GOOD] * k + [BAD] * (n - k), [])).tested)
-                    for k in range(1, n))
+        worst = max(
+            len(bisect([str(i) for i in range(n)], _judge([GOOD] * k + [BAD] * (n - k), [])).tested)
+            for k in range(1, n)
+        )
         assert worst <= run_bound(n), (n, worst)
     assert run_bound(16) == 6 and run_bound(64) == 8
 
 
-@pytest.mark.parametrize("outcomes,words", [([BAD, BAD], "the first build 'b0' (line 1) is bad"),
-                                            ([GOOD, GOOD], "the last build 'b1' (line 2) is good"),
-                                            ([SKIP, BAD], "the first build 'b0' (line 1) is skip")])
+@pytest.mark.parametrize(
+    "outcomes,words",
+    [
+        ([BAD, BAD], "the first build 'b0' (line 1) is bad"),
+        ([GOOD, GOOD], "the last build 'b1' (line 2) is good"),
+        ([SKIP, BAD], "the first build 'b0' (line 1) is skip"),
+    ],
+)
 def test_endpoints_are_judged_first_and_must_hold(outcomes, words):
     calls: list[int] = []
     with pytest.raises(EndpointError, match=words.replace("(", r"\(").replace(")", r"\)")):
@@ -94,11 +105,14 @@ def test_a_work_directory_is_never_overwritten_and_a_foreign_state_is_refused(tm
         open_work(tmp_path / "new", plan, resume=True)
 
 
-@pytest.mark.parametrize("tested,words", [
-    ('[{"index": 5, "build": "a", "outcome": "good", "seconds": 1}]', "is not build 5"),
-    ('[{"index": 0, "build": "a", "outcome": "great", "seconds": 1}]', "does not read"),
-    ('{"x": 1}', "not a bisection state"),
-])
+@pytest.mark.parametrize(
+    "tested,words",
+    [
+        ('[{"index": 5, "build": "a", "outcome": "good", "seconds": 1}]', "is not build 5"),
+        ('[{"index": 0, "build": "a", "outcome": "great", "seconds": 1}]', "does not read"),
+        ('{"x": 1}', "not a bisection state"),
+    ],
+)
 def test_a_hostile_state_file_is_one_line(tmp_path, tested, words):
     plan = Plan(("a", "b"), "run {out}", "gold")
     state = {"version": 1, **plan.fields(), "tested": json.loads(tested)}

@@ -33,8 +33,9 @@ def _sglang_jsonl(path: Path, *, seed: int = 0, requests: int = 2, tokens: int =
         logits = rng.standard_normal((tokens, vocab))
         logprobs = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
         ids = rng.integers(0, vocab, tokens)
-        triples = [[None, int(ids[0]), None]] + [[float(logprobs[i - 1, ids[i]]), int(ids[i]), None]
-                                                 for i in range(1, tokens)]
+        triples = [[None, int(ids[0]), None]] + [
+            [float(logprobs[i - 1, ids[i]]), int(ids[i]), None] for i in range(1, tokens)
+        ]
         lines.append(json.dumps({"text": "", "meta_info": {"id": str(req), "input_token_logprobs": triples}}))
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -52,18 +53,25 @@ def sides(tmp_path_factory) -> dict[str, list[str]]:
     lp = _sglang_jsonl(root / "base.jsonl")
     lp2 = root / "target.jsonl"
     shutil.copy(lp, lp2)
-    return {"compare": [str(a), str(b)], "logprobs": ["logprobs", str(lp), str(lp2)],
-            "regress": ["regress", str(b), "--store", str(store)]}
+    return {
+        "compare": [str(a), str(b)],
+        "logprobs": ["logprobs", str(lp), str(lp2)],
+        "regress": ["regress", str(b), "--store", str(store)],
+    }
 
 
 # (flag, bad value, what the one line says) -- each is refused where the flag exists
-BAD = [("--threshold", "nan", "nan must be a finite number >= 0"),
-       ("--threshold", "-1", "-1.0 must be a finite number >= 0"),
-       ("--token-threshold", "inf", "inf must be a finite number >= 0"),
-       ("--logprob-threshold", "kl_max=abc", "'abc' is not a number")]
-TAKES = {"compare": {"--threshold", "--token-threshold", "--logprob-threshold"},
-         "logprobs": {"--logprob-threshold"},
-         "regress": {"--threshold", "--token-threshold", "--logprob-threshold"}}
+BAD = [
+    ("--threshold", "nan", "nan must be a finite number >= 0"),
+    ("--threshold", "-1", "-1.0 must be a finite number >= 0"),
+    ("--token-threshold", "inf", "inf must be a finite number >= 0"),
+    ("--logprob-threshold", "kl_max=abc", "'abc' is not a number"),
+]
+TAKES = {
+    "compare": {"--threshold", "--token-threshold", "--logprob-threshold"},
+    "logprobs": {"--logprob-threshold"},
+    "regress": {"--threshold", "--token-threshold", "--logprob-threshold"},
+}
 CASES = [(cmd, flag, value, says) for cmd, flags in TAKES.items() for flag, value, says in BAD if flag in flags]
 
 
@@ -91,8 +99,20 @@ THRESHOLD_PARSERS = {"compare": (build_parser, ["A", "B"]), "regress": (build_re
 @pytest.mark.parametrize("cmd", sorted(THRESHOLD_PARSERS))
 def test_threshold_flags_parse_alike_and_resolve_into_the_config(cmd):
     build, positional = THRESHOLD_PARSERS[cmd]
-    args = parse_args(build(), [*positional, "--threshold", "2.5e-4", "--token-threshold", "0",
-                                "--logprob-threshold", "kl_max=off", "--logprob-threshold", "mse=1e-6"])
+    args = parse_args(
+        build(),
+        [
+            *positional,
+            "--threshold",
+            "2.5e-4",
+            "--token-threshold",
+            "0",
+            "--logprob-threshold",
+            "kl_max=off",
+            "--logprob-threshold",
+            "mse=1e-6",
+        ],
+    )
     assert (args.threshold, args.token_threshold) == (2.5e-4, 0.0)
     config = compare_config(args)
     assert (config.threshold, config.token_threshold, config.fixed_explicit) == (2.5e-4, 0.0, True)
@@ -103,8 +123,10 @@ def test_threshold_flags_parse_alike_and_resolve_into_the_config(cmd):
 
 def test_model_is_a_threshold_row_in_comparator_and_a_run_group_in_regress():
     assert parse_args(build_parser(), ["A", "B", "--model", "tiny-llama"]).threshold_row == "tiny-llama"
-    assert parse_args(build_logprobs_parser(), ["A", "B", "--model", "default@bfloat16"]).threshold_row == \
-        "default@bfloat16"
+    assert (
+        parse_args(build_logprobs_parser(), ["A", "B", "--model", "default@bfloat16"]).threshold_row
+        == "default@bfloat16"
+    )
     regress_args = parse_args(build_regress_parser(), ["R", "--store", "S", "--model", "nightly-8b"])
     assert regress_args.run_group == "nightly-8b" and not hasattr(regress_args, "threshold_row")
     assert parse_args(build_store_parser(), ["ls", "S", "--model", "nightly-8b"]).run_group == "nightly-8b"

@@ -24,7 +24,7 @@ from comparator.reports.layer_table import FROM_ZERO, FROM_ZERO_LEGEND
 from comparator.results import load_report
 from dumper.cli.main import build_parser as build_dumper_parser
 from dumper.errors import UsageError
-from tests.conftest import ROOT, run_cli, subprocess_env
+from tests.conftest import run_cli, subprocess_env
 
 COMMANDS = ["bisect", "calibrate", "collect", "import-sglang", "logprobs", "regress", "store"]
 STORE_COMMANDS = ["ls", "show", "promote", "prune"]
@@ -73,8 +73,7 @@ def test_help_lists_every_subcommand_with_one_line():
     _listed(r.stdout, store.choices)
 
 
-@pytest.mark.parametrize("argv", [[c] for c in COMMANDS] + [["store", c] for c in STORE_COMMANDS],
-                         ids=" ".join)
+@pytest.mark.parametrize("argv", [[c] for c in COMMANDS] + [["store", c] for c in STORE_COMMANDS], ids=" ".join)
 def test_each_subcommand_has_its_help(argv):
     r = run_cli("comparator", *argv, "--help")
     assert r.returncode == 0 and r.stderr == "", r.stderr
@@ -88,14 +87,15 @@ def test_each_subcommand_has_its_help(argv):
 
 def test_parsing_and_help_load_no_torch(tmp_path):
     script = tmp_path / "no_torch.py"
-    script.write_text("import contextlib, io, sys\nfrom comparator.cli.main import build_parser, main\n"
-                      "for argv in (['--help'], ['import-sglang', '--help'], ['store', 'ls', '--help']):\n"
-                      "    with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
-                      "        main(argv)\n"
-                      "build_parser().parse_args(['import-sglang', 'SRC', '--out', 'DST'])\n"
-                      "assert 'torch' not in sys.modules, 'torch was imported'\n")
-    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
-                       env=subprocess_env())
+    script.write_text(
+        "import contextlib, io, sys\nfrom comparator.cli.main import build_parser, main\n"
+        "for argv in (['--help'], ['import-sglang', '--help'], ['store', 'ls', '--help']):\n"
+        "    with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
+        "        main(argv)\n"
+        "build_parser().parse_args(['import-sglang', 'SRC', '--out', 'DST'])\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=subprocess_env())
     assert r.returncode == 0, r.stdout + r.stderr
 
 
@@ -107,7 +107,7 @@ def test_import_sglang_takes_the_flags_of_the_converter():
     assert ours.returncode == theirs.returncode == 0, ours.stderr + theirs.stderr
     for text in (ours.stdout, theirs.stdout):
         assert text.startswith("usage: python -m comparator import-sglang [-h] --out OUT"), text
-    usage, args = (lambda t: t.split("\n\n")[0], lambda t: t[t.index("positional arguments:"):])
+    usage, args = (lambda t: t.split("\n\n")[0], lambda t: t[t.index("positional arguments:") :])
     assert usage(ours.stdout) == usage(theirs.stdout) and args(ours.stdout) == args(theirs.stdout)
 
 
@@ -130,16 +130,23 @@ def test_compare_keeps_its_exit_codes(dumps, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("word", "hint"), [("frobnicate", None), ("logprob", "did you mean 'logprobs'?"),
-                                            ("stores", "did you mean 'store'?")])
+@pytest.mark.parametrize(
+    ("word", "hint"),
+    [("frobnicate", None), ("logprob", "did you mean 'logprobs'?"), ("stores", "did you mean 'store'?")],
+)
 def test_an_unknown_command_is_one_line(dumps, tmp_path, word, hint):
     for rest in ([], [dumps["sdpa"]], [dumps["eager"], dumps["sdpa"]]):
         r = run_cli("comparator", word, *rest, cwd=tmp_path)
-        _one_line_error(r, f"python -m comparator: {word!r} is neither a command (bisect, calibrate, collect, "
-                           "import-sglang, logprobs, regress, store) nor an existing dump directory",
-                        *([hint] if hint else []))
-    _one_line_error(run_cli("comparator", "store", "lss", "x"), "python -m comparator store: argument COMMAND: "
-                                                                 "invalid choice: 'lss'")
+        _one_line_error(
+            r,
+            f"python -m comparator: {word!r} is neither a command (bisect, calibrate, collect, "
+            "import-sglang, logprobs, regress, store) nor an existing dump directory",
+            *([hint] if hint else []),
+        )
+    _one_line_error(
+        run_cli("comparator", "store", "lss", "x"),
+        "python -m comparator store: argument COMMAND: invalid choice: 'lss'",
+    )
 
 
 @pytest.mark.slow
@@ -156,21 +163,44 @@ def test_subcommands_run_through_the_parser(dumps, tmp_path):
     r = run_cli("comparator", "store", "ls", store, "--label", "passed")
     assert r.returncode == 0 and "1 runs shown" in r.stdout, r.stdout + r.stderr
     _one_line_error(run_cli("comparator", "logprobs", base, target), "logprobs")  # dumps without logprobs
-    _one_line_error(run_cli("comparator", "collect", "--server", "http://127.0.0.1:9", "--api", "nope", "--out",
-                            tmp_path / "x.jsonl"), "python -m comparator collect: argument --api: invalid choice")
+    _one_line_error(
+        run_cli(
+            "comparator", "collect", "--server", "http://127.0.0.1:9", "--api", "nope", "--out", tmp_path / "x.jsonl"
+        ),
+        "python -m comparator collect: argument --api: invalid choice",
+    )
     assert not (tmp_path / "x.jsonl").exists()
 
 
-VALID = [["A", "B"], ["A", "B", "--model", "default@bfloat16", "--html", "r.html", "--markdown", "--debug"],
-         ["--quiet", "A", "B"], ["logprobs", "A.jsonl", "B.jsonl", "--logprob-threshold", "kl_max=1e-3"],
-         ["collect", "--server", "http://h:8000", "--api", "vllm", "--out", "o.jsonl", "--prompt", "hi"],
-         ["calibrate", "A", "V1", "V2", "--out", "n.json"], ["import-sglang", "SRC", "--out", "DST", "--name", "a=b"],
-         ["regress", "R", "--store", "S", "--model", "any-group", "--calibrate", "V1"],
-         ["store", "ls", "S", "--label", "baseline"], ["store", "show", "S", "RUN"],
-         ["store", "promote", "S", "RUN", "--calibrate", "V"], ["store", "prune", "S", "--keep", "3", "--dry-run"]]
-INVALID = [[], ["A"], ["A", "B", "C"], ["A", "B", "--store", "S"], ["logprobs", "A"], ["collect", "--api", "vllm"],
-           ["calibrate", "A", "--out", "n.json"], ["regress", "R"], ["store"], ["store", "ls"],
-           ["store", "prune", "S"], ["logprob", "A", "B"], ["import-sglang", "SRC"]]
+VALID = [
+    ["A", "B"],
+    ["A", "B", "--model", "default@bfloat16", "--html", "r.html", "--markdown", "--debug"],
+    ["--quiet", "A", "B"],
+    ["logprobs", "A.jsonl", "B.jsonl", "--logprob-threshold", "kl_max=1e-3"],
+    ["collect", "--server", "http://h:8000", "--api", "vllm", "--out", "o.jsonl", "--prompt", "hi"],
+    ["calibrate", "A", "V1", "V2", "--out", "n.json"],
+    ["import-sglang", "SRC", "--out", "DST", "--name", "a=b"],
+    ["regress", "R", "--store", "S", "--model", "any-group", "--calibrate", "V1"],
+    ["store", "ls", "S", "--label", "baseline"],
+    ["store", "show", "S", "RUN"],
+    ["store", "promote", "S", "RUN", "--calibrate", "V"],
+    ["store", "prune", "S", "--keep", "3", "--dry-run"],
+]
+INVALID = [
+    [],
+    ["A"],
+    ["A", "B", "C"],
+    ["A", "B", "--store", "S"],
+    ["logprobs", "A"],
+    ["collect", "--api", "vllm"],
+    ["calibrate", "A", "--out", "n.json"],
+    ["regress", "R"],
+    ["store"],
+    ["store", "ls"],
+    ["store", "prune", "S"],
+    ["logprob", "A", "B"],
+    ["import-sglang", "SRC"],
+]
 
 
 @pytest.mark.parametrize("argv", VALID, ids=" ".join)
@@ -207,8 +237,17 @@ def _column(table: str, title: str) -> list[str]:
 
 @pytest.mark.slow
 def test_a_benign_pass_shows_no_inf_amplification(dumps, tmp_path):
-    r = run_cli("comparator", dumps["eager"], dumps["sdpa"], "--json", tmp_path / "r.json",
-                "--markdown", tmp_path / "r.md", "--html", tmp_path / "r.html")
+    r = run_cli(
+        "comparator",
+        dumps["eager"],
+        dumps["sdpa"],
+        "--json",
+        tmp_path / "r.json",
+        "--markdown",
+        tmp_path / "r.md",
+        "--html",
+        tmp_path / "r.html",
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     report = load_report(tmp_path / "r.json")
     layer0 = next(a for a in report.amplification if a.layer == 0)
@@ -223,8 +262,8 @@ def test_a_benign_pass_shows_no_inf_amplification(dumps, tmp_path):
     assert [c[6].strip() for c in rows][0] == FROM_ZERO and "inf" not in [c[6].strip() for c in rows]
     assert "amplification 'from 0': rel\\_diff 0 at the layer's input" in md
     page = (tmp_path / "r.html").read_text()
-    body = page[page.index('id="layer-table"'):]
-    body = body[:body.index("</table>")]
+    body = page[page.index('id="layer-table"') :]
+    body = body[: body.index("</table>")]
     row0 = re.findall(r"<tr class=\"([^\"]*)\">(.*?)</tr>", body)[0]
     assert re.findall(r"<td[^>]*>(.*?)</td>", row0[1])[6] == FROM_ZERO
     assert "introduced" not in row0[0] and "INTRODUCES ERROR" not in body  # a benign start, not introduced error
@@ -233,8 +272,19 @@ def test_a_benign_pass_shows_no_inf_amplification(dumps, tmp_path):
 
 @pytest.mark.slow
 def test_a_divergent_run_still_marks_the_layer_that_grows_from_0(dumps, tmp_path):
-    r = run_cli("comparator", dumps["eager"], dumps["sdpa"], "--threshold", "0", "--token-threshold", "0",
-                "--html", tmp_path / "r.html", "--markdown", tmp_path / "r.md")
+    r = run_cli(
+        "comparator",
+        dumps["eager"],
+        dumps["sdpa"],
+        "--threshold",
+        "0",
+        "--token-threshold",
+        "0",
+        "--html",
+        tmp_path / "r.html",
+        "--markdown",
+        tmp_path / "r.md",
+    )
     assert r.returncode == 1, r.stdout + r.stderr
     assert _column(r.stdout, "amplification")[0] == FROM_ZERO
     page = (tmp_path / "r.html").read_text()

@@ -44,25 +44,53 @@ class Side:
         self.records: list[TensorRecord] = []
         self.data: dict[str, np.ndarray] = {}
 
-    def add(self, rows: list[tuple[int, int]], *, forward_pass: int = 0, rank: int = 0, name: str = "t",
-            cols: tuple[int, int] = (0, H), positions: bool = True) -> Side:
+    def add(
+        self,
+        rows: list[tuple[int, int]],
+        *,
+        forward_pass: int = 0,
+        rank: int = 0,
+        name: str = "t",
+        cols: tuple[int, int] = (0, H),
+        positions: bool = True,
+    ) -> Side:
         """A record of ``rows`` (sequence, position); ``cols``: the slice of the hidden dim it holds (a shard)."""
         key = f"{name}/p{forward_pass}/r{rank}"
         lo, hi = cols
-        self.records.append(TensorRecord(
-            name=name, file=f"r{rank}-p{forward_pass}.safetensors", key=key, shape=(len(rows), hi - lo), dtype="F32",
-            forward_pass=forward_pass, rank=rank, layer=0,
-            positions=_rle([p for _, p in rows], 1) if positions else None,
-            sequence_ids=_rle([s for s, _ in rows], 0) if positions else None,
-            shard_dim=None if cols == (0, H) else 1))
-        self.data[key] = np.array([[-1.0] * (hi - lo) if s == PAD_SEQUENCE else [1e4 * s + 10 * p + c for c in range(lo, hi)]
-                                   for s, p in rows])
+        self.records.append(
+            TensorRecord(
+                name=name,
+                file=f"r{rank}-p{forward_pass}.safetensors",
+                key=key,
+                shape=(len(rows), hi - lo),
+                dtype="F32",
+                forward_pass=forward_pass,
+                rank=rank,
+                layer=0,
+                positions=_rle([p for _, p in rows], 1) if positions else None,
+                sequence_ids=_rle([s for s, _ in rows], 0) if positions else None,
+                shard_dim=None if cols == (0, H) else 1,
+            )
+        )
+        self.data[key] = np.array(
+            [
+                [-1.0] * (hi - lo) if s == PAD_SEQUENCE else [1e4 * s + 10 * p + c for c in range(lo, hi)]
+                for s, p in rows
+            ]
+        )
         return self
 
     @property
     def manifest(self) -> Manifest:
-        return Manifest(format_version=FORMAT_VERSION, created_at="", model={}, capture_signature={},
-                        environment={}, files={}, tensors=tuple(self.records))
+        return Manifest(
+            format_version=FORMAT_VERSION,
+            created_at="",
+            model={},
+            capture_signature={},
+            environment={},
+            files={},
+            tensors=tuple(self.records),
+        )
 
     def logical(self) -> dict:
         m = self.manifest
@@ -79,9 +107,10 @@ def execute(base: Side, target: Side, lb: LogicalTensor, lt: LogicalTensor) -> l
     assert sum(p.width for p in pieces) == H
     for p in pieces:
         for run in match_rows(lb.segments(p.base_rank), lt.segments(p.target_rank), "test"):
-            x = base.data[run.base.rec.key][run.base_row:run.base_row + run.count, p.base_col:p.base_col + p.width]
-            y = target.data[run.target.rec.key][run.target_row:run.target_row + run.count,
-                                                p.target_col:p.target_col + p.width]
+            x = base.data[run.base.rec.key][run.base_row : run.base_row + run.count, p.base_col : p.base_col + p.width]
+            y = target.data[run.target.rec.key][
+                run.target_row : run.target_row + run.count, p.target_col : p.target_col + p.width
+            ]
             assert x.shape == y.shape == (run.count, p.width) and (x == y).all() and (x >= 0).all()
     return positions_of(lb.segments(pieces[0].base_rank)).tolist()
 
@@ -104,11 +133,16 @@ def test_same_layout():
 
 def test_chunked_against_one_pass():
     base = Side().add(seq(0, 0, 10))
-    target = Side().add(seq(0, 0, 4), forward_pass=0).add(seq(0, 4, 7), forward_pass=1).add(seq(0, 7, 10), forward_pass=2)
+    target = (
+        Side().add(seq(0, 0, 4), forward_pass=0).add(seq(0, 4, 7), forward_pass=1).add(seq(0, 7, 10), forward_pass=2)
+    )
     assert plan(base, target) == {("t", 0, 0): list(range(10))}
     runs = match_rows(base.logical()["t", 0, 0].rows, target.logical()["t", 0, 0].rows, "w")
     assert [(r.target.rec.forward_pass, r.base_row, r.target_row, r.count) for r in runs] == [
-        (0, 0, 0, 4), (1, 4, 0, 3), (2, 7, 0, 3)]
+        (0, 0, 0, 4),
+        (1, 4, 0, 3),
+        (2, 7, 0, 3),
+    ]
     assert plan(target, base) == {("t", 0, 0): list(range(10))}  # either side may be the chunked one
 
 
@@ -125,8 +159,11 @@ def test_padded_batch_against_one_prompt_per_pass(padding):
 def test_a_missing_position_cannot_be_aligned():
     base = Side().add(seq(0, 0, 10))
     target = Side().add(seq(0, 0, 4), forward_pass=0).add(seq(0, 5, 10), forward_pass=1)  # position 4 lost
-    with pytest.raises(NotComparableError, match=r"positions 0\.\.9 \(10 tokens\) in the baseline but "
-                                                 r"0\.\.9 \(9 tokens\) in the target; cannot align"):
+    with pytest.raises(
+        NotComparableError,
+        match=r"positions 0\.\.9 \(10 tokens\) in the baseline but "
+        r"0\.\.9 \(9 tokens\) in the target; cannot align",
+    ):
         match_rows(base.logical()["t", 0, 0].rows, target.logical()["t", 0, 0].rows, "t (sequence 0)")
 
 

@@ -51,8 +51,11 @@ def _run(out, hook=None):
     model, _ = tiny_llama()
     handle = model.register_forward_hook(hook, with_kwargs=True) if hook is not None else None
     try:
-        dump_sequences(model, [list(p) for p in PROMPTS],
-                       RunConfig(out=str(out), layers="all", logprobs=LogprobSpec(top_k=3), new_tokens=NEW))
+        dump_sequences(
+            model,
+            [list(p) for p in PROMPTS],
+            RunConfig(out=str(out), layers="all", logprobs=LogprobSpec(top_k=3), new_tokens=NEW),
+        )
     finally:
         if handle is not None:
             handle.remove()
@@ -62,10 +65,12 @@ def _run(out, hook=None):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("forks")
-    return {"tie": _run(root / "tie", _logits_hook(tie=-2e-6)),          # baseline: its best by 2e-6
-            "flipped": _run(root / "flipped", _logits_hook(tie=2e-6, noise=3e-6)),  # noise tips it the other way
-            "clean": _run(root / "clean"),
-            "jumped": _run(root / "jumped", _logits_hook(tie=1.0))}       # a token the baseline ranks far lower
+    return {
+        "tie": _run(root / "tie", _logits_hook(tie=-2e-6)),  # baseline: its best by 2e-6
+        "flipped": _run(root / "flipped", _logits_hook(tie=2e-6, noise=3e-6)),  # noise tips it the other way
+        "clean": _run(root / "clean"),
+        "jumped": _run(root / "jumped", _logits_hook(tie=1.0)),
+    }  # a token the baseline ranks far lower
 
 
 def _generated(path):
@@ -105,7 +110,7 @@ def test_a_fork_the_noise_cannot_explain_fails_while_every_compared_row_passes(r
 def test_rows_after_a_fork_differ_wildly_and_are_not_counted(runs):
     """The rows the fork fed different tokens are far apart, and the verdict leaves them out."""
     jumped, clean = load_manifest(runs["jumped"]), load_manifest(runs["clean"])
-    assert _generated(runs["jumped"])[0][FORK_STEP + 1:] != _generated(runs["clean"])[0][FORK_STEP + 1:]
+    assert _generated(runs["jumped"])[0][FORK_STEP + 1 :] != _generated(runs["clean"])[0][FORK_STEP + 1 :]
     late = [r for r in jumped.tensors if record_phase(r.meta) == (DECODE, FORK_STEP + 1)]
     assert late and all(r.row_sequence_ids().tolist() in ([0], [1]) for r in late) and clean.tensors
     report = compare_dumps(runs["clean"], runs["jumped"])
@@ -125,21 +130,25 @@ def test_a_missing_decode_step_fails_naming_the_step_never_a_pass_on_fewer_rows(
     report = compare_dumps(runs["clean"], dump)
     assert not report.passed and report.decode.missing
     assert report.decode.missing[0].endswith(
-        f"decode step 3 of sequence 0 (position {len(PROMPTS[0]) + 3}) has no rows at model.layers.5.self_attn.input")
+        f"decode step 3 of sequence 0 (position {len(PROMPTS[0]) + 3}) has no rows at model.layers.5.self_attn.input"
+    )
     assert all(t.passed for t in report.tensors)  # what is there agrees: only the hole fails it
     r = run_cli("comparator", runs["clean"], dump, "--quiet")
     assert r.returncode == 1 and "decode coverage" in r.stdout and "decode step 3 of sequence 0" in r.stdout
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("edit,field", [
-    (lambda m: m["extra"].__setitem__("generated_ids", [[1, 2]] * 2), "extra.generated_ids[0]"),
-    (lambda m: m["extra"].__setitem__("generated_ids", [[1] * NEW]), "extra.generated_ids"),
-    (lambda m: m["extra"].__setitem__("new_tokens", -2), "extra.new_tokens"),
-    (lambda m: m["extra"].__setitem__("prompt_lengths", [0, 1]), "extra.prompt_lengths[0]"),
-    (lambda m: m["tensors"][0].__setitem__("meta", {"decode_step": 2}), "tensors[0].meta.decode_step"),
-    (lambda m: m["tensors"][0].__setitem__("meta", {"phase": "verify"}), "tensors[0].meta.phase"),
-])
+@pytest.mark.parametrize(
+    "edit,field",
+    [
+        (lambda m: m["extra"].__setitem__("generated_ids", [[1, 2]] * 2), "extra.generated_ids[0]"),
+        (lambda m: m["extra"].__setitem__("generated_ids", [[1] * NEW]), "extra.generated_ids"),
+        (lambda m: m["extra"].__setitem__("new_tokens", -2), "extra.new_tokens"),
+        (lambda m: m["extra"].__setitem__("prompt_lengths", [0, 1]), "extra.prompt_lengths[0]"),
+        (lambda m: m["tensors"][0].__setitem__("meta", {"decode_step": 2}), "tensors[0].meta.decode_step"),
+        (lambda m: m["tensors"][0].__setitem__("meta", {"phase": "verify"}), "tensors[0].meta.phase"),
+    ],
+)
 def test_decode_fields_a_manifest_gets_wrong_are_refused_in_one_line(runs, tmp_path, edit, field):
     import shutil
 

@@ -6,18 +6,48 @@ from comparator.hidden.localize import first_divergence
 from comparator.results import TensorComparison
 
 
-def tc(name: str, layer: int | None, *, token: int | None = None, passed: bool = False, rel: float = 1e-2,
-       max_token: float = 1e-2, worst: int | None = None, sequence: int | None = 0, forward_pass: int = 0,
-       rank: int = 0) -> TensorComparison:
+def tc(
+    name: str,
+    layer: int | None,
+    *,
+    token: int | None = None,
+    passed: bool = False,
+    rel: float = 1e-2,
+    max_token: float = 1e-2,
+    worst: int | None = None,
+    sequence: int | None = 0,
+    forward_pass: int = 0,
+    rank: int = 0,
+) -> TensorComparison:
     """A comparison result; ``token`` its first failing token (None: failed by the whole-tensor rel_diff only)."""
     return TensorComparison(
-        name=name, layer=layer, forward_pass=forward_pass, rank=rank, shape=(8, 4),
-        metrics={"rel_diff": rel, "max_token_rel_diff": max_token, "max_abs_diff": 0.1, "mean_abs_diff": 0.01,
-                 "cosine": 0.99},
-        nan_baseline=0, inf_baseline=0, nan_target=0, inf_target=0, nonfinite_mismatches=0,
-        failing_tokens=0 if token is None else 1, first_failing_token=token, first_failing_row=token,
-        first_failing_sequence=None if token is None else sequence, worst_token=worst, worst_row=worst,
-        passed=passed, sequence=sequence, failing_ranges=[] if token is None else [[token, token]])
+        name=name,
+        layer=layer,
+        forward_pass=forward_pass,
+        rank=rank,
+        shape=(8, 4),
+        metrics={
+            "rel_diff": rel,
+            "max_token_rel_diff": max_token,
+            "max_abs_diff": 0.1,
+            "mean_abs_diff": 0.01,
+            "cosine": 0.99,
+        },
+        nan_baseline=0,
+        inf_baseline=0,
+        nan_target=0,
+        inf_target=0,
+        nonfinite_mismatches=0,
+        failing_tokens=0 if token is None else 1,
+        first_failing_token=token,
+        first_failing_row=token,
+        first_failing_sequence=None if token is None else sequence,
+        worst_token=worst,
+        worst_row=worst,
+        passed=passed,
+        sequence=sequence,
+        failing_ranges=[] if token is None else [[token, token]],
+    )
 
 
 def test_nothing_failed():
@@ -33,9 +63,11 @@ def test_the_lowest_failing_layer_wins_over_an_earlier_token_higher_up():
 
 
 def test_within_the_layer_the_earliest_token_wins_and_the_layer_is_summarized():
-    ts = [tc("q", 3, token=9, rel=0.5, max_token=0.2, worst=9, sequence=1),
-          tc("k", 3, token=4, rel=0.1, max_token=0.9, worst=6, sequence=0),
-          tc("v", 3, token=None, rel=0.3, max_token=0.1, worst=2)]  # failed without a failing token
+    ts = [
+        tc("q", 3, token=9, rel=0.5, max_token=0.2, worst=9, sequence=1),
+        tc("k", 3, token=4, rel=0.1, max_token=0.9, worst=6, sequence=0),
+        tc("v", 3, token=None, rel=0.3, max_token=0.1, worst=2),
+    ]  # failed without a failing token
     fd, first = first_divergence(ts)
     assert (fd.name, fd.token, fd.sequence) == ("k", 4, 0)
     assert fd.rel_diff == 0.5  # the largest of the layer

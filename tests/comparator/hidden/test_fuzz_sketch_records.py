@@ -27,7 +27,7 @@ import dumper
 from comparator.cli.main import main as compare_main
 from dumper.format import MANIFEST_NAME, load_manifest
 from dumper.format.sketch import NORM_SUFFIX
-from tests.comparator.hidden.test_sketch_records import HIDDEN, K, TOKENS, _llama
+from tests.comparator.hidden.test_sketch_records import HIDDEN, TOKENS, K, _llama
 from tests.fuzzing import FUZZ, check_outcome, edit_stored, run_child, run_main
 
 NORM_VALUES = [0.0, 1e-300, 5e-324, 1e300, math.inf, -math.inf, math.nan, -1.0, -1e-300, -0.0]
@@ -74,9 +74,19 @@ def test_generated_sketch_damage(world: dict[str, Path], data: st.DataObject) ->
         elif op == "dtype":
             m["tensors"][i]["sketch"]["dtype"] = data.draw(st.sampled_from(["F64", "BF16", "I64", "f32", "", None]))
         elif op == "signature":
-            m["capture_signature"]["sketch"] = data.draw(st.sampled_from([
-                None, {"kind": "rademacher", "k": K, "seed": 1}, {"kind": "rademacher", "k": K + 1, "seed": 0},
-                {"kind": "gauss", "k": K, "seed": 0}, {"kind": "rademacher", "k": 0, "seed": 0}, [], "x"]))
+            m["capture_signature"]["sketch"] = data.draw(
+                st.sampled_from(
+                    [
+                        None,
+                        {"kind": "rademacher", "k": K, "seed": 1},
+                        {"kind": "rademacher", "k": K + 1, "seed": 0},
+                        {"kind": "gauss", "k": K, "seed": 0},
+                        {"kind": "rademacher", "k": 0, "seed": 0},
+                        [],
+                        "x",
+                    ]
+                )
+            )
         else:
             del m["tensors"][i]["sketch"]
         (case / MANIFEST_NAME).write_text(json.dumps(m))
@@ -89,7 +99,9 @@ def test_generated_sketch_damage(world: dict[str, Path], data: st.DataObject) ->
         elif op == "dtype":
             expect = {2}
     side = data.draw(st.sampled_from(["target", "baseline"]), label="side")
-    o = run_main(compare_main, [world["full"], case, "--quiet"] if side == "target" else [case, world["full"], "--quiet"])
+    o = run_main(
+        compare_main, [world["full"], case, "--quiet"] if side == "target" else [case, world["full"], "--quiet"]
+    )
     code = check_outcome(o)
     assert code in expect, (op, code, o.out, o.err)
 
@@ -102,8 +114,14 @@ def test_a_large_sketch_with_a_negative_norm_at_its_end_in_bounded_memory(tmp_pa
     with dumper.capture(None, tmp_path / "a", sketch=64) as cap:
         for start in range(0, n, 20_000):
             x = torch.randn(20_000, width, generator=torch.Generator().manual_seed(start))
-            cap.record("model.layers.0.input", x, layer=0, point="input", positions=range(start, start + 20_000),
-                       sequence_ids=[0] * 20_000)
+            cap.record(
+                "model.layers.0.input",
+                x,
+                layer=0,
+                point="input",
+                positions=range(start, start + 20_000),
+                sequence_ids=[0] * 20_000,
+            )
             cap.step()
     shutil.copytree(tmp_path / "a", tmp_path / "b")
     last = load_manifest(tmp_path / "b").tensors[-1]

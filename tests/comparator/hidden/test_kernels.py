@@ -21,8 +21,18 @@ ISAS: tuple[str, ...] = kernels._kernels.ISAS if HAVE_EXTENSION else ()
 needs_ext = pytest.mark.skipif(not HAVE_EXTENSION, reason="comparator._kernels not built")
 NAN, INF = float("nan"), float("inf")
 # (x, y) special pairs; None keeps the finite random value.
-SPECIALS = [(NAN, NAN), (NAN, None), (None, NAN), (INF, INF), (-INF, -INF), (INF, -INF),
-            (INF, None), (None, -INF), (NAN, INF), (-INF, NAN)]
+SPECIALS = [
+    (NAN, NAN),
+    (NAN, None),
+    (None, NAN),
+    (INF, INF),
+    (-INF, -INF),
+    (INF, -INF),
+    (INF, None),
+    (None, -INF),
+    (NAN, INF),
+    (-INF, NAN),
+]
 
 
 @contextlib.contextmanager
@@ -45,8 +55,14 @@ def to_storage(v: np.ndarray, dtype: str) -> np.ndarray:
     return v.astype({"F64": np.float64, "F32": np.float32, "F16": np.float16}[dtype])
 
 
-def make_pair(rows: int, cols: int, dtype: str, seed: int, scale: float = 1.0,
-              specials: list[tuple[int, tuple[float | None, float | None]]] = ()) -> tuple[np.ndarray, np.ndarray]:
+def make_pair(
+    rows: int,
+    cols: int,
+    dtype: str,
+    seed: int,
+    scale: float = 1.0,
+    specials: list[tuple[int, tuple[float | None, float | None]]] = (),
+) -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((rows, cols)) * scale
     y = x + rng.standard_normal((rows, cols)) * scale * 1e-2
@@ -80,6 +96,7 @@ def assert_same(c: BlockStats, r: BlockStats) -> None:
 
 # -- reference semantics (always run) -------------------------------------------------------
 
+
 def test_reference_semantics_by_hand() -> None:
     x = np.array([[1.0, NAN, INF, INF, NAN, 2.0, -INF]], dtype=np.float32)
     y = np.array([[0.5, NAN, INF, -INF, 1.0, 2.0, 3.0]], dtype=np.float32)
@@ -106,8 +123,15 @@ def by_definition(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, list[float]
         pairs = [(p, q) for p, q in zip(ra, rb, strict=True) if math.isfinite(p) and math.isfinite(q)]
         others = [(p, q) for p, q in zip(ra, rb, strict=True) if not (math.isfinite(p) and math.isfinite(q))]
         unequal = [1 for p, q in others if not (p == q or (math.isnan(p) and math.isnan(q)))]
-        rows.append([math.fsum((p - q) ** 2 for p, q in pairs), math.fsum(p * p for p, _ in pairs),
-                     math.fsum(q * q for _, q in pairs), math.fsum(p * q for p, q in pairs), len(unequal)])
+        rows.append(
+            [
+                math.fsum((p - q) ** 2 for p, q in pairs),
+                math.fsum(p * p for p, _ in pairs),
+                math.fsum(q * q for _, q in pairs),
+                math.fsum(p * q for p, q in pairs),
+                len(unequal),
+            ]
+        )
         diffs += [abs(p - q) for p, q in pairs]
     return np.array(rows), diffs
 
@@ -173,6 +197,7 @@ def test_wrapper_rejects_bad_input() -> None:
 
 # -- C kernel against the reference -----------------------------------------------------------
 
+
 @needs_ext
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -189,11 +214,23 @@ def test_matches_reference_shapes(isa: str, dtype: str, rows: int, cols: int) ->
 @needs_ext
 @pytest.mark.parametrize("isa", ISAS)
 @settings(max_examples=80, deadline=None)
-@given(dtype=st.sampled_from(DTYPES), rows=st.integers(1, 6), cols=st.integers(0, 70),
-       seed=st.integers(0, 2**32 - 1), scale=st.sampled_from([1e-3, 1.0, 60.0]),
-       specials=st.lists(st.tuples(st.integers(0, 10**6), st.sampled_from(SPECIALS)), max_size=6))
-def test_matches_reference_random(isa: str, dtype: str, rows: int, cols: int, seed: int, scale: float,
-                                  specials: list[tuple[int, tuple[float | None, float | None]]]) -> None:
+@given(
+    dtype=st.sampled_from(DTYPES),
+    rows=st.integers(1, 6),
+    cols=st.integers(0, 70),
+    seed=st.integers(0, 2**32 - 1),
+    scale=st.sampled_from([1e-3, 1.0, 60.0]),
+    specials=st.lists(st.tuples(st.integers(0, 10**6), st.sampled_from(SPECIALS)), max_size=6),
+)
+def test_matches_reference_random(
+    isa: str,
+    dtype: str,
+    rows: int,
+    cols: int,
+    seed: int,
+    scale: float,
+    specials: list[tuple[int, tuple[float | None, float | None]]],
+) -> None:
     x, y = make_pair(rows, cols, dtype, seed, scale, specials)
     with use_isa(isa):
         assert_same(row_stats(x, y, dtype, threads=1), row_stats_reference(x, y, dtype))
@@ -271,8 +308,13 @@ def test_half_conversions_match_torch(isa: str, dtype: str) -> None:
 @needs_ext
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_threads_merge_like_one_call(threads: int) -> None:
-    x, y = make_pair(301, 700, "F32", 3, specials=[(10, (NAN, None)), (150_000, (INF, INF)),
-                                                   (200_000, (None, -INF)), (210_000, (NAN, NAN))])
+    x, y = make_pair(
+        301,
+        700,
+        "F32",
+        3,
+        specials=[(10, (NAN, None)), (150_000, (INF, INF)), (200_000, (None, -INF)), (210_000, (NAN, NAN))],
+    )
     assert_same(row_stats(x, y, "F32", threads=threads), row_stats_reference(x, y, "F32"))
 
 

@@ -44,8 +44,11 @@ def test_chunked_prefill_matches_one_pass(one_pass, tmp_path, chunk):
 @pytest.mark.parametrize("side,attn", [("right", "eager"), ("left", "eager"), ("right", "sdpa"), ("left", "sdpa")])
 def test_padded_batch_matches_single_prompts(one_pass, tmp_path, side, attn):
     run_dump(RunConfig(out=str(tmp_path / "base"), prompts=PROMPTS, layers="all", attn=attn))
-    run_dump(RunConfig(out=str(tmp_path / "batched"), prompts=PROMPTS, layers="all", batch_size=3,
-                       padding_side=side, attn=attn))
+    run_dump(
+        RunConfig(
+            out=str(tmp_path / "batched"), prompts=PROMPTS, layers="all", batch_size=3, padding_side=side, attn=attn
+        )
+    )
     report = compare_dumps(tmp_path / "base", tmp_path / "batched")
     assert report.passed, report.first_divergent
     assert report.matched == 8 * len(PROMPTS)
@@ -68,7 +71,7 @@ def test_chunked_prefill_really_uses_the_kv_cache(tmp_path):
     with torch.inference_mode():
         cache = None
         for start in range(0, 90, 30):
-            out = model(input_ids=ids[:, start:start + 30], use_cache=True, **{kw: cache})
+            out = model(input_ids=ids[:, start : start + 30], use_cache=True, **{kw: cache})
             cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
             lengths.append(cache.get_seq_length())
     assert lengths == [30, 60, 90]
@@ -84,7 +87,7 @@ def test_kv_cache_corruption_at_a_chunk_boundary_is_localized(one_pass, tmp_path
             ids = torch.tensor([tok.encode(prompt)])
             cache = None
             for start in range(0, ids.shape[1], 64):
-                out = model(input_ids=ids[:, start:start + 64], use_cache=True, **{kw: cache})
+                out = model(input_ids=ids[:, start : start + 64], use_cache=True, **{kw: cache})
                 cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
                 if i == 0 and start == 0:
                     cache.layers[3].values[:, :, 63, :] += 5.0  # the row of token 63, written by chunk 1
@@ -123,8 +126,20 @@ def test_bug_in_one_sequence_of_a_batch_names_that_sequence(one_pass, tmp_path):
 def test_cli_chunked_vs_one_pass_and_report(cli, one_pass, tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"text": p}) + "\n" for p in PROMPTS))
-    r = cli("dumper", "run", "--out", tmp_path / "ch", "--prompts", prompts, "--layers", "all",
-            "--chunk-size", "33", "--batch-size", "2")
+    r = cli(
+        "dumper",
+        "run",
+        "--out",
+        tmp_path / "ch",
+        "--prompts",
+        prompts,
+        "--layers",
+        "all",
+        "--chunk-size",
+        "33",
+        "--batch-size",
+        "2",
+    )
     assert r.returncode == 0, r.stderr
     r = cli("comparator", one_pass, tmp_path / "ch", "--json", tmp_path / "r.json")
     assert r.returncode == 0, r.stdout + r.stderr

@@ -31,11 +31,37 @@ from tests.conftest import prompt_ids, tiny_llama
 
 BUILTIN = ["rel_diff", "max_token_rel_diff", "max_abs_diff", "mean_abs_diff", "cosine"]
 """The built-in metrics, in the order the JSON contract has always had them."""
-JSON_KEYS = ["name", "layer", "forward_pass", "rank", "shape", *BUILTIN, "nan_baseline", "inf_baseline",
-             "nan_target", "inf_target", "nonfinite_mismatches", "failing_tokens", "first_failing_token",
-             "first_failing_row", "first_failing_sequence", "worst_token", "worst_row", "passed", "sequence",
-             "failing_ranges", "note", "threshold", "token_threshold", "noise_ratio", "token_noise_ratio",
-             "decode_token_threshold", "replica_side", "point", "own_noise_rows"]
+JSON_KEYS = [
+    "name",
+    "layer",
+    "forward_pass",
+    "rank",
+    "shape",
+    *BUILTIN,
+    "nan_baseline",
+    "inf_baseline",
+    "nan_target",
+    "inf_target",
+    "nonfinite_mismatches",
+    "failing_tokens",
+    "first_failing_token",
+    "first_failing_row",
+    "first_failing_sequence",
+    "worst_token",
+    "worst_row",
+    "passed",
+    "sequence",
+    "failing_ranges",
+    "note",
+    "threshold",
+    "token_threshold",
+    "noise_ratio",
+    "token_noise_ratio",
+    "decode_token_threshold",
+    "replica_side",
+    "point",
+    "own_noise_rows",
+]
 
 
 def _rms_diff(s: RowSums) -> float:
@@ -72,8 +98,9 @@ def test_a_registered_metric_is_in_the_json_csv_text_and_html(dumps, tmp_path):
     with registered(RMS):
         report = compare_dumps(*dumps)
     assert report.tensors and all(list(t.metrics) == [*BUILTIN, "rms_diff"] for t in report.tensors)
-    want = {t.name: float(np.sqrt(np.mean((_raw(dumps[0], t.name) - _raw(dumps[1], t.name)) ** 2)))
-            for t in report.tensors}
+    want = {
+        t.name: float(np.sqrt(np.mean((_raw(dumps[0], t.name) - _raw(dumps[1], t.name)) ** 2))) for t in report.tensors
+    }
     assert sum(v > 0 for v in want.values()) >= len(want) - 1  # only layer 0's input is the same
     assert {t.name: t.metrics["rms_diff"] for t in report.tensors} == pytest.approx(want, rel=1e-9)
 
@@ -131,6 +158,8 @@ def test_registering_twice_or_looking_up_an_unknown_name_is_an_error():
 
 
 def test_a_metric_named_like_a_result_field_is_refused(dumps):
-    with registered(Metric("passed", lambda s: 1.0, label="passed")), pytest.raises(
-            ValueError, match=r"metric names \['passed'\] are fields of TensorComparison"):
+    with (
+        registered(Metric("passed", lambda s: 1.0, label="passed")),
+        pytest.raises(ValueError, match=r"metric names \['passed'\] are fields of TensorComparison"),
+    ):
         compare_dumps(*dumps)

@@ -75,8 +75,7 @@ def test_nan_never_passes_a_threshold(tmp_path):
     for side, t in (("base", base), ("target", target)):
         with dumper.capture(None, tmp_path / side):
             dumper.dump("t", t)
-    report = compare_dumps(tmp_path / "base", tmp_path / "target",
-                           CompareConfig(threshold=1e30, token_threshold=1e30))
+    report = compare_dumps(tmp_path / "base", tmp_path / "target", CompareConfig(threshold=1e30, token_threshold=1e30))
     (t,) = report.tensors
     assert not report.passed and not t.passed
     assert (t.nan_baseline, t.nan_target, t.nonfinite_mismatches) == (0, 1, 1)

@@ -23,8 +23,8 @@ from hypothesis import strategies as st
 
 import dumper
 from comparator import compare_dumps
-from comparator.hidden import kernels
 from comparator.config import CompareConfig
+from comparator.hidden import kernels
 from comparator.hidden.metrics import PairStats, StatsAccumulator, pair_stats, rel_diff
 
 IMPLS = [*(kernels._kernels.ISAS if kernels.HAVE_EXTENSION else ()), "numpy"]
@@ -70,10 +70,19 @@ def _cosine(xy: Fraction, xx: Fraction, yy: Fraction) -> float:
 def oracle(x: np.ndarray, y: np.ndarray) -> dict:
     """The metrics of two finite float arrays, computed exactly (each value is a binary fraction)."""
     x2, y2 = x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1])
-    rows = [[(Fraction(float(a)), Fraction(float(b))) for a, b in zip(rx, ry, strict=True)]
-            for rx, ry in zip(x2, y2, strict=True)]
-    sums = [[sum(((a - b) ** 2 for a, b in r), Fraction(0)), sum((a * a for a, _ in r), Fraction(0)),
-             sum((b * b for _, b in r), Fraction(0)), sum((a * b for a, b in r), Fraction(0))] for r in rows]
+    rows = [
+        [(Fraction(float(a)), Fraction(float(b))) for a, b in zip(rx, ry, strict=True)]
+        for rx, ry in zip(x2, y2, strict=True)
+    ]
+    sums = [
+        [
+            sum(((a - b) ** 2 for a, b in r), Fraction(0)),
+            sum((a * a for a, _ in r), Fraction(0)),
+            sum((b * b for _, b in r), Fraction(0)),
+            sum((a * b for a, b in r), Fraction(0)),
+        ]
+        for r in rows
+    ]
     dd, xx, yy, xy = (sum((s[i] for s in sums), Fraction(0)) for i in range(4))
     diffs = [abs(a - b) for r in rows for a, b in r]
     return {
@@ -103,6 +112,7 @@ def assert_matches(s: PairStats, want: dict) -> None:
 
 
 # -- random inputs over the whole exponent range ---------------------------------------------
+
 
 @st.composite
 def wide_pairs(draw: st.DrawFn) -> tuple[np.ndarray, np.ndarray]:
@@ -157,8 +167,9 @@ def test_metrics_match_exact_oracle(name: str, pair: tuple[np.ndarray, np.ndarra
 @pytest.mark.parametrize("name", IMPLS)
 @settings(max_examples=60, deadline=None, derandomize=True)
 @given(pair=wide_pairs(), cut=st.integers(0, 9), data=st.data())
-def test_pieces_at_different_scales_combine_exactly(name: str, pair: tuple[np.ndarray, np.ndarray], cut: int,
-                                                    data: st.DataObject) -> None:
+def test_pieces_at_different_scales_combine_exactly(
+    name: str, pair: tuple[np.ndarray, np.ndarray], cut: int, data: st.DataObject
+) -> None:
     """Column pieces (shards), row pieces (exclusive) and split kernel units all add up right."""
     x, y = pair
     want = oracle(x, y)
@@ -226,6 +237,7 @@ def test_float32_and_bfloat16_at_their_limits(name: str, dtype: str) -> None:
 
 
 # -- named regressions ------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("name", IMPLS)
 @pytest.mark.parametrize("scale", [1e300, 1e-300, 1e-310])
@@ -336,10 +348,17 @@ def test_kernel_raw_sums_are_the_rounded_true_sums() -> None:
 
 # -- through the whole comparator -------------------------------------------------------------
 
+
 def _write(out: Path, t: torch.Tensor) -> Path:
     with dumper.capture(None, out, model_name="range"):
-        dumper.dump("model.layers.0.self_attn.input", t, layer=0, point="input",
-                    positions=list(range(t.shape[0])), sequence_ids=[0] * t.shape[0])
+        dumper.dump(
+            "model.layers.0.self_attn.input",
+            t,
+            layer=0,
+            point="input",
+            positions=list(range(t.shape[0])),
+            sequence_ids=[0] * t.shape[0],
+        )
     return out
 
 

@@ -19,7 +19,7 @@ def test_change_point_finds_where_a_zero_run_gives_way():
 
 def test_the_rounding_floor_is_the_coarser_dtype_epsilon_squared():
     assert rounding_floor(["F32"]) == np.finfo(np.float32).eps ** 2
-    assert rounding_floor(["F32", "BF16"]) == rounding_floor(["BF16"]) == 2.0 ** -14  # bfloat16: 8 significand bits
+    assert rounding_floor(["F32", "BF16"]) == rounding_floor(["BF16"]) == 2.0**-14  # bfloat16: 8 significand bits
     assert rounding_floor(["F64"]) < rounding_floor(["F32"]) < rounding_floor(["F16"]) < rounding_floor(["BF16"])
     assert rounding_floor(["I64"]) == rounding_floor([]) <= 1e-30  # no float dtype: no floor to speak of
 

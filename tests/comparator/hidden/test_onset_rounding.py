@@ -41,8 +41,13 @@ def _prefill(out: Path, rest: int | None) -> None:
             ids, cache = torch.tensor([seq]), None
             bounds = [0, FIRST, *range(FIRST + (rest or len(seq)), len(seq), rest or len(seq)), len(seq)]
             for start, end in zip(bounds, bounds[1:]):
-                result = call_model(model, input_ids=ids[:, start:end], position_ids=torch.arange(start, end)[None],
-                                    use_cache=True, **{kw: cache})
+                result = call_model(
+                    model,
+                    input_ids=ids[:, start:end],
+                    position_ids=torch.arange(start, end)[None],
+                    use_cache=True,
+                    **{kw: cache},
+                )
                 cache = cache_length(result)[0]
 
 
@@ -50,8 +55,9 @@ def test_rounding_after_bit_identical_positions_is_no_onset(tmp_path):
     _prefill(tmp_path / "base", None)
     _prefill(tmp_path / "c5", 5)
     values: dict[tuple[str, int | None], np.ndarray] = {}
-    compare_dumps(tmp_path / "base", tmp_path / "c5",
-                  token_sink=lambda t, v, _: values.__setitem__((t.name, t.sequence), v))
+    compare_dumps(
+        tmp_path / "base", tmp_path / "c5", token_sink=lambda t, v, _: values.__setitem__((t.name, t.sequence), v)
+    )
     assert all(not v[:FIRST].any() for v in values.values())  # one computation on both sides: exact
     assert values["model.layers.1.self_attn.input", 0].max() > 0  # rounding after it: the case
     worst = max(float(v.max()) for v in values.values())
@@ -64,5 +70,11 @@ def test_rounding_after_bit_identical_positions_is_no_onset(tmp_path):
     report = compare_dumps(tmp_path / "base", tmp_path / "c5", CompareConfig(threshold=1.0, token_threshold=threshold))
     fd = report.first_divergent
     assert fd is not None and fd.token is not None
-    assert fd.onset == fd.token and fd.onset_layer == fd.layer, (fd.token, fd.onset, fd.onset_method, fd.layer,
-                                                                 fd.onset_layer, fd.onset_layer_method)
+    assert fd.onset == fd.token and fd.onset_layer == fd.layer, (
+        fd.token,
+        fd.onset,
+        fd.onset_method,
+        fd.layer,
+        fd.onset_layer,
+        fd.onset_layer_method,
+    )

@@ -14,9 +14,11 @@ from comparator.hidden.pipeline import in_order
 from dumper.prefill.run import RunConfig, pad_batch, prefill, run_dump
 from tests.conftest import tiny_llama
 
-PROMPTS = ("The quick brown fox jumps over the lazy dog, then naps in the warm afternoon sun. " * 2,
-           "def fib(n): return n if n < 2 else fib(n - 1) + fib(n - 2)",
-           "Chunked prefill must not change a single number that the model computes, ever.")
+PROMPTS = (
+    "The quick brown fox jumps over the lazy dog, then naps in the warm afternoon sun. " * 2,
+    "def fib(n): return n if n < 2 else fib(n - 1) + fib(n - 2)",
+    "Chunked prefill must not change a single number that the model computes, ever.",
+)
 
 
 def test_results_come_in_job_order_with_bounded_concurrency():
@@ -31,6 +33,7 @@ def test_results_come_in_job_order_with_bounded_concurrency():
             with lock:
                 running[0] -= 1
             return i, kernel_threads
+
         return run
 
     for threads in (1, 2, 3):
@@ -53,6 +56,7 @@ def test_a_failing_job_raises_and_stops_the_rest():
                 raise ValueError("job 2 broke")
             time.sleep(0.01)
             return i
+
         return run
 
     got = []
@@ -88,9 +92,11 @@ def test_the_report_and_the_token_sink_do_not_depend_on_threads(dumps):
     reports, sinks = {}, {}
     for threads in (1, 2, 3):
         sink: list[tuple[str, int | None, list[float]]] = []
-        report = compare_dumps(*dumps, CompareConfig(threads=threads),
-                               token_sink=lambda c, tokens, _, sink=sink: sink.append((c.name, c.sequence,
-                                                                                    tokens.tolist())))
+        report = compare_dumps(
+            *dumps,
+            CompareConfig(threads=threads),
+            token_sink=lambda c, tokens, _, sink=sink: sink.append((c.name, c.sequence, tokens.tolist())),
+        )
         reports[threads], sinks[threads] = report.to_json(), sink
     fd = reports[1]["first_divergent"]
     assert (fd["layer"], fd["sequence"], fd["token"]) == (3, 1, 20)

@@ -106,8 +106,14 @@ def test_clean_tp2_vs_tp1_passes_in_fp32(dumps):
 @pytest.mark.slow
 def test_replica_mismatch_names_rank_layer_token(bug_report):
     (m,) = bug_report.replica_mismatches  # from the next layer on, the all-reduce makes the ranks agree again
-    assert (m.side, m.name, m.layer, m.rank, m.reference_rank, m.first_token) == \
-        ("target", _attn_input(LAYER), LAYER, 1, 0, TOKEN)
+    assert (m.side, m.name, m.layer, m.rank, m.reference_rank, m.first_token) == (
+        "target",
+        _attn_input(LAYER),
+        LAYER,
+        1,
+        0,
+        TOKEN,
+    )
 
 
 @pytest.mark.slow

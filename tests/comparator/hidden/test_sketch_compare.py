@@ -43,9 +43,16 @@ def llama(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """A real HF Llama (hidden 128, 4 layers) built from its config with a fixed seed (no download)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=256, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=HIDDEN // 4,
-                         max_position_embeddings=256)
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=HIDDEN,
+        intermediate_size=2 * HIDDEN,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=HIDDEN // 4,
+        max_position_embeddings=256,
+    )
     config._attn_implementation = "eager"
     torch.manual_seed(0)
     return LlamaForCausalLM(config).eval().to(dtype)
@@ -57,9 +64,10 @@ def prompt() -> torch.Tensor:
 
 def token_bug(model: torch.nn.Module, eps: float) -> torch.utils.hooks.RemovableHandle:
     """After decoder layer BUG_LAYER, add to token BUG_TOKEN a seeded random vector of ``eps`` times its size."""
+
     def hook(module, args, output):
-        hidden = output[0] if isinstance(output, tuple) else output          # [batch, seq, hidden]
-        row = hidden[:, BUG_TOKEN]                                            # [batch, hidden]
+        hidden = output[0] if isinstance(output, tuple) else output  # [batch, seq, hidden]
+        row = hidden[:, BUG_TOKEN]  # [batch, hidden]
         noise = torch.randn(row.shape, generator=torch.Generator().manual_seed(1)).to(hidden.dtype)
         delta = eps * row.norm(dim=-1, keepdim=True) / math.sqrt(row.shape[-1]) * noise
         at_token = (torch.arange(hidden.shape[1]) == BUG_TOKEN).to(hidden.dtype)[None, :, None]  # [1, seq, 1]
@@ -72,8 +80,12 @@ def token_bug(model: torch.nn.Module, eps: float) -> torch.utils.hooks.Removable
 def capture(model: torch.nn.Module, out: Path, *, sketch: int | None = None, bug: float | None = None) -> Path:
     handle = token_bug(model, bug) if bug is not None else None
     try:
-        with torch.inference_mode(), dumper.capture(model, out, layers="all", points=POINTS, sketch=sketch,
-                                                    sketch_seed=SEED if sketch else None):
+        with (
+            torch.inference_mode(),
+            dumper.capture(
+                model, out, layers="all", points=POINTS, sketch=sketch, sketch_seed=SEED if sketch else None
+            ),
+        ):
             model(input_ids=prompt(), use_cache=False)
     finally:
         if handle is not None:
@@ -144,8 +156,10 @@ def test_truth_by_hand_the_bug_first_shows_at_the_next_layer_at_its_token(eps):
             assert changed == [], layer
         elif layer == BUG_LAYER + 1:
             assert changed == [BUG_TOKEN]
-            rel = ((x[BUG_TOKEN] - y[BUG_TOKEN]).square().sum() / (x[BUG_TOKEN].square().sum()
-                                                                    + y[BUG_TOKEN].square().sum())).item()
+            rel = (
+                (x[BUG_TOKEN] - y[BUG_TOKEN]).square().sum()
+                / (x[BUG_TOKEN].square().sum() + y[BUG_TOKEN].square().sum())
+            ).item()
             assert eps**2 / 4 < rel < eps**2, rel  # about eps^2/2: the size the constants promise
         else:  # attention carries it to later tokens, never to earlier ones
             assert changed and min(changed) == BUG_TOKEN
@@ -215,8 +229,14 @@ def test_report_says_which_sides_were_sketched(f32, combo):
         assert all(set(t.metrics) == all_metrics for t in report.tensors)
         assert all(s.max_abs_diff is not None and s.min_cosine is not None for s in report.layers())
         return
-    assert report.sketch == {"kind": "rademacher", "k": K, "seed": SEED, "baseline": base, "target": target,
-                             "spread": math.sqrt(2 / K)}
+    assert report.sketch == {
+        "kind": "rademacher",
+        "k": K,
+        "seed": SEED,
+        "baseline": base,
+        "target": target,
+        "spread": math.sqrt(2 / K),
+    }
     note = [n for n in report.notes if n.startswith("sketch comparison")]
     assert len(note) == 1 and f"K={K} seed={SEED}" in note[0] and "sqrt(2/K)" in note[0], report.notes
     assert all(set(t.metrics) == from_norms for t in report.tensors)
@@ -239,25 +259,62 @@ def cli(tmp_path_factory) -> dict[str, object]:
     comparator CLI's answers on them (the subprocesses two at a time). The two sketches of other projections are
     dumped by the same CLI in this process (they are only refused)."""
     root = tmp_path_factory.mktemp("cli")
-    common = ("--layers", "all", "--points", "input,residual", "--quiet",
-              "--prompt", "Inference engines change daily; each change can shift numerics without an error.")
-    dumps = {"eager-full": (), "sdpa-full": ("--attn", "sdpa"), "eager-sketch": ("--sketch", CLI_K),
-             "sdpa-sketch": ("--attn", "sdpa", "--sketch", CLI_K)}
-    others = {"sdpa-seed1": ("--attn", "sdpa", "--sketch", CLI_K, "--sketch-seed", 1),
-              "sdpa-k16": ("--attn", "sdpa", "--sketch", 16)}
-    compares = {"full/full": ("eager-full", "sdpa-full"), "full/sketch": ("eager-full", "sdpa-sketch"),
-                "sketch/full": ("eager-sketch", "sdpa-full"), "sketch/sketch": ("eager-sketch", "sdpa-sketch"),
-                "seed": ("eager-sketch", "sdpa-seed1"), "k": ("eager-sketch", "sdpa-k16")}
+    common = (
+        "--layers",
+        "all",
+        "--points",
+        "input,residual",
+        "--quiet",
+        "--prompt",
+        "Inference engines change daily; each change can shift numerics without an error.",
+    )
+    dumps = {
+        "eager-full": (),
+        "sdpa-full": ("--attn", "sdpa"),
+        "eager-sketch": ("--sketch", CLI_K),
+        "sdpa-sketch": ("--attn", "sdpa", "--sketch", CLI_K),
+    }
+    others = {
+        "sdpa-seed1": ("--attn", "sdpa", "--sketch", CLI_K, "--sketch-seed", 1),
+        "sdpa-k16": ("--attn", "sdpa", "--sketch", 16),
+    }
+    compares = {
+        "full/full": ("eager-full", "sdpa-full"),
+        "full/sketch": ("eager-full", "sdpa-sketch"),
+        "sketch/full": ("eager-sketch", "sdpa-full"),
+        "sketch/sketch": ("eager-sketch", "sdpa-sketch"),
+        "seed": ("eager-sketch", "sdpa-seed1"),
+        "k": ("eager-sketch", "sdpa-k16"),
+    }
     with ThreadPoolExecutor(max_workers=2) as pool:
-        made = dict(zip(dumps, pool.map(lambda n: run_cli("dumper", "run", "--out", root / n, *common, *dumps[n]),
-                                        dumps), strict=True))
+        made = dict(
+            zip(
+                dumps,
+                pool.map(lambda n: run_cli("dumper", "run", "--out", root / n, *common, *dumps[n]), dumps),
+                strict=True,
+            )
+        )
         for name, argv in others.items():
             assert dumper_main(["run", "--out", str(root / name), *common, *map(str, argv)]) == 0, name
         for name, r in made.items():
             assert r.returncode == 0, (name, r.stderr)
-        answers = dict(zip(compares, pool.map(lambda c: run_cli(
-            "comparator", root / compares[c][0], root / compares[c][1], "--tensors", "--json", json_path(root, c)),
-            compares), strict=True))
+        answers = dict(
+            zip(
+                compares,
+                pool.map(
+                    lambda c: run_cli(
+                        "comparator",
+                        root / compares[c][0],
+                        root / compares[c][1],
+                        "--tensors",
+                        "--json",
+                        json_path(root, c),
+                    ),
+                    compares,
+                ),
+                strict=True,
+            )
+        )
     return {"root": root, "answers": answers, "pairs": compares}
 
 
@@ -267,7 +324,7 @@ def table_column(stdout: str, header: str) -> list[str]:
     head = next(line for line in lines if header in line)
     col = [c.strip() for c in head.split("┃")].index(header)
     cells = []
-    for line in lines[lines.index(head) + 1:]:
+    for line in lines[lines.index(head) + 1 :]:
         if line.startswith("└"):  # the table's bottom border
             break
         if line.startswith("│"):
@@ -292,13 +349,21 @@ def test_benign_eager_vs_sdpa_passes_with_either_side_sketched(cli, combo):
         assert max_abs and all(cell not in ("n/a", "") for cell in max_abs), max_abs
         assert all({m.name for m in metrics()} <= t.keys() for t in report["tensors"])
         return
-    assert report["sketch"] == {"kind": "rademacher", "k": CLI_K, "seed": 0, "baseline": base, "target": target,
-                                "spread": math.sqrt(2 / CLI_K)}
+    assert report["sketch"] == {
+        "kind": "rademacher",
+        "k": CLI_K,
+        "seed": 0,
+        "baseline": base,
+        "target": target,
+        "spread": math.sqrt(2 / CLI_K),
+    }
     assert f"sketch comparison ({SIDES[base, target]} sketched, rademacher K={CLI_K} seed=0" in text, text
     assert "max |diff| and cosine need the full tensors and are not available" in text
     assert max_abs and all(cell == "n/a" for cell in max_abs), max_abs
-    assert all({m.name for m in metrics() if m.from_norms} <= t.keys() and not NOT_FROM_NORMS & t.keys()
-               for t in report["tensors"])
+    assert all(
+        {m.name for m in metrics() if m.from_norms} <= t.keys() and not NOT_FROM_NORMS & t.keys()
+        for t in report["tensors"]
+    )
     assert any(note.startswith("sketch comparison") for note in report["notes"])
 
 

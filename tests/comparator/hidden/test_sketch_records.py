@@ -32,8 +32,15 @@ HIDDEN, K, TOKENS = 64, 16, 12
 def _llama(hidden: int = HIDDEN) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=128, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     config._attn_implementation = "eager"
     torch.manual_seed(0)
     return LlamaForCausalLM(config).eval()
@@ -108,8 +115,9 @@ def test_a_nan_or_inf_norm_fails_its_row_never_passes(dumps, tmp_path, side, val
 def test_a_sketch_width_the_model_contradicts_is_refused(dumps, tmp_path):
     bad = _copy(dumps["sketch"], tmp_path / "bad")
     _edit_manifest(bad, lambda m: next(t for t in m["tensors"] if t.get("sketch"))["sketch"].update(hidden=48))
-    line = _one_line(run_cli("comparator", dumps["full"], bad, "--quiet"), "sketch.hidden: 48",
-                     f"hidden_size is {HIDDEN}")
+    line = _one_line(
+        run_cli("comparator", dumps["full"], bad, "--quiet"), "sketch.hidden: 48", f"hidden_size is {HIDDEN}"
+    )
     assert str(bad) in line
 
 
@@ -127,8 +135,14 @@ def test_rows_of_another_width_than_the_sketch_says_are_refused(dumps, tmp_path)
     paths = {}
     for name, width, sketch in (("wide", HIDDEN, K), ("narrow", 48, None)):
         with dumper.capture(None, tmp_path / name, sketch=sketch) as cap:
-            cap.record("model.layers.0.input", torch.randn(TOKENS, width, generator=gen), layer=0, point="input",
-                       positions=range(TOKENS), sequence_ids=[0] * TOKENS)
+            cap.record(
+                "model.layers.0.input",
+                torch.randn(TOKENS, width, generator=gen),
+                layer=0,
+                point="input",
+                positions=range(TOKENS),
+                sequence_ids=[0] * TOKENS,
+            )
             cap.step()
         paths[name] = tmp_path / name
     with pytest.raises(NotComparableError, match="rows are 48 wide .full. but the baseline .* are 64 .sketched."):

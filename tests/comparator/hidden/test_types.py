@@ -52,11 +52,14 @@ def test_report_carries_no_renderer():
     assert not any(hasattr(Report, m) for m in ("write_json", "write_csv", "to_dataframe", "dumps"))
 
 
-@pytest.mark.parametrize("content, problem", [
-    ("[1, 2]", "not a comparison report (not a JSON object)"),
-    ('{"baseline": "a"}', "not a comparison report (no 'target')"),
-    ("{", "unreadable report"),
-])
+@pytest.mark.parametrize(
+    "content, problem",
+    [
+        ("[1, 2]", "not a comparison report (not a JSON object)"),
+        ('{"baseline": "a"}', "not a comparison report (no 'target')"),
+        ("{", "unreadable report"),
+    ],
+)
 def test_a_malformed_report_file_is_one_line_naming_it(tmp_path, content, problem):
     path = tmp_path / "r.json"
     path.write_text(content, encoding="utf-8")
@@ -72,19 +75,29 @@ def test_a_report_with_a_wrong_field_type_is_corrupt(report):
 
 
 def test_missing_file_and_directory_are_refused(tmp_path):
-    for path, problem in ((tmp_path / "none.json", "cannot open report"), (tmp_path, "a directory, not a regular file")):
+    for path, problem in (
+        (tmp_path / "none.json", "cannot open report"),
+        (tmp_path, "a directory, not a regular file"),
+    ):
         with pytest.raises(UsageError, match=f"^{re.escape(str(path))}: {problem}"):
             load_report(path)
 
 
 def test_types_import_only_the_core_and_the_leaves_below_them():
     """hidden/types.py is a leaf of comparator.hidden, and no hidden module reaches up to comparator.results."""
-    allowed = ("dumper.format.jsonfloat", "comparator.judging", "comparator.logprobs", "comparator.routing.types",
-               "comparator.hidden.onset",
-               "comparator.hidden.registry", "dumper.format")
+    allowed = (
+        "dumper.format.jsonfloat",
+        "comparator.judging",
+        "comparator.logprobs",
+        "comparator.routing.types",
+        "comparator.hidden.onset",
+        "comparator.hidden.registry",
+        "dumper.format",
+    )
     tree = ast.parse(Path(types.__file__).read_text())
     imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module} | {
-        a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names
+    }
     ours = {m for m in imported if m.split(".")[0] in ("comparator", "dumper")}
     assert all(any(m == a or m.startswith(a + ".") for a in allowed) for m in ours), sorted(ours)
     for path in (ROOT / "comparator" / "hidden").glob("*.py"):

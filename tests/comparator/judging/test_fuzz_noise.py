@@ -28,9 +28,9 @@ import copy
 import itertools
 import json
 import math
-import sys
 import os
 import shutil
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -58,8 +58,7 @@ class World:
     def __init__(self, root: Path) -> None:
         self.root = root
         for name, settings_ in (("base", {}), ("sdpa", {"attn": "sdpa"}), ("other", {"seed": 1})):
-            run_dump(RunConfig(out=str(root / name), layers="all", logprobs=LogprobSpec(top_k=3),
-                               **settings_))  # type: ignore[arg-type]
+            run_dump(RunConfig(out=str(root / name), layers="all", logprobs=LogprobSpec(top_k=3), **settings_))  # type: ignore[arg-type]
         self.base, self.sdpa, self.other = root / "base", root / "sdpa", root / "other"
         self.noise = root / "NOISE.json"
         o = run_main(compare_main, ["calibrate", self.base, self.sdpa, "--out", self.noise, "--quiet"])
@@ -81,8 +80,9 @@ class World:
         path.write_bytes(content if isinstance(content, bytes) else json.dumps(content).encode())
         return path
 
-    def judge(self, noise: Path, *args: str | os.PathLike[str],
-              divergent: bool = True) -> tuple[Outcome, dict[str, Any] | None]:
+    def judge(
+        self, noise: Path, *args: str | os.PathLike[str], divergent: bool = True
+    ) -> tuple[Outcome, dict[str, Any] | None]:
         """``comparator BASE OTHER --noise NOISE --quiet --json R`` (``args``: another command line), checked;
         ``divergent``: the comparison is a real divergence, so a pass must warn."""
         report = noise.with_suffix(".report.json")
@@ -108,8 +108,35 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> World:
 REL = {"rel_diff", "token_max", "token_p999", "token_p99"}
 TOP_REQUIRED = {"format", "baseline", "variants", "model", "dtype", "tensors", "logprobs"}
 LOGPROB_REQUIRED = {"variants", "positions", "metrics", "means", "by_variant"}
-ODD = ["0.0", "3", True, False, None, [], {}, "", -1, -1e-300, 0, 0.5, 1, 2, 2.5, 3.0, 1e9, 2**63, 10**400,
-       INF, -INF, NAN, "\ud800", "\x1b[31mred", "model.layers.0.self_attn.input", [0.5], {"a": 1}]
+ODD = [
+    "0.0",
+    "3",
+    True,
+    False,
+    None,
+    [],
+    {},
+    "",
+    -1,
+    -1e-300,
+    0,
+    0.5,
+    1,
+    2,
+    2.5,
+    3.0,
+    1e9,
+    2**63,
+    10**400,
+    INF,
+    -INF,
+    NAN,
+    "\ud800",
+    "\x1b[31mred",
+    "model.layers.0.self_attn.input",
+    [0.5],
+    {"a": 1},
+]
 
 
 def _num(v: Any, high: float = INF) -> bool:
@@ -136,25 +163,55 @@ def _kind_ok(path: tuple, v: Any) -> bool | None:
     if head == "model":
         if n == 1:
             return False if type(v) is not dict else None
-        return False if path[1] in ("num_layers", "hidden_size") and not (v is None or _int(v)) or path[1] in (
-            "name", "architecture", "config_hash", "weights_hash") and not (v is None or is_text(v)) else None
+        return (
+            False
+            if path[1] in ("num_layers", "hidden_size")
+            and not (v is None or _int(v))
+            or path[1] in ("name", "architecture", "config_hash", "weights_hash")
+            and not (v is None or is_text(v))
+            else None
+        )
     if head == "tensors" and n == 3:
         key = path[2]
-        return (_num(v, 2) if key in REL else _int(v) if key == "positions" else _int(v, None) or v is None
-                if key == "layer" else v is None or is_text(v) if key == "point"
-                else is_text(v) and bool(v) and v.isprintable() if key == "name" else
-                type(v) is list and len(v) == 1 and _num(v[0], 2) if key == "by_variant" else None)
+        return (
+            _num(v, 2)
+            if key in REL
+            else _int(v)
+            if key == "positions"
+            else _int(v, None) or v is None
+            if key == "layer"
+            else v is None or is_text(v)
+            if key == "point"
+            else is_text(v) and bool(v) and v.isprintable()
+            if key == "name"
+            else type(v) is list and len(v) == 1 and _num(v[0], 2)
+            if key == "by_variant"
+            else None
+        )
     if head == "tensors" and n == 4:
         return _num(v, 2)
     if head == "logprobs" and n == 1:
         return True if v is None else False if type(v) is not dict else None
     if head == "logprobs" and n == 2:
-        return (v == 1 and type(v) is int if path[1] == "variants" else _int(v, 1) if path[1] == "positions"
-                else False if type(v) is not dict else None)
+        return (
+            v == 1 and type(v) is int
+            if path[1] == "variants"
+            else _int(v, 1)
+            if path[1] == "positions"
+            else False
+            if type(v) is not dict
+            else None
+        )
     if head == "logprobs" and n == 3:
-        return (v is None or _num(v) if path[1] == "metrics" else False if path[1] == "means" and type(v) is not dict
-                else type(v) is list and len(v) == 1 and (v[0] is None or _num(v[0])) if path[1] == "by_variant"
-                else None)
+        return (
+            v is None or _num(v)
+            if path[1] == "metrics"
+            else False
+            if path[1] == "means" and type(v) is not dict
+            else type(v) is list and len(v) == 1 and (v[0] is None or _num(v[0]))
+            if path[1] == "by_variant"
+            else None
+        )
     if head == "logprobs" and n == 4:
         return _int(v) if path[3] == "positions" else _num(v) if path[1] == "means" else v is None or _num(v)
     if head == "model_mismatch":
@@ -202,8 +259,18 @@ def test_mutated_noise_files(world: World, data: st.DataObject) -> None:
         ok = _dropped_ok(path)
         expect = {2} if ok is False else {0, 1} if ok else expect
     elif op == "unknown":
-        where = data.draw(st.sampled_from([(), ("tensors", 0), ("logprobs",), ("logprobs", "metrics"),
-                                           ("logprobs", "means", "k3_mean"), ("model",)]))
+        where = data.draw(
+            st.sampled_from(
+                [
+                    (),
+                    ("tensors", 0),
+                    ("logprobs",),
+                    ("logprobs", "metrics"),
+                    ("logprobs", "means", "k3_mean"),
+                    ("model",),
+                ]
+            )
+        )
         get_path(d, where)[data.draw(st.sampled_from(["zz", "\x1b[2J", "\ud800"]))] = 1
         expect = {0, 1} if where == ("model",) else {2}
         if where == ("model",) and "\ud800" in get_path(d, where):
@@ -214,8 +281,10 @@ def test_mutated_noise_files(world: World, data: st.DataObject) -> None:
         d["tensors"].insert(data.draw(st.integers(0, len(d["tensors"]))), entry)
         expect = {2}
     elif op == "everywhere":  # every tensor value at v, every logprob value at w: 1e9 everywhere among them
-        v, w = data.draw(st.sampled_from([0, 1e-3, 0.5, 1.0, 2.0, 2.5, 1e9])), data.draw(
-            st.sampled_from([0, 1e3, 1e9, -1.0]))
+        v, w = (
+            data.draw(st.sampled_from([0, 1e-3, 0.5, 1.0, 2.0, 2.5, 1e9])),
+            data.draw(st.sampled_from([0, 1e3, 1e9, -1.0])),
+        )
         for t in d["tensors"]:
             t.update({k: v for k in REL}, by_variant=[v])
         lp = d["logprobs"]
@@ -245,19 +314,19 @@ def test_damaged_noise_bytes(world: World, data: st.DataObject) -> None:
     text = json.dumps(world.json, indent=1).encode()
     op = data.draw(st.sampled_from(["cut", "byte", "splice", "number"]))
     if op == "cut":
-        text = text[:data.draw(st.integers(0, len(text) - 1))]
+        text = text[: data.draw(st.integers(0, len(text) - 1))]
     elif op == "byte":
         i = data.draw(st.integers(0, len(text) - 1))
-        text = text[:i] + bytes([data.draw(st.integers(0, 255))]) + text[i + 1:]
+        text = text[:i] + bytes([data.draw(st.integers(0, 255))]) + text[i + 1 :]
     elif op == "splice":
         i = data.draw(st.integers(0, len(text)))
         junk = data.draw(st.sampled_from([b"\xff\xfe", b"[" * 5000, b'"\\ud800"', b"\x00", b",,"]))
         text = text[:i] + junk + text[i:]
     else:
-        spots = [i for i in range(len(text)) if text[i:i + 1].isdigit() and not text[i - 1:i].isdigit()]
+        spots = [i for i in range(len(text)) if text[i : i + 1].isdigit() and not text[i - 1 : i].isdigit()]
         i = data.draw(st.sampled_from(spots))
         j = i
-        while j < len(text) and text[j:j + 1] in b"0123456789.e-+":
+        while j < len(text) and text[j : j + 1] in b"0123456789.e-+":
             j += 1
         text = text[:i] + data.draw(st.sampled_from([b"Infinity", b"NaN", b"1e999", b"-0", b"1.0", b"true"])) + text[j:]
     world.judge(world.write(text))
@@ -296,9 +365,13 @@ def test_a_directory_and_a_missing_file_are_refused(world: World, tmp_path: Path
     _refused(world, tmp_path / "missing.json", "cannot open noise file")
 
 
-INT_FIELDS = {"tensors[0] positions": ("tensors", 0, "positions"), "tensors[0] layer": ("tensors", 0, "layer"),
-              "logprobs.variants": ("logprobs", "variants"), "logprobs.positions": ("logprobs", "positions"),
-              "logprobs.means.mean_abs_err.positions": ("logprobs", "means", "mean_abs_err", "positions")}
+INT_FIELDS = {
+    "tensors[0] positions": ("tensors", 0, "positions"),
+    "tensors[0] layer": ("tensors", 0, "layer"),
+    "logprobs.variants": ("logprobs", "variants"),
+    "logprobs.positions": ("logprobs", "positions"),
+    "logprobs.means.mean_abs_err.positions": ("logprobs", "means", "mean_abs_err", "positions"),
+}
 
 
 @pytest.mark.parametrize("value", [INF, -INF, NAN, 3.0, 1e9, True, "3", 2**63], ids=repr)
@@ -306,20 +379,26 @@ INT_FIELDS = {"tensors[0] positions": ("tensors", 0, "positions"), "tensors[0] l
 def test_an_integer_field_that_is_not_an_int_is_refused(world: World, field: str, value: Any) -> None:
     """int(Infinity) raised OverflowError (exit 3) in the tensor and logprob readers before."""
     path = INT_FIELDS[field]
-    err = _refused(world, _edited(world, lambda d: get_path(d, path[:-1]).__setitem__(path[-1], value)),
-                   str(world.root), "expected an integer")
+    err = _refused(
+        world,
+        _edited(world, lambda d: get_path(d, path[:-1]).__setitem__(path[-1], value)),
+        str(world.root),
+        "expected an integer",
+    )
     assert path[-1] in err and ("model.layers.0.self_attn.input" in err) == (path[0] == "tensors"), err
 
 
-@pytest.mark.parametrize("model", [[1, 2], "tiny-llama", 3, True, None, {"num_layers": "8"}, {"name": "\ud800"}],
-                         ids=repr)
+@pytest.mark.parametrize(
+    "model", [[1, 2], "tiny-llama", 3, True, None, {"num_layers": "8"}, {"name": "\ud800"}], ids=repr
+)
 def test_a_model_identity_that_is_not_an_object_of_its_types_is_refused(world: World, model: Any) -> None:
     _refused(world, _edited(world, lambda d: d.__setitem__("model", model)), "model", "expected")
 
 
 @pytest.mark.parametrize("value", ["0.0", True, False, None, [0.0], {"v": 0}], ids=repr)
-@pytest.mark.parametrize("field", ["rel_diff", "token_max", "by_variant[0]", "logprobs.metrics.max_abs_err",
-                                   "logprobs.means.k3_mean.se"])
+@pytest.mark.parametrize(
+    "field", ["rel_diff", "token_max", "by_variant[0]", "logprobs.metrics.max_abs_err", "logprobs.means.k3_mean.se"]
+)
 def test_noise_values_are_numbers_not_strings_or_booleans(world: World, field: str, value: Any) -> None:
     def edit(d: dict[str, Any]) -> None:
         if field.startswith("logprobs.metrics"):
@@ -350,14 +429,16 @@ def test_a_tensor_listed_twice_is_refused(world: World, value: float) -> None:
 @pytest.mark.parametrize("field", ["rel_diff", "token_max", "token_p999", "token_p99", "by_variant[0]"])
 def test_a_rel_diff_noise_above_2_is_impossible(world: World, field: str) -> None:
     """rel_diff = |x-y|^2 / (|x|^2 + |y|^2) <= 2, the bound reached at y = -x: above it, exit 2 naming all."""
+
     def edit(d: dict[str, Any]) -> None:
         if field == "by_variant[0]":
             d["tensors"][5]["by_variant"][0] = 2.000001
         else:
             d["tensors"][5][field] = 2.000001
 
-    _refused(world, _edited(world, edit), str(world.root), "model.layers.5.self_attn.input", field,
-             "a rel_diff is at most 2")
+    _refused(
+        world, _edited(world, edit), str(world.root), "model.layers.5.self_attn.input", field, "a rel_diff is at most 2"
+    )
 
 
 def _everywhere(d: dict[str, Any], tensor: float, logprob: float) -> None:
@@ -387,8 +468,18 @@ def test_possible_noise_that_excuses_everything_passes_with_warnings(world: Worl
     assert report["logprobs"]["noise"]["warnings"] == [logprobs]
     o, verdict = world.judge(big, "logprobs", world.base, world.other, "--noise", big, "--quiet")
     assert o.code == 0 and verdict is not None and verdict["noise"]["warnings"] == [logprobs], o.err
-    o, _ = world.judge(big, world.base, world.other, "--noise", big, "--quiet", "--threshold", "1e-3",
-                       "--logprob-threshold", "max_abs_err=1e-4")  # explicit thresholds on top: no excuse, no warning
+    o, _ = world.judge(
+        big,
+        world.base,
+        world.other,
+        "--noise",
+        big,
+        "--quiet",
+        "--threshold",
+        "1e-3",
+        "--logprob-threshold",
+        "max_abs_err=1e-4",
+    )  # explicit thresholds on top: no excuse, no warning
     assert o.code == 1 and o.err.count("warning: ") == 1, o.err  # the logprob metrics left to the noise warn
     assert "calibrated tensors" not in o.err and "max_abs_err <=" not in o.err and "mse <=" in o.err, o.err
 
@@ -402,18 +493,25 @@ def test_the_real_calibration_gives_no_warning(world: World) -> None:
 
 def test_the_store_reads_noise_with_the_same_reader(world: World) -> None:
     """A stored noise.json vouched for by its record (sha256) but hostile: one StoreError, never an OverflowError."""
-    cases = {"Infinity int": lambda d: d["tensors"][0].__setitem__("positions", INF),
-             "1e9": lambda d: _everywhere(d, 1e9, 1e9), "model list": lambda d: d.__setitem__("model", [1]),
-             "twice": lambda d: d["tensors"].append(d["tensors"][0]),
-             "logprob variants 1.0": lambda d: d["logprobs"].__setitem__("variants", 1.0)}
+    cases = {
+        "Infinity int": lambda d: d["tensors"][0].__setitem__("positions", INF),
+        "1e9": lambda d: _everywhere(d, 1e9, 1e9),
+        "model list": lambda d: d.__setitem__("model", [1]),
+        "twice": lambda d: d["tensors"].append(d["tensors"][0]),
+        "logprob variants 1.0": lambda d: d["logprobs"].__setitem__("variants", 1.0),
+    }
     for label, edit in cases.items():
         raw = _edited(world, edit).read_bytes()
         with pytest.raises(StoreError) as e:
             StoredNoise.parse(raw, Calibration.of(raw, variants=1, measured_on="r"), "store/runs/r/noise.json")
         assert str(e.value).startswith("store/runs/r/noise.json: ") and "\n" not in str(e.value), (label, e.value)
     raw = world.noise.read_bytes()
-    good = StoredNoise.parse(raw, Calibration.of(raw, variants=1, measured_on="r"), "noise.json",
-                             lambda name: ((world.noise.parent / name).read_bytes(), name))
+    good = StoredNoise.parse(
+        raw,
+        Calibration.of(raw, variants=1, measured_on="r"),
+        "noise.json",
+        lambda name: ((world.noise.parent / name).read_bytes(), name),
+    )
     assert good.noise == load_noise(world.noise) and good.noise.rows is not None
 
 
@@ -423,12 +521,15 @@ def test_calibrate_refuses_a_variant_with_other_weights(world: World, tmp_path: 
     o = run_main(compare_main, ["calibrate", world.base, world.other, "--out", out, "--quiet"])
     assert check_outcome(o) == 2 and str(world.other) in o.err and "weights_hash" in o.err, o.err
     assert "--allow-model-mismatch" in o.err and not out.exists()
-    o = run_main(compare_main, ["calibrate", world.base, world.sdpa, world.other, "--out", out, "--quiet",
-                                "--allow-model-mismatch"])
+    o = run_main(
+        compare_main,
+        ["calibrate", world.base, world.sdpa, world.other, "--out", out, "--quiet", "--allow-model-mismatch"],
+    )
     assert check_outcome(o) == 0 and "warning: " in o.err and "weights_hash" in o.err, o.err
     hashes = [load_manifest(p).model["weights_hash"] for p in (world.base, world.other)]
     assert json.loads(out.read_text())["model_mismatch"] == [
-        {"variant": str(world.other), "field": "weights_hash", "baseline": hashes[0], "target": hashes[1]}]
+        {"variant": str(world.other), "field": "weights_hash", "baseline": hashes[0], "target": hashes[1]}
+    ]
     noise = load_noise(out)
     assert noise.to_json() == json.loads(out.read_text()) and len(noise.model_mismatch) == 1
     o, report = world.judge(out)  # the other weights' difference became noise: it excuses itself, and says so
@@ -439,6 +540,7 @@ def test_calibrate_refuses_a_variant_with_other_weights(world: World, tmp_path: 
 # -- the largest hostile noise files, in real processes -----------------------------------------------
 def _largest(text: str, unit: Callable[[int], str]) -> bytes:
     """``text`` with ``"@@"`` replaced by ``unit(n)``, n the largest the JSON memory budget lets through."""
+
     def at(n: int) -> bytes:
         return text.replace('"@@"', unit(n)).encode()
 
@@ -452,17 +554,23 @@ def _largest(text: str, unit: Callable[[int], str]) -> bytes:
 def test_largest_hostile_noise_files_stay_under_512_mib(world: World, tmp_path: Path) -> None:
     d = world.fresh()
     d["model"]["extra"] = "@@"  # the costliest JSON under the budget: distinct keys, kept in memory
-    keys = _largest(json.dumps(d, separators=(",", ":")),
-                    lambda n: "{" + ",".join(f'"k{i:07d}":"ab"' for i in range(n)) + "}")
+    keys = _largest(
+        json.dumps(d, separators=(",", ":")), lambda n: "{" + ",".join(f'"k{i:07d}":"ab"' for i in range(n)) + "}"
+    )
     d = world.fresh()
     d["tensors"].append("@@")  # as many tensor entries as the budget allows, each read into a TensorNoise
-    entry = '{{"name":"t{:07d}","layer":1,"point":"p","rel_diff":0.1,"token_max":0.1,"token_p999":0.1,' \
-            '"token_p99":0.1,"positions":1,"by_variant":[0.1]}}'
+    entry = (
+        '{{"name":"t{:07d}","layer":1,"point":"p","rel_diff":0.1,"token_max":0.1,"token_p999":0.1,'
+        '"token_p99":0.1,"positions":1,"by_variant":[0.1]}}'
+    )
     tensors = _largest(json.dumps(d, separators=(",", ":")), lambda n: ",".join(entry.format(i) for i in range(n)))
     dense = b'{"format":"driftscope-noise/1","tensors":[' + b"0," * ((MAX_NOISE_BYTES - 64) // 2) + b"0]}"
-    files = {"distinct keys in model": (keys, 1, None), "tensor entries": (tensors, 1, None),
-             "dense numbers at the cap": (dense, 2, "too many JSON values"),
-             "one byte over the cap": (None, 2, "exceeds the 64 MiB limit")}
+    files = {
+        "distinct keys in model": (keys, 1, None),
+        "tensor entries": (tensors, 1, None),
+        "dense numbers at the cap": (dense, 2, "too many JSON values"),
+        "one byte over the cap": (None, 2, "exceeds the 64 MiB limit"),
+    }
     results = {}
     for label, (content, code, needle) in files.items():
         path = tmp_path / "hostile.json"

@@ -61,20 +61,55 @@ FLIPPED = 1
 """The MoE layer of the seeded flip."""
 EXCUSED = f"layer {FLIPPED}: routing noise excuses flips"
 """The warning a pass of the seeded flip must carry (its margin is ~1000x the margin rule's unit)."""
-CALIBRATED = [{"layer": 0, "score": 8.940696716308594e-08, "flip_rate": 0.0, "weight": 5.960464477539063e-08,
-               "tokens": 80},
-              {"layer": 1, "score": 8.940696716308594e-08, "flip_rate": 0.0, "weight": 5.960464477539063e-08,
-               "tokens": 80},
-              {"layer": 2, "score": 1.1920928955078125e-07, "flip_rate": 0.0, "weight": 1.1920928955078125e-07,
-               "tokens": 80}]
+CALIBRATED = [
+    {"layer": 0, "score": 8.940696716308594e-08, "flip_rate": 0.0, "weight": 5.960464477539063e-08, "tokens": 80},
+    {"layer": 1, "score": 8.940696716308594e-08, "flip_rate": 0.0, "weight": 5.960464477539063e-08, "tokens": 80},
+    {"layer": 2, "score": 1.1920928955078125e-07, "flip_rate": 0.0, "weight": 1.1920928955078125e-07, "tokens": 80},
+]
 """The router list ``calibrate`` writes for the tiny Mixtral, eager vs SDPA (the reader-only fuzz's template;
 the CLI fuzz uses the one it calibrates)."""
 
 
 # -- the format, as the oracle of the fuzz -------------------------------------------------------------
-ODD = ["0.1", "3", "", True, False, None, [], {}, [0.5], {"a": 1}, -1, -1e-300, -0.0, 0, 5e-324, 0.5, 1, 1.0,
-       1.5, 2, 2.0, 2.5, 3, 80, 1e9, 1e300, FLOAT_MAX, 2**63 - 1, 2**63, -(2**63), 10**400, INF, -INF, NAN,
-       "\ud800", "\x1b[31mred", "layer"]
+ODD = [
+    "0.1",
+    "3",
+    "",
+    True,
+    False,
+    None,
+    [],
+    {},
+    [0.5],
+    {"a": 1},
+    -1,
+    -1e-300,
+    -0.0,
+    0,
+    5e-324,
+    0.5,
+    1,
+    1.0,
+    1.5,
+    2,
+    2.0,
+    2.5,
+    3,
+    80,
+    1e9,
+    1e300,
+    FLOAT_MAX,
+    2**63 - 1,
+    2**63,
+    -(2**63),
+    10**400,
+    INF,
+    -INF,
+    NAN,
+    "\ud800",
+    "\x1b[31mred",
+    "layer",
+]
 BOUND = {"score": FLOAT_MAX, "flip_rate": 1.0, "weight": 2.0}
 
 
@@ -98,8 +133,17 @@ def _first_twice(router: list[Any]) -> int | None:
     return None
 
 
-OPS = ["retype"] * 5 + ["entry", "whole", "drop-key", "add-key", "drop-entry", "duplicate", "phantom", "extreme",
-                        "long"]
+OPS = ["retype"] * 5 + [
+    "entry",
+    "whole",
+    "drop-key",
+    "add-key",
+    "drop-entry",
+    "duplicate",
+    "phantom",
+    "extreme",
+    "long",
+]
 
 
 def mutate(router: list[dict[str, Any]], data: st.DataObject) -> tuple[Any, set[int], str | None, str]:
@@ -136,16 +180,24 @@ def mutate(router: list[dict[str, Any]], data: st.DataObject) -> tuple[Any, set[
         r.insert(data.draw(st.integers(0, len(r))), entry)
         return r, {2}, f"router[{_first_twice(r)}].layer", op
     if op == "phantom":  # layers the dumps do not have
-        for layer in data.draw(st.lists(st.sampled_from([3, 7, 99, 2**31, 2**62, 2**63 - 1]), min_size=1,
-                                        max_size=4, unique=True)):
+        for layer in data.draw(
+            st.lists(st.sampled_from([3, 7, 99, 2**31, 2**62, 2**63 - 1]), min_size=1, max_size=4, unique=True)
+        ):
             r.insert(data.draw(st.integers(0, len(r))), {**r[i], "layer": layer})
         return r, {0, 1}, None, op
     if op == "extreme":  # possible values at their limits, on one entry or on all
         key = data.draw(st.sampled_from(KEYS[1:]))
-        v = data.draw(st.sampled_from({"score": [0, 0.0, 5e-324, 1e-3, 1e9, 1e300, FLOAT_MAX],
-                                       "flip_rate": [0, 1e-300, 0.34, 1, 1.0], "weight": [0, 0.5, 2, 2.0],
-                                       "tokens": [0, 1, 2**63 - 1]}[key]))
-        for e in (r if data.draw(st.booleans(), label="all") else [r[i]]):
+        v = data.draw(
+            st.sampled_from(
+                {
+                    "score": [0, 0.0, 5e-324, 1e-3, 1e9, 1e300, FLOAT_MAX],
+                    "flip_rate": [0, 1e-300, 0.34, 1, 1.0],
+                    "weight": [0, 0.5, 2, 2.0],
+                    "tokens": [0, 1, 2**63 - 1],
+                }[key]
+            )
+        )
+        for e in r if data.draw(st.booleans(), label="all") else [r[i]]:
             e[key] = v
         return r, {0, 1}, None, op
     n = data.draw(st.sampled_from([100, 1000, 5000]), label="long")  # many phantom entries, maybe one twice
@@ -179,8 +231,12 @@ def test_mutated_router_lists_in_the_reader(data: st.DataObject) -> None:
         assert sorted(noise) == sorted(e["layer"] for e in r) and all(type(n) is RouterNoise for n in noise.values())
         for e in r:
             n = noise[e["layer"]]
-            assert (n.score, n.flip_rate, n.weight, n.tokens) == (float(e["score"]), float(e["flip_rate"]),
-                                                                  float(e["weight"]), e["tokens"])
+            assert (n.score, n.flip_rate, n.weight, n.tokens) == (
+                float(e["score"]),
+                float(e["flip_rate"]),
+                float(e["weight"]),
+                e["tokens"],
+            )
             assert all(type(getattr(n, k)) is float for k in ("score", "flip_rate", "weight"))
 
 
@@ -194,9 +250,19 @@ def test_an_impossible_value_is_refused_by_the_reader_naming_the_field(key: str,
     assert str(e.value).startswith(f"NOISE.json: router[1].{key}: expected "), e.value
 
 
-@pytest.mark.parametrize(("key", "value"), [("flip_rate", 1.0000001), ("weight", 2.0000001), ("layer", 2**63),
-                                            ("tokens", 2**63), ("layer", 1.0), ("tokens", 80.0), ("score", 1e309)],
-                         ids=repr)
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("flip_rate", 1.0000001),
+        ("weight", 2.0000001),
+        ("layer", 2**63),
+        ("tokens", 2**63),
+        ("layer", 1.0),
+        ("tokens", 80.0),
+        ("score", 1e309),
+    ],
+    ids=repr,
+)
 def test_values_past_their_bounds_are_refused_by_the_reader(key: str, value: Any) -> None:
     r = copy.deepcopy(CALIBRATED)
     r[0][key] = value
@@ -323,17 +389,28 @@ def test_flip_rate_1_lets_every_token_flip_and_says_so(world: World, target: str
     assert report is not None and o.code == (1 if target == "flip" else 0), o.err  # the flip's margin still fails
     assert report["router"]["warnings"] == [
         f"layer {k}: routing noise lets every token flip (flip rate limit 3): a real routing bug there would pass"
-        for k in (0, 1, 2)], report["router"]["warnings"]
+        for k in (0, 1, 2)
+    ], report["router"]["warnings"]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("key", "value", "needle"), [
-    ("score", NAN, "expected a finite number >= 0, got NaN"), ("score", INF, "got Infinity"),
-    ("score", 10**400, "expected a finite number >= 0"), ("flip_rate", 1.5, "expected a number in [0, 1]"),
-    ("weight", 2.5, "expected a number in [0, 2]"), ("tokens", -1, "expected an integer >= 0"),
-    ("layer", "1", "expected an integer >= 0"), ("score", "\x1b[31m0.1", "expected a finite number")], ids=repr)
-def test_an_impossible_value_exits_2_naming_the_file_and_the_field(world: World, key: str, value: Any,
-                                                                   needle: str) -> None:
+@pytest.mark.parametrize(
+    ("key", "value", "needle"),
+    [
+        ("score", NAN, "expected a finite number >= 0, got NaN"),
+        ("score", INF, "got Infinity"),
+        ("score", 10**400, "expected a finite number >= 0"),
+        ("flip_rate", 1.5, "expected a number in [0, 1]"),
+        ("weight", 2.5, "expected a number in [0, 2]"),
+        ("tokens", -1, "expected an integer >= 0"),
+        ("layer", "1", "expected an integer >= 0"),
+        ("score", "\x1b[31m0.1", "expected a finite number"),
+    ],
+    ids=repr,
+)
+def test_an_impossible_value_exits_2_naming_the_file_and_the_field(
+    world: World, key: str, value: Any, needle: str
+) -> None:
     d = world.fresh()
     d["router"][2][key] = value
     path = world.write(d)
@@ -366,14 +443,16 @@ def test_weight_noise_that_excuses_a_real_weight_bug_is_warned_about(world: Worl
     o, report = world.judge(world.write(d), order)
     assert report is not None
     assert o.code == 1 or any(w.startswith("layer 2:") for w in report["router"]["warnings"]), (
-        f"exit {o.code}, warnings {report['warnings']}: the weight bug passed silently")
+        f"exit {o.code}, warnings {report['warnings']}: the weight bug passed silently"
+    )
 
 
 # -- the largest hostile router lists, in real processes ---------------------------------------------------
 def _entries(n: int, start: int = 10**6) -> str:
     """``n`` router entries of phantom layers ``start``...: 7 digits each, so the file's memory bound is linear in n."""
-    return ",".join(f'{{"layer":{start + k},"score":1e-07,"flip_rate":0.0,"weight":1e-07,"tokens":80}}'
-                    for k in range(n))
+    return ",".join(
+        f'{{"layer":{start + k},"score":1e-07,"flip_rate":0.0,"weight":1e-07,"tokens":80}}' for k in range(n)
+    )
 
 
 def _with_router(world: World, n: int, tail: str = "") -> bytes:
@@ -392,10 +471,15 @@ def test_largest_hostile_router_lists_stay_under_512_mib(world: World, tmp_path:
     largest = _with_router(world, most)
     assert JSON_MEMORY_BUDGET - 4096 < json_memory_bound(largest) <= JSON_MEMORY_BUDGET
     last = f',{{"layer":{10**6 + most - 2},"score":0,"flip_rate":0,"weight":0,"tokens":0}}'
-    files = {"100k entries": (_with_router(world, 100_000), 1, None),
-             f"{most} entries (the JSON budget)": (largest, 1, None),
-             f"{most} entries, the last layer twice": (_with_router(world, most - 1, last), 2,
-                                                        f"router[{3 + most - 1}].layer: expected each layer once")}
+    files = {
+        "100k entries": (_with_router(world, 100_000), 1, None),
+        f"{most} entries (the JSON budget)": (largest, 1, None),
+        f"{most} entries, the last layer twice": (
+            _with_router(world, most - 1, last),
+            2,
+            f"router[{3 + most - 1}].layer: expected each layer once",
+        ),
+    }
     results = {}
     for label, (content, code, needle) in files.items():
         path = tmp_path / "hostile.json"

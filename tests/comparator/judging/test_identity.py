@@ -25,9 +25,14 @@ def dumps(tmp_path_factory) -> dict[str, Path]:
     """Real preset dumps: tiny-llama twice, another seed, tiny-qwen2, fewer prompts, logprobs on one side."""
     root = tmp_path_factory.mktemp("identity")
     specs = {
-        "llama": dict(), "llama2": dict(), "seed1": dict(seed=1), "qwen": dict(model="tiny-qwen2"),
-        "one_prompt": dict(prompts=PROMPTS[:1]), "logprobs": dict(logprobs=LogprobSpec()),
-        "bf16": dict(dtype="bfloat16"), "qwen_logprobs": dict(model="tiny-qwen2", logprobs=LogprobSpec()),
+        "llama": dict(),
+        "llama2": dict(),
+        "seed1": dict(seed=1),
+        "qwen": dict(model="tiny-qwen2"),
+        "one_prompt": dict(prompts=PROMPTS[:1]),
+        "logprobs": dict(logprobs=LogprobSpec()),
+        "bf16": dict(dtype="bfloat16"),
+        "qwen_logprobs": dict(model="tiny-qwen2", logprobs=LogprobSpec()),
         "one_prompt_logprobs": dict(prompts=PROMPTS[:1], logprobs=LogprobSpec()),
     }
     out = {}

@@ -79,7 +79,7 @@ def _only(name: str, value: float) -> dict[str, float | None]:
 
 
 def test_builtins_are_in_report_order():
-    assert metric_names()[:len(BUILTIN)] == BUILTIN
+    assert metric_names()[: len(BUILTIN)] == BUILTIN
 
 
 def test_a_registered_metric_is_in_every_output(p99, dumps):
@@ -116,8 +116,11 @@ def test_a_threshold_on_it_fails_the_verdict(p99, dumps):
     render_logprobs(failing, console)
     assert f"logprobs: FAIL ({NAME})" in console.export_text()
     report = compare_dumps(base, target, CompareConfig.resolve(logprob_thresholds=_only(NAME, value / 2), env={}))
-    assert not report.passed and f"FAIL ({NAME})" in to_markdown(report) and '<tr class="bad"><td>p99' in \
-        render_html(report)
+    assert (
+        not report.passed
+        and f"FAIL ({NAME})" in to_markdown(report)
+        and '<tr class="bad"><td>p99' in render_html(report)
+    )
     # the same threshold from the environment, DRIFTSCOPE_LOGPROB_<NAME>
     env = {"DRIFTSCOPE_LOGPROB_P99_ABS_ERR": f"{value / 2!r}"}
     assert explicit_thresholds(env=env) == {NAME: value / 2}
@@ -153,12 +156,14 @@ def test_calibration_records_its_noise(p99, dumps, tmp_path):
     console = Console(record=True, width=400)
     render_noise(back, console)
     assert NAME in console.export_text()
-    thresholds = resolve_logprob_thresholds("tiny-llama", noise=back.logprobs, factor=3.0, env={},
-                                            floors={NAME: 1e-9})
+    thresholds = resolve_logprob_thresholds("tiny-llama", noise=back.logprobs, factor=3.0, env={}, floors={NAME: 1e-9})
     assert thresholds.values[NAME] == max(1e-9, 3.0 * measured) and NAME in thresholds.basis.from_noise
     v = compare_logprob_sources(base, target, noise=back)
-    assert v.noise is not None and NAME in v.noise.metrics and v.noise.metrics[NAME].ratio == pytest.approx(
-        v.value_of(NAME).value / max(measured, 1e-4))
+    assert (
+        v.noise is not None
+        and NAME in v.noise.metrics
+        and v.noise.metrics[NAME].ratio == pytest.approx(v.value_of(NAME).value / max(measured, 1e-4))
+    )
     assert NAME in v.to_json()["noise"]["metrics"]
     assert LogprobVerdict.from_json(json.loads(json.dumps(v.to_json()))).noise == v.noise
 

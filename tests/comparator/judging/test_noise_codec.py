@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 import torch
 
+from comparator.judging.logprob_noise import Z_SIGNIFICANT, MeanTest, MetricNoise, NoiseCheck
 from comparator.logprobs.judge import compare_logprob_sources
 from comparator.noise.calibrate import calibrate
-from comparator.judging.logprob_noise import Z_SIGNIFICANT, MeanTest, MetricNoise, NoiseCheck
 from dumper.prefill.presets import load_model
 from dumper.prefill.run import LogprobSpec, RunConfig, dump_sequences, prompt_token_ids, run_dump
 

@@ -21,10 +21,13 @@ from dumper.format import MANIFEST_NAME, load_manifest, write_manifest
 from tests.conftest import run_cli
 
 MODE = "baseline ran eager, target compiled (torch.compile); differences may come from compilation"
-UNCHECKED = ("{side} ran compiled and its capture was never checked against a probe-free run "
-             "(dumper run --observer-check)")
-CHANGED = ("{side}: capture changed its own numbers (observer check{where}); its hidden states may not be what "
-           "the engine computes without the probe")
+UNCHECKED = (
+    "{side} ran compiled and its capture was never checked against a probe-free run (dumper run --observer-check)"
+)
+CHANGED = (
+    "{side}: capture changed its own numbers (observer check{where}); its hidden states may not be what "
+    "the engine computes without the probe"
+)
 UNREADABLE = "{side}: unreadable observer check ({field} is {value}); its capture is not proven harmless"
 
 
@@ -79,8 +82,10 @@ def test_eager_against_compiled_says_so_and_still_passes(dumps, tmp_path):
 @pytest.mark.slow
 def test_the_compiled_side_is_named(dumps, tmp_path):
     data, _ = _compare(dumps["compiled"], dumps["eager"], tmp_path)
-    assert data["notes"] == ["baseline ran compiled (torch.compile), target eager; differences may come from "
-                             "compilation", UNCHECKED.format(side="baseline")]
+    assert data["notes"] == [
+        "baseline ran compiled (torch.compile), target eager; differences may come from compilation",
+        UNCHECKED.format(side="baseline"),
+    ]
 
 
 @pytest.mark.slow
@@ -95,26 +100,37 @@ def test_same_mode_has_no_mode_note(dumps, tmp_path):
 @pytest.mark.slow
 def test_older_dumps_without_a_mode_get_no_note(dumps, tmp_path):
     """A dump from before the mode was recorded: unknown, so neither a mode nor an unchecked note."""
-    data, _ = _compare(_variant(dumps, "eager", "old-eager", compiled=None),
-                       _variant(dumps, "compiled", "old-compiled", compiled=None), tmp_path)
+    data, _ = _compare(
+        _variant(dumps, "eager", "old-eager", compiled=None),
+        _variant(dumps, "compiled", "old-compiled", compiled=None),
+        tmp_path,
+    )
     assert data["notes"] == []
 
 
 def _observer(bit_exact: Any, **kw: Any) -> dict[str, Any]:
-    return {"checked": True, "bit_exact": bit_exact, "compared": "logprobs", "values": 289, "max_abs_diff": 0.0,
-            "sequence": None, "position": None, **kw}
+    return {
+        "checked": True,
+        "bit_exact": bit_exact,
+        "compared": "logprobs",
+        "values": 289,
+        "max_abs_diff": 0.0,
+        "sequence": None,
+        "position": None,
+        **kw,
+    }
 
 
 @pytest.mark.slow
 def test_a_capture_that_changed_the_numbers_is_noted(dumps, tmp_path):
-    target = _variant(dumps, "compiled", "changed",
-                      observer=_observer(False, max_abs_diff=2.5e-07, sequence=1, position=37))
+    target = _variant(
+        dumps, "compiled", "changed", observer=_observer(False, max_abs_diff=2.5e-07, sequence=1, position=37)
+    )
     data, out = _compare(dumps["eager"], target, tmp_path, "--quiet")
     note = CHANGED.format(side="target", where=": largest |Δ| 2.5e-07 at sequence 1, position 37")
     assert data["notes"] == [MODE, note]  # checked, so no "never checked" note
     assert note in out
-    base = _variant(dumps, "eager", "changed-eager", observer=_observer(False, max_abs_diff=3, sequence=0,
-                                                                        position=0))
+    base = _variant(dumps, "eager", "changed-eager", observer=_observer(False, max_abs_diff=3, sequence=0, position=0))
     data, _ = _compare(base, dumps["eager"], tmp_path)  # an eager side's failed check is said too
     assert data["notes"] == [CHANGED.format(side="baseline", where=": largest |Δ| 3 at sequence 0, position 0")]
 
@@ -133,25 +149,36 @@ def test_the_vllm_contract_fields_are_read(dumps, tmp_path):
     """A vLLM dump records its mode in ``extra.engine.settings`` (written here into a real dump)."""
     engine = {"name": "vllm", "version": "0", "checkpoint": "ckpt", "settings": {"compiled": True, "cuda_graphs": True}}
     data, _ = _compare(dumps["eager"], _variant(dumps, "eager", "vllm-graphs", engine=engine), tmp_path)
-    assert data["notes"] == ["baseline ran eager, target compiled (vLLM, CUDA graphs); differences may come from "
-                             "compilation and CUDA graphs", UNCHECKED.format(side="target")]
+    assert data["notes"] == [
+        "baseline ran eager, target compiled (vLLM, CUDA graphs); differences may come from "
+        "compilation and CUDA graphs",
+        UNCHECKED.format(side="target"),
+    ]
     eager_graphs = {**engine, "settings": {"compiled": False, "cuda_graphs": True}}
     data, _ = _compare(dumps["eager"], _variant(dumps, "eager", "vllm-eager", engine=eager_graphs), tmp_path)
-    assert data["notes"] == ["baseline ran eager, target eager (vLLM, CUDA graphs); differences may come from "
-                             "CUDA graphs"]
+    assert data["notes"] == [
+        "baseline ran eager, target eager (vLLM, CUDA graphs); differences may come from CUDA graphs"
+    ]
 
 
 HOSTILE = {  # name -> (extra written into the compiled dump, the notes expected after the mode note)
-    "observer-list": ({"observer": [1, 2]}, [UNREADABLE.format(side="target", field="extra.observer",
-                                                              value="a JSON list")]),
-    "bit-exact-no": ({"observer": _observer("no")}, [UNREADABLE.format(
-        side="target", field="extra.observer.bit_exact", value='"no"')]),
-    "nan-as-text": ({"observer": _observer(False, max_abs_diff="nan", sequence="\x1b[31m0", position=[0])},
-                    [CHANGED.format(side="target",
-                                    where=': largest |Δ| "nan" at sequence "\\u001b[31m0", position a JSON list')]),
+    "observer-list": (
+        {"observer": [1, 2]},
+        [UNREADABLE.format(side="target", field="extra.observer", value="a JSON list")],
+    ),
+    "bit-exact-no": (
+        {"observer": _observer("no")},
+        [UNREADABLE.format(side="target", field="extra.observer.bit_exact", value='"no"')],
+    ),
+    "nan-as-text": (
+        {"observer": _observer(False, max_abs_diff="nan", sequence="\x1b[31m0", position=[0])},
+        [CHANGED.format(side="target", where=': largest |Δ| "nan" at sequence "\\u001b[31m0", position a JSON list')],
+    ),
     "nothing-said": ({"observer": {"bit_exact": False}}, [CHANGED.format(side="target", where="")]),
-    "huge-int": ({"observer": _observer(False, max_abs_diff=10**30)},
-                 [CHANGED.format(side="target", where=": largest |Δ| a huge integer")]),
+    "huge-int": (
+        {"observer": _observer(False, max_abs_diff=10**30)},
+        [CHANGED.format(side="target", where=": largest |Δ| a huge integer")],
+    ),
 }
 
 
@@ -175,9 +202,15 @@ def test_a_nan_difference_prints_as_nan(dumps, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("extra", [{"compiled": "yes"}, {"engine": {"settings": "compiled"}},
-                                   {"engine": {"name": 7, "settings": {"compiled": 1, "cuda_graphs": "no"}}}],
-                         ids=["compiled-text", "settings-text", "settings-ints"])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"compiled": "yes"},
+        {"engine": {"settings": "compiled"}},
+        {"engine": {"name": 7, "settings": {"compiled": 1, "cuda_graphs": "no"}}},
+    ],
+    ids=["compiled-text", "settings-text", "settings-ints"],
+)
 def test_a_mode_of_the_wrong_type_is_unknown(dumps, tmp_path, extra):
     data, _ = _compare(dumps["eager"], _variant(dumps, "compiled", "bad-mode", **extra), tmp_path)
     assert data["notes"] == []

@@ -6,27 +6,31 @@ import json
 
 import pytest
 
-from dumper.errors import UsageError
-
 from comparator.cli.args import logprob_thresholds
 from comparator.judging.logprob_thresholds import LogprobThresholds, load_threshold_table, logprob_env_thresholds
 from comparator.judging.noise_thresholds import parse_noise_floor
 from comparator.judging.values import parse_assignments, parse_threshold
+from dumper.errors import UsageError
 
 
-@pytest.mark.parametrize("raw, want", [("1e-3", 1e-3), (" 0.5 ", 0.5), ("0", 0.0), (2, 2.0), (0.25, 0.25),
-                                       ("1E+2", 100.0), (-0.0, 0.0)])
+@pytest.mark.parametrize(
+    "raw, want", [("1e-3", 1e-3), (" 0.5 ", 0.5), ("0", 0.0), (2, 2.0), (0.25, 0.25), ("1E+2", 100.0), (-0.0, 0.0)]
+)
 def test_numbers_parse_to_floats(raw, want):
     got = parse_threshold(raw, where="X")
     assert got == want and type(got) is float
 
 
-@pytest.mark.parametrize("raw", ["nan", "NaN", "inf", "-inf", "-1", "-1e-9", float("nan"), float("inf"), -1, -1e-300,
-                                 10**400])
+@pytest.mark.parametrize(
+    "raw", ["nan", "NaN", "inf", "-inf", "-1", "-1e-9", float("nan"), float("inf"), -1, -1e-300, 10**400]
+)
 @pytest.mark.parametrize("allow_off", [False, True])
 def test_a_check_that_cannot_fail_is_refused(raw, allow_off):
-    with pytest.raises(UsageError, match=r"^DRIFTSCOPE_X: .*must be a finite number >= 0|^DRIFTSCOPE_X: .*is not a "
-                                         "finite number >= 0") as e:
+    with pytest.raises(
+        UsageError,
+        match=r"^DRIFTSCOPE_X: .*must be a finite number >= 0|^DRIFTSCOPE_X: .*is not a "
+        "finite number >= 0",
+    ) as e:
         parse_threshold(raw, where="DRIFTSCOPE_X", allow_off=allow_off)
     assert ("(or off)" in str(e.value)) == allow_off and "\n" not in str(e.value)
 
@@ -47,8 +51,10 @@ def test_off_words_switch_off_only_where_allowed(word):
 
 
 def test_json_values():
-    row = json.loads('{"null": null, "int": 3, "float": 1e-4, "true": true, "false": false, "text": "1e-2", '
-                     '"list": [1], "big": 1e400}')
+    row = json.loads(
+        '{"null": null, "int": 3, "float": 1e-4, "true": true, "false": false, "text": "1e-2", '
+        '"list": [1], "big": 1e400}'
+    )
     assert parse_threshold(row["null"], where="t", allow_off=True) is None
     with pytest.raises(UsageError, match="t: a threshold is required"):
         parse_threshold(row["null"], where="t")
@@ -66,10 +72,19 @@ def test_assignments_later_items_win():
     assert parse_assignments([], flag="--t") == {}
 
 
-@pytest.mark.parametrize("item, words", [("mse", "expected NAME=VALUE"), ("=1", "expected NAME=VALUE"),
-                                         (" =1", "expected NAME=VALUE"), ("mse=", "'' is not a number"),
-                                         ("mse=abc", "'abc' is not a number"), ("mse=-1", "-1.0 must be"),
-                                         ("mse=nan", "nan must be"), ("mse=off", "'off' is not a number")])
+@pytest.mark.parametrize(
+    "item, words",
+    [
+        ("mse", "expected NAME=VALUE"),
+        ("=1", "expected NAME=VALUE"),
+        (" =1", "expected NAME=VALUE"),
+        ("mse=", "'' is not a number"),
+        ("mse=abc", "'abc' is not a number"),
+        ("mse=-1", "-1.0 must be"),
+        ("mse=nan", "nan must be"),
+        ("mse=off", "'off' is not a number"),
+    ],
+)
 def test_assignment_errors_name_the_item(item, words):
     with pytest.raises(UsageError, match=f"^--t {item!r}: ") as e:
         parse_assignments(["k3_mean=1", item], flag="--t")
@@ -90,7 +105,9 @@ def test_every_logprob_threshold_source_parses_alike(tmp_path):
     assert logprob_thresholds(["mse=1e-3", "kl_max=off", "mse=2e-3"]) == {"mse": 2e-3, "kl_max": None}
     assert parse_noise_floor(["1e-10", "kl_max=1e-9"]) == {"rel_diff": 1e-10, "kl_max": 1e-9}
     assert logprob_env_thresholds({"DRIFTSCOPE_LOGPROB_MSE": "off", "DRIFTSCOPE_LOGPROB_KL_MAX": "0.1"}) == {
-        "mse": None, "kl_max": 0.1}
+        "mse": None,
+        "kl_max": 0.1,
+    }
     table = tmp_path / "t.json"
     for bad in ("nan", "-1", "inf"):
         with pytest.raises(UsageError, match=f"--logprob-threshold 'mse={bad}'"):

@@ -58,17 +58,22 @@ class _Server:
     def __init__(self, cmd: list[str], base: str, ready: str, log: Path) -> None:
         self.cmd, self.base, self.ready, self.log = cmd, base, ready, log
         with log.open("wb") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT,
-                                         env=subprocess_env())
+            self.proc = subprocess.Popen(
+                cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT, env=subprocess_env()
+            )
 
     def wait(self, deadline_s: float) -> str:
         """The base URL, once ``base + ready`` answers 200; the log's tail in the failure otherwise."""
         end = time.monotonic() + deadline_s
         while not _answers(self.base + self.ready):
             if self.proc.poll() is not None or time.monotonic() > end:
-                how = f"exit {self.proc.returncode}" if self.proc.poll() is not None else f"no answer in {deadline_s:g} s"
-                pytest.fail(f"{' '.join(self.cmd[1:3])} did not come up ({how}):\n"
-                            f"{self.log.read_text(errors='replace')[-3000:]}")
+                how = (
+                    f"exit {self.proc.returncode}" if self.proc.poll() is not None else f"no answer in {deadline_s:g} s"
+                )
+                pytest.fail(
+                    f"{' '.join(self.cmd[1:3])} did not come up ({how}):\n"
+                    f"{self.log.read_text(errors='replace')[-3000:]}"
+                )
             time.sleep(0.5)
         return self.base
 
@@ -91,8 +96,23 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def vllm_server(ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[_Server]:
     need(engine_missing("vllm"))
     port = _free_port()
-    cmd = [sys.executable, "-m", "dumper.engines.vllm.serve", str(ckpt), "--host", "127.0.0.1", "--port", str(port),
-           "--dtype", "float32", "--enforce-eager", "--max-model-len", "512", "--distributed-executor-backend", "uni"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "dumper.engines.vllm.serve",
+        str(ckpt),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--enforce-eager",
+        "--max-model-len",
+        "512",
+        "--distributed-executor-backend",
+        "uni",
+    ]
     server = _Server(cmd, f"http://127.0.0.1:{port}", "/health", tmp_path_factory.mktemp("vllm") / "serve.log")
     yield server
     server.stop()
@@ -102,8 +122,22 @@ def vllm_server(ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 def hf_dump(vllm_server: _Server, ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The HF fp32 reference of IDS, made while the vLLM server starts (hence the dependency)."""
     out = tmp_path_factory.mktemp("hf") / "dump"
-    r = run_cli("dumper", "run", "--model", ckpt, "--logprobs", "--top-k", "5", "--input-ids", IDS[0],
-                "--input-ids", IDS[1], "--out", out, "--quiet")
+    r = run_cli(
+        "dumper",
+        "run",
+        "--model",
+        ckpt,
+        "--logprobs",
+        "--top-k",
+        "5",
+        "--input-ids",
+        IDS[0],
+        "--input-ids",
+        IDS[1],
+        "--out",
+        out,
+        "--quiet",
+    )
     assert r.returncode == 0, r.stderr
     return out
 
@@ -127,8 +161,22 @@ def _logprobs(base: Path, target: Path, tmp: Path) -> tuple[int, dict]:
 @pytest.mark.engine
 def test_vllm_collect_round_trips_against_an_hf_dump(hf_dump: Path, vllm_url: str, tmp_path: Path) -> None:
     out = tmp_path / "vllm.jsonl"
-    r = run_cli("comparator", "collect", "--server", vllm_url, "--api", "vllm", "--input-ids", IDS[0],
-                "--input-ids", IDS[1], "--top-k", "5", "--out", out)
+    r = run_cli(
+        "comparator",
+        "collect",
+        "--server",
+        vllm_url,
+        "--api",
+        "vllm",
+        "--input-ids",
+        IDS[0],
+        "--input-ids",
+        IDS[1],
+        "--top-k",
+        "5",
+        "--out",
+        out,
+    )
     assert r.returncode == 0, r.stderr
     assert "2 requests, 13 prompt positions" in r.stdout
     lines = _lines(out)
@@ -152,8 +200,22 @@ def test_vllm_collect_round_trips_against_an_hf_dump(hf_dump: Path, vllm_url: st
 @pytest.mark.engine
 def test_openai_api_against_vllm_scores_the_prompt_only(hf_dump: Path, vllm_url: str, tmp_path: Path) -> None:
     out = tmp_path / "openai.jsonl"
-    r = run_cli("comparator", "collect", "--server", f"{vllm_url}/v1", "--api", "openai", "--input-ids", IDS[0],
-                "--input-ids", IDS[1], "--top-k", "2", "--out", out)
+    r = run_cli(
+        "comparator",
+        "collect",
+        "--server",
+        f"{vllm_url}/v1",
+        "--api",
+        "openai",
+        "--input-ids",
+        IDS[0],
+        "--input-ids",
+        IDS[1],
+        "--top-k",
+        "2",
+        "--out",
+        out,
+    )
     assert r.returncode == 0, r.stderr
     for line, ids in zip(_lines(out), IDS, strict=True):
         ch = line["choices"][0]
@@ -168,8 +230,20 @@ def test_openai_api_against_vllm_scores_the_prompt_only(hf_dump: Path, vllm_url:
 @pytest.mark.engine
 def test_selfcheck_over_http_passes_on_fp32(vllm_url: str, ckpt: Path, tmp_path: Path) -> None:
     report = tmp_path / "selfcheck.json"
-    r = run_cli("dumper", "selfcheck", "--server", vllm_url, "--api", "vllm", "--input-ids", IDS[1],
-                "--new-tokens", "6", "--json", report)
+    r = run_cli(
+        "dumper",
+        "selfcheck",
+        "--server",
+        vllm_url,
+        "--api",
+        "vllm",
+        "--input-ids",
+        IDS[1],
+        "--new-tokens",
+        "6",
+        "--json",
+        report,
+    )
     assert r.returncode == 0, r.stderr
     run = json.loads(report.read_text())["runs"][0]
     assert run["passed"] and len(run["k3"]) == 6 and run["positions"] == [5, 6, 7, 8, 9, 10]
@@ -181,8 +255,22 @@ def test_selfcheck_over_http_passes_on_fp32(vllm_url: str, ckpt: Path, tmp_path:
     from comparator.logprobs.sources import read_logprob_source
     from dumper.cli.main import main
 
-    assert main(["run", "--model", str(ckpt), "--logprobs", "--input-ids", ",".join(map(str, full)),
-                 "--out", str(hf), "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "run",
+                "--model",
+                str(ckpt),
+                "--logprobs",
+                "--input-ids",
+                ",".join(map(str, full)),
+                "--out",
+                str(hf),
+                "--quiet",
+            ]
+        )
+        == 0
+    )
 
     ref = read_logprob_source(hf).sequences[0].logprobs[-6:]
     assert max(abs(a - b) for a, b in zip(ref, run["decode_logprobs"], strict=True)) < 1e-4
@@ -190,8 +278,20 @@ def test_selfcheck_over_http_passes_on_fp32(vllm_url: str, ckpt: Path, tmp_path:
 
 @pytest.mark.engine
 def test_vllm_refusal_is_one_line_with_the_servers_message(vllm_url: str, tmp_path: Path) -> None:
-    r = run_cli("comparator", "collect", "--server", vllm_url, "--api", "vllm", "--input-ids", IDS[1],
-                "--top-k", "1000", "--out", tmp_path / "x.jsonl")
+    r = run_cli(
+        "comparator",
+        "collect",
+        "--server",
+        vllm_url,
+        "--api",
+        "vllm",
+        "--input-ids",
+        IDS[1],
+        "--top-k",
+        "1000",
+        "--out",
+        tmp_path / "x.jsonl",
+    )
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert "HTTP 400" in r.stderr and "logprobs" in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "x.jsonl").exists()
@@ -201,8 +301,20 @@ def test_a_server_that_is_down_is_named(tmp_path: Path, capsys: pytest.CaptureFi
     from dumper.cli.main import main
 
     url = f"http://127.0.0.1:{_free_port()}"
-    r = run_cli("comparator", "collect", "--out", tmp_path / "x.jsonl", "--server", url, "--api", "vllm",
-                "--input-ids", "1,2,3", "--retries", "1")
+    r = run_cli(
+        "comparator",
+        "collect",
+        "--out",
+        tmp_path / "x.jsonl",
+        "--server",
+        url,
+        "--api",
+        "vllm",
+        "--input-ids",
+        "1,2,3",
+        "--retries",
+        "1",
+    )
     rc = main(["selfcheck", "--server", url, "--api", "sglang", "--input-ids", "1,2,3", "--retries", "0"])
     err = capsys.readouterr().err
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
@@ -245,8 +357,11 @@ class _Stub(http.server.BaseHTTPRequestHandler):
             return self._send(200, json.dumps({"data": [{"id": "stub"}]}).encode())
         if self.path.endswith("/generate"):
             return self._send(200, json.dumps({"text": "hi", "meta_info": {"id": "x", "prompt_tokens": 3}}).encode())
-        body = {"id": "cmpl-1", "choices": [{"index": 0, "text": "hi", "logprobs": None, "finish_reason": "length"}],
-                "usage": {"prompt_tokens": 3, "completion_tokens": 1}}
+        body = {
+            "id": "cmpl-1",
+            "choices": [{"index": 0, "text": "hi", "logprobs": None, "finish_reason": "length"}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 1},
+        }
         return self._send(200, json.dumps(body).encode())
 
     def do_GET(self) -> None:  # http.server's naming
@@ -270,10 +385,12 @@ def _collect(capsys: pytest.CaptureFixture[str], url: str, api: str, out: Path, 
     return rc, capsys.readouterr().err
 
 
-@pytest.mark.parametrize(("api", "says"), [("vllm", "no prompt logprobs"), ("openai", "no logprobs"),
-                                           ("sglang", "no prompt logprobs")])
-def test_a_server_without_logprobs_is_refused(stub_url: str, api: str, says: str, tmp_path: Path,
-                                              capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    ("api", "says"), [("vllm", "no prompt logprobs"), ("openai", "no logprobs"), ("sglang", "no prompt logprobs")]
+)
+def test_a_server_without_logprobs_is_refused(
+    stub_url: str, api: str, says: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     rc, err = _collect(capsys, f"{stub_url}/nolp", api, tmp_path / "x.jsonl")
     assert rc == 2 and err.count("\n") == 1 and says in err and f"{stub_url}/nolp/" in err, err
     assert not (tmp_path / "x.jsonl").exists()
@@ -297,8 +414,11 @@ def _llama_server_missing() -> str | None:
     why = engine_missing("llama.cpp")
     if why:
         return why
-    extras = [m for m in ("starlette_context", "pydantic_settings", "sse_starlette", "uvicorn", "fastapi")
-              if importlib.util.find_spec(m) is None]
+    extras = [
+        m
+        for m in ("starlette_context", "pydantic_settings", "sse_starlette", "uvicorn", "fastapi")
+        if importlib.util.find_spec(m) is None
+    ]
     return f"llama_cpp.server needs {', '.join(extras)} (pip install 'llama-cpp-python[server]')" if extras else None
 
 
@@ -308,8 +428,23 @@ def llama_url(ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     tmp = tmp_path_factory.mktemp("llama")
     gguf = to_gguf(ckpt, tmp / "tiny-f32.gguf", "f32")
     port = _free_port()
-    cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1", "--port", str(port),
-           "--n_ctx", "512", "--type_k", "0", "--type_v", "0"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "llama_cpp.server",
+        "--model",
+        str(gguf),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--n_ctx",
+        "512",
+        "--type_k",
+        "0",
+        "--type_v",
+        "0",
+    ]
     server = _Server(cmd, f"http://127.0.0.1:{port}", "/v1/models", tmp / "serve.log")
     yield server.wait(120)
     server.stop()
@@ -323,8 +458,25 @@ def test_llama_cpp_server_prompt_logprobs(llama_url: str, vllm_url: str, tmp_pat
     outs = {}
     for name, url in (("llama", llama_url), ("vllm", vllm_url)):
         outs[name] = tmp_path / f"{name}.jsonl"
-        assert main(["collect", "--server", url, "--api", "openai", "--prompt", TEXT, "--top-k", "2",
-                     "--out", str(outs[name]), "--quiet"]) == 0
+        assert (
+            main(
+                [
+                    "collect",
+                    "--server",
+                    url,
+                    "--api",
+                    "openai",
+                    "--prompt",
+                    TEXT,
+                    "--top-k",
+                    "2",
+                    "--out",
+                    str(outs[name]),
+                    "--quiet",
+                ]
+            )
+            == 0
+        )
     llama, vllm = (read_logprobs_jsonl(outs[n])[0] for n in ("llama", "vllm"))
     # llama-cpp-python echoes the prompt without its BOS and gives no logprob for the token after it
     assert llama.token_texts == vllm.token_texts[1:] and llama.logprobs[0] is None
@@ -343,7 +495,19 @@ def test_llama_cpp_server_prompt_logprobs(llama_url: str, vllm_url: str, tmp_pat
 
 @pytest.mark.engine
 def test_llama_cpp_server_takes_no_token_ids(llama_url: str, tmp_path: Path) -> None:
-    r = run_cli("comparator", "collect", "--server", llama_url, "--api", "openai", "--input-ids", IDS[1],
-                "--retries", "0", "--out", tmp_path / "x.jsonl")
+    r = run_cli(
+        "comparator",
+        "collect",
+        "--server",
+        llama_url,
+        "--api",
+        "openai",
+        "--input-ids",
+        IDS[1],
+        "--retries",
+        "0",
+        "--out",
+        tmp_path / "x.jsonl",
+    )
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert "valid string" in r.stderr  # the server's own validation message

@@ -19,17 +19,17 @@ import torch
 import dumper
 from bench.anonpeak import AnonPeak
 from comparator.cli.main import main
-from comparator.logprobs.sources.engine_json import read_logprobs_jsonl
-from comparator.logprobs.sources.input_caps import MAX_LINE_BYTES, MAX_POSITIONS, MAX_TOTAL_POSITIONS
 from comparator.logprobs.judge import compare_logprob_sources
 from comparator.logprobs.sources import one_sided_parts, read_logprob_source
+from comparator.logprobs.sources.engine_json import read_logprobs_jsonl
+from comparator.logprobs.sources.input_caps import MAX_LINE_BYTES, MAX_POSITIONS, MAX_TOTAL_POSITIONS
 from dumper.errors import UsageError
 from dumper.format import LOGITS, LOGPROB_TOKEN_ID, LOGPROB_TOP_VALUE, LOGPROB_VALUE
 from dumper.prefill.presets import load_model
 from dumper.prefill.run import LogprobSpec, RunConfig, run_dump
-from tests.conftest import run_cli
 from tests.comparator.logprobs import test_engines as engines
 from tests.comparator.logprobs.test_engines import write_jsonl
+from tests.conftest import run_cli
 
 
 def sglang_response(*args, **kwargs) -> dict:
@@ -66,9 +66,11 @@ def refused(capsys, a: Path, b: Path, *needles: str) -> str:
 @pytest.fixture
 def good(tmp_path) -> dict[str, Path]:
     """One clean response per engine format, each in its own file."""
-    return {"sglang": write_jsonl(tmp_path / "sglang.jsonl", sglang_response()),
-            "vllm": write_jsonl(tmp_path / "vllm.jsonl", vllm_request_output()),
-            "openai": write_jsonl(tmp_path / "openai.jsonl", openai_completion())}
+    return {
+        "sglang": write_jsonl(tmp_path / "sglang.jsonl", sglang_response()),
+        "vllm": write_jsonl(tmp_path / "vllm.jsonl", vllm_request_output()),
+        "openai": write_jsonl(tmp_path / "openai.jsonl", openai_completion()),
+    }
 
 
 def test_clean_responses_pass(capsys, good, tmp_path):
@@ -160,8 +162,14 @@ def test_requests_that_match_nothing_are_refused(capsys, tmp_path, good):
 def test_token_ids_out_of_range_are_refused(capsys, tmp_path, good, tid):
     r = sglang_response()
     r["meta_info"]["input_token_logprobs"][2][1] = tid
-    refused(capsys, good["sglang"], write_jsonl(tmp_path / "a.jsonl", r), "'req-0'", "input_token_logprobs[2][1]",
-            "out of range")
+    refused(
+        capsys,
+        good["sglang"],
+        write_jsonl(tmp_path / "a.jsonl", r),
+        "'req-0'",
+        "input_token_logprobs[2][1]",
+        "out of range",
+    )
     v = vllm_request_output()
     v["prompt_token_ids"][3] = tid
     refused(capsys, good["vllm"], write_jsonl(tmp_path / "b.jsonl", v), "'req-0'", "prompt_token_ids[3]")
@@ -187,8 +195,9 @@ def test_token_ids_must_be_integers(capsys, tmp_path, good, tid):
 def logits_dump(tmp_path_factory) -> Path:
     """A real tiny-llama dump with logprobs and logits rows (their width is the vocabulary size)."""
     out = tmp_path_factory.mktemp("vocab") / "dump"
-    run_dump(RunConfig(out=str(out), prompts=("vocab check",), layers="0",
-                       logprobs=LogprobSpec(top_k=2, save_logits=True)))
+    run_dump(
+        RunConfig(out=str(out), prompts=("vocab check",), layers="0", logprobs=LogprobSpec(top_k=2, save_logits=True))
+    )
     return out
 
 
@@ -221,8 +230,9 @@ def test_token_ids_outside_a_known_vocabulary_are_refused(capsys, tmp_path, logi
 # --------------------------------------------------------------------------- values and lines
 
 
-@pytest.mark.parametrize("value", ["-1.0", True, float("nan"), float("inf"), 10**400],
-                         ids=["string", "bool", "nan", "inf", "10**400"])
+@pytest.mark.parametrize(
+    "value", ["-1.0", True, float("nan"), float("inf"), 10**400], ids=["string", "bool", "nan", "inf", "10**400"]
+)
 def test_logprobs_must_be_finite_numbers_or_minus_inf(capsys, tmp_path, good, value):
     r = sglang_response()
     r["meta_info"]["output_token_logprobs"][0][0] = value
@@ -239,21 +249,37 @@ def test_minus_infinity_is_a_logprob(capsys, tmp_path):
     assert logprobs_cli(capsys, a, write_jsonl(tmp_path / "c.jsonl", sglang_response()))[0] == 1
 
 
-_MALFORMED = ["bad-utf8", "int", "str", "list-of-ints", "deep", "id-object", "null-list", "prompt-tokens",
-              "unicode-digit"]
+_MALFORMED = [
+    "bad-utf8",
+    "int",
+    "str",
+    "list-of-ints",
+    "deep",
+    "id-object",
+    "null-list",
+    "prompt-tokens",
+    "unicode-digit",
+]
 
 
-@pytest.mark.parametrize("raw, needle", [
-    (b'{"id": "\xff\xfe"}\n', "not UTF-8"),
-    (b"42\n", "expected a JSON object, got int"),
-    (b'"text"\n', "expected a JSON object, got str"),
-    (b"[1, 2]\n", "array element 0: expected a JSON object"),
-    (b"[" * 100_000 + b"]" * 100_000 + b"\n", "nested too deeply"),
-    (b'{"meta_info": {"id": {"a": 1}, "input_token_logprobs": []}}\n', "meta_info.id must be a string or an integer"),
-    (b'{"meta_info": {"id": "x", "input_token_logprobs": null}}\n', "input_token_logprobs must be a list"),
-    (b'{"meta_info": {"id": "x", "prompt_tokens": 1000000000000, "input_token_logprobs": []}}\n', "over"),
-    (b'{"request_id": "x", "prompt_token_ids": [1], "prompt_logprobs": [{"\xc2\xb2": -1.0}]}\n', "not a token id"),
-], ids=_MALFORMED)
+@pytest.mark.parametrize(
+    "raw, needle",
+    [
+        (b'{"id": "\xff\xfe"}\n', "not UTF-8"),
+        (b"42\n", "expected a JSON object, got int"),
+        (b'"text"\n', "expected a JSON object, got str"),
+        (b"[1, 2]\n", "array element 0: expected a JSON object"),
+        (b"[" * 100_000 + b"]" * 100_000 + b"\n", "nested too deeply"),
+        (
+            b'{"meta_info": {"id": {"a": 1}, "input_token_logprobs": []}}\n',
+            "meta_info.id must be a string or an integer",
+        ),
+        (b'{"meta_info": {"id": "x", "input_token_logprobs": null}}\n', "input_token_logprobs must be a list"),
+        (b'{"meta_info": {"id": "x", "prompt_tokens": 1000000000000, "input_token_logprobs": []}}\n', "over"),
+        (b'{"request_id": "x", "prompt_token_ids": [1], "prompt_logprobs": [{"\xc2\xb2": -1.0}]}\n', "not a token id"),
+    ],
+    ids=_MALFORMED,
+)
 def test_malformed_lines_are_refused(capsys, tmp_path, good, raw, needle):
     bad = tmp_path / "bad.jsonl"
     bad.write_bytes(raw)
@@ -280,8 +306,11 @@ def test_huge_lines_are_refused_with_bounded_memory(capsys, tmp_path, good, what
         if what == "too long":  # one string just over the line limit
             f.write(b'{"id": "x", "pad": "' + b"a" * MAX_LINE_BYTES + b'"}\n')
         else:  # 48 MiB of triples: about 500 MiB of Python objects
-            f.write(b'{"meta_info": {"id": "x", "input_token_logprobs": [' + b"[-1.5, 7, null]," * (3 << 20)
-                    + b'[-1.5, 7, null]]}}\n')
+            f.write(
+                b'{"meta_info": {"id": "x", "input_token_logprobs": ['
+                + b"[-1.5, 7, null]," * (3 << 20)
+                + b"[-1.5, 7, null]]}}\n"
+            )
     start = AnonPeak.now()
     with AnonPeak() as peak:
         line = refused(capsys, good["sglang"], big, "big.jsonl:1")
@@ -293,16 +322,27 @@ def test_huge_lines_are_refused_with_bounded_memory(capsys, tmp_path, good, what
 # --------------------------------------------------------------------------- dumps holding logprob records
 
 
-def _logprob_dump(out: Path, positions: list[int], *, ids_rows: int | None = None, ids_dtype=torch.int64,
-                  first_id: int = 5) -> Path:
+def _logprob_dump(
+    out: Path, positions: list[int], *, ids_rows: int | None = None, ids_dtype=torch.int64, first_id: int = 5
+) -> Path:
     """A dump whose logprob records are written with dumper.dump (one sequence, prompt unknown)."""
     n = len(positions)
     ids = torch.arange(first_id, first_id + (ids_rows or n), dtype=torch.int64).to(ids_dtype)[:, None]
     with dumper.capture(None, out):
-        dumper.dump(LOGPROB_VALUE, -torch.arange(1, n + 1, dtype=torch.float32)[:, None] / 8, positions=positions,
-                    sequence_ids=[0] * n, point="logprobs")
-        dumper.dump(LOGPROB_TOKEN_ID, ids, positions=positions[: ids.shape[0]],
-                    sequence_ids=[0] * ids.shape[0], point="logprobs")
+        dumper.dump(
+            LOGPROB_VALUE,
+            -torch.arange(1, n + 1, dtype=torch.float32)[:, None] / 8,
+            positions=positions,
+            sequence_ids=[0] * n,
+            point="logprobs",
+        )
+        dumper.dump(
+            LOGPROB_TOKEN_ID,
+            ids,
+            positions=positions[: ids.shape[0]],
+            sequence_ids=[0] * ids.shape[0],
+            point="logprobs",
+        )
     return out
 
 
@@ -368,20 +408,32 @@ def test_sglang_prompt_lengths_count_against_one_budget_per_file(capsys, tmp_pat
     """(b) ``prompt_tokens`` claims an unscored prefix; MAX_TOTAL_POSITIONS bounds the whole file's."""
     half = MAX_TOTAL_POSITIONS // 2 + 1  # each line alone is under MAX_POSITIONS
     big = tmp_path / "sg.jsonl"
-    big.write_text("".join(json.dumps({"meta_info": {"id": f"r{i}", "input_token_logprobs": [[-1.0, 5, None]],
-                                                     "prompt_tokens": half}}) + "\n" for i in range(10)))
-    peak = _traced_peak(lambda: refused(capsys, good["sglang"], big, "sg.jsonl:2", "'r1'", f"prompt length {half}",
-                                        f"{MAX_TOTAL_POSITIONS} in all"))
+    big.write_text(
+        "".join(
+            json.dumps({"meta_info": {"id": f"r{i}", "input_token_logprobs": [[-1.0, 5, None]], "prompt_tokens": half}})
+            + "\n"
+            for i in range(10)
+        )
+    )
+    peak = _traced_peak(
+        lambda: refused(
+            capsys, good["sglang"], big, "sg.jsonl:2", "'r1'", f"prompt length {half}", f"{MAX_TOTAL_POSITIONS} in all"
+        )
+    )
     assert peak < 256 << 20, f"{peak >> 20} MiB"
 
 
 def _logits_dump(out: Path, variant: str) -> Path:
     """Three logprob rows of sequence 0 and a logits record, well formed or broken as ``variant`` says."""
     meta = {"positions": [1, 2, 3], "sequence_ids": [0, 0, 0], "point": "logprobs"}
-    logits = {"ok": (torch.zeros(3, 8), meta), "nopos": (torch.zeros(3, 8), {"point": "logits"}),
-              "1d": (torch.zeros(24), {"point": "logits"}), "3d": (torch.zeros(1, 3, 8), meta),
-              "int": (torch.zeros(3, 8, dtype=torch.int32), meta),
-              "moved": (torch.zeros(3, 8), {**meta, "positions": [2, 3, 4]})}[variant]
+    logits = {
+        "ok": (torch.zeros(3, 8), meta),
+        "nopos": (torch.zeros(3, 8), {"point": "logits"}),
+        "1d": (torch.zeros(24), {"point": "logits"}),
+        "3d": (torch.zeros(1, 3, 8), meta),
+        "int": (torch.zeros(3, 8, dtype=torch.int32), meta),
+        "moved": (torch.zeros(3, 8), {**meta, "positions": [2, 3, 4]}),
+    }[variant]
     with dumper.capture(None, out):
         dumper.dump(LOGPROB_VALUE, torch.full((3, 1), -1.0), **meta)
         dumper.dump(LOGPROB_TOKEN_ID, torch.tensor([[1], [2], [3]]), **meta)
@@ -389,10 +441,16 @@ def _logits_dump(out: Path, variant: str) -> Path:
     return out
 
 
-@pytest.mark.parametrize("variant, needle", [
-    ("nopos", "lack positions or sequence ids"), ("1d", "shape [24] is not [rows, vocab]"),
-    ("3d", "shape [1, 3, 8] is not [rows, vocab]"), ("int", "dtype I32 is not a float type"),
-    ("moved", f"positions or sequence ids differ from those of {LOGPROB_VALUE}")])
+@pytest.mark.parametrize(
+    "variant, needle",
+    [
+        ("nopos", "lack positions or sequence ids"),
+        ("1d", "shape [24] is not [rows, vocab]"),
+        ("3d", "shape [1, 3, 8] is not [rows, vocab]"),
+        ("int", "dtype I32 is not a float type"),
+        ("moved", f"positions or sequence ids differ from those of {LOGPROB_VALUE}"),
+    ],
+)
 def test_malformed_logits_records_are_refused(capsys, tmp_path, variant, needle):
     """(c) A logits record that is not float [rows, V] on the logprob rows' positions is corrupt (exit 2)."""
     ok = _logits_dump(tmp_path / "ok", "ok")

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from comparator.logprobs.sources.engine_formats import detect_format
-from comparator.logprobs.sources.engine_json import parse_record, read_logprobs_jsonl
 from comparator.judging.logprob_thresholds import LogprobThresholds
 from comparator.logprobs import UNKNOWN_TOKEN, SequenceLogprobs, align_samples, compare_logprobs
+from comparator.logprobs.sources.engine_formats import detect_format
+from comparator.logprobs.sources.engine_json import parse_record, read_logprobs_jsonl
 from dumper.errors import NotComparableError, UsageError
 
 # One request described by every engine: prompt "<s> The cat sat", output " on</s>".
@@ -20,14 +20,26 @@ OUTPUT_IDS = [356, 2]
 OUTPUT_TXT = [" on", "</s>"]
 LOGPROBS = [None, -7.25, -5.5, -3.125, -0.75, -2.5]
 # top-2 of the distribution predicting each position (the actual token is always among them here)
-TOP2 = [None,
-        [(415, -7.25), (13, -1.5)],
-        [(5255, -5.5), (2, -0.375)],
-        [(3290, -3.125), (338, -1.25)],
-        [(356, -0.75), (297, -1.875)],
-        [(2, -2.5), (29889, -0.25)]]
-TEXT = {1: "<s>", 415: " The", 5255: " cat", 3290: " sat", 356: " on", 2: "</s>", 13: "\n", 338: " is",
-        297: " in", 29889: "."}
+TOP2 = [
+    None,
+    [(415, -7.25), (13, -1.5)],
+    [(5255, -5.5), (2, -0.375)],
+    [(3290, -3.125), (338, -1.25)],
+    [(356, -0.75), (297, -1.875)],
+    [(2, -2.5), (29889, -0.25)],
+]
+TEXT = {
+    1: "<s>",
+    415: " The",
+    5255: " cat",
+    3290: " sat",
+    356: " on",
+    2: "</s>",
+    13: "\n",
+    338: " is",
+    297: " in",
+    29889: ".",
+}
 
 
 def expected(rid: str = "req-0", with_top: bool = True) -> SequenceLogprobs:
@@ -38,8 +50,13 @@ def expected(rid: str = "req-0", with_top: bool = True) -> SequenceLogprobs:
 def sglang_response(rid: str = "req-0", start: int = 0) -> dict:
     """SGLang /generate with return_logprob, top_logprobs_num=2, logprob_start_len=start."""
     triple = lambda lp, t: [lp, t, TEXT[t]]  # noqa: E731
-    top = lambda i: None if TOP2[i] is None or i == start else sorted(  # noqa: E731
-        [triple(lp, t) for t, lp in TOP2[i]], key=lambda e: -e[0])
+    top = lambda i: (
+        None
+        if TOP2[i] is None or i == start
+        else sorted(  # noqa: E731
+            [triple(lp, t) for t, lp in TOP2[i]], key=lambda e: -e[0]
+        )
+    )
     n = len(PROMPT_IDS)
     return {
         "text": "".join(OUTPUT_TXT),
@@ -51,7 +68,9 @@ def sglang_response(rid: str = "req-0", start: int = 0) -> dict:
             "completion_tokens": 2,
             "cached_tokens": 0,
             "e2e_latency": 0.031,
-            "input_token_logprobs": [triple(None if i == start else LOGPROBS[i], PROMPT_IDS[i]) for i in range(start, n)],
+            "input_token_logprobs": [
+                triple(None if i == start else LOGPROBS[i], PROMPT_IDS[i]) for i in range(start, n)
+            ],
             "output_token_logprobs": [triple(LOGPROBS[n + j], t) for j, t in enumerate(OUTPUT_IDS)],
             "input_top_logprobs": [top(i) for i in range(start, n)],
             "output_top_logprobs": [top(n + j) for j in range(len(OUTPUT_IDS))],
@@ -74,10 +93,16 @@ def vllm_request_output(rid: str = "req-0") -> dict:
         "prompt": "".join(PROMPT_TXT),
         "prompt_token_ids": PROMPT_IDS,
         "prompt_logprobs": [vllm_entry(i, t) for i, t in enumerate(PROMPT_IDS)],
-        "outputs": [{
-            "index": 0, "text": "".join(OUTPUT_TXT), "token_ids": OUTPUT_IDS, "cumulative_logprob": -3.25,
-            "logprobs": [vllm_entry(n + j, t) for j, t in enumerate(OUTPUT_IDS)], "finish_reason": "length",
-        }],
+        "outputs": [
+            {
+                "index": 0,
+                "text": "".join(OUTPUT_TXT),
+                "token_ids": OUTPUT_IDS,
+                "cumulative_logprob": -3.25,
+                "logprobs": [vllm_entry(n + j, t) for j, t in enumerate(OUTPUT_IDS)],
+                "finish_reason": "length",
+            }
+        ],
         "finished": True,
     }
 
@@ -92,8 +117,10 @@ def openai_completion(rid: str = "req-0", *, ids: bool = True, echo: bool = True
         "logprobs": {
             "tokens": [TEXT[t] for t in toks],
             "token_logprobs": LOGPROBS[first:],
-            "top_logprobs": [None if TOP2[first + i] is None else {TEXT[t]: lp for t, lp in TOP2[first + i]}
-                             for i in range(len(toks))],
+            "top_logprobs": [
+                None if TOP2[first + i] is None else {TEXT[t]: lp for t, lp in TOP2[first + i]}
+                for i in range(len(toks))
+            ],
             "text_offset": list(range(len(toks))),
         },
         "finish_reason": "length",
@@ -101,8 +128,14 @@ def openai_completion(rid: str = "req-0", *, ids: bool = True, echo: bool = True
     if ids:
         choice["prompt_token_ids"] = PROMPT_IDS
         choice["token_ids"] = OUTPUT_IDS
-    return {"id": rid, "object": "text_completion", "created": 1718000000, "model": "m", "choices": [choice],
-            "usage": {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6}}
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": 1718000000,
+        "model": "m",
+        "choices": [choice],
+        "usage": {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6},
+    }
 
 
 def write_jsonl(path: Path, *objs, raw: list[str] | None = None) -> Path:
@@ -191,12 +224,28 @@ def test_openai_completion_only_starts_after_the_prompt():
 
 
 def test_openai_chat_completion():
-    obj = {"id": "chatcmpl-1", "object": "chat.completion", "choices": [{
-        "index": 0, "message": {"role": "assistant", "content": " on"},
-        "logprobs": {"content": [
-            {"token": " on", "logprob": -0.75, "bytes": [32, 111, 110], "top_logprobs": [{"token": " on", "logprob": -0.75}]},
-            {"token": "</s>", "logprob": -2.5, "bytes": None, "top_logprobs": []}]},
-        "finish_reason": "length"}]}
+    obj = {
+        "id": "chatcmpl-1",
+        "object": "chat.completion",
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": " on"},
+                "logprobs": {
+                    "content": [
+                        {
+                            "token": " on",
+                            "logprob": -0.75,
+                            "bytes": [32, 111, 110],
+                            "top_logprobs": [{"token": " on", "logprob": -0.75}],
+                        },
+                        {"token": "</s>", "logprob": -2.5, "bytes": None, "top_logprobs": []},
+                    ]
+                },
+                "finish_reason": "length",
+            }
+        ],
+    }
     s = parse_record(obj)
     assert s.request == "chatcmpl-1" and s.token_texts == (" on", "</s>") and s.logprobs == (-0.75, -2.5)
 
@@ -213,28 +262,41 @@ def test_request_ids_line_numbers_and_arrays(tmp_path):
 # --------------------------------------------------------------------------- malformed input
 
 
-@pytest.mark.parametrize("line, message", [
-    ("{not json", "not valid JSON"),
-    ("42", "expected a JSON object"),
-    ('{"hello": 1}', "unrecognized response"),
-    ('{"meta_info": {"id": "a"}}', "return_logprob"),
-    ('{"meta_info": {"id": "a", "input_token_logprobs": [[null, 1, null], [-1.0, "x", null]]}}',
-     r"input_token_logprobs\[1\]\[1\] must be an integer"),
-    ('{"meta_info": {"id": "a", "input_token_logprobs": [[null, 1, null], ["bad", 2, null]]}}',
-     r"input_token_logprobs\[1\]\[0\] must be a number"),
-    ('{"meta_info": {"id": "a", "input_token_logprobs": [[null, 1]], "input_top_logprobs": [null, null]}}',
-     "2 entries for 1 tokens"),
-    ('{"meta_info": {"id": "a", "prompt_tokens": 1, "input_token_logprobs": [[null, 1], [-1.0, 2]]}}', "shorter"),
-    ('{"request_id": "a", "prompt_token_ids": [1, 2], "prompt_logprobs": [null]}', "1 entries for 2"),
-    ('{"request_id": "a", "prompt_token_ids": [1, 2], "prompt_logprobs": [null, {"7": {"logprob": -1.0}}]}',
-     "no entry for its token id 2"),
-    ('{"request_id": "a", "prompt_logprobs": [null]}', "prompt_token_ids"),
-    ('{"id": "a", "choices": [{"logprobs": {"tokens": ["a", "b"], "token_logprobs": [null]}}]}', "2 tokens but 1"),
-    ('{"id": "a", "choices": [{"logprobs": {"tokens": ["a"], "token_logprobs": [null]}, "token_ids": [1, 2, 3]}]}',
-     "do not cover the 1 logprob tokens"),
-    ('{"id": "a", "choices": [{"text": "x"}]}', "no logprobs"),
-    ('{"id": "a", "choices": [{"logprobs": {"token_logprobs": [null]}}]}', "tokens must be a list"),
-])
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ("{not json", "not valid JSON"),
+        ("42", "expected a JSON object"),
+        ('{"hello": 1}', "unrecognized response"),
+        ('{"meta_info": {"id": "a"}}', "return_logprob"),
+        (
+            '{"meta_info": {"id": "a", "input_token_logprobs": [[null, 1, null], [-1.0, "x", null]]}}',
+            r"input_token_logprobs\[1\]\[1\] must be an integer",
+        ),
+        (
+            '{"meta_info": {"id": "a", "input_token_logprobs": [[null, 1, null], ["bad", 2, null]]}}',
+            r"input_token_logprobs\[1\]\[0\] must be a number",
+        ),
+        (
+            '{"meta_info": {"id": "a", "input_token_logprobs": [[null, 1]], "input_top_logprobs": [null, null]}}',
+            "2 entries for 1 tokens",
+        ),
+        ('{"meta_info": {"id": "a", "prompt_tokens": 1, "input_token_logprobs": [[null, 1], [-1.0, 2]]}}', "shorter"),
+        ('{"request_id": "a", "prompt_token_ids": [1, 2], "prompt_logprobs": [null]}', "1 entries for 2"),
+        (
+            '{"request_id": "a", "prompt_token_ids": [1, 2], "prompt_logprobs": [null, {"7": {"logprob": -1.0}}]}',
+            "no entry for its token id 2",
+        ),
+        ('{"request_id": "a", "prompt_logprobs": [null]}', "prompt_token_ids"),
+        ('{"id": "a", "choices": [{"logprobs": {"tokens": ["a", "b"], "token_logprobs": [null]}}]}', "2 tokens but 1"),
+        (
+            '{"id": "a", "choices": [{"logprobs": {"tokens": ["a"], "token_logprobs": [null]}, "token_ids": [1, 2, 3]}]}',
+            "do not cover the 1 logprob tokens",
+        ),
+        ('{"id": "a", "choices": [{"text": "x"}]}', "no logprobs"),
+        ('{"id": "a", "choices": [{"logprobs": {"token_logprobs": [null]}}]}', "tokens must be a list"),
+    ],
+)
 def test_malformed_line_names_path_and_line(tmp_path, line, message):
     path = write_jsonl(tmp_path / "bad.jsonl", sglang_response("ok"), raw=[line])
     with pytest.raises(UsageError, match=message) as e:

@@ -43,10 +43,21 @@ def _vllm_server() -> dict:
 
 
 def _chat() -> dict:
-    return {"id": "req-0", "object": "chat.completion", "choices": [{
-        "index": 0, "logprobs": {"content": [
-            {"token": " on", "logprob": -0.75, "bytes": [32, 111, 110], "top_logprobs": []},
-            {"token": "</s>", "logprob": -2.5, "bytes": None, "top_logprobs": []}]}}]}
+    return {
+        "id": "req-0",
+        "object": "chat.completion",
+        "choices": [
+            {
+                "index": 0,
+                "logprobs": {
+                    "content": [
+                        {"token": " on", "logprob": -0.75, "bytes": [32, 111, 110], "top_logprobs": []},
+                        {"token": "</s>", "logprob": -2.5, "bytes": None, "top_logprobs": []},
+                    ]
+                },
+            }
+        ],
+    }
 
 
 FIXTURES: dict[str, Callable[[], dict]] = {
@@ -63,17 +74,36 @@ FIXTURES: dict[str, Callable[[], dict]] = {
 _TOKEN_LISTS: dict[str, tuple[Path_, ...]] = {
     "sglang": (("meta_info", "input_token_logprobs"), ("meta_info", "output_token_logprobs")),
     "vllm": (("prompt_logprobs",), ("prompt_token_ids",), ("outputs",)),
-    "openai": (("choices", 0, "logprobs", "token_logprobs"), ("choices", 0, "logprobs", "tokens"),
-               ("choices", 0, "prompt_token_ids"), ("choices", 0, "token_ids"), ("choices", 0, "prompt_logprobs"),
-               ("choices", 0, "logprobs", "content")),
+    "openai": (
+        ("choices", 0, "logprobs", "token_logprobs"),
+        ("choices", 0, "logprobs", "tokens"),
+        ("choices", 0, "prompt_token_ids"),
+        ("choices", 0, "token_ids"),
+        ("choices", 0, "prompt_logprobs"),
+        ("choices", 0, "logprobs", "content"),
+    ),
 }
 _TOKEN_LISTS["sglang-start"] = _TOKEN_LISTS["sglang"]
-_TOKEN_LISTS["vllm-server"] = (("choices", 0, "prompt_logprobs"), ("choices", 0, "prompt_token_ids"),
-                                ("choices", 0, "token_ids"), ("choices", 0, "logprobs", "token_logprobs"))
+_TOKEN_LISTS["vllm-server"] = (
+    ("choices", 0, "prompt_logprobs"),
+    ("choices", 0, "prompt_token_ids"),
+    ("choices", 0, "token_ids"),
+    ("choices", 0, "logprobs", "token_logprobs"),
+)
 _TOKEN_LISTS["openai-text"] = _TOKEN_LISTS["openai"]
 _TOKEN_LISTS["openai-chat"] = _TOKEN_LISTS["openai"]
-_DESCRIPTIVE = {"text", "decoded_token", "rank", "bytes", "top_logprobs", "text_offset", "index", "finish_reason",
-                "cumulative_logprob", "finished"}
+_DESCRIPTIVE = {
+    "text",
+    "decoded_token",
+    "rank",
+    "bytes",
+    "top_logprobs",
+    "text_offset",
+    "index",
+    "finish_reason",
+    "cumulative_logprob",
+    "finished",
+}
 """Keys whose values the comparison does not use (in these formats)."""
 
 
@@ -108,14 +138,45 @@ def carries_token_data(fmt: str, obj: dict, path: Path_) -> bool:
         for lists in (("prompt_logprobs",), ("choices", 0, "prompt_logprobs"), ("outputs", 0, "logprobs")):
             n = len(lists)
             if path[:n] == lists and len(path) > n + 1:
-                ids = _get(obj, ("choices", 0, "prompt_token_ids") if lists[0] == "choices" else
-                           ("prompt_token_ids",) if lists[0] == "prompt_logprobs" else ("outputs", 0, "token_ids"))
+                ids = _get(
+                    obj,
+                    ("choices", 0, "prompt_token_ids")
+                    if lists[0] == "choices"
+                    else ("prompt_token_ids",)
+                    if lists[0] == "prompt_logprobs"
+                    else ("outputs", 0, "token_ids"),
+                )
                 return path[n + 1] == str(ids[path[n]])
-    return any(path[:len(p)] == p for p in _TOKEN_LISTS[fmt])
+    return any(path[: len(p)] == p for p in _TOKEN_LISTS[fmt])
 
 
-_SCALARS = st.sampled_from([None, True, False, 0, -1, -7, 2**31, 10**30, 1.5, -0.0, math.nan, math.inf, -math.inf,
-                            1e308, -1e308, "", "7", "-1.0", "NaN", [], {}, [None], {"logprob": None}])
+_SCALARS = st.sampled_from(
+    [
+        None,
+        True,
+        False,
+        0,
+        -1,
+        -7,
+        2**31,
+        10**30,
+        1.5,
+        -0.0,
+        math.nan,
+        math.inf,
+        -math.inf,
+        1e308,
+        -1e308,
+        "",
+        "7",
+        "-1.0",
+        "NaN",
+        [],
+        {},
+        [None],
+        {"logprob": None},
+    ]
+)
 
 
 def _mutate(obj: dict, path: Path_, how: str, value: Any) -> bool:
@@ -128,7 +189,7 @@ def _mutate(obj: dict, path: Path_, how: str, value: Any) -> bool:
     elif how == "null" and parent is not None:
         parent[key] = None
     elif how == "truncate" and isinstance(node, list) and node:
-        del node[len(node) // 2:]
+        del node[len(node) // 2 :]
     elif how == "replace" and parent is not None:
         parent[key] = value
     elif how == "wrap" and parent is not None:
@@ -151,17 +212,23 @@ def _check(code: int, err: str) -> None:
         assert len(lines) == 1 and lines[0].startswith("error: "), err
 
 
-_JUNK = st.one_of(st.binary(max_size=40),
-                  st.text(alphabet='{}[]",:0123456789-+eE.ntrufalsNIiy \\', max_size=40).map(str.encode))
+_JUNK = st.one_of(
+    st.binary(max_size=40), st.text(alphabet='{}[]",:0123456789-+eE.ntrufalsNIiy \\', max_size=40).map(str.encode)
+)
 """Junk for a line: random bytes, or text made of JSON's own characters (so it often parses)."""
-_SETTINGS = settings(max_examples=1500, deadline=None, derandomize=True, database=None,
-                     suppress_health_check=[HealthCheck.too_slow])
+_SETTINGS = settings(
+    max_examples=1500, deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow]
+)
 
 
 @pytest.mark.slow
 @_SETTINGS
-@given(data=st.data(), fmt=st.sampled_from(sorted(FIXTURES)), how=st.sampled_from(
-    ["drop", "null", "truncate", "replace", "wrap"]), on_target=st.booleans())
+@given(
+    data=st.data(),
+    fmt=st.sampled_from(sorted(FIXTURES)),
+    how=st.sampled_from(["drop", "null", "truncate", "replace", "wrap"]),
+    on_target=st.booleans(),
+)
 def test_mutated_engine_json(data, fmt, how, on_target):
     clean = copy.deepcopy(FIXTURES[fmt]())
     obj = copy.deepcopy(clean)
@@ -182,12 +249,17 @@ def test_mutated_engine_json(data, fmt, how, on_target):
 
 @pytest.mark.slow
 @_SETTINGS
-@given(fmt=st.sampled_from(sorted(FIXTURES)), cut=st.floats(0, 1), junk=_JUNK,
-       at=st.floats(0, 1), mode=st.sampled_from(["truncate", "insert", "replace", "append line"]))
+@given(
+    fmt=st.sampled_from(sorted(FIXTURES)),
+    cut=st.floats(0, 1),
+    junk=_JUNK,
+    at=st.floats(0, 1),
+    mode=st.sampled_from(["truncate", "insert", "replace", "append line"]),
+)
 def test_garbled_lines(fmt, cut, junk, at, mode):
     line = json.dumps(FIXTURES[fmt]()).encode()
     if mode == "truncate":
-        raw = line[:int(len(line) * cut)]
+        raw = line[: int(len(line) * cut)]
     elif mode == "insert":
         i = int(len(line) * at)
         raw = line[:i] + junk + line[i:]

@@ -81,7 +81,7 @@ def real_logits_file(path: Path) -> None:
     ids = prompt_ids(tok, N_CTX * N_CHUNK).reshape(N_CHUNK, N_CTX)
     with torch.no_grad():
         logits = model(ids).logits.float().numpy()
-    write_kld(path, ids.numpy(), (logits[c, N_CTX // 2:N_CTX - 1] for c in range(N_CHUNK)))
+    write_kld(path, ids.numpy(), (logits[c, N_CTX // 2 : N_CTX - 1] for c in range(N_CHUNK)))
 
 
 @pytest.fixture(scope="module")
@@ -96,9 +96,17 @@ def box(tmp_path_factory) -> Box:
     k = KldFile(base)
     h = k.header
     words = np.frombuffer(raw, dtype="<u2", offset=h.data_offset).reshape(-1, h.row_bytes // 2)
-    scored = k.tokens[:, h.first + 1:].reshape(-1)
-    return Box(base, root / "case" / "bad.kld", root / "outside", raw, h, k.tokens.copy(),
-               words[:, :4].copy().view("<f4"), words[np.arange(scored.size), 4 + scored].copy())
+    scored = k.tokens[:, h.first + 1 :].reshape(-1)
+    return Box(
+        base,
+        root / "case" / "bad.kld",
+        root / "outside",
+        raw,
+        h,
+        k.tokens.copy(),
+        words[:, :4].copy().view("<f4"),
+        words[np.arange(scored.size), 4 + scored].copy(),
+    )
 
 
 def test_the_base_file_passes_and_a_real_divergence_fails(box, tmp_path):
@@ -109,7 +117,7 @@ def test_the_base_file_passes_and_a_real_divergence_fails(box, tmp_path):
     model, _ = tiny_llama(dtype="bfloat16")
     with torch.no_grad():
         logits = model(torch.as_tensor(box.tokens)).logits.float().numpy()
-    write_kld(tmp_path / "bf16.kld", box.tokens, (logits[c, N_CTX // 2:N_CTX - 1] for c in range(N_CHUNK)))
+    write_kld(tmp_path / "bf16.kld", box.tokens, (logits[c, N_CTX // 2 : N_CTX - 1] for c in range(N_CHUNK)))
     o = run_main(main, ["logprobs", box.base, tmp_path / "bf16.kld", *ARGS])
     assert check_outcome(o) == 1, o.err
 
@@ -123,10 +131,33 @@ def _int_field(name: str, value: int) -> bytes:
 def _header_values(box: Box) -> st.SearchStrategy[int]:
     h = box.h
     return st.one_of(
-        st.sampled_from([0, 1, 2, 3, 4, -1, -(1 << 31), (1 << 31) - 1, (1 << 32) - 1, MAX_VOCAB, MAX_VOCAB + 1,
-                         (1 << 31) - 2, MAX_KLD_POSITIONS, MAX_KLD_POSITIONS + 1, h.n_ctx + 1, h.n_ctx - 1, 2 * h.n_ctx,
-                         h.n_vocab + 1, h.n_vocab - 1, 2 * h.n_vocab, h.n_chunk + 1]),
-        st.integers(-(1 << 31), (1 << 32) - 1))
+        st.sampled_from(
+            [
+                0,
+                1,
+                2,
+                3,
+                4,
+                -1,
+                -(1 << 31),
+                (1 << 31) - 1,
+                (1 << 32) - 1,
+                MAX_VOCAB,
+                MAX_VOCAB + 1,
+                (1 << 31) - 2,
+                MAX_KLD_POSITIONS,
+                MAX_KLD_POSITIONS + 1,
+                h.n_ctx + 1,
+                h.n_ctx - 1,
+                2 * h.n_ctx,
+                h.n_vocab + 1,
+                h.n_vocab - 1,
+                2 * h.n_vocab,
+                h.n_chunk + 1,
+            ]
+        ),
+        st.integers(-(1 << 31), (1 << 32) - 1),
+    )
 
 
 @pytest.mark.slow
@@ -141,7 +172,7 @@ def test_mutated_header(box, data, field, resize, on_target):
         raw[at] = data.draw(st.integers(0, 255))
     else:
         at, _ = _FIELDS[field]
-        raw[at:at + 4] = _int_field(field, data.draw(_header_values(box)))
+        raw[at : at + 4] = _int_field(field, data.draw(_header_values(box)))
     if raw[:20] == box.raw[:20]:
         return
     _, n_ctx, n_vocab, n_chunk = struct.unpack("<8sIii", bytes(raw[:20]))
@@ -165,12 +196,15 @@ def test_mutated_token(box, data, on_target):
     h = box.h
     c, p = data.draw(st.integers(0, h.n_chunk - 1)), data.draw(st.integers(0, h.n_ctx - 1))
     old = int(box.tokens[c, p])
-    new = data.draw(st.one_of(st.sampled_from([-1, h.n_vocab, h.n_vocab + 1, (1 << 31) - 1, -(1 << 31)]),
-                              st.integers(0, h.n_vocab - 1)))
+    new = data.draw(
+        st.one_of(
+            st.sampled_from([-1, h.n_vocab, h.n_vocab + 1, (1 << 31) - 1, -(1 << 31)]), st.integers(0, h.n_vocab - 1)
+        )
+    )
     if new == old:
         return
     at = 20 + 4 * (c * h.n_ctx + p)
-    o = box.run(box.raw[:at] + struct.pack("<i", new) + box.raw[at + 4:], on_target)
+    o = box.run(box.raw[:at] + struct.pack("<i", new) + box.raw[at + 4 :], on_target)
     if not 0 <= new < h.n_vocab:
         assert o.code == 2 and f"chunk {c} position {p}: token id {new} is outside the vocabulary" in o.err, o.err
     elif p == 0:
@@ -179,8 +213,10 @@ def test_mutated_token(box, data, on_target):
         assert o.code == 2 and "token mismatch" in o.err, o.err
 
 
-_F32 = st.one_of(st.sampled_from([math.nan, math.inf, -math.inf, 0.0, -0.0, -1.0, 1e30, -1e30, 1e-40, -1e-40]),
-                 st.floats(width=32, allow_nan=True, allow_infinity=True))
+_F32 = st.one_of(
+    st.sampled_from([math.nan, math.inf, -math.inf, 0.0, -0.0, -1.0, 1e30, -1e30, 1e-40, -1e-40]),
+    st.floats(width=32, allow_nan=True, allow_infinity=True),
+)
 
 
 @pytest.mark.slow
@@ -195,7 +231,7 @@ def test_mutated_row_head(box, data, which, on_target):
     if new.tobytes() == old.tobytes():
         return
     at = h.data_offset + row * h.row_bytes + (0 if which == "scale" else 4)
-    o = box.run(box.raw[:at] + new.tobytes() + box.raw[at + 4:], on_target)
+    o = box.run(box.raw[:at] + new.tobytes() + box.raw[at + 4 :], on_target)
     c, r = divmod(row, h.rows)
     if not np.isfinite(new) or (which == "scale" and new < 0):
         assert o.code == 2 and f"chunk {c} row {r}: stored scale" in o.err, o.err
@@ -212,11 +248,11 @@ def test_mutated_row_word(box, data, scored, on_target):
     c, r = divmod(row, h.rows)
     col = int(box.tokens[c, h.first + 1 + r]) if scored else data.draw(st.integers(0, h.n_vocab - 1))
     at = h.data_offset + row * h.row_bytes + 8 + 2 * col
-    old = struct.unpack("<H", box.raw[at:at + 2])[0]
+    old = struct.unpack("<H", box.raw[at : at + 2])[0]
     new = data.draw(st.one_of(st.integers(0, 65535), st.integers(0, 15).map(lambda b: old ^ (1 << b))))
     if new == old:
         return
-    o = box.run(box.raw[:at] + struct.pack("<H", new) + box.raw[at + 2:], on_target)
+    o = box.run(box.raw[:at] + struct.pack("<H", new) + box.raw[at + 2 :], on_target)
     if col == int(box.tokens[c, h.first + 1 + r]):
         assert o.code == 1, o.err  # the scored token's logprob moved by scale * (new - old)
 
@@ -242,10 +278,9 @@ def test_mutated_bytes(box, data, on_target):
 
 
 @settings(FUZZ, max_examples=80)
-@given(cut=st.integers(0, 20_000), junk=st.binary(min_size=1, max_size=64), grow=st.booleans(),
-       on_target=st.booleans())
+@given(cut=st.integers(0, 20_000), junk=st.binary(min_size=1, max_size=64), grow=st.booleans(), on_target=st.booleans())
 def test_cut_or_grown_file(box, cut, junk, grow, on_target):
-    data = box.raw + junk if grow else box.raw[:cut % len(box.raw)]
+    data = box.raw + junk if grow else box.raw[: cut % len(box.raw)]
     o = box.run(data, on_target)
     assert o.code == 2, o.err
 
@@ -278,8 +313,10 @@ def test_a_vocabulary_of_2_40_bytes_of_logits_is_refused_before_a_row_is_sized(t
     assert h.size >= 1 << 40 and a.stat().st_size == h.size
     rc, err, rss = run_child("comparator", "logprobs", a, b, timeout=120)
     print(f"2^40-byte vocabulary header: exit {rc}, peak RSS {rss / 2**20:.0f} MiB")
-    assert rc == 2 and err == (f"error: {a}: declares a vocabulary of {(1 << 31) - 2}, over the limit {MAX_VOCAB} "
-                               "(real vocabularies reach about 262k)"), err
+    assert rc == 2 and err == (
+        f"error: {a}: declares a vocabulary of {(1 << 31) - 2}, over the limit {MAX_VOCAB} "
+        "(real vocabularies reach about 262k)"
+    ), err
     assert rss < LIMIT, rss
     with pytest.raises(CorruptDumpError, match="declares a vocabulary"):
         read_header(a)
@@ -305,9 +342,11 @@ def test_positions_over_the_limit_are_refused(box, tmp_path):
     n_chunk = MAX_KLD_POSITIONS // (2 * N_CTX) + 1
     _sparse(a, 2 * N_CTX, 2, n_chunk)
     o = run_main(main, ["logprobs", box.base, a])
-    assert check_outcome(o) == 2 and o.err == (f"error: {a}: {n_chunk} chunks of {2 * N_CTX} tokens are "
-                                               f"{n_chunk * 2 * N_CTX} positions, over the limit of "
-                                               f"{MAX_KLD_POSITIONS} a llama.cpp KL-divergence base file may hold\n")
+    assert check_outcome(o) == 2 and o.err == (
+        f"error: {a}: {n_chunk} chunks of {2 * N_CTX} tokens are "
+        f"{n_chunk * 2 * N_CTX} positions, over the limit of "
+        f"{MAX_KLD_POSITIONS} a llama.cpp KL-divergence base file may hold\n"
+    )
 
 
 @pytest.fixture
@@ -359,7 +398,7 @@ def test_the_same_nan_row_on_both_sides_never_passes(box, tmp_path):
     """NaN logits stored on both sides would be "no difference" for the verdict: the reader refuses them."""
     h = box.h
     at = h.data_offset + 3 * h.row_bytes + 4
-    raw = box.raw[:at] + struct.pack("<f", math.nan) + box.raw[at + 4:]
+    raw = box.raw[:at] + struct.pack("<f", math.nan) + box.raw[at + 4 :]
     (tmp_path / "a.kld").write_bytes(raw)
     (tmp_path / "b.kld").write_bytes(raw)
     o = run_main(main, ["logprobs", tmp_path / "a.kld", tmp_path / "b.kld"])

@@ -21,12 +21,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from comparator.logprobs.kl_stream import stream_kl
-from comparator.logprobs.sources.llama_kld import RANGE, KldFile, chunk_prompts, write_kld
-from comparator.logprobs.llama_stats import llama_stats, mean_se
 from comparator.logprobs import UNKNOWN_TOKEN, LogprobVerdict, align_samples
 from comparator.logprobs.judge import compare_logprob_sources
+from comparator.logprobs.kl_stream import stream_kl
+from comparator.logprobs.llama_stats import llama_stats, mean_se
 from comparator.logprobs.sources import read_logprob_source
+from comparator.logprobs.sources.llama_kld import RANGE, KldFile, chunk_prompts, write_kld
 from dumper.errors import CorruptDumpError, DriftscopeError
 from tests.conftest import run_cli
 from tests.engine_models import CORPUS, build_checkpoint, engine_missing, llama_tool, to_gguf
@@ -50,14 +50,22 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
     return x - m - np.log(np.exp(x - m).sum(axis=1, keepdims=True))
 
 
-def synthetic(path: Path, *, n_ctx: int = 12, n_chunk: int = 3, vocab: int = 33, seed: int = 0,
-              scale: float = 2.0, logits: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+def synthetic(
+    path: Path,
+    *,
+    n_ctx: int = 12,
+    n_chunk: int = 3,
+    vocab: int = 33,
+    seed: int = 0,
+    scale: float = 2.0,
+    logits: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
     """A base file of random logits (an odd vocabulary, so rows carry the pad word); (tokens, logits)."""
     rng = np.random.default_rng(seed)
     rows = n_chunk * (n_ctx - 1 - n_ctx // 2)
     lg = scale * rng.standard_normal((rows, vocab)) if logits is None else logits
     tok = rng.integers(0, vocab, size=(n_chunk, n_ctx))
-    write_kld(path, tok, (lg[i:i + 2] for i in range(0, rows, 2)))  # blocks of 2 rows
+    write_kld(path, tok, (lg[i : i + 2] for i in range(0, rows, 2)))  # blocks of 2 rows
     return tok, lg
 
 
@@ -114,8 +122,19 @@ def test_two_files_compare_like_their_exact_distributions(tmp_path):
     assert got.delta_p["rms"] == pytest.approx(want.delta_p["rms"], abs=bound)
     assert all(got.kl_quantiles[k] == pytest.approx(x, abs=bound) for k, x in want.kl_quantiles.items())
     d = json.loads(v.dumps())
-    assert {"kl_mean_se", "kl_quantiles", "delta_p", "same_top_rate", "same_top_se", "ppl_ratio", "ppl_ratio_se",
-            "ln_ppl_ratio", "ln_ppl_ratio_se", "ppl_base", "ppl_target"} <= set(d)
+    assert {
+        "kl_mean_se",
+        "kl_quantiles",
+        "delta_p",
+        "same_top_rate",
+        "same_top_se",
+        "ppl_ratio",
+        "ppl_ratio_se",
+        "ln_ppl_ratio",
+        "ln_ppl_ratio_se",
+        "ppl_base",
+        "ppl_target",
+    } <= set(d)
     assert LogprobVerdict.from_json(d) == v
     # the same pass in blocks of one row gives the same numbers
     a, b = KldFile(tmp_path / "b.kld"), KldFile(tmp_path / "t.kld")
@@ -134,25 +153,34 @@ def test_llama_statistics_by_hand():
     assert s.ln_ppl_ratio == pytest.approx(np.mean(-tgt) - np.mean(-ref)) and s.ppl_base == pytest.approx(2.0)
     assert s.ppl_ratio == pytest.approx(math.exp(s.ln_ppl_ratio))
     assert s.same_top_rate == 0.75 and s.same_top_se == pytest.approx(math.sqrt(0.75 * 0.25 / 11))
-    assert s.kl_mean_se == pytest.approx(math.sqrt((np.mean(np.arange(12.0) ** 2) - 5.5 ** 2) / 11))
+    assert s.kl_mean_se == pytest.approx(math.sqrt((np.mean(np.arange(12.0) ** 2) - 5.5**2) / 11))
     assert s.kl_quantiles["50"] == 5.5 and s.kl_quantiles["max"] == 11 and s.kl_quantiles["0.1"] == pytest.approx(0.011)
     assert mean_se(np.arange(10.0)) == (4.5, 0.0)  # llama.cpp gives no uncertainty for 10 values or fewer
     assert llama_stats(np.array([-1.0]), np.array([math.nan])).delta_p["max"] == math.inf
 
 
-@pytest.mark.parametrize("damage, message", [
-    (lambda b: b[:-1], "truncated: .* bytes, but n_ctx 12"),
-    (lambda b: b + b"\0", "trailing bytes"),
-    (lambda b: b[:14], "no full header"),
-    (lambda b: b[:12] + (1 << 20).to_bytes(4, "little") + b[16:], "n_vocab 1048576 .* make a llama.cpp"),
-    (lambda b: b[:12] + (1 << 30).to_bytes(4, "little") + b[16:], "declares a vocabulary of 1073741824, over the lim"),
-    (lambda b: b[:12] + (-5).to_bytes(4, "little", signed=True) + b[16:], "n_vocab -5 is not a positive"),
-    (lambda b: b[:16] + (0).to_bytes(4, "little") + b[20:], "n_chunk 0 is not a positive"),
-    (lambda b: b[:8] + (2).to_bytes(4, "little") + b[12:], "n_ctx 2 is outside"),
-    (lambda b: b[:164 + 76] + struct.pack("<f", math.nan) + b[168 + 76:], "chunk 0 row 1: stored scale nan"),
-    (lambda b: b[:168] + struct.pack("<f", -math.inf) + b[172:], "chunk 0 row 0: stored scale .* min_log_prob -inf"),
-    (lambda b: b[:20] + (999).to_bytes(4, "little") + b[24:], "chunk 0 position 0: token id 999"),
-])
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda b: b[:-1], "truncated: .* bytes, but n_ctx 12"),
+        (lambda b: b + b"\0", "trailing bytes"),
+        (lambda b: b[:14], "no full header"),
+        (lambda b: b[:12] + (1 << 20).to_bytes(4, "little") + b[16:], "n_vocab 1048576 .* make a llama.cpp"),
+        (
+            lambda b: b[:12] + (1 << 30).to_bytes(4, "little") + b[16:],
+            "declares a vocabulary of 1073741824, over the lim",
+        ),
+        (lambda b: b[:12] + (-5).to_bytes(4, "little", signed=True) + b[16:], "n_vocab -5 is not a positive"),
+        (lambda b: b[:16] + (0).to_bytes(4, "little") + b[20:], "n_chunk 0 is not a positive"),
+        (lambda b: b[:8] + (2).to_bytes(4, "little") + b[12:], "n_ctx 2 is outside"),
+        (lambda b: b[: 164 + 76] + struct.pack("<f", math.nan) + b[168 + 76 :], "chunk 0 row 1: stored scale nan"),
+        (
+            lambda b: b[:168] + struct.pack("<f", -math.inf) + b[172:],
+            "chunk 0 row 0: stored scale .* min_log_prob -inf",
+        ),
+        (lambda b: b[:20] + (999).to_bytes(4, "little") + b[24:], "chunk 0 position 0: token id 999"),
+    ],
+)
 def test_broken_files_are_named_before_anything_is_allocated(tmp_path, damage, message):
     synthetic(tmp_path / "ok.kld")
     bad = tmp_path / "bad.kld"
@@ -176,9 +204,17 @@ def test_base_file_against_an_engine_jsonl(cli, tmp_path):
     ids = chunk_prompts(KldFile(tmp_path / "b.kld"), bos=1)
     seqs = KldFile(tmp_path / "b.kld").sequences()
     # SGLang /generate responses with logprob_start_len = 7, the first scored position
-    lines = [{"meta_info": {"id": s.request, "prompt_tokens": 12,
-                            "input_token_logprobs": [[s.logprobs[p], ids[c][p], None] for p in range(7, 12)]},
-              "input_ids": ids[c]} for c, s in enumerate(seqs)]
+    lines = [
+        {
+            "meta_info": {
+                "id": s.request,
+                "prompt_tokens": 12,
+                "input_token_logprobs": [[s.logprobs[p], ids[c][p], None] for p in range(7, 12)],
+            },
+            "input_ids": ids[c],
+        }
+        for c, s in enumerate(seqs)
+    ]
     good = tmp_path / "sglang.jsonl"
     good.write_text("".join(json.dumps(x) + "\n" for x in lines))
     for a, b in ((tmp_path / "b.kld", good), (good, tmp_path / "b.kld")):
@@ -200,8 +236,13 @@ def small_file(tmp_path_factory) -> bytes:
     return path.read_bytes()
 
 
-@settings(max_examples=300, deadline=None, derandomize=True, database=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=300,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
 @given(data=st.data())
 def test_fuzzed_files_read_or_fail_with_one_user_error(small_file, tmp_path, data):
     """Any damage to a base file either reads (odd finite floats are values) or is a DriftscopeError of
@@ -235,12 +276,16 @@ def _perplexity(exe: Path, *args: str | Path) -> str:
     # at exit (exit status 0; seen about 1 run in 5 with stdout on a pipe): a --kl-divergence run
     # whose statistics did not arrive is run again, up to 5 times
     for _ in range(5):
-        r = subprocess.run([str(exe), *map(str, args), *flags], check=False, capture_output=True, text=True,
-                           timeout=300)
+        r = subprocess.run(
+            [str(exe), *map(str, args), *flags], check=False, capture_output=True, text=True, timeout=300
+        )
         if r.returncode != 0:
             pytest.fail(f"llama-perplexity {' '.join(map(str, args))} failed:\n{(r.stdout + r.stderr)[-3000:]}")
-        if "--kl-divergence" not in args or "====== KL divergence statistics ======" in r.stdout \
-                and "Same top p:" in r.stdout:
+        if (
+            "--kl-divergence" not in args
+            or "====== KL divergence statistics ======" in r.stdout
+            and "Same top p:" in r.stdout
+        ):
             break
     return r.stdout  # the statistics of a --kl-divergence run; llama.cpp's log goes to stderr
 
@@ -250,7 +295,7 @@ def parse_printout(text: str) -> dict[str, tuple[float, ...]]:
     out: dict[str, tuple[float, ...]] = {}
     if "====== Perplexity statistics ======" not in text:
         pytest.fail(f"llama-perplexity printed no statistics:\n{text[-3000:]}")
-    body = text[text.index("====== Perplexity statistics ======"):]
+    body = text[text.index("====== Perplexity statistics ======") :]
     for line in body.splitlines():
         if re.match(r"\d+\.\d+\.\d+\.\d+ ", line):  # a timestamped log line, not a statistic
             continue
@@ -262,7 +307,9 @@ def parse_printout(text: str) -> dict[str, tuple[float, ...]]:
     # llama.cpp's log thread can print into the middle of a statistics line on a loaded machine:
     # a label the line scan missed is looked for anywhere after the heading
     for label in ("Mean KLD", "Same top p", "Mean PPL(base)", "Mean PPL(Q)", "RMS Δp", "Mean Δp"):
-        m = re.search(r"\s+".join(map(re.escape, label.split())) + r"\s*:\s*(-?\d+\.\d+)(?:\s*±\s*(\d+\.\d+))?\s*(%?)", body)
+        m = re.search(
+            r"\s+".join(map(re.escape, label.split())) + r"\s*:\s*(-?\d+\.\d+)(?:\s*±\s*(\d+\.\d+))?\s*(%?)", body
+        )
         if label not in out and m:
             div = 100.0 if m[3] else 1.0
             out[label] = tuple(float(x) / div for x in m.groups()[:2] if x is not None)
@@ -297,21 +344,39 @@ def _ambiguous_tops(k: KldFile, gap: float) -> int:
     return n
 
 
-_QUANTILES = {"max": "Maximum", "99.9": "99.9%", "99": "99.0%", "95": "95.0%", "90": "90.0%", "75": "75.0%",
-              "50": "Median", "25": "25.0%", "10": "10.0%", "5": "5.0%", "1": "1.0%", "0.1": "0.1%", "min": "Minimum"}
-_PAIRS = [("PPL(Q)", ("ppl_target",), "Mean PPL(Q)", 0), ("PPL(Q) se", ("ppl_target_se",), "Mean PPL(Q)", 1),
-          ("PPL(base)", ("ppl_base",), "Mean PPL(base)", 0),
-          ("ln ratio", ("ln_ppl_ratio",), "Mean ln(PPL(Q)/PPL(base))", 0),
-          ("ln ratio se", ("ln_ppl_ratio_se",), "Mean ln(PPL(Q)/PPL(base))", 1),
-          ("PPL ratio", ("ppl_ratio",), "Mean PPL(Q)/PPL(base)", 0),
-          ("PPL ratio se", ("ppl_ratio_se",), "Mean PPL(Q)/PPL(base)", 1),
-          ("KLD mean", ("kl_mean",), "Mean KLD", 0), ("KLD se", ("kl_mean_se",), "Mean KLD", 1),
-          *((f"KLD {k}", ("kl_quantiles", k), f"{label} KLD", 0) for k, label in _QUANTILES.items()
-            if k not in ("75", "25")),
-          ("Δp mean", ("delta_p", "mean"), "Mean Δp", 0), ("Δp se", ("delta_p", "mean_se"), "Mean Δp", 1),
-          ("Δp RMS", ("delta_p", "rms"), "RMS Δp", 0),
-          *((f"Δp {k}", ("delta_p", k), f"{label} Δp", 0) for k, label in _QUANTILES.items()),
-          ("same top", ("same_top_rate",), "Same top p", 0), ("same top se", ("same_top_se",), "Same top p", 1)]
+_QUANTILES = {
+    "max": "Maximum",
+    "99.9": "99.9%",
+    "99": "99.0%",
+    "95": "95.0%",
+    "90": "90.0%",
+    "75": "75.0%",
+    "50": "Median",
+    "25": "25.0%",
+    "10": "10.0%",
+    "5": "5.0%",
+    "1": "1.0%",
+    "0.1": "0.1%",
+    "min": "Minimum",
+}
+_PAIRS = [
+    ("PPL(Q)", ("ppl_target",), "Mean PPL(Q)", 0),
+    ("PPL(Q) se", ("ppl_target_se",), "Mean PPL(Q)", 1),
+    ("PPL(base)", ("ppl_base",), "Mean PPL(base)", 0),
+    ("ln ratio", ("ln_ppl_ratio",), "Mean ln(PPL(Q)/PPL(base))", 0),
+    ("ln ratio se", ("ln_ppl_ratio_se",), "Mean ln(PPL(Q)/PPL(base))", 1),
+    ("PPL ratio", ("ppl_ratio",), "Mean PPL(Q)/PPL(base)", 0),
+    ("PPL ratio se", ("ppl_ratio_se",), "Mean PPL(Q)/PPL(base)", 1),
+    ("KLD mean", ("kl_mean",), "Mean KLD", 0),
+    ("KLD se", ("kl_mean_se",), "Mean KLD", 1),
+    *((f"KLD {k}", ("kl_quantiles", k), f"{label} KLD", 0) for k, label in _QUANTILES.items() if k not in ("75", "25")),
+    ("Δp mean", ("delta_p", "mean"), "Mean Δp", 0),
+    ("Δp se", ("delta_p", "mean_se"), "Mean Δp", 1),
+    ("Δp RMS", ("delta_p", "rms"), "RMS Δp", 0),
+    *((f"Δp {k}", ("delta_p", k), f"{label} Δp", 0) for k, label in _QUANTILES.items()),
+    ("same top", ("same_top_rate",), "Same top p", 0),
+    ("same top se", ("same_top_se",), "Same top p", 1),
+]
 """(what, driftscope JSON key path, llama-perplexity label, index of the number on its line)."""
 
 
@@ -374,8 +439,21 @@ def hf(llama, tmp_path_factory) -> Path:
     prompts = d / "chunks.jsonl"
     ids = chunk_prompts(KldFile(llama.f32), bos=1)
     prompts.write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in ids))
-    r = run_cli("dumper", "run", "--model", llama.ckpt, "--prompts", prompts, "--out", d / "dump", "--layers", "first",
-                "--logprobs", "--save-logits", "--quiet")
+    r = run_cli(
+        "dumper",
+        "run",
+        "--model",
+        llama.ckpt,
+        "--prompts",
+        prompts,
+        "--out",
+        d / "dump",
+        "--layers",
+        "first",
+        "--logprobs",
+        "--save-logits",
+        "--quiet",
+    )
     assert r.returncode == 0, r.stderr
     return d / "dump"
 
@@ -403,11 +481,13 @@ def test_llama_perplexity_reads_a_base_file_written_from_a_dump(llama, hf, tmp_p
     k = KldFile(llama.f32)
     h = k.header
     wanted = np.arange(h.first + 1, h.n_ctx)  # the rows predicting the scored tokens
-    blocks = (np.asarray(src.logits[str(c)][1])[np.searchsorted(src.logits[str(c)][0], wanted)]
-              for c in range(h.n_chunk))
+    blocks = (
+        np.asarray(src.logits[str(c)][1])[np.searchsorted(src.logits[str(c)][0], wanted)] for c in range(h.n_chunk)
+    )
     write_kld(tmp_path / "hf.kld", k.tokens, blocks)
-    stats = parse_printout(_perplexity(llama.exe, "-m", llama.q8_gguf, "--kl-divergence",
-                                       "--kl-divergence-base", tmp_path / "hf.kld"))
+    stats = parse_printout(
+        _perplexity(llama.exe, "-m", llama.q8_gguf, "--kl-divergence", "--kl-divergence-base", tmp_path / "hf.kld")
+    )
     v = compare_logprob_sources(hf, llama.q8)  # the same pair, HF's exact logits against the q8_0 file
     bound = max(KldFile(p).storage_error()[0] for p in (tmp_path / "hf.kld", llama.q8))
     assert stats["Mean KLD"][0] == pytest.approx(v.kl_mean, abs=3 * bound + 5e-7)

@@ -13,8 +13,20 @@ from comparator.reports.files import json_text
 from dumper.prefill.run import LogprobSpec, RunConfig, dump_sequences, run_dump
 from tests.conftest import tiny_llama
 
-LOGPROB_KEYS = {"mse", "rmse", "max_abs_err", "k3_mean", "k3_max", "kl_mean", "kl_max", "kl_percentiles",
-                "top1_agreement", "topk_max_err", "topk_mean_err", "passed"}
+LOGPROB_KEYS = {
+    "mse",
+    "rmse",
+    "max_abs_err",
+    "k3_mean",
+    "k3_max",
+    "kl_mean",
+    "kl_max",
+    "kl_percentiles",
+    "top1_agreement",
+    "topk_max_err",
+    "topk_mean_err",
+    "passed",
+}
 PROMPTS = ("The quick brown fox jumps over the lazy dog.", "def f(x): return x * x + 1")
 SPEC = LogprobSpec(top_k=5, save_logits=True)
 
@@ -30,8 +42,22 @@ def base(tmp_path_factory):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_benign_change_passes_both_verdicts(cli, tmp_path, dtype):
     for attn in ("eager", "sdpa"):
-        r = cli("dumper", "run", "--out", tmp_path / attn, "--layers", "all", "--dtype", dtype, "--attn", attn,
-                "--logprobs", "--top-k", "5", "--save-logits")
+        r = cli(
+            "dumper",
+            "run",
+            "--out",
+            tmp_path / attn,
+            "--layers",
+            "all",
+            "--dtype",
+            dtype,
+            "--attn",
+            attn,
+            "--logprobs",
+            "--top-k",
+            "5",
+            "--save-logits",
+        )
         assert r.returncode == 0, r.stderr
     r = cli("comparator", tmp_path / "eager", tmp_path / "sdpa", "--json", tmp_path / "r.json")
     assert r.returncode == 0, r.stdout + r.stderr
@@ -72,11 +98,23 @@ def _deltas(a, b):
 
 
 def test_chunked_and_batched_logprobs_agree_with_one_pass(base, tmp_path):
-    run_dump(RunConfig(out=str(tmp_path / "layout"), prompts=PROMPTS, layers="all", logprobs=SPEC,
-                       chunk_size=9, batch_size=2, padding_side="left"))
+    run_dump(
+        RunConfig(
+            out=str(tmp_path / "layout"),
+            prompts=PROMPTS,
+            layers="all",
+            logprobs=SPEC,
+            chunk_size=9,
+            batch_size=2,
+            padding_side="left",
+        )
+    )
     report = compare_dumps(base, tmp_path / "layout")
-    assert report.passed and report.logprobs.passed and report.logprobs.compared_positions == sum(
-        len(p.encode()) for p in PROMPTS)  # every token but the first of each prompt (+1 for the bos)
+    assert (
+        report.passed
+        and report.logprobs.passed
+        and report.logprobs.compared_positions == sum(len(p.encode()) for p in PROMPTS)
+    )  # every token but the first of each prompt (+1 for the bos)
 
 
 def _sglang_lines(src, *, corrupt: tuple[str, int] | None = None) -> str:
@@ -86,8 +124,14 @@ def _sglang_lines(src, *, corrupt: tuple[str, int] | None = None) -> str:
         if corrupt is not None and corrupt[0] == s.request:
             triples[corrupt[1]][1] += 1
         tops = [None if t is None else [[v, i, None] for i, v in t] for t in s.top]
-        lines.append(json.dumps({"text": "", "meta_info": {"id": s.request, "input_token_logprobs": triples,
-                                                          "input_top_logprobs": tops}}))
+        lines.append(
+            json.dumps(
+                {
+                    "text": "",
+                    "meta_info": {"id": s.request, "input_token_logprobs": triples, "input_top_logprobs": tops},
+                }
+            )
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -109,9 +153,24 @@ def test_logprobs_cli_mixes_dumps_and_engine_outputs(cli, base, tmp_path):
 def test_logprob_threshold_flags_decide(cli, base, tmp_path):
     run_dump(RunConfig(out=str(tmp_path / "bf16"), prompts=PROMPTS, layers="all", logprobs=SPEC, dtype="bfloat16"))
     args = ("comparator", "logprobs", base, tmp_path / "bf16")
-    assert cli(*args, "--logprob-threshold", "mse=1", "--logprob-threshold", "max_abs_err=10",
-               "--logprob-threshold", "k3_mean=1", "--logprob-threshold", "kl_mean=1", "--logprob-threshold",
-               "kl_max=10", "--logprob-threshold", "topk_max_err=10").returncode == 0
+    assert (
+        cli(
+            *args,
+            "--logprob-threshold",
+            "mse=1",
+            "--logprob-threshold",
+            "max_abs_err=10",
+            "--logprob-threshold",
+            "k3_mean=1",
+            "--logprob-threshold",
+            "kl_mean=1",
+            "--logprob-threshold",
+            "kl_max=10",
+            "--logprob-threshold",
+            "topk_max_err=10",
+        ).returncode
+        == 0
+    )
     r = cli(*args, "--logprob-threshold", "mse=0", "--quiet")
     assert r.returncode == 1 and "FAIL (mse" in r.stdout
     r = cli(*args, "--quiet", env={"DRIFTSCOPE_LOGPROB_MSE": "0"})

@@ -29,15 +29,46 @@ from comparator.logprobs import (
 from dumper.errors import NotComparableError, UsageError
 
 NO_CHECKS = LogprobThresholds()
-VERDICT_KEYS = {"mse", "rmse", "max_abs_err", "k3_mean", "k3_max", "kl_mean", "kl_max", "kl_percentiles",
-                "top1_agreement", "topk_max_err", "topk_mean_err", "compared_positions", "requests",
-                "unmatched_baseline", "unmatched_target", "thresholds", "passed",
-                # llama-perplexity's statistics (comparator/logprobs/llama_stats.py)
-                "ppl_base", "ppl_base_se", "ppl_target", "ppl_target_se", "ln_ppl_ratio", "ln_ppl_ratio_se",
-                "ppl_ratio", "ppl_ratio_se", "ppl_correlation", "delta_p", "kl_mean_se", "kl_quantiles",
-                "same_top_rate", "same_top_se",
-                # issue 11: mean |Δlogprob| and standard errors, noise multiples, which table rows applied
-                "mean_abs_err", "mean_abs_err_se", "k3_mean_se", "noise", "threshold_source"}
+VERDICT_KEYS = {
+    "mse",
+    "rmse",
+    "max_abs_err",
+    "k3_mean",
+    "k3_max",
+    "kl_mean",
+    "kl_max",
+    "kl_percentiles",
+    "top1_agreement",
+    "topk_max_err",
+    "topk_mean_err",
+    "compared_positions",
+    "requests",
+    "unmatched_baseline",
+    "unmatched_target",
+    "thresholds",
+    "passed",
+    # llama-perplexity's statistics (comparator/logprobs/llama_stats.py)
+    "ppl_base",
+    "ppl_base_se",
+    "ppl_target",
+    "ppl_target_se",
+    "ln_ppl_ratio",
+    "ln_ppl_ratio_se",
+    "ppl_ratio",
+    "ppl_ratio_se",
+    "ppl_correlation",
+    "delta_p",
+    "kl_mean_se",
+    "kl_quantiles",
+    "same_top_rate",
+    "same_top_se",
+    # issue 11: mean |Δlogprob| and standard errors, noise multiples, which table rows applied
+    "mean_abs_err",
+    "mean_abs_err_se",
+    "k3_mean_se",
+    "noise",
+    "threshold_source",
+}
 
 
 def seq(request: str, logprobs, ids=None, top=None, texts=None) -> SequenceLogprobs:
@@ -112,8 +143,11 @@ def test_k3_values_and_edges():
 
 
 @settings(max_examples=50, deadline=None)
-@given(st.integers(min_value=2, max_value=12), st.integers(min_value=0, max_value=2**32 - 1),
-       st.floats(min_value=0.01, max_value=3.0))
+@given(
+    st.integers(min_value=2, max_value=12),
+    st.integers(min_value=0, max_value=2**32 - 1),
+    st.floats(min_value=0.01, max_value=3.0),
+)
 def test_k3_expectation_is_exact_kl(vocab, seed, scale):
     """E_{x~P}[k3(log Q(x) - log P(x))] = sum Q - 1 + KL(P||Q) = KL(P||Q) over the whole vocabulary."""
     rng = np.random.default_rng(seed)
@@ -322,8 +356,13 @@ def test_verdict_json_contract_and_round_trip():
     base = [seq("a", [None, -0.5, -0.7], top=top)]
     tgt = [seq("a", [None, -0.51, -0.7], top=top), seq("z", [None, -1.0])]
     th = LogprobThresholds(mse=1e-3, kl_max=1.0)
-    v = compare_logprobs(base, tgt, th, ref_logits={"a": (np.array([1, 2]), la)},
-                         tgt_logits={"a": (np.array([1, 2]), la + 0.01 * rng.normal(size=la.shape))})
+    v = compare_logprobs(
+        base,
+        tgt,
+        th,
+        ref_logits={"a": (np.array([1, 2]), la)},
+        tgt_logits={"a": (np.array([1, 2]), la + 0.01 * rng.normal(size=la.shape))},
+    )
     d = v.to_json()
     assert set(d) == VERDICT_KEYS
     assert set(d["thresholds"]) == set(metric_names()) and d["thresholds"]["mse"] == 1e-3
@@ -354,11 +393,22 @@ def test_threshold_boundary_and_skipped_metrics():
 
 def test_threshold_resolution_order(tmp_path):
     table = tmp_path / "t.json"
-    table.write_text(json.dumps({
-        "_comment": "x",
-        "default": {"mse": 1e-3, "max_abs_err": 0.5, "k3_mean": 1e-3, "kl_mean": 1e-3, "kl_max": 0.1, "topk_max_err": 0.5},
-        "my-model": {"k3_mean": 1e-4, "kl_max": None},
-    }))
+    table.write_text(
+        json.dumps(
+            {
+                "_comment": "x",
+                "default": {
+                    "mse": 1e-3,
+                    "max_abs_err": 0.5,
+                    "k3_mean": 1e-3,
+                    "kl_mean": 1e-3,
+                    "kl_max": 0.1,
+                    "topk_max_err": 0.5,
+                },
+                "my-model": {"k3_mean": 1e-4, "kl_max": None},
+            }
+        )
+    )
     t = LogprobThresholds.resolve("my-model", env={}, table=table)
     assert t.k3_mean == 1e-4 and t.kl_max is None and t.mse == 1e-3  # model entry over default; null = off
     assert LogprobThresholds.resolve("/ckpt/my-model/", env={}, table=table).k3_mean == 1e-4  # last path part

@@ -23,10 +23,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from comparator.cli.main import main as comparator_main
-from dumper.server.client import (MAX_RETRIES, MAX_TIMEOUT_S, ServerClient, ServerError,
-                                                     check_retries, check_timeout)
 from dumper.cli.main import main as dumper_main
 from dumper.errors import UsageError
+from dumper.server.client import MAX_RETRIES, MAX_TIMEOUT_S, ServerClient, ServerError, check_retries, check_timeout
 from tests.comparator.logprobs import test_engines as engines
 from tests.conftest import run_cli, serve_in_thread
 from tests.fuzzing import FUZZ, check_outcome, has_control, run_main
@@ -54,7 +53,7 @@ def _answer(status: int, body: bytes, *headers: str, length: int | None = None) 
 
 
 def _chunked(body: bytes, size: int = 7, *, last: bool = True) -> bytes:
-    pieces = [body[i:i + size] for i in range(0, len(body), size)]
+    pieces = [body[i : i + size] for i in range(0, len(body), size)]
     return b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in pieces) + (b"0\r\n\r\n" if last else b"")
 
 
@@ -125,8 +124,9 @@ def raw() -> Iterator[str]:
 
 
 @pytest.mark.parametrize("value", ["inf", "1e300", "nan", "0", "-1", "-inf", "86401", "ten"])
-def test_a_timeout_that_is_not_a_finite_positive_day_is_refused(value: str, tmp_path: Path,
-                                                                capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_timeout_that_is_not_a_finite_positive_day_is_refused(
+    value: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     url = "http://127.0.0.1:9"
     rc = comparator_main(_collect_args(url, tmp_path / "x.jsonl", "--timeout", value, "--retries", "0"))
     line = _one_error_line(capsys.readouterr().err)
@@ -145,8 +145,10 @@ def test_retries_must_be_a_small_count(value: str, tmp_path: Path, capsys: pytes
 
 @pytest.mark.slow
 def test_timeout_inf_through_the_real_cli(tmp_path: Path) -> None:
-    for cli, args in (("comparator", _collect_args("http://127.0.0.1:9", tmp_path / "x.jsonl")),
-                      ("dumper", ["selfcheck", "--server", "http://127.0.0.1:9", "--api", "vllm"])):
+    for cli, args in (
+        ("comparator", _collect_args("http://127.0.0.1:9", tmp_path / "x.jsonl")),
+        ("dumper", ["selfcheck", "--server", "http://127.0.0.1:9", "--api", "vllm"]),
+    ):
         r = run_cli(cli, *args, "--timeout", "inf")
         assert r.returncode == 2 and "--timeout inf:" in _one_error_line(r.stderr), r.stderr
 
@@ -159,8 +161,15 @@ def test_the_library_checks_the_same_bounds() -> None:
     for bad in (-1, MAX_RETRIES + 1, 1.0, True):
         with pytest.raises(UsageError, match="--retries"):
             ServerClient("http://127.0.0.1:9", retries=bad)  # type: ignore[arg-type]
-    for url in ("http://[::1", "http://h:99999", "http://h:port", "http://user:pw@h:1", "http://h\x1b[31m:1",
-                "ftp://h", "http:///x"):
+    for url in (
+        "http://[::1",
+        "http://h:99999",
+        "http://h:port",
+        "http://user:pw@h:1",
+        "http://h\x1b[31m:1",
+        "ftp://h",
+        "http:///x",
+    ):
         with pytest.raises(UsageError, match="--server"):
             ServerClient(url)
 
@@ -235,14 +244,17 @@ def test_a_redirect_on_the_same_host_is_refused_too(raw: str) -> None:
 # --------------------------------------------------------------------------- framing
 
 
-def test_a_body_shorter_than_its_content_length_is_incomplete(raw: str, tmp_path: Path,
-                                                              capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_body_shorter_than_its_content_length_is_incomplete(
+    raw: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     _Raw.answer = _answer(200, GOOD, length=len(GOOD) + 5)  # all of a valid answer, but 5 bytes short
     rc = comparator_main(_collect_args(raw, tmp_path / "x.jsonl", "--retries", "1"))
     line = _one_error_line(capsys.readouterr().err)
     assert rc == 2 and _Raw.hits == 2, line
-    assert (f"/generate: incomplete response: the connection closed after {len(GOOD)} of the {len(GOOD) + 5} bytes "
-            "its Content-Length declares (after 2 tries") in line, line
+    assert (
+        f"/generate: incomplete response: the connection closed after {len(GOOD)} of the {len(GOOD) + 5} bytes "
+        "its Content-Length declares (after 2 tries"
+    ) in line, line
     assert not (tmp_path / "x.jsonl").exists()
 
 
@@ -282,6 +294,7 @@ def test_error_text_from_the_server_is_printable(raw: str, tmp_path: Path) -> No
 
 # --------------------------------------------------------------------------- fuzz: whatever a server sends
 
+
 def _mostly(common: st.SearchStrategy, rare: st.SearchStrategy, one_in: int = 3) -> st.SearchStrategy:
     """``common``, and ``rare`` about once in ``one_in`` draws: most answers should get far into the client."""
     return st.integers(1, one_in).flatmap(lambda i: rare if i == 1 else common)
@@ -289,16 +302,51 @@ def _mostly(common: st.SearchStrategy, rare: st.SearchStrategy, one_in: int = 3)
 
 _TEXT = st.text(st.characters(max_codepoint=0x2FF), max_size=40)  # control characters, CR and LF included
 _VALUE = _mostly(st.text(st.characters(max_codepoint=0x2FF, blacklist_characters="\r\n"), max_size=40), _TEXT, 6)
-_STATUS = _mostly(st.just(200), st.sampled_from([100, 101, 103, 199, 201, 204, 206, 299, 301, 302, 304, 307, 308, 400,
-                                                  404, 413, 418, 429, 500, 502, 503, 504, 599, 600, 999])
-                  | st.integers(0, 1200), 2)
-_BODY = _mostly(st.just(GOOD), st.one_of(
-    st.builds(lambda cut: GOOD[:cut], st.integers(0, len(GOOD))),
-    st.builds(lambda m: json.dumps({"error": {"message": m}}).encode(), _TEXT),
-    st.builds(lambda m: json.dumps({"detail": [{"msg": m}]}).encode(), _TEXT),
-    st.binary(max_size=200),
-    st.sampled_from([b"[" * 100_000, b'{"meta_info": NaN}', b"1" * 5000, b"null", b"", b'"\\ud800"']),
-), 2)
+_STATUS = _mostly(
+    st.just(200),
+    st.sampled_from(
+        [
+            100,
+            101,
+            103,
+            199,
+            201,
+            204,
+            206,
+            299,
+            301,
+            302,
+            304,
+            307,
+            308,
+            400,
+            404,
+            413,
+            418,
+            429,
+            500,
+            502,
+            503,
+            504,
+            599,
+            600,
+            999,
+        ]
+    )
+    | st.integers(0, 1200),
+    2,
+)
+_BODY = _mostly(
+    st.just(GOOD),
+    st.one_of(
+        st.builds(lambda cut: GOOD[:cut], st.integers(0, len(GOOD))),
+        st.builds(lambda m: json.dumps({"error": {"message": m}}).encode(), _TEXT),
+        st.builds(lambda m: json.dumps({"detail": [{"msg": m}]}).encode(), _TEXT),
+        st.binary(max_size=200),
+        st.sampled_from([b"[" * 100_000, b'{"meta_info": NaN}', b"1" * 5000, b"null", b"", b'"\\ud800"']),
+    ),
+    2,
+)
 
 
 def _is_length(text: str, n: int) -> bool:
@@ -310,14 +358,41 @@ def _is_length(text: str, n: int) -> bool:
 def _answers(draw: st.DrawFn) -> tuple[bytes, bool, bool]:
     """(raw answer, hold the connection open, an answer that must not pass)."""
     status, body = draw(_STATUS), draw(_BODY)
-    line = draw(_mostly(st.just(f"HTTP/1.1 {status} OK"), st.sampled_from([
-        f"HTTP/1.0 {status}", f"HTTP/2 {status} OK", f"HTTP/1.1 {status} {draw(_TEXT)}", f"{status} OK", "",
-        "HTTP/1.1 2OO OK", f"HTTP/1.1 {status} OK\n"])))
-    headers = [f"{k}: {v}" for k, v in draw(st.lists(st.tuples(
-        st.sampled_from(["Content-Type", "Location", "X-Junk", "Connection", "Content-Encoding"]), _VALUE), max_size=3))]
+    line = draw(
+        _mostly(
+            st.just(f"HTTP/1.1 {status} OK"),
+            st.sampled_from(
+                [
+                    f"HTTP/1.0 {status}",
+                    f"HTTP/2 {status} OK",
+                    f"HTTP/1.1 {status} {draw(_TEXT)}",
+                    f"{status} OK",
+                    "",
+                    "HTTP/1.1 2OO OK",
+                    f"HTTP/1.1 {status} OK\n",
+                ]
+            ),
+        )
+    )
+    headers = [
+        f"{k}: {v}"
+        for k, v in draw(
+            st.lists(
+                st.tuples(
+                    st.sampled_from(["Content-Type", "Location", "X-Junk", "Connection", "Content-Encoding"]), _VALUE
+                ),
+                max_size=3,
+            )
+        )
+    ]
     clean = not any(c in "\r\n" for c in line + "".join(headers))  # else the text ends a header: no prediction
-    framing = draw(_mostly(st.sampled_from(["length", "chunked"]), st.sampled_from(
-        ["short", "long", "huge", "bad", "two", "none", "cut-chunked", "gzip-chunked"]), 2))
+    framing = draw(
+        _mostly(
+            st.sampled_from(["length", "chunked"]),
+            st.sampled_from(["short", "long", "huge", "bad", "two", "none", "cut-chunked", "gzip-chunked"]),
+            2,
+        )
+    )
     n = len(body)
     must_fail = not 200 <= status < 300 or not line.startswith("HTTP/1.") or f" {status}" not in line
     if framing == "chunked":
@@ -330,13 +405,22 @@ def _answers(draw: st.DrawFn) -> tuple[bytes, bool, bool]:
         headers.append("Transfer-Encoding: gzip, chunked")
         body, must_fail = _chunked(body), must_fail or clean
     elif framing != "none":
-        declared = {"length": n, "short": max(n - draw(st.integers(1, 10)), 0), "long": n + draw(st.integers(1, 10)),
-                    "huge": 1 << draw(st.integers(28, 70)), "bad": draw(_VALUE), "two": n}[framing]
+        declared = {
+            "length": n,
+            "short": max(n - draw(st.integers(1, 10)), 0),
+            "long": n + draw(st.integers(1, 10)),
+            "huge": 1 << draw(st.integers(28, 70)),
+            "bad": draw(_VALUE),
+            "two": n,
+        }[framing]
         headers.append(f"Content-Length: {declared}")
         if framing == "two":
             headers.append(f"Content-Length: {n + 1}")
-        must_fail = must_fail or clean and (framing in ("long", "huge", "two")
-                                            or framing == "bad" and not _is_length(str(declared), n))
+        must_fail = (
+            must_fail
+            or clean
+            and (framing in ("long", "huge", "two") or framing == "bad" and not _is_length(str(declared), n))
+        )
     if draw(st.integers(0, 5)) == 0:
         line = "HTTP/1.1 100 Continue\r\n\r\n" + line
     raw_answer = ("\r\n".join([line, *headers]) + "\r\n\r\n").encode("utf-8", "surrogatepass") + body
@@ -355,8 +439,10 @@ def test_fuzz_whatever_the_server_sends(raw: str, case: tuple[bytes, bool, bool]
     _Raw.answer, _Raw.hold, must_fail = case
     with tempfile.TemporaryDirectory() as tmp:
         start = time.monotonic()
-        o = run_main(comparator_main, _collect_args(raw, Path(tmp) / "x.jsonl", "--timeout", str(_FUZZ_TIMEOUT),
-                                                    "--retries", "0"))
+        o = run_main(
+            comparator_main,
+            _collect_args(raw, Path(tmp) / "x.jsonl", "--timeout", str(_FUZZ_TIMEOUT), "--retries", "0"),
+        )
         wall = time.monotonic() - start
         code = check_outcome(o)
         assert code in (0, 2) and wall < _FUZZ_TIMEOUT + 3, (code, wall)

@@ -34,8 +34,13 @@ def _dump(model, ids, out, *, chunks=None):
             cache = DynamicCache()
             cuts = [0, *chunks, ids.shape[1]]
             for a, b in zip(cuts, cuts[1:], strict=False):
-                model(input_ids=ids[:, a:b], past_key_values=cache, use_cache=True,
-                      position_ids=torch.arange(a, b)[None], cache_position=torch.arange(a, b))
+                model(
+                    input_ids=ids[:, a:b],
+                    past_key_values=cache,
+                    use_cache=True,
+                    position_ids=torch.arange(a, b)[None],
+                    cache_position=torch.arange(a, b),
+                )
     return out
 
 
@@ -44,9 +49,12 @@ def _benign(root, dtype):
     eager, tok = tiny_llama("eager", dtype)
     sdpa, _ = tiny_llama("sdpa", dtype)
     ids = prompt_ids(tok, N_TOKENS)
-    dumps = {"base": _dump(eager, ids, root / "base"), "sdpa": _dump(sdpa, ids, root / "sdpa"),
-             "chunked": _dump(eager, ids, root / "chunked", chunks=CHUNKS["chunked"]),
-             "chunked-sdpa": _dump(sdpa, ids, root / "chunked-sdpa", chunks=CHUNKS["chunked-sdpa"])}
+    dumps = {
+        "base": _dump(eager, ids, root / "base"),
+        "sdpa": _dump(sdpa, ids, root / "sdpa"),
+        "chunked": _dump(eager, ids, root / "chunked", chunks=CHUNKS["chunked"]),
+        "chunked-sdpa": _dump(sdpa, ids, root / "chunked-sdpa", chunks=CHUNKS["chunked-sdpa"]),
+    }
     noise = root / "noise.json"
     r = run_cli("comparator", "calibrate", dumps["base"], dumps["sdpa"], dumps["chunked"], "--out", noise, "--quiet")
     assert r.returncode == 0, r.stderr
@@ -97,7 +105,10 @@ def test_fp32_weight_change_far_below_fixed_thresholds_fails_against_noise(fp32,
     assert rc == 1 and out.startswith("DIVERGED at layer 4"), out
     t4 = next(t for t in report["tensors"] if t["layer"] == 4)
     assert 1e-10 < t4["max_token_rel_diff"] < 1e-3 and t4["token_noise_ratio"] > 1e3
-    assert report["first_divergent"]["onset_layer"] == 4 and report["first_divergent"]["onset_layer_method"] == "calibrated"
+    assert (
+        report["first_divergent"]["onset_layer"] == 4
+        and report["first_divergent"]["onset_layer_method"] == "calibrated"
+    )
     # each layer below the change is within its noise, and layer 3 is where error is introduced
     assert all(t["passed"] for t in report["tensors"] if t["layer"] < 4)
     assert [a["layer"] for a in report["amplification"] if a["introduced"]] == [3]
@@ -139,6 +150,7 @@ def test_bf16_one_token_change_just_above_noise_fails_only_against_noise(bf16, t
 
 def _rotary_from(model, start, eps):
     """Scale the rotary cos/sin from position ``start`` on by 1 + eps * (p - start + 1): wrong from ``start``."""
+
     def hook(module, args, output):
         cos, sin = output
         n = cos.shape[1]
@@ -216,8 +228,11 @@ def test_calibrate_from_engine_jsonl_judges_logprobs(tmp_path):
     r = run_cli("comparator", "calibrate", base, v1, v2, "--out", tmp_path / "n.json", "--quiet")
     assert r.returncode == 0 and "noise of logprobs" in r.stdout, r.stderr
     noise = load_noise(tmp_path / "n.json")
-    assert not noise.tensors and noise.logprobs.variants == 2 and noise.logprobs.metrics["max_abs_err"] == \
-        pytest.approx(2e-6, rel=1e-3)
+    assert (
+        not noise.tensors
+        and noise.logprobs.variants == 2
+        and noise.logprobs.metrics["max_abs_err"] == pytest.approx(2e-6, rel=1e-3)
+    )
     bad = write_jsonl(tmp_path / "bad.jsonl", shifted(1e-2))
     r = run_cli("comparator", "logprobs", base, bad, "--noise", tmp_path / "n.json", "--quiet")
     assert r.returncode == 1 and "max_abs_err" in r.stdout, r.stdout
@@ -233,8 +248,12 @@ def test_reports_with_and_without_noise_round_trip_through_json(fp32, tmp_path):
     dumps, noise, ids = fp32
     model, _ = tiny_llama()
     handle = model.model.layers[4].register_forward_hook(
-        lambda mod, args, out: out[0].__setitem__((0, 33, 7), float("nan")) if isinstance(out, tuple)
-        else out.__setitem__((0, 33, 7), float("nan")))
+        lambda mod, args, out: (
+            out[0].__setitem__((0, 33, 7), float("nan"))
+            if isinstance(out, tuple)
+            else out.__setitem__((0, 33, 7), float("nan"))
+        )
+    )
     bad = _dump(model, ids, tmp_path / "nan")
     handle.remove()
     for config in (CompareConfig(), CompareConfig(noise=load_noise(noise))):

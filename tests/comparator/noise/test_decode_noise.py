@@ -15,7 +15,6 @@ import pytest
 from comparator import CompareConfig, compare_dumps
 from comparator.judging.noise import PhaseNoise, TensorNoise
 from comparator.judging.noise_thresholds import DEFAULT_FACTOR, noise_limits
-from comparator.noise.calibrate import calibrate
 from comparator.noise.file import load_noise, save_noise
 from dumper.format.decode import DECODE, PREFILL
 from dumper.prefill.run import dump_sequences, run_dump
@@ -58,14 +57,31 @@ def test_calibrating_on_decode_dumps_measures_prompt_and_decode_rows_apart(dumps
         assert p.token_p99 <= p.token_p999 <= p.token_max and d.token_p99 <= d.token_p999 <= d.token_max
     assert any(t.phases[DECODE].token_max > 0 for t in noise.tensors.values())  # decode rows carry rounding
     assert load_noise(dumps / "noise.json") == noise  # round trip
-    r = run_cli("comparator", "calibrate", dumps / "prefill", dumps / "decode", "--out", dumps / "again.json",
-                env={"COLUMNS": "250"})
+    r = run_cli(
+        "comparator",
+        "calibrate",
+        dumps / "prefill",
+        dumps / "decode",
+        "--out",
+        dumps / "again.json",
+        env={"COLUMNS": "250"},
+    )
     assert r.returncode == 0 and "prompt token max" in r.stdout and "decode token max" in r.stdout, r.stdout
 
 
 def test_each_row_is_judged_by_its_phase_noise(dumps):
-    r = run_cli("comparator", dumps / "prefill", dumps / "decode", "--noise", dumps / "noise.json", "--noise-floor",
-                "0", "--json", dumps / "v.json", "--quiet")
+    r = run_cli(
+        "comparator",
+        dumps / "prefill",
+        dumps / "decode",
+        "--noise",
+        dumps / "noise.json",
+        "--noise-floor",
+        "0",
+        "--json",
+        dumps / "v.json",
+        "--quiet",
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     noise = load_noise(dumps / "noise.json")
     tensors = json.loads((dumps / "v.json").read_text())["tensors"]
@@ -87,8 +103,9 @@ def test_a_decode_only_bug_fails_its_phase_noise_at_its_layer_token_and_step(dum
 
 
 def test_noise_without_decode_rows_judges_decode_rows_with_a_warning(dumps, tmp_path):
-    r = run_cli("comparator", "calibrate", dumps / "prefill", dumps / "prefill-b2", "--out", tmp_path / "n.json",
-                "--quiet")
+    r = run_cli(
+        "comparator", "calibrate", dumps / "prefill", dumps / "prefill-b2", "--out", tmp_path / "n.json", "--quiet"
+    )
     assert r.returncode == 0, r.stderr
     assert all(not t.phases for t in load_noise(tmp_path / "n.json").tensors.values())
     report = compare_dumps(dumps / "prefill", dumps / "decode", CompareConfig(noise=load_noise(tmp_path / "n.json")))
@@ -97,9 +114,17 @@ def test_noise_without_decode_rows_judges_decode_rows_with_a_warning(dumps, tmp_
 
 
 def test_the_per_row_threshold_follows_the_row_phase():
-    noise = TensorNoise(name="t", layer=1, point="input", rel_diff=1e-6, token_max=1e-4, token_p999=1e-4,
-                        token_p99=1e-5, positions=8,
-                        phases={PREFILL: PhaseNoise(1e-8, 1e-8, 1e-9, 4), DECODE: PhaseNoise(1e-4, 1e-4, 1e-5, 4)})
+    noise = TensorNoise(
+        name="t",
+        layer=1,
+        point="input",
+        rel_diff=1e-6,
+        token_max=1e-4,
+        token_p999=1e-4,
+        token_p99=1e-5,
+        positions=8,
+        phases={PREFILL: PhaseNoise(1e-8, 1e-8, 1e-9, 4), DECODE: PhaseNoise(1e-4, 1e-4, 1e-5, 4)},
+    )
     lim = noise_limits(noise, 3.0, 1e-12, None)
     token = np.array([0.0, 2e-8, 5e-8, 0.0, 2e-4, 3e-5, 5e-4, 0.0])
     decode = np.arange(8) >= 4
@@ -114,13 +139,16 @@ def test_the_per_row_threshold_follows_the_row_phase():
     assert blind.decode_token_threshold is None and blind.token_threshold == pytest.approx(3e-4)
 
 
-@pytest.mark.parametrize("phases,words", [
-    ({"verify": {}}, 'unknown keys "verify"'),
-    ({"decode": {"token_max": 1e-9, "token_p999": 1e-9, "token_p99": 1e-9}}, "missing keys ['positions']"),
-    ({"decode": {"token_max": 3.0, "token_p999": 1e-9, "token_p99": 1e-9, "positions": 2}}, "token_max"),
-    ({"decode": {"token_max": 1e-9, "token_p999": 1e-9, "token_p99": 1e-9, "positions": -1}}, "positions"),
-    ([], "phases: expected an object"),
-])
+@pytest.mark.parametrize(
+    "phases,words",
+    [
+        ({"verify": {}}, 'unknown keys "verify"'),
+        ({"decode": {"token_max": 1e-9, "token_p999": 1e-9, "token_p99": 1e-9}}, "missing keys ['positions']"),
+        ({"decode": {"token_max": 3.0, "token_p999": 1e-9, "token_p99": 1e-9, "positions": 2}}, "token_max"),
+        ({"decode": {"token_max": 1e-9, "token_p999": 1e-9, "token_p99": 1e-9, "positions": -1}}, "positions"),
+        ([], "phases: expected an object"),
+    ],
+)
 def test_a_hostile_phases_entry_is_refused_in_one_line(dumps, tmp_path, phases, words):
     d = json.loads((dumps / "noise.json").read_text())
     d["tensors"][0]["phases"] = phases

@@ -21,9 +21,9 @@ from comparator.judging.logprob_metrics import default_floors
 from comparator.judging.logprob_noise import Z_SIGNIFICANT
 from comparator.judging.noise_thresholds import resolve_logprob_thresholds
 from comparator.logprobs import LogprobVerdict
+from comparator.logprobs.judge import compare_logprob_sources
 from comparator.noise.file import load_noise
 from comparator.outcome import format_float
-from comparator.logprobs.judge import compare_logprob_sources
 from dumper.errors import UsageError
 from dumper.prefill.presets import load_model
 from dumper.prefill.run import LogprobSpec, RunConfig, dump_sequences, prompt_token_ids, run_dump
@@ -33,8 +33,11 @@ SPEC = LogprobSpec(top_k=5, save_logits=True)
 ROW, EPS = 40, 0.02
 """The perturbed row of prompt 0 and the final norm's scale error there."""
 _RUN = itertools.count()
-BENIGN = {"sdpa": {"attn": "sdpa"}, "chunk7": {"chunk_size": 7},
-          "heldout": {"batch_size": 2, "padding_side": "left", "chunk_size": 9, "attn": "sdpa"}}
+BENIGN = {
+    "sdpa": {"attn": "sdpa"},
+    "chunk7": {"chunk_size": 7},
+    "heldout": {"batch_size": 2, "padding_side": "left", "chunk_size": 9, "attn": "sdpa"},
+}
 
 
 def _norm_perturbed(out: Path, scale: float, rows: slice | int) -> None:
@@ -69,8 +72,18 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     _norm_perturbed(root / "shift", 1 + 1e-3, slice(None))  # every row of prompt 0: the whole run shifts
     _norm_perturbed(root / "nan", math.nan, ROW)
     for dtype in ("float32", "bfloat16"):
-        _ok(run_cli("comparator", "calibrate", root / f"{dtype}-base", root / f"{dtype}-sdpa", root / f"{dtype}-chunk7",
-                    "--out", root / f"{dtype}.noise.json", "--quiet"))
+        _ok(
+            run_cli(
+                "comparator",
+                "calibrate",
+                root / f"{dtype}-base",
+                root / f"{dtype}-sdpa",
+                root / f"{dtype}-chunk7",
+                "--out",
+                root / f"{dtype}.noise.json",
+                "--quiet",
+            )
+        )
     nolp = json.loads((root / "float32.noise.json").read_text())  # what calibrate writes for variants without logprobs
     (root / "nolp.noise.json").write_text(json.dumps({**nolp, "logprobs": None}))
     return root
@@ -141,7 +154,9 @@ def test_a_calibration_without_the_attention_change_misses_bf16_noise(runs: Path
 def test_float32_against_bfloat16_is_judged_by_the_bfloat16_rows(runs: Path) -> None:
     rc, v, stdout = _logprobs(runs, "float32-base", "bfloat16-heldout")
     assert rc == 0 and v["threshold_source"].endswith("default < tiny-llama") and v["thresholds"]["max_abs_err"] == 0.05
-    assert 1e-3 < v["max_abs_err"]["value"] < 0.05 and "thresholds: logprob_thresholds.json default < tiny-llama" in stdout
+    assert (
+        1e-3 < v["max_abs_err"]["value"] < 0.05 and "thresholds: logprob_thresholds.json default < tiny-llama" in stdout
+    )
 
 
 def test_one_broken_row_is_not_a_significant_mean_shift_but_a_shifted_run_is(runs: Path) -> None:
@@ -160,8 +175,10 @@ def test_one_broken_row_is_not_a_significant_mean_shift_but_a_shifted_run_is(run
 
 
 def test_nan_never_passes(runs: Path) -> None:
-    for args in (("--noise", runs / "float32.noise.json"),
-                 ("--logprob-threshold", "max_abs_err=1e300", "--logprob-threshold", "kl_max=1e300")):
+    for args in (
+        ("--noise", runs / "float32.noise.json"),
+        ("--logprob-threshold", "max_abs_err=1e300", "--logprob-threshold", "kl_max=1e300"),
+    ):
         rc, v, _ = _logprobs(runs, "float32-base", "nan", *args)
         assert rc == 1 and v["max_abs_err"]["value"] is None and v["max_abs_err"]["position"] == ROW + 1, args
         assert "max_abs_err" in LogprobVerdict.from_json(v).failures()
@@ -178,9 +195,13 @@ def test_unusable_noise_files_and_flags_exit_2_with_one_line(runs: Path, tmp_pat
     args = ("comparator", "logprobs", runs / "float32-base", runs / "bug")
     _refused(run_cli(*args, "--noise", runs / "nolp.noise.json"), "nolp.noise.json", "no logprob noise")
     good = json.loads((runs / "float32.noise.json").read_text())
-    broken = {"truncated.json": json.dumps(good)[:200], "negative.json": json.dumps(
-        {**good, "logprobs": {**good["logprobs"], "metrics": {**good["logprobs"]["metrics"], "max_abs_err": -1.0}}}),
-        "wrongtype.json": json.dumps({**good, "logprobs": [1, 2]})}
+    broken = {
+        "truncated.json": json.dumps(good)[:200],
+        "negative.json": json.dumps(
+            {**good, "logprobs": {**good["logprobs"], "metrics": {**good["logprobs"]["metrics"], "max_abs_err": -1.0}}}
+        ),
+        "wrongtype.json": json.dumps({**good, "logprobs": [1, 2]}),
+    }
     for name, text in broken.items():
         (tmp_path / name).write_text(text)
         _refused(run_cli(*args, "--noise", tmp_path / name), name)
@@ -196,8 +217,14 @@ def test_thresholds_from_noise_with_explicit_ones_on_top(runs: Path) -> None:
     t = resolve_logprob_thresholds("tiny-llama", noise=noise, factor=10.0, env={})
     assert t.max_abs_err == max(1e-4, 10 * noise.metrics["max_abs_err"]) and t.basis is not None
     assert t.kl_mean == default_floors()["kl_mean"]  # 10 x 1.4e-15 is under the floor
-    t = resolve_logprob_thresholds("tiny-llama", noise=noise, factor=10.0, floors={"max_abs_err": 1e-7},
-                                   explicit={"kl_max": 1e-20, "mse": 1.0, "topk_max_err": None}, env={})
+    t = resolve_logprob_thresholds(
+        "tiny-llama",
+        noise=noise,
+        factor=10.0,
+        floors={"max_abs_err": 1e-7},
+        explicit={"kl_max": 1e-20, "mse": 1.0, "topk_max_err": None},
+        env={},
+    )
     assert t.max_abs_err == pytest.approx(10 * noise.metrics["max_abs_err"])  # the floor lowered below 10 x noise
     assert t.kl_max == 1e-20 and t.mse == max(1e-9, 10 * noise.metrics["mse"]) and t.topk_max_err is None
     assert t.basis.from_noise == {"mean_abs_err", "max_abs_err", "mse", "k3_mean", "kl_mean"}
@@ -213,11 +240,17 @@ def test_library_verdict_reads_json_from_before_the_noise_keys(runs: Path) -> No
     v = compare_logprob_sources(runs / "float32-base", runs / "bug")
     assert v.mean_abs_err is not None and v.mean_abs_err_se is not None and v.k3_mean_se is not None
     assert 0 < v.mean_abs_err_se <= v.mean_abs_err and "tiny-llama@float32" in (v.thresholds.source or "")
-    old = {k: x for k, x in v.to_json().items()
-           if k not in ("mean_abs_err", "mean_abs_err_se", "k3_mean_se", "noise", "threshold_source")}
+    old = {
+        k: x
+        for k, x in v.to_json().items()
+        if k not in ("mean_abs_err", "mean_abs_err_se", "k3_mean_se", "noise", "threshold_source")
+    }
     back = LogprobVerdict.from_json(old)
-    assert back.mean_abs_err is None and back.noise is None and back.failures() == [
-        f for f in v.failures() if f != "mean_abs_err"]
+    assert (
+        back.mean_abs_err is None
+        and back.noise is None
+        and back.failures() == [f for f in v.failures() if f != "mean_abs_err"]
+    )
 
 
 def test_selfcheck_says_its_k3_is_over_greedy_tokens() -> None:

@@ -67,8 +67,13 @@ def world(tmp_path_factory):
     variants = [_dump(root / f"v{s}", s) for s in (1, 2, 3)]
     noise = calibrate(base, variants)
     save_noise(noise, root / "NOISE.json")
-    return {"root": root, "base": base, "benign": _dump(root / "benign", 7),
-            "bug": _dump(root / "bug", 8, bug=True), "noise": load_noise(root / "NOISE.json")}
+    return {
+        "root": root,
+        "base": base,
+        "benign": _dump(root / "benign", 7),
+        "bug": _dump(root / "bug", 8, bug=True),
+        "noise": load_noise(root / "NOISE.json"),
+    }
 
 
 def _judge(world, target: str, noise) -> object:
@@ -96,8 +101,9 @@ def test_a_one_token_bug_under_the_pooled_noise_is_named_by_row_noise(world):
     assert not report.passed and fd.layer == LAYER + 1 and fd.token == BUG_TOKEN and fd.onset == BUG_TOKEN
     assert fd.onset_layer == LAYER + 1 and fd.sequence == 0
     failing = [t for t in report.tensors if not t.passed]
-    assert {t.layer for t in failing} == set(range(LAYER + 1, 8)) and all(t.failing_ranges[0][0] == BUG_TOKEN
-                                                                        for t in failing)
+    assert {t.layer for t in failing} == set(range(LAYER + 1, 8)) and all(
+        t.failing_ranges[0][0] == BUG_TOKEN for t in failing
+    )
     t = next(t for t in report.tensors if t.layer == LAYER + 1 and t.sequence == 0)
     assert t.token_noise_ratio > 3 * 10  # in units of its own row's noise
 
@@ -119,7 +125,7 @@ def test_rows_past_a_token_the_calibration_did_not_run_are_judged_by_the_pooled_
     noise = world["noise"]
     cut = 10  # the calibration's prompt 0 differs from the baseline's at position 10: those rows are another text
     prompts = list(noise.rows.prompts)
-    prompts[0] = (*prompts[0][:cut], prompts[0][cut] + 1, *prompts[0][cut + 1:])
+    prompts[0] = (*prompts[0][:cut], prompts[0][cut] + 1, *prompts[0][cut + 1 :])
     other = dataclasses.replace(noise, rows=dataclasses.replace(noise.rows, prompts=tuple(prompts)))
     report = _judge(world, "bug", other)
     failing = {t.sequence for t in report.tensors if not t.passed}
@@ -193,10 +199,12 @@ def test_a_side_file_of_another_calibration_truncated_missing_or_outside_is_refu
     src = world["root"]
     other = calibrate(world["base"], [src / "v1"])  # another calibration: its rows, its hash
     save_noise(other, tmp_path / "OTHER.json")
-    cases = {"another calibration": lambda p: shutil.copy(tmp_path / "OTHER.rows.safetensors", p),
-             "truncated": lambda p: p.write_bytes((src / "NOISE.rows.safetensors").read_bytes()[:100]),
-             "missing": lambda p: None,
-             "symlink outside": lambda p: p.symlink_to(src / "NOISE.rows.safetensors")}
+    cases = {
+        "another calibration": lambda p: shutil.copy(tmp_path / "OTHER.rows.safetensors", p),
+        "truncated": lambda p: p.write_bytes((src / "NOISE.rows.safetensors").read_bytes()[:100]),
+        "missing": lambda p: None,
+        "symlink outside": lambda p: p.symlink_to(src / "NOISE.rows.safetensors"),
+    }
     for label, make in cases.items():
         case = tmp_path / label.replace(" ", "-")
         case.mkdir()
@@ -247,8 +255,9 @@ def test_rows_failing_on_a_layout_the_calibration_did_not_run_say_so(world):
         notes[name] = [n for n in report.notes if "layout is none the calibration ran" in n]
     assert notes["same layout"] == [] and len(notes["chunked"]) == 1
     assert "(attn=sdpa against the baseline)" in notes["chunked"][0]
-    passing = compare_dumps(world["base"], _dump(world["root"] / "benign-chunked", 7, attn="sdpa"),
-                            CompareConfig(noise=world["noise"]))
+    passing = compare_dumps(
+        world["base"], _dump(world["root"] / "benign-chunked", 7, attn="sdpa"), CompareConfig(noise=world["noise"])
+    )
     assert passing.passed and not any("layout" in n for n in passing.notes)  # said only of failing rows
 
 

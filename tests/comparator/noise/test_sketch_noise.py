@@ -21,9 +21,13 @@ RUN = ("run", "--layers", "all", "--points", "input,residual", "--quiet")
 def dumps(tmp_path_factory) -> Path:
     """The built-in tiny model: eager and SDPA, full and sketched (K=32 seed 0), and sketched with seed 1."""
     root = tmp_path_factory.mktemp("sketch-noise")
-    for name, args in {"full": (), "full-sdpa": ("--attn", "sdpa"), "sk": ("--sketch", str(K)),
-                       "sk-sdpa": ("--sketch", str(K), "--attn", "sdpa"),
-                       "sk-seed1": ("--sketch", str(K), "--sketch-seed", "1")}.items():
+    for name, args in {
+        "full": (),
+        "full-sdpa": ("--attn", "sdpa"),
+        "sk": ("--sketch", str(K)),
+        "sk-sdpa": ("--sketch", str(K), "--attn", "sdpa"),
+        "sk-seed1": ("--sketch", str(K), "--sketch-seed", "1"),
+    }.items():
         r = run_cli("dumper", *RUN, *args, "--out", root / name)
         assert r.returncode == 0, r.stderr
     for name, base, variant in (("sk", "sk", "sk-sdpa"), ("full", "full", "full-sdpa")):
@@ -33,8 +37,16 @@ def dumps(tmp_path_factory) -> Path:
 
 
 def _judge(root: Path, base: str, target: str, noise: str) -> dict:
-    r = run_cli("comparator", root / base, root / target, "--noise", root / f"{noise}.json", "--json",
-                root / f"{base}-{target}-{noise}.json", "--quiet")
+    r = run_cli(
+        "comparator",
+        root / base,
+        root / target,
+        "--noise",
+        root / f"{noise}.json",
+        "--json",
+        root / f"{base}-{target}-{noise}.json",
+        "--quiet",
+    )
     assert r.returncode in (0, 1), r.stderr
     return json.loads((root / f"{base}-{target}-{noise}.json").read_text())
 
@@ -54,10 +66,13 @@ def test_sketch_noise_judges_a_sketch_comparison_without_a_warning(dumps):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("base, target, noise, says", [
-    ("sk", "sk-sdpa", "full", "calibrated on full dumps but judging a sketch comparison"),
-    ("full", "full-sdpa", "sk", "calibrated on sketch comparisons (rademacher K=32 seed=0) but judging full dumps"),
-])
+@pytest.mark.parametrize(
+    "base, target, noise, says",
+    [
+        ("sk", "sk-sdpa", "full", "calibrated on full dumps but judging a sketch comparison"),
+        ("full", "full-sdpa", "sk", "calibrated on sketch comparisons (rademacher K=32 seed=0) but judging full dumps"),
+    ],
+)
 def test_noise_of_the_other_kind_is_named_in_a_warning(dumps, base, target, noise, says):
     report = _judge(dumps, base, target, noise)
     assert [w for w in report["warnings"] if says in w], report["warnings"]
@@ -81,9 +96,14 @@ def test_regress_keeps_sketch_runs_in_their_own_lineage(dumps, tmp_path):
     assert rc == 0 and out.startswith("BOOTSTRAP"), out
 
 
-@pytest.mark.parametrize(("sketch", "field"), [({"kind": "rademacher", "k": 0, "seed": 0}, "sketch.k"),
-                                               ({"kind": "gauss", "k": 8, "seed": 0}, "sketch.kind"),
-                                               ([8], "sketch:")])
+@pytest.mark.parametrize(
+    ("sketch", "field"),
+    [
+        ({"kind": "rademacher", "k": 0, "seed": 0}, "sketch.k"),
+        ({"kind": "gauss", "k": 8, "seed": 0}, "sketch.kind"),
+        ([8], "sketch:"),
+    ],
+)
 def test_a_bad_sketch_section_of_a_noise_file_names_that_field(dumps, tmp_path, sketch, field):
     """A noise file has no capture_signature: its own field is named, in one line."""
     d = json.loads((dumps / "sk.json").read_text())

@@ -53,9 +53,13 @@ def page(tmp_path_factory):
     report = replace(compare_dumps(base, bad), baseline="dumps/base", target="dumps/bad")
     write_html(report, root / "report.html", baseline_manifest=load_manifest(base), target_manifest=load_manifest(bad))
     shot = root / "report.png"
-    r = subprocess.run(["node", str(BROWSER_DIR / "check_report.mjs"), str(root / "report.html"), str(shot),
-                        str(root / "profile")], capture_output=True, text=True, timeout=180,
-                       env={**os.environ, "CHROMIUM": CHROMIUM})
+    r = subprocess.run(
+        ["node", str(BROWSER_DIR / "check_report.mjs"), str(root / "report.html"), str(shot), str(root / "profile")],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, "CHROMIUM": CHROMIUM},
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     return report, json.loads(r.stdout.strip().splitlines()[-1]), shot
 

@@ -18,12 +18,26 @@ def _tensor(name: str, layer: int | None, rel_diff: float) -> TensorComparison:
     """A one-sequence tensor that fails at token 3 when ``rel_diff`` is over 1e-3."""
     passed = rel_diff <= 1e-3
     return TensorComparison(
-        name=name, layer=layer, forward_pass=0, rank=0, shape=(1, 8, 4),
+        name=name,
+        layer=layer,
+        forward_pass=0,
+        rank=0,
+        shape=(1, 8, 4),
         metrics={"rel_diff": rel_diff, "max_token_rel_diff": 2 * rel_diff, "max_abs_diff": rel_diff, "cosine": 1.0},
-        nan_baseline=0, inf_baseline=0, nan_target=0, inf_target=0, nonfinite_mismatches=0,
-        failing_tokens=0 if passed else 1, first_failing_token=None if passed else 3,
-        first_failing_row=None if passed else 3, first_failing_sequence=None if passed else 0,
-        worst_token=3, worst_row=3, passed=passed, sequence=0)
+        nan_baseline=0,
+        inf_baseline=0,
+        nan_target=0,
+        inf_target=0,
+        nonfinite_mismatches=0,
+        failing_tokens=0 if passed else 1,
+        first_failing_token=None if passed else 3,
+        first_failing_row=None if passed else 3,
+        first_failing_sequence=None if passed else 0,
+        worst_token=3,
+        worst_row=3,
+        passed=passed,
+        sequence=0,
+    )
 
 
 def _report(*tensors: TensorComparison) -> Report:
@@ -34,10 +48,12 @@ def _report(*tensors: TensorComparison) -> Report:
 def _html_rows(report: Report) -> list[tuple[str, str]]:
     """(class, verdict cell) of each row of the page's layer table."""
     page = render_html(report)
-    body = page[page.index('id="layer-table"'):]
-    body = body[:body.index("</table>")]
-    return [(cls, re.findall(r"<td>(.*?)</td>", row)[-1]) for cls, row in re.findall(r'<tr class="([^"]*)">(.*?)</tr>',
-                                                                                     body)]
+    body = page[page.index('id="layer-table"') :]
+    body = body[: body.index("</table>")]
+    return [
+        (cls, re.findall(r"<td>(.*?)</td>", row)[-1])
+        for cls, row in re.findall(r'<tr class="([^"]*)">(.*?)</tr>', body)
+    ]
 
 
 def test_only_tensors_without_a_layer_failing_mark_their_row_everywhere():
@@ -56,12 +72,20 @@ def test_only_tensors_without_a_layer_failing_mark_their_row_everywhere():
 
 
 def test_first_divergence_and_onset_rows_agree_across_formats():
-    report = _report(_tensor("layers.0", 0, 0.0), _tensor("layers.1", 1, 1e-4), _tensor("layers.2", 2, 0.5),
-                     _tensor("norm", None, 0.5))
+    report = _report(
+        _tensor("layers.0", 0, 0.0),
+        _tensor("layers.1", 1, 1e-4),
+        _tensor("layers.2", 2, 0.5),
+        _tensor("norm", None, 0.5),
+    )
     report = dataclasses.replace(report, first_divergent=dataclasses.replace(report.first_divergent, onset_layer=1))
     rows = layer_table(report).rows
     assert [(r.first, r.onset, r.passed) for r in rows] == [
-        (False, False, True), (False, True, True), (True, False, False), (False, False, False)]
+        (False, False, True),
+        (False, True, True),
+        (True, False, False),
+        (False, False, False),
+    ]
     md = [line for line in to_markdown(report).splitlines() if re.match(r"^\| (\*\*)?[\d-]", line)]
     assert md[1].endswith(f"| PASS {ONSET} |") and md[2].endswith(f"| **{FIRST_DIVERGENCE}** |")
     assert md[3].endswith("| FAIL (1) |")

@@ -131,8 +131,13 @@ def test_html_report_shows_names_as_text(tensor_dumps):
 
 def test_heatmap_chart_draws_dollar_signs_as_text():
     """A ``$...$`` in a tensor name would be parsed as mathtext (and ``$\\frac$`` fails the chart)."""
-    hm = Heatmap(sequence=0, positions=(0, 1, 2), layers=(0, 0), names=("a.$\\frac$.b", "c$x^$"),
-                 values=((0.0, 1e-3, 2e-1), (0.0, 0.0, 1e-5)))
+    hm = Heatmap(
+        sequence=0,
+        positions=(0, 1, 2),
+        layers=(0, 0),
+        names=("a.$\\frac$.b", "c$x^$"),
+        values=((0.0, 1e-3, 2e-1), (0.0, 0.0, 1e-5)),
+    )
     svg = figure_svg(heatmap_figure(hm, token_threshold=1e-3))
     assert "0 $\\frac$" in svg and "0 c$x^$" in svg
 
@@ -161,7 +166,7 @@ def test_markdown_code_spans_survive_backticks(tmp_path):
     r = run_cli("comparator", "`a``b", "c|d`", "--markdown", cwd=tmp_path)
     _ok(r)
     assert r.returncode == 0
-    md = r.stdout[r.stdout.index("**driftscope"):]
+    md = r.stdout[r.stdout.index("**driftscope") :]
     assert "target c|d` vs baseline `a``b;" in _Page(MarkdownIt("commonmark").render(md)).text
 
 

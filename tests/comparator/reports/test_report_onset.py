@@ -26,9 +26,9 @@ import torch
 
 from comparator import compare_dumps
 from comparator.hidden.heatmap import BEFORE, WINDOW, window_positions, window_runs
+from comparator.outcome import describe_divergence, format_ratio
 from comparator.reports.files import write_json
 from comparator.reports.html import render_html, write_html
-from comparator.outcome import describe_divergence, format_ratio
 from comparator.reports.layer_table import FROM_ZERO, amplification_cell
 from comparator.reports.markdown import to_markdown
 from comparator.results import Report
@@ -48,6 +48,7 @@ def _dump(model, tok, out: Path, edits: tuple[Edit, ...] = (), **layout) -> Path
     gen = torch.Generator().manual_seed(1)
     handles = []
     for layer, start, amplitude in edits:
+
         def hook(module, args, output, start=start, amplitude=amplitude):
             hidden = output[0] if isinstance(output, tuple) else output  # [1, seq, hidden]
             rows = hidden[0, start:]  # [seq - start, hidden]
@@ -56,6 +57,7 @@ def _dump(model, tok, out: Path, edits: tuple[Edit, ...] = (), **layout) -> Path
                 rms = rows.norm(dim=-1, keepdim=True) / math.sqrt(rows.shape[-1])
                 rows.add_(scale * rms * torch.randn(rows.shape, generator=gen))
             return output
+
         handles.append(model.model.layers[layer].register_forward_hook(hook))
     try:
         dump_sequences(model, [tok.encode(p) for p in BUILTIN_PROMPTS], RunConfig(out=str(out), layers="all", **layout))
@@ -74,9 +76,13 @@ def dumps(tmp_path_factory) -> dict[str, Path]:
         "chunked": _dump(model, tok, root / "chunked", chunk_size=64),
         "batched": _dump(model, tok, root / "batched", batch_size=2),
         # rel_diff is ~amplitude^2 / 2: 5e-9 at P, 1e-3 about 64 positions later
-        "growing": _dump(model, tok, root / "growing", ((1, P, lambda k: torch.clamp(1e-4 * 1.1 ** k, max=0.2)),)),
-        "far": _dump(model, tok, root / "far", ((1, FAR_ONSET, lambda k: torch.full_like(k, 3e-3)),
-                                                (4, FAR_TOKEN, lambda k: torch.full_like(k, 0.2)))),
+        "growing": _dump(model, tok, root / "growing", ((1, P, lambda k: torch.clamp(1e-4 * 1.1**k, max=0.2)),)),
+        "far": _dump(
+            model,
+            tok,
+            root / "far",
+            ((1, FAR_ONSET, lambda k: torch.full_like(k, 3e-3)), (4, FAR_TOKEN, lambda k: torch.full_like(k, 0.2))),
+        ),
     }
 
 
@@ -101,12 +107,12 @@ def growing_page(growing, dumps) -> str:
 
 def _section(page: str, element_id: str, end: str) -> str:
     start = page.index(f'id="{element_id}"')
-    return page[start:page.index(end, start)]
+    return page[start : page.index(end, start)]
 
 
 def _layer_rows(page: str) -> list[str]:
     table = _section(page, "layer-table", "</table>")
-    return re.findall(r"<tr class=\"[^\"]*\">.*?</tr>", table[table.index("<tbody>"):])
+    return re.findall(r"<tr class=\"[^\"]*\">.*?</tr>", table[table.index("<tbody>") :])
 
 
 def _cells(row: str) -> list[str]:
@@ -120,8 +126,10 @@ def test_window_runs_hold_the_onset_and_stay_bounded():
     near = window_runs(pos, 104, onset=P)  # one run from BEFORE ahead of the onset, holding the token
     assert len(near) == 1 and near[0][0] == P - BEFORE and near[0].size == WINDOW and 104 + BEFORE <= near[0][-1] + 1
     far_runs = window_runs(pos, 300, onset=FAR_ONSET)  # too far apart: two runs, the gap between them
-    assert [(int(r[0]), int(r[-1])) for r in far_runs] == [(FAR_ONSET - BEFORE, FAR_ONSET - BEFORE + WINDOW // 2 - 1),
-                                                           (300 - BEFORE, 300 - BEFORE + WINDOW // 2 - 1)]
+    assert [(int(r[0]), int(r[-1])) for r in far_runs] == [
+        (FAR_ONSET - BEFORE, FAR_ONSET - BEFORE + WINDOW // 2 - 1),
+        (300 - BEFORE, 300 - BEFORE + WINDOW // 2 - 1),
+    ]
     for token in range(0, 400, 7):
         for onset in range(0, token + 1, 5):
             shown = window_positions(pos, token, onset=onset)
@@ -165,7 +173,9 @@ def test_html_names_the_onset_first_and_marks_it(growing, growing_page):
     fd, page = growing.first_divergent, growing_page
     verdict = _section(page, "verdict", "</section>")
     onset = re.search(r'<p id="onset">(.*?)</p>', verdict).group(1)
-    assert onset.startswith(f"Divergence starts at token <strong>{P}</strong> of sequence 0 (change point estimated from the run)")
+    assert onset.startswith(
+        f"Divergence starts at token <strong>{P}</strong> of sequence 0 (change point estimated from the run)"
+    )
     assert f"first over the threshold at token {fd.token}, layer 2" in onset
     assert verdict.index('id="onset"') < verdict.index(describe_divergence(fd))
     heat = _section(page, "heatmap-chart", "</figure>")
@@ -183,8 +193,18 @@ def test_html_amplification_chart_and_layer_table(growing, growing_page):
     chart = _section(page, "amplification-chart", "</figure>")
     assert "<svg" in chart and 'id="amplification-introduced"' in chart and "introduces error: layer 1" in chart
     heads = re.findall(r"<th data-type=\"\w+\">(.*?)</th>", _section(page, "layer-table", "</thead>"))
-    assert heads == ["layer", "tensors", "rel_diff", "max token rel_diff", "max |diff|", "min cosine",
-                     "amplification", "first failing token", "worst token", "verdict"]
+    assert heads == [
+        "layer",
+        "tensors",
+        "rel_diff",
+        "max token rel_diff",
+        "max |diff|",
+        "min cosine",
+        "amplification",
+        "first failing token",
+        "worst token",
+        "verdict",
+    ]
     rows, layers = _layer_rows(page), growing.layers()
     assert len(rows) == len(layers) == N_LAYERS
     for row, s in zip(rows, layers, strict=True):
@@ -213,11 +233,22 @@ def test_html_of_a_far_onset_shows_the_gap_and_the_onset_layer(far, dumps):
 def test_markdown_layer_table_has_the_amplification_column(growing, far):
     md = to_markdown(growing)
     lines = md.splitlines()
-    assert lines[0].startswith("**driftscope: DIVERGED** at layer 2 ") and f"divergence starts at token {P} " in lines[0]
+    assert (
+        lines[0].startswith("**driftscope: DIVERGED** at layer 2 ") and f"divergence starts at token {P} " in lines[0]
+    )
     head = next(line for line in lines if line.startswith("| layer"))
     assert [c.strip() for c in head.strip("|").split(" | ")] == [
-        "layer", "tensors", "rel_diff", "max token rel_diff", "max \\|diff\\|", "min cosine", "amplification",
-        "first failing token", "worst token", "verdict"]
+        "layer",
+        "tensors",
+        "rel_diff",
+        "max token rel_diff",
+        "max \\|diff\\|",
+        "min cosine",
+        "amplification",
+        "first failing token",
+        "worst token",
+        "verdict",
+    ]
     rows = [line for line in lines if re.match(r"^\| (\*\*)?\d", line)]
     assert len(rows) == N_LAYERS
     for row, s in zip(rows, growing.layers(), strict=True):
@@ -230,11 +261,30 @@ def test_markdown_layer_table_has_the_amplification_column(growing, far):
 
 
 def test_noise_file_puts_noise_multiples_in_every_output(dumps, tmp_path):
-    r = run_cli("comparator", "calibrate", dumps["base"], dumps["chunked"], dumps["batched"], "--out",
-                tmp_path / "n.json", "--quiet")
+    r = run_cli(
+        "comparator",
+        "calibrate",
+        dumps["base"],
+        dumps["chunked"],
+        dumps["batched"],
+        "--out",
+        tmp_path / "n.json",
+        "--quiet",
+    )
     assert r.returncode == 0, r.stderr
-    r = run_cli("comparator", dumps["base"], dumps["growing"], "--noise", tmp_path / "n.json", "--format", "json",
-                "--html", tmp_path / "r.html", "--markdown", tmp_path / "r.md")
+    r = run_cli(
+        "comparator",
+        dumps["base"],
+        dumps["growing"],
+        "--noise",
+        tmp_path / "n.json",
+        "--format",
+        "json",
+        "--html",
+        tmp_path / "r.html",
+        "--markdown",
+        tmp_path / "r.md",
+    )
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
     report = Report.from_json(json.loads(r.stdout))
     assert report.noise == str(tmp_path / "n.json") and report.first_divergent.onset_method == "calibrated"
@@ -249,7 +299,9 @@ def test_noise_file_puts_noise_multiples_in_every_output(dumps, tmp_path):
         assert len(cells) == 11 and cells[3] == format_ratio(s.noise_ratio)
     page = (tmp_path / "r.html").read_text()
     assert "over its calibrated noise" in re.search(r'<p id="onset">(.*?)</p>', page).group(1)
-    assert f"thresholds {report.noise_factor:g} x the noise in {tmp_path / 'n.json'}" in _section(page, "verdict", "</section>")
+    assert f"thresholds {report.noise_factor:g} x the noise in {tmp_path / 'n.json'}" in _section(
+        page, "verdict", "</section>"
+    )
     for row, s in zip(_layer_rows(page), layers, strict=True):
         assert _cells(row)[3] == format_ratio(s.noise_ratio)
     assert 'id="layer-noise-threshold"' in _section(page, "layer-chart", "</figure>")
@@ -263,15 +315,17 @@ def test_noise_file_puts_noise_multiples_in_every_output(dumps, tmp_path):
 def test_renderers_never_import_torch(growing, tmp_path):
     """The JSON report rendered to HTML and Markdown in a fresh interpreter: torch is never imported."""
     write_json(growing, tmp_path / "r.json")
-    code = ("import sys\n"
-            "import comparator.cli.main, comparator.hidden.heatmap, comparator.reports.plots, comparator.reports.text\n"
-            "from comparator.reports.html import render_html\n"
-            "from comparator.reports.markdown import to_markdown\n"
-            "from comparator.results import load_report\n"
-            f"report = load_report({str(tmp_path / 'r.json')!r})\n"
-            "page, md = render_html(report), to_markdown(report)\n"
-            "assert 'id=\"heatmap-onset\"' in page and 'amplification-chart' in page, 'marks missing'\n"
-            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n")
+    code = (
+        "import sys\n"
+        "import comparator.cli.main, comparator.hidden.heatmap, comparator.reports.plots, comparator.reports.text\n"
+        "from comparator.reports.html import render_html\n"
+        "from comparator.reports.markdown import to_markdown\n"
+        "from comparator.results import load_report\n"
+        f"report = load_report({str(tmp_path / 'r.json')!r})\n"
+        "page, md = render_html(report), to_markdown(report)\n"
+        "assert 'id=\"heatmap-onset\"' in page and 'amplification-chart' in page, 'marks missing'\n"
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120, check=False)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]"
@@ -279,11 +333,13 @@ def test_renderers_never_import_torch(growing, tmp_path):
 
 def test_comparing_preset_dumps_with_every_report_never_imports_torch(dumps, tmp_path):
     """``python -m comparator A B --html --markdown`` on preset dumps (token texts included): no torch."""
-    code = ("import sys\n"
-            "from comparator.cli.main import main\n"
-            f"rc = main([{str(dumps['base'])!r}, {str(dumps['far'])!r}, '--quiet', '--html', "
-            f"{str(tmp_path / 'r.html')!r}, '--markdown', {str(tmp_path / 'r.md')!r}])\n"
-            "print(rc, sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n")
+    code = (
+        "import sys\n"
+        "from comparator.cli.main import main\n"
+        f"rc = main([{str(dumps['base'])!r}, {str(dumps['far'])!r}, '--quiet', '--html', "
+        f"{str(tmp_path / 'r.html')!r}, '--markdown', {str(tmp_path / 'r.md')!r}])\n"
+        "print(rc, sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120, check=False)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().endswith("1 []"), r.stdout

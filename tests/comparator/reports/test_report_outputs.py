@@ -22,9 +22,9 @@ from rich.console import Console
 
 from comparator import compare_dumps
 from comparator.hidden.heatmap import BEFORE, WINDOW
-from comparator.reports.html import render_html, write_html
-from comparator.reports.files import json_text, write_parquet
 from comparator.reports import plots
+from comparator.reports.files import json_text, write_parquet
+from comparator.reports.html import render_html, write_html
 from comparator.reports.markdown import to_markdown
 from comparator.reports.outputs import add_output_flags, check_output_flags, write_outputs
 from comparator.reports.plots import save_layer_plot
@@ -69,13 +69,24 @@ def test_heatmap_row_of_the_next_layer_peaks_at_the_bug_token(report):
     assert values[LAYER + 1].max() == pytest.approx(t.max_token_rel_diff, rel=1e-12)
     # attention spreads the error to later tokens, never to earlier ones
     before = hm.positions.index(TOKEN)
-    assert not values[:, :before].any() and (values[LAYER + 2:, before + 1:] > 0).all()
+    assert not values[:, :before].any() and (values[LAYER + 2 :, before + 1 :] > 0).all()
 
 
 def test_json_keeps_every_key_and_adds_the_heatmap(report):
     data = json.loads(json_text(report))
-    assert {"passed", "threshold", "token_threshold", "matched", "unmatched_baseline", "unmatched_target",
-            "first_divergent", "tensors", "logprobs", "replica_mismatches", "heatmap"} <= set(data)
+    assert {
+        "passed",
+        "threshold",
+        "token_threshold",
+        "matched",
+        "unmatched_baseline",
+        "unmatched_target",
+        "first_divergent",
+        "tensors",
+        "logprobs",
+        "replica_mismatches",
+        "heatmap",
+    } <= set(data)
     hm = data["heatmap"]
     assert set(hm) == {"sequence", "positions", "layers", "names", "values"}
     assert hm["names"][LAYER + 1] == f"model.layers.{LAYER + 1}.self_attn.input"
@@ -156,7 +167,7 @@ def test_plot_is_written_as_png(report, tmp_path, monkeypatch):
     x = np.arange(len(layers))
     tok = np.asarray([s.max_token_rel_diff for s in layers])
     rel = np.asarray([s.max_rel_diff for s in layers])
-    assert (tok[: LAYER + 1] == 0).all() and (tok[LAYER + 1:] > 0).all()  # bit-identical up to the bug
+    assert (tok[: LAYER + 1] == 0).all() and (tok[LAYER + 1 :] > 0).all()  # bit-identical up to the bug
     floor, _ = plots.log_range([rel, tok], [report.threshold, report.token_threshold])
     assert ax.get_yscale() == "log" and floor < rel[rel > 0].min()
     per_token, whole = lines["max per-token rel_diff"], lines["rel_diff (whole tensor)"]
@@ -166,7 +177,7 @@ def test_plot_is_written_as_png(report, tmp_path, monkeypatch):
     ringed = lines["failing layer"]
     failing = [i for i, s in enumerate(layers) if not s.passed]
     assert list(ringed.get_xdata()) == failing == list(range(LAYER + 1, N_LAYERS))
-    np.testing.assert_array_equal(ringed.get_ydata(), tok[LAYER + 1:])
+    np.testing.assert_array_equal(ringed.get_ydata(), tok[LAYER + 1 :])
     assert list(lines[f"first divergence: layer {LAYER + 1}"].get_xdata()) == [LAYER + 1] * 2
     assert f"{2 * (LAYER + 1)} zero value(s) drawn at the floor" in ax.get_title(loc="left")
 
@@ -190,26 +201,29 @@ def test_html_is_self_contained_and_complete(report, dumps, tmp_path):
     write_html(report, tmp_path / "r.html", baseline_manifest=load_manifest(base), target_manifest=load_manifest(bad))
     page = (tmp_path / "r.html").read_text(encoding="utf-8")
     # nothing is fetched: no external scripts, styles, images, fonts or imports
-    assert not re.search(r"<script[^>]*\bsrc=|<link\b|<iframe|<img[^>]*src=\"?https?:|@import|url\(\s*['\"]?https?:",
-                         page, re.I)
+    assert not re.search(
+        r"<script[^>]*\bsrc=|<link\b|<iframe|<img[^>]*src=\"?https?:|@import|url\(\s*['\"]?https?:", page, re.I
+    )
     assert not re.search(r"(src|href)\s*=\s*['\"]?(https?:)?//", page, re.I)
     # one row per tensor, every chart inline
-    table = page[page.index('id="tensor-table"'):]
-    body = table[table.index("<tbody>"):table.index("</tbody>")]
+    table = page[page.index('id="tensor-table"') :]
+    body = table[table.index("<tbody>") : table.index("</tbody>")]
     assert body.count("<tr") == report.matched
     for t in report.tensors:
         assert f"<td>{t.name}</td>" in body
     for chart in ("layer-chart", "heatmap-chart", "logprob-chart"):
-        fig = page[page.index(f'id="{chart}"'):]
+        fig = page[page.index(f'id="{chart}"') :]
         assert fig.index("<svg") < fig.index("</figure>")
     # the worst logprob position is listed with its token's text
     v = report.logprobs
     seq, pos = int(v.max_abs_err.request), v.max_abs_err.position
     token_id = load_manifest(base).extra["input_ids"][seq][pos]
     text = ByteTokenizer(259).decode([token_id])
-    worst = page[page.index("Worst positions by |Δ logprob|"):]
-    assert (f'<td>{seq}</td><td class="n" data-v="{pos}">{pos}</td><td class="n" data-v="{token_id}">{token_id}</td>'
-            f"<td><code>{html.escape(json.dumps(text))}</code>") in worst
+    worst = page[page.index("Worst positions by |Δ logprob|") :]
+    assert (
+        f'<td>{seq}</td><td class="n" data-v="{pos}">{pos}</td><td class="n" data-v="{token_id}">{token_id}</td>'
+        f"<td><code>{html.escape(json.dumps(text))}</code>"
+    ) in worst
 
 
 def test_html_escapes_every_text(report):
@@ -230,8 +244,22 @@ def _parse(argv):
 
 def test_cli_helpers_write_every_output(report, dumps, tmp_path):
     base, bad, _ = dumps
-    args = _parse([str(base), str(bad), "--html", str(tmp_path / "r.html"), "--plot", str(tmp_path / "p.png"),
-                   "--parquet", str(tmp_path / "t.parquet"), "--markdown", str(tmp_path / "r.md"), "--format", "json"])
+    args = _parse(
+        [
+            str(base),
+            str(bad),
+            "--html",
+            str(tmp_path / "r.html"),
+            "--plot",
+            str(tmp_path / "p.png"),
+            "--parquet",
+            str(tmp_path / "t.parquet"),
+            "--markdown",
+            str(tmp_path / "r.md"),
+            "--format",
+            "json",
+        ]
+    )
     check_output_flags(args)
     out = io.StringIO()
     write_outputs(report, args, base, bad, stdout=out)
@@ -334,7 +362,7 @@ def test_chunk_boundary_bug_is_a_vertical_edge(tmp_path):
             ids = torch.tensor([tok.encode(prompt)])
             cache = None
             for start in range(0, ids.shape[1], 64):  # chunks of 64 tokens through the KV cache
-                out = model(input_ids=ids[:, start:start + 64], use_cache=True, **{kw: cache})
+                out = model(input_ids=ids[:, start : start + 64], use_cache=True, **{kw: cache})
                 cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
                 if start == 0 and name == "chunked":
                     cache.layers[3].values[:, :, 63, :] += 5.0  # token 63's value row, read by every later chunk

@@ -40,9 +40,12 @@ def _where(row: int) -> tuple[int, int]:
 @pytest.fixture(scope="module")
 def dumps(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("routing")
-    out = {"eager": router_dump(root / "eager"), "sdpa": router_dump(root / "sdpa", attn="sdpa"),
-           "order": router_dump(root / "order", bug="order"),
-           "bf16": router_dump(root / "bf16", dtype=torch.bfloat16)}
+    out = {
+        "eager": router_dump(root / "eager"),
+        "sdpa": router_dump(root / "sdpa", attn="sdpa"),
+        "order": router_dump(root / "order", bug="order"),
+        "bf16": router_dump(root / "bf16", dtype=torch.bfloat16),
+    }
     for layer, name in ((1, "bias"), (2, "bias2")):
         row, expert, bias = choose_flip_token(layer, batch=BATCH, seq=SEQ)
         out[name] = router_dump(root / name, bug="bias", layer=layer, token=row, expert=expert, bias=bias)

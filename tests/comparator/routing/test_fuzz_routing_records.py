@@ -50,8 +50,9 @@ def routing(draw: st.DrawFn, experts: int, k: int) -> dict[str, np.ndarray]:
     weights = np.full((ROWS, k), 1.0 / k, np.float32)
     parts = {ROUTER_LOGITS: logits, ROUTER_IDS: ids, ROUTER_WEIGHTS: weights}
     for _ in range(draw(st.integers(0, 2))):
-        what = draw(st.sampled_from(["repeat", "range", "negative_id", "nan", "inf", "neg_weight", "scores",
-                                     "wide_scores"]))
+        what = draw(
+            st.sampled_from(["repeat", "range", "negative_id", "nan", "inf", "neg_weight", "scores", "wide_scores"])
+        )
         r = draw(st.integers(0, ROWS - 1))
         if what == "repeat" and k > 1:
             ids[r, 1] = ids[r, 0]
@@ -103,8 +104,12 @@ def test_generated_routing_damage(tmp_path_factory: pytest.TempPathFactory, data
     experts = data.draw(st.sampled_from([2, 4, 8, 16]), label="experts")
     k = data.draw(st.integers(1, min(experts, 3)), label="k")
     padding = data.draw(st.integers(0, 2), label="padding")
-    meta = data.draw(st.sampled_from([None, {"n_group": 2, "topk_group": 1}, {"n_group": 3, "topk_group": 1},
-                                      {"n_group": 2, "topk_group": 5}]), label="meta")
+    meta = data.draw(
+        st.sampled_from(
+            [None, {"n_group": 2, "topk_group": 1}, {"n_group": 3, "topk_group": 1}, {"n_group": 2, "topk_group": 5}]
+        ),
+        label="meta",
+    )
     base_passes = [data.draw(routing(experts, k)) for _ in range(data.draw(st.integers(1, 2)))]
     same = data.draw(st.booleans(), label="identical target")
     if same:

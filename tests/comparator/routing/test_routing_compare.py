@@ -279,7 +279,8 @@ def test_the_report_json_carries_the_router_contract(mixtral_dumps, tmp_path):
     assert ff["margin"] > 0 and ff["noise_ratio"] > 1
     assert [row["layer"] for row in router["layers"]] == [0, 1, 2]
     assert {"flips", "flip_rate", "weight_max_err", "weight_mean_err", "logits_rel_diff", "passed"} <= set(
-        router["layers"][1])
+        router["layers"][1]
+    )
     ok = run_cli("comparator", mixtral_dumps["eager"], mixtral_dumps["sdpa"], "--json", tmp_path / "ok.json")
     assert ok.returncode == 0, ok.stdout + ok.stderr
     assert json.loads((tmp_path / "ok.json").read_text())["router"]["flips"] == 0
@@ -299,12 +300,15 @@ def test_routing_recorded_without_its_ids_is_unusable(mixtral_dumps, tmp_path):
     assert len(lines) == 1 and "layer 1 records routing without router.ids" in lines[0] and str(broken) in lines[0]
 
 
-@pytest.mark.parametrize(("entry", "says"), [
-    ({"layer": 0, "score": 1e-3, "flip_rate": 1.5, "weight": 0.0, "tokens": 10}, "flip_rate"),
-    ({"layer": 0, "score": float("nan"), "flip_rate": 0.0, "weight": 0.0, "tokens": 10}, "score"),
-    ({"layer": "0", "score": 1e-3, "flip_rate": 0.0, "weight": 0.0, "tokens": 10}, "layer"),
-    ({"layer": 0, "score": 1e-3, "flip_rate": 0.0, "weight": 0.0}, "tokens"),
-])
+@pytest.mark.parametrize(
+    ("entry", "says"),
+    [
+        ({"layer": 0, "score": 1e-3, "flip_rate": 1.5, "weight": 0.0, "tokens": 10}, "flip_rate"),
+        ({"layer": 0, "score": float("nan"), "flip_rate": 0.0, "weight": 0.0, "tokens": 10}, "score"),
+        ({"layer": "0", "score": 1e-3, "flip_rate": 0.0, "weight": 0.0, "tokens": 10}, "layer"),
+        ({"layer": 0, "score": 1e-3, "flip_rate": 0.0, "weight": 0.0}, "tokens"),
+    ],
+)
 def test_a_hostile_router_noise_entry_is_refused_in_one_line(mixtral_dumps, tmp_path, entry, says):
     noise = calibrate(mixtral_dumps["eager"], [mixtral_dumps["sdpa"]])
     d = noise.to_json()

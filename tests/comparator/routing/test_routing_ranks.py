@@ -67,8 +67,7 @@ def dumps(tmp_path_factory):
     """(the TP=1 baseline and the three TP=2 dumps by name, the bias bug's (flat row, expert, bias))."""
     root = tmp_path_factory.mktemp("routing-ranks")
     flip = choose_flip_token(LAYER)
-    mp.start_processes(_tp_worker, args=(_free_port(), str(root), flip), nprocs=WORLD, start_method="spawn",
-                       join=True)
+    mp.start_processes(_tp_worker, args=(_free_port(), str(root), flip), nprocs=WORLD, start_method="spawn", join=True)
     _run(str(root / "tp1"), None, flip)
     return {name: root / name for name in ("tp1", *VARIANTS)}, flip
 

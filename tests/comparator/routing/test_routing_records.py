@@ -107,8 +107,11 @@ def test_padding_rows_may_repeat_an_expert(tmp_path):
 def _repeat_an_id(dump: Path, layer: int, row: int) -> tuple[int, int]:
     """Overwrite, in place, the second expert of ``row`` of the ids record of ``layer`` (pass 0) with its first.
     Returns (sequence, position) of that row."""
-    rec = next(r for r in load_manifest(dump).tensors
-               if r.layer == layer and r.name.endswith(ROUTER_IDS) and r.forward_pass == 0)
+    rec = next(
+        r
+        for r in load_manifest(dump).tensors
+        if r.layer == layer and r.name.endswith(ROUTER_IDS) and r.forward_pass == 0
+    )
 
     def repeat(ids: np.ndarray) -> None:
         rows = ids.reshape(-1, rec.shape[-1])

@@ -38,8 +38,12 @@ def old_code(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The packages as of :data:`OLD_COMMIT`, exported from this repository's history (read only)."""
     root = tmp_path_factory.mktemp("old-code")
     try:
-        tar = subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", OLD_COMMIT, "comparator", "dumper",
-                              "configs"], capture_output=True, check=True, timeout=120).stdout
+        tar = subprocess.run(
+            ["git", "-C", str(ROOT), "archive", "--format=tar", OLD_COMMIT, "comparator", "dumper", "configs"],
+            capture_output=True,
+            check=True,
+            timeout=120,
+        ).stdout
     except (OSError, subprocess.CalledProcessError) as e:
         pytest.skip(f"commit {OLD_COMMIT[:7]} is not in this checkout's history (a shallow clone?): {e}")
     with tarfile.open(fileobj=io.BytesIO(tar)) as t:

@@ -31,37 +31,73 @@ from comparator.cli.main import main
 from comparator.store import RunStore
 from comparator.store.runid import new_run_id
 from dumper.format import load_manifest
-from tests.storeutil import synth_dump
 from tests.comparator.store.test_store_boundary import become, clone_run, make_store, no_hang, opens_under
+from tests.storeutil import synth_dump
 
-RECORD_KEYS = ("format_version", "run_id", "created_at", "model", "pass_label", "baseline_run", "summary",
-               "capture_signature", "environment", "model_identity", "dump_format_version", "dump_created_at",
-               "promoted", "surprise")
+RECORD_KEYS = (
+    "format_version",
+    "run_id",
+    "created_at",
+    "model",
+    "pass_label",
+    "baseline_run",
+    "summary",
+    "capture_signature",
+    "environment",
+    "model_identity",
+    "dump_format_version",
+    "dump_created_at",
+    "promoted",
+    "surprise",
+)
 SUMMARY_KEYS = ("passed", "matched", "first_divergent", "logprobs_passed", "threshold", "token_threshold", "error")
 TARGETS = (".", "run.json", "COMPLETE", "report.json", "dump", "dump/manifest.json", "dump/DATA")
 KINDS = ("dir", "fifo", "file", "symlink-out", "dangling", "missing")
 
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(min_value=-(10**30), max_value=10**30) | st.floats(allow_nan=False)
-    | st.text(max_size=12) | st.sampled_from(["baseline", "passed", "failed", "../../outside", "/etc/passwd",
-                                               "m[/]", "\udcff", "20261130T094716.302031123Z-a1b2c3"]),
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(10**30), max_value=10**30)
+    | st.floats(allow_nan=False)
+    | st.text(max_size=12)
+    | st.sampled_from(
+        [
+            "baseline",
+            "passed",
+            "failed",
+            "../../outside",
+            "/etc/passwd",
+            "m[/]",
+            "\udcff",
+            "20261130T094716.302031123Z-a1b2c3",
+        ]
+    ),
     lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=8), kids, max_size=4),
-    max_leaves=10)
+    max_leaves=10,
+)
 huge = st.sampled_from(["long-string", "deep", "wide"]).map(
-    lambda k: {"long-string": "x" * 2_000_000, "deep": json.loads("[" * 200 + "]" * 200),
-               "wide": list(range(50_000))}[k])
+    lambda k: {"long-string": "x" * 2_000_000, "deep": json.loads("[" * 200 + "]" * 200), "wide": list(range(50_000))}[
+        k
+    ]
+)
 record_ops = st.one_of(
     st.tuples(st.just("set"), st.sampled_from(RECORD_KEYS), json_values | huge),
     st.tuples(st.just("drop"), st.sampled_from(RECORD_KEYS), st.none()),
     st.tuples(st.just("summary"), st.sampled_from(SUMMARY_KEYS), json_values),
-    st.tuples(st.just("bytes"), st.none(), st.binary(max_size=48) | st.sampled_from(
-        [b"[" * 50_000, b"NaN", b'{"format_version": 1e400}', b"\xef\xbb\xbf{}", b"1" * 5000])),
+    st.tuples(
+        st.just("bytes"),
+        st.none(),
+        st.binary(max_size=48)
+        | st.sampled_from([b"[" * 50_000, b"NaN", b'{"format_version": 1e400}', b"\xef\xbb\xbf{}", b"1" * 5000]),
+    ),
 )
 names = st.one_of(
-    st.text(st.characters(blacklist_characters="/\0", blacklist_categories=("Cs",)), min_size=1, max_size=10)
-    .filter(lambda n: n not in (".", "..")),
-    st.sampled_from(["[bold]x", "m[/", "a\nb", "\udcff\udcfe", ".tmp-x",
-                     ".trash-20261130T094716.302031123Z-a1b2c3-00"]),
+    st.text(st.characters(blacklist_characters="/\0", blacklist_categories=("Cs",)), min_size=1, max_size=10).filter(
+        lambda n: n not in (".", "..")
+    ),
+    st.sampled_from(
+        ["[bold]x", "m[/", "a\nb", "\udcff\udcfe", ".tmp-x", ".trash-20261130T094716.302031123Z-a1b2c3-00"]
+    ),
     st.builds(lambda t: new_run_id(t)[0], st.integers(min_value=15 * 10**17, max_value=25 * 10**17)),
 )
 
@@ -94,8 +130,15 @@ def _mutate_record(path: Path, ops: list[tuple]) -> None:
     path.write_bytes(raw if raw is not None else json.dumps(d).encode())
 
 
-def _apply(store: Path, victim: str, outside: Path, ops: list[tuple], kinds: list[tuple[str, str]],
-           rename: str | None, extras: list[tuple[str, str]]) -> str:
+def _apply(
+    store: Path,
+    victim: str,
+    outside: Path,
+    ops: list[tuple],
+    kinds: list[tuple[str, str]],
+    rename: str | None,
+    extras: list[tuple[str, str]],
+) -> str:
     """Mutate the victim run and add odd entries; the victim's name afterwards."""
     runs = store / "runs"
     _mutate_record(runs / victim / "run.json", ops)
@@ -123,12 +166,15 @@ def _apply(store: Path, victim: str, outside: Path, ops: list[tuple], kinds: lis
 
 @pytest.mark.slow
 @settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
-@given(ops=st.just([]) | st.lists(record_ops, max_size=3),  # a sound record half the time: then its entries count
-       kinds=st.lists(st.tuples(st.sampled_from(TARGETS), st.sampled_from(KINDS)), max_size=2),
-       rename=st.integers(0, 3).flatmap(lambda i: names if i == 0 else st.none()),
-       extras=st.lists(st.tuples(names, st.sampled_from(KINDS)), max_size=3))
+@given(
+    ops=st.just([]) | st.lists(record_ops, max_size=3),  # a sound record half the time: then its entries count
+    kinds=st.lists(st.tuples(st.sampled_from(TARGETS), st.sampled_from(KINDS)), max_size=2),
+    rename=st.integers(0, 3).flatmap(lambda i: names if i == 0 else st.none()),
+    extras=st.lists(st.tuples(names, st.sampled_from(KINDS)), max_size=3),
+)
 def test_hostile_stores_exit_0_1_or_2_read_nothing_outside_and_never_pick_a_corrupt_run(
-        pristine, ops, kinds, rename, extras):
+    pristine, ops, kinds, rename, extras
+):
     work = Path(tempfile.mkdtemp(dir=pristine["root"]))
     try:
         store, outside = work / "store", work / "outside"
@@ -139,12 +185,18 @@ def test_hostile_stores_exit_0_1_or_2_read_nothing_outside_and_never_pick_a_corr
         before = _tree(outside)
         with no_hang(30), opens_under(outside) as opened:
             entries = {e.name: e for e in RunStore(store).runs()}
-            codes = [main(["store", "ls", str(store)]), main(["store", "show", str(store), victim]),
-                     main(["store", "prune", str(store), "--keep", "1", "--dry-run"]),
-                     main(["regress", str(pristine["run"]), "--store", str(store), "--quiet",
-                           "--json", str(work / "r.json")])]
-            codes += [main(["store", "promote", str(store), victim]),
-                      main(["store", "prune", str(store), "--keep", "0"])]
+            codes = [
+                main(["store", "ls", str(store)]),
+                main(["store", "show", str(store), victim]),
+                main(["store", "prune", str(store), "--keep", "1", "--dry-run"]),
+                main(
+                    ["regress", str(pristine["run"]), "--store", str(store), "--quiet", "--json", str(work / "r.json")]
+                ),
+            ]
+            codes += [
+                main(["store", "promote", str(store), victim]),
+                main(["store", "prune", str(store), "--keep", "0"]),
+            ]
         assert all(c in (0, 1, 2) for c in codes), codes
         assert opened == [], opened
         assert _tree(outside) == before and (outside / "secret").read_text() == "never read me"

@@ -59,19 +59,27 @@ print(json.dumps({e.name: [e.status, e.record and e.record.pass_label, e.record 
 def _old(code: Path, script: str, *args: str | os.PathLike[str]) -> Any:
     """Run ``script`` with the old code alone on the path (not from this checkout), its stdout as JSON."""
     env = {**os.environ, "PYTHONPATH": str(code)}
-    r = subprocess.run([sys.executable, "-c", script, str(code), *map(str, args)], capture_output=True, text=True,
-                       env=env, cwd=code, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-c", script, str(code), *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=code,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout)
 
 
 @pytest.fixture(scope="module")
-def old_store(tiny_dumps: dict[str, Path], old_code: Path,
-              tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str]]:
+def old_store(
+    tiny_dumps: dict[str, Path], old_code: Path, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, dict[str, str]]:
     """The store the old code wrote, and its run ids by role."""
     store = tmp_path_factory.mktemp("old-store") / "store"
-    runs = _old(old_code, OLD_WRITER, store, *(tiny_dumps[k] for k in ("base", "sdpa", "chunk", "buggy", "synth",
-                                                                         "shifted")))
+    runs = _old(
+        old_code, OLD_WRITER, store, *(tiny_dumps[k] for k in ("base", "sdpa", "chunk", "buggy", "synth", "shifted"))
+    )
     assert [runs[k]["exit_code"] for k in runs] == [EXIT_OK, EXIT_DIVERGED, EXIT_OK, EXIT_OK, EXIT_UNUSABLE]
     return store, {k: r["run_id"] for k, r in runs.items()}
 
@@ -131,9 +139,9 @@ def test_the_cli_lists_and_shows_an_old_store(old_store: tuple[Path, dict[str, s
     assert f"from 2 variants, measured on run {ids['calibrated']} (inherited)" in text
 
 
-def test_today_selects_and_regresses_against_an_old_store(old_store: tuple[Path, dict[str, str]],
-                                                          tiny_dumps: dict[str, Path], old_code: Path,
-                                                          tmp_path: Path) -> None:
+def test_today_selects_and_regresses_against_an_old_store(
+    old_store: tuple[Path, dict[str, str]], tiny_dumps: dict[str, Path], old_code: Path, tmp_path: Path
+) -> None:
     store = shutil.copytree(old_store[0], tmp_path / "store")
     ids = old_store[1]
     m = load_manifest(tiny_dumps["base"])

@@ -27,8 +27,9 @@ WHERE = "store/runs/20261130T094716.302031123Z-a1b2c3/run.json"
 
 
 @pytest.fixture(scope="module")
-def judged(tiny_dumps: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
-           ) -> tuple[RunStore, dict[str, RegressResult]]:
+def judged(
+    tiny_dumps: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> tuple[RunStore, dict[str, RegressResult]]:
     d = tiny_dumps
     store = RunStore(tmp_path_factory.mktemp("record-types") / "store")
     runs = {"calibrated": regress(d["base"], store, bootstrap=True, calibrate_from=[d["sdpa"], d["chunk"]])}
@@ -94,8 +95,13 @@ def test_calibration_round_trips(judged: tuple[RunStore, dict[str, RegressResult
 def test_labels_and_a_promotion(judged: tuple[RunStore, dict[str, RegressResult]], tmp_path: Path) -> None:
     store, runs = judged
     labels = {k: store.get(r.run_id).label for k, r in runs.items()}
-    assert labels == {"calibrated": Label.BASELINE, "failed": Label.FAILED, "passed": Label.PASSED,
-                      "synth": Label.BASELINE, "unusable": Label.FAILED}
+    assert labels == {
+        "calibrated": Label.BASELINE,
+        "failed": Label.FAILED,
+        "passed": Label.PASSED,
+        "synth": Label.BASELINE,
+        "unusable": Label.FAILED,
+    }
     assert all(runs[k].label is v for k, v in labels.items())  # RegressResult.label and RunRecord.label: one field
     assert LABELS == ("baseline", "passed", "failed", "bisect") and json.dumps([Label.FAILED]) == '["failed"]'
     assert f"{Label.PASSED}" == "passed" and Label.of_verdict(False) is Label.FAILED
@@ -106,19 +112,23 @@ def test_labels_and_a_promotion(judged: tuple[RunStore, dict[str, RegressResult]
     assert store.get(promoted.run_id) == promoted and promoted.to_json()["pass_label"] == "baseline"
 
 
-@pytest.mark.parametrize("edit, field", [
-    ({"passed": 1}, "summary.passed"),
-    ({"matched": True}, "summary.matched"),
-    ({"matched": -1}, "summary.matched"),
-    ({"threshold": "1e-3"}, "summary.threshold"),
-    ({"threshold": float("inf")}, "summary.threshold"),
-    ({"error": 7}, "summary.error"),
-    ({"logprobs_passed": 0}, "summary.logprobs_passed"),
-    ({"first_divergent": {"layer": "3"}}, "summary.first_divergent.layer"),
-    ({"first_divergent": []}, "summary.first_divergent"),
-])
-def test_a_malformed_summary_is_one_line_naming_the_file(judged: tuple[RunStore, dict[str, RegressResult]],
-                                                          edit: dict[str, Any], field: str) -> None:
+@pytest.mark.parametrize(
+    "edit, field",
+    [
+        ({"passed": 1}, "summary.passed"),
+        ({"matched": True}, "summary.matched"),
+        ({"matched": -1}, "summary.matched"),
+        ({"threshold": "1e-3"}, "summary.threshold"),
+        ({"threshold": float("inf")}, "summary.threshold"),
+        ({"error": 7}, "summary.error"),
+        ({"logprobs_passed": 0}, "summary.logprobs_passed"),
+        ({"first_divergent": {"layer": "3"}}, "summary.first_divergent.layer"),
+        ({"first_divergent": []}, "summary.first_divergent"),
+    ],
+)
+def test_a_malformed_summary_is_one_line_naming_the_file(
+    judged: tuple[RunStore, dict[str, RegressResult]], edit: dict[str, Any], field: str
+) -> None:
     store, runs = judged
     summary = store.get(runs["failed"].run_id).summary.to_json()
     with pytest.raises(ValueError) as e:
@@ -128,16 +138,20 @@ def test_a_malformed_summary_is_one_line_naming_the_file(judged: tuple[RunStore,
         RunSummary.from_json({"passed": True}, WHERE)
 
 
-@pytest.mark.parametrize("edit, field", [
-    ({"variants": 0}, "calibration.variants"),
-    ({"variants": 2.0}, "calibration.variants"),
-    ({"sha256": "ABC"}, "calibration.sha256"),
-    ({"measured_on": "yesterday"}, "calibration.measured_on"),
-    ({"created_at": None}, "calibration.created_at"),
-    ({"extra": 1}, "calibration"),
-])
-def test_a_malformed_calibration_is_one_line_naming_the_file(judged: tuple[RunStore, dict[str, RegressResult]],
-                                                              edit: dict[str, Any], field: str) -> None:
+@pytest.mark.parametrize(
+    "edit, field",
+    [
+        ({"variants": 0}, "calibration.variants"),
+        ({"variants": 2.0}, "calibration.variants"),
+        ({"sha256": "ABC"}, "calibration.sha256"),
+        ({"measured_on": "yesterday"}, "calibration.measured_on"),
+        ({"created_at": None}, "calibration.created_at"),
+        ({"extra": 1}, "calibration"),
+    ],
+)
+def test_a_malformed_calibration_is_one_line_naming_the_file(
+    judged: tuple[RunStore, dict[str, RegressResult]], edit: dict[str, Any], field: str
+) -> None:
     store, runs = judged
     cal = store.get(runs["calibrated"].run_id).calibration.to_json()
     with pytest.raises(ValueError) as e:

@@ -36,8 +36,14 @@ def _nonfinite_dump(out: Path) -> Path:
                 x[5] = math.nan
             if layer == 2:
                 x[7, 0] = math.inf
-            dumper.dump(f"model.layers.{layer}.self_attn.input", x, layer=layer, point="input",
-                        positions=range(ROWS), sequence_ids=[0] * ROWS)
+            dumper.dump(
+                f"model.layers.{layer}.self_attn.input",
+                x,
+                layer=layer,
+                point="input",
+                positions=range(ROWS),
+                sequence_ids=[0] * ROWS,
+            )
         dumper.step()
     return out
 

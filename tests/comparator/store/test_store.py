@@ -40,8 +40,7 @@ def real(tmp_path_factory):
 @pytest.fixture(scope="module")
 def synth(tmp_path_factory):
     root = tmp_path_factory.mktemp("synth")
-    return {"a": synth_dump(root / "a"), "a2": synth_dump(root / "a2"),
-            "bad": synth_dump(root / "bad", bump=(1, 5))}
+    return {"a": synth_dump(root / "a"), "a2": synth_dump(root / "a2"), "bad": synth_dump(root / "bad", bump=(1, 5))}
 
 
 def labels(store: RunStore) -> list[str]:
@@ -114,15 +113,20 @@ def test_environment_mismatch_is_refused_naming_the_fields(synth, tmp_path):
     r = regress(a100, store, allow_env_mismatch=True)
     assert r.exit_code == EXIT_OK and r.baseline_run == boot.run_id
     assert [(d.field, d.baseline, d.run) for d in r.env_differences] == [
-        ("device_name", "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB")]
+        ("device_name", "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB")
+    ]
     assert "across environments" in r.message
 
 
 def test_fields_that_do_not_change_numerics_are_ignored(synth, tmp_path):
     env = load_manifest(synth["a"]).environment
     py = env["python"].split(".")
-    same = {**env, "platform": "Linux-9.9-other-kernel", "attn_implementation": "sdpa",
-            "python": ".".join([py[0], py[1], "99"])}
+    same = {
+        **env,
+        "platform": "Linux-9.9-other-kernel",
+        "attn_implementation": "sdpa",
+        "python": ".".join([py[0], py[1], "99"]),
+    }
     assert env_differences(env, same) == []
     assert [d.field for d in env_differences(env, {**env, "python": f"{py[0]}.{int(py[1]) + 1}.0"})] == ["python"]
 
@@ -234,8 +238,10 @@ def test_remote_store_through_fsspec_memory(synth, tmp_path, memory_url):
     assert labels(store) == ["baseline", "passed", "failed"]
     # an upload that died before its marker lists as incomplete and is never selected
     run_id, _ = new_run_id()
-    fs.pipe_file(f"{root}/runs/{run_id}/run.json", RunStore(memory_url).get(ok.run_id).dumps()
-                 .replace(ok.run_id.encode(), run_id.encode()))
+    fs.pipe_file(
+        f"{root}/runs/{run_id}/run.json",
+        RunStore(memory_url).get(ok.run_id).dumps().replace(ok.run_id.encode(), run_id.encode()),
+    )
     assert {e.name: e.status for e in store.runs()}[run_id] is RunStatus.INCOMPLETE
     again = regress(synth["a2"], memory_url)  # no cache_dir: a temporary download
     assert again.baseline_run == ok.run_id and any("incomplete" in w for w in again.warnings)
@@ -297,16 +303,35 @@ def test_run_dir_path_kept_out_of_the_store(synth, tmp_path):
     assert stored == sorted([*load_manifest(synth["a"]).files, "manifest.json"])
 
 
-json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
-                           lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=8), kids, max_size=4),
-                           max_leaves=12)
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=8), kids, max_size=4),
+    max_leaves=12,
+)
 
 
 @settings(max_examples=200, deadline=None)
-@given(raw=st.one_of(st.binary(max_size=64), json_values.map(lambda v: json.dumps(v).encode()),
-                     st.dictionaries(st.sampled_from(["format_version", "run_id", "model", "pass_label", "summary",
-                                                      "capture_signature", "environment", "created_at"]),
-                                     json_values).map(lambda d: json.dumps({**d, "format_version": 1}).encode())))
+@given(
+    raw=st.one_of(
+        st.binary(max_size=64),
+        json_values.map(lambda v: json.dumps(v).encode()),
+        st.dictionaries(
+            st.sampled_from(
+                [
+                    "format_version",
+                    "run_id",
+                    "model",
+                    "pass_label",
+                    "summary",
+                    "capture_signature",
+                    "environment",
+                    "created_at",
+                ]
+            ),
+            json_values,
+        ).map(lambda d: json.dumps({**d, "format_version": 1}).encode()),
+    )
+)
 def test_any_run_record_bytes_list_as_complete_or_corrupt(raw):
     """The record reader never raises: whatever run.json holds, the run lists as complete or corrupt."""
     run_id, _ = new_run_id(1_700_000_000_000_000_000)

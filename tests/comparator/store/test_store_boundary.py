@@ -30,13 +30,13 @@ from comparator.cli.main import main
 from comparator.results import MAX_REPORT_BYTES, load_report
 from comparator.store import RunStatus, RunStore, StoreError
 from comparator.store.backend import LocalBackend
-from comparator.store.fsspec_backend import FsspecBackend
 from comparator.store.errors import CorruptRunError, UnsafePathError
+from comparator.store.fsspec_backend import FsspecBackend
 from comparator.store.record import RunRecord
 from comparator.store.runid import new_run_id
 from dumper.errors import EXIT_OK, UsageError
 from dumper.format import MANIFEST_NAME, load_manifest
-from tests.conftest import ROOT, run_cli, subprocess_env
+from tests.conftest import run_cli, subprocess_env
 from tests.storeutil import synth_dump
 
 # -- helpers (also used by test_fuzz_store.py) ---------------------------------------------------
@@ -82,6 +82,7 @@ class Hang(BaseException):
 @contextlib.contextmanager
 def no_hang(seconds: int = 20) -> Iterator[None]:
     """Fail instead of blocking forever (opening a FIFO for reading blocks until a writer comes)."""
+
     def _raise(signum: int, frame: object) -> None:
         raise Hang(f"still running after {seconds} s: something blocked (a FIFO opened?)")
 
@@ -98,8 +99,9 @@ def cli(*args: str | os.PathLike[str], timeout: float = 60) -> subprocess.Comple
     """:func:`tests.conftest.run_cli` for ``python -m comparator``, with a short timeout: a FIFO opened by
     mistake blocks the child forever, and the test must fail in a minute, not in ten."""
     env = subprocess_env()
-    return subprocess.run([sys.executable, "-m", "comparator", *map(str, args)], capture_output=True, text=True,
-                          env=env, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "comparator", *map(str, args)], capture_output=True, text=True, env=env, timeout=timeout
+    )
 
 
 def make_store(root: Path, a: Path, a2: Path) -> tuple[Path, str, str]:
@@ -158,8 +160,14 @@ def world(dumps, tmp_path):
     outside = tmp_path / "outside"
     outside.mkdir()
     (outside / "secret").write_text("never read me")
-    return {"store": store, "runs": store / "runs", "base": base, "passed": passed, "outside": outside,
-            "run": dumps["a3"]}
+    return {
+        "store": store,
+        "runs": store / "runs",
+        "base": base,
+        "passed": passed,
+        "outside": outside,
+        "run": dumps["a3"],
+    }
 
 
 def status_of(store: Path, name: str) -> tuple[RunStatus, str]:
@@ -463,8 +471,9 @@ TYPE_CONFUSION = [
 ]
 
 
-@pytest.mark.parametrize(("field", "value", "named"), TYPE_CONFUSION,
-                         ids=[f"{f}={json.dumps(v)[:20]}" for f, v, _ in TYPE_CONFUSION])
+@pytest.mark.parametrize(
+    ("field", "value", "named"), TYPE_CONFUSION, ids=[f"{f}={json.dumps(v)[:20]}" for f, v, _ in TYPE_CONFUSION]
+)
 def test_type_confusion_in_run_json_names_the_field(world, field, value, named):
     new = clone_run(world["store"], world["passed"])
     d = {**_sound_record(world), "run_id": new, field: value}
@@ -518,8 +527,9 @@ def test_a_stored_report_has_the_limit_of_any_report(world):
     assert RunStore(world["store"]).report_json(run) is not None
     with open(path, "r+b") as f:
         f.truncate(MAX_REPORT_BYTES + 1)
-    with pytest.raises(StoreError, match=f"{run}/report.json: {MAX_REPORT_BYTES + 1} bytes, over the "
-                                         f"{MAX_REPORT_BYTES} bytes"):
+    with pytest.raises(
+        StoreError, match=f"{run}/report.json: {MAX_REPORT_BYTES + 1} bytes, over the {MAX_REPORT_BYTES} bytes"
+    ):
         RunStore(world["store"]).report_json(run)
     with pytest.raises(UsageError, match=f"exceeds the {MAX_REPORT_BYTES >> 20} MiB limit"):
         load_report(path)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from comparator.store import RunStatus, RunStore
-from tests.conftest import ROOT, run_cli, subprocess_env
+from tests.conftest import run_cli, subprocess_env
 from tests.storeutil import OTHER_GPU, edited_copy, synth_dump
 
 
@@ -25,8 +25,13 @@ def dumps(tmp_path_factory):
 
 def popen_regress(run_dir: Path, store: Path, *args: str) -> subprocess.Popen[str]:
     env = subprocess_env()
-    return subprocess.Popen([sys.executable, "-m", "comparator", "regress", str(run_dir), "--store", str(store), *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    return subprocess.Popen(
+        [sys.executable, "-m", "comparator", "regress", str(run_dir), "--store", str(store), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
 
 
 @pytest.mark.slow
@@ -60,8 +65,12 @@ def test_regress_and_store_commands(dumps, tmp_path):
     assert RunStore(store).get(failed).label == "baseline"
     r = run_cli("comparator", "store", "prune", store, "--keep", "1")
     assert r.returncode == 0 and "deleted 2 entries" in r.stdout, r.stdout + r.stderr
-    for args in (("show", store, "20261130T000000.000000000Z-abcdef"), ("ls", tmp_path / "nothing"),
-                 ("prune", store), ("promote", store, "../x")):
+    for args in (
+        ("show", store, "20261130T000000.000000000Z-abcdef"),
+        ("ls", tmp_path / "nothing"),
+        ("prune", store),
+        ("promote", store, "../x"),
+    ):
         r = run_cli("comparator", "store", *args)
         assert r.returncode == 2 and r.stderr.startswith("error: ") and "Traceback" not in r.stderr, args
 
@@ -96,7 +105,9 @@ def test_sigkilled_writer_leaves_no_complete_run(tmp_path):
     proc = popen_regress(big, store, "--bootstrap")
     deadline = time.monotonic() + 60
     while proc.poll() is None and time.monotonic() < deadline:
-        staging = [n for n in (os.listdir(store / "runs") if (store / "runs").is_dir() else []) if n.startswith(".tmp-")]
+        staging = [
+            n for n in (os.listdir(store / "runs") if (store / "runs").is_dir() else []) if n.startswith(".tmp-")
+        ]
         if staging and os.listdir(store / "runs" / staging[0]):
             os.kill(proc.pid, signal.SIGKILL)
             break

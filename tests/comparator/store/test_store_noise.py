@@ -27,7 +27,7 @@ from comparator import regress
 from comparator.noise.file import load_noise
 from comparator.store import RunRecord, RunStore, StoreError
 from comparator.store.record import noise_bytes
-from tests.conftest import ROOT, run_cli, subprocess_env
+from tests.conftest import run_cli, subprocess_env
 from tests.storeutil import synth_dump
 
 VARIANTS = {"sdpa": {"attn": "sdpa"}, "chunk": {"chunk_size": 50}}
@@ -55,8 +55,13 @@ def dumps(tmp_path_factory) -> dict[str, Path]:
     """The baseline from the real CLI (in a subprocess, meanwhile the others are dumped in this process)."""
     root = tmp_path_factory.mktemp("noise-dumps")
     env = subprocess_env(OMP_NUM_THREADS="1")
-    cli = subprocess.Popen([sys.executable, "-m", "dumper", "run", "--out", str(root / "base"), "--layers", "all",
-                            "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    cli = subprocess.Popen(
+        [sys.executable, "-m", "dumper", "run", "--out", str(root / "base"), "--layers", "all", "--quiet"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the CLI dump: the runs differ in their layout (or weights) only
     try:
@@ -76,14 +81,30 @@ def dumps(tmp_path_factory) -> dict[str, Path]:
 def calibrated(dumps, tmp_path_factory) -> dict[str, object]:
     """``calibrate --out`` and a store bootstrapped with ``--calibrate`` from the same two variants."""
     root = tmp_path_factory.mktemp("calibrated")
-    r = run_cli("comparator", "calibrate", dumps["base"], dumps["sdpa"], dumps["chunk"], "--out", root / "n.json",
-                "--quiet")
+    r = run_cli(
+        "comparator", "calibrate", dumps["base"], dumps["sdpa"], dumps["chunk"], "--out", root / "n.json", "--quiet"
+    )
     assert r.returncode == 0, r.stdout + r.stderr
-    r = run_cli("comparator", "regress", dumps["base"], "--store", root / "store", "--bootstrap", "--calibrate",
-                dumps["sdpa"], dumps["chunk"], "--json", root / "boot.json")
+    r = run_cli(
+        "comparator",
+        "regress",
+        dumps["base"],
+        "--store",
+        root / "store",
+        "--bootstrap",
+        "--calibrate",
+        dumps["sdpa"],
+        dumps["chunk"],
+        "--json",
+        root / "boot.json",
+    )
     assert r.returncode == 0, r.stdout + r.stderr
-    return {"noise": root / "n.json", "store": root / "store", "boot": json.loads((root / "boot.json").read_text()),
-            "stdout": r.stdout}
+    return {
+        "noise": root / "n.json",
+        "store": root / "store",
+        "boot": json.loads((root / "boot.json").read_text()),
+        "stdout": r.stdout,
+    }
 
 
 def _copy(store: Path, to: Path) -> Path:
@@ -103,10 +124,10 @@ def test_bootstrap_stores_exactly_the_noise_calibrate_writes(calibrated):
     written = json.loads(calibrated["noise"].read_text())  # what calibrate wrote, its side file named as the store's
     written["rows"]["file"] = "noise.rows.safetensors"
     assert json.loads(stored.read_bytes()) == written
-    assert (stored.parent / "noise.rows.safetensors").read_bytes() == \
-        calibrated["noise"].with_name("n.rows.safetensors").read_bytes()  # byte for byte
-    assert sorted(os.listdir(stored.parent)) == ["COMPLETE", "dump", "noise.json", "noise.rows.safetensors",
-                                                 "run.json"]
+    assert (stored.parent / "noise.rows.safetensors").read_bytes() == calibrated["noise"].with_name(
+        "n.rows.safetensors"
+    ).read_bytes()  # byte for byte
+    assert sorted(os.listdir(stored.parent)) == ["COMPLETE", "dump", "noise.json", "noise.rows.safetensors", "run.json"]
     rec = RunStore(store).get(run_id)
     assert rec.label == "baseline" and rec.calibration.to_json() == boot["calibration"]
     assert rec.calibration.variants == 2 and rec.calibration.measured_on == run_id
@@ -116,8 +137,9 @@ def test_bootstrap_stores_exactly_the_noise_calibrate_writes(calibrated):
     assert noise_bytes(got.noise) == stored.read_bytes()
     assert "calibrated from 2 variants" in _lines(calibrated["stdout"])
     r = run_cli("comparator", "store", "show", store, run_id)
-    assert r.returncode == 0 and "calibration: noise of 8 tensors from 2 variants, measured on this run" in \
-        _lines(r.stdout), r.stdout + r.stderr
+    assert r.returncode == 0 and "calibration: noise of 8 tensors from 2 variants, measured on this run" in _lines(
+        r.stdout
+    ), r.stdout + r.stderr
 
 
 @pytest.mark.slow
@@ -149,8 +171,17 @@ def test_later_runs_are_judged_against_the_stored_noise(calibrated, dumps, tmp_p
 
     r = run_cli("comparator", "regress", dumps["perturbed"], "--store", store, "--noise-factor", "0.5")
     assert r.returncode == 2 and "--noise-factor must be" in r.stderr
-    r = run_cli("comparator", "regress", dumps["perturbed"], "--store", store, "--noise-floor", "1e-4", "--json",
-                tmp_path / "floor.json")
+    r = run_cli(
+        "comparator",
+        "regress",
+        dumps["perturbed"],
+        "--store",
+        store,
+        "--noise-floor",
+        "1e-4",
+        "--json",
+        tmp_path / "floor.json",
+    )
     assert r.returncode == 0, r.stdout + r.stderr  # a floor above the change: the flags reach the verdict
     assert json.loads((tmp_path / "floor.json").read_text())["report"]["noise_floor"] == 1e-4
 
@@ -213,10 +244,15 @@ def test_broken_stored_noise_is_one_line_and_changes_nothing(calibrated, dumps, 
     assert run_cli("comparator", "regress", dumps["held_out"], "--store", store, "--quiet").returncode == 0
 
 
-MALFORMED = {"empty": b"", "cut": b"{", "deep": b"[" * 100_000, "no-variants": b'{"format": "driftscope-noise/1"}',
-             "bad-tensor": b'{"format": "driftscope-noise/1", "variants": ["v"], "tensors": [{"name": 1}]}',
-             "bad-model": b'{"format": "driftscope-noise/1", "variants": ["v"], "tensors": [], "model": [1, 2]}',
-             "not-utf8": b"\xff\xfe"}
+MALFORMED = {
+    "empty": b"",
+    "cut": b"{",
+    "deep": b"[" * 100_000,
+    "no-variants": b'{"format": "driftscope-noise/1"}',
+    "bad-tensor": b'{"format": "driftscope-noise/1", "variants": ["v"], "tensors": [{"name": 1}]}',
+    "bad-model": b'{"format": "driftscope-noise/1", "variants": ["v"], "tensors": [], "model": [1, 2]}',
+    "not-utf8": b"\xff\xfe",
+}
 
 
 @pytest.mark.slow
@@ -286,8 +322,10 @@ def test_memory_store_round_trip_through_the_python_api(calibrated, dumps):
         got = st.noise(st.get(boot.run_id))
         written = json.loads(calibrated["noise"].read_text())
         written["rows"]["file"] = "noise.rows.safetensors"
-        assert json.loads(got.data) == written and got.rows_data == \
-            calibrated["noise"].with_name("n.rows.safetensors").read_bytes()
+        assert (
+            json.loads(got.data) == written
+            and got.rows_data == calibrated["noise"].with_name("n.rows.safetensors").read_bytes()
+        )
         res = regress(dumps["held_out"], url)
         assert res.exit_code == 0 and res.noise == st.where(boot.run_id, "noise.json")
         assert res.report is not None and all(t.noise_ratio is not None for t in res.report.tensors)

@@ -25,11 +25,11 @@ _DEFINITION = re.compile(r'add_argument\(\s*"(--[a-z0-9-]+)"')
 
 SEVERAL_MEANINGS = {
     "--model": "the model run, replay, selfcheck and sweep load; the checkpoint a server serves (dumper collect); "
-               "a row of the logprob threshold table (comparator); the run group of a store (regress, store ls)",
+    "a row of the logprob threshold table (comparator); the run group of a store (regress, store ls)",
     "--threshold": "selfcheck's limit on the mean k3; the comparator's whole-tensor rel_diff threshold",
     "--timeout": "a live server's deadline per request; how long bisect lets a build's command run",
     "--new-tokens": "an optional decode after the prompt (run, collect: default 0); the decode selfcheck checks "
-                    "(default 16, at least 1)",
+    "(default 16, at least 1)",
     "--calibrate": "run's switch that records a calibrated baseline; the VARIANT dumps regress and promote measure",
     "--tensors": "ls lists a dump's tensors; the comparator's report adds a row per tensor",
 }
@@ -37,8 +37,12 @@ SEVERAL_MEANINGS = {
 
 
 def _definitions() -> Counter[str]:
-    return Counter(flag for package in ("dumper", "comparator") for path in sorted((ROOT / package).rglob("*.py"))
-                   for flag in _DEFINITION.findall(path.read_text(encoding="utf-8")))
+    return Counter(
+        flag
+        for package in ("dumper", "comparator")
+        for path in sorted((ROOT / package).rglob("*.py"))
+        for flag in _DEFINITION.findall(path.read_text(encoding="utf-8"))
+    )
 
 
 def test_a_flag_with_one_meaning_is_defined_once() -> None:
@@ -49,9 +53,11 @@ def test_a_flag_with_one_meaning_is_defined_once() -> None:
     assert not stale, f"SEVERAL_MEANINGS names flags defined once or not at all: {stale}"
 
 
-LIVE_SERVER = {"dumper collect": (dumper_parser, ["collect", "--server", "u", "--spool", "s", "--out", "o"]),
-               "dumper selfcheck": (dumper_parser, ["selfcheck"]),
-               "comparator collect": (comparator_parser, ["collect", "--server", "u", "--api", "vllm", "--out", "o"])}
+LIVE_SERVER = {
+    "dumper collect": (dumper_parser, ["collect", "--server", "u", "--spool", "s", "--out", "o"]),
+    "dumper selfcheck": (dumper_parser, ["selfcheck"]),
+    "comparator collect": (comparator_parser, ["collect", "--server", "u", "--api", "vllm", "--out", "o"]),
+}
 
 
 @pytest.mark.parametrize("command", sorted(LIVE_SERVER))
@@ -63,9 +69,12 @@ def test_the_live_server_flags_have_one_default(command: str) -> None:
     assert (client.timeout, client.retries) == (DEFAULT_TIMEOUT_S, DEFAULT_RETRIES)
 
 
-MODEL_COMMANDS = {"run": ["run", "--out", "o"], "replay": ["replay", "--baseline", "b", "--out", "o"],
-                  "selfcheck": ["selfcheck"], "sweep": ["sweep", "--baseline", "b", "--grid", "batch_size=1,2",
-                                                        "--out", "o"]}
+MODEL_COMMANDS = {
+    "run": ["run", "--out", "o"],
+    "replay": ["replay", "--baseline", "b", "--out", "o"],
+    "selfcheck": ["selfcheck"],
+    "sweep": ["sweep", "--baseline", "b", "--grid", "batch_size=1,2", "--out", "o"],
+}
 
 
 @pytest.mark.parametrize("command", sorted(MODEL_COMMANDS))
@@ -74,20 +83,40 @@ def test_the_model_flags_parse_alike_in_every_command(command: str) -> None:
     assert (args.model, args.attn, args.device) == ("tiny-llama", "eager", "cpu")
     # sweep leaves what the baseline dump records unset, and takes the baseline's
     assert (args.dtype, args.seed) == ((None, None) if command == "sweep" else ("float32", 0))
-    given = dumper_parser().parse_args([*MODEL_COMMANDS[command], "--model", "tiny-qwen2", "--dtype", "bfloat16",
-                                        "--attn", "sdpa", "--device", "cuda:1", "--seed", "7"])
-    assert (given.model, given.dtype, given.attn, given.device, given.seed) == ("tiny-qwen2", "bfloat16", "sdpa",
-                                                                                "cuda:1", 7)
+    given = dumper_parser().parse_args(
+        [
+            *MODEL_COMMANDS[command],
+            "--model",
+            "tiny-qwen2",
+            "--dtype",
+            "bfloat16",
+            "--attn",
+            "sdpa",
+            "--device",
+            "cuda:1",
+            "--seed",
+            "7",
+        ]
+    )
+    assert (given.model, given.dtype, given.attn, given.device, given.seed) == (
+        "tiny-qwen2",
+        "bfloat16",
+        "sdpa",
+        "cuda:1",
+        7,
+    )
 
 
 SWEEP = ["sweep", "--baseline", "{tmp}/b", "--grid", "batch_size=1,2", "--out", "{tmp}/s"]
 COLLECT = ["collect", "--server", "http://127.0.0.1:9", "--spool", "{tmp}", "--out", "{tmp}/c", "--input-ids", "1,2"]
-NEEDS = [(["run", "--out", "{tmp}/d", "--top-k", "2"], "--top-k"),
-         (["run", "--out", "{tmp}/d", "--logprob-start-len", "1"], "--logprob-start-len"),
-         (["run", "--out", "{tmp}/d", "--save-logits"], "--save-logits"),
-         ([*SWEEP, "--top-k", "2"], "--top-k"),
-         ([*SWEEP, "--save-logits"], "--save-logits"),
-         ([*COLLECT, "--top-k", "2"], "--top-k")]
+NEEDS = [
+    (["run", "--out", "{tmp}/d", "--top-k", "2"], "--top-k"),
+    (["run", "--out", "{tmp}/d", "--logprob-start-len", "1"], "--logprob-start-len"),
+    (["run", "--out", "{tmp}/d", "--save-logits"], "--save-logits"),
+    ([*SWEEP, "--top-k", "2"], "--top-k"),
+    ([*SWEEP, "--save-logits"], "--save-logits"),
+    ([*COLLECT, "--top-k", "2"], "--top-k"),
+]
 
 
 @pytest.mark.parametrize(("argv", "flag"), NEEDS, ids=[f"{a[0]}{f}" for a, f in NEEDS])

@@ -24,16 +24,20 @@ PACKAGES = ("vllm", "llama_cpp", "onnxruntime_genai", "onnxruntime", "onnx", "tr
 """What a refused ``--engine-arg`` must not have imported: every engine, and transformers."""
 
 CASES = {
-    "vllm": [("kv_cache_dtype", "fp4", "one of auto, fp8, fp8_e4m3, fp8_e5m2, bfloat16, float16"),
-             ("enable_prefix_caching", "yes", "true or false"),
-             ("max_num_seqs", "0", "a positive integer (at most 65536)"),
-             ("max_model_len", "1e9", "a positive integer (at most 2147483647)"),
-             ("max_num_seqs", "²", "a positive integer (at most 65536)")],
-    "llama.cpp": [("kv", "q4_0", "one of f32, f16, bf16"),
-                  ("flash_attn", "maybe", "one of auto, off, on"),
-                  ("threads", "0", "a positive integer (at most 1024)"),
-                  ("threads", "99999999999999999999999", "a positive integer (at most 1024)"),
-                  ("verbose", "\x1b[31m", "true or false")],
+    "vllm": [
+        ("kv_cache_dtype", "fp4", "one of auto, fp8, fp8_e4m3, fp8_e5m2, bfloat16, float16"),
+        ("enable_prefix_caching", "yes", "true or false"),
+        ("max_num_seqs", "0", "a positive integer (at most 65536)"),
+        ("max_model_len", "1e9", "a positive integer (at most 2147483647)"),
+        ("max_num_seqs", "²", "a positive integer (at most 65536)"),
+    ],
+    "llama.cpp": [
+        ("kv", "q4_0", "one of f32, f16, bf16"),
+        ("flash_attn", "maybe", "one of auto, off, on"),
+        ("threads", "0", "a positive integer (at most 1024)"),
+        ("threads", "99999999999999999999999", "a positive integer (at most 1024)"),
+        ("verbose", "\x1b[31m", "true or false"),
+    ],
     "onnxruntime-genai": [("hf_dir", "", "a path")],
 }
 """Per engine: (key, bad value, the values the error must list)."""
@@ -57,8 +61,14 @@ def refused() -> dict[tuple[str, str, str], dict]:
     """Each bad ``--engine-arg`` of :data:`CASES` (and one unknown key per engine) run through the CLI in one child."""
     cases = [(engine, key, value) for engine, rows in CASES.items() for key, value, _ in rows]
     cases += [(engine, "no_such_key", "1") for engine in ENGINES]
-    r = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(cases), *PACKAGES], capture_output=True, text=True,
-                       timeout=600, cwd=ROOT, env=subprocess_env())
+    r = subprocess.run(
+        [sys.executable, "-c", _CHILD, json.dumps(cases), *PACKAGES],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+        env=subprocess_env(),
+    )
     assert r.returncode == 0, r.stderr
     return {tuple(c): res for c, res in zip(cases, json.loads(r.stdout.splitlines()[-1]), strict=True)}
 
@@ -79,23 +89,36 @@ def test_an_unknown_key_is_refused_listing_the_keys_without_importing_the_engine
     res = refused[(engine, "no_such_key", "1")]
     lines = res["err"].strip().splitlines()
     assert res["rc"] == 2 and len(lines) == 1, res
-    assert lines[0].startswith(f"error: --engine-arg no_such_key: --engine {engine} does not take it (it takes: "), lines
+    assert lines[0].startswith(f"error: --engine-arg no_such_key: --engine {engine} does not take it (it takes: "), (
+        lines
+    )
     for key in engine_adapter(engine).ENGINE_ARGS:
         assert f"{key}=" in lines[0]
     assert res["imported"] == [], res
 
 
 def test_every_table_entry_parses_to_its_type_and_the_last_value_wins():
-    cfg = RunConfig(out="x", engine="llama.cpp", engine_args=(("kv", "F16"), ("threads", "4"), ("verbose", "True"),
-                                                               ("hf_dir", "ckpt"), ("threads", "2")))
+    cfg = RunConfig(
+        out="x",
+        engine="llama.cpp",
+        engine_args=(("kv", "F16"), ("threads", "4"), ("verbose", "True"), ("hf_dir", "ckpt"), ("threads", "2")),
+    )
     assert check_engine_args(cfg, engine_adapter("llama.cpp").ENGINE_ARGS) == {
-        "kv": "f16", "threads": 2, "verbose": True, "hf_dir": "ckpt"}
+        "kv": "f16",
+        "threads": 2,
+        "verbose": True,
+        "hf_dir": "ckpt",
+    }
     cfg = RunConfig(out="x", engine="vllm", engine_args=(("max_model_len", "4096"), ("kv_cache_dtype", "fp8_e5m2")))
-    assert check_engine_args(cfg, engine_adapter("vllm").ENGINE_ARGS) == {"max_model_len": 4096,
-                                                                           "kv_cache_dtype": "fp8_e5m2"}
+    assert check_engine_args(cfg, engine_adapter("vllm").ENGINE_ARGS) == {
+        "max_model_len": 4096,
+        "kv_cache_dtype": "fp8_e5m2",
+    }
     for engine in ENGINES:  # every key of every table says what it takes
         for key, arg in engine_adapter(engine).ENGINE_ARGS.items():
             assert isinstance(arg, EngineArg) and arg.help and (arg.kind != "choice" or arg.choices), (engine, key)
     with pytest.raises(UsageError, match=r"^--engine-arg threads=3 \(twice\): expected a positive integer"):
-        check_engine_args(RunConfig(out="x", engine="llama.cpp", engine_args=(("threads", "3 (twice)"),)),
-                          engine_adapter("llama.cpp").ENGINE_ARGS)
+        check_engine_args(
+            RunConfig(out="x", engine="llama.cpp", engine_args=(("threads", "3 (twice)"),)),
+            engine_adapter("llama.cpp").ENGINE_ARGS,
+        )

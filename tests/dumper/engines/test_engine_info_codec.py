@@ -29,8 +29,14 @@ def manifest(tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("engine_info")
     ckpt = build_checkpoint(root / "ckpt")
     gguf = to_gguf(ckpt, root / "m.gguf", "f32")
-    cfg = RunConfig(out=str(root / "dump"), model=str(gguf), layers="first", input_ids=((1, 5, 9, 13),),
-                    engine="llama.cpp", engine_args=(("hf_dir", str(ckpt)),))
+    cfg = RunConfig(
+        out=str(root / "dump"),
+        model=str(gguf),
+        layers="first",
+        input_ids=((1, 5, 9, 13),),
+        engine="llama.cpp",
+        engine_args=(("hf_dir", str(ckpt)),),
+    )
     return run_engine(cfg, engine="llama.cpp")
 
 

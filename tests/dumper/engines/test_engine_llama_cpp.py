@@ -42,7 +42,13 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("llama_cpp")
     ckpt = build_checkpoint(root / "ckpt", initializer_range=0.2)
     with ThreadPoolExecutor(2) as pool:  # two converter processes at once
-        ggufs = dict(zip(("f32", "q8_0"), pool.map(lambda t: to_gguf(ckpt, root / f"m-{t}.gguf", t), ("f32", "q8_0")), strict=True))
+        ggufs = dict(
+            zip(
+                ("f32", "q8_0"),
+                pool.map(lambda t: to_gguf(ckpt, root / f"m-{t}.gguf", t), ("f32", "q8_0")),
+                strict=True,
+            )
+        )
     paths = {"root": root, "ckpt": ckpt, "hf": root / "hf", **ggufs}
     run_dump(RunConfig(out=str(paths["hf"]), model=str(ckpt), layers="all", logprobs=LogprobSpec(top_k=5)))
     return paths
@@ -56,22 +62,49 @@ def llama_dump(work: dict[str, Path], gguf: str, *args: str) -> Path:
     key = (str(work["root"]), gguf, *args)
     if key not in _DUMPS:
         out = work["root"] / f"ll-{len(_DUMPS)}"
-        r = run_cli("dumper", "run", "--engine", "llama.cpp", "--model", work[gguf], "--engine-arg",
-                    f"hf_dir={work['ckpt']}", "--layers", "all", "--logprobs", "--top-k", "5", "--out", out, *args)
+        r = run_cli(
+            "dumper",
+            "run",
+            "--engine",
+            "llama.cpp",
+            "--model",
+            work[gguf],
+            "--engine-arg",
+            f"hf_dir={work['ckpt']}",
+            "--layers",
+            "all",
+            "--logprobs",
+            "--top-k",
+            "5",
+            "--out",
+            out,
+            *args,
+        )
         assert r.returncode == 0, r.stderr
         assert "llama_model_loader" not in r.stderr and "ggml" not in r.stderr  # llama.cpp's log is silenced
         _DUMPS[key] = out
     return _DUMPS[key]
 
 
-def llama_dump_here(work: dict[str, Path], name: str, *, engine_args: tuple[tuple[str, str], ...] = (),
-                    **cfg: int) -> Path:
+def llama_dump_here(
+    work: dict[str, Path], name: str, *, engine_args: tuple[tuple[str, str], ...] = (), **cfg: int
+) -> Path:
     """A llama.cpp dump of the f32 GGUF made in this process (``RunConfig`` fields in ``cfg``), HF job's prompts."""
     out = work["root"] / name
     if not out.exists():
         args = (("hf_dir", str(work["ckpt"])), *engine_args)
-        run_engine(RunConfig(out=str(out), model=str(work["f32"]), layers="all", logprobs=LogprobSpec(top_k=5),
-                             engine="llama.cpp", engine_args=args, **cfg), engine="llama.cpp")
+        run_engine(
+            RunConfig(
+                out=str(out),
+                model=str(work["f32"]),
+                layers="all",
+                logprobs=LogprobSpec(top_k=5),
+                engine="llama.cpp",
+                engine_args=args,
+                **cfg,
+            ),
+            engine="llama.cpp",
+        )
     return out
 
 
@@ -148,19 +181,32 @@ def test_chunked_batched_prefill_matches_one_pass(work: dict[str, Path]) -> None
 @pytest.mark.engine
 def test_unusable_inputs_exit_2_with_one_line(work: dict[str, Path]) -> None:
     model = work["ckpt"] / "config.json"
-    r = run_cli("dumper", "run", "--engine", "llama.cpp", "--model", model, "--input-ids", "1,2,3",
-                "--out", work["root"] / "never")
+    r = run_cli(
+        "dumper",
+        "run",
+        "--engine",
+        "llama.cpp",
+        "--model",
+        model,
+        "--input-ids",
+        "1,2,3",
+        "--out",
+        work["root"] / "never",
+    )
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1 and f"{model}: not a GGUF file" in lines[0], r.stderr
     truncated = work["root"] / "truncated.gguf"
     truncated.write_bytes(work["f32"].read_bytes()[:4096])
-    cases = [(truncated, (), ModelError, f"{truncated}: llama.cpp cannot load"),
-             (work["f32"], (), UsageError, "text prompts need --engine-arg hf_dir"),
-             (work["f32"], (("kv", "q4_0"),), UsageError, "kv=q4_0: expected one of f32, f16, bf16")]
+    cases = [
+        (truncated, (), ModelError, f"{truncated}: llama.cpp cannot load"),
+        (work["f32"], (), UsageError, "text prompts need --engine-arg hf_dir"),
+        (work["f32"], (("kv", "q4_0"),), UsageError, "kv=q4_0: expected one of f32, f16, bf16"),
+    ]
     for gguf, args, error, says in cases:
         ids = () if "hf_dir" in says else ((1, 2, 3),)
-        cfg = RunConfig(out=str(work["root"] / "never"), model=str(gguf), input_ids=ids, engine="llama.cpp",
-                        engine_args=args)
+        cfg = RunConfig(
+            out=str(work["root"] / "never"), model=str(gguf), input_ids=ids, engine="llama.cpp", engine_args=args
+        )
         with pytest.raises(error) as info:
             run_engine(cfg, engine="llama.cpp")
         assert says in str(info.value) and "\n" not in str(info.value)
@@ -193,8 +239,22 @@ def test_f32_decode_steps_match_an_hf_prefill_of_the_same_tokens(work: dict[str,
     new = 6
     out = llama_dump(work, "f32", "--new-tokens", str(new), "--batch-size", "2", "--quiet")
     hf = work["root"] / "hf-of-decode"
-    r = run_cli("dumper", "run", "--model", work["ckpt"], "--tokens-from", out, "--layers", "all", "--logprobs",
-                "--top-k", "5", "--out", hf, "--quiet")
+    r = run_cli(
+        "dumper",
+        "run",
+        "--model",
+        work["ckpt"],
+        "--tokens-from",
+        out,
+        "--layers",
+        "all",
+        "--logprobs",
+        "--top-k",
+        "5",
+        "--out",
+        hf,
+        "--quiet",
+    )
     assert r.returncode == 0, r.stderr
     rc, report, _ = compare(hf, out)
     assert rc == 0 and report["passed"], report["first_divergent"]
@@ -213,12 +273,29 @@ def test_the_points_inside_a_layer_match_hf_in_f32_decode_steps_included(work: d
     points = "input,attn_output,mlp_input,mlp_output"
     out = llama_dump(work, "f32", "--points", points, "--new-tokens", "3", "--quiet")
     hf = work["root"] / "hf-of-points"
-    r = run_cli("dumper", "run", "--model", work["ckpt"], "--tokens-from", out, "--layers", "all", "--points", points,
-                "--logprobs", "--top-k", "5", "--out", hf, "--quiet")
+    r = run_cli(
+        "dumper",
+        "run",
+        "--model",
+        work["ckpt"],
+        "--tokens-from",
+        out,
+        "--layers",
+        "all",
+        "--points",
+        points,
+        "--logprobs",
+        "--top-k",
+        "5",
+        "--out",
+        hf,
+        "--quiet",
+    )
     assert r.returncode == 0, r.stderr
     rc, report, _ = compare(hf, out)
     assert rc == 0 and report["passed"], report["first_divergent"]
     assert not report["unmatched_baseline"] and not report["unmatched_target"]
     assert {(t["layer"], t["point"]) for t in report["tensors"]} == {
-        (layer, p) for layer in LAYERS for p in points.split(",")}
+        (layer, p) for layer in LAYERS for p in points.split(",")
+    }
     assert max(t["rel_diff"] for t in report["tensors"]) < 1e-9

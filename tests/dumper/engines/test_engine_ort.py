@@ -38,10 +38,24 @@ def need(name: str) -> None:
 
 def build_ort(hf_dir: Path, out: Path, precision: str) -> subprocess.Popen[str]:
     """Start ONNX Runtime GenAI's model builder on ``hf_dir`` (CPU), offline."""
-    cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf_dir), "-o", str(out),
-           "-p", precision, "-e", "cpu", "-c", str(out.parent / f"cache-{precision}")]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "onnxruntime_genai.models.builder",
+        "-i",
+        str(hf_dir),
+        "-o",
+        str(out),
+        "-p",
+        precision,
+        "-e",
+        "cpu",
+        "-c",
+        str(out.parent / f"cache-{precision}"),
+    ]
+    return subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}
+    )
 
 
 @pytest.fixture(scope="module")
@@ -51,21 +65,47 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("ort")
     ckpt = build_checkpoint(root / "hf")
     builds = {p: build_ort(ckpt, root / f"ort-{p}", p) for p in ("fp32", "int8")}
-    hf = run_cli("dumper", "run", "--model", ckpt, "--layers", "all", "--logprobs", "--top-k", "5",
-                 "--out", root / "dump-hf", "--quiet")
+    hf = run_cli(
+        "dumper",
+        "run",
+        "--model",
+        ckpt,
+        "--layers",
+        "all",
+        "--logprobs",
+        "--top-k",
+        "5",
+        "--out",
+        root / "dump-hf",
+        "--quiet",
+    )
     assert hf.returncode == 0, hf.stderr
     for p, proc in builds.items():
         log, _ = proc.communicate(timeout=600)
         assert proc.returncode == 0, log[-2000:]
         assert (root / f"ort-{p}" / "genai_config.json").is_file()
-    return {"hf": ckpt, "fp32": root / "ort-fp32", "int8": root / "ort-int8", "dump_hf": root / "dump-hf",
-            "root": root}
+    return {"hf": ckpt, "fp32": root / "ort-fp32", "int8": root / "ort-int8", "dump_hf": root / "dump-hf", "root": root}
 
 
 def ort_dump(models: dict[str, Path], precision: str, out: str, *extra: str) -> Path:
     dump = models["root"] / out
-    r = run_cli("dumper", "run", "--engine", ENGINE, "--model", models[precision], "--layers", "all",
-                "--logprobs", "--top-k", "5", "--out", dump, "--quiet", *extra)
+    r = run_cli(
+        "dumper",
+        "run",
+        "--engine",
+        ENGINE,
+        "--model",
+        models[precision],
+        "--layers",
+        "all",
+        "--logprobs",
+        "--top-k",
+        "5",
+        "--out",
+        dump,
+        "--quiet",
+        *extra,
+    )
     assert r.returncode == 0, r.stderr
     return dump
 
@@ -90,8 +130,10 @@ def test_fp32_passes_hidden_states_and_logprobs(models: dict[str, Path]) -> None
     lp = run_cli("comparator", "logprobs", models["dump_hf"], dump)
     assert lp.returncode == 0, lp.stdout + lp.stderr
     manifest = json.loads((dump / "manifest.json").read_text())
-    assert manifest["model"]["config_hash"] == json.loads((models["dump_hf"] / "manifest.json").read_text())[
-        "model"]["config_hash"]
+    assert (
+        manifest["model"]["config_hash"]
+        == json.loads((models["dump_hf"] / "manifest.json").read_text())["model"]["config_hash"]
+    )
     assert manifest["model"]["weights_format"] == "onnx:fp32"
 
 
@@ -99,8 +141,18 @@ def test_fp32_passes_hidden_states_and_logprobs(models: dict[str, Path]) -> None
 def test_int8_departs_at_layer_1_where_fp32_does_not(models: dict[str, Path]) -> None:
     """At thresholds of 1e-6 (fp32's rel_diff is < 1e-9, see above) int8 diverges, first at layer 1."""
     dump = ort_dump(models, "int8", "dump-int8", "--engine-arg", f"hf_dir={models['hf']}")
-    r = run_cli("comparator", models["dump_hf"], dump, "--threshold", "1e-6", "--token-threshold", "1e-6",
-                "--quiet", "--json", models["root"] / "int8.json")
+    r = run_cli(
+        "comparator",
+        models["dump_hf"],
+        dump,
+        "--threshold",
+        "1e-6",
+        "--token-threshold",
+        "1e-6",
+        "--quiet",
+        "--json",
+        models["root"] / "int8.json",
+    )
     assert r.returncode == 1, r.stdout + r.stderr
     report = json.loads((models["root"] / "int8.json").read_text())
     assert report["first_divergent"]["layer"] == 1
@@ -125,24 +177,39 @@ def test_chunked_without_hf_dir_uses_the_builders_tokenizer(models: dict[str, Pa
 
 @pytest.mark.engine
 def test_not_a_genai_dir_exits_2_in_one_line(models: dict[str, Path]) -> None:
-    r = run_cli("dumper", "run", "--engine", ENGINE, "--model", models["hf"], "--input-ids", IDS,
-                "--out", models["root"] / "bad", "--quiet")
+    r = run_cli(
+        "dumper",
+        "run",
+        "--engine",
+        ENGINE,
+        "--model",
+        models["hf"],
+        "--input-ids",
+        IDS,
+        "--out",
+        models["root"] / "bad",
+        "--quiet",
+    )
     assert r.returncode == 2
     assert len(r.stderr.strip().splitlines()) == 1
     assert "genai_config.json" in r.stderr and str(models["hf"]) in r.stderr
 
 
 @pytest.mark.engine
-@pytest.mark.parametrize("change, words", [
-    ({"dtype": "bfloat16"}, "computes in float32"),
-    ({"batch_size": 2}, "one prompt per generator"),
-    ({"engine_args": (("kv", "f16"),)}, "hf_dir"),
-])
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        ({"dtype": "bfloat16"}, "computes in float32"),
+        ({"batch_size": 2}, "one prompt per generator"),
+        ({"engine_args": (("kv", "f16"),)}, "hf_dir"),
+    ],
+)
 def test_options_it_cannot_honour_are_refused(models: dict[str, Path], change: dict, words: str) -> None:
     from dumper.engines.onnxruntime_genai import run_dump
 
-    cfg = RunConfig(out=str(models["root"] / "refused"), model=str(models["fp32"]), input_ids=((1, 2, 3),),
-                    engine=ENGINE, **change)
+    cfg = RunConfig(
+        out=str(models["root"] / "refused"), model=str(models["fp32"]), input_ids=((1, 2, 3),), engine=ENGINE, **change
+    )
     with pytest.raises(UsageError, match=words):
         run_dump(cfg)
     assert not (models["root"] / "refused").exists()
@@ -164,8 +231,7 @@ def test_a_graph_without_a_layers_norm_names_layer_and_file(models: dict[str, Pa
     with pytest.raises(ModelError, match=r"model\.onnx: no input_layernorm node for layer 2"):
         run_dump(cfg)
     assert not (tmp_path / "d").exists()  # refused before any output is written
-    cfg_last = RunConfig(out=str(tmp_path / "d1"), model=str(broken), input_ids=((1, 2, 3),), engine=ENGINE,
-                         layers="1")
+    cfg_last = RunConfig(out=str(tmp_path / "d1"), model=str(broken), input_ids=((1, 2, 3),), engine=ENGINE, layers="1")
     assert len(run_dump(cfg_last).tensors) == 1  # only the layers asked for need their node
 
 
@@ -213,14 +279,17 @@ def _genai_dir(root: Path, config: object | bytes) -> Path:
 GOOD_GENAI = {"model": {"vocab_size": 512, "decoder": {"num_hidden_layers": 4, "filename": "model.onnx"}}}
 
 
-@pytest.mark.parametrize("edit, words", [
-    (lambda c: c["model"].update(vocab_size=float("inf")), "model.vocab_size"),
-    (lambda c: c["model"]["decoder"].update(num_hidden_layers="4"), "a count"),
-    (lambda c: c["model"]["decoder"].update(num_hidden_layers=True), "a count"),
-    (lambda c: c["model"]["decoder"].update(filename="../outside/model.onnx"), "model.decoder.filename"),
-    (lambda c: c["model"]["decoder"].update(filename="/etc/passwd"), "model.decoder.filename"),
-    (lambda c: c["model"].update(decoder=[]), "not a decoder genai config"),
-])
+@pytest.mark.parametrize(
+    "edit, words",
+    [
+        (lambda c: c["model"].update(vocab_size=float("inf")), "model.vocab_size"),
+        (lambda c: c["model"]["decoder"].update(num_hidden_layers="4"), "a count"),
+        (lambda c: c["model"]["decoder"].update(num_hidden_layers=True), "a count"),
+        (lambda c: c["model"]["decoder"].update(filename="../outside/model.onnx"), "model.decoder.filename"),
+        (lambda c: c["model"]["decoder"].update(filename="/etc/passwd"), "model.decoder.filename"),
+        (lambda c: c["model"].update(decoder=[]), "not a decoder genai config"),
+    ],
+)
 def test_a_hostile_genai_config_is_one_line_before_any_graph_is_read(tmp_path: Path, edit, words: str) -> None:
     """genai_config.json is read like any untrusted file, and the graph it names must be inside the directory."""
     need(ENGINE)

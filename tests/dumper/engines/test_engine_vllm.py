@@ -41,8 +41,11 @@ from tests.engine_models import build_checkpoint, engine_missing
 
 _rng = np.random.default_rng(7)
 PREFIX = [1] + _rng.integers(3, 300, 139).tolist()  # 140 tokens: one full 128-token KV block is shared
-PROMPTS = [PREFIX + [7, 8, 9, 10, 11, 12], PREFIX + [20, 21, 22, 23, 24, 25, 26, 27, 28],
-           [1] + _rng.integers(3, 300, 39).tolist()]
+PROMPTS = [
+    PREFIX + [7, 8, 9, 10, 11, 12],
+    PREFIX + [20, 21, 22, 23, 24, 25, 26, 27, 28],
+    [1] + _rng.integers(3, 300, 39).tolist(),
+]
 BUG_LAYER, BUG_PROMPT, BUG_TOKEN = 1, 1, 147
 DECODE_BUG_PROMPTS = [PROMPTS[0], PROMPTS[2]]
 """The seeded engine's decode job: position BUG_TOKEN is prompt 0's decode step 1 (146 tokens), and no prompt's."""
@@ -71,8 +74,15 @@ def need(name: str) -> None:
 
 def _cfg(ckpt: Path, out: Path) -> RunConfig:
     """The fp32 CLI job as a RunConfig (the same engine settings, so the worker reuses its engine)."""
-    return RunConfig(out=str(out), model=str(ckpt), input_ids=tuple(map(tuple, PROMPTS)), layers="all",
-                     logprobs=LogprobSpec(top_k=5), engine="vllm", engine_args=(("enable_prefix_caching", "true"),))
+    return RunConfig(
+        out=str(out),
+        model=str(ckpt),
+        input_ids=tuple(map(tuple, PROMPTS)),
+        layers="all",
+        logprobs=LogprobSpec(top_k=5),
+        engine="vllm",
+        engine_args=(("enable_prefix_caching", "true"),),
+    )
 
 
 SEED_DIR = ROOT / "tests" / "vllm_seed"
@@ -152,11 +162,11 @@ def _user_script(kwargs: str, out: str) -> None:
     engine is the fp32 job's (the same settings, so its compiled graph comes from vLLM's cache).
     """
     import torch
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
 
     import dumper
     from dumper.engines.vllm.hooks import model_of
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
 
     llm = LLM(**json.loads(kwargs))
     params = SamplingParams(max_tokens=3, temperature=0.0)
@@ -171,8 +181,9 @@ def in_process(code: str) -> subprocess.Popen:
     from dumper.settings import VLLM_SPOOL_ENV
 
     env = {k: v for k, v in worker_env(VLLM_ENABLE_V1_MULTIPROCESSING="0").items() if k != VLLM_SPOOL_ENV}
-    return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
 
 
 def finish(proc: subprocess.Popen, start: float, done: Path) -> dict:
@@ -181,8 +192,12 @@ def finish(proc: subprocess.Popen, start: float, done: Path) -> dict:
     (:func:`teardown_aborted`), and ``teardown_abort`` says so."""
     log, _ = proc.communicate(timeout=900)
     aborted = teardown_aborted(proc.returncode, log, done.exists())
-    return {"rc": 0 if aborted else proc.returncode, "teardown_abort": aborted,
-            "seconds": time.perf_counter() - start, "stderr": log[-3000:]}
+    return {
+        "rc": 0 if aborted else proc.returncode,
+        "teardown_abort": aborted,
+        "seconds": time.perf_counter() - start,
+        "stderr": log[-3000:],
+    }
 
 
 def _model_here() -> bool:
@@ -215,13 +230,31 @@ def _worker(ckpt: str, prompts: str, out: str) -> None:
     results["fp32"]["in_process"] = _model_here()  # the engine the fp32 job kept (test_vllm_tp checks it)
     timed("prefix", lambda: main([*run, *CLI_JOBS["prefix"], "--out", str(base / "prefix")]))
     timed("decode", lambda: main([*run, *CLI_JOBS["decode"], "--out", str(base / "decode")]))
-    timed("decode-prefill", lambda: main(["run", "--engine", "vllm", "--model", ckpt, *JOB, *LOGPROBS, "--tokens-from",
-                                          str(base / "decode"), "--out", str(base / "decode-prefill")]))
+    timed(
+        "decode-prefill",
+        lambda: main(
+            [
+                "run",
+                "--engine",
+                "vllm",
+                "--model",
+                ckpt,
+                *JOB,
+                *LOGPROBS,
+                "--tokens-from",
+                str(base / "decode"),
+                "--out",
+                str(base / "decode-prefill"),
+            ]
+        ),
+    )
     cfg = _cfg(Path(ckpt), base / "bug")
     kw = engine_kwargs(cfg, Path(ckpt), PROMPTS)  # the fp32 job's engine settings, its graph compiled by now
     user_start = time.perf_counter()
-    user = in_process(f"from tests.dumper.engines.test_engine_vllm import _user_script; "
-                      f"_user_script({json.dumps(kw)!r}, {str(base / 'user')!r})")  # beside the jobs below
+    user = in_process(
+        f"from tests.dumper.engines.test_engine_vllm import _user_script; "
+        f"_user_script({json.dumps(kw)!r}, {str(base / 'user')!r})"
+    )  # beside the jobs below
 
     def seeded_job() -> int:
         with seeded({"layer": BUG_LAYER, "token": BUG_TOKEN}) as key:  # in the engine core vLLM starts here
@@ -254,8 +287,23 @@ def _worker(ckpt: str, prompts: str, out: str) -> None:
     bad.mkdir()
     for f in Path(ckpt).iterdir():
         (bad / f.name).write_bytes(f.read_bytes()[:4096] if f.name == "model.safetensors" else f.read_bytes())
-    timed("bad", lambda: main(["run", "--engine", "vllm", "--model", str(bad), "--input-ids", "1,5,9",
-                               "--out", str(base / "bad"), "--quiet"]))
+    timed(
+        "bad",
+        lambda: main(
+            [
+                "run",
+                "--engine",
+                "vllm",
+                "--model",
+                str(bad),
+                "--input-ids",
+                "1,5,9",
+                "--out",
+                str(base / "bad"),
+                "--quiet",
+            ]
+        ),
+    )
     results["user"] = finish(user, user_start, base / "user" / "manifest.json")
     finish_worker(base, results)
 
@@ -273,13 +321,35 @@ def base_runs(tmp_path_factory) -> tuple[Path, Path, dict]:
     ckpt = shared_checkpoint()
     prompts = root / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in PROMPTS))
-    worker = subprocess.Popen([sys.executable, "-c", f"from tests.dumper.engines.test_engine_vllm import _worker; "
-                               f"_worker({str(ckpt)!r}, {str(prompts)!r}, {str(root)!r})"],
-                              cwd=ROOT, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    hf = run_cli("dumper", "run", "--model", ckpt, "--prompts", prompts, "--out", root / "hf", *JOB[:2],
-                 *LOGPROBS, "--quiet")
-    hf_logits = run_cli("dumper", "run", "--model", ckpt, "--prompts", prompts, "--out", root / "hf-logits",
-                        *JOB[:2], *CLI_JOBS["logits"], "--quiet")
+    worker = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"from tests.dumper.engines.test_engine_vllm import _worker; "
+            f"_worker({str(ckpt)!r}, {str(prompts)!r}, {str(root)!r})",
+        ],
+        cwd=ROOT,
+        env=worker_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    hf = run_cli(
+        "dumper", "run", "--model", ckpt, "--prompts", prompts, "--out", root / "hf", *JOB[:2], *LOGPROBS, "--quiet"
+    )
+    hf_logits = run_cli(
+        "dumper",
+        "run",
+        "--model",
+        ckpt,
+        "--prompts",
+        prompts,
+        "--out",
+        root / "hf-logits",
+        *JOB[:2],
+        *CLI_JOBS["logits"],
+        "--quiet",
+    )
     log, _ = worker.communicate(timeout=900)
     assert hf.returncode == 0 and hf_logits.returncode == 0, hf.stderr + hf_logits.stderr
     assert_worker_done(worker.returncode, log, root)
@@ -335,8 +405,12 @@ def test_fp32_batch_matches_hf_hidden_states_and_logprobs(runs):
     m = load_manifest(runs[1] / "fp32")
     hidden = [t for t in m.tensors if t.point == "input"]
     for layer in range(N_LAYERS):  # the engine core batches the requests as they arrive: one or more steps
-        rows = [(s, p) for t in hidden if t.layer == layer
-                for s, p in zip(t.row_sequence_ids().tolist(), t.row_positions().tolist(), strict=True)]
+        rows = [
+            (s, p)
+            for t in hidden
+            if t.layer == layer
+            for s, p in zip(t.row_sequence_ids().tolist(), t.row_positions().tolist(), strict=True)
+        ]
         assert sorted(rows) == [(s, p) for s, prompt in enumerate(PROMPTS) for p in range(len(prompt))], layer
     assert len({t.forward_pass for t in hidden}) <= len(PROMPTS)
     env = m.environment
@@ -358,10 +432,13 @@ def test_a_bug_at_one_layer_and_token_is_localized_to_the_next_layer(runs):
 
 
 @pytest.mark.engine
-@pytest.mark.parametrize("where,point,name,agreeing", [
-    ("mlp", "mlp_output", "mlp.output", ["input", "attn_output", "mlp_input"]),
-    ("attn", "attn_output", "self_attn.output", ["input"]),
-])
+@pytest.mark.parametrize(
+    "where,point,name,agreeing",
+    [
+        ("mlp", "mlp_output", "mlp.output", ["input", "attn_output", "mlp_input"]),
+        ("attn", "attn_output", "self_attn.output", ["input"]),
+    ],
+)
 def test_a_bug_inside_a_layer_is_named_at_its_point_in_vllm(runs, tmp_path, where, point, name, agreeing):
     """The MLP (or the attention) of layer BUG_LAYER adds the seeded bug to its own output (compiled into vLLM's
     graph): with the points inside the layer captured, the verdict names that output, the layer's earlier points
@@ -369,8 +446,21 @@ def test_a_bug_inside_a_layer_is_named_at_its_point_in_vllm(runs, tmp_path, wher
     _, root, results = runs
     job = f"bug-{where}"
     assert results[job]["rc"] == 0, results[job]["stderr"]
-    r = run_cli("dumper", "run", "--model", shared_checkpoint(), "--layers", "all", "--points", SUBLAYER,
-                "--input-ids", ",".join(map(str, PROMPTS[BUG_PROMPT])), "--out", tmp_path / "hf", "--quiet")
+    r = run_cli(
+        "dumper",
+        "run",
+        "--model",
+        shared_checkpoint(),
+        "--layers",
+        "all",
+        "--points",
+        SUBLAYER,
+        "--input-ids",
+        ",".join(map(str, PROMPTS[BUG_PROMPT])),
+        "--out",
+        tmp_path / "hf",
+        "--quiet",
+    )
     assert r.returncode == 0, r.stderr
     report = compare_dumps(tmp_path / "hf", root / job)
     fd = report.first_divergent
@@ -402,7 +492,9 @@ def test_a_prefix_cache_hit_matches_hf(runs):
     assert len(shared) == N_LAYERS and all(set(t.row_sequence_ids().tolist()) == {1} for t in shared)
     assert all(t.row_positions().tolist() == list(range(128)) for t in shared)
     computed = [t for t in m.tensors if not t.meta.get("shared_prefix")]
-    assert min(p for t in computed for p, s in zip(t.row_positions(), t.row_sequence_ids(), strict=True) if s == 1) == 128
+    assert (
+        min(p for t in computed for p, s in zip(t.row_positions(), t.row_sequence_ids(), strict=True) if s == 1) == 128
+    )
     rc, report = _compare(runs, "prefix")
     assert rc == 0 and report["passed"] and report["matched"] == N_LAYERS * len(PROMPTS), report
 
@@ -420,7 +512,12 @@ def test_the_hook_api_in_a_users_vllm_script_matches_hf(runs):
     batches = [set(t.row_sequence_ids().tolist()) for t in hidden if not t.meta.get("shared_prefix")]
     assert {1, 2} in batches  # the second call's two prompts in one engine step (in process: added, then run)
     for s, p in enumerate(PROMPTS):  # decode steps are not kept: each prompt's positions exactly
-        pos = sorted(q for t in hidden[:: N_LAYERS] for q, i in zip(t.row_positions(), t.row_sequence_ids(), strict=True) if i == s)
+        pos = sorted(
+            q
+            for t in hidden[::N_LAYERS]
+            for q, i in zip(t.row_positions(), t.row_sequence_ids(), strict=True)
+            if i == s
+        )
         assert pos == list(range(len(p))), s
     rc, report = _compare(runs, "user")
     assert rc == 0 and report["passed"] and report["matched"] == N_LAYERS * len(PROMPTS), report
@@ -444,16 +541,39 @@ def test_bf16_passes_against_the_noise_of_hf_bf16_layouts(runs):
     _, root, results = runs
     prompts = root / "prompts.jsonl"
     for name, extra in (("hf-bf16", ()), ("hf-bf16-sdpa", ("--attn", "sdpa"))):
-        r = run_cli("dumper", "run", "--model", shared_checkpoint(), "--prompts", prompts, "--out", root / name,
-                    *JOB[:2], *LOGPROBS, "--dtype", "bfloat16", *extra, "--quiet")
+        r = run_cli(
+            "dumper",
+            "run",
+            "--model",
+            shared_checkpoint(),
+            "--prompts",
+            prompts,
+            "--out",
+            root / name,
+            *JOB[:2],
+            *LOGPROBS,
+            "--dtype",
+            "bfloat16",
+            *extra,
+            "--quiet",
+        )
         assert r.returncode == 0, r.stderr
-    r = run_cli("comparator", "calibrate", root / "hf", root / "hf-bf16", root / "hf-bf16-sdpa",
-                "--out", root / "bf16-noise.json", "--quiet")
+    r = run_cli(
+        "comparator",
+        "calibrate",
+        root / "hf",
+        root / "hf-bf16",
+        root / "hf-bf16-sdpa",
+        "--out",
+        root / "bf16-noise.json",
+        "--quiet",
+    )
     assert r.returncode == 0, r.stderr
     assert results["bf16"]["rc"] == 0, results["bf16"]["stderr"]
     path = root / "bf16-noise.report.json"
-    r = run_cli("comparator", root / "hf", root / "bf16", "--noise", root / "bf16-noise.json", "--json", path,
-                "--quiet")
+    r = run_cli(
+        "comparator", root / "hf", root / "bf16", "--noise", root / "bf16-noise.json", "--json", path, "--quiet"
+    )
     report = json.loads(path.read_text())
     ratios = [t["token_noise_ratio"] for t in report["tensors"]]
     assert r.returncode == 0 and report["passed"], r.stdout
@@ -492,8 +612,9 @@ def test_engine_args_are_checked_before_vllm_starts(tmp_path):
     (ckpt / "config.json").write_text(json.dumps({"model_type": "llama", "max_position_embeddings": 2048}))
 
     def kwargs(*args: tuple[str, str], **cfg):
-        return engine_kwargs(RunConfig(out="x", model=str(ckpt), engine="vllm", engine_args=args, **cfg), ckpt,
-                             [[1, 2, 3]])
+        return engine_kwargs(
+            RunConfig(out="x", model=str(ckpt), engine="vllm", engine_args=args, **cfg), ckpt, [[1, 2, 3]]
+        )
 
     kw = kwargs(("kv_cache_dtype", "fp8"), ("enable_prefix_caching", "false"), chunk_size=32)
     assert kw["kv_cache_dtype"] == "fp8" and kw["enable_prefix_caching"] is False and kw["enforce_eager"] is False
@@ -516,8 +637,9 @@ def test_engine_args_are_checked_before_vllm_starts(tmp_path):
     assert kwargs(new_tokens=600)["max_model_len"] == 603 and kwargs(new_tokens=4000)["max_model_len"] == 2048
     from dumper.jobs.sweep.engine import pinned_engine_args  # a sweep's engine holds its longest decode cell
 
-    pinned = pinned_engine_args(RunConfig(out="x", model=str(ckpt), engine="vllm", input_ids=((1, 2, 3),)),
-                                {"new_tokens"}, new_tokens=600)
+    pinned = pinned_engine_args(
+        RunConfig(out="x", model=str(ckpt), engine="vllm", input_ids=((1, 2, 3),)), {"new_tokens"}, new_tokens=600
+    )
     assert pinned.engine_arg("max_model_len") == "603"
 
 
@@ -525,8 +647,19 @@ def _decode_counterpart(runs, job: str, tmp_path: Path) -> tuple[int, dict]:
     """(exit code, JSON report) of the HF prefill of the tokens ``job``'s decode fed back against ``job``."""
     _, root, results = runs
     assert results[job]["rc"] == 0, results[job]["stderr"]
-    r = run_cli("dumper", "run", "--model", shared_checkpoint(), "--tokens-from", root / job, *JOB[:2], *LOGPROBS,
-                "--out", tmp_path / "hf", "--quiet")
+    r = run_cli(
+        "dumper",
+        "run",
+        "--model",
+        shared_checkpoint(),
+        "--tokens-from",
+        root / job,
+        *JOB[:2],
+        *LOGPROBS,
+        "--out",
+        tmp_path / "hf",
+        "--quiet",
+    )
     assert r.returncode == 0, r.stderr
     r = run_cli("comparator", tmp_path / "hf", root / job, "--json", tmp_path / "report.json", "--quiet")
     assert r.returncode in (0, 1), r.stdout + r.stderr
@@ -539,8 +672,13 @@ def test_decode_steps_of_the_default_engine_match_an_hf_prefill_of_the_same_toke
     rows are recorded with their own sequence and position, and match HF's prefill of the same tokens in fp32."""
     rc, report = _decode_counterpart(runs, "decode", tmp_path)
     assert rc == 0 and report["passed"], report["first_divergent"]
-    assert report["decode"] == {"passed": True, "sequences": 3, "steps": 3 * (NEW_TOKENS - 1), "forks": [],
-                                "missing": []}
+    assert report["decode"] == {
+        "passed": True,
+        "sequences": 3,
+        "steps": 3 * (NEW_TOKENS - 1),
+        "forks": [],
+        "missing": [],
+    }
     assert report["matched"] == N_LAYERS * len(PROMPTS) and _max_rel(report) < 1e-6
     assert report["logprobs"]["compared_positions"] == sum(len(p) - 1 + NEW_TOKENS for p in PROMPTS)
     m = load_manifest(runs[1] / "decode")
@@ -561,7 +699,9 @@ def test_a_bug_seeded_in_vllm_is_named_at_its_decode_step(runs, tmp_path):
     rc, report = _decode_counterpart(runs, "bug-decode", tmp_path)
     fd = report["first_divergent"]
     assert rc == 1 and (fd["layer"], fd["token"], fd["sequence"]) == (BUG_LAYER + 1, BUG_TOKEN, 0), fd
-    assert fd["phase"] == "decode" and fd["decode_step"] == BUG_TOKEN - len(PROMPTS[0]) and fd["failing_sequences"] == [0]
+    assert (
+        fd["phase"] == "decode" and fd["decode_step"] == BUG_TOKEN - len(PROMPTS[0]) and fd["failing_sequences"] == [0]
+    )
     assert all(t["passed"] for t in report["tensors"] if t["layer"] <= BUG_LAYER)
 
 
@@ -575,4 +715,5 @@ def test_vllm_decode_matches_vllm_prefill_of_the_same_tokens(runs):
     assert report.passed, (report.first_divergent, report.decode)
     assert report.decode is not None and report.decode.steps == 3 * (NEW_TOKENS - 1)
     assert report.logprobs is not None and report.logprobs.compared_positions == sum(
-        len(p) - 1 + NEW_TOKENS - 1 for p in PROMPTS)
+        len(p) - 1 + NEW_TOKENS - 1 for p in PROMPTS
+    )

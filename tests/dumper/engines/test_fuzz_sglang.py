@@ -107,9 +107,13 @@ def regions(data: bytes) -> dict[str, tuple[int, int]]:
     return {k: v for k, v in out.items() if v[1] > v[0]}
 
 
-def rezip(data: bytes, *, edit: Callable[[str, bytes], bytes] = lambda _, b: b,
-          method: Callable[[str], int] = lambda _: zipfile.ZIP_STORED,
-          extra: tuple[tuple[str, bytes], ...] = ()) -> bytes:
+def rezip(
+    data: bytes,
+    *,
+    edit: Callable[[str, bytes], bytes] = lambda _, b: b,
+    method: Callable[[str], int] = lambda _: zipfile.ZIP_STORED,
+    extra: tuple[tuple[str, bytes], ...] = (),
+) -> bytes:
     """``data`` rewritten as a consistent zip (fresh CRCs and sizes), records edited or compressed."""
     src, buf = zipfile.ZipFile(io.BytesIO(data)), io.BytesIO()
     with zipfile.ZipFile(buf, "w") as out, warnings.catch_warnings():
@@ -161,8 +165,9 @@ def test_byte_damage_never_moves_the_verdict(box: Sandbox, data: st.DataObject) 
     f = d / data.draw(st.one_of(st.sampled_from(HIDDEN), st.sampled_from(NAMES)), label="file")
     raw = f.read_bytes()
     spans = regions(raw)
-    part = data.draw(st.one_of(st.just("bytes"), st.sampled_from(["bytes", "local", "descriptor", "central", "end"])),
-                     label="part")
+    part = data.draw(
+        st.one_of(st.just("bytes"), st.sampled_from(["bytes", "local", "descriptor", "central", "end"])), label="part"
+    )
     if part in ("central", "end"):
         start, end = spans[part]
     else:  # the tensor's bytes and the pickle most often, as they decide what is compared
@@ -173,8 +178,13 @@ def test_byte_damage_never_moves_the_verdict(box: Sandbox, data: st.DataObject) 
     at = data.draw(st.integers(start, end - 1), label="offset")
     how = data.draw(st.sampled_from(["overwrite", "insert", "delete", "truncate", "append"]), label="how")
     junk = data.draw(st.binary(min_size=1, max_size=8), label="bytes")
-    raw = {"overwrite": raw[:at] + junk + raw[at + len(junk):], "insert": raw[:at] + junk + raw[at:],
-           "delete": raw[:at] + raw[at + len(junk):], "truncate": raw[:at], "append": raw + junk}[how]
+    raw = {
+        "overwrite": raw[:at] + junk + raw[at + len(junk) :],
+        "insert": raw[:at] + junk + raw[at:],
+        "delete": raw[:at] + raw[at + len(junk) :],
+        "truncate": raw[:at],
+        "append": raw + junk,
+    }[how]
     f.write_bytes(raw)
     o = box.run(d)
     event(f"{part} {how}: exit {o.code}")
@@ -190,11 +200,11 @@ def test_bytes_that_frame_nothing_keep_the_verdict(box: Sandbox) -> None:
         b = bytearray(raw)
         for key, (start, end) in regions(raw).items():
             if key.startswith("local "):
-                b[start + 10:start + 14] = b"\x21\x43\x65\x87"  # modification time and date
+                b[start + 10 : start + 14] = b"\x21\x43\x65\x87"  # modification time and date
                 pad = start + 30 + struct.unpack_from("<H", raw, start + 26)[0] + 4  # after the padding's own header
                 b[pad:end] = b"\x5a" * (end - pad) if end > pad else b""
         for tag in {i.filename.partition("/")[2] for i in zipfile.ZipFile(io.BytesIO(raw)).infolist()}:
-            b[central_entry(raw, tag) + 12:central_entry(raw, tag) + 16] = b"\x21\x43\x65\x87"
+            b[central_entry(raw, tag) + 12 : central_entry(raw, tag) + 16] = b"\x21\x43\x65\x87"
         f.write_bytes(bytes(b))
     o = box.run(d)
     assert (o.code, o.out) == (box.clean.code, box.clean.out), o.err
@@ -223,8 +233,19 @@ def _framing(raw: bytes, kind: str, tag: str, n: int) -> bytes:
     elif kind == "declared numel":
         return rezip(raw, edit=lambda name, v: patch_numel(v, n) if name.endswith("/data.pkl") else v)
     elif kind == "named twice":
-        return rezip(raw, extra=((next(i.filename for i in zipfile.ZipFile(io.BytesIO(raw)).infolist()
-                                       if i.filename.endswith("/" + tag)), b"\0" * max(n, 1)),))
+        return rezip(
+            raw,
+            extra=(
+                (
+                    next(
+                        i.filename
+                        for i in zipfile.ZipFile(io.BytesIO(raw)).infolist()
+                        if i.filename.endswith("/" + tag)
+                    ),
+                    b"\0" * max(n, 1),
+                ),
+            ),
+        )
     return bytes(b)
 
 
@@ -233,16 +254,22 @@ def _framing(raw: bytes, kind: str, tag: str, n: int) -> bytes:
 @given(data=st.data())
 def test_framing_damage_is_refused(box: Sandbox, data: st.DataObject) -> None:
     d = box.copy()
-    kind = data.draw(st.sampled_from(["compressed", "encrypted", "sizes", "offset", "local extra",
-                                      "declared numel", "named twice"]), label="kind")
+    kind = data.draw(
+        st.sampled_from(["compressed", "encrypted", "sizes", "offset", "local extra", "declared numel", "named twice"]),
+        label="kind",
+    )
     tensors = [n for n in NAMES if "data/0" in TAGS[n]]
     f = d / data.draw(st.sampled_from(tensors if kind == "declared numel" else NAMES), label="file")
     raw = f.read_bytes()
     tag = data.draw(st.sampled_from(TAGS[f.name]), label="record")
     if kind == "declared numel":
         want = _numel_op(_pickle_of(raw))[2]
-        n = data.draw(st.one_of(st.integers(0, 3 * want), st.sampled_from([2**31 - 1, 2**32, 2**40, 2**62])).filter(
-            lambda v: v != want), label="numel")
+        n = data.draw(
+            st.one_of(st.integers(0, 3 * want), st.sampled_from([2**31 - 1, 2**32, 2**40, 2**62])).filter(
+                lambda v: v != want
+            ),
+            label="numel",
+        )
     else:
         n = data.draw(st.integers(1, 70), label="delta") * data.draw(st.sampled_from([1, -1]), label="sign")
     f.write_bytes(_framing(raw, kind, tag, n))
@@ -289,9 +316,12 @@ def _hostile(box: Sandbox, d: Path, kind: str, text: str) -> None:
 
 
 @settings(FUZZ, max_examples=40)
-@given(kind=st.sampled_from(["fifo", "/dev/zero", "symlink out", "file name", "name tag", "meta", "dict key",
-                             "record name"]),
-       text=st.lists(st.sampled_from([*CONTROL, "a", "é"]), min_size=1, max_size=4).map("".join))
+@given(
+    kind=st.sampled_from(
+        ["fifo", "/dev/zero", "symlink out", "file name", "name tag", "meta", "dict key", "record name"]
+    ),
+    text=st.lists(st.sampled_from([*CONTROL, "a", "é"]), min_size=1, max_size=4).map("".join),
+)
 def test_hostile_files_and_names(box: Sandbox, kind: str, text: str) -> None:
     d = box.copy()
     _hostile(box, d, kind, text)
@@ -322,10 +352,17 @@ def _many_dims(f: Path) -> None:
     torch.save(obj, f)
 
 
-@pytest.mark.parametrize("damage, why", [(_narrow, "different models"), (_rows_twice, "cannot be aligned"),
-                                         (_many_dims, "(as converted): tensors[0].shape")])
-def test_errors_name_the_users_path_not_the_temporary_folder(tmp_path: Path, damage: Callable[[Path], None],
-                                                             why: str) -> None:
+@pytest.mark.parametrize(
+    "damage, why",
+    [
+        (_narrow, "different models"),
+        (_rows_twice, "cannot be aligned"),
+        (_many_dims, "(as converted): tensors[0].shape"),
+    ],
+)
+def test_errors_name_the_users_path_not_the_temporary_folder(
+    tmp_path: Path, damage: Callable[[Path], None], why: str
+) -> None:
     d = tmp_path / "dump\x1b]0;x\x07_20260101_000000_000001"  # shown escaped, as every path from outside
     shutil.copytree(FIX / "clean", d)
     for name in HIDDEN:
@@ -381,8 +418,13 @@ def test_a_deflate_bomb_is_refused_unread(box: Sandbox) -> None:
     """64 MiB of zeros deflated into a few KiB: refused from its header, never inflated."""
     d = box.copy()
     f = d / HIDDEN[0]
-    f.write_bytes(rezip(f.read_bytes(), edit=lambda name, v: bytes(64 << 20) if name.endswith("/data/0") else v,
-                        method=lambda name: zipfile.ZIP_DEFLATED if name.endswith("/data/0") else 0))
+    f.write_bytes(
+        rezip(
+            f.read_bytes(),
+            edit=lambda name, v: bytes(64 << 20) if name.endswith("/data/0") else v,
+            method=lambda name: zipfile.ZIP_DEFLATED if name.endswith("/data/0") else 0,
+        )
+    )
     assert f.stat().st_size < 1 << 20
     o = box.run(d)
     assert o.code == 2 and "compressed (method 8)" in o.err and o.watched.peak < 16 << 20, (o.err, o.watched.peak)

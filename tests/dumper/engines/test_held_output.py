@@ -18,7 +18,7 @@ import pytest
 
 from tests.conftest import ROOT
 
-SCRIPT = r'''
+SCRIPT = r"""
 import os, subprocess, sys, tempfile, threading, time
 from dumper.engines.held_output import held_stderr
 
@@ -56,14 +56,15 @@ child.stdin.close(); child.wait()
 while any(t.name == "driftscope-held-stderr" for t in threading.enumerate()):  # every relay read to its end
     time.sleep(0.01)
 sys.stdout.write(open(log.name).read())
-'''
+"""
 
 
 @pytest.mark.parametrize(("run", "debug"), [("fail", ""), ("fail", "1"), ("ok", "")])
 def test_a_failed_block_drops_what_the_engine_prints_from_then_on(run, debug):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "DRIFTSCOPE_DEBUG": debug}
-    r = subprocess.run([sys.executable, "-c", SCRIPT, run], capture_output=True, text=True, env=env, cwd=ROOT,
-                       timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-c", SCRIPT, run], capture_output=True, text=True, env=env, cwd=ROOT, timeout=60
+    )
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     if run == "fail" and not debug:

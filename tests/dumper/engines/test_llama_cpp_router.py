@@ -34,8 +34,11 @@ from tests.engine_models import MOE_CONFIG, build_checkpoint, build_moe_checkpoi
 
 LAYERS = [0, 1, 2, 3]
 E, K = MOE_CONFIG["num_local_experts"], MOE_CONFIG["num_experts_per_tok"]
-PARTS = {ROUTER_LOGITS: (ROUTER_POINT, "F32", E), ROUTER_IDS: (ROUTER_CHOICE_POINT, "I64", K),
-         ROUTER_WEIGHTS: (ROUTER_CHOICE_POINT, "F32", K)}
+PARTS = {
+    ROUTER_LOGITS: (ROUTER_POINT, "F32", E),
+    ROUTER_IDS: (ROUTER_CHOICE_POINT, "I64", K),
+    ROUTER_WEIGHTS: (ROUTER_CHOICE_POINT, "F32", K),
+}
 """Routing part -> (capture point, stored dtype, last dim) the contract gives it."""
 
 
@@ -46,8 +49,22 @@ def moe(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("llama_cpp_router")
     ckpt = build_moe_checkpoint(root / "ckpt")
     paths = {"root": root, "ckpt": ckpt, "gguf": to_gguf(ckpt, root / "moe-f32.gguf", "f32"), "dump": root / "ll"}
-    r = run_cli("dumper", "run", "--engine", "llama.cpp", "--model", paths["gguf"], "--engine-arg", f"hf_dir={ckpt}",
-                "--layers", "all", "--points", "input,router", "--out", paths["dump"])
+    r = run_cli(
+        "dumper",
+        "run",
+        "--engine",
+        "llama.cpp",
+        "--model",
+        paths["gguf"],
+        "--engine-arg",
+        f"hf_dir={ckpt}",
+        "--layers",
+        "all",
+        "--points",
+        "input,router",
+        "--out",
+        paths["dump"],
+    )
     assert r.returncode == 0, r.stderr
     return paths
 
@@ -60,7 +77,8 @@ def routing(dump: Path) -> dict[tuple[int, str], tuple[np.ndarray, torch.Tensor]
         if rec.point in (ROUTER_POINT, ROUTER_CHOICE_POINT):
             part = rec.name.removeprefix(f"model.layers.{rec.layer}.")
             rows.setdefault((rec.layer, part), []).extend(
-                zip(rec.row_sequence_ids(), rec.row_positions(), np.array(reader.rows(rec)), strict=True))
+                zip(rec.row_sequence_ids(), rec.row_positions(), np.array(reader.rows(rec)), strict=True)
+            )
     out = {}
     for key, got in rows.items():
         got.sort(key=lambda r: (r[0], r[1]))
@@ -74,8 +92,12 @@ def hf_router(ckpt: Path, seqs: list[list[int]]) -> dict[int, tuple[torch.Tensor
 
     model = MixtralForCausalLM.from_pretrained(ckpt, dtype=torch.float32, attn_implementation="eager").eval()
     got: dict[int, list[tuple[torch.Tensor, ...]]] = {i: [] for i in LAYERS}
-    hooks = [model.model.layers[i].mlp.gate.register_forward_hook(
-        lambda _m, _a, out, i=i: got[i].append(tuple(t.detach().to("cpu") for t in out))) for i in LAYERS]
+    hooks = [
+        model.model.layers[i].mlp.gate.register_forward_hook(
+            lambda _m, _a, out, i=i: got[i].append(tuple(t.detach().to("cpu") for t in out))
+        )
+        for i in LAYERS
+    ]
     try:
         with torch.inference_mode():
             for ids in seqs:
@@ -83,8 +105,10 @@ def hf_router(ckpt: Path, seqs: list[list[int]]) -> dict[int, tuple[torch.Tensor
     finally:
         for h in hooks:
             h.remove()
-    return {i: tuple(torch.cat([o[j] for o in outs]) for j in range(3))  # type: ignore[misc]
-            for i, outs in got.items()}
+    return {
+        i: tuple(torch.cat([o[j] for o in outs]) for j in range(3))  # type: ignore[misc]
+        for i, outs in got.items()
+    }
 
 
 def job_ids(dump: Path) -> list[list[int]]:
@@ -129,8 +153,15 @@ def test_capture_leaves_the_logits_bit_identical(moe: dict[str, Path]) -> None:
     logits = []
     for capture in (False, True):
         with GgufSession.open(str(moe["gguf"])) as s:
-            s.new_context(n_ctx=len(ids), n_batch=len(ids), n_seqs=1, threads=torch.get_num_threads(),
-                          kv_type=GGML_TYPE["f32"], flash_attn=0, capture=capture)
+            s.new_context(
+                n_ctx=len(ids),
+                n_batch=len(ids),
+                n_seqs=1,
+                threads=torch.get_num_threads(),
+                kv_type=GGML_TYPE["f32"],
+                flash_attn=0,
+                capture=capture,
+            )
             want = {(p, layer) for p in GGML_NODES for layer in LAYERS} if capture else set()  # every point
             got = s.decode(ids, range(len(ids)), [0] * len(ids), want=want, router=set(LAYERS) if capture else set())
             assert sorted(got.router) == (LAYERS if capture else [])
@@ -156,8 +187,9 @@ def test_expert_choices_agree_with_hf_fp32_except_near_ties(moe: dict[str, Path]
         assert (margin[~same] <= 2 * err[~same]).all(), f"layer {layer}: a flip away from any tie"
         flips, margins = flips + int((~same).sum()), margins + margin[~same].tolist()
         order = ids.argsort(-1), hf_ids.argsort(-1)
-        torch.testing.assert_close(weights.gather(-1, order[0])[same], hf_weights.gather(-1, order[1])[same],
-                                   rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(
+            weights.gather(-1, order[0])[same], hf_weights.gather(-1, order[1])[same], rtol=1e-4, atol=1e-6
+        )
     total = sum(map(len, job_ids(moe["dump"]))) * len(LAYERS)
     assert flips <= total // 100
     print(f"expert-set flips vs HF fp32: {flips} of {total} (smallest margin {min(margins, default=None)})")
@@ -166,9 +198,19 @@ def test_expert_choices_agree_with_hf_fp32_except_near_ties(moe: dict[str, Path]
 @pytest.mark.engine
 def test_chunked_batched_routing_matches_one_pass(moe: dict[str, Path]) -> None:
     out = moe["root"] / "chunked"
-    run_engine(RunConfig(out=str(out), model=str(moe["gguf"]), layers="all", points=("input", ROUTER_POINT),
-                         chunk_size=16, batch_size=2, engine="llama.cpp",
-                         engine_args=(("hf_dir", str(moe["ckpt"])),)), engine="llama.cpp")
+    run_engine(
+        RunConfig(
+            out=str(out),
+            model=str(moe["gguf"]),
+            layers="all",
+            points=("input", ROUTER_POINT),
+            chunk_size=16,
+            batch_size=2,
+            engine="llama.cpp",
+            engine_args=(("hf_dir", str(moe["ckpt"])),),
+        ),
+        engine="llama.cpp",
+    )
     assert len({t.forward_pass for t in load_manifest(out).tensors}) > 2  # several decodes through the KV cache
     one, chunked = routing(moe["dump"]), routing(out)
     assert one.keys() == chunked.keys()
@@ -181,14 +223,40 @@ def test_chunked_batched_routing_matches_one_pass(moe: dict[str, Path]) -> None:
 @pytest.mark.engine
 def test_router_on_a_dense_model_is_a_one_line_usage_error(moe: dict[str, Path]) -> None:
     dense = to_gguf(build_checkpoint(moe["root"] / "dense"), moe["root"] / "dense.gguf", "f32")
-    r = run_cli("dumper", "run", "--engine", "llama.cpp", "--model", dense, "--input-ids", "1,2,3",
-                "--layers", "0,3", "--points", "input,router", "--out", moe["root"] / "never")
+    r = run_cli(
+        "dumper",
+        "run",
+        "--engine",
+        "llama.cpp",
+        "--model",
+        dense,
+        "--input-ids",
+        "1,2,3",
+        "--layers",
+        "0,3",
+        "--points",
+        "input,router",
+        "--out",
+        moe["root"] / "never",
+    )
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1, r.stderr
     assert f"{dense} has no MoE layer among layers 0,3" in lines[0] and "expert_count is 0" in lines[0]
     assert not (moe["root"] / "never").exists()
-    r = run_cli("dumper", "run", "--engine", "llama.cpp", "--model", moe["gguf"], "--input-ids", "1,2,3",
-                "--points", "residual", "--out", moe["root"] / "never")
+    r = run_cli(
+        "dumper",
+        "run",
+        "--engine",
+        "llama.cpp",
+        "--model",
+        moe["gguf"],
+        "--input-ids",
+        "1,2,3",
+        "--points",
+        "residual",
+        "--out",
+        moe["root"] / "never",
+    )
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "residual" in r.stderr, r.stderr
 
 
@@ -201,9 +269,24 @@ def test_the_moe_blocks_output_matches_hf_s(moe: dict[str, Path], tmp_path: Path
     points = "input,attn_output,mlp_input,mlp_output"
     ids = ",".join(map(str, job_ids(moe["dump"])[0]))
     for engine, model, out in (("llama.cpp", moe["gguf"], "l"), ("transformers", moe["ckpt"], "h")):
-        r = run_cli("dumper", "run", "--engine", engine, "--model", model, "--layers", "all", "--points", points,
-                    "--input-ids", ids, *(["--engine-arg", f"hf_dir={moe['ckpt']}"] if out == "l" else []),
-                    "--out", tmp_path / out, "--quiet")
+        r = run_cli(
+            "dumper",
+            "run",
+            "--engine",
+            engine,
+            "--model",
+            model,
+            "--layers",
+            "all",
+            "--points",
+            points,
+            "--input-ids",
+            ids,
+            *(["--engine-arg", f"hf_dir={moe['ckpt']}"] if out == "l" else []),
+            "--out",
+            tmp_path / out,
+            "--quiet",
+        )
         assert r.returncode == 0, r.stderr
     report = compare_dumps(tmp_path / "h", tmp_path / "l")
     assert report.passed and not report.unmatched_baseline and not report.unmatched_target

@@ -110,8 +110,9 @@ def test_cli_converts_and_compares(tmp_path: Path) -> None:
     out = tmp_path / "converted"
     r = run_cli("dumper.engines.sglang", FIX / "bug", "--out", out)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.strip() == (f"{out}: 6 tensors from 16 SGLang files (2 steps, 1 ranks, self_attn inputs of "
-                                "layers 0..2)")
+    assert r.stdout.strip() == (
+        f"{out}: 6 tensors from 16 SGLang files (2 steps, 1 ranks, self_attn inputs of layers 0..2)"
+    )
     r = run_cli("comparator", FIX / "hf", out, "--quiet")
     assert r.returncode == 1 and r.stdout.startswith("DIVERGED at layer 2"), r.stdout + r.stderr
     again = run_cli("dumper.engines.sglang", FIX / "clean", "--out", out)
@@ -192,8 +193,10 @@ class _Payload:
         return os.mkdir, (self.path,)
 
 
-@pytest.mark.parametrize("container, why", [("torch.save", "unsupported GLOBAL posix.mkdir"),
-                                            ("raw pickle", "(a plain pickle or legacy torch.save file)")])
+@pytest.mark.parametrize(
+    "container, why",
+    [("torch.save", "unsupported GLOBAL posix.mkdir"), ("raw pickle", "(a plain pickle or legacy torch.save file)")],
+)
 def test_malicious_pickle_is_refused_unrun(tmp_path: Path, container: str, why: str) -> None:
     def write(path: Path, marker: Path) -> None:
         if container == "torch.save":
@@ -265,15 +268,18 @@ def _seq_lens_lie(d: Path) -> Path:
     return f.parent
 
 
-@pytest.mark.parametrize("damage, why", [
-    (_truncate, "not a file torch.load(weights_only=True) accepts (truncated, or not a torch.save zip archive)"),
-    (_non_tensor, 'holds int at "x", not a tensor or a dict of tensors'),
-    (_renamed, "its name says step=1 but its meta says 0"),
-    (_bad_name, "not an SGLang dumper file name"),
-    (_seq_lens_lie, "step 0 rank 0: positions and seq_lens disagree at request 0"),
-    (_deflated, "zip record data/0: compressed (method 8); torch.save writes plain stored records"),
-    (_short_record, 'storage "0" needs 4608 bytes but its record holds 2304; refusing to map it'),
-])
+@pytest.mark.parametrize(
+    "damage, why",
+    [
+        (_truncate, "not a file torch.load(weights_only=True) accepts (truncated, or not a torch.save zip archive)"),
+        (_non_tensor, 'holds int at "x", not a tensor or a dict of tensors'),
+        (_renamed, "its name says step=1 but its meta says 0"),
+        (_bad_name, "not an SGLang dumper file name"),
+        (_seq_lens_lie, "step 0 rank 0: positions and seq_lens disagree at request 0"),
+        (_deflated, "zip record data/0: compressed (method 8); torch.save writes plain stored records"),
+        (_short_record, 'storage "0" needs 4608 bytes but its record holds 2304; refusing to map it'),
+    ],
+)
 def test_damaged_files_are_refused_in_one_line(tmp_path: Path, damage: Any, why: str) -> None:
     d = _copy(tmp_path)
     where = damage(d)

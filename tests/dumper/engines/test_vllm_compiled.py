@@ -31,11 +31,22 @@ from comparator import compare_dumps
 from dumper.format import load_manifest
 from dumper.format.manifest import LOGPROB_TOP_ID, LOGPROB_TOP_VALUE, LOGPROB_VALUE
 from dumper.format.reader import DumpReader
-from tests.conftest import ROOT, run_cli, subprocess_env
-from tests.dumper.engines.test_engine_vllm import (JOB, LOGPROBS, N_LAYERS, PROMPTS, _cfg, assert_process_done,
-                                                   assert_worker_done, finish,
-                                                   finish_worker, in_process, link_base, need,
-                                                   shared_checkpoint)
+from tests.conftest import ROOT, subprocess_env
+from tests.dumper.engines.test_engine_vllm import (
+    JOB,
+    LOGPROBS,
+    N_LAYERS,
+    PROMPTS,
+    _cfg,
+    assert_process_done,
+    assert_worker_done,
+    finish,
+    finish_worker,
+    in_process,
+    link_base,
+    need,
+    shared_checkpoint,
+)
 
 SUBSET = (1, 3)
 SKETCH_K = 32
@@ -79,11 +90,12 @@ def _raw_prompt_logprobs(outs, prompts, top_k: int) -> dict[str, list]:
 
 def _plain_engine(ckpt: Path, dtype: str, out: Path) -> dict:
     """The compiled engine of ``dtype`` without the tap: its raw prompt logprobs, and what ``dumper.capture`` says."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
     import dumper
     from dumper.engines.vllm.engine import engine_kwargs, load_llm
     from dumper.errors import DriftscopeError
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
 
     cfg = dataclasses.replace(_cfg(ckpt, out), dtype=dtype)
     llm = load_llm(engine_kwargs(cfg, ckpt, PROMPTS, tap=False))
@@ -105,8 +117,11 @@ def _plain_engines(ckpt: str, out: str) -> None:
     base, results = Path(out), {}
     for name, dtype in (("plain-fp32", "float32"), ("plain-bf16", "bfloat16")):
         start = time.perf_counter()
-        results[name] = {"value": _plain_engine(Path(ckpt), dtype, base / name), "stderr": "",
-                         "seconds": time.perf_counter() - start}
+        results[name] = {
+            "value": _plain_engine(Path(ckpt), dtype, base / name),
+            "stderr": "",
+            "seconds": time.perf_counter() - start,
+        }
     (base / "plain.json").write_text(json.dumps(results))
 
 
@@ -118,8 +133,14 @@ def _user_script(ckpt: Path, out: Path) -> dict:
     kw = {**engine_kwargs(_cfg(ckpt, out), ckpt, PROMPTS), "additional_config": {"driftscope": {"layers": "all"}}}
     # vLLM's CPU settings as a CPU user sets them (its KV cache space, else vLLM wants 92% of free memory)
     env = {**CPU_DEFAULTS, **os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_LOGGING_LEVEL": "INFO"}
-    r = subprocess.run([sys.executable, "-c", _USER_SCRIPT, json.dumps(kw), json.dumps(PROMPTS)], env=env,
-                       cwd=out, capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-c", _USER_SCRIPT, json.dumps(kw), json.dumps(PROMPTS)],
+        env=env,
+        cwd=out,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("LOGPROBS ")]
     return {"rc": r.returncode, "log": r.stdout + r.stderr, "logprobs": json.loads(lines[0][9:]) if lines else None}
 
@@ -140,8 +161,9 @@ def _worker(ckpt: str, prompts: str, out: str) -> None:
 
     run = ["run", "--engine", "vllm", "--model", ckpt, "--prompts", prompts, *JOB]
     plain_start = time.perf_counter()  # the untapped engines' own process, beside the jobs below
-    plain = in_process(f"from tests.dumper.engines.test_vllm_compiled import _plain_engines; "
-                       f"_plain_engines({ckpt!r}, {out!r})")
+    plain = in_process(
+        f"from tests.dumper.engines.test_vllm_compiled import _plain_engines; _plain_engines({ckpt!r}, {out!r})"
+    )
     timed("user", lambda: _user_script(Path(ckpt), base))
     for name in ("subset", "eager", "sketch"):
         timed(name, lambda name=name: main([*run, *CLI_JOBS[name], "--out", str(base / name)]))
@@ -168,15 +190,27 @@ def runs(tmp_path_factory, vllm_base):
     and fp32 and bf16 jobs (the same engines as test_engine_vllm's, started once), linked in."""
     need("vllm")
     root = tmp_path_factory.mktemp("vllm-compiled")
-    base = {name: {"value": r["rc"], "seconds": r["seconds"], "stderr": r["stderr"]}
-            for name, r in link_base(vllm_base, root, {"hf": "hf", "fp32": "fp32", "bf16": "bf16"}).items()}
+    base = {
+        name: {"value": r["rc"], "seconds": r["seconds"], "stderr": r["stderr"]}
+        for name, r in link_base(vllm_base, root, {"hf": "hf", "fp32": "fp32", "bf16": "bf16"}).items()
+    }
     ckpt = shared_checkpoint()
     prompts = root / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in PROMPTS))
-    worker = subprocess.run([sys.executable, "-c", f"from tests.dumper.engines.test_vllm_compiled import _worker; "
-                             f"_worker({str(ckpt)!r}, {str(prompts)!r}, {str(root)!r})"],
-                            cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, timeout=1500)
+    worker = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            f"from tests.dumper.engines.test_vllm_compiled import _worker; "
+            f"_worker({str(ckpt)!r}, {str(prompts)!r}, {str(root)!r})",
+        ],
+        cwd=ROOT,
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=1500,
+    )
     assert_worker_done(worker.returncode, worker.stdout, root)
     return root, {**json.loads((root / "results.json").read_text()), **base}
 
@@ -290,8 +324,9 @@ def test_a_sketch_of_the_compiled_engine_matches_hf_and_changes_no_logprob(runs)
     m = load_manifest(root / "sketch")
     hidden = [t for t in m.tensors if t.point == "input"]
     assert m.capture_signature["sketch"] == {"kind": "rademacher", "k": SKETCH_K, "seed": 0}
-    assert hidden and all(t.sketch == {"hidden": 128, "dtype": "F32"} and t.shape[-1] == SKETCH_K and t.dtype == "F32"
-                          for t in hidden)
+    assert hidden and all(
+        t.sketch == {"hidden": 128, "dtype": "F32"} and t.shape[-1] == SKETCH_K and t.dtype == "F32" for t in hidden
+    )
     report = compare_dumps(root / "hf", root / "sketch")
     assert report.passed and report.matched == N_LAYERS * len(PROMPTS) and report.logprobs.passed, report
     assert report.sketch["target"] and not report.sketch["baseline"]
@@ -314,8 +349,10 @@ def test_the_entry_point_taps_the_model_in_vllms_engine_process(runs):
     assert f"budget {load_manifest(runs[0] / 'fp32').environment['engine_max_num_batched_tokens']} tokens" in lines[0]
     captured = _dump_logprobs(runs[0] / "fp32")  # the in-process tapped engine of the same settings
     assert [len(r) for r in user["logprobs"]] == [len(p) - 1 for p in PROMPTS]
-    assert np.array_equal(_bits([v for s, r in enumerate(user["logprobs"]) for v in r]),
-                          _bits([captured[f"{s},{j}"][0] for s, p in enumerate(PROMPTS) for j in range(1, len(p))]))
+    assert np.array_equal(
+        _bits([v for s, r in enumerate(user["logprobs"]) for v in r]),
+        _bits([captured[f"{s},{j}"][0] for s, p in enumerate(PROMPTS) for j in range(1, len(p))]),
+    )
 
 
 @pytest.mark.engine
@@ -339,13 +376,14 @@ def test_the_driftscope_entry_is_checked_before_any_engine():
     spec = tap_spec(tap_config("all", sketch=SketchSpec(k=8, seed=2)))
     assert spec == {"layers": "all", "sketch": {"kind": "rademacher", "k": 8, "seed": 2}}
     assert sketch_of(spec) == SketchSpec(k=8, seed=2) and sketch_of({"layers": "all"}) is None
-    for entry, says in (({"layerz": "all", "pointz": "x"},
-                         "unknown key 'layerz' (and 1 more); it takes layers, points, sketch"),
-                        ("all", "expected an object with keys layers, points, sketch"),
-                        ({"layers": [1.5]}, "'driftscope'.layers: expected a spec string or a list"),
-                        ({"layers": "all", "sketch": 8}, "'driftscope'.sketch: expected an object of k, seed"),
-                        ({"layers": "all", "sketch": {"k": 0}}, "sketch K (--sketch) must be an integer >= 1"),
-                        ({"layers": "all", "sketch": {"k": 8, "seed": "1"}}, "sketch seed (--sketch-seed) must be an integer")):
+    for entry, says in (
+        ({"layerz": "all", "pointz": "x"}, "unknown key 'layerz' (and 1 more); it takes layers, points, sketch"),
+        ("all", "expected an object with keys layers, points, sketch"),
+        ({"layers": [1.5]}, "'driftscope'.layers: expected a spec string or a list"),
+        ({"layers": "all", "sketch": 8}, "'driftscope'.sketch: expected an object of k, seed"),
+        ({"layers": "all", "sketch": {"k": 0}}, "sketch K (--sketch) must be an integer >= 1"),
+        ({"layers": "all", "sketch": {"k": 8, "seed": "1"}}, "sketch seed (--sketch-seed) must be an integer"),
+    ):
         with pytest.raises(UsageError, match=re.escape(says)):
             tap_spec({"driftscope": entry})
 

@@ -27,14 +27,26 @@ import pytest
 from dumper.format import load_manifest
 from dumper.format.remote import fetched
 from tests.conftest import ROOT, run_cli
-from tests.s3_server import make_bucket, s3_server, s3fs_of
 from tests.dumper.engines.test_engine_vllm import SEED_DIR, need, shared_checkpoint
+from tests.s3_server import make_bucket, s3_server, s3fs_of
 
 PROMPT = "1,5,9,22,40,7,8,9,10,11,12,13,14,15,16,17,18,19,20,21"
 SEED_LAYER, BUG_TOKEN, BUG_RANK = 1, 5, 1
-RAY_JOB = ("--engine", "vllm", "--layers", "all", "--input-ids", PROMPT, "--quiet", "--engine-arg",
-           "tensor_parallel_size=2", "--engine-arg", "distributed_executor_backend=ray", "--engine-arg",
-           "enforce_eager=true")
+RAY_JOB = (
+    "--engine",
+    "vllm",
+    "--layers",
+    "all",
+    "--input-ids",
+    PROMPT,
+    "--quiet",
+    "--engine-arg",
+    "tensor_parallel_size=2",
+    "--engine-arg",
+    "distributed_executor_backend=ray",
+    "--engine-arg",
+    "enforce_eager=true",
+)
 
 
 def _free_port() -> int:
@@ -44,13 +56,19 @@ def _free_port() -> int:
 
 
 def _env(**extra: str) -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join((str(ROOT), str(SEED_DIR))), "DRIFTSCOPE_TEST_RAY_CPU": "1",
-            "RAY_LOG_TO_DRIVER": "0", **extra}
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join((str(ROOT), str(SEED_DIR))),
+        "DRIFTSCOPE_TEST_RAY_CPU": "1",
+        "RAY_LOG_TO_DRIVER": "0",
+        **extra,
+    }
 
 
 def _ray(*args: str, env: dict[str, str]) -> None:
-    r = subprocess.run([sys.executable, "-m", "ray.scripts.scripts", *args], env=env, capture_output=True, text=True,
-                       timeout=180)
+    r = subprocess.run(
+        [sys.executable, "-m", "ray.scripts.scripts", *args], env=env, capture_output=True, text=True, timeout=180
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
 
 
@@ -65,13 +83,16 @@ def ray_cluster(**extra: str) -> Iterator[dict[str, str]]:
         _ray("start", f"--address=127.0.0.1:{port}", *common, env=env)
         yield {**env, "RAY_ADDRESS": f"127.0.0.1:{port}"}
     finally:
-        subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "stop", "--force"], env=env,
-                       capture_output=True, timeout=180)
+        subprocess.run(
+            [sys.executable, "-m", "ray.scripts.scripts", "stop", "--force"], env=env, capture_output=True, timeout=180
+        )
 
 
 def _nodes(env: dict[str, str]) -> list[dict]:
-    code = ("import json, ray; ray.init(log_to_driver=False); "
-            "print(json.dumps([n['Resources'] for n in ray.nodes() if n['Alive']]))")
+    code = (
+        "import json, ray; ray.init(log_to_driver=False); "
+        "print(json.dumps([n['Resources'] for n in ray.nodes() if n['Alive']]))"
+    )
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -84,8 +105,9 @@ def runs(tmp_path_factory):
     need("ray")
     root = tmp_path_factory.mktemp("vllm-ray")
     ckpt = shared_checkpoint()
-    r = run_cli("dumper", "run", "--model", ckpt, "--layers", "all", "--input-ids", PROMPT, "--out", root / "hf",
-                "--quiet")
+    r = run_cli(
+        "dumper", "run", "--model", ckpt, "--layers", "all", "--input-ids", PROMPT, "--out", root / "hf", "--quiet"
+    )
     assert r.returncode == 0, r.stderr
     out = {}
     with s3_server() as s3:  # the clean job: every rank sends its files to S3, the dump is written there
@@ -108,8 +130,14 @@ def runs(tmp_path_factory):
 
 def _job(ckpt, dest, env: dict[str, str], *extra: str) -> dict:
     nodes = _nodes(env)
-    r = subprocess.run([sys.executable, "-m", "dumper", "run", "--model", str(ckpt), *RAY_JOB, *extra, "--out",
-                        str(dest)], env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    r = subprocess.run(
+        [sys.executable, "-m", "dumper", "run", "--model", str(ckpt), *RAY_JOB, *extra, "--out", str(dest)],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     return {"rc": r.returncode, "stderr": r.stderr[-4000:], "nodes": nodes}
 
 
@@ -151,8 +179,12 @@ def test_a_bug_on_rank_1_of_the_ray_cluster_is_named_with_its_rank_layer_and_tok
     report = json.loads((root / "bug.json").read_text())
     assert r.returncode == 1 and not report["passed"]
     fd = report["first_divergent"]
-    assert (fd["layer"], fd["rank"], fd["replica_side"], fd["token"]) == (SEED_LAYER + 1, BUG_RANK, "target",
-                                                                         BUG_TOKEN), fd
+    assert (fd["layer"], fd["rank"], fd["replica_side"], fd["token"]) == (
+        SEED_LAYER + 1,
+        BUG_RANK,
+        "target",
+        BUG_TOKEN,
+    ), fd
     first = report["replica_mismatches"][0]
     assert (first["rank"], first["layer"], first["first_token"]) == (BUG_RANK, SEED_LAYER + 1, BUG_TOKEN), first
 
@@ -165,5 +197,6 @@ def test_a_tap_refused_inside_the_ray_actors_is_one_error_line(runs):
     assert refused["rc"] == 2, refused["stderr"]
     assert refused["stderr"].strip().splitlines() == [
         "error: additional_config 'driftscope': layer spec '9': layer 9 is out of range for a model with 4 layers "
-        "(0..3, or -4..-1 from the end)"], refused["stderr"]
+        "(0..3, or -4..-1 from the end)"
+    ], refused["stderr"]
     assert not (root / "refused").exists()

@@ -30,8 +30,14 @@ from dumper.format import ROUTER_CHOICE_POINT, ROUTER_IDS, ROUTER_LOGITS, ROUTER
 from dumper.format.reader import DumpReader
 from dumper.prefill.run import LogprobSpec, RunConfig
 from tests.conftest import ROOT
-from tests.dumper.engines.test_engine_vllm import (assert_worker_done, finish_worker, need, seeded, shared_checkpoint,
-                                                   worker_env)
+from tests.dumper.engines.test_engine_vllm import (
+    assert_worker_done,
+    finish_worker,
+    need,
+    seeded,
+    shared_checkpoint,
+    worker_env,
+)
 from tests.engine_models import MOE_CONFIG, build_moe_checkpoint
 
 N_LAYERS, N_EXPERTS, TOP_K = MOE_CONFIG["num_hidden_layers"], MOE_CONFIG["num_local_experts"], 2
@@ -51,8 +57,16 @@ def shared_moe_checkpoint() -> Path:
 
 
 def _cfg(ckpt: Path, out: Path, engine_args: tuple) -> RunConfig:
-    return RunConfig(out=str(out), model=str(ckpt), input_ids=tuple(map(tuple, PROMPTS)), layers="all",
-                     logprobs=LogprobSpec(top_k=5), engine="vllm", engine_args=engine_args, points=POINTS)
+    return RunConfig(
+        out=str(out),
+        model=str(ckpt),
+        input_ids=tuple(map(tuple, PROMPTS)),
+        layers="all",
+        logprobs=LogprobSpec(top_k=5),
+        engine="vllm",
+        engine_args=engine_args,
+        points=POINTS,
+    )
 
 
 def _worker(ckpt: str, out: str) -> None:
@@ -92,15 +106,19 @@ def _hf_routing(ckpt: Path) -> dict[int, dict[str, np.ndarray]]:
 
     model = MixtralForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
     seen: dict[int, list] = {i: [] for i in range(N_LAYERS)}
-    handles = [layer.mlp.gate.register_forward_hook(lambda m, a, out, i=i: seen[i].append(out))
-               for i, layer in enumerate(model.model.layers)]
+    handles = [
+        layer.mlp.gate.register_forward_hook(lambda m, a, out, i=i: seen[i].append(out))
+        for i, layer in enumerate(model.model.layers)
+    ]
     with torch.inference_mode():
         for p in PROMPTS:
             model(torch.tensor([p]))
     for h in handles:
         h.remove()
-    return {i: {name: torch.cat([o[j] for o in outs]).numpy() for j, name in enumerate(("logits", "weights", "ids"))}
-            for i, outs in seen.items()}
+    return {
+        i: {name: torch.cat([o[j] for o in outs]).numpy() for j, name in enumerate(("logits", "weights", "ids"))}
+        for i, outs in seen.items()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -109,9 +127,18 @@ def runs(tmp_path_factory):
     need("vllm")
     root = tmp_path_factory.mktemp("vllm-router")
     ckpt = shared_moe_checkpoint()
-    worker = subprocess.Popen([sys.executable, "-c", f"from tests.dumper.engines.test_vllm_router import _worker; "
-                               f"_worker({str(ckpt)!r}, {str(root)!r})"],
-                              cwd=ROOT, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    worker = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"from tests.dumper.engines.test_vllm_router import _worker; _worker({str(ckpt)!r}, {str(root)!r})",
+        ],
+        cwd=ROOT,
+        env=worker_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     hf = _hf_routing(ckpt)
     log, _ = worker.communicate(timeout=1500)
     assert_worker_done(worker.returncode, log, root)
@@ -142,10 +169,14 @@ def test_every_moe_layer_records_the_contract_s_parts(runs, job):
     m = load_manifest(runs[0] / job)
     router = [t for t in m.tensors if ".router." in t.name]
     kinds = {(t.name.split(".", 3)[3], t.point, t.dtype, t.shape[1:]) for t in router}
-    assert kinds == {(ROUTER_LOGITS, ROUTER_POINT, "F32", (N_EXPERTS,)), (ROUTER_IDS, ROUTER_CHOICE_POINT, "I64", (TOP_K,)),
-                     (ROUTER_WEIGHTS, ROUTER_CHOICE_POINT, "F32", (TOP_K,))}, kinds
+    assert kinds == {
+        (ROUTER_LOGITS, ROUTER_POINT, "F32", (N_EXPERTS,)),
+        (ROUTER_IDS, ROUTER_CHOICE_POINT, "I64", (TOP_K,)),
+        (ROUTER_WEIGHTS, ROUTER_CHOICE_POINT, "F32", (TOP_K,)),
+    }, kinds
     assert {(t.layer, t.name.rpartition(".router.")[0]) for t in router} == {
-        (i, f"model.layers.{i}") for i in range(N_LAYERS)}
+        (i, f"model.layers.{i}") for i in range(N_LAYERS)
+    }
     assert m.extra["engine"]["settings"]["compiled"] is (job == "compiled")
     assert {t.rank for t in router} == set(range(2 if "tp2" in job else 1))
     assert sorted(_routing(runs[0] / job)) == list(range(N_LAYERS))  # each prompt position once per layer
@@ -202,8 +233,10 @@ def test_the_experts_agree_with_hf_except_at_near_ties(runs, job):
         got = np.take_along_axis(parts[ROUTER_WEIGHTS], order, -1)[same]
         want = np.take_along_axis(ref["weights"], hf_order, -1)[same]
         assert hf_w and (np.abs(got - want) <= delta[same, None] + 1e-6).all(), layer
-    print(f"{job}: {flips} expert flips vs HF over {N_LAYERS * sum(map(len, PROMPTS))} rows; "
-          f"load {results[job]['load_s']:.0f} s, dump {results[job]['dump_s']:.1f} s")
+    print(
+        f"{job}: {flips} expert flips vs HF over {N_LAYERS * sum(map(len, PROMPTS))} rows; "
+        f"load {results[job]['load_s']:.0f} s, dump {results[job]['dump_s']:.1f} s"
+    )
 
 
 # -- the probe on a hand-built module (no vLLM) ------------------------------------------------------------------
@@ -286,8 +319,19 @@ def test_the_comparator_finds_no_failing_flip_between_vllm_and_hf(runs, job, tmp
     from tests.conftest import run_cli
 
     ids = [arg for p in PROMPTS for arg in ("--input-ids", ",".join(map(str, p)))]
-    proc = run_cli("dumper", "run", "--model", shared_moe_checkpoint(), *ids, "--layers", "all",
-                   "--points", POINTS, "--out", tmp_path / "hf")
+    proc = run_cli(
+        "dumper",
+        "run",
+        "--model",
+        shared_moe_checkpoint(),
+        *ids,
+        "--layers",
+        "all",
+        "--points",
+        POINTS,
+        "--out",
+        tmp_path / "hf",
+    )
     assert proc.returncode == 0, proc.stderr
     r = compare_dumps(tmp_path / "hf", runs[0] / job).router
     assert r is not None and [la.layer for la in r.layers] == list(range(N_LAYERS))
@@ -318,7 +362,14 @@ def test_a_routing_bug_on_rank_1_alone_fails_naming_rank_1(runs):
     assert router.layers[BUG_LAYER].flips == 0  # rank 0 alone would pass this layer
     r = router.ranks[0]
     assert (r.side, r.layer, r.rank, r.reference_rank, r.sequence, r.token, r.rows) == (
-        "target", BUG_LAYER, 1, 0, 0, BUG_TOKEN, len(off))
+        "target",
+        BUG_LAYER,
+        1,
+        0,
+        0,
+        BUG_TOKEN,
+        len(off),
+    )
     assert not set(r.ids) & set(r.reference_ids)  # negated logits: its lowest-scored experts
     proc = run_cli("comparator", root / "eager-tp2", root / "bug-tp2")
     assert proc.returncode == 1, proc.stderr

@@ -29,8 +29,11 @@ from tests.conftest import run_cli, serve_in_thread
 from tests.dumper.engines.test_engine_vllm import need, shared_checkpoint
 
 _rng = np.random.default_rng(11)
-PROMPTS = [[1] + _rng.integers(3, 300, 299).tolist(),  # 300 tokens: two full KV blocks of 128
-           [1] + _rng.integers(3, 300, 23).tolist(), [1] + _rng.integers(3, 300, 40).tolist()]
+PROMPTS = [
+    [1] + _rng.integers(3, 300, 299).tolist(),  # 300 tokens: two full KV blocks of 128
+    [1] + _rng.integers(3, 300, 23).tolist(),
+    [1] + _rng.integers(3, 300, 40).tolist(),
+]
 FOREIGN = [2] + _rng.integers(300, 500, 30).tolist()  # anyone else's prompt: other tokens
 N_LAYERS = 4
 LOGPROBS = ("--logprobs", "--top-k", "5")
@@ -49,8 +52,9 @@ class Served:
 
 def complete(url: str, model: str, body: dict) -> dict:
     """One ``POST /v1/completions`` of another client (no driftscope in it)."""
-    req = urllib.request.Request(url + "/v1/completions", json.dumps({"model": model, **body}).encode(),
-                                 {"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url + "/v1/completions", json.dumps({"model": model, **body}).encode(), {"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=120) as r:
         return json.load(r)
 
@@ -104,14 +108,40 @@ def server(tmp_path_factory: pytest.TempPathFactory):
     prompts = root / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in PROMPTS))
     port = _free_port()
-    cmd = [sys.executable, "-m", "dumper.engines.vllm.serve", str(ckpt), "--host", "127.0.0.1", "--port", str(port),
-           "--dtype", "float32", "--max-model-len", "512", "--additional-config", TAP]
+    cmd = [
+        sys.executable,
+        "-m",
+        "dumper.engines.vllm.serve",
+        str(ckpt),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "512",
+        "--additional-config",
+        TAP,
+    ]
     with pytest.MonkeyPatch.context() as mp:  # _Server passes this process's environment on
         mp.setenv("DRIFTSCOPE_VLLM_SPOOL", str(spool))
         proc = _Server(cmd, f"http://127.0.0.1:{port}", "/health", root / "serve.log")
     try:
-        hf = run_cli("dumper", "run", "--model", ckpt, "--prompts", prompts, "--layers", "all", *LOGPROBS,
-                     "--out", root / "hf", "--quiet")
+        hf = run_cli(
+            "dumper",
+            "run",
+            "--model",
+            ckpt,
+            "--prompts",
+            prompts,
+            "--layers",
+            "all",
+            *LOGPROBS,
+            "--out",
+            root / "hf",
+            "--quiet",
+        )
         assert hf.returncode == 0, hf.stderr
         yield Served(proc.wait(600), spool, root, ckpt, prompts, root / "hf")
     finally:
@@ -129,8 +159,9 @@ def captured(server: Served):
     threads = traffic.start()
     out = server.root / "dump"
     # one request at a time: the capture stays open across several engine steps, which the other traffic shares
-    r = _collect(server, out, "--model", str(server.ckpt), "--prompts", str(server.prompts), *LOGPROBS,
-                 "--concurrency", "1")
+    r = _collect(
+        server, out, "--model", str(server.ckpt), "--prompts", str(server.prompts), *LOGPROBS, "--concurrency", "1"
+    )
     during = dict(traffic.sent)
     traffic.stop.set()
     for t in threads:
@@ -195,13 +226,16 @@ def test_without_logprobs_prefix_cache_hits_are_said(server: Served, captured, t
     assert len(PROMPTS[0]) > block > len(PROMPTS[1])
     complete(server.url, str(server.ckpt), {"prompt": PROMPTS[0], "max_tokens": 1})  # anyone's, computed in full
     out = tmp_path / "dump"
-    r = _collect(server, out, "--input-ids", ",".join(map(str, PROMPTS[0])), "--input-ids",
-                 ",".join(map(str, PROMPTS[1])))
+    r = _collect(
+        server, out, "--input-ids", ",".join(map(str, PROMPTS[0])), "--input-ids", ",".join(map(str, PROMPTS[1]))
+    )
     assert r.returncode == 0, r.stderr
     m = load_manifest(out)
     cached = (len(PROMPTS[0]) - 1) // block * block
     assert m.extra["prefix_cache_hits"] == [cached, 0] and m.extra["missing_positions"] == [cached, 0]
-    assert "prefix cache" in m.extra["note"] and "prefix cache" in r.stdout and f"{cached} leading positions" in r.stdout
+    assert (
+        "prefix cache" in m.extra["note"] and "prefix cache" in r.stdout and f"{cached} leading positions" in r.stdout
+    )
     recs = [t for t in m.tensors if t.point == "input" and t.layer == 0]
     seqs = np.concatenate([t.row_sequence_ids() for t in recs])
     pos = np.concatenate([t.row_positions() for t in recs])
@@ -210,14 +244,27 @@ def test_without_logprobs_prefix_cache_hits_are_said(server: Served, captured, t
 
 
 @pytest.mark.engine
-def test_a_server_that_records_into_another_spool_is_one_line_and_exit_2(server: Served, captured,
-                                                                         tmp_path: Path) -> None:
+def test_a_server_that_records_into_another_spool_is_one_line_and_exit_2(
+    server: Served, captured, tmp_path: Path
+) -> None:
     """The parts never appear where the client looks (as with a server started without the tap or the spool)."""
     empty = tmp_path / "empty-spool"
     empty.mkdir()
     start = time.monotonic()
-    r = run_cli("dumper", "collect", "--server", server.url, "--spool", empty, "--input-ids", "1,5,9",
-                "--out", tmp_path / "dump", "--part-timeout", "2")
+    r = run_cli(
+        "dumper",
+        "collect",
+        "--server",
+        server.url,
+        "--spool",
+        empty,
+        "--input-ids",
+        "1,5,9",
+        "--out",
+        tmp_path / "dump",
+        "--part-timeout",
+        "2",
+    )
     assert r.returncode == 2 and time.monotonic() - start < 30, r.stderr
     line = r.stderr.strip()
     assert "\n" not in line and "no capture part" in line, line
@@ -245,12 +292,26 @@ class _NotVllm(http.server.BaseHTTPRequestHandler):
 def test_unusable_servers_and_spools_are_one_line_and_exit_2(tmp_path: Path) -> None:
     dead = f"http://127.0.0.1:{_free_port()}"
     with serve_in_thread(_NotVllm) as other:
-        cases = {"not a directory": (dead, tmp_path / "missing"),
-                 "connection refused": (dead, tmp_path),
-                 "not a vLLM server": (other, tmp_path)}
+        cases = {
+            "not a directory": (dead, tmp_path / "missing"),
+            "connection refused": (dead, tmp_path),
+            "not a vLLM server": (other, tmp_path),
+        }
         for says, (url, spool) in cases.items():
-            r = run_cli("dumper", "collect", "--server", url, "--spool", spool, "--input-ids", "1,5,9",
-                        "--out", tmp_path / "dump", "--retries", "0")
+            r = run_cli(
+                "dumper",
+                "collect",
+                "--server",
+                url,
+                "--spool",
+                spool,
+                "--input-ids",
+                "1,5,9",
+                "--out",
+                tmp_path / "dump",
+                "--retries",
+                "0",
+            )
             assert r.returncode == 2 and says in r.stderr and r.stderr.count("\n") == 1, (says, r.stderr)
     assert not (tmp_path / "dump").exists()
 
@@ -263,8 +324,9 @@ def test_text_prompts_are_tokenized_as_dumper_run_tokenizes_them(tmp_path: Path)
     from dumper.prefill.run import RunConfig
 
     ckpt, texts, ids = shared_checkpoint(), ("The quick brown fox", "def fib(n):"), ((1, 5, 9),)
-    cfg = CollectConfig(server="http://127.0.0.1:1", spool=str(tmp_path), out=str(tmp_path / "d"), prompts=texts,
-                        input_ids=ids)
+    cfg = CollectConfig(
+        server="http://127.0.0.1:1", spool=str(tmp_path), out=str(tmp_path / "d"), prompts=texts, input_ids=ids
+    )
     run = RunConfig(out=str(tmp_path / "d"), model=str(ckpt), prompts=texts, input_ids=ids)
     assert served_sequences(cfg, ckpt, 512) == job_sequences(run, ckpt, 512)
     with pytest.raises(UsageError, match="--model CKPT"):
@@ -278,13 +340,35 @@ def test_a_served_decode_matches_an_hf_prefill_of_the_same_tokens(server: Served
     """``collect --new-tokens``: the server decodes the marked requests (max_tokens > 1, several at once), records
     every decode step they feed, and sends each generated token's logprob; all of it matches HF's prefill."""
     new = 5
-    r = _collect(server, tmp_path / "decode", "--model", str(server.ckpt), "--prompts", str(server.prompts),
-                 *LOGPROBS, "--new-tokens", str(new), "--quiet")
+    r = _collect(
+        server,
+        tmp_path / "decode",
+        "--model",
+        str(server.ckpt),
+        "--prompts",
+        str(server.prompts),
+        *LOGPROBS,
+        "--new-tokens",
+        str(new),
+        "--quiet",
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     m = load_manifest(tmp_path / "decode")
     assert m.extra["job"] == "decode" and [len(g) for g in m.extra["generated_ids"]] == [new] * len(PROMPTS)
-    hf = run_cli("dumper", "run", "--model", server.ckpt, "--tokens-from", tmp_path / "decode", "--layers", "all",
-                 *LOGPROBS, "--out", tmp_path / "hf", "--quiet")
+    hf = run_cli(
+        "dumper",
+        "run",
+        "--model",
+        server.ckpt,
+        "--tokens-from",
+        tmp_path / "decode",
+        "--layers",
+        "all",
+        *LOGPROBS,
+        "--out",
+        tmp_path / "hf",
+        "--quiet",
+    )
     assert hf.returncode == 0, hf.stderr
     c = run_cli("comparator", tmp_path / "hf", tmp_path / "decode", "--json", tmp_path / "r.json", "--quiet")
     assert c.returncode == 0, c.stdout + c.stderr

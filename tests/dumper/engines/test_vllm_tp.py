@@ -27,10 +27,25 @@ from torch import nn
 from dumper.format import load_manifest
 from dumper.format.reader import DumpReader
 from tests.conftest import ROOT, run_cli
-from tests.dumper.engines.test_engine_vllm import (BUG_PROMPT, BUG_TOKEN, JOB, LOGPROBS, N_LAYERS, NEW_TOKENS, PROMPTS,
-                                                   SEED_ENV, _cfg, _decode_counterpart, assert_worker_done,
-                                                   finish_worker, link_base, need, seeded, shared_checkpoint,
-                                                   worker_env)
+from tests.dumper.engines.test_engine_vllm import (
+    BUG_PROMPT,
+    BUG_TOKEN,
+    JOB,
+    LOGPROBS,
+    N_LAYERS,
+    NEW_TOKENS,
+    PROMPTS,
+    SEED_ENV,
+    _cfg,
+    _decode_counterpart,
+    assert_worker_done,
+    finish_worker,
+    link_base,
+    need,
+    seeded,
+    shared_checkpoint,
+    worker_env,
+)
 
 TP2 = ("--engine-arg", "tensor_parallel_size=2")
 KILL = f"{SEED_ENV}: killing pid"
@@ -67,8 +82,21 @@ def _worker(ckpt: str, prompts: str, out: str) -> None:
         results[name] = {"rc": rc, "seconds": time.perf_counter() - start, "stderr": err.getvalue()[-3000:]}
 
     def cli(name: str) -> int:
-        return main(["run", "--engine", "vllm", "--model", ckpt, "--prompts", prompts, *JOB, *CLI_JOBS[name][1],
-                     "--out", str(base / name)])
+        return main(
+            [
+                "run",
+                "--engine",
+                "vllm",
+                "--model",
+                ckpt,
+                "--prompts",
+                prompts,
+                *JOB,
+                *CLI_JOBS[name][1],
+                "--out",
+                str(base / name),
+            ]
+        )
 
     timed("tp2", lambda: cli("tp2"))
     timed("tp2-decode", lambda: cli("tp2-decode"))
@@ -87,11 +115,33 @@ def _worker(ckpt: str, prompts: str, out: str) -> None:
         seed, extra = CLI_JOBS[name]
         start = time.perf_counter()
         with seeded(seed):
-            r = subprocess.run([sys.executable, "-m", "dumper", "run", "--engine", "vllm", "--model", ckpt,
-                                "--prompts", prompts, *JOB, *extra, "--out", str(base / name)],
-                               capture_output=True, text=True, timeout=600)
-        results[name] = {"rc": r.returncode, "seconds": time.perf_counter() - start, "stderr": r.stderr[-6000:],
-                         "kills": [ln for ln in r.stdout.splitlines() if KILL in ln]}  # the seed says it on stdout
+            r = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "dumper",
+                    "run",
+                    "--engine",
+                    "vllm",
+                    "--model",
+                    ckpt,
+                    "--prompts",
+                    prompts,
+                    *JOB,
+                    *extra,
+                    "--out",
+                    str(base / name),
+                ],
+                capture_output=True,
+                text=True,
+                timeout=600,
+            )
+        results[name] = {
+            "rc": r.returncode,
+            "seconds": time.perf_counter() - start,
+            "stderr": r.stderr[-6000:],
+            "kills": [ln for ln in r.stdout.splitlines() if KILL in ln],
+        }  # the seed says it on stdout
     finish_worker(base, results)
 
 
@@ -106,10 +156,20 @@ def runs(tmp_path_factory, vllm_base):
     prompts = root / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in PROMPTS))
     env = {k: v for k, v in worker_env().items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}  # vLLM's default
-    worker = subprocess.run([sys.executable, "-c", f"from tests.dumper.engines.test_vllm_tp import _worker; "
-                             f"_worker({str(ckpt)!r}, {str(prompts)!r}, {str(root)!r})"],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            timeout=1500)
+    worker = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            f"from tests.dumper.engines.test_vllm_tp import _worker; "
+            f"_worker({str(ckpt)!r}, {str(prompts)!r}, {str(root)!r})",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=1500,
+    )
     assert_worker_done(worker.returncode, worker.stdout, root)
     return root, {**json.loads((root / "results.json").read_text()), **base}
 
@@ -210,8 +270,10 @@ def test_a_bug_on_one_rank_is_found_at_its_layer_token_and_rank(runs):
     differ = [p for p in sorted(r0) if r0[p].tobytes() != r1[p].tobytes()]
     assert differ and differ[0] == BUG_TOKEN, differ[:5]
     before = [t for t in _hidden(root / "bug") if t.layer < BUG_LAYER]  # earlier layers: every rank agrees
-    for rank_rows in ([_rows(reader, [t for t in before if t.layer == i and t.rank == r], BUG_PROMPT) for r in (0, 1)]
-                      for i in range(BUG_LAYER)):
+    for rank_rows in (
+        [_rows(reader, [t for t in before if t.layer == i and t.rank == r], BUG_PROMPT) for r in (0, 1)]
+        for i in range(BUG_LAYER)
+    ):
         assert all(rank_rows[0][p].tobytes() == rank_rows[1][p].tobytes() for p in rank_rows[0])
 
 

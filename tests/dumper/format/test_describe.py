@@ -37,8 +37,8 @@ def test_describe_counts_what_is_on_disk(tmp_path: Path) -> None:
     assert facts["names"] == "logits (x1), model.layers.0.self_attn.input (x1), model.layers.3.self_attn.input (x2)"
     assert "'name': 'described'" in facts["model"]
     lines = list(describe_lines(m, tensors=True))
-    assert lines[:len(facts)] == [f"{k}: {v}" for k, v in describe(m)]
-    tensor_lines = lines[len(facts):]
+    assert lines[: len(facts)] == [f"{k}: {v}" for k, v in describe(m)]
+    tensor_lines = lines[len(facts) :]
     assert len(tensor_lines) == 4 and "layer=3 F16[5, 8] tokens 0..4" in tensor_lines[1]
     assert "layer=None F32[2, 4] no positions" in tensor_lines[3]
 
@@ -67,7 +67,7 @@ def test_dumper_ls_and_store_show_print_the_same_description(tmp_path: Path) -> 
     assert described[0].startswith("dump: 4 tensors") and len(described) == len(describe(load_manifest(out)))
     shown = show.stdout.splitlines()
     start = shown.index(described[0])
-    assert shown[start:start + len(described)] == described  # line for line, however wide
+    assert shown[start : start + len(described)] == described  # line for line, however wide
     assert shown[start + len(described)].startswith("calibration: ")
 
     # a stored manifest edited by hand: the record is still shown, the dump is one UNUSABLE line and a warning

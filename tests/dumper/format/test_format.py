@@ -30,10 +30,22 @@ VOLATILE = ("created_at", "environment")
 def _write_golden_dump(out: Path) -> None:
     """The fixed content pinned by tests/golden/format_v1 (regenerate only on a format change)."""
     with dumper.capture(None, out, model_name="golden", extra={"purpose": "golden"}):
-        dumper.dump("model.layers.0.self_attn.input", torch.arange(24, dtype=torch.float32).reshape(1, 4, 6) / 8,
-                    layer=0, point="input", positions=[0, 1, 2, 3], sequence_ids=[0, 0, 0, 0])
-        dumper.dump("model.layers.1.self_attn.input", (torch.arange(12, dtype=torch.float32) - 6).reshape(2, 6)
-                    .to(torch.bfloat16), layer=1, point="input", positions=[5, 6], sequence_ids=[1, 1])
+        dumper.dump(
+            "model.layers.0.self_attn.input",
+            torch.arange(24, dtype=torch.float32).reshape(1, 4, 6) / 8,
+            layer=0,
+            point="input",
+            positions=[0, 1, 2, 3],
+            sequence_ids=[0, 0, 0, 0],
+        )
+        dumper.dump(
+            "model.layers.1.self_attn.input",
+            (torch.arange(12, dtype=torch.float32) - 6).reshape(2, 6).to(torch.bfloat16),
+            layer=1,
+            point="input",
+            positions=[5, 6],
+            sequence_ids=[1, 1],
+        )
         dumper.step()
         dumper.dump("logits", torch.tensor([[0.5, -1.0, 2.0]], dtype=torch.float16), meta_key="v")
 
@@ -105,12 +117,15 @@ def test_missing_data_file_names_the_file(dump_copy):
         load_manifest(dump_copy)
 
 
-@pytest.mark.parametrize("content,match", [
-    ("{not json", "unreadable manifest"),
-    ('{"format_version": 99}', "format version 99 is not supported"),
-    ('{"format_version": 1}', "malformed manifest"),
-    ("[]", "format version None"),
-])
+@pytest.mark.parametrize(
+    "content,match",
+    [
+        ("{not json", "unreadable manifest"),
+        ('{"format_version": 99}', "format version 99 is not supported"),
+        ('{"format_version": 1}', "malformed manifest"),
+        ("[]", "format version None"),
+    ],
+)
 def test_bad_manifest(dump_copy, content, match):
     (dump_copy / MANIFEST_NAME).write_text(content)
     with pytest.raises(CorruptDumpError, match=match):

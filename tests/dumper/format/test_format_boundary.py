@@ -41,7 +41,7 @@ from dumper.format import (
 )
 from dumper.format.files import JSON_MEMORY_BUDGET, json_memory_bound
 from dumper.format.validate import MANIFEST_KEYS, MAX_HEADER_BYTES, RECORD_KEYS
-from tests.conftest import ROOT, run_cli, subprocess_env
+from tests.conftest import run_cli, subprocess_env
 
 DATA0 = "r0-p000000-000.safetensors"
 
@@ -52,8 +52,14 @@ def write_small_dump(out: Path) -> Path:
     with dumper.capture(None, out, model_name="boundary", extra={"input_ids": [list(range(8))]}):
         for p in range(2):
             for layer in range(2):
-                dumper.dump(f"model.layers.{layer}.self_attn.input", torch.randn(4, 8, generator=g), layer=layer,
-                            point="input", positions=range(4 * p, 4 * p + 4), sequence_ids=[0] * 4)
+                dumper.dump(
+                    f"model.layers.{layer}.self_attn.input",
+                    torch.randn(4, 8, generator=g),
+                    layer=layer,
+                    point="input",
+                    positions=range(4 * p, 4 * p + 4),
+                    sequence_ids=[0] * 4,
+                )
             dumper.step()
         dumper.dump("logits", torch.randn(1, 6, generator=g).to(torch.bfloat16))
     return out
@@ -90,7 +96,7 @@ def copy_dump(src: Path, dst: Path, edit: Callable[[dict], Any] | None = None) -
 def header_of(path: Path) -> tuple[dict, bytes]:
     raw = path.read_bytes()
     n = int.from_bytes(raw[:8], "little")
-    return json.loads(raw[8:8 + n]), raw[8 + n:]
+    return json.loads(raw[8 : 8 + n]), raw[8 + n :]
 
 
 def rewrite_header(dump: Path, name: str, header: Any, data: bytes | None = None) -> None:
@@ -134,37 +140,85 @@ L1 = "model.layers.1.self_attn.input"
 
 
 # -- 1. one validating reader: types, ranges, run lengths, duplicates, keys ----------------------
-@pytest.mark.parametrize("edit,field,got", [
-    pytest.param(lambda m: tensor(m, L1).update(layer="3"), "tensors[1].layer: expected an integer or null", '"3"',
-                 id="layer-str"),
-    pytest.param(lambda m: tensor(m, L1).update(layer=3.5), "tensors[1].layer: expected an integer or null", "3.5",
-                 id="layer-float"),
-    pytest.param(lambda m: tensor(m, L0).update(forward_pass="0"), "tensors[0].forward_pass: expected an integer >= 0",
-                 '"0"', id="pass-str"),
-    pytest.param(lambda m: tensor(m, L0).update(rank=True), "tensors[0].rank: expected an integer >= 0", "true",
-                 id="rank-bool"),
-    pytest.param(lambda m: m.update(files=list(m["files"])), "files: expected an object", "[", id="files-list"),
-    pytest.param(lambda m: m["files"].update({DATA0: "304"}), f'files["{DATA0}"]: expected an integer >= 0', '"304"',
-                 id="size-str"),
-    pytest.param(lambda m: tensor(m, L0).update(shape=[4, "8"]), "tensors[0].shape: expected a list of integers",
-                 '"8"', id="dim-str"),
-    pytest.param(lambda m: tensor(m, L0).update(dtype="F99"), "tensors[0].dtype: expected one of", '"F99"',
-                 id="dtype"),
-    pytest.param(lambda m: tensor(m, L0).update(name=7), "tensors[0].name: expected a non-empty string", "7",
-                 id="name-int"),
-    pytest.param(lambda m: tensor(m, L0).update(name="x\x1b[2Jy"), "tensors[0].name: expected a non-empty string of "
-                 "printable characters", '"x\\u001b[2Jy"', id="name-terminal-escape"),
-    pytest.param(lambda m: tensor(m, L0).update(name="\ud800"), "tensors[0].name: expected a non-empty string",
-                 '"\\ud800"', id="name-lone-surrogate"),
-    pytest.param(lambda m: tensor(m, L0).update(meta=[1]), "tensors[0].meta: expected an object", "[1]",
-                 id="meta-list"),
-    pytest.param(lambda m: m.update(tensors={}), "tensors: expected a list of tensor records", "{}", id="tensors"),
-    pytest.param(lambda m: m["environment"].update(torch=["2.4"]), "environment.torch: expected a string, number",
-                 '["2.4"]', id="env-list"),
-    pytest.param(lambda m: m["model"].update(name=3), "model.name: expected a string or null", "3", id="model-name"),
-    pytest.param(lambda m: m["extra"].update(input_ids=[[1, "2"]]), "extra.input_ids[0]: expected a list of integers",
-                 '"2"', id="input-ids"),
-])
+@pytest.mark.parametrize(
+    "edit,field,got",
+    [
+        pytest.param(
+            lambda m: tensor(m, L1).update(layer="3"),
+            "tensors[1].layer: expected an integer or null",
+            '"3"',
+            id="layer-str",
+        ),
+        pytest.param(
+            lambda m: tensor(m, L1).update(layer=3.5),
+            "tensors[1].layer: expected an integer or null",
+            "3.5",
+            id="layer-float",
+        ),
+        pytest.param(
+            lambda m: tensor(m, L0).update(forward_pass="0"),
+            "tensors[0].forward_pass: expected an integer >= 0",
+            '"0"',
+            id="pass-str",
+        ),
+        pytest.param(
+            lambda m: tensor(m, L0).update(rank=True),
+            "tensors[0].rank: expected an integer >= 0",
+            "true",
+            id="rank-bool",
+        ),
+        pytest.param(lambda m: m.update(files=list(m["files"])), "files: expected an object", "[", id="files-list"),
+        pytest.param(
+            lambda m: m["files"].update({DATA0: "304"}),
+            f'files["{DATA0}"]: expected an integer >= 0',
+            '"304"',
+            id="size-str",
+        ),
+        pytest.param(
+            lambda m: tensor(m, L0).update(shape=[4, "8"]),
+            "tensors[0].shape: expected a list of integers",
+            '"8"',
+            id="dim-str",
+        ),
+        pytest.param(
+            lambda m: tensor(m, L0).update(dtype="F99"), "tensors[0].dtype: expected one of", '"F99"', id="dtype"
+        ),
+        pytest.param(
+            lambda m: tensor(m, L0).update(name=7), "tensors[0].name: expected a non-empty string", "7", id="name-int"
+        ),
+        pytest.param(
+            lambda m: tensor(m, L0).update(name="x\x1b[2Jy"),
+            "tensors[0].name: expected a non-empty string of printable characters",
+            '"x\\u001b[2Jy"',
+            id="name-terminal-escape",
+        ),
+        pytest.param(
+            lambda m: tensor(m, L0).update(name="\ud800"),
+            "tensors[0].name: expected a non-empty string",
+            '"\\ud800"',
+            id="name-lone-surrogate",
+        ),
+        pytest.param(
+            lambda m: tensor(m, L0).update(meta=[1]), "tensors[0].meta: expected an object", "[1]", id="meta-list"
+        ),
+        pytest.param(lambda m: m.update(tensors={}), "tensors: expected a list of tensor records", "{}", id="tensors"),
+        pytest.param(
+            lambda m: m["environment"].update(torch=["2.4"]),
+            "environment.torch: expected a string, number",
+            '["2.4"]',
+            id="env-list",
+        ),
+        pytest.param(
+            lambda m: m["model"].update(name=3), "model.name: expected a string or null", "3", id="model-name"
+        ),
+        pytest.param(
+            lambda m: m["extra"].update(input_ids=[[1, "2"]]),
+            "extra.input_ids[0]: expected a list of integers",
+            '"2"',
+            id="input-ids",
+        ),
+    ],
+)
 def test_type_confusion_is_corrupt(tmp_path, capsys, small, edit, field, got):
     bad = copy_dump(small, tmp_path / "bad", edit)
     with pytest.raises(CorruptDumpError) as e:
@@ -181,31 +235,42 @@ def test_bool_format_version_is_not_version_1(tmp_path, small):
         load_manifest(bad)
 
 
-@pytest.mark.parametrize("edit,field", [
-    pytest.param(lambda m: tensor(m, L0).update(shape=[-4, 8]), "tensors[0].shape", id="dim"),
-    pytest.param(lambda m: tensor(m, L0).update(forward_pass=-1), "tensors[0].forward_pass", id="pass"),
-    pytest.param(lambda m: tensor(m, L0).update(call=-1), "tensors[0].call", id="call"),
-    pytest.param(lambda m: tensor(m, L0).update(shard_dim=2),
-                 "tensors[0].shard_dim: expected null or a dim index below 2", id="shard-dim"),
-    pytest.param(lambda m: tensor(m, L0).update(shape=[1] * 33), "tensors[0].shape: expected a list of at most 32",
-                 id="ndim"),
-    pytest.param(lambda m: m["files"].update({DATA0: -1}), f'files["{DATA0}"]', id="size"),
-    pytest.param(lambda m: tensor(m, L0).update(positions=[[2**63 - 2, 4]]), "tensors[0].positions[0]",
-                 id="int64-overflow"),
-])
+@pytest.mark.parametrize(
+    "edit,field",
+    [
+        pytest.param(lambda m: tensor(m, L0).update(shape=[-4, 8]), "tensors[0].shape", id="dim"),
+        pytest.param(lambda m: tensor(m, L0).update(forward_pass=-1), "tensors[0].forward_pass", id="pass"),
+        pytest.param(lambda m: tensor(m, L0).update(call=-1), "tensors[0].call", id="call"),
+        pytest.param(
+            lambda m: tensor(m, L0).update(shard_dim=2),
+            "tensors[0].shard_dim: expected null or a dim index below 2",
+            id="shard-dim",
+        ),
+        pytest.param(
+            lambda m: tensor(m, L0).update(shape=[1] * 33), "tensors[0].shape: expected a list of at most 32", id="ndim"
+        ),
+        pytest.param(lambda m: m["files"].update({DATA0: -1}), f'files["{DATA0}"]', id="size"),
+        pytest.param(
+            lambda m: tensor(m, L0).update(positions=[[2**63 - 2, 4]]), "tensors[0].positions[0]", id="int64-overflow"
+        ),
+    ],
+)
 def test_out_of_range_values_are_corrupt(tmp_path, small, edit, field):
     bad = copy_dump(small, tmp_path / "bad", edit)
     with pytest.raises(CorruptDumpError, match="^" + re.escape(f"{bad / MANIFEST_NAME}: {field}")):
         load_manifest(bad)
 
 
-@pytest.mark.parametrize("key,runs,match", [
-    ("positions", [[0, 3]], "positions: runs cover 3 rows but the tensor has 4"),
-    ("sequence_ids", [[0, 4], [1, 1]], "sequence_ids: runs cover 5 rows but the tensor has 4"),
-    ("positions", [[0, 6], [0, -2]], r"positions\[1\]: expected a \[start, count\] pair"),
-    ("positions", [[0, 4, 1]], r"positions\[0\]: expected a \[start, count\] pair"),
-    ("sequence_ids", "0", "sequence_ids: expected null or a list of"),
-])
+@pytest.mark.parametrize(
+    "key,runs,match",
+    [
+        ("positions", [[0, 3]], "positions: runs cover 3 rows but the tensor has 4"),
+        ("sequence_ids", [[0, 4], [1, 1]], "sequence_ids: runs cover 5 rows but the tensor has 4"),
+        ("positions", [[0, 6], [0, -2]], r"positions\[1\]: expected a \[start, count\] pair"),
+        ("positions", [[0, 4, 1]], r"positions\[0\]: expected a \[start, count\] pair"),
+        ("sequence_ids", "0", "sequence_ids: expected null or a list of"),
+    ],
+)
 def test_run_lengths_inconsistent_with_rows_are_corrupt(tmp_path, small, key, runs, match):
     bad = copy_dump(small, tmp_path / "bad", lambda m: tensor(m, L0).update({key: runs}))
     with pytest.raises(CorruptDumpError, match=r"tensors\[0\]\." + match):
@@ -214,8 +279,11 @@ def test_run_lengths_inconsistent_with_rows_are_corrupt(tmp_path, small, key, ru
 
 def test_duplicate_records_are_corrupt(tmp_path, small):
     twin = copy_dump(small, tmp_path / "twin", lambda m: m["tensors"].append({**tensor(m, L0), "key": L1}))
-    with pytest.raises(CorruptDumpError, match=r"tensors\[5\]: same \(name, forward_pass, rank, call\) .* "
-                                               r"as tensors\[0\]"):
+    with pytest.raises(
+        CorruptDumpError,
+        match=r"tensors\[5\]: same \(name, forward_pass, rank, call\) .* "
+        r"as tensors\[0\]",
+    ):
         load_manifest(twin)
     # two records reading the same bytes: a tensor compared against itself would always pass
     alias = copy_dump(small, tmp_path / "alias", lambda m: m["tensors"].append({**tensor(m, L0), "name": "x"}))
@@ -235,8 +303,11 @@ def test_missing_and_unknown_keys_are_corrupt(tmp_path, small):
         with pytest.raises(CorruptDumpError, match="malformed manifest: " + match):
             load_manifest(copy_dump(small, tmp_path / label, edit))
     # optional keys may be left out, and descriptive objects keep keys this version does not know
-    ok = copy_dump(small, tmp_path / "ok", lambda m: (m.pop("extra"), tensor(m, L0).pop("meta"),
-                                                      m["model"].update(vendor_field=[1, 2])))
+    ok = copy_dump(
+        small,
+        tmp_path / "ok",
+        lambda m: (m.pop("extra"), tensor(m, L0).pop("meta"), m["model"].update(vendor_field=[1, 2])),
+    )
     assert load_manifest(ok).extra == {}
 
 
@@ -278,8 +349,11 @@ def _peak(fn: Callable[[], Any]) -> tuple[BaseException | None, int]:
 def test_huge_declared_sizes_never_allocate(tmp_path, capsys, small, shape):
     """2^31 rows (or a zero-width tensor of 2^31 rows) against a 600-byte file: refused before any decode."""
     rows = int(np.prod(shape[:-1]))
-    bad = copy_dump(small, tmp_path / "bad", lambda m: tensor(m, L0).update(
-        shape=shape, positions=[[0, rows]], sequence_ids=[[0, rows]]))
+    bad = copy_dump(
+        small,
+        tmp_path / "bad",
+        lambda m: tensor(m, L0).update(shape=shape, positions=[[0, rows]], sequence_ids=[[0, rows]]),
+    )
     err, peak = _peak(lambda: load_manifest(bad))
     assert isinstance(err, CorruptDumpError) and f"tensors[0].shape: F32{shape} needs" in str(err), err
     assert peak < 8 << 20
@@ -291,6 +365,7 @@ def test_tensors_sharing_a_file_must_fit_in_it_together(tmp_path, small):
     def grow(m: dict) -> None:  # each record alone fits its file, the two together do not
         for t in m["tensors"][:2]:
             t.update(shape=[9, 8], positions=[[0, 9]], sequence_ids=[[0, 9]])
+
     with pytest.raises(CorruptDumpError, match=rf'files\["{DATA0}"\]: its tensors need \d+ bytes together'):
         load_manifest(copy_dump(small, tmp_path / "bad", grow))
 
@@ -321,7 +396,7 @@ def test_memory_bound_covers_the_densest_json_shapes():
         "floats": "[" + ",".join(["1.5"] * n) + "]",
         "short strings": "[" + ",".join(['"ab"'] * n) + "]",
         "long string": '["' + "a" * (20 * n) + '"]',
-        "non-ascii": '["\U0001F600' + "a" * (20 * n) + '"]',
+        "non-ascii": '["\U0001f600' + "a" * (20 * n) + '"]',
         "escapes": "[" + ",".join(['"\\ud83d\\ude00"'] * n) + "]",
         "whitespace": "[" + " " * (20 * n) + "]",
     }
@@ -336,10 +411,22 @@ def test_memory_bound_covers_the_densest_json_shapes():
 
 
 def test_a_manifest_of_100k_records_fits_the_parse_budget():
-    record = {"name": "model.layers.31.self_attn.input", "file": "r0-p000999-000.safetensors",
-              "key": "model.layers.31.self_attn.input", "shape": [1, 2048, 4096], "dtype": "BF16",
-              "forward_pass": 999, "rank": 0, "call": 0, "layer": 31, "point": "input",
-              "positions": [[0, 2048]], "sequence_ids": [[0, 2048]], "shard_dim": None, "meta": {}}
+    record = {
+        "name": "model.layers.31.self_attn.input",
+        "file": "r0-p000999-000.safetensors",
+        "key": "model.layers.31.self_attn.input",
+        "shape": [1, 2048, 4096],
+        "dtype": "BF16",
+        "forward_pass": 999,
+        "rank": 0,
+        "call": 0,
+        "layer": 31,
+        "point": "input",
+        "positions": [[0, 2048]],
+        "sequence_ids": [[0, 2048]],
+        "shard_dim": None,
+        "meta": {},
+    }
     per_record = json_memory_bound(json.dumps({"tensors": [record] * 100}, indent=1).encode()) / 100
     assert 100_000 * per_record < JSON_MEMORY_BUDGET, per_record
 
@@ -362,29 +449,59 @@ def _with_entry(header: dict, key: str, **changes: Any) -> dict:
     return {**header, key: {**header[key], **changes}}
 
 
-@pytest.mark.parametrize("change,match", [
-    pytest.param(lambda h, d: (_with_entry(h, L1, data_offsets=[64, 192]), d), "tensors .* overlap", id="overlap"),
-    pytest.param(lambda h, d: (h, d + b"\0" * 4), r"bytes 256\.\.260 of the data section belong to no tensor",
-                 id="stray-bytes"),
-    pytest.param(lambda h, d: (_with_entry(h, L1, data_offsets=[128, 300]), d),
-                 r"data_offsets: expected \[begin, end\]", id="past-end"),
-    pytest.param(lambda h, d: (_with_entry(h, L1, data_offsets=[-128, 0]), d),
-                 r"data_offsets: expected \[begin, end\]", id="negative"),
-    pytest.param(lambda h, d: (_with_entry(h, L1, data_offsets=[128.0, 256]), d),
-                 r"data_offsets: expected \[begin, end\]", id="float"),
-    pytest.param(lambda h, d: (_with_entry(h, L1, dtype="F8_E4M3"), d), r"\.dtype: expected one of", id="dtype"),
-    pytest.param(lambda h, d: (_with_entry(h, L1, shape=[4, -8]), d), r"\.shape: expected a list of integers >= 0",
-                 id="shape"),
-    pytest.param(lambda h, d: (_with_entry(h, L1, shape=[4, 4]), d),
-                 "data_offsets span 128 bytes but F32.4, 4. needs 64", id="dtype-x-shape"),
-    pytest.param(lambda h, d: ({**h, "__metadata__": {"format": 1}}, d), "__metadata__: expected an object of strings",
-                 id="metadata-value"),
-    pytest.param(lambda h, d: ({**h, "__metadata__": "pt"}, d), "__metadata__: expected an object of strings",
-                 id="metadata-str"),
-    pytest.param(lambda h, d: (_with_entry(h, L1, extra=1), d), "expected an object of dtype, shape and data_offsets",
-                 id="entry-keys"),
-    pytest.param(lambda h, d: (list(h.values()), d), "safetensors header is not a JSON object", id="not-object"),
-])
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        pytest.param(lambda h, d: (_with_entry(h, L1, data_offsets=[64, 192]), d), "tensors .* overlap", id="overlap"),
+        pytest.param(
+            lambda h, d: (h, d + b"\0" * 4),
+            r"bytes 256\.\.260 of the data section belong to no tensor",
+            id="stray-bytes",
+        ),
+        pytest.param(
+            lambda h, d: (_with_entry(h, L1, data_offsets=[128, 300]), d),
+            r"data_offsets: expected \[begin, end\]",
+            id="past-end",
+        ),
+        pytest.param(
+            lambda h, d: (_with_entry(h, L1, data_offsets=[-128, 0]), d),
+            r"data_offsets: expected \[begin, end\]",
+            id="negative",
+        ),
+        pytest.param(
+            lambda h, d: (_with_entry(h, L1, data_offsets=[128.0, 256]), d),
+            r"data_offsets: expected \[begin, end\]",
+            id="float",
+        ),
+        pytest.param(lambda h, d: (_with_entry(h, L1, dtype="F8_E4M3"), d), r"\.dtype: expected one of", id="dtype"),
+        pytest.param(
+            lambda h, d: (_with_entry(h, L1, shape=[4, -8]), d),
+            r"\.shape: expected a list of integers >= 0",
+            id="shape",
+        ),
+        pytest.param(
+            lambda h, d: (_with_entry(h, L1, shape=[4, 4]), d),
+            "data_offsets span 128 bytes but F32.4, 4. needs 64",
+            id="dtype-x-shape",
+        ),
+        pytest.param(
+            lambda h, d: ({**h, "__metadata__": {"format": 1}}, d),
+            "__metadata__: expected an object of strings",
+            id="metadata-value",
+        ),
+        pytest.param(
+            lambda h, d: ({**h, "__metadata__": "pt"}, d),
+            "__metadata__: expected an object of strings",
+            id="metadata-str",
+        ),
+        pytest.param(
+            lambda h, d: (_with_entry(h, L1, extra=1), d),
+            "expected an object of dtype, shape and data_offsets",
+            id="entry-keys",
+        ),
+        pytest.param(lambda h, d: (list(h.values()), d), "safetensors header is not a JSON object", id="not-object"),
+    ],
+)
 def test_inconsistent_safetensors_headers_are_corrupt(tmp_path, capsys, small, change, match):
     bad = copy_dump(small, tmp_path / "bad")
     header, data = header_of(bad / DATA0)
@@ -403,11 +520,14 @@ def test_a_duplicate_header_key_is_caught_by_the_tiling(tmp_path, small):
     bad = copy_dump(small, tmp_path / "bad")
     path = bad / DATA0
     header, data = header_of(path)
+
     def entry(info: dict) -> str:
         return json.dumps(info, separators=(",", ":"))
 
-    blob = (f'{{"{L0}":{entry(header[L0])},"{L1}":{entry(header[L1])},'
-            f'"{L0}":{entry({**header[L0], "data_offsets": header[L1]["data_offsets"]})}}}').encode()
+    blob = (
+        f'{{"{L0}":{entry(header[L0])},"{L1}":{entry(header[L1])},'
+        f'"{L0}":{entry({**header[L0], "data_offsets": header[L1]["data_offsets"]})}}}'
+    ).encode()
     path.write_bytes(len(blob).to_bytes(8, "little") + blob + data)
     _fix_size(bad, DATA0)
     with pytest.raises(CorruptDumpError, match="overlap|belong to no tensor"):
@@ -419,8 +539,9 @@ def test_swapped_offsets_are_a_divergence_not_corruption(tmp_path, capsys, small
     swapped = copy_dump(small, tmp_path / "swapped")
     header, data = header_of(swapped / DATA0)
     a, b = header[L0]["data_offsets"], header[L1]["data_offsets"]
-    rewrite_header(swapped, DATA0, {**header, L0: {**header[L0], "data_offsets": b},
-                                    L1: {**header[L1], "data_offsets": a}})
+    rewrite_header(
+        swapped, DATA0, {**header, L0: {**header[L0], "data_offsets": b}, L1: {**header[L1], "data_offsets": a}}
+    )
     read_everything(swapped)
     rc, _ = compare_in_process(capsys, small, swapped)
     assert rc == 1
@@ -484,15 +605,18 @@ def test_symlinks_inside_the_dump_and_a_symlinked_dump_are_read(tmp_path, small)
 
 def test_non_regular_files_are_never_opened(tmp_path, small):
     """A FIFO named as a data file or as the manifest would block open() forever; a directory would crash."""
-    code = ("import sys\nfrom dumper.errors import CorruptDumpError\nfrom dumper.format import DumpReader\n"
-            "try:\n    r = DumpReader(sys.argv[1])\n    [r.array(t) for t in r.manifest.tensors]\n"
-            "except CorruptDumpError as e:\n    print(e)\n")  # a light child: no torch import
+    code = (
+        "import sys\nfrom dumper.errors import CorruptDumpError\nfrom dumper.format import DumpReader\n"
+        "try:\n    r = DumpReader(sys.argv[1])\n    [r.array(t) for t in r.manifest.tensors]\n"
+        "except CorruptDumpError as e:\n    print(e)\n"
+    )  # a light child: no torch import
     for victim, kind in [(DATA0, "fifo"), (MANIFEST_NAME, "fifo"), (DATA0, "dir")]:
         bad = copy_dump(small, tmp_path / f"{victim}-{kind}")
         (bad / victim).unlink()
         os.mkfifo(bad / victim) if kind == "fifo" else (bad / victim).mkdir()
-        r = subprocess.run([sys.executable, "-c", code, str(bad)], capture_output=True, text=True, timeout=60,
-                           env=subprocess_env())
+        r = subprocess.run(
+            [sys.executable, "-c", code, str(bad)], capture_output=True, text=True, timeout=60, env=subprocess_env()
+        )
         what = "a FIFO" if kind == "fifo" else "a directory"
         assert r.stdout.strip() == f"{bad / victim}: {what}, not a regular file; refusing to open it", r
 
@@ -531,8 +655,14 @@ def test_cli_reports_overlapping_offsets_as_corrupt_not_diverged(tmp_path, llama
     keys = sorted(header, key=lambda k: header[k]["data_offsets"])
     first, second = header[keys[0]], header[keys[1]]
     shift = (first["data_offsets"][1] - first["data_offsets"][0]) // 2
-    rewrite_header(bad, DATA0, {**header, keys[1]: {**second, "data_offsets": [
-        second["data_offsets"][0] - shift, second["data_offsets"][1] - shift]}})
+    rewrite_header(
+        bad,
+        DATA0,
+        {
+            **header,
+            keys[1]: {**second, "data_offsets": [second["data_offsets"][0] - shift, second["data_offsets"][1] - shift]},
+        },
+    )
     r = run_cli("comparator", llama, bad, "--quiet")
     assert r.returncode == 2, r.stdout + r.stderr
     assert_one_line(r.stderr, f"{bad / DATA0}: ")
@@ -640,13 +770,17 @@ def test_lone_surrogates_in_descriptive_objects_are_corrupt(tmp_path, capsys, sm
             for p in parents:
                 d = d.setdefault(p, {})
             d[last] = "\ud800"
+
         return edit
 
-    cases = {"model.foo": setter("model.foo"), "capture_signature.x": setter("capture_signature.x"),
-             "extra.prompts.a": setter("extra.prompts.a"),
-             "environment key": lambda m: m["environment"].update({"\udfff": 1}),
-             "extra.p[1]": lambda m: m["extra"].update(p=["ok", "\ud800"]),
-             "tensors[0].meta.k": lambda m: m["tensors"][0].update(meta={"k": "\ud800"})}
+    cases = {
+        "model.foo": setter("model.foo"),
+        "capture_signature.x": setter("capture_signature.x"),
+        "extra.prompts.a": setter("extra.prompts.a"),
+        "environment key": lambda m: m["environment"].update({"\udfff": 1}),
+        "extra.p[1]": lambda m: m["extra"].update(p=["ok", "\ud800"]),
+        "tensors[0].meta.k": lambda m: m["tensors"][0].update(meta={"k": "\ud800"}),
+    }
     for field, edit in cases.items():
         bad = copy_dump(small, tmp_path / f"d{len(os.listdir(tmp_path))}", edit)
         with pytest.raises(CorruptDumpError, match=re.escape(field)):

@@ -39,6 +39,7 @@ from dumper.format.files import JSON_MEMORY_BUDGET, json_memory_bound
 from tests.dumper.format.test_format_boundary import header_of, write_small_dump
 from tests.fuzzing import FUZZ, LIMIT, get_path, json_paths, run_child, set_path, watch
 
+
 class Sandbox:
     """A real base dump, a sentinel ``outside/`` beside it, and fresh copies to damage."""
 
@@ -61,8 +62,10 @@ class Sandbox:
     def run(self, mutated: Path) -> tuple[int, int]:
         """Exit codes of the comparator and of ``dumper ls`` on ``mutated``, with the properties checked."""
         codes = []
-        runs = (([str(self.base), str(mutated), "--quiet", "--require-all"], compare_main),
-                (["ls", str(mutated)], dumper_main))
+        runs = (
+            ([str(self.base), str(mutated), "--quiet", "--require-all"], compare_main),
+            (["ls", str(mutated)], dumper_main),
+        )
         for argv, main in runs:
             out, err = io.StringIO(), io.StringIO()
             with watch() as w, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -92,17 +95,54 @@ def test_audit_hook_sees_reads_outside(box):
 
 
 # -- manifests -----------------------------------------------------------------------------------
-TOP_TYPES = {"format_version": (int,), "created_at": (str,), "model": (dict,), "capture_signature": (dict,),
-             "environment": (dict,), "files": (dict,), "tensors": (list,), "extra": (dict,)}
-REC_TYPES = {"name": (str,), "file": (str,), "key": (str,), "shape": (list,), "dtype": (str,), "forward_pass": (int,),
-             "rank": (int,), "call": (int,), "layer": (int, type(None)), "point": (str, type(None)),
-             "positions": (list, type(None)), "sequence_ids": (list, type(None)), "shard_dim": (int, type(None)),
-             "meta": (dict,)}
+TOP_TYPES = {
+    "format_version": (int,),
+    "created_at": (str,),
+    "model": (dict,),
+    "capture_signature": (dict,),
+    "environment": (dict,),
+    "files": (dict,),
+    "tensors": (list,),
+    "extra": (dict,),
+}
+REC_TYPES = {
+    "name": (str,),
+    "file": (str,),
+    "key": (str,),
+    "shape": (list,),
+    "dtype": (str,),
+    "forward_pass": (int,),
+    "rank": (int,),
+    "call": (int,),
+    "layer": (int, type(None)),
+    "point": (str, type(None)),
+    "positions": (list, type(None)),
+    "sequence_ids": (list, type(None)),
+    "shard_dim": (int, type(None)),
+    "meta": (dict,),
+}
 REQUIRED = {"top": set(TOP_TYPES) - {"extra"}, "record": {"name", "file", "key", "shape", "dtype", "forward_pass"}}
 READS = {"file", "key", "shape", "dtype", "positions", "sequence_ids"}
 """Record fields that decide which bytes are compared with which: changing one must never pass."""
-ODD_VALUES = ["3", 3.5, True, False, None, [], {}, "", -1, 2**31, 2**63, 2**64, [[0, 2**40]], {"a": [1]}, "F32",
-              "\ud800", float("nan")]
+ODD_VALUES = [
+    "3",
+    3.5,
+    True,
+    False,
+    None,
+    [],
+    {},
+    "",
+    -1,
+    2**31,
+    2**63,
+    2**64,
+    [[0, 2**40]],
+    {"a": [1]},
+    "F32",
+    "\ud800",
+    float("nan"),
+]
 BIG_INTS = [-1, -(2**63), 0, 1, 2**31, 2**40, 2**62, 2**63 - 1, 2**64]
 
 
@@ -120,8 +160,16 @@ def _typed(path: tuple, value: Any) -> bool | None:
     f = _field(path)
     if f is not None:
         return type(value) in (TOP_TYPES if f[0] == "top" else REC_TYPES)[f[1]]
-    if path[0] == "files" and len(path) == 2 or path[0] == "tensors" and len(path) >= 5 and path[2] in READS \
-            or path[0] == "tensors" and len(path) == 4 and path[2] == "shape":
+    if (
+        path[0] == "files"
+        and len(path) == 2
+        or path[0] == "tensors"
+        and len(path) >= 5
+        and path[2] in READS
+        or path[0] == "tensors"
+        and len(path) == 4
+        and path[2] == "shape"
+    ):
         return type(value) is int  # a file size, a shape dim, or a run's start / count
     return None
 
@@ -195,9 +243,24 @@ def test_hostile_paths(box, data):
     victim = data.draw(st.sampled_from(box.files))
     dump = box.copy()
     how = data.draw(st.sampled_from(["name", "record", "files", "symlink", "inner-symlink"]))
-    hostile = data.draw(st.sampled_from([f"../../outside/{victim}", f"../outside/{victim}", str(box.outside / victim),
-                                         f"sub/{victim}", "..", ".", "", "/dev/zero", f"./{victim}", f"{victim}/",
-                                         "\ud800", f"{victim}\0"]))
+    hostile = data.draw(
+        st.sampled_from(
+            [
+                f"../../outside/{victim}",
+                f"../outside/{victim}",
+                str(box.outside / victim),
+                f"sub/{victim}",
+                "..",
+                ".",
+                "",
+                "/dev/zero",
+                f"./{victim}",
+                f"{victim}/",
+                "\ud800",
+                f"{victim}\0",
+            ]
+        )
+    )
     expect = {2}
     if how in ("name", "files"):
         m["files"][hostile] = m["files"].pop(victim)
@@ -262,16 +325,20 @@ def test_mutated_safetensors_headers(box, data):
         shape = list(header[key]["shape"])
         i = data.draw(st.integers(0, len(shape) - 1)) if shape else 0
         new = data.draw(st.sampled_from([0, -1, 2**31, 2**63]) | st.integers(1, 16))
-        shape = shape[:i] + [new] + shape[i + 1:] if shape else [new]
+        shape = shape[:i] + [new] + shape[i + 1 :] if shape else [new]
         expect = {0} if shape == header[key]["shape"] else {2}
         _rewrite(dump, name, {**header, key: {**header[key], "shape": shape}}, body)
     elif op == "swap":  # two tensors trade byte ranges: a well-formed file holding other values
         other = data.draw(st.sampled_from(keys))
         a, b = header[key]["data_offsets"], header[other]["data_offsets"]
         same_size = a[1] - a[0] == b[1] - b[0] and header[key]["dtype"] == header[other]["dtype"]
-        expect = {2} if not same_size else {0} if body[a[0]:a[1]] == body[b[0]:b[1]] else {1}
-        _rewrite(dump, name, {**header, key: {**header[key], "data_offsets": b},
-                              other: {**header[other], "data_offsets": a}}, body)
+        expect = {2} if not same_size else {0} if body[a[0] : a[1]] == body[b[0] : b[1]] else {1}
+        _rewrite(
+            dump,
+            name,
+            {**header, key: {**header[key], "data_offsets": b}, other: {**header[other], "data_offsets": a}},
+            body,
+        )
     else:  # bytes flipped in place: inside the header JSON, or inside the data section
         n, raw = _header_span(dump / name)
         lo, hi = (8, 8 + n) if op == "garbage" else (8 + n, len(raw))
@@ -283,7 +350,7 @@ def test_mutated_safetensors_headers(box, data):
             expect = {0, 1}  # other numbers: within tolerance or a divergence, never corrupt
         else:
             try:
-                same = json.loads(bytes(buf[8:8 + n]).decode("utf-8")) == header
+                same = json.loads(bytes(buf[8 : 8 + n]).decode("utf-8")) == header
             except ValueError:
                 same = False
             expect = {0} if same else {2}
@@ -322,9 +389,11 @@ def test_largest_hostile_inputs_stay_under_512_mib(box, tmp_path):
     (dense / MANIFEST_NAME).write_bytes(good)
     results = {}
     cases = [header, rows, dense]
-    for label, bad, needle in [("2^40-byte header", header, "exceeds the 100000000-byte limit"),
-                               ("2^31 rows", rows, "needs 68719476736 bytes"),
-                               (f"{len(good) >> 20} MiB of distinct keys", dense, "tensors[0].layer")]:
+    for label, bad, needle in [
+        ("2^40-byte header", header, "exceeds the 100000000-byte limit"),
+        ("2^31 rows", rows, "needs 68719476736 bytes"),
+        (f"{len(good) >> 20} MiB of distinct keys", dense, "tensors[0].layer"),
+    ]:
         rc, err, rss = run_child("comparator", base, bad, "--quiet")
         assert rc == 2 and needle in err, (label, err)
         assert rss < LIMIT, (label, rss)

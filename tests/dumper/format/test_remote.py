@@ -60,12 +60,15 @@ def test_a_prefix_without_its_manifest_is_never_a_complete_dump(dump, url):
             pass
 
 
-@pytest.mark.parametrize("lie,words", [
-    ("outside", "plain"),
-    ("longer", "longer than the"),
-    ("shorter", "but the manifest says"),
-    ("missing", "listed in the manifest but missing"),
-])
+@pytest.mark.parametrize(
+    "lie,words",
+    [
+        ("outside", "plain"),
+        ("longer", "longer than the"),
+        ("shorter", "but the manifest says"),
+        ("missing", "listed in the manifest but missing"),
+    ],
+)
 def test_a_hostile_remote_manifest_is_refused_in_one_line(dump, url, lie, words):
     fs = fsspec.filesystem("memory")
     raw = json.loads((dump / MANIFEST_NAME).read_text())

@@ -97,11 +97,15 @@ def _json(report) -> dict:
 def test_a_url_dump_compares_exactly_as_its_local_copy(local, remote, pair):
     b, t = pair
     want = compare_dumps(local / b, local / t)
-    assert want.matched > 0 and (want.logprobs is not None and want.decode is not None if b == "a"
-                                 else want.router is not None)
+    assert want.matched > 0 and (
+        want.logprobs is not None and want.decode is not None if b == "a" else want.router is not None
+    )
     assert any(x.rel_diff > 0 for x in want.tensors)  # a real comparison, not two copies of one run
-    for base, target in ((f"{remote}/{b}", f"{remote}/{t}"), (local / b, f"{remote}/{t}"),
-                         (f"{remote}/{b}", local / t)):
+    for base, target in (
+        (f"{remote}/{b}", f"{remote}/{t}"),
+        (local / b, f"{remote}/{t}"),
+        (f"{remote}/{b}", local / t),
+    ):
         got = compare_dumps(base, target)
         assert (got.baseline, got.target) == (str(base), str(target))
         assert got.matched == want.matched
@@ -170,8 +174,21 @@ def test_the_cli_compares_urls_with_every_output(local, remote, tmp_path, capsys
     for side, (base, target) in (("local", (local / "a", local / "b")), ("url", (f"{remote}/a", f"{remote}/b"))):
         d = tmp_path / side
         d.mkdir()
-        rc = main([str(base), str(target), "--tensors", "--json", str(d / "r.json"), "--csv", str(d / "r.csv"),
-                   "--html", str(d / "r.html"), "--markdown", str(d / "r.md")])
+        rc = main(
+            [
+                str(base),
+                str(target),
+                "--tensors",
+                "--json",
+                str(d / "r.json"),
+                "--csv",
+                str(d / "r.csv"),
+                "--html",
+                str(d / "r.html"),
+                "--markdown",
+                str(d / "r.md"),
+            ]
+        )
         outs[side] = (rc, capsys.readouterr().out, d)
         assert main(["logprobs", str(base), str(target), "--json", str(d / "l.json"), "--quiet"]) == 0
     (rc_l, text_l, dl), (rc_u, text_u, du) = outs["local"], outs["url"]
@@ -206,26 +223,29 @@ def _hostile(local, lie):
         n = len(data) - 7 if lie == "header-beyond" else MAX_HEADER_BYTES + 1
         objects[name] = n.to_bytes(8, "little") + data[8:]
     elif lie == "range-beyond":  # a header claiming a tensor longer than the file holds, the size entry true
-        header = json.loads(data[8:8 + n])
+        header = json.loads(data[8 : 8 + n])
         last = max((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][1])
         header[last]["data_offsets"][1] += 4096
         text = json.dumps(header).encode()
         text += b" " * (-len(text) % 8)
-        objects[name] = len(text).to_bytes(8, "little") + text + data[8 + n:]
+        objects[name] = len(text).to_bytes(8, "little") + text + data[8 + n :]
         raw["files"][name] = len(objects[name])
     return raw, objects, name
 
 
-@pytest.mark.parametrize("lie,words", [
-    ("outside", "plain"),
-    ("slash", "plain"),
-    ("entry-short", "longer than the"),
-    ("entry-long", "but the manifest says"),
-    ("missing", "listed in the manifest but missing"),
-    ("header-beyond", "truncated safetensors header"),
-    ("header-huge", "exceeds the"),
-    ("range-beyond", "data_offsets"),
-])
+@pytest.mark.parametrize(
+    "lie,words",
+    [
+        ("outside", "plain"),
+        ("slash", "plain"),
+        ("entry-short", "longer than the"),
+        ("entry-long", "but the manifest says"),
+        ("missing", "listed in the manifest but missing"),
+        ("header-beyond", "truncated safetensors header"),
+        ("header-huge", "exceeds the"),
+        ("range-beyond", "data_offsets"),
+    ],
+)
 def test_a_hostile_url_dump_is_refused_in_one_line(local, lie, words, reads):
     touched, _ = reads
     url = f"memory://driftscope-hostile-{uuid.uuid4().hex}/dumps/a"

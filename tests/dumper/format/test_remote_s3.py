@@ -74,8 +74,14 @@ sys.exit(main(sys.argv[1:]))
 def test_a_writer_killed_before_its_manifest_leaves_no_dump(s3, tmp_path):
     env, bucket = s3
     url = f"{bucket}/runs/killed"
-    r = subprocess.run([sys.executable, "-c", _KILLED_WRITER, "run", "--layers", "all", *PROMPT, "--out", url,
-                        "--quiet"], env=subprocess_env(**env), cwd=ROOT, capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-c", _KILLED_WRITER, "run", "--layers", "all", *PROMPT, "--out", url, "--quiet"],
+        env=subprocess_env(**env),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 9, r.stderr
     names = {p.rsplit("/", 1)[-1] for p in s3fs_of(env).ls("driftscope/runs/killed")}
     assert names and MANIFEST_NAME not in names  # its data files got there, its manifest never did
@@ -127,8 +133,14 @@ def test_the_comparator_reads_s3_dumps_by_ranges_with_no_local_copy(s3, tmp_path
         fs.put(str(tmp_path / name), f"driftscope/ranged/{name}", recursive=True)
     tmp = tmp_path / "tmpdir"
     tmp.mkdir()
-    r = run_cli("comparator", f"{bucket}/ranged/a", f"{bucket}/ranged/b", "--json", tmp_path / "s3.json",
-                env={**env, "TMPDIR": str(tmp)})
+    r = run_cli(
+        "comparator",
+        f"{bucket}/ranged/a",
+        f"{bucket}/ranged/b",
+        "--json",
+        tmp_path / "s3.json",
+        env={**env, "TMPDIR": str(tmp)},
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert not list(tmp.glob("driftscope-remote-*"))  # read in place: nothing fetched to disk
     r = run_cli("comparator", tmp_path / "a", tmp_path / "b", "--json", tmp_path / "local.json")

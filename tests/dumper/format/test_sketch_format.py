@@ -39,9 +39,16 @@ def small_llama(*, hidden: int = 32, layers: int = 2, seed: int = 0) -> torch.nn
     """A real HF Llama built from its config with a fixed seed (no download)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=256, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4,
-                         max_position_embeddings=256)
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=hidden // 4,
+        max_position_embeddings=256,
+    )
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     return LlamaForCausalLM(config).eval()
@@ -58,8 +65,9 @@ def capture(model: torch.nn.Module, ids: torch.Tensor, out: Path, **sketch: int)
 
 
 # -- the projection's bits ------------------------------------------------------------------------
-@pytest.mark.parametrize("seed,k,hidden", [(0, 8, 64), (7, 64, 1000), (123456789, 33, 257),
-                                           (2**32 - 1, 256, 96), (5, 1, 3)])
+@pytest.mark.parametrize(
+    "seed,k,hidden", [(0, 8, 64), (7, 64, 1000), (123456789, 33, 257), (2**32 - 1, 256, 96), (5, 1, 3)]
+)
 def test_numpy_and_torch_build_the_same_signs(seed, k, hidden):
     bits = sign_bits(seed, k, hidden)
     assert bits.shape == (k, hidden) and bits.dtype == np.bool_
@@ -179,8 +187,10 @@ def sketched(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("sketched")
     torch.set_num_threads(2)
     model, ids = small_llama(), token_ids(1, 16)
-    return {"sketch": capture(model, ids, root / "sketch", sketch=8, sketch_seed=42),
-            "full": capture(model, ids, root / "full")}
+    return {
+        "sketch": capture(model, ids, root / "sketch", sketch=8, sketch_seed=42),
+        "full": capture(model, ids, root / "full"),
+    }
 
 
 def edited(src: Path, dst: Path, edit: Callable[[dict], Any]) -> Path:
@@ -213,55 +223,101 @@ def _without(d: dict, key: str) -> None:
 SPEC_FIELD = "capture_signature.sketch: expected an object of kind, k and seed"
 
 
-@pytest.mark.parametrize("edit,field", [
-    pytest.param(lambda m: sig(m).update(k=0), "capture_signature.sketch.k: expected an integer in 1..", id="k-0"),
-    pytest.param(lambda m: sig(m).update(k="8"), "capture_signature.sketch.k: expected an integer", id="k-str"),
-    pytest.param(lambda m: sig(m).update(k=True), "capture_signature.sketch.k: expected an integer", id="k-bool"),
-    pytest.param(lambda m: sig(m).update(k=8.0), "capture_signature.sketch.k: expected an integer", id="k-float"),
-    pytest.param(lambda m: sig(m).update(k=2**62), "capture_signature.sketch.k: expected an integer in 1..",
-                 id="k-huge"),
-    # a K wider than the rows it claims to project: the records say their hidden is 32
-    pytest.param(lambda m: sig(m).update(k=64), "tensors[0].sketch.hidden: expected an integer >= K=64",
-                 id="k-above-hidden"),
-    # a K the records' shapes do not have
-    pytest.param(lambda m: sig(m).update(k=4), "tensors[0].sketch: a sketch is F32 [..., 4]", id="k-not-shape"),
-    pytest.param(lambda m: sig(m).update(seed=1.5), "capture_signature.sketch.seed: expected an integer in 0..",
-                 id="seed-float"),
-    pytest.param(lambda m: sig(m).update(seed="x"), "capture_signature.sketch.seed: expected an integer in 0..",
-                 id="seed-str"),
-    pytest.param(lambda m: sig(m).update(seed=-1), "capture_signature.sketch.seed: expected an integer in 0..",
-                 id="seed-negative"),
-    pytest.param(lambda m: sig(m).update(seed=2**40), "capture_signature.sketch.seed: expected an integer in 0..",
-                 id="seed-2**40"),
-    pytest.param(lambda m: sig(m).update(kind="gaussian"), "capture_signature.sketch.kind: expected one of",
-                 id="kind"),
-    pytest.param(lambda m: sig(m).update(kind=["rademacher"]), "capture_signature.sketch.kind: expected one of",
-                 id="kind-list"),
-    pytest.param(lambda m: _without(sig(m), "seed"), SPEC_FIELD, id="missing-key"),
-    pytest.param(lambda m: sig(m).update(scale=0.125), SPEC_FIELD, id="extra-key"),
-    pytest.param(lambda m: m["capture_signature"].update(sketch=[8, 42]), SPEC_FIELD, id="not-object"),
-    pytest.param(lambda m: _without(m["capture_signature"], "sketch"),
-                 "tensors[0].sketch: a sketched record in a dump whose capture_signature has no sketch",
-                 id="record-sketch-without-signature"),
-    pytest.param(lambda m: m["capture_signature"].update(sketch=None),
-                 "tensors[0].sketch: a sketched record in a dump whose capture_signature has no sketch",
-                 id="signature-sketch-null"),
-    pytest.param(lambda m: rec0(m)["sketch"].update(hidden=4), "tensors[0].sketch.hidden: expected an integer >= K=8",
-                 id="record-hidden-below-k"),
-    pytest.param(lambda m: rec0(m)["sketch"].update(hidden="32"), "tensors[0].sketch.hidden: expected an integer",
-                 id="record-hidden-str"),
-    pytest.param(lambda m: rec0(m)["sketch"].update(dtype="I64"), "tensors[0].sketch.dtype: expected one of",
-                 id="record-source-dtype-int"),
-    pytest.param(lambda m: _without(rec0(m)["sketch"], "dtype"),
-                 "tensors[0].sketch: expected an object of hidden and dtype", id="record-sketch-missing-key"),
-    pytest.param(lambda m: rec0(m).update(sketch=8), "tensors[0].sketch: expected an object of hidden and dtype",
-                 id="record-sketch-int"),
-    pytest.param(lambda m: rec0(m).update(dtype="F16"),
-                 "tensors[0].sketch: a sketch is F32 [..., 8], the record is F16", id="record-dtype-f16"),
-    # the norms' key is another record's key
-    pytest.param(lambda m: m["tensors"][1].update(key=rec0(m)["key"] + NORM_SUFFIX, file=rec0(m)["file"]),
-                 "tensors[1]: (file, key)", id="record-key-is-norms"),
-])
+@pytest.mark.parametrize(
+    "edit,field",
+    [
+        pytest.param(lambda m: sig(m).update(k=0), "capture_signature.sketch.k: expected an integer in 1..", id="k-0"),
+        pytest.param(lambda m: sig(m).update(k="8"), "capture_signature.sketch.k: expected an integer", id="k-str"),
+        pytest.param(lambda m: sig(m).update(k=True), "capture_signature.sketch.k: expected an integer", id="k-bool"),
+        pytest.param(lambda m: sig(m).update(k=8.0), "capture_signature.sketch.k: expected an integer", id="k-float"),
+        pytest.param(
+            lambda m: sig(m).update(k=2**62), "capture_signature.sketch.k: expected an integer in 1..", id="k-huge"
+        ),
+        # a K wider than the rows it claims to project: the records say their hidden is 32
+        pytest.param(
+            lambda m: sig(m).update(k=64), "tensors[0].sketch.hidden: expected an integer >= K=64", id="k-above-hidden"
+        ),
+        # a K the records' shapes do not have
+        pytest.param(lambda m: sig(m).update(k=4), "tensors[0].sketch: a sketch is F32 [..., 4]", id="k-not-shape"),
+        pytest.param(
+            lambda m: sig(m).update(seed=1.5),
+            "capture_signature.sketch.seed: expected an integer in 0..",
+            id="seed-float",
+        ),
+        pytest.param(
+            lambda m: sig(m).update(seed="x"),
+            "capture_signature.sketch.seed: expected an integer in 0..",
+            id="seed-str",
+        ),
+        pytest.param(
+            lambda m: sig(m).update(seed=-1),
+            "capture_signature.sketch.seed: expected an integer in 0..",
+            id="seed-negative",
+        ),
+        pytest.param(
+            lambda m: sig(m).update(seed=2**40),
+            "capture_signature.sketch.seed: expected an integer in 0..",
+            id="seed-2**40",
+        ),
+        pytest.param(
+            lambda m: sig(m).update(kind="gaussian"), "capture_signature.sketch.kind: expected one of", id="kind"
+        ),
+        pytest.param(
+            lambda m: sig(m).update(kind=["rademacher"]),
+            "capture_signature.sketch.kind: expected one of",
+            id="kind-list",
+        ),
+        pytest.param(lambda m: _without(sig(m), "seed"), SPEC_FIELD, id="missing-key"),
+        pytest.param(lambda m: sig(m).update(scale=0.125), SPEC_FIELD, id="extra-key"),
+        pytest.param(lambda m: m["capture_signature"].update(sketch=[8, 42]), SPEC_FIELD, id="not-object"),
+        pytest.param(
+            lambda m: _without(m["capture_signature"], "sketch"),
+            "tensors[0].sketch: a sketched record in a dump whose capture_signature has no sketch",
+            id="record-sketch-without-signature",
+        ),
+        pytest.param(
+            lambda m: m["capture_signature"].update(sketch=None),
+            "tensors[0].sketch: a sketched record in a dump whose capture_signature has no sketch",
+            id="signature-sketch-null",
+        ),
+        pytest.param(
+            lambda m: rec0(m)["sketch"].update(hidden=4),
+            "tensors[0].sketch.hidden: expected an integer >= K=8",
+            id="record-hidden-below-k",
+        ),
+        pytest.param(
+            lambda m: rec0(m)["sketch"].update(hidden="32"),
+            "tensors[0].sketch.hidden: expected an integer",
+            id="record-hidden-str",
+        ),
+        pytest.param(
+            lambda m: rec0(m)["sketch"].update(dtype="I64"),
+            "tensors[0].sketch.dtype: expected one of",
+            id="record-source-dtype-int",
+        ),
+        pytest.param(
+            lambda m: _without(rec0(m)["sketch"], "dtype"),
+            "tensors[0].sketch: expected an object of hidden and dtype",
+            id="record-sketch-missing-key",
+        ),
+        pytest.param(
+            lambda m: rec0(m).update(sketch=8),
+            "tensors[0].sketch: expected an object of hidden and dtype",
+            id="record-sketch-int",
+        ),
+        pytest.param(
+            lambda m: rec0(m).update(dtype="F16"),
+            "tensors[0].sketch: a sketch is F32 [..., 8], the record is F16",
+            id="record-dtype-f16",
+        ),
+        # the norms' key is another record's key
+        pytest.param(
+            lambda m: m["tensors"][1].update(key=rec0(m)["key"] + NORM_SUFFIX, file=rec0(m)["file"]),
+            "tensors[1]: (file, key)",
+            id="record-key-is-norms",
+        ),
+    ],
+)
 def test_hostile_sketch_manifest_is_one_corrupt_line(sketched, tmp_path, capsys, edit, field):
     bad = edited(sketched["sketch"], tmp_path / "bad", edit)
     prefix = f"{bad / MANIFEST_NAME}: {field}"
@@ -277,10 +333,12 @@ def _rewrite_file(dump: Path, name: str, edit: Callable[[dict[str, tuple[str, li
     safetensors file, and record its new size in the manifest: only the tensors themselves are wrong."""
     raw = (dump / name).read_bytes()
     n = int.from_bytes(raw[:8], "little")
-    header, data = json.loads(raw[8:8 + n]), raw[8 + n:]
+    header, data = json.loads(raw[8 : 8 + n]), raw[8 + n :]
     meta = header.pop("__metadata__", None)
-    tensors = {k: (v["dtype"], v["shape"], data[v["data_offsets"][0]:v["data_offsets"][1]])
-               for k, v in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0])}
+    tensors = {
+        k: (v["dtype"], v["shape"], data[v["data_offsets"][0] : v["data_offsets"][1]])
+        for k, v in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0])
+    }
     edit(tensors)
     new_header: dict[str, Any] = {} if meta is None else {"__metadata__": meta}
     blobs, offset = [], 0
@@ -301,12 +359,16 @@ def _norms_as_f32(tensors: dict[str, tuple[str, list[int], bytes]], key: str) ->
     tensors[key] = ("F32", shape, np.frombuffer(blob, dtype=np.float64).astype(np.float32).tobytes())
 
 
-@pytest.mark.parametrize("damage,what", [
-    pytest.param(lambda t, key: t.pop(key), "missing from the file", id="norms-missing"),
-    pytest.param(_norms_as_f32, "F32", id="norms-f32"),
-    pytest.param(lambda t, key: t.update({key: ("F64", [t[key][1][0] - 1], t[key][2][8:])}), "F64",
-                 id="norms-short"),
-])
+@pytest.mark.parametrize(
+    "damage,what",
+    [
+        pytest.param(lambda t, key: t.pop(key), "missing from the file", id="norms-missing"),
+        pytest.param(_norms_as_f32, "F32", id="norms-f32"),
+        pytest.param(
+            lambda t, key: t.update({key: ("F64", [t[key][1][0] - 1], t[key][2][8:])}), "F64", id="norms-short"
+        ),
+    ],
+)
 def test_damaged_norms_tensor_is_one_corrupt_line_when_read(sketched, tmp_path, damage, what):
     bad = tmp_path / "bad"
     shutil.copytree(sketched["sketch"], bad)
@@ -346,16 +408,22 @@ def test_sketch_fields_round_trip_and_a_full_dump_has_none(sketched):
 
 
 # -- refusals ----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("kwargs,match", [
-    ({"sketch": 0}, r"\(--sketch\) must be an integer >= 1, got 0$"),
-    ({"sketch": -8}, r"\(--sketch\) must be an integer >= 1, got -8$"),
-    ({"sketch": True}, r"\(--sketch\) must be an integer >= 1, got True$"),
-    ({"sketch": 8.0}, r"\(--sketch\) must be an integer >= 1, got 8.0$"),
-    ({"sketch": 8, "sketch_seed": -1}, r"\(--sketch-seed\) must be an integer in 0..4294967295, got -1$"),
-    ({"sketch": 8, "sketch_seed": 2**32}, r"\(--sketch-seed\) must be an integer in 0..4294967295, got 4294967296$"),
-    ({"sketch": 8, "sketch_seed": 1.0}, r"\(--sketch-seed\) must be an integer in 0..4294967295, got 1.0$"),
-    ({"sketch_seed": 3}, r"^capture\(sketch_seed=...\) needs sketch=K$"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"sketch": 0}, r"\(--sketch\) must be an integer >= 1, got 0$"),
+        ({"sketch": -8}, r"\(--sketch\) must be an integer >= 1, got -8$"),
+        ({"sketch": True}, r"\(--sketch\) must be an integer >= 1, got True$"),
+        ({"sketch": 8.0}, r"\(--sketch\) must be an integer >= 1, got 8.0$"),
+        ({"sketch": 8, "sketch_seed": -1}, r"\(--sketch-seed\) must be an integer in 0..4294967295, got -1$"),
+        (
+            {"sketch": 8, "sketch_seed": 2**32},
+            r"\(--sketch-seed\) must be an integer in 0..4294967295, got 4294967296$",
+        ),
+        ({"sketch": 8, "sketch_seed": 1.0}, r"\(--sketch-seed\) must be an integer in 0..4294967295, got 1.0$"),
+        ({"sketch_seed": 3}, r"^capture\(sketch_seed=...\) needs sketch=K$"),
+    ],
+)
 def test_capture_refuses_bad_sketch_arguments_before_writing(tmp_path, kwargs, match):
     model = small_llama()
     with pytest.raises(UsageError, match=match) as e:
@@ -375,8 +443,13 @@ def test_capture_refuses_k_wider_than_the_rows_and_writes_no_manifest(tmp_path):
 def test_cli_refuses_bad_sketch_flags(tmp_path):
     runs = {"zero": ("--sketch", "0"), "wide": ("--sketch", "128"), "seed-alone": ("--sketch-seed", "3")}
     with ThreadPoolExecutor(max_workers=2) as pool:
-        done = dict(zip(runs, pool.map(lambda name: run_cli("dumper", "run", "--out", tmp_path / name, "--quiet",
-                                                           *runs[name]), runs), strict=True))
+        done = dict(
+            zip(
+                runs,
+                pool.map(lambda name: run_cli("dumper", "run", "--out", tmp_path / name, "--quiet", *runs[name]), runs),
+                strict=True,
+            )
+        )
     for name, r in done.items():
         assert r.returncode == 2, (name, r.returncode, r.stderr)
         assert not (tmp_path / name).exists()

@@ -17,10 +17,17 @@ import dumper
 from dumper.errors import DumpError, UsageError
 from dumper.format import MANIFEST_NAME, load_manifest, open_tensor, to_float64
 from dumper.hooks.layers import parse_layer_spec
-from tests.conftest import ROOT, prompt_ids, subprocess_env, tiny_llama
+from tests.conftest import prompt_ids, subprocess_env, tiny_llama
 
-SMALL = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=5,
-             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+SMALL = dict(
+    vocab_size=300,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=5,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+)
 
 
 def _model(model_type: str):
@@ -32,9 +39,15 @@ def _model(model_type: str):
     return AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
 
 
-@pytest.mark.parametrize("model_type,prefix", [
-    ("llama", "model.layers"), ("qwen2", "model.layers"), ("mistral", "model.layers"), ("gpt2", "transformer.h"),
-])
+@pytest.mark.parametrize(
+    "model_type,prefix",
+    [
+        ("llama", "model.layers"),
+        ("qwen2", "model.layers"),
+        ("mistral", "model.layers"),
+        ("gpt2", "transformer.h"),
+    ],
+)
 def test_finds_decoder_layers_of_hf_models(tmp_path, model_type, prefix):
     model = _model(model_type)
     ids = torch.randint(3, 300, (2, 20), generator=torch.Generator().manual_seed(0))
@@ -169,14 +182,17 @@ def test_module_pattern_selects_modules(tmp_path):
         dumper.capture(model, tmp_path / "e", modules="nothing.*")
 
 
-@pytest.mark.parametrize("spec,expected", [
-    ("first,last,every:8", [0, 8, 16, 19]),
-    (None, [0, 8, 16, 19]),
-    ("all", list(range(20))),
-    ("-1,-2", [18, 19]),
-    ("3..5,every:10", [0, 3, 4, 5, 10]),
-    ([1, -1], [1, 19]),
-])
+@pytest.mark.parametrize(
+    "spec,expected",
+    [
+        ("first,last,every:8", [0, 8, 16, 19]),
+        (None, [0, 8, 16, 19]),
+        ("all", list(range(20))),
+        ("-1,-2", [18, 19]),
+        ("3..5,every:10", [0, 3, 4, 5, 10]),
+        ([1, -1], [1, 19]),
+    ],
+)
 def test_layer_specs(spec, expected):
     assert parse_layer_spec(spec, 20) == expected
 

@@ -42,8 +42,7 @@ def _worker(rank: int, port: int, out: str, bad_rank: int) -> None:
 
 
 def _run(out, bad_rank: int = -1) -> None:
-    mp.start_processes(_worker, args=(_free_port(), str(out), bad_rank), nprocs=WORLD, start_method="spawn",
-                       join=True)
+    mp.start_processes(_worker, args=(_free_port(), str(out), bad_rank), nprocs=WORLD, start_method="spawn", join=True)
 
 
 @pytest.fixture(scope="module")

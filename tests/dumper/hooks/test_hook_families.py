@@ -14,13 +14,15 @@ from transformers import DynamicCache
 
 import dumper
 from comparator import compare_dumps
-from dumper.hooks import families, rows
 from dumper.format import load_manifest
+from dumper.hooks import families, rows
 from dumper.prefill.presets import load_model
 from tests.conftest import ROOT, run_cli
 
-PROMPTS = [[1, 17, 43, 88, 9, 120, 77, 5, 64, 31, 200, 12, 150, 3, 99, 41],
-           [1, 250, 8, 19, 71, 33, 140, 22, 6, 180, 90, 44, 13, 60, 101, 2]]
+PROMPTS = [
+    [1, 17, 43, 88, 9, 120, 77, 5, 64, 31, 200, 12, 150, 3, 99, 41],
+    [1, 250, 8, 19, 71, 33, 140, 22, 6, 180, 90, 44, 13, 60, 101, 2],
+]
 
 
 @pytest.fixture(scope="module")
@@ -84,8 +86,9 @@ def test_decode_steps_continue_the_prompt(tiny, tmp_path):
     """generate(): prefill and each decode step are one sequence, equal to one prefill of prompt + output."""
     ids = torch.tensor(PROMPTS[:1])
     with torch.inference_mode(), dumper.capture(tiny, tmp_path / "gen", layers="all"):
-        full = tiny.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False,
-                             pad_token_id=0)
+        full = tiny.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False, pad_token_id=0
+        )
     m = load_manifest(tmp_path / "gen")
     assert {s for t in m.tensors for s in t.row_sequence_ids().tolist()} == {0}
     with torch.inference_mode(), dumper.capture(tiny, tmp_path / "pre", layers="all"):
@@ -104,8 +107,13 @@ def test_padded_rows_that_end_early_still_continue(tiny, tmp_path):
     cache = DynamicCache()
     with torch.inference_mode(), dumper.capture(tiny, tmp_path / "pad", layers="last"):
         for a, b in ((0, 8), (8, 16)):
-            tiny(input_ids=ids[:, a:b], attention_mask=mask[:, :b], position_ids=positions[:, a:b],
-                 past_key_values=cache, use_cache=True)
+            tiny(
+                input_ids=ids[:, a:b],
+                attention_mask=mask[:, :b],
+                position_ids=positions[:, a:b],
+                past_key_values=cache,
+                use_cache=True,
+            )
     with torch.inference_mode(), dumper.capture(tiny, tmp_path / "ref", layers="last"):
         for s in seqs:
             tiny(input_ids=torch.tensor([s]), use_cache=False)
@@ -162,8 +170,9 @@ class _FlatFamily(families.FamilyAdapter):
         n = tokens.shape[0]
         seq = np.searchsorted(starts.numpy(), np.arange(n), side="right") - 1
         pos = np.arange(n) - starts.numpy()[seq]
-        return rows.PassRows((n,), rows.Runs(rows.as_runs(pos, n, "positions")),
-                             rows.Runs(rows.as_runs(seq, n, "sequence_ids")))
+        return rows.PassRows(
+            (n,), rows.Runs(rows.as_runs(pos, n, "positions")), rows.Runs(rows.as_runs(seq, n, "sequence_ids"))
+        )
 
 
 def test_a_registered_family_hooks_its_own_modules_and_rows(tmp_path):
@@ -187,10 +196,12 @@ def test_a_registered_family_hooks_its_own_modules_and_rows(tmp_path):
 
 @pytest.mark.slow
 def test_an_hf_capture_does_not_import_an_engine(tmp_path):
-    code = ("import sys, torch, dumper\nfrom dumper.prefill.presets import load_model\n"
-            "m, _ = load_model('tiny-llama')\n"
-            f"with torch.no_grad(), dumper.capture(m, {str(tmp_path / 'd')!r}, layers='first'):\n"
-            "    m(input_ids=torch.tensor([[1, 2, 3]]))\n"
-            "print(sorted(k for k in sys.modules if k == 'vllm' or k.startswith('vllm.')))\n")
+    code = (
+        "import sys, torch, dumper\nfrom dumper.prefill.presets import load_model\n"
+        "m, _ = load_model('tiny-llama')\n"
+        f"with torch.no_grad(), dumper.capture(m, {str(tmp_path / 'd')!r}, layers='first'):\n"
+        "    m(input_ids=torch.tensor([[1, 2, 3]]))\n"
+        "print(sorted(k for k in sys.modules if k == 'vllm' or k.startswith('vllm.')))\n"
+    )
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert p.returncode == 0 and p.stdout.strip() == "[]", p.stdout + p.stderr

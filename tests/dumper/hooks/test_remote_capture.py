@@ -129,8 +129,9 @@ def test_torch_distributed_ranks_send_their_own_files_to_s3(tmp_path):
     with s3_server() as env:
         bucket = make_bucket(env, "hooks")
         out = f"{bucket}/dist/a"
-        mp.start_processes(_rank, args=(_free_port(), out, env, str(tmp_path)), nprocs=WORLD, start_method="spawn",
-                           join=True)
+        mp.start_processes(
+            _rank, args=(_free_port(), out, env, str(tmp_path)), nprocs=WORLD, start_method="spawn", join=True
+        )
         fs = s3fs_of(env)
         names = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(out.removeprefix("s3://")))
         os.environ.update(env)
@@ -164,10 +165,18 @@ def test_parts_sent_to_a_url_spool_join_into_the_dump_a_local_capture_writes(mod
     with torch.inference_mode(), RemoteCapture(m, spool, layers="all", part=True):
         m(input_ids=ids)
     fs = fsspec.filesystem("memory")
-    assert MANIFEST_NAME not in {p.rsplit("/", 1)[-1] for p in fs.ls(spool, detail=False)}  # a part never looks complete
+    assert MANIFEST_NAME not in {
+        p.rsplit("/", 1)[-1] for p in fs.ls(spool, detail=False)
+    }  # a part never looks complete
     parts = wait_parts(spool, timeout_s=5)
-    joined = join_dump(tmp_path / "joined", parts, model_name=None, identity={"model_type": "llama"},
-                       engine=EngineInfo("test", None, "tiny"), job_extra={})
+    joined = join_dump(
+        tmp_path / "joined",
+        parts,
+        model_name=None,
+        identity={"model_type": "llama"},
+        engine=EngineInfo("test", None, "tiny"),
+        job_extra={},
+    )
     remove_spool(spool)
     assert not fs.exists(spool)
     local = load_manifest(tmp_path / "local")
@@ -185,11 +194,14 @@ def test_a_part_at_a_url_spool_that_names_a_file_outside_is_refused(url, tmp_pat
     fs = fsspec.filesystem("memory")
     for where in (f"{spool}/evil", f"{url}/spool/evil"):  # what ``../evil`` names, in either reading
         fs.pipe_file(where, b"abc")
-    fs.pipe_file(f"{spool}/index-r0.json", json.dumps({"files": {"../evil": 3}, "tensors": [], "world_size": 1}).encode())
+    fs.pipe_file(
+        f"{spool}/index-r0.json", json.dumps({"files": {"../evil": 3}, "tensors": [], "world_size": 1}).encode()
+    )
     parts = wait_parts(spool, timeout_s=5)
     with pytest.raises(CorruptDumpError, match="expected a plain file name"):
-        join_dump(tmp_path / "out" / "d", parts, model_name=None, identity={}, engine=EngineInfo("t", None, "x"),
-                  job_extra={})
+        join_dump(
+            tmp_path / "out" / "d", parts, model_name=None, identity={}, engine=EngineInfo("t", None, "x"), job_extra={}
+        )
     assert not (tmp_path / "out" / "evil").exists()
 
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import dumper
-from dumper.hooks import families
 from dumper.errors import UsageError
 from dumper.format import PAD_SEQUENCE, DumpReader, load_manifest
+from dumper.hooks import families
 from dumper.hooks.layers import parse_points
 from dumper.prefill.run import RunConfig, dump_sequences, pad_batch
 from tests.conftest import run_cli, tiny_llama
@@ -39,7 +39,9 @@ def test_residual_is_the_stream_before_each_norm_and_ends_at_the_final_norm(tmp_
     assert m.capture_signature["layers"] == list(range(n))
     residual = {r.layer: r for r in m.tensors if r.point == "residual"}
     assert {k: r.name for k, r in residual.items()} == {
-        **{i: f"model.layers.{i}.residual" for i in range(n)}, n: "model.norm.residual"}
+        **{i: f"model.layers.{i}.residual" for i in range(n)},
+        n: "model.norm.residual",
+    }
     with torch.inference_mode():
         assert torch.equal(_tensor(reader, residual[0]), model.model.embed_tokens(ids))
         for i in range(n):
@@ -56,14 +58,18 @@ def test_residual_is_the_stream_before_each_norm_and_ends_at_the_final_norm(tmp_
 def test_chunked_batched_residual_rows_carry_the_input_points_metadata(tmp_path):
     model, tok = tiny_llama()
     seqs = [tok.encode(TEXT)[:23], tok.encode(TEXT[5:])[:17], tok.encode(TEXT[11:])[:12]]
-    cfg = RunConfig(out=str(tmp_path / "d"), layers="1,-1", points=parse_points("residual,input"), chunk_size=8,
-                    batch_size=2)
+    cfg = RunConfig(
+        out=str(tmp_path / "d"), layers="1,-1", points=parse_points("residual,input"), chunk_size=8, batch_size=2
+    )
     m = dump_sequences(model, seqs, cfg)
     assert m.capture_signature["points"] == ["input", "residual"] and m.capture_signature["layers"] == [1, 7]
     for rec in m.tensors:
         if rec.point == "residual" and rec.layer < 8:
-            twin = next(r for r in m.tensors if r.forward_pass == rec.forward_pass
-                        and r.name == f"model.layers.{rec.layer}.self_attn.input")
+            twin = next(
+                r
+                for r in m.tensors
+                if r.forward_pass == rec.forward_pass and r.name == f"model.layers.{rec.layer}.self_attn.input"
+            )
             assert (rec.positions, rec.sequence_ids, rec.shape) == (twin.positions, twin.sequence_ids, twin.shape)
     final = [r for r in m.tensors if r.name == "model.norm.residual"]
     assert {r.layer for r in final} == {8} and len(final) == 3 + 2  # chunks of 8: batch [23, 17], batch [12]

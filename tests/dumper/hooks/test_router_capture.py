@@ -15,8 +15,17 @@ import torch.nn.functional as F
 
 import dumper
 from dumper.errors import UsageError
-from dumper.format import (ROUTER_CHOICE_POINT, ROUTER_IDS, ROUTER_LOGITS, ROUTER_POINT, ROUTER_SCORES,
-                           ROUTER_WEIGHTS, DumpReader, load_manifest, router_name)
+from dumper.format import (
+    ROUTER_CHOICE_POINT,
+    ROUTER_IDS,
+    ROUTER_LOGITS,
+    ROUTER_POINT,
+    ROUTER_SCORES,
+    ROUTER_WEIGHTS,
+    DumpReader,
+    load_manifest,
+    router_name,
+)
 from dumper.prefill.run import pad_batch
 from tests.conftest import run_cli, tiny_llama
 from tests.moe_models import FAMILIES, build_moe
@@ -112,14 +121,17 @@ def test_router_records_are_what_the_model_routed(family, tmp_path):
     assert sorted({r.layer for r in reader.manifest.tensors if r.point == ROUTER_POINT}) == moe
     for i in range(cfg.num_hidden_layers):
         attn_in = recs[(f"model.layers.{i}.self_attn.input", 0)]
-        parts = {p: recs.get((router_name(f"model.layers.{i}", p), 0)) for p in
-                 (ROUTER_LOGITS, ROUTER_IDS, ROUTER_WEIGHTS, ROUTER_SCORES)}
+        parts = {
+            p: recs.get((router_name(f"model.layers.{i}", p), 0))
+            for p in (ROUTER_LOGITS, ROUTER_IDS, ROUTER_WEIGHTS, ROUTER_SCORES)
+        }
         if i not in moe:
             assert set(parts.values()) == {None}, f"dense layer {i} got router records"
             continue
         got = {p: r for p, r in parts.items() if r is not None}
-        assert set(got) == {ROUTER_LOGITS, ROUTER_IDS, ROUTER_WEIGHTS} | ({ROUTER_SCORES} if family == "deepseek_v3"
-                                                                         else set())
+        assert set(got) == {ROUTER_LOGITS, ROUTER_IDS, ROUTER_WEIGHTS} | (
+            {ROUTER_SCORES} if family == "deepseek_v3" else set()
+        )
         logits, weights, chosen = (t.reshape(1, 13, -1) for t in routed[i])
         experts = logits.shape[-1]
         for p, r in got.items():
@@ -195,25 +207,35 @@ def test_router_alone_records_only_moe_layers_of_the_selection(tmp_path):
     m = load_manifest(tmp_path / "d")
     assert m.capture_signature["points"] == [ROUTER_POINT]
     assert {r.layer for r in m.tensors} == {2}
-    assert {r.name for r in m.tensors} == {router_name("model.layers.2", p) for p in
-                                           (ROUTER_LOGITS, ROUTER_IDS, ROUTER_WEIGHTS, ROUTER_SCORES)}
+    assert {r.name for r in m.tensors} == {
+        router_name("model.layers.2", p) for p in (ROUTER_LOGITS, ROUTER_IDS, ROUTER_WEIGHTS, ROUTER_SCORES)
+    }
 
 
 def test_router_on_a_model_or_layers_without_moe_is_refused(tmp_path):
     model, _ = tiny_llama()
-    with pytest.raises(UsageError, match=r"^capture point 'router': LlamaForCausalLM has no MoE router driftscope "
-                                         r"reads \(known: Mixtral, .*GPT-OSS\)$"):
+    with pytest.raises(
+        UsageError,
+        match=r"^capture point 'router': LlamaForCausalLM has no MoE router driftscope "
+        r"reads \(known: Mixtral, .*GPT-OSS\)$",
+    ):
         dumper.capture(model, tmp_path / "a", points="input,router")
-    with pytest.raises(UsageError, match=r"^capture point 'router': DeepseekV3ForCausalLM has no MoE layer among "
-                                         r"layers \[0\]; "):
+    with pytest.raises(
+        UsageError,
+        match=r"^capture point 'router': DeepseekV3ForCausalLM has no MoE layer among "
+        r"layers \[0\]; ",
+    ):
         dumper.capture(build_moe("deepseek_v3"), tmp_path / "b", layers="0", points="router")
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
 def test_router_on_a_compiled_untapped_model_or_past_the_tap_is_refused(tmp_path):
     model = build_moe("mixtral")
-    with pytest.raises(UsageError, match=r"^capture point 'router': the model runs compiled \(torch.compile\), where "
-                                         r"module hooks do not run; tap it with the router point before it compiles"):
+    with pytest.raises(
+        UsageError,
+        match=r"^capture point 'router': the model runs compiled \(torch.compile\), where "
+        r"module hooks do not run; tap it with the router point before it compiles",
+    ):
         dumper.capture(torch.compile(model), tmp_path / "a", layers="all", points="input,router")
     dumper.tap(model, layers="all", max_tokens=64)  # the input point only
     with pytest.raises(UsageError, match=r"^model\.layers\.0\.router .*: not tapped"):
@@ -222,8 +244,9 @@ def test_router_on_a_compiled_untapped_model_or_past_the_tap_is_refused(tmp_path
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("family", "backend"), [("mixtral", "inductor"), ("deepseek_v3", "aot_eager"),
-                                                 ("gpt_oss", "aot_eager")])
+@pytest.mark.parametrize(
+    ("family", "backend"), [("mixtral", "inductor"), ("deepseek_v3", "aot_eager"), ("gpt_oss", "aot_eager")]
+)
 def test_the_tap_records_the_router_of_a_compiled_model(family, backend, tmp_path):
     """``dumper.tap(points="input,router")`` before torch.compile: the compiled model records the routing an eager
     capture records (same records, the same experts), and its logits are bit for bit those of the same compiled
@@ -246,8 +269,9 @@ def test_the_tap_records_the_router_of_a_compiled_model(family, backend, tmp_pat
         assert torch.equal(logits, reference)
     torch.compiler.reset()
     eager, tapped = (load_manifest(tmp_path / d) for d in ("eager", "again"))
-    assert sorted((r.name, r.shape, r.dtype, r.point, str(r.positions), str(r.meta)) for r in eager.tensors) == \
-        sorted((r.name, r.shape, r.dtype, r.point, str(r.positions), str(r.meta)) for r in tapped.tensors)
+    assert sorted((r.name, r.shape, r.dtype, r.point, str(r.positions), str(r.meta)) for r in eager.tensors) == sorted(
+        (r.name, r.shape, r.dtype, r.point, str(r.positions), str(r.meta)) for r in tapped.tensors
+    )
     report = compare_dumps(tmp_path / "eager", tmp_path / "again")
     assert report.passed and report.router is not None and report.router.flips == 0
     assert [la.layer for la in report.router.layers] == _moe_layers(model)
@@ -265,8 +289,20 @@ def test_record_router_refuses_an_unknown_part(tmp_path):
 @pytest.mark.slow
 def test_cli_run_on_the_tiny_mixtral_preset_writes_router_records(tmp_path):
     out = tmp_path / "d"
-    proc = run_cli("dumper", "run", "--model", "tiny-mixtral", "--points", "input,router", "--layers", "all",
-                   "--prompt", TEXT, "--out", out)
+    proc = run_cli(
+        "dumper",
+        "run",
+        "--model",
+        "tiny-mixtral",
+        "--points",
+        "input,router",
+        "--layers",
+        "all",
+        "--prompt",
+        TEXT,
+        "--out",
+        out,
+    )
     assert proc.returncode == 0, proc.stderr
     reader, recs = _records(out)
     m = reader.manifest
@@ -286,8 +322,18 @@ def test_cli_run_on_the_tiny_mixtral_preset_writes_router_records(tmp_path):
 
 @pytest.mark.slow
 def test_cli_compiled_run_records_the_router_and_matches_eager(tmp_path):
-    args = ("run", "--model", "tiny-mixtral", "--points", "input,router", "--layers", "all", "--prompt", TEXT,
-            "--logprobs")
+    args = (
+        "run",
+        "--model",
+        "tiny-mixtral",
+        "--points",
+        "input,router",
+        "--layers",
+        "all",
+        "--prompt",
+        TEXT,
+        "--logprobs",
+    )
     eager = run_cli("dumper", *args, "--out", tmp_path / "eager")
     compiled = run_cli("dumper", *args, "--compile", "--observer-check", "--out", tmp_path / "compiled")
     assert eager.returncode == 0 and compiled.returncode == 0, eager.stderr + compiled.stderr

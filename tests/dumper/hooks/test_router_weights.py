@@ -21,8 +21,11 @@ def test_every_router_driftscope_reads_has_its_weights():
 def test_combine_weights_reproduce_the_routers_own(family, dtype):
     model = build_moe(family, dtype=dtype)
     seen: list[tuple[nn.Module, tuple[torch.Tensor, ...]]] = []
-    handles = [m.register_forward_hook(lambda mod, args, out: seen.append((mod, out)))
-               for layer in model.model.layers for m, _ in find_routers(layer)]
+    handles = [
+        m.register_forward_hook(lambda mod, args, out: seen.append((mod, out)))
+        for layer in model.model.layers
+        for m, _ in find_routers(layer)
+    ]
     with torch.no_grad():
         model(torch.randint(3, 256, (2, 17), generator=torch.Generator().manual_seed(1)))
     for h in handles:

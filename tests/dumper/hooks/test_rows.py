@@ -75,7 +75,7 @@ def test_the_top_level_call_alone_reads_positions_from_the_mask(tiny):
     ids, mask = _batch("left")
     rows = families.HFFamily(tiny).pass_rows((), {"input_ids": ids, "attention_mask": mask})
     assert isinstance(rows, HFRows) and rows.shape == (2, 5)
-    counted = np.array([[max(0, int(mask[b, :c + 1].sum()) - 1) for c in range(5)] for b in range(2)])
+    counted = np.array([[max(0, int(mask[b, : c + 1].sum()) - 1) for c in range(5)] for b in range(2)])
     want_pos, want_seq = _expected(mask, counted, [0, 1])
     np.testing.assert_array_equal(np.concatenate([np.arange(a, a + n) for a, n in rows.positions.runs]), want_pos)
     np.testing.assert_array_equal(np.concatenate([np.full(n, s) for s, n in rows.sequence_ids.runs]), want_seq)
@@ -173,7 +173,8 @@ def test_a_user_family_renames_what_the_hooks_read_without_editing_the_library(t
     seen: dict[str, torch.Tensor] = {}
     for i, b in enumerate(model.blocks):
         b.mixer.register_forward_pre_hook(
-            lambda m, a, k, i=i: seen.__setitem__(f"blocks.{i}.mixer.input", k["x"].clone()), with_kwargs=True)
+            lambda m, a, k, i=i: seen.__setitem__(f"blocks.{i}.mixer.input", k["x"].clone()), with_kwargs=True
+        )
     with pytest.raises(UsageError, match="cannot find decoder layers"):
         dumper.capture(model, tmp_path / "before")  # the library alone does not know the toy
     families.register(_ToyFamily)

@@ -70,14 +70,22 @@ def test_a_compiled_capture_through_the_tap_sketches_and_matches_eager(pair, tmp
     ids = torch.randint(3, 200, (2, 24), generator=torch.Generator().manual_seed(0))
     dumper.tap(model, layers="all", points="input,residual", max_tokens=64)
     compiled = torch.compile(model)
-    with torch.inference_mode(), dumper.capture(compiled, tmp_path / "c", layers="all", points="input,residual",
-                                                sketch=K, sketch_seed=7):
+    with (
+        torch.inference_mode(),
+        dumper.capture(compiled, tmp_path / "c", layers="all", points="input,residual", sketch=K, sketch_seed=7),
+    ):
         compiled(ids)
     report = compare_dumps(root / "full", tmp_path / "c")
     assert report.passed and report.matched == 2 * len(load_manifest(root / "full").tensors), report  # 2 sequences
     assert not report.unmatched_baseline and not report.unmatched_target
-    assert report.sketch == {"kind": "rademacher", "k": K, "seed": 7, "baseline": False, "target": True,
-                             "spread": SketchSpec(k=K).spread}
+    assert report.sketch == {
+        "kind": "rademacher",
+        "k": K,
+        "seed": 7,
+        "baseline": False,
+        "target": True,
+        "spread": SketchSpec(k=K).spread,
+    }
 
 
 @pytest.mark.gpu

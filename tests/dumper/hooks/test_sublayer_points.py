@@ -44,9 +44,11 @@ def test_each_point_records_what_a_plain_hook_sees(tmp_path):
     ids = prompt_ids(tok, 48)
     seen: dict[str, torch.Tensor] = {}
     layer = model.model.layers[LAYER]
-    handles = [layer.self_attn.register_forward_hook(lambda m, a, o: seen.__setitem__("attn", o[0].detach().clone())),
-               layer.mlp.register_forward_pre_hook(lambda m, a: seen.__setitem__("mlp_in", a[0].detach().clone())),
-               layer.mlp.register_forward_hook(lambda m, a, o: seen.__setitem__("mlp_out", o.detach().clone()))]
+    handles = [
+        layer.self_attn.register_forward_hook(lambda m, a, o: seen.__setitem__("attn", o[0].detach().clone())),
+        layer.mlp.register_forward_pre_hook(lambda m, a: seen.__setitem__("mlp_in", a[0].detach().clone())),
+        layer.mlp.register_forward_hook(lambda m, a, o: seen.__setitem__("mlp_out", o.detach().clone())),
+    ]
     try:
         with torch.inference_mode():
             model(ids)
@@ -60,9 +62,16 @@ def test_each_point_records_what_a_plain_hook_sees(tmp_path):
     for key, name in (("attn", "self_attn.output"), ("mlp_in", "mlp.input"), ("mlp_out", "mlp.output")):
         assert np.array_equal(_rows(tmp_path / "d", f"model.layers.{LAYER}.{name}"), seen[key][0].numpy()), name
     points = {(t.name, t.point) for t in load_manifest(tmp_path / "d").tensors}
-    assert points == {(f"model.layers.{LAYER}.{n}", p) for n, p in (
-        ("residual", "residual"), ("self_attn.input", "input"), ("self_attn.output", "attn_output"),
-        ("mlp.input", "mlp_input"), ("mlp.output", "mlp_output"))}
+    assert points == {
+        (f"model.layers.{LAYER}.{n}", p)
+        for n, p in (
+            ("residual", "residual"),
+            ("self_attn.input", "input"),
+            ("self_attn.output", "attn_output"),
+            ("mlp.input", "mlp_input"),
+            ("mlp.output", "mlp_output"),
+        )
+    }
 
 
 @pytest.fixture(scope="module")
@@ -86,10 +95,13 @@ def dumps(tmp_path_factory):
     return root
 
 
-@pytest.mark.parametrize("where,point,name,agree", [
-    ("mlp", "mlp_output", "mlp.output", ["residual", "input", "attn_output", "mlp_input"]),
-    ("attn", "attn_output", "self_attn.output", ["residual", "input"]),
-])
+@pytest.mark.parametrize(
+    "where,point,name,agree",
+    [
+        ("mlp", "mlp_output", "mlp.output", ["residual", "input", "attn_output", "mlp_input"]),
+        ("attn", "attn_output", "self_attn.output", ["residual", "input"]),
+    ],
+)
 def test_the_verdict_names_the_first_divergent_point_inside_the_layer(dumps, where, point, name, agree):
     report = compare_dumps(dumps / "base", dumps / where)
     fd = report.first_divergent
@@ -113,8 +125,9 @@ def test_a_sketch_projects_the_points_inside_the_layer_and_still_names_the_point
     seqs = [list(range(3, 51))]
     handle = model.model.layers[LAYER].mlp.register_forward_hook(_bug, with_kwargs=True)
     try:
-        dump_sequences(model, seqs, RunConfig(out=str(tmp_path / "mlp"), layers="all", points=SUBLAYER,
-                                                     sketch=SketchSpec(k=16)))
+        dump_sequences(
+            model, seqs, RunConfig(out=str(tmp_path / "mlp"), layers="all", points=SUBLAYER, sketch=SketchSpec(k=16))
+        )
     finally:
         handle.remove()
     sketched = [t for t in load_manifest(tmp_path / "mlp").tensors if t.point in ("attn_output", "mlp_output")]

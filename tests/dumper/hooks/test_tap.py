@@ -44,14 +44,17 @@ def _forward(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
 def _records(path: Path) -> dict[str, tuple[tuple[int, ...], list[int], list[int], np.ndarray]]:
     """name -> (shape, positions, sequence ids, float64 rows) of every tensor of a dump."""
     reader = DumpReader(path)
-    return {t.name: (t.shape, t.row_positions().tolist(), t.row_sequence_ids().tolist(),
-                     reader.rows(t).astype(np.float64)) for t in reader.manifest.tensors}
+    return {
+        t.name: (t.shape, t.row_positions().tolist(), t.row_sequence_ids().tolist(), reader.rows(t).astype(np.float64))
+        for t in reader.manifest.tensors
+    }
 
 
 def _no_tap_left(model: torch.nn.Module) -> bool:
     """No tap, no sink buffers and no forward pre-hooks anywhere in ``model``."""
     return tap_of(model) is None and not any(
-        "_driftscope_sink" in m._buffers or m._forward_pre_hooks for m in model.modules())
+        "_driftscope_sink" in m._buffers or m._forward_pre_hooks for m in model.modules()
+    )
 
 
 def _one_line_usage(excinfo: pytest.ExceptionInfo) -> str:
@@ -63,11 +66,11 @@ def _one_line_usage(excinfo: pytest.ExceptionInfo) -> str:
 @dataclass(frozen=True)
 class Runs:
     ids: torch.Tensor
-    eager_dir: Path          # untapped eager model, module hooks
-    compiled_dir: Path       # tapped, torch.compile'd, captured through the tap
-    eager: torch.Tensor      # logits of the untapped eager model
-    plain: torch.Tensor      # logits of torch.compile(untapped model)
-    tapped: torch.Tensor     # logits of torch.compile(tapped model), under capture
+    eager_dir: Path  # untapped eager model, module hooks
+    compiled_dir: Path  # tapped, torch.compile'd, captured through the tap
+    eager: torch.Tensor  # logits of the untapped eager model
+    plain: torch.Tensor  # logits of torch.compile(untapped model)
+    tapped: torch.Tensor  # logits of torch.compile(tapped model), under capture
 
 
 @pytest.fixture(scope="module")
@@ -195,6 +198,7 @@ def test_seeded_bug_is_localized_in_the_compiled_capture(runs, tmp_path):
 
 # -- refusals -----------------------------------------------------------------------------
 
+
 def test_capture_of_a_compiled_model_without_tap_is_refused(tmp_path):
     model, _ = tiny_llama()
     with pytest.raises(UsageError) as e:
@@ -256,9 +260,22 @@ def test_a_sink_larger_than_free_memory_is_refused_before_allocation():
 
 # -- the CLI ---------------------------------------------------------------------------------
 
+
 def _dump(out: Path, *args: str) -> None:
-    res = run_cli("dumper", "run", "--model", "tiny-llama", "--layers", "all", "--points", "input,residual",
-                  "--logprobs", "--out", out, *args)
+    res = run_cli(
+        "dumper",
+        "run",
+        "--model",
+        "tiny-llama",
+        "--layers",
+        "all",
+        "--points",
+        "input,residual",
+        "--logprobs",
+        "--out",
+        out,
+        *args,
+    )
     assert res.returncode == 0, res.stderr
 
 
@@ -282,15 +299,25 @@ def test_cli_compiled_run_passes_against_eager(runs, tmp_path):
 def test_cli_compiled_chunked_padded_batch_passes_against_eager(tmp_path):
     # two prompts in one right-padded batch, prefilled in two chunks through the KV cache: two
     # compiles (the second chunk reads the cache; Dynamo makes its grown mask dim dynamic)
-    args = ("--input-ids", ",".join(map(str, range(3, 43))), "--input-ids", ",".join(map(str, range(50, 78))),
-            "--batch-size", "2", "--chunk-size", "20")
+    args = (
+        "--input-ids",
+        ",".join(map(str, range(3, 43))),
+        "--input-ids",
+        ",".join(map(str, range(50, 78))),
+        "--batch-size",
+        "2",
+        "--chunk-size",
+        "20",
+    )
     _dump(tmp_path / "eager", *args)
     _dump(tmp_path / "compiled", *args, "--compile")
     rows = {}
     for side in ("eager", "compiled"):
         hidden = [t for t in load_manifest(tmp_path / side).tensors if t.point in POINTS]
-        rows[side] = sorted((t.name, t.forward_pass, t.shape, tuple(t.row_positions().tolist()),
-                             tuple(t.row_sequence_ids().tolist())) for t in hidden)
+        rows[side] = sorted(
+            (t.name, t.forward_pass, t.shape, tuple(t.row_positions().tolist()), tuple(t.row_sequence_ids().tolist()))
+            for t in hidden
+        )
     assert rows["compiled"] == rows["eager"]
     assert len({r[1] for r in rows["compiled"]}) == 2 and {r[2] for r in rows["compiled"]} == {(2, 20, 64)}
     assert {s for r in rows["compiled"] for s in r[4]} == {0, 1, PAD_SEQUENCE}  # the second prompt's padding

@@ -17,14 +17,17 @@ from dumper.format import load_manifest
 from dumper.format.reader import DumpReader
 from tests.conftest import tiny_llama
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA graphs)")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA graphs)"),
+]
 
 
 def _rows(path, name: str) -> torch.Tensor:
     reader = DumpReader(path)
-    return torch.cat([torch.from_numpy(reader.rows(t).astype("float64"))
-                      for t in load_manifest(path).tensors if t.name == name])
+    return torch.cat(
+        [torch.from_numpy(reader.rows(t).astype("float64")) for t in load_manifest(path).tensors if t.name == name]
+    )
 
 
 def test_cuda_graph_replays_record_what_eager_records(tmp_path):

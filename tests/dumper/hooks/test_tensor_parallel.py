@@ -97,8 +97,9 @@ def tp1(tmp_path_factory):
 def tp2_root(tmp_path_factory):
     """All TP=2 dumps, made by one spawn of 2 gloo processes."""
     root = tmp_path_factory.mktemp("tp2")
-    mp.start_processes(_tp_worker, args=(_free_port(), str(root), VARIANTS), nprocs=WORLD,
-                       start_method="spawn", join=True)
+    mp.start_processes(
+        _tp_worker, args=(_free_port(), str(root), VARIANTS), nprocs=WORLD, start_method="spawn", join=True
+    )
     return root
 
 

@@ -36,7 +36,7 @@ from dumper.format import (
     write_manifest,
 )
 from dumper.hooks.writer import ShardWriter, snapshot
-from tests.conftest import ROOT, subprocess_env
+from tests.conftest import subprocess_env
 
 
 def _on_disk(directory: Path) -> list[str]:
@@ -50,8 +50,11 @@ def _nbytes(t: torch.Tensor) -> int:
 def test_shards_hold_exactly_what_was_put_split_by_size_and_pass(tmp_path: Path) -> None:
     g = torch.Generator().manual_seed(0)
     passes = [  # 4 KiB each: with shard_bytes 6 KiB a shard closes at its second tensor
-        {"a": torch.randn(32, 32, generator=g), "b": torch.randint(0, 1000, (16, 32), generator=g),
-         "c": torch.randn(64, 32, generator=g).half()},
+        {
+            "a": torch.randn(32, 32, generator=g),
+            "b": torch.randint(0, 1000, (16, 32), generator=g),
+            "c": torch.randn(64, 32, generator=g).half(),
+        },
         {"d": torch.randn(16, 64, generator=g), "e": torch.rand(4096, generator=g) > 0.5},
     ]
     shard_bytes = 6 << 10
@@ -72,8 +75,11 @@ def test_shards_hold_exactly_what_was_put_split_by_size_and_pass(tmp_path: Path)
             size += _nbytes(t)
             if size >= shard_bytes:
                 shard, size = shard + 1, 0
-    assert expected == {"r3-p000000-000.safetensors": ["a", "b"], "r3-p000000-001.safetensors": ["c"],
-                        "r3-p000001-000.safetensors": ["d", "e"]}
+    assert expected == {
+        "r3-p000000-000.safetensors": ["a", "b"],
+        "r3-p000000-001.safetensors": ["c"],
+        "r3-p000001-000.safetensors": ["d", "e"],
+    }
     assert _on_disk(tmp_path) == sorted(expected)  # no temp file left behind
     assert w.files == {name: (tmp_path / name).stat().st_size for name in expected}
     for name, keys in expected.items():
@@ -130,8 +136,10 @@ def test_an_owned_tensor_is_taken_as_it_is_and_any_other_is_copied(tmp_path: Pat
 
 
 def test_bf16_is_stored_as_its_raw_bits_and_reads_back_exactly(tmp_path: Path) -> None:
-    bits = np.array([0x0000, 0x8000, 0x3F80, 0xBF80, 0x7F80, 0xFF80, 0x7FC1, 0xFFA5, 0x0001, 0x7F7F,
-                     0x4049, 0xC2F7], dtype=np.uint16)  # +-0, +-1, +-inf, two NaN payloads, subnormal, max, ...
+    bits = np.array(
+        [0x0000, 0x8000, 0x3F80, 0xBF80, 0x7F80, 0xFF80, 0x7FC1, 0xFFA5, 0x0001, 0x7F7F, 0x4049, 0xC2F7],
+        dtype=np.uint16,
+    )  # +-0, +-1, +-inf, two NaN payloads, subnormal, max, ...
     t = torch.from_numpy(bits.view(np.int16).copy()).view(torch.bfloat16).reshape(3, 4)
     w = ShardWriter(tmp_path, rank=0)
     w.put(0, "x", t)
@@ -142,9 +150,18 @@ def test_bf16_is_stored_as_its_raw_bits_and_reads_back_exactly(tmp_path: Path) -
     assert back.dtype == torch.bfloat16 and torch.equal(back.view(torch.int16), t.view(torch.int16))
 
     rec = TensorRecord(name="x", file=name, key="x", shape=(3, 4), dtype="BF16", forward_pass=0)
-    write_manifest(tmp_path, Manifest(format_version=FORMAT_VERSION, created_at=dt.datetime.now(dt.timezone.utc)
-                                      .isoformat(), model={}, capture_signature={}, environment={},
-                                      files=dict(w.files), tensors=(rec,)))
+    write_manifest(
+        tmp_path,
+        Manifest(
+            format_version=FORMAT_VERSION,
+            created_at=dt.datetime.now(dt.timezone.utc).isoformat(),
+            model={},
+            capture_signature={},
+            environment={},
+            files=dict(w.files),
+            tensors=(rec,),
+        ),
+    )
     reader = DumpReader(tmp_path)
     raw = reader.array(load_manifest(tmp_path).tensors[0])
     assert raw.dtype == np.uint16 and np.array_equal(raw.reshape(-1), bits)  # the bits, NaN payloads included
@@ -184,8 +201,9 @@ _FULL_DISK = textwrap.dedent("""
 def test_a_write_that_fails_half_way_leaves_no_file_that_looks_whole(tmp_path: Path) -> None:
     out = tmp_path / "d"
     out.mkdir()
-    r = subprocess.run([sys.executable, "-c", _FULL_DISK, str(out)], capture_output=True, text=True, timeout=300,
-                       env=subprocess_env())
+    r = subprocess.run(
+        [sys.executable, "-c", _FULL_DISK, str(out)], capture_output=True, text=True, timeout=300, env=subprocess_env()
+    )
     assert r.returncode == 0, r.stderr
     got = json.loads(r.stdout)
     assert len(got["errors"]) == 2  # close() raised, and so does any later put()
@@ -207,8 +225,9 @@ def test_an_interrupted_capture_writes_no_manifest(tmp_path: Path) -> None:
             dumper.step()
             (out / blocked).mkdir()  # pass 1's shard cannot be renamed into place
             dumper.dump("x", torch.zeros(2, 8), layer=0)
-    assert isinstance(info.value, DriftscopeError) and f"{out / blocked}: exists and is not a regular file" in \
-        str(info.value)
+    assert isinstance(info.value, DriftscopeError) and f"{out / blocked}: exists and is not a regular file" in str(
+        info.value
+    )
     assert not (out / MANIFEST_NAME).exists() and not [n for n in _on_disk(out) if n.startswith(".")]
     with pytest.raises(IncompleteDumpError, match="incomplete dump"):
         load_manifest(out)

@@ -54,8 +54,9 @@ def test_the_comparator_judges_by_the_baselines_noise_without_a_flag(calibrated,
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["noise"] == str(base / "NOISE.json") and "row noise: " in " ".join(report["notes"])
     assert not any("dtype-blind" in n for n in report["notes"])
-    r = run_cli("comparator", base, calibrated / "c5", "--ignore-baseline-noise", "--json", tmp_path / "f.json",
-                "--quiet")
+    r = run_cli(
+        "comparator", base, calibrated / "c5", "--ignore-baseline-noise", "--json", tmp_path / "f.json", "--quiet"
+    )
     report = json.loads((tmp_path / "f.json").read_text())
     assert report["noise"] is None and any("fixed thresholds are dtype-blind: bfloat16" in n for n in report["notes"])
 
@@ -71,8 +72,11 @@ def _bug_dump(out, *, layer: int, token: int):
         return output
 
     with forward_hook(model.model.layers[layer], hook):
-        dump_sequences(model, [tok.encode(p) for p in BUILTIN_PROMPTS],
-                       RunConfig(out=str(out), layers="all", dtype="bfloat16", points=("input", "mlp_output")))
+        dump_sequences(
+            model,
+            [tok.encode(p) for p in BUILTIN_PROMPTS],
+            RunConfig(out=str(out), layers="all", dtype="bfloat16", points=("input", "mlp_output")),
+        )
 
 
 def test_a_one_token_bug_fails_against_the_baselines_noise(calibrated, tmp_path):
@@ -83,9 +87,14 @@ def test_a_one_token_bug_fails_against_the_baselines_noise(calibrated, tmp_path)
     assert fd["layer"] == 4 and fd["token"] == 9 and fd["point"] == "input", fd
 
 
-@pytest.mark.parametrize("extra, why", [(("--engine", "llama.cpp"), "engine's variants are not built in"),
-                                        (("--new-tokens", "2"), "prefill dumps of full rows only"),
-                                        (("--observer-check",), "run the observer check on its own")])
+@pytest.mark.parametrize(
+    "extra, why",
+    [
+        (("--engine", "llama.cpp"), "engine's variants are not built in"),
+        (("--new-tokens", "2"), "prefill dumps of full rows only"),
+        (("--observer-check",), "run the observer check on its own"),
+    ],
+)
 def test_what_calibrate_cannot_do_is_one_line(tmp_path, extra, why):
     r = run_cli("dumper", "run", "--out", tmp_path / "x", "--calibrate", *FLAGS, *extra)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and why in r.stderr, r.stderr

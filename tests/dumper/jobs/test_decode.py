@@ -19,8 +19,7 @@ import torch
 from comparator import compare_dumps
 from dumper.format import LOGPROB_VALUE, load_manifest
 from dumper.format.decode import DECODE, GENERATED_IDS, NEXT_IDS, PROMPT_LENGTHS, TOKENS_FROM, record_phase
-from dumper.prefill.run import tokens_from
-from dumper.prefill.run import LogprobSpec, RunConfig, dump_sequences, run_dump
+from dumper.prefill.run import LogprobSpec, RunConfig, dump_sequences, run_dump, tokens_from
 from tests.conftest import run_cli, tiny_llama
 
 PROMPTS = ([1] + [(7 * i) % 250 + 3 for i in range(39)], [1, 17, 33, 90, 5, 61, 7, 140, 9, 12, 44])
@@ -125,6 +124,7 @@ def test_the_plain_hooks_see_the_decode_only_bug_where_the_test_expects_it():
             kind = "decode" if x.shape[1] == 1 else "prefill"
             for j, p in enumerate(pos[0].tolist()):
                 seen.setdefault((kind, layer), {})[p] = x[0, j].detach().clone()
+
         return hook
 
     handles = [model.model.layers[i].register_forward_pre_hook(keep(i), with_kwargs=True) for i in (1, 2)]
@@ -172,8 +172,11 @@ def test_a_decode_only_bug_is_named_at_its_layer_token_and_step_and_a_prefill_ca
     # bit-identical prompt rows, then decode rows at fp32 rounding: no step before the bug (issue 34's onset)
     assert (fd.onset, fd.onset_layer) == (BUG_AT, BUG_LAYER + 1), (fd.onset, fd.onset_method, fd.onset_layer)
     assert fd.failing_sequences == [0]  # the short prompt never reaches position 45 in a decode step
-    wrote = [r for r in load_manifest(tmp_path / "buggy").tensors if r.name == fd.name
-             and record_phase(r.meta) == (DECODE, fd.decode_step) and 0 in r.row_sequence_ids().tolist()]
+    wrote = [
+        r
+        for r in load_manifest(tmp_path / "buggy").tensors
+        if r.name == fd.name and record_phase(r.meta) == (DECODE, fd.decode_step) and 0 in r.row_sequence_ids().tolist()
+    ]
     assert [r.forward_pass for r in wrote] == [fd.forward_pass]  # the decode pass that wrote the row
     assert fd.note == f"token {BUG_AT} = decode step {fd.decode_step} of the target"
     assert compare_dumps(tmp_path / "prefill", tmp_path / "buggy-prefill").passed  # two prefills agree
@@ -188,13 +191,39 @@ def test_a_decode_only_bug_is_named_at_its_layer_token_and_step_and_a_prefill_ca
 @pytest.mark.slow
 def test_the_cli_decodes_and_its_counterpart_passes_and_names_the_phase(tmp_path):
     ids = [a for p in PROMPTS for a in ("--input-ids", ",".join(map(str, p)))]
-    r = run_cli("dumper", "run", *ids, "--new-tokens", "4", "--layers", "first,last", "--logprobs", "--top-k", "2",
-                "--observer-check", "--out", tmp_path / "d", "--quiet")
+    r = run_cli(
+        "dumper",
+        "run",
+        *ids,
+        "--new-tokens",
+        "4",
+        "--layers",
+        "first,last",
+        "--logprobs",
+        "--top-k",
+        "2",
+        "--observer-check",
+        "--out",
+        tmp_path / "d",
+        "--quiet",
+    )
     assert r.returncode == 0 and r.stdout.startswith("observer check: bit-exact"), r.stdout + r.stderr
     values = sum(len(p) - 1 + 4 for p in PROMPTS) * 3  # each scored token's logprob and its top-2
     assert f"({values} values: logprobs)" in r.stdout
-    r = run_cli("dumper", "run", "--tokens-from", tmp_path / "d", "--layers", "first,last", "--logprobs", "--top-k",
-                "2", "--out", tmp_path / "p", "--quiet")
+    r = run_cli(
+        "dumper",
+        "run",
+        "--tokens-from",
+        tmp_path / "d",
+        "--layers",
+        "first,last",
+        "--logprobs",
+        "--top-k",
+        "2",
+        "--out",
+        tmp_path / "p",
+        "--quiet",
+    )
     assert r.returncode == 0, r.stderr
     r = run_cli("comparator", tmp_path / "p", tmp_path / "d", "--quiet", "--json", tmp_path / "v.json")
     assert r.returncode == 0, r.stdout + r.stderr
@@ -204,13 +233,16 @@ def test_the_cli_decodes_and_its_counterpart_passes_and_names_the_phase(tmp_path
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("args,words", [
-    (("--tokens-from", "{d}", "--input-ids", "1,2,3"), "--tokens-from takes its prompts from the dump"),
-    (("--tokens-from", "{p}"), "not a decode dump"),
-    (("--tokens-from", "{d}", "--new-tokens", "2"), "drop --new-tokens"),
-    (("--new-tokens", "-1"), "--new-tokens must be >= 0"),
-    (("--new-tokens", "2", "--engine", "onnxruntime-genai", "--model", "{d}"), "records prompt passes only so far"),
-])
+@pytest.mark.parametrize(
+    "args,words",
+    [
+        (("--tokens-from", "{d}", "--input-ids", "1,2,3"), "--tokens-from takes its prompts from the dump"),
+        (("--tokens-from", "{p}"), "not a decode dump"),
+        (("--tokens-from", "{d}", "--new-tokens", "2"), "drop --new-tokens"),
+        (("--new-tokens", "-1"), "--new-tokens must be >= 0"),
+        (("--new-tokens", "2", "--engine", "onnxruntime-genai", "--model", "{d}"), "records prompt passes only so far"),
+    ],
+)
 def test_the_cli_refuses_what_it_cannot_decode_in_one_line(eager, tmp_path, args, words):
     decode, prefill = eager
     argv = [a.format(d=decode, p=prefill) for a in args]
@@ -223,8 +255,24 @@ def test_the_cli_refuses_what_it_cannot_decode_in_one_line(eager, tmp_path, args
 def test_compiled_decode_through_the_tap_matches_eager_decode(eager, tmp_path):
     decode, _ = eager
     ids = [a for p in PROMPTS for a in ("--input-ids", ",".join(map(str, p)))]
-    r = run_cli("dumper", "run", "--compile", *ids, "--new-tokens", str(NEW), "--layers", "all", "--logprobs",
-                "--top-k", "3", "--batch-size", "2", "--out", tmp_path / "c", "--quiet")
+    r = run_cli(
+        "dumper",
+        "run",
+        "--compile",
+        *ids,
+        "--new-tokens",
+        str(NEW),
+        "--layers",
+        "all",
+        "--logprobs",
+        "--top-k",
+        "3",
+        "--batch-size",
+        "2",
+        "--out",
+        tmp_path / "c",
+        "--quiet",
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     m = load_manifest(tmp_path / "c")
     assert m.extra["compiled"] and m.extra[GENERATED_IDS] == load_manifest(decode).extra[GENERATED_IDS]

@@ -23,8 +23,11 @@ from dumper.format.reader import DumpReader
 from dumper.prefill.decode import decode_meta
 from tests.conftest import run_cli, tiny_llama
 
-pytestmark = [pytest.mark.gpu, pytest.mark.slow,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA graphs)")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.slow,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA graphs)"),
+]
 
 PROMPT, STEPS = 12, 6
 
@@ -33,8 +36,19 @@ def test_the_cli_decodes_on_cuda_bit_exactly_and_its_counterpart_passes(tmp_path
     prompts = [[1, 5, 9, 22, 40, 7, 8, 9, 10, 11, 12], [1, 7, 8, 33, 44]]
     ids = [a for p in prompts for a in ("--input-ids", ",".join(map(str, p)))]
     common = ("--device", "cuda", "--layers", "all", "--logprobs", "--top-k", "2", "--quiet")
-    r = run_cli("dumper", "run", *ids, "--new-tokens", str(STEPS), "--batch-size", "2", "--observer-check",
-                *common, "--out", tmp_path / "d")
+    r = run_cli(
+        "dumper",
+        "run",
+        *ids,
+        "--new-tokens",
+        str(STEPS),
+        "--batch-size",
+        "2",
+        "--observer-check",
+        *common,
+        "--out",
+        tmp_path / "d",
+    )
     assert r.returncode == 0 and r.stdout.startswith("observer check: bit-exact"), r.stdout + r.stderr
     r = run_cli("dumper", "run", *ids, "--new-tokens", str(STEPS), "--compile", *common, "--out", tmp_path / "c")
     assert r.returncode == 0, r.stdout + r.stderr
@@ -61,20 +75,33 @@ def _decode(model, step_fn, prompts: torch.Tensor, out, *, graphs: bool) -> tupl
         last = r == rounds - 1
         cap = dumper.capture(model, out, layers="all") if last and out is not None else None
         logits, tokens = [], []
-        with torch.inference_mode(), (cap or _nothing()):
+        with torch.inference_mode(), cap or _nothing():
             cache.reset()
             pos = torch.arange(PROMPT, device=prompts.device)
-            step = model(input_ids=prompts, cache_position=pos, position_ids=pos[None].expand(len(prompts), -1),
-                         past_key_values=cache, use_cache=True).logits[:, -1]
+            step = model(
+                input_ids=prompts,
+                cache_position=pos,
+                position_ids=pos[None].expand(len(prompts), -1),
+                past_key_values=cache,
+                use_cache=True,
+            ).logits[:, -1]
             for s in range(STEPS - 1):
                 token = step.argmax(-1)
                 tokens.append(int(token[0]))
                 pos = torch.tensor([PROMPT + s], device=prompts.device)
                 if cap is not None:
                     cap.set_pass_meta(decode_meta(s))
-                step = step_fn(input_ids=token[:, None], cache_position=pos,
-                               position_ids=pos[None].expand(len(prompts), -1), past_key_values=cache,
-                               use_cache=True).logits[:, -1].clone()
+                step = (
+                    step_fn(
+                        input_ids=token[:, None],
+                        cache_position=pos,
+                        position_ids=pos[None].expand(len(prompts), -1),
+                        past_key_values=cache,
+                        use_cache=True,
+                    )
+                    .logits[:, -1]
+                    .clone()
+                )
                 logits.append(step)
     return torch.stack(logits), tokens
 
@@ -121,7 +148,7 @@ def _graph_decode(tmp_path, batch: int, device: str) -> None:
         assert {k[1] for k in a} == set(range(PROMPT + STEPS - 1))
         assert len({k[0] for k in a}) == batch
         for key, row in a.items():
-            rel = float(((row - b[key]) ** 2).sum() / ((row ** 2).sum() + (b[key] ** 2).sum()))
+            rel = float(((row - b[key]) ** 2).sum() / ((row**2).sum() + (b[key] ** 2).sum()))
             assert rel < 1e-9, (name, key, rel)
     phases = {t.meta.get("decode_step") for t in load_manifest(tmp_path / "graphs").tensors}
     assert phases == {None, *range(STEPS - 1)}

@@ -26,12 +26,20 @@ from dumper.cli.main import join_dash_values, main
 from dumper.errors import DumpError, InternalError, ModelError, UsageError
 from dumper.format import MANIFEST_NAME, load_manifest
 from dumper.hooks.layers import parse_layer_spec
-from dumper.prefill.run import RunConfig, dump_sequences, pad_batch, prefill
 from dumper.jobs.selfcheck import selfcheck
-from tests.conftest import ROOT, run_cli, subprocess_env, tiny_llama
+from dumper.prefill.run import RunConfig, dump_sequences, pad_batch, prefill
+from tests.conftest import run_cli, subprocess_env, tiny_llama
 
-LLAMA = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-             num_key_value_heads=1, head_dim=16, max_position_embeddings=128)
+LLAMA = dict(
+    vocab_size=300,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=16,
+    max_position_embeddings=128,
+)
 
 
 def _save_llama(path: Path, **overrides: int) -> Path:
@@ -82,23 +90,35 @@ def test_a_good_local_model_directory_loads_quietly(llama_dir, tmp_path, capsys)
 
 
 def test_unsupported_architecture_exits_2_naming_the_model(llama_dir, tmp_path, capsys):
-    d = _broken(llama_dir, tmp_path, lambda c: {**c, "model_type": "no-such-arch",
-                                               "architectures": ["NoSuchForCausalLM"]})
+    d = _broken(
+        llama_dir, tmp_path, lambda c: {**c, "model_type": "no-such-arch", "architectures": ["NoSuchForCausalLM"]}
+    )
     rc = _run("--model", d, "--out", tmp_path / "o", "--input-ids", "1,2")
     _one_line(capsys, rc, 2, str(d), "cannot load model", "no-such-arch")
     assert not (tmp_path / "o").exists()
 
 
-@pytest.mark.parametrize("edit,needle", [
-    (lambda c: "{not json", "config.json: unreadable model config (Expecting property name"),
-    (lambda c: "[1, 2]", "expected a JSON object, got list"),
-    (lambda c: {k: v for k, v in c.items() if k != "model_type"}, 'no "model_type"'),
-    (lambda c: {**c, "hidden_size": -32}, "hidden_size is -32"),
-    (lambda c: {**c, "num_hidden_layers": -1}, "num_hidden_layers is -1"),
-    (lambda c: {**c, "num_attention_heads": 3}, "not a multiple of the number of attention heads"),
-    (lambda c: {**c, "vocab_size": 200}, "MISMATCH: Reinit due to size mismatch - ckpt: torch.Size([300, 32])"),
-], ids=["bad-json", "not-an-object", "no-model-type", "negative-hidden", "negative-layers", "bad-heads",
-        "weights-mismatch"])
+@pytest.mark.parametrize(
+    "edit,needle",
+    [
+        (lambda c: "{not json", "config.json: unreadable model config (Expecting property name"),
+        (lambda c: "[1, 2]", "expected a JSON object, got list"),
+        (lambda c: {k: v for k, v in c.items() if k != "model_type"}, 'no "model_type"'),
+        (lambda c: {**c, "hidden_size": -32}, "hidden_size is -32"),
+        (lambda c: {**c, "num_hidden_layers": -1}, "num_hidden_layers is -1"),
+        (lambda c: {**c, "num_attention_heads": 3}, "not a multiple of the number of attention heads"),
+        (lambda c: {**c, "vocab_size": 200}, "MISMATCH: Reinit due to size mismatch - ckpt: torch.Size([300, 32])"),
+    ],
+    ids=[
+        "bad-json",
+        "not-an-object",
+        "no-model-type",
+        "negative-hidden",
+        "negative-layers",
+        "bad-heads",
+        "weights-mismatch",
+    ],
+)
 def test_invalid_config_exits_2_naming_the_file_and_problem(llama_dir, tmp_path, capsys, edit, needle):
     d = _broken(llama_dir, tmp_path, edit)
     rc = _run("--model", d, "--out", tmp_path / "o", "--input-ids", "1,2")
@@ -160,14 +180,18 @@ class _CacheDropping(nn.Module):
         return self.inner.get_input_embeddings()
 
     def forward(self, input_ids, attention_mask=None, position_ids=None, use_cache=False, past_key_values=None):
-        return self.inner(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                          use_cache=False)
+        return self.inner(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        )
 
 
 def test_a_cache_that_does_not_grow_is_a_user_error_naming_the_model(tmp_path):
     model = _CacheDropping(tiny_llama()[0])
-    with pytest.raises(ModelError, match="tiny-llama: --chunk-size needs a KV cache that grows by each chunk; "
-                                         "after the chunk ending at token 2 the model returned no KV cache"):
+    with pytest.raises(
+        ModelError,
+        match="tiny-llama: --chunk-size needs a KV cache that grows by each chunk; "
+        "after the chunk ending at token 2 the model returned no KV cache",
+    ):
         dump_sequences(model, [[1, 2, 3, 4]], RunConfig(out=str(tmp_path / "a"), chunk_size=2))
     with pytest.raises(ModelError, match="tiny-llama: selfcheck needs a KV cache that keeps every token"):
         selfcheck(model, [1, 2, 3], new_tokens=2)
@@ -180,8 +204,18 @@ def test_a_state_space_cache_with_chunk_size_exits_2(tmp_path, capsys):
     d = tmp_path / "mamba"
     MambaForCausalLM(MambaConfig(vocab_size=300, hidden_size=32, num_hidden_layers=2, state_size=4)).save_pretrained(d)
     capsys.readouterr()
-    rc = _run("--model", d, "--out", tmp_path / "o", "--input-ids", "5,6,7", "--modules", "backbone.layers.*.mixer",
-              "--chunk-size", "2")
+    rc = _run(
+        "--model",
+        d,
+        "--out",
+        tmp_path / "o",
+        "--input-ids",
+        "5,6,7",
+        "--modules",
+        "backbone.layers.*.mixer",
+        "--chunk-size",
+        "2",
+    )
     err = capsys.readouterr().err
     assert rc == 2 and "Traceback" not in err, err
     # transformers' own lines about its slow reference kernels may precede ours: ours is the one error line
@@ -201,14 +235,17 @@ def test_selfcheck_two_token_prompt_runs_every_mode_through_the_cli(tmp_path):
     assert r.stdout.count("PASS") == 4 and "cache hit 1 tokens" in r.stdout
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["--input-ids", "5"], "prompt 0: prefill-hit needs a prompt of at least 2 tokens, got 1"),
-    (["--input-ids", "5,6", "--new-tokens", "1"], "prompt 0: decode-hit needs --new-tokens >= 2, got 1"),
-    (["--new-tokens", "0"], "--new-tokens must be >= 1, got 0"),
-    (["--input-ids", "5,6", "--input-ids", "999"], "prompt 1: token id 999 is outside the vocabulary [0, 384)"),
-    (["--input-ids", "-1,2"], "token id -1 is outside the vocabulary"),
-    (["--input-ids", ""], "--input-ids '': expected comma-separated integers"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--input-ids", "5"], "prompt 0: prefill-hit needs a prompt of at least 2 tokens, got 1"),
+        (["--input-ids", "5,6", "--new-tokens", "1"], "prompt 0: decode-hit needs --new-tokens >= 2, got 1"),
+        (["--new-tokens", "0"], "--new-tokens must be >= 1, got 0"),
+        (["--input-ids", "5,6", "--input-ids", "999"], "prompt 1: token id 999 is outside the vocabulary [0, 384)"),
+        (["--input-ids", "-1,2"], "token id -1 is outside the vocabulary"),
+        (["--input-ids", ""], "--input-ids '': expected comma-separated integers"),
+    ],
+)
 def test_selfcheck_inputs_that_cannot_run_exit_2(capsys, args, needle):
     _one_line(capsys, main(["selfcheck", *args]), 2, needle)
 
@@ -225,7 +262,8 @@ def test_selfcheck_one_token_prompt_runs_in_modes_that_allow_it(capsys):
 def test_reversed_layer_range_exits_2_before_writing_anything(tmp_path):
     r = run_cli("dumper", "run", "--out", tmp_path / "d", "--layers", "7..4", "--quiet")
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
-        "error: layer spec '7..4': range '7..4' is empty (layer 7 comes after layer 4); write it as 4..7"], r.stderr
+        "error: layer spec '7..4': range '7..4' is empty (layer 7 comes after layer 4); write it as 4..7"
+    ], r.stderr
     assert not (tmp_path / "d").exists()
 
 
@@ -242,17 +280,20 @@ def test_dash_values_are_joined_only_for_options_that_take_them():
     assert join_dash_values(["ls", "--", "--layers", "-1"]) == ["ls", "--", "--layers", "-1"]
 
 
-@pytest.mark.parametrize("spec,needle", [
-    ("3..x", "'3..x' is not all, first, last"),
-    ("every:0", "every:N needs a positive integer N, got 'every:0'"),
-    ("every:-1", "every:N needs a positive integer N, got 'every:-1'"),
-    ("99", "layer 99 is out of range for a model with 8 layers"),
-    ("-9", "layer -9 is out of range"),
-    ("-1..-3", "range '-1..-3' is empty"),
-    ("1_0", "'1_0' is not all"),
-    ("first,..2", "'..2' is not all"),
-    ("", "empty layer spec"),
-])
+@pytest.mark.parametrize(
+    "spec,needle",
+    [
+        ("3..x", "'3..x' is not all, first, last"),
+        ("every:0", "every:N needs a positive integer N, got 'every:0'"),
+        ("every:-1", "every:N needs a positive integer N, got 'every:-1'"),
+        ("99", "layer 99 is out of range for a model with 8 layers"),
+        ("-9", "layer -9 is out of range"),
+        ("-1..-3", "range '-1..-3' is empty"),
+        ("1_0", "'1_0' is not all"),
+        ("first,..2", "'..2' is not all"),
+        ("", "empty layer spec"),
+    ],
+)
 def test_malformed_layer_specs_name_the_spec(spec, needle):
     with pytest.raises(UsageError) as e:
         parse_layer_spec(spec, 8)
@@ -304,18 +345,23 @@ _ENV_SCRIPT = textwrap.dedent("""
 @pytest.mark.slow
 def test_dump_dir_env_var_starts_a_numbered_dump_beside_an_existing_one(tmp_path):
     env = subprocess_env(DRIFTSCOPE_DUMP_DIR=str(tmp_path / "env"))
-    runs = [subprocess.run([sys.executable, "-c", _ENV_SCRIPT], capture_output=True, text=True, timeout=300, env=env)
-            for _ in range(2)]
+    runs = [
+        subprocess.run([sys.executable, "-c", _ENV_SCRIPT], capture_output=True, text=True, timeout=300, env=env)
+        for _ in range(2)
+    ]
     for r in runs:
         assert r.returncode == 0 and "forward ok (1, 6, 384)" in r.stdout, r.stderr
     assert runs[0].stderr == ""
     assert runs[1].stderr.strip().splitlines() == [
-        f"driftscope: DRIFTSCOPE_DUMP_DIR={tmp_path / 'env'} already holds a dump; recording to {tmp_path / 'env.1'}"]
+        f"driftscope: DRIFTSCOPE_DUMP_DIR={tmp_path / 'env'} already holds a dump; recording to {tmp_path / 'env.1'}"
+    ]
     first, second = load_manifest(tmp_path / "env"), load_manifest(tmp_path / "env.1")
     assert [(t.name, t.layer, t.shape) for t in first.tensors] == [("layer2.out", 2, (1, 6, 64))]
     assert [(t.name, t.layer, t.shape) for t in second.tensors] == [("layer2.out", 2, (1, 6, 64))]
-    a, b = (load_file(d / m.tensors[0].file)[m.tensors[0].key] for d, m in ((tmp_path / "env", first),
-                                                                              (tmp_path / "env.1", second)))
+    a, b = (
+        load_file(d / m.tensors[0].file)[m.tensors[0].key]
+        for d, m in ((tmp_path / "env", first), (tmp_path / "env.1", second))
+    )
     assert torch.equal(a, b)  # the same deterministic forward, recorded twice
 
 
@@ -347,8 +393,9 @@ def test_multi_rank_capture_is_empty_only_when_every_rank_is(tmp_path, recording
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tmp_path / "d"
-    mp.start_processes(_empty_rank_worker, args=(port, str(out), recording_ranks), nprocs=2, start_method="spawn",
-                       join=True)
+    mp.start_processes(
+        _empty_rank_worker, args=(port, str(out), recording_ranks), nprocs=2, start_method="spawn", join=True
+    )
     outcomes = [Path(f"{out}-rank{r}.txt").read_text() for r in range(2)]
     if recording_ranks:  # one rank's tensors make a dump; the other rank is not an error
         assert outcomes == ["ok", "ok"] and [t.rank for t in load_manifest(out).tensors] == [1]
@@ -371,20 +418,23 @@ def test_logprobs_with_nothing_to_score_are_refused_and_leave_no_dump(tmp_path, 
 
 
 # -- what the writer writes, the reader reads ---------------------------------------------------
-@pytest.mark.parametrize("name, tensor, kw, match", [
-    ("t", torch.zeros(5000, 0), {}, "shape [5000, 0] has rows but a last dim of 0"),
-    ("t", torch.zeros(2, 3, 0), {}, "shape [2, 3, 0] has rows"),
-    ("", torch.zeros(2, 2), {}, "non-empty string"),
-    ("\ud800", torch.zeros(2, 2), {}, "valid Unicode"),
-    ("a\x1b[31mb", torch.zeros(2, 2), {}, "printable"),
-    ("t", torch.zeros(2, 2), {"layer": "3"}, "layer must be an integer"),
-    ("t", torch.zeros(2, 2), {"layer": True}, "layer must be an integer"),
-    ("t", torch.zeros(2, 2), {"layer": 2.0}, "layer must be an integer"),
-    ("t", torch.zeros(2, 2), {"point": 5}, "point must be a string"),
-    ("t", torch.zeros(2, 2), {"shard_dim": "1"}, "shard_dim must be an integer"),
-    ("t", torch.zeros(2, 2), {"scale": float("nan")}, "meta 'scale'"),
-    ("t", torch.zeros(2, 2), {"tag": "\ud800"}, "meta 'tag'"),
-])
+@pytest.mark.parametrize(
+    "name, tensor, kw, match",
+    [
+        ("t", torch.zeros(5000, 0), {}, "shape [5000, 0] has rows but a last dim of 0"),
+        ("t", torch.zeros(2, 3, 0), {}, "shape [2, 3, 0] has rows"),
+        ("", torch.zeros(2, 2), {}, "non-empty string"),
+        ("\ud800", torch.zeros(2, 2), {}, "valid Unicode"),
+        ("a\x1b[31mb", torch.zeros(2, 2), {}, "printable"),
+        ("t", torch.zeros(2, 2), {"layer": "3"}, "layer must be an integer"),
+        ("t", torch.zeros(2, 2), {"layer": True}, "layer must be an integer"),
+        ("t", torch.zeros(2, 2), {"layer": 2.0}, "layer must be an integer"),
+        ("t", torch.zeros(2, 2), {"point": 5}, "point must be a string"),
+        ("t", torch.zeros(2, 2), {"shard_dim": "1"}, "shard_dim must be an integer"),
+        ("t", torch.zeros(2, 2), {"scale": float("nan")}, "meta 'scale'"),
+        ("t", torch.zeros(2, 2), {"tag": "\ud800"}, "meta 'tag'"),
+    ],
+)
 def test_dump_refuses_what_the_reader_would_refuse(tmp_path, name, tensor, kw, match):
     out = tmp_path / "d"
     with pytest.raises(UsageError, match=re.escape(match)):
@@ -414,8 +464,12 @@ def test_dump_stores_integer_scalars_and_empty_tensors_readably(tmp_path):
 
 
 def test_capture_refuses_an_extra_the_reader_would_refuse(tmp_path):
-    for extra, match in [({"input_ids": [1, 2]}, "extra.input_ids[0]"), ({"p": "\ud800"}, "extra.p"),
-                         ({"x": float("inf")}, "not storable as JSON"), ({"x": object()}, "not storable")]:
+    for extra, match in [
+        ({"input_ids": [1, 2]}, "extra.input_ids[0]"),
+        ({"p": "\ud800"}, "extra.p"),
+        ({"x": float("inf")}, "not storable as JSON"),
+        ({"x": object()}, "not storable"),
+    ]:
         with pytest.raises(UsageError, match=re.escape(match)):
             dumper.capture(None, tmp_path / "d", extra=extra)
     with dumper.capture(None, tmp_path / "ok", extra={"input_ids": [(1, 2)]}):

@@ -25,7 +25,6 @@ import platform
 import shutil
 import sys
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -38,8 +37,16 @@ from dumper.cli.main import main as dumper_main
 from tests.engine_models import build_checkpoint
 from tests.fuzzing import FUZZ, LIMIT, check_outcome, run_main
 
-TINY = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-            num_key_value_heads=1, head_dim=16, max_position_embeddings=128)
+TINY = dict(
+    vocab_size=300,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=16,
+    max_position_embeddings=128,
+)
 _SPAWN_EVENTS = ("subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty")
 _SPAWNED: list[str] | None = None
 
@@ -86,8 +93,21 @@ class Sandbox:
         open("/proc/self/clear_refs", "w").write("5")  # VmHWM := VmRSS: this case's peak from here
         start = _rss("VmRSS")
         try:
-            o = run_main(dumper_main, ["run", "--model", model, "--out", case / "out", "--prompt",
-                                       "The quick brown fox", "--layers", "all", "--quiet"])
+            o = run_main(
+                dumper_main,
+                [
+                    "run",
+                    "--model",
+                    model,
+                    "--out",
+                    case / "out",
+                    "--prompt",
+                    "The quick brown fox",
+                    "--layers",
+                    "all",
+                    "--quiet",
+                ],
+            )
         finally:
             _SPAWNED = None
             hung.cancel()
@@ -99,8 +119,12 @@ class Sandbox:
         assert grew < LIMIT, f"peak RSS grew by {grew >> 20} MiB"
         assert not spawned, spawned
         assert not list(case.glob("marker-*")), o.err
-        new = [m for m in set(sys.modules) - before if m.startswith("transformers_modules")
-               or str(getattr(sys.modules[m], "__file__", None) or "").startswith(str(model))]
+        new = [
+            m
+            for m in set(sys.modules) - before
+            if m.startswith("transformers_modules")
+            or str(getattr(sys.modules[m], "__file__", None) or "").startswith(str(model))
+        ]
         assert not new, new
         self.codes.append(code)
         shutil.rmtree(case, ignore_errors=True)
@@ -113,6 +137,7 @@ class _Watchdog(threading.Timer):
 
 def _watchdog(model: Path, after: float = 60) -> _Watchdog:
     """A timer that unblocks any reader of a FIFO in ``model`` (opening its write end) and marks the case hung."""
+
     def unblock() -> None:
         timer.fired = True
         for p in model.iterdir():
@@ -141,7 +166,8 @@ def _code_file(case: Path, name: str) -> None:
         f"subprocess.Popen([sys.executable, '-c', 'open({str(marker) + '.spawn'!r}, \"w\")'])\n"
         "from transformers import LlamaConfig, PreTrainedTokenizer\n"
         "class CustomConfig(LlamaConfig):\n    model_type = 'custom-x'\n"
-        "class CustomTokenizer(PreTrainedTokenizer):\n    pass\n")
+        "class CustomTokenizer(PreTrainedTokenizer):\n    pass\n"
+    )
 
 
 def _write_json(path: Path, obj: Any) -> None:
@@ -155,14 +181,40 @@ def _sparse(path: Path, size: int) -> None:
 
 ODD = st.one_of(
     st.sampled_from([0, 1, -1, 2, 3, 7, 64, 255, 256, 1000, 2**31, 10**6, 10**9, 2**63, 10**30, -(2**63)]),
-    st.integers(-10**4, 10**4), st.floats(allow_nan=True, allow_infinity=True), st.booleans(), st.none(),
-    st.text(max_size=12), st.sampled_from(["llama", "qwen2", "custom-x", "\x1b[31m", "\ud800", "", "float16"]),
-    st.lists(st.integers(-3, 300), max_size=4), st.dictionaries(st.text(max_size=6), st.integers(-3, 3), max_size=3))
+    st.integers(-(10**4), 10**4),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.booleans(),
+    st.none(),
+    st.text(max_size=12),
+    st.sampled_from(["llama", "qwen2", "custom-x", "\x1b[31m", "\ud800", "", "float16"]),
+    st.lists(st.integers(-3, 300), max_size=4),
+    st.dictionaries(st.text(max_size=6), st.integers(-3, 3), max_size=3),
+)
 """Values for a config field: sizes small, huge and negative; other types; hostile text."""
-CONFIG_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-               "head_dim", "intermediate_size", "max_position_embeddings", "model_type", "architectures",
-               "rms_norm_eps", "rope_parameters", "tie_word_embeddings", "dtype", "pad_token_id", "hidden_act",
-               "auto_map", "custom_pipelines", "text_config", "quantization_config", "_name_or_path", "use_cache")
+CONFIG_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "max_position_embeddings",
+    "model_type",
+    "architectures",
+    "rms_norm_eps",
+    "rope_parameters",
+    "tie_word_embeddings",
+    "dtype",
+    "pad_token_id",
+    "hidden_act",
+    "auto_map",
+    "custom_pipelines",
+    "text_config",
+    "quantization_config",
+    "_name_or_path",
+    "use_cache",
+)
 
 
 @given(edits=st.lists(st.tuples(st.sampled_from(CONFIG_KEYS), ODD), min_size=1, max_size=3))
@@ -179,8 +231,11 @@ def test_config_fields(box, edits):
     box.run(case, {2} if bad else {0, 2}, "names custom code" if code else None)
 
 
-@given(op=st.sampled_from(["truncate", "flip", "insert", "replace"]), at=st.integers(0, 10**4),
-       junk=st.binary(min_size=1, max_size=16))
+@given(
+    op=st.sampled_from(["truncate", "flip", "insert", "replace"]),
+    at=st.integers(0, 10**4),
+    junk=st.binary(min_size=1, max_size=16),
+)
 @settings(FUZZ, max_examples=10)
 def test_config_bytes(box, op, at, junk):
     """config.json's bytes truncated, flipped, spliced or replaced."""
@@ -188,8 +243,12 @@ def test_config_bytes(box, op, at, junk):
     path = case / "model" / "config.json"
     data = path.read_bytes()
     at %= len(data)
-    data = {"truncate": data[:at], "flip": data[:at] + bytes([data[at] ^ junk[0]]) + data[at + 1:],
-            "insert": data[:at] + junk + data[at:], "replace": junk}[op]
+    data = {
+        "truncate": data[:at],
+        "flip": data[:at] + bytes([data[at] ^ junk[0]]) + data[at + 1 :],
+        "insert": data[:at] + junk + data[at:],
+        "replace": junk,
+    }[op]
     path.write_bytes(data)
     try:
         parsed = json.loads(data)
@@ -199,14 +258,30 @@ def test_config_bytes(box, op, at, junk):
     box.run(case, {0, 2} if ok else {2}, None if ok else str(path))
 
 
-TOKENIZER_KEYS = ("tokenizer_class", "model_max_length", "bos_token", "unk_token", "chat_template", "auto_map",
-                  "tokenizer_file", "vocab_file", "added_tokens_decoder", "name_or_path", "backend")
+TOKENIZER_KEYS = (
+    "tokenizer_class",
+    "model_max_length",
+    "bos_token",
+    "unk_token",
+    "chat_template",
+    "auto_map",
+    "tokenizer_file",
+    "vocab_file",
+    "added_tokens_decoder",
+    "name_or_path",
+    "backend",
+)
 
 
-@given(file=st.sampled_from(["tokenizer.json", "tokenizer_config.json", "generation_config.json",
-                             "special_tokens_map.json"]),
-       op=st.sampled_from(["truncate", "junk", "delete", "field", "outside"]), at=st.integers(0, 10**6),
-       key=st.sampled_from(TOKENIZER_KEYS), value=ODD)
+@given(
+    file=st.sampled_from(
+        ["tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json"]
+    ),
+    op=st.sampled_from(["truncate", "junk", "delete", "field", "outside"]),
+    at=st.integers(0, 10**6),
+    key=st.sampled_from(TOKENIZER_KEYS),
+    value=ODD,
+)
 @settings(FUZZ, max_examples=16)
 def test_tokenizer_files(box, file, op, at, key, value):
     """Tokenizer and generation files truncated, replaced, deleted, given odd fields or paths outside the directory."""
@@ -214,15 +289,16 @@ def test_tokenizer_files(box, file, op, at, key, value):
     path = case / "model" / file
     data = path.read_bytes() if path.exists() else b"{}"
     if op == "truncate":
-        path.write_bytes(data[:at % max(1, len(data))])
+        path.write_bytes(data[: at % max(1, len(data))])
     elif op == "junk":
         path.write_bytes(b"\xff\x00 not json")
     elif op == "delete":
         path.unlink(missing_ok=True)
     else:
         obj = json.loads(data)
-        obj[key if op == "field" else key if key.endswith("_file") else "tokenizer_file"] = \
+        obj[key if op == "field" else key if key.endswith("_file") else "tokenizer_file"] = (
             value if op == "field" else str(box.outside / "tokenizer.json")
+        )
         _write_json(path, obj)
     code = file == "tokenizer_config.json" and op == "field" and key == "auto_map" and bool(value)
     box.run(case, {2} if code else {0, 2}, "names custom code" if code else None)
@@ -240,8 +316,10 @@ def test_custom_code(box, where, name):
     if where == "config":
         _write_json(model / "config.json", {**box.config, "model_type": "custom-x", "auto_map": {"AutoConfig": ref}})
     elif where == "tokenizer":
-        _write_json(model / "tokenizer_config.json", {**box.tokenizer_config, "tokenizer_class": "CustomTokenizer",
-                                                      "auto_map": {"AutoTokenizer": ref}})
+        _write_json(
+            model / "tokenizer_config.json",
+            {**box.tokenizer_config, "tokenizer_class": "CustomTokenizer", "auto_map": {"AutoTokenizer": ref}},
+        )
     elif where == "nested":
         _write_json(model / "config.json", {**box.config, "text_config": {"auto_map": {"AutoConfig": ref}}})
     elif where == "unknown-type":  # no auto_map: transformers must refuse the unknown type, not look for code
@@ -256,9 +334,19 @@ def test_custom_code(box, where, name):
 KINDS = ("fifo", "dir", "dangling", "loop", "inner-link", "empty", "sparse")
 
 
-@given(file=st.sampled_from(["config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors",
-                             "generation_config.json", "chat_template.jinja"]),
-       kind=st.sampled_from(KINDS))
+@given(
+    file=st.sampled_from(
+        [
+            "config.json",
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "model.safetensors",
+            "generation_config.json",
+            "chat_template.jinja",
+        ]
+    ),
+    kind=st.sampled_from(KINDS),
+)
 @settings(FUZZ, max_examples=14)
 def test_file_kinds(box, file, kind):
     """A FIFO, a directory, a dangling or looping link, a link inside, an empty or a huge sparse file in a file's place."""
@@ -267,10 +355,14 @@ def test_file_kinds(box, file, kind):
     keep = path.read_bytes() if path.exists() else b"{}"
     path.unlink(missing_ok=True)
     make: dict[str, Callable[[], None]] = {
-        "fifo": lambda: os.mkfifo(path), "dir": lambda: path.mkdir(),
-        "dangling": lambda: path.symlink_to(case / "model" / "nowhere"), "loop": lambda: path.symlink_to(path),
+        "fifo": lambda: os.mkfifo(path),
+        "dir": lambda: path.mkdir(),
+        "dangling": lambda: path.symlink_to(case / "model" / "nowhere"),
+        "loop": lambda: path.symlink_to(path),
         "inner-link": lambda: ((case / "model" / "kept").write_bytes(keep), path.symlink_to("kept")),
-        "empty": lambda: path.write_bytes(b""), "sparse": lambda: _sparse(path, 1 << 30)}
+        "empty": lambda: path.write_bytes(b""),
+        "sparse": lambda: _sparse(path, 1 << 30),
+    }
     make[kind]()
     refused = kind in ("fifo", "sparse") or file == "config.json" and kind != "inner-link"
     box.run(case, {2} if refused else {0, 2}, None if kind != "fifo" else "a FIFO")
@@ -278,6 +370,8 @@ def test_file_kinds(box, file, kind):
 
 def test_the_suite_saw_both_outcomes(box):
     """Ran last in the module: the damage above both loads and fails (a suite that only refuses proves little)."""
-    print(f"model-directory fuzz: {len(box.codes)} cases, {box.codes.count(0)} loaded and dumped, "
-          f"{box.codes.count(2)} refused")
+    print(
+        f"model-directory fuzz: {len(box.codes)} cases, {box.codes.count(0)} loaded and dumped, "
+        f"{box.codes.count(2)} refused"
+    )
     assert {0, 2} <= set(box.codes), box.codes

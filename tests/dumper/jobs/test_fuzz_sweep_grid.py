@@ -46,20 +46,86 @@ from dumper.format.files import printable
 from dumper.jobs.sweep.grid import MAX_CELLS, parse_grid
 from tests.fuzzing import FUZZ, LIMIT, check_outcome, deadline, has_control, run_child, run_main
 
-ENGINE_KEYS = ["enable_prefix_caching", "kv_cache_dtype", "max_num_seqs", "max_model_len", "enforce_eager",
-               "tensor_parallel_size", "kv", "threads", "flash_attn", "hf_dir", "verbose"]
+ENGINE_KEYS = [
+    "enable_prefix_caching",
+    "kv_cache_dtype",
+    "max_num_seqs",
+    "max_model_len",
+    "enforce_eager",
+    "tensor_parallel_size",
+    "kv",
+    "threads",
+    "flash_attn",
+    "hf_dir",
+    "verbose",
+]
 """Keys of the engines' ``ENGINE_ARGS`` tables (vLLM, llama.cpp, ONNX Runtime GenAI): valid grid keys."""
-KEYS = ["chunk_size", "batch_size", "lengths", *ENGINE_KEYS, "LENGTHS", " lengths ", "\tchunk_size", "nope",
-        "", " ", "=", "a,b", "\x1b[31mred", "\x07", "\x00", "\x9b", "\u2028", "\x85", "\x1c", "\u00a0", "é", "名前",
-        "\ud800", "k" * 10_000, "-", "--grid", "--debug"]
-VALUES = ["none", "None", "NONE", "block", "Block", "BLOCK", "0", "1", "2", "16", "-1", "-0", "+3", str(10**30),
-          "1.5", "1e3", "nan", "inf", "true", "", " ", "\t", "=", "\x1b[2J", "\x00", "\x07", "é", "\u2028", "\ud800",
-          "v" * 5_000]
+KEYS = [
+    "chunk_size",
+    "batch_size",
+    "lengths",
+    *ENGINE_KEYS,
+    "LENGTHS",
+    " lengths ",
+    "\tchunk_size",
+    "nope",
+    "",
+    " ",
+    "=",
+    "a,b",
+    "\x1b[31mred",
+    "\x07",
+    "\x00",
+    "\x9b",
+    "\u2028",
+    "\x85",
+    "\x1c",
+    "\u00a0",
+    "é",
+    "名前",
+    "\ud800",
+    "k" * 10_000,
+    "-",
+    "--grid",
+    "--debug",
+]
+VALUES = [
+    "none",
+    "None",
+    "NONE",
+    "block",
+    "Block",
+    "BLOCK",
+    "0",
+    "1",
+    "2",
+    "16",
+    "-1",
+    "-0",
+    "+3",
+    str(10**30),
+    "1.5",
+    "1e3",
+    "nan",
+    "inf",
+    "true",
+    "",
+    " ",
+    "\t",
+    "=",
+    "\x1b[2J",
+    "\x00",
+    "\x07",
+    "é",
+    "\u2028",
+    "\ud800",
+    "v" * 5_000,
+]
 NO_ENGINE = ("vllm", "llama_cpp", "onnxruntime_genai")
 """Top-level modules of the engines: none may be imported by a sweep that stops at its arguments."""
 
 keys = st.one_of(st.sampled_from(KEYS), st.text(max_size=12))
-values = st.one_of(st.sampled_from(VALUES), st.integers(-10**40, 10**40).map(str), st.text(max_size=6))
+values = st.one_of(st.sampled_from(VALUES), st.integers(-(10**40), 10**40).map(str), st.text(max_size=6))
 good_keys = keys.filter(lambda k: k.strip() != "" and "=" not in k)
 good_values = values.filter(lambda v: v.strip() != "" and "," not in v)
 
@@ -126,8 +192,9 @@ def _oracle(grid: list[str], max_cells: Any) -> tuple[str, Any]:
         return "empty", None
     if type(max_cells) is not int or max_cells < 1:
         return "cap", max_cells
-    sizes = [sum(6 if v.lower() == "block" else 1 for v in vals) if key == "lengths" else len(vals)
-             for key, vals in axes]
+    sizes = [
+        sum(6 if v.lower() == "block" else 1 for v in vals) if key == "lengths" else len(vals) for key, vals in axes
+    ]
     cells = math.prod(sizes)
     return ("ok", (axes, cells)) if cells <= max_cells else ("over", (cells, sizes))
 
@@ -186,19 +253,23 @@ def _cli(tmp: Path, grid: list[str], *extra: str) -> tuple[int, str, Path]:
     missing, out = tmp / "no-baseline", tmp / "sweep-out"
     before = set(sys.modules)
     with deadline(30):
-        o = run_main(dumper_main, ["sweep", "--baseline", missing, *[f"--grid={g}" for g in grid], "--out", out,
-                                   *extra])
+        o = run_main(
+            dumper_main, ["sweep", "--baseline", missing, *[f"--grid={g}" for g in grid], "--out", out, *extra]
+        )
     assert check_outcome(o) == 2, o.err
     loaded = [m for m in set(sys.modules) - before if m.split(".")[0] in NO_ENGINE]
     assert not loaded and not out.exists(), loaded
     return o.code, o.err, missing
 
 
-@given(grid=items(most=12), cap=st.one_of(st.none(), st.none(), caps.map(str),
-                                          st.sampled_from(["0", "-1", "x", "", " 5 ", "1e3", "9" * 5000])))
+@given(
+    grid=items(most=12),
+    cap=st.one_of(st.none(), st.none(), caps.map(str), st.sampled_from(["0", "-1", "x", "", " 5 ", "1e3", "9" * 5000])),
+)
 @settings(FUZZ, max_examples=40)
-def test_hostile_grids_through_the_cli_stop_before_any_engine(tmp_path_factory: pytest.TempPathFactory,
-                                                              grid: list[str], cap: str | None) -> None:
+def test_hostile_grids_through_the_cli_stop_before_any_engine(
+    tmp_path_factory: pytest.TempPathFactory, grid: list[str], cap: str | None
+) -> None:
     """Exit 2, one line: the grid's problem (or --max-cells's), else the missing baseline; no engine imported."""
     tmp = tmp_path_factory.mktemp("sweep")
     _, err, missing = _cli(tmp, grid, *(["--max-cells", cap] if cap is not None else []))
@@ -221,14 +292,31 @@ HUNDRED = ",".join(map(str, range(1, 101)))
 MILLION = (f"chunk_size={HUNDRED}", f"batch_size={HUNDRED}", f"lengths={HUNDRED}")
 
 
-@pytest.mark.parametrize(("grid", "kind"), [
-    ([], "empty"), ([""], "malformed"), (["="], "malformed"), (["chunk_size"], "malformed"),
-    (["chunk_size="], "malformed"), (["=1,2"], "malformed"), (["chunk_size=1,,2"], "malformed"),
-    (["chunk_size=1, "], "malformed"), (["chunk_size=1,1"], "repeated"), (["lengths=block, block"], "repeated"),
-    (["chunk_size=1", " chunk_size =2"], "twice"), (["lengths=4", "chunk_size=1", "lengths=5"], "twice"),
-    (["lengths=block,BLOCK,Block"], "over"), (["nope=1,2", "\u00e9=x"], "ok"), (["chunk_size=none,-1,1e3"], "ok"),
-    ([f"k{i}=1,2" for i in range(12)], "ok"), ([f"k{i}=1,2" for i in range(13)], "over"),
-    ([f"batch_size={10**30},{-10**30}"], "ok"), (["lengths=block"], "ok")], ids=repr)
+@pytest.mark.parametrize(
+    ("grid", "kind"),
+    [
+        ([], "empty"),
+        ([""], "malformed"),
+        (["="], "malformed"),
+        (["chunk_size"], "malformed"),
+        (["chunk_size="], "malformed"),
+        (["=1,2"], "malformed"),
+        (["chunk_size=1,,2"], "malformed"),
+        (["chunk_size=1, "], "malformed"),
+        (["chunk_size=1,1"], "repeated"),
+        (["lengths=block, block"], "repeated"),
+        (["chunk_size=1", " chunk_size =2"], "twice"),
+        (["lengths=4", "chunk_size=1", "lengths=5"], "twice"),
+        (["lengths=block,BLOCK,Block"], "over"),
+        (["nope=1,2", "\u00e9=x"], "ok"),
+        (["chunk_size=none,-1,1e3"], "ok"),
+        ([f"k{i}=1,2" for i in range(12)], "ok"),
+        ([f"k{i}=1,2" for i in range(13)], "over"),
+        ([f"batch_size={10**30},{-(10**30)}"], "ok"),
+        (["lengths=block"], "ok"),
+    ],
+    ids=repr,
+)
 def test_each_class_of_grid(grid: list[str], kind: str) -> None:
     """Stripped keys compare equal; ``block`` in any case is six lengths (an upper bound: 18 here, over a cap of 17)."""
     max_cells = 17 if kind == "over" and grid[0].startswith("lengths") else MAX_CELLS
@@ -239,11 +327,14 @@ def test_the_million_cell_grid_in_a_child_is_refused_fast_and_small(tmp_path: Pa
     """10^6 cells (3 axes x 100 valid values): exit 2 at parse time, in a real process, its RSS measured."""
     flags = [a for g in MILLION for a in ("--grid", g)]
     start = time.perf_counter()
-    rc, err, rss = run_child("dumper", "sweep", "--baseline", tmp_path / "missing", *flags, "--out", tmp_path / "s",
-                             timeout=60)
+    rc, err, rss = run_child(
+        "dumper", "sweep", "--baseline", tmp_path / "missing", *flags, "--out", tmp_path / "s", timeout=60
+    )
     wall = time.perf_counter() - start
-    assert rc == 2 and err == ("error: --grid: 1000000 cells (chunk_size 100 x batch_size 100 x lengths 100), more "
-                               "than --max-cells 4096; narrow an axis, or raise the cap with --max-cells N"), err
+    assert rc == 2 and err == (
+        "error: --grid: 1000000 cells (chunk_size 100 x batch_size 100 x lengths 100), more "
+        "than --max-cells 4096; narrow an axis, or raise the cap with --max-cells N"
+    ), err
     assert wall < 30 and rss < LIMIT and not (tmp_path / "s").exists(), (wall, rss)
     print(f"10^6-cell grid: exit 2 in {wall:.2f} s, peak RSS {rss / 2**20:.0f} MiB (VmHWM of the child)")
 
@@ -251,8 +342,11 @@ def test_the_million_cell_grid_in_a_child_is_refused_fast_and_small(tmp_path: Pa
 def test_a_grid_of_10_12_cells_is_refused_in_bounded_time(tmp_path: Path) -> None:
     grid = [f"{k}={','.join(map(str, range(1, 1001)))}" for k in ("chunk_size", "batch_size", "lengths", "threads")]
     start = time.perf_counter()
-    with pytest.raises(UsageError, match=r"^--grid: 1000000000000 cells \(chunk_size 1000 x batch_size 1000 x "
-                                         r"lengths 1000 x threads 1000\), more than --max-cells 4096;"):
+    with pytest.raises(
+        UsageError,
+        match=r"^--grid: 1000000000000 cells \(chunk_size 1000 x batch_size 1000 x "
+        r"lengths 1000 x threads 1000\), more than --max-cells 4096;",
+    ):
         with deadline(5):
             parse_grid(grid)
     assert time.perf_counter() - start < 5
@@ -262,12 +356,17 @@ def test_a_grid_of_10_12_cells_is_refused_in_bounded_time(tmp_path: Path) -> Non
     assert _check_parse([*grid, "lengths=block"], 10**30) == "twice"
 
 
-@pytest.mark.parametrize("key", ["\x1b[31mred", "\x1b]0;title\x07", "\x9b2J", "a\rb", "a\u2028b", "\x00", "\ud800"],
-                         ids=repr)
+@pytest.mark.parametrize(
+    "key", ["\x1b[31mred", "\x1b]0;title\x07", "\x9b2J", "a\rb", "a\u2028b", "\x00", "\ud800"], ids=repr
+)
 @pytest.mark.parametrize("how", ["malformed", "twice", "over", "repeated"])
 def test_control_characters_in_a_key_never_reach_stderr_raw(tmp_path: Path, key: str, how: str) -> None:
-    grid = {"malformed": [key], "twice": [f"{key}=1", f"{key}=2"], "over": [f"{key}=1,2", f"b{key}=1,2,3"],
-            "repeated": [f"{key}=1,1"]}[how]
+    grid = {
+        "malformed": [key],
+        "twice": [f"{key}=1", f"{key}=2"],
+        "over": [f"{key}=1,2", f"b{key}=1,2,3"],
+        "repeated": [f"{key}=1,1"],
+    }[how]
     cap = "5" if how == "over" else "4096"
     assert _check_parse(grid, int(cap)) == how
     _, err, _ = _cli(tmp_path, grid, "--max-cells", cap)

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from dumper.format import LOGITS, LOGPROB_TOKEN_ID, LOGPROB_TOP_ID, LOGPROB_VALUE, DumpReader, load_manifest
+from dumper.jobs.selfcheck import MODES, selfcheck
 from dumper.prefill.logprobs import input_token_logprobs, row_logprobs
 from dumper.prefill.run import LogprobSpec, RunConfig, run_dump
-from dumper.jobs.selfcheck import MODES, selfcheck
 from tests.conftest import tiny_llama
 
 # The design note's hand-computed example: vocab A, B, C, D; input [A, C, B].
@@ -57,8 +57,9 @@ def _logprob_rows(path):
     ids = {(r.forward_pass, r.call): r for r in m.tensors if r.name == LOGPROB_TOKEN_ID}
     for rec in (r for r in m.tensors if r.name == LOGPROB_VALUE):
         idr = ids[(rec.forward_pass, rec.call)]
-        for p, s, t, v in zip(rec.row_positions(), rec.row_sequence_ids(), reader.array(idr)[:, 0],
-                              reader.array(rec)[:, 0], strict=True):
+        for p, s, t, v in zip(
+            rec.row_positions(), rec.row_sequence_ids(), reader.array(idr)[:, 0], reader.array(rec)[:, 0], strict=True
+        ):
             out.setdefault(int(s), {})[int(p)] = (int(t), float(v))
     return out
 
@@ -66,7 +67,11 @@ def _logprob_rows(path):
 def test_dumped_logprobs_match_the_model_in_every_layout(tmp_path):
     prompts = ("The quick brown fox jumps over the lazy dog.", "Chunked prefill, batched prefill, same numbers.")
     spec = LogprobSpec(top_k=3, save_logits=True)
-    for name, kw in (("one", {}), ("chunked", {"chunk_size": 7}), ("batched", {"batch_size": 2, "padding_side": "left"})):
+    for name, kw in (
+        ("one", {}),
+        ("chunked", {"chunk_size": 7}),
+        ("batched", {"batch_size": 2, "padding_side": "left"}),
+    ):
         run_dump(RunConfig(out=str(tmp_path / name), prompts=prompts, layers="last", logprobs=spec, **kw))
     model, tok = tiny_llama()
     expected = {}
@@ -90,8 +95,9 @@ def test_dumped_logprobs_match_the_model_in_every_layout(tmp_path):
 
 
 def test_logprob_start_len_in_a_run(tmp_path):
-    run_dump(RunConfig(out=str(tmp_path / "d"), prompts=("hello world",), layers="last",
-                       logprobs=LogprobSpec(start_len=5)))
+    run_dump(
+        RunConfig(out=str(tmp_path / "d"), prompts=("hello world",), layers="last", logprobs=LogprobSpec(start_len=5))
+    )
     got = _logprob_rows(tmp_path / "d")
     assert sorted(got[0]) == list(range(6, 12))  # position 5 itself is None, as in SGLang
 
@@ -156,8 +162,16 @@ def test_selfcheck_k3_matches_its_logprobs(fp32_model):
 
 @pytest.mark.slow
 def test_selfcheck_cli(cli, tmp_path):
-    r = cli("dumper", "selfcheck", "--new-tokens", "6", "--prompt", "hello there, decode path", "--json",
-            tmp_path / "s.json")
+    r = cli(
+        "dumper",
+        "selfcheck",
+        "--new-tokens",
+        "6",
+        "--prompt",
+        "hello there, decode path",
+        "--json",
+        tmp_path / "s.json",
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     data = json.loads((tmp_path / "s.json").read_text())
     assert data["passed"] and [run["mode"] for run in data["runs"]] == list(MODES)

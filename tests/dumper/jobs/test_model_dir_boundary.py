@@ -23,8 +23,16 @@ from dumper.errors import ModelError, UsageError
 from dumper.modeldir import check_model_dir
 from tests.fuzzing import LIMIT, run_child
 
-LLAMA = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-             num_key_value_heads=1, head_dim=16, max_position_embeddings=128)
+LLAMA = dict(
+    vocab_size=300,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=16,
+    max_position_embeddings=128,
+)
 
 _HOSTILE = """import pathlib, subprocess, sys
 pathlib.Path({marker!r}).write_text("ran")
@@ -63,16 +71,31 @@ def _custom_code(d: Path, tmp_path: Path, where: str) -> tuple[Path, Path]:
     if where == "config.json":  # a model_type transformers does not know: it would ask, then import this
         (d / "configuration_custom.py").write_text(
             head + "from transformers import LlamaConfig\n\nclass CustomConfig(LlamaConfig):\n"
-                   "    model_type = 'driftscope-custom'\n")
+            "    model_type = 'driftscope-custom'\n"
+        )
         (d / "modeling_custom.py").write_text(head)
-        _edit_json(d / "config.json", lambda c: c.update(model_type="driftscope-custom", auto_map={
-            "AutoConfig": "configuration_custom.CustomConfig", "AutoModelForCausalLM": "modeling_custom.CustomLM"}))
+        _edit_json(
+            d / "config.json",
+            lambda c: c.update(
+                model_type="driftscope-custom",
+                auto_map={
+                    "AutoConfig": "configuration_custom.CustomConfig",
+                    "AutoModelForCausalLM": "modeling_custom.CustomLM",
+                },
+            ),
+        )
     else:  # a tokenizer class transformers does not know: the same question, then tokenization_custom.py
         (d / "tokenization_custom.py").write_text(
             head + "from transformers import PreTrainedTokenizer\n\nclass CustomTokenizer(PreTrainedTokenizer):\n"
-                   "    pass\n")
-        _edit_json(d / "tokenizer_config.json", lambda c: c.update(
-            tokenizer_class="CustomTokenizer", auto_map={"AutoTokenizer": ["tokenization_custom.CustomTokenizer", None]}))
+            "    pass\n"
+        )
+        _edit_json(
+            d / "tokenizer_config.json",
+            lambda c: c.update(
+                tokenizer_class="CustomTokenizer",
+                auto_map={"AutoTokenizer": ["tokenization_custom.CustomTokenizer", None]},
+            ),
+        )
     return marker, spawned
 
 
@@ -81,9 +104,19 @@ def test_custom_code_is_refused_and_never_runs_even_when_stdin_says_yes(llama_di
     d = _copy(llama_dir, tmp_path)
     marker, spawned = _custom_code(d, tmp_path, where)
     modules = tmp_path / "hf-modules"  # where transformers would copy the code before importing it
-    rc, err, _ = run_child("dumper", "run", "--model", d, "--out", tmp_path / "out", "--input-ids", "1,2,3",
-                           "--quiet", env={"HF_MODULES_CACHE": str(modules), "HF_HUB_OFFLINE": "1"},
-                           stdin="y\n" * 10)
+    rc, err, _ = run_child(
+        "dumper",
+        "run",
+        "--model",
+        d,
+        "--out",
+        tmp_path / "out",
+        "--input-ids",
+        "1,2,3",
+        "--quiet",
+        env={"HF_MODULES_CACHE": str(modules), "HF_HUB_OFFLINE": "1"},
+        stdin="y\n" * 10,
+    )
     lines = err.strip().splitlines()
     assert rc == 2 and len(lines) == 1, err
     assert lines[0].startswith(f"error: {d / where}: names custom code (auto_map: "), lines[0]
@@ -97,11 +130,11 @@ def test_a_1gib_config_is_refused_by_its_size_before_it_is_read(tmp_path):
     d.mkdir()
     with open(d / "config.json", "wb") as f:  # sparse: 1 GiB on paper, no disk
         f.truncate(1 << 30)
-    rc, err, peak = run_child("dumper", "run", "--model", d, "--out", tmp_path / "out", "--input-ids", "1,2",
-                              "--quiet")
+    rc, err, peak = run_child("dumper", "run", "--model", d, "--out", tmp_path / "out", "--input-ids", "1,2", "--quiet")
     print(f"peak RSS refusing a 1 GiB config.json: {peak >> 20} MiB")
     assert rc == 2 and err.strip().splitlines() == [
-        f"error: {d / 'config.json'}: model config of {1 << 30} bytes exceeds the 16 MiB limit"], err
+        f"error: {d / 'config.json'}: model config of {1 << 30} bytes exceeds the 16 MiB limit"
+    ], err
     assert peak < LIMIT // 2, peak  # the torch import, not the file (it was 2.3 GB before)
 
 
@@ -132,7 +165,8 @@ def test_a_fifo_config_is_refused_without_opening_it_for_a_read(llama_dir, tmp_p
     argv = ["run", "--model", str(d), "--out", str(tmp_path / "out"), "--input-ids", "1,2", "--quiet"]
     assert _unblocking(d / "config.json", lambda: main(argv)) == 2
     assert capsys.readouterr().err.strip().splitlines() == [
-        f"error: {d / 'config.json'}: a FIFO, not a regular file; refusing to read it"]
+        f"error: {d / 'config.json'}: a FIFO, not a regular file; refusing to read it"
+    ]
 
 
 @pytest.mark.parametrize("name", ["tokenizer.json", "model.safetensors", "generation_config.json"])
@@ -142,7 +176,8 @@ def test_a_fifo_anywhere_in_the_directory_is_refused_before_transformers_opens_i
     os.mkfifo(d / name)
     e = _unblocking(d / name, lambda: check_model_dir(d))
     assert isinstance(e, ModelError) and str(e) == (
-        f"{d / name}: a FIFO in the model directory; refusing to load it (only regular files are read)")
+        f"{d / name}: a FIFO in the model directory; refusing to load it (only regular files are read)"
+    )
 
 
 def test_a_fifo_gguf_is_refused_promptly(tmp_path):
@@ -152,7 +187,8 @@ def test_a_fifo_gguf_is_refused_promptly(tmp_path):
     os.mkfifo(fifo)
     e = _unblocking(fifo, lambda: check_gguf_file(str(fifo)))
     assert isinstance(e, UsageError) and str(e) == (
-        f"{fifo}: a FIFO, not a regular file; --engine llama.cpp loads one .gguf file")
+        f"{fifo}: a FIFO, not a regular file; --engine llama.cpp loads one .gguf file"
+    )
     (tmp_path / "d.gguf").mkdir()
     with pytest.raises(UsageError, match="a directory; --engine llama.cpp loads one .gguf file"):
         check_gguf_file(str(tmp_path / "d.gguf"))
@@ -161,13 +197,17 @@ def test_a_fifo_gguf_is_refused_promptly(tmp_path):
         check_gguf_file(str(tmp_path / "x.gguf"))
 
 
-@pytest.mark.parametrize("key, value, needle", [
-    ("vocab_size", 10 ** 8, "values, but the weight files hold 37,792; refusing to allocate it"),
-    ("hidden_size", 1 << 16, "but the weight files hold 37,792; refusing to allocate it"),
-    ("num_hidden_layers", 10 ** 6, "num_hidden_layers is 1000000, but the weight files hold 21 tensors"),
-])
+@pytest.mark.parametrize(
+    "key, value, needle",
+    [
+        ("vocab_size", 10**8, "values, but the weight files hold 37,792; refusing to allocate it"),
+        ("hidden_size", 1 << 16, "but the weight files hold 37,792; refusing to allocate it"),
+        ("num_hidden_layers", 10**6, "num_hidden_layers is 1000000, but the weight files hold 21 tensors"),
+    ],
+)
 def test_a_config_that_describes_far_more_than_its_weights_is_refused_before_allocating(
-        llama_dir, tmp_path, capsys, key, value, needle):
+    llama_dir, tmp_path, capsys, key, value, needle
+):
     d = _copy(llama_dir, tmp_path)
     _edit_json(d / "config.json", lambda c: c.update({key: value}))
     rc = main(["run", "--model", str(d), "--out", str(tmp_path / "out"), "--input-ids", "1,2", "--quiet"])
@@ -176,18 +216,29 @@ def test_a_config_that_describes_far_more_than_its_weights_is_refused_before_all
     assert needle in lines[0], lines[0]
 
 
-@pytest.mark.parametrize("edit, needle", [
-    (lambda d: (d / "config.json").write_bytes(b'{"model_type": "llama", "x": ' + b"[" * 100_000), "unreadable"),
-    (lambda d: _edit_json(d / "config.json", lambda c: c.update(text_config={"auto_map": {"AutoConfig": "a.B"}})),
-     "names custom code (text_config.auto_map: "),
-    (lambda d: _edit_json(d / "config.json", lambda c: c.update(custom_pipelines={"x": {"impl": "p.P"}})),
-     "names custom code (custom_pipelines: "),
-    (lambda d: _edit_json(d / "config.json", lambda c: c.update(num_attention_heads=-2)),
-     "num_attention_heads is -2"),
-    (lambda d: (d / "tokenizer_config.json").write_text("[1]"), "tokenizer_config.json: expected a JSON object"),
-    (lambda d: (d / "config.json").unlink() or (d / "config.json").mkdir(), "a directory, not a regular file"),
-    (lambda d: (d / "config.json").unlink(), "not a HF model directory (no config.json)"),
-])
+@pytest.mark.parametrize(
+    "edit, needle",
+    [
+        (lambda d: (d / "config.json").write_bytes(b'{"model_type": "llama", "x": ' + b"[" * 100_000), "unreadable"),
+        (
+            lambda d: _edit_json(
+                d / "config.json", lambda c: c.update(text_config={"auto_map": {"AutoConfig": "a.B"}})
+            ),
+            "names custom code (text_config.auto_map: ",
+        ),
+        (
+            lambda d: _edit_json(d / "config.json", lambda c: c.update(custom_pipelines={"x": {"impl": "p.P"}})),
+            "names custom code (custom_pipelines: ",
+        ),
+        (
+            lambda d: _edit_json(d / "config.json", lambda c: c.update(num_attention_heads=-2)),
+            "num_attention_heads is -2",
+        ),
+        (lambda d: (d / "tokenizer_config.json").write_text("[1]"), "tokenizer_config.json: expected a JSON object"),
+        (lambda d: (d / "config.json").unlink() or (d / "config.json").mkdir(), "a directory, not a regular file"),
+        (lambda d: (d / "config.json").unlink(), "not a HF model directory (no config.json)"),
+    ],
+)
 def test_model_directory_checks_name_the_file(llama_dir, tmp_path, edit, needle):
     d = _copy(llama_dir, tmp_path)
     edit(d)

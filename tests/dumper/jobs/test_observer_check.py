@@ -46,6 +46,7 @@ def _float_values(path: Path, *, logits: bool) -> int:
 
 # -- the comparison itself, on real dump files ----------------------------------------------------
 
+
 def _dump(path: Path, values: torch.Tensor, logits: torch.Tensor) -> None:
     """A dump holding one pass of logprobs (rows at sequence 0, positions 1..n) and their logits rows."""
     meta = {"positions": torch.arange(1, values.shape[0] + 1), "sequence_ids": torch.zeros(values.shape[0])}
@@ -97,12 +98,20 @@ def test_the_mark_rewrites_only_the_manifest(tmp_path):
     _dump(tmp_path / "a", torch.tensor([-1.0]), torch.zeros(1, 3))
     before = load_manifest(tmp_path / "a")
     marked = mark_observer(tmp_path / "a", ObserverResult(True, "logprobs", 1))
-    assert marked.extra["observer"] == {"checked": True, "bit_exact": True, "compared": "logprobs", "values": 1,
-                                        "max_abs_diff": 0.0, "sequence": None, "position": None}
+    assert marked.extra["observer"] == {
+        "checked": True,
+        "bit_exact": True,
+        "compared": "logprobs",
+        "values": 1,
+        "max_abs_diff": 0.0,
+        "sequence": None,
+        "position": None,
+    }
     assert load_manifest(tmp_path / "a") == marked and marked.tensors == before.tensors
 
 
 # -- HF: the CLI, and a perturbation under capture -------------------------------------------------
+
 
 def test_without_logprobs_or_with_an_out_of_process_engine_it_is_a_usage_error(tmp_path):
     r = run_cli("dumper", "run", "--observer-check", "--out", tmp_path / "a", "--quiet")
@@ -121,9 +130,15 @@ def test_hf_capture_is_bit_exact(tmp_path, mode):
     m = load_manifest(tmp_path / "a")
     logits = mode == "eager"
     obs = m.extra["observer"]
-    assert obs == {"checked": True, "bit_exact": True, "compared": "logprobs+logits" if logits else "logprobs",
-                   "values": _float_values(tmp_path / "a", logits=logits), "max_abs_diff": 0.0,
-                   "sequence": None, "position": None}
+    assert obs == {
+        "checked": True,
+        "bit_exact": True,
+        "compared": "logprobs+logits" if logits else "logprobs",
+        "values": _float_values(tmp_path / "a", logits=logits),
+        "max_abs_diff": 0.0,
+        "sequence": None,
+        "position": None,
+    }
     assert obs["values"] > 0 and m.extra["compiled"] is (mode == "compile")
     assert any(t.point == "input" for t in m.tensors)  # the hidden states were captured
     what = "logprobs and logits" if logits else "logprobs"
@@ -132,6 +147,7 @@ def test_hf_capture_is_bit_exact(tmp_path, mode):
 
 def _perturb_hf(model: torch.nn.Module, *, always: bool) -> torch.utils.hooks.RemovableHandle:
     """Add 1e-3 to decoder layer PERTURB_LAYER's input at position PERTURB_AT, only under capture unless ``always``."""
+
     def pre(module, args, kwargs):
         hidden = args[0] if args else kwargs["hidden_states"]
         if (not always and dumper.active_capture() is None) or hidden.shape[1] <= PERTURB_AT:
@@ -175,13 +191,16 @@ def test_hf_cli_exits_1_when_capture_changed_the_logprobs(tmp_path, monkeypatch,
 
     monkeypatch.setattr(run_module, "load_model", perturbed_load)
     ids = [a for p in PROMPTS for a in ("--input-ids", ",".join(map(str, p)))]
-    rc = main(["run", *ids, "--layers", "all", "--logprobs", "--observer-check", "--quiet", "--out",
-               str(tmp_path / "a")])
+    rc = main(
+        ["run", *ids, "--layers", "all", "--logprobs", "--observer-check", "--quiet", "--out", str(tmp_path / "a")]
+    )
     line = capsys.readouterr().out.strip()
     obs = load_manifest(tmp_path / "a").extra["observer"]
     assert rc == 1 and not obs["bit_exact"] and obs["sequence"] == 1 and obs["position"] > PERTURB_AT
-    assert line == f"observer check: capture changed the logprobs (largest |Δ| {obs['max_abs_diff']:.3g} at " \
-                   f"sequence 1, position {obs['position']}, of {obs['values']} values)"
+    assert (
+        line == f"observer check: capture changed the logprobs (largest |Δ| {obs['max_abs_diff']:.3g} at "
+        f"sequence 1, position {obs['position']}, of {obs['values']} values)"
+    )
 
 
 # -- vLLM: eager and compiled, one worker process ---------------------------------------------------
@@ -213,16 +232,40 @@ def _worker(ckpt: str, out: str) -> None:
 
     base, results = Path(out), {}
     ids = [a for p in PROMPTS for a in ("--input-ids", ",".join(map(str, p)))]
-    run = ["run", "--engine", "vllm", "--model", ckpt, *ids, "--layers", "all", "--logprobs", "--observer-check",
-           "--quiet"]
+    run = [
+        "run",
+        "--engine",
+        "vllm",
+        "--model",
+        ckpt,
+        *ids,
+        "--layers",
+        "all",
+        "--logprobs",
+        "--observer-check",
+        "--quiet",
+    ]
     for name in VLLM_JOBS:
         stdout, stderr, start = io.StringIO(), io.StringIO(), time.perf_counter()
-        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr), \
-                seeded(PERTURB_SEED) if name == "perturbed" else contextlib.nullcontext():
-            rc = main([*run, *(() if name == "compiled" else ("--engine-arg", "enforce_eager=true")),
-                       "--out", str(base / name)])
-        results[name] = {"rc": rc, "seconds": time.perf_counter() - start, "stdout": stdout.getvalue()[-2000:],
-                         "stderr": stderr.getvalue()[-3000:]}
+        with (
+            contextlib.redirect_stdout(stdout),
+            contextlib.redirect_stderr(stderr),
+            seeded(PERTURB_SEED) if name == "perturbed" else contextlib.nullcontext(),
+        ):
+            rc = main(
+                [
+                    *run,
+                    *(() if name == "compiled" else ("--engine-arg", "enforce_eager=true")),
+                    "--out",
+                    str(base / name),
+                ]
+            )
+        results[name] = {
+            "rc": rc,
+            "seconds": time.perf_counter() - start,
+            "stdout": stdout.getvalue()[-2000:],
+            "stderr": stderr.getvalue()[-3000:],
+        }
     finish_worker(base, results)
 
 
@@ -232,9 +275,19 @@ def vllm_runs(tmp_path_factory):
     need("vllm")
     root = tmp_path_factory.mktemp("vllm-observer")
     ckpt = shared_checkpoint()  # the fixed path vLLM's compile cache already knows
-    worker = subprocess.run([sys.executable, "-c", f"from tests.dumper.jobs.test_observer_check import _worker; "
-                             f"_worker({str(ckpt)!r}, {str(root)!r})"], cwd=ROOT, env=worker_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, timeout=900)
+    worker = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            f"from tests.dumper.jobs.test_observer_check import _worker; _worker({str(ckpt)!r}, {str(root)!r})",
+        ],
+        cwd=ROOT,
+        env=worker_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=900,
+    )
     assert_worker_done(worker.returncode, worker.stdout, root)
     return root, json.loads((root / "results.json").read_text())
 

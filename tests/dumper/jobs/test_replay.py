@@ -59,22 +59,38 @@ def case(tmp_path_factory):
     r = run_cli("dumper", "replay", "--model", root / "ckpt", "--baseline", root / "base", "--out", root / "replay")
     assert r.returncode == 0, r.stderr
     for name in ("bugged", "replay"):  # thresholds far below the bugs (rel_diff 1e-8 and 1.5e-5), far above 0
-        c = run_cli("comparator", root / "base", root / name, "--json", root / f"{name}.json",
-                    "--threshold", "1e-6", "--token-threshold", "1e-6")
+        c = run_cli(
+            "comparator",
+            root / "base",
+            root / name,
+            "--json",
+            root / f"{name}.json",
+            "--threshold",
+            "1e-6",
+            "--token-threshold",
+            "1e-6",
+        )
         assert c.returncode == 1, c.stdout + c.stderr
     return root
 
 
-@pytest.mark.parametrize(("dtype", "attn", "layout"), [("float32", "eager", {}), ("bfloat16", "sdpa", {}),
-                                                      ("float32", "sdpa", {"chunk_size": 16, "batch_size": 2})])
+@pytest.mark.parametrize(
+    ("dtype", "attn", "layout"),
+    [("float32", "eager", {}), ("bfloat16", "sdpa", {}), ("float32", "sdpa", {"chunk_size": 16, "batch_size": 2})],
+)
 def test_replaying_the_baseline_model_reproduces_its_own_forward(tmp_path, dtype, attn, layout):
     model, tok = tiny_llama(attn=attn, dtype=dtype)
-    dump_sequences(model, _seqs(tok), RunConfig(out=str(tmp_path / "base"), layers="all", points=("residual",),
-                                                dtype=dtype, attn=attn, **layout))
+    dump_sequences(
+        model,
+        _seqs(tok),
+        RunConfig(out=str(tmp_path / "base"), layers="all", points=("residual",), dtype=dtype, attn=attn, **layout),
+    )
     m = replay_model(model, tmp_path / "base", tmp_path / "replay", dtype=dtype, attn=attn)
     assert m.extra["replay"]["layers"] == list(range(8))
     base, rep = _rows(tmp_path / "base"), _rows(tmp_path / "replay")
-    assert sorted(rep) == list(range(1, 9)) and {r.dtype for r in m.tensors} == {"F32" if dtype == "float32" else "BF16"}
+    assert sorted(rep) == list(range(1, 9)) and {r.dtype for r in m.tensors} == {
+        "F32" if dtype == "float32" else "BF16"
+    }
     for layer, rows in rep.items():
         assert rows.keys() == base[layer].keys()
         x, y = np.stack([rows[k] for k in sorted(rows)]), np.stack([base[layer][k] for k in sorted(rows)])

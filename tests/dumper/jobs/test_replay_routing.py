@@ -52,13 +52,26 @@ def mixtral(tmp_path_factory):
     """A tiny Mixtral and its baseline dump; a checkpoint whose layer-1 gate row of expert 6 is moved; three replays."""
     root = tmp_path_factory.mktemp("force")
     moved_gate_checkpoints(root)
-    r = run_cli("dumper", "run", "--model", root / "ref", "--out", root / "base", "--points", "residual,router",
-                "--layers", "all", "--quiet", *_ids_args())
+    r = run_cli(
+        "dumper",
+        "run",
+        "--model",
+        root / "ref",
+        "--out",
+        root / "base",
+        "--points",
+        "residual,router",
+        "--layers",
+        "all",
+        "--quiet",
+        *_ids_args(),
+    )
     assert r.returncode == 0, r.stderr
     for mode in ("plain", "ids", "all"):
         force = [] if mode == "plain" else ["--force-routing", mode]
-        r = run_cli("dumper", "replay", "--model", root / "bug", "--baseline", root / "base", "--out", root / mode,
-                    *force)
+        r = run_cli(
+            "dumper", "replay", "--model", root / "bug", "--baseline", root / "base", "--out", root / mode, *force
+        )
         assert r.returncode == 0, r.stderr
         assert ("expert choice forced" in r.stdout) == (mode != "plain"), r.stdout
     return root
@@ -136,11 +149,33 @@ def test_forcing_the_baselines_own_choice_reproduces_its_forward(tmp_path, famil
 
 @pytest.mark.slow
 def test_forcing_needs_the_router_point_in_the_baseline(mixtral, tmp_path):
-    r = run_cli("dumper", "run", "--model", mixtral / "ref", "--out", tmp_path / "base", "--points", "residual",
-                "--layers", "all", "--quiet", *_ids_args())
+    r = run_cli(
+        "dumper",
+        "run",
+        "--model",
+        mixtral / "ref",
+        "--out",
+        tmp_path / "base",
+        "--points",
+        "residual",
+        "--layers",
+        "all",
+        "--quiet",
+        *_ids_args(),
+    )
     assert r.returncode == 0, r.stderr
-    r = run_cli("dumper", "replay", "--model", mixtral / "bug", "--baseline", tmp_path / "base", "--out",
-                tmp_path / "o", "--force-routing", "ids")
+    r = run_cli(
+        "dumper",
+        "replay",
+        "--model",
+        mixtral / "bug",
+        "--baseline",
+        tmp_path / "base",
+        "--out",
+        tmp_path / "o",
+        "--force-routing",
+        "ids",
+    )
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert str(tmp_path / "base") in r.stderr and "--points residual,router" in r.stderr
     assert not (tmp_path / "o").exists()
@@ -151,12 +186,34 @@ def test_forcing_refuses_a_dense_model(mixtral, tmp_path):
     from transformers import MistralConfig, MistralForCausalLM
 
     mixtral_config = build_moe("mixtral").config  # the same shapes without experts: layers and hidden size match
-    dense = MistralConfig(**{k: getattr(mixtral_config, k) for k in (
-        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-        "num_key_value_heads", "head_dim", "max_position_embeddings")})
+    dense = MistralConfig(
+        **{
+            k: getattr(mixtral_config, k)
+            for k in (
+                "vocab_size",
+                "hidden_size",
+                "intermediate_size",
+                "num_hidden_layers",
+                "num_attention_heads",
+                "num_key_value_heads",
+                "head_dim",
+                "max_position_embeddings",
+            )
+        }
+    )
     MistralForCausalLM(dense).save_pretrained(tmp_path / "dense")
-    r = run_cli("dumper", "replay", "--model", tmp_path / "dense", "--baseline", mixtral / "base", "--out",
-                tmp_path / "o", "--force-routing", "all")
+    r = run_cli(
+        "dumper",
+        "replay",
+        "--model",
+        tmp_path / "dense",
+        "--baseline",
+        mixtral / "base",
+        "--out",
+        tmp_path / "o",
+        "--force-routing",
+        "all",
+    )
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert "MistralForCausalLM has no MoE router" in r.stderr and "--force-routing all" in r.stderr
     assert not (tmp_path / "o").exists()
@@ -165,5 +222,8 @@ def test_forcing_refuses_a_dense_model(mixtral, tmp_path):
 @pytest.mark.slow
 def test_an_unknown_force_mode_is_refused_before_the_model_loads(mixtral, tmp_path):
     with pytest.raises(UsageError, match="force_routing 'weights': expected one of ids, all"):
-        replay(ReplayConfig(model="no/such/model", baseline=str(mixtral / "base"), out=str(tmp_path / "o"),
-                            force_routing="weights"))
+        replay(
+            ReplayConfig(
+                model="no/such/model", baseline=str(mixtral / "base"), out=str(tmp_path / "o"), force_routing="weights"
+            )
+        )

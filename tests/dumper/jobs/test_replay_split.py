@@ -14,8 +14,8 @@ import pytest
 from comparator import compare_dumps
 from comparator.hidden.onset import rounding_floor
 from dumper.errors import ModelMismatchError
-from dumper.prefill.presets import load_model
 from dumper.jobs.replay_split import split_replay_model
+from dumper.prefill.presets import load_model
 from dumper.prefill.run import RunConfig, dump_sequences
 from tests.conftest import run_cli, tiny_llama
 from tests.moe_models import moved_gate_checkpoints
@@ -58,24 +58,56 @@ def test_a_bug_in_one_half_is_that_halfs_cause_and_no_other_half_adds_anything(b
     assert fd is not None and (fd.layer, fd.token, fd.name) == (LAYER, TOKEN, bugged.name)
 
 
-@pytest.mark.parametrize("baseline_dtype,target_dtype,off", [("float32", "bfloat16", "target's"),
-                                                             ("bfloat16", "float32", "baseline's")])
+@pytest.mark.parametrize(
+    "baseline_dtype,target_dtype,off", [("float32", "bfloat16", "target's"), ("bfloat16", "float32", "baseline's")]
+)
 def test_the_float64_reference_says_which_side_is_off(tmp_path, baseline_dtype, target_dtype, off):
-    r = run_cli("dumper", "run", "--layers", "0,1", "--points", POINTS, "--dtype", baseline_dtype,
-                "--input-ids", ",".join(map(str, SEQS[0])), "--out", tmp_path / "base", "--quiet")
+    r = run_cli(
+        "dumper",
+        "run",
+        "--layers",
+        "0,1",
+        "--points",
+        POINTS,
+        "--dtype",
+        baseline_dtype,
+        "--input-ids",
+        ",".join(map(str, SEQS[0])),
+        "--out",
+        tmp_path / "base",
+        "--quiet",
+    )
     assert r.returncode == 0, r.stderr
-    r = run_cli("dumper", "replay", "--baseline", tmp_path / "base", "--dtype", target_dtype, "--split",
-                "--reference", "float64", "--out", tmp_path / "split", "--quiet")
+    r = run_cli(
+        "dumper",
+        "replay",
+        "--baseline",
+        tmp_path / "base",
+        "--dtype",
+        target_dtype,
+        "--split",
+        "--reference",
+        "float64",
+        "--out",
+        tmp_path / "split",
+        "--quiet",
+    )
     assert r.returncode == 0, r.stderr
     lines = r.stdout.strip().splitlines()
     assert [line.split(":")[0] for line in lines] == ["layer 0", "layer 1"]
     assert all(line.count(f"the {off} is off]") == 2 for line in lines), r.stdout
 
 
-@pytest.mark.parametrize("args,words", [
-    (("--split",), "holds no 'attn_output' point; re-run it with `python -m dumper run ... --points input,attn_output"),
-    (("--reference", "float64"), "--reference needs --split"),
-])
+@pytest.mark.parametrize(
+    "args,words",
+    [
+        (
+            ("--split",),
+            "holds no 'attn_output' point; re-run it with `python -m dumper run ... --points input,attn_output",
+        ),
+        (("--reference", "float64"), "--reference needs --split"),
+    ],
+)
 def test_what_split_replay_cannot_do_is_one_line(tmp_path, args, words):
     r = run_cli("dumper", "run", "--layers", "0", "--input-ids", "1,2,3,4", "--out", tmp_path / "base", "--quiet")
     assert r.returncode == 0, r.stderr
@@ -85,8 +117,17 @@ def test_what_split_replay_cannot_do_is_one_line(tmp_path, args, words):
 
 
 def test_forcing_experts_needs_the_router_point_in_the_baseline(base, tmp_path):
-    r = run_cli("dumper", "replay", "--baseline", base / "base", "--split", "--force-routing", "ids", "--out",
-                tmp_path / "split")
+    r = run_cli(
+        "dumper",
+        "replay",
+        "--baseline",
+        base / "base",
+        "--split",
+        "--force-routing",
+        "ids",
+        "--out",
+        tmp_path / "split",
+    )
     words = "holds no 'router' point, so there is no expert choice to force"
     assert r.returncode == 2 and words in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert not (tmp_path / "split").exists()
@@ -106,8 +147,20 @@ def moe(tmp_path_factory):
     root = tmp_path_factory.mktemp("split-moe")
     moved_gate_checkpoints(root)
     ids = [a for p in SEQS for a in ("--input-ids", ",".join(str(t % 250 + 3) for t in p))]
-    r = run_cli("dumper", "run", "--model", root / "ref", "--out", root / "base", "--points", POINTS + ",router",
-                "--layers", "all", "--quiet", *ids)
+    r = run_cli(
+        "dumper",
+        "run",
+        "--model",
+        root / "ref",
+        "--out",
+        root / "base",
+        "--points",
+        POINTS + ",router",
+        "--layers",
+        "all",
+        "--quiet",
+        *ids,
+    )
     assert r.returncode == 0, r.stderr
     return root
 
@@ -117,8 +170,21 @@ def _moe_split(root, mode: str | None) -> tuple[list[str], object]:
     the comparator's report of the dump it wrote."""
     out = root / (mode or "plain")
     force = ["--force-routing", mode] if mode else []
-    r = run_cli("dumper", "replay", "--model", root / "bug", "--baseline", root / "base", "--split",
-                "--reference", "float64", "--out", out, "--quiet", *force)
+    r = run_cli(
+        "dumper",
+        "replay",
+        "--model",
+        root / "bug",
+        "--baseline",
+        root / "base",
+        "--split",
+        "--reference",
+        "float64",
+        "--out",
+        out,
+        "--quiet",
+        *force,
+    )
     assert r.returncode == 0, r.stderr
     return r.stdout.strip().splitlines(), compare_dumps(root / "base", out)
 

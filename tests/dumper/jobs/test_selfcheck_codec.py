@@ -19,11 +19,11 @@ from typing import Any, ClassVar
 import pytest
 import torch
 
-from dumper.server.api import Prompt
-from dumper.server.client import ServerClient
-from dumper.prefill.logprobs import input_token_logprobs
 from dumper.jobs.selfcheck import MODES, SelfCheckResult, greedy_decode, selfcheck
 from dumper.jobs.server_selfcheck import ServerSelfCheck, server_selfcheck
+from dumper.prefill.logprobs import input_token_logprobs
+from dumper.server.api import Prompt
+from dumper.server.client import ServerClient
 from tests.conftest import run_cli, serve_in_thread, tiny_llama
 
 PROMPT = "The quick brown fox jumps over the lazy dog."
@@ -121,10 +121,18 @@ class _SGLang(http.server.BaseHTTPRequestHandler):
             out, lps, _ = greedy_decode(self.model, ids, n) if n else ([], [], None)
         if self.broken and n > BAD_STEP:
             lps[BAD_STEP] = -math.inf
-        self._send({"meta_info": {
-            "id": req["rid"], "prompt_tokens": ids.shape[1],
-            "input_token_logprobs": [[lp, t, None] for lp, t in zip(prompt.logprobs, prompt.token_ids, strict=True)],
-            "output_token_logprobs": [[lp, t, None] for lp, t in zip(lps, out, strict=True)]}})
+        self._send(
+            {
+                "meta_info": {
+                    "id": req["rid"],
+                    "prompt_tokens": ids.shape[1],
+                    "input_token_logprobs": [
+                        [lp, t, None] for lp, t in zip(prompt.logprobs, prompt.token_ids, strict=True)
+                    ],
+                    "output_token_logprobs": [[lp, t, None] for lp, t in zip(lps, out, strict=True)],
+                }
+            }
+        )
 
 
 @pytest.fixture(scope="module")
@@ -162,10 +170,23 @@ def test_the_infinite_case_is_exercised(remote: dict[str, ServerSelfCheck]) -> N
     assert d["k3"][BAD_STEP] is None and d["k3_mean"] is None and d["k3_max_position"] == len(IDS) + BAD_STEP
 
 
-def test_the_clis_json_reads_back_as_the_librarys_result(server: str, remote: dict[str, ServerSelfCheck],
-                                                         tmp_path) -> None:
+def test_the_clis_json_reads_back_as_the_librarys_result(
+    server: str, remote: dict[str, ServerSelfCheck], tmp_path
+) -> None:
     report = tmp_path / "selfcheck.json"
-    r = run_cli("dumper", "selfcheck", "--server", server, "--api", "sglang", "--input-ids", ",".join(map(str, IDS)),
-                "--new-tokens", "5", "--json", report)
+    r = run_cli(
+        "dumper",
+        "selfcheck",
+        "--server",
+        server,
+        "--api",
+        "sglang",
+        "--input-ids",
+        ",".join(map(str, IDS)),
+        "--new-tokens",
+        "5",
+        "--json",
+        report,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert ServerSelfCheck.from_json(json.loads(report.read_text())["runs"][0]) == remote["healthy"]

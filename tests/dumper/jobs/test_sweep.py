@@ -13,10 +13,10 @@ from comparator.config import CompareConfig
 from comparator.hidden.compare import compare_dumps
 from dumper.errors import NotComparableError, UsageError
 from dumper.format import load_manifest
-from dumper.prefill.run import LogprobSpec, RunConfig, dump_sequences
-from dumper.jobs.sweep.run import SweepConfig, SweepResult, baseline_prompts, parse_grid, plan_sweep, run_cell, sweep
 from dumper.jobs.sweep.grid import block_lengths
 from dumper.jobs.sweep.results import ZERO_HITS
+from dumper.jobs.sweep.run import SweepConfig, SweepResult, baseline_prompts, parse_grid, plan_sweep, run_cell, sweep
+from dumper.prefill.run import LogprobSpec, RunConfig, dump_sequences
 from tests.conftest import run_cli, tiny_llama
 
 SHORT = "A short prompt, twenty-four."  # prompt 0: shorter than the longest length, so that cell drops it
@@ -30,8 +30,20 @@ BUG_LAYER = 2
 def base(tmp_path_factory):
     """A fp32 baseline of two prompts (every layer, logprobs) from ``python -m dumper run``."""
     root = tmp_path_factory.mktemp("sweep")
-    r = run_cli("dumper", "run", "--layers", "all", "--logprobs", "--prompt", SHORT, "--prompt", LONG,
-                "--out", root / "base", "--quiet")
+    r = run_cli(
+        "dumper",
+        "run",
+        "--layers",
+        "all",
+        "--logprobs",
+        "--prompt",
+        SHORT,
+        "--prompt",
+        LONG,
+        "--out",
+        root / "base",
+        "--quiet",
+    )
     assert r.returncode == 0, r.stderr
     _, prompts = baseline_prompts(str(root / "base"))
     assert 24 < len(prompts[0]) < 31 and 33 <= len(prompts[1]), [len(p) for p in prompts]
@@ -45,16 +57,27 @@ def _template(root, **kw) -> RunConfig:
 @pytest.mark.slow
 def test_every_cell_passes_in_fp32_and_the_json_holds_each_cell(base, tmp_path):
     out, js = tmp_path / "sweep", tmp_path / "sweep.json"
-    r = run_cli("dumper", "sweep", "--baseline", base / "base", "--logprobs", *(a for g in GRID for a in ("--grid", g)),
-                "--out", out, "--json", js)
+    r = run_cli(
+        "dumper",
+        "sweep",
+        "--baseline",
+        base / "base",
+        "--logprobs",
+        *(a for g in GRID for a in ("--grid", g)),
+        "--out",
+        out,
+        "--json",
+        js,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     result = json.loads(js.read_text())
     cells = result["cells"]
     assert result["passed"] and len(cells) == 12 and result["wall_s"] > 0
     assert json.loads((out / "sweep.json").read_text())["cells"] == cells
     # lengths innermost: the cells of one engine setting run one after another
-    assert [(c["settings"]["chunk_size"], c["settings"]["batch_size"], c["settings"]["lengths"]) for c in cells] == \
-        [(ch, b, n) for ch in (None, 5, 16) for b in (1, 2) for n in (12, 33)]
+    assert [(c["settings"]["chunk_size"], c["settings"]["batch_size"], c["settings"]["lengths"]) for c in cells] == [
+        (ch, b, n) for ch in (None, 5, 16) for b in (1, 2) for n in (12, 33)
+    ]
     for i, c in enumerate(cells):
         assert c["name"] == f"cell-{i:03d}" and c["passed"] and c["verdict"] == "PASS" and c["first_divergent"] is None
         assert c["report"] == str(out / c["name"] / "report.json") and c["dump"] == str(out / c["name"] / "dump")
@@ -141,12 +164,17 @@ def test_a_truncated_run_needs_the_subset_option_and_still_refuses_positions_the
 
 @pytest.mark.slow
 def test_lengths_block_expands_around_one_and_two_blocks(base, tmp_path):
-    cfg = SweepConfig(baseline=str(base / "base"), out=str(tmp_path / "s"), template=_template(tmp_path),
-                      grid=parse_grid(["lengths=block,4", "chunk_size=none,8"]))
+    cfg = SweepConfig(
+        baseline=str(base / "base"),
+        out=str(tmp_path / "s"),
+        template=_template(tmp_path),
+        grid=parse_grid(["lengths=block,4", "chunk_size=none,8"]),
+    )
     cells, block = plan_sweep(cfg)  # the HF engine's default block of 16
     assert block == 16 and block_lengths(16) == (15, 16, 17, 31, 32, 33)
-    assert [(c.settings["chunk_size"], c.length) for c in cells] == \
-        [(ch, n) for ch in (None, 8) for n in (15, 16, 17, 31, 32, 33, 4)]
+    assert [(c.settings["chunk_size"], c.length) for c in cells] == [
+        (ch, n) for ch in (None, 8) for n in (15, 16, 17, 31, 32, 33, 4)
+    ]
     assert [c.group for c in cells] == [0] * 7 + [1] * 7
     assert {c.sequence_map for c in cells if c.length > 24} == {(1,)}
     cells, block = plan_sweep(replace(cfg, block_size=4))
@@ -155,11 +183,17 @@ def test_lengths_block_expands_around_one_and_two_blocks(base, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("grid", "message"), [
-    ("attn_backend=flash", "error: --grid attn_backend: unknown key; --engine transformers sweeps chunk_size, "
-                           "batch_size, new_tokens, lengths"),
-    ("chunk_size=8,0", "error: --grid chunk_size=0: --chunk-size must be >= 1, got 0"),
-])
+@pytest.mark.parametrize(
+    ("grid", "message"),
+    [
+        (
+            "attn_backend=flash",
+            "error: --grid attn_backend: unknown key; --engine transformers sweeps chunk_size, "
+            "batch_size, new_tokens, lengths",
+        ),
+        ("chunk_size=8,0", "error: --grid chunk_size=0: --chunk-size must be >= 1, got 0"),
+    ],
+)
 def test_a_bad_grid_exits_2_with_one_line_before_anything_runs(base, tmp_path, grid, message):
     r = run_cli("dumper", "sweep", "--baseline", base / "base", "--grid", grid, "--out", tmp_path / "s")
     assert r.returncode == 2 and r.stderr.strip() == message, r.stderr
@@ -167,17 +201,26 @@ def test_a_bad_grid_exits_2_with_one_line_before_anything_runs(base, tmp_path, g
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("grid", "match"), [
-    (["lengths=500"], "--grid lengths=500: no prompt of the baseline .* has 500 tokens"),
-    (["batch_size=two"], "--grid batch_size=two: expected a positive integer"),
-    (["lengths=8", "lengths=9"], "--grid lengths: given twice"),
-    (["chunk_size=4,4"], "a value is repeated"),
-    (["chunk_size"], "expected KEY=V1,V2"),
-])
+@pytest.mark.parametrize(
+    ("grid", "match"),
+    [
+        (["lengths=500"], "--grid lengths=500: no prompt of the baseline .* has 500 tokens"),
+        (["batch_size=two"], "--grid batch_size=two: expected a positive integer"),
+        (["lengths=8", "lengths=9"], "--grid lengths: given twice"),
+        (["chunk_size=4,4"], "a value is repeated"),
+        (["chunk_size"], "expected KEY=V1,V2"),
+    ],
+)
 def test_grid_errors_name_the_axis(base, tmp_path, grid, match):
     with pytest.raises(UsageError, match=match):
-        plan_sweep(SweepConfig(baseline=str(base / "base"), out=str(tmp_path / "s"), template=_template(tmp_path),
-                               grid=parse_grid(grid)))
+        plan_sweep(
+            SweepConfig(
+                baseline=str(base / "base"),
+                out=str(tmp_path / "s"),
+                template=_template(tmp_path),
+                grid=parse_grid(grid),
+            )
+        )
 
 
 @pytest.mark.slow
@@ -188,11 +231,20 @@ def test_a_prefix_caching_cell_with_no_cache_hits_fails_and_hits_must_match_the_
     def runner(cfg: RunConfig, *, progress=None):
         return dump_sequences(model, [list(s) for s in cfg.input_ids], cfg)
 
-    cfg = SweepConfig(baseline=str(base / "base"), out=str(tmp_path), template=_template(tmp_path),
-                      grid=parse_grid(["chunk_size=none"]))
+    cfg = SweepConfig(
+        baseline=str(base / "base"),
+        out=str(tmp_path),
+        template=_template(tmp_path),
+        grid=parse_grid(["chunk_size=none"]),
+    )
     (cell,), _ = plan_sweep(cfg)
-    for hits, reason in (([0, 0], ZERO_HITS), ([16, 0], "sequence 0: rows recorded from position 0, but the "
-                                                       "prefix cache served 16 positions (1 sequences so)")):
+    for hits, reason in (
+        ([0, 0], ZERO_HITS),
+        (
+            [16, 0],
+            "sequence 0: rows recorded from position 0, but the prefix cache served 16 positions (1 sequences so)",
+        ),
+    ):
         out = tmp_path / f"hits{hits[0]}"
         run = replace(cell.config, out=str(out / cell.name / "dump"), logprobs=None, extra={"prefix_cache_hits": hits})
         c = run_cell(replace(cell, config=run, prefix_cache=True), replace(cfg, out=str(out)), runner)
@@ -213,8 +265,9 @@ def test_new_tokens_cells_are_judged_against_their_own_prefill_and_a_decode_bug_
 
     grid = parse_grid(["new_tokens=0,4"])
     out = tmp_path / "bugged"
-    result = sweep(SweepConfig(baseline=str(base / "base"), out=str(out), template=_template(out), grid=grid),
-                   runner=runner)
+    result = sweep(
+        SweepConfig(baseline=str(base / "base"), out=str(out), template=_template(out), grid=grid), runner=runner
+    )
     cells = {c.settings["new_tokens"]: c for c in result.cells}
     assert cells[0].passed and not cells[4].passed and not result.passed
     fd = cells[4].first_divergent
@@ -223,15 +276,29 @@ def test_new_tokens_cells_are_judged_against_their_own_prefill_and_a_decode_bug_
     assert fd.token == len(prompts[fd.sequence])
     assert (out / cells[4].name / "prefill" / "manifest.json").exists()
     clean = tmp_path / "clean"
-    r = run_cli("dumper", "sweep", "--baseline", base / "base", "--logprobs", "--grid", "new_tokens=0,4", "--grid",
-                "chunk_size=none,5", "--out", clean, "--json", tmp_path / "clean.json")
+    r = run_cli(
+        "dumper",
+        "sweep",
+        "--baseline",
+        base / "base",
+        "--logprobs",
+        "--grid",
+        "new_tokens=0,4",
+        "--grid",
+        "chunk_size=none,5",
+        "--out",
+        clean,
+        "--json",
+        tmp_path / "clean.json",
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     for c in json.loads((tmp_path / "clean.json").read_text())["cells"]:
         report = json.loads(open(c["report"]).read())
         assert c["passed"] and report["passed"]
         if c["settings"]["new_tokens"]:
             assert report["decode"]["steps"] == 2 * 3 and report["logprobs"]["compared_positions"] == sum(
-                len(p) - 1 + 4 for p in prompts)
+                len(p) - 1 + 4 for p in prompts
+            )
         else:
             assert report["decode"] is None
 
@@ -240,11 +307,22 @@ def test_new_tokens_cells_are_judged_against_their_own_prefill_and_a_decode_bug_
 def test_a_sweep_records_the_baselines_points_inside_the_layer(tmp_path):
     """A baseline with the points inside a layer: every cell records them too (the sweep's default)."""
     points = "input,attn_output,mlp_input,mlp_output"
-    r = run_cli("dumper", "run", "--layers", "0,1", "--points", points, "--prompt", SHORT, "--out", tmp_path / "base",
-                "--quiet")
+    r = run_cli(
+        "dumper", "run", "--layers", "0,1", "--points", points, "--prompt", SHORT, "--out", tmp_path / "base", "--quiet"
+    )
     assert r.returncode == 0, r.stderr
-    r = run_cli("dumper", "sweep", "--baseline", tmp_path / "base", "--grid", "chunk_size=8", "--out", tmp_path / "s",
-                "--json", tmp_path / "s.json")
+    r = run_cli(
+        "dumper",
+        "sweep",
+        "--baseline",
+        tmp_path / "base",
+        "--grid",
+        "chunk_size=8",
+        "--out",
+        tmp_path / "s",
+        "--json",
+        tmp_path / "s.json",
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     cells = json.loads((tmp_path / "s.json").read_text())["cells"]
     manifest = load_manifest(Path(cells[0]["dump"]))

@@ -17,8 +17,10 @@ from tests.conftest import subprocess_env
 HUNDRED = ",".join(map(str, range(1, 101)))
 MILLION = (f"chunk_size={HUNDRED}", f"batch_size={HUNDRED}", f"lengths={HUNDRED}")
 """Three axes of 100 valid values each: 10^6 cells."""
-MILLION_LINE = ("error: --grid: 1000000 cells (chunk_size 100 x batch_size 100 x lengths 100), more than "
-                "--max-cells 4096; narrow an axis, or raise the cap with --max-cells N")
+MILLION_LINE = (
+    "error: --grid: 1000000 cells (chunk_size 100 x batch_size 100 x lengths 100), more than "
+    "--max-cells 4096; narrow an axis, or raise the cap with --max-cells N"
+)
 JUST_OVER = (f"chunk_size={','.join(map(str, range(1, 18)))}", f"lengths={','.join(map(str, range(1, 242)))}")
 """17 x 241 = 4097 cells: one over the default cap."""
 MAX_RSS_MB = 300
@@ -42,12 +44,17 @@ def test_the_cap_is_on_the_product_with_lengths_block_as_its_six_lengths():
     assert len(parse_grid(grid, max_cells=14)) == 2
     with pytest.raises(UsageError) as e:
         parse_grid(grid, max_cells=13)
-    assert str(e.value) == ("--grid: 14 cells (lengths 7 x chunk_size 2), more than --max-cells 13; narrow an axis, "
-                            "or raise the cap with --max-cells N")
+    assert str(e.value) == (
+        "--grid: 14 cells (lengths 7 x chunk_size 2), more than --max-cells 13; narrow an axis, "
+        "or raise the cap with --max-cells N"
+    )
     at_cap = ("chunk_size=" + ",".join(map(str, range(1, 17))), "lengths=" + ",".join(map(str, range(1, 257))))
     assert [len(a.values) for a in parse_grid(at_cap)] == [16, 256]  # 4096 cells: at the cap, not over it
-    with pytest.raises(UsageError, match=r"^--grid: 4097 cells \(chunk_size 17 x lengths 241\), more than "
-                                         r"--max-cells 4096;"):
+    with pytest.raises(
+        UsageError,
+        match=r"^--grid: 4097 cells \(chunk_size 17 x lengths 241\), more than "
+        r"--max-cells 4096;",
+    ):
         parse_grid(JUST_OVER)
 
 
@@ -66,8 +73,12 @@ def test_one_huge_axis_is_refused_in_linear_time():
 
 def test_max_cells_raises_the_cap_of_parse_grid_and_of_the_cli(tmp_path, capsys):
     assert [len(a.values) for a in parse_grid(JUST_OVER, max_cells=4097)] == [17, 241]
-    assert build_parser().parse_args(["sweep", "--baseline", "b", "--out", "o", "--grid", "chunk_size=1",
-                                      "--max-cells", "5000"]).max_cells == 5000
+    assert (
+        build_parser()
+        .parse_args(["sweep", "--baseline", "b", "--out", "o", "--grid", "chunk_size=1", "--max-cells", "5000"])
+        .max_cells
+        == 5000
+    )
     args = ["sweep", "--baseline", str(tmp_path / "missing"), *_grid_flags(JUST_OVER), "--out", str(tmp_path / "s")]
     assert main(args) == 2
     assert capsys.readouterr().err.startswith("error: --grid: 4097 cells (chunk_size 17 x lengths 241)")
@@ -80,8 +91,10 @@ def test_a_bad_max_cells_is_one_line_and_exit_2(value, tmp_path, capsys):
     args = ["sweep", "--baseline", "b", "--grid", "chunk_size=1", "--out", str(tmp_path / "s"), "--max-cells", value]
     assert main(args) == 2
     shown = value if value != "x" else "'x'"
-    assert capsys.readouterr().err == f"error: python -m dumper sweep: argument --max-cells: expected a positive " \
-                                      f"integer, got {shown}\n"
+    assert (
+        capsys.readouterr().err == f"error: python -m dumper sweep: argument --max-cells: expected a positive "
+        f"integer, got {shown}\n"
+    )
     with pytest.raises(UsageError, match="--max-cells must be a positive integer"):
         parse_grid(["chunk_size=1"], max_cells=int(value) if value != "x" else value)  # type: ignore[arg-type]
 
@@ -99,8 +112,13 @@ a child started by ``vfork`` (``subprocess`` does) keeps its parent's peak RSS a
 def _run_measured(args: list[str], timeout: float) -> tuple[int, str, float, float]:
     """``python -m dumper args``: its exit code, stderr, wall seconds and peak RSS in MB; killed after ``timeout``."""
     start = time.perf_counter()
-    r = subprocess.run([sys.executable, "-c", _MEASURED, str(timeout), *args], capture_output=True, text=True,
-                       env=subprocess_env(), timeout=timeout + 30)
+    r = subprocess.run(
+        [sys.executable, "-c", _MEASURED, str(timeout), *args],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        timeout=timeout + 30,
+    )
     wall = time.perf_counter() - start
     assert "TimeoutExpired" not in r.stderr, f"python -m dumper {' '.join(args)[:200]}...: over {timeout} s"
     rss = int(r.stdout) / (1 << 20 if sys.platform == "darwin" else 1 << 10)  # bytes on macOS, KiB on Linux
@@ -109,8 +127,9 @@ def _run_measured(args: list[str], timeout: float) -> tuple[int, str, float, flo
 
 def test_the_cli_refuses_a_million_cells_at_once_in_one_line_and_little_memory(tmp_path):
     """The cap is checked before the baseline is read (so a missing one does not matter here) or a cell planned."""
-    code, stderr, wall, rss = _run_measured(["sweep", "--baseline", str(tmp_path / "base"), *_grid_flags(MILLION),
-                                             "--out", str(tmp_path / "s")], timeout=30)
+    code, stderr, wall, rss = _run_measured(
+        ["sweep", "--baseline", str(tmp_path / "base"), *_grid_flags(MILLION), "--out", str(tmp_path / "s")], timeout=30
+    )
     assert code == 2 and stderr == MILLION_LINE + "\n", stderr
     assert "Traceback" not in stderr and not (tmp_path / "s").exists()
     assert rss < MAX_RSS_MB, f"peak RSS {rss:.0f} MB ({wall:.1f} s)"

@@ -40,25 +40,59 @@ def base(tmp_path_factory):
     ckpt = shared_checkpoint()
     prompts = root / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in PROMPTS))
-    r = run_cli("dumper", "run", "--model", ckpt, "--prompts", prompts, "--layers", "all", "--logprobs",
-                "--top-k", "5", "--out", root / "hf", "--quiet")
+    r = run_cli(
+        "dumper",
+        "run",
+        "--model",
+        ckpt,
+        "--prompts",
+        prompts,
+        "--layers",
+        "all",
+        "--logprobs",
+        "--top-k",
+        "5",
+        "--out",
+        root / "hf",
+        "--quiet",
+    )
     assert r.returncode == 0, r.stderr
     return ckpt, root
 
 
 def _sweep(base, out, *grid: str, env: dict[str, str] | None = None, args: tuple[str, ...] = ()) -> tuple[int, dict]:
     ckpt, root = base
-    r = run_cli("dumper", "sweep", "--engine", "vllm", "--model", ckpt, "--baseline", root / "hf", *EAGER, *args,
-                *(a for g in grid for a in ("--grid", g)), "--out", out, "--json", out.parent / f"{out.name}.json",
-                env=env)
+    r = run_cli(
+        "dumper",
+        "sweep",
+        "--engine",
+        "vllm",
+        "--model",
+        ckpt,
+        "--baseline",
+        root / "hf",
+        *EAGER,
+        *args,
+        *(a for g in grid for a in ("--grid", g)),
+        "--out",
+        out,
+        "--json",
+        out.parent / f"{out.name}.json",
+        env=env,
+    )
     assert r.returncode in (0, 1), r.stdout[-3000:] + r.stderr[-3000:]
     return r.returncode, json.loads((out.parent / f"{out.name}.json").read_text())
 
 
 @pytest.mark.engine
 def test_every_cell_of_chunk_size_and_prefix_caching_passes_in_fp32(base, tmp_path):
-    rc, result = _sweep(base, tmp_path / "clean", "chunk_size=none,64", "enable_prefix_caching=false,true",
-                        args=("--engine-arg", "max_num_seqs=4", "--logprobs", "--top-k", "5"))
+    rc, result = _sweep(
+        base,
+        tmp_path / "clean",
+        "chunk_size=none,64",
+        "enable_prefix_caching=false,true",
+        args=("--engine-arg", "max_num_seqs=4", "--logprobs", "--top-k", "5"),
+    )
     cells = result["cells"]
     assert rc == 0 and result["passed"] and len(cells) == 4, [(c["settings"], c["reasons"]) for c in cells]
     for c in cells:
@@ -77,10 +111,13 @@ def test_every_cell_of_chunk_size_and_prefix_caching_passes_in_fp32(base, tmp_pa
 
 @pytest.mark.engine
 def test_a_chunk_boundary_bug_fails_exactly_the_chunked_cells_at_the_first_boundary(base, tmp_path):
-    env = {"PYTHONPATH": os.pathsep.join((str(ROOT), str(SEED_DIR))),
-           "DRIFTSCOPE_TEST_SEED": json.dumps({"chunk_layer": BUG_LAYER, "add": 0.5})}
-    rc, result = _sweep(base, tmp_path / "bug", "chunk_size=none,64,128", env=env,
-                        args=("--engine-arg", "max_num_seqs=1"))  # one request at a time: every prompt chunks alike
+    env = {
+        "PYTHONPATH": os.pathsep.join((str(ROOT), str(SEED_DIR))),
+        "DRIFTSCOPE_TEST_SEED": json.dumps({"chunk_layer": BUG_LAYER, "add": 0.5}),
+    }
+    rc, result = _sweep(
+        base, tmp_path / "bug", "chunk_size=none,64,128", env=env, args=("--engine-arg", "max_num_seqs=1")
+    )  # one request at a time: every prompt chunks alike
     cells = {c["settings"]["chunk_size"]: c for c in result["cells"]}
     assert rc == 1 and not result["passed"] and set(cells) == {None, 64, 128}
     assert cells[None]["passed"], cells[None]["reasons"]  # one step per prompt: no boundary, no bug
