@@ -198,7 +198,8 @@ def main() -> None:
         f"tensors of {tensor_bytes / 2**20:.0f} MiB"
     )
     print(
-        f"cat FILES > /dev/null (warm): best {cat_s:.3f}s of {args.rounds}, median {statistics.median(times['cat']):.3f}s "
+        f"cat FILES > /dev/null (warm): best {cat_s:.3f}s of {args.rounds}, "
+        f"median {statistics.median(times['cat']):.3f}s "
         f"= {total / cat_s / 1e9:.2f} GB/s"
     )
     best = {}

@@ -99,7 +99,8 @@ def main() -> None:
     mib = len(points) * args.layers * args.tokens * args.hidden * 4 / 2**20
     med = statistics.median
     print(
-        f"model: llama hidden={args.hidden} layers={args.layers} tokens={args.tokens} float32; points {args.points}: capture {mib:.0f} MiB/pass"
+        f"model: llama hidden={args.hidden} layers={args.layers} tokens={args.tokens} float32; "
+        f"points {args.points}: capture {mib:.0f} MiB/pass"
     )
     print(f"plain    forward: median {med(plain):.3f}s  runs {[round(x, 3) for x in plain]}")
     print(f"captured forward: median {med(captured):.3f}s  runs {[round(x, 3) for x in captured]}")

@@ -33,7 +33,8 @@ from dumper.jobs.replay_split import split_replay_model
 
 
 def max_difference(base: Path, replay: Path) -> float:
-    """Largest |replay - baseline| over every replayed residual row (both dumps hold one sequence, one record per name)."""
+    """Largest |replay - baseline| over every replayed residual row (both dumps hold one sequence, one record per
+    name)."""
     b, r = DumpReader(base), DumpReader(replay)
     by_name = {t.name: t for t in b.manifest.tensors}
     worst = 0.0

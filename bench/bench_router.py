@@ -94,7 +94,8 @@ def main() -> None:
         f"{torch.get_num_threads()}"
     )
     print(
-        f"{'bytes per token per layer':<28} input {sizes['input'] / rows:.0f}, router {sizes['router only'] / rows:.0f} "
+        f"{'bytes per token per layer':<28} input {sizes['input'] / rows:.0f}, "
+        f"router {sizes['router only'] / rows:.0f} "
         f"(logits {args.experts} x {4 if args.dtype == 'float32' else 2} B, ids {args.top_k} x 8 B, weights "
         f"{args.top_k} x 4 B), input+router {sizes['input,router'] / rows:.0f}"
     )

@@ -794,7 +794,8 @@ class SRHT:
         _, cols = hash_keys(seed, 1, hidden, lambda n: torch.arange(n, dtype=torch.int64))
         self.signs = 1.0 - 2.0 * ((mix32(cols ^ 0x5BD1E995) >> 31).to(torch.float32))
         self.idx = torch.randperm(self.p, generator=torch.Generator().manual_seed(seed))[:k].sort().values
-        # Kronecker form H_P = H_a (x) H_b, y viewed [n, a, b]: out[i, j] = sum_i' H_a[i, i'] sum_j' H_b[j, j'] y[i', j']
+        # Kronecker form H_P = H_a (x) H_b, y viewed [n, a, b]:
+        # out[i, j] = sum_i' H_a[i, i'] sum_j' H_b[j, j'] y[i', j']
         # with b ~ sqrt(K): H_b on every row (n P 2b flops), then H_a only for the kept (i, j) (n (P/b) 2K flops)
         self.b = min(self.p, 1 << round(math.log2(math.sqrt(k))))
         self.a = self.p // self.b

@@ -1,5 +1,6 @@
 """Tokenizers without torch: the presets' names and their byte-level tokenizer, and the protocol
-every tokenizer driftscope uses follows (a local HF directory's own one: :func:`load_tokenizer`, which imports transformers when called).
+every tokenizer driftscope uses follows (a local HF directory's own one: :func:`load_tokenizer`,
+which imports transformers when called).
 
 The comparator's reports read token texts through this module, so rendering a report of a
 preset dump never imports torch.

@@ -88,6 +88,7 @@ def ladder(
 def dump_command(extra: str = "") -> str:
     """The ``--run`` template: the tiny-llama preset dumped with ``{build}`` first on ``PYTHONPATH``."""
     return (
-        f"PYTHONPATH={{build}}${{PYTHONPATH:+:$PYTHONPATH}} {shlex.quote(sys.executable)} -m dumper run --model tiny-llama --layers all "
+        f"PYTHONPATH={{build}}${{PYTHONPATH:+:$PYTHONPATH}} {shlex.quote(sys.executable)} "
+        "-m dumper run --model tiny-llama --layers all "
         f"--input-ids {PROMPT} --out {{out}} --quiet {extra}"
     ).strip()

@@ -126,7 +126,8 @@ def _write_checkpoint(
     vocab_size: int,
     overrides: dict[str, object],
 ) -> Path:
-    """Train the tokenizer into ``out``, build ``model_cls`` from ``base`` + overrides under ``seed``, save it (float32)."""
+    """Train the tokenizer into ``out``, build ``model_cls`` from ``base`` + overrides under ``seed``, save it
+    (float32)."""
     import torch
 
     out = Path(out)

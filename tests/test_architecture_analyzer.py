@@ -24,7 +24,9 @@ TREE = {
     "comparator/results.py": "",
     "comparator/newthing.py": "",
     "comparator/hidden/__init__.py": "",
-    "comparator/hidden/x.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from comparator.results import R\n",
+    "comparator/hidden/x.py": (
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from comparator.results import R\n"
+    ),
     "comparator/hidden/k.py": "from comparator import _kernels\n",
     "comparator/noise/__init__.py": "",
     "comparator/noise/n.py": "import comparator.hidden.x\n",

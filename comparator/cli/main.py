@@ -3,7 +3,8 @@
 Subcommands, named by the first argument (:mod:`comparator.cli.parser`; ``--help`` lists them):
 ``logprobs``, ``collect`` (prompt logprobs from a live server, :mod:`comparator.logprobs.sources.collect`),
 ``calibrate`` and ``import-sglang`` here, ``regress`` and ``store`` (golden baselines in a run store,
-:mod:`comparator.cli.store`), ``bisect`` (which build broke it, :mod:`comparator.cli.bisect`). :func:`build_parser` parses every command line of them all.
+:mod:`comparator.cli.store`), ``bisect`` (which build broke it, :mod:`comparator.cli.bisect`).
+:func:`build_parser` parses every command line of them all.
 
 Exit codes: 0 every matched tensor passed; 1 divergence; 2 unusable input (bad arguments,
 missing/incomplete/corrupt dump, zero matched tensors, shapes that cannot be aligned).

@@ -81,7 +81,8 @@ def noise_notes(
         ):
             change = layout_change(config.noise.layouts[0], theirs)
             out.append(
-                f"the target's layout is none the calibration ran ({change} against the baseline): its own rounding can take rows past their calibrated noise (up to 6x "
+                f"the target's layout is none the calibration ran ({change} against the baseline): "
+                "its own rounding can take rows past their calibrated noise (up to 6x "
                 'on a trained model, docs/calibration.md, "Row noise"); if that layout is the change under '
                 "test, not a suspect, calibrate with a run of it as a variant"
             )

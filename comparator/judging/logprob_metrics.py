@@ -10,7 +10,8 @@ derived from noise, and how its value is computed. Everything that lists logprob
     from comparator.judging.logprob_metrics import LogprobMetric, MetricValue, register_logprob_metric
     register_logprob_metric(LogprobMetric(
         "p99_abs_err", "p99 |Δlogprob|", kind="max", floor=1e-4,
-        compute=lambda c: MetricValue(float(np.quantile(np.abs(np.concatenate([s.ref - s.tgt for s in c.samples])), 0.99)))))
+        compute=lambda c: MetricValue(
+            float(np.quantile(np.abs(np.concatenate([s.ref - s.tgt for s in c.samples])), 0.99)))))
 
 ``compute`` receives the :class:`MetricInputs` :func:`comparator.logprobs.verdict.compare_logprobs`
 computes once per verdict and returns a :class:`MetricValue`: the value (None: not computed, e.g.

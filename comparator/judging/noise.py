@@ -68,7 +68,8 @@ def _scalar(v: Any) -> bool:
 
 
 def layout_change(base: Mapping[str, Any], other: Mapping[str, Any]) -> str:
-    """``other``'s settings where they differ from ``base``'s, as ``key=value`` words (``"attn=sdpa chunk_size=11"``)."""
+    """``other``'s settings where they differ from ``base``'s, as ``key=value`` words
+    (``"attn=sdpa chunk_size=11"``)."""
     keys = [k for k in {**base, **other} if base.get(k) != other.get(k)]
     return " ".join(f"{k}={other.get(k)}" for k in keys) or "the same settings"
 

@@ -66,12 +66,15 @@ WORST_POSITIONS = 10
 """Positions listed per logprob ranking."""
 
 _CSS = """
-body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",sans-serif;margin:0 auto;max-width:1180px;padding:0 16px 40px;color:#222}
+body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",sans-serif;margin:0 auto;max-width:1180px;\
+padding:0 16px 40px;color:#222}
 h1{margin:0;font-size:24px}h2{margin:22px 0 6px;font-size:18px;border-bottom:1px solid #ddd;padding-bottom:4px}
 .verdict{padding:10px 18px;margin-top:12px;border-radius:6px}.verdict p{margin:6px 0}
 .pass{background:#e8f6ec;border-left:6px solid #27ae60}
-.fail{background:#fdecea;border-left:6px solid #c0392b}.muted{color:#666}.chart{margin:0}.chart svg{max-width:100%;height:auto}
-table{border-collapse:collapse;font-size:12.5px;width:100%}th,td{padding:3px 7px;border-bottom:1px solid #eee;text-align:left}
+.fail{background:#fdecea;border-left:6px solid #c0392b}.muted{color:#666}.chart{margin:0}\
+.chart svg{max-width:100%;height:auto}
+table{border-collapse:collapse;font-size:12.5px;width:100%}\
+th,td{padding:3px 7px;border-bottom:1px solid #eee;text-align:left}
 td.n{text-align:right;font-variant-numeric:tabular-nums}tr.bad td{background:#fdf1f0}tr.diff td{background:#fff7e0}
 th{background:#f5f5f5;position:sticky;top:0}table.sortable th{cursor:pointer;user-select:none}
 th[aria-sort=ascending]::after{content:" \\25B2"}th[aria-sort=descending]::after{content:" \\25BC"}
@@ -112,7 +115,8 @@ _METHODS = {
 
 
 def _onset(fd: FirstDivergence) -> str:
-    """Where the divergence starts: onset token and onset layer with their methods (see :mod:`comparator.hidden.onset`)."""
+    """Where the divergence starts: onset token and onset layer with their methods
+    (see :mod:`comparator.hidden.onset`)."""
     seq = f" of sequence {fd.sequence}" if fd.sequence is not None else ""
     parts = [
         f"{what} <strong>{_e(at)}</strong>{_e(where)} ({_e(_METHODS.get(how or '', how))})"

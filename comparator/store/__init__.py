@@ -15,8 +15,9 @@ compare, store the run labelled; ``python -m comparator regress`` and ``store`` 
 (:mod:`comparator.cli.store`).
 
 Modules: :mod:`~comparator.store.runstore` (:class:`RunStore`: put, get, list, promote, prune),
-:mod:`~comparator.store.record` and :mod:`~comparator.store.types` (what a stored run holds), :mod:`~comparator.store.select` (which
-run is the baseline), :mod:`~comparator.store.environment` (which environment fields must match),
+:mod:`~comparator.store.record` and :mod:`~comparator.store.types` (what a stored run holds),
+:mod:`~comparator.store.select` (which run is the baseline), :mod:`~comparator.store.environment`
+(which environment fields must match),
 :mod:`~comparator.store.regress`, and the bytes: :mod:`~comparator.store.backend` (the
 :class:`~comparator.store.backend.Backend` interface and the local directory) and
 :mod:`~comparator.store.fsspec_backend` (any fsspec URL). A new storage backend is one

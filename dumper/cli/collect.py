@@ -1,4 +1,5 @@
-"""``python -m dumper collect``: thin CLI over :func:`dumper.jobs.collect.collect_dump` (a dump from a live vLLM server).
+"""``python -m dumper collect``: thin CLI over :func:`dumper.jobs.collect.collect_dump` (a dump from a live vLLM
+server).
 
 Exit codes: 0 the dump was written; 2 unusable input: the server is unreachable or not vLLM, it
 refused a request, ``--spool`` is not a directory, or no capture part appeared within ``--part-timeout``
@@ -110,7 +111,8 @@ def cmd_collect(args: argparse.Namespace) -> int:
     if not args.quiet:
         seqs = manifest.extra["input_ids"]
         print(
-            f"wrote {args.out}: {len(manifest.tensors)} tensors, layers {manifest.capture_signature.get('layers', [])}, "
+            f"wrote {args.out}: {len(manifest.tensors)} tensors, "
+            f"layers {manifest.capture_signature.get('layers', [])}, "
             f"{len(seqs)} prompts ({sum(map(len, seqs))} positions) from {manifest.extra['server']}{note}"
         )
     elif note:

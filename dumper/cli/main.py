@@ -1,5 +1,6 @@
-"""``python -m dumper run|replay|selfcheck|sweep|collect|ls``: thin CLI over :func:`dumper.prefill.run.run_dump`,
-:func:`dumper.jobs.replay.replay`, :func:`dumper.jobs.sweep.run.sweep` (:mod:`dumper.cli.sweep`) and :mod:`dumper.format`."""
+"""``python -m dumper run|replay|selfcheck|sweep|collect|ls``: thin CLI over
+:func:`dumper.prefill.run.run_dump`, :func:`dumper.jobs.replay.replay`, :func:`dumper.jobs.sweep.run.sweep`
+(:mod:`dumper.cli.sweep`) and :mod:`dumper.format`."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""``python -m dumper sweep``: thin CLI over :func:`dumper.jobs.sweep.run.sweep`: its flags, a line per cell, the table."""
+"""``python -m dumper sweep``: thin CLI over :func:`dumper.jobs.sweep.run.sweep`: its flags, a line per cell, the
+table."""
 
 from __future__ import annotations
 

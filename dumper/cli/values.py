@@ -1,4 +1,5 @@
-"""Values of flags both ``python -m dumper`` and its subcommands (``sweep``) read: a seed, a device, ``--engine-arg``."""
+"""Values of flags both ``python -m dumper`` and its subcommands (``sweep``) read: a seed, a device,
+``--engine-arg``."""
 
 from __future__ import annotations
 

@@ -173,7 +173,8 @@ def _attention_op(model: OrtModel) -> str | None:
 
 
 def run_dump(cfg: RunConfig, *, progress: ProgressFn | None = None) -> Manifest:
-    """Prefill every prompt through ONNX Runtime GenAI (logprobs) and onnxruntime (hidden states); return the manifest."""
+    """Prefill every prompt through ONNX Runtime GenAI (logprobs) and onnxruntime (hidden states); return the
+    manifest."""
     opts = check_engine_args(cfg, ENGINE_ARGS)
     hf_dir = str(opts["hf_dir"]) if "hf_dir" in opts else None
     model = read_ort_model(cfg.model)

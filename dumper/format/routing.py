@@ -80,7 +80,8 @@ class LayerRows:
     logits: np.ndarray
     scores: np.ndarray | None
     groups: tuple[int, int] | None = None
-    """(groups, groups kept) of a grouped top-k on the scores (DeepSeek-V3), from the scores' meta; None: plain top-k."""
+    """(groups, groups kept) of a grouped top-k on the scores (DeepSeek-V3), from the scores' meta; None: plain
+    top-k."""
     rank_differences: tuple[RankDifference, ...] = ()
     """Ranks whose rows of a pass differ from the lowest rank's rows of the same tokens (rank order)."""
 

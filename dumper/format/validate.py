@@ -106,7 +106,8 @@ HeaderEntry = tuple[str, tuple[int, ...], int, int]
 
 # -- text --------------------------------------------------------------------------------------
 def first_bad_text(value: Any, field: str) -> str | None:
-    """The path (``field.key[3]``) of the first key or string inside ``value`` that is not :func:`~dumper.format.files.is_text`.
+    """The path (``field.key[3]``) of the first key or string inside ``value`` that is not
+    :func:`~dumper.format.files.is_text`.
 
     Walks parsed JSON (dicts, lists, scalars) with an explicit stack, so nesting that
     :func:`json.loads` accepted cannot overflow it; only strings cost a check, so a long list

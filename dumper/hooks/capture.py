@@ -471,8 +471,9 @@ class Capture:
         sequence_ids: Any = None,
         scores_meta: dict[str, int] | None = None,
     ) -> None:
-        """Record MoE layer ``layer``'s routing ``parts`` as ``{prefix}.router.*`` (``routing.router_records``; ``scores_meta``:
-        ``routing.router_meta``), rows labelled by ``positions`` and ``sequence_ids``, else as :meth:`record` does."""
+        """Record MoE layer ``layer``'s routing ``parts`` as ``{prefix}.router.*`` (``routing.router_records``;
+        ``scores_meta``: ``routing.router_meta``), rows labelled by ``positions`` and ``sequence_ids``, else as
+        :meth:`record` does."""
         shape = self._rows.shape if self._rows is not None and positions is None else None
         for name, point, tensor, meta in router_records(prefix, parts, shape, scores_meta):
             self.record(name, tensor, layer=layer, point=point, positions=positions, sequence_ids=sequence_ids, **meta)

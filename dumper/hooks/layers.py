@@ -357,7 +357,8 @@ def hook_targets(
     modules: str | None = None,
     points: str | Sequence[str] | None = None,
 ) -> tuple[list[HookTarget], int]:
-    """Every module :class:`dumper.hooks.capture.Capture` hooks for ``points`` (:func:`parse_points`), and the layer count.
+    """Every module :class:`dumper.hooks.capture.Capture` hooks for ``points`` (:func:`parse_points`), and the layer
+    count.
 
     ``input`` hooks :func:`find_targets` (``modules`` chooses them); ``residual`` hooks
     :func:`find_residual_targets`, for a family that says where the residual stream is; ``attn_output``,

@@ -6,9 +6,9 @@ agree up to numerical noise. k3 = (e^d - 1) - d with d = log q_decode - log p_pr
 (:func:`comparator.logprobs.metrics.k3`, stable for tiny d) is averaged over the output positions
 (SGLang's kl_test_utils). The tokens are greedy, not samples of the
 distribution, so that mean is a consistency measure and a biased estimate of KL (k3's mean is
-KL only over sampled tokens); results say so (``k3_tokens``, :data:`GREEDY_K3_NOTE`). Cache-hit variants first write a prefix
-into the KV cache and generate on top of it, so they check that reused KV equals recomputed
-KV; they assert the cache was really hit, so an empty run cannot pass.
+KL only over sampled tokens); results say so (``k3_tokens``, :data:`GREEDY_K3_NOTE`). Cache-hit
+variants first write a prefix into the KV cache and generate on top of it, so they check that
+reused KV equals recomputed KV; they assert the cache was really hit, so an empty run cannot pass.
 
 Example::
 

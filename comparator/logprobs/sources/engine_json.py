@@ -8,9 +8,10 @@ SGLang's batch ``/generate`` returns, gives ``line-N.k``).
 Every line is validated before use, and anything wrong raises UsageError
 ``"<path>:<line>: request '<id>': <field or position>: <problem>"`` (exit 2): a logprob is a
 number, finite or -inf (not a string, bool, NaN or +inf), and null only where an engine has none
-to give (the prompt's first token; SGLang's first position at ``logprob_start_len``); a token id is a JSON integer in ``[0, 2^31)``; lists have the lengths their
-neighbours imply (one top-k list per token, all of one length in SGLang); ids are unique. The file
-is read one line at a time, and a line is parsed only when its JSON objects fit in
+to give (the prompt's first token; SGLang's first position at ``logprob_start_len``); a token id
+is a JSON integer in ``[0, 2^31)``; lists have the lengths their neighbours imply (one top-k list
+per token, all of one length in SGLang); ids are unique. The file is read one line at a time, and
+a line is parsed only when its JSON objects fit in
 :func:`dumper.format.files.json_memory_budget`; a response holds at most
 :data:`~comparator.logprobs.sources.input_caps.MAX_POSITIONS` positions and a file
 :data:`~comparator.logprobs.sources.input_caps.MAX_TOTAL_POSITIONS` (SGLang's unscored prefix included). An empty

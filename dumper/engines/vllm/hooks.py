@@ -91,7 +91,8 @@ class VllmFamily(FamilyAdapter):
 
     name = "vllm"
     positions_kwarg: ClassVar[str] = "positions"
-    """The model call's ``[tokens]`` positions (else its second positional argument): ``forward(input_ids, positions)``."""
+    """The model call's ``[tokens]`` positions (else its second positional argument):
+    ``forward(input_ids, positions)``."""
 
     def __init__(self, model: nn.Module | None, handle: Any = None) -> None:
         super().__init__(model, handle)

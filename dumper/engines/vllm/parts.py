@@ -150,7 +150,8 @@ def wait_parts(directory: Path | str, *, timeout_s: float = PART_TIMEOUT_S, poll
 
 
 def _move(src: Path, dst: Path) -> None:
-    """Move one data file into the dump: a rename on the same filesystem, else a copy made atomic, then the source goes."""
+    """Move one data file into the dump: a rename on the same filesystem, else a copy made atomic, then the source
+    goes."""
     try:
         os.replace(src, dst)
         return

@@ -244,7 +244,8 @@ def _record_router(cap: Capture, parts: list[tuple[str, int, dict[str, Any], dic
 
 
 def engine_settings(vllm_config: Any, model: nn.Module) -> dict[str, Any]:
-    """How the engine runs the model (``extra.engine.settings`` of a dump): compiled, CUDA graphs, batching, cache, ranks."""
+    """How the engine runs the model (``extra.engine.settings`` of a dump): compiled, CUDA graphs, batching, cache,
+    ranks."""
     backend = next((m.attn_backend.get_name() for m in model.modules() if hasattr(m, "attn_backend")), None)
     sched, cache, comp = vllm_config.scheduler_config, vllm_config.cache_config, vllm_config.compilation_config
     par = vllm_config.parallel_config

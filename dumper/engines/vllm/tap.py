@@ -167,7 +167,8 @@ def install_engine_tap(model: Any, vllm_config: Any, spec: dict[str, Any]) -> An
 
 
 def _leave_load_failure(e: DriftscopeError) -> None:
-    """Write ``e`` into the spool root (``DRIFTSCOPE_VLLM_SPOOL``), where the client that started this engine reads it."""
+    """Write ``e`` into the spool root (``DRIFTSCOPE_VLLM_SPOOL``), where the client that started this engine reads
+    it."""
     root = env_settings().vllm_spool
     text = json.dumps({"type": type(e).__name__, "message": str(e)[:1000]})
     try:

@@ -1,10 +1,10 @@
 """The grid of an invariance sweep: ``--grid KEY=V1,V2`` axes, their values checked, and the cells they make.
 
 Grid keys are the engine's ``--engine-arg`` keys (its ``ENGINE_ARGS`` table), the run's own
-``chunk_size`` (``none`` allowed), ``batch_size`` and ``new_tokens`` (the decode path), and ``lengths``: prompt lengths, or
-``block`` for ``block-1, block, block+1, 2*block-1, 2*block, 2*block+1`` (KV-cache bugs show
-by prompt length modulo the engine's KV block size). Every value goes through the checks the
-``run`` command applies (:func:`dumper.engines.base.check_engine_args`,
+``chunk_size`` (``none`` allowed), ``batch_size`` and ``new_tokens`` (the decode path), and
+``lengths``: prompt lengths, or ``block`` for ``block-1, block, block+1, 2*block-1, 2*block, 2*block+1``
+(KV-cache bugs show by prompt length modulo the engine's KV block size). Every value goes through
+the checks the ``run`` command applies (:func:`dumper.engines.base.check_engine_args`,
 :class:`~dumper.prefill.run.RunConfig`), so a bad grid fails before any engine starts.
 
 Cells are the cartesian product of the axes, ``lengths`` innermost: cells with the same engine

@@ -432,7 +432,7 @@ def test_a_layer_listed_twice_and_layers_the_dumps_lack(world: World) -> None:
     assert sorted(_router_layers(report)) == [0, 1, 2]
 
 
-# -- a weight bug excused by loose noise: never silently ----------------------------------------------------------------------------
+# -- a weight bug excused by loose noise: never silently -----------------------------------------------
 @pytest.mark.slow
 def test_weight_noise_that_excuses_a_real_weight_bug_is_warned_about(world: World, tmp_path: Path) -> None:
     order = router_dump(tmp_path / "order", bug="order", layer=2)  # layer 2's weights not renormalised, same ids

@@ -179,7 +179,8 @@ def test_regress_cli_allow_missing(dumps, tmp_path):
 
 
 def test_logits_and_top_k_on_one_side_are_not_compared_and_said(tmp_path, capsys):
-    """KL needs logits rows on both sides, top-k errors top-k lists: one side only is said, and --require-all refuses it."""
+    """KL needs logits rows on both sides, top-k errors top-k lists: one side only is said, and --require-all refuses
+    it."""
     full, plain = tmp_path / "full", tmp_path / "plain"
     run_dump(RunConfig(out=str(full), prompts=PROMPTS, layers="first", logprobs=LogprobSpec(top_k=5, save_logits=True)))
     run_dump(RunConfig(out=str(plain), prompts=PROMPTS, layers="first", logprobs=LogprobSpec()))

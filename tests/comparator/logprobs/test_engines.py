@@ -50,13 +50,12 @@ def expected(rid: str = "req-0", with_top: bool = True) -> SequenceLogprobs:
 def sglang_response(rid: str = "req-0", start: int = 0) -> dict:
     """SGLang /generate with return_logprob, top_logprobs_num=2, logprob_start_len=start."""
     triple = lambda lp, t: [lp, t, TEXT[t]]  # noqa: E731
-    top = lambda i: (
-        None
-        if TOP2[i] is None or i == start
-        else sorted(  # noqa: E731
-            [triple(lp, t) for t, lp in TOP2[i]], key=lambda e: -e[0]
-        )
-    )
+
+    def top(i):
+        if TOP2[i] is None or i == start:
+            return None
+        return sorted([triple(lp, t) for t, lp in TOP2[i]], key=lambda e: -e[0])
+
     n = len(PROMPT_IDS)
     return {
         "text": "".join(OUTPUT_TXT),
@@ -290,7 +289,8 @@ def test_request_ids_line_numbers_and_arrays(tmp_path):
         ('{"request_id": "a", "prompt_logprobs": [null]}', "prompt_token_ids"),
         ('{"id": "a", "choices": [{"logprobs": {"tokens": ["a", "b"], "token_logprobs": [null]}}]}', "2 tokens but 1"),
         (
-            '{"id": "a", "choices": [{"logprobs": {"tokens": ["a"], "token_logprobs": [null]}, "token_ids": [1, 2, 3]}]}',
+            '{"id": "a", "choices": [{"logprobs": {"tokens": ["a"], "token_logprobs": [null]}, '
+            '"token_ids": [1, 2, 3]}]}',
             "do not cover the 1 logprob tokens",
         ),
         ('{"id": "a", "choices": [{"text": "x"}]}', "no logprobs"),

@@ -1,4 +1,5 @@
-"""Report outputs from real dumps: the heatmap data, JSON, Markdown, Parquet, the plot, the HTML file, the CLI helpers."""
+"""Report outputs from real dumps: the heatmap data, JSON, Markdown, Parquet, the plot, the HTML file, the CLI
+helpers."""
 
 from __future__ import annotations
 

@@ -710,7 +710,8 @@ def test_checker_knows_every_field_of_the_format(small):
 
 
 def test_the_json_memory_budget_can_be_raised_for_a_huge_real_dump(tmp_path, monkeypatch):
-    """The budget refuses a manifest before parsing it; DRIFTSCOPE_JSON_MEMORY_MIB lets a user with the memory read it."""
+    """The budget refuses a manifest before parsing it; DRIFTSCOPE_JSON_MEMORY_MIB lets a user with the memory read
+    it."""
     from dumper.errors import UsageError
     from dumper.format.files import json_memory_bound
 

@@ -349,7 +349,8 @@ KINDS = ("fifo", "dir", "dangling", "loop", "inner-link", "empty", "sparse")
 )
 @settings(FUZZ, max_examples=14)
 def test_file_kinds(box, file, kind):
-    """A FIFO, a directory, a dangling or looping link, a link inside, an empty or a huge sparse file in a file's place."""
+    """A FIFO, a directory, a dangling or looping link, a link inside, an empty or a huge sparse file in a file's
+    place."""
     case = box.copy()
     path = case / "model" / file
     keep = path.read_bytes() if path.exists() else b"{}"

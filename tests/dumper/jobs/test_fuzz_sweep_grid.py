@@ -133,8 +133,8 @@ good_values = values.filter(lambda v: v.strip() != "" and "," not in v)
 @st.composite
 def items(draw: st.DrawFn, *, most: int = 12) -> list[str]:
     """A hostile ``--grid`` list: well-formed axes (hostile keys and values, a few of up to 10^4 values; in a
-    third of the lists 60 axes, products far past 10^12 cells), then, in most lists, damage: an empty value, a repeated value, a key
-    given again, no ``=``, an empty key, raw text."""
+    third of the lists 60 axes, products far past 10^12 cells), then, in most lists, damage: an empty value, a
+    repeated value, a key given again, no ``=``, an empty key, raw text."""
     out: list[str] = []
     seen: set[str] = set()
     many = draw(st.integers(0, 2)) == 0
