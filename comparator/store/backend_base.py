@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import abc
 from pathlib import Path
-from typing import IO, Any, Literal, Union
+from typing import IO, Any, Literal
 
 from comparator.store.errors import StoreError, UnsafePathError
 from dumper.format.files import is_plain_name
@@ -36,7 +36,7 @@ MAX_SMALL_FILE = 4 << 20
 
 EntryKind = Literal["file", "dir", "symlink", "other"]
 """What a listed entry is, as the listing itself says (symlinks are not followed)."""
-ReadResult = Union[bytes, None, StoreError]
+ReadResult = bytes | None | StoreError
 """One file of :meth:`Backend.read_many`: its bytes, ``None`` when missing, or why it cannot be read safely."""
 
 

@@ -133,7 +133,7 @@ def router_records(reader: DumpReader) -> dict[int, LayerRecords]:
                 f"{reader.directory}: layer {layer} records routing without {missing[0]} "
                 f"({entry.prefix}.{missing[0]}); a router capture records logits, ids and weights"
             )
-        for part, recs in entry.parts.items():
+        for recs in entry.parts.values():
             recs.sort(key=lambda r: (r.forward_pass, r.rank, r.call))
         _check_widths(entry, f"{reader.directory}: layer {layer} routing")
     return dict(sorted(out.items()))

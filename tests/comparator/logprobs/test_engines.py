@@ -49,7 +49,9 @@ def expected(rid: str = "req-0", with_top: bool = True) -> SequenceLogprobs:
 
 def sglang_response(rid: str = "req-0", start: int = 0) -> dict:
     """SGLang /generate with return_logprob, top_logprobs_num=2, logprob_start_len=start."""
-    triple = lambda lp, t: [lp, t, TEXT[t]]  # noqa: E731
+
+    def triple(lp, t):
+        return [lp, t, TEXT[t]]
 
     def top(i):
         if TOP2[i] is None or i == start:

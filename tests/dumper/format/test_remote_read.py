@@ -191,7 +191,7 @@ def test_the_cli_compares_urls_with_every_output(local, remote, tmp_path, capsys
         )
         outs[side] = (rc, capsys.readouterr().out, d)
         assert main(["logprobs", str(base), str(target), "--json", str(d / "l.json"), "--quiet"]) == 0
-    (rc_l, text_l, dl), (rc_u, text_u, du) = outs["local"], outs["url"]
+    (rc_l, _, dl), (rc_u, text_u, du) = outs["local"], outs["url"]
     assert rc_l == rc_u == 0
     assert f"{remote}/a" in text_u and "model.layers.1" in text_u  # --tensors rows, the URL as given
     jl, ju = (json.loads((d / "r.json").read_text()) for d in (dl, du))
@@ -288,7 +288,7 @@ def test_a_load_is_shared_by_the_threads_that_wait_for_it_and_so_is_its_error():
         calls, pending = [], _Pending()
         cache._loading = pending
 
-        def load(value=value):
+        def load(value=value, calls=calls, pending=pending):
             calls.append(value)
             deadline = time.monotonic() + 30
             while pending.waiting < 3 and time.monotonic() < deadline:  # the other three wait on this load

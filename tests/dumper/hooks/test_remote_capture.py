@@ -142,7 +142,7 @@ def test_torch_distributed_ranks_send_their_own_files_to_s3(tmp_path):
             for k in env:
                 os.environ.pop(k, None)
     assert sorted({f.split("-")[0] for f in m.files}) == ["r0", "r1"]  # each rank's own files
-    assert {(t.layer, t.rank, t.shape[1]) for t in m.tensors} == {(l, r, 24 + 8 * r) for l in (1, 3) for r in (0, 1)}
+    assert {(t.layer, t.rank, t.shape[1]) for t in m.tensors} == {(k, r, 24 + 8 * r) for k in (1, 3) for r in (0, 1)}
     assert MANIFEST_NAME in names and "index-r0.json" in names and "index-r1.json" in names
     for rank in (0, 1):  # every staging directory removed (libraries may leave their own caches there)
         assert [n for n in os.listdir(tmp_path / f"rank{rank}") if n.startswith("driftscope-")] == []
