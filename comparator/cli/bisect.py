@@ -44,7 +44,10 @@ __all__ = [
     "git_skip",
 ]
 
-GIT_GOOD, GIT_BAD, GIT_SKIP, GIT_ABORT = 0, 1, 125, 128
+GIT_GOOD = 0
+GIT_BAD = 1
+GIT_SKIP = 125
+GIT_ABORT = 128
 """``git bisect run``'s contract: good, bad, skip (cannot test this commit), and abort (any code over 127)."""
 _MAX_BUILDS_BYTES = 16 << 20
 

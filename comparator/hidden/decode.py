@@ -265,7 +265,9 @@ def cut_plan(tensors: dict[LogicalKey, LogicalTensor], limits: dict[int, int]) -
 
 
 def _intersect(a: list[Interval], b: list[Interval]) -> list[Interval]:
-    out, i, j = [], 0, 0
+    out = []
+    i = 0
+    j = 0
     while i < len(a) and j < len(b):
         lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
         if lo < hi:

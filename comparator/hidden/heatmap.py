@@ -138,7 +138,9 @@ def token_heatmap(
     ]
     if not runs:
         return None
-    names, layers, values = [], [], []
+    names = []
+    layers = []
+    values = []
     for k in keys:
         row = _row(stats, base[k], target[k], runs)
         if row is None:

@@ -264,7 +264,9 @@ def _merge_units(out: np.ndarray, exps: np.ndarray | None, rs: list[tuple]) -> B
         sum_abs, sum_exp = sum_scaled((r[1], r[6]) for r in rs)
         scaled_rows = sum(r[7] for r in rs)
     else:
-        sum_abs, sum_exp, scaled_rows = float(sum(r[1] for r in rs)), 0, 0
+        sum_abs = float(sum(r[1] for r in rs))
+        sum_exp = 0
+        scaled_rows = 0
     return BlockStats(
         row=out,
         max_abs=max(r[0] for r in rs),

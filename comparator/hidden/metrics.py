@@ -261,7 +261,10 @@ def row_sums_of(
     sums: np.ndarray, exps: np.ndarray | None, max_abs: float, sum_abs: tuple[float, int], n: int
 ) -> RowSums:
     """The accumulated sums as the metrics see them, with the per-token rel_diff derived."""
-    dd, xx, yy, bad = sums[:, 0], sums[:, 1], sums[:, 2], sums[:, 4]
+    dd = sums[:, 0]
+    xx = sums[:, 1]
+    yy = sums[:, 2]
+    bad = sums[:, 4]
     if exps is not None:  # bring ||x||^2 and ||y||^2 to the scale of ||x-y||^2, per row
         ce = col_exps(exps)
         xx, yy = np.ldexp(xx, ce[:, 1] - ce[:, 0]), np.ldexp(yy, ce[:, 2] - ce[:, 0])

@@ -167,7 +167,9 @@ class Amplification:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Amplification:
-        before, after, ratio = from_json_float(d["before"]), from_json_float(d["after"]), d.get("ratio")
+        before = from_json_float(d["before"])
+        after = from_json_float(d["after"])
+        ratio = d.get("ratio")
         # a null ratio is "none" or non-finite: the ratio of what was read back tells which
         return cls(
             layer=int(d["layer"]),

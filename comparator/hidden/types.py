@@ -403,7 +403,9 @@ class Report:
 
     def unmatched_note(self) -> str | None:
         """``"3 tensors only in the baseline, 1 only in the target, 2 empty tensors: not compared"``, or None."""
-        nb, nt, ne = len(self.unmatched_baseline), len(self.unmatched_target), len(self.empty_tensors)
+        nb = len(self.unmatched_baseline)
+        nt = len(self.unmatched_target)
+        ne = len(self.empty_tensors)
         parts = [f"{nb} tensors only in the baseline, {nt} only in the target"] if nb or nt else []
         parts += [f"{ne} empty tensors"] if ne else []
         return f"{', '.join(parts)}: not compared" if parts else None

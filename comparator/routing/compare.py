@@ -294,7 +294,10 @@ def compare_routing(
     rb, rt = router_records(baseline), router_records(target)
     if not rb or not rt:
         return None
-    layers, flips, excessive, ranks = [], [], [], []
+    layers = []
+    flips = []
+    excessive = []
+    ranks = []
     earlier: dict[int, int] = {}  # row_key -> the first layer its experts flipped at
     for layer in sorted(rb.keys() & rt.keys()):
         if (rb[layer].experts, rb[layer].top_k) != (rt[layer].experts, rt[layer].top_k):

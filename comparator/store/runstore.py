@@ -415,7 +415,10 @@ class RunStore:
         for e in entries:
             if e.record is not None:
                 groups.setdefault((e.record.model, signature_key(e.record.capture_signature)), []).append(e.record)
-        deleted, kept, saved, skipped = [], [], [], []
+        deleted = []
+        kept = []
+        saved = []
+        skipped = []
         for recs in groups.values():
             for i, r in enumerate(sorted(recs, key=lambda r: r.run_id, reverse=True)):
                 if i < keep:

@@ -331,7 +331,10 @@ def _manifest(
 
 def _convert(src: Path, out: Path, names: Mapping[str, str], checkpoint: str | None) -> Manifest:
     """Write every tensor of ``src`` into ``out`` (one shard writer per rank), then the manifest."""
-    files, writers, records, seqs = index_files(src), dict[int, ShardWriter](), list[TensorRecord](), _Sequences()
+    files = index_files(src)
+    writers = dict[int, ShardWriter]()
+    records = list[TensorRecord]()
+    seqs = _Sequences()
     model = None
     if checkpoint is not None:  # read first: a bad checkpoint fails before any tensor is copied
         from dumper.engines.base import (

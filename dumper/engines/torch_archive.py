@@ -69,7 +69,9 @@ _LOCATOR = struct.Struct("<4sLQL")
 _END64 = struct.Struct("<4sQ2H2L4Q")
 _CENTRAL = struct.Struct("<4s6H3L5H2L")
 _LOCAL = struct.Struct("<4s5H3L2H")
-_U32, _ENCRYPTED, _DESCRIPTOR = 0xFFFFFFFF, 0x0001 | 0x0040 | 0x2000, 0x0008
+_U32 = 0xFFFFFFFF
+_ENCRYPTED = 0x0001 | 0x0040 | 0x2000
+_DESCRIPTOR = 0x0008
 _NOT_ZIP = "not a file torch.load(weights_only=True) accepts"
 
 
@@ -130,7 +132,9 @@ def _zip64(extra: bytes, fields: list[int], wide: list[bool]) -> list[int] | Non
     while pos + 4 <= len(extra):
         tag, n = struct.unpack_from("<2H", extra, pos)
         if tag == 1:
-            data, out, at = extra[pos + 4 : pos + 4 + n], list(fields), 0
+            data = extra[pos + 4 : pos + 4 + n]
+            out = list(fields)
+            at = 0
             for i, w in enumerate(wide):
                 if w:
                     if at + 8 > len(data):
@@ -144,7 +148,11 @@ def _zip64(extra: bytes, fields: list[int], wide: list[bool]) -> list[int] | Non
 def read_records(fd: int, size: int, where: str) -> dict[bytes, Record]:
     """Every record of the zip open on ``fd`` (``size`` bytes), by lower-cased name; refuses any misframed one."""
     count, cd_offset, cd_size = _directory(fd, size, where)
-    central, pos, out, spans, prefix = _pread(fd, cd_size, cd_offset), 0, dict[bytes, Record](), [], None
+    central = _pread(fd, cd_size, cd_offset)
+    pos = 0
+    out = dict[bytes, Record]()
+    spans = []
+    prefix = None
     for _ in range(count):
         head = central[pos : pos + _CENTRAL.size]
         if len(head) < _CENTRAL.size or head[:4] != b"PK\x01\x02":
@@ -227,7 +235,9 @@ def _local(fd: int, offset: int, name: bytes, flags: int, crc_size: tuple[int, i
 def _check_crc(fd: int, rec: Record, where: str) -> None:
     if rec.crc == 0 and rec.described:  # torch.save with compute_crc32=False: none written, the descriptor framed it
         return
-    crc, pos, end = 0, rec.offset, rec.offset + rec.size
+    crc = 0
+    pos = rec.offset
+    end = rec.offset + rec.size
     while pos < end:
         chunk = os.pread(fd, min(1 << 20, end - pos), pos)
         if not chunk:

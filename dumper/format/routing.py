@@ -186,7 +186,10 @@ def _keys(rec: TensorRecord, where: str) -> np.ndarray:
 
 def _stack(reader: DumpReader, recs: Iterable[TensorRecord], floats: bool) -> tuple[np.ndarray, ...]:
     """Keys, rows, ranks and forward passes of one part's rows over its records (float64 for values, int64 ids)."""
-    keys, rows, ranks, passes = [], [], [], []
+    keys = []
+    rows = []
+    ranks = []
+    passes = []
     for rec in recs:
         keys.append(_keys(rec, str(reader.directory)))
         a = reader.rows(rec)

@@ -119,7 +119,9 @@ def check_spec(raw: Any, where: str, field: str = "capture_signature.sketch") ->
     file's ``sketch``); one CorruptDumpError line naming that field if hostile."""
     if type(raw) is not dict or set(raw) != {"kind", "k", "seed"}:
         raise CorruptDumpError(f"{where}: {field}: expected an object of kind, k and seed, got {str(raw)[:80]}")
-    kind, k, seed = raw["kind"], raw["k"], raw["seed"]
+    kind = raw["kind"]
+    k = raw["k"]
+    seed = raw["seed"]
     if kind not in SKETCH_KINDS:
         raise CorruptDumpError(f"{where}: {field}.kind: expected one of {list(SKETCH_KINDS)}, got {str(kind)[:40]!r}")
     if type(k) is not int or not 1 <= k <= 1 << 20:
@@ -147,7 +149,10 @@ def check_record_sketch(
     capture stores every one sketched (:func:`dumper.hooks.sketch.sketch_for_record`), so such a
     manifest claims a sketch its records are not.
     """
-    field, raw, shape, dtype = f"tensors[{i}].sketch", d.get("sketch"), d["shape"], d["dtype"]
+    field = f"tensors[{i}].sketch"
+    raw = d.get("sketch")
+    shape = d["shape"]
+    dtype = d["dtype"]
     if raw is None:
         if (
             spec is not None

@@ -296,15 +296,18 @@ def _check_record(d: Any, i: int, where: str, files: Mapping[str, int], itemsize
     if not _REC_REQUIRED <= d.keys() <= _REC_ALLOWED:
         _keys(where, f"tensors[{i}]", d, _REC_REQUIRED, _REC_ALLOWED)
     get = d.get
-    name, key, file, dtype, shape, fp = d["name"], d["key"], d["file"], d["dtype"], d["shape"], d["forward_pass"]
-    rank, call, layer, point, sd, meta = (
-        get("rank", 0),
-        get("call", 0),
-        get("layer"),
-        get("point"),
-        get("shard_dim"),
-        get("meta", {}),
-    )
+    name = d["name"]
+    key = d["key"]
+    file = d["file"]
+    dtype = d["dtype"]
+    shape = d["shape"]
+    fp = d["forward_pass"]
+    rank = get("rank", 0)
+    call = get("call", 0)
+    layer = get("layer")
+    point = get("point")
+    sd = get("shard_dim")
+    meta = get("meta", {})
     # names are printed in terminals: no control characters (an ESC sequence would drive the terminal)
     if type(name) is not str or not name or not name.isprintable() or not name.isascii() and not is_text(name):
         raise bad_field(where, f"tensors[{i}].name", "a non-empty string of printable characters", name)
@@ -423,7 +426,9 @@ def _header_entry(key: str, info: Any, where: str, data_size: int, itemsize: Map
     """One validated header entry (the field name is formatted only on failure: a file may hold 100k)."""
     if type(info) is not dict or info.keys() != _ENTRY_KEYS:
         raise bad_field(where, f"header[{show(key)}]", "an object of dtype, shape and data_offsets", info)
-    dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+    dtype = info["dtype"]
+    shape = info["shape"]
+    offsets = info["data_offsets"]
     if type(dtype) is not str or dtype not in itemsize:
         raise bad_field(where, f"header[{show(key)}].dtype", f"one of {sorted(itemsize)}", dtype)
     if (

@@ -373,7 +373,10 @@ class Capture:
     def _hook(self, target: HookTarget) -> Any:
         """Hook ``target`` to record its point as ``target.record`` (:meth:`FamilyAdapter.point_value`): a pre-hook
         for an input, a forward hook for an output (``attn_output``, ``mlp_output``). Returns the handle."""
-        name, layer, point, value = target.record, target.layer, target.point, self._family.point_value
+        name = target.record
+        layer = target.layer
+        point = target.point
+        value = self._family.point_value
 
         @hook_guard
         def hook(module: nn.Module, args: tuple, kwargs: dict, *output: Any) -> None:

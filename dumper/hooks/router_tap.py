@@ -169,7 +169,9 @@ class RouterTap:
                     "routed them where the tap does not see it)"
                 )
             if n:
-                logits, ids, weights = p.logits_sink[:n], p.ids_sink[:n], p.weights_sink[:n]
+                logits = p.logits_sink[:n]
+                ids = p.ids_sink[:n]
+                weights = p.weights_sink[:n]
                 parts = (
                     e.read((), {}, (logits, weights, ids))
                     if e.read is not None

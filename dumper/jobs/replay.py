@@ -157,7 +157,9 @@ def sequence_rows(reader: DumpReader, name: str, recs: list[TensorRecord]) -> di
     (:func:`sequence_lengths` checked the records)."""
     parts: dict[int, list[tuple[np.ndarray, np.ndarray]]] = defaultdict(list)
     for rec in recs:
-        rows, pos, seq = reader.rows(rec), rec.row_positions(), rec.row_sequence_ids()
+        rows = reader.rows(rec)
+        pos = rec.row_positions()
+        seq = rec.row_sequence_ids()
         assert pos is not None and seq is not None  # point_plan checked
         for s in np.unique(seq[seq != PAD_SEQUENCE]).tolist():
             sel = seq == s
@@ -321,7 +323,9 @@ def _replay_layer(
     ``routing``: the baseline's routing records of layer ``k`` and their rows (None: none), and the force mode;
     the layer's routing is recorded in the same pass (:func:`dumper.jobs.replay_routing.layer_routing`).
     """
-    outs, positions, sequences = [], [], []
+    outs = []
+    positions = []
+    sequences = []
     with layer_routing(reader, *routing[:2], layer, routing[2]) as routers:
         for s, rows in sequence_rows(reader, *plan[k]).items():
             hidden = rows.to(param.device, param.dtype, non_blocking=True)[None]  # [1, n, hidden]

@@ -161,7 +161,9 @@ class LayerRouting:
 
     def _forced(self, parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The baseline's ids (and, with ``all``, weights) of the current rows, in the router's dtypes."""
-        logits, weights, ids = parts[ROUTER_LOGITS], parts[ROUTER_WEIGHTS], parts[ROUTER_IDS]
+        logits = parts[ROUTER_LOGITS]
+        weights = parts[ROUTER_WEIGHTS]
+        ids = parts[ROUTER_IDS]
         assert self._rows is not None  # begin() found the sequence's baseline rows
         base_ids = self.base.ids[self._rows]  # [n, k] int64
         if base_ids.shape != tuple(ids.shape) or base_ids.max(initial=0) >= logits.shape[1]:

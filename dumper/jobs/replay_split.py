@@ -282,7 +282,11 @@ def _replay_half(
     k, half, i, o = job
     module = _halves_of(layer, model)[half]
     inputs, expected = sequence_rows(reader, *plans[i][k]), sequence_rows(reader, *plans[o][k])
-    outs, refs, bases, positions, sequences = [], [], [], [], []
+    outs = []
+    refs = []
+    bases = []
+    positions = []
+    sequences = []
     entry, rows_b, mode = routing or (None, None, None)
     forced_ref = entry if exact is not None and mode is not None else None  # the reference takes the same experts
     with (

@@ -64,7 +64,9 @@ __all__ = [
     "install_recorder",
 ]
 
-MARK_TOKEN, MARK_SEQ, MARK_COUNT = "driftscope_capture", "driftscope_seq", "driftscope_n"
+MARK_TOKEN = "driftscope_capture"
+MARK_SEQ = "driftscope_seq"
+MARK_COUNT = "driftscope_n"
 """``extra_args`` keys of a marked request: the capture's token, its sequence id, the capture's prompt count."""
 MARK_NEW = "driftscope_new"
 """Optional ``extra_args`` key: the tokens the request generates, whose decode steps (all but the last) are recorded."""
@@ -123,7 +125,9 @@ def _mark(request: Any) -> tuple[str, int, int, int] | None:
     args = getattr(params, "extra_args", None)
     if not isinstance(args, dict) or check_token(args.get(MARK_TOKEN)) is None:
         return None
-    seq, count, new = args.get(MARK_SEQ), args.get(MARK_COUNT), args.get(MARK_NEW, 1)
+    seq = args.get(MARK_SEQ)
+    count = args.get(MARK_COUNT)
+    new = args.get(MARK_NEW, 1)
     if type(seq) is not int or type(count) is not int or not 0 <= seq < count or type(new) is not int or new < 1:
         return None
     return args[MARK_TOKEN], seq, count, new
@@ -247,7 +251,9 @@ def engine_settings(vllm_config: Any, model: nn.Module) -> dict[str, Any]:
     """How the engine runs the model (``extra.engine.settings`` of a dump): compiled, CUDA graphs, batching, cache,
     ranks."""
     backend = next((m.attn_backend.get_name() for m in model.modules() if hasattr(m, "attn_backend")), None)
-    sched, cache, comp = vllm_config.scheduler_config, vllm_config.cache_config, vllm_config.compilation_config
+    sched = vllm_config.scheduler_config
+    cache = vllm_config.cache_config
+    comp = vllm_config.compilation_config
     par = vllm_config.parallel_config
     compiled = not vllm_config.model_config.enforce_eager and str(comp.mode).rsplit(".", 1)[-1] != "NONE"
     graphs = str(getattr(comp, "cudagraph_mode", None)).rsplit(".", 1)[-1] not in ("NONE", "None")

@@ -126,7 +126,9 @@ class CellResult:
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> CellResult:
-        fd, lp, by_seq = d["first_divergent"], d["logprobs"], d["cache_hits_by_sequence"]
+        fd = d["first_divergent"]
+        lp = d["logprobs"]
+        by_seq = d["cache_hits_by_sequence"]
         return cls(
             index=int(d["index"]),
             settings=dict(d["settings"]),
