@@ -236,7 +236,7 @@ def _compare_layer(
     order = int(np.count_nonzero(same & (b.ids[ib_f] != t.ids[it_f]).any(axis=1)))
     failing = [f for f in flips if not f.benign]
     worst = max(flips, key=lambda f: f.noise_ratio, default=None)
-    lb, lt = b.logits[ib_f], t.logits[it_f]  # float64 (comparator.routing.read), plain numpy sums
+    lb, lt = b.logits[ib_f], t.logits[it_f]  # float64 (dumper.format.routing), plain numpy sums
     return RouterLayer(
         layer=entry_b.layer,
         name=entry_b.prefix,

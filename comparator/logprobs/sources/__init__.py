@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from comparator.exports import lazy_exports
 
-# each name loads its module on first use (the CLIs' --api/--timeout flags import server_flags alone)
+# each name loads its module on first use (the CLIs' --api/--timeout flags import dumper.server.flags alone)
 _EXPORTS = {
     "LogprobSource": "comparator.logprobs.sources.source",
     "check_vocabulary": "comparator.logprobs.sources.source",
