@@ -5,7 +5,7 @@ and environment side by side (what differs is highlighted), the per-layer rel_di
 the calibrated noise, each layer's amplification as :mod:`comparator.reports.layer_table` writes it, the layer
 that introduces error highlighted), the amplification chart, the token x layer heatmap from the onset to the first
 failing token, the logprob plots with the worst positions and their tokens, the MoE routing per layer with its
-first failing flips (:mod:`comparator.reports.html_routing`), and every tensor in a table sortable by
+first failing flips, and every tensor in a table sortable by
 clicking its headers. Charts are inline SVG (matplotlib), style and the sorting script inline: the file fetches
 nothing, so it works offline, as a CI artifact, or attached to a bug report.
 
@@ -21,10 +21,12 @@ Example::
 
 from __future__ import annotations
 
+import html
 import itertools
 import json
+import math
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
@@ -43,15 +45,22 @@ from comparator.outcome import (
     threshold_summary,
     verdict_notes,
 )
-from comparator.reports.html_parts import escape as _e
-from comparator.reports.html_parts import num_cell as _num
-from comparator.reports.html_parts import table as _table
-from comparator.reports.html_routing import routing_section
 from comparator.reports.layer_table import FIRST_DIVERGENCE, ONSET, layer_table
 from comparator.reports.logprob_table import metric_rows
 from comparator.reports.plots import amplification_figure, figure_svg, heatmap_figure, layer_figure, logprob_figure
+from comparator.reports.routing_table import (
+    FLIP_HEAD,
+    flip_rows,
+    flips_title,
+    layer_head,
+    layer_rows,
+    routing_notes,
+    routing_summary,
+    routing_title,
+)
 from comparator.reports.tokens import TokenLookup, show_text
 from comparator.results import FirstDivergence, Report
+from comparator.routing.types import RouterComparison
 from dumper.format import Manifest, atomic_path
 from dumper.version import __version__
 
@@ -114,12 +123,68 @@ _METHODS = {
 }
 
 
+def escape(v: Any) -> str:
+    """``v`` as text for an HTML element or a quoted attribute (quotes escaped too)."""
+    return html.escape(str(v), quote=True)
+
+
+def sort_key(x: float | int | None) -> str:
+    """A sort key for ``data-v``: what JavaScript's ``Number()`` reads back."""
+    if x is None:
+        return ""
+    if isinstance(x, float) and math.isnan(x):
+        return "NaN"
+    if isinstance(x, float) and math.isinf(x):
+        return "Infinity" if x > 0 else "-Infinity"
+    return repr(x)
+
+
+def num_cell(x: float | int | None, text: str | None = None) -> str:
+    """A right-aligned cell showing ``text`` (default: ``x`` formatted), sorted by ``x``."""
+    shown = text if text is not None else "-" if x is None else format_float(x) if isinstance(x, float) else str(x)
+    return f'<td class="n" data-v="{escape(sort_key(x))}">{escape(shown)}</td>'
+
+
+def table(head: Sequence[tuple[str, str]], rows: Iterable[str], *, sortable: bool = False, table_id: str = "") -> str:
+    """A table; ``head`` holds (label, "num"|"str") pairs, ``rows`` finished ``<tr>`` elements."""
+    ths = "".join(f'<th data-type="{t}">{escape(label)}</th>' for label, t in head)
+    attrs = (f' id="{escape(table_id)}"' if table_id else "") + (' class="sortable"' if sortable else "")
+    return f"<table{attrs}><thead><tr>{ths}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
+
+
+def _cells(cells: tuple[str, ...], head: tuple[tuple[str, str], ...]) -> str:
+    return "".join(
+        f'<td class="n">{escape(c)}</td>' if kind == "num" else f"<td>{escape(c)}</td>"
+        for c, (_, kind) in zip(cells, head, strict=True)
+    )
+
+
+def routing_section(router: RouterComparison) -> str:
+    """``<section id="routing">``: the summary, the per-layer table (``tr.first`` marks the first
+    failing layer, ``tr.bad`` every failing one), the flip list and the notes."""
+    head = layer_head(router)
+    rows = []
+    for row in layer_rows(router):
+        cls = " ".join(["bad"] * (not row.passed) + ["first"] * row.first)
+        rows.append(f'<tr class="{cls}">{_cells(row.cells, head)}</tr>')
+    out = [
+        f'<section id="routing"><h2>Routing: {status(router.passed)}</h2>',
+        f'<p class="muted">{escape(routing_title(router))}: {escape(routing_summary(router))}</p>',
+        table(head, rows, table_id="routing-table") if rows else "",
+    ]
+    if flips := flip_rows(router):
+        listed = [("<tr>" if f.benign else '<tr class="bad">') + _cells(f.cells, FLIP_HEAD) + "</tr>" for f in flips]
+        out.append(f"<h3>{escape(flips_title(router))}</h3>" + table(FLIP_HEAD, listed, table_id="routing-flips"))
+    out += [f'<p class="muted">{escape(n)}</p>' for n in routing_notes(router)]
+    return "".join(out) + "</section>"
+
+
 def _onset(fd: FirstDivergence) -> str:
     """Where the divergence starts: onset token and onset layer with their methods
     (see :mod:`comparator.hidden.onset`)."""
     seq = f" of sequence {fd.sequence}" if fd.sequence is not None else ""
     parts = [
-        f"{what} <strong>{_e(at)}</strong>{_e(where)} ({_e(_METHODS.get(how or '', how))})"
+        f"{what} <strong>{escape(at)}</strong>{escape(where)} ({escape(_METHODS.get(how or '', how))})"
         for what, at, how, where in (
             ("token", fd.onset, fd.onset_method, seq),
             ("layer", fd.onset_layer, fd.onset_layer_method, ""),
@@ -131,26 +196,26 @@ def _onset(fd: FirstDivergence) -> str:
     first = [f"token {fd.token}"] * (fd.token is not None) + [f"layer {fd.layer}"] * (fd.layer is not None)
     return (
         f'<p id="onset">Divergence starts at {" in ".join(parts)}; first over the threshold at '
-        f"{_e(', '.join(first) or '-')}.</p>"
+        f"{escape(', '.join(first) or '-')}.</p>"
     )
 
 
 def _verdict_section(report: Report) -> str:
     fd = report.first_divergent
     summary = "; ".join(
-        _e(x) for x in [f"matched {report.matched} tensors", threshold_summary(report), *verdict_notes(report)]
+        escape(x) for x in [f"matched {report.matched} tensors", threshold_summary(report), *verdict_notes(report)]
     )
     head, line = Outcome.of(report).word, sentence(report)
     out = [
         f'<section class="verdict {"pass" if report.passed else "fail"}" id="verdict"><h1>{head}</h1>',
         _onset(fd) if fd is not None and not report.passed else "",
-        f"<p>{_e(line)}</p>",
+        f"<p>{escape(line)}</p>",
     ]
     if report.logprobs is not None:
-        out.append(f"<p>{_e(reaches_output(report))}</p>")
+        out.append(f"<p>{escape(reaches_output(report))}</p>")
     out.append(
-        f'<p class="muted">target <code>{_e(report.target)}</code> vs baseline '
-        f"<code>{_e(report.baseline)}</code>; {summary}</p></section>"
+        f'<p class="muted">target <code>{escape(report.target)}</code> vs baseline '
+        f"<code>{escape(report.baseline)}</code>; {summary}</p></section>"
     )
     return "".join(out)
 
@@ -170,11 +235,11 @@ def _layer_table(report: Report) -> str:
             if on
         ]
         cls = " ".join(["bad"] * (not row.passed) + [c for _, c in marks])
-        cells = [_num(c.value, c.text) for c in row.cells[:-1]]
-        cells.append(f"<td>{_e(' '.join([row.cells[-1].text] + [m for m, _ in marks]))}</td>")
+        cells = [num_cell(c.value, c.text) for c in row.cells[:-1]]
+        cells.append(f"<td>{escape(' '.join([row.cells[-1].text] + [m for m, _ in marks]))}</td>")
         rows.append(f'<tr class="{cls}">' + "".join(cells) + "</tr>")
-    legend = "" if layers.legend is None else f'<p class="muted" id="amplification-legend">{_e(layers.legend)}</p>'
-    return _table(layers.head, rows, table_id="layer-table") + legend
+    legend = "" if layers.legend is None else f'<p class="muted" id="amplification-legend">{escape(layers.legend)}</p>'
+    return table(layers.head, rows, table_id="layer-table") + legend
 
 
 def _layers(report: Report) -> str:
@@ -223,10 +288,10 @@ def _runs(report: Report, base: Manifest | None, target: Manifest | None) -> str
     for k in keys:
         x, y = a.get(k, "-"), b.get(k, "-")
         cls = ' class="diff"' if x != y else ""
-        rows.append(f"<tr{cls}><td>{_e(k)}</td><td>{_e(x[:300])}</td><td>{_e(y[:300])}</td></tr>")
+        rows.append(f"<tr{cls}><td>{escape(k)}</td><td>{escape(x[:300])}</td><td>{escape(y[:300])}</td></tr>")
     return (
         '<section id="runs"><h2>The two runs</h2><p class="muted">highlighted: what differs</p>'
-        + _table([("", "str"), ("baseline", "str"), ("target", "str")], rows)
+        + table([("", "str"), ("baseline", "str"), ("target", "str")], rows)
         + "</section>"
     )
 
@@ -245,9 +310,9 @@ def _heatmap(report: Report, tokens: TokenLookup) -> str:
     cuts = [0, *(j for j in range(1, len(pos)) if pos[j] - pos[j - 1] > 1), len(pos)]
     shown = ", ".join(f"{pos[a]}..{pos[b - 1]}" for a, b in itertools.pairwise(cuts))
     out.append(
-        f'<p class="muted">per-token rel_diff of sequence {_e(hm.sequence)}, positions {_e(shown)}'
+        f'<p class="muted">per-token rel_diff of sequence {escape(hm.sequence)}, positions {escape(shown)}'
         + (
-            f" (onset {_e(onset)}, first failing token {_e(first)}; the positions between are left out)"
+            f" (onset {escape(onset)}, first failing token {escape(first)}; the positions between are left out)"
             if len(cuts) > 2
             else ""
         )
@@ -274,7 +339,7 @@ def _heatmap(report: Report, tokens: TokenLookup) -> str:
             spans.append(f'<span class="muted" title="positions {hm.positions[i - 1] + 1}..{p - 1}"> &hellip; </span>')
         label = show_text(text)[1:-1] if text is not None else f"#{tid}"
         cls = "tok hit" if p == first else "tok onset" if p == onset else "tok"
-        spans.append(f'<code class="{cls}" title="position {p}, token id {tid}">{_e(label)}</code>')
+        spans.append(f'<code class="{cls}" title="position {p}, token id {tid}">{escape(label)}</code>')
     if spans:
         out.append(
             f'<p class="muted">tokens of the window (onset and first failing token marked):</p><p>{"".join(spans)}</p>'
@@ -290,8 +355,8 @@ def _logprob_metrics(v: LogprobVerdict) -> str:
     out = []
     for label, value, limit, failing in rows:
         cls = ' class="bad"' if failing else ""
-        out.append(f"<tr{cls}><td>{_e(label)}</td><td>{_e(value)}</td><td>{_e(limit)}</td></tr>")
-    return _table([("metric", "str"), ("value", "str"), ("threshold", "str")], out)
+        out.append(f"<tr{cls}><td>{escape(label)}</td><td>{escape(value)}</td><td>{escape(limit)}</td></tr>")
+    return table([("metric", "str"), ("value", "str"), ("threshold", "str")], out)
 
 
 def _at(positions: np.ndarray | None, values: np.ndarray | None, pos: int) -> float | None:
@@ -318,15 +383,15 @@ def _worst(series: Sequence[PositionSeries], by: str, tokens: TokenLookup, n: in
         ctx = tokens.context(s.request, p)
         rows.append(
             "<tr>"
-            + f"<td>{_e(s.request)}</td>"
-            + _num(p)
-            + _num(tid)
-            + f"<td><code>{_e(show_text(text) if text is not None else '?')}</code></td>"
-            + f'<td class="muted">{_e(show_text(ctx)) if ctx is not None else "-"}</td>'
-            + _num(ref)
-            + _num(tgt)
-            + _num(None if ref is None or tgt is None else tgt - ref)
-            + _num(_at(s.kl_positions, s.kl, p))
+            + f"<td>{escape(s.request)}</td>"
+            + num_cell(p)
+            + num_cell(tid)
+            + f"<td><code>{escape(show_text(text) if text is not None else '?')}</code></td>"
+            + f'<td class="muted">{escape(show_text(ctx)) if ctx is not None else "-"}</td>'
+            + num_cell(ref)
+            + num_cell(tgt)
+            + num_cell(None if ref is None or tgt is None else tgt - ref)
+            + num_cell(_at(s.kl_positions, s.kl, p))
             + "</tr>"
         )
     head = [
@@ -340,7 +405,7 @@ def _worst(series: Sequence[PositionSeries], by: str, tokens: TokenLookup, n: in
         ("Δ", "num"),
         ("KL", "num"),
     ]
-    return _table(head, rows, sortable=True)
+    return table(head, rows, sortable=True)
 
 
 def _logprobs(report: Report, tokens: TokenLookup) -> str:
@@ -389,42 +454,42 @@ def _tensors(report: Report, max_rows: int) -> str:
     rows = []
     for t in report.tensors[:max_rows]:
         cells = [
-            f"<td>{_e(t.name)}</td>",
-            _num(t.layer),
-            _num(t.sequence),
-            _num(t.forward_pass),
-            _num(t.rank),
-            *(_num(t.metrics.get(m.name), m.text(t.metrics.get(m.name), format_float)) for m in shown),
-            _num(t.nan_baseline + t.inf_baseline, f"{t.nan_baseline}/{t.inf_baseline}"),
-            _num(t.nan_target + t.inf_target, f"{t.nan_target}/{t.inf_target}"),
-            _num(t.failing_tokens),
-            _num(t.first_failing_token),
-            _num(t.worst_token),
+            f"<td>{escape(t.name)}</td>",
+            num_cell(t.layer),
+            num_cell(t.sequence),
+            num_cell(t.forward_pass),
+            num_cell(t.rank),
+            *(num_cell(t.metrics.get(m.name), m.text(t.metrics.get(m.name), format_float)) for m in shown),
+            num_cell(t.nan_baseline + t.inf_baseline, f"{t.nan_baseline}/{t.inf_baseline}"),
+            num_cell(t.nan_target + t.inf_target, f"{t.nan_target}/{t.inf_target}"),
+            num_cell(t.failing_tokens),
+            num_cell(t.first_failing_token),
+            num_cell(t.worst_token),
             f"<td>{status(t.passed)}</td>",
-            f"<td>{_e(t.note or '')}</td>",
+            f"<td>{escape(t.note or '')}</td>",
         ]
         if calibrated:
             cells[6:6] = [
-                _num(t.noise_ratio, format_ratio(t.noise_ratio)),
-                _num(t.token_noise_ratio, format_ratio(t.token_noise_ratio)),
+                num_cell(t.noise_ratio, format_ratio(t.noise_ratio)),
+                num_cell(t.token_noise_ratio, format_ratio(t.token_noise_ratio)),
             ]
         rows.append(("<tr>" if t.passed else '<tr class="bad">') + "".join(cells) + "</tr>")
     left = len(report.tensors) - len(rows)
     more = f'<p class="muted">{left} more tensors not shown; write them all with --csv.</p>' if left > 0 else ""
     return (
         f'<section id="tensors"><h2>Tensors ({len(report.tensors)})</h2><p class="muted">click a header to sort</p>'
-        f'<div class="scroll">{_table(head, rows, sortable=True, table_id="tensor-table")}</div>{more}</section>'
+        f'<div class="scroll">{table(head, rows, sortable=True, table_id="tensor-table")}</div>{more}</section>'
     )
 
 
 def _problems(report: Report) -> str:
     items = [
-        f"<li>only in the {side}: {len(names)} tensors, e.g. <code>{_e(', '.join(names[:5]))}</code></li>"
+        f"<li>only in the {side}: {len(names)} tensors, e.g. <code>{escape(', '.join(names[:5]))}</code></li>"
         for side, names in (("baseline", report.unmatched_baseline), ("target", report.unmatched_target))
         if names
     ]
     items += [
-        f"<li>replica mismatch in the {_e(m.side)}: <code>{_e(m.name)}</code> (sequence {m.sequence}) differs "
+        f"<li>replica mismatch in the {escape(m.side)}: <code>{escape(m.name)}</code> (sequence {m.sequence}) differs "
         f"between rank {m.reference_rank} and rank {m.rank} from token {m.first_token}</li>"
         for m in report.replica_mismatches[:50]
     ]
@@ -465,8 +530,8 @@ def render_html(
     return (
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
         '<meta name="viewport" content="width=device-width, initial-scale=1">'
-        f"<title>{_e(title)}</title><style>{_CSS}</style></head><body>{''.join(body)}"
-        f'<footer class="muted"><p>driftscope {_e(__version__)}, {stamp}</p></footer>'
+        f"<title>{escape(title)}</title><style>{_CSS}</style></head><body>{''.join(body)}"
+        f'<footer class="muted"><p>driftscope {escape(__version__)}, {stamp}</p></footer>'
         f"<script>{_JS}</script></body></html>\n"
     )
 
