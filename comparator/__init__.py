@@ -57,7 +57,7 @@ _EXPORTS = {
     "Outcome": "comparator.outcome",
     "status": "comparator.outcome",
     "clause": "comparator.outcome",
-    "format_float": "comparator.outcome",
+    "format_float": "comparator.formatting",
     "PASS": "comparator.outcome",
     "DIVERGED": "comparator.outcome",
     "write_json": "comparator.reports.files",
@@ -112,6 +112,7 @@ __all__ = [
 if TYPE_CHECKING:
     from comparator.cli.args import stdout_console, threshold_flags
     from comparator.config import CompareConfig
+    from comparator.formatting import format_float
     from comparator.hidden.compare import compare_dumps
     from comparator.hidden.metrics import PairStats, pair_stats, rel_diff
     from comparator.hidden.types import (
@@ -132,7 +133,7 @@ if TYPE_CHECKING:
     from comparator.logprobs.types import TopK
     from comparator.noise.calibrate import calibrate
     from comparator.noise.file import BASELINE_NOISE, load_noise, save_noise
-    from comparator.outcome import DIVERGED, PASS, Outcome, clause, format_float, status
+    from comparator.outcome import DIVERGED, PASS, Outcome, clause, status
     from comparator.reports.files import write_json
     from comparator.store import RunStore, select_baseline
     from comparator.store.regress import RegressResult, regress

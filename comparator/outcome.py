@@ -24,7 +24,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from comparator.formatting import format_available, format_float, format_located, format_ratio
+from comparator.formatting import format_float, format_located, format_ratio
 from dumper.format import ROUTER_LOGITS, router_name
 from dumper.format.points import SUBLAYER_POINTS
 
@@ -56,10 +56,6 @@ __all__ = [
     "threshold_summary",
     "verdict_notes",
     "reaches_output",
-    "format_float",
-    "format_available",
-    "format_ratio",
-    "format_located",
 ]
 
 PASS = "PASS"

@@ -24,32 +24,12 @@ from typing import Any
 
 from comparator.exports import lazy_exports
 from comparator.hidden.types import (
-    DecodeComparison,
-    DecodeFork,
-    FirstDivergence,
-    Heatmap,
-    LayerSummary,
-    ReplicaMismatch,
     Report,
-    TensorComparison,
 )
 from dumper.errors import CorruptDumpError, DumpError, UsageError
 from dumper.format.files import parse_json, read_regular_file
 
-__all__ = [
-    "TensorComparison",
-    "FirstDivergence",
-    "ReplicaMismatch",
-    "LayerSummary",
-    "Heatmap",
-    "Report",
-    "DecodeComparison",
-    "DecodeFork",
-    "LogprobVerdict",
-    "MAX_REPORT_BYTES",
-    "report_from_json",
-    "load_report",
-]
+__all__ = ["LogprobVerdict", "MAX_REPORT_BYTES", "report_from_json", "load_report"]
 
 # the logprob verdict's module (and comparator.logprobs with it) loads on first use, not with every comparison
 __getattr__, __dir__ = lazy_exports(__name__, {"LogprobVerdict": "comparator.logprobs.types"}, globals())

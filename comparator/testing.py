@@ -23,9 +23,9 @@ from rich.console import Console
 
 from comparator.config import CompareConfig
 from comparator.hidden.compare import compare_dumps
+from comparator.hidden.types import Report
 from comparator.outcome import assertion_head
 from comparator.reports.text import render_report
-from comparator.results import Report
 from comparator.store.regress import RegressResult, regress
 
 __all__ = ["assert_dumps_match", "regress", "RegressResult", "render_to_string"]

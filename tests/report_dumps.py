@@ -11,7 +11,9 @@ from pathlib import Path
 
 import torch
 
-from dumper.prefill.run import BUILTIN_PROMPTS, LogprobSpec, RunConfig, dump_sequences, run_dump
+from dumper.prefill.logprob_records import LogprobSpec
+from dumper.prefill.run import RunConfig, dump_sequences, run_dump
+from dumper.prompts import BUILTIN_PROMPTS
 from tests.conftest import tiny_llama
 
 SPEC = LogprobSpec(top_k=5, save_logits=True)

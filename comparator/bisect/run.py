@@ -41,8 +41,8 @@ from comparator.bisect.state import Plan, log_path, open_work, out_dir, report_p
 from comparator.bisect.types import BAD, GOOD, SKIP, BisectResult, BuildRun
 from comparator.config import CompareConfig
 from comparator.hidden.compare import compare_dumps
+from comparator.hidden.types import Report
 from comparator.outcome import headline
-from comparator.results import Report
 from comparator.store import Label, RunStore
 from comparator.store.select import select_baseline
 from comparator.store.types import RunSummary

@@ -415,7 +415,8 @@ def _dump_side(path: str) -> contextlib.AbstractContextManager[str]:
     a driftscope manifest, so comparing two driftscope dumps stays torch-free.
     """
     if not is_url(path) and os.path.isdir(path) and not os.path.exists(os.path.join(path, MANIFEST_NAME)):
-        from dumper.engines.sglang import is_sglang_dump, open_dump_side
+        from dumper.engines.sglang import open_dump_side
+        from dumper.engines.sglang_files import is_sglang_dump
 
         if is_sglang_dump(path):
             return open_dump_side(path)

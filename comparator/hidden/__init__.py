@@ -1,4 +1,4 @@
-"""Hidden-state comparison: two dumps in, a :class:`~comparator.results.Report` out.
+"""Hidden-state comparison: two dumps in, a :class:`~comparator.hidden.types.Report` out.
 
 - :mod:`~comparator.hidden.align`: the plan, from manifests only: which rows meet which;
 - :mod:`~comparator.hidden.kernels` and :mod:`~comparator.hidden.metrics`: stream the row sums

@@ -26,18 +26,18 @@ from dumper.errors import UsageError
 from dumper.format import atomic_path, write_json_atomic
 
 if TYPE_CHECKING:
-    from comparator.results import Report
+    from comparator.hidden.types import Report
 
 __all__ = ["json_text", "write_json", "tensor_frame", "write_csv", "write_parquet", "need_pyarrow"]
 
 
 def json_text(report: Report) -> str:
-    """:meth:`Report.to_json <comparator.results.Report.to_json>` as text, the bytes :func:`write_json` writes."""
+    """:meth:`Report.to_json <comparator.hidden.types.Report.to_json>` as text, the bytes :func:`write_json` writes."""
     return json.dumps(report.to_json(), indent=1, allow_nan=False)
 
 
 def write_json(report: Report, path: str | os.PathLike[str]) -> None:
-    """:meth:`Report.to_json <comparator.results.Report.to_json>` written to ``path`` (non-finite values as null)."""
+    """:meth:`Report.to_json <comparator.hidden.types.Report.to_json>` written to ``path`` (non-finite values as null)."""
     write_json_atomic(path, report.to_json())
 
 

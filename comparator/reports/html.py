@@ -32,19 +32,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from comparator.formatting import format_float, format_located, format_ratio
 from comparator.hidden.registry import columns as metric_columns
+from comparator.hidden.types import FirstDivergence, Report
 from comparator.logprobs import LogprobVerdict, PositionSeries
-from comparator.outcome import (
-    Outcome,
-    format_float,
-    format_located,
-    format_ratio,
-    reaches_output,
-    sentence,
-    status,
-    threshold_summary,
-    verdict_notes,
-)
+from comparator.outcome import Outcome, reaches_output, sentence, status, threshold_summary, verdict_notes
 from comparator.reports.layer_table import FIRST_DIVERGENCE, ONSET, layer_table
 from comparator.reports.logprob_table import metric_rows
 from comparator.reports.plots import amplification_figure, figure_svg, heatmap_figure, layer_figure, logprob_figure
@@ -59,7 +51,6 @@ from comparator.reports.routing_table import (
     routing_title,
 )
 from comparator.reports.tokens import TokenLookup, show_text
-from comparator.results import FirstDivergence, Report
 from comparator.routing.types import RouterComparison
 from dumper.format import Manifest, atomic_path
 from dumper.version import __version__

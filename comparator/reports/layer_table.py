@@ -28,8 +28,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from comparator.outcome import format_available, format_float, format_ratio, status
-from comparator.results import LayerSummary, Report
+from comparator.formatting import format_available, format_float, format_ratio
+from comparator.hidden.types import LayerSummary, Report
+from comparator.outcome import status
 
 __all__ = [
     "FROM_ZERO",

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from comparator.formatting import format_float, format_located
 from comparator.judging.logprob_metrics import logprob_metric, logprob_metrics
 from comparator.logprobs.types import Located, LogprobVerdict
-from comparator.outcome import format_float, format_located
 
 __all__ = ["LogprobRow", "metric_rows", "metric_label"]
 

@@ -18,6 +18,7 @@ import html
 import os
 import re
 
+from comparator.hidden.types import Report
 from comparator.outcome import (
     Outcome,
     clause,
@@ -38,7 +39,6 @@ from comparator.reports.routing_table import (
     routing_summary,
     routing_title,
 )
-from comparator.results import Report
 from comparator.routing.types import RouterComparison
 from dumper.format import atomic_path
 

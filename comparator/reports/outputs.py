@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, TextIO
 
+from comparator.hidden.types import Report
 from comparator.reports.files import json_text, need_pyarrow, write_parquet
-from comparator.results import Report
 from dumper.errors import UsageError
 from dumper.format import Manifest
 from dumper.format.remote_read import dump_manifest

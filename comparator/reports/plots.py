@@ -1,4 +1,4 @@
-"""Matplotlib figures of a :class:`~comparator.results.Report`: per-layer chart, amplification, token heatmap, logprobs.
+"""Matplotlib figures of a :class:`~comparator.hidden.types.Report`: per-layer chart, amplification, token heatmap, logprobs.
 
 Built with the object-oriented :class:`matplotlib.figure.Figure` API, never pyplot: no global
 state, no GUI backend, safe in threads and on headless machines. Every chart is on a log
@@ -28,8 +28,8 @@ from matplotlib import colormaps, rc_context
 from matplotlib.colors import LogNorm
 from matplotlib.figure import Figure
 
+from comparator.hidden.types import Heatmap, LayerSummary, Report
 from comparator.logprobs import LogprobVerdict, PositionSeries, k3
-from comparator.results import Heatmap, LayerSummary, Report
 from dumper.errors import UsageError
 from dumper.format import atomic_path
 

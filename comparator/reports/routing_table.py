@@ -17,16 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from comparator.outcome import (
-    FAIL,
-    describe_rank,
-    flip_ratio,
-    format_float,
-    format_ratio,
-    judged_by,
-    routing_failures,
-    status,
-)
+from comparator.formatting import format_float, format_ratio
+from comparator.outcome import FAIL, describe_rank, flip_ratio, judged_by, routing_failures, status
 from comparator.routing.types import Flip, RouterComparison
 
 __all__ = [

@@ -8,20 +8,12 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from comparator.formatting import format_float, format_located, format_ratio
 from comparator.hidden.registry import columns as metric_columns
+from comparator.hidden.types import Report
 from comparator.judging.noise import NoiseModel
 from comparator.logprobs import LogprobVerdict
-from comparator.outcome import (
-    Outcome,
-    clause,
-    format_float,
-    format_located,
-    format_ratio,
-    reaches_output,
-    status,
-    threshold_summary,
-    verdict_notes,
-)
+from comparator.outcome import Outcome, clause, reaches_output, status, threshold_summary, verdict_notes
 from comparator.reports.layer_table import FIRST_DIVERGENCE, ONSET, layer_table
 from comparator.reports.logprob_table import metric_label, metric_rows
 from comparator.reports.routing_table import (
@@ -34,7 +26,6 @@ from comparator.reports.routing_table import (
     routing_summary,
     routing_title,
 )
-from comparator.results import Report
 from comparator.routing.types import RouterComparison
 from dumper.format.decode import DECODE, PREFILL
 

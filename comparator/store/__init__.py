@@ -19,9 +19,9 @@ Modules: :mod:`~comparator.store.runstore` (:class:`RunStore`: put, get, list, p
 :mod:`~comparator.store.select` (which run is the baseline), :mod:`~comparator.store.environment`
 (which environment fields must match),
 :mod:`~comparator.store.regress`, and the bytes: :mod:`~comparator.store.backend` (the
-:class:`~comparator.store.backend.Backend` interface and the local directory) and
+:class:`~comparator.store.backend_base.Backend` interface and the local directory) and
 :mod:`~comparator.store.fsspec_backend` (any fsspec URL). A new storage backend is one
-:class:`~comparator.store.backend.Backend` subclass, picked in :func:`~comparator.store.backend.open_backend`.
+:class:`~comparator.store.backend_base.Backend` subclass, picked in :func:`~comparator.store.backend.open_backend`.
 
 Names. In this package a **run** is one dump stored in a store, in its folder ``runs/<run_id>/``:
 

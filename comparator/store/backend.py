@@ -39,7 +39,6 @@ from comparator.store.backend_base import (
     ReadResult,
     check_rel,
     copy_limited,
-    plain_name,
     too_big,
 )
 from comparator.store.errors import StoreError, UnsafePathError
@@ -47,16 +46,7 @@ from comparator.store.fsspec_backend import FsspecBackend
 from dumper.format import atomic_path, fsync_dir
 from dumper.format.files import file_kind
 
-__all__ = [
-    "Backend",
-    "LocalBackend",
-    "open_backend",
-    "check_rel",
-    "plain_name",
-    "EntryKind",
-    "ReadResult",
-    "MAX_SMALL_FILE",
-]
+__all__ = ["LocalBackend", "open_backend"]
 
 _OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 

@@ -29,10 +29,10 @@ from typing import Any
 
 from comparator.config import CompareConfig
 from comparator.hidden.compare import compare_dumps
+from comparator.hidden.types import Report
 from comparator.judging.noise import NoiseModel
 from comparator.noise.calibrate import calibrate
 from comparator.outcome import BOOTSTRAP, FAIL, PASS, UNUSABLE
-from comparator.results import Report
 from comparator.store.environment import EnvDifference, describe_differences, env_differences
 from comparator.store.errors import EnvMismatchError, NoBaselineError
 from comparator.store.labels import Label

@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from comparator.judging.noise import NoiseModel
-from comparator.store.backend import Backend, EntryKind, ReadResult, open_backend, plain_name
+from comparator.store.backend import open_backend
+from comparator.store.backend_base import Backend, EntryKind, ReadResult, plain_name
 from comparator.store.errors import CorruptRunError, StoreError
 from comparator.store.labels import LABELS, Label
 from comparator.store.record import RunEntry, RunRecord, RunStatus, StoredNoise, signature_key

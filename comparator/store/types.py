@@ -27,7 +27,7 @@ from comparator.store.runid import is_run_id
 from dumper.format.files import is_text, printable
 
 if TYPE_CHECKING:
-    from comparator.results import Report
+    from comparator.hidden.types import Report
 
 __all__ = ["RunSummary", "SUMMARY_KEYS", "Calibration", "CALIBRATION_KEYS", "Promotion", "check_tree"]
 

@@ -79,7 +79,7 @@ def add_collect(sub: argparse._SubParsersAction) -> None:
 def cmd_collect(args: argparse.Namespace) -> int:
     """Build the :class:`~dumper.jobs.collect.CollectConfig`, collect, print one line."""
     from dumper.jobs.collect import CollectConfig, collect_dump, missing_note
-    from dumper.prefill.run import LogprobSpec
+    from dumper.prefill.logprob_records import LogprobSpec
     from dumper.progress import progress_bar
     from dumper.prompts import parse_input_ids, read_prompts_file
 

@@ -190,16 +190,12 @@ def _cmd_split_replay(args: argparse.Namespace, cfg: Any) -> int:
 
 
 def _cmd_selfcheck(args: argparse.Namespace) -> int:
-    from comparator import status  # the words every verdict uses
-    from dumper.format import write_json_atomic
-    from dumper.jobs.selfcheck import (
-        DEFAULT_K3_THRESHOLD,
+    from comparator import (
         GREEDY_K3_NOTE,
-        MODES,
-        check_inputs,
-        selfcheck,
-        vocab_size_of,
+        status,  # the words every verdict uses
     )
+    from dumper.format import write_json_atomic
+    from dumper.jobs.selfcheck import DEFAULT_K3_THRESHOLD, MODES, check_inputs, selfcheck, vocab_size_of
     from dumper.prefill.presets import load_model
     from dumper.prompts import BUILTIN_PROMPTS, parse_input_ids
 

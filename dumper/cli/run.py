@@ -110,8 +110,9 @@ def add_run(sub: argparse._SubParsersAction) -> None:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from dumper.format.remote import writing
+    from dumper.prefill.logprob_records import LogprobSpec
     from dumper.prefill.observer import OBSERVER_KEY, ObserverResult
-    from dumper.prefill.run import LogprobSpec, parse_input_ids, read_prompts_file
+    from dumper.prompts import parse_input_ids, read_prompts_file
 
     prompts: tuple[str, ...] = tuple(args.prompt or ())
     ids = parse_input_ids(args.input_ids or ())

@@ -75,10 +75,11 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     from comparator import CompareConfig, stdout_console
     from dumper.format import write_json_atomic
     from dumper.hooks.layers import parse_points
-    from dumper.jobs.sweep.grid import MAX_CELLS
-    from dumper.jobs.sweep.run import SweepConfig, baseline_defaults, baseline_prompts, parse_grid, sweep
+    from dumper.jobs.sweep.grid import MAX_CELLS, parse_grid
+    from dumper.jobs.sweep.run import SweepConfig, baseline_defaults, baseline_prompts, sweep
     from dumper.jobs.sweep.table import cell_line, render_sweep
-    from dumper.prefill.run import LogprobSpec, RunConfig
+    from dumper.prefill.logprob_records import LogprobSpec
+    from dumper.prefill.run import RunConfig
 
     check_device(args.device)
     check_logprob_options(args, "--top-k", "--save-logits")

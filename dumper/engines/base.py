@@ -334,7 +334,7 @@ class EngineDump:
 
         Row ``r`` (position ``p = first + r``) is the distribution of token ``p + 1``; rows past
         the prompt's end or at/below ``--logprob-start-len`` are dropped, as in the HF job
-        (:func:`dumper.prefill.run.record_logprobs` does the work for both).
+        (:func:`dumper.prefill.logprob_records.record_logprobs` does the work for both).
         """
         if self.spec is None:
             return
@@ -354,7 +354,7 @@ class EngineDump:
     def token_logprobs(
         self, seq_id: int, positions: Any, token_ids: Any, logprobs: Any, top_ids: Any = None, top_logprobs: Any = None
     ) -> None:
-        """Record logprobs the engine computed itself (see :func:`dumper.prefill.run.record_token_logprobs`)."""
+        """Record logprobs the engine computed itself (see :func:`dumper.prefill.logprob_records.record_token_logprobs`)."""
         positions = torch.as_tensor(positions, dtype=torch.int64).reshape(-1)
         record_token_logprobs(
             self._cap, positions, torch.full_like(positions, seq_id), token_ids, logprobs, top_ids, top_logprobs

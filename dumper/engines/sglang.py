@@ -84,10 +84,10 @@ from dumper.format import (
 from dumper.format.dtypes import DTYPES, torch_codes
 from dumper.format.files import printable
 from dumper.format.manifest import parse_manifest
-from dumper.hooks.fingerprint import VERSION
 from dumper.hooks.writer import ShardWriter
+from dumper.version import __version__ as VERSION
 
-__all__ = ["AUX_NAMES", "is_sglang_dump", "convert_sglang_dump", "open_dump_side", "main_import"]
+__all__ = ["convert_sglang_dump", "open_dump_side", "main_import"]
 
 _ATTN_INPUT = re.compile(
     r"non_intrusive__(?P<prefix>(?:.+\.)?layers\.)(?P<layer>[0-9]+)"

@@ -16,7 +16,7 @@ import torch
 
 from dumper.version import __version__ as VERSION
 
-__all__ = ["environment_fingerprint", "model_identity", "config_identity", "config_hash", "weights_hash", "VERSION"]
+__all__ = ["environment_fingerprint", "model_identity", "config_identity", "config_hash", "weights_hash"]
 
 
 def environment_fingerprint(

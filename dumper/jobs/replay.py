@@ -49,10 +49,11 @@ from dumper.format import (
     load_manifest,
 )
 from dumper.format.dtypes import FLOAT_CODES
+from dumper.format.points import RESIDUAL
 from dumper.hooks.capture import Capture
 from dumper.hooks.families import family_for
 from dumper.hooks.fingerprint import environment_fingerprint, model_identity
-from dumper.hooks.layers import RESIDUAL, ROUTER, find_decoder_layers
+from dumper.hooks.layers import ROUTER, find_decoder_layers
 from dumper.jobs.replay_routing import (
     LayerRecords,
     LayerRows,

@@ -32,10 +32,11 @@ from torch import nn
 
 from dumper.errors import NotComparableError, UsageError
 from dumper.format import ROUTER_CHOICE_POINT, ROUTER_IDS, ROUTER_LOGITS, ROUTER_WEIGHTS, DumpReader, Manifest
+from dumper.format.points import RESIDUAL
 from dumper.format.routing import LayerRecords, LayerRows, key_parts, read_layer, row_key
 from dumper.format.routing import router_records as baseline_router_records
 from dumper.hooks.capture import Capture
-from dumper.hooks.layers import RESIDUAL, ROUTER
+from dumper.hooks.layers import ROUTER
 from dumper.hooks.router_weights import combine_weights
 from dumper.hooks.routing import Reader, find_routers, has_router, known_families, router_meta
 from dumper.prefill.presets import model_label

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from comparator import GREEDY_K3_NOTE, k3_summary
+from comparator import k3_summary
 from dumper.errors import InternalError, ModelError, UsageError
 from dumper.jobs.k3_json import k3_from_json, k3_to_json
 from dumper.prefill.forward import cache_kwarg, cache_length, call_model
@@ -42,7 +42,6 @@ __all__ = [
     "selfcheck",
     "vocab_size_of",
     "DEFAULT_K3_THRESHOLD",
-    "GREEDY_K3_NOTE",
 ]
 
 MODES = ("no-cache", "prefill-hit", "decode-hit")

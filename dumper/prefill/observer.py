@@ -58,7 +58,7 @@ _BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 class LogprobSink(Protocol):
     """Where a job's logprobs go: a :class:`~dumper.hooks.capture.Capture`, or an :class:`ObserverCheck`
-    for the run without capture (:func:`dumper.prefill.run.record_logprobs` writes to either)."""
+    for the run without capture (:func:`dumper.prefill.logprob_records.record_logprobs` writes to either)."""
 
     def set_sequence_ids(self, ids: Sequence[int] | None) -> None: ...
 

@@ -26,7 +26,7 @@ from dumper.modeldir import load_causal_lm
 from dumper.resources import config_path
 from dumper.tokenizers import PRESETS, ByteTokenizer, Tokenizer, load_tokenizer
 
-__all__ = ["PRESETS", "ByteTokenizer", "Tokenizer", "load_model", "model_label"]
+__all__ = ["load_model", "model_label"]
 
 
 def _preset_config(name: str, attn: str) -> Any:

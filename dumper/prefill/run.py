@@ -24,8 +24,8 @@ from dumper.hooks.capture import Capture
 from dumper.hooks.layers import ATTN_INPUT, ROUTER, parse_points
 from dumper.hooks.tap import install_tap, remove_tap, tap_of
 from dumper.prefill.decode import LastLogits, greedy_steps
-from dumper.prefill.forward import cache_kwarg, cache_length, call_model, pad_batch, prefill
-from dumper.prefill.logprob_records import LogprobSpec, record_logprobs, record_next_logprobs, record_token_logprobs
+from dumper.prefill.forward import pad_batch, prefill
+from dumper.prefill.logprob_records import LogprobSpec, record_logprobs, record_next_logprobs
 from dumper.prefill.observer import LogprobSink, ObserverCheck, mark_observer
 from dumper.prefill.presets import load_model
 from dumper.progress import ProgressFn
@@ -33,22 +33,11 @@ from dumper.prompts import BUILTIN_PROMPTS, parse_input_ids, read_prompts_file  
 
 __all__ = [
     "RunConfig",
-    "LogprobSpec",
     "run_dump",
     "dump_sequences",
-    "prefill",
-    "record_logprobs",
-    "record_token_logprobs",
     "reference_sequences",
-    "pad_batch",
-    "cache_kwarg",
-    "call_model",
-    "cache_length",
     "prompt_token_ids",
     "check_scored_positions",
-    "read_prompts_file",
-    "parse_input_ids",
-    "BUILTIN_PROMPTS",
     "tokens_from",
 ]
 

@@ -32,7 +32,7 @@ from dumper.errors import UsageError
 from dumper.server.client import ServerClient, ServerError
 from dumper.server.flags import API_NAMES
 
-__all__ = ["API_NAMES", "Prompt", "prompts_from", "served_model", "first_choice", "check_api", "ask"]
+__all__ = ["Prompt", "prompts_from", "served_model", "first_choice", "check_api", "ask"]
 
 
 @dataclass(frozen=True)

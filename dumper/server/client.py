@@ -36,8 +36,6 @@ from dumper.format.files import check_json_memory
 from dumper.server.flags import (
     DEFAULT_RETRIES,
     DEFAULT_TIMEOUT_S,
-    MAX_RETRIES,
-    MAX_TIMEOUT_S,
     check_retries,
     check_timeout,
 )
@@ -53,16 +51,7 @@ from dumper.server.wire import (
     read_body,
 )
 
-__all__ = [
-    "ServerClient",
-    "ServerError",
-    "normalize_base_url",
-    "check_timeout",
-    "check_retries",
-    "MAX_RESPONSE_BYTES",
-    "MAX_TIMEOUT_S",
-    "MAX_RETRIES",
-]
+__all__ = ["ServerClient", "ServerError", "normalize_base_url", "MAX_RESPONSE_BYTES"]
 
 MAX_RESPONSE_BYTES: Final = 256 << 20
 """Largest response body read; a longer one is refused (a prompt-logprobs answer is far smaller)."""

@@ -9,6 +9,7 @@ import re
 import pytest
 
 from comparator import CompareConfig, compare_dumps
+from comparator.hidden.types import ReplicaMismatch, Report
 from comparator.outcome import (
     DIVERGED,
     FAIL,
@@ -23,7 +24,6 @@ from comparator.outcome import (
 )
 from comparator.reports.html import render_html
 from comparator.reports.markdown import to_markdown
-from comparator.results import ReplicaMismatch, Report
 from comparator.testing import assert_dumps_match, render_to_string
 from tests.report_dumps import clean_dump, one_token_bug_dump
 from tests.storeutil import synth_dump

@@ -22,10 +22,10 @@ from hypothesis import strategies as st
 import dumper
 from comparator import CompareConfig, compare_dumps
 from comparator.hidden.onset import Amplification
+from comparator.hidden.types import FirstDivergence, Heatmap, ReplicaMismatch, Report, TensorComparison
 from comparator.logprobs import LogprobVerdict
 from comparator.noise.calibrate import calibrate
 from comparator.reports.files import json_text
-from comparator.results import FirstDivergence, Heatmap, ReplicaMismatch, Report, TensorComparison
 from comparator.store.environment import EnvDifference
 from dumper.format.jsonfloat import from_json_float, to_json_float
 from tests.report_dumps import clean_dump, one_token_bug_dump

@@ -53,7 +53,6 @@ __all__ = [
     "take_load_failure",
     "split_points",
     "sketch_of",
-    "RouterTap",
     "install_router_tap",
     "router_tap_of",
     "moe_layers",

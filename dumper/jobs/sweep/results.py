@@ -5,7 +5,7 @@
 "cells": [{"index", "name", "settings", "passed", "verdict", "reasons", "first_divergent",
 "logprobs", "cache_hits", "cache_hits_by_sequence", "report", "dump", "wall_s", "run_s",
 "engine_reused"}, ...]}``; ``first_divergent`` is the comparator's
-:class:`~comparator.results.FirstDivergence` JSON, ``report`` the path of the cell's full report.
+:class:`~comparator.hidden.types.FirstDivergence` JSON, ``report`` the path of the cell's full report.
 """
 
 from __future__ import annotations

@@ -49,22 +49,12 @@ from dumper.errors import DriftscopeError, UsageError
 from dumper.format import LOGITS_POINT, LOGPROB_POINT, PAD_SEQUENCE, Manifest, load_manifest, write_json_atomic
 from dumper.format.points import INPUT
 from dumper.jobs.sweep.engine import engine_block_size, held_engine, pinned_engine_args, preflight
-from dumper.jobs.sweep.grid import BLOCK, LENGTHS, Axis, Cell, describe, parse_grid, plan_cells
+from dumper.jobs.sweep.grid import BLOCK, LENGTHS, Axis, Cell, describe, plan_cells
 from dumper.jobs.sweep.results import PREFIX_CACHE_NOTE, ZERO_HITS, CellLogprobs, CellResult, SweepResult
 from dumper.prefill.run import RunConfig, tokens_from
 from dumper.progress import ProgressFn
 
-__all__ = [
-    "SweepConfig",
-    "sweep",
-    "plan_sweep",
-    "run_cell",
-    "baseline_prompts",
-    "baseline_defaults",
-    "parse_grid",
-    "SweepResult",
-    "CellResult",
-]
+__all__ = ["SweepConfig", "sweep", "plan_sweep", "run_cell", "baseline_prompts", "baseline_defaults"]
 
 CellFn = Callable[[CellResult, int], None]
 """``on_cell(result, cells)``: called as each cell finishes, with the number of cells."""

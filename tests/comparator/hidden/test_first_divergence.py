@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from comparator.hidden.localize import first_divergence
-from comparator.results import TensorComparison
+from comparator.hidden.types import TensorComparison
 
 
 def tc(

@@ -14,7 +14,8 @@ import torch
 
 import dumper
 from comparator import compare_dumps
-from dumper.prefill.run import RunConfig, cache_kwarg, pad_batch, prefill, run_dump
+from dumper.prefill.forward import cache_kwarg, pad_batch, prefill
+from dumper.prefill.run import RunConfig, run_dump
 from tests.conftest import tiny_llama
 
 PROMPTS = (

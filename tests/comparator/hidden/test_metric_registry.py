@@ -23,10 +23,10 @@ import dumper
 from comparator import compare_dumps
 from comparator.hidden import registry
 from comparator.hidden.registry import Metric, RowSums, registered
+from comparator.hidden.types import Report, TensorComparison
 from comparator.reports.files import json_text, write_csv
 from comparator.reports.html import render_html
 from comparator.reports.text import render_report
-from comparator.results import Report, TensorComparison
 from tests.conftest import prompt_ids, tiny_llama
 
 BUILTIN = ["rel_diff", "max_token_rel_diff", "max_abs_diff", "mean_abs_diff", "cosine"]

@@ -11,7 +11,8 @@ import torch
 import dumper
 from comparator import CompareConfig, compare_dumps
 from comparator.hidden.pipeline import in_order
-from dumper.prefill.run import RunConfig, pad_batch, prefill, run_dump
+from dumper.prefill.forward import pad_batch, prefill
+from dumper.prefill.run import RunConfig, run_dump
 from tests.conftest import tiny_llama
 
 PROMPTS = (

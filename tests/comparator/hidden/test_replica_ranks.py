@@ -19,8 +19,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from comparator import compare_dumps
+from comparator.hidden.types import Report
 from comparator.reports.files import json_text
-from comparator.results import Report
 
 WORLD = 2
 N_TOKENS = 48

@@ -13,8 +13,9 @@ import pytest
 
 from comparator import compare_dumps
 from comparator.hidden import types
+from comparator.hidden.types import Report
 from comparator.reports.files import json_text, tensor_frame, write_csv, write_json
-from comparator.results import Report, load_report, report_from_json
+from comparator.results import load_report, report_from_json
 from dumper.errors import CorruptDumpError, UsageError
 from tests.conftest import ROOT
 from tests.report_dumps import clean_dump, one_token_bug_dump

@@ -46,7 +46,8 @@ from comparator.store.record import StoredNoise
 from comparator.store.types import Calibration
 from dumper.format import load_manifest
 from dumper.format.files import JSON_MEMORY_BUDGET, is_text, json_memory_bound, printable
-from dumper.prefill.run import LogprobSpec, RunConfig, run_dump
+from dumper.prefill.logprob_records import LogprobSpec
+from dumper.prefill.run import RunConfig, run_dump
 from tests.fuzzing import FUZZ, LIMIT, Outcome, check_outcome, deadline, get_path, json_paths, run_child, run_main
 
 INF, NAN = math.inf, math.nan

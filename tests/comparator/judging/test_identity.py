@@ -15,7 +15,8 @@ from comparator.judging.identity import IDENTITY_FIELDS, identity_differences
 from comparator.store import RunStore
 from dumper.errors import EXIT_DIVERGED, EXIT_OK, EXIT_UNUSABLE, ModelMismatchError, NotComparableError, UsageError
 from dumper.format import MANIFEST_NAME, load_manifest, write_json_atomic
-from dumper.prefill.run import LogprobSpec, RunConfig, run_dump
+from dumper.prefill.logprob_records import LogprobSpec
+from dumper.prefill.run import RunConfig, run_dump
 
 PROMPTS = ("Inference engines change daily.", "A second prompt, a little longer than the first one.")
 

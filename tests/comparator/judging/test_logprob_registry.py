@@ -40,7 +40,8 @@ from comparator.reports.html import render_html
 from comparator.reports.markdown import to_markdown
 from comparator.reports.text import render_logprobs, render_noise
 from dumper.errors import UsageError
-from dumper.prefill.run import LogprobSpec, RunConfig, run_dump
+from dumper.prefill.logprob_records import LogprobSpec
+from dumper.prefill.run import RunConfig, run_dump
 
 NAME = "p99_abs_err"
 LABEL = "p99 |Δlogprob|"

@@ -18,8 +18,9 @@ import torch
 from comparator.judging.logprob_noise import Z_SIGNIFICANT, MeanTest, MetricNoise, NoiseCheck
 from comparator.logprobs.judge import compare_logprob_sources
 from comparator.noise.calibrate import calibrate
+from dumper.prefill.logprob_records import LogprobSpec
 from dumper.prefill.presets import load_model
-from dumper.prefill.run import LogprobSpec, RunConfig, dump_sequences, prompt_token_ids, run_dump
+from dumper.prefill.run import RunConfig, dump_sequences, prompt_token_ids, run_dump
 
 SPEC = LogprobSpec(top_k=3, save_logits=True)
 ROW = 20

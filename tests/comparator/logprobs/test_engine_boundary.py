@@ -25,8 +25,9 @@ from comparator.logprobs.sources.engine_json import read_logprobs_jsonl
 from comparator.logprobs.sources.input_caps import MAX_LINE_BYTES, MAX_POSITIONS, MAX_TOTAL_POSITIONS
 from dumper.errors import UsageError
 from dumper.format import LOGITS, LOGPROB_TOKEN_ID, LOGPROB_TOP_VALUE, LOGPROB_VALUE
+from dumper.prefill.logprob_records import LogprobSpec
 from dumper.prefill.presets import load_model
-from dumper.prefill.run import LogprobSpec, RunConfig, run_dump
+from dumper.prefill.run import RunConfig, run_dump
 from tests.comparator.logprobs import test_engines as engines
 from tests.comparator.logprobs.test_engines import write_jsonl
 from tests.conftest import run_cli

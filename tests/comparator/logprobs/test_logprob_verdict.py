@@ -10,7 +10,8 @@ import torch
 from comparator import compare_dumps
 from comparator.logprobs.sources import read_logprob_source
 from comparator.reports.files import json_text
-from dumper.prefill.run import LogprobSpec, RunConfig, dump_sequences, run_dump
+from dumper.prefill.logprob_records import LogprobSpec
+from dumper.prefill.run import RunConfig, dump_sequences, run_dump
 from tests.conftest import tiny_llama
 
 LOGPROB_KEYS = {

@@ -25,7 +25,8 @@ from hypothesis import strategies as st
 from comparator.cli.main import main as comparator_main
 from dumper.cli.main import main as dumper_main
 from dumper.errors import UsageError
-from dumper.server.client import MAX_RETRIES, MAX_TIMEOUT_S, ServerClient, ServerError, check_retries, check_timeout
+from dumper.server.client import ServerClient, ServerError
+from dumper.server.flags import MAX_RETRIES, MAX_TIMEOUT_S, check_retries, check_timeout
 from tests.comparator.logprobs import test_engines as engines
 from tests.conftest import run_cli, serve_in_thread
 from tests.fuzzing import FUZZ, check_outcome, has_control, run_main

@@ -243,7 +243,7 @@ def test_calibrate_from_engine_jsonl_judges_logprobs(tmp_path):
 
 def test_reports_with_and_without_noise_round_trip_through_json(fp32, tmp_path):
     """Ratios read back as written: None without a noise file, inf for a NaN mismatch judged against noise."""
-    from comparator.results import Report
+    from comparator.hidden.types import Report
 
     dumps, noise, ids = fp32
     model, _ = tiny_llama()

@@ -17,16 +17,17 @@ from pathlib import Path
 import pytest
 import torch
 
+from comparator.formatting import format_float
 from comparator.judging.logprob_metrics import default_floors
 from comparator.judging.logprob_noise import Z_SIGNIFICANT
 from comparator.judging.noise_thresholds import resolve_logprob_thresholds
 from comparator.logprobs import LogprobVerdict
 from comparator.logprobs.judge import compare_logprob_sources
 from comparator.noise.file import load_noise
-from comparator.outcome import format_float
 from dumper.errors import UsageError
+from dumper.prefill.logprob_records import LogprobSpec
 from dumper.prefill.presets import load_model
-from dumper.prefill.run import LogprobSpec, RunConfig, dump_sequences, prompt_token_ids, run_dump
+from dumper.prefill.run import RunConfig, dump_sequences, prompt_token_ids, run_dump
 from tests.conftest import run_cli
 
 SPEC = LogprobSpec(top_k=5, save_logits=True)

@@ -27,7 +27,8 @@ from comparator import CompareConfig, compare_dumps
 from comparator.cli.main import main as compare_main
 from comparator.noise.calibrate import calibrate
 from comparator.noise.file import load_noise, save_noise
-from dumper.prefill.run import BUILTIN_PROMPTS, RunConfig, dump_sequences
+from dumper.prefill.run import RunConfig, dump_sequences
+from dumper.prompts import BUILTIN_PROMPTS
 from tests.conftest import forward_hook, tiny_llama
 from tests.fuzzing import check_outcome, run_main
 

@@ -7,10 +7,10 @@ import dataclasses
 import re
 
 from comparator.hidden.localize import first_divergence
+from comparator.hidden.types import Report, TensorComparison
 from comparator.reports.html import render_html
 from comparator.reports.layer_table import FIRST_DIVERGENCE, ONSET, layer_table
 from comparator.reports.markdown import to_markdown
-from comparator.results import Report, TensorComparison
 from comparator.testing import render_to_string
 
 

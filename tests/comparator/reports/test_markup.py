@@ -19,8 +19,8 @@ import torch
 from markdown_it import MarkdownIt
 
 import dumper
+from comparator.hidden.types import Heatmap
 from comparator.reports.plots import figure_svg, heatmap_figure
-from comparator.results import Heatmap
 from tests.comparator.logprobs import test_engines as engines
 from tests.conftest import run_cli
 

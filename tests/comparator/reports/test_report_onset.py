@@ -25,15 +25,17 @@ import pytest
 import torch
 
 from comparator import compare_dumps
+from comparator.formatting import format_ratio
 from comparator.hidden.heatmap import BEFORE, WINDOW, window_positions, window_runs
-from comparator.outcome import describe_divergence, format_ratio
+from comparator.hidden.types import Report
+from comparator.outcome import describe_divergence
 from comparator.reports.files import write_json
 from comparator.reports.html import render_html, write_html
 from comparator.reports.layer_table import FROM_ZERO, amplification_cell
 from comparator.reports.markdown import to_markdown
-from comparator.results import Report
 from dumper.format import load_manifest
-from dumper.prefill.run import BUILTIN_PROMPTS, RunConfig, dump_sequences
+from dumper.prefill.run import RunConfig, dump_sequences
+from dumper.prompts import BUILTIN_PROMPTS
 from tests.conftest import ROOT, run_cli, tiny_llama
 
 P = 40

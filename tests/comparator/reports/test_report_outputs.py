@@ -23,17 +23,17 @@ from rich.console import Console
 
 from comparator import compare_dumps
 from comparator.hidden.heatmap import BEFORE, WINDOW
+from comparator.hidden.types import Report
 from comparator.reports import plots
 from comparator.reports.files import json_text, write_parquet
 from comparator.reports.html import render_html, write_html
 from comparator.reports.markdown import to_markdown
 from comparator.reports.outputs import add_output_flags, check_output_flags, write_outputs
 from comparator.reports.plots import save_layer_plot
-from comparator.results import Report
 from dumper.errors import UsageError
 from dumper.format import load_manifest
-from dumper.prefill.presets import ByteTokenizer
 from dumper.progress import progress_bar
+from dumper.tokenizers import ByteTokenizer
 from tests.report_dumps import N_LAYERS, clean_dump, one_token_bug_dump
 
 LAYER, TOKEN = 2, 57  # the bug: after decoder layer 2, at token 57
@@ -351,7 +351,7 @@ def test_chunk_boundary_bug_is_a_vertical_edge(tmp_path):
     import torch
 
     import dumper
-    from dumper.prefill.run import cache_kwarg
+    from dumper.prefill.forward import cache_kwarg
     from tests.conftest import tiny_llama
 
     prompt = "The quick brown fox jumps over the lazy dog, then naps in the warm afternoon sun. " * 2

@@ -18,13 +18,14 @@ import torch
 from rich.console import Console
 
 from comparator import CompareConfig, compare_dumps
+from comparator.hidden.types import Report
 from comparator.noise.calibrate import calibrate
 from comparator.outcome import DIVERGED, PASS, Outcome, assertion_head, clause, headline, sentence
 from comparator.reports.html import render_html
 from comparator.reports.markdown import to_markdown
 from comparator.reports.routing_table import FIRST_FAILURE
 from comparator.reports.text import render_noise
-from comparator.results import Report, load_report
+from comparator.results import load_report
 from comparator.testing import render_to_string
 from tests.conftest import run_cli
 from tests.routing_dumps import choose_flip_token, router_dump

@@ -23,8 +23,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from comparator import compare_dumps
+from comparator.hidden.types import Report
 from comparator.outcome import Outcome, headline
-from comparator.results import Report
 from dumper.format import ROUTER_IDS, ROUTER_WEIGHTS
 from tests.routing_dumps import choose_flip_token, mixtral, prompt_ids, seed_router_bug
 

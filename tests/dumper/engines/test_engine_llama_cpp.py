@@ -21,7 +21,8 @@ import pytest
 from comparator import CompareConfig, compare_dumps
 from dumper.engines import run_engine
 from dumper.errors import ModelError, UsageError
-from dumper.prefill.run import LogprobSpec, RunConfig, run_dump
+from dumper.prefill.logprob_records import LogprobSpec
+from dumper.prefill.run import RunConfig, run_dump
 from tests.conftest import run_cli
 from tests.engine_models import build_checkpoint, engine_missing, to_gguf
 

@@ -35,7 +35,8 @@ import pytest
 from comparator import compare_dumps
 from dumper.errors import UsageError
 from dumper.format import load_manifest
-from dumper.prefill.run import LogprobSpec, RunConfig
+from dumper.prefill.logprob_records import LogprobSpec
+from dumper.prefill.run import RunConfig
 from tests.conftest import ROOT, run_cli
 from tests.engine_models import build_checkpoint, engine_missing
 

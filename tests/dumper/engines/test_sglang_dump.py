@@ -22,7 +22,8 @@ import torch
 
 from comparator import CompareConfig, compare_dumps
 from comparator.judging.identity import IDENTITY_FIELDS
-from dumper.engines.sglang import convert_sglang_dump, is_sglang_dump, open_dump_side
+from dumper.engines.sglang import convert_sglang_dump, open_dump_side
+from dumper.engines.sglang_files import is_sglang_dump
 from dumper.errors import CorruptDumpError, DumpError, ModelMismatchError, UsageError
 from dumper.format import load_manifest
 from tests.conftest import ROOT, run_cli

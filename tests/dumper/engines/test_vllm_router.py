@@ -28,7 +28,8 @@ from torch import nn
 from dumper.errors import UsageError
 from dumper.format import ROUTER_CHOICE_POINT, ROUTER_IDS, ROUTER_LOGITS, ROUTER_POINT, ROUTER_WEIGHTS, load_manifest
 from dumper.format.reader import DumpReader
-from dumper.prefill.run import LogprobSpec, RunConfig
+from dumper.prefill.logprob_records import LogprobSpec
+from dumper.prefill.run import RunConfig
 from tests.conftest import ROOT
 from tests.dumper.engines.test_engine_vllm import (
     assert_worker_done,

@@ -99,7 +99,7 @@ def test_decode_steps_continue_the_prompt(tiny, tmp_path):
 
 def test_padded_rows_that_end_early_still_continue(tiny, tmp_path):
     """Right padding: the short row has no real token in the last chunk, the long one continues."""
-    from dumper.prefill.run import pad_batch
+    from dumper.prefill.forward import pad_batch
 
     seqs = [PROMPTS[0], PROMPTS[1][:6]]
     ids, mask = pad_batch(seqs, side="right")

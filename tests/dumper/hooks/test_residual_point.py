@@ -11,7 +11,8 @@ from dumper.errors import UsageError
 from dumper.format import PAD_SEQUENCE, DumpReader, load_manifest
 from dumper.hooks import families
 from dumper.hooks.layers import parse_points
-from dumper.prefill.run import RunConfig, dump_sequences, pad_batch
+from dumper.prefill.forward import pad_batch
+from dumper.prefill.run import RunConfig, dump_sequences
 from tests.conftest import run_cli, tiny_llama
 
 TEXT = "Inference engines change daily; each change can shift numerics without an error. "

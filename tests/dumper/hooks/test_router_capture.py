@@ -26,7 +26,7 @@ from dumper.format import (
     load_manifest,
     router_name,
 )
-from dumper.prefill.run import pad_batch
+from dumper.prefill.forward import pad_batch
 from tests.conftest import run_cli, tiny_llama
 from tests.moe_models import FAMILIES, build_moe
 

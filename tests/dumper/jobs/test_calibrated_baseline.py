@@ -16,7 +16,8 @@ import os
 import pytest
 
 from dumper.format import load_manifest
-from dumper.prefill.run import BUILTIN_PROMPTS, RunConfig, dump_sequences
+from dumper.prefill.run import RunConfig, dump_sequences
+from dumper.prompts import BUILTIN_PROMPTS
 from tests.conftest import forward_hook, run_cli, tiny_llama
 
 pytestmark = pytest.mark.slow

@@ -19,7 +19,8 @@ import torch
 from comparator import compare_dumps
 from dumper.format import LOGPROB_VALUE, load_manifest
 from dumper.format.decode import DECODE, GENERATED_IDS, NEXT_IDS, PROMPT_LENGTHS, TOKENS_FROM, record_phase
-from dumper.prefill.run import LogprobSpec, RunConfig, dump_sequences, run_dump, tokens_from
+from dumper.prefill.logprob_records import LogprobSpec
+from dumper.prefill.run import RunConfig, dump_sequences, run_dump, tokens_from
 from tests.conftest import run_cli, tiny_llama
 
 PROMPTS = ([1] + [(7 * i) % 250 + 3 for i in range(39)], [1, 17, 33, 90, 5, 61, 7, 140, 9, 12, 44])

@@ -27,7 +27,8 @@ from dumper.errors import DumpError, InternalError, ModelError, UsageError
 from dumper.format import MANIFEST_NAME, load_manifest
 from dumper.hooks.layers import parse_layer_spec
 from dumper.jobs.selfcheck import selfcheck
-from dumper.prefill.run import RunConfig, dump_sequences, pad_batch, prefill
+from dumper.prefill.forward import pad_batch, prefill
+from dumper.prefill.run import RunConfig, dump_sequences
 from tests.conftest import run_cli, subprocess_env, tiny_llama
 
 LLAMA = dict(

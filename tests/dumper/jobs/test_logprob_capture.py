@@ -10,8 +10,9 @@ import torch
 
 from dumper.format import LOGITS, LOGPROB_TOKEN_ID, LOGPROB_TOP_ID, LOGPROB_VALUE, DumpReader, load_manifest
 from dumper.jobs.selfcheck import MODES, selfcheck
+from dumper.prefill.logprob_records import LogprobSpec
 from dumper.prefill.logprobs import input_token_logprobs, row_logprobs
-from dumper.prefill.run import LogprobSpec, RunConfig, run_dump
+from dumper.prefill.run import RunConfig, run_dump
 from tests.conftest import tiny_llama
 
 # The design note's hand-computed example: vocab A, B, C, D; input [A, C, B].

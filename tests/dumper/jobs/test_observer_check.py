@@ -27,8 +27,9 @@ import dumper
 from dumper.errors import InternalError, UsageError
 from dumper.format import LOGITS, LOGITS_POINT, LOGPROB_POINT, LOGPROB_TOP_VALUE, LOGPROB_VALUE, load_manifest
 from dumper.hooks.capture import Capture
+from dumper.prefill.logprob_records import LogprobSpec
 from dumper.prefill.observer import NON_FINITE_DIFF, ObserverCheck, ObserverResult, mark_observer
-from dumper.prefill.run import LogprobSpec, RunConfig, dump_sequences
+from dumper.prefill.run import RunConfig, dump_sequences
 from tests.conftest import ROOT, run_cli, tiny_llama
 from tests.dumper.engines.test_engine_vllm import assert_worker_done, finish_worker, shared_checkpoint, worker_env
 from tests.engine_models import engine_missing

@@ -13,10 +13,11 @@ from comparator.config import CompareConfig
 from comparator.hidden.compare import compare_dumps
 from dumper.errors import NotComparableError, UsageError
 from dumper.format import load_manifest
-from dumper.jobs.sweep.grid import block_lengths
-from dumper.jobs.sweep.results import ZERO_HITS
-from dumper.jobs.sweep.run import SweepConfig, SweepResult, baseline_prompts, parse_grid, plan_sweep, run_cell, sweep
-from dumper.prefill.run import LogprobSpec, RunConfig, dump_sequences
+from dumper.jobs.sweep.grid import block_lengths, parse_grid
+from dumper.jobs.sweep.results import ZERO_HITS, SweepResult
+from dumper.jobs.sweep.run import SweepConfig, baseline_prompts, plan_sweep, run_cell, sweep
+from dumper.prefill.logprob_records import LogprobSpec
+from dumper.prefill.run import RunConfig, dump_sequences
 from tests.conftest import run_cli, tiny_llama
 
 SHORT = "A short prompt, twenty-four."  # prompt 0: shorter than the longest length, so that cell drops it
