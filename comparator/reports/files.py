@@ -37,7 +37,8 @@ def json_text(report: Report) -> str:
 
 
 def write_json(report: Report, path: str | os.PathLike[str]) -> None:
-    """:meth:`Report.to_json <comparator.hidden.types.Report.to_json>` written to ``path`` (non-finite values as null)."""
+    """:meth:`Report.to_json <comparator.hidden.types.Report.to_json>` written to ``path`` (non-finite values as
+    null)."""
     write_json_atomic(path, report.to_json())
 
 

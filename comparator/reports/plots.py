@@ -1,4 +1,5 @@
-"""Matplotlib figures of a :class:`~comparator.hidden.types.Report`: per-layer chart, amplification, token heatmap, logprobs.
+"""Matplotlib figures of a :class:`~comparator.hidden.types.Report`: per-layer chart, amplification, token heatmap,
+logprobs.
 
 Built with the object-oriented :class:`matplotlib.figure.Figure` API, never pyplot: no global
 state, no GUI backend, safe in threads and on headless machines. Every chart is on a log

@@ -354,7 +354,8 @@ class EngineDump:
     def token_logprobs(
         self, seq_id: int, positions: Any, token_ids: Any, logprobs: Any, top_ids: Any = None, top_logprobs: Any = None
     ) -> None:
-        """Record logprobs the engine computed itself (see :func:`dumper.prefill.logprob_records.record_token_logprobs`)."""
+        """Record logprobs the engine computed itself
+        (see :func:`dumper.prefill.logprob_records.record_token_logprobs`)."""
         positions = torch.as_tensor(positions, dtype=torch.int64).reshape(-1)
         record_token_logprobs(
             self._cap, positions, torch.full_like(positions, seq_id), token_ids, logprobs, top_ids, top_logprobs
