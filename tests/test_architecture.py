@@ -75,6 +75,11 @@ EXCEPTIONS: tuple[tuple[str, str, str], ...] = (
         "dumper.engines.sglang",
         "lazily, inside a function: the CLI converts an SGLang dumper directory it is given",
     ),
+    (
+        "comparator.cli.*",
+        "dumper.engines.sglang_files",
+        "lazily, inside a function: the CLI tells an SGLang dumper directory by its files",
+    ),
 )
 """Upward imports the rules allow: (importer pattern, imported pattern, reason); each must be lazy."""
 
