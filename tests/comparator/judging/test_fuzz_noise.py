@@ -217,6 +217,12 @@ def _kind_ok(path: tuple, v: Any) -> bool | None:
         return _int(v) if path[3] == "positions" else _num(v) if path[1] == "means" else v is None or _num(v)
     if head == "model_mismatch":
         return False if n == 1 and type(v) is not list else None
+    if head == "layouts":  # a list of the baseline's and each variant's settings, each a flat object of scalars
+        if n == 1:
+            return v == [] if type(v) is list else False
+        if n == 2:
+            return v == {} if type(v) is dict else False
+        return False if type(v) in (list, dict) else None
     return None
 
 
@@ -224,7 +230,9 @@ def _dropped_ok(path: tuple) -> bool | None:
     """Whether the format allows the key or list item at ``path`` to be missing."""
     head, n = path[0], len(path)
     if n == 1:
-        return head == "model_mismatch"
+        return head in ("model_mismatch", "layouts")
+    if head == "layouts":
+        return n == 3  # one run's layout missing is a count mismatch; one setting missing, another layout
     if head == "model" or head == "logprobs" and n == 3 or head == "tensors" and n == 2:
         return True  # identity fields, one metric, one tensor: each optional
     if head == "variants" or head == "tensors" and n in (3, 4) or head == "logprobs" and n in (2, 4):
