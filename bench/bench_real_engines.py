@@ -38,12 +38,10 @@ import time
 import traceback
 from pathlib import Path
 
-import numpy as np
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.real_model import missing, real_prompt_ids, smollm2_dir, smollm2_gguf, write_prompts
+from tests.real_model import missing, real_prompt_ids, row_norms, smollm2_dir, smollm2_gguf, write_prompts
 
 POINTS = "input,attn_output,mlp_input,mlp_output"
 SEED_DIR = ROOT / "tests" / "vllm_seed"
@@ -132,19 +130,6 @@ def cli(*args: str) -> tuple[int, str, float]:
     t = time.perf_counter()
     r = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True, check=False)
     return r.returncode, (r.stdout + r.stderr).strip(), time.perf_counter() - t
-
-
-def row_norms(dump: Path, layer: int, point: str, position: int) -> dict[int, float]:
-    """Sequence -> norm of its row at ``position`` in ``dump``'s tensor at ``layer``/``point``."""
-    from dumper.format import DumpReader, to_float64
-
-    reader, norms = DumpReader(dump), {}
-    for rec in reader.manifest.tensors:
-        if rec.layer == layer and rec.point == point and rec.rank == 0:
-            rows = to_float64(reader.rows(rec), rec.dtype)
-            for i in np.flatnonzero(rec.row_positions() == position):
-                norms[int(rec.row_sequence_ids()[i])] = float(np.linalg.norm(rows[i]))
-    return norms
 
 
 def judge(base: Path, target: Path, noise: object) -> tuple[object, float]:

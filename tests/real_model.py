@@ -42,6 +42,7 @@ __all__ = [
     "build_smollm2",
     "real_prompt_ids",
     "write_prompts",
+    "row_norms",
 ]
 
 BUILDER_VERSION = 1
@@ -207,6 +208,22 @@ def write_prompts(path: Path, model_dir: Path | None = None) -> Path:
     """A ``--prompts`` JSONL file of :data:`REAL_PROMPTS` as ``input_ids`` (every engine gets the same ids)."""
     path.write_text("".join(json.dumps({"input_ids": s}) + "\n" for s in real_prompt_ids(model_dir)))
     return path
+
+
+def row_norms(dump: Path, layer: int, point: str, position: int) -> dict[int, float]:
+    """Sequence -> the norm of its row at ``position`` in ``dump``'s tensor at ``layer``/``point`` (rank 0): what a
+    seeded bug is sized by."""
+    import numpy as np
+
+    from dumper.format import DumpReader, to_float64
+
+    reader, norms = DumpReader(dump), {}
+    for rec in reader.manifest.tensors:
+        if rec.layer == layer and rec.point == point and rec.rank == 0:
+            rows = to_float64(reader.rows(rec), rec.dtype)
+            for i in np.flatnonzero(rec.row_positions() == position):
+                norms[int(rec.row_sequence_ids()[i])] = float(np.linalg.norm(rows[i]))
+    return norms
 
 
 if __name__ == "__main__":

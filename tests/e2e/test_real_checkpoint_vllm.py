@@ -30,14 +30,13 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from comparator import CompareConfig, calibrate, compare_dumps
 from tests.conftest import ROOT, run_cli
 from tests.dumper.engines.test_engine_vllm import assert_worker_done, finish_worker, need, worker_env
 from tests.real_model import need as need_real
-from tests.real_model import real_prompt_ids, smollm2_dir, write_prompts
+from tests.real_model import real_prompt_ids, row_norms, smollm2_dir, write_prompts
 
 pytestmark = pytest.mark.engine
 
@@ -49,19 +48,6 @@ BUGS = {"mlp": (8, "mlp_output", 30), "attn": (20, "attn_output", 33)}
 SEED = {"switches": {where: [layer, token] for where, (layer, _, token) in BUGS.items()}}
 SWITCH = "driftscope_test_switch"
 """The worker method ``tests/vllm_seed/sitecustomize.py`` adds (its ``SWITCH``)."""
-
-
-def _row_norm(dump: Path, layer: int, point: str, position: int) -> float:
-    """The norm of sequence 0's row at ``position`` in ``dump``'s tensor at ``layer``/``point``."""
-    from dumper.format import DumpReader, to_float64
-
-    reader = DumpReader(dump)
-    for rec in reader.manifest.tensors:
-        if rec.layer == layer and rec.point == point and rec.rank == 0:
-            hit = np.flatnonzero((rec.row_positions() == position) & (rec.row_sequence_ids() == 0))
-            if hit.size:
-                return float(np.linalg.norm(to_float64(reader.rows(rec), rec.dtype)[hit[0]]))
-    raise AssertionError(f"{dump}: no row of sequence 0 at layer {layer} {point} position {position}")
 
 
 def _worker(out: str) -> None:
@@ -97,7 +83,7 @@ def _worker(out: str) -> None:
         dump_llm(llm, first, seqs, ckpt, identity=identity)
         if mode == "compiled":
             for where, (layer, point, token) in BUGS.items():
-                add = FRACTION * _row_norm(root / "base", layer, point, token) / math.sqrt(576)
+                add = FRACTION * row_norms(root / "base", layer, point, token)[0] / math.sqrt(576)
                 results[f"switched {where}"] = llm.collective_rpc(SWITCH, args=(where, add))
                 dump_llm(llm, cfg(f"bug-{where}"), seqs, ckpt, identity=identity)
                 llm.collective_rpc(SWITCH, args=(where, 0.0))

@@ -70,6 +70,18 @@ def _rank() -> int:
     return get_tensor_model_parallel_rank()
 
 
+def _seed_extra(config: Any, seed: dict[str, Any]) -> dict[str, Any]:
+    """``config``'s ``additional_config``; refuses a compiled engine whose config does not carry ``seed``
+    (:func:`seed_config`), since vLLM would load the unseeded graph of the same engine from its compile cache."""
+    extra = config.additional_config if isinstance(config.additional_config, dict) else {}
+    if not config.model_config.enforce_eager and extra.get(CONFIG_KEY) != seed:
+        raise RuntimeError(
+            f"{SEED_ENV}: a compiled engine needs additional_config[{CONFIG_KEY!r}] == {seed} "
+            "(else vLLM loads the unseeded graph from its compile cache)"
+        )
+    return extra
+
+
 def _patch_llama(module: Any, seed: dict[str, Any]) -> None:
     """LlamaDecoderLayer ``seed["layer"]`` (on ``seed["rank"]``) adds ``add`` to its output at position ``token``."""
     from vllm.model_executor.models.utils import extract_layer_index
@@ -80,17 +92,12 @@ def _patch_llama(module: Any, seed: dict[str, Any]) -> None:
 
     def seeded_init(self: Any, vllm_config: Any, prefix: str = "", *args: Any, **kwargs: Any) -> None:
         init(self, vllm_config, prefix, *args, **kwargs)
-        extra = vllm_config.additional_config if isinstance(vllm_config.additional_config, dict) else {}
+        extra = _seed_extra(vllm_config, seed)
         self.driftscope_test_bug = (
             extract_layer_index(prefix) == seed["layer"]
             and ("rank" not in seed or _rank() == seed["rank"])
             and (not seed.get("tapped_only") or "driftscope" in extra)
         )
-        if not vllm_config.model_config.enforce_eager and extra.get(CONFIG_KEY) != seed:
-            raise RuntimeError(
-                f"{SEED_ENV}: a compiled engine needs additional_config[{CONFIG_KEY!r}] == {seed} "
-                "(else vLLM loads the unseeded graph from its compile cache)"
-            )
 
     def seeded_forward(self: Any, positions: Any, hidden_states: Any, residual: Any) -> Any:
         hidden, residual = forward(self, positions, hidden_states, residual)
@@ -109,13 +116,10 @@ def _seeded_init(init: Callable[..., None], seed: dict[str, Any]) -> Callable[..
 
     def seeded_init(self: Any, *args: Any, **kwargs: Any) -> None:
         init(self, *args, **kwargs)
-        config = get_current_vllm_config()
-        extra = config.additional_config if isinstance(config.additional_config, dict) else {}
+        _seed_extra(get_current_vllm_config(), seed)
         self.driftscope_test_bug = extract_layer_index(kwargs.get("prefix", "")) == seed["layer"] and (
             "rank" not in seed or _rank() == seed["rank"]
         )
-        if not config.model_config.enforce_eager and extra.get(CONFIG_KEY) != seed:
-            raise RuntimeError(f"{SEED_ENV}: a compiled engine needs additional_config[{CONFIG_KEY!r}] == {seed}")
 
     return seeded_init
 
@@ -189,13 +193,7 @@ def _patch_switches(module: Any, switches: dict[str, list[int]]) -> None:
             init(self, *args, **kwargs)
             self.driftscope_test_bug = where if extract_layer_index(kwargs.get("prefix", "")) == layer else None
             self.register_buffer("driftscope_test_add", torch.zeros(()), persistent=False)
-            config = get_current_vllm_config()
-            extra = config.additional_config if isinstance(config.additional_config, dict) else {}
-            if not config.model_config.enforce_eager and extra.get(CONFIG_KEY) != {"switches": switches}:
-                raise RuntimeError(
-                    f"{SEED_ENV}: a compiled engine needs additional_config[{CONFIG_KEY!r}] == "
-                    f"{{'switches': {switches}}}"
-                )
+            _seed_extra(get_current_vllm_config(), {"switches": switches})
 
         def switched(self: Any, out: Any, rows: Any) -> Any:
             if self.driftscope_test_bug:  # fixed per layer at construction: no branch on data
