@@ -8,6 +8,10 @@ point           what                                       record name (layer ``
 ==============  =========================================  ==============================
 ``residual``    the residual stream entering the layer     ``model.layers.i.residual``
 ``input``       the attention input (after the input norm)  ``model.layers.i.self_attn.input``
+``k_cache``     the key row the layer stored in its KV     ``model.layers.i.self_attn.k_cache``
+                cache for the token (after RoPE;
+                dequantized when the cache is fp8)
+``v_cache``     the value row it stored                    ``model.layers.i.self_attn.v_cache``
 ``attn_output`` what attention adds (before the residual    ``model.layers.i.self_attn.output``
                 add; after a tensor-parallel all-reduce)
 ``mlp_input``   the MLP input (after the post-attention     ``model.layers.i.mlp.input``
@@ -32,6 +36,9 @@ __all__ = [
     "MLP_INPUT",
     "MLP_OUTPUT",
     "ROUTER",
+    "K_CACHE",
+    "V_CACHE",
+    "CACHE_POINTS",
     "SUBLAYER_POINTS",
     "OUTPUT_POINTS",
     "RECORD_SUFFIX",
@@ -45,6 +52,10 @@ RESIDUAL: Final = "residual"
 ATTN_OUTPUT: Final = "attn_output"
 MLP_INPUT: Final = "mlp_input"
 MLP_OUTPUT: Final = "mlp_output"
+K_CACHE: Final = "k_cache"
+V_CACHE: Final = "v_cache"
+CACHE_POINTS: Final = (K_CACHE, V_CACHE)
+"""The KV cache points (:mod:`dumper.hooks.kv_cache`): read from the engine's cache after the pass, never hooked."""
 ROUTER: Final = "router"
 """An MoE layer's routing (``dumper.format.manifest.ROUTER_POINT``, with the records it names)."""
 SUBLAYER_POINTS: Final = (ATTN_OUTPUT, MLP_INPUT, MLP_OUTPUT)
@@ -57,9 +68,11 @@ RECORD_SUFFIX: Final[dict[str, str]] = {
     ATTN_OUTPUT: "output",
     MLP_INPUT: "input",
     MLP_OUTPUT: "output",
+    K_CACHE: "k_cache",
+    V_CACHE: "v_cache",
 }
 """What follows the module's name in a point's record name."""
-ORDER: Final = (RESIDUAL, INPUT, ATTN_OUTPUT, MLP_INPUT, ROUTER, MLP_OUTPUT)
+ORDER: Final = (RESIDUAL, INPUT, K_CACHE, V_CACHE, ATTN_OUTPUT, MLP_INPUT, ROUTER, MLP_OUTPUT)
 """The points in the order data flows through one decoder layer."""
 
 

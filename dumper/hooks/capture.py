@@ -32,6 +32,7 @@ from torch import nn
 from dumper.errors import DumpError, UsageError
 from dumper.format import FORMAT_VERSION, MANIFEST_NAME, Manifest, TensorRecord, write_manifest
 from dumper.format.dtypes import torch_codes
+from dumper.format.points import CACHE_POINTS, K_CACHE, V_CACHE, record_name
 from dumper.format.sketch import SketchSpec
 from dumper.format.validate import first_bad_text
 from dumper.hooks.checks import checked_extra, checked_record_args, hook_guard
@@ -108,6 +109,9 @@ class Capture:
             if model is not None
             else ([], 0)
         )
+        self._cache_targets = [t for t in self._targets if t.point in CACHE_POINTS]
+        self._targets = [t for t in self._targets if t.point not in CACHE_POINTS]
+        self._cache = self._family.cache_reader(self._cache_targets) if self._cache_targets else None
         self._tap = tap_of(model) if model is not None else None
         self._tapped = self._tap_points() if model is not None else []
         self._model_name = model_name
@@ -199,6 +203,8 @@ class Capture:
         if not complete:  # no manifest; and no directory we made, where nothing was written
             self._remove_made_dir()
             return
+        if self._cache is not None:
+            self.extra["kv_cache"] = {**self._cache.layout(), "readback": self._cache.ledger.to_json()}
         records = tuple(replace(r, file=writer.locations[(r.forward_pass, r.key)]) for r in self._records) + tuple(
             self._adopted[1]
         )
@@ -267,11 +273,11 @@ class Capture:
         )
         return {  # layers: decoder layers (the final norm's residual, at layer num_layers, is not one)
             "layers": sorted({t.layer for t in self._targets if t.layer is not None and t.layer < self._num_layers}),
-            "modules": [t.name for t in self._targets if t.point != ROUTER],
+            "modules": [t.name for t in self._targets if t.point != ROUTER],  # the cache points hook none
             "points": [
                 p
                 for p in POINTS
-                if any(t.point == p for t in self._targets)  # and what an engine routed:
+                if any(t.point == p for t in (*self._targets, *self._cache_targets))  # and what an engine routed:
                 or p == ROUTER
                 and any(r.point == ROUTER for r in self._records)
             ],
@@ -347,6 +353,8 @@ class Capture:
         if self._depth == 0:
             if self._tap is not None:
                 self._read_tap()
+            if self._cache is not None:
+                self._read_cache(output)
             rows, self._rows = self._rows, None
             self._family.end_pass(rows)
             self.step()
@@ -365,6 +373,26 @@ class Capture:
             self.record(target.record, rows, layer=target.layer, point=target.point)
         for prefix, layer, parts, meta in self._tap.router_parts(self._targets, ctx and math.prod(ctx.shape)):
             self.record_router(prefix, layer, parts, scores_meta=meta)
+
+    def _read_cache(self, output: Any) -> None:
+        """Record what the pass wrote into the KV cache of the selected layers (:mod:`dumper.hooks.kv_cache`)."""
+        assert self._cache is not None
+        wanted = {t.point for t in self._cache_targets}
+        for got in self._cache.read(self._rows, output):
+            for point, rows in ((K_CACHE, got.k), (V_CACHE, got.v)):
+                if point not in wanted:
+                    continue
+                labels = {} if got.labels is None else {"positions": got.labels[0], "sequence_ids": got.labels[1]}
+                meta = {"cache_hits": got.hits} if got.hits else {}
+                self.record(
+                    record_name(got.name, point),
+                    rows,
+                    layer=got.layer,
+                    point=point,
+                    shard_dim=rows.dim() - 1 if got.sharded else None,
+                    **labels,
+                    **meta,
+                )
 
     def _pass_rows(self, args: tuple, kwargs: dict) -> PassRows | None:
         """Row metadata of a pass from the top-level call's inputs, as the model's family reads them."""

@@ -141,6 +141,13 @@ class FamilyAdapter:
         """Row metadata of a top-level forward pass from its inputs (``None``: rows stay unlabelled)."""
         return None
 
+    def cache_reader(self, targets: Sequence[Any]) -> Any:
+        """What reads the KV cache of ``targets`` (the ``k_cache`` / ``v_cache`` points) after each pass
+        (:class:`dumper.hooks.kv_cache.CacheReader`); the default family cannot."""
+        raise UsageError(
+            f"capture points 'k_cache'/'v_cache': the {self.name} model family does not say where its KV cache is"
+        )
+
     def module_rows(self, rows: PassRows | None, kwargs: dict) -> PassRows | None:
         """``rows`` refined by what a hooked module's call says (default: unchanged)."""
         return rows
@@ -292,6 +299,11 @@ class HFFamily(FamilyAdapter):
             rows = rows.with_position_ids(given)
         rows.set_sequences(self._sequence_ids(rows))
         return rows
+
+    def cache_reader(self, targets: Sequence[Any]) -> Any:
+        from dumper.hooks.kv_cache import HFCacheReader
+
+        return HFCacheReader(self.model, targets)
 
     def _sequence_ids(self, rows: HFRows) -> np.ndarray:
         batch = rows.shape[0]

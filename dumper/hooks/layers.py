@@ -20,6 +20,7 @@ from dumper.errors import UsageError
 from dumper.format.manifest import ROUTER_POINT
 from dumper.format.points import (
     ATTN_OUTPUT,
+    CACHE_POINTS,
     INPUT,
     OUTPUT_POINTS,
     RESIDUAL,
@@ -52,7 +53,7 @@ ATTN_INPUT = INPUT
 :mod:`dumper.format.points`' (``residual``, ``attn_output``, ``mlp_input``, ``mlp_output``)."""
 ROUTER = ROUTER_POINT
 """Capture point of an MoE layer's routing: ``model.layers.{i}.router.{logits,ids,weights}`` (:mod:`.routing`)."""
-POINTS = (ATTN_INPUT, RESIDUAL, *SUBLAYER_POINTS, ROUTER)
+POINTS = (ATTN_INPUT, RESIDUAL, *CACHE_POINTS, *SUBLAYER_POINTS, ROUTER)
 """Every capture point the hook API knows, in the order the manifest lists them."""
 _INT = re.compile(r"-?[0-9]+")
 """A layer index as written in a spec: ASCII digits, an optional minus (not ``+3``, ``1_0`` or ``３``)."""
@@ -287,11 +288,12 @@ def find_residual_targets(
 def find_sublayer_targets(
     model: nn.Module, family: _Family, point: str, *, layers: str | Sequence[int] | None = None
 ) -> tuple[list[HookTarget], int]:
-    """The modules of the selected decoder layers that ``point`` (one of :data:`SUBLAYER_POINTS`) reads: the
-    attention child (``attn_output``) or the MLP child, dense or MoE (``mlp_input``, ``mlp_output``), named by
-    ``family.attention_names`` and ``family.mlp_names``. A layer without such a child is refused, naming it."""
+    """The modules of the selected decoder layers that ``point`` (one of :data:`SUBLAYER_POINTS` or the cache points)
+    reads: the attention child (``attn_output``, ``k_cache``, ``v_cache``) or the MLP child, dense or MoE
+    (``mlp_input``, ``mlp_output``), named by ``family.attention_names`` and ``family.mlp_names``.
+    A layer without such a child is refused, naming it."""
     list_name, layer_list = find_decoder_layers(model, family.attention_names)
-    names = family.attention_names if point == ATTN_OUTPUT else family.mlp_names
+    names = family.attention_names if point == ATTN_OUTPUT or point in CACHE_POINTS else family.mlp_names
     prefix = f"{list_name}." if list_name else ""
     targets = []
     for i in (i for i in parse_layer_spec(layers, len(layer_list)) if not isinstance(layer_list[i], nn.Identity)):
@@ -356,7 +358,8 @@ def hook_targets(
 
     ``input`` hooks :func:`find_targets` (``modules`` chooses them); ``residual`` hooks
     :func:`find_residual_targets`, for a family that says where the residual stream is; ``attn_output``,
-    ``mlp_input`` and ``mlp_output`` hook :func:`find_sublayer_targets`; ``router`` hooks
+    ``mlp_input`` and ``mlp_output`` hook :func:`find_sublayer_targets`, whose attention children ``k_cache`` and
+    ``v_cache`` name without a hook (:mod:`dumper.hooks.kv_cache` reads them); ``router`` hooks
     :func:`find_router_targets`, the MoE routers of the selected layers.
     """
     chosen = parse_points(points)
@@ -381,7 +384,7 @@ def hook_targets(
             model, layers=layers, attention_names=family.attention_names, norm_names=family.norm_names
         )
         targets += found
-    for point in (p for p in SUBLAYER_POINTS if p in chosen):
+    for point in (p for p in (*CACHE_POINTS, *SUBLAYER_POINTS) if p in chosen):
         found, num_layers = find_sublayer_targets(model, family, point, layers=layers)
         targets += found
     if ROUTER in chosen:

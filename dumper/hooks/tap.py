@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from dumper.errors import InternalError, UsageError
-from dumper.format.points import record_name
+from dumper.format.points import CACHE_POINTS, record_name
 from dumper.hooks.families import resolve_model
 from dumper.hooks.layers import ROUTER, HookTarget, hook_targets
 from dumper.hooks.router_tap import RouterEntry, RouterProbe, RouterTap, hook_router
@@ -239,7 +239,7 @@ def install_tap(
         raise UsageError(f"{type(module).__name__}: has no parameters to take the tap's dtype and device from")
     hidden = _hidden_size(module)
     routers = [t for t in targets if t.point == ROUTER]
-    targets = [t for t in targets if t.point != ROUTER]
+    targets = [t for t in targets if t.point != ROUTER and t.point not in CACHE_POINTS]  # the cache is read after
     tap_points = [TapPoint(t.name, t.layer, t.point, i) for i, t in enumerate(targets)]
     shapes = [router_shape(t.module) for t in routers]
     need = len(tap_points) * max_tokens * hidden * param.element_size() + sum(

@@ -18,7 +18,7 @@ import torch
 from dumper.errors import UsageError
 from dumper.format import Manifest, load_manifest
 from dumper.format.decode import GENERATED_IDS, NEW_TOKENS, NEXT_IDS, PROMPT_LENGTHS, TOKENS_FROM
-from dumper.format.points import SUBLAYER_POINTS
+from dumper.format.points import CACHE_POINTS, SUBLAYER_POINTS
 from dumper.format.sketch import SketchSpec
 from dumper.hooks.capture import Capture
 from dumper.hooks.layers import ATTN_INPUT, ROUTER, parse_points
@@ -43,7 +43,10 @@ __all__ = [
 
 OBSERVER_ENGINES = ("transformers", "vllm")
 """Engines whose capture runs in this process, so that ``--observer-check`` can tell what it changes."""
-ENGINE_POINTS = {"vllm": (ATTN_INPUT, *SUBLAYER_POINTS, ROUTER), "llama.cpp": (ATTN_INPUT, *SUBLAYER_POINTS, ROUTER)}
+ENGINE_POINTS = {
+    "vllm": (ATTN_INPUT, *CACHE_POINTS, *SUBLAYER_POINTS, ROUTER),
+    "llama.cpp": (ATTN_INPUT, *SUBLAYER_POINTS, ROUTER),
+}
 """The capture points an engine other than transformers (which records every point) records; absent: input only."""
 
 DECODE_ENGINES = ("transformers", "vllm", "llama.cpp")
@@ -303,7 +306,7 @@ def _prefill_job(
             ids,
             mask,
             chunk_size=cfg.chunk_size,
-            keep_cache=bool(cfg.new_tokens),
+            keep_cache=bool(cfg.new_tokens) or bool(set(cfg.points) & set(CACHE_POINTS)),  # the cache points read it
             on_logits=_both(on_logits, last),
         )
         if last is not None and cfg.next_ids and cfg.logprobs is not None:

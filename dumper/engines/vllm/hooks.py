@@ -103,6 +103,9 @@ class VllmFamily(FamilyAdapter):
         self._done: dict[int, int] = {}  # per sequence: positions below this are recorded
         self.new_tokens: dict[int, int] = {}  # per sequence: the tokens it generates (absent: 1, a prefill)
         self._shared: list[SharedRows] = []
+        self.last_batch: list[tuple[int, int, int, int, int]] = []
+        """The last pass's recorded requests: (index in the batch, sequence, its last and first position in the
+        pass, its first computed position: > 0 after a prefix-cache hit), for :mod:`dumper.engines.vllm.kv_cache`."""
 
     @classmethod
     def matches(cls, model: Any) -> bool:
@@ -138,6 +141,7 @@ class VllmFamily(FamilyAdapter):
         end (:meth:`_end`)."""
         seq = np.zeros(pos.shape[0], dtype=np.int64)
         keep = np.zeros(pos.shape[0], dtype=bool)
+        self.last_batch = []
         for i, rid in enumerate(runner.input_batch.req_ids[: len(starts) - 1]):
             a, b = int(starts[i]), int(starts[i + 1])
             if b <= a:
@@ -145,6 +149,7 @@ class VllmFamily(FamilyAdapter):
             s = self._sequence(rid, int(pos[a]), runner.requests[rid])
             if s is None:
                 continue
+            self.last_batch.append((i, s, int(pos[b - 1]), int(pos[a]), self._start[s]))
             keep[a:b] = (pos[a:b] >= self._done[s]) & (pos[a:b] < self._end(s))
             seq[a:b] = s
             if keep[a:b].any():
@@ -185,6 +190,11 @@ class VllmFamily(FamilyAdapter):
             if src is not None:
                 self._shared.append(SharedRows(s, src, first))
         return s
+
+    def cache_reader(self, targets: Any) -> Any:
+        from dumper.engines.vllm.kv_cache import VllmCacheReader
+
+        return VllmCacheReader(self, targets)
 
     def compiled_reason(self) -> str | None:
         compiled = self.model is not None and any(

@@ -34,6 +34,7 @@ from dumper.format.atomic import atomic_path
 from dumper.format.files import check_plain_name
 from dumper.format.remote import download, is_url, listed, read_small, remove_prefix
 from dumper.hooks.capture import Capture
+from dumper.hooks.kv_cache import MAX_FAILURES
 from dumper.hooks.parts import part_name, part_path, read_part, read_url_part
 from dumper.settings import VLLM_SPOOL_ENV, env_settings
 
@@ -45,6 +46,7 @@ __all__ = [
     "take_parts",
     "join_dump",
     "remove_spool",
+    "kv_cache_extra",
     "PART_TIMEOUT_S",
 ]
 
@@ -60,6 +62,7 @@ class RankParts:
     files: dict[int, dict[str, int]] = field(default_factory=dict)
     records: dict[int, tuple[TensorRecord, ...]] = field(default_factory=dict)
     info: dict[str, Any] = field(default_factory=dict)
+    infos: dict[int, dict[str, Any]] = field(default_factory=dict)  # what each rank's part says beside its records
 
     @property
     def world_size(self) -> int:
@@ -134,7 +137,7 @@ def wait_parts(directory: Path | str, *, timeout_s: float = PART_TIMEOUT_S, poll
             found = None if rank in parts.files else _part(directory, rank)
             if found is not None:
                 files, records, info = found
-                parts.files[rank], parts.records[rank] = files, records
+                parts.files[rank], parts.records[rank], parts.infos[rank] = files, records, info
                 if rank == 0:
                     parts.info = info
         if parts.info and len(parts.files) == parts.world_size:
@@ -199,11 +202,12 @@ def join_dump(
     ``engine``; its environment is rank 0's, with the engine's settings as ``engine_*`` keys.
     """
     environment = {**dict(parts.info.get("environment") or {}), **engine.environment()}
+    kv = kv_cache_extra(parts)
     cap = Capture(
         None,
         out,
         model_name=model_name,
-        extra={**job_extra, "engine": engine.to_json()},
+        extra={**job_extra, "engine": engine.to_json(), **({"kv_cache": kv} if kv else {})},
         identity=identity,
         environment=environment,
         signature=parts.info.get("signature"),
@@ -214,6 +218,28 @@ def join_dump(
         if record is not None:
             record(cap)
     return load_manifest(out)
+
+
+def kv_cache_extra(parts: RankParts) -> dict[str, Any] | None:
+    """The dump's ``extra.kv_cache``: rank 0's layout, and every rank's read-back checks added up (each failure
+    says its rank)."""
+    ranks = {r: (parts.infos.get(r) or {}).get("extra", {}).get("kv_cache") for r in parts.files}
+    ranks = {r: kv for r, kv in ranks.items() if isinstance(kv, dict)}
+    if not ranks:
+        return None
+    first = ranks[min(ranks)]
+    checks = [kv.get("readback") or {} for kv in ranks.values()]
+    failures = [
+        {**f, "rank": r} for r, kv in sorted(ranks.items()) for f in (kv.get("readback") or {}).get("failures", [])
+    ]
+    return {
+        **first,
+        "readback": {
+            "checked": sum(int(c.get("checked", 0)) for c in checks),
+            "failed": sum(int(c.get("failed", 0)) for c in checks),
+            "failures": failures[:MAX_FAILURES],
+        },
+    }
 
 
 def remove_spool(directory: Path | str) -> None:
