@@ -34,7 +34,7 @@ import numpy as np
 
 from dumper.errors import CorruptDumpError, UsageError
 from dumper.format.dtypes import FLOAT_CODES
-from dumper.format.points import INPUT, RESIDUAL, SUBLAYER_POINTS
+from dumper.format.points import CACHE_POINTS, INPUT, RESIDUAL, SUBLAYER_POINTS
 
 __all__ = [
     "SKETCH_KINDS",
@@ -55,7 +55,7 @@ __all__ = [
 SKETCH_KINDS = ("rademacher",)
 """Projection kinds: ``rademacher`` is a dense matrix of random signs (see ``bench/bench_sketch.py`` for why
 not a structured transform)."""
-SKETCHED_POINTS = (INPUT, RESIDUAL, *SUBLAYER_POINTS)
+SKETCHED_POINTS = (INPUT, RESIDUAL, *CACHE_POINTS, *SUBLAYER_POINTS)
 """The capture points a sketching capture projects: the hidden states (routing, logprobs and explicit records stay
 whole, as do tensor-parallel shards, whose columns are not the whole row)."""
 NORM_SUFFIX = "/sq_norm"

@@ -47,7 +47,7 @@ from comparator import CompareConfig, Outcome, Report, clause, compare_dumps, st
 from dumper.engines import RunDump, engine_runner
 from dumper.errors import DriftscopeError, UsageError
 from dumper.format import LOGITS_POINT, LOGPROB_POINT, PAD_SEQUENCE, Manifest, load_manifest, write_json_atomic
-from dumper.format.points import INPUT
+from dumper.format.points import CACHE_POINTS, INPUT
 from dumper.jobs.sweep.engine import engine_block_size, held_engine, pinned_engine_args, preflight
 from dumper.jobs.sweep.grid import BLOCK, LENGTHS, Axis, Cell, describe, plan_cells
 from dumper.jobs.sweep.results import PREFIX_CACHE_NOTE, ZERO_HITS, CellLogprobs, CellResult, SweepResult
@@ -205,7 +205,11 @@ def _row_starts(manifest: Manifest) -> dict[int, int]:
     """The first hidden-state position each sequence of a dump recorded."""
     starts: dict[int, int] = {}
     for rec in manifest.tensors:
-        if rec.point in (LOGPROB_POINT, LOGITS_POINT) or rec.positions is None or rec.sequence_ids is None:
+        if (
+            rec.point in (LOGPROB_POINT, LOGITS_POINT, *CACHE_POINTS)  # the cache points hold a hit's served rows
+            or rec.positions is None
+            or rec.sequence_ids is None
+        ):
             continue
         pos, seq = rec.row_positions(), rec.row_sequence_ids()
         for s in np.unique(seq[seq != PAD_SEQUENCE]).tolist():
