@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING
 
 from comparator.formatting import format_float, format_located, format_ratio
 from dumper.format import ROUTER_LOGITS, router_name
-from dumper.format.points import SUBLAYER_POINTS
+from dumper.format.decode import CACHE_HIT
+from dumper.format.points import CACHE_POINTS, SUBLAYER_POINTS
 
 if TYPE_CHECKING:
     from comparator.hidden.types import DecodeFork, FirstDivergence, Report, TensorComparison
@@ -96,6 +97,9 @@ class Outcome(enum.Enum):
     """The MoE routing fails (``report.router``) at a layer before the hidden states diverge, or they pass."""
     LOGPROBS = "logprobs"
     """The hidden states pass (or were not compared) but the logprobs fail their thresholds."""
+    KV_CACHE = "kv_cache"
+    """A dump's KV cache read-back check failed: a query read a row other than the one written there
+    (``report.kv_cache``; checked right after decode coverage: what every later layer read was wrong)."""
     DECODE = "decode"
     """A decode dump lacks the rows of a decode step it claims (``report.decode.missing``: checked first), or two
     decode runs forked at a step the logprob noise does not explain (checked last)."""
@@ -106,6 +110,8 @@ class Outcome(enum.Enum):
             return cls.PASSED
         if report.decode is not None and report.decode.missing:
             return cls.DECODE
+        if _readback_failure(report):
+            return cls.KV_CACHE
         routing, hidden = _routing_layer(report), _first_hidden_failure(report)
         # every hidden state recorded at layer L enters layer L, before its router: routing first when L is later
         if routing is not None and hidden is not None and routing < _order(hidden):
@@ -135,6 +141,13 @@ class Outcome(enum.Enum):
         """What stands between :attr:`word` and the clause: ``": "`` before a routing clause
         (``DIVERGED: routing first flips ...``), a space otherwise (``DIVERGED at layer 3 ...``)."""
         return ": " if self is Outcome.ROUTING else " "
+
+
+def _readback_failure(report: Report) -> str | None:
+    """The first read-back failure of either dump, as a sentence (None: none)."""
+    kv = report.kv_cache
+    found = [s for s in kv.sentences() if s.startswith("KV cache read-back")] if kv is not None else []
+    return found[0] if found else None
 
 
 def _failures(report: Report) -> str:
@@ -205,6 +218,8 @@ def clause(report: Report, *, escape: Callable[[str], str] = str, detail: bool =
         return f"(logprobs: {_failures(report)})" if detail else "(logprobs)"
     if outcome is Outcome.DECODE:
         return escape(f"({_decode_failure(report)})")
+    if outcome is Outcome.KV_CACHE:
+        return escape(f"({_readback_failure(report)})")
     return ""
 
 
@@ -244,6 +259,8 @@ def sentence(report: Report) -> str:
         return "every matched tensor passed" + _routing_passed(report.router)
     if outcome is Outcome.DECODE:
         return _decode_failure(report)
+    if outcome is Outcome.KV_CACHE:
+        return str(_readback_failure(report))
     return {
         Outcome.PASSED: "every matched tensor passed",
         Outcome.REPLICAS: "replicas differ" + _routing_tail(report),
@@ -263,6 +280,8 @@ def assertion_head(report: Report) -> str:
         return f"dumps diverge in their routing: {_routing_clause(report)}"
     if outcome is Outcome.DECODE:
         return f"dumps diverge on their decode path: {_decode_failure(report)}"
+    if outcome is Outcome.KV_CACHE:
+        return f"dumps diverge in their KV cache: {_readback_failure(report)}"
     return f"dumps diverge in their logprobs: {_failures(report)}"
 
 
@@ -286,15 +305,26 @@ _POINT_WORDS = {
     "mlp_output": "MLP output",
     "input": "attention input",
     "residual": "residual input",
+    "k_cache": "k_cache row",
+    "v_cache": "v_cache row",
 }
 """How a verdict names a capture point inside a layer (:mod:`dumper.format.points`)."""
+
+
+_FINDING = {
+    "cache": "the layer's input agrees and its KV cache row differs: the cache write or read is wrong",
+    "upstream": "the layer's input already differs: the error came from upstream, and its KV cache follows it",
+    "unknown": "the layer's input was not captured, so a cache fault cannot be told from an upstream one "
+    "(add --points input)",
+}
+"""What the verdict says of :attr:`FirstDivergence.finding` (data flow through the KV cache)."""
 
 
 def describe_divergence(fd: FirstDivergence) -> str:
     """One sentence: where the first divergence is (the point inside the layer, when points inside it were
     captured), which sequence and tokens fail, and why it may be."""
     where = f"layer {fd.layer}" if fd.layer is not None else "a tensor without layer"
-    if fd.layer is not None and fd.point is not None and (fd.point in SUBLAYER_POINTS or fd.agreeing):
+    if fd.layer is not None and fd.point is not None and (fd.point in (*SUBLAYER_POINTS, *CACHE_POINTS) or fd.agreeing):
         where += f"'s {_POINT_WORDS.get(fd.point, fd.point)}"
     text = f"at {where} ({fd.name}, pass {fd.forward_pass}, rank {fd.rank})"
     if fd.agreeing:
@@ -303,6 +333,8 @@ def describe_divergence(fd: FirstDivergence) -> str:
         text += f"; its {listed}"
     if fd.phase == "decode":
         text += f", decode step {fd.decode_step}"
+    if fd.phase == CACHE_HIT:
+        text += ", a row the prefix cache served (cache hit)"
     if fd.onset is not None and fd.onset != fd.token:
         text += f", divergence starts at token {fd.onset} ({_METHOD[fd.onset_method or 'threshold']})"
     if fd.token is not None:
@@ -317,6 +349,8 @@ def describe_divergence(fd: FirstDivergence) -> str:
         text += f"; failing tokens {_ranges(fd.failing_ranges)}"
     if len(fd.failing_sequences) > 1:
         text += f"; failing sequences {fd.failing_sequences}"
+    if fd.finding is not None:
+        text += f"; {_FINDING[fd.finding]}"
     if fd.onset_layer is not None and fd.onset_layer != fd.layer:
         text += (
             f"; first departs from noise at layer {fd.onset_layer} ({_METHOD[fd.onset_layer_method or 'threshold']})"
@@ -334,7 +368,32 @@ def threshold_summary(report: Report, *, quote: Callable[[str], str] = str) -> s
 def verdict_notes(report: Report) -> list[str]:
     """What every verdict line adds, ``--quiet`` included: tensors not compared, model notes, the decode path."""
     unmatched = report.unmatched_note()
-    return ([unmatched] if unmatched else []) + list(report.notes) + describe_decode(report)
+    return ([unmatched] if unmatched else []) + list(report.notes) + describe_decode(report) + describe_kv(report)
+
+
+def describe_kv(report: Report) -> list[str]:
+    """The KV cache's lines: read-back checks and, fp8 against auto, the worst layer against fp8 rounding."""
+    kv = report.kv_cache
+    if kv is None:
+        return []
+    out = []
+    checked = {side: r for side, r in kv.readback.items() if not int(r.get("failed", 0))}
+    if checked:
+        out.append(
+            "KV cache read-back: "
+            + ", ".join(
+                f"{side} {int(r.get('checked', 0))} rows read, each the row written"
+                for side, r in sorted(checked.items())
+            )
+        )
+    if kv.fp8_side is not None and kv.fp8:
+        bad = [s for s in kv.sentences() if not s.startswith("KV cache read-back")]
+        worst = max(kv.fp8, key=lambda r: -1.0 if r.ratio != r.ratio else r.ratio)
+        out += bad or [
+            f"the {kv.fp8_side}'s fp8 KV cache is within fp8 rounding at every layer (worst: layer {worst.layer} "
+            f"{worst.point} at {worst.ratio:.2f}x the rounding it predicts)"
+        ]
+    return out
 
 
 def describe_decode(report: Report) -> list[str]:

@@ -36,9 +36,18 @@ from comparator.hidden.align import (
     positions_of,
     split_by_mode,
 )
-from comparator.hidden.decode import DecodePlan, decode_plan, fork_noise, judge_forks, phase_noise_warnings, with_phase
+from comparator.hidden.decode import (
+    DecodePlan,
+    decode_plan,
+    fork_noise,
+    judge_forks,
+    phase_noise_warnings,
+    with_cache_phase,
+    with_phase,
+)
 from comparator.hidden.heatmap import token_heatmap
 from comparator.hidden.judge import judge_tensor
+from comparator.hidden.kv_cache import judge_fp8, kv_verdict
 from comparator.hidden.localize import FailingTokens, first_divergence, layer_amplification, locate_onset
 from comparator.hidden.metrics import PairStats, StatsAccumulator, pair_stats
 from comparator.hidden.notes import dtype_note, noise_notes, replay_notes, with_row_cover
@@ -257,6 +266,12 @@ def compare_dumps(
     matched = set(plan.logical)
     views = [v for v in (*views_b, *views_t) if v.key in matched]  # ranks that differ: judged too
     results, kept = _compare_all(plan, views, br, tr, config, decode, progress, token_sink, row_sink)
+    kv, head_dim, fp8_dtype = kv_verdict(bm.extra, tm.extra)
+    if kv is not None and kv.fp8_side is not None and sketch is None:  # fp8 against auto: judged by fp8 rounding
+        results, table = judge_fp8(
+            results, plan.base, plan.target, plan.logical, br, tr, kv.fp8_side, head_dim, fp8_dtype
+        )
+        kv = replace(kv, fp8=table)
     fd = _first_divergent(results, kept, config, bm, tm, decode)
     # the heatmap follows the rank the divergence is on
     base_lts, targ_lts = as_rank(plan.base, plan.target, views, fd.replica_side if fd else None, fd.rank if fd else 0)
@@ -298,6 +313,7 @@ def compare_dumps(
         decode=None
         if decode is None
         else decode.summary(judge_forks(decode, base_logprobs, fork_noise(verdict, config))),
+        kv_cache=kv,
     )
 
 
@@ -317,7 +333,8 @@ def _first_divergent(
         config,
         rounding_floor({r.dtype for m in (bm, tm) for r in m.tensors}),
     )
-    return with_phase(fd, bm, tm) if decode is not None else fd
+    fd = with_phase(fd, bm, tm) if decode is not None else fd
+    return with_cache_phase(fd, bm, tm)
 
 
 def _open(

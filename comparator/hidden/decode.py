@@ -35,6 +35,7 @@ from comparator.hidden.types import DecodeComparison, DecodeFork, FirstDivergenc
 from dumper.errors import NotComparableError
 from dumper.format import LOGITS_POINT, LOGPROB_POINT, ROUTER_CHOICE_POINT, Manifest
 from dumper.format.decode import (
+    CACHE_HIT,
     DECODE,
     GENERATED_IDS,
     NEW_TOKENS,
@@ -45,6 +46,7 @@ from dumper.format.decode import (
     prompt_lengths,
     record_phase,
 )
+from dumper.format.points import CACHE_POINTS
 
 if TYPE_CHECKING:
     from comparator.logprobs.sources.source import LogprobSource
@@ -55,6 +57,7 @@ __all__ = [
     "DecodePlan",
     "decode_plan",
     "with_phase",
+    "with_cache_phase",
     "cut_plan",
     "cut_to_common",
     "cut_logprobs",
@@ -380,3 +383,18 @@ def phase_noise_warnings(plan: DecodePlan | None, config: CompareConfig, names: 
         f"calibrated tensors, e.g. {blind[0]}): their decode rows are judged by noise measured on prompt rows, "
         "and decode runs kernels of its own; calibrate with decode dumps (--new-tokens) for noise per phase",
     )
+
+
+def with_cache_phase(fd: FirstDivergence | None, bm: Manifest, tm: Manifest) -> FirstDivergence | None:
+    """``fd`` in phase :data:`CACHE_HIT` when it is a ``k_cache``/``v_cache`` row at a position below the number of
+    positions the prefix cache served its sequence on either side (that row was read from the cache, not written by
+    the run); the note says which side's cache served it."""
+    if fd is None or fd.point not in CACHE_POINTS or fd.token is None or fd.sequence is None:
+        return fd
+    for side, m in (("target", tm), ("baseline", bm)):
+        hits = m.extra.get("prefix_cache_hits")
+        if isinstance(hits, list) and fd.sequence < len(hits) and type(hits[fd.sequence]) is int:
+            if fd.token < hits[fd.sequence]:
+                note = f"the {side}'s prefix cache served positions 0..{hits[fd.sequence] - 1}"
+                return replace(fd, phase=CACHE_HIT, note=note if fd.note is None else f"{fd.note}; {note}")
+    return fd

@@ -15,12 +15,15 @@ bits), and the table says, per layer and point, the worst ratio, its token and h
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from dumper.format.points import CACHE_POINTS
+from dumper.format.points import FP8_CACHE_DTYPES as FP8_DTYPES
+
+if TYPE_CHECKING:  # torch only where fp8 is judged: the report renderers import this module without it
+    import torch
 
 __all__ = [
     "FP8_FACTOR",
@@ -35,13 +38,14 @@ __all__ = [
 FP8_FACTOR = 4.0
 """A cache row fails when its error is more than this many times what fp8 rounding of the row predicts
 (``bench/bench_kv_cache.py`` measures the benign ratio on the real checkpoint)."""
-FP8_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 _TINY = 1e-30
 
 
 def fp8_rounding(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Per row of ``rows`` ``[n, width]``: the rel_diff that rounding it to ``dtype`` (fp8) predicts, with the row's
     own best scale (its absmax at the format's largest value): ``|x - q(x)|^2 / (|x|^2 + |q(x)|^2)``."""
+    import torch
+
     x = rows.to(torch.float64)
     top = float(torch.finfo(dtype).max)
     scale = (x.abs().amax(dim=1, keepdim=True) / top).clamp_min(_TINY)
@@ -187,3 +191,130 @@ def fp8_sides(base_extra: dict[str, Any], target_extra: dict[str, Any]) -> tuple
 
 def is_cache_point(point: str | None) -> bool:
     return point in CACHE_POINTS
+
+
+def _as_float(a: np.ndarray, code: str) -> np.ndarray:
+    """Stored values as float64 (bfloat16 is stored as its uint16 bits)."""
+    if code == "BF16":
+        return (np.asarray(a).astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    return np.asarray(a, dtype=np.float64)
+
+
+def _aligned(base: Any, target: Any, br: Any, tr: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(positions, baseline rows, target rows) of one logical cache tensor, joined across shards, as float64."""
+    from comparator.hidden.align import column_pieces, match_rows, positions_of
+
+    pieces = column_pieces(base, target)
+    positions = positions_of(base.segments(pieces[0].base_rank))
+    width = sum(p.width for p in pieces)
+    x = np.zeros((positions.size, width))
+    y = np.zeros((positions.size, width))
+    col = 0
+    for p in pieces:
+        for run in match_rows(base.segments(p.base_rank), target.segments(p.target_rank), base.describe()):
+            i = int(np.searchsorted(positions, run.pos))
+            xs = br.rows(run.base.rec)[run.base_row : run.base_row + run.count, p.base_col : p.base_col + p.width]
+            ys = tr.rows(run.target.rec)[
+                run.target_row : run.target_row + run.count, p.target_col : p.target_col + p.width
+            ]
+            x[i : i + run.count, col : col + p.width] = _as_float(xs, run.base.rec.dtype)
+            y[i : i + run.count, col : col + p.width] = _as_float(ys, run.target.rec.dtype)
+        col += p.width
+    return positions, x, y
+
+
+@dataclass
+class _Worst:
+    ratio: float = 0.0
+    rel_diff: float = 0.0
+    predicted: float = 0.0
+    token: int | None = None
+    sequence: int | None = None
+    head: int | None = None
+    over: int = 0
+    rows: int = 0
+
+
+def judge_fp8(
+    results: list[Any], base: dict, target: dict, keys: list, br: Any, tr: Any, fp8_side: str, head_dim: int, dtype: str
+) -> tuple[list[Any], tuple[Fp8Row, ...]]:
+    """The cache-point comparisons of an fp8-vs-auto pair judged by fp8 rounding (see the module doc), and the
+    per-layer table. Each (name, sequence) fails where a row's error is beyond :data:`FP8_FACTOR` x its rounding,
+    its first failing token the first such row's."""
+    from dataclasses import replace
+
+    import torch
+
+    fp8 = getattr(torch, FP8_DTYPES.get(dtype, "float8_e4m3fn"))
+    worst: dict[str, tuple[_Worst, int | None, str]] = {}
+    verdicts: dict[tuple[str, int], tuple[bool, int | None, int]] = {}
+    for key in keys:
+        b, t = base[key], target[key]
+        point = b.rows[0].rec.point if b.rows else None
+        if point not in CACHE_POINTS:
+            continue
+        positions, x, y = _aligned(b, t, br, tr)
+        ref = y if fp8_side == "baseline" else x  # the side whose cache is not fp8
+        diff = (x - y) ** 2
+        den = (x**2).sum(axis=1) + (y**2).sum(axis=1)
+        measured = np.where(den > 0, diff.sum(axis=1) / np.maximum(den, _TINY), 0.0)
+        measured = np.where(np.isfinite(x).all(axis=1) & np.isfinite(y).all(axis=1), measured, np.nan)
+        predicted = fp8_rounding(torch.from_numpy(ref), fp8).numpy()
+        ratio = np.where(measured > 0, measured / np.maximum(predicted, 1e-12), 0.0)
+        ratio = np.where(np.isnan(measured), np.nan, ratio)
+        over = np.isnan(ratio) | (ratio > FP8_FACTOR)
+        first = int(np.flatnonzero(over)[0]) if over.any() else None
+        verdicts[b.name, b.sequence] = (
+            not over.any(),
+            None if first is None else int(positions[first]),
+            int(over.sum()),
+        )
+        w, _, _ = worst.setdefault(b.name, (_Worst(), b.layer, str(point)))
+        w.rows += len(positions)
+        w.over += int(over.sum())
+        i = int(np.nanargmax(np.where(np.isnan(ratio), np.inf, ratio))) if len(ratio) else None
+        if i is not None and (np.isnan(ratio[i]) or ratio[i] > w.ratio or np.isnan(w.ratio)):
+            heads = max(1, x.shape[1] // max(head_dim, 1))
+            w.ratio, w.rel_diff, w.predicted = float(ratio[i]), float(measured[i]), float(predicted[i])
+            w.token, w.sequence = int(positions[i]), int(b.sequence)
+            w.head = int(diff[i].reshape(heads, -1).sum(axis=1).argmax()) if x.shape[1] % heads == 0 else None
+    out = []
+    for r in results:
+        v = verdicts.get((r.name, r.sequence)) if r.replica_side is None else None
+        if v is None:
+            out.append(r)
+            continue
+        ok, first, count = v
+        out.append(
+            replace(
+                r,
+                passed=ok,
+                first_failing_token=first,
+                failing_tokens=count,
+                note=r.note if ok else f"beyond {FP8_FACTOR:g}x its fp8 rounding",
+            )
+        )
+    table = tuple(
+        Fp8Row(name, layer, point, w.ratio, w.rel_diff, w.predicted, w.token, w.sequence, w.head, w.over, w.rows)
+        for name, (w, layer, point) in sorted(worst.items(), key=lambda kv: (kv[1][1] or 0, kv[1][2]))
+    )
+    return out, table
+
+
+def kv_verdict(
+    base_extra: dict[str, Any], target_extra: dict[str, Any]
+) -> tuple[KvCacheVerdict | None, int, str | None]:
+    """Each side's read-back, the fp8 side (if one alone is fp8), its head size and dtype; None without cache
+    points."""
+    readback = {
+        side: r for side, e in (("baseline", base_extra), ("target", target_extra)) if (r := readback_of(e)) is not None
+    }
+    side, dtypes = fp8_sides(base_extra, target_extra)
+    if not readback and not dtypes:
+        return None, 0, None
+    kv = (base_extra if side == "baseline" else target_extra).get("kv_cache") or {} if side else {}
+    return (
+        KvCacheVerdict(readback=readback, fp8_side=side, dtypes=dtypes),
+        int(kv.get("head_dim") or 0),
+        (str(kv.get("dtype")) if side else None),
+    )

@@ -17,7 +17,7 @@ from comparator.hidden.onset import Amplification, amplification, layer_onset, p
 from comparator.hidden.types import FirstDivergence, TensorComparison
 from comparator.judging.noise_thresholds import NoiseLimits, noise_limits
 from comparator.judging.row_noise import row_keys
-from dumper.format.points import order_in_layer
+from dumper.format.points import CACHE_POINTS, INPUT, RESIDUAL, order_in_layer
 
 __all__ = ["FailingTokens", "first_divergence", "locate_onset", "layer_amplification"]
 
@@ -150,6 +150,12 @@ def first_divergence(tensors: list[TensorComparison]) -> tuple[FirstDivergence, 
         if t.layer == low and t.point is not None and order_in_layer(t.point) < order_in_layer(first.point)
     }
     agreeing = sorted(before - {t.point for t in in_layer}, key=order_in_layer)
+    cached = any(t.point in CACHE_POINTS for t in tensors if t.layer == low)
+    finding = None
+    if first.point in CACHE_POINTS:
+        finding = "cache" if {INPUT, RESIDUAL} & set(agreeing) else "unknown"
+    elif cached and first.point in (INPUT, RESIDUAL):
+        finding = "upstream"
     worst = max(in_layer, key=lambda t: t.max_token_rel_diff)
     sequences = sorted({t.first_failing_sequence for t in in_layer if t.first_failing_sequence is not None})
     return FirstDivergence(
@@ -167,6 +173,7 @@ def first_divergence(tensors: list[TensorComparison]) -> tuple[FirstDivergence, 
         replica_side=first.replica_side,
         point=first.point,
         agreeing=agreeing,
+        finding=finding,
     ), first
 
 

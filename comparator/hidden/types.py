@@ -244,6 +244,10 @@ class FirstDivergence:
     """The decode step that wrote it (:mod:`dumper.format.decode`), when ``phase`` is ``decode``."""
     point: str | None = None  # of ``name`` (:mod:`dumper.format.points`): the layer's first failing one in order
     agreeing: list[str] = field(default_factory=list)  # the layer's points before it where every tensor passes
+    finding: str | None = None
+    """Where the KV cache puts the fault, by data flow: ``cache`` (the layer's input agrees, its cache row differs:
+    the cache write or read is wrong), ``upstream`` (the layer's input already differs, the cache follows it),
+    ``unknown`` (a cache point fails and the layer's input was not captured); None: no cache point captured."""
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -380,6 +384,9 @@ class Report:
     calibration across models (:func:`comparator.judging.noise_thresholds.noise_warnings`, the logprob noise's)."""
     decode: DecodeComparison | None = None
     """Set when either side holds decode steps (:mod:`comparator.hidden.decode`): steps compared, forks, coverage."""
+    kv_cache: Any = None
+    """Set when either side recorded the cache points (:class:`comparator.hidden.kv_cache.KvCacheVerdict`): each
+    side's read-back check and, fp8 against auto, the per-layer table."""
 
     @property
     def matched(self) -> int:
@@ -396,6 +403,7 @@ class Report:
             and (self.logprobs is None or self.logprobs.passed)
             and (self.router is None or self.router.passed)
             and (self.decode is None or self.decode.passed)
+            and (self.kv_cache is None or self.kv_cache.passed)
         )
 
     def __bool__(self) -> bool:
@@ -469,10 +477,12 @@ class Report:
             "router": self.router.to_json() if self.router is not None else None,
             "sketch": self.sketch,
             "decode": self.decode.to_json() if self.decode is not None else None,
+            "kv_cache": self.kv_cache.to_json() if self.kv_cache is not None else None,
         }
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Report:
+        from comparator.hidden.kv_cache import KvCacheVerdict
         from comparator.logprobs.types import LogprobVerdict
         from comparator.routing.types import RouterComparison
 
@@ -502,4 +512,5 @@ class Report:
             router=RouterComparison.from_json(d["router"]) if d.get("router") else None,
             sketch=d.get("sketch"),
             decode=DecodeComparison.from_json(d["decode"]) if d.get("decode") else None,
+            kv_cache=KvCacheVerdict.from_json(d["kv_cache"]) if d.get("kv_cache") else None,
         )

@@ -30,6 +30,7 @@ __all__ = [
     "PHASE_KEY",
     "DECODE_STEP_KEY",
     "PREFILL",
+    "CACHE_HIT",
     "DECODE",
     "PHASES",
     "NEW_TOKENS",
@@ -50,6 +51,8 @@ PHASE_KEY = "phase"
 DECODE_STEP_KEY = "decode_step"
 """Record meta key: the decode step (0 = the pass that fed the first generated token)."""
 PREFILL, DECODE = "prefill", "decode"
+CACHE_HIT = "cache hit"
+"""The phase a comparison gives a ``k_cache``/``v_cache`` row the prefix cache served (not one the run wrote)."""
 PHASES = (PREFILL, DECODE)
 NEW_TOKENS = "new_tokens"
 """``extra`` key: tokens generated per sequence (``--new-tokens``)."""

@@ -39,6 +39,7 @@ __all__ = [
     "K_CACHE",
     "V_CACHE",
     "CACHE_POINTS",
+    "FP8_CACHE_DTYPES",
     "SUBLAYER_POINTS",
     "OUTPUT_POINTS",
     "RECORD_SUFFIX",
@@ -56,6 +57,8 @@ K_CACHE: Final = "k_cache"
 V_CACHE: Final = "v_cache"
 CACHE_POINTS: Final = (K_CACHE, V_CACHE)
 """The KV cache points (:mod:`dumper.hooks.kv_cache`): read from the engine's cache after the pass, never hooked."""
+FP8_CACHE_DTYPES: Final = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+"""An engine's fp8 KV-cache dtype names (vLLM's ``kv_cache_dtype``) and the torch dtype, by name, its bytes hold."""
 ROUTER: Final = "router"
 """An MoE layer's routing (``dumper.format.manifest.ROUTER_POINT``, with the records it names)."""
 SUBLAYER_POINTS: Final = (ATTN_OUTPUT, MLP_INPUT, MLP_OUTPUT)

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from dumper.errors import UsageError
-from dumper.format.points import CACHE_POINTS, K_CACHE, V_CACHE
+from dumper.format.points import CACHE_POINTS, FP8_CACHE_DTYPES, K_CACHE, V_CACHE
 
 __all__ = [
     "CacheRows",
@@ -43,12 +43,8 @@ __all__ = [
 
 MAX_FAILURES = 64
 """Read-back failures kept in full in a dump (the count says how many there were)."""
-FP8_DTYPES: dict[str, torch.dtype] = {
-    "fp8": torch.float8_e4m3fn,
-    "fp8_e4m3": torch.float8_e4m3fn,
-    "fp8_e5m2": torch.float8_e5m2,
-}
-"""An engine's fp8 cache dtype names and the torch dtype its bytes hold."""
+FP8_DTYPES: dict[str, torch.dtype] = {k: getattr(torch, v) for k, v in FP8_CACHE_DTYPES.items()}
+"""An engine's fp8 cache dtype names and the torch dtype its bytes hold (:data:`FP8_CACHE_DTYPES`)."""
 
 
 @dataclass
