@@ -39,6 +39,7 @@ from typing import Any
 from dumper.errors import CorruptDumpError
 from dumper.format.decode import check_decode_extra, check_decode_meta
 from dumper.format.files import bad_field, check_plain_name, is_text, show
+from dumper.format.kv_cache import check_kv_extra, check_kv_records
 from dumper.format.sketch import check_record_sketch, check_spec
 
 __all__ = [
@@ -214,6 +215,7 @@ def check_extra(extra: Any, where: str) -> None:
             if type(seq) is not list or not all(type(t) is int and t >= 0 for t in seq):
                 raise bad_field(where, f"extra.input_ids[{s}]", "a list of integers >= 0", seq)
     check_decode_extra(extra, where)
+    check_kv_extra(extra, where)
 
 
 def check_model(model: Any, where: str, field: str = "model") -> dict:
@@ -379,6 +381,7 @@ def check_manifest(raw: dict, where: str, itemsize: Mapping[str, int]) -> None:
             raise CorruptDumpError(f"{where}: tensors[{i}]: (file, key) {list(location)} is a sketch's norms")
         idents.add(ident)
         locations.add(location)
+    check_kv_records(raw, where)
     for name, need in used.items():
         if need > files[name]:
             raise CorruptDumpError(
