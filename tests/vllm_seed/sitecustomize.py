@@ -6,7 +6,8 @@ test's process never reaches it. Python imports ``sitecustomize`` at start-up fr
 and spawned processes inherit the environment: a test puts this directory on ``PYTHONPATH`` of
 its vLLM subprocess, and every process vLLM starts from there patches vLLM's classes as the
 JSON object in ``DRIFTSCOPE_TEST_SEED`` says. Without that variable nothing happens (and vLLM is
-never imported by this file). Keys (each optional, but one of ``layer``/``chunk_layer``/``die_after``)::
+never imported by this file). Keys (each optional, but one of ``layer``/``chunk_layer``/``die_after``/``switches``/
+``kv_hit``/``kv_swap``/``kv_scale``)::
 
     {"layer": L, "token": T}   vLLM's LlamaDecoderLayer L adds ``add`` (0.5) to its output at position T
     "where": "mlp"             ... its MLP adds it to its own output instead, at row T of the engine step
@@ -18,6 +19,13 @@ never imported by this file). Keys (each optional, but one of ``layer``/``chunk_
     "tapped_only": true        ... only in an engine loaded with driftscope's tap (additional_config)
     {"chunk_layer": L}         the CPU attention of layer L adds ``add`` to the rows of requests that
                                continue from an earlier engine step (chunk boundaries; ``chunk_bug.py``)
+    {"kv_hit": [L, P]}         the CPU attention of layer L first adds ``add`` to the cached key row at position P
+                               of each request whose multi-token query continues from cached context past P (a
+                               prefix-cache hit's first step), through the block table (``kv_bug.py``)
+    {"kv_swap": true}          in each decode step of 2+ requests, request 1's block table row starts with request
+                               0's first block: its queries read request 0's keys and values (writes stay right)
+    {"kv_scale": [L, F]}       layer L writes its keys into the cache at F times its key scale, and reads them at
+                               its own: an fp8 cache holds layer L's keys off by 1/F
     {"die_after": N}           the model runner SIGKILLs its own process right after its N-th engine
                                step that holds a request marked for driftscope's capture ("rank" too),
                                saying so on stdout (driftscope holds the engine's stderr, and drops it
@@ -38,7 +46,8 @@ decided at construction, from its prefix and the process's rank), so torch.compi
 into vLLM's graph. vLLM's compile cache is keyed by the engine config, not by this patch: a
 compiled engine with the bug must carry the same object as ``additional_config["test_seeded_bug"]``
 (:func:`seed_config`), and construction refuses one that does not (it would load the graph of the
-same engine without the bug from the cache).
+same engine without the bug from the cache). The KV-cache seeds (``kv_bug.py``) patch what runs outside the
+compiled graph (the attention custom ops, the metadata builder) and need no such entry.
 """
 
 from __future__ import annotations
@@ -54,7 +63,23 @@ from typing import Any
 
 SEED_ENV = "DRIFTSCOPE_TEST_SEED"
 CONFIG_KEY = "test_seeded_bug"
-_KEYS = {"layer", "token", "add", "rank", "tapped_only", "die_after", "chunk_layer", "where", "slow_dead", "switches"}
+_KEYS = {
+    "layer",
+    "token",
+    "add",
+    "rank",
+    "tapped_only",
+    "die_after",
+    "chunk_layer",
+    "where",
+    "slow_dead",
+    "switches",
+    "kv_hit",
+    "kv_swap",
+    "kv_scale",
+}
+_MAIN_KEYS = {"layer", "die_after", "chunk_layer", "switches", "kv_hit", "kv_swap", "kv_scale"}
+"""A seed holds at least one of these (the others only modify them)."""
 SWITCH = "driftscope_test_switch"
 """The worker method (``LLM.collective_rpc(SWITCH, args=(where, add))``) that sets a ``switches`` seed's amount."""
 
@@ -287,14 +312,9 @@ def _install() -> None:
 
 def _seed_patches(raw: str, patches: dict[str, Callable[[Any], None]]) -> None:
     seed = json.loads(raw)
-    if (
-        not isinstance(seed, dict)
-        or not seed.keys() <= _KEYS
-        or not seed.keys() & {"layer", "die_after", "chunk_layer", "switches"}
-    ):
+    if not isinstance(seed, dict) or not seed.keys() <= _KEYS or not seed.keys() & _MAIN_KEYS:
         raise SystemExit(
-            f"{SEED_ENV}={raw}: expected a JSON object of {sorted(_KEYS)} with layer, die_after, "
-            "chunk_layer or switches"
+            f"{SEED_ENV}={raw}: expected a JSON object of {sorted(_KEYS)} with one of {sorted(_MAIN_KEYS)}"
         )
     if "switches" in seed:
         switches = seed["switches"]
@@ -309,6 +329,11 @@ def _seed_patches(raw: str, patches: dict[str, Callable[[Any], None]]) -> None:
         from chunk_bug import patch_cpu_attention  # beside this file, on PYTHONPATH with it
 
         patches["vllm.v1.attention.backends.cpu_attn"] = lambda m: patch_cpu_attention(m, seed)
+    if seed.keys() & {"kv_hit", "kv_swap", "kv_scale"}:  # after the chunk bug's patch of the same module
+        from kv_bug import patch_kv_cache  # beside this file, on PYTHONPATH with it
+
+        chunked = patches.get("vllm.v1.attention.backends.cpu_attn", lambda m: None)
+        patches["vllm.v1.attention.backends.cpu_attn"] = lambda m: (chunked(m), patch_kv_cache(m, seed))
     if "die_after" in seed:
         patches["vllm.v1.worker.gpu_model_runner"] = lambda m: _patch_runner(m, seed)
     if "slow_dead" in seed:  # after the engine-start log's patch of the same module

@@ -22,7 +22,6 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-import dumper
 from comparator import compare_dumps
 from comparator.hidden.kv_cache import FP8_FACTOR, fp8_rounding
 from dumper.format import load_manifest
