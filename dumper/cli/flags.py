@@ -92,6 +92,7 @@ def points_flag(p: argparse.ArgumentParser, *, from_baseline: bool = False) -> N
         default=points,
         help=f"capture points, comma-separated ({text}): input (self-attention input, after the "
         "layer's norm), residual (decoder layer input, before its norm, and the final norm's input), "
+        "k_cache and v_cache (the key and value rows the layer stored in its KV cache; vLLM and transformers), "
         "attn_output (what attention adds, before the residual add), mlp_input (after the "
         "post-attention norm), mlp_output (what the MLP or MoE block adds), "
         "router (MoE layers' gate logits, chosen experts and their weights)",

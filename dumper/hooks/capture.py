@@ -204,7 +204,7 @@ class Capture:
             self._remove_made_dir()
             return
         if self._cache is not None:
-            self.extra["kv_cache"] = {**self._cache.layout(), "readback": self._cache.ledger.to_json()}
+            self.extra["kv_cache"] = {**self._cache.layout(), "readback": self._cache.ledger.summary()}
         records = tuple(replace(r, file=writer.locations[(r.forward_pass, r.key)]) for r in self._records) + tuple(
             self._adopted[1]
         )

@@ -133,7 +133,8 @@ class Failure:
     read_position: int
     written_by: tuple[int, int] | None  # (sequence, position) of the row it read instead, when the capture wrote it
 
-    def to_json(self) -> dict[str, Any]:
+    def record(self) -> dict[str, Any]:
+        """The failure as ``extra.kv_cache.readback.failures`` holds it (:mod:`dumper.format.kv_cache`)."""
         d: dict[str, Any] = {
             "layer": self.layer,
             "point": self.point,
@@ -193,9 +194,9 @@ class ReadbackLedger:
                 if len(self.failures) < MAX_FAILURES:
                     self.failures.append(Failure(layer, point, seq, query, p, owner.get(f)))
 
-    def to_json(self) -> dict[str, Any]:
+    def summary(self) -> dict[str, Any]:
         """``extra.kv_cache.readback``: reads checked, failures counted, the first :data:`MAX_FAILURES` in full."""
-        return {"checked": self.checked, "failed": self.count, "failures": [f.to_json() for f in self.failures]}
+        return {"checked": self.checked, "failed": self.count, "failures": [f.record() for f in self.failures]}
 
 
 def _cache_layer(cache: Any, index: int) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -47,6 +47,7 @@ from comparator import CompareConfig, Outcome, Report, clause, compare_dumps, st
 from dumper.engines import RunDump, engine_runner
 from dumper.errors import DriftscopeError, UsageError
 from dumper.format import LOGITS_POINT, LOGPROB_POINT, PAD_SEQUENCE, Manifest, load_manifest, write_json_atomic
+from dumper.format.decode import CACHE_HIT
 from dumper.format.points import CACHE_POINTS, INPUT
 from dumper.jobs.sweep.engine import engine_block_size, held_engine, pinned_engine_args, preflight
 from dumper.jobs.sweep.grid import BLOCK, LENGTHS, Axis, Cell, describe, plan_cells
@@ -241,6 +242,9 @@ def _cell_word(report: Report, reasons: list[str]) -> str:
     if report.passed:
         return status(True)
     outcome = Outcome.of(report)
+    fd = report.first_divergent
+    if outcome is Outcome.TENSORS and fd is not None and fd.point in CACHE_POINTS:  # the cache point, by name
+        return status(False, f"layer {fd.layer} {fd.point}" + (f", {fd.phase}" if fd.phase == CACHE_HIT else ""))
     return status(False, "hidden states" if outcome is Outcome.TENSORS else clause(report).strip("()"))
 
 
