@@ -93,7 +93,7 @@ def test_types_import_only_the_core_and_the_leaves_below_them():
         "comparator.routing.types",
         "comparator.hidden.onset",
         "comparator.hidden.registry",
-        "comparator.hidden.kv_cache",  # its verdict types: numpy and dumper.format at import (torch where fp8 is judged)
+        "comparator.hidden.kv_cache",  # its verdict types: numpy and dumper.format at import (torch to judge fp8)
         "dumper.format",
     )
     tree = ast.parse(Path(types.__file__).read_text())
