@@ -117,6 +117,12 @@ class RunConfig:
             raise UsageError(f"--padding-side must be left or right, got {self.padding_side!r}")
         object.__setattr__(self, "points", parse_points(self.points))
         allowed = ENGINE_POINTS.get(self.engine, (ATTN_INPUT,))
+        if self.engine == "llama.cpp" and set(self.points) & set(CACHE_POINTS):
+            raise UsageError(
+                f"--points {','.join(self.points)}: llama.cpp's KV cache is not reachable through llama-cpp-python "
+                "(it exposes neither the KV tensors nor a documented layout of its state); the cache points need "
+                "--engine vllm or transformers"
+            )
         if self.engine != "transformers" and not set(self.points) <= set(allowed):
             raise UsageError(
                 f"--points {','.join(self.points)}: engine {self.engine} records the "

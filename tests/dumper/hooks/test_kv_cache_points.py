@@ -219,3 +219,20 @@ def test_decode_cache_rows_match_the_prefill_of_the_same_tokens(tmp_path):
     assert report.passed and cache and all(t.passed for t in cache)
     assert report.decode is not None and report.decode.steps > 0
     assert report.kv_cache is not None and report.kv_cache.passed
+
+
+def test_llama_cpp_says_in_one_line_why_it_has_no_cache_points(tmp_path):
+    r = run_cli(
+        "dumper",
+        "run",
+        "--engine",
+        "llama.cpp",
+        "--model",
+        tmp_path / "m.gguf",
+        "--points",
+        POINTS,
+        "--out",
+        tmp_path / "d",
+    )
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
+    assert "llama.cpp's KV cache is not reachable through llama-cpp-python" in r.stderr
