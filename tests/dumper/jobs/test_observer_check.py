@@ -242,6 +242,8 @@ def _worker(ckpt: str, out: str) -> None:
         *ids,
         "--layers",
         "all",
+        "--points",
+        "input,k_cache,v_cache",  # the cache points read the engine's cache after each step: bit-exact too
         "--logprobs",
         "--observer-check",
         "--quiet",
@@ -305,7 +307,8 @@ def test_vllm_capture_is_bit_exact(vllm_runs, job, record_property):
     assert obs["bit_exact"] is True and obs["max_abs_diff"] == 0.0 and obs["compared"] == "logprobs"
     assert obs["values"] == _float_values(root / job, logits=False) == sum(len(p) - 1 for p in PROMPTS)
     assert m.extra["engine"]["settings"]["compiled"] is (job == "compiled")
-    assert any(t.point == "input" for t in m.tensors)
+    assert {t.point for t in m.tensors} >= {"input", "k_cache", "v_cache"}
+    assert m.extra["kv_cache"]["readback"]["checked"] > 0 and m.extra["kv_cache"]["readback"]["failed"] == 0
     assert r["stdout"].strip() == f"observer check: bit-exact ({obs['values']} values: logprobs)"
 
 
