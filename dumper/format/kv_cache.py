@@ -118,14 +118,15 @@ def check_kv_records(raw: dict, where: str) -> None:
             raise bad_field(
                 where, f"extra.{KV_CACHE_KEY}", f"the cache layout, as tensors[{i}] is a {d['point']} record", None
             )
-        width = d["shape"][-1] if d.get("shape") else 0
+        sketch = d.get("sketch")
+        width = sketch["hidden"] if isinstance(sketch, dict) else d["shape"][-1] if d.get("shape") else 0
         sharded = d.get("shard_dim") is not None
         heads = kv["num_kv_heads"] // (kv["tensor_parallel_size"] if sharded else 1)
         rank = f", one rank of {kv['tensor_parallel_size']}" if sharded else ""
-        if width != heads * kv["head_dim"] and not d.get("sketch"):
+        if width != heads * kv["head_dim"]:
             raise bad_field(
                 where,
                 f"extra.{KV_CACHE_KEY}.num_kv_heads",
-                f"heads x head_dim {kv['head_dim']} = tensors[{i}]'s last dim {width} ({d['name']}{rank})",
+                f"heads x head_dim {kv['head_dim']} = tensors[{i}]'s row width {width} ({d['name']}{rank})",
                 kv["num_kv_heads"],
             )
