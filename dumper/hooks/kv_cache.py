@@ -21,7 +21,7 @@ layout (:func:`layout_entry`) and the check's result.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
@@ -158,41 +158,65 @@ class Failure:
         )
 
 
-@dataclass
 class ReadbackLedger:
-    """Fingerprints of the rows written per (layer, point, sequence, position), and the reads checked against them."""
+    """Fingerprints of the rows written per (layer, point, sequence, position), and the reads checked against them.
 
-    written: dict[tuple[int, str], dict[tuple[int, int], int]] = field(default_factory=dict)
-    owner: dict[tuple[int, str], dict[int, tuple[int, int]]] = field(default_factory=dict)
-    checked: int = 0
-    count: int = 0
-    failures: list[Failure] = field(default_factory=list)
+    Per (layer, point, sequence): one int64 array of fingerprints by position and a mask of the positions known,
+    so a check is a few vectorized operations whatever the context length; only a failure searches whose row it
+    read (the first sequence, in order, that wrote that fingerprint at that layer and point).
+    """
 
-    def write(self, layer: int, point: str, seqs: Sequence[int], positions: Sequence[int], fps: torch.Tensor) -> None:
+    def __init__(self) -> None:
+        self._book: dict[tuple[int, str, int], tuple[np.ndarray, np.ndarray]] = {}
+        self.checked = 0
+        self.count = 0
+        self.failures: list[Failure] = []
+
+    def _arrays(self, layer: int, point: str, seq: int, size: int) -> tuple[np.ndarray, np.ndarray]:
+        fps, known = self._book.get((layer, point, seq), (np.zeros(0, np.int64), np.zeros(0, bool)))
+        if fps.size < size:
+            grown = max(size, 2 * fps.size)
+            fps = np.concatenate([fps, np.zeros(grown - fps.size, np.int64)])
+            known = np.concatenate([known, np.zeros(grown - known.size, bool)])
+            self._book[layer, point, seq] = (fps, known)
+        return fps, known
+
+    def write(self, layer: int, point: str, seqs: Any, positions: Any, fps: torch.Tensor) -> None:
         """Rows written for (sequence, position): their fingerprints are what later reads must find."""
-        book = self.written.setdefault((layer, point), {})
-        owner = self.owner.setdefault((layer, point), {})
-        for s, p, f in zip(seqs, positions, fps.tolist(), strict=True):
-            book[int(s), int(p)] = f
-            owner.setdefault(f, (int(s), int(p)))
+        seqs, positions = np.asarray(seqs, np.int64), np.asarray(positions, np.int64)
+        f = fps.detach().cpu().numpy()
+        for s in np.unique(seqs).tolist():
+            at = seqs == s
+            book, known = self._arrays(layer, point, int(s), int(positions[at].max()) + 1)
+            book[positions[at]] = f[at]
+            known[positions[at]] = True
 
     def check(self, layer: int, point: str, seq: int, query: int, positions: np.ndarray, fps: torch.Tensor) -> None:
         """The rows at ``positions`` that sequence ``seq``'s query at ``query`` read; each is checked against the row
         written for (``seq``, position) where one was, and becomes the expected row where none was (a prefix-cache
         hit's first read)."""
-        book = self.written.setdefault((layer, point), {})
-        owner = self.owner.setdefault((layer, point), {})
-        for p, f in zip(positions.tolist(), fps.tolist(), strict=True):
-            want = book.get((seq, p))
-            if want is None:
-                book[seq, p] = f
-                owner.setdefault(f, (seq, p))
-                continue
-            self.checked += 1
-            if want != f:
-                self.count += 1
-                if len(self.failures) < MAX_FAILURES:
-                    self.failures.append(Failure(layer, point, seq, query, p, owner.get(f)))
+        if positions.size == 0:
+            return
+        f = fps.detach().cpu().numpy()
+        book, known = self._arrays(layer, point, seq, int(positions.max()) + 1)
+        seen = known[positions]
+        new = positions[~seen]
+        book[new], known[new] = f[~seen], True
+        bad = seen & (book[positions] != f)
+        self.checked += int(seen.sum())
+        self.count += int(bad.sum())
+        for p, got in zip(positions[bad].tolist(), f[bad].tolist(), strict=True):
+            if len(self.failures) >= MAX_FAILURES:
+                break
+            self.failures.append(Failure(layer, point, seq, query, p, self._owner(layer, point, got)))
+
+    def _owner(self, layer: int, point: str, fp: int) -> tuple[int, int] | None:
+        for (la, pt, s), (book, known) in sorted(self._book.items()):
+            if (la, pt) == (layer, point):
+                hit = np.flatnonzero(known & (book == fp))
+                if hit.size:
+                    return s, int(hit[0])
+        return None
 
     def summary(self) -> dict[str, Any]:
         """``extra.kv_cache.readback``: reads checked, failures counted, the first :data:`MAX_FAILURES` in full."""

@@ -102,6 +102,7 @@ class VllmCacheReader:
         self._block: int | None = None
         self._stored: torch.dtype | None = None
         self._hits_done: set[int] = set()  # sequences whose cache-hit rows were recorded
+        self._ctx: tuple[int, torch.Tensor, list[tuple[int, int, int]]] | None = None  # this pass's contexts
 
     def _rows_of(self, attn: nn.Module, raw: torch.Tensor, point: str) -> torch.Tensor:
         """Raw cache rows ``[n, kv_heads, head_dim]`` as ``[n, width]`` values (fp8 dequantized to float32)."""
@@ -119,6 +120,7 @@ class VllmCacheReader:
         if rows is None or not batch or not is_forward_context_available():
             return []
         ctx = get_forward_context()
+        self._ctx = None
         n = int(rows.shape[0])
         keep = np.arange(n) if rows.keep is None else rows.keep.cpu().numpy()
         pos = decode_runs(rows.positions.runs, step=1)
@@ -165,15 +167,28 @@ class VllmCacheReader:
         bs = int(self._block or 1)
         return meta.block_table[i].to(torch.int64)[p // bs] * bs + p % bs
 
+    def _contexts(self, meta: Any, batch: Sequence[tuple]) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
+        """Every recorded request's whole context through the block table attention was given, as one slot tensor,
+        and (sequence, query position, length) per request in its order; computed once per metadata per pass."""
+        key = id(meta)
+        if self._ctx is None or self._ctx[0] != key:
+            lens = meta.seq_lens.cpu().tolist()
+            slots = [self._context(meta, i, int(lens[i])) for i, _, _, _, _ in batch]
+            cat = torch.cat(slots) if slots else torch.zeros(0, dtype=torch.int64)
+            self._ctx = (key, cat, [(s, last, int(lens[i])) for i, s, last, _, _ in batch])
+        return self._ctx[1], self._ctx[2]
+
     def _check(self, layer: int, attn: nn.Module, meta: Any, gather: Gather, batch: Sequence[tuple]) -> None:
-        """The read-back check: each recorded request's whole context as the step read it."""
-        lens = meta.seq_lens.cpu().tolist()
-        for i, s, last_pos, _, _ in batch:
-            slots = self._context(meta, i, int(lens[i]))
-            raw_k, raw_v = gather(slots)
-            at = np.arange(int(lens[i]))
-            self.ledger.check(layer, K_CACHE, s, last_pos, at, fingerprint(raw_k))
-            self.ledger.check(layer, V_CACHE, s, last_pos, at, fingerprint(raw_v))
+        """The read-back check: each recorded request's whole context as the step read it (one gather per layer)."""
+        slots, parts = self._contexts(meta, batch)
+        if slots.numel() == 0:
+            return
+        raw_k, raw_v = gather(slots)
+        for point, raw in ((K_CACHE, raw_k), (V_CACHE, raw_v)):
+            fps, start = fingerprint(raw), 0
+            for s, last, n in parts:
+                self.ledger.check(layer, point, s, last, np.arange(n), fps[start : start + n])
+                start += n
 
     def _hits(
         self, layer: int, attn: nn.Module, meta: Any, gather: Gather, batch: Sequence[tuple]
