@@ -146,17 +146,6 @@ class Failure:
             d["written_by"] = {"sequence": self.written_by[0], "position": self.written_by[1]}
         return d
 
-    def sentence(self) -> str:
-        found = (
-            f"the row written for sequence {self.written_by[0]} position {self.written_by[1]}"
-            if self.written_by is not None
-            else "a row no recorded token wrote"
-        )
-        return (
-            f"sequence {self.sequence}'s query at position {self.query_position} read {found} as its position "
-            f"{self.read_position} (layer {self.layer} {self.point})"
-        )
-
 
 class ReadbackLedger:
     """Fingerprints of the rows written per (layer, point, sequence, position), and the reads checked against them.
