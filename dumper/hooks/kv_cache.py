@@ -102,6 +102,8 @@ def layout_entry(
 
 
 _WEIGHTS: dict[tuple[int, str], torch.Tensor] = {}
+_CHUNK_BYTES = 32 << 20
+"""Most bytes of int64 products :func:`fingerprint` holds at once (a long context's rows go in chunks)."""
 
 
 def fingerprint(raw: torch.Tensor) -> torch.Tensor:
@@ -109,6 +111,8 @@ def fingerprint(raw: torch.Tensor) -> torch.Tensor:
     give equal fingerprints, and two different rows the same one only by a ~2^-50 chance. Runs where ``raw`` is
     (no copy to the host); exact integer arithmetic, no overflow (bytes < 2^8, weights < 2^40, < 2^15 terms)."""
     n = raw.shape[0]
+    if n == 0:
+        return torch.zeros(0, dtype=torch.int64, device=raw.device)
     b = raw.reshape(n, -1).contiguous()
     b = b.view(torch.uint8) if b.dtype != torch.uint8 else b
     width = b.shape[1]
@@ -119,7 +123,8 @@ def fingerprint(raw: torch.Tensor) -> torch.Tensor:
         w = _WEIGHTS[key] = torch.randint(1, 1 << 40, (width,), generator=g, dtype=torch.int64).to(b.device)
     if width >= 1 << 15:
         raise UsageError(f"k_cache: a cache row of {width} bytes is wider than the read-back check takes")
-    return (b.to(torch.int64) * w).sum(dim=1)
+    step = max(1, _CHUNK_BYTES // (8 * width))  # int64 products of at most this many rows at a time
+    return torch.cat([(b[i : i + step].to(torch.int64) * w).sum(dim=1) for i in range(0, n, step)])
 
 
 @dataclass
