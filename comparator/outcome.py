@@ -145,8 +145,7 @@ class Outcome(enum.Enum):
 
 def _readback_failure(report: Report) -> str | None:
     """The first read-back failure of either dump, as a sentence (None: none)."""
-    kv = report.kv_cache
-    found = [s for s in kv.sentences() if s.startswith("KV cache read-back")] if kv is not None else []
+    found = report.kv_cache.readback_sentences() if report.kv_cache is not None else []
     return found[0] if found else None
 
 
@@ -387,9 +386,8 @@ def describe_kv(report: Report) -> list[str]:
             )
         )
     if kv.fp8_side is not None and kv.fp8:
-        bad = [s for s in kv.sentences() if not s.startswith("KV cache read-back")]
-        worst = max(kv.fp8, key=lambda r: -1.0 if r.ratio != r.ratio else r.ratio)
-        out += bad or [
+        worst = max(kv.fp8, key=lambda r: r.ratio)  # every row within: all finite
+        out += kv.fp8_sentences() or [
             f"the {kv.fp8_side}'s fp8 KV cache is within fp8 rounding at every layer (worst: layer {worst.layer} "
             f"{worst.point} at {worst.ratio:.2f}x the rounding it predicts)"
         ]

@@ -266,12 +266,10 @@ def compare_dumps(
     matched = set(plan.logical)
     views = [v for v in (*views_b, *views_t) if v.key in matched]  # ranks that differ: judged too
     results, kept = _compare_all(plan, views, br, tr, config, decode, progress, token_sink, row_sink)
-    kv, head_dim, fp8_dtype = kv_verdict(bm.extra, tm.extra)
+    kv = kv_verdict(bm.extra, tm.extra)
     if kv is not None and kv.fp8_side is not None and sketch is None:  # fp8 against auto: judged by fp8 rounding
-        scales = (bm if kv.fp8_side == "baseline" else tm).extra["kv_cache"].get("scales")
-        results, table = judge_fp8(
-            results, plan.base, plan.target, plan.logical, br, tr, kv.fp8_side, head_dim, fp8_dtype, scales
-        )
+        layout = (bm if kv.fp8_side == "baseline" else tm).extra["kv_cache"]
+        results, table = judge_fp8(results, plan.base, plan.target, plan.logical, br, tr, kv.fp8_side, layout)
         kv = replace(kv, fp8=table)
     fd = _first_divergent(results, kept, config, bm, tm, decode)
     # the heatmap follows the rank the divergence is on

@@ -5,9 +5,9 @@ whether every row its queries read was the row written there; a failure on eithe
 comparison, naming the sequence, the query's position, the position read and whose row it was.
 
 When one side's cache is fp8 and the other's is not, their ``k_cache``/``v_cache`` rows differ by
-design. Those points are then judged against what fp8 rounding of the other side's row
-predicts (:func:`fp8_rounding`: the row quantized with a scale that puts its largest element at
-the format's largest, the best any scale can do): a row whose error is more than
+design. Those points are then judged (:func:`judge_fp8`) against what fp8 rounding of the other
+side's row at the engine's scale (:func:`fp8_rounding`, toward zero) plus :data:`DRIFT_GAIN` x the
+drift its layer's input row already carries predict: a row whose error is more than
 :data:`FP8_FACTOR` times that is a failure (a wrong scale, saturation, a cache write that lost
 bits), and the table says, per layer and point, the worst ratio, its token and head.
 """
@@ -19,8 +19,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from comparator.judging.reldiff import rel_diff_of
+from dumper.errors import NotComparableError
+from dumper.format.jsonfloat import from_json_float, to_json_float
 from dumper.format.points import CACHE_POINTS, K_CACHE
 from dumper.format.points import FP8_CACHE_DTYPES as FP8_DTYPES
+from dumper.format.reader import to_float64
 
 if TYPE_CHECKING:  # torch only where fp8 is judged: the report renderers import this module without it
     import torch
@@ -81,7 +85,7 @@ class Fp8Row:
     name: str
     layer: int | None
     point: str
-    ratio: float  # the largest error / predicted rounding over the rows (nan: a NaN row)
+    ratio: float  # the largest error / predicted rounding over the rows (inf: a row not finite on one side)
     rel_diff: float  # that row's rel_diff
     predicted: float  # what fp8 rounding of that row predicts
     token: int | None
@@ -92,15 +96,15 @@ class Fp8Row:
 
     @property
     def passed(self) -> bool:
-        return bool(self.ratio <= FP8_FACTOR)  # NaN fails
+        return bool(self.ratio <= FP8_FACTOR)
 
     def to_json(self) -> dict[str, Any]:
         return {
             "name": self.name,
             "layer": self.layer,
             "point": self.point,
-            "ratio": None if np.isnan(self.ratio) else self.ratio,
-            "rel_diff": None if np.isnan(self.rel_diff) else self.rel_diff,
+            "ratio": to_json_float(self.ratio),
+            "rel_diff": to_json_float(self.rel_diff),
             "predicted": self.predicted,
             "token": self.token,
             "sequence": self.sequence,
@@ -112,13 +116,12 @@ class Fp8Row:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Fp8Row:
-        nan = float("nan")
         return cls(
             name=str(d["name"]),
             layer=d.get("layer"),
             point=str(d["point"]),
-            ratio=nan if d.get("ratio") is None else float(d["ratio"]),
-            rel_diff=nan if d.get("rel_diff") is None else float(d["rel_diff"]),
+            ratio=from_json_float(d.get("ratio")),
+            rel_diff=from_json_float(d.get("rel_diff")),
             predicted=float(d.get("predicted") or 0.0),
             token=d.get("token"),
             sequence=d.get("sequence"),
@@ -141,8 +144,8 @@ class KvCacheVerdict:
     def passed(self) -> bool:
         return all(int(r.get("failed", 0)) == 0 for r in self.readback.values()) and all(r.passed for r in self.fp8)
 
-    def sentences(self) -> list[str]:
-        """What the verdict says of the cache: read-back failures first, then fp8 rows beyond rounding."""
+    def readback_sentences(self) -> list[str]:
+        """What the verdict says of each side's failed read-back check (none: every row read was the row written)."""
         out = []
         for side, r in sorted(self.readback.items()):
             fails = r.get("failures") or []
@@ -159,17 +162,21 @@ class KvCacheVerdict:
                     f"{f['point']}{', rank ' + str(f['rank']) if 'rank' in f else ''}); {r['failed']} of "
                     f"{r['checked']} rows read were not the rows written there"
                 )
-        bad = [r for r in self.fp8 if not r.passed]
-        if bad:
-            w = bad[0]
-            ratio = "NaN" if np.isnan(w.ratio) else f"{w.ratio:.1f}x"
-            out.append(
-                f"the {self.fp8_side}'s fp8 KV cache at layer {w.layer}'s {w.point} is {ratio} what fp8 rounding "
-                f"predicts at token {w.token} of sequence {w.sequence} (kv head {w.head}; {w.rows_over} of "
-                f"{w.rows} rows beyond {FP8_FACTOR:g}x): the cache write or its scale is wrong"
-                + (f"; also {', '.join(f'layer {r.layer} {r.point}' for r in bad[1:4])}" if len(bad) > 1 else "")
-            )
         return out
+
+    def fp8_sentences(self) -> list[str]:
+        """What the verdict says of fp8 rows beyond their rounding (none: every layer within it)."""
+        bad = [r for r in self.fp8 if not r.passed]
+        if not bad:
+            return []
+        w = bad[0]
+        ratio = f"{w.ratio:.1f}x" if np.isfinite(w.ratio) else "a non-finite multiple of"
+        return [
+            f"the {self.fp8_side}'s fp8 KV cache at layer {w.layer}'s {w.point} is {ratio} what fp8 rounding "
+            f"predicts at token {w.token} of sequence {w.sequence} (kv head {w.head}; {w.rows_over} of "
+            f"{w.rows} rows beyond {FP8_FACTOR:g}x): the cache write or its scale is wrong"
+            + (f"; also {', '.join(f'layer {r.layer} {r.point}' for r in bad[1:4])}" if len(bad) > 1 else "")
+        ]
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -208,17 +215,6 @@ def fp8_sides(base_extra: dict[str, Any], target_extra: dict[str, Any]) -> tuple
     return (fp8[0] if len(fp8) == 1 and len(other) == 1 else None), dtypes
 
 
-def is_cache_point(point: str | None) -> bool:
-    return point in CACHE_POINTS
-
-
-def _as_float(a: np.ndarray, code: str) -> np.ndarray:
-    """Stored values as float64 (bfloat16 is stored as its uint16 bits)."""
-    if code == "BF16":
-        return (np.asarray(a).astype(np.uint32) << 16).view(np.float32).astype(np.float64)
-    return np.asarray(a, dtype=np.float64)
-
-
 def _aligned(base: Any, target: Any, br: Any, tr: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(positions, baseline rows, target rows) of one logical cache tensor, joined across shards, as float64."""
     from comparator.hidden.align import column_pieces, match_rows, positions_of
@@ -236,8 +232,8 @@ def _aligned(base: Any, target: Any, br: Any, tr: Any) -> tuple[np.ndarray, np.n
             ys = tr.rows(run.target.rec)[
                 run.target_row : run.target_row + run.count, p.target_col : p.target_col + p.width
             ]
-            x[i : i + run.count, col : col + p.width] = _as_float(xs, run.base.rec.dtype)
-            y[i : i + run.count, col : col + p.width] = _as_float(ys, run.target.rec.dtype)
+            x[i : i + run.count, col : col + p.width] = to_float64(xs, run.base.rec.dtype)
+            y[i : i + run.count, col : col + p.width] = to_float64(ys, run.target.rec.dtype)
         col += p.width
     return positions, x, y
 
@@ -254,11 +250,12 @@ class _Worst:
     rows: int = 0
 
 
-def _row_rel_diff(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Per row: ``|x-y|^2 / (|x|^2 + |y|^2)`` (0 for two zero rows, NaN where either row is not finite)."""
-    den = (x**2).sum(axis=1) + (y**2).sum(axis=1)
-    out = np.where(den > 0, ((x - y) ** 2).sum(axis=1) / np.maximum(den, _TINY), 0.0)
-    return np.where(np.isfinite(x).all(axis=1) & np.isfinite(y).all(axis=1), out, np.nan)
+def _row_rel_diff(x: np.ndarray, y: np.ndarray, diff: np.ndarray | None = None) -> np.ndarray:
+    """Per row: :func:`~comparator.judging.reldiff.rel_diff_of`, infinite where either row is not finite (never
+    within a rounding); ``diff`` is ``(x - y)^2`` when the caller holds it."""
+    diff = (x - y) ** 2 if diff is None else diff
+    finite = np.isfinite(x).all(axis=1) & np.isfinite(y).all(axis=1)
+    return rel_diff_of(diff.sum(axis=1), (x**2).sum(axis=1) + (y**2).sum(axis=1), mismatched=~finite)
 
 
 def _input_drift(key: tuple, base: dict, target: dict, br: Any, tr: Any, positions: np.ndarray) -> np.ndarray:
@@ -271,12 +268,13 @@ def _input_drift(key: tuple, base: dict, target: dict, br: Any, tr: Any, positio
         return drift
     try:
         pos, x, y = _aligned(base[other], target[other], br, tr)
-    except Exception:  # noqa: BLE001 - inputs that do not align (another layout): no allowance, said by the table
+    except NotComparableError:  # inputs that do not align (another layout): no allowance
         return drift
     at = np.searchsorted(pos, positions).clip(max=max(pos.size - 1, 0))
     found = pos.size > 0
     hit = (pos[at] == positions) if found else np.zeros(positions.size, bool)
-    drift[hit] = np.nan_to_num(_row_rel_diff(x, y))[at[hit]]
+    rows = _row_rel_diff(x, y)
+    drift[hit] = np.where(np.isfinite(rows), rows, 0.0)[at[hit]]  # a row not finite gets no allowance
     return drift
 
 
@@ -288,19 +286,19 @@ def judge_fp8(
     br: Any,
     tr: Any,
     fp8_side: str,
-    head_dim: int,
-    dtype: str,
-    scales: dict[str, Any] | None = None,
+    layout: dict[str, Any],
 ) -> tuple[list[Any], tuple[Fp8Row, ...]]:
     """The cache-point comparisons of an fp8-vs-auto pair judged by fp8 rounding (see the module doc), and the
     per-layer table. Each (name, sequence) fails where a row's error is beyond :data:`FP8_FACTOR` x what fp8
-    rounding at the engine's scale (``scales``: the fp8 side's ``extra.kv_cache.scales``; else the row's best) and
-    :data:`DRIFT_GAIN` x its input's drift predict, its first failing token the first such row's."""
+    rounding at the engine's scale (``layout``: the fp8 side's ``extra.kv_cache``, its dtype, head size and
+    ``scales``; without scales the row's best) and :data:`DRIFT_GAIN` x its input's drift predict, its first failing
+    token the first such row's."""
     from dataclasses import replace
 
     import torch
 
-    fp8 = getattr(torch, FP8_DTYPES.get(dtype, "float8_e4m3fn"))
+    fp8 = getattr(torch, FP8_DTYPES.get(str(layout.get("dtype")), "float8_e4m3fn"))
+    head_dim, scales = int(layout.get("head_dim") or 0), layout.get("scales") or {}
     worst: dict[str, tuple[_Worst, int | None, str]] = {}
     verdicts: dict[tuple[str, int], tuple[bool, int | None, int]] = {}
     for key in keys:
@@ -311,14 +309,13 @@ def judge_fp8(
         positions, x, y = _aligned(b, t, br, tr)
         ref = y if fp8_side == "baseline" else x  # the side whose cache is not fp8
         diff = (x - y) ** 2
-        measured = _row_rel_diff(x, y)
-        pair = (scales or {}).get(str(b.layer))
+        measured = _row_rel_diff(x, y, diff)
+        pair = scales.get(str(b.layer))
         scale = None if pair is None else float(pair[0 if point == K_CACHE else 1])
         predicted = fp8_rounding(torch.from_numpy(ref), fp8, scale=scale).numpy()
         predicted = predicted + DRIFT_GAIN * _input_drift(key, base, target, br, tr, positions)
         ratio = np.where(measured > 0, measured / np.maximum(predicted, 1e-12), 0.0)
-        ratio = np.where(np.isnan(measured), np.nan, ratio)
-        over = np.isnan(ratio) | (ratio > FP8_FACTOR)
+        over = ratio > FP8_FACTOR
         first = int(np.flatnonzero(over)[0]) if over.any() else None
         verdicts[b.name, b.sequence] = (
             not over.any(),
@@ -328,8 +325,8 @@ def judge_fp8(
         w, _, _ = worst.setdefault(b.name, (_Worst(), b.layer, str(point)))
         w.rows += len(positions)
         w.over += int(over.sum())
-        i = int(np.nanargmax(np.where(np.isnan(ratio), np.inf, ratio))) if len(ratio) else None
-        if i is not None and (np.isnan(ratio[i]) or ratio[i] > w.ratio or np.isnan(w.ratio)):
+        i = int(np.argmax(ratio)) if len(ratio) else None
+        if i is not None and ratio[i] > w.ratio:
             heads = max(1, x.shape[1] // max(head_dim, 1))
             w.ratio, w.rel_diff, w.predicted = float(ratio[i]), float(measured[i]), float(predicted[i])
             w.token, w.sequence = int(positions[i]), int(b.sequence)
@@ -357,20 +354,12 @@ def judge_fp8(
     return out, table
 
 
-def kv_verdict(
-    base_extra: dict[str, Any], target_extra: dict[str, Any]
-) -> tuple[KvCacheVerdict | None, int, str | None]:
-    """Each side's read-back, the fp8 side (if one alone is fp8), its head size and dtype; None without cache
-    points."""
+def kv_verdict(base_extra: dict[str, Any], target_extra: dict[str, Any]) -> KvCacheVerdict | None:
+    """Each side's read-back and the fp8 side (if one alone is fp8); None without cache points."""
     readback = {
         side: r for side, e in (("baseline", base_extra), ("target", target_extra)) if (r := readback_of(e)) is not None
     }
     side, dtypes = fp8_sides(base_extra, target_extra)
     if not readback and not dtypes:
-        return None, 0, None
-    kv = (base_extra if side == "baseline" else target_extra).get("kv_cache") or {} if side else {}
-    return (
-        KvCacheVerdict(readback=readback, fp8_side=side, dtypes=dtypes),
-        int(kv.get("head_dim") or 0),
-        (str(kv.get("dtype")) if side else None),
-    )
+        return None
+    return KvCacheVerdict(readback=readback, fp8_side=side, dtypes=dtypes)
