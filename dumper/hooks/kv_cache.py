@@ -49,10 +49,10 @@ FP8_DTYPES: dict[str, torch.dtype] = {k: getattr(torch, v) for k, v in FP8_CACHE
 
 @dataclass
 class CacheRows:
-    """What one pass wrote (or a prefix-cache hit served) for one layer: key and value rows ``[n, width]``.
+    """What one pass wrote (or a prefix-cache hit served) for one layer: key and value rows ``[..., width]``.
 
-    ``rows`` is ``None`` when the rows are the pass's own, in the pass's row order (they inherit its
-    labels); otherwise ``(positions, sequence_ids)`` label each row (prefix-cache hits first).
+    ``labels`` is ``None`` when the rows are shaped by the pass's rows (they inherit its labels); otherwise
+    ``(positions, sequence_ids)`` label each row (prefix-cache hits first).
     """
 
     layer: int
@@ -239,12 +239,11 @@ class HFCacheReader:
     """
 
     def __init__(self, model: Any, targets: Sequence[Any]) -> None:
-        self.model, self.targets = model, [t for t in targets if t.point in CACHE_POINTS]
-        self.layers = sorted({(t.layer, t.name) for t in self.targets})
+        self.model = model
+        self.layers = sorted({(t.layer, t.name) for t in targets if t.point in CACHE_POINTS})
         self.ledger = ReadbackLedger()
-        self._cols: dict[int, np.ndarray] = {}  # per layer: [batch, columns] sequence ids of the cache columns written
-        self._pos: dict[int, np.ndarray] = {}
-        self._fps: dict[tuple[int, str], torch.Tensor] = {}  # [batch, columns] fingerprints of the columns written
+        self._cols: np.ndarray | None = None  # [batch, columns] sequence id (-1: padding) of each cache column written
+        self._pos: np.ndarray | None = None  # [batch, columns] its position
         self._dtype: torch.dtype | None = None
         self._shape: tuple[int, int] | None = None
 
@@ -259,7 +258,11 @@ class HFCacheReader:
         if shape is None or len(shape) != 2:
             raise UsageError(f"{K_CACHE}/{V_CACHE}: the pass's rows are not labelled [batch, seq]")
         batch, seq = shape
-        out = []
+        pad = rows.pad if getattr(rows, "pad", None) is not None else np.zeros(shape, bool)
+        ids = np.where(pad, -1, np.repeat(np.asarray(rows.row_ids), seq).reshape(shape))  # this pass's columns
+        pos = np.asarray(rows.pos)
+        real = np.flatnonzero(ids.reshape(-1) >= 0)
+        out, past = [], 0
         for layer, name in self.layers:
             kv = _cache_layer(cache, layer)
             if kv is None:
@@ -276,46 +279,31 @@ class HFCacheReader:
             self._shape = (int(k.shape[1]), int(k.shape[3]))
             self._dtype = k.dtype
             past = int(k.shape[2]) - seq
-            self._check(layer, rows, past, {K_CACHE: k, V_CACHE: v})
-            new_k = k[:, :, past:, :].transpose(1, 2).reshape(batch, seq, -1)
-            new_v = v[:, :, past:, :].transpose(1, 2).reshape(batch, seq, -1)
-            self._remember(layer, rows, past, {K_CACHE: new_k, V_CACHE: new_v})
-            out.append(CacheRows(layer, name, new_k.clone(), new_v.clone()))
+            new = {}
+            for point, t in ((K_CACHE, k), (V_CACHE, v)):
+                self._check(layer, point, t[:, :, :past, :], pos[:, -1])
+                new[point] = t[:, :, past:, :].transpose(1, 2).reshape(batch, seq, -1)
+                flat = new[point].reshape(batch * seq, -1)[torch.from_numpy(real).to(t.device)]
+                self.ledger.write(layer, point, ids.reshape(-1)[real], pos.reshape(-1)[real], fingerprint(flat))
+            out.append(CacheRows(layer, name, new[K_CACHE].clone(), new[V_CACHE].clone()))
+        written = self._cols is not None and past > 0 and self._cols.shape == (batch, past)
+        self._cols = np.concatenate([self._cols, ids], axis=1) if written else ids
+        self._pos = np.concatenate([self._pos, pos], axis=1) if written else pos
         return out
 
-    def _check(self, layer: int, rows: Any, past: int, kv: dict[str, torch.Tensor]) -> None:
-        cols = self._cols.get(layer)
-        if past == 0 or cols is None or cols.shape[1] != past or cols.shape[0] != kv[K_CACHE].shape[0]:
-            self._cols.pop(layer, None)
-            self._pos.pop(layer, None)
-            return  # a cache this capture did not see written: nothing to check it against
-        pos = self._pos[layer]
-        query = np.asarray(rows.pos)[:, -1] if getattr(rows, "pos", None) is not None else np.full(cols.shape[0], -1)
-        for point, t in kv.items():
-            read = t[:, :, :past, :].transpose(1, 2)  # [batch, past, kv_heads, head_dim]
-            for b in range(cols.shape[0]):
-                real = np.flatnonzero(cols[b] >= 0)
-                if real.size == 0:
-                    continue
-                fps = fingerprint(read[b, real])
-                self.ledger.check(layer, point, int(cols[b, real[0]]), int(query[b]), pos[b, real], fps)
-
-    def _remember(self, layer: int, rows: Any, past: int, kv: dict[str, torch.Tensor]) -> None:
-        pad = rows.pad if getattr(rows, "pad", None) is not None else np.zeros(rows.shape, bool)
-        ids = np.repeat(np.asarray(rows.row_ids), rows.shape[1]).reshape(rows.shape)
-        seq = np.where(pad, -1, ids)
-        pos = np.asarray(rows.pos)
-        if past == 0 or layer not in self._cols:
-            self._cols[layer], self._pos[layer] = seq, pos
-        else:
-            self._cols[layer] = np.concatenate([self._cols[layer], seq], axis=1)
-            self._pos[layer] = np.concatenate([self._pos[layer], pos], axis=1)
-        for point, t in kv.items():
-            flat = t.reshape(-1, t.shape[-1])
-            keep = np.flatnonzero(seq.reshape(-1) >= 0)
-            head = self._shape or (1, t.shape[-1])
-            fps = fingerprint(flat[torch.from_numpy(keep).to(flat.device)].view(-1, head[0], head[1]))
-            self.ledger.write(layer, point, seq.reshape(-1)[keep], pos.reshape(-1)[keep], fps)
+    def _check(self, layer: int, point: str, read: torch.Tensor, query: np.ndarray) -> None:
+        """The columns the pass's queries read (``read`` ``[batch, kv_heads, past, head_dim]``) against the rows the
+        capture saw written there; a cache it did not see written has nothing to check against."""
+        cols, past = self._cols, read.shape[2]
+        if past == 0 or cols is None or cols.shape != (read.shape[0], past):
+            return
+        assert self._pos is not None
+        rows = read.transpose(1, 2)  # [batch, past, kv_heads, head_dim]
+        for b in range(cols.shape[0]):
+            real = np.flatnonzero(cols[b] >= 0)
+            if real.size:
+                fps = fingerprint(rows[b, torch.from_numpy(real).to(rows.device)])
+                self.ledger.check(layer, point, int(cols[b, real[0]]), int(query[b]), self._pos[b, real], fps)
 
     def layout(self) -> dict[str, Any]:
         heads, dim = self._shape or (0, 0)

@@ -142,10 +142,10 @@ class VllmCacheReader:
             raw_k, raw_v = gather(mine)
             self.ledger.write(layer, K_CACHE, seq, pos, fingerprint(raw_k))
             self.ledger.write(layer, V_CACHE, seq, pos, fingerprint(raw_v))
-            self._check(layer, attn, meta, gather, batch)
+            context = self._check(layer, meta, gather, batch)
             k, v = self._rows_of(attn, raw_k, K_CACHE), self._rows_of(attn, raw_v, V_CACHE)
             self._stored = k.dtype
-            hit_k, hit_v, hit_pos, hit_seq = self._hits(layer, attn, meta, gather, batch)
+            hit_k, hit_v, hit_pos, hit_seq = self._hits(attn, context, batch)
             labels = (np.concatenate([hit_pos, pos]), np.concatenate([hit_seq, seq]))
             out.append(
                 CacheRows(
@@ -158,7 +158,7 @@ class VllmCacheReader:
                     sharded=self._tp > 1,
                 )
             )
-        self._hits_done.update(s for _, s, _, _, first in batch if first > 0)
+        self._hits_done.update(s for _, s, _, _, hit in batch if hit > 0)
         return out
 
     def _context(self, meta: Any, i: int, length: int) -> torch.Tensor:
@@ -178,27 +178,35 @@ class VllmCacheReader:
             self._ctx = (key, cat, [(s, last, int(lens[i])) for i, s, last, _, _ in batch])
         return self._ctx[1], self._ctx[2]
 
-    def _check(self, layer: int, attn: nn.Module, meta: Any, gather: Gather, batch: Sequence[tuple]) -> None:
-        """The read-back check: each recorded request's whole context as the step read it (one gather per layer)."""
+    def _check(
+        self, layer: int, meta: Any, gather: Gather, batch: Sequence[tuple]
+    ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """The read-back check: each recorded request's whole context as the step read it (one gather per layer).
+        Returns each sequence's raw (keys, values) of that context, by position."""
         slots, parts = self._contexts(meta, batch)
         if slots.numel() == 0:
-            return
+            return {}
         raw_k, raw_v = gather(slots)
         for point, raw in ((K_CACHE, raw_k), (V_CACHE, raw_v)):
             fps, start = fingerprint(raw), 0
             for s, last, n in parts:
                 self.ledger.check(layer, point, s, last, np.arange(n), fps[start : start + n])
                 start += n
+        starts = np.cumsum([0] + [n for _, _, n in parts])
+        return {
+            s: (raw_k[a : a + n], raw_v[a : a + n]) for (s, _, n), a in zip(parts, starts[:-1].tolist(), strict=True)
+        }
 
     def _hits(
-        self, layer: int, attn: nn.Module, meta: Any, gather: Gather, batch: Sequence[tuple]
+        self, attn: nn.Module, context: dict[int, tuple[torch.Tensor, torch.Tensor]], batch: Sequence[tuple]
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, np.ndarray, np.ndarray]:
-        """The rows a prefix-cache hit served to each request at its first pass (positions before its first)."""
+        """The rows a prefix-cache hit served to each request at its first pass (positions before its first), taken
+        from the context :meth:`_check` read."""
         ks, vs, ps, ss = [], [], [], []
-        for i, s, _, first, hit in batch:
+        for _, s, _, first, hit in batch:
             if hit <= 0 or s in self._hits_done or first != hit:
                 continue
-            raw_k, raw_v = gather(self._context(meta, i, hit))
+            raw_k, raw_v = (t[:hit] for t in context[s])
             ks.append(self._rows_of(attn, raw_k, K_CACHE))
             vs.append(self._rows_of(attn, raw_v, V_CACHE))
             ps.append(np.arange(hit, dtype=np.int64))

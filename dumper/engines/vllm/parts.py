@@ -61,8 +61,12 @@ class RankParts:
     directory: Path | str  # a URL spool's token prefix, or a local directory
     files: dict[int, dict[str, int]] = field(default_factory=dict)
     records: dict[int, tuple[TensorRecord, ...]] = field(default_factory=dict)
-    info: dict[str, Any] = field(default_factory=dict)
     infos: dict[int, dict[str, Any]] = field(default_factory=dict)  # what each rank's part says beside its records
+
+    @property
+    def info(self) -> dict[str, Any]:
+        """What rank 0's part says (empty until it is there): the world size, the model, the engine."""
+        return self.infos.get(0, {})
 
     @property
     def world_size(self) -> int:
@@ -138,8 +142,6 @@ def wait_parts(directory: Path | str, *, timeout_s: float = PART_TIMEOUT_S, poll
             if found is not None:
                 files, records, info = found
                 parts.files[rank], parts.records[rank], parts.infos[rank] = files, records, info
-                if rank == 0:
-                    parts.info = info
         if parts.info and len(parts.files) == parts.world_size:
             return parts
         if time.monotonic() > deadline:
