@@ -22,6 +22,7 @@ import numpy as np
 
 from dumper.errors import CorruptDumpError, NotComparableError
 from dumper.format import PAD_SEQUENCE, Manifest, TensorRecord
+from dumper.format.speculative import rejected_ranges
 
 __all__ = [
     "Segment",
@@ -214,13 +215,35 @@ def split_by_mode(baseline: Manifest, target: Manifest) -> tuple[set[str], set[s
     return names - without, without
 
 
+def _kept(
+    segs: list[tuple[int, Segment]], rejected: dict[tuple[int, int], tuple[int, int]]
+) -> list[tuple[int, Segment]]:
+    """``segs`` without the rows of rejected drafts (:func:`dumper.format.speculative.rejected_ranges`)."""
+    out: list[tuple[int, Segment]] = []
+    for seq, seg in segs:
+        cut = rejected.get((seg.rec.forward_pass, seq))
+        if cut is None or cut[0] >= seg.pos + seg.count or cut[1] <= seg.pos:
+            out.append((seq, seg))
+            continue
+        if cut[0] > seg.pos:
+            out.append((seq, _sub(seg, seg.pos, cut[0])))
+        if cut[1] < seg.pos + seg.count:
+            out.append((seq, _sub(seg, cut[1], seg.pos + seg.count)))
+    return out
+
+
 def logical_tensors(manifest: Manifest, names: set[str], where: str) -> dict[LogicalKey, LogicalTensor]:
-    """Group the rows of ``names`` into logical tensors keyed by (name, call, sequence)."""
+    """Group the rows of ``names`` into logical tensors keyed by (name, call, sequence).
+
+    The rows of drafts a speculative decode rejected are left out: only kept rows are compared.
+    """
     out: dict[LogicalKey, LogicalTensor] = {}
+    rejected = rejected_ranges(manifest.extra)
     for rec in manifest.tensors:
         if rec.name not in names:
             continue
-        for seq, seg in _segments(rec):
+        segs = _segments(rec)
+        for seq, seg in _kept(segs, rejected) if rejected else segs:
             key = (rec.name, rec.call, seq)
             lt = out.get(key)
             if lt is None:

@@ -21,6 +21,7 @@ from dumper.cli.flags import (
 )
 from dumper.cli.values import check_device, engine_args, sketch_spec
 from dumper.errors import EXIT_DIVERGED, EXIT_OK, UsageError
+from dumper.prefill.speculative import parse_speculative
 
 __all__ = ["add_run", "cmd_run"]
 
@@ -55,6 +56,13 @@ def add_run(sub: argparse._SubParsersAction) -> None:
         metavar="N",
         help="after each prompt pass, greedy-decode N tokens (temperature 0, no stop at EOS) and record "
         "every decode step's rows at their positions (docs/decode.md; transformers, vllm, llama.cpp)",
+    )
+    r.add_argument(
+        "--speculative",
+        metavar="SPEC",
+        default=None,
+        help="with --new-tokens: decode with the engine's speculative decoding (ngram:k=3: n-gram prompt lookup, "
+        "k drafts per step) and record every verify pass, draft indices and rejected rows apart (docs/decode.md)",
     )
     r.add_argument(
         "--tokens-from",
@@ -204,6 +212,7 @@ def _run_config(args: argparse.Namespace, prompts: tuple[str, ...], ids: Any, sp
         observer_check=args.observer_check,
         sketch=sketch_spec(args.sketch, args.sketch_seed),
         new_tokens=args.new_tokens,
+        speculative=None if args.speculative is None else parse_speculative(args.speculative),
     )
     if args.tokens_from is not None:
         from dumper.prefill.run import tokens_from

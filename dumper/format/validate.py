@@ -40,6 +40,7 @@ from dumper.errors import CorruptDumpError
 from dumper.format.decode import check_decode_extra, check_decode_meta
 from dumper.format.files import bad_field, check_plain_name, is_text, show
 from dumper.format.kv_cache import check_kv_extra, check_kv_records
+from dumper.format.speculative import check_speculative_extra, check_speculative_records
 from dumper.format.sketch import check_record_sketch, check_spec
 
 __all__ = [
@@ -216,6 +217,7 @@ def check_extra(extra: Any, where: str) -> None:
                 raise bad_field(where, f"extra.input_ids[{s}]", "a list of integers >= 0", seq)
     check_decode_extra(extra, where)
     check_kv_extra(extra, where)
+    check_speculative_extra(extra, where)
 
 
 def check_model(model: Any, where: str, field: str = "model") -> dict:
@@ -382,6 +384,7 @@ def check_manifest(raw: dict, where: str, itemsize: Mapping[str, int]) -> None:
         idents.add(ident)
         locations.add(location)
     check_kv_records(raw, where)
+    check_speculative_records(raw, where)
     for name, need in used.items():
         if need > files[name]:
             raise CorruptDumpError(

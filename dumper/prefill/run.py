@@ -28,6 +28,7 @@ from dumper.prefill.forward import pad_batch, prefill
 from dumper.prefill.logprob_records import LogprobSpec, record_logprobs, record_next_logprobs
 from dumper.prefill.observer import LogprobSink, ObserverCheck, mark_observer
 from dumper.prefill.presets import load_model
+from dumper.prefill.speculative import SpeculativeSpec
 from dumper.progress import ProgressFn
 from dumper.prompts import BUILTIN_PROMPTS, parse_input_ids, read_prompts_file  # noqa: F401 - re-exported
 
@@ -51,6 +52,8 @@ ENGINE_POINTS = {
 
 DECODE_ENGINES = ("transformers", "vllm", "llama.cpp")
 """Engines whose decode steps ``--new-tokens`` records."""
+SPECULATIVE_ENGINES = ("transformers", "vllm")
+"""Engines whose verify passes ``--speculative`` records."""
 
 MAX_SEED = (1 << 63) - 1
 """Largest ``--seed``: :func:`torch.manual_seed` takes 64 bits, and the manifest keeps integers within int64."""
@@ -94,10 +97,32 @@ class RunConfig:
     next_ids: tuple[int, ...] = ()
     """Per prompt, a token after it whose logprob ``--logprobs`` records too (``--tokens-from``: the decode dump's
     last generated token, chosen but never fed)."""
+    speculative: SpeculativeSpec | None = None
+    """``--speculative SPEC``: decode with the engine's speculative decoding, recording every verify pass
+    (:mod:`dumper.format.speculative`)."""
 
     def engine_arg(self, key: str, default: str | None = None) -> str | None:
         """The ``--engine-arg`` value of ``key`` (the last one given), else ``default``."""
         return next((v for k, v in reversed(self.engine_args) if k == key), default)
+
+    def _check_speculative(self) -> None:
+        """``--speculative`` needs a decode of 2 tokens or more on an engine that records its verify passes."""
+        setting = self.speculative.setting if self.speculative else ""
+        if self.engine == "llama.cpp":
+            raise UsageError(
+                f"--speculative {setting}: not recorded for llama.cpp yet: llama-cpp-python runs its prompt-lookup "
+                "drafts inside Llama.generate, and driftscope's llama.cpp path drives llama_decode itself; "
+                "use --engine vllm or transformers"
+            )
+        if self.engine not in SPECULATIVE_ENGINES:
+            raise UsageError(f"--speculative: engine {self.engine} has no speculative decoding here; use --engine vllm")
+        if self.new_tokens < 2:
+            raise UsageError(f"--speculative {setting}: add --new-tokens N (N >= 2): verify passes are decode steps")
+        if self.engine == "transformers" and (self.batch_size != 1 or self.chunk_size is not None or self.compile):
+            raise UsageError(
+                f"--speculative {setting}: transformers' prompt lookup decodes one prompt at a time, eager, "
+                "its prompt in one pass; drop --batch-size, --chunk-size and --compile"
+            )
 
     def __post_init__(self) -> None:
         if self.chunk_size is not None and self.chunk_size < 1:
@@ -111,6 +136,8 @@ class RunConfig:
                 f"--new-tokens: engine {self.engine} records prompt passes only so far; the decode "
                 f"path is recorded with --engine {' or '.join(DECODE_ENGINES)} (docs/decode.md)"
             )
+        if self.speculative is not None:
+            self._check_speculative()
         if not 0 <= self.seed <= MAX_SEED:
             raise UsageError(f"--seed must be in 0..{MAX_SEED} (a torch.manual_seed int64), got {self.seed}")
         if self.padding_side not in ("left", "right"):
