@@ -9,7 +9,8 @@ in several passes; the manifest says which rows count::
 
     {"setting": "ngram:k=3", "method": "ngram", "num_speculative_tokens": 3, "config": {...},
      "steps":    [[[forward_pass, position, proposed, accepted], ...] per sequence],
-     "rejected": [[[forward_pass, first_position, count], ...] per sequence]}
+     "rejected": [[[forward_pass, first_position, count], ...] per sequence],
+     "engine_steps": [{"drafted": [...], "accepted": [...]} per sequence]}   # where the engine reports them
 
 - ``steps``: per sequence, one entry per decode pass, in order: the pass (``forward_pass`` of its
   records), the position of its draft index 0, the drafts it fed (``proposed``; 0: a plain decode
@@ -19,6 +20,9 @@ in several passes; the manifest says which rows count::
   Drafts past the ``N`` tokens asked for are neither recorded nor counted.
 - ``rejected``: per sequence, the rows of each step whose drafts the target rejected, apart: the
   draft index ``accepted + 1 .. proposed`` rows, as (pass, first position, count).
+- ``engine_steps`` (vLLM): the engine's own count of each step that proposed drafts, in order, as
+  it reports them per request; the dumper checks ``steps`` against them (the last step's drafts
+  past the output count there, not in ``steps``).
 
 A row of sequence ``s`` at position ``q >= len(prompt)`` in pass ``f`` belongs to the step of ``s``
 whose pass is ``f``; its draft index is ``q - position``; it is kept when ``q <= position + accepted``.
@@ -30,7 +34,7 @@ for a reader that asks for them. Checked on load (:func:`check_speculative_extra
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +47,7 @@ __all__ = [
     "Step",
     "steps_of",
     "rejected_ranges",
+    "hidden_rows",
     "derive_steps",
     "speculative_extra",
     "step_at",
@@ -53,6 +58,7 @@ __all__ = [
 SPECULATIVE_KEY = "speculative"
 """``extra`` key of a speculative decode dump."""
 _FIELDS = ("steps", "rejected")
+_ENGINE = ("drafted", "accepted")
 
 
 @dataclass(frozen=True)
@@ -104,6 +110,20 @@ def rejected_ranges(extra: Mapping[str, Any]) -> dict[tuple[int, int], tuple[int
     return {(f, s): (p, p + n) for s, seq in enumerate(spec["rejected"]) for f, p, n in seq if n > 0}
 
 
+def hidden_rows(records: Iterable[Any]) -> Iterator[tuple[int, int, int]]:
+    """``(forward_pass, sequence, position)`` of every row of the first hidden-state record of each pass (all of a
+    pass's hidden records hold the same rows; logprob records, with no layer, are not rows of a pass)."""
+    from dumper.format.manifest import decode_runs  # manifest imports this module's checks
+
+    seen: set[int] = set()
+    for rec in records:
+        if rec.layer is None or rec.forward_pass in seen or not rec.positions or not rec.sequence_ids:
+            continue
+        seen.add(rec.forward_pass)
+        pos, seq = decode_runs(rec.positions, step=1), decode_runs(rec.sequence_ids, step=0)
+        yield from zip([rec.forward_pass] * len(pos), seq.tolist(), pos.tolist(), strict=True)
+
+
 def derive_steps(rows: Iterable[tuple[int, int, int]], prompt_lengths: Sequence[int]) -> list[list[Step]]:
     """Each sequence's steps from the decode rows a run recorded: ``(forward_pass, sequence, position)`` triples.
 
@@ -128,9 +148,17 @@ def derive_steps(rows: Iterable[tuple[int, int, int]], prompt_lengths: Sequence[
     return out
 
 
-def speculative_extra(setting: str, config: Mapping[str, Any], steps: list[list[Step]]) -> dict[str, Any]:
-    """The ``extra.speculative`` entry of a run with ``setting`` (the engine's ``config``) and these steps."""
+def speculative_extra(
+    setting: str,
+    config: Mapping[str, Any],
+    steps: list[list[Step]],
+    *,
+    engine_steps: list[dict[str, list[int]]] | None = None,
+) -> dict[str, Any]:
+    """The ``extra.speculative`` entry of a run with ``setting`` (the engine's ``config``) and these steps;
+    ``engine_steps``: the engine's own per-request counts, where it reports them."""
     return {
+        **({"engine_steps": engine_steps} if engine_steps is not None else {}),
         "setting": setting,
         "method": config.get("method"),
         "num_speculative_tokens": config.get("num_speculative_tokens"),
@@ -171,6 +199,23 @@ def check_speculative_extra(extra: dict, where: str) -> None:
         lists = spec.get(key)
         if type(lists) is not list or len(lists) != len(inputs) or not all(type(x) is list for x in lists):
             raise bad_field(where, f"{f}.{key}", f"a list of {len(inputs)} lists (one per input)", lists)
+    engine = spec.get("engine_steps")
+    if engine is not None:
+        if type(engine) is not list or len(engine) != len(inputs):
+            raise bad_field(where, f"{f}.engine_steps", f"a list of {len(inputs)} objects (one per input)", engine)
+        for s, e in enumerate(engine):
+            if (
+                type(e) is not dict
+                or not all(type(e.get(n)) is list and all(type(x) is int and x >= 0 for x in e[n]) for n in _ENGINE)
+                or len(e["drafted"]) != len(e["accepted"])
+                or any(a > d for a, d in zip(e["accepted"], e["drafted"], strict=True))
+            ):
+                raise bad_field(
+                    where,
+                    f"{f}.engine_steps[{s}]",
+                    "drafted and accepted counts, one each per step, accepted <= drafted",
+                    e,
+                )
     new = extra.get("new_tokens")
     for s, seq in enumerate(spec["steps"]):
         _check_steps(seq, spec["rejected"][s], len(inputs[s]), new, k, where, f, s)
@@ -244,7 +289,7 @@ def check_speculative_records(raw: dict, where: str) -> None:
     }  # (pass, seq) -> [first, end) of the step's rows
     for i, d in enumerate(raw["tensors"]):
         pos_runs, seq_runs = d.get("positions"), d.get("sequence_ids")
-        if not pos_runs or not seq_runs:
+        if not pos_runs or not seq_runs or d.get("layer") is None:  # logprob records: no pass's rows
             continue
         pos, seqs = decode_runs(pos_runs, step=1), decode_runs(seq_runs, step=0)
         for s in np.unique(seqs).tolist():

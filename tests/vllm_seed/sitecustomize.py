@@ -26,6 +26,10 @@ never imported by this file). Keys (each optional, but one of ``layer``/``chunk_
                                0's first block: its queries read request 0's keys and values (writes stay right)
     {"kv_scale": [L, F]}       layer L writes its keys into the cache at F times its key scale, and reads them at
                                its own: an fp8 cache holds layer L's keys off by 1/F
+    {"spec_draft": L}          the CPU attention of layer L adds ``add`` to its output rows of draft index 2 and
+                               later of every verify pass (``spec_bug.py``)
+    {"spec_rollback": L}       layer L does not rewrite a KV slot the step before wrote: a rejected draft's key
+                               and value stay in the cache for the token the target chose there
     {"die_after": N}           the model runner SIGKILLs its own process right after its N-th engine
                                step that holds a request marked for driftscope's capture ("rank" too),
                                saying so on stdout (driftscope holds the engine's stderr, and drops it
@@ -77,8 +81,20 @@ _KEYS = {
     "kv_hit",
     "kv_swap",
     "kv_scale",
+    "spec_draft",
+    "spec_rollback",
 }
-_MAIN_KEYS = {"layer", "die_after", "chunk_layer", "switches", "kv_hit", "kv_swap", "kv_scale"}
+_MAIN_KEYS = {
+    "layer",
+    "die_after",
+    "chunk_layer",
+    "switches",
+    "kv_hit",
+    "kv_swap",
+    "kv_scale",
+    "spec_draft",
+    "spec_rollback",
+}
 """A seed holds at least one of these (the others only modify them)."""
 SWITCH = "driftscope_test_switch"
 """The worker method (``LLM.collective_rpc(SWITCH, args=(where, add))``) that sets a ``switches`` seed's amount."""
@@ -334,6 +350,10 @@ def _seed_patches(raw: str, patches: dict[str, Callable[[Any], None]]) -> None:
 
         chunked = patches.get("vllm.v1.attention.backends.cpu_attn", lambda m: None)
         patches["vllm.v1.attention.backends.cpu_attn"] = lambda m: (chunked(m), patch_kv_cache(m, seed))
+    if seed.keys() & {"spec_draft", "spec_rollback"}:
+        from spec_bug import patch_speculative  # beside this file, on PYTHONPATH with it
+
+        patches["vllm.v1.attention.backends.cpu_attn"] = lambda m: patch_speculative(m, seed)
     if "die_after" in seed:
         patches["vllm.v1.worker.gpu_model_runner"] = lambda m: _patch_runner(m, seed)
     if "slow_dead" in seed:  # after the engine-start log's patch of the same module

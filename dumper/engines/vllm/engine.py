@@ -31,6 +31,7 @@ import gc
 import json
 import os
 import weakref
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -56,13 +57,14 @@ from dumper.errors import (
     UsageError,
     error_reason,
 )
-from dumper.format import Manifest
+from dumper.format import Manifest, load_manifest
 from dumper.format.decode import GENERATED_IDS, NEW_TOKENS
+from dumper.format.speculative import SPECULATIVE_KEY, Step, derive_steps, hidden_rows, speculative_extra
 from dumper.hooks.capture import Capture
 from dumper.hooks.layers import ATTN_INPUT, DEFAULT_LAYERS
 from dumper.modeldir import check_model_dir
 from dumper.prefill.logprob_records import record_logprobs, record_token_logprobs
-from dumper.prefill.observer import LogprobSink, ObserverCheck, mark_observer
+from dumper.prefill.observer import LogprobSink, ObserverCheck, ObserverResult, mark_observer
 from dumper.prefill.run import RunConfig
 from dumper.progress import ProgressFn
 
@@ -194,6 +196,8 @@ def engine_kwargs(cfg: RunConfig, checkpoint: Path, seqs: list[list[int]], *, ta
         )
         if k in opts
     )
+    if cfg.speculative is not None:  # and vLLM's own per-step acceptance of each request (no numeric effect)
+        kw.update(speculative_config=cfg.speculative.vllm_config(), per_request_spec_decode_metrics="detailed")
     if tap:
         points = None if tuple(cfg.points) == (ATTN_INPUT,) else ",".join(cfg.points)  # the default: as before
         kw["additional_config"] = tap_config(
@@ -436,6 +440,13 @@ def _join(
             else {}
         ),
     }
+    if cfg.speculative is not None:
+        steps = derive_steps(hidden_rows(parts.records.get(0, ())), [len(s) for s in seqs])
+        engine_steps = [engine_acceptance(o) for o in outs]
+        check_engine_steps(steps, engine_steps)
+        job[SPECULATIVE_KEY] = speculative_extra(
+            cfg.speculative.setting, cfg.speculative.vllm_config(), steps, engine_steps=engine_steps
+        )
     identity = identity or hf_identity(checkpoint, cfg.model)
     vocab = int(identity.get("vocab_size") or 0)
 
@@ -446,8 +457,34 @@ def _join(
     return join_dump(cfg.out, parts, model_name=cfg.model, identity=identity, engine=info, job_extra=job, record=record)
 
 
-def reference_llm(llm: Any, cfg: RunConfig, seqs: list[list[int]], sink: LogprobSink, vocab: int) -> None:
-    """``cfg``'s job through ``llm`` with no capture (the observer check's reference): prompt logprobs into ``sink``.
+def engine_acceptance(out: Any) -> dict[str, list[int]]:
+    """vLLM's own per-step draft counts of one request (``per_request_spec_decode_metrics="detailed"``): the steps
+    that proposed drafts, in order (``drafted``, ``accepted``)."""
+    metrics = getattr(out.outputs[0], "spec_decode_metrics", None)
+    if metrics is None:
+        raise InternalError("vLLM returned no speculative-decoding metrics for a request of a speculative run")
+    return {
+        "drafted": [int(n) for n in metrics.per_step_drafted],
+        "accepted": [int(n) for n in metrics.per_step_accepted],
+    }
+
+
+def check_engine_steps(steps: list[list[Step]], engine_steps: list[dict[str, list[int]]]) -> None:
+    """The steps read from the recorded verify rows agree with vLLM's own counts: every step that proposed drafts,
+    in order, but the last, whose drafts past the output are not recorded (only its accepted ones are compared)."""
+    for s, (mine, theirs) in enumerate(zip(steps, engine_steps, strict=True)):
+        got = [(st.proposed, st.accepted) for st in mine if st.proposed]
+        want = list(zip(theirs["drafted"], theirs["accepted"], strict=True))
+        if len(got) != len(want) or got[:-1] != want[:-1] or got and got[-1][1] != min(want[-1][1], got[-1][0]):
+            raise InternalError(
+                f"sequence {s}: the recorded verify passes give (proposed, accepted) {got} but vLLM counted {want} "
+                f"(steps as [pass, position, proposed, accepted]: {[st.to_json() for st in mine]})"
+            )
+
+
+def reference_llm(llm: Any, cfg: RunConfig, seqs: list[list[int]], sink: LogprobSink, vocab: int) -> list[Any]:
+    """``cfg``'s job through ``llm`` with no capture (the observer check's reference): prompt logprobs into ``sink``;
+    vLLM's outputs.
 
     ``llm`` is an engine built without the tap (``engine_kwargs(..., tap=False)``), so nothing
     of driftscope is in its model or its compiled graph.
@@ -456,6 +493,7 @@ def reference_llm(llm: Any, cfg: RunConfig, seqs: list[list[int]], sink: Logprob
     with torch.inference_mode():
         outs = _generate(llm, cfg, seqs)
     _record_logprobs(sink, cfg, seqs, outs, vocab)
+    return outs
 
 
 def release_llm() -> None:
@@ -477,8 +515,24 @@ def observe_llm(cfg: RunConfig, checkpoint: Path, seqs: list[list[int]], *, voca
     release_llm()
     check = ObserverCheck(cfg.out, logits=cfg.logprobs.save_logits)
     reference = load_llm(engine_kwargs(cfg, checkpoint, seqs, tap=False), device=cfg.device)
-    reference_llm(reference, cfg, seqs, check, vocab)
-    return mark_observer(cfg.out, check.result())
+    outs = reference_llm(reference, cfg, seqs, check, vocab)
+    result = check.result()
+    if cfg.speculative is not None:  # and the acceptance of every step, as vLLM counted it
+        result = same_acceptance(result, load_manifest(cfg.out).extra, [engine_acceptance(o) for o in outs])
+    return mark_observer(cfg.out, result)
+
+
+def same_acceptance(
+    result: ObserverResult, extra: dict[str, Any], reference: list[dict[str, list[int]]]
+) -> ObserverResult:
+    """``result`` with the speculative acceptance compared too: vLLM's per-step counts of the captured run
+    (``extra.speculative.engine_steps``) and of the run without capture must be equal."""
+    captured = extra[SPECULATIVE_KEY]["engine_steps"]
+    compared = f"{result.compared}+speculative acceptance"
+    for s, (got, want) in enumerate(zip(captured, reference, strict=True)):
+        if got != want:
+            return replace(result, bit_exact=False, compared=compared, sequence=s, position=None)
+    return replace(result, compared=compared)
 
 
 def run_dump(cfg: RunConfig, *, progress: ProgressFn | None = None) -> Manifest:

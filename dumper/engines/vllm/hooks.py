@@ -103,6 +103,11 @@ class VllmFamily(FamilyAdapter):
         self._done: dict[int, int] = {}  # per sequence: positions below this are recorded
         self.new_tokens: dict[int, int] = {}  # per sequence: the tokens it generates (absent: 1, a prefill)
         self._shared: list[SharedRows] = []
+        self._verify: dict[int, tuple[str, int]] = {}  # speculative: per sequence, (request, first position) of the
+        # verify pass that ran last and whose sampled tokens are not yet known
+        self._kept: dict[int, int] = {}  # speculative: per sequence, the position after its last kept row
+        self.speculative = False
+        """Whether the engine decodes speculatively (its verify passes compute rejected drafts' positions again)."""
         self.last_batch: list[tuple[int, int, int, int, int]] = []
         """The last pass's recorded requests: (index in the batch, sequence, its last and first position in the
         pass, its first computed position: > 0 after a prefix-cache hit), for :mod:`dumper.engines.vllm.kv_cache`."""
@@ -142,6 +147,8 @@ class VllmFamily(FamilyAdapter):
         seq = np.zeros(pos.shape[0], dtype=np.int64)
         keep = np.zeros(pos.shape[0], dtype=bool)
         self.last_batch = []
+        # speculative decoding computes a rejected draft's position again in a later pass: every decode row is kept
+        again = self.speculative = getattr(runner, "speculative_config", None) is not None
         for i, rid in enumerate(runner.input_batch.req_ids[: len(starts) - 1]):
             a, b = int(starts[i]), int(starts[i + 1])
             if b <= a:
@@ -150,7 +157,10 @@ class VllmFamily(FamilyAdapter):
             if s is None:
                 continue
             self.last_batch.append((i, s, int(pos[b - 1]), int(pos[a]), self._start[s]))
-            keep[a:b] = (pos[a:b] >= self._done[s]) & (pos[a:b] < self._end(s))
+            fresh = (pos[a:b] >= self._done[s]) | (again & (pos[a:b] >= len(self._prompt[s])))
+            keep[a:b] = fresh & (pos[a:b] < self._end(s))
+            if again and int(pos[a]) >= len(self._prompt[s]):
+                self._verify[s] = (rid, int(pos[a]))
             seq[a:b] = s
             if keep[a:b].any():
                 self._done[s] = max(self._done[s], int(pos[a:b][keep[a:b]].max()) + 1)
@@ -161,6 +171,23 @@ class VllmFamily(FamilyAdapter):
             Runs(encode_runs(seq[rows], step=0)),
             keep=None if rows.size == pos.shape[0] else torch.from_numpy(rows),
         )
+
+    def sampled(self, req_ids: list[str], sampled: list[Any]) -> None:
+        """What vLLM sampled after a speculative step: request ``req_ids[i]`` emitted ``len(sampled[i])`` tokens, so
+        the verify pass that ran last kept that many rows of it (draft index 0 and the accepted drafts)."""
+        index = {rid: i for i, rid in enumerate(req_ids)}
+        for s, (rid, first) in self._verify.items():
+            i = index.get(rid)
+            if i is not None and len(sampled[i]):
+                self._kept[s] = max(self._kept.get(s, 0), first + len(sampled[i]))
+        self._verify.clear()
+
+    def _frontier(self, s: int) -> int:
+        """The position up to which sequence ``s`` is recorded for sure: its prompt rows, then (speculative) its
+        kept rows, known once vLLM sampled (:meth:`sampled`); a rejected draft's row does not count."""
+        if not self.speculative:
+            return self._done[s]
+        return max(min(self._done[s], len(self._prompt[s])), self._kept.get(s, 0))
 
     def _end(self, s: int) -> int:
         """The position after sequence ``s``'s last recorded row: its prompt, then the decode steps that feed
@@ -218,7 +245,7 @@ class VllmFamily(FamilyAdapter):
         hit) to its end (:meth:`_end`) was recorded: a pass the capture could not read (a full
         CUDA-graph replay runs no Python) leaves a hole, which a dump must not hide.
         """
-        return [(s, self._done[s], self._end(s)) for s in sorted(self._prompt) if self._done[s] < self._end(s)]
+        return [(s, self._frontier(s), self._end(s)) for s in sorted(self._prompt) if self._frontier(s) < self._end(s)]
 
     def identity(self, name: str | None) -> dict[str, Any]:
         """The HF config vLLM loaded names the model; no weights hash (vLLM fuses and renames weights: qkv_proj)."""

@@ -154,6 +154,10 @@ class MarkedFamily(VllmFamily):
         return len(self._prompt) == self.count and not self.unrecorded()
 
 
+_WATCHED = "_driftscope_watched"
+"""Marks the model runner's ``sample_tokens`` once :meth:`SpoolRecorder._watch_sampling` wrapped it."""
+
+
 def _abandon(token: str) -> None:
     raise TimeoutError(f"no request of capture {token} ran for {ABANDON_S:.0f} s; dropped as abandoned")
 
@@ -176,7 +180,10 @@ class SpoolRecorder:
         model.register_forward_hook(self._on_end, always_call=True)
 
     def _on_start(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        runner = self._runner = self._runner or runner_on_stack(self.model)
+        if self._runner is None:
+            self._runner = runner_on_stack(self.model)
+            self._watch_sampling(self._runner)
+        runner = self._runner
         now = time.monotonic()
         for rid in getattr(getattr(runner, "input_batch", None), "req_ids", None) or ():
             mark = _mark(runner.requests.get(rid))
@@ -202,12 +209,38 @@ class SpoolRecorder:
                 self._guard(token, _record_router, cap, parts or [])
             if token in self._open:
                 self._guard(token, cap.pass_end)
+        self._close_complete()
+
+    def _close_complete(self) -> None:
+        """Close every capture whose requests are all recorded to their end: its last writes and its part, off the
+        engine's step."""
+        for token, cap in list(self._open.items()):
             family = cap.family
-            if token in self._open and isinstance(family, MarkedFamily) and family.complete():
+            if isinstance(family, MarkedFamily) and family.complete():
                 self._ended.add(token)
                 self._seen.pop(token, None)
-                done = self._open.pop(token)  # its last writes and its part, off the engine's step
+                done = self._open.pop(token)
                 threading.Thread(target=self._guard, args=(token, done.close), name=f"driftscope-close-{token}").start()
+
+    def _watch_sampling(self, runner: Any) -> None:
+        """With speculative decoding, which rows of a verify pass count is known only once vLLM sampled: wrap the
+        runner's ``sample_tokens`` (once) to tell each capture what it emitted, then close what is complete."""
+        sample = getattr(runner, "sample_tokens", None)
+        if getattr(runner, "speculative_config", None) is None or sample is None or getattr(sample, _WATCHED, False):
+            return
+
+        def sample_tokens(*args: Any, **kwargs: Any) -> Any:
+            out = sample(*args, **kwargs)
+            req_ids, sampled = getattr(out, "req_ids", None), getattr(out, "sampled_token_ids", None)
+            if isinstance(req_ids, list) and isinstance(sampled, list):
+                for token, cap in list(self._open.items()):
+                    if isinstance(cap.family, MarkedFamily):
+                        self._guard(token, cap.family.sampled, req_ids, sampled)
+                self._close_complete()
+            return out
+
+        setattr(sample_tokens, _WATCHED, True)
+        runner.sample_tokens = sample_tokens
 
     def _begin(self, token: str, count: int) -> None:
         cap = capture_class(self.root)(
