@@ -41,6 +41,7 @@ def add_sweep(sub: argparse._SubParsersAction) -> None:
         metavar="KEY=V1,V2,...",
         help="an axis (repeatable; cells are the cartesian product): an --engine-arg key, chunk_size "
         "(none allowed), batch_size, new_tokens (decode cells, judged against their own prefill), "
+        "speculative (off, or --speculative settings with ';' between a setting's keys; with new_tokens), "
         "or lengths (prompt lengths, or 'block' for block-1, block, block+1, 2*block-1, 2*block, "
         "2*block+1)",
     )

@@ -1,6 +1,7 @@
 """``--speculative SPEC``: the engine's own speculative decoding, named the same way for every engine.
 
-SPEC is ``METHOD[:KEY=VALUE,...]``. The one method every engine here runs is n-gram prompt lookup:
+SPEC is ``METHOD[:KEY=VALUE,...]`` (``;`` may separate the keys too, as a sweep's grid needs). The
+one method every engine here runs is n-gram prompt lookup:
 
 - ``ngram:k=3`` (``k``: drafts per step; ``max``/``min``: the longest and shortest n-gram matched,
   default 3 and 1). vLLM runs it as ``speculative_config={"method": "ngram",
@@ -57,7 +58,7 @@ def parse_speculative(text: str) -> SpeculativeSpec:
             "(e.g. ngram:k=3; draft models and EAGLE/MTP heads are not recorded yet)"
         )
     values: dict[str, int] = {}
-    for item in filter(None, (p.strip() for p in rest.split(","))):
+    for item in filter(None, (p.strip() for p in rest.replace(";", ",").split(","))):
         key, eq, value = item.partition("=")
         if not eq or key not in _KEYS:
             raise UsageError(f"--speculative {text!r}: {item!r} is not one of {', '.join(f'{k}=N' for k in _KEYS)}")

@@ -1,7 +1,8 @@
 """The grid of an invariance sweep: ``--grid KEY=V1,V2`` axes, their values checked, and the cells they make.
 
 Grid keys are the engine's ``--engine-arg`` keys (its ``ENGINE_ARGS`` table), the run's own
-``chunk_size`` (``none`` allowed), ``batch_size`` and ``new_tokens`` (the decode path), and
+``chunk_size`` (``none`` allowed), ``batch_size`` and ``new_tokens`` (the decode path), ``speculative``
+(``off`` or a ``--speculative`` setting: verify passes, judged as decode cells are), and
 ``lengths``: prompt lengths, or ``block`` for ``block-1, block, block+1, 2*block-1, 2*block, 2*block+1``
 (KV-cache bugs show by prompt length modulo the engine's KV block size). Every value goes through
 the checks the ``run`` command applies (:func:`dumper.engines.base.check_engine_args`,
@@ -35,11 +36,13 @@ from dumper.engines.base import EngineArg, check_engine_args
 from dumper.errors import DriftscopeError, UsageError
 from dumper.format.files import printable
 from dumper.prefill.run import RunConfig, check_scored_positions
+from dumper.prefill.speculative import parse_speculative
 
 __all__ = [
     "Axis",
     "Cell",
     "RUN_KEYS",
+    "SPECULATIVE",
     "LENGTHS",
     "BLOCK",
     "PREFIX_CACHING",
@@ -54,6 +57,10 @@ __all__ = [
 
 RUN_KEYS = ("chunk_size", "batch_size", "new_tokens")
 """Grid keys that are :class:`RunConfig` fields."""
+SPECULATIVE = "speculative"
+"""The grid key of speculative decoding: ``off`` or a ``--speculative`` setting, its keys joined by ``;``
+(``speculative=off,ngram:k=3;max=2``), since ``,`` separates the axis's values."""
+OFF = "off"
 LENGTHS = "lengths"
 BLOCK = "block"
 PREFIX_CACHING = "enable_prefix_caching"
@@ -188,9 +195,14 @@ def _axis_values(axis: Axis, table: dict[str, EngineArg], engine: str, block_siz
         return list(_lengths(axis.values, block_size))
     if axis.key in RUN_KEYS:
         return [_int(axis.key, v, none=axis.key == "chunk_size") for v in axis.values]
+    if axis.key == SPECULATIVE:
+        for v in axis.values:
+            if v.lower() != OFF:
+                parse_speculative(v)  # a bad setting fails before any engine starts
+        return [OFF if v.lower() == OFF else v for v in axis.values]
     arg = table.get(axis.key)
     if arg is None:
-        keys = ", ".join([*RUN_KEYS, LENGTHS, *table])
+        keys = ", ".join([*RUN_KEYS, SPECULATIVE, LENGTHS, *table])
         raise UsageError(f"--grid {printable(axis.key)}: unknown key; --engine {engine} sweeps {keys}")
     out = []
     for v in axis.values:
@@ -212,9 +224,11 @@ def _cell_config(
     engine_args = tuple(
         (k, str(v).lower() if isinstance(v, bool) else str(v))
         for k, v in settings.items()
-        if k not in (*RUN_KEYS, LENGTHS)
+        if k not in (*RUN_KEYS, SPECULATIVE, LENGTHS)
     )
-    run = {k: settings[k] for k in RUN_KEYS if k in settings}
+    run: dict[str, Any] = {k: settings[k] for k in RUN_KEYS if k in settings}
+    if SPECULATIVE in settings:
+        run[SPECULATIVE] = None if settings[SPECULATIVE] == OFF else parse_speculative(settings[SPECULATIVE])
     cfg = replace(
         template,
         out=str(out),
