@@ -142,6 +142,11 @@ class Capture:
     def family(self) -> FamilyAdapter:  # what it reads from the model's calls (:mod:`dumper.hooks.families`)
         return self._family
 
+    @property
+    def records(self) -> tuple[TensorRecord, ...]:
+        """The records written so far (their ``file`` is filled in when the capture ends)."""
+        return tuple(self._records)
+
     # -- lifecycle -------------------------------------------------------------------------
     def __enter__(self) -> Capture:
         if (self.out_dir / MANIFEST_NAME).exists():

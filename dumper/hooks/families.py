@@ -159,6 +159,11 @@ class FamilyAdapter:
         """Sequence id of each batch row for the following passes (``None``: number them anew)."""
         raise UsageError(f"set_sequence_ids: the {self.name} family takes sequence ids from the engine's batch")
 
+    def set_position_end(self, end: int | None) -> None:
+        """Record no row at a position ``>= end`` in the following passes (``None``: every row), e.g. the drafts a
+        speculative verify pass feeds past the tokens asked for."""
+        raise UsageError(f"set_position_end: the {self.name} family records every row of the engine's batch")
+
     def shared_rows(self) -> list[SharedRows]:
         """Rows that sequences reused from others instead of computing them (filled in at the end)."""
         return []
@@ -238,7 +243,8 @@ class HFFamily(FamilyAdapter):
     padding too), else from the length of the KV cache in :attr:`cache_kwargs`; rows whose mask
     is 0 are padding. Sequence ids are those of :meth:`set_sequence_ids`, else a pass whose every
     batch row starts right after that row's last position in the previous pass (a prefill chunk,
-    a decode step over one KV cache) continues its sequences, else the pass gets new ids. A
+    a decode step over one KV cache) continues its sequences, else the pass gets new ids. After
+    :meth:`set_position_end` the rows at or past that position are left out (:attr:`HFRows.end`). A
     subclass for model code that names these arguments otherwise changes only the attributes.
     """
 
@@ -263,9 +269,13 @@ class HFFamily(FamilyAdapter):
         self._next = 0
         self._prev_ids: np.ndarray | None = None  # [batch] sequence ids of the previous pass
         self._prev_last: np.ndarray | None = None  # [batch] last real position of each row so far
+        self._end: int | None = None
 
     def set_sequence_ids(self, ids: Sequence[int] | None) -> None:
         self._explicit = None if ids is None else [int(i) for i in ids]
+
+    def set_position_end(self, end: int | None) -> None:
+        self._end = None if end is None else int(end)
 
     def router_hooks(self, layer: nn.Module, index: int) -> list[RouterHook]:
         """The known transformers routers in ``layer`` (:mod:`dumper.hooks.routing`); a model with none is refused."""
@@ -292,7 +302,7 @@ class HFFamily(FamilyAdapter):
         if positions is None:
             past = _cache_length(next((kwargs[k] for k in self.cache_kwargs if k in kwargs), None))
             positions = np.broadcast_to(np.arange(past, past + seq, dtype=np.int64), (batch, seq))
-        rows = HFRows((batch, seq), Runs([]), Runs([]), pad=pad)
+        rows = HFRows((batch, seq), Runs([]), Runs([]), pad=pad, end=self._end)
         rows.set_positions(positions)
         given = next((kwargs[k] for k in self.position_kwargs if isinstance(kwargs.get(k), torch.Tensor)), None)
         if given is not None:

@@ -95,19 +95,34 @@ class HFRows(PassRows):
     pos: np.ndarray | None = None  # [batch, seq] positions as last set
     row_ids: np.ndarray | None = None  # [batch] sequence id of each batch row
     position_ids: Any = None  # the tensor the positions were last read from (one device sync per tensor)
+    end: int | None = None
+    """Rows of real tokens at positions ``>= end`` are not recorded (``keep`` leaves them out; None: all are)."""
 
     def set_positions(self, pos: np.ndarray) -> None:
         if self.pad is not None:
             pos = np.where(self.pad, np.arange(self.shape[1])[None, :], pos)
         self.pos = np.asarray(pos)
-        self.positions = Runs(encode_runs(self.pos, step=1))
+        self._label(sequences=self.end is not None)  # which rows are kept may change with their positions
 
     def set_sequences(self, ids: np.ndarray) -> None:
         self.row_ids = ids
-        row_seq = np.repeat(ids, self.shape[1]).reshape(self.shape)
-        self.sequence_ids = Runs(
-            encode_runs(row_seq if self.pad is None else np.where(self.pad, PAD_SEQUENCE, row_seq), step=0)
-        )
+        self._label(sequences=True)
+
+    def _label(self, *, sequences: bool) -> None:
+        """Encode the labels of the recorded rows: every row, or those :attr:`end` keeps (flat indices in ``keep``)."""
+        assert self.pos is not None
+        kept = None
+        if self.end is not None:
+            past = self.pos >= self.end if self.pad is None else ~self.pad & (self.pos >= self.end)
+            kept = np.flatnonzero(~past.reshape(-1)) if past.any() else None
+        self.keep = None if kept is None else torch.from_numpy(kept)
+        self.positions = Runs(encode_runs(self.pos if kept is None else self.pos.reshape(-1)[kept], step=1))
+        if not sequences or self.row_ids is None:
+            return
+        row_seq = np.repeat(self.row_ids, self.shape[1]).reshape(self.shape)
+        if self.pad is not None:
+            row_seq = np.where(self.pad, PAD_SEQUENCE, row_seq)
+        self.sequence_ids = Runs(encode_runs(row_seq if kept is None else row_seq.reshape(-1)[kept], step=0))
 
     def with_position_ids(self, value: Any) -> HFRows:
         """Positions from a ``position_ids`` kwarg seen by a hooked module (read once per tensor object)."""

@@ -20,6 +20,7 @@ from dumper.format import Manifest, load_manifest
 from dumper.format.decode import GENERATED_IDS, NEW_TOKENS, NEXT_IDS, PROMPT_LENGTHS, TOKENS_FROM
 from dumper.format.points import CACHE_POINTS, SUBLAYER_POINTS
 from dumper.format.sketch import SketchSpec
+from dumper.format.speculative import SPECULATIVE_KEY, derive_steps, hidden_rows, speculative_extra
 from dumper.hooks.capture import Capture
 from dumper.hooks.layers import ATTN_INPUT, ROUTER, parse_points
 from dumper.hooks.tap import install_tap, remove_tap, tap_of
@@ -28,6 +29,7 @@ from dumper.prefill.forward import pad_batch, prefill
 from dumper.prefill.logprob_records import LogprobSpec, record_logprobs, record_next_logprobs
 from dumper.prefill.observer import LogprobSink, ObserverCheck, mark_observer
 from dumper.prefill.presets import load_model
+from dumper.prefill.prompt_lookup import hf_speculative_config, prompt_lookup_decode
 from dumper.prefill.speculative import SpeculativeSpec
 from dumper.progress import ProgressFn
 from dumper.prompts import BUILTIN_PROMPTS, parse_input_ids, read_prompts_file  # noqa: F401 - re-exported
@@ -123,6 +125,11 @@ class RunConfig:
                 f"--speculative {setting}: transformers' prompt lookup decodes one prompt at a time, eager, "
                 "its prompt in one pass; drop --batch-size, --chunk-size and --compile"
             )
+        if self.engine == "transformers" and self.speculative is not None and self.speculative.lookup_min != 1:
+            raise UsageError(
+                f"--speculative {setting}: transformers' prompt lookup matches n-grams down to one token and takes "
+                "no min=; drop it (min= is vLLM's prompt_lookup_min)"
+            )
 
     def __post_init__(self) -> None:
         if self.chunk_size is not None and self.chunk_size < 1:
@@ -143,6 +150,12 @@ class RunConfig:
         if self.padding_side not in ("left", "right"):
             raise UsageError(f"--padding-side must be left or right, got {self.padding_side!r}")
         object.__setattr__(self, "points", parse_points(self.points))
+        if self.speculative is not None and self.engine == "transformers" and set(self.points) & set(CACHE_POINTS):
+            raise UsageError(
+                f"--speculative {self.speculative.setting}: --points k_cache/v_cache are not recorded with "
+                "transformers' prompt lookup yet (it crops its cache after each verify pass, which the read-back "
+                "check does not follow)"
+            )
         allowed = ENGINE_POINTS.get(self.engine, (ATTN_INPUT,))
         if self.engine == "llama.cpp" and set(self.points) & set(CACHE_POINTS):
             raise UsageError(
@@ -279,6 +292,11 @@ def dump_sequences(
         generated = _prefill_job(model, run_model, seqs, cfg, cap, progress)
         if cfg.new_tokens:
             cap.extra.update({NEW_TOKENS: cfg.new_tokens, GENERATED_IDS: generated})
+        if cfg.speculative is not None:  # the verify passes, from the rows each recorded
+            steps = derive_steps(hidden_rows(cap.records), [len(s) for s in seqs])
+            cap.extra[SPECULATIVE_KEY] = speculative_extra(
+                cfg.speculative.setting, hf_speculative_config(cfg.speculative), steps
+            )
         if cfg.next_ids:
             cap.extra[NEXT_IDS] = [[t] for t in cfg.next_ids]
     if not cfg.observer_check or cfg.logprobs is None:
@@ -322,6 +340,15 @@ def _prefill_job(
     pad_id = int(getattr(model.config, "pad_token_id", None) or 0)
     done, total = 0, sum(map(len, seqs)) + len(seqs) * max(cfg.new_tokens - 1, 0)
     generated: list[list[int]] = []
+    if cfg.speculative is not None:  # transformers' prompt lookup: one prompt at a time, through its generate
+        for i, prompt in enumerate(seqs):
+            generated.append(
+                prompt_lookup_decode(model, sink, prompt, i, cfg.new_tokens, cfg.speculative, cfg.logprobs, pad_id)
+            )
+            done += len(prompt) + cfg.new_tokens - 1
+            if progress is not None:
+                progress(done, total)
+        return generated
     for first in range(0, len(seqs), cfg.batch_size):
         batch = seqs[first : first + cfg.batch_size]
         seq_ids = list(range(first, first + len(batch)))
