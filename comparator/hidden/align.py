@@ -22,6 +22,7 @@ import numpy as np
 
 from dumper.errors import CorruptDumpError, NotComparableError
 from dumper.format import PAD_SEQUENCE, Manifest, TensorRecord
+from dumper.format.rowspans import row_spans
 from dumper.format.speculative import rejected_ranges
 
 __all__ = [
@@ -193,19 +194,7 @@ def _segments(rec: TensorRecord) -> list[tuple[int, Segment]]:
         raise CorruptDumpError(
             f"{rec.file}: tensor {rec.name!r} has row metadata for another number of rows than its {rec.rows} rows"
         )
-    out: list[tuple[int, Segment]] = []
-    i = j = used_p = used_s = row = 0
-    while i < len(pos_runs) and j < len(seq_runs):
-        (p0, pc), (s0, sc) = pos_runs[i], seq_runs[j]
-        n = min(pc - used_p, sc - used_s)
-        if s0 != PAD_SEQUENCE:
-            out.append((s0, Segment(rec, row, p0 + used_p, n)))
-        row, used_p, used_s = row + n, used_p + n, used_s + n
-        if used_p == pc:
-            i, used_p = i + 1, 0
-        if used_s == sc:
-            j, used_s = j + 1, 0
-    return out
+    return [(s, Segment(rec, row, p, n)) for row, s, p, n in row_spans(pos_runs, seq_runs) if s != PAD_SEQUENCE]
 
 
 def split_by_mode(baseline: Manifest, target: Manifest) -> tuple[set[str], set[str]]:

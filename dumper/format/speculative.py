@@ -38,9 +38,8 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from dumper.format.files import bad_field
+from dumper.format.rowspans import row_spans
 
 __all__ = [
     "SPECULATIVE_KEY",
@@ -79,13 +78,18 @@ class Step:
     def to_json(self) -> list[int]:
         return [self.forward_pass, self.position, self.proposed, self.accepted]
 
+    @classmethod
+    def from_json(cls, entry: Sequence[int]) -> Step:
+        """A checked ``steps`` entry (:func:`check_speculative_extra`)."""
+        return cls(*(int(v) for v in entry))
+
 
 def steps_of(extra: Mapping[str, Any]) -> list[list[Step]] | None:
     """Per sequence, its decode steps (None: not a speculative dump). The extra is a checked one."""
     spec = extra.get(SPECULATIVE_KEY)
     if spec is None:
         return None
-    return [[Step(*entry) for entry in seq] for seq in spec["steps"]]
+    return [[Step.from_json(entry) for entry in seq] for seq in spec["steps"]]
 
 
 def step_at(steps: Sequence[Step], position: int) -> tuple[int, Step] | None:
@@ -113,15 +117,13 @@ def rejected_ranges(extra: Mapping[str, Any]) -> dict[tuple[int, int], tuple[int
 def hidden_rows(records: Iterable[Any]) -> Iterator[tuple[int, int, int]]:
     """``(forward_pass, sequence, position)`` of every row of the first hidden-state record of each pass (all of a
     pass's hidden records hold the same rows; logprob records, with no layer, are not rows of a pass)."""
-    from dumper.format.manifest import decode_runs  # manifest imports this module's checks
-
     seen: set[int] = set()
     for rec in records:
         if rec.layer is None or rec.forward_pass in seen or not rec.positions or not rec.sequence_ids:
             continue
         seen.add(rec.forward_pass)
-        pos, seq = decode_runs(rec.positions, step=1), decode_runs(rec.sequence_ids, step=0)
-        yield from zip([rec.forward_pass] * len(pos), seq.tolist(), pos.tolist(), strict=True)
+        for _, s, p, n in row_spans(rec.positions, rec.sequence_ids):
+            yield from ((rec.forward_pass, s, q) for q in range(p, p + n))
 
 
 def derive_steps(rows: Iterable[tuple[int, int, int]], prompt_lengths: Sequence[int]) -> list[list[Step]]:
@@ -228,7 +230,7 @@ def _check_steps(seq: list, rejected: list, prompt: int, new: Any, k: int | None
         field = f"{f}.steps[{s}][{t}]"
         if not _ints(entry, 4):
             raise bad_field(where, field, "[forward_pass, position, proposed, accepted], integers >= 0", entry)
-        st = Step(*entry)
+        st = Step.from_json(entry)
         if st.accepted > st.proposed:
             raise bad_field(where, field, f"an accepted count at most the proposed count {st.proposed}", entry)
         if k is not None and st.proposed > k:
@@ -281,8 +283,6 @@ def check_speculative_records(raw: dict, where: str) -> None:
     spec = extra.get(SPECULATIVE_KEY)
     if spec is None:
         return
-    from dumper.format.manifest import decode_runs  # manifest imports this module's checks
-
     inputs = extra.get("input_ids") or []
     spans = {
         (e[0], s): (e[1], e[1] + e[2] + 1) for s, seq in enumerate(spec["steps"]) for e in seq
@@ -291,13 +291,12 @@ def check_speculative_records(raw: dict, where: str) -> None:
         pos_runs, seq_runs = d.get("positions"), d.get("sequence_ids")
         if not pos_runs or not seq_runs or d.get("layer") is None:  # logprob records: no pass's rows
             continue
-        pos, seqs = decode_runs(pos_runs, step=1), decode_runs(seq_runs, step=0)
-        for s in np.unique(seqs).tolist():
-            if not 0 <= s < len(inputs):
-                continue
-            q = pos[(seqs == s) & (pos >= len(inputs[s]))]
-            if q.size == 0:
-                continue
+        held: dict[int, list[int]] = {}  # sequence -> [lowest, highest] decode position the record holds
+        for _, s, p, n in row_spans(pos_runs, seq_runs):
+            if 0 <= s < len(inputs) and p + n > len(inputs[s]):
+                lo_hi = held.setdefault(s, [max(p, len(inputs[s])), p + n - 1])
+                lo_hi[0], lo_hi[1] = min(lo_hi[0], max(p, len(inputs[s]))), max(lo_hi[1], p + n - 1)
+        for s, (lo, hi) in held.items():
             span = spans.get((d["forward_pass"], s))
             if span is None:
                 raise bad_field(
@@ -306,10 +305,10 @@ def check_speculative_records(raw: dict, where: str) -> None:
                     f"a pass extra.{SPECULATIVE_KEY}.steps[{s}] lists (it holds decode rows of sequence {s})",
                     d["forward_pass"],
                 )
-            if int(q.min()) < span[0] or int(q.max()) >= span[1]:
+            if lo < span[0] or hi >= span[1]:
                 raise bad_field(
                     where,
                     f"tensors[{i}].positions",
                     f"sequence {s}'s rows of pass {d['forward_pass']} within positions {span[0]}..{span[1] - 1}",
-                    [int(q.min()), int(q.max())],
+                    [lo, hi],
                 )

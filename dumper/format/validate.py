@@ -40,8 +40,8 @@ from dumper.errors import CorruptDumpError
 from dumper.format.decode import check_decode_extra, check_decode_meta
 from dumper.format.files import bad_field, check_plain_name, is_text, show
 from dumper.format.kv_cache import check_kv_extra, check_kv_records
-from dumper.format.speculative import check_speculative_extra, check_speculative_records
 from dumper.format.sketch import check_record_sketch, check_spec
+from dumper.format.speculative import check_speculative_extra, check_speculative_records
 
 __all__ = [
     "MAX_MANIFEST_BYTES",
