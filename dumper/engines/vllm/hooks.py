@@ -143,7 +143,7 @@ class VllmFamily(FamilyAdapter):
 
     def _rows(self, pos: np.ndarray, starts: np.ndarray, runner: Any) -> PassRows:
         """Request ``i`` holds rows ``starts[i]:starts[i+1]`` of the flat batch; keep its unrecorded rows up to its
-        end (:meth:`_end`)."""
+        end (:meth:`end`)."""
         seq = np.zeros(pos.shape[0], dtype=np.int64)
         keep = np.zeros(pos.shape[0], dtype=bool)
         self.last_batch = []
@@ -158,7 +158,7 @@ class VllmFamily(FamilyAdapter):
                 continue
             self.last_batch.append((i, s, int(pos[b - 1]), int(pos[a]), self._start[s]))
             fresh = (pos[a:b] >= self._done[s]) | (again & (pos[a:b] >= len(self._prompt[s])))
-            keep[a:b] = fresh & (pos[a:b] < self._end(s))
+            keep[a:b] = fresh & (pos[a:b] < self.end(s))
             if again and int(pos[a]) >= len(self._prompt[s]):
                 self._verify[s] = (rid, int(pos[a]))
             seq[a:b] = s
@@ -189,7 +189,7 @@ class VllmFamily(FamilyAdapter):
             return self._done[s]
         return max(min(self._done[s], len(self._prompt[s])), self._kept.get(s, 0))
 
-    def _end(self, s: int) -> int:
+    def end(self, s: int) -> int:
         """The position after sequence ``s``'s last recorded row: its prompt, then the decode steps that feed
         all but its last generated token."""
         return len(self._prompt[s]) + max(self.new_tokens.get(s, 1) - 1, 0)
@@ -242,10 +242,10 @@ class VllmFamily(FamilyAdapter):
         """(sequence, first position not recorded, end) of every sequence whose rows are incomplete.
 
         A sequence is complete when every position from its first computed one (after a prefix
-        hit) to its end (:meth:`_end`) was recorded: a pass the capture could not read (a full
+        hit) to its end (:meth:`end`) was recorded: a pass the capture could not read (a full
         CUDA-graph replay runs no Python) leaves a hole, which a dump must not hide.
         """
-        return [(s, self._frontier(s), self._end(s)) for s in sorted(self._prompt) if self._frontier(s) < self._end(s)]
+        return [(s, self._frontier(s), self.end(s)) for s in sorted(self._prompt) if self._frontier(s) < self.end(s)]
 
     def identity(self, name: str | None) -> dict[str, Any]:
         """The HF config vLLM loaded names the model; no weights hash (vLLM fuses and renames weights: qkv_proj)."""

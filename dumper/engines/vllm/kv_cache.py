@@ -172,10 +172,12 @@ class VllmCacheReader:
         and (sequence, query position, length) per request in its order; computed once per metadata per pass."""
         key = id(meta)
         if self._ctx is None or self._ctx[0] != key:
-            lens = meta.seq_lens.cpu().tolist()
-            slots = [self._context(meta, i, int(lens[i])) for i, _, _, _, _ in batch]
+            # up to the sequence's last recorded row: a speculative pass may write drafts past the output, unrecorded
+            seq_lens = meta.seq_lens.cpu().tolist()
+            lens = {s: min(int(seq_lens[i]), self.family.end(s)) for i, s, _, _, _ in batch}
+            slots = [self._context(meta, i, lens[s]) for i, s, _, _, _ in batch]
             cat = torch.cat(slots) if slots else torch.zeros(0, dtype=torch.int64)
-            self._ctx = (key, cat, [(s, last, int(lens[i])) for i, s, last, _, _ in batch])
+            self._ctx = (key, cat, [(s, min(last, lens[s] - 1), lens[s]) for _, s, last, _, _ in batch])
         return self._ctx[1], self._ctx[2]
 
     def _check(
