@@ -21,12 +21,14 @@ from dumper.errors import UsageError
 if TYPE_CHECKING:  # a noise file's model loads only with --noise
     from comparator.judging.noise import NoiseModel
 
-__all__ = ["CompareConfig", "DEFAULT_THRESHOLD", "DEFAULT_TOKEN_THRESHOLD"]
+__all__ = ["CompareConfig", "DEFAULT_THRESHOLD", "DEFAULT_TOKEN_THRESHOLD", "DEFAULT_ACCEPTANCE_TOLERANCE"]
 
 DEFAULT_THRESHOLD = 1e-3
 """Whole-tensor rel_diff threshold (the seed's nightly default). See docs/verdict.md, "Choosing thresholds"."""
 DEFAULT_TOKEN_THRESHOLD = 1e-3
 """Per-token rel_diff threshold: the max-type signal that catches one broken position."""
+DEFAULT_ACCEPTANCE_TOLERANCE = 0.02
+"""Largest relative drop of a speculative target's acceptance length below the baseline's that passes."""
 MAX_THREADS = 256
 """Most metric worker threads (each holds a block of both dumps' rows in flight)."""
 
@@ -57,6 +59,8 @@ class CompareConfig:
         sequence_map: the target's sequence ``i`` is the baseline's ``sequence_map[i]`` (empty: the same ids).
         row_cover: per sequence, how many leading positions the noise's row noise covers in this comparison
             (set by :func:`~comparator.hidden.compare.compare_dumps` from the token ids; None: no row noise used).
+        acceptance_tolerance: two speculative decodes fail when the target's acceptance length is below the
+            baseline's by more than this fraction of it (default 0.02; :mod:`comparator.hidden.speculative`).
     """
 
     threshold: float = DEFAULT_THRESHOLD
@@ -74,6 +78,7 @@ class CompareConfig:
     subset: bool = False
     sequence_map: tuple[int, ...] = ()
     row_cover: tuple[int, ...] | None = None
+    acceptance_tolerance: float = DEFAULT_ACCEPTANCE_TOLERANCE
 
     def noise_limits_of(self, name: str) -> NoiseLimits:
         """The thresholds the tensor ``name`` is judged by: from its noise when calibrated, else the fixed ones."""
@@ -100,6 +105,8 @@ class CompareConfig:
             if not is_threshold(v):
                 raise UsageError(f"{name} must be a finite number >= 0, got {v!r}")
         check_noise_factor(self.noise_factor)
+        if not is_threshold(self.acceptance_tolerance) or self.acceptance_tolerance >= 1:
+            raise UsageError(f"acceptance_tolerance must be a number in [0, 1), got {self.acceptance_tolerance!r}")
         if not is_threshold(self.noise_floor):
             raise UsageError(f"noise_floor must be a finite number >= 0, got {self.noise_floor!r}")
         if not 1 <= self.threads <= MAX_THREADS:
@@ -120,11 +127,13 @@ class CompareConfig:
         noise: NoiseModel | None = None,
         noise_factor: float | None = None,
         noise_floors: Mapping[str, float] | None = None,
+        acceptance_tolerance: float | None = None,
     ) -> CompareConfig:
         """Flags win over ``DRIFTSCOPE_DIFF_THRESHOLD`` / ``DRIFTSCOPE_TOKEN_THRESHOLD``, which win over defaults.
 
         ``noise_floors``: as parsed by :func:`comparator.judging.noise_thresholds.parse_noise_floor` (``rel_diff`` and
-        logprob metric names).
+        logprob metric names). ``acceptance_tolerance`` wins over ``DRIFTSCOPE_ACCEPTANCE_TOLERANCE``, which wins over
+        :data:`DEFAULT_ACCEPTANCE_TOLERANCE`.
         """
         s = comparator_settings(env)
         floors = dict(noise_floors or {})
@@ -146,4 +155,7 @@ class CompareConfig:
             noise_floor=floors.pop("rel_diff", DEFAULT_FLOOR),
             noise_floors=tuple(sorted(floors.items())),
             fixed_explicit=explicit,
+            acceptance_tolerance=acceptance_tolerance
+            if acceptance_tolerance is not None
+            else (s.acceptance_tolerance if s.acceptance_tolerance is not None else DEFAULT_ACCEPTANCE_TOLERANCE),
         )

@@ -30,6 +30,7 @@ from dumper.format.decode import CACHE_HIT
 from dumper.format.points import CACHE_POINTS, SUBLAYER_POINTS
 
 if TYPE_CHECKING:
+    from comparator.hidden.speculative_types import Acceptance
     from comparator.hidden.types import DecodeFork, FirstDivergence, Report, TensorComparison
     from comparator.logprobs import LogprobVerdict
     from comparator.routing.types import Flip, RankRouting, RouterComparison, RouterLayer
@@ -48,6 +49,9 @@ __all__ = [
     "assertion_head",
     "describe_divergence",
     "describe_decode",
+    "describe_speculative",
+    "describe_acceptance",
+    "acceptance_failure",
     "describe_routing",
     "routing_failures",
     "describe_rank",
@@ -83,9 +87,9 @@ class Outcome(enum.Enum):
 
     Checked in this order: a decode step without rows; the routing when its first failing layer is
     at or before the first layer whose hidden states diverge (a routing bug shows in the hidden
-    states only after it); then a diverged tensor, differing replicas, the routing alone, a decode
-    fork the noise does not explain, the logprobs. The hidden states are every compared tensor but
-    the routers' logits, which are judged as routing here.
+    states only after it); then a diverged tensor, differing replicas, the routing alone, a
+    speculative target's acceptance, a decode fork the noise does not explain, the logprobs. The
+    hidden states are every compared tensor but the routers' logits, which are judged as routing here.
     """
 
     PASSED = "passed"
@@ -103,6 +107,9 @@ class Outcome(enum.Enum):
     DECODE = "decode"
     """A decode dump lacks the rows of a decode step it claims (``report.decode.missing``: checked first), or two
     decode runs forked at a step the logprob noise does not explain (checked last)."""
+    ACCEPTANCE = "acceptance"
+    """Two speculative decodes: the target's acceptance length falls below the baseline's by more than the
+    tolerance over the steps both fed alike (``report.speculative.comparison``), while the hidden states pass."""
 
     @classmethod
     def of(cls, report: Report) -> Outcome:
@@ -122,6 +129,8 @@ class Outcome(enum.Enum):
             return cls.REPLICAS
         if routing is not None:
             return cls.ROUTING
+        if report.speculative is not None and not report.speculative.passed:
+            return cls.ACCEPTANCE
         logprobs_pass = report.logprobs is None or report.logprobs.passed
         if report.decode is not None and not report.decode.passed and logprobs_pass:
             return cls.DECODE
@@ -208,9 +217,9 @@ def clause(report: Report, *, escape: Callable[[str], str] = str, detail: bool =
     outcome = Outcome.of(report)
     if outcome is Outcome.TENSORS:
         assert report.first_divergent is not None
-        return escape(describe_divergence(report.first_divergent) + _routing_tail(report))
+        return escape(describe_divergence(report.first_divergent) + _routing_tail(report) + _acceptance_tail(report))
     if outcome is Outcome.REPLICAS:
-        return "(replicas differ)" + _routing_tail(report)
+        return "(replicas differ)" + _routing_tail(report) + _acceptance_tail(report)
     if outcome is Outcome.ROUTING:
         return escape(_routing_clause(report))
     if outcome is Outcome.LOGPROBS:
@@ -219,6 +228,8 @@ def clause(report: Report, *, escape: Callable[[str], str] = str, detail: bool =
         return escape(f"({_decode_failure(report)})")
     if outcome is Outcome.KV_CACHE:
         return escape(f"({_readback_failure(report)})")
+    if outcome is Outcome.ACCEPTANCE:
+        return escape(f"({acceptance_failure(report)})")
     return ""
 
 
@@ -251,9 +262,11 @@ def sentence(report: Report) -> str:
     outcome = Outcome.of(report)
     if outcome is Outcome.TENSORS:
         assert report.first_divergent is not None
-        return describe_divergence(report.first_divergent) + _routing_tail(report)
+        return describe_divergence(report.first_divergent) + _routing_tail(report) + _acceptance_tail(report)
     if outcome is Outcome.ROUTING:
         return _routing_clause(report)
+    if outcome is Outcome.ACCEPTANCE:
+        return acceptance_failure(report)
     if outcome is Outcome.PASSED and report.router is not None:
         return "every matched tensor passed" + _routing_passed(report.router)
     if outcome is Outcome.DECODE:
@@ -281,6 +294,8 @@ def assertion_head(report: Report) -> str:
         return f"dumps diverge on their decode path: {_decode_failure(report)}"
     if outcome is Outcome.KV_CACHE:
         return f"dumps diverge in their KV cache: {_readback_failure(report)}"
+    if outcome is Outcome.ACCEPTANCE:
+        return f"dumps diverge in their speculative decoding: {acceptance_failure(report)}"
     return f"dumps diverge in their logprobs: {_failures(report)}"
 
 
@@ -332,6 +347,8 @@ def describe_divergence(fd: FirstDivergence) -> str:
         text += f"; its {listed}"
     if fd.phase == "decode":
         text += f", decode step {fd.decode_step}"
+    if fd.verify_step is not None:
+        text += f", verify step {fd.verify_step}, draft index {fd.draft_index}"
     if fd.phase == CACHE_HIT:
         text += ", a row the prefix cache served (cache hit)"
     if fd.onset is not None and fd.onset != fd.token:
@@ -367,7 +384,13 @@ def threshold_summary(report: Report, *, quote: Callable[[str], str] = str) -> s
 def verdict_notes(report: Report) -> list[str]:
     """What every verdict line adds, ``--quiet`` included: tensors not compared, model notes, the decode path."""
     unmatched = report.unmatched_note()
-    return ([unmatched] if unmatched else []) + list(report.notes) + describe_decode(report) + describe_kv(report)
+    return (
+        ([unmatched] if unmatched else [])
+        + list(report.notes)
+        + describe_decode(report)
+        + describe_speculative(report)
+        + describe_kv(report)
+    )
 
 
 def describe_kv(report: Report) -> list[str]:
@@ -404,6 +427,88 @@ def describe_decode(report: Report) -> list[str]:
         f"decode: {d.steps} decode steps compared over {d.sequences} sequences{forked}",
         *(f"decode fork: {_fork(f)}" for f in d.forks),
     ]
+
+
+def _length(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+def describe_acceptance(a: Acceptance) -> str:
+    """``target ngram:k=3: acceptance length 1.88 (0.875 drafts kept per verify step) over 8 verify steps; kept per
+    draft position 1: 38% (3/8), 2: 33% (2/6), 3: 25% (1/4)``."""
+    rates = ", ".join(f"{i}: {'-' if r is None else f'{r:.0%}'} ({k}/{n})" for i, n, k, r in a.rates)
+    mean = "-" if a.mean_accepted is None else f"{a.mean_accepted:.3g}"
+    return (
+        f"{a.side} {a.setting or 'speculative'}: acceptance length {_length(a.acceptance_length)} ({mean} drafts kept "
+        f"per verify step) over {a.steps} verify steps" + (f"; kept per draft position {rates}" if rates else "")
+    )
+
+
+def describe_speculative(report: Report) -> list[str]:
+    """A comparison with a speculative side: each speculative side's acceptance and, both speculative, the
+    acceptance check when it passes (a failing one is the verdict's clause)."""
+    sp = report.speculative
+    if sp is None:
+        return []
+    out = [f"speculative: {describe_acceptance(a)}" for a in sp.acceptance.values()]
+    c = sp.comparison
+    if c is not None and c.passed:
+        drop = "" if c.drop is None else f", {_signed(-c.drop)}"
+        out.append(
+            f"speculative acceptance: target {_length(c.target.acceptance_length)} vs baseline "
+            f"{_length(c.baseline.acceptance_length)}{drop} over the steps both fed alike "
+            f"(tolerance {_percent(c.tolerance)})"
+        )
+    return out
+
+
+def _percent(v: float) -> str:
+    return f"{v * 100:g}%"
+
+
+def _signed(v: float) -> str:
+    return f"{v + 0.0:+.1%}"  # + 0.0: no "-0.0%"
+
+
+def acceptance_failure(report: Report) -> str:
+    """Why two speculative decodes fail on acceptance: both lengths over the steps both fed alike, the first
+    (sequence, verify step, position, draft index) where the target kept no draft the baseline kept, and the
+    layer where the hidden states first differ."""
+    assert report.speculative is not None and report.speculative.comparison is not None
+    c = report.speculative.comparison
+    text = (
+        f"speculative acceptance: target acceptance length {_length(c.target.acceptance_length)} vs baseline "
+        f"{_length(c.baseline.acceptance_length)} ({_signed(-(c.drop or 0.0))}, tolerance {_percent(c.tolerance)}) "
+        "over the "
+        f"steps both fed alike ({c.target.steps} vs {c.baseline.steps} verify steps"
+        + (f"; sequences {list(c.forked)} up to their decode fork" if c.forked else "")
+        + ")"
+    )
+    f = c.first
+    if f is not None:
+        what = "rejected a draft" if f.rejected else "proposed no draft where"
+        text += (
+            f"; first at sequence {f.sequence}, verify step {f.step} (position {f.position}, draft index "
+            f"{f.draft_index}): the target {what} the baseline accepted (its verify step {f.baseline_step}, "
+            f"draft index {f.baseline_draft_index})"
+        )
+    if c.layer is not None:
+        text += f"; the hidden states first differ at layer {c.layer}"
+    else:
+        text += "; the hidden states agree at every compared layer"
+    return text
+
+
+def _acceptance_tail(report: Report) -> str:
+    """``; speculative acceptance falls: target 1.15 vs baseline 1.88`` after another outcome's clause."""
+    sp = report.speculative
+    if sp is None or sp.passed or sp.comparison is None:
+        return ""
+    c = sp.comparison
+    return (
+        f"; speculative acceptance falls: target acceptance length {_length(c.target.acceptance_length)} vs "
+        f"baseline {_length(c.baseline.acceptance_length)}"
+    )
 
 
 def _fork(f: DecodeFork) -> str:

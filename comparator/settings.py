@@ -1,12 +1,14 @@
 """The comparator's environment variables: each ``DRIFTSCOPE_*`` variable it reads is read here.
 
-| variable                       | meaning                                                    |
-|--------------------------------|------------------------------------------------------------|
-| ``DRIFTSCOPE_DIFF_THRESHOLD``  | rel_diff threshold of a whole tensor (``--threshold``)     |
-| ``DRIFTSCOPE_TOKEN_THRESHOLD`` | per-token rel_diff threshold (``--token-threshold``)       |
-| ``DRIFTSCOPE_LOGPROB_<NAME>``  | logprob threshold ``<name>``, any metric of the table      |
-|                                | (:mod:`comparator.judging.logprob_metrics`: MSE, K3_MEAN,  |
-|                                | ...); ``off`` disables it (``--logprob-threshold``)        |
+| variable                            | meaning                                                    |
+|-------------------------------------|------------------------------------------------------------|
+| ``DRIFTSCOPE_DIFF_THRESHOLD``       | rel_diff threshold of a whole tensor (``--threshold``)     |
+| ``DRIFTSCOPE_TOKEN_THRESHOLD``      | per-token rel_diff threshold (``--token-threshold``)       |
+| ``DRIFTSCOPE_ACCEPTANCE_TOLERANCE`` | largest relative drop of a speculative target's acceptance |
+|                                     | length (``--acceptance-tolerance``)                        |
+| ``DRIFTSCOPE_LOGPROB_<NAME>``       | logprob threshold ``<name>``, any metric of the table      |
+|                                     | (:mod:`comparator.judging.logprob_metrics`: MSE, K3_MEAN,  |
+|                                     | ...); ``off`` disables it (``--logprob-threshold``)        |
 
 Flags win over these, and these over the built-in defaults (:class:`comparator.CompareConfig`).
 The variables the dumper reads too (``DRIFTSCOPE_DEBUG``, ``DRIFTSCOPE_JSON_MEMORY_MIB``,
@@ -32,6 +34,7 @@ class ComparatorSettings:
 
     diff_threshold: float | None = None
     token_threshold: float | None = None
+    acceptance_tolerance: float | None = None
     logprob_thresholds: dict[str, str] = field(default_factory=dict)
     """Raw ``DRIFTSCOPE_LOGPROB_<NAME>`` values by lower-case name (checked by the logprob thresholds,
     which know the metric names)."""
@@ -48,6 +51,7 @@ def comparator_settings(env: Mapping[str, str] | None = None) -> ComparatorSetti
     return ComparatorSettings(
         diff_threshold=_threshold(env, "DRIFTSCOPE_DIFF_THRESHOLD"),
         token_threshold=_threshold(env, "DRIFTSCOPE_TOKEN_THRESHOLD"),
+        acceptance_tolerance=_threshold(env, "DRIFTSCOPE_ACCEPTANCE_TOLERANCE"),
         logprob_thresholds={
             k[len(_LOGPROB) :].lower(): v.strip() for k, v in env.items() if k.startswith(_LOGPROB) and v.strip()
         },

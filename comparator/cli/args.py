@@ -2,7 +2,8 @@
 
 Each flag is defined once, here, and added by every subcommand that takes it:
 
-* :func:`threshold_flags`: ``--threshold``, ``--token-threshold`` (``comparator A B``, ``regress``);
+* :func:`threshold_flags`: ``--threshold``, ``--token-threshold``, ``--acceptance-tolerance`` (``comparator A B``,
+  ``regress``);
 * :func:`logprob_threshold_flags`: ``--logprob-threshold`` and, where thresholds come from the
   table, ``--model`` as a *threshold row* (``comparator A B``, ``comparator logprobs``, ``regress``);
 * :func:`noise_flags`: ``--noise``, ``--noise-factor``, ``--noise-floor``;
@@ -82,7 +83,8 @@ def _threshold_value(flag: str) -> Callable[[str], float]:
 
 
 def threshold_flags(p: argparse.ArgumentParser) -> None:
-    """``--threshold`` and ``--token-threshold``: the fixed rel_diff thresholds of the hidden-state comparison."""
+    """``--threshold`` and ``--token-threshold``: the fixed rel_diff thresholds of the hidden-state comparison;
+    ``--acceptance-tolerance``: how far a speculative target's acceptance length may fall below the baseline's."""
     p.add_argument(
         "--threshold",
         type=_threshold_value("--threshold"),
@@ -94,6 +96,14 @@ def threshold_flags(p: argparse.ArgumentParser) -> None:
         type=_threshold_value("--token-threshold"),
         default=None,
         help="per-token rel_diff threshold (default 1e-3, env DRIFTSCOPE_TOKEN_THRESHOLD)",
+    )
+    p.add_argument(
+        "--acceptance-tolerance",
+        type=_threshold_value("--acceptance-tolerance"),
+        default=None,
+        metavar="FRACTION",
+        help="two speculative decodes: fail when the target's acceptance length is below the baseline's by more "
+        "than this fraction of it, over the steps both fed alike (default 0.02, env DRIFTSCOPE_ACCEPTANCE_TOLERANCE)",
     )
 
 
@@ -206,6 +216,7 @@ def compare_config(args: argparse.Namespace) -> CompareConfig:
         model=getattr(args, "threshold_row", None),
         require_all=getattr(args, "require_all", False),
         allow_model_mismatch=args.allow_model_mismatch,
+        acceptance_tolerance=getattr(args, "acceptance_tolerance", None),
         **noise_args(args),
     )
 

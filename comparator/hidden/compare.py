@@ -55,6 +55,7 @@ from comparator.hidden.onset import rounding_floor
 from comparator.hidden.pipeline import in_order
 from comparator.hidden.replicas import ReplicaView, as_rank, check_replicas
 from comparator.hidden.sketch import HiddenReader, is_sketched, record_sketch_stats, sketch_readers, sketch_stats
+from comparator.hidden.speculative import draft_table, speculative_comparison, with_draft
 from comparator.hidden.subset import SUBSET_NOTE, relabel_sequences, subset_baseline
 from comparator.hidden.types import FirstDivergence, Report, TensorComparison
 from comparator.hidden.verdicts import has_logprobs, logprob_verdict, routing_verdict
@@ -265,7 +266,9 @@ def compare_dumps(
     )
     matched = set(plan.logical)
     views = [v for v in (*views_b, *views_t) if v.key in matched]  # ranks that differ: judged too
-    results, kept = _compare_all(plan, views, br, tr, config, decode, progress, token_sink, row_sink)
+    drafts = draft_table(bm, tm)  # a speculative side: per draft index, fed as the comparisons stream
+    rows = row_sink if drafts is None else _both_sinks(row_sink, drafts.add)
+    results, kept = _compare_all(plan, views, br, tr, config, decode, progress, token_sink, rows)
     kv = kv_verdict(bm.extra, tm.extra)
     if kv is not None and kv.fp8_side is not None and sketch is None:  # fp8 against auto: judged by fp8 rounding
         layout = (bm if kv.fp8_side == "baseline" else tm).extra["kv_cache"]
@@ -313,7 +316,21 @@ def compare_dumps(
         if decode is None
         else decode.summary(judge_forks(decode, base_logprobs, fork_noise(verdict, config))),
         kv_cache=kv,
+        speculative=None
+        if drafts is None
+        else speculative_comparison(drafts, bm, tm, verdict, decode, fd, config.acceptance_tolerance),
     )
+
+
+def _both_sinks(first: RowSink | None, second: RowSink) -> RowSink:
+    """One row sink calling ``first`` (if any), then ``second``."""
+
+    def sink(t: TensorComparison, token: np.ndarray, keys: RowKeys | None) -> None:
+        if first is not None:
+            first(t, token, keys)
+        second(t, token, keys)
+
+    return sink
 
 
 def _first_divergent(
@@ -324,7 +341,8 @@ def _first_divergent(
     tm: Manifest,
     decode: DecodePlan | None,
 ) -> FirstDivergence | None:
-    """The first divergence with its onset (under the dumps' rounding floor) and, in a decode comparison, its phase."""
+    """The first divergence with its onset (under the dumps' rounding floor) and, in a decode comparison, its phase
+    (and in a speculative one, its verify step and draft index)."""
     fd = locate_onset(
         first_divergence(results),
         results,
@@ -332,7 +350,7 @@ def _first_divergent(
         config,
         rounding_floor({r.dtype for m in (bm, tm) for r in m.tensors}),
     )
-    fd = with_phase(fd, bm, tm) if decode is not None else fd
+    fd = with_draft(with_phase(fd, bm, tm), bm, tm) if decode is not None else fd
     return with_cache_phase(fd, bm, tm)
 
 

@@ -47,6 +47,7 @@ from dumper.format.decode import (
     record_phase,
 )
 from dumper.format.points import CACHE_POINTS
+from dumper.format.speculative import SPECULATIVE_KEY, rejected_ranges
 
 if TYPE_CHECKING:
     from comparator.logprobs.sources.source import LogprobSource
@@ -197,9 +198,13 @@ def coverage_failures(m: Manifest, where: str) -> list[str]:
 
     A row is a decode row when its position is at or past its prompt's length (decode step
     ``position - len(prompt)``): engines that mix prefill and decode rows in one pass (vLLM) label
-    no record, and the rule is the same for every engine.
+    no record, and the rule is the same for every engine. In a speculative dump only kept rows count
+    (a rejected draft's row does not cover its position) and a verify pass's label is not checked
+    against its rows, which span its drafts: the rows are checked against ``extra.speculative.steps`` on load.
     """
     lengths, generated = prompt_lengths(m.extra) or [], generated_ids(m.extra) or []
+    rejected = rejected_ranges(m.extra)
+    speculative = m.extra.get(SPECULATIVE_KEY) is not None
     have: dict[tuple[str, int], set[int]] = defaultdict(set)  # (name, sequence) -> decode positions
     names: dict[int, set[str]] = defaultdict(set)
     wrong: list[str] = []
@@ -211,7 +216,10 @@ def coverage_failures(m: Manifest, where: str) -> list[str]:
         for s in np.unique(seq[(seq >= 0) & (seq < len(lengths))]).tolist():
             names[s].add(rec.name)
             at = pos[seq == s]
-            if phase == DECODE and step is not None and not np.all(at == lengths[s] + step):
+            cut = rejected.get((rec.forward_pass, s))
+            if cut is not None:
+                at = at[(at < cut[0]) | (at >= cut[1])]
+            if phase == DECODE and step is not None and not speculative and not np.all(at == lengths[s] + step):
                 wrong.append(
                     f"{where}: {rec.name} labels rows of sequence {s} at positions {sorted(set(at.tolist()))} "
                     f"decode step {step}, which feeds position {lengths[s] + step}"

@@ -248,6 +248,12 @@ class FirstDivergence:
     """Where the KV cache puts the fault, by data flow: ``cache`` (the layer's input agrees, its cache row differs:
     the cache write or read is wrong), ``upstream`` (the layer's input already differs, the cache follows it),
     ``unknown`` (a cache point fails and the layer's input was not captured); None: no cache point captured."""
+    verify_step: int | None = None
+    """In a decode row of a speculative dump: the index of the verify step that kept it in its sequence's
+    ``extra.speculative.steps`` (the target's when it is speculative, else the baseline's;
+    :mod:`comparator.hidden.speculative`)."""
+    draft_index: int | None = None
+    """... and its draft index in that step (0: the step's last accepted token, 1..k: the drafts it kept)."""
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -387,6 +393,10 @@ class Report:
     kv_cache: Any = None
     """Set when either side recorded the cache points (:class:`comparator.hidden.kv_cache.KvCacheVerdict`): each
     side's read-back check and, fp8 against auto, the per-layer table."""
+    speculative: Any = None
+    """Set when either side is a speculative decode
+    (:class:`comparator.hidden.speculative_types.SpeculativeComparison`): each speculative side's acceptance,
+    the per-draft-index table and, both sides speculative, the acceptance check."""
 
     @property
     def matched(self) -> int:
@@ -404,6 +414,7 @@ class Report:
             and (self.router is None or self.router.passed)
             and (self.decode is None or self.decode.passed)
             and (self.kv_cache is None or self.kv_cache.passed)
+            and (self.speculative is None or self.speculative.passed)
         )
 
     def __bool__(self) -> bool:
@@ -478,11 +489,13 @@ class Report:
             "sketch": self.sketch,
             "decode": self.decode.to_json() if self.decode is not None else None,
             "kv_cache": self.kv_cache.to_json() if self.kv_cache is not None else None,
+            "speculative": self.speculative.to_json() if self.speculative is not None else None,
         }
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Report:
         from comparator.hidden.kv_cache import KvCacheVerdict
+        from comparator.hidden.speculative_types import SpeculativeComparison
         from comparator.logprobs.types import LogprobVerdict
         from comparator.routing.types import RouterComparison
 
@@ -513,4 +526,5 @@ class Report:
             sketch=d.get("sketch"),
             decode=DecodeComparison.from_json(d["decode"]) if d.get("decode") else None,
             kv_cache=KvCacheVerdict.from_json(d["kv_cache"]) if d.get("kv_cache") else None,
+            speculative=SpeculativeComparison.from_json(d["speculative"]) if d.get("speculative") else None,
         )

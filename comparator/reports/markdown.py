@@ -23,6 +23,7 @@ from comparator.outcome import (
     Outcome,
     clause,
     describe_decode,
+    describe_speculative,
     reaches_output,
     sentence,
     status,
@@ -39,6 +40,7 @@ from comparator.reports.routing_table import (
     routing_summary,
     routing_title,
 )
+from comparator.reports.speculative_table import DRAFT_HEAD, draft_rows, draft_title
 from comparator.routing.types import RouterComparison
 from dumper.format import atomic_path
 
@@ -143,6 +145,17 @@ def to_markdown(report: Report) -> str:
         )
     lines.append(summary)
     lines += [line for n in describe_decode(report) for line in ("", _md(n))]  # steps compared, forks
+    lines += [line for n in describe_speculative(report) for line in ("", _md(n))]  # acceptance per side
+    if rows := draft_rows(report.speculative):
+        assert report.speculative is not None
+        lines += [
+            "",
+            f"{_md(draft_title(report.speculative))}:",
+            "",
+            "| " + " | ".join(_md(label) for label, _ in DRAFT_HEAD) + " |",
+            "|" + "|".join("---:" if kind == "num" else ":---" for _, kind in DRAFT_HEAD) + "|",
+            *("| " + " | ".join(_md(c) for c in cells) + " |" for cells in rows),
+        ]
     if report.router is not None:
         lines += ["", *_routing(report.router)]
     if report.logprobs is not None:

@@ -26,6 +26,7 @@ from comparator.reports.routing_table import (
     routing_summary,
     routing_title,
 )
+from comparator.reports.speculative_table import DRAFT_HEAD, draft_rows, draft_title
 from comparator.routing.types import RouterComparison
 from dumper.format.decode import DECODE, PREFILL
 
@@ -182,6 +183,13 @@ def render_report(report: Report, console: Console, *, tensors: bool = False) ->
     console.print(_layer_table(report))
     if tensors:
         _render_tensors(report, console)
+    if rows := draft_rows(report.speculative):
+        assert report.speculative is not None
+        drafts = Table(title=draft_title(report.speculative), title_justify="left")
+        _columns(drafts, DRAFT_HEAD, rows)
+        for cells in rows:
+            drafts.add_row(*map(Text, cells))
+        console.print(drafts)
     for side, names in (("baseline", report.unmatched_baseline), ("target", report.unmatched_target)):
         if names:
             shown = ", ".join(names[:5]) + (f", ... ({len(names) - 5} more)" if len(names) > 5 else "")

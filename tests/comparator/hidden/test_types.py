@@ -94,6 +94,7 @@ def test_types_import_only_the_core_and_the_leaves_below_them():
         "comparator.hidden.onset",
         "comparator.hidden.registry",
         "comparator.hidden.kv_cache",  # its verdict types: numpy and dumper.format at import (torch to judge fp8)
+        "comparator.hidden.speculative_types",  # a leaf: dumper.format.jsonfloat only
         "dumper.format",
     )
     tree = ast.parse(Path(types.__file__).read_text())
