@@ -15,7 +15,17 @@ from typing import Any
 
 import torch
 
-__all__ = ["patch_cpu_attention"]
+__all__ = ["patch_cpu_attention", "step_rows"]
+
+
+def step_rows(meta: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Of the step's real rows, from vLLM's attention metadata: each row's request, and per request the tokens of
+    earlier steps (``seq_len - query_len``) and its query length, and each row's offset in its request's query."""
+    starts, n = meta.query_start_loc, int(meta.num_actual_tokens)
+    query = starts[1:] - starts[:-1]
+    rows = torch.arange(n, device=starts.device)
+    request = torch.searchsorted(starts[1:], rows, right=True)
+    return request, meta.seq_lens - query, query, rows - starts[request]
 
 
 def patch_cpu_attention(module: Any, seed: dict[str, Any]) -> None:
@@ -41,10 +51,8 @@ def patch_cpu_attention(module: Any, seed: dict[str, Any]) -> None:
         out = forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
         if attn_metadata is None or extract_layer_index(layer.layer_name) != layer_index:  # warm-up; other layers
             return out
-        starts, n = attn_metadata.query_start_loc, int(attn_metadata.num_actual_tokens)
-        context = attn_metadata.seq_lens - (starts[1:] - starts[:-1])  # per request: tokens of earlier steps
-        request = torch.searchsorted(starts[1:], torch.arange(n, device=starts.device), right=True)
-        rows = out.view(out.shape[0], -1)[:n]
+        request, context, _, _ = step_rows(attn_metadata)
+        rows = out.view(out.shape[0], -1)[: request.shape[0]]
         rows += add * (context[request] > 0)[:, None].to(rows.dtype)
         return out
 

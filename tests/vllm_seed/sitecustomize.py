@@ -67,23 +67,6 @@ from typing import Any
 
 SEED_ENV = "DRIFTSCOPE_TEST_SEED"
 CONFIG_KEY = "test_seeded_bug"
-_KEYS = {
-    "layer",
-    "token",
-    "add",
-    "rank",
-    "tapped_only",
-    "die_after",
-    "chunk_layer",
-    "where",
-    "slow_dead",
-    "switches",
-    "kv_hit",
-    "kv_swap",
-    "kv_scale",
-    "spec_draft",
-    "spec_rollback",
-}
 _MAIN_KEYS = {
     "layer",
     "die_after",
@@ -96,6 +79,7 @@ _MAIN_KEYS = {
     "spec_rollback",
 }
 """A seed holds at least one of these (the others only modify them)."""
+_KEYS = _MAIN_KEYS | {"token", "add", "rank", "tapped_only", "where", "slow_dead"}
 SWITCH = "driftscope_test_switch"
 """The worker method (``LLM.collective_rpc(SWITCH, args=(where, add))``) that sets a ``switches`` seed's amount."""
 

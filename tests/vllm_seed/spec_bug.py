@@ -24,6 +24,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from chunk_bug import step_rows  # beside this file, on PYTHONPATH with it
 
 __all__ = ["patch_speculative"]
 
@@ -57,14 +58,9 @@ def _patch_draft(cls: Any, layer_index: int, add: float) -> None:
         out = forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
         if attn_metadata is None or extract_layer_index(layer.layer_name) != layer_index:  # warm-up; other layers
             return out
-        starts, n = attn_metadata.query_start_loc, int(attn_metadata.num_actual_tokens)
-        query_len = starts[1:] - starts[:-1]
-        context = attn_metadata.seq_lens - query_len  # per request: tokens of earlier steps
-        rows_at = torch.arange(n, device=starts.device)
-        request = torch.searchsorted(starts[1:], rows_at, right=True)
-        draft = rows_at - starts[request]  # each row's offset in its request's query: its draft index
+        request, context, query_len, draft = step_rows(attn_metadata)  # a row's offset in its query: its draft index
         hit = (context[request] > 0) & (query_len[request] > 1) & (draft >= 2)
-        rows = out.view(out.shape[0], -1)[:n]
+        rows = out.view(out.shape[0], -1)[: request.shape[0]]
         rows += add * hit[:, None].to(rows.dtype)
         return out
 
