@@ -190,7 +190,7 @@ def test_lengths_block_expands_around_one_and_two_blocks(base, tmp_path):
         (
             "attn_backend=flash",
             "error: --grid attn_backend: unknown key; --engine transformers sweeps chunk_size, "
-            "batch_size, new_tokens, lengths",
+            "batch_size, new_tokens, speculative, lengths",
         ),
         ("chunk_size=8,0", "error: --grid chunk_size=0: --chunk-size must be >= 1, got 0"),
     ],
