@@ -34,6 +34,7 @@ for a reader that asks for them. Checked on load (:func:`check_speculative_extra
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -94,13 +95,7 @@ def steps_of(extra: Mapping[str, Any]) -> list[list[Step]] | None:
 
 def step_at(steps: Sequence[Step], position: int) -> tuple[int, Step] | None:
     """(index, step) of the step whose kept rows hold ``position`` (None: a prompt position, or past the steps)."""
-    lo, hi = 0, len(steps)
-    while lo < hi:  # steps tile the kept positions in order: a bisection on their starts
-        mid = (lo + hi) // 2
-        if steps[mid].position <= position:
-            lo = mid + 1
-        else:
-            hi = mid
+    lo = bisect.bisect_right(steps, position, key=lambda st: st.position)  # steps tile the kept positions in order
     if lo == 0 or position >= steps[lo - 1].kept_end:
         return None
     return lo - 1, steps[lo - 1]

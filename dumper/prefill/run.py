@@ -108,7 +108,8 @@ class RunConfig:
         return next((v for k, v in reversed(self.engine_args) if k == key), default)
 
     def _check_speculative(self) -> None:
-        """``--speculative`` needs a decode of 2 tokens or more on an engine that records its verify passes."""
+        """``--speculative`` needs a decode of 2 tokens or more on an engine that records its verify passes (with
+        transformers: one prompt at a time, eager, no cache points); ``points`` are parsed."""
         setting = self.speculative.setting if self.speculative else ""
         if self.engine == "llama.cpp":
             raise UsageError(
@@ -130,6 +131,12 @@ class RunConfig:
                 f"--speculative {setting}: transformers' prompt lookup matches n-grams down to one token and takes "
                 "no min=; drop it (min= is vLLM's prompt_lookup_min)"
             )
+        if self.engine == "transformers" and set(self.points) & set(CACHE_POINTS):
+            raise UsageError(
+                f"--speculative {setting}: --points k_cache/v_cache are not recorded with "
+                "transformers' prompt lookup yet (it crops its cache after each verify pass, which the read-back "
+                "check does not follow)"
+            )
 
     def __post_init__(self) -> None:
         if self.chunk_size is not None and self.chunk_size < 1:
@@ -143,19 +150,13 @@ class RunConfig:
                 f"--new-tokens: engine {self.engine} records prompt passes only so far; the decode "
                 f"path is recorded with --engine {' or '.join(DECODE_ENGINES)} (docs/decode.md)"
             )
-        if self.speculative is not None:
-            self._check_speculative()
         if not 0 <= self.seed <= MAX_SEED:
             raise UsageError(f"--seed must be in 0..{MAX_SEED} (a torch.manual_seed int64), got {self.seed}")
         if self.padding_side not in ("left", "right"):
             raise UsageError(f"--padding-side must be left or right, got {self.padding_side!r}")
         object.__setattr__(self, "points", parse_points(self.points))
-        if self.speculative is not None and self.engine == "transformers" and set(self.points) & set(CACHE_POINTS):
-            raise UsageError(
-                f"--speculative {self.speculative.setting}: --points k_cache/v_cache are not recorded with "
-                "transformers' prompt lookup yet (it crops its cache after each verify pass, which the read-back "
-                "check does not follow)"
-            )
+        if self.speculative is not None:
+            self._check_speculative()
         allowed = ENGINE_POINTS.get(self.engine, (ATTN_INPUT,))
         if self.engine == "llama.cpp" and set(self.points) & set(CACHE_POINTS):
             raise UsageError(
