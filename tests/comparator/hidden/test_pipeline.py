@@ -24,12 +24,17 @@ PROMPTS = (
 
 def test_results_come_in_job_order_with_bounded_concurrency():
     lock, running, peak = threading.Lock(), [0], [0]
+    together: list[threading.Barrier] = []
 
     def job(i: int):
         def run(kernel_threads: int) -> tuple[int, int]:
             with lock:
                 running[0] += 1
                 peak[0] = max(peak[0], running[0])
+            if i < together[0].parties:  # the first jobs wait for each other, so they overlap however slowly a
+                together[0].wait(
+                    timeout=30
+                )  # busy machine starts their threads (not, it fails: they never ran at once)
             time.sleep(0.002 * (7 - i % 7))  # early jobs finish last
             with lock:
                 running[0] -= 1
@@ -39,11 +44,13 @@ def test_results_come_in_job_order_with_bounded_concurrency():
 
     for threads in (1, 2, 3):
         peak[0] = 0
+        together[:] = [threading.Barrier(threads)]
         out = list(in_order([job(i) for i in range(10)], threads))
         assert [i for i, _ in out] == list(range(10))
         # one kernel thread per job while others run; the last (or a lone job) gets them all
         assert [k for _, k in out] == ([1] * 9 + [threads] if threads > 1 else [1] * 10)
         assert peak[0] == threads
+    together[:] = [threading.Barrier(1)]
     assert list(in_order([job(0)], 3)) == [(0, 3)]
 
 

@@ -13,6 +13,7 @@ import re
 import shutil
 import time
 from dataclasses import replace
+from datetime import datetime
 
 import matplotlib.image
 import numpy as np
@@ -24,6 +25,7 @@ from rich.console import Console
 from comparator import compare_dumps
 from comparator.hidden.heatmap import BEFORE, WINDOW
 from comparator.hidden.types import Report
+from comparator.reports import html as html_module
 from comparator.reports import plots
 from comparator.reports.files import json_text, write_parquet
 from comparator.reports.html import render_html, write_html
@@ -243,8 +245,18 @@ def _parse(argv):
     return p.parse_args(argv)
 
 
-def test_cli_helpers_write_every_output(report, dumps, tmp_path):
+class _FixedClock(datetime):
+    """``datetime`` whose ``now`` is one instant: a page rendered twice carries the same stamp, whatever minute the
+    second rendering falls in."""
+
+    @classmethod
+    def now(cls, tz=None):
+        return datetime(2026, 1, 1, 12, 0, tzinfo=tz)
+
+
+def test_cli_helpers_write_every_output(report, dumps, tmp_path, monkeypatch):
     base, bad, _ = dumps
+    monkeypatch.setattr(html_module, "datetime", _FixedClock)
     args = _parse(
         [
             str(base),
