@@ -21,6 +21,7 @@ from dumper.cli.common import (
     quiet_flag,
     split_debug,
 )
+from dumper.cli.drill import add_drill, cmd_drill
 from dumper.cli.flags import MODEL_HELP, baseline_flag, model_flag, model_setting_flags
 from dumper.cli.run import add_run, cmd_run
 from dumper.cli.sweep import add_sweep, cmd_sweep
@@ -77,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     accepts exactly the command lines :func:`main` runs."""
     p = _DumperParser(prog="python -m dumper", description="Capture hidden states of a model into a dump directory.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
-    for add in (add_run, _add_selfcheck, _add_replay, add_sweep, add_collect, _add_ls):
+    for add in (add_run, _add_selfcheck, _add_replay, add_drill, add_sweep, add_collect, _add_ls):
         add(sub)
     return p
 
@@ -297,6 +298,8 @@ def run(argv: Sequence[str] | None = None) -> int:
         return _cmd_selfcheck(args)
     if args.command == "replay":
         return _cmd_replay(args)
+    if args.command == "drill":
+        return cmd_drill(args)
     if args.command == "sweep":
         return cmd_sweep(args)
     if args.command == "collect":

@@ -1,0 +1,298 @@
+"""Drill: one half of one decoder layer of the engine under test, run on the baseline's input, op by op.
+
+The comparison names the layer, the half (attention or MLP) and the token; the drill names the op.
+The engine's own module for that half (vLLM's layer in its worker, eager, with its custom ops; or
+transformers' module) runs on the baseline's recorded input rows of one sequence, so whatever error
+came from upstream is gone and only this half's own error remains. Under a dispatch mode every op
+it dispatches is recorded in order and judged against its own float64 reference, relative to the
+rounding its dtype predicts (:mod:`dumper.hooks.drill`); the first op far beyond its rounding is
+named, and ``repro`` writes a standalone repro of it.
+
+Example::
+
+    from dumper.jobs.drill import DrillConfig, drill
+    log = drill(DrillConfig(baseline="dumps/base", out="drills/b", model="ckpt/", engine="vllm",
+                            dtype="bfloat16", from_report="report.json", repro="repro/"))
+    print(log.summary())
+    # layer 2 MLP: _C.silu_and_mul (model.layers.2.mlp.act_fn, [41, 3072] ...) is 340x its rounding at token 20; ...
+
+The baseline needs the half's input point of whole prefills: ``input`` for the attention half,
+``mlp_input`` for the MLP half (``--points input,attn_output,mlp_input,mlp_output``); with the
+output point too, the log's ``half_check`` says how far the drilled half's output is from the
+baseline's (what the half adds by itself, as ``replay --split`` measures it).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from dumper.errors import ModelError, NotComparableError, UsageError, error_reason
+from dumper.format import DumpReader, Manifest, load_manifest
+from dumper.format.drill import HALF_NAMES, DrillLog, load_drill
+from dumper.format.points import ATTN_OUTPUT, INPUT, MLP_INPUT, MLP_OUTPUT
+from dumper.hooks.drill.record import DEFAULT_FACTOR, OpRecorder, write_log
+from dumper.hooks.drill.repro import write_repro
+from dumper.jobs.replay import point_plan, sequence_lengths, sequence_rows
+from dumper.progress import ProgressFn
+
+__all__ = ["DrillConfig", "DrillTarget", "drill", "target_of_report", "ENGINES", "HALF_POINTS"]
+
+ENGINES = ("transformers", "vllm", "llama.cpp")
+HALF_POINTS = {"attn": (INPUT, ATTN_OUTPUT), "mlp": (MLP_INPUT, MLP_OUTPUT)}
+"""Each half: the baseline point holding its input and the one holding its output."""
+_POINTS_FLAG = "--points input,attn_output,mlp_input,mlp_output"
+_LLAMA_CPP = (
+    "drill --engine llama.cpp: llama.cpp computes its graph in ggml's C code, which llama-cpp-python does not "
+    "let a caller feed one layer's input or dispatch op by op; drill the same checkpoint with --engine vllm or "
+    "transformers"
+)
+
+
+@dataclass(frozen=True)
+class DrillTarget:
+    """Which half of which layer to drill, on which sequence, and the positions whose rows the log keeps."""
+
+    layer: int
+    half: str
+    sequence: int | None = None
+    tokens: tuple[int, ...] = ()
+    token: int | None = None
+    """The token the comparison named (kept in the log's header; the drill judges every row)."""
+
+
+@dataclass(frozen=True)
+class DrillConfig:
+    """What ``python -m dumper drill`` does."""
+
+    baseline: str
+    out: str
+    model: str = "tiny-llama"
+    engine: str = "transformers"
+    dtype: str = "float32"
+    attn: str = "eager"
+    device: str = "cpu"
+    seed: int = 0
+    layer: int | None = None
+    half: str | None = None
+    from_report: str | None = None
+    sequence: int | None = None
+    tokens: tuple[int, ...] = ()
+    factor: float = DEFAULT_FACTOR
+    repro: str | None = None
+    engine_args: tuple[tuple[str, str], ...] = ()
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise UsageError(f"drill --engine {self.engine}: choose one of {', '.join(ENGINES)}")
+        if self.engine == "llama.cpp":
+            raise UsageError(_LLAMA_CPP)
+        if (self.from_report is None) == (self.layer is None or self.half is None):
+            raise UsageError("drill: give --from-report REPORT.json, or --layer L with --half attn|mlp (not both)")
+        if self.half is not None and self.half not in HALF_POINTS:
+            raise UsageError(f"drill --half {self.half}: choose attn or mlp")
+        if self.layer is not None and self.layer < 0:
+            raise UsageError(f"drill --layer {self.layer}: a layer index is >= 0")
+        if not (math.isfinite(self.factor) and self.factor > 0):
+            raise UsageError(f"drill --factor {self.factor}: a positive number")
+
+
+def target_of_report(report: str | Path, manifest: Manifest) -> DrillTarget:
+    """The half a comparison report's first divergent tensor belongs to: ``attn_output`` -> the attention half,
+    ``mlp_output`` -> the MLP half; refused in one line for a point between the halves (or no divergence)."""
+    path = Path(report)
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise UsageError(f"{path}: not a comparison report ({error_reason(e)})") from None
+    fd = raw.get("first_divergent") if isinstance(raw, dict) else None
+    if not isinstance(fd, dict):
+        raise UsageError(f"{path}: the report names no divergence (first_divergent is empty): nothing to drill")
+    name, layer = fd.get("name"), fd.get("layer")
+    if not isinstance(name, str) or type(layer) is not int:
+        raise UsageError(f"{path}: first_divergent has no tensor name and layer")
+    point = next((r.point for r in manifest.tensors if r.name == name), None)
+    half = {ATTN_OUTPUT: "attn", MLP_OUTPUT: "mlp"}.get(point or "")
+    if half is None:
+        raise UsageError(
+            f"{path}: the first divergent tensor {name} is the {point or 'unknown'} point, not a half's output "
+            "(attn_output, mlp_output): compare dumps with the sub-layer points "
+            f"({_POINTS_FLAG}), or drill --layer {layer} --half attn|mlp"
+        )
+    seq, token = fd.get("sequence"), fd.get("token")
+    return DrillTarget(
+        layer,
+        half,
+        sequence=seq if type(seq) is int else None,
+        token=token if type(token) is int else None,
+    )
+
+
+def _target(cfg: DrillConfig, manifest: Manifest) -> DrillTarget:
+    if cfg.from_report is not None:
+        t = target_of_report(cfg.from_report, manifest)
+        return replace(t, sequence=cfg.sequence if cfg.sequence is not None else t.sequence, tokens=cfg.tokens)
+    assert cfg.layer is not None and cfg.half is not None
+    return DrillTarget(cfg.layer, cfg.half, sequence=cfg.sequence, tokens=cfg.tokens)
+
+
+def baseline_rows(baseline: str | Path, target: DrillTarget) -> tuple[int, torch.Tensor, torch.Tensor | None, str]:
+    """The drilled sequence, its baseline input rows of the half [n, d], its output rows (None: not recorded) and the
+    output tensor's name; refused in one line when the baseline lacks the half's input of a whole prefill."""
+    where = str(baseline)
+    manifest = load_manifest(baseline)
+    reader = DumpReader(baseline, manifest)
+    point_in, point_out = HALF_POINTS[target.half]
+    plan = point_plan(manifest, where, point_in, _POINTS_FLAG)
+    if target.layer not in plan:
+        raise UsageError(f"{where}: holds no {point_in} point of layer {target.layer} (layers {sorted(plan)})")
+    name, recs = plan[target.layer]
+    lengths = sequence_lengths(where, name, recs)
+    seq = target.sequence if target.sequence is not None else min(lengths)
+    if seq not in lengths:
+        raise UsageError(f"{where}: holds no sequence {seq} at {name} (sequences {sorted(lengths)})")
+    rows = sequence_rows(reader, name, recs)[seq]
+    out_rows, out_name = None, ""
+    try:
+        out_plan = point_plan(manifest, where, point_out, _POINTS_FLAG)
+    except (UsageError, NotComparableError):
+        out_plan = {}
+    if target.layer in out_plan:
+        out_name, out_recs = out_plan[target.layer]
+        out_rows = sequence_rows(reader, out_name, out_recs).get(seq)
+    return seq, rows, out_rows, out_name
+
+
+def _token_ids(manifest: Manifest, seq: int, n: int) -> list[int]:
+    """The tokens of sequence ``seq``'s first ``n`` positions, as the baseline ran them (prompt, then what it fed
+    back); zeros where the manifest does not list them (the half's input is the baseline's rows either way)."""
+    prompts = manifest.extra.get("input_ids") or []
+    generated = manifest.extra.get("generated_ids") or []
+    ids: list[int] = []
+    if 0 <= seq < len(prompts):
+        ids = list(prompts[seq]) + (list(generated[seq]) if seq < len(generated) and generated[seq] else [])
+    ids = [int(i) for i in ids[:n]]
+    return ids + [0] * (n - len(ids))
+
+
+def _half_check(y: torch.Tensor, base_out: torch.Tensor | None, name: str) -> dict[str, Any] | None:
+    """How far the drilled half's output is from the baseline's output of that half (rel_diff, whole and per token)."""
+    if base_out is None:
+        return None
+    from comparator import pair_stats
+
+    a = base_out.to(torch.float64).reshape(base_out.shape[0], -1).numpy()
+    b = y.detach().to("cpu", torch.float64).reshape(a.shape[0], -1).numpy()
+    if a.shape != b.shape:
+        return {"point": name, "note": f"shapes differ: baseline {list(a.shape)}, drill {list(b.shape)}"}
+    stats = pair_stats(np.ascontiguousarray(a), np.ascontiguousarray(b), "F64")
+    per = np.asarray(stats.token_rel_diff, dtype=np.float64)
+    worst = int(np.argmax(np.nan_to_num(per, nan=np.inf))) if per.size else None
+    return {
+        "point": name,
+        "rel_diff": _finite(stats.rel_diff),
+        "worst_token": worst,
+        "worst": _finite(float(per[worst])) if worst is not None else None,
+    }
+
+
+def _finite(v: float) -> float | str:
+    return v if math.isfinite(v) else "inf"
+
+
+def _run_transformers(
+    cfg: DrillConfig, target: DrillTarget, x: torch.Tensor, recorder_for: Any
+) -> tuple[OpRecorder, torch.Tensor, dict[str, Any]]:
+    """transformers' own module of the half on ``x`` [n, d] (attention with a prefill's positions, mask, rotary)."""
+    from dumper.hooks.families import family_for
+    from dumper.hooks.layers import find_decoder_layers, named_child
+    from dumper.jobs.replay import layer_kwargs
+    from dumper.prefill.presets import load_model, model_label
+
+    model, _ = load_model(cfg.model, dtype=cfg.dtype, attn=cfg.attn, device=cfg.device, seed=cfg.seed)
+    family = family_for(model)
+    stack_name, layers = find_decoder_layers(model, family.attention_names)
+    if target.layer >= len(layers):
+        raise UsageError(f"drill --layer {target.layer}: {model_label(model)} has {len(layers)} decoder layers")
+    names = family.attention_names if target.half == "attn" else family.mlp_names
+    child = named_child(layers[target.layer], names)
+    if child is None:
+        raise UsageError(f"drill: layer {target.layer} of {model_label(model)} has no {HALF_NAMES[target.half]} child")
+    path = f"{stack_name}.{target.layer}.{child[0]}"
+    module = child[1]
+    param = next(model.parameters())
+    hidden = x.to(param.device, param.dtype)[None]  # [1, n, d]
+    stack = _stack_of(model, stack_name)
+    kwargs = layer_kwargs(stack, target.layer, hidden) if target.half == "attn" else {}
+    rec = recorder_for(path)
+    try:
+        with torch.inference_mode(), rec.watch(module, path), rec:
+            y = module(hidden_states=hidden, **kwargs) if target.half == "attn" else module(hidden)
+    except Exception as e:  # noqa: BLE001 - the model's own code
+        raise ModelError(f"{model_label(model)}: {path} failed on the baseline's rows ({error_reason(e)})") from e
+    y = y[0] if isinstance(y, tuple) else y
+    import transformers
+
+    info = {"engine": "transformers", "engine_version": transformers.__version__, "module": path}
+    return rec, y.reshape(-1, y.shape[-1]), info
+
+
+def _stack_of(model: torch.nn.Module, stack_name: str) -> torch.nn.Module:
+    """The module holding the decoder layer list (``model.model`` for ``model.layers``)."""
+    owner = stack_name.rsplit(".", 1)[0] if "." in stack_name else ""
+    return model.get_submodule(owner) if owner else model
+
+
+def drill(cfg: DrillConfig, *, progress: ProgressFn | None = None) -> DrillLog:
+    """Run ``cfg``'s drill, write its log to ``cfg.out`` (and the repro to ``cfg.repro``), and return the log."""
+    manifest = load_manifest(cfg.baseline)
+    target = _target(cfg, manifest)
+    seq, x, base_out, out_name = baseline_rows(cfg.baseline, target)
+    n = int(x.shape[0])
+    tokens = list(target.tokens) or list(range(n))
+    bad = [t for t in tokens if not 0 <= t < n]
+    if bad:
+        raise UsageError(f"drill --tokens {bad}: sequence {seq} of {cfg.baseline} has positions 0..{n - 1}")
+    state: dict[str, Any] = {}
+
+    def recorder_for(path: str) -> OpRecorder:
+        return OpRecorder(half_path=path, positions=list(range(n)), tokens=tokens, factor=cfg.factor, state=state)
+
+    if cfg.engine == "vllm":
+        from dumper.engines.vllm.drill import run_half
+
+        rec, y, info = run_half(cfg, target.layer, target.half, x, _token_ids(manifest, seq, n), recorder_for, state)
+    else:
+        rec, y, info = _run_transformers(cfg, target, x, recorder_for)
+    if not rec.entries:
+        raise ModelError(f"drill: {info.get('module')} dispatched no op on the baseline's rows")
+    header = {
+        **info,
+        "model": cfg.model,
+        "dtype": cfg.dtype,
+        "device": cfg.device,
+        "layer": target.layer,
+        "half": target.half,
+        "sequence": seq,
+        "positions": n,
+        "token": target.token,
+        "baseline": str(cfg.baseline),
+        "torch_version": torch.__version__,
+        "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "half_check": _half_check(y, base_out, out_name),
+        "first_beyond": None if rec.first is None else rec.first.entry.index,
+    }
+    write_log(cfg.out, header, rec)
+    if cfg.repro is not None and rec.first is not None:
+        write_repro(rec.first, cfg.repro, factor=cfg.factor, state=state)
+    if progress is not None:
+        progress(1, 1)
+    return load_drill(cfg.out)
