@@ -42,6 +42,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("comparator.logprobs", ("comparator.logprobs.*",)),
     ("comparator.routing", ("comparator.routing.*",)),
     ("comparator.hidden", ("comparator.hidden.*",)),
+    ("comparator.drill", ("comparator.drill.*",)),
     ("comparator.noise", ("comparator.noise.*",)),
     (
         "comparator.results",

@@ -3,7 +3,8 @@
 Subcommands, named by the first argument (:mod:`comparator.cli.parser`; ``--help`` lists them):
 ``logprobs``, ``collect`` (prompt logprobs from a live server, :mod:`comparator.logprobs.sources.collect`),
 ``calibrate`` and ``import-sglang`` here, ``regress`` and ``store`` (golden baselines in a run store,
-:mod:`comparator.cli.store`), ``bisect`` (which build broke it, :mod:`comparator.cli.bisect`).
+:mod:`comparator.cli.store`), ``bisect`` (which build broke it, :mod:`comparator.cli.bisect`), ``drill``
+(two builds' drill logs op by op, :mod:`comparator.cli.drill`).
 :func:`build_parser` parses every command line of them all.
 
 Exit codes: 0 every matched tensor passed; 1 divergence; 2 unusable input (bad arguments,
@@ -39,6 +40,7 @@ from comparator.cli.args import (
 from comparator.cli.args import stdout_console as _console
 from comparator.cli.args import write_output as _write
 from comparator.cli.bisect import build_bisect_parser, cmd_bisect, git_bisect_exit, git_skip
+from comparator.cli.drill import build_drill_parser, cmd_drill
 from comparator.cli.parser import CommandParser, add_command
 from comparator.cli.store import build_regress_parser, build_store_parser
 from comparator.config import CompareConfig
@@ -152,6 +154,7 @@ def build_parser() -> CommandParser:
         build_bisect_parser,
         build_calibrate_parser,
         build_collect_parser,
+        build_drill_parser,
         build_import_sglang_parser,
         build_logprobs_parser,
         build_regress_parser,
@@ -338,6 +341,7 @@ COMMANDS = {
     "bisect": cmd_bisect,
     "calibrate": cmd_calibrate,
     "collect": cmd_collect,
+    "drill": cmd_drill,
     "logprobs": cmd_logprobs,
     "regress": cmd_regress,
     "store": cmd_store,

@@ -26,7 +26,7 @@ from dumper.cli.main import build_parser as build_dumper_parser
 from dumper.errors import UsageError
 from tests.conftest import run_cli, subprocess_env
 
-COMMANDS = ["bisect", "calibrate", "collect", "import-sglang", "logprobs", "regress", "store"]
+COMMANDS = ["bisect", "calibrate", "collect", "drill", "import-sglang", "logprobs", "regress", "store"]
 STORE_COMMANDS = ["ls", "show", "promote", "prune"]
 
 
@@ -140,7 +140,7 @@ def test_an_unknown_command_is_one_line(dumps, tmp_path, word, hint):
         _one_line_error(
             r,
             f"python -m comparator: {word!r} is neither a command (bisect, calibrate, collect, "
-            "import-sglang, logprobs, regress, store) nor an existing dump directory",
+            "drill, import-sglang, logprobs, regress, store) nor an existing dump directory",
             *([hint] if hint else []),
         )
     _one_line_error(
