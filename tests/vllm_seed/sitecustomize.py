@@ -30,6 +30,10 @@ never imported by this file). Keys (each optional, but one of ``layer``/``chunk_
                                later of every verify pass (``spec_bug.py``)
     {"spec_rollback": L}       layer L does not rewrite a KV slot the step before wrote: a rejected draft's key
                                and value stay in the cache for the token the target chose there
+    {"op_silu": [L, N, T]}     layer L's SiluAndMul calls vLLM's ``_C.silu_and_mul`` kernel, replaced by one wrong at
+                               row T of a call with exactly N rows (``drill_bug.py``: an op wrong inside the op)
+    {"op_rope": P}             vLLM's ``_C.rotary_embedding`` kernel, replaced by one that rotates position P by
+                               position P+1's angles
     {"die_after": N}           the model runner SIGKILLs its own process right after its N-th engine
                                step that holds a request marked for driftscope's capture ("rank" too),
                                saying so on stdout (driftscope holds the engine's stderr, and drops it
@@ -77,6 +81,8 @@ _MAIN_KEYS = {
     "kv_scale",
     "spec_draft",
     "spec_rollback",
+    "op_silu",
+    "op_rope",
 }
 """A seed holds at least one of these (the others only modify them)."""
 _KEYS = _MAIN_KEYS | {"token", "add", "rank", "tapped_only", "where", "slow_dead"}
@@ -338,6 +344,12 @@ def _seed_patches(raw: str, patches: dict[str, Callable[[Any], None]]) -> None:
         from spec_bug import patch_speculative  # beside this file, on PYTHONPATH with it
 
         patches["vllm.v1.attention.backends.cpu_attn"] = lambda m: patch_speculative(m, seed)
+    if seed.keys() & {"op_silu", "op_rope"}:
+        from drill_bug import patch_ops, patch_silu_layer  # beside this file, on PYTHONPATH with it
+
+        patches["vllm._custom_ops"] = lambda m: patch_ops(m, seed)
+        if "op_silu" in seed:
+            patches["vllm.model_executor.models.llama"] = lambda m: patch_silu_layer(m, seed)
     if "die_after" in seed:
         patches["vllm.v1.worker.gpu_model_runner"] = lambda m: _patch_runner(m, seed)
     if "slow_dead" in seed:  # after the engine-start log's patch of the same module
