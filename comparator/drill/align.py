@@ -62,6 +62,11 @@ def _by_path(ops: Sequence[OpEntry]) -> dict[str, list[OpEntry]]:
     return out
 
 
+def _holds(op: OpEntry) -> bool:
+    """Whether the log keeps anything of ``op``'s output (a view or memory not yet written: nothing to compare)."""
+    return op.rows is not None or op.hash is not None
+
+
 def _last(ops: Sequence[OpEntry], keep: Callable[[OpEntry], bool]) -> OpEntry | None:
     return next((o for o in reversed(ops) if keep(o)), None)
 
@@ -84,7 +89,8 @@ def align_ops(ops_a: Sequence[OpEntry], ops_b: Sequence[OpEntry]) -> list[PathPl
         if not a or not b:
             plans.append(PathPlan(path, a, b, Pairing.NONE, ()))
         elif [o.op for o in a] == [o.op for o in b]:
-            plans.append(PathPlan(path, a, b, Pairing.SLOTS, tuple(zip(a, b))))
+            pairs = tuple((x, y) for x, y in zip(a, b, strict=True) if _holds(x) or _holds(y))
+            plans.append(PathPlan(path, a, b, Pairing.SLOTS, pairs))
         else:
             pair = _output_pair(a, b)
             plans.append(

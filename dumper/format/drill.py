@@ -110,6 +110,8 @@ class OpEntry:
     """The position of the row with ``ratio`` (None: no token dimension)."""
     size: int = 1
     """The reduction length the rounding model used (a GEMM's K, an attention's keys; 1: elementwise)."""
+    writes: tuple[int, ...] = ()
+    """Which of ``inputs`` the op writes (an out-variant kernel's ``out``, an in-place op's ``self``)."""
 
     @property
     def judged(self) -> bool:
@@ -131,6 +133,7 @@ class OpEntry:
             "ratio": _json_float(self.ratio),
             "ratio_token": self.ratio_token,
             "size": self.size,
+            "writes": list(self.writes),
         }
 
     @classmethod
@@ -146,7 +149,8 @@ class OpEntry:
 
 def describe_op(op: OpEntry) -> str:
     """``aten.mm (model.layers.2.mlp.down_proj, [41, 1536] x [1536, 576], bfloat16)``: the op, where, on what."""
-    shapes = " x ".join(str(a) for a in op.inputs if isinstance(a, TensorMeta) and a.shape) or "no tensors"
+    read = [a for i, a in enumerate(op.inputs) if isinstance(a, TensorMeta) and a.shape and i not in op.writes]
+    shapes = " x ".join(map(str, read)) or "no tensors"
     dtype = op.outputs[0].dtype if op.outputs else "-"
     return f"{op.short_name} ({op.path}, {shapes}, {dtype})"
 
@@ -297,6 +301,9 @@ def _entry(path: Path, i: int, raw: Any, keys: dict[str, tuple[int, ...]] | None
     size = raw.get("size", 1)
     if not _int(size) or size < 1:
         raise _bad(path, f"{where}.size {size!r} is not a reduction length")
+    writes = raw.get("writes", [])
+    if not isinstance(writes, list) or not all(_int(w) and 0 <= w < len(inputs) for w in writes):
+        raise _bad(path, f"{where}.writes {writes!r} is not a list of input indices")
     digest = raw["hash"]
     if digest is not None and not isinstance(digest, str):
         raise _bad(path, f"{where}.hash is not a string")
@@ -315,6 +322,7 @@ def _entry(path: Path, i: int, raw: Any, keys: dict[str, tuple[int, ...]] | None
         ratio=ratio,
         ratio_token=token,
         size=size,
+        writes=tuple(writes),
     )
 
 

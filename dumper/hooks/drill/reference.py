@@ -102,8 +102,8 @@ def _abs(x: Any) -> Any:
 
 
 def returned_tensors(func: Any, result: Any) -> list[torch.Tensor]:
-    """The tensors an op returns that are not aliases of its inputs (an in-place op returns what it wrote)."""
-    if any(r.alias_info is not None for r in func._schema.returns):
+    """The tensors an op returns, except what an in-place or out= op returns (the argument it wrote, listed already)."""
+    if any(r.alias_info is not None and r.alias_info.is_write for r in func._schema.returns):
         return []
     return [t for t in pytree.tree_leaves(result) if isinstance(t, torch.Tensor)]
 
