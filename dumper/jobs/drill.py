@@ -27,6 +27,7 @@ from __future__ import annotations
 import datetime
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -43,7 +44,16 @@ from dumper.hooks.drill.repro import write_repro
 from dumper.jobs.replay import point_plan, sequence_lengths, sequence_rows
 from dumper.progress import ProgressFn
 
-__all__ = ["DrillConfig", "DrillTarget", "drill", "target_of_report", "ENGINES", "HALF_POINTS"]
+__all__ = [
+    "DrillConfig",
+    "DrillTarget",
+    "drill",
+    "drill_halves",
+    "baseline_rows",
+    "target_of_report",
+    "ENGINES",
+    "HALF_POINTS",
+]
 
 ENGINES = ("transformers", "vllm", "llama.cpp")
 HALF_POINTS = {"attn": (INPUT, ATTN_OUTPUT), "mlp": (MLP_INPUT, MLP_OUTPUT)}
@@ -209,9 +219,12 @@ def _finite(v: float) -> float | str:
 
 
 def _run_transformers(
-    cfg: DrillConfig, target: DrillTarget, x: torch.Tensor, recorder_for: Any
-) -> tuple[OpRecorder, torch.Tensor, dict[str, Any]]:
-    """transformers' own module of the half on ``x`` [n, d] (attention with a prefill's positions, mask, rotary)."""
+    cfg: DrillConfig, halves: list[tuple[int, str, torch.Tensor]], recorder_for: Any
+) -> list[tuple[OpRecorder, torch.Tensor, dict[str, Any]]]:
+    """transformers' own module of each half ``(layer, half, x)`` on ``x`` [n, d] (attention with a prefill's
+    positions, mask and rotary embeddings), one model loaded for all of them."""
+    import transformers
+
     from dumper.hooks.families import family_for
     from dumper.hooks.layers import find_decoder_layers, named_child
     from dumper.jobs.replay import layer_kwargs
@@ -220,29 +233,28 @@ def _run_transformers(
     model, _ = load_model(cfg.model, dtype=cfg.dtype, attn=cfg.attn, device=cfg.device, seed=cfg.seed)
     family = family_for(model)
     stack_name, layers = find_decoder_layers(model, family.attention_names)
-    if target.layer >= len(layers):
-        raise UsageError(f"drill --layer {target.layer}: {model_label(model)} has {len(layers)} decoder layers")
-    names = family.attention_names if target.half == "attn" else family.mlp_names
-    child = named_child(layers[target.layer], names)
-    if child is None:
-        raise UsageError(f"drill: layer {target.layer} of {model_label(model)} has no {HALF_NAMES[target.half]} child")
-    path = f"{stack_name}.{target.layer}.{child[0]}"
-    module = child[1]
-    param = next(model.parameters())
-    hidden = x.to(param.device, param.dtype)[None]  # [1, n, d]
     stack = _stack_of(model, stack_name)
-    kwargs = layer_kwargs(stack, target.layer, hidden) if target.half == "attn" else {}
-    rec = recorder_for(path)
-    try:
-        with torch.inference_mode(), rec.watch(module, path), rec:
-            y = module(hidden_states=hidden, **kwargs) if target.half == "attn" else module(hidden)
-    except Exception as e:  # noqa: BLE001 - the model's own code
-        raise ModelError(f"{model_label(model)}: {path} failed on the baseline's rows ({error_reason(e)})") from e
-    y = y[0] if isinstance(y, tuple) else y
-    import transformers
-
-    info = {"engine": "transformers", "engine_version": transformers.__version__, "module": path}
-    return rec, y.reshape(-1, y.shape[-1]), info
+    param = next(model.parameters())
+    out = []
+    for layer, half, x in halves:
+        if layer >= len(layers):
+            raise UsageError(f"drill --layer {layer}: {model_label(model)} has {len(layers)} decoder layers")
+        child = named_child(layers[layer], family.attention_names if half == "attn" else family.mlp_names)
+        if child is None:
+            raise UsageError(f"drill: layer {layer} of {model_label(model)} has no {HALF_NAMES[half]} child")
+        path, module = f"{stack_name}.{layer}.{child[0]}", child[1]
+        hidden = x.to(param.device, param.dtype)[None]  # [1, n, d]
+        kwargs = layer_kwargs(stack, layer, hidden) if half == "attn" else {}
+        rec = recorder_for(path)
+        try:
+            with torch.inference_mode(), rec.watch(module, path), rec:
+                y = module(hidden_states=hidden, **kwargs) if half == "attn" else module(hidden)
+        except Exception as e:  # noqa: BLE001 - the model's own code
+            raise ModelError(f"{model_label(model)}: {path} failed on the baseline's rows ({error_reason(e)})") from e
+        y = y[0] if isinstance(y, tuple) else y
+        info = {"engine": "transformers", "engine_version": transformers.__version__, "module": path}
+        out.append((rec, y.reshape(-1, y.shape[-1]), info))
+    return out
 
 
 def _stack_of(model: torch.nn.Module, stack_name: str) -> torch.nn.Module:
@@ -254,45 +266,67 @@ def _stack_of(model: torch.nn.Module, stack_name: str) -> torch.nn.Module:
 def drill(cfg: DrillConfig, *, progress: ProgressFn | None = None) -> DrillLog:
     """Run ``cfg``'s drill, write its log to ``cfg.out`` (and the repro to ``cfg.repro``), and return the log."""
     manifest = load_manifest(cfg.baseline)
-    target = _target(cfg, manifest)
-    seq, x, base_out, out_name = baseline_rows(cfg.baseline, target)
-    n = int(x.shape[0])
-    tokens = list(target.tokens) or list(range(n))
+    return drill_halves(cfg, [_target(cfg, manifest)], [cfg.out], progress=progress)[0]
+
+
+def drill_halves(
+    cfg: DrillConfig, targets: Sequence[DrillTarget], outs: Sequence[str | Path], *, progress: ProgressFn | None = None
+) -> list[DrillLog]:
+    """Drill each of ``targets`` (one sequence for all) on one engine start, writing each log to its ``outs`` entry
+    (``cfg.out`` is not used; ``cfg.repro``: the repro of the first target's named op). Every half gets the
+    baseline's own input rows, so all halves of a model can be drilled in one forward."""
+    if len(targets) != len(outs) or not targets:
+        raise UsageError("drill: one output directory per half")
+    plans = [baseline_rows(cfg.baseline, t) for t in targets]
+    seq = plans[0][0]
+    if any(p[0] != seq for p in plans):
+        raise UsageError("drill: the halves drilled together must be of one sequence")
+    n = int(plans[0][1].shape[0])
+    tokens = list(targets[0].tokens) or list(range(n))
     bad = [t for t in tokens if not 0 <= t < n]
     if bad:
         raise UsageError(f"drill --tokens {bad}: sequence {seq} of {cfg.baseline} has positions 0..{n - 1}")
+    for out in outs:  # refused before any engine starts
+        root = Path(out)
+        if root.exists() and (not root.is_dir() or any(root.iterdir())):
+            raise UsageError(f"--out {root}: exists and is not an empty directory; name a new one")
     state: dict[str, Any] = {}
 
     def recorder_for(path: str) -> OpRecorder:
         return OpRecorder(half_path=path, positions=list(range(n)), tokens=tokens, factor=cfg.factor, state=state)
 
+    halves = [(t.layer, t.half, p[1]) for t, p in zip(targets, plans, strict=True)]
     if cfg.engine == "vllm":
-        from dumper.engines.vllm.drill import run_half
+        from dumper.engines.vllm.drill import run_halves
 
-        rec, y, info = run_half(cfg, target.layer, target.half, x, _token_ids(manifest, seq, n), recorder_for, state)
+        manifest = load_manifest(cfg.baseline)
+        runs = run_halves(cfg, halves, _token_ids(manifest, seq, n), recorder_for, state)
     else:
-        rec, y, info = _run_transformers(cfg, target, x, recorder_for)
-    if not rec.entries:
-        raise ModelError(f"drill: {info.get('module')} dispatched no op on the baseline's rows")
-    header = {
-        **info,
-        "model": cfg.model,
-        "dtype": cfg.dtype,
-        "device": cfg.device,
-        "layer": target.layer,
-        "half": target.half,
-        "sequence": seq,
-        "positions": n,
-        "token": target.token,
-        "baseline": str(cfg.baseline),
-        "torch_version": torch.__version__,
-        "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "half_check": _half_check(y, base_out, out_name),
-        "first_beyond": None if rec.first is None else rec.first.entry.index,
-    }
-    write_log(cfg.out, header, rec)
-    if cfg.repro is not None and rec.first is not None:
-        write_repro(rec.first, cfg.repro, factor=cfg.factor, state=state)
-    if progress is not None:
-        progress(1, 1)
-    return load_drill(cfg.out)
+        runs = _run_transformers(cfg, halves, recorder_for)
+    logs = []
+    for i, (target, plan, (rec, y, info), out) in enumerate(zip(targets, plans, runs, outs, strict=True)):
+        if not rec.entries:
+            raise ModelError(f"drill: {info.get('module')} dispatched no op on the baseline's rows")
+        header = {
+            **info,
+            "model": cfg.model,
+            "dtype": cfg.dtype,
+            "device": cfg.device,
+            "layer": target.layer,
+            "half": target.half,
+            "sequence": seq,
+            "positions": n,
+            "token": target.token,
+            "baseline": str(cfg.baseline),
+            "torch_version": torch.__version__,
+            "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "half_check": _half_check(y, plan[2], plan[3]),
+            "first_beyond": None if rec.first is None else rec.first.entry.index,
+        }
+        write_log(out, header, rec)
+        if i == 0 and cfg.repro is not None and rec.first is not None:
+            write_repro(rec.first, cfg.repro, factor=cfg.factor, state=state)
+        logs.append(load_drill(out))
+        if progress is not None:
+            progress(i + 1, len(targets))
+    return logs

@@ -27,7 +27,7 @@ from dumper.engines.base import check_checkpoint_dir
 from dumper.errors import ModelError, UsageError, error_reason
 from dumper.hooks.drill.record import OpRecorder
 
-__all__ = ["run_half", "keep_gemm_weights"]
+__all__ = ["run_half", "run_halves", "keep_gemm_weights"]
 
 _IN_PROCESS = "VLLM_ENABLE_V1_MULTIPROCESSING"
 
@@ -101,6 +101,100 @@ def _scales(model: torch.nn.Module) -> dict[str, float]:
     return out
 
 
+def run_halves(
+    cfg: Any,
+    halves: list[tuple[int, str, torch.Tensor]],
+    token_ids: list[int],
+    recorder_for: Callable[[str], OpRecorder],
+    state: dict[str, Any],
+) -> list[tuple[OpRecorder, torch.Tensor, dict[str, Any]]]:
+    """vLLM's halves ``(layer, half, x)`` (``x``: the baseline's rows [n, d] of that half's input) in one prefill of
+    ``token_ids`` on one engine: per half, the recorder, the half's output [n, d] and the log's header fields.
+
+    Each half gets the baseline's rows whatever came before it, so every half of the model can be drilled in one
+    forward."""
+    import vllm
+    from vllm import SamplingParams
+
+    from dumper.engines.vllm.engine import release_llm
+    from dumper.engines.vllm.hooks import model_of
+
+    n = int(halves[0][2].shape[0])
+    weights: dict[int, torch.Tensor] = state.setdefault("weights", {})
+    llm = _engine(cfg, n, token_ids, weights)
+    try:
+        model = model_of(llm)
+        state["attention_scale"] = _scales(model)
+        state["fresh_prefill"] = True
+        runs = []
+        with contextlib.ExitStack() as stack:
+            for layer, half, x in halves:
+                path, module = _half_module(model, layer, half)
+                rec = recorder_for(path)
+                seen: list[torch.Tensor] = []
+                for h in _swap_hooks(module, half, x, rec, seen):
+                    stack.callback(h.remove)
+                stack.enter_context(rec.watch(module, path))
+                runs.append((path, rec, seen))
+            try:
+                llm.generate(
+                    [{"prompt_token_ids": list(token_ids)}],
+                    SamplingParams(max_tokens=1, temperature=0.0),
+                    use_tqdm=False,
+                )
+            except Exception as e:  # noqa: BLE001 - vLLM's own run
+                raise ModelError(f"{cfg.model}: vLLM failed on the baseline's rows ({error_reason(e)})") from e
+        out = []
+        for path, rec, seen in runs:
+            if len(seen) < 2:
+                raise ModelError(
+                    f"{cfg.model}: vLLM never ran {path} on one prefill of the sequence's {n} tokens: nothing drilled"
+                )
+            info = {"engine": "vllm", "engine_version": vllm.__version__, "module": path, "engine_mode": "eager"}
+            out.append((rec, seen[1].detach().to("cpu").reshape(n, -1), info))
+        return out
+    finally:
+        release_llm()
+
+
+def _swap_hooks(
+    module: torch.nn.Module, half: str, x: torch.Tensor, rec: OpRecorder, seen: list[torch.Tensor]
+) -> list[Any]:
+    """Hooks on ``module``: its first call on ``n`` rows gets ``x`` as its hidden states, recorded by ``rec``; its
+    output is appended to ``seen`` (after the rows it ran on)."""
+    n = int(x.shape[0])
+
+    def swap(mod: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        if half == "mlp":
+            hidden = args[0] if args else kwargs.get("x")
+        else:
+            hidden = kwargs.get("hidden_states", args[1] if len(args) > 1 else None)
+        if hidden is None or hidden.shape[0] != n or seen:
+            return None
+        rows = x.to(hidden.device, hidden.dtype, non_blocking=True).reshape(hidden.shape)
+        if "hidden_states" in kwargs:
+            kwargs = {**kwargs, "hidden_states": rows}
+        elif half == "attn":
+            args = (args[0], rows, *args[2:])
+        elif args:
+            args = (rows, *args[1:])
+        else:
+            kwargs = {**kwargs, "x": rows}
+        rec.__enter__()
+        seen.append(rows)
+        return args, kwargs
+
+    def done(mod: torch.nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
+        if len(seen) == 1:
+            rec.__exit__(None, None, None)
+            seen.append(out[0] if isinstance(out, tuple) else out)
+
+    return [
+        module.register_forward_pre_hook(swap, with_kwargs=True),
+        module.register_forward_hook(done, with_kwargs=True, always_call=True),
+    ]
+
+
 def run_half(
     cfg: Any,
     layer: int,
@@ -111,70 +205,5 @@ def run_half(
     state: dict[str, Any],
 ) -> tuple[OpRecorder, torch.Tensor, dict[str, Any]]:
     """vLLM's half ``half`` of layer ``layer`` on the baseline's rows ``x`` [n, d] of one prefill of ``token_ids``:
-    the recorder, the half's output [n, d] and the header fields of the log."""
-    import vllm
-    from vllm import SamplingParams
-
-    from dumper.engines.vllm.engine import release_llm
-    from dumper.engines.vllm.hooks import model_of
-
-    n = int(x.shape[0])
-    weights: dict[int, torch.Tensor] = state.setdefault("weights", {})
-    llm = _engine(cfg, n, token_ids, weights)
-    try:
-        model = model_of(llm)
-        path, module = _half_module(model, layer, half)
-        state["attention_scale"] = _scales(model)
-        state["fresh_prefill"] = True
-        rec = recorder_for(path)
-        seen: list[torch.Tensor] = []
-
-        def swap(mod: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-            hidden = kwargs.get("hidden_states", args[1] if half == "attn" and len(args) > 1 else None)
-            if half == "mlp":
-                hidden = args[0] if args else kwargs.get("x")
-            if hidden is None or hidden.shape[0] != n or seen or rec.entries:
-                return None
-            rows = x.to(hidden.device, hidden.dtype, non_blocking=True).reshape(hidden.shape)
-            if "hidden_states" in kwargs:
-                kwargs = {**kwargs, "hidden_states": rows}
-            elif half == "attn":
-                args = (args[0], rows, *args[2:])
-            elif args:
-                args = (rows, *args[1:])
-            else:
-                kwargs = {**kwargs, "x": rows}
-            rec.__enter__()
-            seen.append(rows)
-            return args, kwargs
-
-        def done(mod: torch.nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
-            if len(seen) == 1:
-                rec.__exit__(None, None, None)
-                seen.append(out[0] if isinstance(out, tuple) else out)
-
-        handles = [
-            module.register_forward_pre_hook(swap, with_kwargs=True),
-            module.register_forward_hook(done, with_kwargs=True, always_call=True),
-        ]
-        try:
-            with rec.watch(module, path):
-                llm.generate(
-                    [{"prompt_token_ids": list(token_ids)}],
-                    SamplingParams(max_tokens=1, temperature=0.0),
-                    use_tqdm=False,
-                )
-        except Exception as e:  # noqa: BLE001 - vLLM's own run
-            raise ModelError(f"{cfg.model}: vLLM's {path} failed on the baseline's rows ({error_reason(e)})") from e
-        finally:
-            for h in handles:
-                h.remove()
-        if len(seen) < 2:
-            raise ModelError(
-                f"{cfg.model}: vLLM never ran {path} on one prefill of the sequence's {n} tokens: nothing drilled"
-            )
-        y = seen[1].detach().to("cpu").reshape(n, -1)
-    finally:
-        release_llm()
-    info = {"engine": "vllm", "engine_version": vllm.__version__, "module": path, "engine_mode": "eager"}
-    return rec, y, info
+    the recorder, the half's output [n, d] and the header fields of the log (:func:`run_halves` of one)."""
+    return run_halves(cfg, [(layer, half, x)], token_ids, recorder_for, state)[0]
