@@ -213,7 +213,15 @@ class DrillLog:
 
     def rows(self, op: OpEntry) -> np.ndarray | None:
         """The first output of ``op`` at the log's tokens (token first), float64; None where none is stored."""
-        return None if op.rows is None else read_rows(self.path, op.rows)
+        if op.rows is None:
+            return None
+        rows = read_rows(self.path, op.rows)
+        if rows.dtype.kind == "f" and op.stats.get("nonfinite", 0.0) == 0.0 and not np.isfinite(rows).all():
+            raise CorruptDumpError(
+                f"{self.path / ROWS_NAME}: {op.rows} holds NaN or Inf, but {DRILL_NAME} says op {op.index}'s "
+                "output is finite (nonfinite 0)"
+            )
+        return rows
 
 
 def _bad(path: Path, what: str) -> CorruptDumpError:
@@ -341,7 +349,7 @@ def _safetensors_keys(path: Path) -> dict[str, tuple[int, ...]]:
                 raise ValueError("header length past the file's end")
             header = json.loads(f.read(n))
         return {k: tuple(v["shape"]) for k, v in header.items() if k != "__metadata__"}
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise CorruptDumpError(f"{path}: not a safetensors file ({e})") from None
 
 

@@ -331,6 +331,16 @@ def _bare_nan_ratio(root: Path) -> None:
     assert "NaN" in (root / DRILL_NAME).read_text()
 
 
+def _nan_rows(root: Path) -> None:
+    rows = load_file(str(root / ROWS_NAME))
+    rows["op1"][0, 0, 0] = math.nan  # while drill.json says the op's output is finite
+    save_file(rows, str(root / ROWS_NAME))
+
+
+def _not_safetensors(root: Path) -> None:
+    (root / ROWS_NAME).write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00[1, 2] ")
+
+
 def _missing_key(root: Path) -> None:
     rows = load_file(str(root / ROWS_NAME))
     del rows["op3"]
@@ -346,8 +356,10 @@ def _missing_key(root: Path) -> None:
         (_wrong_shape_rows, f"{ROWS_NAME}[op1] has shape [2, 5], not [2, 1, 192]"),
         (_bare_nan_ratio, "ops[1].ratio nan is not a ratio"),
         (_missing_key, "ops[3].rows names 'op3', which ops.safetensors does not hold"),
+        (_nan_rows, "op1 holds NaN or Inf, but drill.json says op 1's output is finite"),
+        (_not_safetensors, f"{ROWS_NAME}: not a safetensors file"),
     ],
-    ids=["missing drill.json", "not JSON", "wrong-shape rows", "NaN ratio", "missing rows key"],
+    ids=["missing drill.json", "not JSON", "wrong-shape rows", "NaN ratio", "missing rows key", "NaN rows", "bad rows"],
 )
 def test_cli_refuses_a_hostile_log_in_one_line(drills, tmp_path, spoil, needle):
     bad = _copy(drills["b"], tmp_path / "bad")
