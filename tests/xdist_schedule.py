@@ -32,6 +32,7 @@ HEAVY: tuple[str, ...] = (
     "tests/dumper/jobs/test_vllm_sweep.py",
     "tests/dumper/engines/test_vllm_kv_cache.py",
     "tests/dumper/engines/test_vllm_speculative.py",
+    "tests/dumper/engines/test_vllm_drill.py",
     "tests/dumper/jobs/test_observer_check.py",
     "tests/dumper/engines/test_vllm_router.py",
     "tests/dumper/jobs/test_fuzz_model_dir.py",

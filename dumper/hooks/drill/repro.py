@@ -148,7 +148,7 @@ DTYPES = {
 
 
 def die(path, problem):
-    print(f"{path}: {problem}", file=sys.stderr)
+    print(f"{path}: {' '.join(str(problem).split())}", file=sys.stderr)  # one line, whatever the reason says
     sys.exit(2)
 
 
@@ -158,6 +158,8 @@ def load_tensors(path):
         raw = path.read_bytes()
         (n,) = struct.unpack("<Q", raw[:8])
         header = json.loads(raw[8 : 8 + n])
+        if not isinstance(header, dict):
+            raise ValueError("its header is not an object")
     except (OSError, ValueError, struct.error) as e:
         die(path, f"not a safetensors file ({e})")
     data = raw[8 + n :]
@@ -190,8 +192,12 @@ def build(spec, tensors, device, where):
             die(HERE / "inputs.safetensors", f"{key} ({where}) is missing")
         t = tensors[key]
         shape, stride = list(spec.get("shape", [])), list(spec.get("stride", []))
-        if list(t.shape) != shape or len(stride) != len(shape):
+        if list(t.shape) != shape:
             die(HERE / "inputs.safetensors", f"{key} has shape {list(t.shape)}, repro.json says {shape}")
+        if str(t.dtype)[6:] != spec.get("dtype", str(t.dtype)[6:]):
+            die(HERE / "inputs.safetensors", f"{key} is {str(t.dtype)[6:]}, repro.json says {spec['dtype']}")
+        if len(stride) != len(shape):
+            die(HERE / "repro.json", f"{where}: {len(stride)} strides for the {len(shape)} dimensions of {key}")
         t = t.to(device)
         if 0 in stride or stride == list(t.stride()):
             return t.clone()
@@ -255,6 +261,8 @@ def main():
         meta = json.loads((HERE / "repro.json").read_text())
         op, args_spec, kwargs_spec = meta["op"], meta["args"], meta["kwargs"]
         n_out, size, factor = int(meta["outputs"]), int(meta["size"]), float(meta["factor"])
+        if meta.get("rows") is not None and type(meta["rows"]) is not int:
+            raise TypeError(f"rows {meta['rows']!r} is not a row count")
     except (OSError, ValueError, KeyError, TypeError) as e:
         die(HERE / "repro.json", f"unreadable ({e})")
     tensors = load_tensors(HERE / "inputs.safetensors")
@@ -272,8 +280,11 @@ def main():
             die(HERE / "repro.json", f"{op} is a custom op of {module.split('.')[0]}, which is not installed ({e})")
     args = [build(s, tensors, device, f"args[{i}]") for i, s in enumerate(args_spec)]
     kwargs = {k: build(s, tensors, device, f"kwargs.{k}") for k, s in kwargs_spec.items()}
-    ns, name, overload = op.split(".")
-    func = getattr(getattr(getattr(torch.ops, ns), name), overload)
+    try:
+        ns, name, overload = op.split(".")
+        func = getattr(getattr(getattr(torch.ops, ns), name), overload)
+    except (AttributeError, ValueError, RuntimeError) as e:
+        die(HERE / "repro.json", f"op {op!r} is not an op of this torch ({e})")
     if meta.get("standalone"):
         outs = [tensors.get(f"observed.{j}") for j in range(n_out)]
         print(f"{op} {meta['standalone']}: it cannot run outside the engine; the output the engine computed is judged")
