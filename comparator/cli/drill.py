@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from comparator.cli.args import print_line, stdout_console, write_output
 from comparator.cli.parser import add_command
+from dumper.cli.common import factor_flag, json_flag
 from dumper.errors import EXIT_DIVERGED, EXIT_OK
 from dumper.format import write_json_atomic
 from dumper.format.drill import HALF_NAMES
@@ -44,19 +45,12 @@ def build_drill_parser(sub: argparse._SubParsersAction | None = None) -> argpars
     )
     p.add_argument("a", metavar="A", help="drill directory of the baseline build")
     p.add_argument("b", metavar="B", help="drill directory of the candidate build")
-    p.add_argument(
-        "--factor",
-        type=float,
+    factor_flag(
+        p,
         default=None,
-        metavar="F",
         help="a path differs above F times the two sides' rounding (default: the larger of the logs' own factors)",
     )
-    p.add_argument(
-        "--json",
-        metavar="PATH",
-        default=None,
-        help="write the comparison as JSON to PATH (atomically), or to stdout with - (then nothing else is printed)",
-    )
+    json_flag(p, "the comparison (atomically; - prints it to stdout instead of the table)")
     return p
 
 

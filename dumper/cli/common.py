@@ -201,6 +201,12 @@ def json_flag(p: argparse._ActionsContainer, what: str) -> None:
     p.add_argument("--json", metavar="FILE", help=f"write {what} as JSON")
 
 
+def factor_flag(p: argparse._ActionsContainer, *, default: float | None, help: str) -> None:
+    """``--factor F``: a drill's limit, in multiples of the rounding an op's dtype predicts (``dumper drill``: an
+    op beyond it is named; ``comparator drill``: two builds' outputs differing beyond it fail)."""
+    p.add_argument("--factor", type=float, default=default, metavar="F", help=help)
+
+
 def prompt_flag(p: argparse._ActionsContainer, help: str = "prompt text (repeatable)") -> None:
     """``--prompt TEXT`` (repeatable; ``None`` when not given, so a command can tell its own default apart)."""
     p.add_argument("--prompt", action="append", default=None, help=help)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from dumper.cli.common import out_flag, quiet_flag
+from dumper.cli.common import factor_flag, out_flag, quiet_flag
 from dumper.cli.flags import baseline_flag, engine_flags, model_flag, model_setting_flags
 from dumper.cli.values import check_device, engine_args
 from dumper.errors import EXIT_DIVERGED, EXIT_OK, UsageError
@@ -47,11 +47,10 @@ def add_drill(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--tokens", type=_positions, default=(), help="positions whose op outputs the log keeps (default: all)"
     )
-    p.add_argument(
-        "--factor",
-        type=float,
+    factor_flag(
+        p,
         default=DEFAULT_FACTOR,
-        help=f"an op is far beyond its rounding at this many times it (default {DEFAULT_FACTOR:g})",
+        help=f"an op is far beyond its rounding at F times it (default {DEFAULT_FACTOR:g})",
     )
     p.add_argument("--repro", default=None, metavar="DIR", help="write a standalone repro of the op it names")
     quiet_flag(p)

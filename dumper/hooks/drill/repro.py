@@ -255,7 +255,7 @@ def ratio_rows(out, ref, mag, size, rows):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--device", default="cpu")
+    p.add_argument("-d", "--device", default="cpu", help="where the op runs again (cpu, cuda, ...)")
     device = p.parse_args().device
     try:
         meta = json.loads((HERE / "repro.json").read_text())
