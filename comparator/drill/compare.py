@@ -34,21 +34,9 @@ from comparator.drill.types import (
 )
 from dumper.errors import NotComparableError, UsageError
 from dumper.format.drill import DRILL_NAME, HALF_NAMES, DrillLog, OpEntry, load_drill
-from dumper.format.dtypes import MANTISSA_BITS
+from dumper.format.dtypes import unit_roundoff
 
-__all__ = ["compare_drills", "row_ratios", "bound_scale", "unit_roundoff"]
-
-_FLOAT8_MANTISSA = {"float8_e4m3": 4, "float8_e5m2": 3}
-
-
-def unit_roundoff(dtype: str) -> float:
-    """Half a unit in the last place of 1.0 in ``dtype`` (torch's name); 0 for integers and bool (exact)."""
-    if dtype in MANTISSA_BITS:
-        return 2.0 ** -MANTISSA_BITS[dtype]
-    bits = next((b for prefix, b in _FLOAT8_MANTISSA.items() if dtype.startswith(prefix)), None)
-    if bits is not None:
-        return 2.0**-bits
-    return 2.0 ** -MANTISSA_BITS["float32"] if dtype.startswith(("float", "bfloat")) else 0.0
+__all__ = ["compare_drills", "row_ratios", "bound_scale"]
 
 
 def bound_scale(op: OpEntry) -> float:

@@ -26,6 +26,7 @@ __all__ = [
     "MODEL_DTYPES",
     "FLOAT_NAMES",
     "MANTISSA_BITS",
+    "unit_roundoff",
     "torch_codes",
     "torch_dtype",
 ]
@@ -85,6 +86,20 @@ FLOAT_NAMES: Final = tuple(d.torch_name for d in DTYPES.values() if d.is_float)
 
 MANTISSA_BITS: Final[dict[str, int]] = {d.torch_name: d.mantissa_bits for d in DTYPES.values() if d.is_float}
 """torch name of a float dtype -> its significand bits (``bfloat16``: 8, ``float32``: 24)."""
+
+_FLOAT8_MANTISSA: Final = {"float8_e4m3": 4, "float8_e5m2": 3}
+
+
+def unit_roundoff(dtype: str) -> float:
+    """Half a unit in the last place of 1.0 in ``dtype`` (torch's name: ``bfloat16`` 2^-8, ``float32`` 2^-24):
+    the relative error of one rounding; 0 for integers and bool (exact); float32's for another float."""
+    if dtype in MANTISSA_BITS:
+        return 2.0 ** -MANTISSA_BITS[dtype]
+    bits = next((b for prefix, b in _FLOAT8_MANTISSA.items() if dtype.startswith(prefix)), None)
+    if bits is not None:
+        return 2.0**-bits
+    return 2.0 ** -MANTISSA_BITS["float32"] if dtype.startswith(("float", "bfloat")) else 0.0
+
 
 MODEL_DTYPES: Final = ("float32", "bfloat16", "float16")
 """The dtypes a model may be run in (``--dtype`` of ``python -m dumper``)."""

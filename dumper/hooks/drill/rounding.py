@@ -22,29 +22,21 @@ import math
 
 import torch
 
-__all__ = ["unit_roundoff", "accumulation_roundoff", "row_ratios", "token_dim"]
+from dumper.format.dtypes import unit_roundoff as format_unit_roundoff
 
-_U = {
-    torch.float64: 2.0**-53,
-    torch.float32: 2.0**-24,
-    torch.bfloat16: 2.0**-8,
-    torch.float16: 2.0**-11,
-}
+__all__ = ["unit_roundoff", "accumulation_roundoff", "row_ratios", "token_dim"]
 
 
 def unit_roundoff(dtype: torch.dtype) -> float:
-    """Half a unit in the last place of 1.0 in ``dtype`` (float8 types: their mantissa's; other floats: float32's)."""
-    if dtype in _U:
-        return _U[dtype]
-    if dtype.is_floating_point:
-        info = torch.finfo(dtype)
-        return float(info.eps) / 2
-    raise ValueError(f"{dtype} is not a floating dtype")
+    """Half a unit in the last place of 1.0 in ``dtype`` (:func:`dumper.format.dtypes.unit_roundoff`)."""
+    if not dtype.is_floating_point:
+        raise ValueError(f"{dtype} is not a floating dtype")
+    return format_unit_roundoff(str(dtype).removeprefix("torch."))
 
 
 def accumulation_roundoff(dtype: torch.dtype) -> float:
     """The unit roundoff of the dtype kernels of ``dtype`` accumulate in: float32, float64 for float64."""
-    return _U[torch.float64] if dtype == torch.float64 else _U[torch.float32]
+    return format_unit_roundoff("float64" if dtype == torch.float64 else "float32")
 
 
 def token_dim(shape: tuple[int, ...] | torch.Size, n: int) -> int | None:

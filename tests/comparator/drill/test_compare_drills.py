@@ -29,9 +29,9 @@ from torch import nn
 
 from comparator.drill import Basis, DrillComparison, Pairing, PathStatus, align_ops, compare_drills, row_ratios
 from comparator.drill.align import path_order
-from comparator.drill.compare import unit_roundoff
 from dumper.errors import NotComparableError
 from dumper.format.drill import DRILL_NAME, ROWS_NAME, load_drill
+from dumper.format.dtypes import unit_roundoff
 from dumper.hooks.drill.record import OpRecorder, write_log
 from dumper.prefill.presets import load_model
 from tests.conftest import run_cli
