@@ -199,6 +199,11 @@ def layer_parts(stack: nn.Module, layer_index: int) -> tuple[nn.Module, Any]:
     return rotary, make
 
 
+def decoder_stack(model: nn.Module) -> nn.Module:
+    """The decoder stack (``model.model``): what holds the rotary embedding and the config the masks read."""
+    return model.get_submodule(find_decoder_layers(model, family_for(model).attention_names)[0].rpartition(".")[0])
+
+
 def layer_kwargs(stack: nn.Module, layer_index: int, hidden: torch.Tensor) -> dict[str, Any]:
     """What a transformers decoder stack passes decoder layer ``layer_index`` for a prefill of ``hidden`` [1, n, d].
 

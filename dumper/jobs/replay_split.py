@@ -53,6 +53,7 @@ from dumper.hooks.layers import find_decoder_layers, named_child
 from dumper.jobs.replay import (
     ReplayConfig,
     check_replay_model,
+    decoder_stack,
     layer_kwargs,
     layer_parts,
     point_plan,
@@ -193,7 +194,7 @@ def split_replay_model(
     check_force(base, where, force_routing)
     plans = _plans(base, where)
     stack_name, layer_list = find_decoder_layers(model, family_for(model).attention_names)
-    stack = _stack(model)
+    stack = decoder_stack(model)
     check_replay_model(base, model, len(layer_list), where)
     jobs = [(k, half, i, o) for k in range(len(layer_list)) for half, i, o in HALVES if k in plans[i] and k in plans[o]]
     if not jobs:
@@ -232,7 +233,7 @@ def split_replay_model(
     }
     env = environment_fingerprint(param.device, attn or getattr(model.config, "_attn_implementation", None))
     found: list[HalfError] = []
-    ref_stack = None if reference is None else _stack(reference)
+    ref_stack = None if reference is None else decoder_stack(reference)
     with (
         torch.inference_mode(),
         Capture(
@@ -328,11 +329,6 @@ def _replay_half(
 
 def _layer(model: nn.Module, k: int) -> nn.Module:
     return find_decoder_layers(model, family_for(model).attention_names)[1][k]
-
-
-def _stack(model: nn.Module) -> nn.Module:
-    """The decoder stack (``model.model``): what holds the rotary embedding and the config the masks read."""
-    return model.get_submodule(find_decoder_layers(model, family_for(model).attention_names)[0].rpartition(".")[0])
 
 
 def _float64_copy(module: nn.Module) -> nn.Module:
