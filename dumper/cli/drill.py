@@ -11,7 +11,7 @@ import argparse
 from dumper.cli.common import factor_flag, out_flag, quiet_flag
 from dumper.cli.flags import baseline_flag, engine_flags, model_flag, model_setting_flags
 from dumper.cli.values import check_device, engine_args
-from dumper.errors import EXIT_DIVERGED, EXIT_OK, UsageError
+from dumper.errors import EXIT_DIVERGED, EXIT_OK
 
 __all__ = ["add_drill", "cmd_drill"]
 
@@ -60,8 +60,6 @@ def cmd_drill(args: argparse.Namespace) -> int:
     from dumper.jobs.drill import DrillConfig, drill
 
     check_device(args.device)
-    if args.engine not in ("transformers", "vllm", "llama.cpp"):
-        raise UsageError(f"drill --engine {args.engine}: drill runs on transformers and vllm")
     cfg = DrillConfig(
         baseline=args.baseline,
         out=args.out,

@@ -19,13 +19,15 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from dumper.errors import DumpError
+from dumper.errors import DumpError, UsageError
 
-__all__ = ["atomic_path", "write_json_atomic", "fsync_dir", "file_mode", "dir_mode"]
+__all__ = ["atomic_path", "atomic_dir", "check_new_dir", "write_json_atomic", "fsync_dir", "file_mode", "dir_mode"]
 
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:
@@ -114,3 +116,32 @@ def write_json_atomic(path: str | os.PathLike[str], obj: Any) -> None:
     """Write JSON to ``path`` via a fsynced temp file and an atomic rename."""
     with atomic_path(path) as tmp:
         tmp.write_text(json.dumps(obj, indent=1, allow_nan=False), encoding="utf-8")
+
+
+def check_new_dir(path: str | os.PathLike[str], flag: str) -> Path:
+    """``path`` as a directory to create: refused (naming ``flag``) when it exists and is not an empty directory, so
+    that nothing already stored there is lost."""
+    root = Path(path)
+    if root.exists() and (not root.is_dir() or any(root.iterdir())):
+        raise UsageError(f"{flag} {root}: exists and is not an empty directory; name a new one")
+    return root
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str | os.PathLike[str], flag: str) -> Iterator[Path]:
+    """Yield a temporary directory beside ``path`` (:func:`check_new_dir` first); on success give it the user's umask
+    and rename it to ``path``, so an interrupted writer leaves nothing under the real name. On an exception it is
+    removed."""
+    root = check_new_dir(path, flag)
+    root.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}.", suffix=".tmp", dir=root.parent))
+    try:
+        yield tmp
+        os.chmod(tmp, dir_mode())  # mkdtemp makes it 0700
+        if root.exists():  # an empty directory the user made for it
+            root.rmdir()
+        tmp.rename(root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    fsync_dir(root.parent)

@@ -37,7 +37,8 @@ import torch
 
 from dumper.errors import ModelError, NotComparableError, UsageError, error_reason
 from dumper.format import DumpReader, Manifest, load_manifest
-from dumper.format.drill import HALF_NAMES, DrillLog, load_drill
+from dumper.format.atomic import check_new_dir
+from dumper.format.drill import DrillLog, load_drill
 from dumper.format.points import ATTN_OUTPUT, INPUT, MLP_INPUT, MLP_OUTPUT
 from dumper.hooks.drill.record import DEFAULT_FACTOR, OpRecorder, write_log
 from dumper.hooks.drill.repro import write_repro
@@ -55,7 +56,8 @@ __all__ = [
     "HALF_POINTS",
 ]
 
-ENGINES = ("transformers", "vllm", "llama.cpp")
+ENGINES = ("transformers", "vllm")
+"""The engines the drill runs on (llama.cpp is refused in one line: :data:`_LLAMA_CPP`)."""
 HALF_POINTS = {"attn": (INPUT, ATTN_OUTPUT), "mlp": (MLP_INPUT, MLP_OUTPUT)}
 """Each half: the baseline point holding its input and the one holding its output."""
 _POINTS_FLAG = "--points input,attn_output,mlp_input,mlp_output"
@@ -101,10 +103,10 @@ class DrillConfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.engine not in ENGINES:
-            raise UsageError(f"drill --engine {self.engine}: choose one of {', '.join(ENGINES)}")
         if self.engine == "llama.cpp":
             raise UsageError(_LLAMA_CPP)
+        if self.engine not in ENGINES:
+            raise UsageError(f"drill --engine {self.engine}: the drill runs on {' and '.join(ENGINES)}")
         if (self.from_report is None) == (self.layer is None or self.half is None):
             raise UsageError("drill: give --from-report REPORT.json, or --layer L with --half attn|mlp (not both)")
         if self.half is not None and self.half not in HALF_POINTS:
@@ -154,11 +156,14 @@ def _target(cfg: DrillConfig, manifest: Manifest) -> DrillTarget:
     return DrillTarget(cfg.layer, cfg.half, sequence=cfg.sequence, tokens=cfg.tokens)
 
 
-def baseline_rows(baseline: str | Path, target: DrillTarget) -> tuple[int, torch.Tensor, torch.Tensor | None, str]:
+def baseline_rows(
+    baseline: str | Path, target: DrillTarget, manifest: Manifest | None = None
+) -> tuple[int, torch.Tensor, torch.Tensor | None, str]:
     """The drilled sequence, its baseline input rows of the half [n, d], its output rows (None: not recorded) and the
-    output tensor's name; refused in one line when the baseline lacks the half's input of a whole prefill."""
+    output tensor's name; refused in one line when the baseline lacks the half's input of a whole prefill.
+    ``manifest``: the baseline's, when the caller has read it already."""
     where = str(baseline)
-    manifest = load_manifest(baseline)
+    manifest = load_manifest(baseline) if manifest is None else manifest
     reader = DumpReader(baseline, manifest)
     point_in, point_out = HALF_POINTS[target.half]
     plan = point_plan(manifest, where, point_in, _POINTS_FLAG)
@@ -225,24 +230,17 @@ def _run_transformers(
     positions, mask and rotary embeddings), one model loaded for all of them."""
     import transformers
 
+    from dumper.hooks.drill.record import half_module
     from dumper.hooks.families import family_for
-    from dumper.hooks.layers import find_decoder_layers, named_child
-    from dumper.jobs.replay import layer_kwargs
+    from dumper.jobs.replay import decoder_stack, layer_kwargs
     from dumper.prefill.presets import load_model, model_label
 
     model, _ = load_model(cfg.model, dtype=cfg.dtype, attn=cfg.attn, device=cfg.device, seed=cfg.seed)
-    family = family_for(model)
-    stack_name, layers = find_decoder_layers(model, family.attention_names)
-    stack = _stack_of(model, stack_name)
+    family, stack = family_for(model), decoder_stack(model)
     param = next(model.parameters())
     out = []
     for layer, half, x in halves:
-        if layer >= len(layers):
-            raise UsageError(f"drill --layer {layer}: {model_label(model)} has {len(layers)} decoder layers")
-        child = named_child(layers[layer], family.attention_names if half == "attn" else family.mlp_names)
-        if child is None:
-            raise UsageError(f"drill: layer {layer} of {model_label(model)} has no {HALF_NAMES[half]} child")
-        path, module = f"{stack_name}.{layer}.{child[0]}", child[1]
+        path, module = half_module(model, layer, half, family, model_label(model))
         hidden = x.to(param.device, param.dtype)[None]  # [1, n, d]
         kwargs = layer_kwargs(stack, layer, hidden) if half == "attn" else {}
         rec = recorder_for(path)
@@ -257,27 +255,28 @@ def _run_transformers(
     return out
 
 
-def _stack_of(model: torch.nn.Module, stack_name: str) -> torch.nn.Module:
-    """The module holding the decoder layer list (``model.model`` for ``model.layers``)."""
-    owner = stack_name.rsplit(".", 1)[0] if "." in stack_name else ""
-    return model.get_submodule(owner) if owner else model
-
-
 def drill(cfg: DrillConfig, *, progress: ProgressFn | None = None) -> DrillLog:
     """Run ``cfg``'s drill, write its log to ``cfg.out`` (and the repro to ``cfg.repro``), and return the log."""
     manifest = load_manifest(cfg.baseline)
-    return drill_halves(cfg, [_target(cfg, manifest)], [cfg.out], progress=progress)[0]
+    return drill_halves(cfg, [_target(cfg, manifest)], [cfg.out], manifest=manifest, progress=progress)[0]
 
 
 def drill_halves(
-    cfg: DrillConfig, targets: Sequence[DrillTarget], outs: Sequence[str | Path], *, progress: ProgressFn | None = None
+    cfg: DrillConfig,
+    targets: Sequence[DrillTarget],
+    outs: Sequence[str | Path],
+    *,
+    manifest: Manifest | None = None,
+    progress: ProgressFn | None = None,
 ) -> list[DrillLog]:
     """Drill each of ``targets`` (one sequence for all) on one engine start, writing each log to its ``outs`` entry
     (``cfg.out`` is not used; ``cfg.repro``: the repro of the first target's named op). Every half gets the
-    baseline's own input rows, so all halves of a model can be drilled in one forward."""
+    baseline's own input rows, so all halves of a model can be drilled in one forward. ``manifest``: the
+    baseline's, when the caller has read it already."""
     if len(targets) != len(outs) or not targets:
         raise UsageError("drill: one output directory per half")
-    plans = [baseline_rows(cfg.baseline, t) for t in targets]
+    manifest = load_manifest(cfg.baseline) if manifest is None else manifest
+    plans = [baseline_rows(cfg.baseline, t, manifest) for t in targets]
     seq = plans[0][0]
     if any(p[0] != seq for p in plans):
         raise UsageError("drill: the halves drilled together must be of one sequence")
@@ -287,9 +286,9 @@ def drill_halves(
     if bad:
         raise UsageError(f"drill --tokens {bad}: sequence {seq} of {cfg.baseline} has positions 0..{n - 1}")
     for out in outs:  # refused before any engine starts
-        root = Path(out)
-        if root.exists() and (not root.is_dir() or any(root.iterdir())):
-            raise UsageError(f"--out {root}: exists and is not an empty directory; name a new one")
+        check_new_dir(out, "--out")
+    if cfg.repro is not None:
+        check_new_dir(cfg.repro, "--repro")
     state: dict[str, Any] = {}
 
     def recorder_for(path: str) -> OpRecorder:
@@ -299,7 +298,6 @@ def drill_halves(
     if cfg.engine == "vllm":
         from dumper.engines.vllm.drill import run_halves
 
-        manifest = load_manifest(cfg.baseline)
         runs = run_halves(cfg, halves, _token_ids(manifest, seq, n), recorder_for, state)
     else:
         runs = _run_transformers(cfg, halves, recorder_for)

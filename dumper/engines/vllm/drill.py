@@ -25,7 +25,7 @@ import torch
 
 from dumper.engines.base import check_checkpoint_dir
 from dumper.errors import ModelError, UsageError, error_reason
-from dumper.hooks.drill.record import OpRecorder
+from dumper.hooks.drill.record import OpRecorder, half_module
 
 __all__ = ["run_half", "run_halves", "keep_gemm_weights"]
 
@@ -77,20 +77,6 @@ def _engine(cfg: Any, n: int, token_ids: list[int], weights: dict[int, torch.Ten
         return load_llm(kw, device=cfg.device)
 
 
-def _half_module(model: torch.nn.Module, layer: int, half: str) -> tuple[str, torch.nn.Module]:
-    from dumper.engines.vllm.hooks import VllmFamily
-    from dumper.hooks.layers import find_decoder_layers, named_child
-
-    stack_name, layers = find_decoder_layers(model, VllmFamily.attention_names)
-    if layer >= len(layers):
-        raise UsageError(f"drill --layer {layer}: the model has {len(layers)} decoder layers")
-    names = VllmFamily.attention_names if half == "attn" else VllmFamily.mlp_names
-    child = named_child(layers[layer], names)
-    if child is None:
-        raise UsageError(f"drill: vLLM's layer {layer} has no {half} child ({', '.join(names)})")
-    return f"{stack_name}.{layer}.{child[0]}", child[1]
-
-
 def _scales(model: torch.nn.Module) -> dict[str, float]:
     """Each attention layer's softmax scale, by the name vLLM passes its attention op."""
     out = {}
@@ -117,7 +103,7 @@ def run_halves(
     from vllm import SamplingParams
 
     from dumper.engines.vllm.engine import release_llm
-    from dumper.engines.vllm.hooks import model_of
+    from dumper.engines.vllm.hooks import VllmFamily, model_of
 
     n = int(halves[0][2].shape[0])
     weights: dict[int, torch.Tensor] = state.setdefault("weights", {})
@@ -129,7 +115,7 @@ def run_halves(
         runs = []
         with contextlib.ExitStack() as stack:
             for layer, half, x in halves:
-                path, module = _half_module(model, layer, half)
+                path, module = half_module(model, layer, half, VllmFamily, "vLLM's model")
                 rec = recorder_for(path)
                 seen: list[torch.Tensor] = []
                 for h in _swap_hooks(module, half, x, rec, seen):

@@ -44,7 +44,16 @@ from dumper.hooks.drill.reference import (
 )
 from dumper.hooks.drill.rounding import row_ratios, token_dim
 
-__all__ = ["OpRecorder", "ReproCase", "DEFAULT_FACTOR", "ROWS_BUDGET", "encode_value", "tensor_meta", "write_log"]
+__all__ = [
+    "OpRecorder",
+    "ReproCase",
+    "DEFAULT_FACTOR",
+    "ROWS_BUDGET",
+    "encode_value",
+    "tensor_meta",
+    "half_module",
+    "write_log",
+]
 
 DEFAULT_FACTOR = 16.0
 """An op is far beyond its rounding at this many times it (a clean half of the real checkpoint stays within a few)."""
@@ -122,13 +131,7 @@ def _digest(t: torch.Tensor) -> str:
 
 
 def _stats(t: torch.Tensor) -> dict[str, float]:
-    if not (t.is_floating_point() or t.is_complex()):
-        x = t.detach().to(torch.float64)
-        return {
-            "mean": float(x.mean()) if x.numel() else 0.0,
-            "absmax": float(x.abs().max()) if x.numel() else 0.0,
-            "nonfinite": 0.0,
-        }
+    """Mean and largest magnitude over the finite elements, and how many are not finite (integers: all finite)."""
     x = t.detach().to(torch.float64)
     finite = torch.isfinite(x)
     vals = x[finite]
@@ -209,8 +212,8 @@ class OpRecorder(TorchDispatchMode):
         writes = written_args(func)
         before_args, before_kwargs = args, kwargs
         if writes:
-            before_args = tuple(_clone(a) if i in {w for w, _ in writes} else a for i, a in enumerate(args))
-            names = {n for _, n in writes}
+            positions, names = {i for i, _ in writes}, {n for _, n in writes}
+            before_args = tuple(_clone(a) if i in positions else a for i, a in enumerate(args))
             before_kwargs = {k: _clone(v) if k in names else v for k, v in kwargs.items()}
         result = func(*args, **kwargs)
         self._record(func, args, kwargs, before_args, before_kwargs, result)
@@ -231,64 +234,44 @@ class OpRecorder(TorchDispatchMode):
         ratio_token: int | None = None
         size = 1
         ratios0: torch.Tensor | None = None
-        floating = [o for o in outs if o.is_floating_point()]
+        judged: tuple[list[torch.Tensor], list[torch.Tensor | None], int | None] | None = None
         if uninit:
             reference = "none: memory not yet written"
         elif func.is_view and _aliases(outs, args):
             reference = "none: a view (exact)"
         elif name in NOT_JUDGED:
             reference = f"none: {NOT_JUDGED[name]}"
-        elif not floating:
+        elif not any(o.is_floating_point() for o in outs):
             reference = "none: no floating output"
+        elif (ref := reference_for(func)) is None:
+            reference = f"none: no float64 reference for {name} (dumper.hooks.drill.register_reference adds one)"
         else:
-            ref = reference_for(func)
-            if ref is None:
-                reference = f"none: no float64 reference for {name} (dumper.hooks.drill.register_reference adds one)"
-            else:
-                call = OpCall(func, pre_args, pre_kwargs, module=module, state=self.state)
-                try:
-                    vals, mags, size = ref.fn(call)
-                    if len(vals) != len(outs):
-                        raise ValueError(f"{len(vals)} reference outputs for the op's {len(outs)}")
-                    ratio, ratio_token, ratios0, worst_row = self._judge(outs, vals, mags, size, n)
-                    reference = ref.name
-                except Exception as e:  # noqa: BLE001 - a reference that cannot run is reported, not fatal
-                    reference = f"none: the float64 reference failed ({error_reason(e)})"
-                    ratio = None
-                else:
-                    if self.first is None and not ratio <= self.factor:
-                        entry = self._entry(
-                            index,
-                            func,
-                            path,
-                            slot,
-                            args,
-                            kwargs,
-                            outs,
-                            dim,
-                            uninit,
-                            reference,
-                            ratio,
-                            ratio_token,
-                            size,
-                        )
-                        self.entries.append(entry)
-                        self._keep_rows(index, first, dim, ratios0)
-                        self.first = ReproCase(
-                            entry,
-                            func,
-                            _clone(pre_args),
-                            _clone(pre_kwargs),
-                            [o.detach().clone() for o in outs],
-                            [v.detach() for v in vals],
-                            list(mags),
-                            worst_row,
-                        )
-                        return
-        self.entries.append(
-            self._entry(index, func, path, slot, args, kwargs, outs, dim, uninit, reference, ratio, ratio_token, size)
+            try:
+                vals, mags, size = ref.fn(OpCall(func, pre_args, pre_kwargs, module=module, state=self.state))
+                if len(vals) != len(outs):
+                    raise ValueError(f"{len(vals)} reference outputs for the op's {len(outs)}")
+                ratio, ratio_token, ratios0, worst_row = self._judge(outs, vals, mags, size, n)
+                reference = ref.name
+                judged = (vals, list(mags), worst_row)
+            except Exception as e:  # noqa: BLE001 - a reference that cannot run is reported, not fatal
+                reference = f"none: the float64 reference failed ({error_reason(e)})"
+        entry = self._entry(
+            index, func, path, slot, args, kwargs, outs, dim, uninit, reference, ratio, ratio_token, size
         )
+        self.entries.append(entry)
         self._keep_rows(index, first, dim, ratios0)
+        if judged is not None and self.first is None and not ratio <= self.factor:
+            vals, mags, worst_row = judged
+            self.first = ReproCase(
+                entry,
+                func,
+                _clone(pre_args),
+                _clone(pre_kwargs),
+                [o.detach().clone() for o in outs],
+                [v.detach() for v in vals],
+                mags,
+                worst_row,
+            )
 
     def _entry(
         self,
@@ -350,7 +333,7 @@ class OpRecorder(TorchDispatchMode):
     def _keep_rows(self, index: int, first: torch.Tensor | None, dim: int | None, ratios: torch.Tensor | None) -> None:
         if ratios is not None:
             self.rows[f"op{index}.ratio"] = ratios.to("cpu", torch.float32)
-        if first is None or dim is None or index >= len(self.entries) or self.entries[index].hash is None:
+        if first is None or dim is None or self.entries[index].hash is None:
             return
         picked = first.detach().index_select(dim, self._token_rows.to(first.device)).movedim(dim, 0)
         if picked.numel() * picked.element_size() > ROWS_BUDGET:
@@ -361,27 +344,36 @@ class OpRecorder(TorchDispatchMode):
         self.entries[index] = OpEntry(**{**entry.__dict__, "rows": key})
 
 
+def half_module(model: nn.Module, layer: int, half: str, family: Any, label: str) -> tuple[str, str, nn.Module]:
+    """The decoder stack's name, the path and the module of one half (``attn`` or ``mlp``) of decoder layer ``layer``,
+    named as ``family`` (:class:`~dumper.hooks.families.FamilyAdapter`) names its children; refused in one line
+    (``label``: the model, as the message names it) when the model has no such layer or child."""
+    from dumper.errors import UsageError
+    from dumper.format.drill import HALF_NAMES
+    from dumper.hooks.layers import find_decoder_layers, named_child
+
+    stack_name, layers = find_decoder_layers(model, family.attention_names)
+    if layer >= len(layers):
+        raise UsageError(f"drill --layer {layer}: {label} has {len(layers)} decoder layers")
+    names = family.attention_names if half == "attn" else family.mlp_names
+    child = named_child(layers[layer], names)
+    if child is None:
+        raise UsageError(f"drill: layer {layer} of {label} has no {HALF_NAMES[half]} child ({', '.join(names)})")
+    return f"{stack_name}.{layer}.{child[0]}", child[1]
+
+
 def write_log(out: str | Path, header: dict[str, Any], recorder: OpRecorder) -> Path:
     """Write ``recorder``'s log to directory ``out`` (:mod:`dumper.format.drill`): rows first, ``drill.json`` last,
-    all in a temporary directory renamed into place, so an interrupted drill leaves nothing that looks finished.
-    Refused when ``out`` exists and is not empty (nothing already stored is lost)."""
+    in a temporary directory renamed into place (:func:`~dumper.format.atomic.atomic_dir`), so an interrupted drill
+    leaves nothing that looks finished. Refused when ``out`` exists and is not empty."""
     import json
-    import os
-    import shutil
-    import tempfile
 
     from safetensors.torch import save_file
 
-    from dumper.errors import UsageError
-    from dumper.format.atomic import dir_mode, fsync_dir
+    from dumper.format.atomic import atomic_dir
     from dumper.format.drill import DRILL_FORMAT, DRILL_NAME, DRILL_VERSION, ROWS_NAME
 
-    root = Path(out)
-    if root.exists() and (not root.is_dir() or any(root.iterdir())):
-        raise UsageError(f"--out {root}: exists and is not an empty directory; name a new one")
-    root.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}.", suffix=".tmp", dir=root.parent))
-    try:
+    with atomic_dir(out, "--out") as tmp:
         save_file(recorder.rows, str(tmp / ROWS_NAME))
         body = {
             "format": DRILL_FORMAT,
@@ -392,12 +384,4 @@ def write_log(out: str | Path, header: dict[str, Any], recorder: OpRecorder) -> 
             "ops": [e.to_json() for e in recorder.entries],
         }
         (tmp / DRILL_NAME).write_text(json.dumps(body, indent=1))
-        os.chmod(tmp, dir_mode())
-        if root.exists():
-            root.rmdir()
-        tmp.rename(root)
-        fsync_dir(root.parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return root
+    return Path(out)

@@ -80,8 +80,7 @@ def arg(call_args: tuple, call_kwargs: dict, func: Any, i: int, name: str) -> An
         return call_args[i]
     if name in call_kwargs:
         return call_kwargs[name]
-    default = func._schema.arguments[i].default_value
-    return default
+    return func._schema.arguments[i].default_value
 
 
 def upcast(x: Any) -> Any:
@@ -106,6 +105,13 @@ def returned_tensors(func: Any, result: Any) -> list[torch.Tensor]:
     if any(r.alias_info is not None and r.alias_info.is_write for r in func._schema.returns):
         return []
     return [t for t in pytree.tree_leaves(result) if isinstance(t, torch.Tensor)]
+
+
+def judged_outputs(func: Any, args: Sequence[Any], kwargs: dict, result: Any) -> list[torch.Tensor]:
+    """What an op computed: the arguments it writes (after the call), then the tensors it returns."""
+    outs = [arg(tuple(args), kwargs, func, i, n) for i, n in written_args(func)]
+    outs = [o for o in outs if isinstance(o, torch.Tensor)]
+    return outs + returned_tensors(func, result)
 
 
 _CONTRACTIONS = {
@@ -177,9 +183,7 @@ def _magnitude(call: OpCall, up_args: tuple, up_kwargs: dict, outs: list[torch.T
 def generic(call: OpCall) -> tuple[list[torch.Tensor], list[torch.Tensor | None], int]:
     """The op itself on float64 copies of its inputs: what it writes, then what it returns."""
     up_args, up_kwargs = upcast((call.args, call.kwargs))
-    result = call.func(*up_args, **up_kwargs)
-    outs = [arg(up_args, up_kwargs, call.func, i, n) for i, n in written_args(call.func)]
-    outs += returned_tensors(call.func, result)
+    outs = judged_outputs(call.func, up_args, up_kwargs, call.func(*up_args, **up_kwargs))
     mags, size = _magnitude(call, up_args, up_kwargs, outs)
     return outs, mags, size
 
@@ -324,10 +328,3 @@ NOT_JUDGED: dict[str, str] = {
 """Ops whose outputs are not judged, and why."""
 UNINITIALIZED = ("aten::empty", "aten::empty_like", "aten::empty_strided", "aten::new_empty", "aten::new_empty_strided")
 """Ops whose output is memory not yet written: neither judged nor hashed."""
-
-
-def judged_outputs(func: Any, args: Sequence[Any], kwargs: dict, result: Any) -> list[torch.Tensor]:
-    """What an op computed: the arguments it writes (after the call), then the tensors it returns."""
-    outs = [arg(tuple(args), kwargs, func, i, n) for i, n in written_args(func)]
-    outs = [o for o in outs if isinstance(o, torch.Tensor)]
-    return outs + returned_tensors(func, result)

@@ -17,16 +17,13 @@ output with the stored reference and says so.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from dumper.errors import UsageError
-from dumper.format.atomic import dir_mode, fsync_dir
+from dumper.format.atomic import atomic_dir
 from dumper.hooks.drill.record import ReproCase, encode_value
 from dumper.hooks.drill.reference import arg as call_arg
 from dumper.hooks.drill.reference import written_args
@@ -46,9 +43,8 @@ _NOT_STANDALONE = {
 def _encode(v: Any, tensors: dict[str, torch.Tensor], prefix: str) -> Any:
     """An argument as JSON, its tensors stored under ``prefix...`` in ``tensors``."""
     if isinstance(v, torch.Tensor):
-        key = f"{prefix}"
-        tensors[key] = v.detach().to("cpu").contiguous()
-        return {"tensor": key, "shape": list(v.shape), "stride": list(v.stride()), "dtype": str(v.dtype)[6:]}
+        tensors[prefix] = v.detach().to("cpu").contiguous()
+        return {"tensor": prefix, "shape": list(v.shape), "stride": list(v.stride()), "dtype": str(v.dtype)[6:]}
     if isinstance(v, list | tuple) and any(isinstance(x, torch.Tensor) for x in v):
         return {"list": [_encode(x, tensors, f"{prefix}.{i}") for i, x in enumerate(v)]}
     return {"value": encode_value(v)}
@@ -70,9 +66,6 @@ def write_repro(case: ReproCase, out: str | Path, *, factor: float, state: dict[
     """Write the repro of ``case`` to directory ``out`` (created; refused when it exists and is not empty)."""
     from safetensors.torch import save_file
 
-    root = Path(out)
-    if root.exists() and (not root.is_dir() or any(root.iterdir())):
-        raise UsageError(f"--repro {root}: exists and is not an empty directory; name a new one")
     tensors: dict[str, torch.Tensor] = {}
     schema = case.func._schema
     args = [_encode(a, tensors, f"in.{i}") for i, a in enumerate(case.args)]
@@ -106,22 +99,11 @@ def write_repro(case: ReproCase, out: str | Path, *, factor: float, state: dict[
         "recipe": _recipe(case, state or {}, tensors),
         "standalone": _NOT_STANDALONE.get(schema.name),
     }
-    parent = root.parent
-    parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}.", suffix=".tmp", dir=parent))
-    try:
+    with atomic_dir(out, "--repro") as tmp:
         save_file(tensors, str(tmp / REPRO_INPUTS))
         (tmp / REPRO_SCRIPT).write_text(REPRO_SOURCE)
         (tmp / REPRO_META).write_text(json.dumps(meta, indent=1))
-        os.chmod(tmp, dir_mode())
-        if root.exists():
-            root.rmdir()
-        tmp.rename(root)
-        fsync_dir(parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return root
+    return Path(out)
 
 
 REPRO_SOURCE = r'''"""A standalone repro of one op a driftscope drill found beyond its rounding (dumper drill).

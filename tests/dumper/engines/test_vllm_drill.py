@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -142,10 +144,7 @@ def test_mlp_kernel_bug_from_verdict_to_op_to_repro(tiny: tuple[Path, Path, list
     assert "model.layers.2.mlp.act_fn" in r.stdout
 
 
-def _repro(root: Path, seed: dict | None):
-    import subprocess
-    import sys
-
+def _repro(root: Path, seed: dict | None) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, **_env(seed)}
     if seed is None:
         env.pop("DRIFTSCOPE_TEST_SEED", None)
