@@ -49,10 +49,8 @@ import dataclasses
 import inspect
 import json
 import math
-import os
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -62,20 +60,15 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from engine_worker import Worker, reply  # noqa: E402
+
 from tests.real_model import missing, real_prompt_ids, smollm2_dir  # noqa: E402
 
-MARK = "@@bench "
-"""Prefix of a worker's answers on its stdout."""
 KV_POINTS = "input,k_cache,v_cache"
 CACHE = ("k_cache", "v_cache")
 
 
 # -- the worker: one engine per process ---------------------------------------------------------
-
-
-def _reply(obj: dict[str, Any]) -> None:
-    sys.stdout.write(MARK + json.dumps(obj) + "\n")
-    sys.stdout.flush()
 
 
 def _worker(spec: dict[str, Any]) -> None:
@@ -105,9 +98,9 @@ def _worker(spec: dict[str, Any]) -> None:
         seqs = job_sequences(cfg, ckpt, int(identity.get("vocab_size") or 0))
         t = time.perf_counter()
         llm = load_llm(engine_kwargs(cfg, ckpt, seqs, tap=spec["points"] is not None))
-        _reply({"start": time.perf_counter() - t})
+        reply({"start": time.perf_counter() - t})
     except Exception as e:  # noqa: BLE001 - reported by the parent
-        return _reply({"error": f"{type(e).__name__}: {str(e).strip()[:300]}", "trace": traceback.format_exc()[-2000:]})
+        return reply({"error": f"{type(e).__name__}: {str(e).strip()[:300]}", "trace": traceback.format_exc()[-2000:]})
     for line in sys.stdin:
         req = json.loads(line)
         try:
@@ -122,63 +115,9 @@ def _worker(spec: dict[str, Any]) -> None:
                 t = time.perf_counter()
                 dump_llm(llm, dataclasses.replace(cfg, out=str(out)), seqs, ckpt, identity=identity)
                 dt = time.perf_counter() - t
-            _reply({"seconds": dt})
+            reply({"seconds": dt})
         except Exception as e:  # noqa: BLE001 - reported by the parent
-            _reply({"error": f"{type(e).__name__}: {str(e).strip()[:300]}", "trace": traceback.format_exc()[-2000:]})
-
-
-class Worker:
-    """A worker subprocess holding one engine (its stderr in ``logs/NAME.log``)."""
-
-    def __init__(self, name: str, spec: dict[str, Any], logs: Path) -> None:
-        self.name = name
-        logs.mkdir(parents=True, exist_ok=True)
-        self.log = open(logs / f"{name}.log", "w")  # noqa: SIM115 - closed in close()
-        self.proc = subprocess.Popen(
-            [sys.executable, __file__, "--worker", json.dumps(spec)],
-            env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))},
-            cwd=ROOT,
-            text=True,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self.log,
-        )
-        self.start_s: float | None = None
-        self.error: str | None = None
-
-    def read(self) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith(MARK):
-                res = json.loads(line[len(MARK) :])
-                if "error" in res:
-                    raise RuntimeError(f"{self.name}: {res['error']}\n{res.get('trace', '')}")
-                return res
-        raise RuntimeError(f"{self.name}: worker exited with {self.proc.wait()} (see {self.log.name})")
-
-    def ready(self) -> bool:
-        try:
-            self.start_s = self.read()["start"]
-        except RuntimeError as e:
-            self.error = str(e).splitlines()[0]
-            print(f"engine {self.name} FAILED to start: {e}", flush=True)
-        return self.error is None
-
-    def run(self, op: str, out: Path | None = None) -> float:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"op": op, "out": None if out is None else str(out)}) + "\n")
-        self.proc.stdin.flush()
-        return float(self.read()["seconds"])
-
-    def close(self) -> None:
-        if self.proc.stdin is not None:
-            self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.log.close()
+            reply({"error": f"{type(e).__name__}: {str(e).strip()[:300]}", "trace": traceback.format_exc()[-2000:]})
 
 
 # -- 1. capture cost ------------------------------------------------------------------------------
@@ -193,11 +132,11 @@ def capture_cost(workers: dict[str, Worker], dumps: Path, reps: int) -> dict[str
         "c idle": (workers["kv"], "plain", None),
     }
     for w, op, out in jobs.values():  # warm-up: each path's first-call costs
-        w.run(op, out)
+        w.run(op, out=out)
     samples: dict[str, list[float]] = {k: [] for k in jobs}
     for _ in range(reps):
         for key, (w, op, out) in jobs.items():
-            samples[key].append(w.run(op, out))
+            samples[key].append(float(w.run(op, out=out)["seconds"]))
     med = {k: statistics.median(v) for k, v in samples.items()}
     low = {k: min(v) for k, v in samples.items()}
     ratios = {
@@ -637,7 +576,7 @@ def main() -> None:
         "reps": args.reps,
     }
     print(f"starting {len(specs)} engines side by side: {', '.join(specs)}", flush=True)
-    workers = {name: Worker(name, {**base, **spec}, out / "logs") for name, spec in specs.items()}
+    workers = {name: Worker(name, {**base, **spec}, out / "logs", __file__) for name, spec in specs.items()}
     try:
         ok = {name: w.ready() for name, w in workers.items()}
         res["engine_start_s"] = {n: w.start_s for n, w in workers.items() if w.start_s is not None}
@@ -648,7 +587,7 @@ def main() -> None:
         for name in ("kv", "fp8", "sketch"):
             if name in workers and ok[name]:
                 try:
-                    workers[name].run("dump", dumps / name)
+                    workers[name].run("dump", out=dumps / name)
                 except RuntimeError as e:
                     res.setdefault("errors", {})[name] = str(e).splitlines()[0]
                     print(f"dump {name} FAILED: {str(e).splitlines()[0]}", flush=True)

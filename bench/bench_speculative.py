@@ -57,7 +57,6 @@ import math
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -68,21 +67,16 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from engine_worker import Worker, reply  # noqa: E402
+
 from tests.real_model import missing, real_prompt_ids, smollm2_dir  # noqa: E402
 
-MARK = "@@bench "
-"""Prefix of a worker's answers on its stdout."""
 SPEC = "ngram:k=3"
 TOP_K = 5
 """``--top-k`` of part 3's dumps (at most 20: the engine's kwargs stay those of the timed job)."""
 
 
 # -- the worker: one engine per process ---------------------------------------------------------
-
-
-def _reply(obj: dict[str, Any]) -> None:
-    sys.stdout.write(MARK + json.dumps(obj) + "\n")
-    sys.stdout.flush()
 
 
 PHASES = {"_generate": "marked generate", "wait_parts": "wait for the parts", "_join": "join + manifest"}
@@ -143,9 +137,9 @@ def _worker(spec: dict[str, Any]) -> None:
         seqs = job_sequences(cfg, ckpt, int(identity.get("vocab_size") or 0))
         t = time.perf_counter()
         llm = load_llm(engine_kwargs(cfg, ckpt, seqs, tap=spec["tap"]))
-        _reply({"start": time.perf_counter() - t})
+        reply({"start": time.perf_counter() - t})
     except Exception as e:  # noqa: BLE001 - reported by the parent
-        return _reply({"error": f"{type(e).__name__}: {str(e).strip()[:300]}", "trace": traceback.format_exc()[-2000:]})
+        return reply({"error": f"{type(e).__name__}: {str(e).strip()[:300]}", "trace": traceback.format_exc()[-2000:]})
     for line in sys.stdin:
         req = json.loads(line)
         try:
@@ -184,71 +178,15 @@ def _worker(spec: dict[str, Any]) -> None:
                 }
                 if req.get("remove"):
                     shutil.rmtree(out, ignore_errors=True)
-            _reply(res)
+            reply(res)
         except Exception as e:  # noqa: BLE001 - reported by the parent
-            _reply({"error": f"{type(e).__name__}: {str(e).strip()[:300]}", "trace": traceback.format_exc()[-2000:]})
-
-
-class Worker:
-    """A worker subprocess holding one engine (its stderr in ``logs/NAME.log``)."""
-
-    def __init__(self, name: str, spec: dict[str, Any], logs: Path) -> None:
-        self.name = name
-        logs.mkdir(parents=True, exist_ok=True)
-        self.log = open(logs / f"{name}.log", "w")  # noqa: SIM115 - closed in close()
-        self.proc = subprocess.Popen(
-            [sys.executable, __file__, "--worker", json.dumps(spec)],
-            env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))},
-            cwd=ROOT,
-            text=True,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self.log,
-        )
-        self.start_s: float | None = None
-        self.error: str | None = None
-
-    def read(self) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith(MARK):
-                res = json.loads(line[len(MARK) :])
-                if "error" in res:
-                    raise RuntimeError(f"{self.name}: {res['error']}\n{res.get('trace', '')}")
-                return res
-        raise RuntimeError(f"{self.name}: worker exited with {self.proc.wait()} (see {self.log.name})")
-
-    def ready(self) -> bool:
-        try:
-            self.start_s = self.read()["start"]
-        except RuntimeError as e:
-            self.error = str(e).splitlines()[0]
-            print(f"engine {self.name} FAILED to start: {e}", flush=True)
-        return self.error is None
-
-    def run(self, op: str, **req: Any) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(
-            json.dumps({"op": op, **{k: str(v) if isinstance(v, Path) else v for k, v in req.items()}}) + "\n"
-        )
-        self.proc.stdin.flush()
-        return self.read()
-
-    def close(self) -> None:
-        if self.proc.stdin is not None:
-            self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.log.close()
+            reply({"error": f"{type(e).__name__}: {str(e).strip()[:300]}", "trace": traceback.format_exc()[-2000:]})
 
 
 def start(specs: dict[str, dict[str, Any]], logs: Path, t0: float) -> tuple[dict[str, Worker], dict[str, float]]:
     """Start every engine of ``specs`` side by side; the workers and each one's start seconds."""
     print(f"starting {len(specs)} engines side by side: {', '.join(specs)}", flush=True)
-    workers = {name: Worker(name, spec, logs) for name, spec in specs.items()}
+    workers = {name: Worker(name, spec, logs, __file__) for name, spec in specs.items()}
     for w in workers.values():
         w.ready()
     starts = {n: w.start_s for n, w in workers.items() if w.start_s is not None}
